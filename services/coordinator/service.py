@@ -1,0 +1,54 @@
+"""The coordinator: keeps the live cluster view from the retained status and heartbeat topics.
+
+It publishes the view, retained, on ``edgeswarm/cluster/view`` every second and an event on
+``edgeswarm/cluster/events`` for every change of a service's state and every duplicate node id.
+Later issues add the job lifecycle here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.membership import MembershipTable, diff_events, observed_at
+from edgeswarm.messages import ClusterView, Heartbeat, Status
+from edgeswarm.runtime.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorService(Service):
+    name = "coordinator"
+
+    def setup(self) -> None:
+        self.table = MembershipTable(self.settings.heartbeat_timeout_factor)
+        self._lock = threading.Lock()
+        self._last_view: ClusterView | None = None
+        self.bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
+        self.bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
+        self.every(min(1.0, self.settings.heartbeat_interval_s), self.publish_view, "cluster-view")
+
+    def _on_status(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, Status)
+        with self._lock:
+            self.table.apply_status(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
+
+    def _on_heartbeat(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, Heartbeat)
+        with self._lock:
+            self.table.apply_heartbeat(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
+
+    def publish_view(self) -> None:
+        """Publish the current view (retained) and one event per change since the last one."""
+        with self._lock:
+            view = self.table.view(time.time())
+            events = diff_events(self._last_view, view)
+            self._last_view = view
+        self.bus.publish(topics.CLUSTER_VIEW, view, retain=True)
+        for event in events:
+            level = logging.ERROR if event.kind == "duplicate_node" else logging.INFO
+            log.log(level, "%s", event.detail)
+            self.bus.publish(topics.CLUSTER_EVENTS, event)

@@ -1,0 +1,74 @@
+"""The node agent: one per node. It advertises the node's device class, memory and data-plane broker,
+and serves the data-plane sink and echo that link measurements and ``edgeswarm bench transport`` use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.errors import UnknownRouteError
+from edgeswarm.messages import BenchAck, BenchData, BenchEcho, BenchEchoReply, BenchStart
+from edgeswarm.runtime.service import Service
+
+MAX_OPEN_RUNS = 16
+
+
+@dataclass
+class _SinkRun:
+    expected: int
+    reply_to: str | None
+    done_correlation_id: str
+    received: int = 0
+    bytes: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+class NodeAgentService(Service):
+    name = "node-agent"
+
+    def setup(self) -> None:
+        self._runs: OrderedDict[str, _SinkRun] = OrderedDict()
+        self._runs_lock = threading.Lock()
+        request = topics.request(self.node, self.name)
+        self.bus.subscribe(request, self._on_bench_start, schemas=(BenchStart,))
+        self.bus.subscribe(request, self._on_echo, schemas=(BenchEcho,))
+        self.bus.subscribe(topics.data(self.node, self.name), self._on_bench_data, schemas=(BenchData,), plane="data")
+
+    def _on_bench_start(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, BenchStart)
+        with self._runs_lock:
+            self._runs[body.run_id] = _SinkRun(body.count, msg.envelope.reply_to, body.done_correlation_id)
+            while len(self._runs) > MAX_OPEN_RUNS:
+                self._runs.popitem(last=False)
+        self.bus.reply(msg, BenchAck(run_id=body.run_id, received=0, bytes=0))
+
+    def _on_bench_data(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, BenchData) and msg.tensor is not None
+        now = time.time()
+        with self._runs_lock:
+            run = self._runs.get(body.run_id)
+            if run is None:
+                raise UnknownRouteError(f"bench run {body.run_id!r} is not open on node {self.node}")
+            run.received += 1
+            run.bytes += msg.tensor.nbytes
+            run.first_at = run.first_at or now
+            run.last_at = now
+            done = run.received >= run.expected
+            if done:
+                del self._runs[body.run_id]
+        if done and run.reply_to:
+            self.bus.publish(run.reply_to, BenchAck(run_id=body.run_id, received=run.received, bytes=run.bytes,
+                                                    first_at=run.first_at, last_at=run.last_at),
+                             correlation_id=run.done_correlation_id)
+
+    def _on_echo(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, BenchEcho)
+        self.bus.reply(msg, BenchEchoReply(payload=msg.body.payload))

@@ -1,0 +1,409 @@
+"""The bus: typed publish/subscribe, request/response and data-plane tensor transfers over MQTT.
+
+Control traffic goes to the hub broker. A tensor for node X goes to the data-plane broker X advertises
+in its retained status, through a pool of connections, so it crosses the network once (DESIGN.md
+principle 3). Handlers run on the inbox's worker threads; a handler that raises is logged and counted
+and the bus goes on. Every rejected payload is logged with its topic and sender and counted under
+``rejected.<reason>`` in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from edgeswarm import topics
+from edgeswarm.bus.inbox import Inbox
+from edgeswarm.bus.mqtt import InboundMessage, MqttConnection, PublishOptions, TopicRouter, Will
+from edgeswarm.bus.peers import PeerDirectory
+from edgeswarm.bus.shaping import ShapedLink
+from edgeswarm.errors import (
+    ExpiredMessageError,
+    PeerOfflineError,
+    RequestTimeoutError,
+    WireError,
+)
+from edgeswarm.messages import Status
+from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.settings import Settings, parse_broker_url
+from edgeswarm.wire import Envelope, Message, Reassembler, Sender, WireTensor, decode, encode, tensor_frames
+from edgeswarm.wire.codec import peek_envelope
+from edgeswarm.wire.schema import new_id
+
+log = logging.getLogger(__name__)
+
+# Room left in a packet for the frame header, topic and MQTT 5 properties beyond the encoded body.
+_CHUNK_HEADROOM = 1024
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A decoded, validated message as handlers see it. ``tensor`` is set for tensor-carrying messages."""
+
+    topic: str
+    envelope: Envelope
+    body: Message
+    tensor: WireTensor | None
+    retained: bool
+
+    @property
+    def sender(self) -> str:
+        return f"{self.envelope.sender_node}/{self.envelope.sender_service}"
+
+
+Handler = Callable[[Inbound], None]
+
+
+@dataclass(frozen=True)
+class _Route:
+    handler: Handler
+    schemas: tuple[type[Message], ...] | None
+
+
+class Expectation:
+    """A reply this instance is waiting for, matched by ``correlation_id`` on its reply topic."""
+
+    def __init__(self, bus: Bus, correlation_id: str) -> None:
+        self.correlation_id = correlation_id
+        self._bus = bus
+        self._event = threading.Event()
+        self._reply: Inbound | None = None
+
+    def wait(self, timeout_s: float) -> Inbound | None:
+        """The reply, or None if none arrived within ``timeout_s`` seconds. Ends the expectation."""
+        try:
+            self._event.wait(timeout_s)
+            return self._reply
+        finally:
+            self._bus._forget(self.correlation_id)
+
+    def _resolve(self, reply: Inbound) -> None:
+        self._reply = reply
+        self._event.set()
+
+
+class _RateLimitedLog:
+    """Logs at most ``burst`` lines per key per ``window_s`` seconds, then one summary line."""
+
+    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
+        self._burst = burst
+        self._window = window_s
+        self._state: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            start, n = self._state.get(key, (now, 0))
+            if now - start > self._window:
+                if n > self._burst:
+                    log.warning("... %d more '%s' rejections in the last %.0f s", n - self._burst, key, self._window)
+                start, n = now, 0
+            self._state[key] = (start, n + 1)
+        if n < self._burst:
+            log.warning(msg, *args)
+
+
+class Bus:
+    """Connections, routing and transfers of one service instance.
+
+    ``will`` (optional) is the message the broker publishes, retained, on ``will_topic`` if this
+    process dies without disconnecting.
+    """
+
+    def __init__(self, settings: Settings, sender: Sender, metrics: Metrics | None = None, *,
+                 will: Message | None = None, will_topic: str | None = None) -> None:
+        self.settings = settings
+        self.sender = sender
+        self.metrics = metrics or Metrics()
+        self.peers = PeerDirectory()
+        self.reply_topic = topics.reply(sender.node, sender.service, sender.instance)
+        self._routes = TopicRouter()
+        self._pending: dict[str, Expectation] = {}
+        self._pending_lock = threading.Lock()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_lock = threading.Lock()
+        self._reject_log = _RateLimitedLog()
+        self._reconnect_hooks: list[Callable[[], None]] = []
+        self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
+        self._reassembler = Reassembler(max_pending_bytes=settings.max_reassembly_bytes,
+                                        timeout_s=settings.reassembly_timeout_s)
+        self._timeouts_counted = 0
+        self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics)
+        self._pool: dict[str, MqttConnection] = {}
+        self._pool_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._housekeeper: threading.Thread | None = None
+        will_spec = None
+        if will is not None and will_topic is not None:
+            will_spec = Will(will_topic, encode(sender.envelope(will), will))
+        self.hub = self._make_connection(settings.hub_url, "hub", will_spec, self._on_hub_connected)
+        data_url = parse_broker_url(settings.data_plane_url).url
+        self.data = self.hub if data_url == self.hub.url else self._make_connection(data_url, "data", None, None)
+        self._pool[self.hub.url] = self.hub
+        self._pool[self.data.url] = self.data
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Connect to the hub (and the node's data broker), subscribe to replies and peer statuses."""
+        self.hub.connect(timeout_s)
+        if self.data is not self.hub:
+            self.data.connect(timeout_s)
+        # QoS 0 on the subscriber side: with clean sessions a lost connection loses the reply either
+        # way (the request times out), and it spares an acknowledgement on every round trip.
+        self.subscribe(self.reply_topic, self._resolve_reply, qos=0)
+        self.subscribe(topics.ALL_STATUS, self.peers.update, schemas=(Status,))
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="bus-housekeeping", daemon=True)
+        self._housekeeper.start()
+
+    def stop(self) -> None:
+        """Disconnect every connection cleanly and stop the worker threads."""
+        self._stop.set()
+        for link in self._links.values():
+            link.close()
+        with self._pool_lock:
+            conns = list(self._pool.values())
+        for conn in conns:
+            conn.close()
+        self._inbox.stop()
+
+    def on_reconnect(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` (on a fresh thread) after every reconnect to the hub, e.g. to republish state."""
+        self._reconnect_hooks.append(hook)
+
+    # --- publish / subscribe ------------------------------------------------------------------------
+
+    def subscribe(self, topic_filter: str, handler: Handler, *, schemas: tuple[type[Message], ...] | None = None,
+                  qos: int = 1, plane: str = "hub") -> None:
+        """Call ``handler`` for each message on ``topic_filter`` whose body is one of ``schemas`` (None: any).
+
+        ``plane`` is ``hub`` for control topics or ``data`` for this node's data-plane broker.
+        """
+        self._routes.add(topic_filter, _Route(handler, schemas))
+        (self.data if plane == "data" else self.hub).subscribe(topic_filter, qos)
+
+    def publish(self, topic: str, message: Message, *, qos: int = 1, retain: bool = False,
+                ttl_s: float | None = None, correlation_id: str | None = None, reply_to: str | None = None,
+                timeout_s: float | None = None) -> Envelope:
+        """Publish ``message`` on the hub; returns the envelope sent. ``ttl_s`` sets its expiry (seconds)."""
+        env = self.sender.envelope(message, ttl_s=ttl_s, correlation_id=correlation_id, reply_to=reply_to)
+        payload = encode(env, message)
+        options = PublishOptions(expires_in_s=ttl_s, reply_to=reply_to, correlation_id=correlation_id)
+        self.hub.publish(topic, payload, qos=qos, retain=retain, options=options,
+                         timeout_s=timeout_s or self.settings.publish_timeout_s)
+        self.metrics.count("messages_out")
+        self.metrics.count("bytes_out", len(payload))
+        return env
+
+    def expect(self) -> Expectation:
+        """Register interest in a reply carrying a fresh correlation id (for replies sent later)."""
+        exp = Expectation(self, new_id())
+        with self._pending_lock:
+            self._pending[exp.correlation_id] = exp
+        return exp
+
+    def request(self, topic: str, message: Message, *, timeout_s: float | None = None) -> Inbound:
+        """Publish a request and wait for its reply. Raises RequestTimeoutError after ``timeout_s`` seconds."""
+        timeout = timeout_s or self.settings.request_timeout_s
+        exp = self.expect()
+        try:
+            self.publish(topic, message, ttl_s=timeout, correlation_id=exp.correlation_id,
+                         reply_to=self.reply_topic, timeout_s=timeout)
+        except Exception:
+            self._forget(exp.correlation_id)
+            raise
+        reply = exp.wait(timeout)
+        if reply is None:
+            raise RequestTimeoutError(
+                f"no reply to {message.SCHEMA} on {topic} within {timeout:.1f} s; "
+                "is the service it is addressed to running? (`edgeswarm status`)"
+            )
+        return reply
+
+    def _forget(self, correlation_id: str) -> None:
+        with self._pending_lock:
+            self._pending.pop(correlation_id, None)
+
+    def reply(self, request: Inbound, message: Message) -> None:
+        """Answer ``request`` on its ``reply_to`` topic with its correlation id."""
+        env = request.envelope
+        if not env.reply_to:
+            self.metrics.count("rejected.no_reply_to")
+            log.warning("cannot answer %s from %s: it has no reply_to", env.schema_name, request.sender)
+            return
+        ttl = None if env.expires_at is None else max(1.0, env.expires_at - time.time())
+        self.publish(env.reply_to, message, correlation_id=env.correlation_id or env.msg_id, ttl_s=ttl)
+
+    # --- data plane ---------------------------------------------------------------------------------
+
+    def send_tensor(self, node: str, service: str, message: Message, value: Any, *,
+                    timeout_s: float | None = None) -> int:
+        """Send ``value`` (numpy or torch) with ``message`` to ``service`` on ``node``; returns bytes sent.
+
+        The frames go to the data-plane broker the receiver advertises, in chunks that fit that
+        broker's maximum packet size, through this node's emulated link to ``node`` if one is set.
+        Raises UnknownNodeError or PeerOfflineError if the receiver is not known to be online.
+        """
+        timeout = timeout_s or self.settings.publish_timeout_s
+        status = self.peers.wait_for(node, service, timeout_s=min(timeout, self.settings.request_timeout_s))
+        if status.state != "online":
+            raise PeerOfflineError(f"{node}/{service} is offline ({status.reason or 'no reason given'})")
+        conn = self.connection_for(status.data_url, timeout)
+        topic = topics.data(node, service)
+        env = self.sender.envelope(message)
+        headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
+        chunk = max(1024, min(self.settings.chunk_bytes, conn.max_packet_bytes - headroom))
+        options = PublishOptions()
+        link = self._links.get(node)
+        sent = 0
+        for frame in tensor_frames(env, message, value, chunk):
+            send = partial(conn.publish, topic, frame, qos=1, options=options, timeout_s=timeout)
+            if link is None:
+                send()
+            else:
+                link.transmit(len(frame), send)
+            sent += len(frame)
+        self.metrics.count("tensors_out")
+        self.metrics.count("bytes_out", sent)
+        return sent
+
+    def connection_for(self, url: str, timeout_s: float = 10.0) -> MqttConnection:
+        """The pooled connection to the broker at ``url``, connecting on first use."""
+        key = parse_broker_url(url).url
+        with self._pool_lock:
+            conn = self._pool.get(key)
+            if conn is None:
+                conn = self._make_connection(key, f"dp{len(self._pool)}", None, None)
+                conn.connect(timeout_s)
+                self._pool[key] = conn
+        return conn
+
+    # --- inbound ------------------------------------------------------------------------------------
+
+    def _handle_raw(self, msg: InboundMessage) -> None:
+        if not msg.payload:
+            return  # a cleared retained topic: nothing to decode
+        try:
+            frame = decode(msg.payload, max_tensor_bytes=self.settings.max_tensor_bytes)
+            tensor = self._reassembler.add(frame) if frame.tensor is not None else None
+        except ExpiredMessageError:
+            self.metrics.count("expired")
+            return
+        except WireError as exc:
+            self._reject(msg.topic, exc, peek_envelope(msg.payload))
+            return
+        env = frame.envelope
+        if frame.tensor is not None:
+            if tensor is None:
+                return  # more chunks to come, or a duplicate chunk
+            self.metrics.count("tensors_in")
+        elif not msg.retain and self._already_seen(env.msg_id):
+            self.metrics.count("duplicates")
+            return
+        self.metrics.count("messages_in")
+        self.metrics.count("bytes_in", len(msg.payload))
+        self.dispatch(Inbound(msg.topic, env, frame.body, tensor, msg.retain))
+
+    def dispatch(self, inbound: Inbound) -> None:
+        """Run every handler subscribed to ``inbound.topic`` that accepts its schema, isolating failures."""
+        routes = [r for r in self._routes.match(inbound.topic) if isinstance(r, _Route)]
+        accepted = [r for r in routes if r.schemas is None or isinstance(inbound.body, r.schemas)]
+        if routes and not accepted:
+            self._reject(inbound.topic, WireError(
+                f"schema {inbound.envelope.schema_name} is not accepted on this topic", reason="unexpected_schema"),
+                inbound.envelope.model_dump())
+            return
+        for route in accepted:
+            try:
+                route.handler(inbound)
+            except WireError as exc:
+                self._reject(inbound.topic, exc, inbound.envelope.model_dump())
+            except Exception:
+                self.metrics.count("handler_errors")
+                log.exception("handler %s failed on %s from %s", getattr(route.handler, "__qualname__", route.handler),
+                              inbound.topic, inbound.sender)
+
+    def _resolve_reply(self, inbound: Inbound) -> None:
+        cid = inbound.envelope.correlation_id or ""
+        with self._pending_lock:
+            pending = self._pending.get(cid)
+        if pending is None:
+            self.metrics.count("late_replies")
+            return
+        pending._resolve(inbound)
+
+    def _reject(self, topic: str, exc: WireError, env: dict[str, Any] | None) -> None:
+        self.metrics.count(f"rejected.{exc.reason}")
+        sender = f"{env.get('sender_node', '?')}/{env.get('sender_service', '?')}" if env else "unknown sender"
+        self._reject_log.warning(exc.reason, "rejected a message on %s from %s: %s", topic, sender, exc)
+
+    def _already_seen(self, msg_id: str) -> bool:
+        with self._seen_lock:
+            if msg_id in self._seen:
+                return True
+            self._seen[msg_id] = None
+            if len(self._seen) > 8192:
+                self._seen.popitem(last=False)
+            return False
+
+    # --- plumbing -----------------------------------------------------------------------------------
+
+    def _make_connection(self, url: str, role: str, will: Will | None,
+                         on_connected: Callable[[], None] | None) -> MqttConnection:
+        s = self.settings
+        return MqttConnection(
+            url,
+            f"{self.sender.node}.{self.sender.service}.{self.sender.instance}.{role}",
+            protocol=s.mqtt_protocol,
+            keepalive_s=s.keepalive_s,
+            max_packet_bytes=s.max_packet_bytes,
+            window_messages=s.outbound_window_messages,
+            on_message=self._enqueue,
+            on_connected=on_connected,
+            will=will,
+        )
+
+    def _enqueue(self, msg: InboundMessage) -> None:
+        if msg.topic != self.reply_topic:
+            self._inbox.put(msg)
+            return
+        # Replies are small control messages and resolving one only sets an event, so they are handled
+        # on the network thread: a thread hand-off less on every round trip, and a handler blocked in
+        # request() can never wait for a reply queued behind itself.
+        try:
+            self._handle_raw(msg)
+        finally:
+            msg.ack()
+
+    def _on_hub_connected(self) -> None:
+        if self.hub.connects > 1:
+            for hook in self._reconnect_hooks:
+                threading.Thread(target=hook, name="reconnect-hook", daemon=True).start()
+
+    def _housekeeping(self) -> None:
+        while not self._stop.wait(1.0):
+            self._reassembler.sweep()
+            freed = self._reassembler.expired_transfers - self._timeouts_counted
+            if freed:
+                self._timeouts_counted += freed
+                self.metrics.count("reassembly_timeouts", freed)
+                log.warning("freed %d incomplete tensor transfer(s) after %.0f s without a chunk",
+                            freed, self.settings.reassembly_timeout_s)
+            self.metrics.gauge("inbox_depth", self._inbox.depth)
+            self.metrics.gauge("reassembly_bytes", self._reassembler.pending_bytes)
+            self.metrics.gauge("duplicate_chunks", self._reassembler.duplicate_chunks)
+
+    @property
+    def inbox_depth(self) -> int:
+        return self._inbox.depth
+
+    @property
+    def inbox_saturated(self) -> bool:
+        return self._inbox.saturated

@@ -1,0 +1,99 @@
+"""The bounded inbox between paho's network thread and the handler threads.
+
+Messages are sharded by topic onto worker threads, so messages on one topic are handled in the order
+they arrived while different topics proceed in parallel. ``put`` never blocks: when a shard is full,
+QoS 0 messages are dropped and counted. QoS 1 messages are bounded by the broker's send window
+(MQTT 5 ReceiveMaximum, and acknowledgements wait until the handler has finished), so they only
+overflow the hard limit of twice the capacity if the broker ignores that window.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from collections import deque
+from collections.abc import Callable
+
+from edgeswarm.bus.mqtt import InboundMessage
+from edgeswarm.runtime.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class _Shard:
+    def __init__(self, name: str, capacity: int, handle: Callable[[InboundMessage], None], metrics: Metrics) -> None:
+        self.capacity = capacity
+        self._items: deque[InboundMessage] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._handle = handle
+        self._metrics = metrics
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, msg: InboundMessage) -> bool:
+        with self._cv:
+            depth = len(self._items)
+            if (msg.qos == 0 and depth >= self.capacity) or depth >= 2 * self.capacity:
+                return False
+            self._items.append(msg)
+            self._cv.notify()
+            return True
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                msg = self._items.popleft()
+            try:
+                self._handle(msg)
+            except Exception:  # the handler is expected to catch everything; this is the last guard
+                self._metrics.count("handler_errors")
+                log.exception("unhandled error while handling a message on %s", msg.topic)
+            finally:
+                msg.ack()
+
+
+class Inbox:
+    """``workers`` shards, each drained by its own thread."""
+
+    def __init__(self, name: str, workers: int, capacity: int, handle: Callable[[InboundMessage], None],
+                 metrics: Metrics) -> None:
+        per_shard = max(16, capacity // workers)
+        self._metrics = metrics
+        self._shards = [_Shard(f"{name}-worker-{i}", per_shard, handle, metrics) for i in range(workers)]
+
+    def put(self, msg: InboundMessage) -> None:
+        """Queue ``msg`` without blocking; a message that does not fit is dropped, counted and acknowledged."""
+        shard = self._shards[zlib.crc32(msg.topic.encode()) % len(self._shards)]
+        if not shard.put(msg):
+            self._metrics.count("inbox_dropped")
+            log.error("inbox full (%d queued): dropped a QoS %d message on %s", len(shard), msg.qos, msg.topic)
+            msg.ack()
+
+    @property
+    def depth(self) -> int:
+        return sum(len(s) for s in self._shards)
+
+    @property
+    def saturated(self) -> bool:
+        """True when any shard is at or above its capacity."""
+        return any(len(s) >= s.capacity for s in self._shards)
+
+    def stop(self) -> None:
+        for shard in self._shards:
+            shard.stop()
+        for shard in self._shards:
+            shard.thread.join(timeout=5)

@@ -1,0 +1,106 @@
+"""Emulated links: a token bucket for bandwidth and a delay line for latency, enforced on send.
+
+A message of ``n`` bytes occupies the link for ``n / bandwidth`` seconds and arrives ``latency``
+seconds after its last byte left. The sender is held back while the link is busy (so a slow link
+applies backpressure), and the delay line keeps messages in order while they are "in the air".
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from edgeswarm.settings import LinkSpec
+
+log = logging.getLogger(__name__)
+
+
+class TokenBucket:
+    """Paces bytes at ``rate_bps`` bytes per second with at most ``burst_bytes`` of credit.
+
+    ``reserve(n)`` returns the time (``clock()`` units, seconds) at which the last of the ``n`` bytes has
+    left the link; callers wait until then. Reservations are FIFO, so concurrent senders share the rate.
+    """
+
+    def __init__(self, rate_bps: float, burst_bytes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate_bps <= 0:
+            raise ValueError("rate_bps must be positive")
+        self.rate = rate_bps
+        self.burst_s = burst_bytes / rate_bps
+        self._clock = clock
+        self._free_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> float:
+        with self._lock:
+            now = self._clock()
+            start = max(self._free_at, now - self.burst_s)
+            self._free_at = start + nbytes / self.rate
+            return self._free_at
+
+
+class DelayLine:
+    """Runs callables at given times on one background thread, in time order (FIFO among equal times)."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"delay-{name}", daemon=True)
+        self._thread.start()
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at monotonic time ``when`` (seconds)."""
+        with self._cv:
+            heapq.heappush(self._heap, (when, next(self._seq), fn))
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    wait = None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic())
+                    self._cv.wait(wait)
+                if self._stopped:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:
+                log.exception("delayed send failed")
+
+
+class ShapedLink:
+    """One emulated outgoing link. ``transmit`` blocks while the link is busy, then delivers after the latency."""
+
+    def __init__(self, peer: str, spec: LinkSpec, burst_bytes: int = 64 * 1024) -> None:
+        self.peer = peer
+        self.spec = spec
+        self._bucket = TokenBucket(spec.bandwidth_bps, burst_bytes)
+        self._delay = DelayLine(peer) if spec.latency_s > 0 else None
+
+    def transmit(self, nbytes: int, send: Callable[[], None]) -> None:
+        """Occupy the link for ``nbytes`` and have ``send`` deliver the message ``latency`` later."""
+        done_at = self._bucket.reserve(nbytes)
+        pause = done_at - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        if self._delay is None:
+            send()
+        else:
+            self._delay.at(done_at + self.spec.latency_s, send)
+
+    def close(self) -> None:
+        if self._delay is not None:
+            self._delay.stop()

@@ -1,0 +1,1 @@
+"""The ``edgeswarm`` command line."""

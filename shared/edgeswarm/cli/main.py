@@ -1,0 +1,109 @@
+"""The ``edgeswarm`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from edgeswarm import __version__
+from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
+
+err_console = Console(stderr=True)
+
+
+def _hub_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hub", default=None,
+                        help="hub broker URL, mqtt://host:port (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="edgeswarm", description="Heterogeneous edge devices training and "
+                                     "serving DNNs together over MQTT.")
+    parser.add_argument("--version", action="version", version=f"edgeswarm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a cluster")
+    up.add_argument("--local", action="store_true", help="the whole cluster on this machine, as separate processes")
+    up.add_argument("--devices", default="4",
+                    help="a number of emulated devices, a cluster file, or a bundled one's name (asteroid-env-d-100mbps)")
+    up.add_argument("--device-class", default=None, help="with --devices N: give every device this class")
+    up.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"],
+                    help="auto: Mosquitto when on PATH, otherwise the embedded amqtt broker")
+    up.add_argument("--port", type=int, default=1883, help="broker port on 127.0.0.1 (0: any free port)")
+    up.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval in seconds")
+    up.add_argument("--workdir", default=None, help="where logs and broker files go (default: a temporary folder)")
+    up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for every device")
+
+    status = sub.add_parser("status", help="nodes, services, their state and heartbeat age")
+    _hub_arg(status)
+    status.add_argument("--json", action="store_true", help="print the cluster view as JSON")
+    status.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
+    status.add_argument("--timeout", type=float, default=60.0, help="seconds --wait-devices may wait")
+
+    tops = sub.add_parser("topics", help="the topic tree with each topic's schema, retention and QoS")
+    tops.add_argument("--json", action="store_true")
+
+    service = sub.add_parser("service", help="run one service in this process (the entry point of every container)")
+    service.add_argument("name", help="coordinator, node-agent, ...")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    transport = bench_sub.add_parser("transport", help="MQTT data path vs raw TCP, QoS 1 round trip, codec speed")
+    _hub_arg(transport)
+    transport.add_argument("--node", default=None, help="the node whose node-agent receives (default: the first online)")
+    transport.add_argument("--quick", action="store_true", help="fewer and smaller payloads (seconds, not a minute)")
+    transport.add_argument("--json", action="store_true", help="print the report as JSON")
+    transport.add_argument("--out", default=None, help="also write the JSON report to this file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            from edgeswarm.cli.up import run_up
+
+            return run_up(args)
+        if args.command == "status":
+            from edgeswarm.cli.status import run_status
+
+            return run_status(args)
+        if args.command == "topics":
+            from edgeswarm.cli.status import run_topics
+
+            return run_topics(args)
+        if args.command == "service":
+            from edgeswarm.cli.service import run_service
+
+            return run_service(args.name)
+        if args.command == "bench":
+            from edgeswarm.cli.bench import run_bench_transport
+
+            return run_bench_transport(args)
+    except DuplicateNodeError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return 3
+    except ConfigError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except EdgeswarmError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def hub_url(arg: str | None) -> str | None:
+    """The hub URL from ``--hub`` or ``$EDGESWARM_HUB_URL``; None when neither is given."""
+    return arg or os.environ.get("EDGESWARM_HUB_URL")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""``edgeswarm service NAME``: run one service in this process, configured by EDGESWARM_* variables."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from edgeswarm.errors import ConfigError
+from edgeswarm.logs import configure_logging
+from edgeswarm.services import service_class
+from edgeswarm.settings import Settings
+
+_PR_SET_PDEATHSIG = 1
+
+
+def load_settings() -> Settings:
+    """Settings from the environment. Raises ConfigError naming the offending variables."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(f"EDGESWARM_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+                             for e in exc.errors())
+        raise ConfigError(f"invalid settings: {problems}") from None
+
+
+def run_service(name: str) -> int:
+    """Run service ``name`` until SIGTERM or SIGINT; returns the exit status."""
+    cls = service_class(name)
+    settings = load_settings()
+    configure_logging(settings.node_id, name, settings.log_level, settings.log_json)
+    _die_with_parent()
+    return cls(settings).run()
+
+
+def _die_with_parent() -> None:
+    # Children of `edgeswarm up --local` get SIGTERM when the launcher dies, even by SIGKILL (Linux only).
+    parent = os.environ.get("EDGESWARM_DIE_WITH_PARENT")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the launcher died before prctl took effect
+        raise SystemExit(1)

@@ -1,0 +1,73 @@
+"""``edgeswarm status`` and ``edgeswarm topics``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from edgeswarm.cli.main import hub_url
+from edgeswarm.messages import ClusterView
+from edgeswarm.runtime.client import ClusterWatcher, ViewSource, client_bus, online_devices
+from edgeswarm.settings import Settings
+from edgeswarm.topics import TOPIC_TREE
+
+# Tables are wide; keep them readable when stdout is a pipe or a narrow terminal.
+console = Console(width=max(Console().width, 150))
+_STATE_STYLE = {"online": "green", "suspect": "yellow", "offline": "red"}
+
+
+def cli_settings(hub: str | None) -> Settings:
+    """Settings for a command-line client, with ``--hub`` applied."""
+    return Settings(hub_url=hub) if hub else Settings()
+
+
+def run_status(args: argparse.Namespace) -> int:
+    bus = client_bus(cli_settings(hub_url(args.hub)))
+    try:
+        watcher = ClusterWatcher(bus)
+        view, source = watcher.wait(devices=args.wait_devices, timeout_s=args.timeout if args.wait_devices else 0)
+    finally:
+        bus.stop()
+    if args.json:
+        print(view.model_dump_json(indent=2))
+    else:
+        console.print(status_table(view, source, bus.hub.url))
+        for node in view.nodes:
+            for conflict in node.conflicts:
+                console.print(f"[red]duplicate node id:[/red] {conflict}")
+    if online_devices(view) < args.wait_devices:
+        console.print(f"[red]only {online_devices(view)} of {args.wait_devices} devices online "
+                      f"after {args.timeout:.0f} s[/red]")
+        return 1
+    return 0
+
+
+def status_table(view: ClusterView, source: ViewSource, url: str) -> Table:
+    """The view as a table: one row per service instance."""
+    table = Table(title=f"edgeswarm cluster at {url} ({len(view.nodes)} nodes; view from {source})")
+    for col in ("node", "class", "service", "state", "heartbeat age", "memory free / budget", "instance", "pid"):
+        table.add_column(col, justify="right" if col in ("heartbeat age", "pid") else "left")
+    for node in view.nodes:
+        for i, svc in enumerate(node.services):
+            age = "-" if svc.heartbeat_age_s is None else f"{svc.heartbeat_age_s:.1f} s"
+            memory = f"{node.free_memory_bytes / 2**30:.1f} / {node.memory_budget_bytes / 2**30:.1f} GiB"
+            table.add_row(node.node if i == 0 else "", node.device_class if i == 0 else "", svc.service,
+                          f"[{_STATE_STYLE[svc.state]}]{svc.state}[/]", age, memory if i == 0 else "",
+                          svc.instance, str(svc.pid))
+    return table
+
+
+def run_topics(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps([t.model_dump() for t in TOPIC_TREE], indent=2))
+        return 0
+    table = Table(title="edgeswarm topic tree")
+    for col in ("topic", "schema", "retained", "QoS", "broker", "purpose"):
+        table.add_column(col, overflow="fold")
+    for t in TOPIC_TREE:
+        table.add_row(t.pattern, t.schemas, "yes" if t.retained else "no", str(t.qos), t.broker, t.purpose)
+    console.print(table)
+    return 0

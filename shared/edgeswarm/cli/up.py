@@ -1,0 +1,78 @@
+"""``edgeswarm up --local``: start a broker, the coordinator and emulated devices; stop them on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from pathlib import Path
+
+from rich.console import Console
+
+from edgeswarm.cli.status import status_table
+from edgeswarm.devices.cluster import ClusterSpec, cluster_of, load_cluster
+from edgeswarm.errors import ConfigError, EdgeswarmError
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.runtime.signals import stop_on_signals
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices
+from edgeswarm.settings import Settings
+
+console = Console()
+
+
+def cluster_from_arg(devices: str, device_class: str | None) -> ClusterSpec:
+    """``--devices``: a count (with ``--device-class`` or the default mix), a cluster file, or a bundled name."""
+    if devices.isdigit():
+        return cluster_of(int(devices), device_class)
+    if device_class:
+        raise ConfigError("--device-class only applies to --devices N; a cluster file names its classes")
+    return load_cluster(devices)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if not args.local:
+        raise ConfigError("only `edgeswarm up --local` is built in; on real devices run `docker compose up` "
+                          "on each node (see compose.yaml)")
+    spec = cluster_from_arg(args.devices, args.device_class)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
+                           workdir=Path(args.workdir) if args.workdir else None)
+    try:
+        cluster.start()
+        assert cluster.broker is not None
+        console.print(f"broker: {cluster.broker.kind} (pid {cluster.broker.pid}) at {cluster.hub_url}"
+                      + (" [MQTT 3.1.1 only: the envelope carries what MQTT 5 properties would]"
+                         if cluster.broker.kind == "amqtt" else ""))
+        console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices; "
+                      f"logs in {cluster.workdir / 'logs'}")
+        _wait_ready(cluster, len(spec.devices), args.ready_timeout, stop)
+        console.print(f"[green]cluster up[/green]: `edgeswarm status --hub {cluster.hub_url}`; Ctrl-C stops it")
+        while not stop.wait(1.0):
+            for child in cluster.failed_children():
+                console.print(f"[red]{child.service} on {child.node} (pid {child.pid}) exited with code "
+                              f"{child.process.returncode}; see {child.log_path}[/red]")
+                cluster.children.remove(child)
+    finally:
+        count = len(cluster.children) + (1 if cluster.broker else 0)
+        cluster.stop()
+        console.print(f"stopped {count} processes")
+    return 0
+
+
+def _wait_ready(cluster: LocalCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
+    bus = client_bus(Settings(hub_url=cluster.hub_url, mqtt_protocol="3.1.1" if cluster.broker and
+                              cluster.broker.kind == "amqtt" else "auto"))
+    try:
+        watcher = ClusterWatcher(bus)
+        view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop)
+        if stop.is_set():
+            raise KeyboardInterrupt
+        failed = cluster.failed_children()
+        if failed or online_devices(view) < devices:
+            console.print(status_table(view, source, cluster.hub_url))
+            details = "; ".join(f"{c.service} on {c.node} exited ({c.log_path})" for c in failed)
+            raise EdgeswarmError(f"only {online_devices(view)} of {devices} devices came online within "
+                                 f"{timeout_s:.0f} s. {details}")
+        console.print(status_table(view, source, cluster.hub_url))
+    finally:
+        bus.stop()

@@ -1,0 +1,75 @@
+"""What a node process is: its device class made concrete (slow-down, memory budget, free memory).
+
+The planner never reads these emulation settings (DESIGN.md principle 7); the profiler measures their
+effect like it would a real device's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgeswarm.devices.catalogue import device_class
+from edgeswarm.settings import Settings
+
+T = TypeVar("T")
+
+
+class DeviceProfile(BaseModel):
+    """The device a process runs as. Memory in bytes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    device_class: str
+    emulated: bool
+    compute_slowdown: float = Field(ge=1.0)
+    memory_budget_bytes: int = Field(ge=0)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DeviceProfile:
+        """The class named by EDGESWARM_DEVICE_CLASS, with any EDGESWARM_MEMORY_BUDGET_BYTES or
+        EDGESWARM_COMPUTE_SLOWDOWN overrides applied. Raises ConfigError for an unknown class."""
+        dc = device_class(settings.device_class)
+        return cls(
+            device_class=dc.name,
+            emulated=dc.emulated,
+            compute_slowdown=settings.compute_slowdown or dc.compute_slowdown,
+            memory_budget_bytes=settings.memory_budget_bytes or dc.memory_budget_bytes,
+        )
+
+    def free_memory_bytes(self) -> int:
+        """Budget left for this process: the budget minus its resident memory, capped by what the host has free."""
+        return max(0, min(self.memory_budget_bytes - process_rss_bytes(), available_memory_bytes()))
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` and then sleep so that it appears ``compute_slowdown`` times slower."""
+        start = time.perf_counter()
+        result = fn()
+        if self.compute_slowdown > 1.0:
+            time.sleep((time.perf_counter() - start) * (self.compute_slowdown - 1.0))
+        return result
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process in bytes (Linux /proc), 0 where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_memory_bytes() -> int:
+    """Memory the host can still give out (MemAvailable), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

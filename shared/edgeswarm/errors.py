@@ -1,0 +1,133 @@
+"""Exceptions raised by edgeswarm.
+
+Every error says what went wrong and, where there is one, what the user can do about it. Wire errors
+carry a short machine-readable ``reason`` so that services can count rejections per cause in metrics.
+"""
+
+from __future__ import annotations
+
+
+class EdgeswarmError(Exception):
+    """Base class of every error edgeswarm raises on purpose."""
+
+
+class ConfigError(EdgeswarmError):
+    """A setting, cluster file or command-line argument is invalid."""
+
+
+# --- wire format ------------------------------------------------------------------------------------
+
+
+class WireError(EdgeswarmError):
+    """A payload from the network could not be decoded; it was rejected before any large allocation."""
+
+    reason: str = "malformed"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class MalformedFrameError(WireError):
+    """The frame prefix, header length or msgpack header is corrupt."""
+
+    reason = "malformed"
+
+
+class UnknownSchemaError(WireError):
+    """The header names a schema this build does not know."""
+
+    reason = "unknown_schema"
+
+
+class UnsupportedSchemaVersionError(WireError):
+    """The schema is known but the version is not one this build understands."""
+
+    reason = "unsupported_version"
+
+
+class InvalidMessageError(WireError):
+    """The envelope or body does not validate against its schema."""
+
+    reason = "invalid_message"
+
+
+class TensorHeaderError(WireError):
+    """A tensor descriptor lies: dtype, shape, sizes or chunk fields do not match the bytes."""
+
+    reason = "bad_tensor_header"
+
+
+class UnsupportedDtypeError(TensorHeaderError):
+    """The dtype is not on the wire format's list."""
+
+    reason = "unsupported_dtype"
+
+
+class TensorTooLargeError(TensorHeaderError):
+    """The declared tensor is larger than the configured limit."""
+
+    reason = "tensor_too_large"
+
+
+class ChecksumError(WireError):
+    """A chunk's CRC-32 does not match its bytes."""
+
+    reason = "checksum"
+
+
+class ExpiredMessageError(WireError):
+    """The message's expiry time has passed."""
+
+    reason = "expired"
+
+
+class ReassemblyError(WireError):
+    """A chunked transfer cannot be reassembled (memory limit reached, inconsistent chunks)."""
+
+    reason = "reassembly"
+
+
+# --- bus ---------------------------------------------------------------------------------------------
+
+
+class BusError(EdgeswarmError):
+    """A problem talking to a broker."""
+
+
+class BrokerUnavailableError(BusError):
+    """The broker could not be reached or refused the connection."""
+
+
+class PayloadTooLargeError(BusError):
+    """A message is larger than the broker's maximum packet size; it was refused before sending."""
+
+
+class PublishTimeoutError(BusError):
+    """A publish could not be handed to the broker in time (backpressure or a lost connection)."""
+
+
+class RequestTimeoutError(BusError):
+    """No reply arrived for a request in time."""
+
+
+class UnknownNodeError(BusError):
+    """A message was addressed to a node that has never advertised a status."""
+
+
+class PeerOfflineError(BusError):
+    """A message was addressed to a node whose status says it is offline."""
+
+
+class UnknownRouteError(WireError):
+    """A message names a job, stream or node this service does not serve."""
+
+    reason = "unknown_route"
+
+
+# --- runtime -----------------------------------------------------------------------------------------
+
+
+class DuplicateNodeError(EdgeswarmError):
+    """Another live instance already holds this node id and service."""

@@ -1,0 +1,143 @@
+"""``edgeswarm up --local``: a broker, the coordinator and N emulated devices as separate processes.
+
+Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
+environment variables, exactly as a container would be. Children die with the launcher (Linux
+parent-death signal), and ``stop()`` ends each of them by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeswarm.devices.cluster import ClusterSpec
+from edgeswarm.local.broker import BrokerProcess, start_broker
+
+log = logging.getLogger(__name__)
+
+HUB_NODE = "hub"
+DEVICE_SERVICES = ("node-agent",)  # later issues add the profiler and workers here
+
+
+@dataclass
+class ChildProcess:
+    """One service process started by the launcher."""
+
+    node: str
+    service: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def service_command(service: str) -> list[str]:
+    """The command line that runs ``service``: ``edgeswarm service NAME`` via this interpreter."""
+    return [sys.executable, "-m", "edgeswarm", "service", service]
+
+
+def service_env(node: str, hub_url: str, *, device_class: str, links: dict[str, object] | None = None,
+                heartbeat_interval_s: float | None = None, mqtt_protocol: str = "auto",
+                extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one service process: ours plus its ``EDGESWARM_*`` settings."""
+    env = dict(os.environ)
+    env.update({
+        "EDGESWARM_NODE_ID": node,
+        "EDGESWARM_HUB_URL": hub_url,
+        "EDGESWARM_DEVICE_CLASS": device_class,
+        "EDGESWARM_MQTT_PROTOCOL": mqtt_protocol,
+        "EDGESWARM_DIE_WITH_PARENT": str(os.getpid()),
+    })
+    if links:
+        env["EDGESWARM_LINKS"] = json.dumps(links)
+    if heartbeat_interval_s is not None:
+        env["EDGESWARM_HEARTBEAT_INTERVAL_S"] = str(heartbeat_interval_s)
+    env.update(extra or {})
+    return env
+
+
+class LocalCluster:
+    """A whole cluster on this machine. Use as a context manager or call ``start()`` and ``stop()``."""
+
+    def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
+                 heartbeat_interval_s: float | None = None, workdir: Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self._broker_kind = broker
+        self._port = port
+        self._heartbeat = heartbeat_interval_s
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="edgeswarm-local-"))
+        self._extra_env = extra_env or {}
+        self.broker: BrokerProcess | None = None
+        self.children: list[ChildProcess] = []
+
+    @property
+    def hub_url(self) -> str:
+        if self.broker is None:
+            raise RuntimeError("the cluster is not started")
+        return self.broker.url
+
+    def start(self) -> None:
+        """Start the broker, the coordinator on the hub node and every device's services."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker")
+        protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
+        self._spawn(HUB_NODE, "coordinator", service_env(
+            HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
+            mqtt_protocol=protocol, extra=self._extra_env))
+        for device in self.spec.devices:
+            links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(device.id).items()}
+            env = service_env(device.id, self.broker.url, device_class=device.device_class, links=links,
+                              heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol, extra=self._extra_env)
+            for service in DEVICE_SERVICES:
+                self._spawn(device.id, service, env)
+
+    def _spawn(self, node: str, service: str, env: dict[str, str]) -> None:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{node}.{service}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(service_command(service), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        self.children.append(ChildProcess(node, service, proc, log_path))
+        log.debug("started %s on %s (pid %d)", service, node, proc.pid)
+
+    def failed_children(self) -> list[ChildProcess]:
+        """Children that have exited."""
+        return [c for c in self.children if not c.alive()]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every child (devices first, coordinator last), wait, SIGKILL stragglers, stop the broker."""
+        for child in reversed(self.children):
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s on %s (pid %d) ignored SIGTERM; killing it", child.service, child.node, child.pid)
+                child.process.kill()
+                child.process.wait(5)
+        if self.broker is not None:
+            self.broker.stop()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

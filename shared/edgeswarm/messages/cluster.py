@@ -1,0 +1,71 @@
+"""The coordinator's view of the cluster and the events it publishes when the view changes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgeswarm.wire.schema import Message, Name, schema
+
+ServiceState = Literal["online", "suspect", "offline"]
+
+
+class ServiceView(BaseModel):
+    """One service instance as the membership sees it. Ages are seconds; None means never heard."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: Name
+    instance: Name
+    state: ServiceState
+    version: str
+    host: str
+    pid: int
+    data_url: str
+    heartbeat_age_s: float | None
+    started_at: float
+    reason: str | None = None
+
+
+class NodeView(BaseModel):
+    """One node: its device class, memory (bytes) and services. ``state`` is its best service's state."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: Name
+    state: ServiceState
+    device_class: str
+    memory_budget_bytes: int = Field(ge=0)
+    free_memory_bytes: int = Field(ge=0)
+    services: tuple[ServiceView, ...]
+    conflicts: tuple[str, ...] = ()
+
+
+@schema("edgeswarm.cluster_view", 1)
+class ClusterView(Message):
+    """Retained on ``edgeswarm/cluster/view`` by the coordinator. ``generated_at`` is Unix seconds."""
+
+    generated_at: float
+    heartbeat_timeout_factor: float = Field(gt=0)
+    nodes: tuple[NodeView, ...]
+
+    def node(self, node_id: str) -> NodeView | None:
+        """The node called ``node_id``, or None."""
+        return next((n for n in self.nodes if n.node == node_id), None)
+
+    def online_nodes(self) -> list[str]:
+        """Ids of the nodes in state ``online``."""
+        return [n.node for n in self.nodes if n.state == "online"]
+
+
+@schema("edgeswarm.cluster_event", 1)
+class ClusterEvent(Message):
+    """A change in membership, published on ``edgeswarm/cluster/events``."""
+
+    kind: Literal["service_online", "service_suspect", "service_offline", "duplicate_node"]
+    node: Name
+    service: Name
+    instance: Name
+    detail: str
+    at: float

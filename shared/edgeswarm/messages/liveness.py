@@ -1,0 +1,67 @@
+"""Liveness messages: the retained status, the periodic heartbeat, and the health probe."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from edgeswarm.wire.schema import Message, Name, schema
+
+
+@schema("edgeswarm.status", 1)
+class Status(Message):
+    """Retained on ``edgeswarm/node/{node}/{service}/status``; the Last Will sets ``state=offline``.
+
+    ``data_url`` is the broker that tensors for this service must be published to (DESIGN.md
+    principle 3). Memory figures are bytes; ``heartbeat_interval_s`` is seconds.
+    """
+
+    state: Literal["online", "offline"]
+    node: Name
+    service: Name
+    instance: Name
+    version: str
+    host: str
+    pid: int
+    device_class: str
+    memory_budget_bytes: int = Field(ge=0)
+    free_memory_bytes: int = Field(ge=0)
+    data_url: str
+    heartbeat_interval_s: float = Field(gt=0)
+    started_at: float
+    reason: str | None = None
+
+
+@schema("edgeswarm.heartbeat", 1)
+class Heartbeat(Message):
+    """Published every ``interval_s`` seconds, retained with an expiry of a few intervals."""
+
+    node: Name
+    service: Name
+    instance: Name
+    seq: int = Field(ge=0)
+    interval_s: float = Field(gt=0)
+    uptime_s: float = Field(ge=0)
+    free_memory_bytes: int = Field(ge=0)
+    inbox_depth: int = Field(ge=0)
+
+
+@schema("edgeswarm.probe", 1)
+class Probe(Message):
+    """"Are you alive and healthy?", sent as a request to ``edgeswarm/node/{node}/{service}/request``."""
+
+
+@schema("edgeswarm.probe_reply", 1)
+class ProbeReply(Message):
+    """The answer to a Probe. ``healthy`` is false when the service's inbox is saturated."""
+
+    node: Name
+    service: Name
+    instance: Name
+    healthy: bool
+    uptime_s: float = Field(ge=0)
+    inbox_depth: int = Field(ge=0)
+    handler_errors: int = Field(ge=0)
+    rejected: int = Field(ge=0)
+    detail: str = ""

@@ -1,0 +1,81 @@
+"""A short-lived client of the cluster, as the CLI commands use it."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Literal
+
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.membership import MembershipTable, observed_at
+from edgeswarm.messages import ClusterView, Heartbeat, Status
+from edgeswarm.settings import Settings
+from edgeswarm.wire import Sender
+
+ViewSource = Literal["coordinator", "retained topics"]
+
+
+def client_bus(settings: Settings, role: str = "cli") -> Bus:
+    """A started Bus for a command-line client (node ``cli``, service ``role``). Call ``stop()`` when done."""
+    bus = Bus(settings, Sender(node="cli", service=role, instance=uuid.uuid4().hex[:12]))
+    bus.start(timeout_s=min(10.0, settings.request_timeout_s))
+    return bus
+
+
+class ClusterWatcher:
+    """Follows the cluster view: the coordinator's when it is fresh, else one folded from retained topics."""
+
+    def __init__(self, bus: Bus, heartbeat_timeout_factor: float = 3.0, fresh_s: float = 5.0) -> None:
+        self._lock = threading.Lock()
+        self._fresh_s = fresh_s
+        self._coordinator_view: ClusterView | None = None
+        self._received_at = 0.0
+        self._table = MembershipTable(heartbeat_timeout_factor)
+        bus.subscribe(topics.CLUSTER_VIEW, self._on_view, schemas=(ClusterView,))
+        bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
+        bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
+
+    def _on_view(self, msg: Inbound) -> None:
+        with self._lock:
+            assert isinstance(msg.body, ClusterView)
+            self._coordinator_view = msg.body
+            self._received_at = time.time()
+
+    def _on_status(self, msg: Inbound) -> None:
+        with self._lock:
+            assert isinstance(msg.body, Status)
+            self._table.apply_status(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
+
+    def _on_heartbeat(self, msg: Inbound) -> None:
+        with self._lock:
+            assert isinstance(msg.body, Heartbeat)
+            self._table.apply_heartbeat(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
+
+    def view(self) -> tuple[ClusterView, ViewSource]:
+        """The freshest view and where it came from."""
+        now = time.time()
+        with self._lock:
+            cv = self._coordinator_view
+            if cv is not None and now - cv.generated_at < self._fresh_s and now - self._received_at < self._fresh_s:
+                return cv, "coordinator"
+            return self._table.view(now), "retained topics"
+
+    def wait(self, settle_s: float = 1.0, devices: int = 0, timeout_s: float = 0.0,
+             cancel: threading.Event | None = None) -> tuple[ClusterView, ViewSource]:
+        """Wait ``settle_s`` for retained messages, then until ``devices`` nodes run an online node-agent,
+        ``timeout_s`` passes or ``cancel`` is set; returns the last view either way."""
+        cancel = cancel or threading.Event()
+        cancel.wait(settle_s)
+        deadline = time.monotonic() + timeout_s
+        view, source = self.view()
+        while online_devices(view) < devices and time.monotonic() < deadline and not cancel.is_set():
+            cancel.wait(0.2)
+            view, source = self.view()
+        return view, source
+
+
+def online_devices(view: ClusterView) -> int:
+    """How many nodes run a node-agent that is online."""
+    return sum(1 for n in view.nodes if any(s.service == "node-agent" and s.state == "online" for s in n.services))

@@ -1,0 +1,237 @@
+"""The base every edgeswarm service runs on.
+
+It reads settings, stamps logs with node and service, connects the bus with a retained Last Will,
+refuses to start when another live instance holds the same node id and service, publishes a retained
+status and a periodic heartbeat (on the main thread, independent of the handler threads, so a busy
+handler never silences it), answers probes, publishes metrics, reports a second live instance that
+appears later, and shuts down cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import ClassVar
+
+from edgeswarm import __version__, topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.errors import DuplicateNodeError, RequestTimeoutError
+from edgeswarm.messages import ClusterEvent, Heartbeat, MetricsReport, Probe, ProbeReply, Status
+from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.runtime.signals import stop_on_signals
+from edgeswarm.settings import Settings
+from edgeswarm.wire import Sender
+
+log = logging.getLogger(__name__)
+
+# How long to wait for a retained status of another instance after subscribing (seconds).
+_RETAINED_SETTLE_S = 0.3
+
+
+class _Periodic:
+    def __init__(self, name: str, interval_s: float, fn: Callable[[], None]) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.fn = fn
+        self.due = time.monotonic()
+
+
+class Service:
+    """Subclass, set ``name``, register handlers in ``setup()`` and periodic work with ``every()``."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.node = settings.node_id
+        self.instance = uuid.uuid4().hex[:12]
+        self.sender = Sender(node=self.node, service=self.name, instance=self.instance)
+        self.device = DeviceProfile.from_settings(settings)
+        self.metrics = Metrics()
+        self.started_at = time.time()
+        self._started_mono = time.monotonic()
+        self._stop = threading.Event()
+        self._periodic: list[_Periodic] = []
+        self._heartbeat_seq = 0
+        self._foreign: set[str] = set()
+        self._announced = False
+        self._claimed_by: Status | None = None
+        self.bus = Bus(settings, self.sender, self.metrics, will=self.status_message("offline", "connection lost"),
+                       will_topic=topics.status(self.node, self.name))
+
+    # --- for subclasses -----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Subscribe handlers and register periodic work. Runs after the bus is connected."""
+
+    def teardown(self) -> None:
+        """Release resources. Runs after the offline status has been published."""
+
+    def every(self, interval_s: float, fn: Callable[[], None], name: str = "") -> None:
+        """Run ``fn`` every ``interval_s`` seconds on the main thread; a failure is logged and counted."""
+        self._periodic.append(_Periodic(name or getattr(fn, "__name__", "task"), interval_s, fn))
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def run(self, *, install_signals: bool = True) -> int:
+        """Run until ``stop()`` (or SIGTERM/SIGINT when ``install_signals``); returns the exit status.
+
+        Raises DuplicateNodeError before announcing itself if another live instance holds this node
+        id and service, and BrokerUnavailableError if the hub cannot be reached.
+        """
+        if install_signals:
+            stop_on_signals(self._stop)
+        self.bus.start(timeout_s=self.settings.request_timeout_s)
+        try:
+            self._refuse_duplicate()
+            self.bus.subscribe(topics.request(self.node, self.name), self._on_probe, schemas=(Probe,))
+            self.bus.subscribe(topics.heartbeat(self.node, self.name), self._on_own_topic, schemas=(Heartbeat,))
+            self.setup()
+            self.every(self.settings.heartbeat_interval_s, self._heartbeat, "heartbeat")
+            self.every(self.settings.metrics_interval_s, self._publish_metrics, "metrics")
+            self._announce()
+            self.bus.on_reconnect(self._announce)
+            log.info("%s %s started as instance %s (device class %s, hub %s, data plane %s)", self.name,
+                     __version__, self.instance, self.device.device_class, self.settings.hub_url,
+                     self.settings.data_plane_url)
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def stop(self) -> None:
+        """Ask the service to shut down; ``run()`` returns soon after."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_mono
+
+    # --- status -------------------------------------------------------------------------------------
+
+    def status_message(self, state: str, reason: str | None = None) -> Status:
+        """This instance's Status with current memory figures."""
+        return Status(
+            state=state,  # type: ignore[arg-type]
+            node=self.node,
+            service=self.name,
+            instance=self.instance,
+            version=__version__,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device_class=self.device.device_class,
+            memory_budget_bytes=self.device.memory_budget_bytes,
+            free_memory_bytes=self.device.free_memory_bytes(),
+            data_url=self.settings.data_plane_url,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            started_at=self.started_at,
+            reason=reason,
+        )
+
+    def _announce(self) -> None:
+        self.bus.publish(topics.status(self.node, self.name), self.status_message("online"), retain=True)
+        self._announced = True
+
+    def _heartbeat(self) -> None:
+        hb = Heartbeat(node=self.node, service=self.name, instance=self.instance, seq=self._heartbeat_seq,
+                       interval_s=self.settings.heartbeat_interval_s, uptime_s=self.uptime_s(),
+                       free_memory_bytes=self.device.free_memory_bytes(), inbox_depth=self.bus.inbox_depth)
+        self._heartbeat_seq += 1
+        self.bus.publish(topics.heartbeat(self.node, self.name), hb, qos=0, retain=True,
+                         ttl_s=self.settings.heartbeat_timeout_s)
+
+    def _publish_metrics(self) -> None:
+        counters, gauges = self.metrics.snapshot()
+        report = MetricsReport(node=self.node, service=self.name, instance=self.instance, uptime_s=self.uptime_s(),
+                               counters=counters, gauges=gauges)
+        self.bus.publish(topics.metrics(self.node, self.name), report, qos=0,
+                         ttl_s=3 * self.settings.metrics_interval_s)
+
+    # --- probes and duplicates ----------------------------------------------------------------------
+
+    def _on_probe(self, msg: Inbound) -> None:
+        saturated = self.bus.inbox_saturated
+        self.bus.reply(msg, ProbeReply(
+            node=self.node, service=self.name, instance=self.instance, healthy=not saturated,
+            uptime_s=self.uptime_s(), inbox_depth=self.bus.inbox_depth,
+            handler_errors=self.metrics.counter("handler_errors"), rejected=self.metrics.total("rejected."),
+            detail="inbox saturated" if saturated else "ok"))
+
+    def _refuse_duplicate(self) -> None:
+        self.bus.subscribe(topics.status(self.node, self.name), self._on_own_topic, schemas=(Status,))
+        time.sleep(_RETAINED_SETTLE_S)  # the retained status, if any, arrives right after the SUBACK
+        other = self._claimed_by
+        if other is None:
+            return
+        wait = max(2.0, 2 * other.heartbeat_interval_s)
+        try:
+            reply = self.bus.request(topics.request(self.node, self.name), Probe(), timeout_s=wait)
+        except RequestTimeoutError:
+            log.warning("taking over node id %s: instance %s (pid %d on %s) claims it but did not answer a "
+                        "probe in %.1f s", self.node, other.instance, other.pid, other.host, wait)
+            return
+        raise DuplicateNodeError(
+            f"node id {self.node!r} already runs {self.name} as live instance {reply.envelope.sender_instance} "
+            f"(pid {other.pid} on host {other.host}); stop it or give this node another EDGESWARM_NODE_ID"
+        )
+
+    def _on_own_topic(self, msg: Inbound) -> None:
+        """Status and heartbeats on this instance's own topics: another instance there is a duplicate."""
+        body = msg.body
+        instance = getattr(body, "instance", self.instance)
+        if instance == self.instance or self.stopping:
+            return
+        if isinstance(body, Status) and body.state != "online":
+            return
+        if not self._announced:
+            if isinstance(body, Status):
+                self._claimed_by = body
+            return
+        if instance in self._foreign:
+            return
+        self._foreign.add(instance)
+        self.metrics.count("duplicate_node")
+        detail = (f"another live instance {instance} of {self.name} claims node id {self.node} "
+                  f"(this one is {self.instance}); give one of them another EDGESWARM_NODE_ID")
+        log.error("%s", detail)
+        self.bus.publish(topics.CLUSTER_EVENTS, ClusterEvent(kind="duplicate_node", node=self.node, service=self.name,
+                                                             instance=self.instance, detail=detail, at=time.time()))
+
+    # --- main loop ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for task in self._periodic:
+                if task.due <= now:
+                    task.due = now + task.interval_s
+                    try:
+                        task.fn()
+                    except Exception:
+                        self.metrics.count("task_errors")
+                        log.exception("periodic task %s failed", task.name)
+            next_due = min((t.due for t in self._periodic), default=now + 1.0)
+            self._stop.wait(max(0.0, next_due - time.monotonic()))
+
+    def _shutdown(self) -> None:
+        try:
+            if self.bus.hub.connected:
+                self.bus.publish(topics.status(self.node, self.name), self.status_message("offline", "shutdown"),
+                                 retain=True, timeout_s=2.0)
+                self.bus.hub.flush(timeout_s=2.0)  # the broker has the offline status before we disconnect
+        except Exception:
+            log.exception("could not publish the offline status")
+        try:
+            self.teardown()
+        finally:
+            self.bus.stop()
+            log.info("%s instance %s stopped", self.name, self.instance)
