@@ -43,7 +43,7 @@ class BenchAck(Message):
 class BenchEcho(Message):
     """Request: send ``payload`` straight back (round-trip measurement)."""
 
-    payload: bytes = Field(max_length=16 * 1024 * 1024)
+    payload: bytes = Field(max_length=1024 * 1024)
 
 
 @schema("edgeswarm.bench.echo_reply", 1)

@@ -191,6 +191,10 @@ class Service:
         if instance == self.instance or self.stopping:
             return
         if isinstance(body, Status) and body.state != "online":
+            if self._announced:
+                # A refused or departed duplicate overwrote the retained status (its shutdown or Last
+                # Will): put ours back so late subscribers see the instance that is really running.
+                self._announce()
             return
         if not self._announced:
             if isinstance(body, Status):
@@ -224,7 +228,7 @@ class Service:
 
     def _shutdown(self) -> None:
         try:
-            if self.bus.hub.connected:
+            if self._announced and self.bus.hub.connected:
                 self.bus.publish(topics.status(self.node, self.name), self.status_message("offline", "shutdown"),
                                  retain=True, timeout_s=2.0)
                 self.bus.hub.flush(timeout_s=2.0)  # the broker has the offline status before we disconnect

@@ -37,7 +37,9 @@ from edgeswarm.wire.tensor import TensorDescriptor, WireTensor, check_descriptor
 MAGIC = b"ES"
 FRAME_VERSION = 1
 PREFIX = struct.Struct("<2sBBI")
-MAX_HEADER_BYTES = 64 * 1024
+# The header holds control bodies too, so it may be as large as a control message; msgpack only
+# allocates in proportion to bytes that actually arrived.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_TENSOR_BYTES = 2 * 1024**3
 
 

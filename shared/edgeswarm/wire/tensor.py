@@ -154,7 +154,8 @@ def _numpy_to_wire(arr: np.ndarray) -> tuple[str, np.ndarray]:
     storage = storage_dtype(name)
     if arr.dtype != storage:
         arr = arr.astype(storage)  # the name matched, so only the byte order differs: swap to little-endian
-    return name, np.ascontiguousarray(arr)
+    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+    return name, arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def _torch_to_wire(tensor: torch.Tensor) -> tuple[str, np.ndarray]:

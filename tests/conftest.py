@@ -1,0 +1,114 @@
+"""Shared fixtures: a real Mosquitto on a free loopback port, buses, and service processes.
+
+Everything a test starts is stopped by PID when the test ends; every wait is bounded in time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import FAST_ENV
+
+from edgeswarm.bus import Bus
+from edgeswarm.local.broker import BrokerProcess, mosquitto_binary, start_broker
+from edgeswarm.settings import Settings
+from edgeswarm.wire import Sender
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # CI installs Mosquitto; a machine without it would only produce confusing connection errors.
+    if mosquitto_binary() is None:
+        raise pytest.UsageError("the test suite needs mosquitto on PATH (apt-get install -y mosquitto)")
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    """A Mosquitto on a free port of 127.0.0.1, stopped after the test."""
+    proc = start_broker("mosquitto", workdir=tmp_path / "broker")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def bus_settings(hub_url: str, **overrides: object) -> Settings:
+    """Settings for an in-test bus: the hub, small timeouts."""
+    values: dict[str, object] = {"hub_url": hub_url, "request_timeout_s": 5.0, "publish_timeout_s": 10.0,
+                                 "heartbeat_interval_s": 0.25, "keepalive_s": 2}
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_bus(broker: BrokerProcess) -> Iterator[Callable[..., Bus]]:
+    """``make_bus(node, service="svc", **settings)``: a started Bus on the test broker, stopped after the test."""
+    buses: list[Bus] = []
+
+    def make(node: str, service: str = "svc", **overrides: object) -> Bus:
+        settings = bus_settings(str(overrides.pop("hub_url", broker.url)), **overrides)
+        bus = Bus(settings, Sender(node=node, service=service, instance=uuid.uuid4().hex[:12]))
+        bus.start(timeout_s=10)
+        buses.append(bus)
+        return bus
+
+    try:
+        yield make
+    finally:
+        for bus in buses:
+            bus.stop()
+
+
+class ServiceProcesses:
+    """Starts ``edgeswarm service NAME`` processes and stops every one of them by PID."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._tmp = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, service: str, node: str, hub_url: str, **env: str) -> subprocess.Popen[bytes]:
+        full = dict(os.environ)
+        full.update(FAST_ENV)
+        full.update({"EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": hub_url})
+        full.update(env)
+        log = open(self._tmp / f"{node}.{service}.{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", service], env=full,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
+        index = self.procs.index(proc)
+        found = list(self._tmp.glob(f"*.{index}.log"))
+        return found[0].read_text(errors="replace") if found else ""
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, 18)  # SIGCONT, in case a test stopped it
+                except ProcessLookupError:
+                    pass
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[ServiceProcesses]:
+    """Service processes, all stopped (SIGTERM, then SIGKILL) after the test."""
+    procs = ServiceProcesses(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()

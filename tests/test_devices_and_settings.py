@@ -1,0 +1,148 @@
+"""Device classes, cluster files, settings from the environment, and the packaging of the library."""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+from edgeswarm.devices.catalogue import CATALOGUE, MBPS, device_class, link_between
+from edgeswarm.devices.cluster import CLUSTERS_DIR, cluster_of, load_cluster
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.errors import ConfigError
+from edgeswarm.settings import LinkSpec, Settings, parse_broker_url
+
+PAPER_ENVS = {
+    "a": {"jetson-nano": 5},
+    "b": {"jetson-nx": 3, "jetson-tx2": 2},
+    "c": {"jetson-nx": 1, "jetson-tx2": 2, "jetson-nano": 3},
+    "d": {"jetson-tx2": 1, "jetson-nano": 3},
+}
+
+
+@pytest.mark.parametrize("env", sorted(PAPER_ENVS))
+@pytest.mark.parametrize("mbps", [100, 1000])
+def test_asteroid_environments_ship_as_cluster_files(env: str, mbps: int) -> None:
+    spec = load_cluster(f"asteroid-env-{env}-{mbps}mbps")
+    counts: dict[str, int] = {}
+    for d in spec.devices:
+        counts[d.device_class] = counts.get(d.device_class, 0) + 1
+    assert counts == PAPER_ENVS[env]
+    first, last = spec.devices[0].id, spec.devices[-1].id
+    assert spec.link(first, last) == LinkSpec(bandwidth_bps=mbps * MBPS, latency_s=0.0005)
+    assert set(spec.links_from(first)) == {d.id for d in spec.devices} - {first}
+
+
+def test_cluster_file_links_overrides_and_class_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "name: t\n"
+        "devices:\n  - {id: a, class: jetson-nano}\n  - {id: b, class: rpi4}\n  - {id: c, class: edge-server}\n"
+        "links:\n  - {between: [a, b], bandwidth_mbps: 10, latency_ms: 5}\n"
+        "  - {between: [c, a], bandwidth_mbps: 50, directed: true}\n"
+    )
+    spec = load_cluster(str(path))
+    assert spec.link("a", "b") == spec.link("b", "a") == LinkSpec(bandwidth_bps=10 * MBPS, latency_s=0.005)
+    assert spec.link("c", "a").bandwidth_bps == 50 * MBPS
+    assert spec.link("a", "c") == link_between(CATALOGUE["jetson-nano"], CATALOGUE["edge-server"])
+    assert spec.link("a", "c").bandwidth_bps == CATALOGUE["jetson-nano"].link.bandwidth_bps
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: t\ndevices:\n  - {id: a, class: jetson-nano}\n  - {id: a, class: rpi4}\n", "unique"),
+    ("name: t\ndevices:\n  - {id: a, class: cray-1}\n", "unknown device class"),
+    ("name: t\ndevices:\n  - {id: a, class: rpi4}\nlinks:\n  - {between: [a, z], bandwidth_mbps: 1}\n", "unknown device"),
+    ("name: t\ndevices: []\n", "devices"),
+    ("name: t\ndevices:\n  - {id: 'a/b', class: rpi4}\n", "id"),
+    ("name: [unclosed\n", "invalid cluster file"),
+])
+def test_invalid_cluster_files_say_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_cluster(str(path))
+
+
+def test_unknown_cluster_name_lists_the_bundled_ones() -> None:
+    with pytest.raises(ConfigError, match="asteroid-env-a-100mbps"):
+        load_cluster("no-such-cluster")
+
+
+def test_cluster_of_n_is_heterogeneous_unless_a_class_is_given() -> None:
+    mixed = cluster_of(4)
+    assert len({d.device_class for d in mixed.devices}) == 4
+    same = cluster_of(3, "jetson-nano")
+    assert {d.device_class for d in same.devices} == {"jetson-nano"}
+    with pytest.raises(ConfigError):
+        cluster_of(0)
+
+
+def test_catalogue_covers_the_issue_classes_and_native() -> None:
+    assert {"jetson-nano", "jetson-tx2", "jetson-nx", "rpi4", "laptop", "edge-server"} <= set(CATALOGUE)
+    for c in CATALOGUE.values():
+        assert c.compute_slowdown >= 1.0 and 0 < c.memory_budget_bytes < c.memory_bytes
+    # Relative speeds the Asteroid spec derives: TX2 about 2.5x a Nano, NX about 2x a TX2.
+    assert CATALOGUE["jetson-nano"].compute_slowdown / CATALOGUE["jetson-tx2"].compute_slowdown == pytest.approx(2.5)
+    assert CATALOGUE["jetson-tx2"].compute_slowdown / CATALOGUE["jetson-nx"].compute_slowdown == pytest.approx(2.0)
+    native = device_class("native")
+    assert not native.emulated and native.compute_slowdown == 1.0
+    with pytest.raises(ConfigError, match="known"):
+        device_class("pdp-11")
+
+
+def test_settings_read_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGESWARM_NODE_ID", "nano-7")
+    monkeypatch.setenv("EDGESWARM_HUB_URL", "mqtt://10.0.0.1:1884")
+    monkeypatch.setenv("EDGESWARM_DEVICE_CLASS", "jetson-nano")
+    monkeypatch.setenv("EDGESWARM_LINKS", '{"tx2-0": {"bandwidth_bps": 12500000, "latency_s": 0.001}}')
+    monkeypatch.setenv("EDGESWARM_HEARTBEAT_INTERVAL_S", "0.5")
+    s = Settings()
+    assert s.node_id == "nano-7" and s.data_plane_url == "mqtt://10.0.0.1:1884"
+    assert s.links["tx2-0"].bandwidth_bps == 12.5e6
+    assert s.heartbeat_timeout_s == pytest.approx(1.5)
+    profile = DeviceProfile.from_settings(s)
+    assert profile.device_class == "jetson-nano" and profile.compute_slowdown == 10.0
+    assert 0 <= profile.free_memory_bytes() <= profile.memory_budget_bytes
+
+
+@pytest.mark.parametrize("url", ["http://x:1", "mqtt://", "mqtt://host:notaport"])
+def test_bad_broker_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_broker_url(url)
+
+
+def test_broker_url_defaults_the_port() -> None:
+    assert parse_broker_url("mqtt://hub").url == "mqtt://hub:1883"
+    assert parse_broker_url("10.1.2.3:1999").port == 1999
+
+
+def test_compute_slowdown_is_emulated_as_a_ratio() -> None:
+    native = DeviceProfile(device_class="native", emulated=False, compute_slowdown=1.0, memory_budget_bytes=1)
+    slow = native.model_copy(update={"compute_slowdown": 3.0})
+
+    def work() -> int:
+        return sum(i * i for i in range(200_000))
+
+    def timed(profile: DeviceProfile) -> float:
+        start = time.perf_counter()
+        profile.run(work)
+        return time.perf_counter() - start
+
+    base = min(timed(native) for _ in range(3))
+    ratio = min(timed(slow) for _ in range(3)) / base
+    assert 2.0 < ratio < 4.5
+
+
+def test_every_package_folder_is_installed() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for root, prefix in (("shared/edgeswarm", "edgeswarm"), ("services", "edgeswarm.services")):
+        for init in (REPO / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / root).parts
+            found.add(".".join((prefix, *rel)))
+    assert found == listed
+    assert sorted(p.name for p in CLUSTERS_DIR.glob("*.yaml"))

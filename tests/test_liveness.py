@@ -1,0 +1,188 @@
+"""Service processes: status, heartbeat, probe, metrics, Last Will, hung nodes and duplicate node ids."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from helpers import wait_until
+
+import edgeswarm.messages as m
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.runtime.client import ClusterWatcher
+
+KEEPALIVE_S = 2  # FAST_ENV in helpers.py
+
+
+def latest(bus: Bus, topic: str, schema: type[m.Message]) -> list[Inbound]:
+    got: list[Inbound] = []
+    bus.subscribe(topic, got.append, schemas=(schema,))
+    return got
+
+
+def service_state(watcher: ClusterWatcher, node: str, service: str) -> str | None:
+    view, _ = watcher.view()
+    n = view.node(node)
+    states = [s.state for s in n.services if s.service == service] if n else []
+    return states[0] if len(states) == 1 else None
+
+
+def test_a_service_announces_itself_beats_answers_probes_and_says_goodbye(broker: BrokerProcess, services,
+                                                                          make_bus) -> None:
+    proc = services.start("node-agent", "nano-1", broker.url, EDGESWARM_DEVICE_CLASS="jetson-nano")
+    watch = make_bus("watch", "cli")
+    statuses = latest(watch, topics.status("nano-1", "node-agent"), m.Status)
+    beats = latest(watch, topics.heartbeat("nano-1", "node-agent"), m.Heartbeat)
+    metrics = latest(watch, topics.metrics("nano-1", "node-agent"), m.MetricsReport)
+    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="online status")
+    status = statuses[-1].body
+    assert status.device_class == "jetson-nano" and status.pid == proc.pid
+    assert status.data_url == broker.url and 0 < status.memory_budget_bytes <= 3 * 2**30
+    wait_until(lambda: len(beats) >= 3 and metrics, 10, message="heartbeats and metrics")
+    assert [b.body.seq for b in beats[-2:]] == sorted(b.body.seq for b in beats[-2:])
+    assert beats[-1].envelope.expires_at is not None
+    assert "messages_in" in metrics[-1].body.counters or metrics[-1].body.gauges
+
+    reply = watch.request(topics.request("nano-1", "node-agent"), m.Probe(), timeout_s=5)
+    assert isinstance(reply.body, m.ProbeReply) and reply.body.healthy
+    assert reply.body.instance == status.instance
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    wait_until(lambda: statuses[-1].body.state == "offline", 10, message="offline status")
+    assert statuses[-1].body.reason == "shutdown"
+
+
+def test_sigkill_leaves_an_offline_status_within_the_keepalive_bound(broker: BrokerProcess, services,
+                                                                     make_bus) -> None:
+    proc = services.start("node-agent", "tx2-0", broker.url)
+    watch = make_bus("watch", "cli")
+    statuses = latest(watch, topics.status("tx2-0", "node-agent"), m.Status)
+    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="online")
+    proc.kill()
+    killed_at = time.monotonic()
+    wait_until(lambda: statuses[-1].body.state == "offline", 1.5 * KEEPALIVE_S + 2, message="Last Will")
+    assert time.monotonic() - killed_at <= 1.5 * KEEPALIVE_S + 2
+    assert statuses[-1].body.reason == "connection lost"
+    late = make_bus("late", "cli")  # a subscriber that arrives afterwards reads the retained Will
+    retained = latest(late, topics.status("tx2-0", "node-agent"), m.Status)
+    wait_until(lambda: retained, 5, message="retained status")
+    assert retained[0].retained and retained[0].body.state == "offline"
+
+
+def test_a_stopped_node_turns_suspect_then_offline(broker: BrokerProcess, services, make_bus) -> None:
+    services.start("coordinator", "hub", broker.url)
+    agent = services.start("node-agent", "nano-2", broker.url)
+    events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
+    watcher = ClusterWatcher(make_bus("watch", "cli"))
+    wait_until(lambda: service_state(watcher, "nano-2", "node-agent") == "online", 20, message="online")
+    assert watcher.view()[1] == "coordinator"
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_until(lambda: service_state(watcher, "nano-2", "node-agent") == "suspect", 6, message="suspect")
+        assert time.monotonic() - stopped < 0.25 * 3 + 3
+        wait_until(lambda: service_state(watcher, "nano-2", "node-agent") == "offline", 1.5 * KEEPALIVE_S + 6,
+                   message="offline after the broker's keep-alive expires")
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    kinds = [e.body.kind for e in events if e.body.node == "nano-2"]
+    assert "service_suspect" in kinds and "service_offline" in kinds
+
+
+def test_a_second_instance_with_the_same_node_id_refuses_to_start(broker: BrokerProcess, services,
+                                                                   make_bus) -> None:
+    first = services.start("node-agent", "nano-3", broker.url)
+    watch = make_bus("watch", "cli")
+    statuses = latest(watch, topics.status("nano-3", "node-agent"), m.Status)
+    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="first online")
+    second = services.start("node-agent", "nano-3", broker.url)
+    assert second.wait(20) == 3
+    assert "already runs node-agent as live instance" in services.log_of(second)
+    assert first.poll() is None
+    assert statuses[-1].body.instance == statuses[0].body.instance, "the first instance's status stands"
+
+
+def test_a_duplicate_that_appears_later_is_reported_not_merged(broker: BrokerProcess, services, make_bus) -> None:
+    services.start("coordinator", "hub", broker.url)
+    services.start("node-agent", "nano-4", broker.url)
+    events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
+    watcher = ClusterWatcher(make_bus("watch", "cli"))
+    wait_until(lambda: service_state(watcher, "nano-4", "node-agent") == "online", 20, message="online")
+    # A second live process on the same node id, as when two start at the same moment: it announces
+    # itself and beats without having seen the first.
+    twin = make_bus("nano-4", "node-agent")
+    s = twin.sender
+    twin.publish(topics.status("nano-4", "node-agent"), m.Status(
+        state="online", node="nano-4", service="node-agent", instance=s.instance, version="x", host="elsewhere",
+        pid=4242, device_class="rpi4", memory_budget_bytes=1, free_memory_bytes=1, data_url=broker.url,
+        heartbeat_interval_s=0.25, started_at=time.time()), retain=True)
+    for seq in range(12):
+        twin.publish(topics.heartbeat("nano-4", "node-agent"), m.Heartbeat(
+            node="nano-4", service="node-agent", instance=s.instance, seq=seq, interval_s=0.25, uptime_s=1.0,
+            free_memory_bytes=1, inbox_depth=0), qos=0, retain=True, ttl_s=1)
+        time.sleep(0.1)
+    wait_until(lambda: [e for e in events if e.body.kind == "duplicate_node" and e.envelope.sender_service ==
+                        "node-agent"], 5, message="the running instance reports the duplicate")
+    wait_until(lambda: [e for e in events if e.body.kind == "duplicate_node" and e.envelope.sender_service ==
+                        "coordinator"], 5, message="the coordinator reports the duplicate")
+    view, _ = watcher.view()
+    node = view.node("nano-4")
+    assert node is not None and node.conflicts and "4242" in node.conflicts[0]
+    assert len([sv for sv in node.services if sv.service == "node-agent"]) == 2, "both kept, not merged"
+
+
+def test_a_stale_online_status_is_taken_over(broker: BrokerProcess, services, make_bus) -> None:
+    ghost = make_bus("nano-5", "node-agent")
+    ghost.publish(topics.status("nano-5", "node-agent"), m.Status(
+        state="online", node="nano-5", service="node-agent", instance="deadbeef", version="x", host="gone", pid=1,
+        device_class="native", memory_budget_bytes=1, free_memory_bytes=1, data_url=broker.url,
+        heartbeat_interval_s=0.25, started_at=0.0), retain=True)
+    ghost.hub.flush(5)
+    proc = services.start("node-agent", "nano-5", broker.url)
+    statuses = latest(make_bus("watch", "cli"), topics.status("nano-5", "node-agent"), m.Status)
+    wait_until(lambda: statuses and statuses[-1].body.instance != "deadbeef"
+               and statuses[-1].body.state == "online", 20, message="take-over")
+    assert proc.poll() is None
+    assert "taking over node id nano-5" in services.log_of(proc)
+
+
+def test_invalid_settings_stop_a_service_with_the_variable_named(broker: BrokerProcess, services) -> None:
+    proc = services.start("node-agent", "x", broker.url, EDGESWARM_HEARTBEAT_INTERVAL_S="-1")
+    assert proc.wait(20) == 2
+    assert "EDGESWARM_HEARTBEAT_INTERVAL_S" in services.log_of(proc)
+    proc = services.start("node-agent", "x", broker.url, EDGESWARM_DEVICE_CLASS="cray-1")
+    assert proc.wait(20) == 2
+    assert "unknown device class 'cray-1'" in services.log_of(proc)
+
+
+@pytest.mark.parametrize("service", ["coordinator", "node-agent"])
+def test_every_service_survives_a_broker_restart(tmp_path, services, make_bus, service: str) -> None:
+    from edgeswarm.local.broker import start_broker
+
+    hub = start_broker("mosquitto", workdir=tmp_path / "b1")
+    port = hub.port
+    try:
+        proc = services.start(service, "n1", hub.url)
+        watch = make_bus("watch", "cli", hub_url=hub.url)
+        wait_until(lambda: _probe(watch, service), 20, message="first probe")
+        hub.stop()
+        time.sleep(1.0)
+        hub = start_broker("mosquitto", port=port, workdir=tmp_path / "b2")
+        wait_until(lambda: _probe(watch, service), 30, interval_s=0.2, message="probe after the restart")
+        statuses = latest(watch, topics.status("n1", service), m.Status)
+        wait_until(lambda: statuses and statuses[-1].body.state == "online", 10, message="status republished")
+        assert proc.poll() is None
+    finally:
+        hub.stop()
+
+
+def _probe(bus: Bus, service: str) -> bool:
+    try:
+        return bool(bus.request(topics.request("n1", service), m.Probe(), timeout_s=0.5).body.healthy)
+    except Exception:
+        return False
