@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import FAST_ENV
 
 from edgeswarm.bus import Bus
 from edgeswarm.local.broker import BrokerProcess, mosquitto_binary, start_broker
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
+from helpers import FAST_ENV
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

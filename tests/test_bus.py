@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as paho
 import pytest
-from helpers import wait_until
 from paho.mqtt.enums import CallbackAPIVersion
 
 import edgeswarm.messages as m
@@ -25,6 +24,7 @@ from edgeswarm.errors import (
 from edgeswarm.local.broker import BrokerProcess, start_broker
 from edgeswarm.settings import LinkSpec
 from edgeswarm.wire import encode
+from helpers import wait_until
 
 MIB = 1024 * 1024
 
@@ -38,7 +38,8 @@ def announce(bus: Bus, data_url: str | None = None) -> None:
         heartbeat_interval_s=1.0, started_at=0.0), retain=True)
 
 
-def collect(bus: Bus, topic: str, schemas: tuple[type[m.Message], ...] | None = None, plane: str = "hub") -> list[Inbound]:
+def collect(bus: Bus, topic: str, schemas: tuple[type[m.Message], ...] | None = None,
+            plane: str = "hub") -> list[Inbound]:
     got: list[Inbound] = []
     bus.subscribe(topic, got.append, schemas=schemas, plane=plane)
     return got

@@ -7,13 +7,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 
 from edgeswarm.devices.catalogue import CATALOGUE, MBPS, device_class, link_between
 from edgeswarm.devices.cluster import CLUSTERS_DIR, cluster_of, load_cluster
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
 from edgeswarm.settings import LinkSpec, Settings, parse_broker_url
+from helpers import REPO
 
 PAPER_ENVS = {
     "a": {"jetson-nano": 5},
@@ -54,7 +54,8 @@ def test_cluster_file_links_overrides_and_class_defaults(tmp_path: Path) -> None
 @pytest.mark.parametrize("text, message", [
     ("name: t\ndevices:\n  - {id: a, class: jetson-nano}\n  - {id: a, class: rpi4}\n", "unique"),
     ("name: t\ndevices:\n  - {id: a, class: cray-1}\n", "unknown device class"),
-    ("name: t\ndevices:\n  - {id: a, class: rpi4}\nlinks:\n  - {between: [a, z], bandwidth_mbps: 1}\n", "unknown device"),
+    ("name: t\ndevices:\n  - {id: a, class: rpi4}\nlinks:\n  - {between: [a, z], bandwidth_mbps: 1}\n",
+     "unknown device"),
     ("name: t\ndevices: []\n", "devices"),
     ("name: t\ndevices:\n  - {id: 'a/b', class: rpi4}\n", "id"),
     ("name: [unclosed\n", "invalid cluster file"),
@@ -146,3 +147,14 @@ def test_every_package_folder_is_installed() -> None:
             found.add(".".join((prefix, *rel)))
     assert found == listed
     assert sorted(p.name for p in CLUSTERS_DIR.glob("*.yaml"))
+
+
+def test_an_empty_data_url_means_unset_and_a_bad_one_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("EDGESWARM_HUB_URL", "mqtt://hub:1883")
+    monkeypatch.setenv("EDGESWARM_DATA_URL", "")
+    assert Settings().data_plane_url == "mqtt://hub:1883"
+    monkeypatch.setenv("EDGESWARM_DATA_URL", "http://nope")
+    with pytest.raises(ValidationError, match="data_url"):
+        Settings()

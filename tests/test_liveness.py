@@ -7,13 +7,13 @@ import signal
 import time
 
 import pytest
-from helpers import wait_until
 
 import edgeswarm.messages as m
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.runtime.client import ClusterWatcher
+from helpers import wait_until
 
 KEEPALIVE_S = 2  # FAST_ENV in helpers.py
 

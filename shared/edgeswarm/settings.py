@@ -85,7 +85,6 @@ class Settings(BaseSettings):
     reassembly_timeout_s: float = Field(default=30.0, gt=0)
     inbox_capacity: int = Field(default=1024, ge=16)
     workers: int = Field(default=4, ge=1)
-    outbound_window_bytes: int = Field(default=32 * MIB, ge=MIB)
     outbound_window_messages: int = Field(default=32, ge=1)
     publish_timeout_s: float = Field(default=30.0, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
@@ -93,11 +92,19 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = False
 
+    @field_validator("data_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # `EDGESWARM_DATA_URL=` in an .env file means "not set"
+
     @field_validator("hub_url", "data_url")
     @classmethod
     def _valid_url(cls, value: str | None) -> str | None:
         if value is not None:
-            parse_broker_url(value)
+            try:
+                parse_broker_url(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None  # pydantic reports ValueErrors with the field name
         return value
 
     @property

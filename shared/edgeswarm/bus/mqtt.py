@@ -140,6 +140,7 @@ class MqttConnection:
         self._progress = threading.Event()
         self._last_info: paho.MQTTMessageInfo | None = None
         self._refused: int | None = None
+        self._socket_opened = False
         self._closing = False
         self.protocol = "5" if protocol in ("auto", "5") else "3.1.1"
         self.broker_max_packet: int | None = None
@@ -154,21 +155,24 @@ class MqttConnection:
         Raises BrokerUnavailableError if the broker cannot be reached or refuses within ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        if self._protocol_setting == "auto" and _KNOWN_V311.get(self.url) and self.protocol == "5":
+        auto = self._protocol_setting == "auto"
+        if auto and _KNOWN_V311.get(self.url) and self.protocol == "5":
             self._client = self._make_client_for("3.1.1")
-        if self._protocol_setting == "auto" and self.protocol == "5":
+        self._start()
+        if auto and self.protocol == "5":
             # A 3.1.1-only broker either refuses MQTT 5 in its CONNACK or, like amqtt given CONNECT
-            # properties, never answers; either way try 3.1.1 after a short wait.
-            self._start(min(deadline, time.monotonic() + _V5_ANSWER_S))
-        else:
-            self._start(deadline)
-        if (not self._connected.is_set() and self._protocol_setting == "auto" and self.protocol == "5"
-                and (self._refused is None or self._refused in _UNSUPPORTED_PROTOCOL)):
-            log.info("broker %s did not accept MQTT 5; falling back to 3.1.1", self.url)
-            self._stop_client()
-            _KNOWN_V311[self.url] = True
-            self._client = self._make_client_for("3.1.1")
-            self._start(deadline)
+            # properties, accepts the TCP connection and never answers; either way try 3.1.1. A broker
+            # that is not reachable at all says nothing about its protocol, so keep trying 5 then.
+            self._wait(min(deadline, time.monotonic() + _V5_ANSWER_S))
+            answered_wrong = self._refused in _UNSUPPORTED_PROTOCOL
+            silent = self._refused is None and self._socket_opened and not self._connected.is_set()
+            if answered_wrong or silent:
+                log.info("broker %s did not accept MQTT 5; falling back to 3.1.1", self.url)
+                self._stop_client()
+                _KNOWN_V311[self.url] = True
+                self._client = self._make_client_for("3.1.1")
+                self._start()
+        self._wait(deadline)
         if not self._connected.is_set():
             self._stop_client()
             why = f"refused with code {self._refused}" if self._refused is not None else "no answer"
@@ -281,7 +285,7 @@ class MqttConnection:
         client.max_inflight_messages_set(min(self._window, 65535))
         client.max_queued_messages_set(self._window)
         client.reconnect_delay_set(min_delay=1, max_delay=4)
-        client.on_socket_open = _set_nodelay
+        client.on_socket_open = self._handle_socket_open
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
@@ -291,9 +295,10 @@ class MqttConnection:
             client.will_set(self._will.topic, self._will.payload, qos=1, retain=True)
         return client
 
-    def _start(self, deadline: float) -> None:
+    def _start(self) -> None:
         self._refused = None
         self._closing = False
+        self._socket_opened = False
         connect_props = None
         if self.protocol == "5":
             connect_props = Properties(PacketTypes.CONNECT)
@@ -302,6 +307,8 @@ class MqttConnection:
         kwargs = {"clean_start": True, "properties": connect_props} if self.protocol == "5" else {}
         self._client.connect_async(self.address.host, self.address.port, self._keepalive, **kwargs)
         self._client.loop_start()
+
+    def _wait(self, deadline: float) -> None:
         while time.monotonic() < deadline and not self._connected.is_set() and self._refused is None:
             self._connected.wait(0.02)
 
@@ -352,6 +359,14 @@ class MqttConnection:
                 client.ack(mid, qos)
 
         self._on_message(InboundMessage(msg.topic, msg.payload, qos, bool(msg.retain), bool(msg.dup), ack))
+
+    def _handle_socket_open(self, _client: paho.Client, _userdata: object, sock: socket.socket) -> None:
+        self._socket_opened = True
+        # Without TCP_NODELAY a QoS 1 round trip takes 40-88 ms instead of 0.24 ms (research/mqtt-stack.md §1.6).
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # unix sockets have no Nagle
+            pass
 
     def _handle_publish(self, *_args: object) -> None:
         self._progress.set()
@@ -424,9 +439,3 @@ def packet_size(topic: str, payload_len: int, qos: int, props: Properties | None
     return 1 + length_bytes + remaining
 
 
-def _set_nodelay(_client: paho.Client, _userdata: object, sock: socket.socket) -> None:
-    # Without TCP_NODELAY a QoS 1 round trip takes 40-88 ms instead of 0.24 ms (research/mqtt-stack.md §1.6).
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:  # unix sockets have no Nagle
-        pass

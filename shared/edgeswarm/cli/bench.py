@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
+from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import hub_url
 from edgeswarm.cli.status import cli_settings
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
@@ -16,7 +16,6 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus
 
-console = Console(stderr=True)
 QUICK_PLAN = {KB: 500, 64 * KB: 100, MB: 20, 16 * MB: 2}
 
 
@@ -29,14 +28,14 @@ def run_bench_transport(args: argparse.Namespace) -> int:
         cluster = LocalCluster(spec, port=0)
         cluster.start()
         hub = cluster.hub_url
-        console.print(f"no --hub given: started {cluster.broker.kind if cluster.broker else '?'} at {hub}")
+        err_console.print(f"no --hub given: started {cluster.broker.kind if cluster.broker else '?'} at {hub}")
     try:
         bus = client_bus(cli_settings(hub), role="bench")
         try:
             node = args.node or _first_device(bus)
             report = run_transport_bench(bus, node, plan=QUICK_PLAN if args.quick else None,
                                          rtt_samples=200 if args.quick else 1000,
-                                         progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+                                         progress=lambda m: err_console.print(f"[dim]{m}[/dim]"))
         finally:
             bus.stop()
     finally:
@@ -47,7 +46,9 @@ def run_bench_transport(args: argparse.Namespace) -> int:
     if args.json:
         print(report.model_dump_json(indent=2))
     else:
-        Console().print(report_table(report))
+        console.print(report_table(report))
+        for line in report_lines(report):
+            console.print(line)
     return 0
 
 
@@ -63,7 +64,7 @@ def _first_device(bus: object) -> str:
 
 
 def report_table(report: TransportReport) -> Table:
-    """The report as a table plus a caption with the round trip and codec figures."""
+    """The throughput rows as a table."""
     table = Table(title=f"transport: {report.broker_url} (MQTT {report.broker_protocol}) -> {report.target}, "
                         f"chunks of {report.chunk_bytes // KB} KiB, QoS 1")
     for col in ("payload", "count", "MQTT MB/s", "raw TCP MB/s", "MQTT/TCP"):
@@ -71,12 +72,16 @@ def report_table(report: TransportReport) -> Table:
     for row in report.rows:
         size = f"{row.size_bytes // MB} MB" if row.size_bytes >= MB else f"{row.size_bytes // KB} KB"
         table.add_row(size, str(row.count), f"{row.mqtt_mb_s:.1f}", f"{row.tcp_mb_s:.1f}", f"{row.ratio:.2f}")
-    c = report.codec
-    table.caption = (
-        f"QoS 1 round trip, 1 KB: median {report.rtt_1kb_qos1_median_ms:.2f} ms, p90 "
-        f"{report.rtt_1kb_qos1_p90_ms:.2f} ms ({report.rtt_samples} samples)\n"
-        f"codec on {c.tensor_bytes // MB} MiB float32: encode {c.encode_gb_s:.2f} GB/s, decode "
-        f"{c.decode_gb_s:.2f} GB/s ({'zero-copy' if c.decode_zero_copy else 'COPIES'}, CRC-32 checked), "
-        f"reassembly from {c.chunk_bytes // KB} KiB chunks {c.reassemble_gb_s:.2f} GB/s"
-    )
     return table
+
+
+def report_lines(report: TransportReport) -> list[str]:
+    """The round-trip and codec figures, one line each."""
+    c = report.codec
+    return [
+        f"QoS 1 round trip, 1 KB request and reply: median {report.rtt_1kb_qos1_median_ms:.2f} ms, "
+        f"p90 {report.rtt_1kb_qos1_p90_ms:.2f} ms ({report.rtt_samples} samples)",
+        f"codec on a {c.tensor_bytes // MB} MiB float32 tensor: encode {c.encode_gb_s:.2f} GB/s, decode "
+        f"{c.decode_gb_s:.2f} GB/s ({'zero-copy' if c.decode_zero_copy else 'COPIES'}, CRC-32 checked), "
+        f"reassembly from {c.chunk_bytes // KB} KiB chunks {c.reassemble_gb_s:.2f} GB/s",
+    ]

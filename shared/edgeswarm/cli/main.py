@@ -7,12 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from rich.console import Console
-
 from edgeswarm import __version__
+from edgeswarm.cli.console import err_console
 from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
-
-err_console = Console(stderr=True)
 
 
 def _hub_arg(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a cluster")
     up.add_argument("--local", action="store_true", help="the whole cluster on this machine, as separate processes")
     up.add_argument("--devices", default="4",
-                    help="a number of emulated devices, a cluster file, or a bundled one's name (asteroid-env-d-100mbps)")
+                    help="a number of emulated devices, a cluster file, or a bundled one's name "
+                    "(asteroid-env-d-100mbps)")
     up.add_argument("--device-class", default=None, help="with --devices N: give every device this class")
     up.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"],
                     help="auto: Mosquitto when on PATH, otherwise the embedded amqtt broker")
@@ -55,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     transport = bench_sub.add_parser("transport", help="MQTT data path vs raw TCP, QoS 1 round trip, codec speed")
     _hub_arg(transport)
-    transport.add_argument("--node", default=None, help="the node whose node-agent receives (default: the first online)")
+    transport.add_argument("--node", default=None,
+                           help="the node whose node-agent receives (default: the first online)")
     transport.add_argument("--quick", action="store_true", help="fewer and smaller payloads (seconds, not a minute)")
     transport.add_argument("--json", action="store_true", help="print the report as JSON")
     transport.add_argument("--out", default=None, help="also write the JSON report to this file")

@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
 from rich.table import Table
 
+from edgeswarm.cli.console import console
 from edgeswarm.cli.main import hub_url
 from edgeswarm.messages import ClusterView
-from edgeswarm.runtime.client import ClusterWatcher, ViewSource, client_bus, online_devices
+from edgeswarm.runtime.client import CLI_CONNECT_TIMEOUT_S, ClusterWatcher, ViewSource, client_bus, online_devices
 from edgeswarm.settings import Settings
 from edgeswarm.topics import TOPIC_TREE
 
-# Tables are wide; keep them readable when stdout is a pipe or a narrow terminal.
-console = Console(width=max(Console().width, 150))
 _STATE_STYLE = {"online": "green", "suspect": "yellow", "offline": "red"}
 
 
@@ -25,7 +23,9 @@ def cli_settings(hub: str | None) -> Settings:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    bus = client_bus(cli_settings(hub_url(args.hub)))
+    # When asked to wait for devices, also wait for a broker that is still starting.
+    bus = client_bus(cli_settings(hub_url(args.hub)), connect_timeout_s=max(args.timeout if args.wait_devices else 0,
+                                                                             CLI_CONNECT_TIMEOUT_S))
     try:
         watcher = ClusterWatcher(bus)
         view, source = watcher.wait(devices=args.wait_devices, timeout_s=args.timeout if args.wait_devices else 0)

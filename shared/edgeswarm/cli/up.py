@@ -6,17 +6,14 @@ import argparse
 import threading
 from pathlib import Path
 
-from rich.console import Console
-
+from edgeswarm.cli.console import console
 from edgeswarm.cli.status import status_table
 from edgeswarm.devices.cluster import ClusterSpec, cluster_of, load_cluster
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices
+from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings
-
-console = Console()
 
 
 def cluster_from_arg(devices: str, device_class: str | None) -> ClusterSpec:

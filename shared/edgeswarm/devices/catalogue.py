@@ -6,7 +6,7 @@ measurements imply (spec section 7.1: Nano 1x, TX2 about 2.5x a Nano, NX about 2
 the device's physical memory and the budget edgeswarm may use after the OS and runtime (spec
 section 2: usable memory minus overhead, minus about 10 percent). A class's link is the default for
 links touching it; a link between two classes runs at the slower end's bandwidth and latency unless
-a cluster file overrides it. The README's device-class table is generated from this module.
+a cluster file overrides it. tests/test_readme.py keeps the README's table equal to this one.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def start_broker(kind: str = "auto", *, host: str = "127.0.0.1", port: int = 0,
     if port_open(host, port):
         raise ConfigError(f"port {port} on {host} is already in use; pick another with --port")
     owns = workdir is None
-    wd = Path(tempfile.mkdtemp(prefix="edgeswarm-broker-")) if workdir is None else workdir
+    wd = Path(tempfile.mkdtemp(prefix="edgeswarm-broker-")) if workdir is None else workdir.resolve()
     wd.mkdir(parents=True, exist_ok=True)
     log_file = open(wd / f"{resolved}.log", "ab")  # noqa: SIM115 - the child process owns it
     if resolved == "mosquitto":

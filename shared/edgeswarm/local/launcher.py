@@ -79,7 +79,7 @@ class LocalCluster:
         self._broker_kind = broker
         self._port = port
         self._heartbeat = heartbeat_interval_s
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="edgeswarm-local-"))
+        self.workdir = (workdir or Path(tempfile.mkdtemp(prefix="edgeswarm-local-"))).resolve()
         self._extra_env = extra_env or {}
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []

@@ -15,12 +15,13 @@ from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
 
 ViewSource = Literal["coordinator", "retained topics"]
+CLI_CONNECT_TIMEOUT_S = 5.0  # a command line gives up on an unreachable broker sooner than a service
 
 
-def client_bus(settings: Settings, role: str = "cli") -> Bus:
+def client_bus(settings: Settings, role: str = "cli", connect_timeout_s: float = CLI_CONNECT_TIMEOUT_S) -> Bus:
     """A started Bus for a command-line client (node ``cli``, service ``role``). Call ``stop()`` when done."""
     bus = Bus(settings, Sender(node="cli", service=role, instance=uuid.uuid4().hex[:12]))
-    bus.start(timeout_s=min(10.0, settings.request_timeout_s))
+    bus.start(timeout_s=connect_timeout_s)
     return bus
 
 

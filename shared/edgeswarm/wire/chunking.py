@@ -26,7 +26,8 @@ from edgeswarm.wire.tensor import TensorDescriptor, WireTensor, expected_chunks,
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 
-def tensor_frames(envelope: Envelope, body: Message, value: Any, chunk_size: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+def tensor_frames(envelope: Envelope, body: Message, value: Any,
+                  chunk_size: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Frames carrying ``value`` (numpy array or torch tensor) in chunks of at most ``chunk_size`` bytes.
 
     A generator, so a sender holds one chunk frame at a time; each frame copies its slice once.

@@ -1,0 +1,167 @@
+"""Every user-facing command, run as a real process: up, status, topics, service, bench transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.local.broker import free_port
+from edgeswarm.topics import TOPIC_TREE
+from helpers import FAST_ENV
+
+ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
+
+
+def edgeswarm(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "edgeswarm", *args], env=ENV, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        pytest.fail(f"edgeswarm {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+class Up:
+    """``edgeswarm up --local`` in the background; stopped with SIGTERM (SIGKILL as a last resort)."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"mqtt://127.0.0.1:{self.port}"
+        self.log = tmp_path / "up.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "edgeswarm", "up", "--local", "--port", str(self.port),
+                 "--workdir", str(tmp_path / "cluster"), *args],
+                env=ENV, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+
+    def status(self, devices: int) -> dict[str, object]:
+        result = edgeswarm("status", "--hub", self.url, "--json", "--wait-devices", str(devices), "--timeout", "60")
+        return json.loads(result.stdout)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            pytest.fail(f"edgeswarm up ignored SIGTERM:\n{self.log.read_text()}")
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[list[Up]]:
+    started: list[Up] = []
+    try:
+        yield started
+    finally:
+        for u in started:
+            u.stop()
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_process(tmp_path: Path, up) -> None:
+    cluster = Up(tmp_path, "--devices", "asteroid-env-d-100mbps")
+    up.append(cluster)
+    view = cluster.status(devices=4)
+    nodes = {n["node"]: n for n in view["nodes"]}
+    assert set(nodes) == {"hub", "tx2-0", "nano-0", "nano-1", "nano-2"}
+    assert nodes["tx2-0"]["device_class"] == "jetson-tx2" and nodes["nano-2"]["device_class"] == "jetson-nano"
+    assert all(n["state"] == "online" for n in nodes.values())
+    assert [s["service"] for s in nodes["hub"]["services"]] == ["coordinator"]
+
+    table = edgeswarm("status", "--hub", cluster.url).stdout
+    assert "view from coordinator" in table
+    for node in nodes:
+        assert node in table
+    assert "heartbeat age" in table and "online" in table
+
+    # A plain MQTT tool sees the retained statuses.
+    mosquitto_sub = shutil.which("mosquitto_sub")
+    assert mosquitto_sub, "mosquitto_sub is missing (apt-get install -y mosquitto-clients)"
+    sub = subprocess.run([mosquitto_sub, "-h", "127.0.0.1", "-p", str(cluster.port), "-v",
+                          "-t", "edgeswarm/node/+/+/status",
+                          "-W", "2", "-F", "%t"], capture_output=True, text=True, timeout=10)
+    topics_seen = set(sub.stdout.split())
+    assert {f"edgeswarm/node/{n}/{'coordinator' if n == 'hub' else 'node-agent'}/status" for n in nodes} <= topics_seen
+
+    pids = [s["pid"] for n in nodes.values() for s in n["services"]]
+    assert len(pids_alive(pids)) == 5
+    assert cluster.stop() == 0
+    assert pids_alive(pids) == [], "every service process is gone"
+    log = cluster.log.read_text()
+    assert "broker: mosquitto" in log and "stopped 6 processes" in log
+    broker_pid = int(re.search(r"broker: mosquitto \(pid (\d+)\)", log).group(1))
+    assert pids_alive([broker_pid]) == []
+
+
+def test_the_amqtt_fallback_brings_up_a_cluster_that_status_shows(tmp_path: Path, up) -> None:
+    cluster = Up(tmp_path, "--broker", "amqtt", "--devices", "2")
+    up.append(cluster)
+    view = cluster.status(devices=2)
+    assert sum(1 for n in view["nodes"] if n["state"] == "online") == 3
+    assert "broker: amqtt" in cluster.log.read_text()
+    assert "MQTT 3.1.1 only" in cluster.log.read_text()
+    assert cluster.stop() == 0
+
+
+def test_status_without_a_broker_says_how_to_start_one() -> None:
+    result = edgeswarm("status", "--hub", f"mqtt://127.0.0.1:{free_port()}", check=False, timeout=60)
+    assert result.returncode == 1
+    assert "cannot connect to the MQTT broker" in result.stderr and "edgeswarm up --local" in result.stderr
+
+
+def test_status_reports_missing_devices_with_a_nonzero_exit(tmp_path: Path, up) -> None:
+    cluster = Up(tmp_path, "--devices", "1")
+    up.append(cluster)
+    cluster.status(devices=1)
+    result = edgeswarm("status", "--hub", cluster.url, "--wait-devices", "3", "--timeout", "1", check=False)
+    assert result.returncode == 1 and "only 1 of 3 devices online" in result.stdout
+
+
+def test_topics_lists_the_tree() -> None:
+    listed = json.loads(edgeswarm("topics", "--json").stdout)
+    assert [t["pattern"] for t in listed] == [t.pattern for t in TOPIC_TREE]
+    table = edgeswarm("topics").stdout
+    assert "edgeswarm/cluster/view" in table and "retained" in table
+
+
+def test_service_command_rejects_unknown_services_and_up_needs_local() -> None:
+    result = edgeswarm("service", "bogus", check=False)
+    assert result.returncode == 2 and "available: coordinator, node-agent" in result.stderr
+    result = edgeswarm("up", check=False)
+    assert result.returncode == 2 and "docker compose up" in result.stderr
+    result = edgeswarm("up", "--local", "--devices", "no-such-file", check=False)
+    assert result.returncode == 2 and "asteroid-env-d-100mbps" in result.stderr
+
+
+def test_bench_transport_quick_reports_ratios_round_trip_and_codec(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = edgeswarm("bench", "transport", "--quick", "--json", "--out", str(out), timeout=300)
+    report = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == report
+    sizes = [row["size_bytes"] for row in report["rows"]]
+    assert sizes == [1024, 64 * 1024, 1024 * 1024, 16 * 1024 * 1024]
+    for row in report["rows"]:
+        assert row["mqtt_mb_s"] > 0 and row["tcp_mb_s"] > 0
+    assert report["rtt_samples"] == 200 and report["rtt_1kb_qos1_median_ms"] > 0
+    assert report["codec"]["decode_zero_copy"] is True
+    assert report["broker_protocol"] == "5" and report["target"] == "bench-sink/node-agent"

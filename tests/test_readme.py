@@ -1,0 +1,36 @@
+"""The README stays true: its commands, topic tree, device classes and settings match the code."""
+
+from __future__ import annotations
+
+from edgeswarm.devices.catalogue import CATALOGUE
+from edgeswarm.settings import Settings
+from edgeswarm.topics import TOPIC_TREE
+from helpers import REPO
+
+README = (REPO / "README.md").read_text()
+
+
+def test_the_two_commands_come_first() -> None:
+    first_block = README.split("```")[1]
+    assert "make run" in first_block and "make test" in first_block
+    makefile = (REPO / "Makefile").read_text()
+    assert "\nrun:" in makefile and "\ntest:" in makefile
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_topic_is_documented() -> None:
+    for spec in TOPIC_TREE:
+        assert f"`{spec.pattern}`" in README, f"README.md does not document {spec.pattern}"
+
+
+def test_the_device_class_table_matches_the_catalogue() -> None:
+    for c in CATALOGUE.values():
+        row = (f"| `{c.name}` | {c.description} | {c.compute_slowdown:g} | {c.memory_bytes / 2**30:g} GiB | "
+               f"{c.memory_budget_bytes / 2**30:g} GiB | {c.link.bandwidth_bps * 8 / 1e6:g} Mbps, "
+               f"{c.link.latency_s * 1e3:g} ms |")
+        assert row in README, f"README.md's row for {c.name} is out of date; expected:\n{row}"
+
+
+def test_every_setting_is_documented() -> None:
+    for name in Settings.model_fields:
+        assert f"EDGESWARM_{name.upper()}" in README, f"README.md does not document EDGESWARM_{name.upper()}"
