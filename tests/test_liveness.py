@@ -112,7 +112,8 @@ def test_a_duplicate_that_appears_later_is_reported_not_merged(broker: BrokerPro
     services.start("node-agent", "nano-4", broker.url)
     events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
     watcher = ClusterWatcher(make_bus("watch", "cli"))
-    wait_until(lambda: service_state(watcher, "nano-4", "node-agent") == "online", 20, message="online")
+    wait_until(lambda: service_state(watcher, "nano-4", "node-agent") == "online" and watcher.view()[1] ==
+               "coordinator", 20, message="online in the coordinator's view")
     # A second live process on the same node id, as when two start at the same moment: it announces
     # itself and beats without having seen the first.
     twin = make_bus("nano-4", "node-agent")

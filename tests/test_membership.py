@@ -90,3 +90,16 @@ def test_events_report_each_change_once() -> None:
 def test_observed_at_uses_send_time_only_for_retained_copies() -> None:
     assert observed_at(5.0, retained=True, now=9.0) == 5.0
     assert observed_at(5.0, retained=False, now=9.0) == 9.0
+
+
+def test_an_instance_heard_only_by_heartbeats_is_kept_until_its_status_arrives() -> None:
+    t = MembershipTable()
+    t.apply_status(status("a", instance="real"), at=1.0)
+    t.apply_heartbeat(beat("a", instance="twin"), at=1.1)  # its retained status was overwritten
+    view = t.view(1.2)
+    assert {s.instance: s.state for s in view.nodes[0].services} == {"real": "online", "twin": "online"}
+    assert view.nodes[0].conflicts, "two live instances are a conflict even without the twin's status"
+    assert view.nodes[0].device_class == "jetson-nano", "the node is described by the real status"
+    t.apply_status(status("a", instance="twin", state="offline", reason="shutdown"), at=1.3)
+    twin = next(s for s in t.view(1.4).nodes[0].services if s.instance == "twin")
+    assert twin.state == "offline" and twin.reason == "shutdown"

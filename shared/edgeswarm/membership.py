@@ -11,6 +11,7 @@ merged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, NodeView, ServiceView, Status
@@ -44,9 +45,17 @@ class MembershipTable:
             self._forget_superseded(status, at)
 
     def apply_heartbeat(self, hb: Heartbeat, at: float) -> None:
-        """Record a heartbeat observed at ``at``; heartbeats of instances without a status are kept for later."""
-        held = self._instances.get((hb.node, hb.service, hb.instance))
-        if held is not None and at > held.heard_at:
+        """Record a heartbeat observed at ``at``.
+
+        An instance heard only through heartbeats is kept with a provisional status until its real one
+        arrives: a live twin whose retained status was overwritten by the other's is still seen, so the
+        conflict is reported.
+        """
+        key = (hb.node, hb.service, hb.instance)
+        held = self._instances.get(key)
+        if held is None:
+            self._instances[key] = _Instance(_provisional_status(hb, at), -math.inf, at)
+        elif at > held.heard_at:
             held.heard_at = at
 
     def view(self, now: float) -> ClusterView:
@@ -97,6 +106,13 @@ class MembershipTable:
             if (key[0], key[1]) == (status.node, status.service) and key[2] != status.instance \
                     and inst.status.state == "offline" and inst.status_at <= at:
                 del self._instances[key]
+
+
+def _provisional_status(hb: Heartbeat, at: float) -> Status:
+    return Status(state="online", node=hb.node, service=hb.service, instance=hb.instance, version="unknown",
+                  host="unknown", pid=0, device_class="unknown", memory_budget_bytes=0,
+                  free_memory_bytes=hb.free_memory_bytes, data_url="", heartbeat_interval_s=hb.interval_s,
+                  started_at=at - hb.uptime_s, reason="known only from its heartbeats; no status seen yet")
 
 
 def observed_at(sent_at: float, retained: bool, now: float) -> float:

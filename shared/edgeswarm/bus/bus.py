@@ -60,6 +60,14 @@ class Inbound:
 Handler = Callable[[Inbound], None]
 
 
+def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
+    """The MQTT 5 properties that mirror ``env`` (docs/wire-format.md section 3)."""
+    return PublishOptions(
+        expires_in_s=ttl_s, reply_to=env.reply_to, correlation_id=env.correlation_id,
+        envelope=f"msg_id={env.msg_id} schema={env.schema_name}/{env.schema_version} "
+                 f"sender={env.sender_node}/{env.sender_service}/{env.sender_instance}")
+
+
 @dataclass(frozen=True)
 class _Route:
     handler: Handler
@@ -195,7 +203,7 @@ class Bus:
         """Publish ``message`` on the hub; returns the envelope sent. ``ttl_s`` sets its expiry (seconds)."""
         env = self.sender.envelope(message, ttl_s=ttl_s, correlation_id=correlation_id, reply_to=reply_to)
         payload = encode(env, message)
-        options = PublishOptions(expires_in_s=ttl_s, reply_to=reply_to, correlation_id=correlation_id)
+        options = mirrored(env, ttl_s)
         self.hub.publish(topic, payload, qos=qos, retain=retain, options=options,
                          timeout_s=timeout_s or self.settings.publish_timeout_s)
         self.metrics.count("messages_out")
@@ -260,7 +268,7 @@ class Bus:
         env = self.sender.envelope(message)
         headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
         chunk = max(1024, min(self.settings.chunk_bytes, conn.max_packet_bytes - headroom))
-        options = PublishOptions()
+        options = mirrored(env, None)
         link = self._links.get(node)
         sent = 0
         for frame in tensor_frames(env, message, value, chunk):

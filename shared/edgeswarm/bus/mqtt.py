@@ -56,11 +56,16 @@ class Will:
 
 @dataclass(frozen=True)
 class PublishOptions:
-    """Envelope fields mirrored into MQTT 5 properties (ignored on 3.1.1, where the envelope alone carries them)."""
+    """Envelope fields mirrored into MQTT 5 properties (ignored on 3.1.1, where the envelope alone carries them).
+
+    ``envelope`` is the rest of the envelope in one line (message id, schema and sender) for MQTT 5
+    tools; it travels as the user property ``edgeswarm``.
+    """
 
     expires_in_s: float | None = None
     reply_to: str | None = None
     correlation_id: str | None = None
+    envelope: str | None = None
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -402,9 +407,10 @@ class _PackedProperties(Properties):
 def publish_properties(options: PublishOptions | None) -> bytes:
     """The MQTT 5 PUBLISH properties mirroring an envelope, packed (length varint first).
 
-    Only the envelope fields MQTT 5 has a property for are mirrored: MessageExpiryInterval (whole
-    seconds, at least 1), ResponseTopic and CorrelationData (the correlation id's UTF-8 bytes). Each
-    property costs every receiving paho client tens of microseconds to parse, so nothing else is sent.
+    MessageExpiryInterval (whole seconds, at least 1), ResponseTopic and CorrelationData (the
+    correlation id's UTF-8 bytes) carry the envelope fields MQTT 5 has a property for, and one user
+    property ``edgeswarm`` the rest. One property more would cost every receiving paho client about
+    10 microseconds to parse, so nothing else is sent.
     """
     buf = bytearray()
     if options is not None:
@@ -414,6 +420,8 @@ def publish_properties(options: PublishOptions | None) -> bytes:
             buf += b"\x08" + _utf8(options.reply_to.encode())
         if options.correlation_id:
             buf += b"\x09" + _utf8(options.correlation_id.encode())
+        if options.envelope:
+            buf += b"\x26" + _ENVELOPE_KEY + _utf8(options.envelope.encode())
     return _varint(len(buf)) + bytes(buf)
 
 
@@ -439,3 +447,4 @@ def packet_size(topic: str, payload_len: int, qos: int, props: Properties | None
     return 1 + length_bytes + remaining
 
 
+_ENVELOPE_KEY = _utf8(b"edgeswarm")
