@@ -34,3 +34,14 @@ def test_the_device_class_table_matches_the_catalogue() -> None:
 def test_every_setting_is_documented() -> None:
     for name in Settings.model_fields:
         assert f"EDGESWARM_{name.upper()}" in README, f"README.md does not document EDGESWARM_{name.upper()}"
+
+
+def test_the_wire_format_document_names_every_schema_and_field() -> None:
+    import edgeswarm.messages  # noqa: F401 - registers the schemas
+    from edgeswarm.wire import registered
+
+    doc = (REPO / "docs" / "wire-format.md").read_text()
+    for cls in registered():
+        assert f"`{cls.SCHEMA}`" in doc, f"docs/wire-format.md does not describe {cls.SCHEMA}"
+        for field in cls.model_fields:
+            assert f"`{field}`" in doc, f"docs/wire-format.md does not name {cls.SCHEMA}'s field {field}"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
-from edgeswarm.errors import UnknownRouteError
+from edgeswarm.errors import InvalidMessageError, UnknownRouteError
 from edgeswarm.messages import BenchAck, BenchData, BenchEcho, BenchEchoReply, BenchStart
 from edgeswarm.runtime.service import Service
 
@@ -51,7 +51,9 @@ class NodeAgentService(Service):
 
     def _on_bench_data(self, msg: Inbound) -> None:
         body = msg.body
-        assert isinstance(body, BenchData) and msg.tensor is not None
+        assert isinstance(body, BenchData)  # guaranteed by the subscription's schema filter
+        if msg.tensor is None:
+            raise InvalidMessageError(f"bench data {body.run_id}/{body.seq} from {msg.sender} carries no tensor")
         now = time.time()
         with self._runs_lock:
             run = self._runs.get(body.run_id)

@@ -1,0 +1,629 @@
+"""An independent decoder for edgeswarm's wire format, written from ``docs/wire-format.md`` alone.
+
+It deliberately does not import ``edgeswarm``: its purpose is to prove that the document is enough to
+read every message edgeswarm puts on a broker. Section numbers in comments refer to that document.
+
+Entry points:
+
+* :func:`decode` turns one MQTT payload into a :class:`Frame`, or a :class:`Cleared` for a zero-length
+  payload (a retained-topic clear, which carries no message). Anything the document says to reject
+  raises :class:`DocDecodeError`.
+* :class:`Reassembler` collects the chunk frames of tensors (any order, duplicates) and returns a
+  :class:`Tensor` when one is complete.
+* :func:`tensor_array` / :func:`bfloat16_to_float32` turn tensor bytes into numpy arrays.
+* :func:`schemas_for_topic` says which schemas the document places on a topic.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "DTYPES", "DocDecodeError", "Cleared", "Frame", "TensorDescriptor", "Tensor", "Reassembler",
+    "decode", "decode_header", "tensor_array", "bfloat16_to_float32", "schemas_for_topic", "SCHEMAS",
+]
+
+
+class DocDecodeError(ValueError):
+    """A payload that docs/wire-format.md says a decoder must reject."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Section 1: the frame
+# --------------------------------------------------------------------------------------------------
+
+MAGIC = b"ES"
+FRAME_VERSION = 1
+PREFIX_SIZE = 8
+MAX_HEADER = 65536
+DEFAULT_MAX_TENSOR_BYTES = 2 * 1024 ** 3  # EDGESWARM_MAX_TENSOR_BYTES default, 2 GiB
+DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0  # EDGESWARM_REASSEMBLY_TIMEOUT_S default
+
+# --------------------------------------------------------------------------------------------------
+# Section 3: the envelope
+# --------------------------------------------------------------------------------------------------
+
+ENVELOPE_KEYS = ("msg_id", "schema_name", "schema_version", "sender_node", "sender_service",
+                 "sender_instance", "sent_at", "expires_at", "correlation_id", "reply_to")
+_MSG_ID = re.compile(r"[0-9a-f]{32}")
+_IDENT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# --------------------------------------------------------------------------------------------------
+# Section 4: tensors
+# --------------------------------------------------------------------------------------------------
+
+TENSOR_KEYS = ("dtype", "shape", "nbytes", "chunk_size", "chunk", "n_chunks", "crc32")
+MAX_DIMS = 32
+
+#: dtype name -> (item size, little-endian numpy dtype used to read the bytes)
+DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (4, np.dtype("<f4")),
+    "float16": (2, np.dtype("<f2")),
+    "bfloat16": (2, np.dtype("<u2")),  # the upper 16 bits of a binary32, as an unsigned 16-bit integer
+    "int64": (8, np.dtype("<i8")),
+    "int32": (4, np.dtype("<i4")),
+    "uint8": (1, np.dtype("u1")),
+    "bool": (1, np.dtype("u1")),  # read as bytes, checked to be 0x00/0x01, then viewed as bool
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """A zero-length payload: MQTT's way of clearing a retained topic. It carries no message."""
+
+    kind: str = "clear"
+
+
+@dataclass(frozen=True)
+class TensorDescriptor:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunk_size: int
+    chunk: int
+    n_chunks: int
+    crc32: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def chunk_start(self) -> int:
+        return self.chunk * self.chunk_size
+
+    @property
+    def chunk_end(self) -> int:
+        return min(self.nbytes, (self.chunk + 1) * self.chunk_size)
+
+    def transfer_key(self) -> tuple[str, tuple[int, ...], int, int, int]:
+        """The fields every chunk of one tensor shares."""
+        return (self.dtype, self.shape, self.nbytes, self.chunk_size, self.n_chunks)
+
+
+@dataclass
+class Frame:
+    """One decoded frame."""
+
+    frame_version: int
+    flags: int
+    header_length: int
+    envelope: dict[str, Any]
+    body: dict[str, Any]
+    tensor: TensorDescriptor | None
+    data: bytes  # the body bytes: one chunk of tensor data, or b"" for a control frame
+    size: int  # total payload length
+
+    kind: str = "frame"
+
+    @property
+    def schema_name(self) -> str:
+        return self.envelope["schema_name"]
+
+    @property
+    def schema_version(self) -> int:
+        return self.envelope["schema_version"]
+
+    def expired(self, now: float | None = None) -> bool:
+        expires_at = self.envelope["expires_at"]
+        return expires_at is not None and (time.time() if now is None else now) > expires_at
+
+    def array(self) -> np.ndarray:
+        """The tensor of a single-chunk frame, read in place (section 4: n_chunks = 1)."""
+        if self.tensor is None:
+            raise DocDecodeError("frame carries no tensor")
+        if self.tensor.n_chunks != 1:
+            raise DocDecodeError(f"frame is chunk {self.tensor.chunk} of {self.tensor.n_chunks}; reassemble it")
+        return tensor_array(self.tensor.dtype, self.tensor.shape, self.data)
+
+
+@dataclass
+class Tensor:
+    """A reassembled tensor with the envelope and body its chunks carried."""
+
+    envelope: dict[str, Any]
+    body: dict[str, Any]
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    data: bytes
+
+    def array(self) -> np.ndarray:
+        return tensor_array(self.dtype, self.shape, self.data)
+
+    def float32(self) -> np.ndarray:
+        """bfloat16 tensors as float32 values; other dtypes unchanged."""
+        arr = self.array()
+        return bfloat16_to_float32(arr) if self.dtype == "bfloat16" else arr
+
+
+# --------------------------------------------------------------------------------------------------
+# Section 5: schemas, as small type specs
+# --------------------------------------------------------------------------------------------------
+#
+# A spec is one of: "str", "int", "number", "bool", "bin", a spec followed by "?" (nil allowed),
+# ("list", spec), ("map", value_spec) (string keys), ("record", {field: spec}), ("enum", {values}),
+# ("bin_max", n).
+
+_IDS = {"node": "str", "service": "str", "instance": "str"}
+
+_SERVICE_VIEW = ("record", {
+    "service": "str", "instance": "str", "state": "str", "version": "str", "host": "str", "pid": "int",
+    "data_url": "str", "heartbeat_age_s": "number?", "started_at": "number", "reason": "str?",
+})
+_NODE_VIEW = ("record", {
+    "node": "str", "state": ("enum", {"online", "suspect", "offline"}), "device_class": "str",
+    "memory_budget_bytes": "int", "free_memory_bytes": "int", "conflicts": ("list", "str"),
+    "services": ("list", _SERVICE_VIEW),
+})
+
+#: (schema_name, schema_version) -> {field: spec}
+SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
+    ("edgeswarm.status", 1): {
+        "state": ("enum", {"online", "offline"}), **_IDS, "version": "str", "host": "str", "pid": "int",
+        "device_class": "str", "memory_budget_bytes": "int", "free_memory_bytes": "int", "data_url": "str",
+        "heartbeat_interval_s": "number", "started_at": "number", "reason": "str?",
+    },
+    ("edgeswarm.heartbeat", 1): {
+        **_IDS, "seq": "int", "interval_s": "number", "uptime_s": "number", "free_memory_bytes": "int",
+        "inbox_depth": "int",
+    },
+    ("edgeswarm.metrics", 1): {
+        **_IDS, "uptime_s": "number", "counters": ("map", "int"), "gauges": ("map", "number"),
+    },
+    ("edgeswarm.probe", 1): {},
+    ("edgeswarm.probe_reply", 1): {
+        **_IDS, "healthy": "bool", "uptime_s": "number", "inbox_depth": "int", "handler_errors": "int",
+        "rejected": "int", "detail": "str",
+    },
+    ("edgeswarm.cluster_view", 1): {
+        "generated_at": "number", "heartbeat_timeout_factor": "number", "nodes": ("list", _NODE_VIEW),
+    },
+    ("edgeswarm.cluster_event", 1): {
+        "kind": ("enum", {"service_online", "service_suspect", "service_offline", "duplicate_node"}),
+        **_IDS, "detail": "str", "at": "number",
+    },
+    ("edgeswarm.bench.start", 1): {"run_id": "str", "count": "int", "done_correlation_id": "str"},
+    ("edgeswarm.bench.data", 1): {"run_id": "str", "seq": "int"},
+    ("edgeswarm.bench.ack", 1): {
+        "run_id": "str", "received": "int", "bytes": "int", "first_at": "number?", "last_at": "number?",
+    },
+    ("edgeswarm.bench.echo", 1): {"payload": ("bin_max", 16 * 1024 * 1024)},
+    ("edgeswarm.bench.echo_reply", 1): {"payload": "bin"},
+}
+
+#: Schemas the document says carry a tensor (section 5: bench.data "carries a tensor").
+TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data"})
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(value: Any, spec: Any, where: str) -> None:
+    if isinstance(spec, str):
+        if spec.endswith("?"):
+            if value is None:
+                return
+            spec = spec[:-1]
+        ok = {
+            "str": lambda v: isinstance(v, str),
+            "int": _is_int,
+            "number": lambda v: _is_int(v) or isinstance(v, float),
+            "bool": lambda v: isinstance(v, bool),
+            "bin": lambda v: isinstance(v, bytes),
+        }[spec](value)
+        if not ok:
+            raise DocDecodeError(f"{where}: expected {spec}, got {type(value).__name__} {value!r:.60}")
+        return
+    tag = spec[0]
+    if tag == "enum":
+        if not isinstance(value, str) or value not in spec[1]:
+            raise DocDecodeError(f"{where}: {value!r:.60} is not one of {sorted(spec[1])}")
+    elif tag == "bin_max":
+        if not isinstance(value, bytes):
+            raise DocDecodeError(f"{where}: expected bin, got {type(value).__name__}")
+        if len(value) > spec[1]:
+            raise DocDecodeError(f"{where}: {len(value)} bytes exceeds the limit of {spec[1]}")
+    elif tag == "list":
+        if not isinstance(value, list):
+            raise DocDecodeError(f"{where}: expected array, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            _check(item, spec[1], f"{where}[{i}]")
+    elif tag == "map":
+        if not isinstance(value, dict):
+            raise DocDecodeError(f"{where}: expected map, got {type(value).__name__}")
+        for key, item in value.items():
+            _check(item, spec[1], f"{where}[{key!r}]")
+    elif tag == "record":
+        _check_record(value, spec[1], where)
+    else:  # pragma: no cover - a bug in the spec table
+        raise AssertionError(spec)
+
+
+def _check_record(value: Any, fields: Mapping[str, Any], where: str) -> None:
+    if not isinstance(value, dict):
+        raise DocDecodeError(f"{where}: expected map, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise DocDecodeError(f"{where}: unknown field(s) {unknown}")
+    missing = sorted(set(fields) - set(value))
+    if missing:
+        raise DocDecodeError(f"{where}: missing field(s) {missing}")
+    for name, spec in fields.items():
+        _check(value[name], spec, f"{where}.{name}")
+
+
+# --------------------------------------------------------------------------------------------------
+# msgpack (section 1, "msgpack details")
+# --------------------------------------------------------------------------------------------------
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise DocDecodeError(f"header uses msgpack extension type {code}, which the format never uses")
+
+
+def _walk_plain(obj: Any, where: str) -> None:
+    """Reject anything msgpack can produce that the format does not use (extensions, non-str keys)."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise DocDecodeError(f"{where}: map key {key!r:.40} is not a string")
+            _walk_plain(value, f"{where}.{key}")
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            _walk_plain(value, f"{where}[{i}]")
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return
+    else:  # msgpack.Timestamp (extension -1), msgpack.ExtType, ...
+        raise DocDecodeError(f"{where}: msgpack value of type {type(obj).__name__} is not allowed")
+
+
+def decode_header(raw: bytes) -> dict[str, Any]:
+    """Unpack the header bytes: exactly one msgpack map, nothing before or after it."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
+                                 timestamp=0)
+    except DocDecodeError:
+        raise
+    except Exception as exc:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ValueError...
+        raise DocDecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise DocDecodeError(f"header is not a msgpack map but {type(header).__name__}")
+    _walk_plain(header, "header")
+    return header
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_envelope(env: Any) -> dict[str, Any]:
+    if not isinstance(env, dict):
+        raise DocDecodeError(f"env is not a map but {type(env).__name__}")
+    unknown = sorted(set(env) - set(ENVELOPE_KEYS))
+    if unknown:
+        raise DocDecodeError(f"env has unknown key(s) {unknown}")
+    missing = [k for k in ENVELOPE_KEYS if k not in env]
+    if missing:
+        raise DocDecodeError(f"env lacks key(s) {missing}")
+    msg_id = env["msg_id"]
+    if not isinstance(msg_id, str) or not _MSG_ID.fullmatch(msg_id):
+        raise DocDecodeError(f"env.msg_id {msg_id!r:.60} is not 32 lowercase hex digits")
+    if not isinstance(env["schema_name"], str):
+        raise DocDecodeError("env.schema_name is not a string")
+    version = env["schema_version"]
+    if not _is_int(version) or version < 1:
+        raise DocDecodeError(f"env.schema_version {version!r} is not an integer >= 1")
+    for key in ("sender_node", "sender_service", "sender_instance"):
+        value = env[key]
+        if not isinstance(value, str) or not _IDENT.fullmatch(value):
+            raise DocDecodeError(f"env.{key} {value!r:.80} does not match ^[A-Za-z0-9_.-]{{1,64}}$")
+    if not isinstance(env["sent_at"], float) or not math.isfinite(env["sent_at"]):
+        raise DocDecodeError(f"env.sent_at {env['sent_at']!r} is not a finite float")
+    if env["expires_at"] is not None and (not isinstance(env["expires_at"], float)
+                                          or not math.isfinite(env["expires_at"])):
+        raise DocDecodeError(f"env.expires_at {env['expires_at']!r} is neither a finite float nor nil")
+    for key in ("correlation_id", "reply_to"):
+        if env[key] is not None and not isinstance(env[key], str):
+            raise DocDecodeError(f"env.{key} is neither a string nor nil")
+    return env
+
+
+def _check_tensor(desc: Any, data_len: int, max_tensor_bytes: int) -> TensorDescriptor:
+    if not isinstance(desc, dict):
+        raise DocDecodeError(f"tensor is neither a map nor nil but {type(desc).__name__}")
+    unknown = sorted(set(desc) - set(TENSOR_KEYS))
+    if unknown:
+        raise DocDecodeError(f"tensor has unknown key(s) {unknown}")
+    missing = [k for k in TENSOR_KEYS if k not in desc]
+    if missing:
+        raise DocDecodeError(f"tensor lacks key(s) {missing}")
+    dtype = desc["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise DocDecodeError(f"tensor.dtype {dtype!r:.40} is not one of {sorted(DTYPES)}")
+    shape = desc["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise DocDecodeError(f"tensor.shape {shape!r:.80} is not an array of integers >= 0")
+    if len(shape) > MAX_DIMS:
+        raise DocDecodeError(f"tensor.shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    for key in ("nbytes", "chunk_size", "chunk", "n_chunks", "crc32"):
+        if not _is_int(desc[key]):
+            raise DocDecodeError(f"tensor.{key} {desc[key]!r:.40} is not an integer")
+    nbytes, chunk_size, chunk, n_chunks, crc = (desc[k] for k in ("nbytes", "chunk_size", "chunk", "n_chunks",
+                                                                    "crc32"))
+    expected_nbytes = math.prod(shape) * DTYPES[dtype][0]
+    if nbytes != expected_nbytes:
+        raise DocDecodeError(f"tensor.nbytes {nbytes} does not match shape {shape} x {dtype} item size "
+                             f"= {expected_nbytes}")
+    if nbytes > max_tensor_bytes:
+        raise DocDecodeError(f"tensor.nbytes {nbytes} is above the limit of {max_tensor_bytes}")
+    if chunk_size < 1:
+        raise DocDecodeError(f"tensor.chunk_size {chunk_size} is not >= 1")
+    expected_chunks = max(1, -(-nbytes // chunk_size))
+    if n_chunks != expected_chunks:
+        raise DocDecodeError(f"tensor.n_chunks {n_chunks} does not match max(1, ceil({nbytes} / {chunk_size})) "
+                             f"= {expected_chunks}")
+    if not 0 <= chunk < n_chunks:
+        raise DocDecodeError(f"tensor.chunk {chunk} is out of range 0..{n_chunks - 1}")
+    if not 0 <= crc <= 0xFFFFFFFF:
+        raise DocDecodeError(f"tensor.crc32 {crc} is not an unsigned 32-bit value")
+    result = TensorDescriptor(dtype, tuple(shape), nbytes, chunk_size, chunk, n_chunks, crc)
+    expected_len = result.chunk_end - result.chunk_start
+    if data_len != expected_len:
+        raise DocDecodeError(f"chunk {chunk} body is {data_len} bytes, the descriptor says {expected_len}")
+    return result
+
+
+def decode(payload: bytes | bytearray | memoryview, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+           schemas: Mapping[tuple[str, int], Mapping[str, Any]] = SCHEMAS) -> Frame | Cleared:
+    """Decode one MQTT payload; raise :class:`DocDecodeError` for anything the document rejects."""
+    payload = bytes(payload)
+    if len(payload) == 0:
+        return Cleared()
+    if len(payload) < PREFIX_SIZE:
+        raise DocDecodeError(f"payload of {len(payload)} bytes is shorter than the 8-byte prefix")
+    magic, version, flags, header_len = struct.unpack_from("<2sBBI", payload, 0)
+    if magic != MAGIC:
+        raise DocDecodeError(f"wrong magic {magic!r}, expected {MAGIC!r}")
+    if version != FRAME_VERSION:
+        raise DocDecodeError(f"frame version {version} is not {FRAME_VERSION}")
+    # flags: reserved, ignored on read.
+    if header_len > MAX_HEADER:
+        raise DocDecodeError(f"header length {header_len} is above {MAX_HEADER}")
+    if PREFIX_SIZE + header_len > len(payload):
+        raise DocDecodeError(f"header length {header_len} runs past the end of a {len(payload)}-byte payload")
+    header = decode_header(payload[PREFIX_SIZE:PREFIX_SIZE + header_len])
+    data = payload[PREFIX_SIZE + header_len:]
+
+    unknown = sorted(set(header) - {"env", "body", "tensor"})
+    if unknown:
+        raise DocDecodeError(f"header has unknown key(s) {unknown}")
+    if "env" not in header:
+        raise DocDecodeError("header has no env")
+    if "body" not in header:
+        raise DocDecodeError("header has no body")
+    env = _check_envelope(header["env"])
+
+    key = (env["schema_name"], env["schema_version"])
+    if key not in schemas:
+        known = sorted(v for (n, v) in schemas if n == env["schema_name"])
+        if known:
+            raise DocDecodeError(f"{env['schema_name']} version {env['schema_version']} is unknown "
+                                 f"(known: {known})")
+        raise DocDecodeError(f"unknown schema {env['schema_name']!r}")
+    _check_record(header["body"], schemas[key], f"body({env['schema_name']})")
+
+    raw_tensor = header.get("tensor")
+    if raw_tensor is None:
+        if data:
+            raise DocDecodeError(f"{len(data)} body bytes after a header whose tensor is nil")
+        tensor = None
+    else:
+        tensor = _check_tensor(raw_tensor, len(data), max_tensor_bytes)
+        crc = zlib.crc32(data) & 0xFFFFFFFF
+        if crc != tensor.crc32:
+            raise DocDecodeError(f"chunk {tensor.chunk} CRC-32 is {crc:#010x}, the descriptor says "
+                                 f"{tensor.crc32:#010x}")
+    if (tensor is not None) != (env["schema_name"] in TENSOR_SCHEMAS):
+        raise DocDecodeError(f"{env['schema_name']} frame {'with' if tensor else 'without'} a tensor")
+    return Frame(frame_version=version, flags=flags, header_length=header_len, envelope=env,
+                 body=header["body"], tensor=tensor, data=data, size=len(payload))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor values
+# --------------------------------------------------------------------------------------------------
+
+
+def tensor_array(dtype: str, shape: tuple[int, ...] | list[int], data: bytes) -> np.ndarray:
+    """The elements in ``data`` (C order, little-endian, no padding) as a numpy array.
+
+    bfloat16 comes back as its uint16 bits (see :func:`bfloat16_to_float32`); bool is checked to be
+    0x00/0x01 bytes.
+    """
+    if dtype not in DTYPES:
+        raise DocDecodeError(f"unknown dtype {dtype!r}")
+    itemsize, np_dtype = DTYPES[dtype]
+    expected = math.prod(shape) * itemsize
+    if len(data) != expected:
+        raise DocDecodeError(f"{len(data)} data bytes for shape {list(shape)} of {dtype} (expected {expected})")
+    arr = np.frombuffer(data, dtype=np_dtype).reshape(tuple(shape))
+    if dtype == "bool":
+        if arr.size and arr.max() > 1:
+            raise DocDecodeError("bool tensor holds a byte other than 0x00 and 0x01")
+        arr = arr.view(np.bool_)
+    return arr
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values stored as uint16 bits -> the float32 values they stand for (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype.kind != "u" or bits.dtype.itemsize != 2:
+        raise TypeError(f"expected uint16 bfloat16 bits, got {bits.dtype}")
+    return (bits.astype("<u4") << 16).view("<f4")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reassembly (section 4)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    envelope: dict[str, Any]
+    body: dict[str, Any]
+    key: tuple[Any, ...]
+    buffer: bytearray
+    have: set[int] = field(default_factory=set)
+    last_progress: float = 0.0
+
+
+class Reassembler:
+    """Collects chunk frames; :meth:`feed` returns a :class:`Tensor` when the last missing chunk comes in.
+
+    Chunks may come in any order and more than once; a chunk already held (or one of a tensor already
+    delivered recently) is ignored. A transfer with no new chunk for ``timeout_s`` is freed by
+    :meth:`expire` (called on every feed).
+    """
+
+    def __init__(self, *, timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic, remember_completed: int = 1024) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._transfers: dict[tuple[str, str], _Transfer] = {}
+        self._completed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._remember = remember_completed
+        self.duplicates = 0
+        self.freed = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._transfers)
+
+    def pending_bytes(self) -> int:
+        return sum(len(t.buffer) for t in self._transfers.values())
+
+    def expire(self, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        stale = [k for k, t in self._transfers.items() if now - t.last_progress > self.timeout_s]
+        for k in stale:
+            del self._transfers[k]
+        self.freed += len(stale)
+        return len(stale)
+
+    def feed(self, frame: Frame | bytes) -> Tensor | None:
+        if not isinstance(frame, Frame):
+            decoded = decode(frame)
+            if not isinstance(decoded, Frame):
+                return None
+            frame = decoded
+        desc = frame.tensor
+        if desc is None:
+            raise DocDecodeError("frame carries no tensor")
+        now = self.clock()
+        self.expire(now)
+        ident = (frame.envelope["sender_instance"], frame.envelope["msg_id"])
+        if ident in self._completed:
+            self.duplicates += 1
+            return None
+        transfer = self._transfers.get(ident)
+        if transfer is None:
+            if desc.n_chunks == 1:  # read in place, no copy needed
+                self._done(ident)
+                return Tensor(frame.envelope, frame.body, desc.dtype, desc.shape, desc.nbytes, frame.data)
+            transfer = _Transfer(frame.envelope, frame.body, desc.transfer_key(), bytearray(desc.nbytes),
+                                 last_progress=now)
+            self._transfers[ident] = transfer
+        else:
+            if desc.transfer_key() != transfer.key:
+                raise DocDecodeError(f"chunk {desc.chunk} of {ident[1]} disagrees with earlier chunks: "
+                                     f"{desc.transfer_key()} != {transfer.key}")
+            if frame.body != transfer.body:
+                raise DocDecodeError(f"chunk {desc.chunk} of {ident[1]} repeats a different body")
+            if frame.envelope != transfer.envelope:
+                diff = sorted(k for k in ENVELOPE_KEYS if frame.envelope[k] != transfer.envelope[k])
+                raise DocDecodeError(f"chunk {desc.chunk} of {ident[1]} has a different envelope ({diff})")
+        if desc.chunk in transfer.have:
+            self.duplicates += 1
+            return None
+        transfer.buffer[desc.chunk_start:desc.chunk_end] = frame.data
+        transfer.have.add(desc.chunk)
+        transfer.last_progress = now
+        if len(transfer.have) < desc.n_chunks:
+            return None
+        del self._transfers[ident]
+        self._done(ident)
+        return Tensor(transfer.envelope, transfer.body, desc.dtype, desc.shape, desc.nbytes, bytes(transfer.buffer))
+
+    def _done(self, ident: tuple[str, str]) -> None:
+        self._completed[ident] = None
+        while len(self._completed) > self._remember:
+            self._completed.popitem(last=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Topics (sections 5, 6, 7)
+# --------------------------------------------------------------------------------------------------
+
+_REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo"})
+_REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply"})
+
+
+def schemas_for_topic(topic: str) -> frozenset[str] | None:
+    """The schemas the document puts on ``topic``, or None for a topic it does not describe."""
+    levels = topic.split("/")
+    if levels[0] != "edgeswarm":
+        return None
+    if levels[1:] == ["cluster", "view"]:
+        return frozenset({"edgeswarm.cluster_view"})
+    if levels[1:] == ["cluster", "events"]:
+        return frozenset({"edgeswarm.cluster_event"})
+    if len(levels) == 5 and levels[1] == "reply":
+        return _REPLY_SCHEMAS
+    if len(levels) == 5 and levels[1] == "node":
+        return {
+            "status": frozenset({"edgeswarm.status"}),
+            "heartbeat": frozenset({"edgeswarm.heartbeat"}),
+            "metrics": frozenset({"edgeswarm.metrics"}),
+            "request": _REQUEST_SCHEMAS,
+            "data": frozenset({"edgeswarm.bench.data"}),
+        }.get(levels[4])
+    return None
