@@ -30,7 +30,7 @@ from edgeswarm.wire import Reassembler, Sender, decode, tensor_frames
 KB = 1024
 MB = 1024 * 1024
 # Payload size -> how many to send: enough volume per size for a stable figure in a few seconds.
-DEFAULT_PLAN: dict[int, int] = {KB: 2000, 64 * KB: 400, MB: 100, 16 * MB: 8, 64 * MB: 3}
+DEFAULT_PLAN: dict[int, int] = {KB: 2000, 64 * KB: 400, MB: 100, 16 * MB: 16, 64 * MB: 6}
 
 
 class ThroughputRow(BaseModel):
