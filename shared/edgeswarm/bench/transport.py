@@ -75,6 +75,8 @@ def run_transport_bench(bus: Bus, node: str, *, plan: dict[int, int] | None = No
                         progress: Callable[[str], None] = lambda _msg: None) -> TransportReport:
     """Measure the transport against ``node``'s node-agent over ``bus``. Raises EdgeswarmError."""
     plan = plan or DEFAULT_PLAN
+    progress(f"QoS 1 round trips of 1 KB x {rtt_samples}")
+    rtts = _round_trips(bus, node, rtt_samples)
     rows = []
     sink = _TcpSink()
     try:
@@ -91,8 +93,6 @@ def run_transport_bench(bus: Bus, node: str, *, plan: dict[int, int] | None = No
             rows.append(ThroughputRow(size_bytes=size, count=count, mqtt_mb_s=mqtt, tcp_mb_s=tcp))
     finally:
         sink.close()
-    progress(f"QoS 1 round trips of 1 KB x {rtt_samples}")
-    rtts = _round_trips(bus, node, rtt_samples)
     progress("codec on a 64 MiB float32 tensor")
     codec = codec_figures(chunk_bytes=bus.settings.chunk_bytes)
     return TransportReport(
@@ -121,7 +121,7 @@ def _mqtt_stream(bus: Bus, node: str, size: int, count: int) -> float:
 def _round_trips(bus: Bus, node: str, samples: int) -> list[float]:
     topic = topics.request(node, "node-agent")
     echo = BenchEcho(payload=bytes(KB))
-    for _ in range(20):
+    for _ in range(100):
         bus.request(topic, echo)
     rtts = []
     for _ in range(samples):

@@ -317,9 +317,9 @@ class Bus:
             return
         self.metrics.count("messages_in")
         self.metrics.count("bytes_in", len(msg.payload))
-        self.dispatch(Inbound(msg.topic, env, frame.body, tensor, msg.retain))
+        self._dispatch(Inbound(msg.topic, env, frame.body, tensor, msg.retain))
 
-    def dispatch(self, inbound: Inbound) -> None:
+    def _dispatch(self, inbound: Inbound) -> None:
         """Run every handler subscribed to ``inbound.topic`` that accepts its schema, isolating failures."""
         routes = [r for r in self._routes.match(inbound.topic) if isinstance(r, _Route)]
         accepted = [r for r in routes if r.schemas is None or isinstance(inbound.body, r.schemas)]

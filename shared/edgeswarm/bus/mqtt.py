@@ -195,10 +195,6 @@ class MqttConnection:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def wait_connected(self, timeout_s: float) -> bool:
-        """Block until connected (True) or ``timeout_s`` passes (False)."""
-        return self._connected.wait(timeout_s)
-
     @property
     def max_packet_bytes(self) -> int:
         """The largest packet this connection may send, in bytes."""

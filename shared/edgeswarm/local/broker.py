@@ -60,7 +60,6 @@ def mosquitto_config(port: int, host: str = "127.0.0.1", *, max_packet_bytes: in
         "log_type error",
         "log_type warning",
         "log_type notice",
-        "log_type all",
     ]
     if persistence_dir is None:
         lines.append("persistence false")

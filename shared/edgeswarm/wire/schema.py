@@ -90,10 +90,6 @@ class Sender(BaseModel):
             reply_to=reply_to,
         )
 
-    @property
-    def label(self) -> str:
-        return f"{self.node}/{self.service}"
-
 
 _REGISTRY: dict[str, dict[int, type[Message]]] = {}
 
