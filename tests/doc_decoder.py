@@ -335,15 +335,20 @@ def decode_header(raw: bytes) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _check_keys(name: str, mapping: dict[str, Any], keys: Any) -> None:
+    """Section 2: every key present, no other key."""
+    unknown = sorted(set(mapping) - set(keys))
+    if unknown:
+        raise DocDecodeError(f"{name} has unknown key(s) {unknown}")
+    missing = [k for k in keys if k not in mapping]
+    if missing:
+        raise DocDecodeError(f"{name} lacks key(s) {missing}")
+
+
 def _check_envelope(env: Any) -> dict[str, Any]:
     if not isinstance(env, dict):
         raise DocDecodeError(f"env is not a map but {type(env).__name__}")
-    unknown = sorted(set(env) - set(ENVELOPE_KEYS))
-    if unknown:
-        raise DocDecodeError(f"env has unknown key(s) {unknown}")
-    missing = [k for k in ENVELOPE_KEYS if k not in env]
-    if missing:
-        raise DocDecodeError(f"env lacks key(s) {missing}")
+    _check_keys("env", env, ENVELOPE_KEYS)
     msg_id = env["msg_id"]
     if not isinstance(msg_id, str) or not _MSG_ID.fullmatch(msg_id):
         raise DocDecodeError(f"env.msg_id {msg_id!r:.60} is not 32 lowercase hex digits")
@@ -370,12 +375,7 @@ def _check_envelope(env: Any) -> dict[str, Any]:
 def _check_tensor(desc: Any, data_len: int, max_tensor_bytes: int) -> TensorDescriptor:
     if not isinstance(desc, dict):
         raise DocDecodeError(f"tensor is neither a map nor nil but {type(desc).__name__}")
-    unknown = sorted(set(desc) - set(TENSOR_KEYS))
-    if unknown:
-        raise DocDecodeError(f"tensor has unknown key(s) {unknown}")
-    missing = [k for k in TENSOR_KEYS if k not in desc]
-    if missing:
-        raise DocDecodeError(f"tensor lacks key(s) {missing}")
+    _check_keys("tensor", desc, TENSOR_KEYS)
     dtype = desc["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise DocDecodeError(f"tensor.dtype {dtype!r:.40} is not one of {sorted(DTYPES)}")

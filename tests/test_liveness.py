@@ -24,6 +24,17 @@ def latest(bus: Bus, topic: str, schema: type[m.Message]) -> list[Inbound]:
     return got
 
 
+def start_online(services, broker: BrokerProcess, make_bus, node: str, **env: str):
+    """Start a node agent on ``node`` and wait until its retained status says online.
+
+    Returns the process and the list that keeps collecting its statuses.
+    """
+    proc = services.start("node-agent", node, broker.url, **env)
+    statuses = latest(make_bus(f"watch-{node}", "cli"), topics.status(node, "node-agent"), m.Status)
+    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message=f"{node} online")
+    return proc, statuses
+
+
 def service_state(watcher: ClusterWatcher, node: str, service: str) -> str | None:
     view, _ = watcher.view()
     n = view.node(node)
@@ -31,14 +42,17 @@ def service_state(watcher: ClusterWatcher, node: str, service: str) -> str | Non
     return states[0] if len(states) == 1 else None
 
 
+def coordinator_says(watcher: ClusterWatcher, node: str, state: str) -> bool:
+    """Whether the coordinator's view (not the fallback from retained topics) has ``node``'s agent in ``state``."""
+    return watcher.view()[1] == "coordinator" and service_state(watcher, node, "node-agent") == state
+
+
 def test_a_service_announces_itself_beats_answers_probes_and_says_goodbye(broker: BrokerProcess, services,
                                                                           make_bus) -> None:
-    proc = services.start("node-agent", "nano-1", broker.url, EDGESWARM_DEVICE_CLASS="jetson-nano")
     watch = make_bus("watch", "cli")
-    statuses = latest(watch, topics.status("nano-1", "node-agent"), m.Status)
     beats = latest(watch, topics.heartbeat("nano-1", "node-agent"), m.Heartbeat)
     metrics = latest(watch, topics.metrics("nano-1", "node-agent"), m.MetricsReport)
-    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="online status")
+    proc, statuses = start_online(services, broker, make_bus, "nano-1", EDGESWARM_DEVICE_CLASS="jetson-nano")
     status = statuses[-1].body
     assert status.device_class == "jetson-nano" and status.pid == proc.pid
     assert status.data_url == broker.url and 0 < status.memory_budget_bytes <= 3 * 2**30
@@ -59,10 +73,7 @@ def test_a_service_announces_itself_beats_answers_probes_and_says_goodbye(broker
 
 def test_sigkill_leaves_an_offline_status_within_the_keepalive_bound(broker: BrokerProcess, services,
                                                                      make_bus) -> None:
-    proc = services.start("node-agent", "tx2-0", broker.url)
-    watch = make_bus("watch", "cli")
-    statuses = latest(watch, topics.status("tx2-0", "node-agent"), m.Status)
-    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="online")
+    proc, statuses = start_online(services, broker, make_bus, "tx2-0")
     proc.kill()
     killed_at = time.monotonic()
     wait_until(lambda: statuses[-1].body.state == "offline", 1.5 * KEEPALIVE_S + 2, message="Last Will")
@@ -79,8 +90,7 @@ def test_a_stopped_node_turns_suspect_then_offline(broker: BrokerProcess, servic
     agent = services.start("node-agent", "nano-2", broker.url)
     events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
     watcher = ClusterWatcher(make_bus("watch", "cli"))
-    wait_until(lambda: service_state(watcher, "nano-2", "node-agent") == "online", 20, message="online")
-    assert watcher.view()[1] == "coordinator"
+    wait_until(lambda: coordinator_says(watcher, "nano-2", "online"), 20, message="online in the coordinator's view")
     os.kill(agent.pid, signal.SIGSTOP)
     try:
         stopped = time.monotonic()
@@ -96,10 +106,7 @@ def test_a_stopped_node_turns_suspect_then_offline(broker: BrokerProcess, servic
 
 def test_a_second_instance_with_the_same_node_id_refuses_to_start(broker: BrokerProcess, services,
                                                                    make_bus) -> None:
-    first = services.start("node-agent", "nano-3", broker.url)
-    watch = make_bus("watch", "cli")
-    statuses = latest(watch, topics.status("nano-3", "node-agent"), m.Status)
-    wait_until(lambda: statuses and statuses[-1].body.state == "online", 20, message="first online")
+    first, statuses = start_online(services, broker, make_bus, "nano-3")
     second = services.start("node-agent", "nano-3", broker.url)
     assert second.wait(20) == 3
     assert "already runs node-agent as live instance" in services.log_of(second)
@@ -112,8 +119,7 @@ def test_a_duplicate_that_appears_later_is_reported_not_merged(broker: BrokerPro
     services.start("node-agent", "nano-4", broker.url)
     events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
     watcher = ClusterWatcher(make_bus("watch", "cli"))
-    wait_until(lambda: service_state(watcher, "nano-4", "node-agent") == "online" and watcher.view()[1] ==
-               "coordinator", 20, message="online in the coordinator's view")
+    wait_until(lambda: coordinator_says(watcher, "nano-4", "online"), 20, message="online in the coordinator's view")
     # A second live process on the same node id, as when two start at the same moment: it announces
     # itself and beats without having seen the first.
     twin = make_bus("nano-4", "node-agent")
