@@ -64,12 +64,11 @@ def _wait_ready(cluster: LocalCluster, devices: int, timeout_s: float, stop: thr
         view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop)
         if stop.is_set():
             raise KeyboardInterrupt
+        console.print(status_table(view, source, cluster.hub_url))
         failed = cluster.failed_children()
         if failed or online_devices(view) < devices:
-            console.print(status_table(view, source, cluster.hub_url))
             details = "; ".join(f"{c.service} on {c.node} exited ({c.log_path})" for c in failed)
             raise EdgeswarmError(f"only {online_devices(view)} of {devices} devices came online within "
                                  f"{timeout_s:.0f} s. {details}")
-        console.print(status_table(view, source, cluster.hub_url))
     finally:
         bus.stop()

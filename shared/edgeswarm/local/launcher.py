@@ -91,7 +91,17 @@ class LocalCluster:
         return self.broker.url
 
     def start(self) -> None:
-        """Start the broker, the coordinator on the hub node and every device's services."""
+        """Start the broker, the coordinator on the hub node and every device's services.
+
+        If any of them cannot be started, whatever was started is stopped again before the error is raised.
+        """
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker")
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
