@@ -68,11 +68,6 @@ class PublishOptions:
     envelope: str | None = None
 
 
-def topic_matches(topic_filter: str, topic: str) -> bool:
-    """Whether ``topic`` matches the MQTT subscription filter ``topic_filter`` (with + and # wildcards)."""
-    return paho.topic_matches_sub(topic_filter, topic)
-
-
 class TopicRouter:
     """Maps subscription filters to values and finds every value whose filter matches a topic.
 

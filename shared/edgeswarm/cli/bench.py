@@ -8,13 +8,14 @@ from pathlib import Path
 from rich.table import Table
 
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
+from edgeswarm.bus import Bus
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import hub_url
 from edgeswarm.cli.status import cli_settings
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.runtime.client import ClusterWatcher, client_bus
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids
 
 QUICK_PLAN = {KB: 500, 64 * KB: 100, MB: 20, 16 * MB: 2}
 
@@ -52,15 +53,12 @@ def run_bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_device(bus: object) -> str:
-    from edgeswarm.bus import Bus
-
-    assert isinstance(bus, Bus)
+def _first_device(bus: Bus) -> str:
     view, _ = ClusterWatcher(bus).wait(settle_s=1.0, devices=1, timeout_s=30)
-    for node in view.nodes:
-        if any(s.service == "node-agent" and s.state == "online" for s in node.services):
-            return node.node
-    raise EdgeswarmError("no online node-agent to measure against; start a cluster or pass --node")
+    devices = online_device_ids(view)
+    if not devices:
+        raise EdgeswarmError("no online node-agent to measure against; start a cluster or pass --node")
+    return devices[0]
 
 
 def report_table(report: TransportReport) -> Table:

@@ -77,6 +77,11 @@ class ClusterWatcher:
         return view, source
 
 
+def online_device_ids(view: ClusterView) -> list[str]:
+    """Ids of the nodes that run a node-agent that is online, in the view's order."""
+    return [n.node for n in view.nodes if any(s.service == "node-agent" and s.state == "online" for s in n.services)]
+
+
 def online_devices(view: ClusterView) -> int:
     """How many nodes run a node-agent that is online."""
-    return sum(1 for n in view.nodes if any(s.service == "node-agent" and s.state == "online" for s in n.services))
+    return len(online_device_ids(view))
