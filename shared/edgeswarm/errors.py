@@ -131,3 +131,65 @@ class UnknownRouteError(WireError):
 
 class DuplicateNodeError(EdgeswarmError):
     """Another live instance already holds this node id and service."""
+
+
+# --- planning ----------------------------------------------------------------------------------------
+
+
+class PlanningError(EdgeswarmError):
+    """A plan could not be made from the inputs given."""
+
+
+class ProfileError(PlanningError):
+    """The profiles do not cover what the plan needs (a batch size, a device, a link, the same model)."""
+
+
+class InfeasiblePlanError(PlanningError):
+    """No configuration fits: the model does not fit the devices' memory, or there are no devices."""
+
+
+class ScheduleError(PlanningError, ValueError):
+    """A pipeline schedule cannot be built or simulated: malformed step times, bad warm-ups, or a deadlock."""
+
+
+# --- profiling ---------------------------------------------------------------------------------------
+
+
+class ProfilerError(EdgeswarmError):
+    """A model, device or link could not be profiled."""
+
+
+class ProfileRequestError(ProfilerError, ConfigError):
+    """A profiling request is invalid: an unknown model, a bad model config or bad batch sizes."""
+
+
+class LinkMeasurementError(ProfilerError):
+    """A link to a peer could not be measured (the peer's profiler is unreachable or did not answer)."""
+
+
+class ProfileTimeoutError(ProfilerError):
+    """A node's profiler did not answer a profiling request in time."""
+
+
+# --- models and profiling ----------------------------------------------------------------------------
+
+
+class ModelError(EdgeswarmError):
+    """A model cannot be traced, linearised or split as asked."""
+
+
+class ModelTraceError(ModelError):
+    """torch.fx cannot trace the model, or its graph has no single-tensor layer sequence (several inputs or
+    outputs, an output that does not depend on the input, or a cut crossed by more than one tensor)."""
+
+
+class StageRangeError(ModelError):
+    """A stage range [start, end) is empty or lies outside the layer sequence."""
+
+
+class BatchSizeError(ProfileRequestError):
+    """A batch size, or a grid of batch sizes, is missing or invalid (batch sizes are integers >= 1)."""
+
+
+class UnitProfilingError(ProfilerError):
+    """A unit of a model's layer sequence failed to run while being profiled, or measured inconsistently."""

@@ -1,0 +1,114 @@
+"""From cut points and device groups to stage costs (Alg. 1 + Eq. 8 + Eq. 5b) and to a typed Plan.
+
+Every planner (Asteroid's DP, the baselines, the exhaustive oracle, the re-planner) prices stages here,
+so they all share one cost model. A layout is a list of (start, end, devices): units [start, end) on the
+devices with those planning-order indices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeswarm.errors import InfeasiblePlanError
+from edgeswarm.planning.allocation import allocate, memory_caps
+from edgeswarm.planning.costmodel import CostModel, allreduce_s, round_latency, warmup
+from edgeswarm.planning.types import CommStepPlan, Plan, StagePlan, Strategy, chain_steps
+
+Layout = list[tuple[int, int, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Alg. 1 results for R unit ranges on one group: seconds per micro-batch, shares, feasibility."""
+
+    forward_s: np.ndarray  # [R]
+    backward_s: np.ndarray  # [R]
+    allreduce_s: np.ndarray  # [R]
+    shares: np.ndarray  # [R, g]
+    feasible: np.ndarray  # [R] bool
+
+
+def stage_costs(cm: CostModel, group: Sequence[int], warmup_count: int, starts: np.ndarray,
+                ends: np.ndarray) -> StageCosts:
+    """Price the unit ranges [starts[r], ends[r]) as one stage on ``group`` with K = ``warmup_count``.
+
+    Infeasible ranges (memory) get infinite times.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    devs = np.asarray(list(group), dtype=np.int64)[None, :]
+    b = cm.options.micro_batch_size
+    caps = memory_caps(
+        (cm.static_prefix[ends] - cm.static_prefix[starts])[:, None],
+        (cm.act_fixed_prefix[ends] - cm.act_fixed_prefix[starts])[:, None],
+        (cm.act_sample_prefix[ends] - cm.act_sample_prefix[starts])[:, None],
+        warmup_count, cm.budget[devs], b)
+
+    def latency(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
+        e = ends[rows][:, None]
+        s = starts[rows][:, None]
+        return cm.both[devs, y, e] - cm.both[devs, y, s]
+
+    y, ok = allocate(latency, caps, b)
+    e, s = ends[:, None], starts[:, None]
+    fwd = (cm.fwd[devs, y, e] - cm.fwd[devs, y, s]).max(axis=1)
+    bwd = (cm.bwd[devs, y, e] - cm.bwd[devs, y, s]).max(axis=1)
+    weights = (cm.weight_prefix[ends] - cm.weight_prefix[starts]).astype(np.float64)
+    g = len(group)
+    ta = 0.0 if g == 1 else 2.0 * (g - 1) * weights / (g * cm.group_bandwidth(group))
+    ta = np.broadcast_to(np.asarray(ta, dtype=np.float64), fwd.shape)
+    inf = np.where(ok, 0.0, np.inf)
+    return StageCosts(fwd + inf, bwd + inf, ta + inf, y, ok)
+
+
+def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fingerprint: str = "") -> Plan:
+    """The typed Plan for a layout, priced by the cost model. Raises InfeasiblePlanError naming the stage
+    and device that does not fit in memory."""
+    p_total = len(layout)
+    m = cm.options.micro_batches
+    stages: list[StagePlan] = []
+    for p, (start, end, group) in enumerate(layout):
+        k = warmup(p_total, p, m)
+        c = stage_costs(cm, group, k, np.array([start]), np.array([end]))
+        if not c.feasible[0]:
+            raise InfeasiblePlanError(_memory_report(cm, start, end, group, k))
+        shares = [int(v) for v in c.shares[0]]
+        stages.append(StagePlan(
+            index=p, start=start, end=end,
+            devices=[cm.devices[d].node for d in group],
+            shares=shares,
+            warmup=k,
+            forward_s=float(c.forward_s[0]),
+            backward_s=float(c.backward_s[0]),
+            allreduce_s=allreduce_s(cm.weight_bytes(start, end), len(group), cm.group_bandwidth(group)),
+            memory_bytes=[cm.memory_bytes(start, end, y, k) for y in shares],
+            memory_budget_bytes=[cm.devices[d].memory_budget_bytes for d in group],
+        ))
+    comms = []
+    for p in range(p_total - 1):
+        _, end, group = layout[p]
+        bw = cm.min_bandwidth(group, layout[p + 1][2])
+        nbytes = int(cm.options.micro_batch_size * cm.cut_bytes[end - 1])
+        comms.append(CommStepPlan(after=p, bytes_per_microbatch=nbytes, bandwidth_bps=bw,
+                                  forward_s=nbytes / bw, backward_s=nbytes / bw))
+    ef, eb, ta = chain_steps(stages, comms)
+    latency, dm = round_latency(ef, eb, m, ta)
+    if not math.isfinite(latency) or latency <= 0:
+        raise InfeasiblePlanError(f"the {strategy} layout has no finite positive round latency ({latency})")
+    return Plan(strategy=strategy, model_fingerprint=model_fingerprint or cm.model.fingerprint, units=cm.L,
+                options=cm.options, stages=stages, comm_steps=comms, dominant_step=dm,
+                round_latency_s=latency, throughput_sps=cm.options.global_batch / latency)
+
+
+def _memory_report(cm: CostModel, start: int, end: int, group: Sequence[int], k: int) -> str:
+    """Why a stage does not fit: its static bytes and one sample's activations against each budget."""
+    need = cm.memory_bytes(start, end, 1, k)
+    total = cm.memory_bytes(start, end, cm.options.micro_batch_size, k)
+    budgets = ", ".join(f"{cm.devices[d].node} {cm.devices[d].memory_budget_bytes / 2**20:.0f} MiB" for d in group)
+    return (f"units [{start}, {end}) with K={k} need {need / 2**20:.0f} MiB for one sample and "
+            f"{total / 2**20:.0f} MiB for the whole micro-batch of {cm.options.micro_batch_size}, "
+            f"but the group's budgets are {budgets}: use more devices, a smaller micro-batch or a lighter optimizer")

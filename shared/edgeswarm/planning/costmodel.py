@@ -1,0 +1,187 @@
+"""The Asteroid cost model as arrays: per-device times, memory (Eq. 3), AllReduce (Eq. 5b), round latency (Eqs. 4-6).
+
+A ``CostModel`` is built once from a ClusterProfile and PlanOptions. It orders the devices as the planner
+does (memory descending, then faster first: spec 4.7 and A13) and precomputes, for every device and every
+integer batch size 0..B, prefix sums of forward and backward time over the units, so the time of any unit
+range on any device at any share is two array lookups (spec 2.3). Times between profiled batch sizes are
+interpolated piecewise-linearly with t(0) = 0 (A11); a profile that stops short of B is an error, never an
+extrapolation.
+
+Times in seconds, sizes in bytes, bandwidth in bytes per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgeswarm.errors import InfeasiblePlanError, ProfileError
+from edgeswarm.planning.types import PlanOptions
+from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile, ComputeProfile
+
+
+def warmup(stages: int, stage: int, micro_batches: int) -> int:
+    """K_p^eff = min(2(P - p) - 1, M): forwards stage p runs before its first backward (spec 3.2, A4)."""
+    return min(2 * (stages - stage) - 1, micro_batches)
+
+
+def allreduce_s(weight_bytes: float, group_size: int, min_bandwidth_bps: float) -> float:
+    """Ring AllReduce time of ``weight_bytes`` of gradients over a group (Eq. 5b); 0 for one device."""
+    if group_size <= 1 or weight_bytes <= 0:
+        return 0.0
+    return 2.0 * (group_size - 1) * weight_bytes / (group_size * min_bandwidth_bps)
+
+
+def round_latency(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
+                  allreduce: Sequence[float] | None = None) -> tuple[float, int]:
+    """HPP-round latency (Eq. 4) and the dominant step for a chain of steps (exec, comm, exec, ...).
+
+    Uses the closed form of Eqs. 5-6: with V_s = M*E_s + sum_{i<s} E_i and dm = argmax V_s, step s ends its
+    execution at V_dm - sum_{i<s} Eb_i, so latency = max_s (V_dm - sum_{i<s} Eb_i + Ta_s).
+    """
+    ef = np.asarray(forward_s, dtype=float)
+    eb = np.asarray(backward_s, dtype=float)
+    ta = np.zeros_like(ef) if allreduce is None else np.asarray(allreduce, dtype=float)
+    e = ef + eb
+    v = micro_batches * e + np.concatenate(([0.0], np.cumsum(e)[:-1]))
+    dm = int(np.argmax(v))
+    cb = np.concatenate(([0.0], np.cumsum(eb)[:-1]))
+    return float(v[dm] + np.max(ta - cb)), dm
+
+
+@dataclass(frozen=True)
+class DeviceSlot:
+    """A device in planning order: its index in the ClusterProfile and its identity."""
+
+    profile_index: int
+    node: str
+    device_class: str
+    memory_budget_bytes: int
+
+
+class CostModel:
+    """Array form of a ClusterProfile for one PlanOptions. Devices are addressed by planning order 0..N-1."""
+
+    def __init__(self, cluster: ClusterProfile, options: PlanOptions, *, memory_aware: bool = True) -> None:
+        if not cluster.devices:
+            raise InfeasiblePlanError("the cluster has no devices: start some (edgeswarm up --local) or list them")
+        self.options = options
+        self.model = cluster.model
+        units = cluster.model.units
+        self.L = len(units)
+        b = options.micro_batch_size
+        # Dense per-device time tables for shares 0..B: [device, share, unit prefix].
+        fwd = [self._dense(e.compute, e.device.node, b) for e in cluster.devices]
+        bwd = [self._dense(e.compute, e.device.node, b, backward=True) for e in cluster.devices]
+        whole = [f[b, -1] + g[b, -1] for f, g in zip(fwd, bwd, strict=True)]
+        order = sorted(range(len(cluster.devices)),
+                       key=lambda i: (-cluster.devices[i].device.memory_budget_bytes, whole[i], i))
+        self.devices = [
+            DeviceSlot(i, cluster.devices[i].device.node, cluster.devices[i].device.device_class,
+                       cluster.devices[i].device.memory_budget_bytes)
+            for i in order
+        ]
+        self.N = len(self.devices)
+        self.fwd = np.stack([fwd[i] for i in order])  # [N, B+1, L+1]
+        self.bwd = np.stack([bwd[i] for i in order])
+        self.both = self.fwd + self.bwd
+        self.budget = np.array([
+            d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
+        ], dtype=np.int64)
+        self.bandwidth = self._bandwidth_matrix(cluster)
+        # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
+        k_opt = OPTIMIZER_STATE_FACTOR[options.optimizer]
+        self.static_prefix = _prefix([(2 + k_opt) * u.weight_bytes + u.buffer_bytes for u in units])
+        self.weight_prefix = _prefix([u.weight_bytes for u in units])
+        self.act_fixed_prefix = _prefix([u.activation_bytes_fixed for u in units])
+        self.act_sample_prefix = _prefix([u.activation_bytes_per_sample for u in units])
+        self.flops_prefix = _prefix([u.flops_per_sample for u in units], dtype=np.float64)
+        self.cut_bytes = np.array([u.output_bytes_per_sample for u in units], dtype=np.float64)
+
+    # --- construction ------------------------------------------------------------------------------
+
+    def _dense(self, compute: ComputeProfile, node: str, b: int, *, backward: bool = False) -> np.ndarray:
+        if compute.model_fingerprint != self.model.fingerprint:
+            raise ProfileError(f"device {node} was profiled for model {compute.model_fingerprint}, "
+                               f"not {self.model.fingerprint}: re-profile it for this model")
+        rows = compute.backward_s if backward else compute.forward_s
+        if len(rows) != self.L:
+            raise ProfileError(f"device {node}'s profile has {len(rows)} units but the model has {self.L}")
+        grid = compute.batch_sizes
+        if grid[-1] < b:
+            raise ProfileError(
+                f"device {node} is profiled up to batch size {grid[-1]} but the plan needs micro-batch {b}: "
+                f"re-profile with --batch-sizes including {b}, or plan a smaller micro-batch")
+        times = np.asarray(rows, dtype=np.float64).T  # [grid, L]
+        xs = np.concatenate(([0.0], np.asarray(grid, dtype=np.float64)))
+        ys = np.vstack([np.zeros((1, self.L)), times])
+        shares = np.arange(b + 1, dtype=np.float64)
+        dense = np.empty((b + 1, self.L))
+        for unit in range(self.L):
+            dense[:, unit] = np.interp(shares, xs, ys[:, unit])
+        return np.concatenate([np.zeros((b + 1, 1)), np.cumsum(dense, axis=1)], axis=1)
+
+    def _bandwidth_matrix(self, cluster: ClusterProfile) -> np.ndarray:
+        nodes = [d.node for d in self.devices]
+        index = {n: i for i, n in enumerate(nodes)}
+        bw = np.full((self.N, self.N), np.nan)
+        np.fill_diagonal(bw, np.inf)
+        for link in cluster.links:
+            if link.src in index and link.dst in index and link.src != link.dst:
+                i, j = index[link.src], index[link.dst]
+                # A pair measured both ways uses the slower direction: transfers go both ways each round.
+                bw[i, j] = bw[j, i] = np.fmin(bw[i, j], link.bandwidth_bps)
+        missing = [(nodes[i], nodes[j]) for i in range(self.N) for j in range(i + 1, self.N) if np.isnan(bw[i, j])]
+        if missing:
+            pairs = ", ".join(f"{a}-{b}" for a, b in missing[:5])
+            raise ProfileError(f"no link measurement for {len(missing)} device pair(s) ({pairs}): "
+                               f"profile the links between every pair of devices")
+        return bw
+
+    # --- queries -----------------------------------------------------------------------------------
+
+    def min_bandwidth(self, group_a: Sequence[int], group_b: Sequence[int]) -> float:
+        """Slowest link between two device groups (planning-order indices), bytes per second."""
+        return float(self.bandwidth[np.ix_(list(group_a), list(group_b))].min())
+
+    def group_bandwidth(self, group: Sequence[int]) -> float:
+        """Slowest link inside a group (self-pairs excluded: A17); inf for one device."""
+        if len(group) <= 1:
+            return math.inf
+        sub = self.bandwidth[np.ix_(list(group), list(group))].copy()
+        np.fill_diagonal(sub, np.inf)
+        return float(sub.min())
+
+    def static_bytes(self, start: int, end: int) -> int:
+        """Weights, gradients and optimizer state of units [start, end) (Eq. 3 MOD + OPT), bytes."""
+        return int(self.static_prefix[end] - self.static_prefix[start])
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """Trainable parameter bytes of units [start, end)."""
+        return int(self.weight_prefix[end] - self.weight_prefix[start])
+
+    def memory_bytes(self, start: int, end: int, share: int, warmup_count: int) -> int:
+        """Eq. 3 for a device holding ``share`` samples of every micro-batch of stage [start, end)."""
+        act = (max(0, self.act_fixed_prefix[end] - self.act_fixed_prefix[start])
+               + share * (self.act_sample_prefix[end] - self.act_sample_prefix[start]))
+        return int(self.static_bytes(start, end) + warmup_count * act)
+
+    def stage_time(self, device: int, start: int, end: int, share: int) -> tuple[float, float]:
+        """Forward and backward seconds of units [start, end) on ``device`` at ``share`` samples."""
+        return (float(self.fwd[device, share, end] - self.fwd[device, share, start]),
+                float(self.bwd[device, share, end] - self.bwd[device, share, start]))
+
+    def comm_s(self, cut_after: int, group_a: Sequence[int], group_b: Sequence[int]) -> float:
+        """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link."""
+        return self.options.micro_batch_size * float(self.cut_bytes[cut_after]) / self.min_bandwidth(group_a, group_b)
+
+    def flops(self, start: int, end: int) -> float:
+        """Forward FLOPs per sample of units [start, end)."""
+        return float(self.flops_prefix[end] - self.flops_prefix[start])
+
+
+def _prefix(values: Sequence[float], dtype: type = np.int64) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.asarray(values, dtype=dtype))))

@@ -1,0 +1,144 @@
+"""What the profiler measures and the planner reads: pydantic models, saved as JSON and sent over MQTT.
+
+Units: bytes, seconds, FLOPs, bytes per second. A "unit" is one element of a model's layer sequence
+(edgeswarm.models.sequence): the planner may cut between any two consecutive units.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Optimizer = Literal["sgd", "momentum", "adam"]
+
+# Optimizer state per parameter byte (spec section 2.2: k_opt).
+OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+class ModelSpec(BaseModel):
+    """A model by zoo name plus its config (for example {"num_classes": 10, "image_size": 32})."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    config: dict[str, int | float | str | bool] = Field(default_factory=dict)
+
+
+class UnitProfile(BaseModel):
+    """One unit of the layer sequence, device independent.
+
+    ``output_bytes_per_sample`` is a_l: the bytes per sample that cross a cut placed after this unit
+    (for the last unit, the model's output). ``weight_bytes`` is w_l (trainable parameters);
+    ``buffer_bytes`` are non-trainable buffers (BatchNorm statistics). Activation memory saved for
+    backward at batch size b is ``activation_bytes_fixed + activation_bytes_per_sample * b``.
+    ``flops_per_sample`` counts forward FLOPs of one sample.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int = Field(ge=0)
+    name: str
+    ops: str = ""
+    output_bytes_per_sample: int = Field(ge=0)
+    weight_bytes: int = Field(ge=0)
+    buffer_bytes: int = Field(default=0, ge=0)
+    activation_bytes_fixed: int = 0
+    activation_bytes_per_sample: int = Field(default=0, ge=0)
+    flops_per_sample: float = Field(default=0.0, ge=0)
+
+
+class ModelProfile(BaseModel):
+    """The device-independent part of a profile: the layer sequence of one model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: ModelSpec
+    fingerprint: str
+    input_bytes_per_sample: int = Field(ge=0)
+    units: list[UnitProfile] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _indices(self) -> ModelProfile:
+        if [u.index for u in self.units] != list(range(len(self.units))):
+            raise ValueError("units must be numbered 0..L-1 in order")
+        return self
+
+
+class ComputeProfile(BaseModel):
+    """Per-unit forward and backward times of one model on one device, on a grid of batch sizes.
+
+    ``forward_s[l][k]`` and ``backward_s[l][k]`` are the median seconds unit l takes at batch size
+    ``batch_sizes[k]`` (ascending). Backward covers the input gradient and the weight gradients.
+    ``method`` says how the times were obtained: "measured" (every unit timed on the device) or
+    "calibrated" (the host's timings scaled by the device's measured speed ratio, ``speed_ratio``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    model_fingerprint: str
+    device_fingerprint: str
+    batch_sizes: list[int] = Field(min_length=1)
+    forward_s: list[list[float]]
+    backward_s: list[list[float]]
+    method: Literal["measured", "calibrated"] = "measured"
+    speed_ratio: float = 1.0
+
+    @model_validator(mode="after")
+    def _shape(self) -> ComputeProfile:
+        if self.batch_sizes != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError("batch_sizes must be ascending, distinct and at least 1")
+        k = len(self.batch_sizes)
+        if len(self.forward_s) != len(self.backward_s) or any(
+            len(row) != k for row in (*self.forward_s, *self.backward_s)
+        ):
+            raise ValueError("forward_s and backward_s must be [unit][batch size] with one column per batch size")
+        return self
+
+
+class DeviceInfo(BaseModel):
+    """One device as the planner sees it. ``memory_budget_bytes`` is u_d; ``compute_flops`` is the
+    measured training speed (forward+backward FLOPs per second on the profiled model)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node: str
+    device_class: str = ""
+    fingerprint: str
+    memory_budget_bytes: int = Field(ge=0)
+    compute_flops: float = Field(default=0.0, ge=0)
+
+
+class LinkProfile(BaseModel):
+    """A measured link from ``src`` to ``dst``: bulk bandwidth (bytes per second) and round-trip
+    latency (seconds) over the MQTT data path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    src: str
+    dst: str
+    bandwidth_bps: float = Field(gt=0)
+    latency_s: float = Field(default=0.0, ge=0)
+
+
+class DeviceProfileEntry(BaseModel):
+    """A device and its compute profile for the cluster's model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    device: DeviceInfo
+    compute: ComputeProfile
+
+
+class ClusterProfile(BaseModel):
+    """Everything the planner needs: the model's sequence, every device's timings and budget, and links.
+
+    Links are symmetric: a pair missing in one direction uses the other; a pair missing in both is an
+    error at planning time.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    model: ModelProfile
+    devices: list[DeviceProfileEntry]
+    links: list[LinkProfile] = Field(default_factory=list)
