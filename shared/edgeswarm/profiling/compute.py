@@ -1,0 +1,370 @@
+"""The compute profiler core: per-unit sizes, FLOPs, saved activations and forward/backward times of a model.
+
+Units are those of edgeswarm.models.sequence. Everything runs in training mode on the CPU, the way a stage
+worker trains: forward times include autograd recording, backward times cover the input gradient and the
+weight gradients. Times are medians in seconds on a grid of batch sizes and are kept as measured, because
+they are not linear in the batch size (Asteroid spec section 2.1).
+
+Two ways to get a device's times: "measured" (every unit timed through the device's ``runner``, which on an
+emulated device sleeps to look slower) and "calibrated" (the host measured once, then scaled by the device's
+speed ratio on a fixed calibration workload: ``measure_speed_ratio`` and ``calibrated_profile``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitProfilingError
+from edgeswarm.models.sequence import layer_sequence
+from edgeswarm.models.zoo import build_model, example_input, model_fingerprint
+from edgeswarm.profiling.types import ComputeProfile, ModelProfile, ModelSpec, UnitProfile
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Runner = Callable[[Callable[[], T]], T]
+Progress = Callable[[float, str], None]
+
+# Batch sizes of the size pass: activation memory is fitted as fixed + per_sample * b through these two.
+# Two samples rather than one so that BatchNorm on 1x1 feature maps still runs in training mode.
+_SIZE_BATCHES = (2, 4)
+
+
+# --- fingerprints ----------------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                # x86 says "model name"; many ARM kernels only say "Hardware" or "Model".
+                if key.strip() in ("model name", "Hardware", "Model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_description() -> dict[str, str | int]:
+    """What the host fingerprint is made of: CPU model, architecture, core count, torch threads, torch version."""
+    return {
+        "cpu": _cpu_model(),
+        "machine": platform.machine(),
+        "cores": os.cpu_count() or 0,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def host_fingerprint() -> str:
+    """16 hex digits identifying the host's compute (CPU model, cores, torch threads, torch version): hosts with
+    the same fingerprint can share compute profiles."""
+    return _digest(host_description())
+
+
+def device_fingerprint(device: DeviceProfile) -> str:
+    """16 hex digits identifying a device's compute: the host fingerprint plus the device class, compute
+    slow-down and emulated flag. The memory budget is left out: it does not change timings."""
+    return _digest({"host": host_description(), "device_class": device.device_class,
+                    "slowdown": device.compute_slowdown, "emulated": device.emulated})
+
+
+# --- measurement helpers ---------------------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], object], runner: Runner[Any] | None) -> float:
+    """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count)."""
+    start = time.perf_counter()
+    if runner is None:
+        fn()
+    else:
+        runner(fn)
+    return time.perf_counter() - start
+
+
+def _median_time(fn: Callable[[], object], runner: Runner[Any] | None, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(_timed(fn, runner) for _ in range(repeats))
+
+
+def _stage_input(prev: torch.Tensor) -> torch.Tensor:
+    # A leaf that requires grad, as a received activation does on a stage worker; token ids cannot.
+    x = prev.detach()
+    return x.requires_grad_(True) if x.is_floating_point() else x
+
+
+def _clear_grads(stage: nn.Module, x: torch.Tensor) -> None:
+    for p in stage.parameters():
+        p.grad = None
+    x.grad = None
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _saved_bytes(stage: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Run ``stage`` on ``x`` and return its output and the bytes autograd saves for backward: distinct
+    storages, parameters and buffers excluded (they are counted as weights)."""
+    excluded = {_storage_key(t)[0] for t in chain(stage.parameters(), stage.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage_key(t)
+        if ptr not in excluded and nbytes:
+            saved[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(x)
+    return out, sum(saved.values())
+
+
+def _sdpa_cpu_flops(query_shape: Sequence[int], key_shape: Sequence[int], value_shape: Sequence[int],
+                    *args: object, out_shape: object = None, **kwargs: object) -> int:
+    # The CPU flash-attention kernel is not in torch's FLOP table: two batched matmuls, QK^T and (QK^T)V.
+    *batch, s_q, d = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * math.prod(batch) * s_q * s_k * (d + d_v)
+
+
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+
+
+def _forward_flops(stage: nn.Module, x: torch.Tensor) -> int:
+    counter = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
+    with counter:
+        stage(x)
+    return counter.get_total_flops()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _per_sample(total: int, batch: int, what: str, unit: str) -> int:
+    if total % batch:
+        raise UnitProfilingError(f"{what} of unit {unit} ({total} bytes at batch {batch}) is not proportional to "
+                                 "the batch size; the batch must be the first dimension of every activation")
+    return total // batch
+
+
+def validate_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The grid sorted ascending without duplicates. Raises BatchSizeError when it is empty or holds anything
+    but integers >= 1."""
+    if isinstance(batch_sizes, str | bytes) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
+        raise BatchSizeError(f"batch_sizes must be a non-empty list of integers >= 1, not {batch_sizes!r}")
+    bad = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise BatchSizeError(f"batch sizes must be integers >= 1; invalid: {bad!r}")
+    return sorted(set(batch_sizes))
+
+
+# --- the profiler ----------------------------------------------------------------------------------------
+
+
+def profile_model(
+    spec: ModelSpec,
+    batch_sizes: Sequence[int],
+    *,
+    runner: Runner[Any] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    device_fingerprint: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[ModelProfile, ComputeProfile]:
+    """Profile every unit of zoo model ``spec`` in training mode.
+
+    Sizes (batch independent): a_l = bytes per sample of the tensor crossing the cut after unit l (exact),
+    trainable weight bytes and buffer bytes of the unit (exact), forward FLOPs per sample, and activation
+    bytes saved for backward as fixed + per_sample * b, fitted through batches 2 and 4 (distinct storages
+    saved by autograd, parameters and buffers excluded; a tensor saved by two consecutive units counts in
+    both, so a stage's sum is an upper bound).
+
+    Times: for each batch size b of ``batch_sizes`` (sorted, duplicates dropped), unit l runs on the recorded
+    output of unit l-1 at batch b. Forward = median seconds of ``repeats`` training forwards (autograd on)
+    after ``warmup`` untimed ones; backward = median seconds of torch.autograd.backward(out, grad_out) with a
+    random grad_out, the input requiring grad. Each timed call goes through ``runner`` when given (for example
+    DeviceProfile.run, whose sleeps then count): method "measured".
+
+    ``device_fingerprint`` labels the ComputeProfile (default: host_fingerprint(); pass
+    device_fingerprint(device) when timing through an emulated device's runner). ``progress(fraction,
+    message)`` is called after every unit of every pass. Raises BatchSizeError for a missing or invalid grid,
+    ConfigError for a bad spec or repeats/warmup, UnitProfilingError when a unit fails to run.
+    """
+    grid = validate_batch_sizes(batch_sizes)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be an integer >= 1, not {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be an integer >= 0, not {warmup!r}")
+    started = time.perf_counter()
+    model = build_model(spec).train()
+    seq = layer_sequence(model)
+    stages = [seq.build_stage(i, i + 1) for i in range(len(seq))]
+    names = [u.name for u in seq.units]
+    total_steps = len(stages) * (1 + len(grid))  # the size pass, then one timing pass per batch size
+    done = 0
+
+    def step(message: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done / total_steps, message)
+
+    log.info("profiling %s: %d units, batch sizes %s, %d repeats", spec.name, len(stages), grid, repeats)
+    sizes = _size_pass(spec, stages, names, step)
+    forward_s: list[list[float]] = [[] for _ in stages]
+    backward_s: list[list[float]] = [[] for _ in stages]
+    gen = torch.Generator().manual_seed(0)
+    for b in grid:
+        x = example_input(spec, b)
+        for i, stage in enumerate(stages):
+            try:
+                fwd, bwd, x = _time_unit(stage, _stage_input(x), runner, repeats, warmup, gen)
+            except Exception as exc:
+                message = f"unit {i} ({names[i]}) of {spec.name} failed at batch size {b}: {exc}"
+                raise UnitProfilingError(message) from exc
+            forward_s[i].append(fwd)
+            backward_s[i].append(bwd)
+            step(f"unit {i + 1}/{len(stages)} ({names[i]}) at batch size {b}")
+
+    units = [
+        UnitProfile(index=i, name=u.name, ops=u.ops, **sizes[i])
+        for i, u in enumerate(seq.units)
+    ]
+    fingerprint = model_fingerprint(spec)
+    model_profile = ModelProfile(model=spec, fingerprint=fingerprint,
+                                 input_bytes_per_sample=_nbytes(example_input(spec, 1)), units=units)
+    compute = ComputeProfile(model_fingerprint=fingerprint, device_fingerprint=device_fingerprint or host_fingerprint(),
+                             batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, method="measured")
+    log.info("profiled %s in %.1f s", spec.name, time.perf_counter() - started)
+    return model_profile, compute
+
+
+def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
+               gen: torch.Generator) -> tuple[float, float, torch.Tensor]:
+    """Median forward and backward seconds of one unit on input ``x``, and its output (detached)."""
+    out = stage(x)
+    recorded = out.detach()
+    fwd = _median_time(lambda: stage(x), runner, repeats, warmup)
+    if not out.requires_grad:
+        # Nothing to differentiate (no parameters and an integer input): backward costs nothing.
+        return fwd, 0.0, recorded
+    grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    times = []
+    for r in range(warmup + repeats):
+        out = stage(x)
+        # Warm-up runs skip the runner: on an emulated device its sleeps would only waste time.
+        elapsed = _timed(lambda o=out: torch.autograd.backward(o, grad_out), runner if r >= warmup else None)
+        _clear_grads(stage, x)
+        if r >= warmup:
+            times.append(elapsed)
+    return fwd, statistics.median(times), recorded
+
+
+def _size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
+               step: Callable[[str], None]) -> list[dict[str, int | float]]:
+    """Per-unit sizes: output bytes, weight and buffer bytes, FLOPs and the saved-activation fit."""
+    small, large = _SIZE_BATCHES
+    x_small, x_large = example_input(spec, small), example_input(spec, large)
+    sizes: list[dict[str, int | float]] = []
+    for i, stage in enumerate(stages):
+        try:
+            a, b = _stage_input(x_small), _stage_input(x_large)
+            out_small, saved_small = _saved_bytes(stage, a)
+            out_large, saved_large = _saved_bytes(stage, b)
+            flops = _forward_flops(stage, a)
+        except Exception as exc:
+            raise UnitProfilingError(f"unit {i} ({names[i]}) of {spec.name} failed to run: {exc}") from exc
+        out_bytes = _per_sample(_nbytes(out_small), small, "the output", names[i])
+        if _per_sample(_nbytes(out_large), large, "the output", names[i]) != out_bytes:
+            raise UnitProfilingError(f"the output of unit {i} ({names[i]}) does not grow linearly with the batch")
+        per_sample = max(0, (saved_large - saved_small) // (large - small))
+        sizes.append({
+            "output_bytes_per_sample": out_bytes,
+            "weight_bytes": sum(_nbytes(p) for p in stage.parameters() if p.requires_grad),
+            "buffer_bytes": sum(_nbytes(t) for t in stage.buffers()),
+            "activation_bytes_per_sample": per_sample,
+            "activation_bytes_fixed": saved_small - per_sample * small,
+            "flops_per_sample": flops / small,
+        })
+        x_small, x_large = out_small.detach(), out_large.detach()
+        step(f"sized unit {i + 1}/{len(stages)} ({names[i]})")
+    return sizes
+
+
+# --- calibration -----------------------------------------------------------------------------------------
+
+
+def _calibration_workload() -> Callable[[], None]:
+    """A fixed training step: 3x3 convolution + ReLU + Linear, forward and backward, about 1.7 GFLOP (tens of
+    milliseconds on a laptop-class CPU)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 16 * 16, 256))
+    x = torch.randn((32, 32, 16, 16), generator=torch.Generator().manual_seed(0))
+
+    def work() -> None:
+        net(x).sum().backward()
+        for p in net.parameters():
+            p.grad = None
+
+    return work
+
+
+def measure_speed_ratio(runner: Runner[Any], *, repeats: int = 5) -> float:
+    """How many times slower ``runner`` runs a fixed calibration workload than this process does natively:
+    the median over ``repeats`` of (time through runner / native time), measured in interleaved pairs so that
+    host load drifts cancel. Near 1 for a native runner; about the slow-down for an emulated device.
+    Raises ConfigError for repeats below 1."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be an integer >= 1, not {repeats!r}")
+    work = _calibration_workload()
+    work()
+    runner(work)
+    ratios = []
+    for _ in range(repeats):
+        native = _timed(work, None)
+        ratios.append(_timed(work, runner) / native)
+    ratio = statistics.median(ratios)
+    log.info("speed ratio %.3f over %d pairs", ratio, repeats)
+    return ratio
+
+
+def calibrated_profile(native: ComputeProfile, ratio: float, device_fingerprint: str) -> ComputeProfile:
+    """``native``'s times scaled by ``ratio`` (as returned by measure_speed_ratio), labelled with
+    ``device_fingerprint``: method "calibrated", speed_ratio = native.speed_ratio * ratio (so ratio for a
+    measured native profile). Raises ProfilerError for a ratio that is not a positive finite number."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not math.isfinite(ratio) or ratio <= 0:
+        raise ProfilerError(f"speed ratio must be a positive finite number, not {ratio!r}")
+    return ComputeProfile(
+        model_fingerprint=native.model_fingerprint,
+        device_fingerprint=device_fingerprint,
+        batch_sizes=list(native.batch_sizes),
+        forward_s=[[t * ratio for t in row] for row in native.forward_s],
+        backward_s=[[t * ratio for t in row] for row in native.backward_s],
+        method="calibrated",
+        speed_ratio=native.speed_ratio * ratio,
+    )

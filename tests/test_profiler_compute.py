@@ -1,0 +1,213 @@
+"""The compute profiler: exact sizes for hand-checked models, saved activations, times that behave, runners,
+speed-ratio calibration and fingerprints. No absolute speed is asserted: only ratios within one run."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+import torch
+
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError
+from edgeswarm.models.sequence import layer_sequence
+from edgeswarm.models.zoo import build_model
+from edgeswarm.profiling.compute import (
+    calibrated_profile,
+    device_fingerprint,
+    host_fingerprint,
+    measure_speed_ratio,
+    profile_model,
+    validate_batch_sizes,
+)
+from edgeswarm.profiling.types import ComputeProfile, ModelSpec
+
+T = TypeVar("T")
+F32 = 4
+
+LENET = ModelSpec(name="lenet5")
+# flatten(1x4x4) -> Linear(16, 8) -> ReLU -> Linear(8, 3)
+MLP = ModelSpec(name="mlp", config={"image_size": 4, "hidden": 8, "layers": 1, "num_classes": 3})
+# A LeNet whose convolutions do enough work per sample that per-call overheads do not hide it.
+WIDE_LENET = ModelSpec(name="lenet5", config={"width": 4.0})
+CONV_UNITS = (0, 3)
+
+
+def slow(factor: float) -> Callable[[Callable[[], T]], T]:
+    """A runner that makes work look ``factor`` times slower, the way an emulated device does."""
+    return DeviceProfile(device_class="test", emulated=True, compute_slowdown=factor, memory_budget_bytes=1 << 30).run
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Time with one intra-op thread: when another process competes for the cores, OpenMP barriers of a
+    multi-threaded torch stall for whole scheduler slices and timings stop meaning anything."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def lenet_profile() -> tuple:
+    return profile_model(LENET, [1, 64], repeats=3)
+
+
+def test_mlp_sizes_match_a_hand_count() -> None:
+    model, compute = profile_model(MLP, [2], repeats=1, warmup=0)
+    assert model.input_bytes_per_sample == 16 * F32
+    assert [u.name for u in model.units] == ["0", "1", "2", "3"]
+    assert [u.ops for u in model.units] == ["flatten", "linear", "relu", "linear"]
+    assert [u.output_bytes_per_sample for u in model.units] == [16 * F32, 8 * F32, 8 * F32, 3 * F32]
+    assert [u.weight_bytes for u in model.units] == [0, (16 * 8 + 8) * F32, 0, (8 * 3 + 3) * F32]
+    assert [u.buffer_bytes for u in model.units] == [0, 0, 0, 0]
+    assert [u.flops_per_sample for u in model.units] == [0, 2 * 16 * 8, 0, 2 * 8 * 3]
+    # A Linear keeps its input for the weight gradient, a ReLU its output; weights are not activations.
+    assert [u.activation_bytes_per_sample for u in model.units] == [0, 16 * F32, 8 * F32, 8 * F32]
+    assert all(u.activation_bytes_fixed == 0 for u in model.units)
+    assert compute.batch_sizes == [2] and compute.method == "measured"
+    assert compute.model_fingerprint == model.fingerprint
+
+
+def test_lenet_sizes_match_a_hand_count(lenet_profile: tuple) -> None:
+    model, _ = lenet_profile
+    units = model.units
+    assert len(units) == 12
+    assert model.input_bytes_per_sample == 32 * 32 * F32
+    expected_out = [6 * 28 * 28, 6 * 28 * 28, 6 * 14 * 14, 16 * 10 * 10, 16 * 10 * 10, 16 * 5 * 5, 400,
+                    120, 120, 84, 84, 10]
+    assert [u.output_bytes_per_sample for u in units] == [n * F32 for n in expected_out]
+    expected_weights = {0: 6 * 25 + 6, 3: 16 * 6 * 25 + 16, 7: 400 * 120 + 120, 9: 120 * 84 + 84, 11: 84 * 10 + 10}
+    assert [u.weight_bytes for u in units] == [expected_weights.get(i, 0) * F32 for i in range(12)]
+    assert units[0].flops_per_sample == 2 * 6 * 28 * 28 * 25
+    assert units[3].flops_per_sample == 2 * 16 * 10 * 10 * 6 * 25
+    # Convolutions and Linears keep their inputs for backward.
+    for i in (0, 3, 7, 9, 11):
+        received = units[i - 1].output_bytes_per_sample if i else model.input_bytes_per_sample
+        assert units[i].activation_bytes_per_sample == received
+
+
+def test_times_are_positive_and_grow_with_the_batch(lenet_profile: tuple, one_thread: None) -> None:
+    _, compute = lenet_profile
+    assert compute.batch_sizes == [1, 64]
+    assert len(compute.forward_s) == len(compute.backward_s) == 12
+    assert all(t > 0 for row in (*compute.forward_s, *compute.backward_s) for t in row)
+    _, wide = profile_model(WIDE_LENET, [1, 64], repeats=3)
+    # The convolutions do 64x the work at batch 64; a wide margin covers fixed per-call costs.
+    for i in CONV_UNITS:
+        assert wide.forward_s[i][1] > 4 * wide.forward_s[i][0]
+        assert wide.backward_s[i][1] > 4 * wide.backward_s[i][0]
+
+
+def test_batch_norm_and_token_models_profile() -> None:
+    spec = ModelSpec(name="bert-small", config={"vocab_size": 50, "seq_len": 8, "hidden": 32, "heads": 4,
+                                                "layers": 1})
+    model, compute = profile_model(spec, [1, 4], repeats=1, warmup=0)
+    assert model.input_bytes_per_sample == 8 * 8  # int64 ids
+    assert model.units[0].ops == "embedding" and model.units[0].weight_bytes == 50 * 32 * F32
+    attention = next(u for u in model.units if "scaled_dot_product_attention" in u.ops)
+    # 4 heads x 8 queries x 8 keys x (8 + 8) x 2, plus the QKV and output projections.
+    assert attention.flops_per_sample == 2 * 4 * 8 * 8 * 16 + 2 * 8 * 32 * 96 + 2 * 8 * 32 * 32
+    assert all(t > 0 for row in compute.forward_s for t in row)
+
+    resnet = ModelSpec(name="resnet18", config={"width": 0.125})
+    model, _ = profile_model(resnet, [2], repeats=1, warmup=0)
+    bn = model.units[1]
+    assert bn.ops == "batchnorm2d"
+    channels = 8
+    assert bn.weight_bytes == 2 * channels * F32
+    assert bn.buffer_bytes == 2 * channels * F32 + 8  # running mean, var and the int64 batch counter
+    assert bn.activation_bytes_fixed == 2 * channels * F32  # the batch mean and inverse std it keeps
+    assert bn.activation_bytes_per_sample == channels * 32 * 32 * F32
+    block = next(u for u in model.units if u.name == "layer1.0")
+    # Several same-sized tensors inside the block are kept (conv and BatchNorm inputs, ReLU output).
+    assert block.activation_bytes_per_sample >= 3 * block.output_bytes_per_sample
+
+
+def test_a_sleeping_runner_slows_the_measured_times_by_its_factor(one_thread: None) -> None:
+    def work(p: ComputeProfile) -> float:
+        # The convolutions: long enough that the sleep's own latency does not distort the factor.
+        return sum(p.forward_s[i][0] + p.backward_s[i][0] for i in CONV_UNITS)
+
+    # Native and slowed profiles alternate, and the median ratio counts, so that a burst of load from
+    # another process on the host skews one pair at most.
+    ratios = []
+    for _ in range(3):
+        _, native = profile_model(WIDE_LENET, [16], repeats=3)
+        _, slowed = profile_model(WIDE_LENET, [16], runner=slow(6.0), repeats=3, device_fingerprint="emulated-x6")
+        ratios.append(work(slowed) / work(native))
+    assert slowed.device_fingerprint == "emulated-x6" and native.device_fingerprint == host_fingerprint()
+    assert 2.5 < statistics.median(ratios) < 15.0
+
+
+def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
+    _, native = lenet_profile
+    scaled = calibrated_profile(native, 2.5, "device-abc")
+    assert scaled.method == "calibrated" and scaled.speed_ratio == 2.5
+    assert scaled.device_fingerprint == "device-abc" and scaled.model_fingerprint == native.model_fingerprint
+    assert scaled.batch_sizes == native.batch_sizes
+    for mine, theirs in ((scaled.forward_s, native.forward_s), (scaled.backward_s, native.backward_s)):
+        for row, base in zip(mine, theirs, strict=True):
+            assert row == pytest.approx([2.5 * t for t in base], rel=1e-12)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ProfilerError, match="positive finite"):
+            calibrated_profile(native, bad, "device-abc")
+
+
+def test_speed_ratio_measures_a_runner_against_native(one_thread: None) -> None:
+    # Wide bounds: other processes on the host may steal time from either side of a pair.
+    assert 1.8 < measure_speed_ratio(slow(3.0)) < 6.0
+    assert 0.4 < measure_speed_ratio(lambda fn: fn()) < 2.5
+    with pytest.raises(ConfigError):
+        measure_speed_ratio(slow(2.0), repeats=0)
+
+
+def test_progress_reports_rising_fractions_up_to_one() -> None:
+    calls: list[tuple[float, str]] = []
+    profile_model(MLP, [1, 2], repeats=1, warmup=0, progress=lambda f, m: calls.append((f, m)))
+    fractions = [f for f, _ in calls]
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    assert len(calls) == 4 * 3 and all(m for _, m in calls)
+
+
+@pytest.mark.parametrize("grid", [[], [0], [2, -1], [1.5], ["8"], [True], "8", None])
+def test_bad_batch_sizes_are_rejected(grid: object) -> None:
+    with pytest.raises(BatchSizeError, match="integers >= 1"):
+        profile_model(MLP, grid)  # type: ignore[arg-type]
+
+
+def test_batch_sizes_are_sorted_and_deduplicated() -> None:
+    assert validate_batch_sizes([8, 1, 8, 4]) == [1, 4, 8]
+    _, compute = profile_model(MLP, [4, 1, 4], repeats=1, warmup=0)
+    assert compute.batch_sizes == [1, 4]
+
+
+def test_bad_repeats_and_specs_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="repeats"):
+        profile_model(MLP, [1], repeats=0)
+    with pytest.raises(ConfigError, match="warmup"):
+        profile_model(MLP, [1], warmup=-1)
+    with pytest.raises(ConfigError, match="unknown model"):
+        profile_model(ModelSpec(name="nope"), [1])
+
+
+def test_profile_units_follow_the_layer_sequence(lenet_profile: tuple) -> None:
+    model, _ = lenet_profile
+    seq = layer_sequence(build_model(LENET))
+    assert [(u.index, u.name, u.ops) for u in model.units] == [(u.index, u.name, u.ops) for u in seq.units]
+
+
+def test_fingerprints_are_stable_and_tell_devices_apart() -> None:
+    host = host_fingerprint()
+    assert host == host_fingerprint() and len(host) == 16
+    a = DeviceProfile(device_class="rpi4", emulated=True, compute_slowdown=8.0, memory_budget_bytes=1 << 30)
+    same_but_memory = a.model_copy(update={"memory_budget_bytes": 1 << 31})
+    b = a.model_copy(update={"compute_slowdown": 4.0})
+    c = a.model_copy(update={"device_class": "nano"})
+    assert device_fingerprint(a) == device_fingerprint(same_but_memory)
+    assert len({host, device_fingerprint(a), device_fingerprint(b), device_fingerprint(c)}) == 4
+
