@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 SERVICES: dict[str, str] = {
     "coordinator": "edgeswarm.services.coordinator.service:CoordinatorService",
     "node-agent": "edgeswarm.services.node_agent.service:NodeAgentService",
+    "planner": "edgeswarm.services.planner.service:PlannerService",
+    "profiler": "edgeswarm.services.profiler.service:ProfilerService",
 }
 
 

@@ -177,7 +177,8 @@ class Tensor:
 # Section 5: schemas, as small type specs
 # --------------------------------------------------------------------------------------------------
 #
-# A spec is one of: "str", "int", "number", "bool", "bin", a spec followed by "?" (nil allowed),
+# A spec is one of: "str", "int", "number", "bool", "bin", "scalar" (str, int, number or bool), a spec
+# followed by "?" (nil allowed), ("optional", spec) (nil or spec),
 # ("list", spec), ("map", value_spec) (string keys), ("record", {field: spec}), ("enum", {values}),
 # ("bin_max", n).
 
@@ -191,6 +192,52 @@ _NODE_VIEW = ("record", {
     "node": "str", "state": ("enum", {"online", "suspect", "offline"}), "device_class": "str",
     "memory_budget_bytes": "int", "free_memory_bytes": "int", "conflicts": ("list", "str"),
     "services": ("list", _SERVICE_VIEW),
+})
+
+_MODEL_SPEC = ("record", {"name": "str", "config": ("map", "scalar")})
+_UNIT = ("record", {
+    "index": "int", "name": "str", "ops": "str", "output_bytes_per_sample": "int", "weight_bytes": "int",
+    "buffer_bytes": "int", "activation_bytes_fixed": "int", "activation_bytes_per_sample": "int",
+    "flops_per_sample": "number",
+})
+_MODEL_PROFILE = ("record", {
+    "model": _MODEL_SPEC, "fingerprint": "str", "input_bytes_per_sample": "int", "units": ("list", _UNIT),
+})
+_DEVICE = ("record", {
+    "node": "str", "device_class": "str", "fingerprint": "str", "memory_budget_bytes": "int",
+    "compute_flops": "number",
+})
+_COMPUTE = ("record", {
+    "model_fingerprint": "str", "device_fingerprint": "str", "batch_sizes": ("list", "int"),
+    "forward_s": ("list", ("list", "number")), "backward_s": ("list", ("list", "number")),
+    "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number",
+})
+_LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number"})
+_CLUSTER = ("record", {
+    "model": _MODEL_PROFILE, "devices": ("list", ("record", {"device": _DEVICE, "compute": _COMPUTE})),
+    "links": ("list", _LINK),
+})
+_STRATEGY = ("enum", {"hpp", "dp", "pp", "single"})
+_OPTIMIZER = ("enum", {"sgd", "momentum", "adam"})
+_STAGE = ("record", {
+    "index": "int", "start": "int", "end": "int", "devices": ("list", "str"), "shares": ("list", "int"),
+    "warmup": "int", "forward_s": "number", "backward_s": "number", "allreduce_s": "number",
+    "memory_bytes": ("list", "int"), "memory_budget_bytes": ("list", "int"),
+})
+_COMM_STEP = ("record", {
+    "after": "int", "bytes_per_microbatch": "int", "bandwidth_bps": "number", "forward_s": "number",
+    "backward_s": "number",
+})
+_PLAN = ("record", {
+    "strategy": _STRATEGY, "model_fingerprint": "str", "units": "int",
+    "options": ("record", {"micro_batch_size": "int", "micro_batches": "int", "optimizer": _OPTIMIZER}),
+    "stages": ("list", _STAGE), "comm_steps": ("list", _COMM_STEP), "dominant_step": "int",
+    "round_latency_s": "number", "throughput_sps": "number", "epoch": "int",
+})
+_COMPARISON = ("record", {
+    "hpp": _PLAN, "planning_s": "number",
+    "baselines": ("list", ("record", {"strategy": _STRATEGY, "plan": ("optional", _PLAN), "error": "str?",
+                                      "speedup": "number?"})),
 })
 
 #: (schema_name, schema_version) -> {field: spec}
@@ -226,10 +273,35 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     },
     ("edgeswarm.bench.echo", 1): {"payload": ("bin_max", 16 * 1024 * 1024)},
     ("edgeswarm.bench.echo_reply", 1): {"payload": "bin"},
+    ("edgeswarm.profile.request", 1): {
+        "request_id": "str", "model": _MODEL_SPEC, "batch_sizes": ("list", "int"),
+        "method": ("enum", {"calibrated", "measured"}), "peers": ("list", "str"),
+    },
+    ("edgeswarm.profile.progress", 1): {"request_id": "str", "node": "str", "fraction": "number", "message": "str"},
+    ("edgeswarm.profile.report", 1): {
+        "request_id": "str", "node": "str", "entry": ("record", {"device": _DEVICE, "compute": _COMPUTE}),
+        "model": _MODEL_PROFILE, "links": ("list", _LINK), "cache_hit": "bool", "elapsed_s": "number",
+    },
+    ("edgeswarm.profile.failed", 1): {
+        "request_id": "str", "node": "str", "reason": ("enum", {"bad_request", "busy", "link", "error"}),
+        "detail": "str",
+    },
+    ("edgeswarm.plan.request", 1): {
+        "cluster": _CLUSTER, "global_batch": "int", "micro_batches": "int?", "optimizer": _OPTIMIZER,
+        "strategy": _STRATEGY, "compare": "bool", "epoch": "int",
+    },
+    ("edgeswarm.plan.replan_request", 1): {"plan": _PLAN, "cluster": _CLUSTER, "failed": "str", "heavy": "bool"},
+    ("edgeswarm.plan.reply", 1): {"plan": _PLAN, "comparison": ("optional", _COMPARISON), "planning_s": "number"},
+    ("edgeswarm.plan.failed", 1): {
+        "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "error"}), "detail": "str",
+    },
+    ("edgeswarm.profile.link_probe", 1): {
+        "probe_id": "str", "kind": ("enum", {"ping", "pong", "bulk", "bulk_ack"}), "received_bytes": "int",
+    },
 }
 
-#: Schemas the document says carry a tensor (section 5: bench.data "carries a tensor").
-TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data"})
+#: Schemas the document says carry a tensor (section 5: bench.data and profile.link_probe "carry a tensor").
+TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe"})
 
 
 def _is_int(value: object) -> bool:
@@ -248,12 +320,16 @@ def _check(value: Any, spec: Any, where: str) -> None:
             "number": lambda v: _is_int(v) or isinstance(v, float),
             "bool": lambda v: isinstance(v, bool),
             "bin": lambda v: isinstance(v, bytes),
+            "scalar": lambda v: isinstance(v, str | int | float | bool),
         }[spec](value)
         if not ok:
             raise DocDecodeError(f"{where}: expected {spec}, got {type(value).__name__} {value!r:.60}")
         return
     tag = spec[0]
-    if tag == "enum":
+    if tag == "optional":
+        if value is not None:
+            _check(value, spec[1], where)
+    elif tag == "enum":
         if not isinstance(value, str) or value not in spec[1]:
             raise DocDecodeError(f"{where}: {value!r:.60} is not one of {sorted(spec[1])}")
     elif tag == "bin_max":
@@ -603,8 +679,11 @@ class Reassembler:
 # Topics (sections 5, 6, 7)
 # --------------------------------------------------------------------------------------------------
 
-_REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo"})
-_REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply"})
+_REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo",
+                              "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request"})
+_REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
+                            "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
+                            "edgeswarm.plan.failed"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:
@@ -624,6 +703,9 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
             "heartbeat": frozenset({"edgeswarm.heartbeat"}),
             "metrics": frozenset({"edgeswarm.metrics"}),
             "request": _REQUEST_SCHEMAS,
-            "data": frozenset({"edgeswarm.bench.data"}),
+            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe"}),
+            "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
+    if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:
+        return frozenset({"edgeswarm.profile.report"})
     return None

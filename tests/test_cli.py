@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.local.broker import free_port
+from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.topics import TOPIC_TREE
 from helpers import FAST_ENV
 
@@ -86,7 +87,7 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     assert set(nodes) == {"hub", "tx2-0", "nano-0", "nano-1", "nano-2"}
     assert nodes["tx2-0"]["device_class"] == "jetson-tx2" and nodes["nano-2"]["device_class"] == "jetson-nano"
     assert all(n["state"] == "online" for n in nodes.values())
-    assert [s["service"] for s in nodes["hub"]["services"]] == ["coordinator"]
+    assert sorted(s["service"] for s in nodes["hub"]["services"]) == sorted(HUB_SERVICES)
 
     table = edgeswarm("status", "--hub", cluster.url).stdout
     assert "view from coordinator" in table
@@ -104,11 +105,12 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     assert {f"edgeswarm/node/{n}/{'coordinator' if n == 'hub' else 'node-agent'}/status" for n in nodes} <= topics_seen
 
     pids = [s["pid"] for n in nodes.values() for s in n["services"]]
-    assert len(pids_alive(pids)) == 5
+    services = len(HUB_SERVICES) + 4 * len(DEVICE_SERVICES)  # the hub's services and each device's
+    assert len(pids_alive(pids)) == services
     assert cluster.stop() == 0
     assert pids_alive(pids) == [], "every service process is gone"
     log = cluster.log.read_text()
-    assert "broker: mosquitto" in log and "stopped 6 processes" in log
+    assert "broker: mosquitto" in log and f"stopped {services + 1} processes" in log
     broker_pid = int(re.search(r"broker: mosquitto \(pid (\d+)\)", log).group(1))
     assert pids_alive([broker_pid]) == []
 

@@ -204,10 +204,9 @@ def test_speedups_over_baselines_in_simulation() -> None:
     nanos = [SyntheticDevice(f"nano-{i}", 5.0, 3 * GIB) for i in range(5)]
     b_env = ([SyntheticDevice(f"nx-{i}", 1.0, int(6.5 * GIB)) for i in range(3)]
              + [SyntheticDevice(f"tx2-{i}", 2.5, int(6.5 * GIB)) for i in range(2)])
-    options = PlanOptions(micro_batch_size=128, micro_batches=16)
     for devs in (nanos, b_env):
-        slow = compare(synthetic_cluster(56, devs, bandwidth_bps=12.5e6), options)
-        fast = compare(synthetic_cluster(56, devs, bandwidth_bps=125e6), options)
+        slow = compare(synthetic_cluster(56, devs, bandwidth_bps=12.5e6), 2048, micro_batches=16)
+        fast = compare(synthetic_cluster(56, devs, bandwidth_bps=125e6), 2048, micro_batches=16)
         for c in (slow, fast):
             assert c.baseline("dp").speedup >= 1.0 and c.baseline("pp").speedup >= 1.0
         assert slow.baseline("pp").speedup > fast.baseline("pp").speedup
@@ -270,7 +269,7 @@ def test_simulated_round_is_never_faster_than_the_plan_predicts() -> None:
     for seed in range(40):
         cluster, options = random_instance(rng, seed, units=(4, 20), devices=(2, 6))
         try:
-            c = compare(cluster, options)
+            c = compare(cluster, options.global_batch, micro_batches=options.micro_batches)
         except InfeasiblePlanError:
             continue
         for plan in [c.hpp] + [b.plan for b in c.baselines if b.plan is not None]:

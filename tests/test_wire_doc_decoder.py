@@ -22,6 +22,7 @@ import edgeswarm.messages as m
 from doc_decoder import (
     DTYPES,
     SCHEMAS,
+    TENSOR_SCHEMAS,
     Cleared,
     DocDecodeError,
     Frame,
@@ -85,6 +86,51 @@ def samples() -> dict[type, Any]:
         m.BenchAck: m.BenchAck(run_id="r1", received=0, bytes=0),
         m.BenchEcho: m.BenchEcho(payload=bytes(range(256)) * 3),
         m.BenchEchoReply: m.BenchEchoReply(payload=b""),
+        **profiler_samples(),
+        **planner_samples(),
+    }
+
+
+def planner_samples() -> dict[type, Any]:
+    from edgeswarm.planning.compare import compare
+    from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
+
+    cluster = synthetic_cluster(6, [SyntheticDevice("a", 1.0, 2**31), SyntheticDevice("b", 3.0, 2**31),
+                                    SyntheticDevice("c", 3.0, 2**30)], bandwidth_bps=12.5e6)
+    comparison = compare(cluster, 64, micro_batches=4)
+    plan = comparison.hpp
+    return {
+        m.PlanRequest: m.PlanRequest(cluster=cluster, global_batch=64, micro_batches=None, optimizer="adam",
+                                     strategy="pp", compare=True, epoch=2),
+        m.ReplanRequest: m.ReplanRequest(plan=plan, cluster=cluster, failed="b", heavy=True),
+        m.PlanReply: m.PlanReply(plan=plan, comparison=comparison, planning_s=0.01),
+        m.PlanFailed: m.PlanFailed(reason="infeasible", detail="nothing fits"),
+    }
+
+
+def profiler_samples() -> dict[type, Any]:
+    from edgeswarm.profiling import types as pt
+
+    spec = pt.ModelSpec(name="lenet5", config={"num_classes": 10, "width": 0.5, "stem": "cifar", "batch_norm": True})
+    units = [pt.UnitProfile(index=i, name=f"u{i}", ops="Conv2d+ReLU", output_bytes_per_sample=4096 >> i,
+                            weight_bytes=100 * i, buffer_bytes=0, activation_bytes_fixed=-8 if i else 0,
+                            activation_bytes_per_sample=64, flops_per_sample=1.5e6) for i in range(3)]
+    model = pt.ModelProfile(model=spec, fingerprint="ab" * 32, input_bytes_per_sample=4096, units=units)
+    compute = pt.ComputeProfile(model_fingerprint="ab" * 32, device_fingerprint="dev-1", batch_sizes=[1, 8],
+                                forward_s=[[1e-4, 5e-4]] * 3, backward_s=[[2e-4, 1e-3]] * 3, method="calibrated",
+                                speed_ratio=4.0)
+    device = pt.DeviceInfo(node="tx2-0", device_class="jetson-tx2", fingerprint="dev-1",
+                           memory_budget_bytes=6 * 2**30, compute_flops=2.5e9)
+    return {
+        m.ProfileRequest: m.ProfileRequest(request_id="req-1", model=spec, batch_sizes=[1, 8], method="measured",
+                                           peers=["nano-0", "nano-1"]),
+        m.ProfileProgress: m.ProfileProgress(request_id="req-1", node="tx2-0", fraction=0.5, message="timing u1"),
+        m.ProfileReport: m.ProfileReport(
+            request_id="req-1", node="tx2-0", entry=pt.DeviceProfileEntry(device=device, compute=compute),
+            model=model, links=[pt.LinkProfile(src="tx2-0", dst="nano-0", bandwidth_bps=12.5e6, latency_s=0.002)],
+            cache_hit=True, elapsed_s=1.25),
+        m.ProfileFailed: m.ProfileFailed(request_id="req-1", node="tx2-0", reason="bad_request", detail="no model"),
+        m.LinkProbe: m.LinkProbe(probe_id="p1", kind="bulk_ack", received_bytes=1 << 20),
     }
 
 
@@ -117,7 +163,7 @@ def test_round_trip_every_schema(ttl_s: float | None, correlation_id: str | None
     snd = sender()
     for cls, message in built.items():
         env = snd.envelope(message, ttl_s=ttl_s, correlation_id=correlation_id, reply_to=reply_to)
-        if cls is m.BenchData:
+        if cls.SCHEMA in TENSOR_SCHEMAS:
             payloads = list(tensor_frames(env, message, np.arange(6, dtype=np.float32).reshape(3, 2)))
         else:
             payloads = [encode(env, message)]

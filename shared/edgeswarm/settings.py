@@ -5,8 +5,10 @@ compose.yaml sets these variables and tests/test_deploy.py checks that every one
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -53,6 +55,12 @@ def parse_broker_url(url: str) -> BrokerAddress:
     return BrokerAddress(host=parts.hostname, port=port)
 
 
+def default_profile_dir() -> Path:
+    """Where profiles are cached: ``$XDG_CACHE_HOME/edgeswarm/profiles``, else ``~/.cache/edgeswarm/profiles``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgeswarm" / "profiles"
+
+
 def default_node_id() -> str:
     """This host's name, reduced to the characters a node id may contain."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "node"
@@ -88,6 +96,9 @@ class Settings(BaseSettings):
     outbound_window_messages: int = Field(default=32, ge=1)
     publish_timeout_s: float = Field(default=30.0, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
+
+    # Profiles measured on this node, reused across runs (edgeswarm.profiling.cache).
+    profile_dir: Path = Field(default_factory=default_profile_dir)
 
     log_level: str = "INFO"
     log_json: bool = False

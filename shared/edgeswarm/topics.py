@@ -36,10 +36,23 @@ def reply(node: str, service: str, instance: str) -> str:
     return f"{ROOT}/reply/{node}/{service}/{instance}"
 
 
+def profile_progress(node: str) -> str:
+    """Progress events of the profiler on ``node`` (not retained)."""
+    return f"{ROOT}/node/{node}/profiler/progress"
+
+
+def profile_report(node: str, model_fingerprint: str) -> str:
+    """The retained profile of one model on ``node``. Raises ValueError for a fingerprint that is no topic level."""
+    if not model_fingerprint or any(c in model_fingerprint for c in "/+#"):
+        raise ValueError(f"model fingerprint {model_fingerprint!r} cannot be a topic level")
+    return f"{ROOT}/node/{node}/profiler/profile/{model_fingerprint}"
+
+
 CLUSTER_VIEW = f"{ROOT}/cluster/view"
 CLUSTER_EVENTS = f"{ROOT}/cluster/events"
 ALL_STATUS = f"{ROOT}/node/+/+/status"
 ALL_HEARTBEATS = f"{ROOT}/node/+/+/heartbeat"
+ALL_PROFILE_PROGRESS = profile_progress("+")
 
 
 def parse_node_topic(topic: str) -> tuple[str, str, str] | None:
@@ -70,13 +83,20 @@ TOPIC_TREE: tuple[TopicSpec, ...] = (
               broker="hub", purpose="periodic liveness; MQTT 5 message expiry of timeout-factor x interval"),
     TopicSpec(pattern=metrics("{node}", "{service}"), schemas="edgeswarm.metrics v1", retained=False, qos=0,
               broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges"),
-    TopicSpec(pattern=request("{node}", "{service}"), schemas="edgeswarm.probe v1, edgeswarm.bench.* v1, ...",
-              retained=False, qos=1, broker="hub", purpose="requests to one service; replies go to reply_to"),
+    TopicSpec(pattern=request("{node}", "{service}"),
+              schemas="edgeswarm.probe v1, edgeswarm.bench.* v1, edgeswarm.profile.request v1, ...", retained=False,
+              qos=1, broker="hub", purpose="requests to one service; replies go to reply_to"),
     TopicSpec(pattern=reply("{node}", "{service}", "{instance}"), schemas="any reply schema", retained=False,
               qos=1, broker="hub", purpose="replies to the requests of one service instance"),
-    TopicSpec(pattern=data("{node}", "{service}"), schemas="tensor-carrying schemas (edgeswarm.bench.data v1, ...)",
+    TopicSpec(pattern=data("{node}", "{service}"),
+              schemas="tensor-carrying schemas (edgeswarm.bench.data v1, edgeswarm.profile.link_probe v1, ...)",
               retained=False, qos=1, broker="node data",
               purpose="tensors for the service, chunked; published to the node's advertised data_url"),
+    TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
+              broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it does"),
+    TopicSpec(pattern=profile_report("{node}", "{model_fingerprint}"), schemas="edgeswarm.profile.report v1",
+              retained=True, qos=1, broker="hub",
+              purpose="the node's latest profile of one model: layer sequence, timings, memory budget, links"),
     TopicSpec(pattern=CLUSTER_VIEW, schemas="edgeswarm.cluster_view v1", retained=True, qos=1, broker="hub",
               purpose="the coordinator's membership view: nodes, services, states, heartbeat ages"),
     TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",

@@ -99,7 +99,8 @@ class ShapedLink:
         if self._delay is None:
             send()
         else:
-            self._delay.at(done_at + self.spec.latency_s, send)
+            # A message inside the burst allowance is done "in the past"; its latency still starts now.
+            self._delay.at(max(done_at, time.monotonic()) + self.spec.latency_s, send)
 
     def close(self) -> None:
         if self._delay is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.table import Table
@@ -83,3 +84,38 @@ def report_lines(report: TransportReport) -> list[str]:
         f"{c.decode_gb_s:.2f} GB/s ({'zero-copy' if c.decode_zero_copy else 'COPIES'}, CRC-32 checked), "
         f"reassembly from {c.chunk_bytes // KB} KiB chunks {c.reassemble_gb_s:.2f} GB/s",
     ]
+
+
+def run_bench_planner(args: argparse.Namespace) -> int:
+    """``edgeswarm bench planner``: planning time, then (unless --time-only) the Table 4 speed-ups."""
+    from edgeswarm.bench.planner import planning_time, table4
+
+    report: dict[str, object] = {}
+    rows = planning_time()
+    t = Table(title="planning time (Alg. 2, B=128, M=16, synthetic Env C-like profile, 6 devices)")
+    for col in ("units L", "devices", "candidates", "seconds", "paper (Jetson NX)", "paper / ours"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        paper = f"{r.paper_seconds:.0f} s" if r.paper_seconds else "-"
+        ratio = f"{r.paper_seconds / r.seconds:.0f}x" if r.paper_seconds else "-"
+        t.add_row(str(r.units), str(r.devices), f"{r.candidates:,}", f"{r.seconds:.2f}", paper, ratio)
+    console.print(t)
+    report["planning_time"] = [r.model_dump() for r in rows]
+    if not args.time_only:
+        models = args.models.split(",") if args.models else None
+        cells = table4(Path(args.profiles), profile_dir=Path(args.profile_dir), models=models,
+                       envs=tuple(args.envs.split(",")), log=lambda m: err_console.print(m, highlight=False))
+        t = Table(title="predicted HPP speed-up over single device / DP / PP (ours | paper's Table 4)")
+        for col in ("model", "env", "Mbps", "groups", "M", "vs single", "vs DP", "vs PP", "paper", "direction"):
+            t.add_column(col)
+        for c in cells:
+            fmt = [f"{v:.2f}x" if v is not None else "OOM" for v in (c.vs_single, c.vs_dp, c.vs_pp)]
+            paper = " / ".join(f"{v}x" for v in c.paper) if c.paper else "-"
+            match = {True: "matches", False: "differs", None: "-"}[c.direction_matches()]
+            t.add_row(c.model, c.env.upper(), str(c.mbps), str(c.groups), str(c.micro_batches), *fmt, paper, match)
+        console.print(t)
+        report["table4"] = [c.model_dump() for c in cells]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0

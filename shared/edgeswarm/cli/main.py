@@ -58,6 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--quick", action="store_true", help="fewer and smaller payloads (seconds, not a minute)")
     transport.add_argument("--json", action="store_true", help="print the report as JSON")
     transport.add_argument("--out", default=None, help="also write the JSON report to this file")
+
+    planner = bench_sub.add_parser("planner", help="planning time, and predicted speed-ups next to Asteroid's Table 4")
+    planner.add_argument("--time-only", action="store_true", help="only the planning-time part (seconds)")
+    planner.add_argument("--models", default=None, help="comma-separated Table 4 models (default: all four)")
+    planner.add_argument("--envs", default="a,b,c,d", help="comma-separated Asteroid environments")
+    planner.add_argument("--profiles", default="out/table4-profiles",
+                         help="folder of cluster profiles: read when present, written when measured")
+    planner.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
+    planner.add_argument("--out", default=None, help="also write the JSON report to this file")
+
+    from edgeswarm.cli.plan import add_plan_parser
+    from edgeswarm.cli.profile import add_profile_parser
+
+    add_profile_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -81,10 +96,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
+        if args.command == "bench" and args.bench == "planner":
+            from edgeswarm.cli.bench import run_bench_planner
+
+            return run_bench_planner(args)
         if args.command == "bench":
             from edgeswarm.cli.bench import run_bench_transport
 
             return run_bench_transport(args)
+        if args.command == "plan":
+            from edgeswarm.cli.plan import run_plan
+
+            return run_plan(args)
+        if args.command == "profile":
+            from edgeswarm.cli.profile import run_profile
+
+            return run_profile(args)
     except DuplicateNodeError as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         return 3

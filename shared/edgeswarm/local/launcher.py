@@ -24,7 +24,8 @@ from edgeswarm.local.broker import BrokerProcess, start_broker
 log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
-DEVICE_SERVICES = ("node-agent",)  # later issues add the profiler and workers here
+HUB_SERVICES = ("coordinator", "planner")
+DEVICE_SERVICES = ("node-agent", "profiler")  # later issues add the workers here
 
 
 @dataclass
@@ -105,9 +106,10 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker")
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
-        self._spawn(HUB_NODE, "coordinator", service_env(
-            HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
-            mqtt_protocol=protocol, extra=self._extra_env))
+        hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
+                              mqtt_protocol=protocol, extra=self._extra_env)
+        for service in HUB_SERVICES:
+            self._spawn(HUB_NODE, service, hub_env)
         for device in self.spec.devices:
             links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(device.id).items()}
             env = service_env(device.id, self.broker.url, device_class=device.device_class, links=links,

@@ -4,6 +4,8 @@ from edgeswarm.messages.bench import BenchAck, BenchData, BenchEcho, BenchEchoRe
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, Status
 from edgeswarm.messages.metrics import MetricsReport
+from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
+from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 
 __all__ = [
     "BenchAck",
@@ -14,10 +16,19 @@ __all__ = [
     "ClusterEvent",
     "ClusterView",
     "Heartbeat",
+    "LinkProbe",
     "MetricsReport",
     "NodeView",
+    "PlanFailed",
+    "PlanReply",
+    "PlanRequest",
     "Probe",
     "ProbeReply",
+    "ProfileFailed",
+    "ProfileProgress",
+    "ProfileReport",
+    "ProfileRequest",
+    "ReplanRequest",
     "ServiceView",
     "Status",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.assemble import Layout, assemble_plan, stage_costs
+from edgeswarm.planning.compare import plan_best
 from edgeswarm.planning.costmodel import CostModel, warmup
 from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.types import ClusterProfile
@@ -27,9 +28,7 @@ def light_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
     """
     if failed not in plan.devices:
         raise PlanningError(f"device {failed} is not in the plan (devices: {', '.join(plan.devices)})")
-    remaining = ClusterProfile(model=cluster.model,
-                               devices=[e for e in cluster.devices if e.device.node != failed],
-                               links=[lk for lk in cluster.links if failed not in (lk.src, lk.dst)])
+    remaining = cluster.without(failed)
     if not remaining.devices:
         raise InfeasiblePlanError(f"{failed} was the only device: nothing is left to train on")
     cm = CostModel(remaining, plan.options)
@@ -40,6 +39,16 @@ def light_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
     cuts = flops_cuts(cm.flops_prefix, capacity)
     layout = _fit_memory(cm, cuts, groups)
     new = assemble_plan(cm, layout, plan.strategy)
+    return new.model_copy(update={"epoch": plan.epoch + 1})
+
+
+def heavy_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
+    """Heavy rescheduling, the straw-man of spec 5.1: the full planner on the surviving devices, same global
+    batch, M and optimizer; epoch plus one."""
+    if failed not in plan.devices:
+        raise PlanningError(f"device {failed} is not in the plan (devices: {', '.join(plan.devices)})")
+    new = plan_best("hpp", cluster.without(failed), plan.options.global_batch,
+                    micro_batches=plan.options.micro_batches, optimizer=plan.options.optimizer)
     return new.model_copy(update={"epoch": plan.epoch + 1})
 
 

@@ -142,3 +142,8 @@ class ClusterProfile(BaseModel):
     model: ModelProfile
     devices: list[DeviceProfileEntry]
     links: list[LinkProfile] = Field(default_factory=list)
+
+    def without(self, node: str) -> ClusterProfile:
+        """This profile without device ``node`` and its links."""
+        return ClusterProfile(model=self.model, devices=[e for e in self.devices if e.device.node != node],
+                              links=[lk for lk in self.links if node not in (lk.src, lk.dst)])

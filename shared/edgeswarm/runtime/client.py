@@ -79,7 +79,23 @@ class ClusterWatcher:
 
 def online_device_ids(view: ClusterView) -> list[str]:
     """Ids of the nodes that run a node-agent that is online, in the view's order."""
-    return [n.node for n in view.nodes if any(s.service == "node-agent" and s.state == "online" for s in n.services)]
+    return nodes_running(view, "node-agent")
+
+
+def nodes_running(view: ClusterView, service: str) -> list[str]:
+    """Ids of the nodes where ``service`` is online, in the view's order."""
+    return [n.node for n in view.nodes if any(s.service == service and s.state == "online" for s in n.services)]
+
+
+def wait_for_service(watcher: ClusterWatcher, service: str, nodes: list[str], timeout_s: float) -> list[str]:
+    """Wait until ``service`` is online on every node of ``nodes`` or ``timeout_s`` passes; the nodes still
+    without it (empty when all are ready)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = sorted(set(nodes) - set(nodes_running(watcher.view()[0], service)))
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.2)
 
 
 def online_devices(view: ClusterView) -> int:

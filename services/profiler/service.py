@@ -1,0 +1,174 @@
+"""The profiler: one per device. It profiles models on this device and measures its links, on request.
+
+A ProfileRequest on ``edgeswarm/node/{node}/profiler/request`` is queued (at most ``MAX_QUEUED``;
+beyond that it is answered ``busy``) and served in order by one profiling thread, so the request
+topic, and with it probes, stays responsive while a profile runs. While it works the service
+publishes ProfileProgress on ``edgeswarm/node/{node}/profiler/progress``; when done it publishes the
+ProfileReport retained on ``edgeswarm/node/{node}/profiler/profile/{model_fingerprint}`` and replies
+with it. A request it cannot serve gets a ProfileFailed reply; the service goes on.
+
+It also answers other profilers' link probes on its data topic (edgeswarm.profiling.links). torch is
+imported by the first profile, not at start, so the service starts as cheaply as the node agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.errors import EdgeswarmError, LinkMeasurementError, ProfileRequestError
+from edgeswarm.messages import ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
+from edgeswarm.messages.profiling import ProfileFailureReason
+from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.profiling.device import run_device_profile
+from edgeswarm.profiling.links import LinkProber
+from edgeswarm.profiling.types import DeviceProfileEntry
+from edgeswarm.runtime.service import Service
+from edgeswarm.wire import Message
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 8
+PROGRESS_INTERVAL_S = 0.25  # at most this often per request, plus the first and the last event
+
+
+class _Cancelled(Exception):
+    """Raised through the profiling core when the service stops."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    msg: Inbound
+    request: ProfileRequest
+
+
+class ProfilerService(Service):
+    name = "profiler"
+
+    def setup(self) -> None:
+        self.cache = ProfileCache(self.settings.profile_dir)
+        self.links = LinkProber(self.bus)
+        self.links.attach()
+        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_QUEUED)
+        self._worker = threading.Thread(target=self._work, name="profiler-worker", daemon=True)
+        self._worker.start()
+        self.bus.subscribe(topics.request(self.node, self.name), self._on_request, schemas=(ProfileRequest,))
+        log.info("profile cache in %s", self.cache.directory)
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def _on_request(self, msg: Inbound) -> None:
+        request = msg.body
+        assert isinstance(request, ProfileRequest)
+        try:
+            self._jobs.put_nowait(_Job(msg, request))
+        except queue.Full:
+            self.metrics.count("profile_requests_refused")
+            log.warning("refusing profile request %s from %s: %d requests already queued", request.request_id,
+                        msg.sender, MAX_QUEUED)
+            self._answer(msg, ProfileFailed(request_id=request.request_id, node=self.node, reason="busy",
+                                            detail=f"{MAX_QUEUED} profile requests are already queued on "
+                                                   f"{self.node}; try again later"))
+            return
+        log.info("queued profile request %s from %s: %s at batch sizes %s (%s), links to %s", request.request_id,
+                 msg.sender, request.model.name, request.batch_sizes, request.method, request.peers or "none")
+
+    def _work(self) -> None:
+        while not self.stopping:
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._serve(job)
+            except Exception:  # never let one request end the worker
+                self.metrics.count("handler_errors")
+                log.exception("profile request %s failed unexpectedly", job.request.request_id)
+
+    def _serve(self, job: _Job) -> None:
+        request, msg = job.request, job.msg
+        expires_at = msg.envelope.expires_at
+        if expires_at is not None and time.time() > expires_at:
+            self.metrics.count("expired")
+            log.warning("dropping profile request %s from %s: it expired while queued", request.request_id,
+                        msg.sender)
+            return
+        start = time.monotonic()
+        progress = _ProgressPublisher(self, request.request_id)
+        try:
+            result = run_device_profile(request.model, self.device, request.batch_sizes, cache=self.cache,
+                                        method=request.method, node=self.node,
+                                        progress=lambda f, m: progress(0.9 * f if request.peers else f, m))
+            links = []
+            peers = [p for p in dict.fromkeys(request.peers) if p != self.node]
+            for i, peer in enumerate(peers):
+                progress(0.9 + 0.1 * i / len(peers), f"measuring the link to {peer}")
+                links.append(self.links.measure(peer, timeout_s=max(10.0, self.settings.request_timeout_s)))
+            progress(1.0, "done", force=True)
+        except _Cancelled:
+            log.info("profile request %s abandoned: the service is stopping", request.request_id)
+            return
+        except ProfileRequestError as exc:
+            self._fail(msg, request, "bad_request", str(exc))
+            return
+        except LinkMeasurementError as exc:
+            self._fail(msg, request, "link", str(exc))
+            return
+        except Exception as exc:  # a model that fails to run, out of memory, ...: answer, log, go on
+            log.exception("profile request %s failed", request.request_id)
+            self._fail(msg, request, "error", f"{type(exc).__name__}: {exc}")
+            return
+        report = ProfileReport(
+            request_id=request.request_id, node=self.node,
+            entry=DeviceProfileEntry(device=result.device, compute=result.compute), model=result.model,
+            links=links, cache_hit=result.cache_hit, elapsed_s=time.monotonic() - start)
+        try:
+            self.bus.publish(topics.profile_report(self.node, result.model.fingerprint), report, retain=True)
+        except EdgeswarmError as exc:
+            log.warning("could not publish the retained report of request %s: %s", request.request_id, exc)
+        self._answer(msg, report)
+        self.metrics.count("profiles_served")
+        log.info("profile request %s done in %.1f s (%s%s, %d link(s))", request.request_id, report.elapsed_s,
+                 request.method, ", cached" if result.cache_hit else "", len(links))
+
+    def _fail(self, msg: Inbound, request: ProfileRequest, reason: ProfileFailureReason, detail: str) -> None:
+        self.metrics.count(f"profile_failures.{reason}")
+        log.warning("profile request %s from %s failed (%s): %s", request.request_id, msg.sender, reason, detail)
+        self._answer(msg, ProfileFailed(request_id=request.request_id, node=self.node, reason=reason,
+                                        detail=detail[:4096]))
+
+    def _answer(self, msg: Inbound, answer: Message) -> None:
+        try:
+            self.bus.reply(msg, answer)
+        except EdgeswarmError as exc:
+            log.warning("could not answer %s: %s", msg.sender, exc)
+
+
+class _ProgressPublisher:
+    """Publishes ProfileProgress for one request, at most every PROGRESS_INTERVAL_S; raises _Cancelled
+    once the service is stopping, which aborts the profiling core."""
+
+    def __init__(self, service: ProfilerService, request_id: str) -> None:
+        self._service = service
+        self._request_id = request_id
+        self._last = 0.0
+
+    def __call__(self, fraction: float, message: str, *, force: bool = False) -> None:
+        service = self._service
+        if service.stopping:
+            raise _Cancelled
+        now = time.monotonic()
+        if not force and self._last and now - self._last < PROGRESS_INTERVAL_S:
+            return
+        self._last = now
+        event = ProfileProgress(request_id=self._request_id, node=service.node,
+                                fraction=min(1.0, max(0.0, fraction)), message=message[:512])
+        try:
+            service.bus.publish(topics.profile_progress(service.node), event, qos=0, ttl_s=60)
+        except EdgeswarmError as exc:  # progress is best effort
+            log.debug("progress event not published: %s", exc)

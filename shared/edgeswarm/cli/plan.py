@@ -1,0 +1,191 @@
+"""``edgeswarm plan``: profile a cluster (or read saved profiles), plan HPP training, compare with the baselines.
+
+The profiles come from one of three places: ``--profiles PATH`` (a saved ClusterProfile JSON, or a folder of
+them, picked by model), ``--cluster FILE|NAME`` (start that cluster locally, have every emulated device's
+profiler measure itself and its links, stop it), or ``--hub URL`` (profile the devices of a running cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from edgeswarm.cli.console import console, err_console
+from edgeswarm.cli.profile import parse_batch_sizes, parse_config
+from edgeswarm.devices.cluster import load_cluster
+from edgeswarm.errors import ConfigError, ProfileError
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.planning.compare import Comparison, compare
+from edgeswarm.planning.types import Plan
+from edgeswarm.profiling.gather import gather_cluster_profile
+from edgeswarm.profiling.types import ClusterProfile, ModelSpec
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids, wait_for_service
+from edgeswarm.settings import Settings
+
+DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
+READY_TIMEOUT_S = 120.0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``edgeswarm plan``."""
+    p = sub.add_parser("plan", help="plan HPP training of a model on a cluster and compare with single, DP and PP")
+    p.add_argument("--model", required=True, help="zoo model name (see `edgeswarm profile --help`)")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="model config entry")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--cluster", help="cluster file or bundled name (e.g. asteroid-env-d-100mbps): started "
+                                       "locally and profiled on the fly")
+    src.add_argument("--profiles", help="a saved ClusterProfile JSON file, or a folder of them")
+    src.add_argument("--hub", help="profile the online devices of the cluster at this hub broker URL")
+    p.add_argument("--global-batch", type=int, default=256, help="samples per training round (default 256)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per round M (default: the best power of two for each strategy)")
+    p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd")
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help="batch sizes to profile at")
+    p.add_argument("--method", choices=("calibrated", "measured"), default="calibrated",
+                   help="profiling method on emulated devices (see `edgeswarm profile`)")
+    p.add_argument("--save-profiles", metavar="DIR", help="also write the cluster profile JSON into DIR")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the profiles")
+    p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
+    p.add_argument("--png", metavar="FILE", help="draw the stage-to-device map and one round's 1F1B timeline")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    spec = ModelSpec(name=args.model, config=parse_config(args.config))
+    if args.profiles:
+        cluster = load_profiles(Path(args.profiles), spec)
+    elif args.cluster:
+        cluster = profile_local_cluster(args.cluster, spec, parse_batch_sizes(args.batch_sizes), args.method,
+                                        args.timeout)
+    else:
+        cluster = profile_running_cluster(args.hub, spec, parse_batch_sizes(args.batch_sizes), args.method,
+                                          args.timeout)
+    if args.save_profiles:
+        path = save_profiles(Path(args.save_profiles), cluster)
+        err_console.print(f"cluster profile written to {path}")
+    comparison = compare(cluster, args.global_batch, micro_batches=args.micro_batches, optimizer=args.optimizer)
+    if args.json:
+        print(comparison.model_dump_json(indent=2))
+    else:
+        print_comparison(comparison, cluster)
+    if args.png:
+        from edgeswarm.planning.render import render_plan_png
+
+        render_plan_png(comparison.hpp, Path(args.png), title=f"{spec.name} on {len(cluster.devices)} devices")
+        err_console.print(f"plan drawn to {args.png}")
+    return 0
+
+
+def load_profiles(path: Path, spec: ModelSpec) -> ClusterProfile:
+    """A ClusterProfile from a JSON file, or the one for ``spec`` (by model name and config) in a folder."""
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"no profile JSON files in {path}; write some with `edgeswarm plan ... --save-profiles`")
+    found: list[str] = []
+    for f in files:
+        try:
+            cluster = ClusterProfile.model_validate_json(f.read_text())
+        except (OSError, ValueError) as exc:
+            if not path.is_dir():
+                raise ConfigError(f"{f} is not a cluster profile: {exc}") from exc
+            continue
+        found.append(cluster.model.model.name)
+        if cluster.model.model.name == spec.name and all(cluster.model.model.config.get(k) == v
+                                                         for k, v in spec.config.items()):
+            return cluster
+    raise ProfileError(f"no profile for {spec.name} {spec.config or ''} in {path} "
+                       f"(found: {', '.join(found) or 'none'})")
+
+
+def save_profiles(folder: Path, cluster: ClusterProfile) -> Path:
+    """Write the cluster profile as ``folder/<model>-<fingerprint>.json``; returns the path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{cluster.model.model.name}-{cluster.model.fingerprint[:12]}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(cluster.model_dump_json())
+    tmp.replace(path)
+    return path
+
+
+def profile_local_cluster(cluster_arg: str, spec: ModelSpec, batch_sizes: list[int], method: str,
+                          timeout_s: float) -> ClusterProfile:
+    """Start the cluster locally, profile every device and link over MQTT, and stop it."""
+    cluster_spec = load_cluster(cluster_arg)
+    nodes = [d.id for d in cluster_spec.devices]
+    with LocalCluster(cluster_spec) as local:
+        err_console.print(f"started {cluster_arg} locally ({len(nodes)} devices, broker {local.hub_url}); profiling")
+        return profile_cluster(local.hub_url, spec, batch_sizes, method, timeout_s, nodes)
+
+
+def profile_running_cluster(hub: str, spec: ModelSpec, batch_sizes: list[int], method: str,
+                            timeout_s: float) -> ClusterProfile:
+    """Profile the devices online at ``hub``."""
+    return profile_cluster(hub, spec, batch_sizes, method, timeout_s, None)
+
+
+def profile_cluster(hub: str, spec: ModelSpec, batch_sizes: list[int], method: str, timeout_s: float,
+                    nodes: list[str] | None, *, links: bool = True) -> ClusterProfile:
+    """Have the profilers of ``nodes`` (default: every online device at ``hub``) profile ``spec`` and, with
+    ``links``, measure the links between them. Raises ProfileError when a profiler is not online."""
+    bus = client_bus(Settings(hub_url=hub))
+    try:
+        watcher = ClusterWatcher(bus)
+        view, _ = watcher.wait(settle_s=0.5, devices=len(nodes) if nodes else 1, timeout_s=READY_TIMEOUT_S)
+        if nodes is None:
+            nodes = online_device_ids(view)
+        missing = wait_for_service(watcher, "profiler", nodes, READY_TIMEOUT_S)
+        if missing or not nodes:
+            raise ProfileError(f"no profiler online after {READY_TIMEOUT_S:.0f} s on: "
+                               f"{', '.join(missing) or 'any device'}")
+
+        def progress(node: str, fraction: float, message: str) -> None:
+            err_console.print(f"  {node}: {fraction:4.0%} {message}", highlight=False)
+
+        return gather_cluster_profile(bus, spec, nodes, batch_sizes, method=method, timeout_s=timeout_s,
+                                      links=links, progress=progress)
+    finally:
+        bus.stop()
+
+
+def print_comparison(c: Comparison, cluster: ClusterProfile) -> None:
+    """The HPP plan as a table, then its prediction next to every baseline's."""
+    plan = c.hpp
+    names = [u.name for u in cluster.model.units]
+    console.print(f"[bold]{cluster.model.model.name}[/bold]: {plan.units} units, {len(cluster.devices)} devices, "
+                  f"global batch {plan.options.global_batch} = {plan.options.micro_batches} micro-batches of "
+                  f"{plan.options.micro_batch_size}, optimizer {plan.options.optimizer}; "
+                  f"planned in {c.planning_s:.2f} s")
+    console.print(plan_table(plan, names))
+    console.print(f"predicted round latency [bold]{plan.round_latency_s:.3f} s[/bold], "
+                  f"[bold]{plan.throughput_sps:.1f} samples/s[/bold] (dominant step {plan.dominant_step})")
+    table = Table(title="against the baselines (same cost model)")
+    for col in ("strategy", "stages", "M x B", "round (s)", "samples/s", "HPP speed-up"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    table.add_row("hpp", str(len(plan.stages)), f"{plan.options.micro_batches} x {plan.options.micro_batch_size}",
+                  f"{plan.round_latency_s:.3f}", f"{plan.throughput_sps:.1f}", "1.00x")
+    for b in c.baselines:
+        if b.plan is None:
+            table.add_row(b.strategy, "-", "-", "does not fit", "-", "-")
+            continue
+        p = b.plan
+        table.add_row(b.strategy, str(len(p.stages)), f"{p.options.micro_batches} x {p.options.micro_batch_size}",
+                      f"{p.round_latency_s:.3f}", f"{p.throughput_sps:.1f}", f"{b.speedup:.2f}x")
+    console.print(table)
+
+
+def plan_table(plan: Plan, unit_names: list[str]) -> Table:
+    """One row per stage: units, devices with their micro-batch shares, memory used of budget."""
+    table = Table(title=f"{plan.strategy} plan, epoch {plan.epoch}")
+    for col in ("stage", "units", "layers", "devices (samples per micro-batch)", "K", "fwd+bwd (s)", "allreduce (s)",
+                "memory used / budget"):
+        table.add_column(col)
+    for s in plan.stages:
+        layers = f"{unit_names[s.start]} .. {unit_names[s.end - 1]}" if unit_names else ""
+        devices = ", ".join(f"{d} ({y})" for d, y in zip(s.devices, s.shares, strict=True))
+        memory = ", ".join(f"{m / 2**20:.0f}/{b / 2**20:.0f} MiB" for m, b in
+                           zip(s.memory_bytes, s.memory_budget_bytes, strict=True))
+        table.add_row(str(s.index), f"[{s.start}, {s.end})", layers, devices, str(s.warmup),
+                      f"{s.forward_s + s.backward_s:.4f}", f"{s.allreduce_s:.3f}", memory)
+    return table
+

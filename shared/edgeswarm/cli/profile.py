@@ -1,0 +1,130 @@
+"""``edgeswarm profile``: profile a model on this machine, as a given device class, with no broker.
+
+It runs the same core as the profiler service (edgeswarm.profiling.device) through the same profile
+cache, and writes a ClusterProfile with this one device (no links) that ``edgeswarm plan`` can read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from edgeswarm.cli.console import console, err_console
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.errors import ConfigError
+from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
+from edgeswarm.profiling.types import ClusterProfile, DeviceProfileEntry, ModelSpec
+from edgeswarm.settings import Settings
+
+DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the ``profile`` subcommand on ``sub``."""
+    p = sub.add_parser("profile", help="profile a model on this machine as a device class (no broker needed)")
+    p.add_argument("--model", required=True, help="a zoo model: mlp, lenet5, resnet18, mobilenetv2, ...")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model config value, e.g. num_classes=10 or width=0.5 (repeatable)")
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES,
+                   help=f"comma-separated, ascending (default {DEFAULT_BATCH_SIZES})")
+    p.add_argument("--method", choices=["calibrated", "measured"], default="calibrated",
+                   help="calibrated: time the host once and scale by the device's measured speed; "
+                   "measured: time every unit on the device")
+    p.add_argument("--device-class", default="native", help="run as this device class (default native)")
+    p.add_argument("--no-cache", action="store_true", help="measure even if the profile cache has the figures")
+    p.add_argument("--out", default=None, help="write the profile (a ClusterProfile, JSON) to this file")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
+
+
+def parse_config(items: list[str]) -> dict[str, int | float | str | bool]:
+    """``KEY=VALUE`` strings as a config dict: true/false, integers and numbers are typed, the rest strings."""
+    config: dict[str, int | float | str | bool] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--config {item!r} is not KEY=VALUE")
+        config[key.strip()] = _typed(raw.strip())
+    return config
+
+
+def _typed(raw: str) -> int | float | str | bool:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` as [1, 2, 4]; ConfigError for anything that is not comma-separated integers."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--batch-sizes {text!r} is not a comma-separated list of integers") from None
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    settings = Settings(device_class=args.device_class)
+    device = DeviceProfile.from_settings(settings)
+    spec = ModelSpec(name=args.model, config=parse_config(args.config))
+    cache = None if args.no_cache else ProfileCache(settings.profile_dir)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
+                  transient=True, disable=not err_console.is_terminal) as bar:
+        task = bar.add_task(f"profiling {spec.name}", total=1.0)
+
+        def progress(fraction: float, message: str) -> None:
+            bar.update(task, completed=fraction, description=message[:80])
+
+        result = run_device_profile(spec, device, parse_batch_sizes(args.batch_sizes), cache=cache,
+                                    method=args.method, node=settings.node_id, progress=progress)
+    profile = ClusterProfile(model=result.model,
+                             devices=[DeviceProfileEntry(device=result.device, compute=result.compute)])
+    text = profile.model_dump_json(indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        print(text)
+    else:
+        console.print(profile_table(result))
+        console.print(summary_line(result))
+        if args.out:
+            console.print(f"written to {args.out}")
+    return 0
+
+
+def profile_table(result: DeviceProfileResult) -> Table:
+    """One row per unit: sizes, FLOPs and forward / backward milliseconds at each batch size."""
+    compute = result.compute
+    table = Table(title=f"{result.model.model.name} on {result.device.device_class} ({compute.method}"
+                        f"{', from the cache' if result.cache_hit else ''}): forward / backward ms")
+    for col in ("#", "unit", "ops", "a_l B/sample", "w_l B", "FLOPs/sample"):
+        table.add_column(col, justify="left" if col in ("unit", "ops") else "right")
+    for b in compute.batch_sizes:
+        table.add_column(f"b={b}", justify="right")
+    for unit, fwd, bwd in zip(result.model.units, compute.forward_s, compute.backward_s, strict=True):
+        times = [f"{f * 1e3:.3g} / {b * 1e3:.3g}" for f, b in zip(fwd, bwd, strict=True)]
+        table.add_row(str(unit.index), unit.name, unit.ops, f"{unit.output_bytes_per_sample:,}",
+                      f"{unit.weight_bytes:,}", f"{unit.flops_per_sample:,.0f}", *times)
+    return table
+
+
+def summary_line(result: DeviceProfileResult) -> str:
+    """Totals: units, weights, FLOPs, the whole model's step time at the largest batch, FLOP/s, budget."""
+    model, compute, device = result.model, result.compute, result.device
+    b = compute.batch_sizes[-1]
+    fwd = sum(row[-1] for row in compute.forward_s)
+    bwd = sum(row[-1] for row in compute.backward_s)
+    weights = sum(u.weight_bytes for u in model.units)
+    flops = sum(u.flops_per_sample for u in model.units)
+    ratio = f", speed ratio {compute.speed_ratio:.2f}" if compute.method == "calibrated" else ""
+    return (f"{model.model.name}: {len(model.units)} units, {weights / 1e6:.2f} MB of weights, "
+            f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
+            f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training on {device.node} as "
+            f"{device.device_class}{ratio}; memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")

@@ -1,0 +1,67 @@
+"""Messages of the planner: plan and re-plan requests and their answers.
+
+Requests go to ``edgeswarm/node/{node}/planner/request``; the planner replies with a PlanReply or a
+PlanFailed. Times are seconds; the plan's ``epoch`` versions a job's plans (a re-plan returns the old
+epoch plus one).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from edgeswarm.planning.compare import Comparison
+from edgeswarm.planning.types import Plan, Strategy
+from edgeswarm.profiling.types import ClusterProfile, Optimizer
+from edgeswarm.wire.schema import Message, Name, schema
+
+
+@schema("edgeswarm.plan.request", 1)
+class PlanRequest(Message):
+    """Request: plan training of ``cluster``'s model on its devices, ``global_batch`` samples per round.
+
+    ``micro_batches`` fixes M (it must divide the global batch); absent, the planner picks the best power
+    of two. ``strategy`` ``hpp`` is Asteroid's planner; ``dp``, ``pp`` and ``single`` are the baselines.
+    ``compare`` asks for every baseline next to the HPP plan as well. ``epoch`` is stamped on the plan.
+    """
+
+    cluster: ClusterProfile
+    global_batch: int = Field(ge=1)
+    micro_batches: int | None = Field(default=None, ge=1)
+    optimizer: Optimizer = "sgd"
+    strategy: Strategy = "hpp"
+    compare: bool = False
+    epoch: int = Field(default=0, ge=0)
+
+
+@schema("edgeswarm.plan.replan_request", 1)
+class ReplanRequest(Message):
+    """Request: the lightweight re-plan of ``plan`` without device ``failed`` (spec 5.4). ``cluster`` is the
+    profile the plan was made from. ``heavy`` re-runs the full planner on the survivors instead."""
+
+    plan: Plan
+    cluster: ClusterProfile
+    failed: Name
+    heavy: bool = False
+
+
+@schema("edgeswarm.plan.reply", 1)
+class PlanReply(Message):
+    """A plan (and, when asked, the comparison with the baselines); ``planning_s`` is the planner's time."""
+
+    plan: Plan
+    comparison: Comparison | None = None
+    planning_s: float = Field(ge=0.0)
+
+
+PlanFailureReason = Literal["infeasible", "bad_profile", "bad_request", "error"]
+
+
+@schema("edgeswarm.plan.failed", 1)
+class PlanFailed(Message):
+    """The answer to a request that has no plan: ``infeasible`` (nothing fits in memory), ``bad_profile``
+    (the profiles miss a batch size, a device or a link), ``bad_request`` or ``error``, with ``detail``."""
+
+    reason: PlanFailureReason
+    detail: str = Field(max_length=4096)

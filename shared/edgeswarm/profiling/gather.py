@@ -1,0 +1,208 @@
+"""Ask every node's profiler for its profile and links, and assemble the ClusterProfile the planner reads.
+
+Two phases:
+
+1. compute: each node profiles the model on itself, with no link traffic to disturb the timings. Nodes
+   on different hosts (the ``host`` of their profiler's status) work at the same time; nodes that share
+   a host (emulated devices of one machine) take turns, because co-located processes competing for the
+   CPU would distort each other's timings. Sharing a host also means sharing its profile cache, so the
+   host's native timings are measured once and the later devices only measure their speed ratio.
+2. links: every node measures its link to every other node, all at once (the compute part is a cache
+   hit now).
+
+A pair measured in both directions gets the slower bandwidth and the longer latency in both
+directions, so the result is symmetric. A node that does not answer in time, answers with a failure,
+or profiled a different model makes the whole call fail with an error naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.bus.bus import Expectation
+from edgeswarm.errors import ProfilerError, ProfileTimeoutError, UnknownNodeError
+from edgeswarm.messages import ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
+from edgeswarm.messages.profiling import ProfileMethod
+from edgeswarm.profiling.types import ClusterProfile, LinkProfile, ModelSpec
+from edgeswarm.wire.schema import new_id
+
+PROFILER = "profiler"
+# progress(node, fraction in [0, 1] of that node's current round, message)
+GatherProgress = Callable[[str, float, str], None]
+
+
+class _ProgressRouter:
+    """One subscription to every profiler's progress per bus, dispatched by request id."""
+
+    def __init__(self, bus: Bus) -> None:
+        self._listeners: dict[str, GatherProgress] = {}
+        self._lock = threading.Lock()
+        bus.subscribe(topics.ALL_PROFILE_PROGRESS, self._on_progress, schemas=(ProfileProgress,), qos=0)
+
+    def listen(self, request_id: str, callback: GatherProgress) -> None:
+        with self._lock:
+            self._listeners[request_id] = callback
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._listeners.pop(request_id, None)
+
+    def _on_progress(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, ProfileProgress)
+        with self._lock:
+            callback = self._listeners.get(body.request_id)
+        if callback is not None:
+            callback(body.node, body.fraction, body.message)
+
+
+_routers: weakref.WeakKeyDictionary[Bus, _ProgressRouter] = weakref.WeakKeyDictionary()
+_routers_lock = threading.Lock()
+
+
+def _router(bus: Bus) -> _ProgressRouter:
+    with _routers_lock:
+        router = _routers.get(bus)
+        if router is None:
+            router = _routers[bus] = _ProgressRouter(bus)
+        return router
+
+
+def request_profiles(bus: Bus, requests: dict[str, ProfileRequest], *, timeout_s: float,
+                     progress: GatherProgress | None = None) -> dict[str, ProfileReport]:
+    """Send ``requests`` (node -> request) to the nodes' profilers at once; their reports by node.
+
+    Raises ProfileTimeoutError naming every node whose profiler did not answer within ``timeout_s``
+    seconds (or is not known to be running), ProfilerError naming a node that answered with a failure.
+    """
+    router = _router(bus) if progress is not None else None
+    pending: dict[str, tuple[ProfileRequest, Expectation]] = {}
+    try:
+        for node, request in requests.items():
+            if router is not None and progress is not None:
+                router.listen(request.request_id, progress)
+            exp = bus.expect()
+            pending[node] = (request, exp)
+            bus.publish(topics.request(node, PROFILER), request, ttl_s=timeout_s, correlation_id=exp.correlation_id,
+                        reply_to=bus.reply_topic)
+        deadline = time.monotonic() + timeout_s
+        replies: dict[str, Inbound] = {}
+        missing: list[str] = []
+        for node, (_request, exp) in pending.items():
+            reply = exp.wait(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                missing.append(node)
+            else:
+                replies[node] = reply
+        if missing:
+            raise ProfileTimeoutError(_timeout_message(bus, missing, timeout_s))
+        reports: dict[str, ProfileReport] = {}
+        for node, reply in replies.items():
+            body = reply.body
+            if isinstance(body, ProfileFailed):
+                raise ProfilerError(f"the profiler on {node} could not profile ({body.reason}): {body.detail}")
+            if not isinstance(body, ProfileReport) or body.node != node:
+                raise ProfilerError(f"the profiler on {node} answered with {reply.envelope.schema_name} "
+                                    f"from {reply.sender}, not a profile report")
+            reports[node] = body
+        return reports
+    finally:
+        for request, exp in pending.values():
+            exp.wait(0)  # ends the expectation if it was never waited for (an error on the way)
+            if router is not None:
+                router.forget(request.request_id)
+
+
+def _timeout_message(bus: Bus, nodes: list[str], timeout_s: float) -> str:
+    reasons = []
+    for node in nodes:
+        status = bus.peers.get(node, PROFILER)
+        if status is None:
+            reasons.append(f"{node} (no profiler has ever announced itself there)")
+        elif status.state != "online":
+            reasons.append(f"{node} (its profiler is {status.state}: {status.reason or 'no reason given'})")
+        else:
+            reasons.append(f"{node} (online but silent)")
+    return (f"no profile from {', '.join(reasons)} within {timeout_s:.0f} s; check `edgeswarm status`, or allow "
+            f"more time for slow devices or large models")
+
+
+def gather_cluster_profile(bus: Bus, spec: ModelSpec, nodes: Sequence[str], batch_sizes: Sequence[int], *,
+                           method: ProfileMethod = "calibrated", timeout_s: float = 600.0, links: bool = True,
+                           progress: GatherProgress | None = None) -> ClusterProfile:
+    """The ClusterProfile of ``spec`` on ``nodes``: every node's timings and memory budget, and (with
+    ``links``) the measured link between every pair of them.
+
+    ``timeout_s`` bounds each turn of the compute phase and the link phase (seconds). Raises
+    ProfileTimeoutError naming the nodes that did not answer, ProfilerError for a failed or inconsistent
+    node, ValueError for no nodes.
+    """
+    nodes = list(dict.fromkeys(nodes))
+    if not nodes:
+        raise ValueError("gather_cluster_profile needs at least one node")
+    sizes = list(batch_sizes)
+
+    def request(peers: list[str]) -> ProfileRequest:
+        return ProfileRequest(request_id=new_id(), model=spec, batch_sizes=sizes, method=method, peers=peers)
+
+    turns = host_turns(bus, nodes)
+    offline = [f"{n} ({s.reason or 'no reason given'})" for n in nodes
+               for s in [bus.peers.get(n, PROFILER)] if s is not None and s.state != "online"]
+    if offline:
+        raise ProfilerError(f"the profiler is offline on {', '.join(offline)}; start it or leave the node out")
+    reports: dict[str, ProfileReport] = {}
+    for turn in turns:
+        reports.update(request_profiles(bus, {n: request([]) for n in turn}, timeout_s=timeout_s, progress=progress))
+    fingerprints = {r.model.fingerprint for r in reports.values()}
+    if len(fingerprints) != 1:
+        by_node = ", ".join(f"{n}: {r.model.fingerprint[:12]}" for n, r in reports.items())
+        raise ProfilerError(f"the nodes profiled different models ({by_node}); run the same edgeswarm version "
+                            "everywhere")
+    measured: list[LinkProfile] = []
+    if links and len(nodes) > 1:
+        link_reports = request_profiles(bus, {n: request([p for p in nodes if p != n]) for n in nodes},
+                                        timeout_s=timeout_s, progress=progress)
+        measured = [link for r in link_reports.values() for link in r.links]
+    first = reports[nodes[0]]
+    return ClusterProfile(model=first.model, devices=[reports[n].entry for n in nodes],
+                          links=symmetric_links(measured))
+
+
+def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list[str]]:
+    """``nodes`` in turns: turn k holds the k-th node of every host, so no two nodes of one host share a
+    turn. The host is the one in the node's profiler status (waited for up to ``wait_s`` seconds); a node
+    whose status is unknown counts as a host of its own."""
+    by_host: dict[str, list[str]] = {}
+    deadline = time.monotonic() + wait_s
+    for node in nodes:
+        try:
+            host = bus.peers.wait_for(node, PROFILER, timeout_s=max(0.0, deadline - time.monotonic())).host
+        except UnknownNodeError:
+            host = f"unknown:{node}"
+        by_host.setdefault(host, []).append(node)
+    depth = max(len(group) for group in by_host.values())
+    return [[group[k] for group in by_host.values() if k < len(group)] for k in range(depth)]
+
+
+def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
+    """Both directions of every measured pair, each with the pair's slowest bandwidth and longest latency.
+
+    Sorted by (src, dst). Self-links are dropped.
+    """
+    pairs: dict[tuple[str, str], tuple[float, float]] = {}
+    for link in links:
+        if link.src == link.dst:
+            continue
+        key = (min(link.src, link.dst), max(link.src, link.dst))
+        bw, lat = pairs.get(key, (float("inf"), 0.0))
+        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s))
+    out = []
+    for (a, b), (bw, lat) in pairs.items():
+        out.append(LinkProfile(src=a, dst=b, bandwidth_bps=bw, latency_s=lat))
+        out.append(LinkProfile(src=b, dst=a, bandwidth_bps=bw, latency_s=lat))
+    return sorted(out, key=lambda link: (link.src, link.dst))

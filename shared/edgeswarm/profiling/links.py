@@ -1,0 +1,181 @@
+"""Link measurement over the real MQTT data path, profiler to profiler.
+
+Tensors travel exactly as training tensors do: ``Bus.send_tensor`` to the peer's advertised data-plane
+broker, chunked, at QoS 1, through this node's emulated link to the peer when one is configured. So an
+emulated device on a shaped 100 Mbps link measures about 12.5e6 bytes per second, and a real device
+measures its real network.
+
+- **Latency** (seconds): the median round trip of a small ``ping`` tensor that the peer's profiler
+  sends straight back as a ``pong`` over its own data path (both directions' links included).
+- **Bandwidth** (bytes per second): a 1 MiB warm-up transfer estimates the rate; then one bulk tensor
+  sized to take about ``target_s`` at that rate (clamped to [1 MiB, 16 MiB]; about 6 MB on 100 Mbps)
+  is sent and the peer confirms it with a tiny ``bulk_ack`` tensor. The rate is the bulk bytes over
+  the elapsed time minus one ping round trip (the confirmation's own travel).
+
+The measuring side and the answering side are the same object: every profiler attaches a LinkProber
+to its data topic.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.errors import BusError, InvalidMessageError, LinkMeasurementError
+from edgeswarm.messages import LinkProbe
+from edgeswarm.profiling.types import LinkProfile
+from edgeswarm.wire.schema import new_id
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+PING_BYTES = 64
+MAX_PING_BYTES = 64 * 1024  # a larger "ping" is refused: the echo must stay cheap for the answering side
+DEFAULT_PINGS = 7
+DEFAULT_TARGET_S = 0.5
+MIN_BULK_BYTES = 1 * MIB
+MAX_BULK_BYTES = 16 * MIB
+PEER_WAIT_S = 2.0  # how long a peer's status may take to show up before the peer counts as unknown
+
+
+@dataclass
+class _Waiter:
+    event: threading.Event = field(default_factory=threading.Event)
+    arrived_at: float = 0.0
+    received_bytes: int = 0
+
+
+class LinkProber:
+    """Measures links from this bus's node to the same service on peers, and answers their probes.
+
+    Call ``attach()`` once (it subscribes to this service's data topic); ``measure()`` may then run on
+    any thread, including concurrently for different peers.
+    """
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.node = bus.sender.node
+        self.service = bus.sender.service
+        self._waiters: dict[str, _Waiter] = {}
+        self._lock = threading.Lock()
+
+    def attach(self) -> None:
+        """Subscribe to ``edgeswarm/node/{node}/{service}/data`` on this node's data-plane broker."""
+        self.bus.subscribe(topics.data(self.node, self.service), self._on_probe, schemas=(LinkProbe,), plane="data")
+
+    # --- measuring ----------------------------------------------------------------------------------
+
+    def measure(self, peer: str, *, pings: int = DEFAULT_PINGS, target_s: float = DEFAULT_TARGET_S,
+                min_bulk_bytes: int = MIN_BULK_BYTES, max_bulk_bytes: int = MAX_BULK_BYTES,
+                timeout_s: float = 60.0) -> LinkProfile:
+        """The link from this node to ``peer``: bandwidth (bytes/s) and round-trip latency (s).
+
+        Takes about ``target_s`` plus a few round trips. Raises LinkMeasurementError if the peer's
+        profiler is unknown, offline or does not answer a probe within ``timeout_s`` seconds.
+        """
+        if peer == self.node:
+            raise LinkMeasurementError(f"cannot measure a link from {peer} to itself")
+        self._check_peer(peer, min(timeout_s, PEER_WAIT_S))
+        ping = np.zeros(PING_BYTES, dtype=np.uint8)
+        self.round_trip(peer, "ping", ping, timeout_s)  # warm-up: connection, peer lookup, handler threads
+        rtts = [self.round_trip(peer, "ping", ping, timeout_s)[0] for _ in range(max(1, pings))]
+        rtt = statistics.median(rtts)
+        warm = self._rate(min_bulk_bytes, self.round_trip(peer, "bulk", _payload(min_bulk_bytes), timeout_s)[0], rtt)
+        size = int(min(max_bulk_bytes, max(min_bulk_bytes, warm * target_s)))
+        elapsed, received = self.round_trip(peer, "bulk", _payload(size), timeout_s)
+        if received != size:
+            raise LinkMeasurementError(f"{peer}'s profiler confirmed {received} bytes of a {size}-byte transfer")
+        bandwidth = self._rate(size, elapsed, rtt)
+        log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps) from %d bytes in %.3f s; round trip %.2f ms (median of %d)",
+                 self.node, peer, bandwidth, bandwidth * 8 / 1e6, size, elapsed, rtt * 1e3, len(rtts))
+        return LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=rtt)
+
+    def _check_peer(self, peer: str, wait_s: float) -> None:
+        try:
+            status = self.bus.peers.wait_for(peer, self.service, timeout_s=wait_s)
+        except BusError as exc:
+            raise LinkMeasurementError(f"cannot measure the link {self.node} -> {peer}: {exc}") from exc
+        if status.state != "online":
+            raise LinkMeasurementError(f"cannot measure the link {self.node} -> {peer}: its {self.service} is "
+                                       f"{status.state} ({status.reason or 'no reason given'})")
+
+    @staticmethod
+    def _rate(nbytes: int, elapsed_s: float, rtt_s: float) -> float:
+        # The confirmation's travel is not transfer time; never let it claim more than half the elapsed time.
+        return nbytes / max(elapsed_s - rtt_s, elapsed_s / 2, 1e-9)
+
+    def round_trip(self, peer: str, kind: Literal["ping", "bulk"], value: np.ndarray,
+                   timeout_s: float) -> tuple[float, int]:
+        """Send ``value`` to ``peer``'s profiler as a ``ping`` or ``bulk`` and wait for its answer.
+
+        Returns (seconds from the start of sending to the answer's arrival, bytes the peer confirmed).
+        """
+        probe_id = new_id()
+        waiter = _Waiter()
+        with self._lock:
+            self._waiters[probe_id] = waiter
+        try:
+            start = time.perf_counter()
+            try:
+                self.bus.send_tensor(peer, self.service, LinkProbe(probe_id=probe_id, kind=kind), value,
+                                     timeout_s=timeout_s)
+            except BusError as exc:
+                raise LinkMeasurementError(f"cannot measure the link {self.node} -> {peer}: {exc}") from exc
+            remaining = timeout_s - (time.perf_counter() - start)
+            if not waiter.event.wait(max(0.0, remaining)):
+                raise LinkMeasurementError(
+                    f"the {self.service} on {peer} did not answer a {kind} of {value.nbytes} bytes within "
+                    f"{timeout_s:.0f} s; is it running and reachable? (`edgeswarm status`)")
+            return waiter.arrived_at - start, waiter.received_bytes
+        finally:
+            with self._lock:
+                self._waiters.pop(probe_id, None)
+
+    # --- answering ----------------------------------------------------------------------------------
+
+    def _on_probe(self, msg: Inbound) -> None:
+        arrived = time.perf_counter()
+        body = msg.body
+        assert isinstance(body, LinkProbe)  # guaranteed by the subscription's schema filter
+        if msg.tensor is None:
+            raise InvalidMessageError(f"link probe {body.probe_id} from {msg.sender} carries no tensor")
+        env = msg.envelope
+        if body.kind == "ping":
+            if msg.tensor.nbytes > MAX_PING_BYTES:
+                raise InvalidMessageError(f"ping {body.probe_id} from {msg.sender} is {msg.tensor.nbytes} bytes; "
+                                          f"at most {MAX_PING_BYTES} are echoed")
+            echo = np.ascontiguousarray(msg.tensor.array).reshape(-1).view(np.uint8)
+            self._answer(env.sender_node, env.sender_service, LinkProbe(probe_id=body.probe_id, kind="pong"), echo)
+        elif body.kind == "bulk":
+            ack = LinkProbe(probe_id=body.probe_id, kind="bulk_ack", received_bytes=msg.tensor.nbytes)
+            self._answer(env.sender_node, env.sender_service, ack, np.zeros(1, dtype=np.uint8))
+        else:
+            with self._lock:
+                waiter = self._waiters.get(body.probe_id)
+            if waiter is None:
+                self.bus.metrics.count("late_link_probes")
+                log.debug("a %s for probe %s from %s arrived after its wait ended", body.kind, body.probe_id,
+                          msg.sender)
+                return
+            waiter.arrived_at = arrived
+            waiter.received_bytes = body.received_bytes if body.kind == "bulk_ack" else msg.tensor.nbytes
+            waiter.event.set()
+
+    def _answer(self, node: str, service: str, message: LinkProbe, value: np.ndarray) -> None:
+        try:
+            self.bus.send_tensor(node, service, message, value)
+        except BusError as exc:
+            self.bus.metrics.count("link_probe_answer_errors")
+            log.warning("could not answer a link probe from %s/%s: %s", node, service, exc)
+
+
+def _payload(nbytes: int) -> np.ndarray:
+    return np.zeros(nbytes, dtype=np.uint8)
