@@ -280,3 +280,15 @@ def test_simulated_round_is_never_faster_than_the_plan_predicts() -> None:
             assert list(timeline.peak_live) == [s.warmup for s in plan.stages]
             checked += 1
     assert checked > 60
+
+
+def test_offloading_stops_when_no_device_has_room() -> None:
+    """A straggler with nowhere to send samples keeps them, and no share outside [0, B] is ever priced."""
+    plain = _linear([0.0, 0.5], [0.001, 0.001])
+
+    def strict(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
+        assert y.min() >= 0 and y.max() <= 64, y
+        return plain(rows, y)
+
+    y, ok = allocate(strict, np.array([[63, 1], [64, 64]]), 64)
+    assert ok.all() and y[0].tolist() == [63, 1] and y[1].sum() == 64

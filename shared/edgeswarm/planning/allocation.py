@@ -92,8 +92,8 @@ def allocate(latency: Latency, caps: np.ndarray, total: int, *, offload: bool = 
         movable = cand.any(axis=1) & (yt[k, slow] >= blk)
         fast = np.argmin(np.where(cand, lat, np.inf), axis=1)
         trial = yt.copy()
-        trial[k, slow] -= blk
-        trial[k, fast] += blk
+        trial[k, slow] -= np.where(movable, blk, 0)  # rows that cannot move stay put (and stop below)
+        trial[k, fast] += np.where(movable, blk, 0)
         # A relative tolerance keeps float noise from counting as an improvement (a tie is not faster).
         better = movable & (latency(todo, trial).max(axis=1) < old * (1 - 1e-9))
         y[todo[better]] = trial[better]
