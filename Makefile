@@ -1,4 +1,5 @@
-# `make run`: set up, start a local cluster of 4 emulated devices, show it, benchmark the transport, stop.
+# `make run`: set up, start a local cluster of 4 emulated devices, show it, profile it and plan MobileNetV2
+# training on it (out/plan.png), benchmark the transport, stop.
 # `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients).
 
 PYTHON ?= python3
@@ -23,6 +24,7 @@ run: venv
 	$(ES) up --local --devices 4 --port $(PORT) --workdir $(OUT)/local-cluster & up=$$!; \
 	trap 'kill -TERM $$up 2>/dev/null; wait $$up' EXIT; \
 	$(ES) status --hub $(HUB) --wait-devices 4 --timeout 120; \
+	$(ES) plan --hub $(HUB) --model mobilenetv2 --batch-sizes 1,8,32 --global-batch 256 --png $(OUT)/plan.png; \
 	$(ES) bench transport --hub $(HUB) --out $(OUT)/bench-transport.json
 
 test: venv

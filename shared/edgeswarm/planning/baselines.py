@@ -20,20 +20,17 @@ from edgeswarm.profiling.types import ClusterProfile
 
 
 def plan_single(cluster: ClusterProfile, options: PlanOptions) -> Plan:
-    """The fastest single device for the same global batch. A device that cannot hold micro-batch B may
-    accumulate more, smaller micro-batches (B' divides B, M' = M * B / B'). Raises InfeasiblePlanError if
-    no device holds even one sample."""
+    """The fastest single device for the same global batch, at its fastest micro-batch: B' divides B (and
+    M' = M * B / B'), since one device may accumulate smaller micro-batches; memory must hold B'. Raises
+    InfeasiblePlanError if no device holds even one sample."""
     cm = CostModel(cluster, options)
     b, m = options.micro_batch_size, options.micro_batches
     best: tuple[float, int, int] | None = None  # (round seconds, device, micro-batch)
     for d in range(cm.N):
-        size = next((s for s in range(b, 0, -1) if b % s == 0 and cm.memory_bytes(0, cm.L, s, 1) <= cm.budget[d]),
-                    None)
-        if size is None:
-            continue
-        t = float(cm.both[d, size, cm.L]) * m * (b // size)
-        if best is None or t < best[0]:
-            best = (t, d, size)
+        for size in (s for s in range(1, b + 1) if b % s == 0 and cm.memory_bytes(0, cm.L, s, 1) <= cm.budget[d]):
+            t = float(cm.both[d, size, cm.L]) * m * (b // size)
+            if best is None or t < best[0]:
+                best = (t, d, size)
     if best is None:
         raise InfeasiblePlanError(
             f"no single device holds the model: one sample needs {cm.memory_bytes(0, cm.L, 1, 1) / 2**20:.0f} MiB, "
