@@ -292,3 +292,23 @@ def test_offloading_stops_when_no_device_has_room() -> None:
 
     y, ok = allocate(strict, np.array([[63, 1], [64, 64]]), 64)
     assert ok.all() and y[0].tolist() == [63, 1] and y[1].sum() == 64
+
+
+def test_memory_breakdown_is_eq_3_itemised() -> None:
+    from edgeswarm.planning.memory import memory_breakdown
+
+    cluster = env_c()
+    for optimizer, k_opt in (("sgd", 0), ("momentum", 1), ("adam", 2)):
+        cm = CostModel(cluster, PlanOptions(micro_batch_size=64, micro_batches=4, optimizer=optimizer))
+        m = memory_breakdown(cluster.model, 3, 17, 40, 5, optimizer)  # type: ignore[arg-type]
+        assert m.total_bytes == cm.memory_bytes(3, 17, 40, 5)
+        assert m.optimizer_bytes == k_opt * m.weights_bytes and m.gradients_bytes == m.weights_bytes
+
+
+def test_transformer_structure_at_100_mbps() -> None:
+    """AC-10 (Transformer): uniform small activations and large weights give a straight pipeline."""
+    from edgeswarm.planning.compare import plan_best
+
+    nanos = [SyntheticDevice(f"nano-{i}", 5.0, 3 * GIB) for i in range(5)]
+    plan = plan_best("hpp", synthetic_cluster(56, nanos, bandwidth_bps=12.5e6, shape="transformer"), 2048)
+    assert [len(s.devices) for s in plan.stages] == [1] * 5

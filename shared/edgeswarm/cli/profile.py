@@ -15,6 +15,7 @@ from rich.table import Table
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
+from edgeswarm.planning.memory import memory_breakdown
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
 from edgeswarm.profiling.types import ClusterProfile, DeviceProfileEntry, ModelSpec
@@ -94,6 +95,7 @@ def run_profile(args: argparse.Namespace) -> int:
     else:
         console.print(profile_table(result))
         console.print(summary_line(result))
+        console.print(memory_line(result))
         if args.out:
             console.print(f"written to {args.out}")
     return 0
@@ -128,3 +130,17 @@ def summary_line(result: DeviceProfileResult) -> str:
             f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
             f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training on {device.node} as "
             f"{device.device_class}{ratio}; memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
+
+
+def memory_line(result: DeviceProfileResult) -> str:
+    """Eq. 3 for the whole model on one device at the largest batch, by kind and for each optimizer."""
+    model, b = result.model, result.compute.batch_sizes[-1]
+    parts = {opt: memory_breakdown(model, 0, len(model.units), b, 1, opt) for opt in ("sgd", "momentum", "adam")}
+    m = parts["sgd"]
+    mib = 2**20
+    return (f"memory (Eq. 3, whole model, batch {b}, K=1): weights {m.weights_bytes / mib:.1f} + gradients "
+            f"{m.gradients_bytes / mib:.1f} + buffers {m.buffers_bytes / mib:.1f} + activations "
+            f"{m.activations_bytes / mib:.1f} MiB, plus optimizer state 0 / "
+            f"{parts['momentum'].optimizer_bytes / mib:.1f} / {parts['adam'].optimizer_bytes / mib:.1f} MiB "
+            f"= {m.total_bytes / mib:.1f} / {parts['momentum'].total_bytes / mib:.1f} / "
+            f"{parts['adam'].total_bytes / mib:.1f} MiB with SGD / momentum / Adam")
