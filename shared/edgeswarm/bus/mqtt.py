@@ -140,7 +140,7 @@ class MqttConnection:
         self._progress = threading.Event()
         self._last_info: paho.MQTTMessageInfo | None = None
         self._refused: int | None = None
-        self._socket_opened = False
+        self._socket_opened_at: float | None = None
         self._closing = False
         self.protocol = "5" if protocol in ("auto", "5") else "3.1.1"
         self.broker_max_packet: int | None = None
@@ -163,9 +163,13 @@ class MqttConnection:
             # A 3.1.1-only broker either refuses MQTT 5 in its CONNACK or, like amqtt given CONNECT
             # properties, accepts the TCP connection and never answers; either way try 3.1.1. A broker
             # that is not reachable at all says nothing about its protocol, so keep trying 5 then.
-            self._wait(min(deadline, time.monotonic() + _V5_ANSWER_S))
+            # The window runs from the TCP connection, not from the call: a busy broker can take seconds
+            # just to accept, and a window that ran out first would leave us retrying MQTT 5 forever.
+            while (time.monotonic() < deadline and not self._connected.is_set() and self._refused is None
+                   and (self._socket_opened_at is None or time.monotonic() - self._socket_opened_at < _V5_ANSWER_S)):
+                self._connected.wait(0.02)
             answered_wrong = self._refused in _UNSUPPORTED_PROTOCOL
-            silent = self._refused is None and self._socket_opened and not self._connected.is_set()
+            silent = self._refused is None and self._socket_opened_at is not None and not self._connected.is_set()
             if answered_wrong or silent:
                 log.info("broker %s did not accept MQTT 5; falling back to 3.1.1", self.url)
                 self._stop_client()
@@ -294,7 +298,7 @@ class MqttConnection:
     def _start(self) -> None:
         self._refused = None
         self._closing = False
-        self._socket_opened = False
+        self._socket_opened_at = None
         connect_props = None
         if self.protocol == "5":
             connect_props = Properties(PacketTypes.CONNECT)
@@ -357,7 +361,8 @@ class MqttConnection:
         self._on_message(InboundMessage(msg.topic, msg.payload, qos, bool(msg.retain), bool(msg.dup), ack))
 
     def _handle_socket_open(self, _client: paho.Client, _userdata: object, sock: socket.socket) -> None:
-        self._socket_opened = True
+        if self._socket_opened_at is None:
+            self._socket_opened_at = time.monotonic()
         # Without TCP_NODELAY a QoS 1 round trip takes 40-88 ms instead of 0.24 ms (research/mqtt-stack.md §1.6).
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
