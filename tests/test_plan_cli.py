@@ -86,3 +86,42 @@ def test_bench_planner_time_only(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "b.json").read_text())["planning_time"]
     assert [r["units"] for r in rows] == [213, 56] and all(r["seconds"] > 0 for r in rows)
+
+
+def test_plan_stopped_by_sigterm_stops_the_cluster_it_started(tmp_path: Path) -> None:
+    import re
+    import signal
+    import time
+
+    from edgeswarm.local.broker import port_open
+
+    cluster = tmp_path / "two.yaml"
+    cluster.write_text("name: two\ndevices:\n  - {id: tx2-0, class: jetson-tx2}\n"
+                       "  - {id: nano-0, class: jetson-nano}\n")
+    log = tmp_path / "plan.log"
+    env = {**os.environ, **FAST_ENV, "EDGESWARM_PROFILE_DIR": str(tmp_path / "cache")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edgeswarm", "plan", "--model", "resnet18", "--cluster",
+                                 str(cluster)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"broker mqtt://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        port = int(match.group(1))
+        time.sleep(2)  # let the devices start profiling
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    hub = f"EDGESWARM_HUB_URL=mqtt://127.0.0.1:{port}".encode()
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if hub in environ.split(b"\0"):
+            leftovers.append(pid)
+    assert leftovers == [] and not port_open("127.0.0.1", port)

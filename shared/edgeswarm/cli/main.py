@@ -96,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
+        if args.command in ("plan", "bench"):
+            from edgeswarm.runtime.signals import terminate_as_interrupt
+
+            terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 

@@ -34,3 +34,13 @@ def stop_on_signals(event: threading.Event, signals: tuple[int, ...] = (signal.S
                     return
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, as Ctrl-C does, so a command's ``finally``
+    blocks (stopping a local cluster it started) run when it is terminated. Call from the main thread."""
+
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
