@@ -23,6 +23,7 @@ from edgeswarm.planning.asteroid import plan_asteroid
 from edgeswarm.planning.compare import compare
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.planning.types import PlanOptions
+from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.profiling.types import ClusterProfile, ModelSpec
 
 GIB = 1024**3
@@ -128,8 +129,6 @@ def gather_env_profiles(env: str, mbps: int, models: list[str], folder: Path, *,
 
     All devices share ``profile_dir``, so each model is timed on the host once and every device calibrates.
     """
-    from edgeswarm.cli.plan import profile_cluster
-
     name = f"asteroid-env-{env}-{mbps}mbps"
     found: dict[str, ClusterProfile] = {}
     for model in models:
@@ -146,8 +145,8 @@ def gather_env_profiles(env: str, mbps: int, models: list[str], folder: Path, *,
         for model in todo:
             model_spec, _, batch_sizes = TABLE4_MODELS[model]
             log(f"profiling {model} on {name}")
-            cluster = profile_cluster(local.hub_url, model_spec, batch_sizes, "calibrated", 3600.0, nodes,
-                               links=links is None)
+            cluster = profile_at_hub(local.hub_url, model_spec, batch_sizes, timeout_s=3600.0, nodes=nodes,
+                                     links=links is None)
             if links is None:
                 links = cluster.links
             else:

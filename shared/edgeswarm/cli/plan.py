@@ -19,13 +19,10 @@ from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.compare import Comparison, compare
 from edgeswarm.planning.types import Plan
-from edgeswarm.profiling.gather import gather_cluster_profile
+from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.profiling.types import ClusterProfile, ModelSpec
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids, wait_for_service
-from edgeswarm.settings import Settings
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
-READY_TIMEOUT_S = 120.0
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -115,37 +112,18 @@ def profile_local_cluster(cluster_arg: str, spec: ModelSpec, batch_sizes: list[i
     nodes = [d.id for d in cluster_spec.devices]
     with LocalCluster(cluster_spec) as local:
         err_console.print(f"started {cluster_arg} locally ({len(nodes)} devices, broker {local.hub_url}); profiling")
-        return profile_cluster(local.hub_url, spec, batch_sizes, method, timeout_s, nodes)
+        return profile_at_hub(local.hub_url, spec, batch_sizes, method=method, timeout_s=timeout_s, nodes=nodes,
+                              progress=_progress)
 
 
 def profile_running_cluster(hub: str, spec: ModelSpec, batch_sizes: list[int], method: str,
                             timeout_s: float) -> ClusterProfile:
     """Profile the devices online at ``hub``."""
-    return profile_cluster(hub, spec, batch_sizes, method, timeout_s, None)
+    return profile_at_hub(hub, spec, batch_sizes, method=method, timeout_s=timeout_s, progress=_progress)
 
 
-def profile_cluster(hub: str, spec: ModelSpec, batch_sizes: list[int], method: str, timeout_s: float,
-                    nodes: list[str] | None, *, links: bool = True) -> ClusterProfile:
-    """Have the profilers of ``nodes`` (default: every online device at ``hub``) profile ``spec`` and, with
-    ``links``, measure the links between them. Raises ProfileError when a profiler is not online."""
-    bus = client_bus(Settings(hub_url=hub))
-    try:
-        watcher = ClusterWatcher(bus)
-        view, _ = watcher.wait(settle_s=0.5, devices=len(nodes) if nodes else 1, timeout_s=READY_TIMEOUT_S)
-        if nodes is None:
-            nodes = online_device_ids(view)
-        missing = wait_for_service(watcher, "profiler", nodes, READY_TIMEOUT_S)
-        if missing or not nodes:
-            raise ProfileError(f"no profiler online after {READY_TIMEOUT_S:.0f} s on: "
-                               f"{', '.join(missing) or 'any device'}")
-
-        def progress(node: str, fraction: float, message: str) -> None:
-            err_console.print(f"  {node}: {fraction:4.0%} {message}", highlight=False)
-
-        return gather_cluster_profile(bus, spec, nodes, batch_sizes, method=method, timeout_s=timeout_s,
-                                      links=links, progress=progress)
-    finally:
-        bus.stop()
+def _progress(node: str, fraction: float, message: str) -> None:
+    err_console.print(f"  {node}: {fraction:4.0%} {message}", highlight=False)
 
 
 def print_comparison(c: Comparison, cluster: ClusterProfile) -> None:

@@ -150,11 +150,6 @@ class LayerSequence:
     def __len__(self) -> int:
         return len(self.units)
 
-    @property
-    def graph_module(self) -> fx.GraphModule:
-        """The traced model (its submodules are the model's own)."""
-        return self._traced
-
     def _describe(self) -> list[Unit]:
         raw: list[tuple[str, Unit]] = []
         for i, group in enumerate(self._groups):

@@ -169,18 +169,9 @@ class CostModel:
                + share * (self.act_sample_prefix[end] - self.act_sample_prefix[start]))
         return int(self.static_bytes(start, end) + warmup_count * act)
 
-    def stage_time(self, device: int, start: int, end: int, share: int) -> tuple[float, float]:
-        """Forward and backward seconds of units [start, end) on ``device`` at ``share`` samples."""
-        return (float(self.fwd[device, share, end] - self.fwd[device, share, start]),
-                float(self.bwd[device, share, end] - self.bwd[device, share, start]))
-
     def comm_s(self, cut_after: int, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link."""
         return self.options.micro_batch_size * float(self.cut_bytes[cut_after]) / self.min_bandwidth(group_a, group_b)
-
-    def flops(self, start: int, end: int) -> float:
-        """Forward FLOPs per sample of units [start, end)."""
-        return float(self.flops_prefix[end] - self.flops_prefix[start])
 
 
 def _prefix(values: Sequence[float], dtype: type = np.int64) -> np.ndarray:

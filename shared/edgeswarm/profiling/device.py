@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, ProfileRequestError
@@ -77,15 +77,6 @@ def compute_flops(model: ModelProfile, compute: ComputeProfile) -> float:
     seconds = sum(row[-1] for row in compute.forward_s) + sum(row[-1] for row in compute.backward_s)
     flops = 3.0 * sum(u.flops_per_sample for u in model.units) * b
     return flops / seconds if seconds > 0 else 0.0
-
-
-def profile_device(spec: ModelSpec, device: DeviceProfile, batch_sizes: Sequence[int], *,
-                   cache: ProfileCache | None, method: Method = "calibrated", node: str = "local",
-                   progress: Progress | None = None, **timing: Any) -> tuple[ModelProfile, ComputeProfile, DeviceInfo]:
-    """``run_device_profile`` as a (model, compute, device) tuple."""
-    result = run_device_profile(spec, device, batch_sizes, cache=cache, method=method, node=node,
-                                progress=progress, **timing)
-    return result.model, result.compute, result.device
 
 
 def run_device_profile(spec: ModelSpec, device: DeviceProfile, batch_sizes: Sequence[int], *,

@@ -29,6 +29,8 @@ from edgeswarm.errors import ProfilerError, ProfileTimeoutError, UnknownNodeErro
 from edgeswarm.messages import ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.messages.profiling import ProfileMethod
 from edgeswarm.profiling.types import ClusterProfile, LinkProfile, ModelSpec
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids, wait_for_service
+from edgeswarm.settings import Settings
 from edgeswarm.wire.schema import new_id
 
 PROFILER = "profiler"
@@ -206,3 +208,24 @@ def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
         out.append(LinkProfile(src=a, dst=b, bandwidth_bps=bw, latency_s=lat))
         out.append(LinkProfile(src=b, dst=a, bandwidth_bps=bw, latency_s=lat))
     return sorted(out, key=lambda link: (link.src, link.dst))
+
+
+def profile_at_hub(hub: str, spec: ModelSpec, batch_sizes: Sequence[int], *, method: str = "calibrated",
+                   timeout_s: float = 600.0, nodes: Sequence[str] | None = None, links: bool = True,
+                   ready_timeout_s: float = 120.0, progress: GatherProgress | None = None) -> ClusterProfile:
+    """``gather_cluster_profile`` from a fresh client of the cluster at ``hub``: waits (``ready_timeout_s``)
+    until the profilers of ``nodes`` (default: every online device) are online first. Raises ProfilerError
+    naming the devices whose profiler did not come up."""
+    bus = client_bus(Settings(hub_url=hub))
+    try:
+        watcher = ClusterWatcher(bus)
+        view, _ = watcher.wait(settle_s=0.5, devices=len(nodes) if nodes else 1, timeout_s=ready_timeout_s)
+        chosen = list(nodes) if nodes else online_device_ids(view)
+        missing = wait_for_service(watcher, PROFILER, chosen, ready_timeout_s)
+        if missing or not chosen:
+            raise ProfilerError(f"no profiler online after {ready_timeout_s:.0f} s on: "
+                                f"{', '.join(missing) or 'any device'}")
+        return gather_cluster_profile(bus, spec, chosen, batch_sizes, method=method, timeout_s=timeout_s,
+                                      links=links, progress=progress)
+    finally:
+        bus.stop()
