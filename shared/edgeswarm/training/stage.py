@@ -1,0 +1,121 @@
+"""One device's share of one pipeline stage: forward, backward, gradient accumulation, optimizer step.
+
+This is the compute half of a stage-worker, free of any messaging. Forward keeps the input and output of each
+micro-batch until its backward (so at most K_p micro-batches are alive under the 1F1B order); the last stage
+computes the loss itself. Losses use ``reduction="sum"`` times ``loss_scale`` = 1 / (loss terms in the whole
+mini-batch), and data-parallel replicas SUM their gradients, so uneven shares weight every sample exactly as
+single-device training on the mini-batch does (spec 6.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from edgeswarm.errors import EdgeswarmError
+
+
+class StageError(EdgeswarmError):
+    """A stage was asked for something its state does not allow (a backward without its forward, ...)."""
+
+
+def classification_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy; token outputs [N, S, V] with labels [N, S] are flattened to N*S terms."""
+    if output.dim() == 3:
+        return nn.functional.cross_entropy(output.flatten(0, 1), labels.flatten(), reduction="sum")
+    return nn.functional.cross_entropy(output, labels, reduction="sum")
+
+
+def loss_terms(labels: torch.Tensor) -> int:
+    """How many loss terms a batch of labels contributes (samples, or tokens for sequence targets)."""
+    return int(labels.numel())
+
+
+class StageCompute:
+    """Runs units of a stage module on one device's slices. ``first`` stages take data, ``last`` stages take
+    labels and make the loss; ``loss_scale`` multiplies the summed loss (1 / loss terms per mini-batch)."""
+
+    def __init__(self, module: nn.Module, *, first: bool, last: bool, loss_scale: float = 1.0) -> None:
+        self.module = module
+        self.first = first
+        self.last = last
+        self.loss_scale = loss_scale
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.peak_live = 0
+        self.loss_sum = 0.0  # unscaled summed loss over the round's micro-batches (last stage)
+        self.correct = 0  # correctly classified loss terms this round (last stage)
+        self.terms = 0
+
+    @property
+    def live(self) -> int:
+        """Micro-batches whose activations are held for a backward."""
+        return len(self._saved)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+    def forward(self, micro_batch: int, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the stage on a slice. Returns the activations to send on, or for the last stage the scaled loss
+        (a scalar, already accumulated into ``loss_sum``). Raises StageError for a micro-batch already live."""
+        if micro_batch in self._saved:
+            raise StageError(f"micro-batch {micro_batch} already ran forward on this stage")
+        x = inputs if self.first or not inputs.is_floating_point() else inputs.detach().requires_grad_(True)
+        out = self.module(x)
+        if self.last:
+            if labels is None:
+                raise StageError(f"the last stage needs the labels of micro-batch {micro_batch}")
+            if labels.shape[0] != out.shape[0]:
+                raise StageError(f"micro-batch {micro_batch}: {out.shape[0]} outputs but {labels.shape[0]} labels")
+            loss = classification_loss(out, labels)
+            self.loss_sum += float(loss.detach())
+            self.correct += int((out.detach().argmax(dim=-1) == labels).sum())
+            self.terms += loss_terms(labels)
+            out = loss * self.loss_scale
+        self._saved[micro_batch] = (x, out)
+        self.peak_live = max(self.peak_live, self.live)
+        return out.detach()
+
+    def backward(self, micro_batch: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Back-propagate one micro-batch, accumulating parameter gradients. Returns the gradient for the
+        previous stage (None for the first stage). The last stage needs no ``grad_output``."""
+        try:
+            x, out = self._saved.pop(micro_batch)
+        except KeyError:
+            raise StageError(f"backward of micro-batch {micro_batch} without its forward on this stage") from None
+        if self.last:
+            out.backward()
+        else:
+            if grad_output is None or grad_output.shape != out.shape:
+                shape = None if grad_output is None else tuple(grad_output.shape)
+                raise StageError(f"micro-batch {micro_batch}: gradient of shape {shape}, output {tuple(out.shape)}")
+            out.backward(grad_output)
+        if self.first or x.grad is None:
+            return None
+        return x.grad
+
+    def flat_gradients(self) -> torch.Tensor:
+        """Every parameter's accumulated gradient in one flat float32 vector (zeros where there is none), in
+        parameter order: what a data-parallel group sums."""
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.parameters()]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def set_flat_gradients(self, flat: torch.Tensor) -> None:
+        """Replace the accumulated gradients by ``flat`` (the group's sum). Raises StageError on a size mismatch."""
+        params = list(self.parameters())
+        total = sum(p.numel() for p in params)
+        if flat.numel() != total:
+            raise StageError(f"{flat.numel()} gradient values for {total} parameters")
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def end_round(self) -> None:
+        """Forget the round's loss statistics; raises StageError if activations are still held."""
+        if self._saved:
+            raise StageError(f"the round ended with micro-batches {sorted(self._saved)} still waiting for backward")
+        self.loss_sum = 0.0
+        self.correct = 0
+        self.terms = 0

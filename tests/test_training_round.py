@@ -1,0 +1,115 @@
+"""HPP arithmetic without messaging: routing (AC-14), the activation bound (AC-15) and gradient equivalence
+(AC-13) of a whole round run by replicas in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from edgeswarm.errors import PlanningError
+from edgeswarm.models.zoo import build_model
+from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.training.routing import pieces, route_ids, routing_matrix, stage_sample_ids
+from edgeswarm.training.simulated import StageLayout, build_replicas, run_round
+from edgeswarm.training.stage import StageCompute, StageError
+
+MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
+
+
+def test_routing_matrix_of_the_spec_and_random_shares() -> None:
+    """AC-14: the example, and row and column sums for random shares."""
+    assert routing_matrix([40, 24], [32, 16, 16]).tolist() == [[20, 10, 10], [12, 6, 6]]
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        b = int(rng.integers(1, 200))
+        a = np.bincount(rng.integers(0, int(rng.integers(1, 6)), b), minlength=1)
+        c = np.bincount(rng.integers(0, int(rng.integers(1, 6)), b), minlength=1)
+        x = routing_matrix(a.tolist(), c.tolist())
+        assert (x >= 0).all() and x.sum(axis=1).tolist() == a.tolist() and x.sum(axis=0).tolist() == c.tolist()
+    with pytest.raises(PlanningError, match="same micro-batch size"):
+        routing_matrix([3, 4], [8])
+
+
+def test_every_sample_goes_back_to_the_device_that_ran_its_forward() -> None:
+    """AC-14: the pieces a receiver gets are exactly the rows a sender sent, so gradient rows can go back."""
+    shares = [[40, 24], [32, 16, 16], [64]]
+    ids = np.arange(1000, 1064)
+    held = stage_sample_ids(shares, ids)
+    assert [[len(h) for h in stage] for stage in held] == shares
+    for stage in held:
+        assert sorted(np.concatenate(stage).tolist()) == ids.tolist()
+    x = routing_matrix(shares[0], shares[1])
+    for pc in pieces(x):
+        sent = held[0][pc.sender][pc.sender_start:pc.sender_start + pc.rows]
+        got = held[1][pc.receiver][pc.receiver_start:pc.receiver_start + pc.rows]
+        assert sent.tolist() == got.tolist()
+    assert [r.tolist() for r in route_ids(held[1], routing_matrix(shares[1], shares[2]))] == [
+        np.concatenate(held[1]).tolist()]
+
+
+def _single_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+
+
+def _sgd(lr: float):
+    def step(stage: StageCompute) -> None:
+        with torch.no_grad():
+            for p in stage.parameters():
+                p -= lr * p.grad
+                p.grad = None
+    return step
+
+
+@pytest.mark.parametrize("layout", [
+    [StageLayout(0, 3, (40, 24)), StageLayout(3, 6, (32, 16, 16))],  # AC-13: HPP with uneven shares
+    [StageLayout(0, 6, (20, 30, 14))],  # pure DP, uneven
+    [StageLayout(0, 2, (64,)), StageLayout(2, 4, (64,)), StageLayout(4, 6, (64,))],  # pure PP
+], ids=["hpp", "dp", "pp"])
+def test_one_round_equals_single_process_training(layout: list[StageLayout]) -> None:
+    """AC-13: after one round every replica's weights equal single-process SGD on the same 256 samples."""
+    torch.manual_seed(0)
+    model = build_model(MLP)
+    reference = copy.deepcopy(model)
+    m, b = 4, 64
+    x = torch.randn(m * b, 1, 28, 28)
+    y = torch.randint(0, 10, (m * b,))
+    replicas = build_replicas(model, layout, loss_scale=1.0 / (m * b))
+    result = run_round(replicas, layout, x, y, m, step=_sgd(0.5))
+    _single_step(reference, x, y, 0.5)
+    with torch.no_grad():
+        expected_loss = float(torch.nn.functional.cross_entropy(build_model(MLP)(x), y))
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    ref_params = dict(reference.named_parameters())  # stages keep the model's parameter names
+    initial = dict(build_model(MLP).named_parameters())
+    assert all(not torch.allclose(ref_params[n], initial[n]) for n in ref_params), "the step must move every weight"
+    compared = set()
+    for stage, group in zip(layout, replicas, strict=True):
+        for replica in group:
+            for name, p in replica.module.named_parameters():
+                want = ref_params[name]
+                assert torch.allclose(p, want, rtol=1e-5, atol=1e-7), (stage, name)
+                compared.add(name)
+    assert compared == set(ref_params)
+    # AC-15: no device held more micro-batches than its warm-up count.
+    ks = [min(2 * (len(layout) - p) - 1, m) for p in range(len(layout))]
+    assert all(peak <= k for k, group in zip(ks, result.peak_live, strict=True) for peak in group)
+    assert result.peak_live[0][0] == ks[0]
+
+
+def test_stage_refuses_out_of_order_work() -> None:
+    stage = StageCompute(torch.nn.Linear(4, 2), first=False, last=False)
+    with pytest.raises(StageError, match="without its forward"):
+        stage.backward(0, torch.zeros(3, 2))
+    stage.forward(0, torch.zeros(3, 4))
+    with pytest.raises(StageError, match="already ran forward"):
+        stage.forward(0, torch.zeros(3, 4))
+    with pytest.raises(StageError, match="gradient of shape"):
+        stage.backward(0, torch.zeros(5, 2))
