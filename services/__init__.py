@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 # Service name -> "module:class", imported only when that service is started.
 SERVICES: dict[str, str] = {
+    "checkpoint-store": "edgeswarm.services.checkpoint_store.service:CheckpointStoreService",
     "coordinator": "edgeswarm.services.coordinator.service:CoordinatorService",
     "node-agent": "edgeswarm.services.node_agent.service:NodeAgentService",
     "planner": "edgeswarm.services.planner.service:PlannerService",

@@ -46,7 +46,7 @@ class DocDecodeError(ValueError):
 MAGIC = b"ES"
 FRAME_VERSION = 1
 PREFIX_SIZE = 8
-MAX_HEADER = 65536
+MAX_HEADER = 16 * 1024 * 1024  # section 1: at most 16777216
 DEFAULT_MAX_TENSOR_BYTES = 2 * 1024 ** 3  # EDGESWARM_MAX_TENSOR_BYTES default, 2 GiB
 DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0  # EDGESWARM_REASSEMBLY_TIMEOUT_S default
 
@@ -240,6 +240,9 @@ _COMPARISON = ("record", {
                                       "speedup": "number?"})),
 })
 
+_CKPT_IDS = {"transfer_id": "str", "job_id": "str", "stage": "str"}
+_CKPT_STORED = {"nbytes": "int", "file_bytes": "int", "sha256": "str", "created_at": "number"}
+
 #: (schema_name, schema_version) -> {field: spec}
 SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.status", 1): {
@@ -298,10 +301,33 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.profile.link_probe", 1): {
         "probe_id": "str", "kind": ("enum", {"ping", "pong", "bulk", "bulk_ack"}), "received_bytes": "int",
     },
+    ("edgeswarm.checkpoint.tensor", 1): {**_CKPT_IDS, "version": "int", "name": "str", "index": "int", "count": "int"},
+    ("edgeswarm.checkpoint.commit", 1): {
+        **_CKPT_IDS, "version": "int", "count": "int", "nbytes": "int", "meta": ("map", "scalar"),
+    },
+    ("edgeswarm.checkpoint.saved", 1): {
+        **_CKPT_IDS, "version": "int", "count": "int", **_CKPT_STORED, "versions": ("list", "int"),
+    },
+    ("edgeswarm.checkpoint.load", 1): {**_CKPT_IDS, "version": "int?"},
+    ("edgeswarm.checkpoint.loaded", 1): {
+        **_CKPT_IDS, "version": "int", "count": "int", **_CKPT_STORED, "meta": ("map", "scalar"),
+    },
+    ("edgeswarm.checkpoint.missing", 1): {**_CKPT_IDS, "version": "int?", "versions": ("list", "int"), "detail": "str"},
+    ("edgeswarm.checkpoint.failed", 1): {
+        "transfer_id": "str?",
+        "reason": ("enum", {"corrupt", "too_large", "stale_version", "incomplete", "busy", "unreachable",
+                            "bad_request", "error"}),
+        "detail": "str",
+    },
+    ("edgeswarm.checkpoint.list", 1): {"job_id": "str?"},
+    ("edgeswarm.checkpoint.listing", 1): {
+        "entries": ("list", ("record", {"job_id": "str", "stage": "str", "versions": ("list", "int")})),
+    },
 }
 
-#: Schemas the document says carry a tensor (section 5: bench.data and profile.link_probe "carry a tensor").
-TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe"})
+#: Schemas the document says carry a tensor (section 5: bench.data, profile.link_probe and checkpoint.tensor
+#: "always carry a tensor").
+TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor"})
 
 
 def _is_int(value: object) -> bool:
@@ -680,10 +706,13 @@ class Reassembler:
 # --------------------------------------------------------------------------------------------------
 
 _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo",
-                              "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request"})
+                              "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request",
+                              "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
-                            "edgeswarm.plan.failed"})
+                            "edgeswarm.plan.failed", "edgeswarm.checkpoint.saved", "edgeswarm.checkpoint.loaded",
+                            "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed",
+                            "edgeswarm.checkpoint.listing"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:
@@ -703,7 +732,7 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
             "heartbeat": frozenset({"edgeswarm.heartbeat"}),
             "metrics": frozenset({"edgeswarm.metrics"}),
             "request": _REQUEST_SCHEMAS,
-            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe"}),
+            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor"}),
             "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
     if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:

@@ -27,6 +27,7 @@ import yaml
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.local.broker import free_port, mosquitto_binary, port_open
+from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages import Status
 from edgeswarm.services import SERVICES
 from edgeswarm.settings import Settings
@@ -523,5 +524,5 @@ def test_docker_compose_config(profile_args: list[str]) -> None:
     listed = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), *profile_args, "config", "--services"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
-    expected = {BROKER_SERVICE, "node-agent"} | ({"coordinator"} if profile_args else set())
+    expected = {BROKER_SERVICE, *DEVICE_SERVICES} | (set(HUB_SERVICES) if profile_args else set())
     assert set(listed.stdout.split()) == expected

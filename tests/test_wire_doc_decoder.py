@@ -88,6 +88,24 @@ def samples() -> dict[type, Any]:
         m.BenchEchoReply: m.BenchEchoReply(payload=b""),
         **profiler_samples(),
         **planner_samples(),
+        **checkpoint_samples(),
+    }
+
+
+def checkpoint_samples() -> dict[type, Any]:
+    ids = {"transfer_id": "0123abcd" * 4, "job_id": "job-1", "stage": "0"}
+    stored = {"nbytes": 5 << 20, "file_bytes": (5 << 20) + 512, "sha256": "ab" * 32, "created_at": time.time()}
+    return {
+        m.CheckpointTensor: m.CheckpointTensor(**ids, version=3, name="layers.0.weight", index=1, count=4),
+        m.CheckpointCommit: m.CheckpointCommit(**ids, version=3, count=4, nbytes=5 << 20,
+                                               meta={"round": 3, "lr": 0.05, "plan": "hpp", "final": False}),
+        m.CheckpointSaved: m.CheckpointSaved(**ids, version=3, count=4, **stored, versions=[2, 3]),
+        m.CheckpointLoad: m.CheckpointLoad(**ids, version=None),
+        m.CheckpointLoaded: m.CheckpointLoaded(**ids, version=3, count=4, **stored, meta={"round": 3}),
+        m.CheckpointMissing: m.CheckpointMissing(**ids, version=7, versions=[2, 3], detail="no version 7"),
+        m.CheckpointFailed: m.CheckpointFailed(transfer_id=None, reason="corrupt", detail="SHA-256 mismatch"),
+        m.CheckpointList: m.CheckpointList(job_id=None),
+        m.CheckpointListing: m.CheckpointListing(entries=[m.StageVersions(job_id="job-1", stage="0", versions=[2, 3])]),
     }
 
 
@@ -368,7 +386,7 @@ def test_reject_prefix(control: bytes) -> None:
     reject(b"EZ" + control[2:], "wrong magic")
     reject(b"SE" + control[2:], "wrong magic")
     reject(control[:2] + b"\x02" + control[3:], "frame version 2")
-    reject(control[:4] + struct.pack("<I", 65537) + control[8:], "above 65536")
+    reject(control[:4] + struct.pack("<I", 16 * 1024 * 1024 + 1) + control[8:], "above 16777216")
 
 
 def test_reject_truncated(control: bytes, chunk: bytes) -> None:

@@ -193,3 +193,46 @@ class BatchSizeError(ProfileRequestError):
 
 class UnitProfilingError(ProfilerError):
     """A unit of a model's layer sequence failed to run while being profiled, or measured inconsistently."""
+
+
+# --- training data -----------------------------------------------------------------------------------
+
+
+class DataError(ConfigError):
+    """A data set cannot be opened or read as asked: a file is missing, malformed or unsafe (a pickle that
+    names code it has no need for is refused unread), or sample ids lie outside the split."""
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+
+class CheckpointError(EdgeswarmError):
+    """A checkpoint could not be stored, found, read or transferred."""
+
+
+class CheckpointValueError(CheckpointError, ValueError):
+    """A job id, stage, version, tensor name, tensor dtype or meta value cannot be stored as given."""
+
+
+class CheckpointVersionError(CheckpointValueError):
+    """A version is older than every version the store keeps, so it would be deleted as soon as written."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The store has no such job, stage or version."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file fails its checksum or is malformed; the message names the file and the digests."""
+
+
+class CheckpointTooLargeError(CheckpointError):
+    """A checkpoint is larger than the store accepts (EDGESWARM_CHECKPOINT_MAX_BYTES)."""
+
+
+class CheckpointTransferError(CheckpointError):
+    """A checkpoint could not be sent to or received from a checkpoint store (unreachable, busy, incomplete)."""
+
+
+class CheckpointTimeoutError(CheckpointTransferError):
+    """A checkpoint store did not answer, or did not deliver every tensor, in time."""

@@ -61,6 +61,13 @@ def default_profile_dir() -> Path:
     return Path(base) / "edgeswarm" / "profiles"
 
 
+def default_checkpoint_dir() -> Path:
+    """Where checkpoints are kept: ``$XDG_DATA_HOME/edgeswarm/checkpoints``, else
+    ``~/.local/share/edgeswarm/checkpoints``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "edgeswarm" / "checkpoints"
+
+
 def default_node_id() -> str:
     """This host's name, reduced to the characters a node id may contain."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "node"
@@ -99,6 +106,12 @@ class Settings(BaseSettings):
 
     # Profiles measured on this node, reused across runs (edgeswarm.profiling.cache).
     profile_dir: Path = Field(default_factory=default_profile_dir)
+
+    # The checkpoint-store service (edgeswarm.checkpoints): where it keeps checkpoints, how many versions
+    # per job and stage, and the largest checkpoint (sum of its tensors' bytes) it accepts.
+    checkpoint_dir: Path = Field(default_factory=default_checkpoint_dir)
+    checkpoint_keep: int = Field(default=3, ge=1)
+    checkpoint_max_bytes: int = Field(default=2048 * MIB, ge=1)
 
     log_level: str = "INFO"
     log_json: bool = False

@@ -24,7 +24,7 @@ from edgeswarm.local.broker import BrokerProcess, start_broker
 log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
-HUB_SERVICES = ("coordinator", "planner")
+HUB_SERVICES = ("coordinator", "planner", "checkpoint-store")
 DEVICE_SERVICES = ("node-agent", "profiler")  # later issues add the workers here
 
 

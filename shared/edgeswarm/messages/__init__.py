@@ -1,6 +1,18 @@
 """Every control message schema. Importing this package registers them all with the wire codec."""
 
 from edgeswarm.messages.bench import BenchAck, BenchData, BenchEcho, BenchEchoReply, BenchStart
+from edgeswarm.messages.checkpoints import (
+    CheckpointCommit,
+    CheckpointFailed,
+    CheckpointList,
+    CheckpointListing,
+    CheckpointLoad,
+    CheckpointLoaded,
+    CheckpointMissing,
+    CheckpointSaved,
+    CheckpointTensor,
+    StageVersions,
+)
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, Status
 from edgeswarm.messages.metrics import MetricsReport
@@ -13,6 +25,15 @@ __all__ = [
     "BenchEcho",
     "BenchEchoReply",
     "BenchStart",
+    "CheckpointCommit",
+    "CheckpointFailed",
+    "CheckpointList",
+    "CheckpointListing",
+    "CheckpointLoad",
+    "CheckpointLoaded",
+    "CheckpointMissing",
+    "CheckpointSaved",
+    "CheckpointTensor",
     "ClusterEvent",
     "ClusterView",
     "Heartbeat",
@@ -30,5 +51,6 @@ __all__ = [
     "ProfileRequest",
     "ReplanRequest",
     "ServiceView",
+    "StageVersions",
     "Status",
 ]

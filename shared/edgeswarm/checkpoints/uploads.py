@@ -1,0 +1,208 @@
+"""Assembling checkpoint uploads that arrive as separate tensors plus a commit, in any order.
+
+A pure core (no I/O; the caller passes the clock): the checkpoint-store service feeds it every
+CheckpointTensor and CheckpointCommit and acts on what it returns. An upload is *ready* when its commit
+and all ``count`` tensors are in; it *fails* when it is inconsistent (a tensor or commit that disagrees
+with the rest of its upload), too large, over the memory budget, or idle for ``timeout_s`` seconds.
+Memory is bounded: one upload holds at most ``max_upload_bytes`` of tensor data, all incomplete uploads
+together at most ``max_pending_bytes``. The outcome of the last ``remember`` finished uploads is kept so
+that a commit arriving after its upload failed still gets the reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from edgeswarm.messages.checkpoints import CheckpointCommit, CheckpointFailureReason, CheckpointTensor
+from edgeswarm.wire.tensor import WireTensor
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ReadyUpload(Generic[T]):
+    """A complete upload: its tensors in index order, and the commit's ``token`` to answer."""
+
+    transfer_id: str
+    job_id: str
+    stage: str
+    version: int
+    tensors: list[tuple[str, WireTensor]]
+    meta: dict[str, str | int | float | bool]
+    nbytes: int
+    token: T
+
+
+@dataclass(frozen=True)
+class FailedUpload(Generic[T]):
+    """An upload that was dropped, with why; ``token`` is the commit to answer, None if none arrived yet."""
+
+    transfer_id: str
+    reason: CheckpointFailureReason
+    detail: str
+    token: T | None
+
+
+Outcome = ReadyUpload[T] | FailedUpload[T]
+
+
+@dataclass
+class _Upload(Generic[T]):
+    transfer_id: str
+    job_id: str
+    stage: str
+    version: int
+    count: int
+    touched: float
+    tensors: dict[int, tuple[str, WireTensor]] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+    nbytes: int = 0
+    commit: CheckpointCommit | None = None
+    token: T | None = None
+
+    def key(self) -> tuple[str, str, int, int]:
+        return self.job_id, self.stage, self.version, self.count
+
+    def describe(self) -> str:
+        return f"upload {self.transfer_id} of {self.job_id}/{self.stage} version {self.version}"
+
+
+class UploadTracker(Generic[T]):
+    """Uploads in progress. Thread-safe; ``now`` is any monotonic clock in seconds."""
+
+    def __init__(self, *, max_upload_bytes: int, max_pending_bytes: int, timeout_s: float,
+                 remember: int = 1024) -> None:
+        self.max_upload_bytes = max_upload_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.timeout_s = timeout_s
+        self._remember = remember
+        self._uploads: dict[str, _Upload[T]] = {}
+        self._finished: OrderedDict[str, tuple[CheckpointFailureReason | None, str]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.pending_bytes = 0
+        self.ignored = 0  # tensors or duplicate deliveries of uploads that are no longer open
+
+    @property
+    def open_uploads(self) -> int:
+        with self._lock:
+            return len(self._uploads)
+
+    # --- inputs -------------------------------------------------------------------------------------
+
+    def tensor(self, msg: CheckpointTensor, value: WireTensor, now: float) -> list[Outcome[T]]:
+        """Feed one uploaded tensor; returns what became of its upload (nothing while it is incomplete)."""
+        with self._lock:
+            if msg.transfer_id in self._finished:
+                self.ignored += 1
+                return []
+            up = self._uploads.get(msg.transfer_id)
+            if up is None:
+                if self.pending_bytes + value.nbytes > self.max_pending_bytes:
+                    return [self._refuse(msg.transfer_id, "busy", (
+                        f"upload {msg.transfer_id}: the store already holds {self.pending_bytes} bytes of incomplete "
+                        f"uploads (limit {self.max_pending_bytes}); try again when they are done"))]
+                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
+                self._uploads[msg.transfer_id] = up
+            if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
+                return self._fail(up, "bad_request", (
+                    f"{up.describe()}: tensor {msg.name!r} says {msg.job_id}/{msg.stage} version {msg.version} "
+                    f"with {msg.count} tensors, the upload says {up.count}"))
+            held = up.tensors.get(msg.index)
+            if held is not None:
+                if held[0] == msg.name:
+                    self.ignored += 1  # delivered twice
+                    return []
+                return self._fail(up, "bad_request", f"{up.describe()}: tensors {held[0]!r} and {msg.name!r} "
+                                                     f"both claim index {msg.index}")
+            if msg.name in up.names:
+                return self._fail(up, "bad_request", f"{up.describe()}: tensor name {msg.name!r} appears twice")
+            if up.nbytes + value.nbytes > self.max_upload_bytes:
+                return self._fail(up, "too_large", (
+                    f"{up.describe()} exceeds {self.max_upload_bytes} bytes (EDGESWARM_CHECKPOINT_MAX_BYTES) at "
+                    f"tensor {msg.name!r}"))
+            if self.pending_bytes + value.nbytes > self.max_pending_bytes:
+                return self._fail(up, "busy", (
+                    f"{up.describe()}: the store holds {self.pending_bytes} bytes of incomplete uploads "
+                    f"(limit {self.max_pending_bytes}); try again when they are done"))
+            up.tensors[msg.index] = (msg.name, value)
+            up.names.add(msg.name)
+            up.nbytes += value.nbytes
+            self.pending_bytes += value.nbytes
+            up.touched = now
+            return self._maybe_ready(up)
+
+    def commit(self, msg: CheckpointCommit, token: T, now: float) -> list[Outcome[T]]:
+        """Feed the commit of an upload; ``token`` is handed back with the outcome to answer it."""
+        with self._lock:
+            finished = self._finished.get(msg.transfer_id)
+            if finished is not None:
+                reason, detail = finished
+                if reason is None:
+                    return [FailedUpload(msg.transfer_id, "bad_request",
+                                         f"upload {msg.transfer_id} was already committed", token)]
+                return [FailedUpload(msg.transfer_id, reason, detail, token)]
+            up = self._uploads.get(msg.transfer_id)
+            if up is None:
+                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
+                self._uploads[msg.transfer_id] = up
+            if up.commit is not None:
+                self.ignored += 1
+                return []
+            up.commit, up.token = msg, token
+            if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
+                return self._fail(up, "bad_request", (
+                    f"{up.describe()}: the commit says {msg.job_id}/{msg.stage} version {msg.version} with "
+                    f"{msg.count} tensors, the tensors say {up.count}"))
+            if msg.nbytes > self.max_upload_bytes:
+                return self._fail(up, "too_large", (
+                    f"{up.describe()} is {msg.nbytes} bytes; the store accepts at most {self.max_upload_bytes} "
+                    "(EDGESWARM_CHECKPOINT_MAX_BYTES)"))
+            up.touched = now
+            return self._maybe_ready(up)
+
+    def expire(self, now: float) -> list[Outcome[T]]:
+        """Fail every upload idle for more than ``timeout_s``; returns those failures."""
+        out: list[Outcome[T]] = []
+        with self._lock:
+            for up in [u for u in self._uploads.values() if now - u.touched > self.timeout_s]:
+                missing = sorted(set(range(up.count)) - set(up.tensors))
+                commit = "the commit and " if up.commit is None else ""
+                out += self._fail(up, "incomplete", (
+                    f"{up.describe()}: {commit}{len(missing)} of {up.count} tensors (indices "
+                    f"{missing[:8]}{'...' if len(missing) > 8 else ''}) did not arrive within {self.timeout_s:g} s "
+                    "of the last one; the upload was discarded. Send it again"))
+        return out
+
+    # --- internals (lock held) ----------------------------------------------------------------------
+
+    def _maybe_ready(self, up: _Upload[T]) -> list[Outcome[T]]:
+        if up.commit is None or len(up.tensors) < up.count:
+            return []
+        if up.nbytes != up.commit.nbytes:
+            return self._fail(up, "bad_request", f"{up.describe()}: the commit declares {up.commit.nbytes} bytes, "
+                                                 f"the tensors hold {up.nbytes}")
+        self._close(up, None, "")
+        return [ReadyUpload(up.transfer_id, up.job_id, up.stage, up.version,
+                            [up.tensors[i] for i in range(up.count)], dict(up.commit.meta), up.nbytes,
+                            up.token)]  # type: ignore[arg-type]  # a commit always comes with its token
+
+    def _fail(self, up: _Upload[T], reason: CheckpointFailureReason, detail: str) -> list[Outcome[T]]:
+        self._close(up, reason, detail)
+        return [FailedUpload(up.transfer_id, reason, detail, up.token)]
+
+    def _refuse(self, transfer_id: str, reason: CheckpointFailureReason, detail: str) -> FailedUpload[T]:
+        self._remember_outcome(transfer_id, reason, detail)
+        return FailedUpload(transfer_id, reason, detail, None)
+
+    def _close(self, up: _Upload[T], reason: CheckpointFailureReason | None, detail: str) -> None:
+        self._uploads.pop(up.transfer_id, None)
+        self.pending_bytes -= up.nbytes
+        self._remember_outcome(up.transfer_id, reason, detail)
+
+    def _remember_outcome(self, transfer_id: str, reason: CheckpointFailureReason | None, detail: str) -> None:
+        self._finished[transfer_id] = (reason, detail)
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)

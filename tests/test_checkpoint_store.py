@@ -1,0 +1,423 @@
+"""The checkpoint store: the on-disk core, the upload tracker, and the service over a real Mosquitto.
+
+Core: bit-exact round trips of every wire dtype (bfloat16, float16, empty and 0-d tensors included),
+keep-K pruning, atomic writes (leftover temporary files are ignored, a failed rename leaves the previous
+version readable), a flipped byte found by the checksum, unsafe names refused. Service: save and load a
+few MB of model state through the client, latest and specific versions, a restart of the service on the
+same folder, a corrupted file answered with a checksum failure while the service lives on, unknown jobs,
+and malformed or incomplete uploads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import edgeswarm.messages as m
+from edgeswarm import topics
+from edgeswarm.bus import Bus
+from edgeswarm.checkpoints import CheckpointStore, as_torch, read_checkpoint
+from edgeswarm.checkpoints import store as store_module
+from edgeswarm.checkpoints.client import list_checkpoints, load_checkpoint, save_checkpoint
+from edgeswarm.checkpoints.uploads import FailedUpload, ReadyUpload, UploadTracker
+from edgeswarm.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointTooLargeError,
+    CheckpointTransferError,
+    CheckpointValueError,
+    CheckpointVersionError,
+)
+from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.wire import WireTensor, encode
+from helpers import wait_until
+
+MIB = 1024 * 1024
+STORE_NODE = "hub"
+STORE = "checkpoint-store"
+
+
+def model_state(seed: int) -> dict[str, Any]:
+    """Tensors of every wire dtype, including empty and 0-d ones (bfloat16 as a torch tensor)."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((64, 33)).astype(np.float32)
+    weights[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": weights,
+        "layer.bias": rng.standard_normal(33).astype(np.float16),
+        "layer.bf16": (torch.randn(7, 5, generator=gen) * 100).to(torch.bfloat16),
+        "opt.step": np.array(seed, dtype=np.int64),
+        "opt.counts": rng.integers(-(2**31), 2**31 - 1, size=(3, 4), dtype=np.int32),
+        "mask": rng.integers(0, 2, size=(10,)).astype(bool),
+        "bytes": rng.integers(0, 256, size=(2, 3, 4), dtype=np.uint8),
+        "empty": np.zeros((0,), dtype=np.float32),
+        "empty3d": np.zeros((3, 0, 2), dtype=np.int64),
+        "scalar": np.array(1.5, dtype=np.float32),
+    }
+
+
+def bits(value: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """(wire dtype, shape, raw little-endian bytes) of a numpy array, torch tensor or WireTensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            return "bfloat16", tuple(value.shape), value.view(torch.int16).numpy().tobytes()
+        value = value.numpy()
+    if isinstance(value, WireTensor):
+        return value.dtype, value.shape, value.array.tobytes()
+    return value.dtype.name, value.shape, value.tobytes()
+
+
+def assert_same(info: Any, arrays: dict[str, np.ndarray], expected: dict[str, Any]) -> None:
+    assert list(arrays) == list(expected) == info.names  # save order kept
+    for entry in info.tensors:
+        got = bits(WireTensor(entry.dtype, arrays[entry.name]))
+        assert got == bits(expected[entry.name]), entry.name
+
+
+# --- the core ---------------------------------------------------------------------------------------
+
+
+def test_put_get_is_bit_exact_for_every_dtype(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", keep=3)
+    state = model_state(1)
+    meta = {"round": 12, "lr": 0.05, "plan": "hpp", "final": False}
+    info = store.put("job-1", 0, 12, state, meta)
+    assert (info.job_id, info.stage, info.version, info.meta) == ("job-1", "0", 12, meta)
+    assert info.nbytes == sum(bits(v)[2].__len__() for v in state.values())
+    assert {t.name: t.dtype for t in info.tensors}["layer.bf16"] == "bfloat16"
+    path = store.path("job-1", "0", 12)
+    assert path.name == "v0000000012.ckpt" and info.file_bytes == path.stat().st_size
+
+    got_info, arrays = store.get("job-1", "0", 12)
+    assert got_info == info
+    assert_same(got_info, arrays, state)
+    assert arrays["opt.step"].shape == () and arrays["empty3d"].shape == (3, 0, 2)
+    assert all(a.flags.writeable for a in arrays.values())
+    # torch round trip restores bfloat16.
+    as_t = as_torch(got_info, arrays)
+    assert as_t["layer.bf16"].dtype == torch.bfloat16
+    assert torch.equal(as_t["layer.bf16"].view(torch.int16), state["layer.bf16"].view(torch.int16))
+    # A loaded bfloat16 tensor can be saved again as a WireTensor (its uint16 bits with the dtype name).
+    again = {e.name: WireTensor(e.dtype, arrays[e.name]) for e in got_info.tensors}
+    store.put("job-1", 0, 13, again, meta)
+    assert_same(*store.get("job-1", 0), state)  # the latest is 13
+
+
+def test_the_file_format_is_as_documented(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    info = store.put("j", "s", 3, {"a": np.arange(5, dtype=np.int32), "b": np.ones((2, 2), np.float32)}, {"k": 1})
+    raw = store.path("j", "s", 3).read_bytes()
+    magic, fmt, h = struct.unpack_from("<6sHI", raw, 0)
+    assert (magic, fmt) == (b"ESCKPT", 1)
+    header = json.loads(raw[12:12 + h])
+    assert set(header) == {"format", "job_id", "stage", "version", "created_at", "meta", "payload_bytes", "tensors"}
+    start = -(-(12 + h) // 64) * 64
+    assert len(raw) == start + header["payload_bytes"] + 32
+    assert raw[-32:] == hashlib.sha256(raw[:-32]).digest() and info.sha256 == raw[-32:].hex()
+    b = header["tensors"][1]
+    assert (b["name"], b["dtype"], b["shape"], b["offset"] % 64) == ("b", "float32", [2, 2], 0)
+    assert raw[start + b["offset"]: start + b["offset"] + b["nbytes"]] == np.ones(4, "<f4").tobytes()
+
+
+def test_keep_prunes_to_the_newest_versions(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for version in (1, 2, 3, 4):
+        store.put("job", "stage-0", version, {"w": np.full(3, version, np.float32)})
+    assert store.versions("job", "stage-0") == [3, 4]
+    assert sorted(p.name for p in store.stage_dir("job", "stage-0").iterdir()) == ["v0000000003.ckpt",
+                                                                                 "v0000000004.ckpt"]
+    assert store.get("job", "stage-0")[0].version == 4
+    assert store.get("job", "stage-0", 3)[1]["w"].tolist() == [3, 3, 3]
+    with pytest.raises(CheckpointNotFoundError, match=r"stored versions: \[3, 4\]"):
+        store.get("job", "stage-0", 1)
+    with pytest.raises(CheckpointVersionError, match="older than the 2 kept versions"):
+        store.put("job", "stage-0", 2, {"w": np.zeros(3, np.float32)})
+    store.put("job", "stage-0", 4, {"w": np.full(3, 40, np.float32)})  # replacing a version is allowed
+    assert store.get("job", "stage-0")[1]["w"].tolist() == [40, 40, 40]
+    store.put("job", "stage-1", 0, {})  # other stages are separate; a meta-only checkpoint is fine
+    assert store.listing() == {"job": {"stage-0": [3, 4], "stage-1": [0]}}
+    assert store.list_jobs() == ["job"] and store.stages("job") == ["stage-0", "stage-1"]
+    with pytest.raises(CheckpointNotFoundError, match="no job 'other'"):
+        store.get("other", 0)
+
+
+def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(tmp_path, keep=3)
+    store.put("job", 0, 1, {"w": np.arange(4, dtype=np.float32)})
+    folder = store.stage_dir("job", 0)
+    # What a crash in the middle of a write leaves: a temporary file, never read, removed by a sweep.
+    leftover = folder / ".v0000000002.ckpt.crashed.tmp"
+    leftover.write_bytes(b"half a checkpoint")
+    assert store.versions("job", 0) == [1]
+    assert store.get("job", 0)[0].version == 1
+
+    # A failure between writing and renaming: the previous version stays the latest, and readable.
+    def crash(src: Any, dst: Any) -> None:
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(store_module.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        store.put("job", 0, 2, {"w": np.zeros(4, dtype=np.float32)})
+    monkeypatch.undo()
+    assert store.versions("job", 0) == [1]
+    assert store.get("job", 0)[1]["w"].tolist() == [0, 1, 2, 3]
+    assert sorted(p.name for p in folder.iterdir()) == [leftover.name, "v0000000001.ckpt"]
+    assert store.sweep_temp_files() == 1 and not leftover.exists()
+
+
+def test_a_corrupt_byte_is_a_clear_checksum_error(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=3)
+    store.put("job", 0, 1, {"w": np.arange(1000, dtype=np.float32)})
+    info = store.put("job", 0, 2, {"w": np.arange(1000, dtype=np.float32) * 2})
+    path = store.path("job", 0, 2)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit of the payload
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError) as caught:
+        store.get("job", 0)
+    message = str(caught.value)
+    actual = hashlib.sha256(bytes(raw[:-32])).hexdigest()
+    assert str(path) in message and info.sha256 in message and actual in message and "corrupt" in message
+    assert store.get("job", 0, 1)[1]["w"][999] == 999  # other versions are unaffected
+
+    path.write_bytes(bytes(raw[:100]))  # truncated: the digest is wrong too
+    with pytest.raises(CheckpointCorruptError, match="corrupt"):
+        read_checkpoint(path)
+    path.write_bytes(b"short")
+    with pytest.raises(CheckpointCorruptError, match="too short"):
+        read_checkpoint(path)
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", ".hidden", "../up", "a/b", "a b", "x" * 65, "ü", "a\\b"])
+def test_unsafe_names_are_refused(tmp_path: Path, bad: str) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    with pytest.raises(CheckpointValueError, match="not a safe file name"):
+        store.put(bad, 0, 1, {"w": np.zeros(1, np.float32)})
+    with pytest.raises(CheckpointValueError, match="not a safe file name"):
+        store.put("job", bad, 1, {"w": np.zeros(1, np.float32)})
+    with pytest.raises(CheckpointValueError):
+        store.get(bad, 0)
+    with pytest.raises(CheckpointValueError):
+        store.versions("job", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_values_are_refused(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    for version in (-1, 10**10, 1.5, True):
+        with pytest.raises(CheckpointValueError, match="version"):
+            store.put("job", 0, version, {})  # type: ignore[arg-type]
+    with pytest.raises(CheckpointValueError, match="float64"):
+        store.put("job", 0, 1, {"w": np.zeros(2)})
+    with pytest.raises(CheckpointValueError, match="tensor name"):
+        store.put("job", 0, 1, {"": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointValueError, match="meta"):
+        store.put("job", 0, 1, {}, {"nested": {"a": 1}})
+    with pytest.raises(CheckpointValueError, match="keep"):
+        CheckpointStore(tmp_path, keep=0)
+
+
+# --- the upload tracker -----------------------------------------------------------------------------
+
+
+def tensor_msg(tid: str, name: str, index: int, count: int, version: int = 1) -> m.CheckpointTensor:
+    return m.CheckpointTensor(transfer_id=tid, job_id="job", stage="0", version=version, name=name, index=index,
+                              count=count)
+
+
+def commit_msg(tid: str, count: int, nbytes: int, version: int = 1) -> m.CheckpointCommit:
+    return m.CheckpointCommit(transfer_id=tid, job_id="job", stage="0", version=version, count=count, nbytes=nbytes,
+                              meta={"round": 1})
+
+
+def wt(n: int) -> WireTensor:
+    return WireTensor("uint8", np.zeros(n, np.uint8))
+
+
+def test_upload_tracker_any_order_limits_and_timeouts() -> None:
+    tracker: UploadTracker[str] = UploadTracker(max_upload_bytes=100, max_pending_bytes=150, timeout_s=5.0)
+    # The commit first, then the tensors out of order, one of them twice.
+    assert tracker.commit(commit_msg("a", 2, 30), "token-a", now=0.0) == []
+    assert tracker.tensor(tensor_msg("a", "y", 1, 2), wt(20), now=1.0) == []
+    assert tracker.tensor(tensor_msg("a", "y", 1, 2), wt(20), now=1.0) == []
+    [ready] = tracker.tensor(tensor_msg("a", "x", 0, 2), wt(10), now=2.0)
+    assert isinstance(ready, ReadyUpload) and ready.token == "token-a"
+    assert [name for name, _ in ready.tensors] == ["x", "y"] and ready.meta == {"round": 1}
+    assert tracker.pending_bytes == 0 and tracker.open_uploads == 0
+    assert tracker.tensor(tensor_msg("a", "x", 0, 2), wt(10), now=2.0) == []  # late duplicate: ignored
+
+    # Too large for one upload: refused at the tensor; the commit that comes later gets the reason.
+    assert tracker.tensor(tensor_msg("b", "x", 0, 2), wt(60), now=3.0) == []
+    [failed] = tracker.tensor(tensor_msg("b", "y", 1, 2), wt(60), now=3.0)
+    assert isinstance(failed, FailedUpload) and failed.reason == "too_large" and failed.token is None
+    [failed] = tracker.commit(commit_msg("b", 2, 120), "token-b", now=3.0)
+    assert (failed.reason, failed.token) == ("too_large", "token-b")
+
+    # Over the memory for all incomplete uploads together: busy.
+    assert tracker.tensor(tensor_msg("c", "x", 0, 2), wt(90), now=4.0) == []
+    [failed] = tracker.tensor(tensor_msg("d", "x", 0, 2), wt(90), now=4.0)
+    assert failed.reason == "busy"
+
+    # Inconsistent uploads fail as bad requests.
+    [failed] = tracker.tensor(tensor_msg("c", "z", 0, 2), wt(1), now=4.0)
+    assert failed.reason == "bad_request" and "both claim index 0" in failed.detail
+    [failed] = tracker.commit(commit_msg("c", 2, 91), "token-c", now=4.0)  # "c" failed just above
+    assert (failed.reason, failed.token) == ("bad_request", "token-c")
+
+    # An incomplete upload times out; its waiting commit is answered.
+    assert tracker.tensor(tensor_msg("e", "x", 0, 3), wt(1), now=10.0) == []
+    assert tracker.commit(commit_msg("e", 3, 3), "token-e", now=11.0) == []
+    assert tracker.expire(now=15.0) == []
+    [failed] = tracker.expire(now=16.5)
+    assert (failed.reason, failed.token) == ("incomplete", "token-e") and "2 of 3 tensors" in failed.detail
+    assert tracker.pending_bytes == 0 and tracker.open_uploads == 0
+
+
+# --- the service over MQTT ----------------------------------------------------------------------------
+
+
+def announce(bus: Bus) -> None:
+    """A retained online status for the bus's own service, so the store knows where to send tensors."""
+    s = bus.sender
+    bus.publish(topics.status(s.node, s.service), m.Status(
+        state="online", node=s.node, service=s.service, instance=s.instance, version="test", host="h", pid=1,
+        device_class="native", memory_budget_bytes=1, free_memory_bytes=1, data_url=bus.data.url,
+        heartbeat_interval_s=1.0, started_at=0.0), retain=True)
+
+
+def start_store(services: Any, broker: BrokerProcess, bus: Bus, directory: Path,
+                **env: str) -> subprocess.Popen[bytes]:
+    proc = services.start(STORE, STORE_NODE, broker.url, EDGESWARM_CHECKPOINT_DIR=str(directory),
+                          EDGESWARM_CHECKPOINT_KEEP="2", **env)
+    wait_until(lambda: proc.poll() is not None or ((s := bus.peers.get(STORE_NODE, STORE)) is not None
+                                                   and s.state == "online" and s.pid == proc.pid),
+               20, message="the checkpoint store to come online")
+    assert proc.poll() is None, services.log_of(proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+
+
+def probe_ok(bus: Bus) -> m.ProbeReply:
+    reply = bus.request(topics.request(STORE_NODE, STORE), m.Probe(), timeout_s=5).body
+    assert isinstance(reply, m.ProbeReply) and reply.healthy
+    return reply
+
+
+@pytest.fixture
+def trainer(make_bus: Callable[..., Bus]) -> Bus:
+    bus = make_bus("trainer-0", "stage-worker")
+    announce(bus)
+    return bus
+
+
+def test_service_saves_loads_survives_a_restart_and_reports_corruption(
+        broker: BrokerProcess, services: Any, trainer: Bus, tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    proc = start_store(services, broker, trainer, directory)
+    rng = np.random.default_rng(5)
+    big = {**model_state(2), "big.weight": rng.standard_normal((768, 1024)).astype(np.float32),  # 3 MiB: 3 chunks
+           "big.bf16": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    v1 = save_checkpoint(trainer, STORE_NODE, "job-a", 0, 1, big, meta={"round": 1}, timeout_s=30)
+    newer = {**big, "big.weight": big["big.weight"] + 1}
+    v2 = save_checkpoint(trainer, STORE_NODE, "job-a", 0, 2, newer, meta={"round": 2}, timeout_s=30)
+    assert (v1.version, v2.version, v2.meta) == (1, 2, {"round": 2}) and v2.nbytes > 5 * MIB
+    assert v2.sha256 == (directory / "job-a" / "0" / "v0000000002.ckpt").read_bytes()[-32:].hex()
+
+    info, arrays = load_checkpoint(trainer, STORE_NODE, "job-a", 0, timeout_s=30)  # the latest
+    assert (info.version, info.meta, info.sha256) == (2, {"round": 2}, v2.sha256)
+    assert_same(info, arrays, newer)
+    info, arrays = load_checkpoint(trainer, STORE_NODE, "job-a", "0", 1, timeout_s=30)
+    assert info.version == 1
+    assert_same(info, arrays, big)
+    assert list_checkpoints(trainer, STORE_NODE, timeout_s=10) == {"job-a": {"0": [1, 2]}}
+
+    with pytest.raises(CheckpointNotFoundError, match="no job 'nope'"):
+        load_checkpoint(trainer, STORE_NODE, "nope", 0, timeout_s=10)
+    with pytest.raises(CheckpointNotFoundError, match=r"stored versions: \[1, 2\]"):
+        load_checkpoint(trainer, STORE_NODE, "job-a", 0, 7, timeout_s=10)
+
+    # A restart on the same folder: everything is still there.
+    stop(proc)
+    proc = start_store(services, broker, trainer, directory)
+    info, arrays = load_checkpoint(trainer, STORE_NODE, "job-a", 0, timeout_s=30)
+    assert info.version == 2 and info.sha256 == v2.sha256
+    assert_same(info, arrays, newer)
+
+    # A flipped byte on disk: a clear checksum failure; the service lives on and serves the other version.
+    path = directory / "job-a" / "0" / "v0000000002.ckpt"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError) as caught:
+        load_checkpoint(trainer, STORE_NODE, "job-a", 0, 2, timeout_s=10)
+    assert str(path) in str(caught.value) and v2.sha256 in str(caught.value) and "SHA-256" in str(caught.value)
+    probe_ok(trainer)
+    info, arrays = load_checkpoint(trainer, STORE_NODE, "job-a", 0, 1, timeout_s=30)
+    assert_same(info, arrays, big)
+    assert proc.poll() is None
+
+
+def test_service_refuses_bad_uploads_and_keeps_running(broker: BrokerProcess, services: Any, trainer: Bus,
+                                                        tmp_path: Path) -> None:
+    proc = start_store(services, broker, trainer, tmp_path / "checkpoints",
+                       EDGESWARM_CHECKPOINT_MAX_BYTES=str(64 * 1024), EDGESWARM_REASSEMBLY_TIMEOUT_S="1")
+    data, request = topics.data(STORE_NODE, STORE), topics.request(STORE_NODE, STORE)
+    # Garbage bytes and a tensor message without its tensor, on both topics.
+    trainer.hub.publish(data, b"\x00garbage" * 10, qos=1)
+    trainer.hub.publish(request, b"ES\x01\x00\xff\xff\xff\xff", qos=1)
+    no_tensor = m.CheckpointTensor(transfer_id="t0", job_id="job", stage="0", version=1, name="w", index=0, count=1)
+    trainer.publish(data, no_tensor)
+    trainer.hub.publish(data, encode(trainer.sender.envelope(no_tensor), no_tensor)[:-3], qos=1)
+
+    # An upload whose second tensor never comes: its commit is answered "incomplete" after the timeout.
+    trainer.send_tensor(STORE_NODE, STORE, m.CheckpointTensor(transfer_id="t1", job_id="job", stage="0", version=1,
+                                                              name="w", index=0, count=2), np.zeros(8, np.float32))
+    reply = trainer.request(request, m.CheckpointCommit(transfer_id="t1", job_id="job", stage="0", version=1,
+                                                        count=2, nbytes=64), timeout_s=10).body
+    assert isinstance(reply, m.CheckpointFailed) and reply.reason == "incomplete", reply
+    assert "1 of 2 tensors" in reply.detail
+
+    # Over EDGESWARM_CHECKPOINT_MAX_BYTES (64 KiB here) in all, though each tensor alone is under it.
+    with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
+        save_checkpoint(trainer, STORE_NODE, "job", 0, 1, {"a": np.zeros(40_000, np.uint8),
+                                                           "b": np.zeros(40_000, np.uint8)}, timeout_s=15)
+
+    # Still alive and serving; the bad messages were counted as rejections.
+    reply = probe_ok(trainer)
+    assert reply.rejected >= 2 and reply.handler_errors == 0
+    state = model_state(9)
+    save_checkpoint(trainer, STORE_NODE, "job", 0, 1, state, timeout_s=15)
+    assert_same(*load_checkpoint(trainer, STORE_NODE, "job", 0, timeout_s=15), state)
+    assert proc.poll() is None
+    assert not [p for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith(".tmp")]
+    assert os.listdir(tmp_path / "checkpoints") == ["job"]
+
+
+def test_client_errors_without_a_store(make_bus: Callable[..., Bus]) -> None:
+    bus = make_bus("trainer-1", "stage-worker", request_timeout_s=1.0)
+    announce(bus)
+    with pytest.raises(CheckpointValueError, match="not a safe file name"):
+        save_checkpoint(bus, STORE_NODE, "../job", 0, 1, {}, timeout_s=1)
+    with pytest.raises(CheckpointValueError, match="float64"):
+        save_checkpoint(bus, STORE_NODE, "job", 0, 1, {"w": np.zeros(3)}, timeout_s=1)
+    with pytest.raises(CheckpointTransferError, match="cannot send tensor 'w'"):
+        save_checkpoint(bus, STORE_NODE, "job", 0, 1, {"w": np.zeros(3, np.float32)}, timeout_s=1)
+    with pytest.raises(CheckpointTimeoutError, match="did not answer within 1 s; is it running"):
+        load_checkpoint(bus, STORE_NODE, "job", 0, timeout_s=1)
