@@ -1,0 +1,110 @@
+"""Training jobs: what a user submits (YAML or JSON), validated before anything runs.
+
+A job names a zoo model and a data set, the global batch (samples per round) and optionally the number of
+micro-batches M, the optimizer, how long to train (rounds or epochs), the strategy (``hpp`` by default;
+``dp``, ``pp`` and ``single`` run the baselines on the same runtime, so comparisons are measured), and how
+often to checkpoint. An invalid spec is refused with every offending field and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from edgeswarm.errors import ConfigError
+from edgeswarm.planning.types import Strategy
+from edgeswarm.profiling.types import ModelSpec, Optimizer
+from edgeswarm.training.data import DatasetSpec
+from edgeswarm.wire.schema import NAME_PATTERN
+
+
+class OptimizerSpec(BaseModel):
+    """The optimizer and its hyper-parameters. ``momentum`` applies to ``momentum`` only (plain ``sgd`` has
+    none, so its memory model has no optimizer state)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Optimizer = "sgd"
+    lr: float = Field(default=0.05, gt=0)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class JobSpec(BaseModel):
+    """A training job. Exactly one of ``rounds`` and ``epochs`` says how long it trains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    model: ModelSpec
+    data: DatasetSpec
+    global_batch: int = Field(default=256, ge=1)
+    micro_batches: int | None = Field(default=None, ge=1)
+    optimizer: OptimizerSpec = OptimizerSpec()
+    rounds: int | None = Field(default=None, ge=1)
+    epochs: float | None = Field(default=None, gt=0)
+    strategy: Strategy = "hpp"
+    checkpoint_interval: int = Field(default=1, ge=0, description="rounds between checkpoints; 0: only the end")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if (self.rounds is None) == (self.epochs is None):
+            raise ValueError("give exactly one of rounds and epochs")
+        if self.micro_batches is not None and self.global_batch % self.micro_batches:
+            raise ValueError(f"global_batch {self.global_batch} does not split into {self.micro_batches} "
+                             "micro-batches of equal size")
+        return self
+
+    def total_rounds(self, train_size: int) -> int:
+        """Rounds to run on a training set of ``train_size`` samples (epochs rounded up to whole rounds)."""
+        if self.rounds is not None:
+            return self.rounds
+        assert self.epochs is not None
+        return max(1, math.ceil(self.epochs * train_size / self.global_batch))
+
+
+def parse_job(data: Any, *, source: str = "the job spec") -> JobSpec:
+    """A JobSpec from parsed YAML/JSON. Raises ConfigError listing every invalid field and why."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source} is invalid:\n{_field_errors(exc)}") from None
+
+
+def load_job(path: Path) -> JobSpec:
+    """Read a job spec from a YAML or JSON file. Raises ConfigError for a missing file, bad syntax or an
+    invalid spec."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    return parse_job(data, source=str(path))
+
+
+def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer the spec names, over ``params``."""
+    params = list(params)
+    if spec.name == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    momentum = spec.momentum if spec.name == "momentum" else 0.0
+    return torch.optim.SGD(params, lr=spec.lr, momentum=momentum, weight_decay=spec.weight_decay)
+
+
+def _field_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(the whole spec)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Job specs: valid ones parse from YAML and JSON; invalid ones are refused with the field and the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeswarm.errors import ConfigError
+from edgeswarm.training.jobs import OptimizerSpec, load_job, make_optimizer, parse_job
+
+GOOD = {
+    "name": "mnv2-envd",
+    "model": {"name": "mobilenetv2", "config": {"width": 0.5}},
+    "data": {"kind": "teacher", "size": 2048},
+    "global_batch": 256,
+    "micro_batches": 8,
+    "optimizer": {"name": "momentum", "lr": 0.05},
+    "rounds": 20,
+}
+
+
+def test_a_job_reads_from_yaml_and_json(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(
+        "name: mnv2-envd\nmodel: {name: mobilenetv2, config: {width: 0.5}}\ndata: {kind: teacher, size: 2048}\n"
+        "global_batch: 256\nmicro_batches: 8\noptimizer: {name: momentum, lr: 0.05}\nrounds: 20\n")
+    (tmp_path / "job.json").write_text(json.dumps(GOOD))
+    a, b = load_job(tmp_path / "job.yaml"), load_job(tmp_path / "job.json")
+    assert a == b and a.strategy == "hpp" and a.checkpoint_interval == 1 and a.total_rounds(2048) == 20
+    epochs = parse_job({**GOOD, "rounds": None, "epochs": 1.5})
+    assert epochs.total_rounds(2048) == 12  # 1.5 * 2048 / 256
+
+
+@pytest.mark.parametrize(("change", "field", "reason"), [
+    ({"global_batch": 0}, "global_batch", "greater than or equal to 1"),
+    ({"micro_batches": 7}, "whole spec", "does not split into 7"),
+    ({"rounds": None}, "whole spec", "exactly one of rounds and epochs"),
+    ({"strategy": "zigzag"}, "strategy", "'hpp', 'dp', 'pp' or 'single'"),
+    ({"optimizer": {"name": "sgd", "lr": -1}}, "optimizer.lr", "greater than 0"),
+    ({"name": "has space"}, "name", "pattern"),
+    ({"colour": "blue"}, "colour", "Extra inputs are not permitted"),
+])
+def test_an_invalid_job_names_the_field_and_the_reason(change: dict, field: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_job({**GOOD, **change})
+    text = str(info.value)
+    assert field in text and reason in text, text
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_job(tmp_path / "missing.yaml")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_job(tmp_path / "bad.json")
+
+
+def test_optimizers_match_the_memory_model() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert type(make_optimizer(OptimizerSpec(name="adam"), params)) is torch.optim.Adam
+    sgd = make_optimizer(OptimizerSpec(name="sgd"), params)
+    assert sgd.param_groups[0]["momentum"] == 0.0
+    assert make_optimizer(OptimizerSpec(name="momentum", momentum=0.8), params).param_groups[0]["momentum"] == 0.8
