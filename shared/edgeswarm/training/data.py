@@ -15,19 +15,19 @@ Every sample is a pure function of (seed, split, sample id): the synthetic kinds
 counter-based generator, never from a shared stream, so that devices reading different slices of a micro-batch in
 different processes and on different machines see the same data. The first pipeline stage calls
 ``Dataset.inputs`` for its slice and the last stage ``Dataset.labels`` for the same ids.
+
+This module holds the spec, the Dataset interface, opening and the round sample order; the synthetic kinds are
+in ``synthetic_data.py`` and the file readers in ``file_data.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import pickle
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -46,31 +46,14 @@ DatasetKind = Literal["teacher", "tokens", "cifar10", "npz"]
 DEFAULT_SYNTHETIC_SIZE = 4096
 DEFAULT_SYNTHETIC_TEST_SIZE = 1024
 
-_SPLIT_CODE: dict[str, int] = {"train": 0, "test": 1}
+SPLIT_CODE: dict[str, int] = {"train": 0, "test": 1}
 
 # Domain tags lead every generator seed: numpy's SeedSequence gives [s, e] and [s, e, 0] the same state, so
-# without a distinct leading word two uses of the seed could silently draw identical numbers.
-_TAG_PERMUTATION = 0x5045524D
-_TAG_SAMPLE = 0x53414D50
-_TAG_NOISE = 0x4E4F4953
-_TAG_TEACHER = 0x54454143
-_TAG_CALIBRATION = 0x43414C49
-
-_TEACHER_HIDDEN = 64
-# The share of each teacher image pixel's variance that comes from its block's coarse value (the rest is
-# independent pixel noise). Labels depend on the coarse values only; a strong share makes them stand out of the
-# pixel noise, so that a few thousand samples teach a student instead of letting it memorise noise.
-_BLOCK_SHARE = 0.5
-_CALIBRATION_SAMPLES = 8192
-_RESTART_PROBABILITY = 1 / 8
-
-# The per-channel mean and standard deviation of the CIFAR-10 training images (pixels scaled to [0, 1]).
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-_CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
-_CIFAR10_TEST_FILE = "test_batch"
-_CIFAR10_SHAPE = (3, 32, 32)
-_CIFAR10_CLASSES = 10
+# without a distinct leading word two uses of the seed could silently draw identical numbers. (The synthetic
+# kinds add their own tags in synthetic_data.py.)
+TAG_PERMUTATION = 0x5045524D
+TAG_SAMPLE = 0x53414D50
+TAG_NOISE = 0x4E4F4953
 
 
 class DatasetSpec(BaseModel):
@@ -113,7 +96,7 @@ class DatasetSpec(BaseModel):
 
 
 @dataclass(frozen=True)
-class _ModelFit:
+class ModelFit:
     """The inputs and targets a zoo model takes, from its resolved config."""
 
     name: str
@@ -134,18 +117,18 @@ class _ModelFit:
         return f"sequences of {self.input_shape[0]} token ids below {self.vocab_size} with {targets}"
 
 
-def _model_fit(model: ModelSpec) -> _ModelFit:
+def model_fit(model: ModelSpec) -> ModelFit:
     cfg = resolved_config(model)
     if "vocab_size" in cfg:
         vocab, seq_len = int(cfg["vocab_size"]), int(cfg["seq_len"])
         if "num_classes" in cfg:
-            return _ModelFit(model.name, True, (seq_len,), int(cfg["num_classes"]), (), vocab)
-        return _ModelFit(model.name, True, (seq_len,), vocab, (seq_len,), vocab)
+            return ModelFit(model.name, True, (seq_len,), int(cfg["num_classes"]), (), vocab)
+        return ModelFit(model.name, True, (seq_len,), vocab, (seq_len,), vocab)
     side = int(cfg["image_size"])
-    return _ModelFit(model.name, False, (int(cfg["in_channels"]), side, side), int(cfg["num_classes"]), ())
+    return ModelFit(model.name, False, (int(cfg["in_channels"]), side, side), int(cfg["num_classes"]), ())
 
 
-def _mismatch(kind: str, gives: str, fit: _ModelFit, hint: str) -> ConfigError:
+def mismatch_error(kind: str, gives: str, fit: ModelFit, hint: str) -> ConfigError:
     return ConfigError(f"data set {kind!r} gives {gives} but model {fit.name!r} takes {fit.describe()}; {hint}")
 
 
@@ -216,7 +199,7 @@ class Dataset(ABC):
         """
         arr = self._check_ids(ids, split)
         out = self._inputs(arr, split)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=_numpy_dtype(self._input_dtype)))
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=numpy_dtype(self._input_dtype)))
 
     def labels(self, ids: SampleIds, split: Split = "train") -> torch.Tensor:
         """The int64 labels of samples ``ids`` of ``split``: shape (len(ids), *label_shape), values in
@@ -228,7 +211,7 @@ class Dataset(ABC):
         """``(inputs(ids, split), labels(ids, split))``, sharing the work where the labels derive from the inputs."""
         arr = self._check_ids(ids, split)
         x, y = self._batch(arr, split)
-        return (torch.from_numpy(np.ascontiguousarray(x, dtype=_numpy_dtype(self._input_dtype))),
+        return (torch.from_numpy(np.ascontiguousarray(x, dtype=numpy_dtype(self._input_dtype))),
                 torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)))
 
     @abstractmethod
@@ -262,388 +245,27 @@ class Dataset(ABC):
         return arr
 
 
-def _numpy_dtype(dtype: torch.dtype) -> type[np.generic]:
+def numpy_dtype(dtype: torch.dtype) -> type[np.generic]:
     return np.float32 if dtype == torch.float32 else np.int64
 
 
-def _sample_rng(tag: int, seed: int, split: str, sample_id: int) -> np.random.Generator:
-    return np.random.default_rng([tag, seed, _SPLIT_CODE[split], sample_id])
+def sample_rng(tag: int, seed: int, split: str, sample_id: int) -> np.random.Generator:
+    return np.random.default_rng([tag, seed, SPLIT_CODE[split], sample_id])
 
 
-def _noisy(labels: np.ndarray, ids: np.ndarray, split: str, seed: int, noise: float, num_classes: int) -> np.ndarray:
+def with_label_noise(labels: np.ndarray, ids: np.ndarray, split: str, seed: int, noise: float,
+                     num_classes: int) -> np.ndarray:
     """``labels`` with each entry replaced, with probability ``noise``, by a uniform class: drawn per sample id so
     that a label does not depend on which other ids were asked for."""
     if noise <= 0:
         return labels
     out = labels.copy()
     for row, sample_id in enumerate(ids.tolist()):
-        rng = _sample_rng(_TAG_NOISE, seed, split, sample_id)
+        rng = sample_rng(TAG_NOISE, seed, split, sample_id)
         shape = labels.shape[1:]
         flip = rng.random(shape) < noise
         out[row] = np.where(flip, rng.integers(0, num_classes, shape), labels[row])
     return out
-
-
-# --- "teacher" -----------------------------------------------------------------------------------------------
-
-
-def _teacher_grid(image_size: int) -> int:
-    # Quadrants rather than a finer grid: CNNs that end in global pooling see position only coarsely, and learn a
-    # quadrant teacher within a few hundred steps where a 4x4 one takes many epochs. Blocks must tile the image so
-    # that every block mean is exactly normal, which lets the teacher be calibrated on sampled features.
-    return 2 if image_size % 2 == 0 else 1
-
-
-class TeacherDataset(Dataset):
-    """Images of N(0, 1) float32 pixels labelled by a fixed random teacher.
-
-    Each channel is cut into a grid of g x g blocks (quadrants, g = 2, or the whole channel, g = 1, for an odd
-    image side). A pixel is
-    sqrt(1/2) times its block's coarse N(0, 1) value plus sqrt(1/2) times its own N(0, 1) noise, so every pixel is
-    N(0, 1) and the image carries a coarse pattern. The teacher averages each block, scales each average to unit
-    variance, and applies a random tanh MLP (hidden width 64) whose logits are
-    standardised and shifted by per-class biases fitted on 8192 sampled features so that every class gets about
-    the same share of samples (within a few percent for ten classes; for a hundred, within about a third, the
-    sampling error of 82 calibration samples per class). Teacher weights, calibration and samples all derive from
-    ``seed``.
-    """
-
-    def __init__(self, spec: DatasetSpec, fit: _ModelFit) -> None:
-        super().__init__(kind="teacher", train_size=spec.size or DEFAULT_SYNTHETIC_SIZE,
-                         test_size=DEFAULT_SYNTHETIC_TEST_SIZE if spec.test_size is None else spec.test_size,
-                         input_shape=fit.input_shape, input_dtype=torch.float32, num_classes=fit.num_classes,
-                         label_shape=())
-        self._seed = spec.seed
-        self._noise = spec.noise
-        channels, side, _ = fit.input_shape
-        self._grid = _teacher_grid(side)
-        features = channels * self._grid ** 2
-        rng = np.random.default_rng([_TAG_TEACHER, spec.seed])
-        self._w1 = rng.standard_normal((features, _TEACHER_HIDDEN)) / math.sqrt(features)
-        self._w2 = rng.standard_normal((_TEACHER_HIDDEN, fit.num_classes)) / math.sqrt(_TEACHER_HIDDEN)
-        calibration = np.random.default_rng([_TAG_CALIBRATION, spec.seed]).standard_normal(
-            (_CALIBRATION_SAMPLES, features))
-        raw = self._raw_logits(calibration)
-        self._centre = raw.mean(axis=0)
-        self._scale = raw.std(axis=0) + 1e-12
-        self._bias = _balancing_bias((raw - self._centre) / self._scale)
-
-    def _raw_logits(self, features: np.ndarray) -> np.ndarray:
-        return np.tanh(features @ self._w1) @ self._w2
-
-    def _features(self, images: np.ndarray) -> np.ndarray:
-        n, channels, side, _ = images.shape
-        block = side // self._grid
-        blocks = images.astype(np.float64).reshape(n, channels, self._grid, block, self._grid, block)
-        # A block's mean is its coarse value plus the mean of block*block independent pixel terms: a normal
-        # variable with this variance, scaled here to exactly N(0, 1).
-        variance = _BLOCK_SHARE + (1.0 - _BLOCK_SHARE) / block ** 2
-        return blocks.mean(axis=(3, 5)).reshape(n, -1) / math.sqrt(variance)
-
-    def _inputs(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        channels, side, _ = self.input_shape
-        grid, block = self._grid, side // self._grid
-        coarse_weight = np.float32(math.sqrt(_BLOCK_SHARE))
-        pixel_weight = np.float32(math.sqrt(1.0 - _BLOCK_SHARE))
-        out = np.empty((len(ids), *self.input_shape), dtype=np.float32)
-        for row, sample_id in enumerate(ids.tolist()):
-            rng = _sample_rng(_TAG_SAMPLE, self._seed, split, sample_id)
-            coarse = rng.standard_normal((channels, grid, 1, grid, 1), dtype=np.float32)
-            pixels = rng.standard_normal((channels, grid, block, grid, block), dtype=np.float32)
-            out[row] = (coarse_weight * coarse + pixel_weight * pixels).reshape(self.input_shape)
-        return out
-
-    def _labels_of(self, images: np.ndarray, ids: np.ndarray, split: Split) -> np.ndarray:
-        logits = (self._raw_logits(self._features(images)) - self._centre) / self._scale + self._bias
-        labels = logits.argmax(axis=1).astype(np.int64)
-        return _noisy(labels, ids, split, self._seed, self._noise, self.num_classes)
-
-    def _labels(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        return self._labels_of(self._inputs(ids, split), ids, split)
-
-    def _batch(self, ids: np.ndarray, split: Split) -> tuple[np.ndarray, np.ndarray]:
-        images = self._inputs(ids, split)
-        return images, self._labels_of(images, ids, split)
-
-
-def _balancing_bias(logits: np.ndarray, tolerance: float = 0.01) -> np.ndarray:
-    """Per-class biases that make argmax(logits + bias) pick every class about equally often on these rows.
-
-    This is the dual of assigning the rows to classes in equal shares (semi-discrete optimal transport). Nudging
-    biases by hard argmax shares oscillates when the logits span few dimensions (a grey image gives the teacher
-    four features), so each class's bias is rescaled by its softmax share at a falling temperature: Sinkhorn's
-    iteration, which converges at every temperature and ends close to the hard assignment.
-    """
-    classes = logits.shape[1]
-    bias = np.zeros(classes)
-    for temperature in (1.0, 0.3, 0.1, 0.03):
-        for _ in range(100):
-            scaled = (logits + bias) / temperature
-            scaled -= scaled.max(axis=1, keepdims=True)
-            weights = np.exp(scaled)
-            share = (weights / weights.sum(axis=1, keepdims=True)).mean(axis=0) * classes
-            if np.abs(share - 1.0).max() < tolerance:
-                break
-            bias -= temperature * np.log(np.maximum(share, 1e-12))
-    return bias
-
-
-# --- "tokens" ------------------------------------------------------------------------------------------------
-
-
-class TokenDataset(Dataset):
-    """Token ids uniform in [0, vocab_size) of the model's sequence length, with a learnable target.
-
-    Classifiers: each token has a fixed random integer weight in [-1000, 1000]; a sequence's label is the
-    quantile bucket (of num_classes equal shares, cut on 8192 sampled sequences) of its summed weights. Integer
-    weights make the label exact on every machine. Next-token models: each sequence of seq_len + 1 tokens starts
-    at a random token and follows t[i+1] = (a * t[i] + b) mod vocab_size, restarting at a random token with
-    probability 1/8 per position, with a coprime to vocab_size; inputs are the first seq_len tokens and labels the
-    last seq_len.
-    """
-
-    def __init__(self, spec: DatasetSpec, fit: _ModelFit) -> None:
-        super().__init__(kind="tokens", train_size=spec.size or DEFAULT_SYNTHETIC_SIZE,
-                         test_size=DEFAULT_SYNTHETIC_TEST_SIZE if spec.test_size is None else spec.test_size,
-                         input_shape=fit.input_shape, input_dtype=torch.int64, num_classes=fit.num_classes,
-                         label_shape=fit.label_shape)
-        self._seed = spec.seed
-        self._noise = spec.noise
-        self._vocab = fit.vocab_size
-        self._seq_len = fit.input_shape[0]
-        self._next_token = fit.next_token
-        rng = np.random.default_rng([_TAG_TEACHER, spec.seed])
-        if self._next_token:
-            self._a, self._b = _affine_rule(rng, self._vocab)
-        else:
-            self._weights = rng.integers(-1000, 1001, self._vocab, dtype=np.int64)
-            calibration = np.random.default_rng([_TAG_CALIBRATION, spec.seed]).integers(
-                0, self._vocab, (_CALIBRATION_SAMPLES, self._seq_len), dtype=np.int64)
-            scores = self._weights[calibration].sum(axis=1)
-            self._cuts = np.quantile(scores, np.arange(1, fit.num_classes) / fit.num_classes)
-
-    def _sequences(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        length = self._seq_len + 1 if self._next_token else self._seq_len
-        draws = np.empty((len(ids), length), dtype=np.int64)
-        restarts = np.empty((len(ids), length), dtype=bool)
-        for row, sample_id in enumerate(ids.tolist()):
-            rng = _sample_rng(_TAG_SAMPLE, self._seed, split, sample_id)
-            draws[row] = rng.integers(0, self._vocab, length, dtype=np.int64)
-            if self._next_token:
-                restarts[row] = rng.random(length) < _RESTART_PROBABILITY
-        if not self._next_token:
-            return draws
-        seq = draws
-        # Position by position across the whole batch: seq_len vector steps instead of a Python loop per token.
-        for pos in range(1, length):
-            follow = (self._a * seq[:, pos - 1] + self._b) % self._vocab
-            seq[:, pos] = np.where(restarts[:, pos], draws[:, pos], follow)
-        return seq
-
-    def _inputs(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        seq = self._sequences(ids, split)
-        return seq[:, : self._seq_len]
-
-    def _labels_of(self, seq: np.ndarray, ids: np.ndarray, split: Split) -> np.ndarray:
-        if self._next_token:
-            labels = seq[:, 1:]
-        else:
-            labels = np.searchsorted(self._cuts, self._weights[seq].sum(axis=1), side="right").astype(np.int64)
-        return _noisy(labels, ids, split, self._seed, self._noise, self.num_classes)
-
-    def _labels(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        return self._labels_of(self._sequences(ids, split), ids, split)
-
-    def _batch(self, ids: np.ndarray, split: Split) -> tuple[np.ndarray, np.ndarray]:
-        seq = self._sequences(ids, split)
-        return seq[:, : self._seq_len], self._labels_of(seq, ids, split)
-
-
-def _affine_rule(rng: np.random.Generator, vocab: int) -> tuple[int, int]:
-    """(a, b) with a coprime to ``vocab``, so that t -> (a*t + b) mod vocab is a permutation of the tokens."""
-    if vocab < 3:
-        return 1, int(rng.integers(0, vocab))
-    while True:
-        a = int(rng.integers(2, vocab))
-        if math.gcd(a, vocab) == 1:
-            return a, int(rng.integers(0, vocab))
-
-
-# --- data sets held in memory ("cifar10", "npz") --------------------------------------------------------------
-
-
-class ArrayDataset(Dataset):
-    """Samples held in memory as arrays: ``x[split]`` (n, *input_shape) and ``y[split]`` (n, *label_shape),
-    with ``transform`` turning stored inputs (for example uint8 pixels) into model inputs."""
-
-    def __init__(self, *, kind: str, x: dict[str, np.ndarray], y: dict[str, np.ndarray], fit: _ModelFit,
-                 input_dtype: torch.dtype, transform: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        super().__init__(kind=kind, train_size=len(x["train"]), test_size=len(x["test"]),
-                         input_shape=fit.input_shape, input_dtype=input_dtype, num_classes=fit.num_classes,
-                         label_shape=fit.label_shape)
-        self._x = x
-        self._y = y
-        self._transform = transform
-
-    def _inputs(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        rows = self._x[split][ids]
-        return self._transform(rows) if self._transform is not None else rows
-
-    def _labels(self, ids: np.ndarray, split: Split) -> np.ndarray:
-        return self._y[split][ids]
-
-
-def _take(arrays: tuple[np.ndarray, np.ndarray], count: int | None, what: str, kind: str) -> tuple[np.ndarray, ...]:
-    x, y = arrays
-    if count is None:
-        return x, y
-    if count > len(x):
-        raise DataError(f"{what} asks for {count} samples but the {kind!r} files hold only {len(x)}; "
-                        "lower it or leave it unset to use them all")
-    return x[:count], y[:count]
-
-
-# CIFAR-10's python batches are pickles. Pickle can run any code it names, so only the globals that rebuild a
-# numpy array (and Python 3's protocol-2 spelling of bytes) may be named; anything else is refused unread.
-def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
-    if encoding not in ("latin1", "latin-1"):
-        raise DataError(f"a pickle asked to encode text as {encoding!r}; only latin1 rebuilds bytes")
-    return text.encode("latin1")
-
-
-_ARRAY_RECONSTRUCT = np.zeros(1).__reduce__()[0]
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("numpy.core.multiarray", "_reconstruct"): _ARRAY_RECONSTRUCT,
-    ("numpy._core.multiarray", "_reconstruct"): _ARRAY_RECONSTRUCT,
-    ("numpy", "ndarray"): np.ndarray,
-    ("numpy", "dtype"): np.dtype,
-    ("_codecs", "encode"): _latin1_encode,
-}
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED_GLOBALS[(module, name)]
-        except KeyError:
-            raise DataError(f"refusing to unpickle {module}.{name}: a CIFAR-10 batch holds only dicts, lists, "
-                            "bytes and numpy arrays, so this file is not one (or was tampered with)") from None
-
-
-def _load_restricted_pickle(path: Path) -> Any:
-    """Unpickle a file with only numpy-array globals allowed. Raises DataError for anything else."""
-    try:
-        with path.open("rb") as f:
-            return _ArrayUnpickler(f, encoding="bytes").load()
-    except DataError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, MemoryError) as exc:
-        raise DataError(f"{path} is not a readable CIFAR-10 python batch: {exc}") from exc
-
-
-def _cifar10_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    doc = _load_restricted_pickle(path)
-    if not isinstance(doc, dict):
-        raise DataError(f"{path} should hold a dict with keys data and labels, not a {type(doc).__name__}")
-    data = doc.get(b"data", doc.get("data"))
-    labels = doc.get(b"labels", doc.get("labels"))
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-        got = f"shape {data.shape} and dtype {data.dtype}" if isinstance(data, np.ndarray) else type(data).__name__
-        raise DataError(f"{path}: 'data' should be a uint8 array of shape (N, 3072), not {got}")
-    y = np.asarray(labels if labels is not None else [], dtype=np.int64).reshape(-1)
-    if len(y) != len(data) or (len(y) and (y.min() < 0 or y.max() >= _CIFAR10_CLASSES)):
-        raise DataError(f"{path}: 'labels' should hold {len(data)} class indices in 0..9")
-    # The official row layout is 1024 red, then 1024 green, then 1024 blue values, each row-major: already CHW.
-    return data.reshape(-1, *_CIFAR10_SHAPE), y
-
-
-def _cifar10_dir(path: Path) -> Path:
-    nested = path / "cifar-10-batches-py"
-    # Accept the folder the official archive extracts into, or its parent.
-    if not (path / _CIFAR10_TEST_FILE).exists() and nested.is_dir():
-        return nested
-    return path
-
-
-def _normalise_cifar(pixels: np.ndarray) -> np.ndarray:
-    mean = np.asarray(CIFAR10_MEAN, dtype=np.float32).reshape(1, 3, 1, 1)
-    std = np.asarray(CIFAR10_STD, dtype=np.float32).reshape(1, 3, 1, 1)
-    return (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
-
-
-def _open_cifar10(spec: DatasetSpec, fit: _ModelFit) -> Dataset:
-    assert spec.path is not None
-    expected = (f"the CIFAR-10 python batches {', '.join(_CIFAR10_TRAIN_FILES)} and {_CIFAR10_TEST_FILE} "
-                "(cifar-10-python.tar.gz extracted); nothing is downloaded")
-    if fit.tokens or fit.input_shape != _CIFAR10_SHAPE or fit.num_classes != _CIFAR10_CLASSES:
-        raise _mismatch("cifar10", f"3x32x32 float images with {_CIFAR10_CLASSES} classes", fit,
-                        "use an image model with in_channels 3, image_size 32 and num_classes 10")
-    root = Path(spec.path).expanduser()
-    if not root.is_dir():
-        raise DataError(f"CIFAR-10 directory {root} does not exist; it should hold {expected}")
-    root = _cifar10_dir(root)
-    missing = [name for name in (*_CIFAR10_TRAIN_FILES, _CIFAR10_TEST_FILE) if not (root / name).is_file()]
-    if missing:
-        raise DataError(f"CIFAR-10 directory {root} lacks {', '.join(missing)}; it should hold {expected}")
-    parts = [_cifar10_batch(root / name) for name in _CIFAR10_TRAIN_FILES]
-    train = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    test = _cifar10_batch(root / _CIFAR10_TEST_FILE)
-    x_train, y_train = _take(train, spec.size, "size", "cifar10")
-    x_test, y_test = _take(test, spec.test_size, "test_size", "cifar10")
-    log.info("read CIFAR-10 from %s: %d training and %d test images", root, len(x_train), len(x_test))
-    return ArrayDataset(kind="cifar10", x={"train": x_train, "test": x_test}, y={"train": y_train, "test": y_test},
-                        fit=fit, input_dtype=torch.float32, transform=_normalise_cifar)
-
-
-def _load_npz(path: Path, fit: _ModelFit) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        # allow_pickle=False: an object array in the file would otherwise unpickle arbitrary code.
-        with np.load(path, allow_pickle=False) as doc:
-            if "x" not in doc or "y" not in doc:
-                raise DataError(f"{path} should hold arrays named x and y, not {', '.join(doc.files) or 'nothing'}")
-            x, y = doc["x"], doc["y"]
-    except DataError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path} is not a readable .npz file of numeric arrays x and y: {exc}") from exc
-    _check_npz_arrays(path, x, y, fit)
-    if fit.tokens:
-        return x.astype(np.int64), y.astype(np.int64)
-    return x.astype(np.float32), y.astype(np.int64)
-
-
-def _check_npz_arrays(path: Path, x: np.ndarray, y: np.ndarray, fit: _ModelFit) -> None:
-    want_x = "int" if fit.tokens else "float"
-    if x.ndim != 1 + len(fit.input_shape) or tuple(x.shape[1:]) != fit.input_shape or (
-            x.dtype.kind not in ("iu" if fit.tokens else "f")):
-        raise _mismatch("npz", f"x of shape {x.shape} and dtype {x.dtype} in {path}", fit,
-                        f"x must be a {want_x} array of shape (N, {', '.join(map(str, fit.input_shape))})")
-    if y.dtype.kind not in "iu" or tuple(y.shape) != (len(x), *fit.label_shape):
-        raise _mismatch("npz", f"y of shape {y.shape} and dtype {y.dtype} in {path}", fit,
-                        f"y must be an integer array of shape ({len(x)}{''.join(f', {d}' for d in fit.label_shape)})")
-    if len(y) and (y.min() < 0 or y.max() >= fit.num_classes):
-        raise _mismatch("npz", f"labels from {y.min()} to {y.max()} in {path}", fit,
-                        f"labels must lie in 0..{fit.num_classes - 1}")
-    if fit.tokens and len(x) and (x.min() < 0 or x.max() >= fit.vocab_size):
-        raise _mismatch("npz", f"token ids from {x.min()} to {x.max()} in {path}", fit,
-                        f"token ids must lie in 0..{fit.vocab_size - 1}")
-    if not fit.tokens and not np.isfinite(x).all():
-        raise DataError(f"{path}: x holds NaN or infinite values")
-
-
-def _open_npz(spec: DatasetSpec, fit: _ModelFit) -> Dataset:
-    assert spec.path is not None
-    root = Path(spec.path).expanduser()
-    files = {split: root / f"{split}.npz" for split in ("train", "test")}
-    missing = [str(p) for p in files.values() if not p.is_file()]
-    if missing:
-        raise DataError(f"npz data set lacks {', '.join(missing)}: the directory must hold train.npz and test.npz, "
-                        "each with arrays x (inputs) and y (labels); nothing is downloaded")
-    train = _take(_load_npz(files["train"], fit), spec.size, "size", "npz")
-    test = _take(_load_npz(files["test"], fit), spec.test_size, "test_size", "npz")
-    log.info("read npz data from %s: %d training and %d test samples", root, len(train[0]), len(test[0]))
-    return ArrayDataset(kind="npz", x={"train": train[0], "test": test[0]}, y={"train": train[1], "test": test[1]},
-                        fit=fit, input_dtype=torch.int64 if fit.tokens else torch.float32)
 
 
 # --- opening ---------------------------------------------------------------------------------------------------
@@ -657,19 +279,22 @@ def open_dataset(spec: DatasetSpec, model: ModelSpec) -> Dataset:
     into memory. Raises ConfigError when the data cannot fit the model (naming both shapes) or the model config is
     invalid, and DataError (a ConfigError) when files are missing, malformed or unsafe.
     """
-    fit = _model_fit(model)
+    from edgeswarm.training.file_data import open_cifar10, open_npz  # they build on this module
+    from edgeswarm.training.synthetic_data import TeacherDataset, TokenDataset
+
+    fit = model_fit(model)
     if spec.kind == "teacher":
         if fit.tokens:
-            raise _mismatch("teacher", "float images", fit, "use kind 'tokens' for token models")
+            raise mismatch_error("teacher", "float images", fit, "use kind 'tokens' for token models")
         return TeacherDataset(spec, fit)
     if spec.kind == "tokens":
         if not fit.tokens:
-            raise _mismatch("tokens", "sequences of int64 token ids", fit,
+            raise mismatch_error("tokens", "sequences of int64 token ids", fit,
                             "use kind 'teacher', 'cifar10' or 'npz' for image models")
         return TokenDataset(spec, fit)
     if spec.kind == "cifar10":
-        return _open_cifar10(spec, fit)
-    return _open_npz(spec, fit)
+        return open_cifar10(spec, fit)
+    return open_npz(spec, fit)
 
 
 # --- which samples each round trains on ----------------------------------------------------------------------
@@ -677,7 +302,7 @@ def open_dataset(spec: DatasetSpec, model: ModelSpec) -> Dataset:
 
 @lru_cache(maxsize=8)
 def _epoch_permutation(train_size: int, seed: int, epoch: int) -> np.ndarray:
-    perm = np.random.default_rng([_TAG_PERMUTATION, seed, epoch]).permutation(train_size)
+    perm = np.random.default_rng([TAG_PERMUTATION, seed, epoch]).permutation(train_size)
     perm.setflags(write=False)  # shared by the cache: callers must not be able to corrupt it
     return perm
 
