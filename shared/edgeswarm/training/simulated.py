@@ -16,11 +16,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.models.sequence import layer_sequence
+from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.schedule import stage_order, warmup_counts
+from edgeswarm.planning.types import Plan
+from edgeswarm.training.data import Dataset, open_dataset, round_sample_ids
+from edgeswarm.training.jobs import JobSpec, make_optimizer
 from edgeswarm.training.routing import Piece, pieces, routing_matrix, stage_sample_ids
-from edgeswarm.training.stage import StageCompute
+from edgeswarm.training.stage import StageCompute, loss_terms
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,59 @@ def _run(stage: StageCompute, p: int, d: int, kind: str, mb: int, links: list[li
             if pc.receiver == d:
                 rows = grad_in[pc.receiver_start:pc.receiver_start + pc.rows]
                 bwd_in.setdefault((p - 1, pc.sender, mb), {})[d] = rows
+
+
+def layout_of(plan: Plan) -> list[StageLayout]:
+    """The stage layouts a plan prescribes (units and per-device shares, devices in the plan's order)."""
+    return [StageLayout(s.start, s.end, tuple(s.shares)) for s in plan.stages]
+
+
+@dataclass
+class TrainingRun:
+    """Every round's result and the accuracy of the trained model on the held-out split."""
+
+    rounds: list[RoundResult]
+    test_accuracy: float
+
+
+def evaluate(replicas: list[list[StageCompute]], dataset: Dataset, batch_size: int = 256) -> float:
+    """Accuracy on the held-out split of the model the first replica of every stage forms, chained."""
+    correct = total = 0
+    with torch.no_grad():
+        for start in range(0, dataset.test_size, batch_size):
+            ids = np.arange(start, min(start + batch_size, dataset.test_size))
+            x, y = dataset.batch(ids, "test")
+            for group in replicas:
+                x = group[0].module(x)
+            correct += int((x.argmax(dim=-1) == y).sum())
+            total += y.numel()
+    return correct / max(1, total)
+
+
+def train_in_process(job: JobSpec, plan: Plan, rounds: int | None = None) -> TrainingRun:
+    """Train ``job`` on ``plan`` in this process for ``rounds`` (default: the job's), every device a replica
+    with its own optimizer, then evaluate on the held-out split. Raises ConfigError when the plan was made for
+    another global batch than the job's."""
+    dataset = open_dataset(job.data, job.model)
+    if plan.options.global_batch != job.global_batch:
+        raise ConfigError(f"the plan is for a global batch of {plan.options.global_batch}, the job has "
+                          f"{job.global_batch}")
+    layout = layout_of(plan)
+    m = plan.options.micro_batches
+    replicas = build_replicas(build_model(job.model), layout, loss_scale=0.0)
+    optimizers = {id(r): make_optimizer(job.optimizer, r.parameters()) for group in replicas for r in group}
+
+    def step(stage: StageCompute) -> None:
+        optimizers[id(stage)].step()
+        optimizers[id(stage)].zero_grad(set_to_none=True)
+
+    results = []
+    for index in range(rounds if rounds is not None else job.total_rounds(dataset.train_size)):
+        ids = round_sample_ids(index, job.global_batch, dataset.train_size, job.seed)
+        inputs, labels = dataset.batch(ids)
+        scale = 1.0 / loss_terms(labels)
+        for group in replicas:
+            for r in group:
+                r.loss_scale = scale
+        results.append(run_round(replicas, layout, inputs, labels, m, step=step))
+    return TrainingRun(results, evaluate(replicas, dataset))
