@@ -153,3 +153,20 @@ def test_a_planned_job_trains_in_process_and_beats_chance(forced: bool) -> None:
     assert sum(len(s.shares) for s in layout_of(plan)) == 3
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     assert run.test_accuracy > 0.3, run.test_accuracy  # chance is 0.1
+
+
+def test_a_device_with_no_samples_adds_nothing_and_still_steps() -> None:
+    """Alg. 1 may leave a device with share 0: the round still equals single-process training."""
+    torch.manual_seed(1)
+    model = build_model(MLP)
+    reference = copy.deepcopy(model)
+    layout = [StageLayout(0, 3, (64, 0)), StageLayout(3, 6, (0, 48, 16))]
+    x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+    replicas = build_replicas(model, layout, loss_scale=1.0 / 128)
+    run_round(replicas, layout, x, y, 2, step=_sgd(0.5))
+    _single_step(reference, x, y, 0.5)
+    want = dict(reference.named_parameters())
+    for group in replicas:
+        for replica in group:
+            for name, p in replica.module.named_parameters():
+                assert torch.allclose(p, want[name], rtol=1e-5, atol=1e-7), name

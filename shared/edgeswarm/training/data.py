@@ -16,8 +16,9 @@ counter-based generator, never from a shared stream, so that devices reading dif
 different processes and on different machines see the same data. The first pipeline stage calls
 ``Dataset.inputs`` for its slice and the last stage ``Dataset.labels`` for the same ids.
 
-This module holds the spec, the Dataset interface, opening and the round sample order; the synthetic kinds are
-in ``synthetic_data.py`` and the file readers in ``file_data.py``.
+This module holds the Dataset interface, opening and the round sample order; the spec (DatasetSpec) is in
+``jobs.py`` beside the job it belongs to, the synthetic kinds in ``synthetic_data.py`` and the file readers in
+``file_data.py``.
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ from typing import Literal, cast
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.errors import ConfigError, DataError
 from edgeswarm.models.zoo import resolved_config
 from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.training.jobs import DatasetSpec
 
 log = logging.getLogger(__name__)
 
 Split = Literal["train", "test"]
 SampleIds = Sequence[int] | np.ndarray
-DatasetKind = Literal["teacher", "tokens", "cifar10", "npz"]
 
 DEFAULT_SYNTHETIC_SIZE = 4096
 DEFAULT_SYNTHETIC_TEST_SIZE = 1024
@@ -54,42 +54,6 @@ SPLIT_CODE: dict[str, int] = {"train": 0, "test": 1}
 TAG_PERMUTATION = 0x5045524D
 TAG_SAMPLE = 0x53414D50
 TAG_NOISE = 0x4E4F4953
-
-
-class DatasetSpec(BaseModel):
-    """Which data to train on.
-
-    ``path`` is the directory of a "cifar10" or "npz" data set (required there, refused for synthetic kinds).
-    ``size`` and ``test_size`` are sample counts of the training and held-out splits: the synthetic kinds generate
-    that many (default 4096 and 1024); the file kinds use the first ``size`` / ``test_size`` samples of their files
-    (default: all of them). ``seed`` selects the synthetic task and its samples, and the epoch permutations of
-    ``round_sample_ids``. ``noise`` is the probability that a synthetic label (for next-token tasks, each target
-    token) is replaced by a uniformly random one; file kinds take their labels as they are.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: DatasetKind = "teacher"
-    path: str | None = None
-    size: int | None = Field(default=None, ge=1)
-    test_size: int | None = Field(default=None, ge=0)
-    seed: int = Field(default=0, ge=0)
-    noise: float = Field(default=0.0, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _path_and_noise(self) -> DatasetSpec:
-        reads_files = self.kind in ("cifar10", "npz")
-        if reads_files and not self.path:
-            expected = ("the directory holding the CIFAR-10 python batches data_batch_1..5 and test_batch"
-                        if self.kind == "cifar10" else "a directory holding train.npz and test.npz (arrays x and y)")
-            raise ValueError(f"kind {self.kind!r} needs path: {expected}; nothing is downloaded")
-        if not reads_files and self.path is not None:
-            raise ValueError(f"kind {self.kind!r} generates its data and takes no path (got {self.path!r}); "
-                             "remove path, or use kind 'cifar10' or 'npz' to read files")
-        if reads_files and self.noise > 0:
-            raise ValueError(f"noise applies to the synthetic kinds only; kind {self.kind!r} uses its labels "
-                             "as they are")
-        return self
 
 
 # --- what the model takes ------------------------------------------------------------------------------------

@@ -12,17 +12,56 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.planning.types import Strategy
 from edgeswarm.profiling.types import ModelSpec, Optimizer
-from edgeswarm.training.data import DatasetSpec
 from edgeswarm.wire.schema import NAME_PATTERN
+
+if TYPE_CHECKING:  # torch is imported only to build an optimizer: messages carry these specs
+    import torch
+
+DatasetKind = Literal["teacher", "tokens", "cifar10", "npz"]
+
+
+class DatasetSpec(BaseModel):
+    """Which data to train on.
+
+    ``path`` is the directory of a "cifar10" or "npz" data set (required there, refused for synthetic kinds).
+    ``size`` and ``test_size`` are sample counts of the training and held-out splits: the synthetic kinds generate
+    that many (default 4096 and 1024); the file kinds use the first ``size`` / ``test_size`` samples of their files
+    (default: all of them). ``seed`` selects the synthetic task and its samples, and the epoch permutations of
+    ``round_sample_ids``. ``noise`` is the probability that a synthetic label (for next-token tasks, each target
+    token) is replaced by a uniformly random one; file kinds take their labels as they are.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: DatasetKind = "teacher"
+    path: str | None = None
+    size: int | None = Field(default=None, ge=1)
+    test_size: int | None = Field(default=None, ge=0)
+    seed: int = Field(default=0, ge=0)
+    noise: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _path_and_noise(self) -> DatasetSpec:
+        reads_files = self.kind in ("cifar10", "npz")
+        if reads_files and not self.path:
+            expected = ("the directory holding the CIFAR-10 python batches data_batch_1..5 and test_batch"
+                        if self.kind == "cifar10" else "a directory holding train.npz and test.npz (arrays x and y)")
+            raise ValueError(f"kind {self.kind!r} needs path: {expected}; nothing is downloaded")
+        if not reads_files and self.path is not None:
+            raise ValueError(f"kind {self.kind!r} generates its data and takes no path (got {self.path!r}); "
+                             "remove path, or use kind 'cifar10' or 'npz' to read files")
+        if reads_files and self.noise > 0:
+            raise ValueError(f"noise applies to the synthetic kinds only; kind {self.kind!r} uses its labels "
+                             "as they are")
+        return self
 
 
 class OptimizerSpec(BaseModel):
@@ -95,6 +134,8 @@ def load_job(path: Path) -> JobSpec:
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The torch optimizer the spec names, over ``params``."""
+    import torch
+
     params = list(params)
     if spec.name == "adam":
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)

@@ -134,6 +134,8 @@ def _run(stage: StageCompute, p: int, d: int, kind: str, mb: int, links: list[li
          bwd_in: dict[tuple[int, int, int], dict[int, torch.Tensor]]) -> None:
     n_stages = len(links) + 1
     ids = held[mb][p][d]
+    if len(ids) == 0:
+        return  # Alg. 1 may give a device no samples: it keeps its weights and adds a zero gradient
     if kind == "F":
         if p == 0:
             x = inputs[ids]
