@@ -17,6 +17,7 @@ SERVICES: dict[str, str] = {
     "node-agent": "edgeswarm.services.node_agent.service:NodeAgentService",
     "planner": "edgeswarm.services.planner.service:PlannerService",
     "profiler": "edgeswarm.services.profiler.service:ProfilerService",
+    "stage-worker": "edgeswarm.services.stage_worker.service:StageWorkerService",
 }
 
 

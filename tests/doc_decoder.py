@@ -298,6 +298,33 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.plan.failed", 1): {
         "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "error"}), "detail": "str",
     },
+    ("edgeswarm.stage.assign", 1): {
+        "job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "model": _MODEL_SPEC, "start": "int",
+        "end": "int", "groups": ("list", ("list", "str")), "shares": ("list", ("list", "int")),
+        "micro_batches": "int", "warmup": "int", "loss_scale": "number",
+        "optimizer": ("record", {"name": _OPTIMIZER, "lr": "number", "momentum": "number", "weight_decay": "number"}),
+        "data": ("record", {"kind": ("enum", {"teacher", "tokens", "cifar10", "npz"}), "path": "str?",
+                            "size": "int?", "test_size": "int?", "seed": "int", "noise": "number"}),
+        "seed": "int",
+    },
+    ("edgeswarm.stage.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "parameters": "int"},
+    ("edgeswarm.stage.round", 1): {"job_id": "str", "epoch": "int", "round": "int"},
+    ("edgeswarm.stage.round_done", 1): {
+        "job_id": "str", "epoch": "int", "round": "int", "stage": "int", "rank": "int", "loss_sum": "number",
+        "correct": "int", "terms": "int", "compute_s": "number", "wait_s": "number", "allreduce_s": "number",
+        "peak_live": "int",
+    },
+    ("edgeswarm.stage.failed", 1): {
+        "job_id": "str", "reason": ("enum", {"bad_request", "not_assigned", "timeout", "error"}), "detail": "str",
+    },
+    ("edgeswarm.stage.tensor", 1): {
+        "job_id": "str", "epoch": "int", "round": "int", "stage": "int",
+        "kind": ("enum", {"activation", "gradient", "allreduce"}), "sender": "int", "micro_batch": "int", "step": "int",
+    },
+    ("edgeswarm.stage.save", 1): {"job_id": "str", "epoch": "int", "store_node": "str", "version": "int"},
+    ("edgeswarm.stage.saved", 1): {
+        "job_id": "str", "stage": "int", "version": "int", "checkpoint_stage": "str", "nbytes": "int",
+    },
     ("edgeswarm.profile.link_probe", 1): {
         "probe_id": "str", "kind": ("enum", {"ping", "pong", "bulk", "bulk_ack"}), "received_bytes": "int",
     },
@@ -327,7 +354,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
 
 #: Schemas the document says carry a tensor (section 5: bench.data, profile.link_probe and checkpoint.tensor
 #: "always carry a tensor").
-TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor"})
+TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
+                            "edgeswarm.stage.tensor"})
 
 
 def _is_int(value: object) -> bool:
@@ -707,11 +735,13 @@ class Reassembler:
 
 _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo",
                               "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request",
-                              "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list"})
+                              "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list",
+                              "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
                             "edgeswarm.plan.failed", "edgeswarm.checkpoint.saved", "edgeswarm.checkpoint.loaded",
-                            "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed",
+                            "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed", "edgeswarm.stage.ready",
+                            "edgeswarm.stage.round_done", "edgeswarm.stage.failed", "edgeswarm.stage.saved",
                             "edgeswarm.checkpoint.listing"})
 
 
@@ -732,7 +762,8 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
             "heartbeat": frozenset({"edgeswarm.heartbeat"}),
             "metrics": frozenset({"edgeswarm.metrics"}),
             "request": _REQUEST_SCHEMAS,
-            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor"}),
+            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
+                               "edgeswarm.stage.tensor"}),
             "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
     if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:

@@ -88,6 +88,7 @@ def samples() -> dict[type, Any]:
         m.BenchEchoReply: m.BenchEchoReply(payload=b""),
         **profiler_samples(),
         **planner_samples(),
+        **stage_samples(),
         **checkpoint_samples(),
     }
 
@@ -106,6 +107,27 @@ def checkpoint_samples() -> dict[type, Any]:
         m.CheckpointFailed: m.CheckpointFailed(transfer_id=None, reason="corrupt", detail="SHA-256 mismatch"),
         m.CheckpointList: m.CheckpointList(job_id=None),
         m.CheckpointListing: m.CheckpointListing(entries=[m.StageVersions(job_id="job-1", stage="0", versions=[2, 3])]),
+    }
+
+
+def stage_samples() -> dict[type, Any]:
+    from edgeswarm.profiling.types import ModelSpec
+    from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+
+    assign = m.StageAssign(job_id="j1", epoch=2, stage=1, rank=0, model=ModelSpec(name="mlp", config={"hidden": 8}),
+                           start=3, end=6, groups=[["a", "b"], ["c"]], shares=[[5, 3], [8]], micro_batches=4,
+                           warmup=1, loss_scale=1 / 32, optimizer=OptimizerSpec(name="momentum", lr=0.1),
+                           data=DatasetSpec(kind="cifar10", path="/data/cifar", size=100), seed=7)
+    return {
+        m.StageAssign: assign,
+        m.StageReady: m.StageReady(job_id="j1", epoch=2, stage=1, rank=0, parameters=1234),
+        m.RoundStart: m.RoundStart(job_id="j1", epoch=2, round=9),
+        m.RoundDone: m.RoundDone(job_id="j1", epoch=2, round=9, stage=1, rank=0, loss_sum=12.5, correct=20, terms=32,
+                                 compute_s=0.5, wait_s=0.25, allreduce_s=0.0, peak_live=1),
+        m.StageFailed: m.StageFailed(job_id="j1", reason="timeout", detail="no activation"),
+        m.StageTensor: m.StageTensor(job_id="j1", epoch=2, round=9, stage=1, kind="allreduce", sender=1, step=2),
+        m.StageSave: m.StageSave(job_id="j1", epoch=2, store_node="hub", version=3),
+        m.StageSaved: m.StageSaved(job_id="j1", stage=1, version=3, checkpoint_stage="stage-1", nbytes=4096),
     }
 
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
 HUB_SERVICES = ("coordinator", "planner", "checkpoint-store")
-DEVICE_SERVICES = ("node-agent", "profiler")  # later issues add the workers here
+DEVICE_SERVICES = ("node-agent", "profiler", "stage-worker")
 
 
 @dataclass

@@ -18,6 +18,16 @@ from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, Status
 from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
+from edgeswarm.messages.training import (
+    RoundDone,
+    RoundStart,
+    StageAssign,
+    StageFailed,
+    StageReady,
+    StageSave,
+    StageSaved,
+    StageTensor,
+)
 
 __all__ = [
     "BenchAck",
@@ -50,6 +60,14 @@ __all__ = [
     "ProfileReport",
     "ProfileRequest",
     "ReplanRequest",
+    "RoundDone",
+    "RoundStart",
+    "StageAssign",
+    "StageFailed",
+    "StageReady",
+    "StageSave",
+    "StageSaved",
+    "StageTensor",
     "ServiceView",
     "StageVersions",
     "Status",

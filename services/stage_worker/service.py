@@ -1,0 +1,254 @@
+"""The stage-worker: one per device. It holds one stage of a job's plan and runs its share of every round.
+
+A StageAssign builds the stage (units [start, end) of the zoo model, initialised from the model's seed, so every
+replica starts identical) and its optimizer. A RoundStart runs the device's strict 1F1B order with K_p warm-up
+forwards on a round thread: the first stage reads its samples by id, the last its labels; activations go to
+the next group and gradient rows back to the device that sent them (spec 6.1); after the last backward the
+group sums its gradients with a ring AllReduce over MQTT and every replica steps its optimizer. Tensors from
+another job or plan epoch, or of the wrong shape, are dropped with a logged error; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.messages.training import (
+    RoundDone,
+    RoundStart,
+    StageAssign,
+    StageFailed,
+    StageReady,
+    StageSave,
+    StageSaved,
+    StageTensor,
+)
+from edgeswarm.runtime.service import Service
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 120.0  # longest wait for one tensor from a peer before the round fails
+
+
+class RoundTimeout(EdgeswarmError):
+    """A peer's tensor did not arrive in time."""
+
+
+@dataclass
+class _Job:
+    spec: StageAssign
+    stage: Any  # StageCompute
+    optimizer: Any
+    dataset: Any | None
+    inbox: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+
+class StageWorkerService(Service):
+    name = "stage-worker"
+
+    def setup(self) -> None:
+        self._job: _Job | None = None
+        self._ready = threading.Condition()
+        request = topics.request(self.node, self.name)
+        self.bus.subscribe(request, self._on_assign, schemas=(StageAssign,))
+        self.bus.subscribe(request, self._on_round, schemas=(RoundStart,))
+        self.bus.subscribe(request, self._on_save, schemas=(StageSave,))
+        self.bus.subscribe(topics.data(self.node, self.name), self._on_tensor, schemas=(StageTensor,), plane="data")
+
+    # --- assignment ---------------------------------------------------------------------------------
+
+    def _on_assign(self, msg: Inbound) -> None:
+        spec = msg.body
+        assert isinstance(spec, StageAssign)
+        try:
+            job = self._build(spec)
+        except EdgeswarmError as exc:
+            self._fail(msg, spec.job_id, "bad_request", str(exc))
+            return
+        with self._ready:
+            self._job = job
+        params = sum(p.numel() for p in job.stage.parameters())
+        log.info("job %s epoch %d: stage %d rank %d holds units [%d, %d) (%d parameters)", spec.job_id, spec.epoch,
+                 spec.stage, spec.rank, spec.start, spec.end, params)
+        self.bus.reply(msg, StageReady(job_id=spec.job_id, epoch=spec.epoch, stage=spec.stage, rank=spec.rank,
+                                       parameters=params))
+
+    def _build(self, spec: StageAssign) -> _Job:
+        from edgeswarm.models.sequence import layer_sequence
+        from edgeswarm.models.zoo import build_model
+        from edgeswarm.training.data import open_dataset
+        from edgeswarm.training.jobs import make_optimizer
+        from edgeswarm.training.stage import StageCompute
+
+        last = spec.stage == len(spec.groups) - 1
+        module = layer_sequence(build_model(spec.model)).build_stage(spec.start, spec.end)
+        stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
+        dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
+        return _Job(spec, stage, make_optimizer(spec.optimizer, stage.parameters()), dataset)
+
+    # --- tensors ------------------------------------------------------------------------------------
+
+    def _on_tensor(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, StageTensor)
+        with self._ready:
+            job = self._job
+            if job is None or body.job_id != job.spec.job_id or body.epoch != job.spec.epoch:
+                self.metrics.count("stage_tensors_dropped.epoch")
+                log.error("dropped a %s tensor for job %s epoch %d from %s: this worker holds %s", body.kind,
+                          body.job_id, body.epoch, msg.sender,
+                          f"job {job.spec.job_id} epoch {job.spec.epoch}" if job else "no job")
+                return
+            if msg.tensor is None or msg.tensor.dtype != "float32":
+                self.metrics.count("stage_tensors_dropped.dtype")
+                log.error("dropped a %s tensor from %s: expected float32, got %s", body.kind, msg.sender,
+                          None if msg.tensor is None else msg.tensor.dtype)
+                return
+            key = (body.round, body.kind, body.micro_batch, body.step, body.sender)
+            job.inbox[key] = msg.tensor.to_torch()
+            self._ready.notify_all()
+
+    def _wait(self, job: _Job, key: tuple[Any, ...], rows: int | None) -> Any:
+        deadline = time.monotonic() + WAIT_S
+        with self._ready:
+            while key not in job.inbox:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._job is not job:
+                    raise RoundTimeout(f"no {key[1]} tensor (round {key[0]}, micro-batch {key[2]}, step {key[3]}, "
+                                       f"from rank {key[4]}) within {WAIT_S:.0f} s")
+                self._ready.wait(min(left, 1.0))
+            value = job.inbox.pop(key)
+        if rows is not None and value.shape[0] != rows:
+            raise EdgeswarmError(f"a {key[1]} tensor of {value.shape[0]} rows where the routing expects {rows}")
+        return value
+
+    def _send(self, job: _Job, stage: int, rank: int, tensor: Any, **tags: Any) -> None:
+        spec = job.spec
+        message = StageTensor(job_id=spec.job_id, epoch=spec.epoch, stage=stage, sender=spec.rank, **tags)
+        self.bus.send_tensor(spec.groups[stage][rank], self.name, message, tensor.detach().contiguous())
+
+    # --- rounds -------------------------------------------------------------------------------------
+
+    def _on_round(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, RoundStart)
+        job = self._job
+        if job is None or body.job_id != job.spec.job_id or body.epoch != job.spec.epoch:
+            self._fail(msg, body.job_id, "not_assigned", f"{self.node} holds no stage of job {body.job_id} epoch "
+                       f"{body.epoch}")
+            return
+        threading.Thread(target=self._round, args=(msg, job, body.round), name="round", daemon=True).start()
+
+    def _round(self, msg: Inbound, job: _Job, round_index: int) -> None:
+        try:
+            done = self._run_round(job, round_index)
+        except EdgeswarmError as exc:
+            self.metrics.count("rounds_failed")
+            log.error("round %d of job %s failed: %s", round_index, job.spec.job_id, exc)
+            self._fail(msg, job.spec.job_id, "timeout" if isinstance(exc, RoundTimeout) else "error", str(exc))
+            return
+        self.metrics.count("rounds")
+        self.bus.reply(msg, done)
+
+    def _run_round(self, job: _Job, round_index: int) -> RoundDone:
+        import torch
+
+        from edgeswarm.planning.schedule import stage_order
+        from edgeswarm.training.allreduce import ring_allreduce
+        from edgeswarm.training.data import round_sample_ids
+        from edgeswarm.training.routing import pieces, routing_matrix, stage_sample_ids
+
+        spec, stage = job.spec, job.stage
+        p, r, n_stages = spec.stage, spec.rank, len(spec.groups)
+        b = sum(spec.shares[0])
+        ids = (round_sample_ids(round_index, b * spec.micro_batches, job.dataset.train_size, spec.seed)
+               if job.dataset is not None else None)
+        into = [pc for pc in pieces(routing_matrix(spec.shares[p - 1], spec.shares[p])) if pc.receiver == r] \
+            if p > 0 else []
+        out_of = [pc for pc in pieces(routing_matrix(spec.shares[p], spec.shares[p + 1])) if pc.sender == r] \
+            if p < n_stages - 1 else []
+        compute = wait = 0.0
+        share = spec.shares[p][r]
+        for kind, mb in stage_order(spec.warmup, spec.micro_batches):
+            if share == 0:
+                continue  # no samples: the weights still join the AllReduce with a zero gradient
+            started = time.perf_counter()
+            if kind == "F":
+                held = stage_sample_ids(spec.shares, ids[mb * b:(mb + 1) * b])[p][r] if ids is not None else None
+                if p == 0:
+                    assert job.dataset is not None and held is not None
+                    x = job.dataset.inputs(held)
+                else:
+                    x = torch.cat([self._wait(job, (round_index, "activation", mb, 0, pc.sender), pc.rows)
+                                   for pc in into])
+                labels = job.dataset.labels(held) if p == n_stages - 1 and job.dataset is not None else None
+                t0 = time.perf_counter()
+                out = stage.forward(mb, x, labels)
+                compute += time.perf_counter() - t0
+                for pc in out_of:
+                    self._send(job, p + 1, pc.receiver, out[pc.sender_start:pc.sender_start + pc.rows],
+                               round=round_index, kind="activation", micro_batch=mb)
+            else:
+                grad = None
+                if p < n_stages - 1:
+                    grad = torch.cat([self._wait(job, (round_index, "gradient", mb, 0, pc.receiver), pc.rows)
+                                      for pc in out_of])
+                t0 = time.perf_counter()
+                grad_in = stage.backward(mb, grad)
+                compute += time.perf_counter() - t0
+                if grad_in is not None:
+                    for pc in into:
+                        self._send(job, p - 1, pc.sender, grad_in[pc.receiver_start:pc.receiver_start + pc.rows],
+                                   round=round_index, kind="gradient", micro_batch=mb)
+            wait += time.perf_counter() - started
+        wait -= compute
+        t0 = time.perf_counter()
+        group = len(spec.groups[p])
+        if group > 1:
+            def send(to: int, step: int, chunk: Any) -> None:
+                self._send(job, p, to, chunk, round=round_index, kind="allreduce", step=step)
+
+            def recv(frm: int, step: int) -> Any:
+                return self._wait(job, (round_index, "allreduce", 0, step, frm), None)
+
+            stage.set_flat_gradients(ring_allreduce(stage.flat_gradients(), r, group, send, recv))
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        allreduce = time.perf_counter() - t0
+        done = RoundDone(job_id=spec.job_id, epoch=spec.epoch, round=round_index, stage=p, rank=r,
+                         loss_sum=stage.loss_sum, correct=stage.correct, terms=stage.terms, compute_s=compute,
+                         wait_s=max(0.0, wait), allreduce_s=allreduce, peak_live=stage.peak_live)
+        stage.end_round()
+        return done
+
+    # --- saving -------------------------------------------------------------------------------------
+
+    def _on_save(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, StageSave)
+        job = self._job
+        if job is None or body.job_id != job.spec.job_id or body.epoch != job.spec.epoch:
+            self._fail(msg, body.job_id, "not_assigned", f"{self.node} holds no stage of job {body.job_id}")
+            return
+        from edgeswarm.checkpoints.client import save_checkpoint
+
+        name = f"stage-{job.spec.stage}"
+        tensors = {k: v.detach() for k, v in job.stage.module.named_parameters()}
+        try:
+            info = save_checkpoint(self.bus, body.store_node, body.job_id, name, body.version, tensors)
+        except EdgeswarmError as exc:
+            self._fail(msg, body.job_id, "error", f"saving stage {job.spec.stage}: {exc}")
+            return
+        self.bus.reply(msg, StageSaved(job_id=body.job_id, stage=job.spec.stage, version=body.version,
+                                       checkpoint_stage=name, nbytes=info.nbytes))
+
+    def _fail(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
+        self.metrics.count(f"stage_failed.{reason}")
+        log.warning("job %s: %s: %s", job_id, reason, detail)
+        self.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]

@@ -1,0 +1,152 @@
+"""Messages of the stage-workers: assignments, rounds, the tensors between devices, saving a stage.
+
+Requests go to ``edgeswarm/node/{node}/stage-worker/request``; tensors to the worker's data topic
+``edgeswarm/node/{node}/stage-worker/data``. A round's tensors are tagged with the job, the plan ``epoch``
+and the round, so a worker drops anything from another epoch or job. Times are seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+from edgeswarm.wire.schema import Message, Name, schema
+
+MAX_GROUPS = 64
+
+
+@schema("edgeswarm.stage.assign", 1)
+class StageAssign(Message):
+    """Request: hold units [start, end) of ``model`` as rank ``rank`` of stage ``stage`` of a job's plan.
+
+    ``groups`` lists every stage's devices (node ids) and ``shares`` their samples per micro-batch, so the
+    worker can route to its neighbours; ``warmup`` is its K_p. ``data`` and ``seed`` let the first and last
+    stages read their samples and labels by id (``round_sample_ids``); ``loss_scale`` is 1 / loss terms per
+    round. Answered with StageReady, or StageFailed.
+    """
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    model: ModelSpec
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    groups: list[list[Name]] = Field(min_length=1, max_length=MAX_GROUPS)
+    shares: list[list[int]] = Field(min_length=1, max_length=MAX_GROUPS)
+    micro_batches: int = Field(ge=1)
+    warmup: int = Field(ge=1)
+    loss_scale: float = Field(gt=0)
+    optimizer: OptimizerSpec
+    data: DatasetSpec
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StageAssign:
+        if len(self.groups) != len(self.shares) or any(
+                len(g) != len(s) for g, s in zip(self.groups, self.shares, strict=True)):
+            raise ValueError("groups and shares need the same shape (one share per device)")
+        if self.stage >= len(self.groups) or self.rank >= len(self.groups[self.stage]):
+            raise ValueError(f"stage {self.stage} rank {self.rank} is not in the groups")
+        if len({sum(s) for s in self.shares}) != 1:
+            raise ValueError("every stage's shares must add up to the same micro-batch size")
+        return self
+
+
+@schema("edgeswarm.stage.ready", 1)
+class StageReady(Message):
+    """The answer to StageAssign: the stage is built; ``parameters`` counts its trainable values."""
+
+    job_id: Name
+    epoch: int
+    stage: int
+    rank: int
+    parameters: int = Field(ge=0)
+
+
+@schema("edgeswarm.stage.round", 1)
+class RoundStart(Message):
+    """Request: run round ``round`` of the assigned job and epoch. Answered with RoundDone or StageFailed
+    when the round ends (it may take long: the requester waits with its own timeout)."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=0)
+
+
+@schema("edgeswarm.stage.round_done", 1)
+class RoundDone(Message):
+    """One device's round: its loss statistics (last stage: the summed unscaled loss, correct predictions and
+    loss terms), its time computing, waiting for tensors and in the AllReduce, and its peak live micro-batches."""
+
+    job_id: Name
+    epoch: int
+    round: int
+    stage: int
+    rank: int
+    loss_sum: float = 0.0
+    correct: int = 0
+    terms: int = 0
+    compute_s: float = Field(ge=0)
+    wait_s: float = Field(ge=0)
+    allreduce_s: float = Field(ge=0)
+    peak_live: int = Field(ge=0)
+
+
+StageFailureReason = Literal["bad_request", "not_assigned", "timeout", "error"]
+
+
+@schema("edgeswarm.stage.failed", 1)
+class StageFailed(Message):
+    """The answer to an assignment, round or save the worker could not carry out, with ``detail``."""
+
+    job_id: str
+    reason: StageFailureReason
+    detail: str = Field(max_length=4096)
+
+
+StageTensorKind = Literal["activation", "gradient", "allreduce"]
+
+
+@schema("edgeswarm.stage.tensor", 1)
+class StageTensor(Message):
+    """A tensor between stage-workers; always carries the tensor.
+
+    ``activation``: rows of micro-batch ``micro_batch`` from rank ``sender`` of stage ``stage`` - 1 to stage
+    ``stage``. ``gradient``: the gradient rows back from rank ``sender`` of stage ``stage`` + 1.
+    ``allreduce``: chunk of ring step ``step`` from rank ``sender`` of the same stage.
+    """
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    kind: StageTensorKind
+    sender: int = Field(ge=0)
+    micro_batch: int = Field(default=0, ge=0)
+    step: int = Field(default=0, ge=0)
+
+
+@schema("edgeswarm.stage.save", 1)
+class StageSave(Message):
+    """Request: save this stage's parameters to the checkpoint store on ``store_node`` as ``version``.
+    Answered with StageSaved or StageFailed."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    store_node: Name
+    version: int = Field(ge=0)
+
+
+@schema("edgeswarm.stage.saved", 1)
+class StageSaved(Message):
+    """The answer to StageSave: the stage's checkpoint name in the store and its size in bytes."""
+
+    job_id: Name
+    stage: int
+    version: int
+    checkpoint_stage: str
+    nbytes: int = Field(ge=0)
