@@ -1,4 +1,4 @@
-"""Every user-facing command, run as a real process: up, status, topics, service, bench transport."""
+"""Every user-facing command, run as a real process: up, status, topics, service, bench transport, train."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from helpers import FAST_ENV
 ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
 
 
-def edgeswarm(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "edgeswarm", *args], env=ENV, capture_output=True, text=True,
-                            timeout=timeout)
+def edgeswarm(*args: str, timeout: float = 120, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "edgeswarm", *args], env={**ENV, **(env or {})},
+                            capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         pytest.fail(f"edgeswarm {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result
@@ -33,7 +34,7 @@ def edgeswarm(*args: str, timeout: float = 120, check: bool = True) -> subproces
 class Up:
     """``edgeswarm up --local`` in the background; stopped with SIGTERM (SIGKILL as a last resort)."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.log = tmp_path / "up.log"
@@ -41,7 +42,8 @@ class Up:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "edgeswarm", "up", "--local", "--port", str(self.port),
                  "--workdir", str(tmp_path / "cluster"), *args],
-                env=ENV, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+                env={**ENV, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                text=True)
 
     def status(self, devices: int) -> dict[str, object]:
         result = edgeswarm("status", "--hub", self.url, "--json", "--wait-devices", str(devices), "--timeout", "60")
@@ -167,3 +169,37 @@ def test_bench_transport_quick_reports_ratios_round_trip_and_codec(tmp_path: Pat
     assert report["rtt_samples"] == 200 and report["rtt_1kb_qos1_median_ms"] > 0
     assert report["codec"]["decode_zero_copy"] is True
     assert report["broker_protocol"] == "5" and report["target"] == "bench-sink/node-agent"
+
+
+JOB = """name: mlp-teacher
+model: {name: mlp, config: {hidden: 64, layers: 2}}
+data: {kind: teacher, size: 1024, test_size: 128}
+global_batch: 64
+micro_batches: 2
+optimizer: {name: momentum, lr: 0.05}
+rounds: 6
+"""
+
+
+def test_train_runs_a_job_on_a_local_cluster(tmp_path: Path, up) -> None:
+    cluster = Up(tmp_path, "--devices", "3", env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
+                                                   "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")})
+    up.append(cluster)
+    cluster.status(devices=3)
+    (tmp_path / "job.yaml").write_text(JOB)
+    out = edgeswarm("train", str(tmp_path / "job.yaml"), "--hub", cluster.url, "--wait", "--json",
+                    str(tmp_path / "run.json"), timeout=240, env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles")})
+    assert "hpp plan" in out.stdout and "final model saved" in out.stdout, out.stdout + out.stderr
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert [r["round"] for r in run["rounds"]] == list(range(6))
+    assert run["rounds"][-1]["loss"] < run["rounds"][0]["loss"]
+    devices = {d for s in run["plan"]["stages"] for d in s["devices"]}
+    assert devices == set(run["rounds"][0]["devices"]) and len(devices) == 3
+    saved = list((tmp_path / "checkpoints" / "mlp-teacher").iterdir())
+    assert {p.name for p in saved} == {f"stage-{s['index']}" for s in run["plan"]["stages"]}
+
+
+def test_train_refuses_an_invalid_job_with_the_field(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(JOB.replace("global_batch: 64", "global_batch: 0"))
+    out = edgeswarm("train", str(tmp_path / "bad.yaml"), "--hub", "mqtt://127.0.0.1:1", check=False)
+    assert out.returncode == 2 and "global_batch" in out.stderr and "greater than or equal to 1" in out.stderr

@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
+    from edgeswarm.cli.train import add_train_parser
 
     add_profile_parser(sub)
     add_plan_parser(sub)
+    add_train_parser(sub)
     return parser
 
 
@@ -96,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
-        if args.command in ("plan", "bench"):
+        if args.command in ("plan", "bench", "train"):
             from edgeswarm.runtime.signals import terminate_as_interrupt
 
             terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
@@ -112,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.plan import run_plan
 
             return run_plan(args)
+        if args.command == "train":
+            from edgeswarm.cli.train import run_train
+
+            return run_train(args)
         if args.command == "profile":
             from edgeswarm.cli.profile import run_profile
 

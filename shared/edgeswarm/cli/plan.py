@@ -159,7 +159,7 @@ def plan_table(plan: Plan, unit_names: list[str]) -> Table:
                 "memory used / budget"):
         table.add_column(col)
     for s in plan.stages:
-        layers = f"{unit_names[s.start]} .. {unit_names[s.end - 1]}" if unit_names else ""
+        layers = f"{unit_names[s.start]} .. {unit_names[s.end - 1]}" if unit_names else "-"
         devices = ", ".join(f"{d} ({y})" for d, y in zip(s.devices, s.shares, strict=True))
         memory = ", ".join(f"{m / 2**20:.0f}/{b / 2**20:.0f} MiB" for m, b in
                            zip(s.memory_bytes, s.memory_budget_bytes, strict=True))
