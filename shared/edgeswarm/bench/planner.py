@@ -23,6 +23,7 @@ from edgeswarm.planning.asteroid import plan_asteroid
 from edgeswarm.planning.compare import compare
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.planning.types import PlanOptions
+from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.profiling.types import ClusterProfile, ModelSpec
 
@@ -151,8 +152,7 @@ def gather_env_profiles(env: str, mbps: int, models: list[str], folder: Path, *,
                 links = cluster.links
             else:
                 cluster = cluster.model_copy(update={"links": links})
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{name}-{model}.json").write_text(cluster.model_dump_json())
+            write_json_atomic(folder / f"{name}-{model}.json", cluster.model_dump(mode="json"))
             found[model] = cluster
     return found
 

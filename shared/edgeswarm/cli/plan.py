@@ -19,6 +19,7 @@ from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.compare import Comparison, compare
 from edgeswarm.planning.types import Plan
+from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.profiling.types import ClusterProfile, ModelSpec
 
@@ -97,11 +98,8 @@ def load_profiles(path: Path, spec: ModelSpec) -> ClusterProfile:
 
 def save_profiles(folder: Path, cluster: ClusterProfile) -> Path:
     """Write the cluster profile as ``folder/<model>-<fingerprint>.json``; returns the path."""
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{cluster.model.model.name}-{cluster.model.fingerprint[:12]}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(cluster.model_dump_json())
-    tmp.replace(path)
+    write_json_atomic(path, cluster.model_dump(mode="json"))
     return path
 
 

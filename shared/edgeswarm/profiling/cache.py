@@ -117,13 +117,13 @@ class ProfileCache:
     def put_model(self, profile: ModelProfile) -> Path:
         """Store ``profile`` under its fingerprint; returns the file written. Raises OSError."""
         path = self.model_path(profile.fingerprint)
-        _atomic_write(path, {"format": FORMAT, "kind": "model", "profile": profile.model_dump(mode="json")})
+        write_json_atomic(path, {"format": FORMAT, "kind": "model", "profile": profile.model_dump(mode="json")})
         return path
 
     def put_compute(self, profile: ComputeProfile) -> Path:
         """Store ``profile`` under its (model, device) fingerprints and method; returns the file written."""
         path = self.compute_path(profile.model_fingerprint, profile.device_fingerprint, profile.method)
-        _atomic_write(path, {"format": FORMAT, "kind": "compute", "profile": profile.model_dump(mode="json")})
+        write_json_atomic(path, {"format": FORMAT, "kind": "compute", "profile": profile.model_dump(mode="json")})
         return path
 
 
@@ -139,7 +139,9 @@ def restrict(profile: ComputeProfile, batch_sizes: list[int]) -> ComputeProfile:
     })
 
 
-def _atomic_write(path: Path, doc: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as JSON to ``path`` all or nothing: a temporary file beside it, fsync, rename. Creates the
+    folder; a reader never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
