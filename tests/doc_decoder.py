@@ -312,10 +312,36 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.stage.round_done", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int", "rank": "int", "loss_sum": "number",
         "correct": "int", "terms": "int", "compute_s": "number", "wait_s": "number", "allreduce_s": "number",
-        "peak_live": "int",
+        "peak_live": "int", "peak_activation_bytes": "int", "static_bytes": "int",
     },
     ("edgeswarm.stage.failed", 1): {
-        "job_id": "str", "reason": ("enum", {"bad_request", "not_assigned", "timeout", "error"}), "detail": "str",
+        "job_id": "str",
+        "reason": ("enum", {"bad_request", "not_assigned", "timeout", "memory", "aborted", "error"}),
+        "detail": "str",
+    },
+    ("edgeswarm.stage.abort", 1): {"job_id": "str", "epoch": "int", "round": "int", "reason": "str"},
+    ("edgeswarm.job.submit", 1): {"spec": "str"},
+    ("edgeswarm.job.cancel", 1): {"job_id": "str"},
+    ("edgeswarm.job.accepted", 1): {"job_id": "str", "detail": "str"},
+    ("edgeswarm.job.rejected", 1): {
+        "reason": ("enum", {"invalid", "duplicate", "unknown_job", "finished"}), "detail": "str",
+    },
+    ("edgeswarm.job.state", 1): {
+        "job_id": "str",
+        "status": ("enum", {"queued", "profiling", "planning", "deploying", "running", "succeeded", "failed",
+                            "cancelled"}),
+        "model": "str", "strategy": _STRATEGY, "round": "int", "total_rounds": "int", "loss": "number?",
+        "accuracy": "number?", "round_s": "number?", "predicted_round_s": "number?", "samples_per_s": "number?",
+        "checkpoint_version": "int?", "plan": ("optional", _PLAN),
+        "predictions": ("list", ("record", {"strategy": _STRATEGY, "round_s": "number?", "samples_per_s": "number?",
+                                            "error": "str?"})),
+        "detail": "str", "submitted_at": "number", "updated_at": "number",
+    },
+    ("edgeswarm.job.event", 1): {
+        "job_id": "str",
+        "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "succeeded",
+                          "failed", "cancelled"}),
+        "round": "int", "detail": "str",
     },
     ("edgeswarm.stage.tensor", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int",
@@ -736,13 +762,14 @@ class Reassembler:
 _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edgeswarm.bench.echo",
                               "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request",
                               "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list",
-                              "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save"})
+                              "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save",
+                              "edgeswarm.stage.abort", "edgeswarm.job.submit", "edgeswarm.job.cancel"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
                             "edgeswarm.plan.failed", "edgeswarm.checkpoint.saved", "edgeswarm.checkpoint.loaded",
                             "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed", "edgeswarm.stage.ready",
                             "edgeswarm.stage.round_done", "edgeswarm.stage.failed", "edgeswarm.stage.saved",
-                            "edgeswarm.checkpoint.listing"})
+                            "edgeswarm.checkpoint.listing", "edgeswarm.job.accepted", "edgeswarm.job.rejected"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:
@@ -754,6 +781,9 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
         return frozenset({"edgeswarm.cluster_view"})
     if levels[1:] == ["cluster", "events"]:
         return frozenset({"edgeswarm.cluster_event"})
+    if len(levels) == 4 and levels[1] == "job":
+        return {"state": frozenset({"edgeswarm.job.state"}),
+                "events": frozenset({"edgeswarm.job.event"})}.get(levels[3])
     if len(levels) == 5 and levels[1] == "reply":
         return _REPLY_SCHEMAS
     if len(levels) == 5 and levels[1] == "node":

@@ -153,3 +153,85 @@ def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker,
     with torch.no_grad():
         accuracy = float((trained(x).argmax(dim=-1) == y).float().mean())
     assert accuracy > 0.3, accuracy  # ten classes: chance is 0.1
+
+
+def _pipeline_plan(nodes: list[str], cut: int, micro_batch: int = 32, micro_batches: int = 2):
+    """A 2-stage straight pipeline of MLP over ``nodes`` (one device each), cut before unit ``cut``."""
+    from edgeswarm.planning.assemble import assemble_plan
+    from edgeswarm.planning.costmodel import CostModel
+    from edgeswarm.planning.types import PlanOptions
+    from edgeswarm.profiling.compute import profile_model
+    from edgeswarm.profiling.types import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
+
+    model, compute = profile_model(MLP, [1, micro_batch], repeats=1, warmup=0)
+    entries = [DeviceProfileEntry(device=DeviceInfo(node=n, fingerprint=n, memory_budget_bytes=2**30), compute=compute)
+               for n in nodes]
+    cluster = ClusterProfile(model=model, devices=entries, links=[LinkProfile(src=nodes[0], dst=nodes[1],
+                                                                              bandwidth_bps=12.5e6)])
+    return assemble_plan(CostModel(cluster, PlanOptions(micro_batch_size=micro_batch, micro_batches=micro_batches)),
+                         [(0, cut, (0,)), (cut, len(model.units), (1,))], "pp")
+
+
+def _job(name: str, rounds: int = 2):
+    from edgeswarm.training.jobs import parse_job
+
+    return parse_job({"name": name, "model": MLP.model_dump(), "data": DATA.model_dump(), "global_batch": 64,
+                      "micro_batches": 2, "optimizer": {"name": "sgd", "lr": 0.1}, "rounds": rounds})
+
+
+def test_a_wrong_shape_tensor_fails_the_round_at_once_and_the_others_are_aborted(broker, make_bus, services) -> None:
+    """A tensor of the wrong sample shape is dropped with a logged error; its round fails at once with the
+    shapes named, the coordinator aborts the round on the other device, and nobody waits out a timeout."""
+    import time
+
+    from edgeswarm.training.driver import JobDriver, JobError
+
+    nodes = ["p0", "p1"]
+    procs = [services.start("stage-worker", n, broker.url) for n in nodes]
+    client = make_bus("coordinator-test", "cli")
+    for node in nodes:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    driver = JobDriver(client, _job("shapes"), _pipeline_plan(nodes, 3), loss_terms=64)
+    driver.deploy()
+    assert driver.run_round(0).loss > 0  # a healthy round first
+
+    client.send_tensor("p1", "stage-worker", StageTensor(job_id="shapes", epoch=0, round=1, stage=1,
+                                                         kind="activation", sender=0, micro_batch=0),
+                       np.zeros((32, 7), dtype=np.float32))
+    started = time.monotonic()
+    with pytest.raises(JobError, match=r"p1 failed \(error\).*shape \[32, 7\], but this stage expects \[rows, 64\]"):
+        driver.run_round(1)
+    assert time.monotonic() - started < 60  # the workers' own timeout is 120 s
+    assert "dropped a activation tensor (round 1, micro-batch 0)" in services.log_of(procs[1])
+    assert wait_until(lambda: "round 1 aborted" in services.log_of(procs[0]), 10)
+    assert all(p.poll() is None for p in procs)
+
+
+def test_a_stage_over_its_memory_budget_fails_with_the_numbers(broker, make_bus, services) -> None:
+    """Eq. 3 as the worker counts it: a budget below the stage's weights, gradients and optimizer state refuses
+    the assignment; a budget that holds those but not one micro-batch's activations fails the round."""
+    from edgeswarm.models.sequence import layer_sequence
+    from edgeswarm.training.driver import JobDriver, JobError
+
+    stage1 = layer_sequence(build_model(MLP)).build_stage(3, len(layer_sequence(build_model(MLP))))
+    static = 2 * sum(p.numel() * 4 for p in stage1.parameters())  # SGD: weights and gradients, no buffers
+    nodes = ["q0", "q1"]
+    services.start("stage-worker", "q0", broker.url)
+    services.start("stage-worker", "q1", broker.url, EDGESWARM_MEMORY_BUDGET_BYTES=str(static + 1024))
+    client = make_bus("coordinator-test", "cli")
+    for node in nodes:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    driver = JobDriver(client, _job("memory"), _pipeline_plan(nodes, 3), loss_terms=64)
+    driver.deploy()
+    with pytest.raises(JobError, match=r"q1 failed \(memory\): stage 1 on q1 \(native\) needs [\d.]+ MiB with 1 "
+                                       r"micro-batches live .* but its memory budget is [\d.]+ MiB"):
+        driver.run_round(0)
+
+    tiny = ["r0", "r1"]
+    services.start("stage-worker", "r0", broker.url)
+    services.start("stage-worker", "r1", broker.url, EDGESWARM_MEMORY_BUDGET_BYTES=str(static // 2))
+    for node in tiny:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    with pytest.raises(JobError, match=r"r1 failed \(memory\): stage 1 \(units \[3, \d+\)\) needs [\d.]+ MiB for "
+                                       r"weights, gradients, sgd state and buffers alone"):
+        JobDriver(client, _job("memory2"), _pipeline_plan(tiny, 3), loss_terms=64).deploy()

@@ -53,7 +53,7 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_job(tmp_path / "missing.yaml")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match="not valid YAML or JSON"):
         load_job(tmp_path / "bad.json")
 
 

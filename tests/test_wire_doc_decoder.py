@@ -89,6 +89,7 @@ def samples() -> dict[type, Any]:
         **profiler_samples(),
         **planner_samples(),
         **stage_samples(),
+        **job_samples(),
         **checkpoint_samples(),
     }
 
@@ -128,16 +129,45 @@ def stage_samples() -> dict[type, Any]:
         m.StageTensor: m.StageTensor(job_id="j1", epoch=2, round=9, stage=1, kind="allreduce", sender=1, step=2),
         m.StageSave: m.StageSave(job_id="j1", epoch=2, store_node="hub", version=3),
         m.StageSaved: m.StageSaved(job_id="j1", stage=1, version=3, checkpoint_stage="stage-1", nbytes=4096),
+        m.StageAbort: m.StageAbort(job_id="j1", epoch=2, round=9, reason="another device failed it"),
     }
 
 
-def planner_samples() -> dict[type, Any]:
-    from edgeswarm.planning.compare import compare
+def job_samples() -> dict[type, Any]:
+    from edgeswarm.messages.jobs import StrategyPrediction
+
+    plan = _comparison().hpp
+    return {
+        m.JobSubmit: m.JobSubmit(spec="name: j1\nmodel: {name: mlp}\nrounds: 3\n"),
+        m.JobCancel: m.JobCancel(job_id="j1"),
+        m.JobAccepted: m.JobAccepted(job_id="j1", detail="starting"),
+        m.JobRejected: m.JobRejected(reason="invalid", detail="global_batch: must be >= 1"),
+        m.JobState: m.JobState(job_id="j1", status="running", model="mlp", strategy="hpp", round=2, total_rounds=5,
+                               loss=1.5, accuracy=0.25, round_s=0.5, predicted_round_s=0.4, samples_per_s=128.0,
+                               checkpoint_version=2, plan=plan,
+                               predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
+                                            StrategyPrediction(strategy="pp", error="does not fit")],
+                               submitted_at=1.7e9, updated_at=1.7e9 + 3),
+        m.JobEvent: m.JobEvent(job_id="j1", kind="round", round=2, detail="loss 1.5"),
+    }
+
+
+def _cluster() -> Any:
     from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 
-    cluster = synthetic_cluster(6, [SyntheticDevice("a", 1.0, 2**31), SyntheticDevice("b", 3.0, 2**31),
-                                    SyntheticDevice("c", 3.0, 2**30)], bandwidth_bps=12.5e6)
-    comparison = compare(cluster, 64, micro_batches=4)
+    return synthetic_cluster(6, [SyntheticDevice("a", 1.0, 2**31), SyntheticDevice("b", 3.0, 2**31),
+                                 SyntheticDevice("c", 3.0, 2**30)], bandwidth_bps=12.5e6)
+
+
+def _comparison() -> Any:
+    from edgeswarm.planning.compare import compare
+
+    return compare(_cluster(), 64, micro_batches=4)
+
+
+def planner_samples() -> dict[type, Any]:
+    cluster = _cluster()
+    comparison = _comparison()
     plan = comparison.hpp
     return {
         m.PlanRequest: m.PlanRequest(cluster=cluster, global_batch=64, micro_batches=None, optimizer="adam",

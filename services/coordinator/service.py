@@ -2,7 +2,8 @@
 
 It publishes the view, retained, on ``edgeswarm/cluster/view`` every second and an event on
 ``edgeswarm/cluster/events`` for every change of a service's state and every duplicate node id.
-Later issues add the job lifecycle here.
+It also owns training jobs (``jobs.JobManager``): ``edgeswarm.job.submit`` and ``edgeswarm.job.cancel`` on
+its request topic, with each job's state retained on ``edgeswarm/job/{job}/state``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from edgeswarm.bus import Inbound
 from edgeswarm.membership import MembershipTable, diff_events, observed_at
 from edgeswarm.messages import ClusterView, Heartbeat, Status
 from edgeswarm.runtime.service import Service
+from services.coordinator.jobs import JobManager
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ class CoordinatorService(Service):
         self.bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
         self.bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
         self.every(min(1.0, self.settings.heartbeat_interval_s), self.publish_view, "cluster-view")
+        self.jobs = JobManager(self.bus, self.node, timeout_s=self.settings.job_step_timeout_s)
+
+    def teardown(self) -> None:
+        self.jobs.stop()
 
     def _on_status(self, msg: Inbound) -> None:
         assert isinstance(msg.body, Status)

@@ -5,7 +5,13 @@ replica starts identical) and its optimizer. A RoundStart runs the device's stri
 forwards on a round thread: the first stage reads its samples by id, the last its labels; activations go to
 the next group and gradient rows back to the device that sent them (spec 6.1); after the last backward the
 group sums its gradients with a ring AllReduce over MQTT and every replica steps its optimizer. Tensors from
-another job or plan epoch, or of the wrong shape, are dropped with a logged error; every wait has a timeout.
+another job or plan epoch are dropped with a logged error; one of the wrong dtype or shape is dropped too and
+fails the round it belongs to at once; every wait has a timeout.
+
+The worker computes as its device class: forward, backward and the optimizer step run through
+``DeviceProfile.run`` (the emulated slow-down) on the class's thread count, and a stage whose weights, gradients,
+optimizer state and held activations (Eq. 3, counted as they are allocated) exceed the memory budget fails with
+the numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from edgeswarm import topics
@@ -22,6 +29,7 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
+    StageAbort,
     StageAssign,
     StageFailed,
     StageReady,
@@ -36,8 +44,23 @@ log = logging.getLogger(__name__)
 WAIT_S = 120.0  # longest wait for one tensor from a peer before the round fails
 
 
+MIB = 1 << 20
+
+
 class RoundTimeout(EdgeswarmError):
     """A peer's tensor did not arrive in time."""
+
+
+class BadTensorError(EdgeswarmError):
+    """A peer sent a tensor this stage cannot use (wrong dtype or shape)."""
+
+
+class MemoryBudgetError(EdgeswarmError):
+    """The stage needs more memory than the device's budget."""
+
+
+class RoundAborted(EdgeswarmError):
+    """The coordinator gave the round up."""
 
 
 @dataclass
@@ -46,7 +69,12 @@ class _Job:
     stage: Any  # StageCompute
     optimizer: Any
     dataset: Any | None
+    static_bytes: int  # weights + gradients + optimizer state + buffers
+    in_shape: tuple[int, ...]  # one sample's input to this stage
+    out_shape: tuple[int, ...]  # one sample's output of this stage
     inbox: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    bad: dict[int, str] = field(default_factory=dict)  # round -> why a tensor of it was dropped
+    aborted: dict[int, str] = field(default_factory=dict)  # round -> why the coordinator gave it up
 
 
 class StageWorkerService(Service):
@@ -59,6 +87,7 @@ class StageWorkerService(Service):
         self.bus.subscribe(request, self._on_assign, schemas=(StageAssign,))
         self.bus.subscribe(request, self._on_round, schemas=(RoundStart,))
         self.bus.subscribe(request, self._on_save, schemas=(StageSave,))
+        self.bus.subscribe(request, self._on_abort, schemas=(StageAbort,))
         self.bus.subscribe(topics.data(self.node, self.name), self._on_tensor, schemas=(StageTensor,), plane="data")
 
     # --- assignment ---------------------------------------------------------------------------------
@@ -69,7 +98,7 @@ class StageWorkerService(Service):
         try:
             job = self._build(spec)
         except EdgeswarmError as exc:
-            self._fail(msg, spec.job_id, "bad_request", str(exc))
+            self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else "bad_request", str(exc))
             return
         with self._ready:
             self._job = job
@@ -80,17 +109,33 @@ class StageWorkerService(Service):
                                        parameters=params))
 
     def _build(self, spec: StageAssign) -> _Job:
+        import torch
+
         from edgeswarm.models.sequence import layer_sequence
         from edgeswarm.models.zoo import build_model
+        from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR
         from edgeswarm.training.data import open_dataset
         from edgeswarm.training.jobs import make_optimizer
         from edgeswarm.training.stage import StageCompute
 
+        if self.device.compute_threads is not None:
+            torch.set_num_threads(self.device.compute_threads)
         last = spec.stage == len(spec.groups) - 1
-        module = layer_sequence(build_model(spec.model)).build_stage(spec.start, spec.end)
+        sequence = layer_sequence(build_model(spec.model))
+        module = sequence.build_stage(spec.start, spec.end)
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        static = (2 + OPTIMIZER_STATE_FACTOR[spec.optimizer.name]) * weights + buffers
+        if static > self.device.memory_budget_bytes:
+            raise MemoryBudgetError(
+                f"stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB for weights, "
+                f"gradients, {spec.optimizer.name} state and buffers alone, but {self.node} "
+                f"({self.device.device_class}) has a memory budget of {self.device.memory_budget_bytes / MIB:.1f} MiB")
+        in_shape, out_shape = _sample_shapes(sequence, spec)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
-        return _Job(spec, stage, make_optimizer(spec.optimizer, stage.parameters()), dataset)
+        return _Job(spec, stage, make_optimizer(spec.optimizer, stage.parameters()), dataset, static, in_shape,
+                    out_shape)
 
     # --- tensors ------------------------------------------------------------------------------------
 
@@ -105,10 +150,12 @@ class StageWorkerService(Service):
                           body.job_id, body.epoch, msg.sender,
                           f"job {job.spec.job_id} epoch {job.spec.epoch}" if job else "no job")
                 return
-            if msg.tensor is None or msg.tensor.dtype != "float32":
-                self.metrics.count("stage_tensors_dropped.dtype")
-                log.error("dropped a %s tensor from %s: expected float32, got %s", body.kind, msg.sender,
-                          None if msg.tensor is None else msg.tensor.dtype)
+            problem = _tensor_problem(job, body, msg)
+            if problem is not None:
+                self.metrics.count("stage_tensors_dropped.shape")
+                log.error("dropped %s; round %d fails", problem, body.round)
+                job.bad.setdefault(body.round, problem)
+                self._ready.notify_all()
                 return
             key = (body.round, body.kind, body.micro_batch, body.step, body.sender)
             job.inbox[key] = msg.tensor.to_torch()
@@ -118,6 +165,10 @@ class StageWorkerService(Service):
         deadline = time.monotonic() + WAIT_S
         with self._ready:
             while key not in job.inbox:
+                if key[0] in job.bad:
+                    raise BadTensorError(f"dropped {job.bad[key[0]]}")
+                if key[0] in job.aborted:
+                    raise RoundAborted(f"round {key[0]} aborted: {job.aborted[key[0]]}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._job is not job:
                     raise RoundTimeout(f"no {key[1]} tensor (round {key[0]}, micro-batch {key[2]}, step {key[3]}, "
@@ -132,6 +183,15 @@ class StageWorkerService(Service):
         spec = job.spec
         message = StageTensor(job_id=spec.job_id, epoch=spec.epoch, stage=stage, sender=spec.rank, **tags)
         self.bus.send_tensor(spec.groups[stage][rank], self.name, message, tensor.detach().contiguous())
+
+    def _on_abort(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, StageAbort)
+        with self._ready:
+            job = self._job
+            if job is not None and body.job_id == job.spec.job_id and body.epoch == job.spec.epoch:
+                job.aborted[body.round] = body.reason
+                self._ready.notify_all()
 
     # --- rounds -------------------------------------------------------------------------------------
 
@@ -151,7 +211,9 @@ class StageWorkerService(Service):
         except EdgeswarmError as exc:
             self.metrics.count("rounds_failed")
             log.error("round %d of job %s failed: %s", round_index, job.spec.job_id, exc)
-            self._fail(msg, job.spec.job_id, "timeout" if isinstance(exc, RoundTimeout) else "error", str(exc))
+            reason = ("timeout" if isinstance(exc, RoundTimeout) else "aborted" if isinstance(exc, RoundAborted) else
+                      "memory" if isinstance(exc, MemoryBudgetError) else "error")
+            self._fail(msg, job.spec.job_id, reason, str(exc))
             return
         self.metrics.count("rounds")
         self.bus.reply(msg, done)
@@ -189,8 +251,9 @@ class StageWorkerService(Service):
                                    for pc in into])
                 labels = job.dataset.labels(held) if p == n_stages - 1 and job.dataset is not None else None
                 t0 = time.perf_counter()
-                out = stage.forward(mb, x, labels)
+                out = self.device.run(partial(stage.forward, mb, x, labels))
                 compute += time.perf_counter() - t0
+                self._check_memory(job)
                 for pc in out_of:
                     self._send(job, p + 1, pc.receiver, out[pc.sender_start:pc.sender_start + pc.rows],
                                round=round_index, kind="activation", micro_batch=mb)
@@ -200,7 +263,7 @@ class StageWorkerService(Service):
                     grad = torch.cat([self._wait(job, (round_index, "gradient", mb, 0, pc.receiver), pc.rows)
                                       for pc in out_of])
                 t0 = time.perf_counter()
-                grad_in = stage.backward(mb, grad)
+                grad_in = self.device.run(partial(stage.backward, mb, grad))
                 compute += time.perf_counter() - t0
                 if grad_in is not None:
                     for pc in into:
@@ -218,14 +281,25 @@ class StageWorkerService(Service):
                 return self._wait(job, (round_index, "allreduce", 0, step, frm), None)
 
             stage.set_flat_gradients(ring_allreduce(stage.flat_gradients(), r, group, send, recv))
-        job.optimizer.step()
+        self.device.run(job.optimizer.step)
         job.optimizer.zero_grad(set_to_none=True)
         allreduce = time.perf_counter() - t0
         done = RoundDone(job_id=spec.job_id, epoch=spec.epoch, round=round_index, stage=p, rank=r,
                          loss_sum=stage.loss_sum, correct=stage.correct, terms=stage.terms, compute_s=compute,
-                         wait_s=max(0.0, wait), allreduce_s=allreduce, peak_live=stage.peak_live)
+                         wait_s=max(0.0, wait), allreduce_s=allreduce, peak_live=stage.peak_live,
+                         peak_activation_bytes=stage.peak_held_bytes, static_bytes=job.static_bytes)
         stage.end_round()
         return done
+
+    def _check_memory(self, job: _Job) -> None:
+        need = job.static_bytes + job.stage.held_bytes
+        budget = self.device.memory_budget_bytes
+        if need > budget:
+            raise MemoryBudgetError(
+                f"stage {job.spec.stage} on {self.node} ({self.device.device_class}) needs {need / MIB:.1f} MiB with "
+                f"{job.stage.live} micro-batches live ({job.static_bytes / MIB:.1f} MiB of weights, gradients, "
+                f"optimizer state and buffers + {job.stage.held_bytes / MIB:.1f} MiB of activations) but its memory "
+                f"budget is {budget / MIB:.1f} MiB")
 
     # --- saving -------------------------------------------------------------------------------------
 
@@ -252,3 +326,35 @@ class StageWorkerService(Service):
         self.metrics.count(f"stage_failed.{reason}")
         log.warning("job %s: %s: %s", job_id, reason, detail)
         self.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+
+def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One sample's input and output shape for units [start, end), found by running the model's example input
+    through the units before it (no gradients, evaluation mode so BatchNorm statistics stay untouched)."""
+    import torch
+
+    from edgeswarm.models.zoo import example_input
+
+    x = example_input(spec.model, 2)
+    stages = ([sequence.build_stage(0, spec.start)] if spec.start > 0 else []) + [
+        sequence.build_stage(spec.start, spec.end)]
+    shapes = [tuple(x.shape[1:])]
+    with torch.no_grad():
+        for stage in stages:
+            stage.eval()
+            x = stage(x)
+            stage.train()
+            shapes.append(tuple(x.shape[1:]))
+    return shapes[-2], shapes[-1]
+
+
+def _tensor_problem(job: _Job, body: StageTensor, msg: Inbound) -> str | None:
+    """Why a peer's tensor cannot be used by this stage (wrong dtype, or rows of the wrong sample shape), or None."""
+    what = f"a {body.kind} tensor (round {body.round}, micro-batch {body.micro_batch}) from {msg.sender}"
+    if msg.tensor is None or msg.tensor.dtype != "float32":
+        return f"{what}: expected float32, got {None if msg.tensor is None else msg.tensor.dtype}"
+    expected = {"activation": job.in_shape, "gradient": job.out_shape}.get(body.kind)
+    shape = msg.tensor.shape
+    if expected is not None and (len(shape) != len(expected) + 1 or shape[1:] != expected):
+        return f"{what}: shape {list(shape)}, but this stage expects [rows, {', '.join(map(str, expected))}]"
+    return None

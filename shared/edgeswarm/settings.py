@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     checkpoint_keep: int = Field(default=3, ge=1)
     checkpoint_max_bytes: int = Field(default=2048 * MIB, ge=1)
 
+    # The coordinator's training jobs: the longest any one step (profiling, a round, a save) may take.
+    job_step_timeout_s: float = Field(default=600.0, gt=0)
+
     log_level: str = "INFO"
     log_json: bool = False
 

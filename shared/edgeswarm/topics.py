@@ -76,6 +76,19 @@ class TopicSpec(BaseModel):
     purpose: str
 
 
+def job_state(job_id: str) -> str:
+    """Retained: the latest JobState of job ``job_id``."""
+    return f"{ROOT}/job/{job_id}/state"
+
+
+def job_events(job_id: str) -> str:
+    """Every JobEvent of job ``job_id``, in order."""
+    return f"{ROOT}/job/{job_id}/events"
+
+
+ALL_JOB_STATES = job_state("+")
+
+
 TOPIC_TREE: tuple[TopicSpec, ...] = (
     TopicSpec(pattern=status("{node}", "{service}"), schemas="edgeswarm.status v1", retained=True, qos=1,
               broker="hub", purpose="online/offline, version, data-plane URL, memory; the Last Will sets offline"),
@@ -101,4 +114,10 @@ TOPIC_TREE: tuple[TopicSpec, ...] = (
               purpose="the coordinator's membership view: nodes, services, states, heartbeat ages"),
     TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",
               purpose="membership changes: online, suspect, offline, duplicate node id"),
+    TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
+              purpose="a training job's latest state: status, rounds done, loss, measured and predicted round time"),
+    TopicSpec(pattern=job_events("{job}"), schemas="edgeswarm.job.event v1", retained=False, qos=1, broker="hub",
+              purpose="a training job's events: submitted, planned, each round and checkpoint, how it ended"),
 )
+
+

@@ -83,6 +83,11 @@ class Expectation:
         self._event = threading.Event()
         self._reply: Inbound | None = None
 
+    @property
+    def arrived(self) -> bool:
+        """Whether the reply is in (``wait`` then returns it at once)."""
+        return self._event.is_set()
+
     def wait(self, timeout_s: float) -> Inbound | None:
         """The reply, or None if none arrived within ``timeout_s`` seconds. Ends the expectation."""
         try:

@@ -118,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.train import run_train
 
             return run_train(args)
+        if args.command in ("jobs", "cancel"):
+            from edgeswarm.cli.train import run_cancel, run_jobs
+
+            return run_jobs(args) if args.command == "jobs" else run_cancel(args)
         if args.command == "profile":
             from edgeswarm.cli.profile import run_profile
 

@@ -1,77 +1,225 @@
-"""``edgeswarm train JOB``: run a training job on a running cluster and follow it round by round.
+"""``edgeswarm train JOB``, ``edgeswarm jobs`` and ``edgeswarm cancel JOB``: training jobs on a running cluster.
 
-Today the command itself drives the job (profile, plan, deploy, rounds, checkpoints) through
-``edgeswarm.training.lifecycle.run_job``; it stays in the foreground until the job ends.
+``train`` submits the spec to the coordinator, which validates it and runs it (profile, plan, deploy, rounds,
+checkpoints). With ``--wait`` the command follows the job's state and events to its end, and ``--compare``
+then runs the same job for a few rounds under other strategies, so the prediction against the baselines is
+measured too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import hub_url
 from edgeswarm.cli.plan import plan_table
-from edgeswarm.planning.types import Plan
+from edgeswarm.errors import ConfigError
+from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
-from edgeswarm.training.driver import RoundReport
-from edgeswarm.training.jobs import load_job
-from edgeswarm.training.lifecycle import run_job
+from edgeswarm.training.client import JobFollower, cancel_job, job_states, submit_job
+from edgeswarm.training.jobs import JobSpec, parse_job_text
+
+STRATEGIES = ("hpp", "dp", "pp", "single")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``edgeswarm train``."""
-    p = sub.add_parser("train", help="train a job (YAML or JSON spec) on the running cluster and follow it")
+    """Register ``edgeswarm train``, ``edgeswarm jobs`` and ``edgeswarm cancel``."""
+    p = sub.add_parser("train", help="submit a training job (YAML or JSON spec) to the cluster's coordinator")
     p.add_argument("job", help="the job spec file")
-    p.add_argument("--hub", default=None, help="hub broker URL (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
-    p.add_argument("--wait", action="store_true", help="follow the job to its end (what the command does today)")
-    p.add_argument("--store-node", default="hub", help="node of the checkpoint store ('' for no checkpoints)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the plan and every round to FILE")
+    _hub(p)
+    p.add_argument("--wait", action="store_true", help="follow the job to its end with a progress bar")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits for the job (and each compare)")
+    p.add_argument("--json", default=None, metavar="FILE", help="with --wait: write the final state and rounds to FILE")
+    p.add_argument("--loss-png", default=None, metavar="FILE", help="with --wait: write the loss curve to FILE")
+    p.add_argument("--timeline-png", default=None, metavar="FILE",
+                   help="with --wait: write the plan and its schedule timeline to FILE")
+    p.add_argument("--compare", default="", metavar="STRATEGIES",
+                   help="with --wait: then run the job under these strategies too (comma-separated: dp,pp,single) "
+                        "and print predicted against measured for each")
+    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of each --compare run")
+
+    jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state")
+    _hub(jobs)
+    jobs.add_argument("--json", action="store_true", help="print the states as JSON")
+
+    cancel = sub.add_parser("cancel", help="cancel a queued or running job")
+    cancel.add_argument("job_id", help="the job's name")
+    _hub(cancel)
+
+
+def _hub(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hub", default=None,
+                        help="hub broker URL (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
+
+
+def _bus(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    return client_bus(Settings(hub_url=hub_url(args.hub) or "mqtt://127.0.0.1:1883"))
 
 
 def run_train(args: argparse.Namespace) -> int:
-    job = load_job(Path(args.job))
-    hub = hub_url(args.hub) or "mqtt://127.0.0.1:1883"
-    bus = client_bus(Settings(hub_url=hub))
-    progress = Progress(TextColumn("round {task.completed}"), BarColumn(),
-                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
-    task = None
-
-    def on_plan(plan: Plan) -> None:
-        nonlocal task
-        console.print(plan_table(plan, []))
-        console.print(f"predicted {plan.round_latency_s:.3f} s per round, {plan.throughput_sps:.1f} samples/s")
-        progress.start()
-        task = progress.add_task("", total=None)
-
-    def on_round(report: RoundReport, plan: Plan) -> None:
-        ratio = report.round_s / plan.round_latency_s
-        progress.update(task, completed=report.round + 1, description=(
-            f"loss {report.loss:.4f}  accuracy {report.accuracy:.1%}  "
-            f"{plan.options.global_batch / report.round_s:.1f} samples/s  "
-            f"round {report.round_s:.3f} s = {ratio:.2f}x predicted"))
-
+    path = Path(args.job)
     try:
-        result = run_job(bus, hub, job, store_node=args.store_node or None, on_plan=on_plan, on_round=on_round,
-                         on_profile=lambda n, f, m: err_console.print(f"  {n}: {f:4.0%} {m}", highlight=False))
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
+    job = parse_job_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
+    compare = [s.strip() for s in args.compare.split(",") if s.strip()]
+    unknown = [s for s in compare if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"--compare: unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    bus = _bus(args)
+    try:
+        if not args.wait:
+            accepted = submit_job(bus, text)
+            console.print(f"job {job.name} submitted: {accepted.detail}; follow it with `edgeswarm jobs`")
+            return 0
+        final, follower = _follow(bus, job, text, args.timeout, verbose=True)
+        _report(job, final, follower, args)
+        if final.status != "succeeded":
+            return 1
+        measured = {job.strategy: _measured_round_s(follower)}
+        for strategy in compare:
+            variant = job.model_copy(update={"name": f"{job.name}-{strategy}", "strategy": strategy,
+                                             "rounds": args.compare_rounds, "epochs": None, "checkpoint_interval": 0})
+            console.print(f"measuring {strategy}: {args.compare_rounds} rounds as job {variant.name} ...")
+            state, run = _follow(bus, variant, variant.model_dump_json(), args.timeout, verbose=False)
+            measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
+            if state.status != "succeeded":
+                err_console.print(f"  {strategy}: {state.status}: {state.detail}")
+        if compare:
+            _print_comparison(final, measured, job.global_batch)
+        return 0
+    finally:
+        bus.stop()
+
+
+def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) -> tuple[JobState, JobFollower]:  # type: ignore[no-untyped-def]
+    progress = Progress(TextColumn("round {task.completed}/{task.total}"), BarColumn(),
+                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
+    task = progress.add_task("", total=None)
+    shown_plan = False
+
+    def on_state(state: JobState) -> None:
+        nonlocal shown_plan
+        if state.plan is not None and not shown_plan and verbose:
+            shown_plan = True
+            progress.console.print(plan_table(state.plan, []))
+            progress.console.print(f"predicted {state.plan.round_latency_s:.3f} s per round, "
+                                   f"{state.plan.throughput_sps:.1f} samples/s")
+        if state.round_s is not None and state.predicted_round_s:
+            progress.update(task, completed=state.round, total=state.total_rounds or None, description=(
+                f"loss {state.loss:.4f}  accuracy {state.accuracy:.1%}  {state.samples_per_s:.1f} samples/s  "
+                f"round {state.round_s:.3f} s = {state.round_s / state.predicted_round_s:.2f}x predicted"))
+
+    def on_event(event: JobEvent) -> None:
+        if verbose and event.kind != "round":
+            progress.console.print(f"[dim]{event.kind}[/dim] {event.detail}", highlight=False)
+
+    follower = JobFollower(bus, job.name, on_state=on_state, on_event=on_event)
+    accepted = submit_job(bus, text)
+    if verbose:
+        console.print(f"job {job.name} submitted: {accepted.detail}")
+    progress.start()
+    try:
+        final = follower.wait(timeout_s)
     finally:
         progress.stop()
-        bus.stop()
-    last = result.rounds[-1] if result.rounds else None
-    if last is not None:
-        mean_s = sum(r.round_s for r in result.rounds) / len(result.rounds)
-        predicted = result.plan.round_latency_s
-        console.print(f"job {job.name}: {len(result.rounds)} rounds, final loss {last.loss:.4f}, accuracy "
-                      f"{last.accuracy:.1%}; measured {mean_s:.3f} s per round against {predicted:.3f} s "
-                      f"predicted ({mean_s / predicted:.2f}x)")
-    if result.saved:
-        console.print(f"final model saved to the checkpoint store on {args.store_node} as version {len(result.rounds)}")
+    return final, follower
+
+
+def _measured_round_s(follower: JobFollower) -> float | None:
+    """Mean wall time of the rounds after the first (which also warms up every device), or of the only one."""
+    times = [s.round_s for r, s in sorted(follower.rounds.items()) if s.round_s is not None]
+    if not times:
+        return None
+    return statistics.fmean(times[1:] if len(times) > 1 else times)
+
+
+def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse.Namespace) -> None:
+    rounds = sorted(follower.rounds.items())
+    if final.status != "succeeded":
+        err_console.print(f"job {job.name} {final.status}: {final.detail}")
+    measured = _measured_round_s(follower)
+    if rounds and measured is not None and final.predicted_round_s:
+        first, last = rounds[0][1], rounds[-1][1]
+        console.print(f"job {job.name} {final.status}: {len(rounds)} rounds, loss {first.loss:.4f} -> "
+                      f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
+                      f"{measured:.3f} s per round against {final.predicted_round_s:.3f} s predicted "
+                      f"({measured / final.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
+    if final.checkpoint_version is not None:
+        console.print(f"final model in the checkpoint store as job {job.name} version {final.checkpoint_version}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "plan": result.plan.model_dump(mode="json"),
-            "rounds": [r.model_dump(mode="json") for r in result.rounds]}, indent=2))
+        Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"),
+                                               "rounds": [s.model_dump(mode="json", exclude={"plan", "predictions"})
+                                                          for _, s in rounds]}, indent=2))
+    if args.loss_png and rounds:
+        from edgeswarm.training.curves import render_loss_png
+
+        render_loss_png([r for r, _ in rounds], [s.loss or 0.0 for _, s in rounds],
+                        [s.accuracy or 0.0 for _, s in rounds], Path(args.loss_png),
+                        title=f"{job.name}: {job.model.name}, {job.strategy}, global batch {job.global_batch}")
+        console.print(f"loss curve written to {args.loss_png}")
+    if args.timeline_png and final.plan is not None:
+        from edgeswarm.planning.render import render_plan_png
+
+        render_plan_png(final.plan, Path(args.timeline_png))
+        console.print(f"plan and schedule timeline written to {args.timeline_png}")
+
+
+def _print_comparison(final: JobState, measured: dict[str, float | None], global_batch: int) -> None:
+    table = Table(title="strategies on this cluster: predicted by the planner, measured on the stage-workers")
+    for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted", "measured samples/s",
+                "HPP speed-up (measured)"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    predicted = {p.strategy: p for p in final.predictions}
+    hpp = measured.get("hpp")
+    for strategy, seconds in measured.items():
+        p = predicted.get(strategy)
+        pred = p.round_s if p is not None else None
+        table.add_row(strategy, f"{pred:.3f}" if pred else (p.error or "-") if p else "-",
+                      f"{seconds:.3f}" if seconds else "failed",
+                      f"{seconds / pred:.2f}x" if seconds and pred else "-",
+                      f"{global_batch / seconds:.1f}" if seconds else "-",
+                      f"{seconds / hpp:.2f}x" if seconds and hpp else "-")
+    console.print(table)
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    bus = _bus(args)
+    try:
+        states = job_states(bus)
+    finally:
+        bus.stop()
+    if args.json:
+        console.print_json(json.dumps([s.model_dump(mode="json", exclude={"plan"}) for s in states]))
+        return 0
+    if not states:
+        console.print("no jobs")
+        return 0
+    table = Table(title="jobs")
+    for col in ("job", "status", "model", "strategy", "round", "loss", "accuracy", "samples/s", "detail"):
+        table.add_column(col)
+    for s in states:
+        table.add_row(s.job_id, s.status, s.model, s.strategy, f"{s.round}/{s.total_rounds or '?'}",
+                      f"{s.loss:.4f}" if s.loss is not None else "-",
+                      f"{s.accuracy:.1%}" if s.accuracy is not None else "-",
+                      f"{s.samples_per_s:.1f}" if s.samples_per_s is not None else "-", s.detail[:80])
+    console.print(table)
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    bus = _bus(args)
+    try:
+        accepted = cancel_job(bus, args.job_id)
+    finally:
+        bus.stop()
+    console.print(f"job {accepted.job_id}: {accepted.detail}")
     return 0

@@ -45,12 +45,23 @@ class DeviceProfile(BaseModel):
         """Budget left for this process: the budget minus its resident memory, capped by what the host has free."""
         return max(0, min(self.memory_budget_bytes - process_rss_bytes(), available_memory_bytes()))
 
+    @property
+    def compute_threads(self) -> int | None:
+        """Torch threads this device computes on: 1 when emulated (``run`` scales the CPU time of the calling
+        thread, which is all of the compute only on one thread), None (the host's default) when native."""
+        return 1 if self.emulated else None
+
     def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` and then sleep so that it appears ``compute_slowdown`` times slower."""
+        """Run ``fn``, then sleep until it has taken ``compute_slowdown`` times the CPU time the calling thread
+        spent in it (seconds). Scaling CPU time rather than wall time keeps emulated devices that share a host's
+        cores as fast as they would be alone, as real devices are, while the slow-down exceeds the contention."""
         start = time.perf_counter()
+        cpu = time.thread_time()
         result = fn()
         if self.compute_slowdown > 1.0:
-            time.sleep((time.perf_counter() - start) * (self.compute_slowdown - 1.0))
+            left = (time.thread_time() - cpu) * self.compute_slowdown - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
         return result
 
 

@@ -14,6 +14,7 @@ from edgeswarm.messages.checkpoints import (
     StageVersions,
 )
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
+from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, Status
 from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
@@ -21,6 +22,7 @@ from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgre
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
+    StageAbort,
     StageAssign,
     StageFailed,
     StageReady,
@@ -47,6 +49,12 @@ __all__ = [
     "ClusterEvent",
     "ClusterView",
     "Heartbeat",
+    "JobAccepted",
+    "JobCancel",
+    "JobEvent",
+    "JobRejected",
+    "JobState",
+    "JobSubmit",
     "LinkProbe",
     "MetricsReport",
     "NodeView",
@@ -62,13 +70,14 @@ __all__ = [
     "ReplanRequest",
     "RoundDone",
     "RoundStart",
+    "ServiceView",
+    "StageAbort",
     "StageAssign",
     "StageFailed",
     "StageReady",
     "StageSave",
     "StageSaved",
     "StageTensor",
-    "ServiceView",
     "StageVersions",
     "Status",
 ]

@@ -80,7 +80,9 @@ class RoundStart(Message):
 @schema("edgeswarm.stage.round_done", 1)
 class RoundDone(Message):
     """One device's round: its loss statistics (last stage: the summed unscaled loss, correct predictions and
-    loss terms), its time computing, waiting for tensors and in the AllReduce, and its peak live micro-batches."""
+    loss terms), its time computing (emulated device time), waiting for tensors and in the AllReduce and
+    optimizer step, its peak live micro-batches, the most activation bytes it held for backward at once, and
+    the bytes of its weights, gradients, optimizer state and buffers."""
 
     job_id: Name
     epoch: int
@@ -94,9 +96,11 @@ class RoundDone(Message):
     wait_s: float = Field(ge=0)
     allreduce_s: float = Field(ge=0)
     peak_live: int = Field(ge=0)
+    peak_activation_bytes: int = Field(default=0, ge=0)
+    static_bytes: int = Field(default=0, ge=0)
 
 
-StageFailureReason = Literal["bad_request", "not_assigned", "timeout", "error"]
+StageFailureReason = Literal["bad_request", "not_assigned", "timeout", "memory", "aborted", "error"]
 
 
 @schema("edgeswarm.stage.failed", 1)
@@ -106,6 +110,17 @@ class StageFailed(Message):
     job_id: str
     reason: StageFailureReason
     detail: str = Field(max_length=4096)
+
+
+@schema("edgeswarm.stage.abort", 1)
+class StageAbort(Message):
+    """Command (no answer): give up round ``round`` of the job and epoch now, because another device failed it
+    or the job was cancelled; the worker's pending round answers StageFailed with reason ``aborted``."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=0)
+    reason: str = Field(max_length=1024)
 
 
 StageTensorKind = Literal["activation", "gradient", "allreduce"]

@@ -20,8 +20,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from itertools import chain
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitProfilingError
+from edgeswarm.models.saved import saved_for_backward
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, model_fingerprint
 from edgeswarm.profiling.types import ComputeProfile, ModelProfile, ModelSpec, UnitProfile
@@ -89,6 +90,18 @@ def device_fingerprint(device: DeviceProfile) -> str:
                     "slowdown": device.compute_slowdown, "emulated": device.emulated})
 
 
+@contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with ``count`` torch intra-op threads (None: leave them as they are), then restore them."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- measurement helpers ---------------------------------------------------------------------------------
 
 
@@ -120,26 +133,12 @@ def _clear_grads(stage: nn.Module, x: torch.Tensor) -> None:
     x.grad = None
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
 def _saved_bytes(stage: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Run ``stage`` on ``x`` and return its output and the bytes autograd saves for backward: distinct
     storages, parameters and buffers excluded (they are counted as weights)."""
-    excluded = {_storage_key(t)[0] for t in chain(stage.parameters(), stage.buffers())}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage_key(t)
-        if ptr not in excluded and nbytes:
-            saved[ptr] = nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward(stage) as saved:
         out = stage(x)
-    return out, sum(saved.values())
+    return out, saved.nbytes
 
 
 def _sdpa_cpu_flops(query_shape: Sequence[int], key_shape: Sequence[int], value_shape: Sequence[int],

@@ -98,6 +98,17 @@ def run_device_profile(spec: ModelSpec, device: DeviceProfile, batch_sizes: Sequ
         raise ProfileRequestError(f"method must be 'calibrated' or 'measured', not {method!r}")
     mfp = check_model(spec)
     report = progress or (lambda _f, _m: None)
+    # Emulated devices compute on one thread (DeviceProfile.compute_threads), so they are timed on one too.
+    with timing.torch_threads(device.compute_threads):
+        return _profile(spec, mfp, device, sizes, cache=cache, method=method, node=node, report=report,
+                        repeats=repeats, warmup=warmup, ratio_repeats=ratio_repeats)
+
+
+def _profile(spec: ModelSpec, mfp: str, device: DeviceProfile, sizes: list[int], *, cache: ProfileCache | None,
+             method: Method, node: str, report: Progress, repeats: int, warmup: int,
+             ratio_repeats: int) -> DeviceProfileResult:
+    from edgeswarm.profiling import compute as timing
+
     dfp = timing.device_fingerprint(device)
 
     model = cache.model(mfp) if cache else None

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
@@ -210,22 +211,27 @@ def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
     return sorted(out, key=lambda link: (link.src, link.dst))
 
 
-def profile_at_hub(hub: str, spec: ModelSpec, batch_sizes: Sequence[int], *, method: str = "calibrated",
-                   timeout_s: float = 600.0, nodes: Sequence[str] | None = None, links: bool = True,
-                   ready_timeout_s: float = 120.0, progress: GatherProgress | None = None) -> ClusterProfile:
-    """``gather_cluster_profile`` from a fresh client of the cluster at ``hub``: waits (``ready_timeout_s``)
-    until the profilers of ``nodes`` (default: every online device) are online first. Raises ProfilerError
-    naming the devices whose profiler did not come up."""
+def profile_cluster(bus: Bus, spec: ModelSpec, batch_sizes: Sequence[int], *, method: str = "calibrated",
+                    timeout_s: float = 600.0, nodes: Sequence[str] | None = None, links: bool = True,
+                    ready_timeout_s: float = 120.0, progress: GatherProgress | None = None) -> ClusterProfile:
+    """``gather_cluster_profile`` over ``bus`` once the profilers of ``nodes`` (default: every online device)
+    are online (waiting up to ``ready_timeout_s``). Raises ProfilerError naming the devices whose profiler did
+    not come up."""
+    watcher = ClusterWatcher(bus)
+    view, _ = watcher.wait(settle_s=0.5, devices=len(nodes) if nodes else 1, timeout_s=ready_timeout_s)
+    chosen = list(nodes) if nodes else online_device_ids(view)
+    missing = wait_for_service(watcher, PROFILER, chosen, ready_timeout_s)
+    if missing or not chosen:
+        raise ProfilerError(f"no profiler online after {ready_timeout_s:.0f} s on: "
+                            f"{', '.join(missing) or 'any device'}")
+    return gather_cluster_profile(bus, spec, chosen, batch_sizes, method=method, timeout_s=timeout_s,
+                                  links=links, progress=progress)
+
+
+def profile_at_hub(hub: str, spec: ModelSpec, batch_sizes: Sequence[int], **kwargs: Any) -> ClusterProfile:
+    """``profile_cluster`` (same keyword arguments) from a fresh client of the cluster at ``hub``."""
     bus = client_bus(Settings(hub_url=hub))
     try:
-        watcher = ClusterWatcher(bus)
-        view, _ = watcher.wait(settle_s=0.5, devices=len(nodes) if nodes else 1, timeout_s=ready_timeout_s)
-        chosen = list(nodes) if nodes else online_device_ids(view)
-        missing = wait_for_service(watcher, PROFILER, chosen, ready_timeout_s)
-        if missing or not chosen:
-            raise ProfilerError(f"no profiler online after {ready_timeout_s:.0f} s on: "
-                                f"{', '.join(missing) or 'any device'}")
-        return gather_cluster_profile(bus, spec, chosen, batch_sizes, method=method, timeout_s=timeout_s,
-                                      links=links, progress=progress)
+        return profile_cluster(bus, spec, batch_sizes, **kwargs)
     finally:
         bus.stop()

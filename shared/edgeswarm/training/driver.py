@@ -6,8 +6,9 @@ with a timeout and a failure names the device and its reason.
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -17,6 +18,7 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
+    StageAbort,
     StageAssign,
     StageFailed,
     StageReady,
@@ -28,10 +30,16 @@ from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
 WORKER = "stage-worker"
+POLL_S = 0.005  # how often a wait for answers looks for a failure or a cancellation
+ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
 
 
 class JobError(EdgeswarmError):
     """A stage-worker refused, failed or did not answer; the message names it."""
+
+
+class JobCancelled(JobError):
+    """The job was cancelled."""
 
 
 class RoundReport(BaseModel):
@@ -49,7 +57,8 @@ class RoundReport(BaseModel):
 @dataclass
 class JobDriver:
     """Deploys ``plan`` for ``job`` on its devices' stage-workers and runs rounds. ``loss_terms`` is the loss
-    terms per round (the global batch, times the sequence length for next-token targets)."""
+    terms per round (the global batch, times the sequence length for next-token targets). Setting ``cancel``
+    aborts the round in flight and makes the driver raise JobCancelled."""
 
     bus: Bus
     job: JobSpec
@@ -57,26 +66,54 @@ class JobDriver:
     loss_terms: int
     epoch: int = 0
     timeout_s: float = 120.0
+    cancel: threading.Event = field(default_factory=threading.Event)
 
-    def _ask(self, messages: dict[str, Message], timeout_s: float | None = None) -> dict[str, Inbound]:
-        wait = timeout_s or self.timeout_s
+    def _ask(self, messages: dict[str, Message], round_index: int | None = None) -> dict[str, Inbound]:
+        """Send every device its request and collect the answers. The first failure, or a cancellation, ends the
+        wait early: for a round, every device is told to abort it and gets ABORT_GRACE_S to answer."""
         expectations = {}
         for node, message in messages.items():
             exp = self.bus.expect()
             expectations[node] = exp
             self.bus.publish(topics.request(node, WORKER), message, correlation_id=exp.correlation_id,
-                             reply_to=self.bus.reply_topic, ttl_s=wait)
-        deadline = time.monotonic() + wait
-        replies = {node: exp.wait(max(0.0, deadline - time.monotonic())) for node, exp in expectations.items()}
-        missing = [node for node, reply in replies.items() if reply is None]
-        if missing:
-            raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
-                           f"{wait:.0f} s")
+                             reply_to=self.bus.reply_topic, ttl_s=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        replies: dict[str, Inbound] = {}
+        giving_up = False
+        while len(replies) < len(expectations) and time.monotonic() < deadline:
+            for node, exp in expectations.items():
+                if node not in replies and exp.arrived:
+                    replies[node] = exp.wait(0)  # type: ignore[assignment]
+            if not giving_up and (self.cancel.is_set() or any(isinstance(r.body, StageFailed)
+                                                              for r in replies.values())):
+                giving_up = True
+                if round_index is None:
+                    break
+                self.abort(round_index, "cancelled" if self.cancel.is_set() else "another device failed it")
+                deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
+            time.sleep(POLL_S)
+        for node, exp in expectations.items():
+            if node not in replies:
+                exp.wait(0)  # ends the expectation
+        if self.cancel.is_set():
+            raise JobCancelled(f"job {self.job.name} was cancelled")
         failed = {node: r.body for node, r in replies.items() if isinstance(r.body, StageFailed)}
         if failed:
+            # The devices that failed first say why; those that gave up because of them only say "aborted".
+            first = {n: f for n, f in failed.items() if f.reason != "aborted"} or failed
             raise JobError(f"job {self.job.name}: " + "; ".join(f"{node} failed ({f.reason}): {f.detail}"
-                                                                for node, f in failed.items()))
-        return {node: reply for node, reply in replies.items() if reply is not None}
+                                                                for node, f in first.items()))
+        missing = [node for node in expectations if node not in replies]
+        if missing:
+            raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
+                           f"{self.timeout_s:.0f} s")
+        return replies
+
+    def abort(self, round_index: int, reason: str) -> None:
+        """Tell every device of the plan to give round ``round_index`` up (no answer expected)."""
+        for node in self.plan.devices:
+            self.bus.publish(topics.request(node, WORKER), StageAbort(job_id=self.job.name, epoch=self.epoch,
+                                                                      round=round_index, reason=reason))
 
     def deploy(self) -> dict[str, StageReady]:
         """Assign every device its stage; returns their StageReady answers."""
@@ -97,7 +134,7 @@ class JobDriver:
         """Run round ``index`` on every device and report it."""
         started = time.perf_counter()
         replies = self._ask({node: RoundStart(job_id=self.job.name, epoch=self.epoch, round=index)
-                             for node in self.plan.devices})
+                             for node in self.plan.devices}, round_index=index)
         elapsed = time.perf_counter() - started
         done: dict[str, RoundDone] = {node: r.body for node, r in replies.items()}  # type: ignore[misc]
         last = [d for d in done.values() if d.stage == len(self.plan.stages) - 1]

@@ -8,7 +8,6 @@ often to checkpoint. An invalid spec is refused with every offending field and t
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -118,6 +117,16 @@ def parse_job(data: Any, *, source: str = "the job spec") -> JobSpec:
         raise ConfigError(f"{source} is invalid:\n{_field_errors(exc)}") from None
 
 
+def parse_job_text(text: str, *, source: str = "the job spec") -> JobSpec:
+    """A JobSpec from the text of a YAML or JSON spec (YAML parses JSON too). Raises ConfigError for bad
+    syntax or an invalid spec, listing every invalid field and why."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML or JSON: {exc}") from None
+    return parse_job(data, source=source)
+
+
 def load_job(path: Path) -> JobSpec:
     """Read a job spec from a YAML or JSON file. Raises ConfigError for a missing file, bad syntax or an
     invalid spec."""
@@ -125,11 +134,7 @@ def load_job(path: Path) -> JobSpec:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
-    return parse_job(data, source=str(path))
+    return parse_job_text(text, source=str(path))
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -1,33 +1,65 @@
 """A training job from start to end against a running cluster: profile, plan, deploy, train, checkpoint.
 
-``run_job`` is what ``edgeswarm train`` runs today from the client; the coordinator's job service is to call
-the same function. Each step waits with a timeout and fails with the step and the device named.
+``run_job`` is what the coordinator runs for every submitted job (on its own thread). It profiles the devices
+whose stage-workers are online through their profiler services, asks the planner service for the plan and the
+baselines, deploys the plan on the stage-workers, runs the rounds and saves checkpoints. Every step waits with
+a timeout and fails naming the step and the device; ``cancel`` stops the job at once, aborting a round in
+flight. What happens is reported to a ``JobObserver``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
 from dataclasses import dataclass, field
 
+from edgeswarm import topics
 from edgeswarm.bus import Bus
+from edgeswarm.errors import BusError
+from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest
 from edgeswarm.messages.training import StageSaved
-from edgeswarm.planning.compare import plan_best
+from edgeswarm.planning.compare import Comparison
 from edgeswarm.planning.types import Plan
-from edgeswarm.profiling.gather import profile_at_hub
+from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.profiling.types import ClusterProfile
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
-from edgeswarm.training.driver import JobDriver, JobError, RoundReport
+from edgeswarm.training.driver import JobCancelled, JobDriver, JobError, RoundReport
 from edgeswarm.training.jobs import JobSpec
 
 MAX_PROFILED_BATCH = 256
+PLANNER_NODE = "hub"
 
 
 @dataclass
 class JobResult:
-    """The plan a job ran on, every round's report and the checkpoints saved (the last is the final model)."""
+    """The plan a job ran on, the planner's comparison, every round's report and the checkpoints saved (the
+    last is the final model)."""
 
     plan: Plan
+    comparison: Comparison | None = None
     rounds: list[RoundReport] = field(default_factory=list)
     saved: list[list[StageSaved]] = field(default_factory=list)
+
+
+class JobObserver:
+    """What ``run_job`` reports as a job goes. The default does nothing; the coordinator publishes it."""
+
+    def profiling(self, nodes: list[str]) -> None:
+        """Profiling the model on ``nodes`` starts."""
+
+    def profile_progress(self, node: str, fraction: float, message: str) -> None:
+        """A device's profiler reports progress (fraction 0..1)."""
+
+    def planned(self, plan: Plan, comparison: Comparison | None, total_rounds: int) -> None:
+        """The plan the job runs on, with the planner's baselines when it gave them."""
+
+    def deployed(self) -> None:
+        """Every stage-worker holds its stage."""
+
+    def round_done(self, report: RoundReport) -> None:
+        """A round ended."""
+
+    def saved(self, version: int, saved: list[StageSaved]) -> None:
+        """Every stage was saved to the checkpoint store as ``version``."""
 
 
 def profile_batch_sizes(job: JobSpec) -> list[int]:
@@ -37,17 +69,45 @@ def profile_batch_sizes(job: JobSpec) -> list[int]:
     return sorted(sizes)
 
 
-def run_job(bus: Bus, hub: str, job: JobSpec, *, store_node: str | None = "hub",
-            on_plan: Callable[[Plan], None] | None = None,
-            on_round: Callable[[RoundReport, Plan], None] | None = None,
-            on_profile: Callable[[str, float, str], None] | None = None,
-            timeout_s: float = 600.0) -> JobResult:
-    """Train ``job`` on the devices whose stage-workers are online at ``hub``; returns what happened.
+def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: float = 120.0,
+                 planner_node: str = PLANNER_NODE) -> tuple[Plan, Comparison | None]:
+    """Ask the planner service on ``planner_node`` for ``job``'s plan with every baseline beside it; returns
+    the plan of the job's strategy and the comparison. Raises JobError when the planner fails, does not
+    answer within ``timeout_s``, or the strategy has no feasible plan."""
+    request = PlanRequest(cluster=cluster, global_batch=job.global_batch, micro_batches=job.micro_batches,
+                          optimizer=job.optimizer.name, strategy=job.strategy, compare=True)
+    try:
+        reply = bus.request(topics.request(planner_node, "planner"), request, timeout_s=timeout_s).body
+    except BusError as exc:
+        raise JobError(f"job {job.name}: the planner on {planner_node} did not answer: {exc}") from None
+    if isinstance(reply, PlanFailed):
+        raise JobError(f"job {job.name}: no plan ({reply.reason}): {reply.detail}")
+    assert isinstance(reply, PlanReply) and reply.comparison is not None
+    comparison = reply.comparison
+    if job.strategy == "hpp":
+        return comparison.hpp, comparison
+    baseline = comparison.baseline(job.strategy)
+    if baseline.plan is None:
+        raise JobError(f"job {job.name}: strategy {job.strategy} has no feasible plan: {baseline.error}")
+    return baseline.plan, comparison
+
+
+def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
+            cancel: threading.Event | None = None, timeout_s: float = 600.0) -> JobResult:
+    """Train ``job`` on the devices whose stage-workers are online on ``bus``'s cluster; returns what happened.
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
-    the end (None: no checkpoints). Raises JobError (or a profiling or planning error) naming what failed.
+    the end (None: no checkpoints). Raises JobCancelled once ``cancel`` is set, JobError (or a profiling
+    error) naming what failed.
     """
     from edgeswarm.training.data import open_dataset  # torch: only when a job actually runs
+
+    seen = observer or JobObserver()
+    cancel = cancel or threading.Event()
+
+    def check() -> None:
+        if cancel.is_set():
+            raise JobCancelled(f"job {job.name} was cancelled")
 
     dataset = open_dataset(job.data, job.model)
     terms_per_sample = 1
@@ -56,23 +116,28 @@ def run_job(bus: Bus, hub: str, job: JobSpec, *, store_node: str | None = "hub",
     view, _ = ClusterWatcher(bus).wait(settle_s=0.5, devices=1, timeout_s=30)
     nodes = nodes_running(view, "stage-worker")
     if not nodes:
-        raise JobError(f"job {job.name}: no stage-worker is online at {hub}; start a cluster (edgeswarm up --local)")
-    cluster = profile_at_hub(hub, job.model, profile_batch_sizes(job), nodes=nodes, timeout_s=timeout_s,
-                             progress=on_profile)
-    plan = plan_best(job.strategy, cluster, job.global_batch, micro_batches=job.micro_batches,
-                     optimizer=job.optimizer.name)
-    if on_plan is not None:
-        on_plan(plan)
-    driver = JobDriver(bus, job, plan, loss_terms=job.global_batch * terms_per_sample, timeout_s=timeout_s)
-    driver.deploy()
-    result = JobResult(plan)
+        raise JobError(f"job {job.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
+    seen.profiling(nodes)
+    cluster = profile_cluster(bus, job.model, profile_batch_sizes(job), nodes=nodes, timeout_s=timeout_s,
+                              progress=seen.profile_progress)
+    check()
+    plan, comparison = request_plan(bus, job, cluster)
     total = job.total_rounds(dataset.train_size)
+    seen.planned(plan, comparison, total)
+    check()
+    driver = JobDriver(bus, job, plan, loss_terms=job.global_batch * terms_per_sample, timeout_s=timeout_s,
+                       cancel=cancel)
+    driver.deploy()
+    seen.deployed()
+    result = JobResult(plan, comparison)
     for index in range(total):
+        check()
         report = driver.run_round(index)
         result.rounds.append(report)
-        if on_round is not None:
-            on_round(report, plan)
+        seen.round_done(report)
         last = index == total - 1
         if store_node and (last or (job.checkpoint_interval and (index + 1) % job.checkpoint_interval == 0)):
-            result.saved.append(driver.save(store_node, index + 1))
+            saved = driver.save(store_node, index + 1)
+            result.saved.append(saved)
+            seen.saved(index + 1, saved)
     return result

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.models.saved import saved_for_backward
 
 
 class StageError(EdgeswarmError):
@@ -43,7 +44,9 @@ class StageCompute:
         self.last = last
         self.loss_scale = loss_scale
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved_bytes: dict[int, int] = {}
         self.peak_live = 0
+        self.peak_held_bytes = 0  # most activation bytes held for backward at once this round
         self.loss_sum = 0.0  # unscaled summed loss over the round's micro-batches (last stage)
         self.correct = 0  # correctly classified loss terms this round (last stage)
         self.terms = 0
@@ -52,6 +55,11 @@ class StageCompute:
     def live(self) -> int:
         """Micro-batches whose activations are held for a backward."""
         return len(self._saved)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes autograd keeps for the live micro-batches' backward (inputs included, weights excluded)."""
+        return sum(self._saved_bytes.values())
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.module.parameters() if p.requires_grad)
@@ -62,7 +70,8 @@ class StageCompute:
         if micro_batch in self._saved:
             raise StageError(f"micro-batch {micro_batch} already ran forward on this stage")
         x = inputs if self.first or not inputs.is_floating_point() else inputs.detach().requires_grad_(True)
-        out = self.module(x)
+        with saved_for_backward(self.module) as saved:
+            out = self.module(x)
         if self.last:
             if labels is None:
                 raise StageError(f"the last stage needs the labels of micro-batch {micro_batch}")
@@ -74,7 +83,9 @@ class StageCompute:
             self.terms += loss_terms(labels)
             out = loss * self.loss_scale
         self._saved[micro_batch] = (x, out)
+        self._saved_bytes[micro_batch] = saved.nbytes
         self.peak_live = max(self.peak_live, self.live)
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
         return out.detach()
 
     def backward(self, micro_batch: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -82,6 +93,7 @@ class StageCompute:
         previous stage (None for the first stage). The last stage needs no ``grad_output``."""
         try:
             x, out = self._saved.pop(micro_batch)
+            del self._saved_bytes[micro_batch]
         except KeyError:
             raise StageError(f"backward of micro-batch {micro_batch} without its forward on this stage") from None
         if self.last:
@@ -119,3 +131,4 @@ class StageCompute:
         self.loss_sum = 0.0
         self.correct = 0
         self.terms = 0
+        self.peak_held_bytes = 0

@@ -1,0 +1,113 @@
+"""A client's side of training jobs: submit one to the coordinator, cancel it, list jobs, follow one to its end.
+
+(The bus has no unsubscribe: these are for short-lived clients such as the CLI.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.errors import BusError, EdgeswarmError
+from edgeswarm.messages.jobs import (
+    FINISHED,
+    JobAccepted,
+    JobCancel,
+    JobEvent,
+    JobRejected,
+    JobState,
+    JobSubmit,
+)
+from edgeswarm.wire import Message
+
+COORDINATOR_NODE = "hub"
+
+
+class JobRequestError(EdgeswarmError):
+    """The coordinator refused the request, or did not answer; the message says why."""
+
+
+def _ask(bus: Bus, message: Message, timeout_s: float, coordinator: str) -> JobAccepted:
+    try:
+        reply = bus.request(topics.request(coordinator, "coordinator"), message, timeout_s=timeout_s).body
+    except BusError as exc:
+        raise JobRequestError(f"the coordinator on {coordinator} did not answer: {exc}; is the cluster up "
+                              "(edgeswarm status)?") from None
+    if isinstance(reply, JobRejected):
+        raise JobRequestError(f"refused ({reply.reason}): {reply.detail}")
+    assert isinstance(reply, JobAccepted)
+    return reply
+
+
+def submit_job(bus: Bus, spec_text: str, *, timeout_s: float = 10.0,
+               coordinator: str = COORDINATOR_NODE) -> JobAccepted:
+    """Submit the job spec ``spec_text`` (YAML or JSON) to the coordinator. Raises JobRequestError naming the
+    invalid fields, a duplicate name, or a coordinator that did not answer within ``timeout_s`` seconds."""
+    return _ask(bus, JobSubmit(spec=spec_text), timeout_s, coordinator)
+
+
+def cancel_job(bus: Bus, job_id: str, *, timeout_s: float = 10.0, coordinator: str = COORDINATOR_NODE) -> JobAccepted:
+    """Ask the coordinator to cancel ``job_id``. Raises JobRequestError for an unknown or finished job."""
+    return _ask(bus, JobCancel(job_id=job_id), timeout_s, coordinator)
+
+
+def job_states(bus: Bus, *, settle_s: float = 1.0) -> list[JobState]:
+    """Every job's retained state, sorted by submission time: what arrives within ``settle_s`` seconds."""
+    states: dict[str, JobState] = {}
+    lock = threading.Lock()
+
+    def on_state(msg: Inbound) -> None:
+        assert isinstance(msg.body, JobState)
+        with lock:
+            states[msg.body.job_id] = msg.body
+
+    bus.subscribe(topics.ALL_JOB_STATES, on_state, schemas=(JobState,))
+    time.sleep(settle_s)
+    with lock:
+        return sorted(states.values(), key=lambda s: s.submitted_at)
+
+
+class JobFollower:
+    """Collects a job's states and events from the moment it is created: make it before submitting the job,
+    so no round is missed. ``on_state`` and ``on_event`` run on the bus's threads."""
+
+    def __init__(self, bus: Bus, job_id: str, *, on_state: Callable[[JobState], None] | None = None,
+                 on_event: Callable[[JobEvent], None] | None = None, since: float | None = None) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self.since = time.time() if since is None else since
+        self.rounds: dict[int, JobState] = {}  # the state after each round, by rounds done
+        self.state: JobState | None = None
+        self._on_state = on_state
+        self._on_event = on_event
+        self._done = threading.Event()
+        bus.subscribe(topics.job_state(job_id), self._state, schemas=(JobState,))
+        bus.subscribe(topics.job_events(job_id), self._event, schemas=(JobEvent,))
+
+    def _state(self, msg: Inbound) -> None:
+        state = msg.body
+        assert isinstance(state, JobState)
+        if state.submitted_at < self.since - 1.0:
+            return  # the retained state of an earlier job of the same name
+        self.state = state
+        if state.round and state.round_s is not None:
+            self.rounds.setdefault(state.round, state)
+        if self._on_state is not None:
+            self._on_state(state)
+        if state.status in FINISHED:
+            self._done.set()
+
+    def _event(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, JobEvent)
+        if self._on_event is not None:
+            self._on_event(msg.body)
+
+    def wait(self, timeout_s: float) -> JobState:
+        """The job's final state. Raises JobRequestError if it has not finished within ``timeout_s`` seconds."""
+        if not self._done.wait(timeout_s):
+            where = self.state.status if self.state else "no state seen"
+            raise JobRequestError(f"job {self.job_id} did not finish within {timeout_s:.0f} s ({where})")
+        assert self.state is not None
+        return self.state
