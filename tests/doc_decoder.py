@@ -311,7 +311,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.stage.round", 1): {"job_id": "str", "epoch": "int", "round": "int"},
     ("edgeswarm.stage.round_done", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int", "rank": "int", "loss_sum": "number",
-        "correct": "int", "terms": "int", "compute_s": "number", "wait_s": "number", "allreduce_s": "number",
+        "correct": "int", "terms": "int", "compute_s": "number", "wait_s": "number", "overhead_s": "number",
+        "allreduce_s": "number",
         "peak_live": "int", "peak_activation_bytes": "int", "static_bytes": "int",
     },
     ("edgeswarm.stage.failed", 1): {

@@ -17,7 +17,7 @@ import pytest
 from edgeswarm.local.broker import free_port
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.topics import TOPIC_TREE
-from helpers import FAST_ENV
+from helpers import FAST_ENV, wait_until
 
 ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
 
@@ -181,25 +181,64 @@ rounds: 6
 """
 
 
-def test_train_runs_a_job_on_a_local_cluster(tmp_path: Path, up) -> None:
+def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
+    """`train --wait` through the coordinator with every output, a measured comparison with DP, then `jobs` and
+    `cancel` on a job submitted without --wait."""
     cluster = Up(tmp_path, "--devices", "3", env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
                                                    "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")})
     up.append(cluster)
     cluster.status(devices=3)
     (tmp_path / "job.yaml").write_text(JOB)
     out = edgeswarm("train", str(tmp_path / "job.yaml"), "--hub", cluster.url, "--wait", "--json",
-                    str(tmp_path / "run.json"), timeout=240, env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles")})
-    assert "hpp plan" in out.stdout and "final model saved" in out.stdout, out.stdout + out.stderr
+                    str(tmp_path / "run.json"), "--loss-png", str(tmp_path / "loss.png"), "--timeline-png",
+                    str(tmp_path / "timeline.png"), "--compare", "dp", "--compare-rounds", "2", timeout=300)
+    text = out.stdout + out.stderr
+    assert "hpp plan" in out.stdout and "final model in the checkpoint store" in out.stdout, text
+    assert re.search(r"\n\S*\s*dp\s.*\d+\.\d+x", out.stdout), text  # the measured comparison row
     run = json.loads((tmp_path / "run.json").read_text())
-    assert [r["round"] for r in run["rounds"]] == list(range(6))
+    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == 6
+    assert [r["round"] for r in run["rounds"]] == list(range(1, 7))
     assert run["rounds"][-1]["loss"] < run["rounds"][0]["loss"]
-    devices = {d for s in run["plan"]["stages"] for d in s["devices"]}
-    assert devices == set(run["rounds"][0]["devices"]) and len(devices) == 3
+    assert {p["strategy"] for p in run["state"]["predictions"]} == {"hpp", "dp", "pp", "single"}
+    devices = {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
+    assert len(devices) == 3
     saved = list((tmp_path / "checkpoints" / "mlp-teacher").iterdir())
-    assert {p.name for p in saved} == {f"stage-{s['index']}" for s in run["plan"]["stages"]}
+    assert {p.name for p in saved} == {f"stage-{s['index']}" for s in run["state"]["plan"]["stages"]}
+    for png in ("loss.png", "timeline.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+    (tmp_path / "long.yaml").write_text(JOB.replace("mlp-teacher", "long").replace("rounds: 6", "rounds: 100000"))
+    out = edgeswarm("train", str(tmp_path / "long.yaml"), "--hub", cluster.url)
+    assert "job long submitted" in out.stdout
+
+    def status_of(name: str) -> str | None:
+        states = json.loads(edgeswarm("jobs", "--hub", cluster.url, "--json").stdout)
+        return next((s["status"] for s in states if s["job_id"] == name), None)
+
+    wait_until(lambda: status_of("long") == "running", 120, interval_s=0.5, message="job long running")
+    assert "cancelling" in edgeswarm("cancel", "long", "--hub", cluster.url).stdout
+    wait_until(lambda: status_of("long") == "cancelled", 60, interval_s=0.5, message="job long cancelled")
+    table = edgeswarm("jobs", "--hub", cluster.url).stdout
+    assert re.search(r"mlp-teacher\s.*succeeded", table) and re.search(r"mlp-teacher-dp\s.*succeeded", table), table
+    again = edgeswarm("cancel", "long", "--hub", cluster.url, check=False)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
 
 
 def test_train_refuses_an_invalid_job_with_the_field(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text(JOB.replace("global_batch: 64", "global_batch: 0"))
     out = edgeswarm("train", str(tmp_path / "bad.yaml"), "--hub", "mqtt://127.0.0.1:1", check=False)
     assert out.returncode == 2 and "global_batch" in out.stderr and "greater than or equal to 1" in out.stderr
+
+
+def test_bench_training_measures_every_strategy(tmp_path: Path) -> None:
+    """`edgeswarm bench training` on emulated Env D with a tiny model: every strategy trains on the stage-workers
+    (PP may give a weightless unit a device of its own) and the report has its measured and predicted times."""
+    out = edgeswarm("bench", "training", "--envs", "d", "--model", "mlp", "--config", "hidden=32", "--strategies",
+                    "hpp,pp", "--rounds", "2", "--global-batch", "32", "--profile-dir", str(tmp_path / "profiles"),
+                    "--out", str(tmp_path / "bench.json"), timeout=300)
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["env"], r["strategy"], r["error"]) for r in rows] == [("d", "hpp", None), ("d", "pp", None)], out.stdout
+    for r in rows:
+        assert r["measured_round_s"] > 0 and r["predicted_round_s"] > 0 and r["replayed_round_s"] > 0
+        assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
+    assert rows[1]["stages"] == 4 and "measured / predicted" in out.stdout

@@ -170,3 +170,17 @@ def test_a_device_with_no_samples_adds_nothing_and_still_steps() -> None:
         for replica in group:
             for name, p in replica.module.named_parameters():
                 assert torch.allclose(p, want[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_warm_up_leaves_no_trace() -> None:
+    """The stage-worker's warm-up pass changes no parameter, BatchNorm statistic, gradient or random state."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
+                                 torch.nn.Flatten())
+    stage = StageCompute(module, first=False, last=False)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    stage.warm_up(torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+    assert torch.equal(rng, torch.random.get_rng_state())

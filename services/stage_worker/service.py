@@ -38,6 +38,7 @@ from edgeswarm.messages.training import (
     StageTensor,
 )
 from edgeswarm.runtime.service import Service
+from services.stage_worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class RoundTimeout(EdgeswarmError):
     """A peer's tensor did not arrive in time."""
 
 
-class BadTensorError(EdgeswarmError):
-    """A peer sent a tensor this stage cannot use (wrong dtype or shape)."""
+class TensorFlowError(EdgeswarmError):
+    """A tensor of the round could not be used (wrong dtype or shape) or could not be sent."""
 
 
 class MemoryBudgetError(EdgeswarmError):
@@ -73,8 +74,14 @@ class _Job:
     in_shape: tuple[int, ...]  # one sample's input to this stage
     out_shape: tuple[int, ...]  # one sample's output of this stage
     inbox: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    bad: dict[int, str] = field(default_factory=dict)  # round -> why a tensor of it was dropped
+    bad: dict[int, str] = field(default_factory=dict)  # round -> why a tensor of it could not be used or sent
     aborted: dict[int, str] = field(default_factory=dict)  # round -> why the coordinator gave it up
+    outboxes: dict[str, Outbox] = field(default_factory=dict)  # peer node -> its sender thread
+    blocked_s: float = 0.0  # this round's time blocked waiting for a peer's tensor
+
+    def close(self) -> None:
+        for outbox in self.outboxes.values():
+            outbox.close()
 
 
 class StageWorkerService(Service):
@@ -100,8 +107,14 @@ class StageWorkerService(Service):
         except EdgeswarmError as exc:
             self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else "bad_request", str(exc))
             return
+        except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            log.exception("building stage %d of job %s failed", spec.stage, spec.job_id)
+            self._fail(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
+            return
         with self._ready:
-            self._job = job
+            old, self._job = self._job, job
+        if old is not None:
+            old.close()
         params = sum(p.numel() for p in job.stage.parameters())
         log.info("job %s epoch %d: stage %d rank %d holds units [%d, %d) (%d parameters)", spec.job_id, spec.epoch,
                  spec.stage, spec.rank, spec.start, spec.end, params)
@@ -131,11 +144,15 @@ class StageWorkerService(Service):
                 f"stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB for weights, "
                 f"gradients, {spec.optimizer.name} state and buffers alone, but {self.node} "
                 f"({self.device.device_class}) has a memory budget of {self.device.memory_budget_bytes / MIB:.1f} MiB")
-        in_shape, out_shape = _sample_shapes(sequence, spec)
+        in_shape, out_shape, sample = _sample_shapes(sequence, spec)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
+        share = spec.shares[spec.stage][spec.rank]
+        if share:
+            stage.warm_up(sample[:1].expand(share, *sample.shape[1:]).contiguous())
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
-        return _Job(spec, stage, make_optimizer(spec.optimizer, stage.parameters()), dataset, static, in_shape,
-                    out_shape)
+        params = list(stage.parameters())
+        optimizer = make_optimizer(spec.optimizer, params) if params else None  # a stage may have no weights
+        return _Job(spec, stage, optimizer, dataset, static, in_shape, out_shape)
 
     # --- tensors ------------------------------------------------------------------------------------
 
@@ -154,7 +171,7 @@ class StageWorkerService(Service):
             if problem is not None:
                 self.metrics.count("stage_tensors_dropped.shape")
                 log.error("dropped %s; round %d fails", problem, body.round)
-                job.bad.setdefault(body.round, problem)
+                job.bad.setdefault(body.round, f"dropped {problem}")
                 self._ready.notify_all()
                 return
             key = (body.round, body.kind, body.micro_batch, body.step, body.sender)
@@ -162,11 +179,12 @@ class StageWorkerService(Service):
             self._ready.notify_all()
 
     def _wait(self, job: _Job, key: tuple[Any, ...], rows: int | None) -> Any:
-        deadline = time.monotonic() + WAIT_S
+        started = time.monotonic()
+        deadline = started + WAIT_S
         with self._ready:
             while key not in job.inbox:
                 if key[0] in job.bad:
-                    raise BadTensorError(f"dropped {job.bad[key[0]]}")
+                    raise TensorFlowError(job.bad[key[0]])
                 if key[0] in job.aborted:
                     raise RoundAborted(f"round {key[0]} aborted: {job.aborted[key[0]]}")
                 left = deadline - time.monotonic()
@@ -175,14 +193,26 @@ class StageWorkerService(Service):
                                        f"from rank {key[4]}) within {WAIT_S:.0f} s")
                 self._ready.wait(min(left, 1.0))
             value = job.inbox.pop(key)
+        job.blocked_s += time.monotonic() - started
         if rows is not None and value.shape[0] != rows:
             raise EdgeswarmError(f"a {key[1]} tensor of {value.shape[0]} rows where the routing expects {rows}")
         return value
 
     def _send(self, job: _Job, stage: int, rank: int, tensor: Any, **tags: Any) -> None:
+        """Queue ``tensor`` for rank ``rank`` of stage ``stage`` on that peer's outbox (it must not change after)."""
         spec = job.spec
         message = StageTensor(job_id=spec.job_id, epoch=spec.epoch, stage=stage, sender=spec.rank, **tags)
-        self.bus.send_tensor(spec.groups[stage][rank], self.name, message, tensor.detach().contiguous())
+        peer = spec.groups[stage][rank]
+        outbox = job.outboxes.get(peer)
+        if outbox is None:
+            outbox = job.outboxes[peer] = Outbox(peer, partial(self._send_failed, job))
+        outbox.put(tags["round"], partial(self.bus.send_tensor, peer, self.name, message,
+                                          tensor.detach().contiguous()))
+
+    def _send_failed(self, job: _Job, round_index: int, reason: str) -> None:
+        with self._ready:
+            job.bad.setdefault(round_index, reason)
+            self._ready.notify_all()
 
     def _on_abort(self, msg: Inbound) -> None:
         body = msg.body
@@ -215,6 +245,11 @@ class StageWorkerService(Service):
                       "memory" if isinstance(exc, MemoryBudgetError) else "error")
             self._fail(msg, job.spec.job_id, reason, str(exc))
             return
+        except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            self.metrics.count("rounds_failed")
+            log.exception("round %d of job %s failed", round_index, job.spec.job_id)
+            self._fail(msg, job.spec.job_id, "error", f"round {round_index}: {type(exc).__name__}: {exc}")
+            return
         self.metrics.count("rounds")
         self.bus.reply(msg, done)
 
@@ -235,7 +270,8 @@ class StageWorkerService(Service):
             if p > 0 else []
         out_of = [pc for pc in pieces(routing_matrix(spec.shares[p], spec.shares[p + 1])) if pc.sender == r] \
             if p < n_stages - 1 else []
-        compute = wait = 0.0
+        compute = loop = 0.0
+        job.blocked_s = 0.0
         share = spec.shares[p][r]
         for kind, mb in stage_order(spec.warmup, spec.micro_batches):
             if share == 0:
@@ -269,8 +305,8 @@ class StageWorkerService(Service):
                     for pc in into:
                         self._send(job, p - 1, pc.sender, grad_in[pc.receiver_start:pc.receiver_start + pc.rows],
                                    round=round_index, kind="gradient", micro_batch=mb)
-            wait += time.perf_counter() - started
-        wait -= compute
+            loop += time.perf_counter() - started
+        blocked = job.blocked_s
         t0 = time.perf_counter()
         group = len(spec.groups[p])
         if group > 1:
@@ -281,12 +317,14 @@ class StageWorkerService(Service):
                 return self._wait(job, (round_index, "allreduce", 0, step, frm), None)
 
             stage.set_flat_gradients(ring_allreduce(stage.flat_gradients(), r, group, send, recv))
-        self.device.run(job.optimizer.step)
-        job.optimizer.zero_grad(set_to_none=True)
+        if job.optimizer is not None:
+            self.device.run(job.optimizer.step)
+            job.optimizer.zero_grad(set_to_none=True)
         allreduce = time.perf_counter() - t0
         done = RoundDone(job_id=spec.job_id, epoch=spec.epoch, round=round_index, stage=p, rank=r,
                          loss_sum=stage.loss_sum, correct=stage.correct, terms=stage.terms, compute_s=compute,
-                         wait_s=max(0.0, wait), allreduce_s=allreduce, peak_live=stage.peak_live,
+                         wait_s=blocked, overhead_s=max(0.0, loop - compute - blocked),
+                         allreduce_s=allreduce, peak_live=stage.peak_live,
                          peak_activation_bytes=stage.peak_held_bytes, static_bytes=job.static_bytes)
         stage.end_round()
         return done
@@ -328,24 +366,27 @@ class StageWorkerService(Service):
         self.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
 
 
-def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One sample's input and output shape for units [start, end), found by running the model's example input
-    through the units before it (no gradients, evaluation mode so BatchNorm statistics stay untouched)."""
+def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], tuple[int, ...], Any]:
+    """One sample's input and output shape for units [start, end), and an example input batch, found by running
+    the model's example input through the units before it (no gradients, evaluation mode so BatchNorm
+    statistics stay untouched)."""
     import torch
 
     from edgeswarm.models.zoo import example_input
 
     x = example_input(spec.model, 2)
-    stages = ([sequence.build_stage(0, spec.start)] if spec.start > 0 else []) + [
-        sequence.build_stage(spec.start, spec.end)]
-    shapes = [tuple(x.shape[1:])]
+    if spec.start > 0:
+        before = sequence.build_stage(0, spec.start)
+        with torch.no_grad():
+            before.eval()
+            x = before(x)
+            before.train()
+    stage = sequence.build_stage(spec.start, spec.end)
     with torch.no_grad():
-        for stage in stages:
-            stage.eval()
-            x = stage(x)
-            stage.train()
-            shapes.append(tuple(x.shape[1:]))
-    return shapes[-2], shapes[-1]
+        stage.eval()
+        out = stage(x)
+        stage.train()
+    return tuple(x.shape[1:]), tuple(out.shape[1:]), x
 
 
 def _tensor_problem(job: _Job, body: StageTensor, msg: Inbound) -> str | None:

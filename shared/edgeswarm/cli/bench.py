@@ -119,3 +119,42 @@ def run_bench_planner(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def run_bench_training(args: argparse.Namespace) -> int:
+    """``edgeswarm bench training``: every strategy trained on each environment; measured against predicted."""
+    from edgeswarm.bench.training import DEFAULT_MODEL, run_training_bench
+    from edgeswarm.cli.profile import parse_config
+    from edgeswarm.profiling.types import ModelSpec
+
+    config = parse_config(args.config)
+    model = DEFAULT_MODEL if args.model == DEFAULT_MODEL.name and not config else ModelSpec(name=args.model,
+                                                                                             config=config)
+    rows = run_training_bench(args.envs.split(","), model=model, global_batch=args.global_batch,
+                              micro_batches=args.micro_batches or None, rounds=args.rounds,
+                              strategies=tuple(args.strategies.split(",")), profile_dir=Path(args.profile_dir),
+                              log=lambda m: err_console.print(m, highlight=False))
+    t = Table(title=f"{model.name}, global batch {args.global_batch}: measured on emulated devices against the "
+                    "planner's prediction")
+    for col in ("env", "strategy", "stages", "M x B", "predicted (s)", "measured (s)", "measured / predicted",
+                "samples/s", "HPP speed-up", "compute / profile", "replayed (s)", "measured / replayed",
+                "overhead per micro-batch"):
+        t.add_column(col, justify="left" if col in ("env", "strategy") else "right")
+    hpp = {r.env: r.measured_sps for r in rows if r.strategy == "hpp" and r.measured_sps}
+    for r in rows:
+        if r.error is not None:
+            t.add_row(r.env.upper(), r.strategy, "-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", r.error[:40])
+            continue
+        assert r.measured_round_s and r.measured_sps and r.replayed_round_s and r.ratio
+        speedup = hpp.get(r.env)
+        t.add_row(r.env.upper(), r.strategy, str(r.stages), f"{r.micro_batches} x {r.micro_batch_size}",
+                  f"{r.predicted_round_s:.3f}", f"{r.measured_round_s:.3f}", f"{r.ratio:.2f}x",
+                  f"{r.measured_sps:.1f}", f"{speedup / r.measured_sps:.2f}x" if speedup else "-",
+                  f"{r.compute_ratio:.2f}x", f"{r.replayed_round_s:.3f}",
+                  f"{r.measured_round_s / r.replayed_round_s:.2f}x",
+                  f"{1000 * (r.overhead_per_micro_batch_s or 0):.2f} ms")
+    console.print(t)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
+    return 0

@@ -68,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     planner.add_argument("--out", default=None, help="also write the JSON report to this file")
 
+    training = bench_sub.add_parser("training", help="hpp, dp, pp and single trained on emulated Asteroid "
+                                    "environments: measured samples/s against the planner's prediction")
+    training.add_argument("--envs", default="a,b,d", help="comma-separated Asteroid environments (at 100 Mbps)")
+    training.add_argument("--model", default="mobilenetv2", help="a zoo model")
+    training.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                          help="model config override (repeatable; default for mobilenetv2: image_size=32)")
+    training.add_argument("--strategies", default="hpp,dp,pp,single", help="comma-separated strategies")
+    training.add_argument("--global-batch", type=int, default=64)
+    training.add_argument("--micro-batches", type=int, default=4, help="M for every strategy (0: the planner picks)")
+    training.add_argument("--rounds", type=int, default=4, help="rounds per strategy (the first is not timed)")
+    training.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
+    training.add_argument("--out", default=None, help="also write the JSON report to this file")
+
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.train import add_train_parser
@@ -102,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.runtime.signals import terminate_as_interrupt
 
             terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
+        if args.command == "bench" and args.bench == "training":
+            from edgeswarm.cli.bench import run_bench_training
+
+            return run_bench_training(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 

@@ -200,11 +200,15 @@ def train_in_process(job: JobSpec, plan: Plan, rounds: int | None = None) -> Tra
     layout = layout_of(plan)
     m = plan.options.micro_batches
     replicas = build_replicas(build_model(job.model), layout, loss_scale=0.0)
-    optimizers = {id(r): make_optimizer(job.optimizer, r.parameters()) for group in replicas for r in group}
+    # A stage of weightless units (an activation, a flatten) has nothing to optimise.
+    optimizers = {id(r): make_optimizer(job.optimizer, params) for group in replicas for r in group
+                  if (params := list(r.parameters()))}
 
     def step(stage: StageCompute) -> None:
-        optimizers[id(stage)].step()
-        optimizers[id(stage)].zero_grad(set_to_none=True)
+        optimizer = optimizers.get(id(stage))
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     results = []
     for index in range(rounds if rounds is not None else job.total_rounds(dataset.train_size)):

@@ -107,6 +107,21 @@ class StageCompute:
             return None
         return x.grad
 
+    def warm_up(self, inputs: torch.Tensor) -> None:
+        """Run one forward and backward on ``inputs`` and undo every effect (gradients, BatchNorm statistics), so
+        the first real micro-batch does not pay for the allocator's and the kernels' first use. The random number
+        generator is restored too, so dropout masks stay those of a run without the warm-up."""
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        x = inputs if self.first or not inputs.is_floating_point() else inputs.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]):
+            out = self.module(x)
+            out.backward(torch.ones_like(out))
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
+        for p in self.module.parameters():
+            p.grad = None
+
     def flat_gradients(self) -> torch.Tensor:
         """Every parameter's accumulated gradient in one flat float32 vector (zeros where there is none), in
         parameter order: what a data-parallel group sums."""

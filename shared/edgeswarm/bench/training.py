@@ -1,0 +1,155 @@
+"""``edgeswarm bench training``: HPP and its baselines trained on emulated Asteroid environments, measured.
+
+For each environment (a local cluster of emulated devices at 100 Mbps) every strategy trains the same job for a
+few rounds on the same runtime; the report gives measured samples/s, the measured/predicted round-time ratio,
+and the runtime's own overhead per micro-batch (time a worker spends outside compute, blocking waits and the
+AllReduce: reading data, slicing, queueing sends).
+
+Emulated devices compute through ``DeviceProfile.run``, whose CPU-time scaling is exact only as far as the host
+runs the same kernels equally fast each time; so each run also reports how the devices' measured compute
+compares with their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the
+measured compute put in (``replayed_round_s``): measured against replayed is the runtime's and the network's
+share of any gap, compute_ratio the emulated devices' share.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from edgeswarm.devices.cluster import load_cluster
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.planning.compare import Comparison
+from edgeswarm.planning.schedule import plan_timeline
+from edgeswarm.planning.types import Plan, Strategy
+from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
+from edgeswarm.settings import Settings
+from edgeswarm.training.driver import RoundReport
+from edgeswarm.training.jobs import JobSpec, parse_job
+from edgeswarm.training.lifecycle import JobObserver, run_job
+
+STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")
+DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
+
+
+class StrategyRun(BaseModel):
+    """One strategy trained on one environment: plan shape, predicted and measured seconds per round (mean of
+    the rounds after the first), measured samples/s, and the largest per-device runtime overhead per
+    micro-batch (seconds). ``error`` says why it did not run."""
+
+    env: str
+    strategy: Strategy
+    stages: int = 0
+    devices: int = 0
+    micro_batches: int = 0
+    micro_batch_size: int = 0
+    predicted_round_s: float | None = None
+    measured_round_s: float | None = None
+    measured_sps: float | None = None
+    overhead_per_micro_batch_s: float | None = None
+    compute_ratio: float | None = None
+    replayed_round_s: float | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted round time."""
+        if self.measured_round_s is None or not self.predicted_round_s:
+            return None
+        return self.measured_round_s / self.predicted_round_s
+
+
+class _Collect(JobObserver):
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.comparison: Comparison | None = None
+        self.reports: list[RoundReport] = []
+
+    def planned(self, plan: Plan, comparison: Comparison | None, total_rounds: int) -> None:
+        self.plan, self.comparison = plan, comparison
+
+    def round_done(self, report: RoundReport) -> None:
+        self.reports.append(report)
+
+
+def summarize(env: str, strategy: Strategy, plan: Plan, reports: list[RoundReport]) -> StrategyRun:
+    """The figures of one run from its plan and round reports (the first round, which warms every device up,
+    is left out of the times when there are others)."""
+    timed = reports[1:] if len(reports) > 1 else reports
+    measured = statistics.fmean(r.round_s for r in timed)
+    m = plan.options.micro_batches
+    overhead = max(statistics.fmean(r.devices[d].overhead_s for r in timed) for d in plan.devices) / m
+    # Compute against the plan: each stage's busiest device over the stage's predicted compute per round.
+    ratios = []
+    for stage in plan.stages:
+        predicted = m * (stage.forward_s + stage.backward_s)
+        busiest = max(statistics.fmean(r.devices[d].compute_s for r in timed) for d in stage.devices)
+        ratios.append(busiest / predicted if predicted > 0 else 1.0)
+    replayed = plan.model_copy(update={"stages": [
+        stage.model_copy(update={"forward_s": stage.forward_s * k, "backward_s": stage.backward_s * k})
+        for stage, k in zip(plan.stages, ratios, strict=True)]})
+    return StrategyRun(env=env, strategy=strategy, stages=len(plan.stages), devices=len(plan.devices),
+                       micro_batches=m, micro_batch_size=plan.options.micro_batch_size,
+                       predicted_round_s=plan.round_latency_s, measured_round_s=measured,
+                       measured_sps=plan.options.global_batch / measured, overhead_per_micro_batch_s=overhead,
+                       compute_ratio=max(ratios), replayed_round_s=plan_timeline(replayed).makespan_s,
+                       first_loss=reports[0].loss,
+                       last_loss=reports[-1].loss)
+
+
+def bench_job(env: str, strategy: Strategy, model: ModelSpec, *, global_batch: int, micro_batches: int | None,
+              rounds: int) -> JobSpec:
+    """The job every strategy runs: the teacher task, SGD, no checkpoints."""
+    return parse_job({"name": f"bench-{env}-{strategy}", "model": model.model_dump(),
+                      "data": {"kind": "teacher", "size": 4 * global_batch, "test_size": global_batch},
+                      "global_batch": global_batch, "micro_batches": micro_batches,
+                      "optimizer": {"name": "sgd", "lr": 0.01}, "rounds": rounds, "strategy": strategy,
+                      "checkpoint_interval": 0})
+
+
+def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, global_batch: int = 64,
+                       micro_batches: int | None = 4, rounds: int = 4,
+                       strategies: tuple[Strategy, ...] = STRATEGIES, profile_dir: Path,
+                       log: Callable[[str], None] = lambda _m: None) -> list[StrategyRun]:
+    """Train ``model`` with every strategy on each of ``envs`` (a, b, c, d: Asteroid's environments at 100
+    Mbps), one local cluster per environment; profiles are cached in ``profile_dir``."""
+    rows: list[StrategyRun] = []
+    for env in envs:
+        spec = load_cluster(f"asteroid-env-{env}-100mbps")
+        nodes = [d.id for d in spec.devices]
+        with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
+            bus = client_bus(Settings(hub_url=local.hub_url))
+            try:
+                watcher = ClusterWatcher(bus)
+                watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
+                missing = wait_for_service(watcher, "stage-worker", nodes, 120)
+                if missing:
+                    raise EdgeswarmError(f"env {env}: no stage-worker on {', '.join(missing)}")
+                for strategy in strategies:
+                    job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
+                                    rounds=rounds)
+                    seen = _Collect()
+                    log(f"env {env}: {strategy}, {rounds} rounds")
+                    try:
+                        run_job(bus, job, store_node=None, observer=seen)
+                    except EdgeswarmError as exc:
+                        log(f"env {env}: {strategy} failed: {exc}")
+                        rows.append(StrategyRun(env=env, strategy=strategy, error=str(exc)))
+                        continue
+                    assert seen.plan is not None
+                    row = summarize(env, strategy, seen.plan, seen.reports)
+                    log(f"env {env}: {strategy}: {row.measured_round_s:.3f} s per round measured, "
+                        f"{row.predicted_round_s:.3f} s predicted, {row.replayed_round_s:.3f} s replayed with the "
+                        f"measured compute ({row.compute_ratio or 0:.2f}x planned), "
+                        f"overhead {1000 * (row.overhead_per_micro_batch_s or 0):.2f} ms per micro-batch")
+                    rows.append(row)
+            finally:
+                bus.stop()
+    return rows
