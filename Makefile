@@ -1,5 +1,7 @@
-# `make run`: set up, start a local cluster of 4 emulated devices, show it, profile it and plan MobileNetV2
-# training on it (out/plan.png), benchmark the transport, stop.
+# `make run`: set up, start a local cluster shaped like Asteroid's Env D at 100 Mbps (1 TX2-like + 3 Nano-like
+# devices), then train MobileNetV2 on it through the coordinator (profile, plan, deploy, 20 rounds, checkpoints),
+# measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
+# out/timeline.png, stop.
 # `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients).
 
 PYTHON ?= python3
@@ -21,11 +23,11 @@ venv: $(VENV)/.installed
 run: venv
 	@mkdir -p $(OUT)
 	@set -e; \
-	$(ES) up --local --devices 4 --port $(PORT) --workdir $(OUT)/local-cluster & up=$$!; \
+	$(ES) up --local --devices asteroid-env-d-100mbps --port $(PORT) --workdir $(OUT)/local-cluster & up=$$!; \
 	trap 'kill -TERM $$up 2>/dev/null; wait $$up' EXIT; \
 	$(ES) status --hub $(HUB) --wait-devices 4 --timeout 120; \
-	$(ES) plan --hub $(HUB) --model mobilenetv2 --batch-sizes 1,8,32 --global-batch 256 --png $(OUT)/plan.png; \
-	$(ES) bench transport --hub $(HUB) --out $(OUT)/bench-transport.json
+	$(ES) train examples/mobilenetv2-env-d.yaml --hub $(HUB) --wait --compare dp,pp --compare-rounds 3 \
+		--json $(OUT)/train.json --loss-png $(OUT)/loss.png --timeline-png $(OUT)/timeline.png
 
 test: venv
 	$(VENV)/bin/python -m pytest -q

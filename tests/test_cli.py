@@ -197,6 +197,7 @@ def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
     assert re.search(r"\n\S*\s*dp\s.*\d+\.\d+x", out.stdout), text  # the measured comparison row
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == 6
+    assert 0.0 <= run["state"]["test_accuracy"] <= 1.0 and "held-out accuracy of the saved model" in out.stdout
     assert [r["round"] for r in run["rounds"]] == list(range(1, 7))
     assert run["rounds"][-1]["loss"] < run["rounds"][0]["loss"]
     assert {p["strategy"] for p in run["state"]["predictions"]} == {"hpp", "dp", "pp", "single"}

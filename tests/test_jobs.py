@@ -34,7 +34,7 @@ def test_the_coordinator_refuses_bad_submissions_and_fails_a_job_it_cannot_run(b
 
     events: list[JobEvent] = []
     follower = JobFollower(client, "lonely", on_event=events.append)
-    assert submit_job(client, JOB.format(name="lonely", batch=64)).job_id == "lonely"
+    assert submit_job(client, JOB.format(name="lonely", batch=64), submission=follower.submission).job_id == "lonely"
     with pytest.raises(JobRequestError, match=r"refused \(duplicate\): job lonely is (queued|profiling)"):
         submit_job(client, JOB.format(name="lonely", batch=64))
     final = follower.wait(60)

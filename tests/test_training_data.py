@@ -127,6 +127,22 @@ def test_teacher_labels_are_learnable_by_a_small_student() -> None:
     assert accuracy > 0.5, accuracy
 
 
+def test_a_grid_1_teacher_labels_by_channel_means_only() -> None:
+    """With teacher_grid 1 a label depends on each channel's mean alone: moving pixels around inside a channel
+    (here: flipping the image) keeps it, while the default quadrant teacher's labels change."""
+    flips = {}
+    for grid in (1, None):
+        data = open_dataset(DatasetSpec(kind="teacher", size=512, seed=3, teacher_grid=grid), MOBILENET)
+        x, y = data.batch(np.arange(512))
+        flipped = data._labels_of(x.flip(-1).numpy(), np.arange(512), "train")  # noqa: SLF001 - teacher on other images
+        flips[grid] = float((torch.as_tensor(flipped) == y).float().mean())
+    assert flips[1] == 1.0 and flips[None] < 0.9, flips
+    with pytest.raises(ValidationError, match="teacher_grid applies to kind 'teacher' only"):
+        DatasetSpec(kind="tokens", teacher_grid=1)
+    with pytest.raises(DataError, match="teacher_grid 2 does not tile images of side 7"):
+        open_dataset(DatasetSpec(kind="teacher", teacher_grid=2), ModelSpec(name="mlp", config={"image_size": 7}))
+
+
 def test_label_noise_replaces_about_that_share_of_labels() -> None:
     clean = open_dataset(DatasetSpec(kind="teacher", size=2000, seed=4), MLP).labels(range(2000))
     noisy = open_dataset(DatasetSpec(kind="teacher", size=2000, seed=4, noise=0.3), MLP).labels(range(2000))

@@ -124,7 +124,9 @@ def stage_samples() -> dict[type, Any]:
         m.StageReady: m.StageReady(job_id="j1", epoch=2, stage=1, rank=0, parameters=1234),
         m.RoundStart: m.RoundStart(job_id="j1", epoch=2, round=9),
         m.RoundDone: m.RoundDone(job_id="j1", epoch=2, round=9, stage=1, rank=0, loss_sum=12.5, correct=20, terms=32,
-                                 compute_s=0.5, wait_s=0.25, allreduce_s=0.0, peak_live=1),
+                                 compute_s=0.5, compute_cpu_s=0.05, wait_s=0.25, overhead_s=0.01, allreduce_s=0.0,
+                                 peak_live=1, forward_s=[0.1, 0.1], backward_s=[0.15, 0.15], peak_activation_bytes=4096,
+                                 static_bytes=65536),
         m.StageFailed: m.StageFailed(job_id="j1", reason="timeout", detail="no activation"),
         m.StageTensor: m.StageTensor(job_id="j1", epoch=2, round=9, stage=1, kind="allreduce", sender=1, step=2),
         m.StageSave: m.StageSave(job_id="j1", epoch=2, store_node="hub", version=3),
@@ -138,13 +140,14 @@ def job_samples() -> dict[type, Any]:
 
     plan = _comparison().hpp
     return {
-        m.JobSubmit: m.JobSubmit(spec="name: j1\nmodel: {name: mlp}\nrounds: 3\n"),
+        m.JobSubmit: m.JobSubmit(spec="name: j1\nmodel: {name: mlp}\nrounds: 3\n", submission="0123abcd"),
         m.JobCancel: m.JobCancel(job_id="j1"),
         m.JobAccepted: m.JobAccepted(job_id="j1", detail="starting"),
         m.JobRejected: m.JobRejected(reason="invalid", detail="global_batch: must be >= 1"),
-        m.JobState: m.JobState(job_id="j1", status="running", model="mlp", strategy="hpp", round=2, total_rounds=5,
+        m.JobState: m.JobState(job_id="j1", submission="0123abcd", status="running", model="mlp", strategy="hpp",
+                               round=2, total_rounds=5,
                                loss=1.5, accuracy=0.25, round_s=0.5, predicted_round_s=0.4, samples_per_s=128.0,
-                               checkpoint_version=2, plan=plan,
+                               checkpoint_version=2, test_accuracy=0.5, plan=plan,
                                predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
                                             StrategyPrediction(strategy="pp", error="does not fit")],
                                submitted_at=1.7e9, updated_at=1.7e9 + 3),

@@ -79,6 +79,10 @@ class _Publisher(JobObserver):
                          event=("round", f"loss {report.loss:.4f}, accuracy {report.accuracy:.1%}, "
                                          f"{report.round_s:.3f} s"))
 
+    def evaluated(self, test_accuracy: float) -> None:
+        self.jobs.update(self.spec.name, "running", test_accuracy=test_accuracy,
+                         event=("evaluated", f"held-out accuracy of the saved model {test_accuracy:.1%}"))
+
     def saved(self, version: int, saved: list[StageSaved]) -> None:
         self.jobs.update(self.spec.name, "running", checkpoint_version=version,
                          event=("checkpoint", f"version {version}: {sum(s.nbytes for s in saved)} bytes in "
@@ -128,7 +132,8 @@ class JobManager:
                     "another name")))
                 return
             now = time.time()
-            self._states[spec.name] = JobState(job_id=spec.name, status="queued", model=spec.model.name,
+            self._states[spec.name] = JobState(job_id=spec.name, submission=body.submission, status="queued",
+                                               model=spec.model.name,
                                                strategy=spec.strategy, submitted_at=now, updated_at=now)
             self._cancels[spec.name] = threading.Event()
             queued = sum(1 for s in self._states.values() if s.status == "queued") - 1

@@ -17,7 +17,7 @@ from edgeswarm.bus import Inbound
 from edgeswarm.membership import MembershipTable, diff_events, observed_at
 from edgeswarm.messages import ClusterView, Heartbeat, Status
 from edgeswarm.runtime.service import Service
-from services.coordinator.jobs import JobManager
+from edgeswarm.services.coordinator.jobs import JobManager
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from edgeswarm.messages.training import (
     StageTensor,
 )
 from edgeswarm.runtime.service import Service
-from services.stage_worker.outbox import Outbox
+from edgeswarm.services.stage_worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +270,9 @@ class StageWorkerService(Service):
             if p > 0 else []
         out_of = [pc for pc in pieces(routing_matrix(spec.shares[p], spec.shares[p + 1])) if pc.sender == r] \
             if p < n_stages - 1 else []
-        compute = loop = 0.0
+        compute = loop = cpu = 0.0
         job.blocked_s = 0.0
+        times = {"F": [0.0] * spec.micro_batches, "B": [0.0] * spec.micro_batches}  # per micro-batch
         share = spec.shares[p][r]
         for kind, mb in stage_order(spec.warmup, spec.micro_batches):
             if share == 0:
@@ -286,9 +287,11 @@ class StageWorkerService(Service):
                     x = torch.cat([self._wait(job, (round_index, "activation", mb, 0, pc.sender), pc.rows)
                                    for pc in into])
                 labels = job.dataset.labels(held) if p == n_stages - 1 and job.dataset is not None else None
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 out = self.device.run(partial(stage.forward, mb, x, labels))
-                compute += time.perf_counter() - t0
+                times[kind][mb] = time.perf_counter() - t0
+                cpu += time.thread_time() - c0
+                compute += times[kind][mb]
                 self._check_memory(job)
                 for pc in out_of:
                     self._send(job, p + 1, pc.receiver, out[pc.sender_start:pc.sender_start + pc.rows],
@@ -298,9 +301,11 @@ class StageWorkerService(Service):
                 if p < n_stages - 1:
                     grad = torch.cat([self._wait(job, (round_index, "gradient", mb, 0, pc.receiver), pc.rows)
                                       for pc in out_of])
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 grad_in = self.device.run(partial(stage.backward, mb, grad))
-                compute += time.perf_counter() - t0
+                times[kind][mb] = time.perf_counter() - t0
+                cpu += time.thread_time() - c0
+                compute += times[kind][mb]
                 if grad_in is not None:
                     for pc in into:
                         self._send(job, p - 1, pc.sender, grad_in[pc.receiver_start:pc.receiver_start + pc.rows],
@@ -323,7 +328,9 @@ class StageWorkerService(Service):
         allreduce = time.perf_counter() - t0
         done = RoundDone(job_id=spec.job_id, epoch=spec.epoch, round=round_index, stage=p, rank=r,
                          loss_sum=stage.loss_sum, correct=stage.correct, terms=stage.terms, compute_s=compute,
-                         wait_s=blocked, overhead_s=max(0.0, loop - compute - blocked),
+                         compute_cpu_s=cpu,
+                         wait_s=blocked, overhead_s=max(0.0, loop - compute - blocked), forward_s=times["F"],
+                         backward_s=times["B"],
                          allreduce_s=allreduce, peak_live=stage.peak_live,
                          peak_activation_bytes=stage.peak_held_bytes, static_bytes=job.static_bytes)
         stage.end_round()
@@ -351,7 +358,9 @@ class StageWorkerService(Service):
         from edgeswarm.checkpoints.client import save_checkpoint
 
         name = f"stage-{job.spec.stage}"
-        tensors = {k: v.detach() for k, v in job.stage.module.named_parameters()}
+        # Weights and buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps).
+        module = job.stage.module
+        tensors = {k: v.detach() for k, v in [*module.named_parameters(), *module.named_buffers()]}
         try:
             info = save_checkpoint(self.bus, body.store_node, body.job_id, name, body.version, tensors)
         except EdgeswarmError as exc:

@@ -12,7 +12,8 @@ from edgeswarm.cli.console import err_console
 from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
 
 
-def _hub_arg(parser: argparse.ArgumentParser) -> None:
+def add_hub_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--hub`` (the hub broker URL) to ``parser``."""
     parser.add_argument("--hub", default=None,
                         help="hub broker URL, mqtt://host:port (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for every device")
 
     status = sub.add_parser("status", help="nodes, services, their state and heartbeat age")
-    _hub_arg(status)
+    add_hub_arg(status)
     status.add_argument("--json", action="store_true", help="print the cluster view as JSON")
     status.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
     status.add_argument("--timeout", type=float, default=60.0, help="seconds --wait-devices may wait")
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     transport = bench_sub.add_parser("transport", help="MQTT data path vs raw TCP, QoS 1 round trip, codec speed")
-    _hub_arg(transport)
+    add_hub_arg(transport)
     transport.add_argument("--node", default=None,
                            help="the node whose node-agent receives (default: the first online)")
     transport.add_argument("--quick", action="store_true", help="fewer and smaller payloads (seconds, not a minute)")

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import hub_url
+from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import JobEvent, JobState
@@ -33,7 +33,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     """Register ``edgeswarm train``, ``edgeswarm jobs`` and ``edgeswarm cancel``."""
     p = sub.add_parser("train", help="submit a training job (YAML or JSON spec) to the cluster's coordinator")
     p.add_argument("job", help="the job spec file")
-    _hub(p)
+    add_hub_arg(p)
     p.add_argument("--wait", action="store_true", help="follow the job to its end with a progress bar")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits for the job (and each compare)")
     p.add_argument("--json", default=None, metavar="FILE", help="with --wait: write the final state and rounds to FILE")
@@ -46,17 +46,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of each --compare run")
 
     jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state")
-    _hub(jobs)
+    add_hub_arg(jobs)
     jobs.add_argument("--json", action="store_true", help="print the states as JSON")
 
     cancel = sub.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id", help="the job's name")
-    _hub(cancel)
-
-
-def _hub(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hub", default=None,
-                        help="hub broker URL (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
+    add_hub_arg(cancel)
 
 
 def _bus(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -123,7 +118,7 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
             progress.console.print(f"[dim]{event.kind}[/dim] {event.detail}", highlight=False)
 
     follower = JobFollower(bus, job.name, on_state=on_state, on_event=on_event)
-    accepted = submit_job(bus, text)
+    accepted = submit_job(bus, text, submission=follower.submission)
     if verbose:
         console.print(f"job {job.name} submitted: {accepted.detail}")
     progress.start()
@@ -155,6 +150,8 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
                       f"({measured / final.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
     if final.checkpoint_version is not None:
         console.print(f"final model in the checkpoint store as job {job.name} version {final.checkpoint_version}")
+    if final.test_accuracy is not None:
+        console.print(f"held-out accuracy of the saved model: {final.test_accuracy:.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"),
                                                "rounds": [s.model_dump(mode="json", exclude={"plan", "predictions"})

@@ -22,10 +22,12 @@ FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 @schema("edgeswarm.job.submit", 1)
 class JobSubmit(Message):
-    """Request: run the job that ``spec`` (the text of a YAML or JSON job spec) describes. Answered with
-    JobAccepted, or JobRejected naming the invalid field and why."""
+    """Request: run the job that ``spec`` (the text of a YAML or JSON job spec) describes. ``submission`` is the
+    submitter's id for this submission, copied into the job's state so it can tell its job from an earlier one
+    of the same name. Answered with JobAccepted, or JobRejected naming the invalid field and why."""
 
     spec: str = Field(max_length=MAX_SPEC_CHARS)
+    submission: str = Field(default="", max_length=64)
 
 
 @schema("edgeswarm.job.cancel", 1)
@@ -72,10 +74,12 @@ class StrategyPrediction(BaseModel):
 class JobState(Message):
     """Where job ``job_id`` is (retained). ``round`` counts the rounds done out of ``total_rounds``; ``loss``
     and ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
-    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``plan`` is the plan the
+    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the
+    final model's, loaded back from the checkpoint store, on the held-out split. ``plan`` is the plan the
     job runs on and ``predictions`` every strategy's predicted figures. ``detail`` says why a job failed."""
 
     job_id: Name
+    submission: str = Field(default="", max_length=64)
     status: JobStatus
     model: str
     strategy: Strategy
@@ -87,6 +91,7 @@ class JobState(Message):
     predicted_round_s: float | None = None
     samples_per_s: float | None = None
     checkpoint_version: int | None = None
+    test_accuracy: float | None = None
     plan: Plan | None = None
     predictions: list[StrategyPrediction] = Field(default_factory=list)
     detail: str = Field(default="", max_length=4096)
@@ -94,8 +99,8 @@ class JobState(Message):
     updated_at: float
 
 
-JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "succeeded", "failed",
-                       "cancelled"]
+JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "evaluated",
+                       "succeeded", "failed", "cancelled"]
 
 
 @schema("edgeswarm.job.event", 1)

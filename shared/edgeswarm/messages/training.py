@@ -80,10 +80,12 @@ class RoundStart(Message):
 @schema("edgeswarm.stage.round_done", 1)
 class RoundDone(Message):
     """One device's round: its loss statistics (last stage: the summed unscaled loss, correct predictions and
-    loss terms), its time computing (emulated device time), blocked waiting for a peer's tensor, in the
-    runtime's own work between (reading data, slicing, queueing sends: ``overhead_s``) and in the AllReduce and
-    optimizer step; its peak live micro-batches, the most activation bytes it held for backward at once, and
-    the bytes of its weights, gradients, optimizer state and buffers."""
+    loss terms); its time computing (emulated device time; ``compute_cpu_s`` is the host CPU time of it),
+    blocked waiting for a peer's tensor, in the runtime's own work between (reading data, slicing, queueing
+    sends: ``overhead_s``) and in the AllReduce and optimizer step; the compute of each micro-batch's forward
+    and backward (``forward_s``, ``backward_s``, in micro-batch order); its peak live micro-batches, the most
+    activation bytes it held for backward at once, and the bytes of its weights, gradients, optimizer state and
+    buffers."""
 
     job_id: Name
     epoch: int
@@ -94,8 +96,11 @@ class RoundDone(Message):
     correct: int = 0
     terms: int = 0
     compute_s: float = Field(ge=0)
+    compute_cpu_s: float = Field(default=0.0, ge=0)
     wait_s: float = Field(ge=0)
     overhead_s: float = Field(default=0.0, ge=0)
+    forward_s: list[float] = Field(default_factory=list, max_length=4096)
+    backward_s: list[float] = Field(default_factory=list, max_length=4096)
     allreduce_s: float = Field(ge=0)
     peak_live: int = Field(ge=0)
     peak_activation_bytes: int = Field(default=0, ge=0)

@@ -21,6 +21,7 @@ from edgeswarm.messages.jobs import (
     JobSubmit,
 )
 from edgeswarm.wire import Message
+from edgeswarm.wire.schema import new_id
 
 COORDINATOR_NODE = "hub"
 
@@ -41,11 +42,12 @@ def _ask(bus: Bus, message: Message, timeout_s: float, coordinator: str) -> JobA
     return reply
 
 
-def submit_job(bus: Bus, spec_text: str, *, timeout_s: float = 10.0,
+def submit_job(bus: Bus, spec_text: str, *, submission: str = "", timeout_s: float = 10.0,
                coordinator: str = COORDINATOR_NODE) -> JobAccepted:
-    """Submit the job spec ``spec_text`` (YAML or JSON) to the coordinator. Raises JobRequestError naming the
-    invalid fields, a duplicate name, or a coordinator that did not answer within ``timeout_s`` seconds."""
-    return _ask(bus, JobSubmit(spec=spec_text), timeout_s, coordinator)
+    """Submit the job spec ``spec_text`` (YAML or JSON) to the coordinator, tagged ``submission`` (see
+    JobFollower). Raises JobRequestError naming the invalid fields, a duplicate name, or a coordinator that did
+    not answer within ``timeout_s`` seconds."""
+    return _ask(bus, JobSubmit(spec=spec_text, submission=submission), timeout_s, coordinator)
 
 
 def cancel_job(bus: Bus, job_id: str, *, timeout_s: float = 10.0, coordinator: str = COORDINATOR_NODE) -> JobAccepted:
@@ -70,14 +72,16 @@ def job_states(bus: Bus, *, settle_s: float = 1.0) -> list[JobState]:
 
 
 class JobFollower:
-    """Collects a job's states and events from the moment it is created: make it before submitting the job,
-    so no round is missed. ``on_state`` and ``on_event`` run on the bus's threads."""
+    """Collects the states and events of one submission of a job: make it before submitting the job with
+    ``submission=follower.submission``, so no round is missed, and states of an earlier job of the same name
+    (its retained state) are ignored. ``on_state`` and ``on_event`` run on the bus's threads."""
 
     def __init__(self, bus: Bus, job_id: str, *, on_state: Callable[[JobState], None] | None = None,
-                 on_event: Callable[[JobEvent], None] | None = None, since: float | None = None) -> None:
+                 on_event: Callable[[JobEvent], None] | None = None) -> None:
         self.bus = bus
         self.job_id = job_id
-        self.since = time.time() if since is None else since
+        self.submission = new_id()
+        self._current = False  # whether this submission's state has been seen (events before it are older)
         self.rounds: dict[int, JobState] = {}  # the state after each round, by rounds done
         self.state: JobState | None = None
         self._on_state = on_state
@@ -89,8 +93,9 @@ class JobFollower:
     def _state(self, msg: Inbound) -> None:
         state = msg.body
         assert isinstance(state, JobState)
-        if state.submitted_at < self.since - 1.0:
-            return  # the retained state of an earlier job of the same name
+        if state.submission != self.submission:
+            return  # an earlier job of the same name
+        self._current = True
         self.state = state
         if state.round and state.round_s is not None:
             self.rounds.setdefault(state.round, state)
@@ -101,7 +106,7 @@ class JobFollower:
 
     def _event(self, msg: Inbound) -> None:
         assert isinstance(msg.body, JobEvent)
-        if self._on_event is not None:
+        if self._on_event is not None and self._current:
             self._on_event(msg.body)
 
     def wait(self, timeout_s: float) -> JobState:

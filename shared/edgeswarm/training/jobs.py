@@ -35,7 +35,9 @@ class DatasetSpec(BaseModel):
     that many (default 4096 and 1024); the file kinds use the first ``size`` / ``test_size`` samples of their files
     (default: all of them). ``seed`` selects the synthetic task and its samples, and the epoch permutations of
     ``round_sample_ids``. ``noise`` is the probability that a synthetic label (for next-token tasks, each target
-    token) is replaced by a uniformly random one; file kinds take their labels as they are.
+    token) is replaced by a uniformly random one; file kinds take their labels as they are. ``teacher_grid``
+    sets what the "teacher" labels depend on: 2, the mean of each channel's quadrants (the default for even
+    image sides), or 1, each channel's mean, which a CNN ending in global pooling learns within tens of steps.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -46,6 +48,7 @@ class DatasetSpec(BaseModel):
     test_size: int | None = Field(default=None, ge=0)
     seed: int = Field(default=0, ge=0)
     noise: float = Field(default=0.0, ge=0.0, le=1.0)
+    teacher_grid: Literal[1, 2] | None = None
 
     @model_validator(mode="after")
     def _path_and_noise(self) -> DatasetSpec:
@@ -57,6 +60,8 @@ class DatasetSpec(BaseModel):
         if not reads_files and self.path is not None:
             raise ValueError(f"kind {self.kind!r} generates its data and takes no path (got {self.path!r}); "
                              "remove path, or use kind 'cifar10' or 'npz' to read files")
+        if self.teacher_grid is not None and self.kind != "teacher":
+            raise ValueError(f"teacher_grid applies to kind 'teacher' only, not {self.kind!r}")
         if reads_files and self.noise > 0:
             raise ValueError(f"noise applies to the synthetic kinds only; kind {self.kind!r} uses its labels "
                              "as they are")

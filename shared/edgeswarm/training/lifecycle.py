@@ -38,6 +38,7 @@ class JobResult:
     comparison: Comparison | None = None
     rounds: list[RoundReport] = field(default_factory=list)
     saved: list[list[StageSaved]] = field(default_factory=list)
+    test_accuracy: float | None = None
 
 
 class JobObserver:
@@ -60,6 +61,9 @@ class JobObserver:
 
     def saved(self, version: int, saved: list[StageSaved]) -> None:
         """Every stage was saved to the checkpoint store as ``version``."""
+
+    def evaluated(self, test_accuracy: float) -> None:
+        """The final model, loaded back from the checkpoint store, scored ``test_accuracy`` on held-out data."""
 
 
 def profile_batch_sizes(job: JobSpec) -> list[int]:
@@ -97,7 +101,8 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     """Train ``job`` on the devices whose stage-workers are online on ``bus``'s cluster; returns what happened.
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
-    the end (None: no checkpoints). Raises JobCancelled once ``cancel`` is set, JobError (or a profiling
+    the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
+    split. Raises JobCancelled once ``cancel`` is set, JobError (or a profiling
     error) naming what failed.
     """
     from edgeswarm.training.data import open_dataset  # torch: only when a job actually runs
@@ -140,4 +145,9 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
             saved = driver.save(store_node, index + 1)
             result.saved.append(saved)
             seen.saved(index + 1, saved)
+    if store_node and total:
+        from edgeswarm.training.evaluation import evaluate_checkpoint
+
+        result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(plan.stages), total)
+        seen.evaluated(result.test_accuracy)
     return result

@@ -22,6 +22,7 @@ from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.schedule import stage_order, warmup_counts
 from edgeswarm.planning.types import Plan
 from edgeswarm.training.data import Dataset, open_dataset, round_sample_ids
+from edgeswarm.training.evaluation import accuracy
 from edgeswarm.training.jobs import JobSpec, make_optimizer
 from edgeswarm.training.routing import Piece, pieces, routing_matrix, stage_sample_ids
 from edgeswarm.training.stage import StageCompute, loss_terms
@@ -176,17 +177,13 @@ class TrainingRun:
 
 
 def evaluate(replicas: list[list[StageCompute]], dataset: Dataset, batch_size: int = 256) -> float:
-    """Accuracy on the held-out split of the model the first replica of every stage forms, chained."""
-    correct = total = 0
-    with torch.no_grad():
-        for start in range(0, dataset.test_size, batch_size):
-            ids = np.arange(start, min(start + batch_size, dataset.test_size))
-            x, y = dataset.batch(ids, "test")
-            for group in replicas:
-                x = group[0].module(x)
-            correct += int((x.argmax(dim=-1) == y).sum())
-            total += y.numel()
-    return correct / max(1, total)
+    """Held-out accuracy (evaluation mode) of the model the first replica of every stage forms, chained; the
+    replicas are left in training mode."""
+    chained = torch.nn.Sequential(*(group[0].module for group in replicas))
+    try:
+        return accuracy(chained, dataset, batch_size)
+    finally:
+        chained.train()
 
 
 def train_in_process(job: JobSpec, plan: Plan, rounds: int | None = None) -> TrainingRun:

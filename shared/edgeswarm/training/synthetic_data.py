@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+from edgeswarm.errors import DataError
 from edgeswarm.training.data import (
     DEFAULT_SYNTHETIC_SIZE,
     DEFAULT_SYNTHETIC_TEST_SIZE,
@@ -64,7 +65,9 @@ class TeacherDataset(Dataset):
         self._seed = spec.seed
         self._noise = spec.noise
         channels, side, _ = fit.input_shape
-        self._grid = _teacher_grid(side)
+        self._grid = _teacher_grid(side) if spec.teacher_grid is None else spec.teacher_grid
+        if side % self._grid:
+            raise DataError(f"teacher_grid {self._grid} does not tile images of side {side}; use 1")
         features = channels * self._grid ** 2
         rng = np.random.default_rng([_TAG_TEACHER, spec.seed])
         self._w1 = rng.standard_normal((features, _TEACHER_HIDDEN)) / math.sqrt(features)

@@ -1,0 +1,39 @@
+"""Held-out accuracy of a job's model as the checkpoint store has it: every stage loaded, chained, evaluated."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from edgeswarm.bus import Bus
+from edgeswarm.checkpoints.client import load_checkpoint
+from edgeswarm.models.zoo import build_model
+from edgeswarm.training.data import Dataset, open_dataset
+from edgeswarm.training.jobs import JobSpec
+
+
+def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
+    """Share of the held-out split's targets (samples, or tokens for sequence targets) the model in evaluation
+    mode predicts right."""
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for start in range(0, dataset.test_size, batch_size):
+            x, y = dataset.batch(np.arange(start, min(start + batch_size, dataset.test_size)), "test")
+            correct += int((model(x).argmax(dim=-1) == y).sum())
+            total += y.numel()
+    return correct / max(1, total)
+
+
+def evaluate_checkpoint(bus: Bus, store_node: str, job: JobSpec, stages: int, version: int, *,
+                        timeout_s: float = 120.0) -> float:
+    """Load ``version`` of every stage of ``job`` from the checkpoint store on ``store_node`` (weights and
+    buffers), rebuild the whole model and return its held-out accuracy. Raises CheckpointError when a stage
+    is missing or damaged, and RuntimeError when the stages do not make up the model."""
+    state: dict[str, torch.Tensor] = {}
+    for stage in range(stages):
+        _, tensors = load_checkpoint(bus, store_node, job.name, f"stage-{stage}", version, timeout_s=timeout_s)
+        state.update({name: torch.from_numpy(np.array(value)) for name, value in tensors.items()})
+    model = build_model(job.model)
+    model.load_state_dict(state, strict=True)
+    return accuracy(model, open_dataset(job.data, job.model))
