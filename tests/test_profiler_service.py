@@ -99,9 +99,11 @@ def test_a_request_gets_progress_a_retained_report_and_a_reply_then_a_cache_hit(
 
 
 def _host_fingerprint() -> str:
-    from edgeswarm.profiling.compute import host_fingerprint
+    """The fingerprint the native profile of an emulated device is filed under: it is timed on one thread."""
+    from edgeswarm.profiling.compute import host_fingerprint, torch_threads
 
-    return host_fingerprint()
+    with torch_threads(1):
+        return host_fingerprint()
 
 
 def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path) -> None:
