@@ -84,7 +84,16 @@ def pids_alive(pids: list[int]) -> list[int]:
 def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_process(tmp_path: Path, up) -> None:
     cluster = Up(tmp_path, "--devices", "asteroid-env-d-100mbps")
     up.append(cluster)
-    view = cluster.status(devices=4)
+    # The hub's services come online in their own time (the coordinator imports torch), so ask until they have.
+    view: dict = {}
+
+    def hub_complete() -> bool:
+        nonlocal view
+        view = cluster.status(devices=4)
+        hub = next((n for n in view["nodes"] if n["node"] == "hub"), {"services": []})
+        return len(hub["services"]) == len(HUB_SERVICES)
+
+    wait_until(hub_complete, 60, interval_s=1.0, message="every hub service in the view")
     nodes = {n["node"]: n for n in view["nodes"]}
     assert set(nodes) == {"hub", "tx2-0", "nano-0", "nano-1", "nano-2"}
     assert nodes["tx2-0"]["device_class"] == "jetson-tx2" and nodes["nano-2"]["device_class"] == "jetson-nano"

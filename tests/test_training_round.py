@@ -128,10 +128,13 @@ def test_a_planned_job_trains_in_process_and_beats_chance(forced: bool) -> None:
 
     spec = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})
     model, compute = profile_model(spec, [1, 8, 32], repeats=1, warmup=0)
+    # Times proportional to batch size, not the one-shot measurement: a cold first call would make a slow device
+    # look useless at small batches and the plan would change from run to run.
+    per_sample = [[20e-6 * b for b in compute.batch_sizes] for _ in compute.forward_s]
     entries = []
     for name, slow, budget in (("a", 1.0, 2**30), ("b", 2.0, 2**30), ("c", 4.0, 2**30)):
-        scaled = compute.model_copy(update={"forward_s": [[t * slow for t in r] for r in compute.forward_s],
-                                            "backward_s": [[t * slow for t in r] for r in compute.backward_s]})
+        scaled = compute.model_copy(update={"forward_s": [[t * slow for t in r] for r in per_sample],
+                                            "backward_s": [[2 * t * slow for t in r] for r in per_sample]})
         entries.append(DeviceProfileEntry(device=DeviceInfo(node=name, fingerprint=name, memory_budget_bytes=budget),
                                           compute=scaled))
     links = [LinkProfile(src=a, dst=b, bandwidth_bps=12.5e6) for a, b in (("a", "b"), ("a", "c"), ("b", "c"))]
