@@ -306,9 +306,11 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "data": ("record", {"kind": ("enum", {"teacher", "tokens", "cifar10", "npz"}), "path": "str?",
                             "size": "int?", "test_size": "int?", "seed": "int", "noise": "number",
                             "teacher_grid": "int?"}),
-        "seed": "int",
+        "seed": "int", "backup_to": "str?", "backup_interval": "int", "resume_round": "int",
+        "restore": ("list", ("record", {"unit": "int", "node": "str", "owner": "str?"})),
     },
-    ("edgeswarm.stage.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "parameters": "int"},
+    ("edgeswarm.stage.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "parameters": "int",
+                                   "restored_bytes": "int", "restore_s": "number"},
     ("edgeswarm.stage.round", 1): {"job_id": "str", "epoch": "int", "round": "int"},
     ("edgeswarm.stage.round_done", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int", "rank": "int", "loss_sum": "number",
@@ -316,7 +318,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "overhead_s": "number",
         "forward_s": ("list", "number"), "backward_s": ("list", "number"),
         "allreduce_s": "number",
-        "peak_live": "int", "peak_activation_bytes": "int", "static_bytes": "int",
+        "peak_live": "int", "peak_activation_bytes": "int", "static_bytes": "int", "snapshot_s": "number",
     },
     ("edgeswarm.stage.failed", 1): {
         "job_id": "str",
@@ -355,6 +357,26 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.stage.saved", 1): {
         "job_id": "str", "stage": "int", "version": "int", "checkpoint_stage": "str", "nbytes": "int",
     },
+    ("edgeswarm.stage.state", 1): {
+        "job_id": "str", "epoch": "int", "round": "int", "unit": "int", "owner": "str",
+        "purpose": ("enum", {"backup", "migrate", "gather"}),
+        "entries": ("list", ("record", {"name": "str", "dtype": ("enum", {"float32", "float16", "bfloat16", "float64",
+                                                                          "int64", "int32"}),
+                                        "shape": ("list", "int")})),
+    },
+    ("edgeswarm.stage.send_state", 1): {
+        "job_id": "str", "epoch": "int", "round": "int", "units": ("list", "int"), "owner": "str?", "to": "str",
+        "purpose": ("enum", {"migrate", "gather"}),
+    },
+    ("edgeswarm.stage.state_sent", 1): {
+        "job_id": "str", "to": "str", "units": ("list", "int"), "nbytes": "int", "seconds": "number",
+    },
+    ("edgeswarm.stage.inventory", 1): {"job_id": "str"},
+    ("edgeswarm.stage.held", 1): {
+        "job_id": "str", "node": "str",
+        "snapshots": ("list", ("record", {"round": "int", "units": ("list", "int")})),
+        "backups": ("list", ("record", {"owner": "str", "round": "int", "units": ("list", "int")})),
+    },
     ("edgeswarm.profile.link_probe", 1): {
         "probe_id": "str", "kind": ("enum", {"ping", "pong", "bulk", "bulk_ack"}), "received_bytes": "int",
     },
@@ -385,7 +407,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
 #: Schemas the document says carry a tensor (section 5: bench.data, profile.link_probe and checkpoint.tensor
 #: "always carry a tensor").
 TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-                            "edgeswarm.stage.tensor"})
+                            "edgeswarm.stage.tensor", "edgeswarm.stage.state"})
 
 
 def _is_int(value: object) -> bool:
@@ -767,13 +789,15 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.profile.request", "edgeswarm.plan.request", "edgeswarm.plan.replan_request",
                               "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list",
                               "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save",
-                              "edgeswarm.stage.abort", "edgeswarm.job.submit", "edgeswarm.job.cancel"})
+                              "edgeswarm.stage.abort", "edgeswarm.stage.send_state", "edgeswarm.stage.inventory",
+                              "edgeswarm.job.submit", "edgeswarm.job.cancel"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
                             "edgeswarm.plan.failed", "edgeswarm.checkpoint.saved", "edgeswarm.checkpoint.loaded",
                             "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed", "edgeswarm.stage.ready",
                             "edgeswarm.stage.round_done", "edgeswarm.stage.failed", "edgeswarm.stage.saved",
-                            "edgeswarm.checkpoint.listing", "edgeswarm.job.accepted", "edgeswarm.job.rejected"})
+                            "edgeswarm.checkpoint.listing", "edgeswarm.job.accepted", "edgeswarm.job.rejected",
+                            "edgeswarm.stage.state_sent", "edgeswarm.stage.held"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:
@@ -797,7 +821,7 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
             "metrics": frozenset({"edgeswarm.metrics"}),
             "request": _REQUEST_SCHEMAS,
             "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-                               "edgeswarm.stage.tensor"}),
+                               "edgeswarm.stage.tensor", "edgeswarm.stage.state"}),
             "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
     if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:

@@ -187,3 +187,14 @@ def test_warm_up_leaves_no_trace() -> None:
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     assert all(p.grad is None for p in module.parameters())
     assert torch.equal(rng, torch.random.get_rng_state())
+
+
+def test_a_first_stage_without_weights_warms_up_and_runs_a_micro_batch() -> None:
+    """Re-planning can leave the first stage with only weightless units (a flatten): nothing to back-propagate."""
+    stage = StageCompute(torch.nn.Flatten(), first=True, last=False)
+    x = torch.randn(3, 2, 2)
+    stage.warm_up(x)
+    out = stage.forward(0, x)
+    assert out.shape == (3, 4)
+    assert stage.backward(0, torch.ones(3, 4)) is None
+    assert stage.live == 0

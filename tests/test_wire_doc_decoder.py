@@ -118,20 +118,33 @@ def stage_samples() -> dict[type, Any]:
     assign = m.StageAssign(job_id="j1", epoch=2, stage=1, rank=0, model=ModelSpec(name="mlp", config={"hidden": 8}),
                            start=3, end=6, groups=[["a", "b"], ["c"]], shares=[[5, 3], [8]], micro_batches=4,
                            warmup=1, loss_scale=1 / 32, optimizer=OptimizerSpec(name="momentum", lr=0.1),
-                           data=DatasetSpec(kind="cifar10", path="/data/cifar", size=100), seed=7)
+                           data=DatasetSpec(kind="cifar10", path="/data/cifar", size=100), seed=7, backup_to="c",
+                           backup_interval=2, resume_round=4,
+                           restore=[m.UnitSource(unit=3, node="a"), m.UnitSource(unit=4, node="c", owner="d"),
+                                    m.UnitSource(unit=5, node="b")])
     return {
         m.StageAssign: assign,
-        m.StageReady: m.StageReady(job_id="j1", epoch=2, stage=1, rank=0, parameters=1234),
+        m.StageReady: m.StageReady(job_id="j1", epoch=2, stage=1, rank=0, parameters=1234, restored_bytes=4096,
+                                   restore_s=0.25),
         m.RoundStart: m.RoundStart(job_id="j1", epoch=2, round=9),
         m.RoundDone: m.RoundDone(job_id="j1", epoch=2, round=9, stage=1, rank=0, loss_sum=12.5, correct=20, terms=32,
                                  compute_s=0.5, compute_cpu_s=0.05, wait_s=0.25, overhead_s=0.01, allreduce_s=0.0,
                                  peak_live=1, forward_s=[0.1, 0.1], backward_s=[0.15, 0.15], peak_activation_bytes=4096,
-                                 static_bytes=65536),
+                                 static_bytes=65536, snapshot_s=0.002),
         m.StageFailed: m.StageFailed(job_id="j1", reason="timeout", detail="no activation"),
         m.StageTensor: m.StageTensor(job_id="j1", epoch=2, round=9, stage=1, kind="allreduce", sender=1, step=2),
         m.StageSave: m.StageSave(job_id="j1", epoch=2, store_node="hub", version=3),
         m.StageSaved: m.StageSaved(job_id="j1", stage=1, version=3, checkpoint_stage="stage-1", nbytes=4096),
         m.StageAbort: m.StageAbort(job_id="j1", epoch=2, round=9, reason="another device failed it"),
+        m.StageState: m.StageState(job_id="j1", epoch=3, round=4, unit=5, owner="d", purpose="backup",
+                                   entries=[m.StateEntry(name="param:0.weight", dtype="float32", shape=[8, 4]),
+                                            m.StateEntry(name="opt:0.weight:momentum_buffer", dtype="float32",
+                                                         shape=[8, 4])]),
+        m.StageSendState: m.StageSendState(job_id="j1", epoch=3, round=4, units=[5, 6], owner="d", to="b"),
+        m.StageStateSent: m.StageStateSent(job_id="j1", to="b", units=[5, 6], nbytes=1 << 20, seconds=0.5),
+        m.StageInventory: m.StageInventory(job_id="j1"),
+        m.StageHeld: m.StageHeld(job_id="j1", node="c", snapshots=[m.HeldSnapshot(round=4, units=[3, 4])],
+                                 backups=[m.HeldBackup(owner="d", round=4, units=[5, 6])]),
     }
 
 

@@ -27,17 +27,25 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.training import (
+    HeldBackup,
+    HeldSnapshot,
     RoundDone,
     RoundStart,
     StageAbort,
     StageAssign,
     StageFailed,
+    StageHeld,
+    StageInventory,
     StageReady,
     StageSave,
     StageSaved,
+    StageSendState,
+    StageState,
+    StageStateSent,
     StageTensor,
 )
 from edgeswarm.runtime.service import Service
+from edgeswarm.services.stage_worker.held import HeldState, StateMissing, UnitStates
 from edgeswarm.services.stage_worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,10 @@ class RoundAborted(EdgeswarmError):
     """The coordinator gave the round up."""
 
 
+class RestoreError(EdgeswarmError):
+    """A restoring stage could not get the state of its units."""
+
+
 @dataclass
 class _Job:
     spec: StageAssign
@@ -73,6 +85,7 @@ class _Job:
     static_bytes: int  # weights + gradients + optimizer state + buffers
     in_shape: tuple[int, ...]  # one sample's input to this stage
     out_shape: tuple[int, ...]  # one sample's output of this stage
+    names: list[frozenset[str]]  # every unit's parameter and buffer names
     inbox: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     bad: dict[int, str] = field(default_factory=dict)  # round -> why a tensor of it could not be used or sent
     aborted: dict[int, str] = field(default_factory=dict)  # round -> why the coordinator gave it up
@@ -89,23 +102,40 @@ class StageWorkerService(Service):
 
     def setup(self) -> None:
         self._job: _Job | None = None
+        self._held: HeldState | None = None  # the current job's snapshots and the backups held for others
+        self._state_out: dict[str, Outbox] = {}  # peer -> sender of backups
         self._ready = threading.Condition()
         request = topics.request(self.node, self.name)
         self.bus.subscribe(request, self._on_assign, schemas=(StageAssign,))
         self.bus.subscribe(request, self._on_round, schemas=(RoundStart,))
         self.bus.subscribe(request, self._on_save, schemas=(StageSave,))
         self.bus.subscribe(request, self._on_abort, schemas=(StageAbort,))
-        self.bus.subscribe(topics.data(self.node, self.name), self._on_tensor, schemas=(StageTensor,), plane="data")
+        self.bus.subscribe(request, self._on_send_state, schemas=(StageSendState,))
+        self.bus.subscribe(request, self._on_inventory, schemas=(StageInventory,))
+        data = topics.data(self.node, self.name)
+        self.bus.subscribe(data, self._on_tensor, schemas=(StageTensor,), plane="data")
+        self.bus.subscribe(data, self._on_state, schemas=(StageState,), plane="data")
+
+    def teardown(self) -> None:
+        for outbox in self._state_out.values():
+            outbox.close(timeout_s=1.0)
 
     # --- assignment ---------------------------------------------------------------------------------
 
     def _on_assign(self, msg: Inbound) -> None:
-        spec = msg.body
-        assert isinstance(spec, StageAssign)
+        # Building (and restoring, which waits for peers' state) runs apart from the request topic's thread, so
+        # the requests that make peers send that state, and probes, are still answered meanwhile.
+        assert isinstance(msg.body, StageAssign)
+        threading.Thread(target=self._assign, args=(msg, msg.body), name="assign", daemon=True).start()
+
+    def _assign(self, msg: Inbound, spec: StageAssign) -> None:
+        started = time.monotonic()
         try:
             job = self._build(spec)
+            restored = self._restore(job) if spec.restore else 0
         except EdgeswarmError as exc:
-            self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else "bad_request", str(exc))
+            self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else
+                       "timeout" if isinstance(exc, RoundTimeout) else "bad_request", str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
             log.exception("building stage %d of job %s failed", spec.stage, spec.job_id)
@@ -113,13 +143,21 @@ class StageWorkerService(Service):
             return
         with self._ready:
             old, self._job = self._job, job
+            if self._held is None or self._held.job_id != spec.job_id:
+                self._held = HeldState(spec.job_id)
+            self._held.forget_after(spec.resume_round)
+            self._held.epoch = spec.epoch
+            self._ready.notify_all()
         if old is not None:
             old.close()
+        self._snapshot(job, spec.resume_round)
         params = sum(p.numel() for p in job.stage.parameters())
-        log.info("job %s epoch %d: stage %d rank %d holds units [%d, %d) (%d parameters)", spec.job_id, spec.epoch,
-                 spec.stage, spec.rank, spec.start, spec.end, params)
+        log.info("job %s epoch %d: stage %d rank %d holds units [%d, %d) (%d parameters)%s", spec.job_id, spec.epoch,
+                 spec.stage, spec.rank, spec.start, spec.end, params,
+                 f", restored at round {spec.resume_round} ({restored} bytes from peers)" if spec.restore else "")
         self.bus.reply(msg, StageReady(job_id=spec.job_id, epoch=spec.epoch, stage=spec.stage, rank=spec.rank,
-                                       parameters=params))
+                                       parameters=params, restored_bytes=restored,
+                                       restore_s=time.monotonic() - started))
 
     def _build(self, spec: StageAssign) -> _Job:
         import torch
@@ -130,6 +168,7 @@ class StageWorkerService(Service):
         from edgeswarm.training.data import open_dataset
         from edgeswarm.training.jobs import make_optimizer
         from edgeswarm.training.stage import StageCompute
+        from edgeswarm.training.unit_state import unit_names
 
         if self.device.compute_threads is not None:
             torch.set_num_threads(self.device.compute_threads)
@@ -152,7 +191,145 @@ class StageWorkerService(Service):
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
         params = list(stage.parameters())
         optimizer = make_optimizer(spec.optimizer, params) if params else None  # a stage may have no weights
-        return _Job(spec, stage, optimizer, dataset, static, in_shape, out_shape)
+        return _Job(spec, stage, optimizer, dataset, static, in_shape, out_shape, unit_names(sequence))
+
+    # --- recovery state -----------------------------------------------------------------------------
+
+    def _restore(self, job: _Job) -> int:
+        """Load every unit's state at the start of the resume round from the sources the assignment names: this
+        worker's own snapshot or backup, or a peer's StageState messages. Returns the bytes received from peers."""
+        from edgeswarm.training.unit_state import load_units, state_nbytes
+
+        spec = job.spec
+        states: UnitStates = {}
+        deadline = time.monotonic() + WAIT_S
+        received = 0
+        with self._ready:
+            held = self._held if self._held is not None and self._held.job_id == spec.job_id else None
+            for source in spec.restore:
+                if source.node != self.node:
+                    continue
+                if held is None:
+                    raise RestoreError(f"{self.node} holds no state of job {spec.job_id} to restore from")
+                try:
+                    states.update(held.units(spec.resume_round, source.owner, [source.unit]))
+                except StateMissing as exc:
+                    raise RestoreError(f"{self.node} cannot restore unit {source.unit}: {exc}") from None
+            for source in spec.restore:
+                if source.node == self.node:
+                    continue
+                key = (spec.epoch, spec.resume_round, source.unit)
+                while self._held is None or key not in self._held.incoming:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RoundTimeout(f"the state of unit {source.unit} (round {spec.resume_round}) did not "
+                                           f"arrive from {source.node} within {WAIT_S:.0f} s")
+                    self._ready.wait(min(left, 1.0))
+                states[source.unit] = self._held.incoming.pop(key)
+                received += state_nbytes(states[source.unit])
+        load_units(job.stage.module, job.optimizer, states, job.names)
+        return received
+
+    def _snapshot(self, job: _Job, round_index: int) -> None:
+        """Keep this stage's state at the start of ``round_index`` and, for a single-device stage, send it to its
+        backup device (in the background: the round goes on)."""
+        from edgeswarm.training.unit_state import extract_units
+
+        spec = job.spec
+        units = extract_units(job.stage.module, job.optimizer, job.names, spec.start, spec.end)
+        with self._ready:
+            if self._job is not job or self._held is None:
+                return  # a newer assignment replaced this stage while it finished an aborted round
+            self._held.add_snapshot(round_index, units)
+        if spec.backup_to:
+            outbox = self._state_out.get(spec.backup_to)
+            if outbox is None:
+                outbox = self._state_out[spec.backup_to] = Outbox(spec.backup_to, self._backup_failed)
+            for unit, state in units.items():
+                outbox.put(round_index, partial(self._send_state, spec.backup_to, spec.job_id, spec.epoch, round_index,
+                                                unit, state, "backup"))
+
+    def _send_state(self, to: str, job_id: str, epoch: int, round_index: int, unit: int, state: dict[str, Any],
+                    purpose: str) -> int:
+        from edgeswarm.training.unit_state import pack_units
+
+        entries, flat = pack_units(state)
+        message = StageState(job_id=job_id, epoch=epoch, round=round_index, unit=unit, owner=self.node,
+                             purpose=purpose, entries=entries)  # type: ignore[arg-type]
+        return self.bus.send_tensor(to, self.name, message, flat)
+
+    def _backup_failed(self, round_index: int, reason: str) -> None:
+        self.metrics.count("backups_failed")
+        log.error("the backup of round %d was not delivered: %s", round_index, reason)
+
+    def _on_state(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, StageState)
+        from edgeswarm.training.unit_state import unpack_units
+
+        if msg.tensor is None:
+            log.error("dropped a unit state from %s without its tensor", msg.sender)
+            return
+        try:
+            state = unpack_units(body.entries, msg.tensor.to_torch())
+        except EdgeswarmError as exc:
+            self.metrics.count("states_dropped")
+            log.error("dropped the state of unit %d from %s: %s", body.unit, msg.sender, exc)
+            return
+        with self._ready:
+            held = self._held
+            if held is None or held.job_id != body.job_id:
+                self.metrics.count("states_dropped")
+                log.error("dropped a %s of unit %d of job %s from %s: this worker holds no stage of that job",
+                          body.purpose, body.unit, body.job_id, msg.sender)
+                return
+            if body.purpose == "backup":
+                if not held.add_backup(body.owner, body.epoch, body.round, body.unit, state):
+                    log.info("dropped a stale backup of %s (epoch %d, round %d)", body.owner, body.epoch, body.round)
+            elif body.purpose == "gather":
+                held.add_snapshot(body.round, {body.unit: state})
+            else:
+                held.incoming[(body.epoch, body.round, body.unit)] = state
+            self._ready.notify_all()
+
+    def _on_send_state(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, StageSendState)
+        threading.Thread(target=self._ship, args=(msg, msg.body), name="ship", daemon=True).start()
+
+    def _ship(self, msg: Inbound, body: StageSendState) -> None:
+        """Send the asked units to the restoring device, back to back on this link (other links run at the same
+        time on their own threads), then answer."""
+        started = time.monotonic()
+        with self._ready:
+            held = self._held
+            try:
+                if held is None or held.job_id != body.job_id:
+                    raise StateMissing(f"{self.node} holds no state of job {body.job_id}")
+                units = held.units(body.round, body.owner, body.units)
+            except StateMissing as exc:
+                self._fail(msg, body.job_id, "bad_request", str(exc))
+                return
+        sent = 0
+        try:
+            for unit, state in units.items():
+                sent += self._send_state(body.to, body.job_id, body.epoch, body.round, unit, state, body.purpose)
+        except EdgeswarmError as exc:
+            self._fail(msg, body.job_id, "error", f"sending units to {body.to}: {exc}")
+            return
+        self.metrics.count("state_bytes_sent", sent)
+        self.bus.reply(msg, StageStateSent(job_id=body.job_id, to=body.to, units=body.units, nbytes=sent,
+                                           seconds=time.monotonic() - started))
+
+    def _on_inventory(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, StageInventory)
+        with self._ready:
+            held = self._held if self._held is not None and self._held.job_id == body.job_id else None
+            snapshots = [HeldSnapshot(round=r, units=sorted(u))
+                         for r, u in sorted(held.snapshots.items())] if held else []
+            backups = [HeldBackup(owner=o, round=r, units=sorted(units)) for o, rounds in held.backups.items()
+                       for r, (_epoch, units) in rounds.items()] if held else []
+        self.bus.reply(msg, StageHeld(job_id=body.job_id, node=self.node, snapshots=snapshots, backups=backups))
 
     # --- tensors ------------------------------------------------------------------------------------
 
@@ -326,13 +503,18 @@ class StageWorkerService(Service):
             self.device.run(job.optimizer.step)
             job.optimizer.zero_grad(set_to_none=True)
         allreduce = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if (round_index + 1) % spec.backup_interval == 0:
+            self._snapshot(job, round_index + 1)
+        snapshot = time.perf_counter() - t0
         done = RoundDone(job_id=spec.job_id, epoch=spec.epoch, round=round_index, stage=p, rank=r,
                          loss_sum=stage.loss_sum, correct=stage.correct, terms=stage.terms, compute_s=compute,
                          compute_cpu_s=cpu,
                          wait_s=blocked, overhead_s=max(0.0, loop - compute - blocked), forward_s=times["F"],
                          backward_s=times["B"],
                          allreduce_s=allreduce, peak_live=stage.peak_live,
-                         peak_activation_bytes=stage.peak_held_bytes, static_bytes=job.static_bytes)
+                         peak_activation_bytes=stage.peak_held_bytes, static_bytes=job.static_bytes,
+                         snapshot_s=snapshot)
         stage.end_round()
         return done
 

@@ -158,3 +158,34 @@ def run_bench_training(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
     return 0
+
+
+def run_bench_recovery(args: argparse.Namespace) -> int:
+    """``edgeswarm bench recovery``: each device dropped in turn, light against heavy recovery."""
+    from edgeswarm.bench.recovery import run_recovery_bench
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    victims = [v.strip() for v in args.victims.split(",") if v.strip()] or None
+    rows = run_recovery_bench(args.env, victims=victims, modes=modes, rounds=args.rounds,
+                              kill_round=args.kill_round, profile_dir=Path(args.profile_dir),
+                              log=lambda m: err_console.print(m, highlight=False))
+    t = Table(title=f"Env {args.env.upper()}: a device dropped during round {args.kill_round}")
+    for col in ("dropped", "mode", "stages after", "detection", "recovery", "heavy / light", "moved",
+                "round before", "round after", "after / heavy after"):
+        t.add_column(col, justify="left" if col in ("dropped", "mode", "stages after") else "right")
+    heavy = {r.victim: r for r in rows if r.mode == "heavy" and r.error is None}
+    for r in rows:
+        if r.error is not None:
+            t.add_row(r.victim, r.mode, "failed", "-", "-", "-", "-", "-", "-", r.error[:40])
+            continue
+        h = heavy.get(r.victim)
+        speedup = f"{h.recovery_s / r.recovery_s:.1f}x" if h and r.recovery_s and h.recovery_s else "-"
+        after = (f"{h.after_round_s / r.after_round_s:.0%}" if h and h.after_round_s and r.after_round_s else "-")
+        t.add_row(r.victim, r.mode, " | ".join(",".join(s) for s in r.stages_after), f"{r.detection_s or 0:.2f} s",
+                  f"{r.recovery_s or 0:.2f} s", speedup, f"{(r.moved_bytes or 0) / 1e6:.1f} MB",
+                  f"{r.before_round_s or 0:.3f} s", f"{r.after_round_s or 0:.3f} s", after)
+    console.print(t)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
+    return 0 if all(r.error is None for r in rows) else 1

@@ -81,7 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--rounds", type=int, default=4, help="rounds per strategy (the first is not timed)")
     training.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     training.add_argument("--out", default=None, help="also write the JSON report to this file")
+    recovery = bench_sub.add_parser("recovery", help="drop each device of emulated Env D mid-round: detection "
+                                    "time, light against heavy recovery, throughput after")
+    recovery.add_argument("--env", default="d", help="the Asteroid environment (at 100 Mbps)")
+    recovery.add_argument("--victims", default="", help="comma-separated devices to drop (default: each in turn)")
+    recovery.add_argument("--modes", default="light,heavy", help="comma-separated recovery modes")
+    recovery.add_argument("--rounds", type=int, default=7, help="rounds per run")
+    recovery.add_argument("--kill-round", type=int, default=3, help="the round during which the device dies")
+    recovery.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
+    recovery.add_argument("--out", default=None, help="also write the JSON report to this file")
 
+    from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.train import add_train_parser
@@ -89,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_train_parser(sub)
+    add_chaos_parser(sub)
     return parser
 
 
@@ -112,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
+        if args.command == "chaos":
+            from edgeswarm.cli.chaos import run_chaos
+
+            return run_chaos(args)
         if args.command in ("plan", "bench", "train"):
             from edgeswarm.runtime.signals import terminate_as_interrupt
 
@@ -120,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.bench import run_bench_training
 
             return run_bench_training(args)
+        if args.command == "bench" and args.bench == "recovery":
+            from edgeswarm.cli.bench import run_bench_recovery
+
+            return run_bench_recovery(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 

@@ -20,15 +20,24 @@ from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.messages.training import (
+    HeldBackup,
+    HeldSnapshot,
     RoundDone,
     RoundStart,
     StageAbort,
     StageAssign,
     StageFailed,
+    StageHeld,
+    StageInventory,
     StageReady,
     StageSave,
     StageSaved,
+    StageSendState,
+    StageState,
+    StageStateSent,
     StageTensor,
+    StateEntry,
+    UnitSource,
 )
 
 __all__ = [
@@ -49,6 +58,8 @@ __all__ = [
     "ClusterEvent",
     "ClusterView",
     "Heartbeat",
+    "HeldBackup",
+    "HeldSnapshot",
     "JobAccepted",
     "JobCancel",
     "JobEvent",
@@ -74,10 +85,17 @@ __all__ = [
     "StageAbort",
     "StageAssign",
     "StageFailed",
+    "StageHeld",
+    "StageInventory",
     "StageReady",
     "StageSave",
     "StageSaved",
+    "StageSendState",
+    "StageState",
+    "StageStateSent",
     "StageTensor",
     "StageVersions",
+    "StateEntry",
     "Status",
+    "UnitSource",
 ]

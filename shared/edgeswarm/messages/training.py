@@ -7,15 +7,48 @@ and the round, so a worker drops anything from another epoch or job. Times are s
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
 from edgeswarm.wire.schema import Message, Name, schema
 
 MAX_GROUPS = 64
+
+
+# Bytes per element of every dtype a unit's training state may hold.
+STATE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+class StateEntry(BaseModel):
+    """One tensor of a unit's training state in a packed StageState: its name (``param:``, ``buffer:`` or
+    ``opt:`` followed by the qualified parameter name and, for optimizer state, ``:field``), dtype and shape. Its
+    raw bytes (``nbytes``, little-endian) follow those of the entry before it in the message's uint8 tensor."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=512)
+    dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32"]
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entry's tensor."""
+        return math.prod(self.shape) * STATE_ITEMSIZE[self.dtype]
+
+
+class UnitSource(BaseModel):
+    """Where a restoring stage-worker gets unit ``unit``'s state: from ``node`` (itself, or a peer that sends it),
+    either that node's own state (``owner`` None) or the backup it holds for the failed device ``owner``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    unit: int = Field(ge=0)
+    node: Name
+    owner: Name | None = None
 
 
 @schema("edgeswarm.stage.assign", 1)
@@ -26,6 +59,12 @@ class StageAssign(Message):
     worker can route to its neighbours; ``warmup`` is its K_p. ``data`` and ``seed`` let the first and last
     stages read their samples and labels by id (``round_sample_ids``); ``loss_scale`` is 1 / loss terms per
     round. Answered with StageReady, or StageFailed.
+
+    Fault tolerance: the worker snapshots its stage's state (weights, buffers, optimizer state) at the start of
+    every ``backup_interval``-th round and, when ``backup_to`` names a device (single-device stages), sends it
+    there as a backup. With ``restore`` the stage is not initialised from the seed: every unit's state at the
+    start of round ``resume_round`` comes from the named source (its own snapshot or backup, or StageState
+    messages from a peer told to send them with StageSendState), and the next round run is ``resume_round``.
     """
 
     job_id: Name
@@ -43,6 +82,10 @@ class StageAssign(Message):
     optimizer: OptimizerSpec
     data: DatasetSpec
     seed: int = 0
+    backup_to: Name | None = None
+    backup_interval: int = Field(default=1, ge=1)
+    resume_round: int = Field(default=0, ge=0)
+    restore: list[UnitSource] = Field(default_factory=list, max_length=65536)
 
     @model_validator(mode="after")
     def _consistent(self) -> StageAssign:
@@ -53,18 +96,24 @@ class StageAssign(Message):
             raise ValueError(f"stage {self.stage} rank {self.rank} is not in the groups")
         if len({sum(s) for s in self.shares}) != 1:
             raise ValueError("every stage's shares must add up to the same micro-batch size")
+        if self.restore and sorted(u.unit for u in self.restore) != list(range(self.start, self.end)):
+            raise ValueError(f"restore must name one source for every unit in [{self.start}, {self.end})")
         return self
 
 
 @schema("edgeswarm.stage.ready", 1)
 class StageReady(Message):
-    """The answer to StageAssign: the stage is built; ``parameters`` counts its trainable values."""
+    """The answer to StageAssign: the stage is built; ``parameters`` counts its trainable values;
+    ``restored_bytes`` is the state received from peers for a restore and ``restore_s`` the seconds from the
+    assignment to the stage holding its restored state."""
 
     job_id: Name
     epoch: int
     stage: int
     rank: int
     parameters: int = Field(ge=0)
+    restored_bytes: int = Field(default=0, ge=0)
+    restore_s: float = Field(default=0.0, ge=0)
 
 
 @schema("edgeswarm.stage.round", 1)
@@ -85,7 +134,8 @@ class RoundDone(Message):
     sends: ``overhead_s``) and in the AllReduce and optimizer step; the compute of each micro-batch's forward
     and backward (``forward_s``, ``backward_s``, in micro-batch order); its peak live micro-batches, the most
     activation bytes it held for backward at once, and the bytes of its weights, gradients, optimizer state and
-    buffers."""
+    buffers; ``snapshot_s`` is the time taken to snapshot the stage's state after the step (its backup is sent in
+    the background)."""
 
     job_id: Name
     epoch: int
@@ -105,6 +155,7 @@ class RoundDone(Message):
     peak_live: int = Field(ge=0)
     peak_activation_bytes: int = Field(default=0, ge=0)
     static_bytes: int = Field(default=0, ge=0)
+    snapshot_s: float = Field(default=0.0, ge=0)
 
 
 StageFailureReason = Literal["bad_request", "not_assigned", "timeout", "memory", "aborted", "error"]
@@ -172,3 +223,90 @@ class StageSaved(Message):
     version: int
     checkpoint_stage: str
     nbytes: int = Field(ge=0)
+
+
+StatePurpose = Literal["backup", "migrate", "gather"]
+
+
+@schema("edgeswarm.stage.state", 1)
+class StageState(Message):
+    """The training state of unit ``unit`` at the start of round ``round`` (always carries the tensor: the
+    entries' raw bytes back to back, uint8). ``owner`` is the device whose state it is. ``backup``: a
+    single-device stage's periodic backup to its backup device; ``migrate``: sent on StageSendState to a
+    device restoring plan ``epoch``; ``gather``: sent on StageSendState to the device that collects the whole
+    model for heavy rescheduling (it keeps the units as its own snapshot of that round)."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=0)
+    unit: int = Field(ge=0)
+    owner: Name
+    purpose: StatePurpose
+    entries: list[StateEntry] = Field(max_length=4096)
+
+
+@schema("edgeswarm.stage.send_state", 1)
+class StageSendState(Message):
+    """Request: send the state of ``units`` at the start of round ``round`` to ``to``, which restores plan
+    ``epoch`` (StageState, purpose ``migrate``): this worker's own snapshot (``owner`` None) or the backup it
+    holds of device ``owner``. Answered with StageStateSent once every unit is sent, or StageFailed."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=0)
+    units: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=65536)
+    owner: Name | None = None
+    to: Name
+    purpose: Literal["migrate", "gather"] = "migrate"
+
+
+@schema("edgeswarm.stage.state_sent", 1)
+class StageStateSent(Message):
+    """The answer to StageSendState: the units sent, the bytes on the wire and the seconds it took."""
+
+    job_id: Name
+    to: Name
+    units: list[int]
+    nbytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+@schema("edgeswarm.stage.inventory", 1)
+class StageInventory(Message):
+    """Request: which rounds' state of job ``job_id`` this worker holds. Answered with StageHeld."""
+
+    job_id: Name
+
+
+class HeldSnapshot(BaseModel):
+    """A snapshot a worker holds of its own stage: ``units`` at the start of ``round``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    round: int = Field(ge=0)
+    units: list[int]
+
+
+class HeldBackup(BaseModel):
+    """A backup a worker holds: device ``owner``'s units at the start of ``round``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    owner: Name
+    round: int = Field(ge=0)
+    units: list[int]
+
+
+@schema("edgeswarm.stage.held", 1)
+class StageHeld(Message):
+    """The answer to StageInventory: the rounds at whose start this worker has snapshots of its own stage
+    (with the units), and the backups it holds for other devices."""
+
+    job_id: Name
+    node: Name
+    snapshots: list[HeldSnapshot] = Field(default_factory=list)
+    backups: list[HeldBackup] = Field(default_factory=list)
+
+    def snapshot_units(self, round_index: int) -> list[int]:
+        """The units this worker's own snapshot holds at the start of ``round_index`` (empty: none)."""
+        return next((s.units for s in self.snapshots if s.round == round_index), [])

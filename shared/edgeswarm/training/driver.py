@@ -21,11 +21,18 @@ from edgeswarm.messages.training import (
     StageAbort,
     StageAssign,
     StageFailed,
+    StageHeld,
+    StageInventory,
     StageReady,
     StageSave,
     StageSaved,
+    StageSendState,
+    StageStateSent,
+    UnitSource,
 )
+from edgeswarm.planning.migration import UnitTransfer, backup_map
 from edgeswarm.planning.types import Plan
+from edgeswarm.training.detection import Detection, FailureDetector
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
@@ -40,6 +47,14 @@ class JobError(EdgeswarmError):
 
 class JobCancelled(JobError):
     """The job was cancelled."""
+
+
+class DeviceLost(JobError):
+    """Devices of the plan failed (confirmed by the failure detector) while the driver waited on them."""
+
+    def __init__(self, message: str, failures: dict[str, Detection]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class RoundReport(BaseModel):
@@ -67,29 +82,48 @@ class JobDriver:
     epoch: int = 0
     timeout_s: float = 120.0
     cancel: threading.Event = field(default_factory=threading.Event)
+    detector: FailureDetector | None = None
+
+    def __post_init__(self) -> None:
+        self._targets: dict[str, str] = {}  # request key -> node, for requests not keyed by node
+        self.sent: list[StageStateSent] = []  # the state sends of the last deploy
+        if self.detector is not None:
+            self.detector.watch(self.plan.devices)
+
+    def _lost(self, nodes: list[str]) -> dict[str, Detection]:
+        return {n: d for n, d in self.detector.failures().items() if n in nodes} if self.detector else {}
 
     def _ask(self, messages: dict[str, Message], round_index: int | None = None) -> dict[str, Inbound]:
-        """Send every device its request and collect the answers. The first failure, or a cancellation, ends the
-        wait early: for a round, every device is told to abort it and gets ABORT_GRACE_S to answer."""
+        """Send every device its request and collect the answers. The first failure, a device the failure detector
+        confirms lost, or a cancellation ends the wait early: for a round, every device is told to abort it and
+        gets ABORT_GRACE_S to answer. Raises DeviceLost when a failure is explained by a lost device (a failed
+        answer makes the driver probe every device at once rather than wait for the heartbeats to time out)."""
         expectations = {}
-        for node, message in messages.items():
+        for key, message in messages.items():
             exp = self.bus.expect()
-            expectations[node] = exp
-            self.bus.publish(topics.request(node, WORKER), message, correlation_id=exp.correlation_id,
-                             reply_to=self.bus.reply_topic, ttl_s=self.timeout_s)
+            expectations[key] = exp
+            self.bus.publish(topics.request(self._targets.get(key, key), WORKER), message,
+                             correlation_id=exp.correlation_id, reply_to=self.bus.reply_topic, ttl_s=self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         replies: dict[str, Inbound] = {}
         giving_up = False
+        lost: dict[str, Detection] = {}
         while len(replies) < len(expectations) and time.monotonic() < deadline:
             for node, exp in expectations.items():
                 if node not in replies and exp.arrived:
                     replies[node] = exp.wait(0)  # type: ignore[assignment]
-            if not giving_up and (self.cancel.is_set() or any(isinstance(r.body, StageFailed)
-                                                              for r in replies.values())):
+            lost = lost or self._lost([self._targets.get(k, k) for k in expectations])
+            if lost and all(k in replies or self._targets.get(k, k) in lost for k in expectations):
+                break  # every device still alive has answered
+            if not giving_up and (self.cancel.is_set() or lost or any(isinstance(r.body, StageFailed)
+                                                                      for r in replies.values())):
                 giving_up = True
                 if round_index is None:
-                    break
-                self.abort(round_index, "cancelled" if self.cancel.is_set() else "another device failed it")
+                    if not lost:
+                        break
+                else:
+                    self.abort(round_index, "cancelled" if self.cancel.is_set() else
+                               f"{', '.join(lost)} failed" if lost else "another device failed it")
                 deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
             time.sleep(POLL_S)
         for node, exp in expectations.items():
@@ -98,12 +132,17 @@ class JobDriver:
         if self.cancel.is_set():
             raise JobCancelled(f"job {self.job.name} was cancelled")
         failed = {node: r.body for node, r in replies.items() if isinstance(r.body, StageFailed)}
+        missing = [node for node in expectations if node not in replies]
+        if (failed or missing) and self.detector is not None and not lost:
+            # A peer's death shows first as a failed send or a timeout on the devices around it: ask now.
+            lost = self.detector.confirm(sorted({self._targets.get(k, k) for k in expectations}))
+        if lost:
+            raise DeviceLost(f"job {self.job.name}: " + "; ".join(d.detail for d in lost.values()), lost)
         if failed:
             # The devices that failed first say why; those that gave up because of them only say "aborted".
             first = {n: f for n, f in failed.items() if f.reason != "aborted"} or failed
             raise JobError(f"job {self.job.name}: " + "; ".join(f"{node} failed ({f.reason}): {f.detail}"
                                                                 for node, f in first.items()))
-        missing = [node for node in expectations if node not in replies]
         if missing:
             raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
                            f"{self.timeout_s:.0f} s")
@@ -115,20 +154,73 @@ class JobDriver:
             self.bus.publish(topics.request(node, WORKER), StageAbort(job_id=self.job.name, epoch=self.epoch,
                                                                       round=round_index, reason=reason))
 
-    def deploy(self) -> dict[str, StageReady]:
-        """Assign every device its stage; returns their StageReady answers."""
+    def deploy(self, resume_round: int = 0, transfers: list[UnitTransfer] | None = None,
+               gathered_at: str | None = None) -> dict[str, StageReady]:
+        """Assign every device its stage; returns their StageReady answers.
+
+        Without ``transfers`` the stages start from the model's seed. With them (a recovery) every device
+        restores its units' state at the start of ``resume_round``: a unit a transfer brings comes from that
+        transfer's source, which is told to send it (StageSendState; one request per link, so links carry their
+        units at the same time), and every other unit from the device's own snapshot, or from ``gathered_at``'s
+        when heavy rescheduling gathered the model there."""
         groups = [list(s.devices) for s in self.plan.stages]
         shares = [list(s.shares) for s in self.plan.stages]
+        backups = backup_map(self.plan)
+        incoming: dict[tuple[str, int], UnitTransfer] = {(t.dst, t.unit): t for t in transfers or []}
         messages: dict[str, Message] = {}
         for s in self.plan.stages:
             for rank, node in enumerate(s.devices):
+                restore = []
+                if transfers is not None:
+                    for unit in range(s.start, s.end):
+                        t = incoming.get((node, unit))
+                        restore.append(UnitSource(unit=unit, node=t.src, owner=t.from_backup_of) if t else
+                                       UnitSource(unit=unit, node=node))
                 messages[node] = StageAssign(
                     job_id=self.job.name, epoch=self.epoch, stage=s.index, rank=rank, model=self.job.model,
                     start=s.start, end=s.end, groups=groups, shares=shares,
                     micro_batches=self.plan.options.micro_batches, warmup=s.warmup,
                     loss_scale=1.0 / self.loss_terms, optimizer=self.job.optimizer, data=self.job.data,
-                    seed=self.job.seed)
-        return {node: r.body for node, r in self._ask(messages).items()}  # type: ignore[misc]
+                    seed=self.job.seed, backup_to=backups.get(node), backup_interval=self.job.backup_interval,
+                    resume_round=resume_round, restore=restore)
+        requests: dict[str, Message] = {}
+        for (src, dst, owner), units in _links(transfers or []).items():
+            requests[f"{src}>{dst}>{owner or ''}"] = StageSendState(
+                job_id=self.job.name, epoch=self.epoch, round=resume_round, units=units, owner=owner, to=dst)
+        replies = self._ask_many(messages, requests)
+        self.sent = [r.body for key, r in replies.items() if ">" in key]  # type: ignore[misc]
+        return {node: r.body for node, r in replies.items() if ">" not in node}  # type: ignore[misc]
+
+    def _ask_many(self, assigns: dict[str, Message], sends: dict[str, Message]) -> dict[str, Inbound]:
+        """``_ask`` for assignments (keyed by node) and state sends (keyed ``src>dst>owner``) together."""
+        keyed: dict[str, Message] = dict(assigns)
+        self._targets = {key: key.split(">", 1)[0] for key in sends}
+        keyed.update(sends)
+        try:
+            return self._ask(keyed)
+        finally:
+            self._targets = {}
+
+    def gather(self, at: str, resume_round: int, holders: dict[int, tuple[str, str | None]]) -> list[StageStateSent]:
+        """Heavy rescheduling's first step: every unit's holder sends its state at the start of ``resume_round``
+        to ``at`` (``holders``: unit -> (node, backup owner or None)). Returns the senders' answers."""
+        by_source: dict[tuple[str, str | None], list[int]] = {}
+        for unit, (node, owner) in sorted(holders.items()):
+            if node != at or owner is not None:
+                by_source.setdefault((node, owner), []).append(unit)
+        self._targets = {f"{n}>{at}>{o or ''}": n for n, o in by_source}
+        try:
+            replies = self._ask({f"{n}>{at}>{o or ''}": StageSendState(
+                job_id=self.job.name, epoch=self.epoch, round=resume_round, units=units, owner=o, to=at,
+                purpose="gather") for (n, o), units in by_source.items()})
+        finally:
+            self._targets = {}
+        return [r.body for r in replies.values()]  # type: ignore[misc]
+
+    def inventory(self, nodes: list[str]) -> dict[str, StageHeld]:
+        """What state of the job every node in ``nodes`` holds (their snapshots and the backups of others)."""
+        replies = self._ask({n: StageInventory(job_id=self.job.name) for n in nodes})
+        return {n: r.body for n, r in replies.items()}  # type: ignore[misc]
 
     def run_round(self, index: int) -> RoundReport:
         """Run round ``index`` on every device and report it."""
@@ -148,3 +240,13 @@ class JobDriver:
                                                                   store_node=store_node, version=version)
                                         for s in self.plan.stages}
         return [r.body for r in self._ask(messages).values()]  # type: ignore[misc]
+
+
+def _links(transfers: list[UnitTransfer]) -> dict[tuple[str, str, str | None], list[int]]:
+    """The units each (source, destination, backup owner) sends, in unit order."""
+    links: dict[tuple[str, str, str | None], list[int]] = {}
+    for t in sorted(transfers, key=lambda t: t.unit):
+        if t.src == t.dst:
+            continue  # restored from the device's own backup store
+        links.setdefault((t.src, t.dst, t.from_backup_of), []).append(t.unit)
+    return links

@@ -80,6 +80,9 @@ class OptimizerSpec(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
+Recovery = Literal["light", "heavy", "none"]
+
+
 class JobSpec(BaseModel):
     """A training job. Exactly one of ``rounds`` and ``epochs`` says how long it trains."""
 
@@ -96,6 +99,11 @@ class JobSpec(BaseModel):
     strategy: Strategy = "hpp"
     checkpoint_interval: int = Field(default=1, ge=0, description="rounds between checkpoints; 0: only the end")
     seed: int = 0
+    recovery: Recovery = Field(default="light", description="how a lost device is replaced: light (move only the "
+                               "layers whose owner changes), heavy (gather, full re-plan, redistribute) or none "
+                               "(fail the job)")
+    backup_interval: int = Field(default=1, ge=1, description="rounds between stage backups and snapshots; a "
+                                 "failure replays the rounds since the last one")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

@@ -10,6 +10,7 @@ flight. What happens is reported to a ``JobObserver``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgeswarm import topics
@@ -22,8 +23,10 @@ from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.profiling.types import ClusterProfile
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
-from edgeswarm.training.driver import JobCancelled, JobDriver, JobError, RoundReport
+from edgeswarm.training.detection import Detection, FailureDetector
+from edgeswarm.training.driver import DeviceLost, JobCancelled, JobDriver, JobError, RoundReport
 from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.recovery import RecoveryReport, recover
 
 MAX_PROFILED_BATCH = 256
 PLANNER_NODE = "hub"
@@ -39,6 +42,7 @@ class JobResult:
     rounds: list[RoundReport] = field(default_factory=list)
     saved: list[list[StageSaved]] = field(default_factory=list)
     test_accuracy: float | None = None
+    recoveries: list[RecoveryReport] = field(default_factory=list)
 
 
 class JobObserver:
@@ -61,6 +65,12 @@ class JobObserver:
 
     def saved(self, version: int, saved: list[StageSaved]) -> None:
         """Every stage was saved to the checkpoint store as ``version``."""
+
+    def device_lost(self, failures: dict[str, Detection], round_index: int) -> None:
+        """The failure detector confirmed ``failures`` while round ``round_index`` ran (or was next)."""
+
+    def recovered(self, report: RecoveryReport) -> None:
+        """The job runs again on ``report.plan`` from round ``report.resume_round``."""
 
     def evaluated(self, test_accuracy: float) -> None:
         """The final model, loaded back from the checkpoint store, scored ``test_accuracy`` on held-out data."""
@@ -97,13 +107,15 @@ def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: 
 
 
 def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
-            cancel: threading.Event | None = None, timeout_s: float = 600.0) -> JobResult:
+            cancel: threading.Event | None = None, timeout_s: float = 600.0,
+            detector: FailureDetector | None = None) -> JobResult:
     """Train ``job`` on the devices whose stage-workers are online on ``bus``'s cluster; returns what happened.
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
-    split. Raises JobCancelled once ``cancel`` is set, JobError (or a profiling
-    error) naming what failed.
+    split. Devices the failure ``detector`` (a new one if None) confirms lost are replaced as ``job.recovery``
+    says, and the job replays from the latest round start every unit has a copy of. Raises JobCancelled once
+    ``cancel`` is set, JobError (or a profiling error) naming what failed.
     """
     from edgeswarm.training.data import open_dataset  # torch: only when a job actually runs
 
@@ -130,24 +142,54 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     total = job.total_rounds(dataset.train_size)
     seen.planned(plan, comparison, total)
     check()
-    driver = JobDriver(bus, job, plan, loss_terms=job.global_batch * terms_per_sample, timeout_s=timeout_s,
-                       cancel=cancel)
-    driver.deploy()
-    seen.deployed()
-    result = JobResult(plan, comparison)
-    for index in range(total):
-        check()
-        report = driver.run_round(index)
-        result.rounds.append(report)
-        seen.round_done(report)
-        last = index == total - 1
-        if store_node and (last or (job.checkpoint_interval and (index + 1) % job.checkpoint_interval == 0)):
-            saved = driver.save(store_node, index + 1)
-            result.saved.append(saved)
-            seen.saved(index + 1, saved)
+    own_detector = detector is None
+    detector = detector or FailureDetector(bus, timeout_factor=bus.settings.heartbeat_timeout_factor)
+    try:
+        driver = JobDriver(bus, job, plan, loss_terms=job.global_batch * terms_per_sample, timeout_s=timeout_s,
+                           cancel=cancel, detector=detector)
+        driver.deploy()
+        seen.deployed()
+        result = JobResult(plan, comparison)
+        train_rounds(driver, job, total, cluster, store_node, result, seen, check)
+    finally:
+        if own_detector:
+            detector.close()
     if store_node and total:
         from edgeswarm.training.evaluation import evaluate_checkpoint
 
-        result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(plan.stages), total)
+        result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(result.plan.stages), total)
         seen.evaluated(result.test_accuracy)
     return result
+
+
+def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
+           result: JobResult, seen: JobObserver, check: Callable[[], None]) -> None:
+    """Run rounds until ``total`` are done and saved; a lost device is replaced (``job.recovery``) and the rounds
+    since the resume point run again."""
+    index = 0
+    saved_version = 0
+    while index < total or (store_node and saved_version < total):
+        check()
+        try:
+            if index < total:
+                report = driver.run_round(index)
+                result.rounds.append(report)
+                seen.round_done(report)
+                index += 1
+            due = index == total or (job.checkpoint_interval and index % job.checkpoint_interval == 0)
+            if store_node and due and saved_version < index:
+                saved = driver.save(store_node, index)
+                saved_version = index
+                result.saved.append(saved)
+                seen.saved(index, saved)
+        except DeviceLost as lost:
+            if job.recovery == "none":
+                raise
+            seen.device_lost(lost.failures, index)
+            driver, report_ = recover(driver, lost.failures, index, cluster, job.recovery)
+            result.recoveries.append(report_)
+            result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
+            result.plan = report_.plan
+            index = report_.resume_round
+            saved_version = min(saved_version, index)
+            seen.recovered(report_)

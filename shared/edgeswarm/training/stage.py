@@ -96,7 +96,9 @@ class StageCompute:
             del self._saved_bytes[micro_batch]
         except KeyError:
             raise StageError(f"backward of micro-batch {micro_batch} without its forward on this stage") from None
-        if self.last:
+        if not out.requires_grad:
+            pass  # a first stage without weights (a flatten, say) has nothing to back-propagate
+        elif self.last:
             out.backward()
         else:
             if grad_output is None or grad_output.shape != out.shape:
@@ -115,7 +117,8 @@ class StageCompute:
         x = inputs if self.first or not inputs.is_floating_point() else inputs.detach().requires_grad_(True)
         with torch.random.fork_rng(devices=[]):
             out = self.module(x)
-            out.backward(torch.ones_like(out))
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
         with torch.no_grad():
             for buffer, before in buffers:
                 buffer.copy_(before)
