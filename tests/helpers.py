@@ -29,3 +29,45 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
             return value
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s:.1f} s waiting for {message}")
+
+
+def reference_weights(job, rounds: int) -> dict:  # type: ignore[no-untyped-def]
+    """``job`` (a JobSpec of a classification task) trained for ``rounds`` rounds in this process on one
+    device, in the rounds' sample order: the weights (state dict) an uninterrupted distributed run ends with."""
+    import torch
+
+    from edgeswarm.models.zoo import build_model
+    from edgeswarm.training.data import open_dataset, round_sample_ids
+    from edgeswarm.training.jobs import make_optimizer
+
+    model = build_model(job.model)
+    optimizer = make_optimizer(job.optimizer, model.parameters())
+    dataset = open_dataset(job.data, job.model)
+    for r in range(rounds):
+        x, y = dataset.batch(round_sample_ids(r, job.global_batch, dataset.train_size, job.seed))
+        optimizer.zero_grad()
+        (torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / job.global_batch).backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def stored_weights(store_dir: Path, job_id: str, stages: int) -> dict:  # type: ignore[no-untyped-def]
+    """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict."""
+    import numpy as np
+    import torch
+
+    from edgeswarm.checkpoints.store import CheckpointStore
+
+    store = CheckpointStore(store_dir)
+    weights = {}
+    for s in range(stages):
+        weights.update({k: torch.from_numpy(np.array(v)) for k, v in store.get(job_id, f"stage-{s}")[1].items()})
+    return weights
+
+
+def assert_same_weights(weights: dict, reference: dict, tolerance: float = 1e-6) -> float:  # type: ignore[type-arg]
+    """Fail unless both hold the same tensors, equal within ``tolerance`` (absolute); returns the worst gap."""
+    assert set(weights) == set(reference)
+    worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
+    assert worst <= tolerance, worst
+    return worst

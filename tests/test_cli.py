@@ -252,3 +252,111 @@ def test_bench_training_measures_every_strategy(tmp_path: Path) -> None:
         assert r["measured_round_s"] > 0 and r["predicted_round_s"] > 0 and r["replayed_round_s"] > 0
         assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
     assert rows[1]["stages"] == 4 and "measured / predicted" in out.stdout
+
+
+class _Following:
+    """``edgeswarm train JOB --wait`` in the background, its output in a file."""
+
+    def __init__(self, tmp_path: Path, job: str, url: str, *args: str) -> None:
+        self.log = tmp_path / "train.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "edgeswarm", "train", job, "--hub", url, "--wait",
+                                          *args], env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, text=True)
+
+    def finish(self, timeout_s: float) -> str:
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.log.read_text()
+
+
+def _job_state(url: str, name: str) -> dict | None:  # type: ignore[type-arg]
+    states = json.loads(edgeswarm("jobs", "--hub", url, "--json").stdout)
+    return next((s for s in states if s["job_id"] == name), None)
+
+
+def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type: ignore[type-arg]
+    state = _job_state(url, name)
+    return state if state and state["status"] == "running" and state["round"] >= round_index else None
+
+
+def _assert_uninterrupted_weights(tmp_path: Path, job_text: str, run: dict) -> None:  # type: ignore[type-arg]
+    from edgeswarm.training.jobs import parse_job_text
+    from helpers import assert_same_weights, reference_weights, stored_weights
+
+    job = parse_job_text(job_text)
+    stages = len(run["state"]["plan"]["stages"])
+    assert_same_weights(stored_weights(tmp_path / "checkpoints", job.name, stages),
+                        reference_weights(job, run["state"]["total_rounds"]))
+
+
+FT_JOB = JOB.replace("rounds: 6", "rounds: 24\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
+# Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted.
+FT_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "150"}
+
+
+def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_uninterrupted(
+        tmp_path: Path, up) -> None:
+    """`edgeswarm chaos kill` on a device of a running job's plan: `train --wait` shows the loss and the recovery
+    (from the job's event topic), the job completes on the survivors, and its weights are those of a run without
+    the failure."""
+    cluster = Up(tmp_path, "--devices", "3", env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
+                                                   "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV})
+    up.append(cluster)
+    cluster.status(devices=3)
+    job_text = FT_JOB.replace("mlp-teacher", "chaos")
+    (tmp_path / "chaos.yaml").write_text(job_text)
+    train = _Following(tmp_path, str(tmp_path / "chaos.yaml"), cluster.url, "--recovery", "light", "--json",
+                       str(tmp_path / "run.json"))
+    state = wait_until(lambda: _running_from(cluster.url, "chaos", 3), 180, interval_s=0.2, message="round 3")
+    victim = state["stages"][-1][-1]  # type: ignore[index]
+    killed = edgeswarm("chaos", "kill", victim, "--hub", cluster.url)
+    assert f"killed stage-worker on {victim}" in killed.stdout, killed.stdout
+    out = train.finish(300)
+    assert train.proc.returncode == 0, out
+    assert re.search(rf"device_lost.*{victim}", out) and re.search(r"recovered.*light recovery", out), out
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["state"]["status"] == "succeeded" and run["state"]["reconfigurations"] == 1
+    assert victim not in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
+    assert [r["round"] for r in run["rounds"]] == list(range(1, 25))
+    _assert_uninterrupted_weights(tmp_path, job_text, run)
+
+
+def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up) -> None:
+    """A third device's services started while a job trains on two: the job re-plans with it at the next round
+    start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
+    env = {"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
+           "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV}
+    cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
+    up.append(cluster)
+    cluster.status(devices=2)
+    job_text = FT_JOB.replace("mlp-teacher", "grow")
+    (tmp_path / "grow.yaml").write_text(job_text)
+    train = _Following(tmp_path, str(tmp_path / "grow.yaml"), cluster.url, "--json", str(tmp_path / "run.json"))
+    wait_until(lambda: _running_from(cluster.url, "grow", 3), 180, interval_s=0.2, message="round 3")
+    late_env = {**ENV, **env, "EDGESWARM_NODE_ID": "late-0", "EDGESWARM_HUB_URL": cluster.url,
+                "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
+    late = [subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", s], env=late_env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+            for s in DEVICE_SERVICES]
+    try:
+        out = train.finish(300)
+    finally:
+        for p in late:
+            p.terminate()
+        for p in late:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+    assert train.proc.returncode == 0, out
+    assert re.search(r"joined.*late-0 joined", out), out
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["state"]["reconfigurations"] == 1
+    assert "late-0" in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
+    _assert_uninterrupted_weights(tmp_path, job_text, run)

@@ -13,15 +13,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from edgeswarm.checkpoints.store import CheckpointStore
-from edgeswarm.models.zoo import build_model
 from edgeswarm.profiling.types import ModelSpec
-from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.jobs import DatasetSpec
+from helpers import assert_same_weights, reference_weights, stored_weights
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 3, "seed": 3})
 DATA = DatasetSpec(kind="teacher", size=1024, test_size=64)
@@ -53,61 +49,54 @@ def _cluster_and_plan():
     return cluster, plan
 
 
-def _job(name: str, recovery: str = "light"):
+def _job(name: str, recovery: str = "light", checkpoint_interval: int = 0):
     from edgeswarm.training.jobs import parse_job
 
     return parse_job({"name": name, "model": MLP.model_dump(), "data": DATA.model_dump(),
                       "global_batch": GLOBAL_BATCH, "micro_batches": M,
                       "optimizer": {"name": "momentum", "lr": LR, "momentum": MOMENTUM}, "rounds": ROUNDS,
-                      "checkpoint_interval": 0, "recovery": recovery})
-
-
-def _reference() -> dict[str, torch.Tensor]:
-    """The job's rounds trained on one device in this process: the weights an uninterrupted run ends with."""
-    model = build_model(MLP)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    dataset = open_dataset(DATA, MLP)
-    for r in range(ROUNDS):
-        x, y = dataset.batch(round_sample_ids(r, GLOBAL_BATCH, dataset.train_size, 0))
-        optimizer.zero_grad()
-        (torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / GLOBAL_BATCH).backward()
-        optimizer.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+                      "checkpoint_interval": checkpoint_interval, "recovery": recovery})
 
 
 class _Chaos:
-    """Signals one worker a fixed delay after round ``at_round`` starts (SIGKILL, or SIGSTOP until ``release``)."""
+    """Runs ``action`` a fixed delay after round ``at_round`` starts; ``release`` undoes what needs undoing."""
 
-    def __init__(self, proc, at_round: int, sig: int, delay_s: float = 0.3) -> None:
-        self.proc, self.at_round, self.sig, self.delay_s = proc, at_round, sig, delay_s
+    def __init__(self, action, at_round: int = 3, delay_s: float = 0.3, release=lambda: None) -> None:
+        self.action, self.at_round, self.delay_s, self.release = action, at_round, delay_s, release
         self.fired = threading.Event()
 
     def round_done(self, report) -> None:
         if report.round == self.at_round - 1 and not self.fired.is_set():
             self.fired.set()
-            threading.Timer(self.delay_s, os.kill, (self.proc.pid, self.sig)).start()
+            threading.Timer(self.delay_s, self.action).start()
 
-    def release(self) -> None:
-        if self.sig == signal.SIGSTOP and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
+
+def _signal(proc, sig: int) -> _Chaos:
+    """SIGKILL a worker, or SIGSTOP it until the job ends."""
+    def release() -> None:
+        if sig == signal.SIGSTOP and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    return _Chaos(lambda: os.kill(proc.pid, sig), release=release)
 
 
 def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: int = signal.SIGKILL,
-         recovery: str = "light"):
+         recovery: str = "light", chaos_for=None, checkpoint_interval: int = 0):
+    """Train the job on a, b, c, d with the checkpoint store on hub. ``victim`` gets ``sig`` during round 3;
+    otherwise ``chaos_for(processes)`` (keyed by node, the store as "store") says what happens."""
     from edgeswarm.training.detection import FailureDetector
     from edgeswarm.training.driver import JobDriver
     from edgeswarm.training.lifecycle import JobObserver, JobResult, train_rounds
 
     store_dir = tmp_path / "checkpoints"
-    services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
+    store = services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
     procs = {n: services.start("stage-worker", n, broker.url, **WORKER_ENV) for n in NODES}
-    client = make_bus("coordinator-test", "cli")
+    client = make_bus("coordinator-test", "cli", hub_url=broker.url)
     for node in NODES:
         client.peers.wait_for(node, "stage-worker", timeout_s=30)
     client.peers.wait_for("hub", "checkpoint-store", timeout_s=30)
     cluster, plan = _cluster_and_plan()
-    job = _job(f"ft-{victim or 'none'}", recovery)
-    chaos = _Chaos(procs[victim], 3, sig) if victim else None
+    job = _job(f"ft-{victim or 'none'}", recovery, checkpoint_interval)
+    chaos = _signal(procs[victim], sig) if victim else chaos_for({**procs, "store": store}) if chaos_for else None
     seen: list[str] = []
 
     class Observer(JobObserver):
@@ -132,18 +121,7 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
         detector.close()
         if chaos:
             chaos.release()
-    store = CheckpointStore(store_dir)
-    weights = {}
-    for s in range(len(result.plan.stages)):
-        weights.update({k: torch.from_numpy(np.array(v)) for k, v in store.get(job.name, f"stage-{s}")[1].items()})
-    return result, weights, seen
-
-
-def _assert_same_weights(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    assert set(weights) == set(reference)
-    worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
-    assert worst <= 1e-6, worst
-    return worst
+    return result, stored_weights(store_dir, job.name, len(result.plan.stages)), seen
 
 
 @pytest.mark.parametrize("victim, new_stages", [("d", [["a"], ["b", "c"]]), ("c", [["a"], ["b"], ["d"]])],
@@ -159,14 +137,14 @@ def test_a_killed_device_is_replaced_and_the_job_ends_with_uninterrupted_weights
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
     assert rec.moved_bytes <= rec.moved_state_bytes * 1.05 + 4096 * max(1, rec.transfers), rec  # framing only
     assert rec.detection_s[victim] < 5.0
-    _assert_same_weights(weights, _reference())
+    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
 
 
 def test_a_hung_device_is_declared_dead_by_probe_and_replaced(broker, make_bus, services, tmp_path: Path) -> None:
     result, weights, seen = _run(broker, make_bus, services, tmp_path, "b", sig=signal.SIGSTOP)
     assert len(result.recoveries) == 1, seen
     assert result.recoveries[0].failed == ["b"]
-    _assert_same_weights(weights, _reference())
+    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
 
 
 def test_heavy_rescheduling_gathers_the_model_and_ends_the_same(broker, make_bus, services, tmp_path: Path) -> None:
@@ -175,5 +153,46 @@ def test_heavy_rescheduling_gathers_the_model_and_ends_the_same(broker, make_bus
     rec = result.recoveries[0]
     assert rec.mode == "heavy" and rec.gather_s > 0, rec
     assert "d" not in rec.plan.devices
-    _assert_same_weights(weights, _reference())
+    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
     assert time.monotonic() - started < 120
+
+
+def test_a_broker_restart_mid_round_is_replayed_and_the_job_ends_the_same(make_bus, services, tmp_path: Path) -> None:
+    """Mosquitto stopped in the middle of round 3 and started again on the same port: every process reconnects,
+    nobody is declared failed, the round is replayed from the devices' snapshots and the weights are unchanged."""
+    from edgeswarm.local.broker import start_broker
+
+    hubs = [start_broker("mosquitto", workdir=tmp_path / "broker-1")]
+
+    def restart() -> None:
+        hubs[-1].stop()
+        time.sleep(1.0)
+        hubs.append(start_broker("mosquitto", port=hubs[0].port, workdir=tmp_path / "broker-2"))
+
+    try:
+        result, weights, seen = _run(hubs[0], make_bus, services, tmp_path, None,
+                                     chaos_for=lambda procs: _Chaos(restart))
+    finally:
+        hubs[-1].stop()
+    assert [r.mode for r in result.recoveries] == ["replay"], seen
+    assert result.recoveries[0].failed == [] and result.plan.devices == ["a", "b", "c", "d"]
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS))
+
+
+def test_a_checkpoint_store_restart_is_waited_for_and_every_version_is_kept(broker, make_bus, services,
+                                                                            tmp_path: Path) -> None:
+    """The checkpoint store killed during round 3 and started again 2 s later on the same folder: the saves wait
+    for it, the job goes on, and the final version holds the uninterrupted weights."""
+    def kill_and_restart(procs) -> _Chaos:
+        def action() -> None:
+            procs["store"].kill()
+            time.sleep(2.0)
+            services.start("checkpoint-store", "hub", broker.url,
+                           EDGESWARM_CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
+        return _Chaos(action)
+
+    result, weights, seen = _run(broker, make_bus, services, tmp_path, None, chaos_for=kill_and_restart,
+                                 checkpoint_interval=1)
+    assert result.recoveries == [], seen
+    assert [saved[0].version for saved in result.saved] == list(range(1, ROUNDS + 1))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS))

@@ -163,8 +163,8 @@ def job_samples() -> dict[type, Any]:
                                checkpoint_version=2, test_accuracy=0.5, plan=plan,
                                predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
                                             StrategyPrediction(strategy="pp", error="does not fit")],
-                               submitted_at=1.7e9, updated_at=1.7e9 + 3),
-        m.JobEvent: m.JobEvent(job_id="j1", kind="round", round=2, detail="loss 1.5"),
+                               reconfigurations=1, submitted_at=1.7e9, updated_at=1.7e9 + 3),
+        m.JobEvent: m.JobEvent(job_id="j1", kind="recovered", round=2, detail="light: resumed at round 2"),
     }
 
 

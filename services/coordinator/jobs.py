@@ -30,9 +30,11 @@ from edgeswarm.messages.jobs import (
 from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.compare import Comparison
 from edgeswarm.planning.types import Plan
+from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import JobCancelled, RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job_text
 from edgeswarm.training.lifecycle import JobObserver, run_job
+from edgeswarm.training.recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,29 @@ class _Publisher(JobObserver):
                          samples_per_s=self.spec.global_batch / report.round_s,
                          event=("round", f"loss {report.loss:.4f}, accuracy {report.accuracy:.1%}, "
                                          f"{report.round_s:.3f} s"))
+
+    def device_lost(self, failures: dict[str, Detection], round_index: int) -> None:
+        lost = "; ".join(f"{d.detail} ({d.how.replace('_', ' ')}, {d.detection_s:.2f} s after it was last heard)"
+                         for d in failures.values())
+        self.jobs.update(self.spec.name, "recovering", event=("device_lost", f"during round {round_index}: {lost}"))
+
+    def recovered(self, report: RecoveryReport) -> None:
+        self._replanned(report, "recovered", f"{report.mode} recovery without {', '.join(report.failed)}"
+                        if report.failed else "replayed from the devices' snapshots after an interruption")
+
+    def joined(self, report: RecoveryReport) -> None:
+        self._replanned(report, "joined", f"{', '.join(report.joined)} joined")
+
+    def _replanned(self, report: RecoveryReport, kind: JobEventKind, what: str) -> None:
+        plan = report.plan
+        stages = " | ".join(",".join(s.devices) for s in plan.stages)
+        done = self.jobs.state(self.spec.name).reconfigurations
+        self.jobs.update(self.spec.name, "running", plan=plan, predicted_round_s=plan.round_latency_s,
+                         round=report.resume_round, reconfigurations=done + 1,
+                         event=(kind, f"{what}: plan epoch {plan.epoch}, stages {stages}, "
+                                      f"{plan.round_latency_s:.3f} s per round predicted; resumed at round "
+                                      f"{report.resume_round} after {report.recovery_s:.2f} s, "
+                                      f"{report.moved_bytes} bytes of state moved"))
 
     def evaluated(self, test_accuracy: float) -> None:
         self.jobs.update(self.spec.name, "running", test_accuracy=test_accuracy,
@@ -197,6 +222,11 @@ class JobManager:
             self._states[job_id] = JobState.model_validate(state.model_dump())
         self._publish(job_id, event)
         return self._states[job_id]
+
+    def state(self, job_id: str) -> JobState:
+        """The job's current state."""
+        with self._lock:
+            return self._states[job_id]
 
     def _publish(self, job_id: str, event: tuple[JobEventKind, str] | None) -> None:
         state = self._states[job_id]

@@ -51,6 +51,7 @@ from edgeswarm.services.stage_worker.outbox import Outbox
 log = logging.getLogger(__name__)
 
 WAIT_S = 120.0  # longest wait for one tensor from a peer before the round fails
+REUSE_WAIT_S = 5.0  # how long a restore waits for an aborted round to leave the stage it would reuse
 
 
 MIB = 1 << 20
@@ -91,6 +92,7 @@ class _Job:
     aborted: dict[int, str] = field(default_factory=dict)  # round -> why the coordinator gave it up
     outboxes: dict[str, Outbox] = field(default_factory=dict)  # peer node -> its sender thread
     blocked_s: float = 0.0  # this round's time blocked waiting for a peer's tensor
+    retired: bool = False  # a newer assignment arrived: rounds still waiting on this stage's peers give up
 
     def close(self) -> None:
         for outbox in self.outboxes.values():
@@ -105,6 +107,7 @@ class StageWorkerService(Service):
         self._held: HeldState | None = None  # the current job's snapshots and the backups held for others
         self._state_out: dict[str, Outbox] = {}  # peer -> sender of backups
         self._ready = threading.Condition()
+        self._computing = threading.Lock()  # held by a round while it uses the stage's module
         request = topics.request(self.node, self.name)
         self.bus.subscribe(request, self._on_assign, schemas=(StageAssign,))
         self.bus.subscribe(request, self._on_round, schemas=(RoundStart,))
@@ -130,8 +133,17 @@ class StageWorkerService(Service):
 
     def _assign(self, msg: Inbound, spec: StageAssign) -> None:
         started = time.monotonic()
+        with self._ready:
+            if self._job is not None:
+                # A round of the old plan may wait for tensors that will never come (its peers were re-assigned,
+                # or the broker restarted and lost them): it gives up now rather than at its timeout.
+                self._job.retired = True
+            if self._held is None or self._held.job_id != spec.job_id:
+                # Peers may send the units this assignment restores while the stage is still being built.
+                self._held = HeldState(spec.job_id)
+            self._ready.notify_all()
         try:
-            job = self._build(spec)
+            job = self._reuse(spec) or self._build(spec)
             restored = self._restore(job) if spec.restore else 0
         except EdgeswarmError as exc:
             self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else
@@ -144,7 +156,7 @@ class StageWorkerService(Service):
         with self._ready:
             old, self._job = self._job, job
             if self._held is None or self._held.job_id != spec.job_id:
-                self._held = HeldState(spec.job_id)
+                self._held = HeldState(spec.job_id)  # another job's assignment came in meanwhile
             self._held.forget_after(spec.resume_round)
             self._held.epoch = spec.epoch
             self._ready.notify_all()
@@ -158,6 +170,32 @@ class StageWorkerService(Service):
         self.bus.reply(msg, StageReady(job_id=spec.job_id, epoch=spec.epoch, stage=spec.stage, rank=spec.rank,
                                        parameters=params, restored_bytes=restored,
                                        restore_s=time.monotonic() - started))
+
+    def _reuse(self, spec: StageAssign) -> _Job | None:
+        """For a restore that keeps this worker's units (a recovery that moved only other devices' cut points, or
+        none), the stage already built, without its aborted round's gradients: the restore then only loads the
+        snapshot, with no model to build and no kernels to warm up. None when the stage must be built anew."""
+        from edgeswarm.training.stage import StageCompute
+
+        old = self._job
+        if old is None or not spec.restore:
+            return None
+        was, now = old.spec, spec
+        last = len(now.groups) - 1
+        if (was.job_id, was.model, was.start, was.end, was.optimizer, was.data, was.seed) != \
+                (now.job_id, now.model, now.start, now.end, now.optimizer, now.data, now.seed) or \
+                old.stage.first != (now.stage == 0) or old.stage.last != (now.stage == last):
+            return None
+        if not self._computing.acquire(timeout=REUSE_WAIT_S):
+            return None  # a round still computes on it: build a fresh one rather than wait
+        try:
+            for p in old.stage.parameters():
+                p.grad = None
+            stage = StageCompute(old.stage.module, first=now.stage == 0, last=now.stage == last,
+                                 loss_scale=now.loss_scale)
+        finally:
+            self._computing.release()
+        return _Job(spec, stage, old.optimizer, old.dataset, old.static_bytes, old.in_shape, old.out_shape, old.names)
 
     def _build(self, spec: StageAssign) -> _Job:
         import torch
@@ -364,6 +402,8 @@ class StageWorkerService(Service):
                     raise TensorFlowError(job.bad[key[0]])
                 if key[0] in job.aborted:
                     raise RoundAborted(f"round {key[0]} aborted: {job.aborted[key[0]]}")
+                if job.retired:
+                    raise RoundAborted(f"round {key[0]} given up: a new assignment replaces the stage")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._job is not job:
                     raise RoundTimeout(f"no {key[1]} tensor (round {key[0]}, micro-batch {key[2]}, step {key[3]}, "
@@ -414,7 +454,8 @@ class StageWorkerService(Service):
 
     def _round(self, msg: Inbound, job: _Job, round_index: int) -> None:
         try:
-            done = self._run_round(job, round_index)
+            with self._computing:
+                done = self._run_round(job, round_index)
         except EdgeswarmError as exc:
             self.metrics.count("rounds_failed")
             log.error("round %d of job %s failed: %s", round_index, job.spec.job_id, exc)

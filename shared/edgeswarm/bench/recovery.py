@@ -14,6 +14,7 @@ import os
 import signal
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
 from edgeswarm.settings import Settings
+from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job
@@ -39,7 +41,7 @@ KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of 
 class RecoveryRun(BaseModel):
     """One device dropped under one recovery mode. Seconds and bytes; ``after_round_s`` is the mean measured
     round after the recovery (the replayed round left out), ``predicted_after_s`` the new plan's prediction.
-    ``error`` says why the run did not complete."""
+    ``detection_s`` runs from the kill to the confirmed failure. ``error`` says why the run did not complete."""
 
     env: str
     victim: str
@@ -66,7 +68,9 @@ class _Watch(JobObserver):
     """Kills ``victim``'s processes part-way into round ``kill_round`` and records what the job reports."""
 
     def __init__(self, kill: Callable[[], None], kill_round: int) -> None:
-        self.kill, self.kill_round = kill, kill_round
+        self._kill, self.kill_round = kill, kill_round
+        self.killed_at: float | None = None
+        self.confirmed_at: float | None = None
         self.plan: Plan | None = None
         self.reports: list[RoundReport] = []
         self.recoveries: list[RecoveryReport] = []
@@ -81,6 +85,14 @@ class _Watch(JobObserver):
         if report.round == self.kill_round - 1 and not self.fired:
             self.fired = True
             threading.Timer(KILL_FRACTION * report.round_s, self.kill).start()
+
+    def kill(self) -> None:
+        self.killed_at = time.time()
+        self._kill()
+
+    def device_lost(self, failures: dict[str, Detection], round_index: int) -> None:
+        if self.confirmed_at is None:
+            self.confirmed_at = max(d.confirmed_at for d in failures.values())
 
     def recovered(self, report: RecoveryReport) -> None:
         if not self.recoveries:
@@ -116,7 +128,8 @@ def summarize(env: str, victim: str, mode: str, watch: _Watch) -> RecoveryRun:
     after_s = statistics.fmean(after) if after else None
     return RecoveryRun(
         env=env, victim=victim, mode=rec.mode, stages_before=[list(s.devices) for s in watch.plan.stages],
-        stages_after=[list(s.devices) for s in rec.plan.stages], detection_s=rec.detection_s.get(victim),
+        stages_after=[list(s.devices) for s in rec.plan.stages],
+        detection_s=watch.confirmed_at - watch.killed_at if watch.confirmed_at and watch.killed_at else None,
         recovery_s=rec.recovery_s, replan_s=rec.replan_s, gather_s=rec.gather_s, restore_s=rec.restore_s,
         moved_bytes=rec.moved_bytes, moved_state_bytes=rec.moved_state_bytes,
         interrupted_round=rec.interrupted_round, resume_round=rec.resume_round,

@@ -88,6 +88,10 @@ class Expectation:
         """Whether the reply is in (``wait`` then returns it at once)."""
         return self._event.is_set()
 
+    def arrives_within(self, timeout_s: float) -> bool:
+        """Whether the reply is in within ``timeout_s`` seconds; the expectation stays open."""
+        return self._event.wait(timeout_s)
+
     def wait(self, timeout_s: float) -> Inbound | None:
         """The reply, or None if none arrived within ``timeout_s`` seconds. Ends the expectation."""
         try:

@@ -48,7 +48,6 @@ from edgeswarm.errors import (
     CheckpointValueError,
     CheckpointVersionError,
     InvalidMessageError,
-    RequestTimeoutError,
 )
 from edgeswarm.messages.checkpoints import (
     CheckpointCommit,
@@ -68,6 +67,7 @@ log = logging.getLogger(__name__)
 
 STORE_SERVICE = "checkpoint-store"
 DEFAULT_TIMEOUT_S = 60.0
+STORE_POLL_S = 0.1  # how often a wait for the store checks that it is still there
 
 _ERRORS: dict[str, type[CheckpointError]] = {
     "corrupt": CheckpointCorruptError,
@@ -226,15 +226,28 @@ class CheckpointClient:
     # --- plumbing -----------------------------------------------------------------------------------
 
     def _request(self, store_node: str, message: Message, deadline: float, what: str, timeout_s: float) -> Message:
+        """Ask the store and wait for its answer; gives up at once when the store goes away meanwhile (its
+        status turns offline or a new instance starts: the request, or the tensors before it, are lost)."""
+        asked = self.bus.peers.get(store_node, STORE_SERVICE)
+        exp = self.bus.expect()
+        remaining = _remaining(deadline, what, timeout_s)
         try:
-            reply = self.bus.request(topics.request(store_node, STORE_SERVICE), message,
-                                     timeout_s=_remaining(deadline, what, timeout_s))
-        except RequestTimeoutError:
+            self.bus.publish(topics.request(store_node, STORE_SERVICE), message, ttl_s=remaining,
+                             correlation_id=exp.correlation_id, reply_to=self.bus.reply_topic, timeout_s=remaining)
+        except BusError as exc:
+            exp.wait(0)
+            raise CheckpointTransferError(f"{what}: cannot reach the {STORE_SERVICE} on {store_node}: {exc}") from exc
+        while not exp.arrives_within(STORE_POLL_S) and time.monotonic() < deadline:
+            now = self.bus.peers.get(store_node, STORE_SERVICE)
+            if asked is not None and now is not None and (now.state == "offline" or now.instance != asked.instance):
+                exp.wait(0)
+                raise CheckpointTransferError(f"{what}: the {STORE_SERVICE} on {store_node} went away before it "
+                                              "answered (stopped or restarted); try again once it is back")
+        reply = exp.wait(0)
+        if reply is None:
             raise CheckpointTimeoutError(
                 f"{what}: the {STORE_SERVICE} on {store_node} did not answer within {timeout_s:g} s; is it running? "
-                "(`edgeswarm status`)") from None
-        except BusError as exc:
-            raise CheckpointTransferError(f"{what}: cannot reach the {STORE_SERVICE} on {store_node}: {exc}") from exc
+                "(`edgeswarm status`)")
         return reply.body
 
     def _attach(self) -> None:

@@ -44,6 +44,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                    help="with --wait: then run the job under these strategies too (comma-separated: dp,pp,single) "
                         "and print predicted against measured for each")
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of each --compare run")
+    p.add_argument("--recovery", choices=("light", "heavy", "none"), default=None,
+                   help="override the spec's recovery: how a lost device is replaced (none: the job fails)")
 
     jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state")
     add_hub_arg(jobs)
@@ -65,6 +67,9 @@ def run_train(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
     job = parse_job_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
+    if args.recovery is not None:
+        job = job.model_copy(update={"recovery": args.recovery})
+        text = job.model_dump_json()
     compare = [s.strip() for s in args.compare.split(",") if s.strip()]
     unknown = [s for s in compare if s not in STRATEGIES]
     if unknown:
@@ -195,7 +200,10 @@ def run_jobs(args: argparse.Namespace) -> int:
     finally:
         bus.stop()
     if args.json:
-        console.print_json(json.dumps([s.model_dump(mode="json", exclude={"plan"}) for s in states]))
+        # The whole plan is long; its devices per stage say where the job runs.
+        console.print_json(json.dumps([{**s.model_dump(mode="json", exclude={"plan"}),
+                                         "stages": [list(st.devices) for st in s.plan.stages] if s.plan else []}
+                                        for s in states]))
         return 0
     if not states:
         console.print("no jobs")

@@ -16,7 +16,8 @@ from edgeswarm.wire.schema import Message, Name, schema
 
 MAX_SPEC_CHARS = 65536
 
-JobStatus = Literal["queued", "profiling", "planning", "deploying", "running", "succeeded", "failed", "cancelled"]
+JobStatus = Literal["queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded", "failed",
+                    "cancelled"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 
@@ -76,7 +77,9 @@ class JobState(Message):
     and ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
     ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the
     final model's, loaded back from the checkpoint store, on the held-out split. ``plan`` is the plan the
-    job runs on and ``predictions`` every strategy's predicted figures. ``detail`` says why a job failed."""
+    job runs on (re-planned after a device left or joined: see ``plan.epoch``), ``reconfigurations`` how many
+    times that happened, and ``predictions`` every strategy's predicted figures. ``detail`` says why a job
+    failed. After a recovery ``round`` goes back to the round the job resumed from: those rounds run again."""
 
     job_id: Name
     submission: str = Field(default="", max_length=64)
@@ -94,13 +97,14 @@ class JobState(Message):
     test_accuracy: float | None = None
     plan: Plan | None = None
     predictions: list[StrategyPrediction] = Field(default_factory=list)
+    reconfigurations: int = Field(default=0, ge=0)
     detail: str = Field(default="", max_length=4096)
     submitted_at: float
     updated_at: float
 
 
-JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "evaluated",
-                       "succeeded", "failed", "cancelled"]
+JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
+                       "recovered", "joined", "evaluated", "succeeded", "failed", "cancelled"]
 
 
 @schema("edgeswarm.job.event", 1)

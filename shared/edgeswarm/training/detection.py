@@ -22,6 +22,13 @@ from edgeswarm.messages import Heartbeat, Probe, Status
 
 log = logging.getLogger(__name__)
 
+# After this side's connection to the broker comes back (a broker restart), every peer gets this long to reconnect
+# too before its silence counts: paho's reconnect backoff is at most 4 s.
+RECONNECT_GRACE_S = 8.0
+# A broker that shuts down publishes every client's Last Will as it goes, so an offline status counts only once this
+# side has stayed connected this long after it (a shutting-down broker drops this side too within milliseconds).
+WILL_SETTLE_S = 0.3
+
 How = Literal["last_will", "shutdown", "probe"]
 
 
@@ -48,6 +55,8 @@ class _Peer:
     interval_s: float
     instance: str | None = None
     offline: Status | None = None
+    offline_at: float = 0.0  # when the offline status arrived
+    offline_connection: int = 0  # this side's connection count then
     probing: bool = False
 
 
@@ -70,6 +79,7 @@ class FailureDetector:
         self._stop = threading.Event()
         bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
         bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
+        bus.on_reconnect(self._reconnected)
         self._thread = threading.Thread(target=self._run, name="failure-detector", daemon=True)
         self._thread.start()
 
@@ -135,7 +145,7 @@ class FailureDetector:
             peer = self._peers.setdefault(st.node, _Peer(heard_at=st.started_at, interval_s=st.heartbeat_interval_s))
             if st.state == "offline":
                 if peer.instance in (None, st.instance):
-                    peer.offline = st
+                    peer.offline, peer.offline_at, peer.offline_connection = st, time.time(), self.bus.hub.connects
             elif not msg.retained or peer.instance is None:
                 if st.instance != peer.instance and st.node in self._failed:
                     del self._failed[st.node]
@@ -143,18 +153,32 @@ class FailureDetector:
                 peer.offline = None
                 peer.interval_s = st.heartbeat_interval_s
 
+    def _reconnected(self) -> None:
+        # While this side was cut off nobody was heard; that is no one else's failure.
+        grace = time.time() + RECONNECT_GRACE_S
+        with self._lock:
+            for peer in self._peers.values():
+                peer.heard_at = max(peer.heard_at, grace)
+                peer.offline = None  # wills the broker published as it shut down
+
     # --- the watch loop -----------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             now = time.time()
             to_probe = []
+            if not self.bus.hub.connected:
+                continue  # silence while this side is cut off from the broker says nothing about the peers
             with self._lock:
                 for node in self._watched:
                     peer = self._peers.get(node)
                     if peer is None or node in self._failed or peer.probing:
                         continue
-                    if peer.offline is not None:
+                    if peer.offline is not None and peer.offline_connection != self.bus.hub.connects:
+                        peer.offline = None  # it came with the broker's shutdown, not with the device's death
+                    elif peer.offline is not None and now - peer.offline_at < WILL_SETTLE_S:
+                        continue
+                    elif peer.offline is not None:
                         reason = peer.offline.reason or "offline"
                         how: How = "last_will" if "connection lost" in reason else "shutdown"
                         self._confirm(node, how, peer.heard_at, f"{node}/{self.service} went offline ({reason})")
@@ -178,6 +202,8 @@ class FailureDetector:
                 with self._lock:
                     peer.heard_at = max(peer.heard_at, time.time())
                 return
+            if not self.bus.hub.connected:
+                return  # the probes went nowhere: judge again once reconnected
             with self._lock:
                 self._confirm(node, "probe", silent_since,
                               f"{node}/{self.service} sent no heartbeat for {time.time() - silent_since:.1f} s and "

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.messages import Probe
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
@@ -32,13 +33,14 @@ from edgeswarm.messages.training import (
 )
 from edgeswarm.planning.migration import UnitTransfer, backup_map
 from edgeswarm.planning.types import Plan
-from edgeswarm.training.detection import Detection, FailureDetector
+from edgeswarm.training.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
 WORKER = "stage-worker"
 POLL_S = 0.005  # how often a wait for answers looks for a failure or a cancellation
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
+REACH_PROBE_S = 0.5  # one probe's wait while waiting for devices to reconnect
 
 
 class JobError(EdgeswarmError):
@@ -55,6 +57,11 @@ class DeviceLost(JobError):
     def __init__(self, message: str, failures: dict[str, Detection]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class ConnectionInterrupted(JobError):
+    """The driver's connection to the broker dropped and came back while it waited: messages of that step may
+    be lost (a restarted broker keeps none in flight), so the step is given up and replayed."""
 
 
 class RoundReport(BaseModel):
@@ -97,7 +104,9 @@ class JobDriver:
         """Send every device its request and collect the answers. The first failure, a device the failure detector
         confirms lost, or a cancellation ends the wait early: for a round, every device is told to abort it and
         gets ABORT_GRACE_S to answer. Raises DeviceLost when a failure is explained by a lost device (a failed
-        answer makes the driver probe every device at once rather than wait for the heartbeats to time out)."""
+        answer makes the driver probe every device at once rather than wait for the heartbeats to time out), and
+        ConnectionInterrupted when the connection to the broker dropped meanwhile."""
+        connection = self.bus.hub.connects
         expectations = {}
         for key, message in messages.items():
             exp = self.bus.expect()
@@ -112,6 +121,8 @@ class JobDriver:
             for node, exp in expectations.items():
                 if node not in replies and exp.arrived:
                     replies[node] = exp.wait(0)  # type: ignore[assignment]
+            if self.bus.hub.connects != connection:
+                break
             lost = lost or self._lost([self._targets.get(k, k) for k in expectations])
             if lost and all(k in replies or self._targets.get(k, k) in lost for k in expectations):
                 break  # every device still alive has answered
@@ -131,6 +142,11 @@ class JobDriver:
                 exp.wait(0)  # ends the expectation
         if self.cancel.is_set():
             raise JobCancelled(f"job {self.job.name} was cancelled")
+        if self.bus.hub.connects != connection:
+            if round_index is not None:
+                self.abort(round_index, "the connection to the broker dropped")
+            raise ConnectionInterrupted(f"job {self.job.name}: the connection to the broker dropped while waiting "
+                                        f"for {', '.join(k for k in expectations if k not in replies) or 'nobody'}")
         failed = {node: r.body for node, r in replies.items() if isinstance(r.body, StageFailed)}
         missing = [node for node in expectations if node not in replies]
         if (failed or missing) and self.detector is not None and not lost:
@@ -147,6 +163,32 @@ class JobDriver:
             raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
                            f"{self.timeout_s:.0f} s")
         return replies
+
+    def await_reconnected(self, within_s: float = RECONNECT_GRACE_S) -> dict[str, Detection]:
+        """After this side's connection to the broker came back (a broker restart): wait until every device of the
+        plan answers a probe, which it does only once its own connection and subscriptions are back, for at most
+        ``within_s`` seconds. Returns the failures the detector then confirms among the devices still silent
+        (empty when all answered). Requests sent before a device resubscribed would be lost."""
+        deadline = time.monotonic() + within_s
+        silent = set(self.plan.devices)
+        lock = threading.Lock()
+
+        def reach(node: str) -> None:
+            while time.monotonic() < deadline:
+                try:
+                    self.bus.request(topics.request(node, WORKER), Probe(), timeout_s=REACH_PROBE_S)
+                except EdgeswarmError:
+                    continue
+                with lock:
+                    silent.discard(node)
+                return
+
+        threads = [threading.Thread(target=reach, args=(n,), daemon=True) for n in self.plan.devices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return self.detector.confirm(sorted(silent)) if silent and self.detector is not None else {}
 
     def abort(self, round_index: int, reason: str) -> None:
         """Tell every device of the plan to give round ``round_index`` up (no answer expected)."""

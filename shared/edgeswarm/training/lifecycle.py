@@ -9,13 +9,15 @@ flight. What happens is reported to a ``JobObserver``.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus
-from edgeswarm.errors import BusError
+from edgeswarm.errors import BusError, EdgeswarmError
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest
 from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.compare import Comparison
@@ -24,9 +26,18 @@ from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.profiling.types import ClusterProfile
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.training.detection import Detection, FailureDetector
-from edgeswarm.training.driver import DeviceLost, JobCancelled, JobDriver, JobError, RoundReport
+from edgeswarm.training.driver import (
+    ConnectionInterrupted,
+    DeviceLost,
+    JobCancelled,
+    JobDriver,
+    JobError,
+    RoundReport,
+)
 from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.recovery import RecoveryReport, recover
+from edgeswarm.training.recovery import RecoveryReport, grow, recover
+
+log = logging.getLogger(__name__)
 
 MAX_PROFILED_BATCH = 256
 PLANNER_NODE = "hub"
@@ -71,6 +82,9 @@ class JobObserver:
 
     def recovered(self, report: RecoveryReport) -> None:
         """The job runs again on ``report.plan`` from round ``report.resume_round``."""
+
+    def joined(self, report: RecoveryReport) -> None:
+        """Devices ``report.joined`` were added: the job goes on with ``report.plan`` from ``report.resume_round``."""
 
     def evaluated(self, test_accuracy: float) -> None:
         """The final model, loaded back from the checkpoint store, scored ``test_accuracy`` on held-out data."""
@@ -130,7 +144,8 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     terms_per_sample = 1
     for dim in dataset.label_shape:
         terms_per_sample *= dim
-    view, _ = ClusterWatcher(bus).wait(settle_s=0.5, devices=1, timeout_s=30)
+    watcher = ClusterWatcher(bus)
+    view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30)
     nodes = nodes_running(view, "stage-worker")
     if not nodes:
         raise JobError(f"job {job.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
@@ -150,7 +165,8 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
         driver.deploy()
         seen.deployed()
         result = JobResult(plan, comparison)
-        train_rounds(driver, job, total, cluster, store_node, result, seen, check)
+        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes) - set(plan.devices), timeout_s=timeout_s)
+        train_rounds(driver, job, total, cluster, store_node, result, seen, check, joiner)
     finally:
         if own_detector:
             detector.close()
@@ -162,15 +178,59 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     return result
 
 
+#: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
+#: report and the profile of every device now usable, or None when nothing changes.
+Joiner = Callable[[JobDriver, ClusterProfile, int], tuple[JobDriver, RecoveryReport, ClusterProfile] | None]
+
+
+JOIN_READY_S = 30.0  # how long a device that appeared may take to bring its profiler up
+
+
+def _joiner(bus: Bus, job: JobSpec, watcher: ClusterWatcher, detector: FailureDetector, *, passed_over: set[str],
+            timeout_s: float) -> Joiner:
+    """Adds the devices whose stage-worker came online during the job (not those the plan passed over at the
+    start; a device lost earlier may come back). Each new device is tried once: profiled together with the
+    plan's devices, then ``grow``."""
+    tried = set(passed_over)
+
+    def join(driver: JobDriver, cluster: ClusterProfile, index: int) -> tuple[JobDriver, RecoveryReport,
+                                                                            ClusterProfile] | None:
+        view, _ = watcher.view()
+        fresh = sorted(n for n in nodes_running(view, "stage-worker")
+                       if n not in driver.plan.devices and n not in tried and not detector.failed(n))
+        if not fresh:
+            return None
+        tried.update(fresh)
+        log.info("job %s: %s appeared; profiling before round %d", job.name, ", ".join(fresh), index)
+        try:
+            grown = profile_cluster(bus, job.model, profile_batch_sizes(job), nodes=[*driver.plan.devices, *fresh],
+                                    timeout_s=timeout_s, ready_timeout_s=JOIN_READY_S)
+        except EdgeswarmError as exc:
+            log.warning("job %s: %s cannot join: %s", job.name, ", ".join(fresh), exc)
+            return None
+        joined = grow(driver, fresh, grown, index)
+        return None if joined is None else (*joined, grown)
+
+    return join
+
+
 def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
-           result: JobResult, seen: JobObserver, check: Callable[[], None]) -> None:
+                 result: JobResult, seen: JobObserver, check: Callable[[], None], joiner: Joiner | None = None) -> None:
     """Run rounds until ``total`` are done and saved; a lost device is replaced (``job.recovery``) and the rounds
-    since the resume point run again."""
+    since the resume point run again. At round starts that have snapshots (every ``job.backup_interval``-th),
+    ``joiner`` may add devices that appeared."""
     index = 0
     saved_version = 0
     while index < total or (store_node and saved_version < total):
         check()
         try:
+            if joiner is not None and 0 < index < total and index % job.backup_interval == 0:
+                grown = joiner(driver, cluster, index)
+                if grown is not None:
+                    driver, report_, cluster = grown
+                    result.recoveries.append(report_)
+                    result.plan = report_.plan
+                    seen.joined(report_)
             if index < total:
                 report = driver.run_round(index)
                 result.rounds.append(report)
@@ -178,18 +238,45 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
                 index += 1
             due = index == total or (job.checkpoint_interval and index % job.checkpoint_interval == 0)
             if store_node and due and saved_version < index:
-                saved = driver.save(store_node, index)
+                saved = _save(driver, store_node, index, check)
                 saved_version = index
                 result.saved.append(saved)
                 seen.saved(index, saved)
-        except DeviceLost as lost:
+        except (DeviceLost, ConnectionInterrupted) as exc:
             if job.recovery == "none":
                 raise
-            seen.device_lost(lost.failures, index)
-            driver, report_ = recover(driver, lost.failures, index, cluster, job.recovery)
+            failures = exc.failures if isinstance(exc, DeviceLost) else driver.await_reconnected()
+            if failures:
+                seen.device_lost(failures, index)
+            else:
+                log.warning("%s: replaying from the last snapshots", exc)
+            driver, report_ = recover(driver, failures, index, cluster, job.recovery)
+            for node in report_.failed:
+                cluster = cluster.without(node)  # a later recovery must not plan on it
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
             result.plan = report_.plan
             index = report_.resume_round
             saved_version = min(saved_version, index)
             seen.recovered(report_)
+
+
+SAVE_RETRY_S = 60.0  # how long a checkpoint save is retried while the checkpoint store is away (restarting)
+SAVE_RETRY_PAUSE_S = 1.0
+
+
+def _save(driver: JobDriver, store_node: str, version: int, check: Callable[[], None]) -> list[StageSaved]:
+    """``driver.save``, retried for SAVE_RETRY_S while it fails for another reason than a lost device: the
+    checkpoint store keeps its files across a restart, so the job waits for it rather than fail."""
+    deadline = time.monotonic() + SAVE_RETRY_S
+    while True:
+        try:
+            return driver.save(store_node, version)
+        except (DeviceLost, ConnectionInterrupted, JobCancelled):
+            raise
+        except JobError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s; retrying in %.0f s", exc, SAVE_RETRY_PAUSE_S)
+            time.sleep(SAVE_RETRY_PAUSE_S)
+            check()

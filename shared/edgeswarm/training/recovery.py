@@ -11,7 +11,8 @@ After the failure detector confirms that devices are gone and the driver has abo
 4. every device of the new plan restores its units at the resume round, and the job replays from there.
 
 With no device lost (a round failed for another reason, such as a restarted broker), ``replay`` keeps the plan
-and restores every device from its own snapshot.
+and restores every device from its own snapshot. ``grow`` adds devices that appeared during the job at a round
+boundary: the full planner runs on every device, and only the units whose owner changed move.
 """
 
 from __future__ import annotations
@@ -42,20 +43,21 @@ from edgeswarm.training.driver import DeviceLost, JobDriver, JobError
 
 log = logging.getLogger(__name__)
 
-RecoveryMode = Literal["light", "heavy", "replay"]
+RecoveryMode = Literal["light", "heavy", "replay", "join"]
 MAX_ATTEMPTS = 3  # recoveries in a row when devices keep failing while the job recovers
 
 
 class RecoveryReport(BaseModel):
-    """One recovery as it happened. Times are seconds: ``replan_s`` computing the new plan, ``gather_s`` (heavy
-    only) collecting the model on one device, ``restore_s`` sending the moved units and rebuilding every stage,
-    ``recovery_s`` from the failure's confirmation to every stage ready (detection excluded); ``detection_s``
-    is per failed device, from its last sign of life to the confirmation. Bytes: ``moved_bytes`` the unit state
-    put on the wire, ``moved_state_bytes`` the state of the units whose owner changed (what it may not exceed).
-    """
+    """One recovery (or, with mode ``join``, the addition of the devices ``joined``) as it happened. Times are
+    seconds: ``replan_s`` computing the new plan, ``gather_s`` (heavy only) collecting the model on one device,
+    ``restore_s`` sending the moved units and rebuilding every stage, ``recovery_s`` from the failure's
+    confirmation to every stage ready (detection excluded); ``detection_s`` is per failed device, from its last
+    sign of life to the confirmation. Bytes: ``moved_bytes`` the unit state put on the wire, ``moved_state_bytes``
+    the state of the units whose owner changed (what it may not exceed)."""
 
     mode: RecoveryMode
     failed: list[str]
+    joined: list[str] = Field(default_factory=list)
     detection_s: dict[str, float] = Field(default_factory=dict)
     interrupted_round: int
     resume_round: int
@@ -209,3 +211,36 @@ def _wait_gathered(driver: JobDriver, at: str, round_index: int, units: int) -> 
             return
         time.sleep(GATHER_POLL_S)
     raise JobError(f"job {driver.job.name}: {at} did not receive the whole model within {driver.timeout_s:.0f} s")
+
+
+def grow(driver: JobDriver, joined: list[str], cluster: ClusterProfile, round_index: int,
+         min_gain: float = 0.02) -> tuple[JobDriver, RecoveryReport] | None:
+    """Add the devices ``joined`` to the job of ``driver`` at the start of round ``round_index`` (every device of
+    the plan holds its snapshot of that round start). ``cluster`` profiles the plan's devices and the joined ones.
+    The full planner runs on all of them; when its plan is not predicted at least ``min_gain`` (a fraction)
+    faster than the current one, nothing changes and None is returned. Otherwise every device of the new plan
+    restores its units at that round start, only the units whose owner changed moving, and the new driver and
+    the report (mode ``join``) are returned. Raises JobError from a device, DeviceLost if one fails meanwhile."""
+    started = time.monotonic()
+    old = driver.plan
+    new = plan_best(old.strategy, cluster, old.options.global_batch, micro_batches=old.options.micro_batches,
+                    optimizer=old.options.optimizer).model_copy(update={"epoch": old.epoch + 1})
+    replan_s = time.monotonic() - started
+    if new.round_latency_s > old.round_latency_s * (1 - min_gain):
+        log.info("job %s: %s joined, but the best plan with them (%.3f s per round) is no faster than the current "
+                 "one (%.3f s): keeping it", driver.job.name, ", ".join(joined), new.round_latency_s,
+                 old.round_latency_s)
+        return None
+    transfers = plan_migration(old, new, set(), backup_map(old), unit_state_bytes(cluster, driver.job.optimizer.name))
+    t0 = time.monotonic()
+    successor = JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
+                          cancel=driver.cancel, detector=driver.detector)
+    successor.deploy(round_index, transfers)
+    report = RecoveryReport(
+        mode="join", failed=[], joined=sorted(joined), interrupted_round=round_index, resume_round=round_index,
+        epoch=new.epoch, replan_s=replan_s, restore_s=time.monotonic() - t0, recovery_s=time.monotonic() - started,
+        moved_bytes=sum(s.nbytes for s in successor.sent), moved_state_bytes=sum(t.nbytes for t in transfers),
+        transfers=len(transfers), plan=new)
+    log.info("job %s: %s joined at round %d: %d stages, %d bytes moved, %.2f s", driver.job.name,
+             ", ".join(joined), round_index, len(new.stages), report.moved_bytes, report.recovery_s)
+    return successor, report
