@@ -333,7 +333,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "reason": ("enum", {"invalid", "duplicate", "unknown_job", "finished"}), "detail": "str",
     },
     ("edgeswarm.job.state", 1): {
-        "job_id": "str", "submission": "str",
+        "job_id": "str", "submission": "str", "spec": "str",
         "status": ("enum", {"queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded",
                             "failed", "cancelled"}),
         "model": "str", "strategy": _STRATEGY, "round": "int", "total_rounds": "int", "loss": "number?",
@@ -346,7 +346,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.job.event", 1): {
         "job_id": "str",
         "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
-                          "recovered", "joined", "evaluated", "succeeded", "failed", "cancelled"}),
+                          "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled"}),
         "round": "int", "detail": "str",
     },
     ("edgeswarm.stage.tensor", 1): {

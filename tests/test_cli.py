@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -326,6 +327,25 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
     _assert_uninterrupted_weights(tmp_path, job_text, run)
 
 
+@contextlib.contextmanager
+def _services(node: str, names: tuple[str, ...], url: str, env: dict[str, str]) -> Iterator[None]:
+    """``edgeswarm service NAME`` for each of ``names`` as ``node`` of the cluster at ``url``, stopped after."""
+    full = {**ENV, **env, "EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": url}
+    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", s], env=full, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL) for s in names]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
 def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
@@ -338,25 +358,36 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     (tmp_path / "grow.yaml").write_text(job_text)
     train = _Following(tmp_path, str(tmp_path / "grow.yaml"), cluster.url, "--json", str(tmp_path / "run.json"))
     wait_until(lambda: _running_from(cluster.url, "grow", 3), 180, interval_s=0.2, message="round 3")
-    late_env = {**ENV, **env, "EDGESWARM_NODE_ID": "late-0", "EDGESWARM_HUB_URL": cluster.url,
-                "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
-    late = [subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", s], env=late_env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-            for s in DEVICE_SERVICES]
-    try:
+    with _services("late-0", DEVICE_SERVICES, cluster.url, {**env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}):
         out = train.finish(300)
-    finally:
-        for p in late:
-            p.terminate()
-        for p in late:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
     assert train.proc.returncode == 0, out
     assert re.search(r"joined.*late-0 joined", out), out
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["reconfigurations"] == 1
     assert "late-0" in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
+    _assert_uninterrupted_weights(tmp_path, job_text, run)
+
+
+def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up) -> None:
+    """The coordinator killed (SIGKILL, with `edgeswarm chaos`) while a job trains, and a new one started on the hub:
+    it reads the job's retained state, the devices restore their snapshots, `train --wait` follows the job to its
+    end, and the weights are those of a run without the restart."""
+    env = {"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
+           "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV}
+    cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
+    up.append(cluster)
+    cluster.status(devices=2)
+    job_text = FT_JOB.replace("mlp-teacher", "handover")
+    (tmp_path / "handover.yaml").write_text(job_text)
+    train = _Following(tmp_path, str(tmp_path / "handover.yaml"), cluster.url, "--json", str(tmp_path / "run.json"))
+    wait_until(lambda: _running_from(cluster.url, "handover", 6), 180, interval_s=0.2, message="round 6")
+    killed = edgeswarm("chaos", "kill", "hub", "--service", "coordinator", "--hub", cluster.url)
+    assert "killed coordinator on hub" in killed.stdout, killed.stdout
+    with _services("hub", ("coordinator",), cluster.url, env):
+        out = train.finish(300)
+    assert train.proc.returncode == 0, out
+    assert re.search(r"resumed.*takes the job over at round \d+", out), out
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == 24
+    assert [r["round"] for r in run["rounds"]] == list(range(1, 25))
     _assert_uninterrupted_weights(tmp_path, job_text, run)

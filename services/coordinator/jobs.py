@@ -4,6 +4,11 @@ Stage-workers hold one stage of one job, so jobs run in submission order on one 
 (status ``queued``). Each job's state is retained on ``edgeswarm/job/{job}/state`` and every step is an event on
 ``edgeswarm/job/{job}/events``. A failure of any step fails the job with its reason; it never takes the
 coordinator down.
+
+The retained states are also how a coordinator survives its own restart: a starting coordinator reads them
+first, and takes every unfinished job over where its predecessor left it (the spec, the plan and the rounds
+done are in the state; the stage-workers still hold their stages and snapshots). A coordinator that stops
+leaves its jobs unfinished for the next one rather than cancelling them.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from edgeswarm.planning.types import Plan
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import JobCancelled, RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job_text
-from edgeswarm.training.lifecycle import JobObserver, run_job
+from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
 from edgeswarm.training.recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
 STOP = None  # put on the queue to end the job thread
+RETAINED_SETTLE_S = 1.0  # how long a starting coordinator collects the retained job states before taking jobs over
+NOT_STARTED = frozenset({"queued", "profiling", "planning", "deploying"})  # nothing trained yet: start again
 
 
 def predictions(comparison: Comparison | None, global_batch: int) -> list[StrategyPrediction]:
@@ -125,14 +132,19 @@ class JobManager:
         self._states: dict[str, JobState] = {}
         self._cancels: dict[str, threading.Event] = {}
         self._queue: queue.Queue[JobSpec | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._taking_over = True  # while the retained states of an earlier coordinator's jobs come in
         self._thread = threading.Thread(target=self._work, name="jobs", daemon=True)
+        bus.subscribe(topics.ALL_JOB_STATES, self._on_retained_state, schemas=(JobState,))
         request = topics.request(node, "coordinator")
         bus.subscribe(request, self._on_submit, schemas=(JobSubmit,))
         bus.subscribe(request, self._on_cancel, schemas=(JobCancel,))
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Cancel every job and end the job thread."""
+        """End the job thread: the job in flight stops at once (its round aborted on every device) but stays
+        unfinished in its retained state, for the next coordinator to take over."""
+        self._stopping.set()
         with self._lock:
             for event in self._cancels.values():
                 event.set()
@@ -157,8 +169,8 @@ class JobManager:
                     "another name")))
                 return
             now = time.time()
-            self._states[spec.name] = JobState(job_id=spec.name, submission=body.submission, status="queued",
-                                               model=spec.model.name,
+            self._states[spec.name] = JobState(job_id=spec.name, submission=body.submission, spec=body.spec,
+                                               status="queued", model=spec.model.name,
                                                strategy=spec.strategy, submitted_at=now, updated_at=now)
             self._cancels[spec.name] = threading.Event()
             queued = sum(1 for s in self._states.values() if s.status == "queued") - 1
@@ -185,9 +197,27 @@ class JobManager:
             self.update(body.job_id, "cancelled", event=("cancelled", "cancelled before it started"))
         self.bus.reply(msg, JobAccepted(job_id=body.job_id, detail="cancelling"))
 
+    def _on_retained_state(self, msg: Inbound) -> None:
+        # Only what the broker kept from before this coordinator started; its own states come back live.
+        state = msg.body
+        assert isinstance(state, JobState)
+        with self._lock:
+            if msg.retained and self._taking_over and state.job_id not in self._states:
+                self._states[state.job_id] = state
+                self._cancels[state.job_id] = threading.Event()
+
     # --- the job thread ----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        self._stopping.wait(RETAINED_SETTLE_S)
+        with self._lock:
+            self._taking_over = False
+            earlier = sorted((s for s in self._states.values() if s.status not in FINISHED and s.spec and
+                              not self._cancels[s.job_id].is_set()), key=lambda s: s.submitted_at)
+        for state in earlier:
+            if self._stopping.is_set():
+                return
+            self._take_over(state)
         while (spec := self._queue.get()) is not STOP:
             assert spec is not None
             with self._lock:
@@ -196,12 +226,37 @@ class JobManager:
                 continue
             self._run(spec, cancel)
 
-    def _run(self, spec: JobSpec, cancel: threading.Event) -> None:
+    def _take_over(self, state: JobState) -> None:
+        """Go on with a job an earlier coordinator left unfinished: from where its devices are, or from the start
+        when nothing was trained yet."""
+        try:
+            spec = parse_job_text(state.spec, source=f"the retained spec of job {state.job_id}")
+        except EdgeswarmError as exc:
+            self.update(state.job_id, "failed", detail=str(exc)[:4096], event=("failed", str(exc)[:4096]))
+            return
+        with self._lock:
+            cancel = self._cancels[spec.name]
+        if state.plan is None or state.status in NOT_STARTED:
+            log.info("job %s: taking it over from an earlier coordinator; it starts again", spec.name)
+            self.update(spec.name, "queued", event=("resumed", f"a restarted coordinator starts the job again "
+                                                               f"(it was {state.status})"))
+            self._run(spec, cancel)
+            return
+        log.info("job %s: taking it over from an earlier coordinator at round %d", spec.name, state.round)
+        self.update(spec.name, "recovering", event=("resumed", f"a restarted coordinator takes the job over at "
+                                                               f"round {state.round}, plan epoch {state.plan.epoch}"))
+        self._run(spec, cancel, Resume(plan=state.plan, rounds_done=state.round,
+                                       saved_version=state.checkpoint_version or 0))
+
+    def _run(self, spec: JobSpec, cancel: threading.Event, resume: Resume | None = None) -> None:
         log.info("job %s: starting (%s, %s)", spec.name, spec.model.name, spec.strategy)
         try:
             run_job(self.bus, spec, store_node=self.store_node, observer=_Publisher(self, spec), cancel=cancel,
-                    timeout_s=self.timeout_s)
+                    timeout_s=self.timeout_s, resume=resume)
         except JobCancelled:
+            if self._stopping.is_set():
+                log.info("job %s: left unfinished for the next coordinator", spec.name)
+                return
             self.update(spec.name, "cancelled", event=("cancelled", "cancelled by request"))
         except Exception as exc:  # noqa: BLE001 - one job's failure must not end the coordinator's job thread
             detail = str(exc) or type(exc).__name__

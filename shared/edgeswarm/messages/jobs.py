@@ -79,10 +79,13 @@ class JobState(Message):
     final model's, loaded back from the checkpoint store, on the held-out split. ``plan`` is the plan the
     job runs on (re-planned after a device left or joined: see ``plan.epoch``), ``reconfigurations`` how many
     times that happened, and ``predictions`` every strategy's predicted figures. ``detail`` says why a job
-    failed. After a recovery ``round`` goes back to the round the job resumed from: those rounds run again."""
+    failed. After a recovery ``round`` goes back to the round the job resumed from: those rounds run again.
+    ``spec`` is the job spec as submitted: with the plan and the rounds done, what a restarted coordinator needs
+    to take the job over."""
 
     job_id: Name
     submission: str = Field(default="", max_length=64)
+    spec: str = Field(default="", max_length=MAX_SPEC_CHARS)
     status: JobStatus
     model: str
     strategy: Strategy
@@ -104,7 +107,7 @@ class JobState(Message):
 
 
 JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
-                       "recovered", "joined", "evaluated", "succeeded", "failed", "cancelled"]
+                       "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled"]
 
 
 @schema("edgeswarm.job.event", 1)

@@ -120,16 +120,29 @@ def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: 
     return baseline.plan, comparison
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a job that an earlier coordinator ran stands, from its retained state: the plan its devices hold,
+    the rounds done and the last checkpoint version saved (0: none)."""
+
+    plan: Plan
+    rounds_done: int
+    saved_version: int = 0
+
+
 def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
             cancel: threading.Event | None = None, timeout_s: float = 600.0,
-            detector: FailureDetector | None = None) -> JobResult:
+            detector: FailureDetector | None = None, resume: Resume | None = None) -> JobResult:
     """Train ``job`` on the devices whose stage-workers are online on ``bus``'s cluster; returns what happened.
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
     split. Devices the failure ``detector`` (a new one if None) confirms lost are replaced as ``job.recovery``
-    says, and the job replays from the latest round start every unit has a copy of. Raises JobCancelled once
-    ``cancel`` is set, JobError (or a profiling error) naming what failed.
+    says, and the job replays from the latest round start every unit has a copy of. With ``resume`` the job is
+    taken over from an earlier coordinator instead of planned: the plan's devices still online are profiled
+    (their profilers have the profiles cached) and every one restores its state from its own snapshots, as after
+    a lost connection, so the job goes on exactly where it was. Raises JobCancelled once ``cancel`` is set,
+    JobError (or a profiling error) naming what failed.
     """
     from edgeswarm.training.data import open_dataset  # torch: only when a job actually runs
 
@@ -144,29 +157,45 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     terms_per_sample = 1
     for dim in dataset.label_shape:
         terms_per_sample *= dim
+    loss_terms = job.global_batch * terms_per_sample
+    total = job.total_rounds(dataset.train_size)
     watcher = ClusterWatcher(bus)
     view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30)
     nodes = nodes_running(view, "stage-worker")
+    if resume is not None:
+        nodes = [n for n in resume.plan.devices if n in nodes]
     if not nodes:
-        raise JobError(f"job {job.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
-    seen.profiling(nodes)
+        raise JobError(f"job {job.name}: no stage-worker " + ("of its plan " if resume else "") +
+                       "is online; start a cluster (edgeswarm up --local)")
+    if resume is None:
+        seen.profiling(nodes)
     cluster = profile_cluster(bus, job.model, profile_batch_sizes(job), nodes=nodes, timeout_s=timeout_s,
                               progress=seen.profile_progress)
     check()
-    plan, comparison = request_plan(bus, job, cluster)
-    total = job.total_rounds(dataset.train_size)
-    seen.planned(plan, comparison, total)
-    check()
+    if resume is None:
+        plan, comparison = request_plan(bus, job, cluster)
+        seen.planned(plan, comparison, total)
+        check()
     own_detector = detector is None
     detector = detector or FailureDetector(bus, timeout_factor=bus.settings.heartbeat_timeout_factor)
     try:
-        driver = JobDriver(bus, job, plan, loss_terms=job.global_batch * terms_per_sample, timeout_s=timeout_s,
-                           cancel=cancel, detector=detector)
-        driver.deploy()
-        seen.deployed()
-        result = JobResult(plan, comparison)
-        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes) - set(plan.devices), timeout_s=timeout_s)
-        train_rounds(driver, job, total, cluster, store_node, result, seen, check, joiner)
+        if resume is None:
+            driver = JobDriver(bus, job, plan, loss_terms=loss_terms, timeout_s=timeout_s, cancel=cancel,
+                               detector=detector)
+            driver.deploy()
+            seen.deployed()
+            result = JobResult(plan, comparison)
+            start = saved_version = 0
+        else:
+            driver, report = _take_over(bus, job, resume, cluster, loss_terms, timeout_s, cancel, detector)
+            cluster = _without(cluster, report.failed)
+            result = JobResult(report.plan, recoveries=[report])
+            seen.recovered(report)
+            start, saved_version = report.resume_round, min(resume.saved_version, report.resume_round)
+        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes_running(view, "stage-worker")) -
+                         set(result.plan.devices), timeout_s=timeout_s)
+        train_rounds(driver, job, total, cluster, store_node, result, seen, check, joiner, start=start,
+                     saved_version=saved_version)
     finally:
         if own_detector:
             detector.close()
@@ -176,6 +205,31 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
         result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(result.plan.stages), total)
         seen.evaluated(result.test_accuracy)
     return result
+
+
+def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, loss_terms: int, timeout_s: float,
+               cancel: threading.Event, detector: FailureDetector) -> tuple[JobDriver, RecoveryReport]:
+    """Bring the devices of ``resume.plan`` under a new driver: the ones that are gone are confirmed failed and
+    replaced as ``job.recovery`` says, and every device restores its state at the latest round start all units
+    have a copy of (the round the earlier coordinator was in, normally)."""
+    # The earlier coordinator may have sent the next epoch's assignments before it stopped: start past it.
+    plan = resume.plan.model_copy(update={"epoch": resume.plan.epoch + 1})
+    driver = JobDriver(bus, job, plan, loss_terms, epoch=plan.epoch, timeout_s=timeout_s, cancel=cancel,
+                       detector=detector)
+    gone = [n for n in plan.devices if n not in {d.device.node for d in cluster.devices}]
+    failures = detector.confirm(gone) if gone else {}
+    if len(failures) < len(gone):
+        raise JobError(f"job {job.name}: {', '.join(n for n in gone if n not in failures)} of its plan answer but "
+                       "could not be profiled; try again once their profilers are up")
+    if failures and job.recovery == "none":
+        raise DeviceLost(f"job {job.name}: {', '.join(failures)} left while no coordinator ran it", failures)
+    return recover(driver, failures, resume.rounds_done, cluster, job.recovery)
+
+
+def _without(cluster: ClusterProfile, nodes: list[str]) -> ClusterProfile:
+    for node in nodes:
+        cluster = cluster.without(node)
+    return cluster
 
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
@@ -215,12 +269,13 @@ def _joiner(bus: Bus, job: JobSpec, watcher: ClusterWatcher, detector: FailureDe
 
 
 def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
-                 result: JobResult, seen: JobObserver, check: Callable[[], None], joiner: Joiner | None = None) -> None:
-    """Run rounds until ``total`` are done and saved; a lost device is replaced (``job.recovery``) and the rounds
-    since the resume point run again. At round starts that have snapshots (every ``job.backup_interval``-th),
-    ``joiner`` may add devices that appeared."""
-    index = 0
-    saved_version = 0
+                 result: JobResult, seen: JobObserver, check: Callable[[], None], joiner: Joiner | None = None, *,
+                 start: int = 0, saved_version: int = 0) -> None:
+    """Run rounds from ``start`` until ``total`` are done and saved (``saved_version`` is the last checkpoint
+    version saved); a lost device is replaced (``job.recovery``) and the rounds since the resume point run again.
+    At round starts that have snapshots (every ``job.backup_interval``-th), ``joiner`` may add devices that
+    appeared."""
+    index = start
     while index < total or (store_node and saved_version < total):
         check()
         try:
@@ -251,8 +306,7 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
             else:
                 log.warning("%s: replaying from the last snapshots", exc)
             driver, report_ = recover(driver, failures, index, cluster, job.recovery)
-            for node in report_.failed:
-                cluster = cluster.without(node)  # a later recovery must not plan on it
+            cluster = _without(cluster, report_.failed)  # a later recovery must not plan on them
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
             result.plan = report_.plan
