@@ -31,9 +31,10 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
     pytest.fail(f"timed out after {timeout_s:.1f} s waiting for {message}")
 
 
-def reference_weights(job, rounds: int) -> dict:  # type: ignore[no-untyped-def]
+def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # type: ignore[no-untyped-def]
     """``job`` (a JobSpec of a classification task) trained for ``rounds`` rounds in this process on one
-    device, in the rounds' sample order: the weights (state dict) an uninterrupted distributed run ends with."""
+    device, in the rounds' sample order: the weights (state dict) an uninterrupted distributed run ends with (with
+    ``optimizer``, and the optimizer's state as a checkpoint holds it)."""
     import torch
 
     from edgeswarm.models.zoo import build_model
@@ -41,27 +42,35 @@ def reference_weights(job, rounds: int) -> dict:  # type: ignore[no-untyped-def]
     from edgeswarm.training.jobs import make_optimizer
 
     model = build_model(job.model)
-    optimizer = make_optimizer(job.optimizer, model.parameters())
+    opt = make_optimizer(job.optimizer, model.parameters())
     dataset = open_dataset(job.data, job.model)
     for r in range(rounds):
         x, y = dataset.batch(round_sample_ids(r, job.global_batch, dataset.train_size, job.seed))
-        optimizer.zero_grad()
+        opt.zero_grad()
         (torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / job.global_batch).backward()
-        optimizer.step()
+        opt.step()
+    if optimizer:
+        from edgeswarm.training.unit_state import checkpoint_tensors
+
+        return checkpoint_tensors(model, opt)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def stored_weights(store_dir: Path, job_id: str, stages: int) -> dict:  # type: ignore[no-untyped-def]
-    """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict."""
+def stored_weights(store_dir: Path, job_id: str, stages: int, *, optimizer: bool = False) -> dict:  # type: ignore[type-arg]
+    """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict (with
+    ``optimizer``, the checkpoints' optimizer entries too, as ``opt:<name>:<field>``)."""
     import numpy as np
     import torch
 
     from edgeswarm.checkpoints.store import CheckpointStore
+    from edgeswarm.training.unit_state import model_state
 
     store = CheckpointStore(store_dir)
     weights = {}
     for s in range(stages):
-        weights.update({k: torch.from_numpy(np.array(v)) for k, v in store.get(job_id, f"stage-{s}")[1].items()})
+        tensors = store.get(job_id, f"stage-{s}")[1]
+        weights.update({k: torch.from_numpy(np.array(v)) for k, v in (tensors if optimizer else
+                                                                       model_state(tensors)).items()})
     return weights
 
 

@@ -122,7 +122,8 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
         detector.close()
         if chaos:
             chaos.release()
-    return result, stored_weights(store_dir, job.name, len(result.plan.stages)), seen
+    # Weights and momentum buffers: the checkpoints hold both.
+    return result, stored_weights(store_dir, job.name, len(result.plan.stages), optimizer=True), seen
 
 
 @pytest.mark.parametrize("victim, new_stages", [("d", [["a"], ["b", "c"]]), ("c", [["a"], ["b"], ["d"]])],
@@ -138,14 +139,14 @@ def test_a_killed_device_is_replaced_and_the_job_ends_with_uninterrupted_weights
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
     assert rec.moved_bytes <= rec.moved_state_bytes * 1.05 + 4096 * max(1, rec.transfers), rec  # framing only
     assert rec.detection_s[victim] < 5.0
-    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
 def test_a_hung_device_is_declared_dead_by_probe_and_replaced(broker, make_bus, services, tmp_path: Path) -> None:
     result, weights, seen = _run(broker, make_bus, services, tmp_path, "b", sig=signal.SIGSTOP)
     assert len(result.recoveries) == 1, seen
     assert result.recoveries[0].failed == ["b"]
-    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
 def test_heavy_rescheduling_gathers_the_model_and_ends_the_same(broker, make_bus, services, tmp_path: Path) -> None:
@@ -154,7 +155,7 @@ def test_heavy_rescheduling_gathers_the_model_and_ends_the_same(broker, make_bus
     rec = result.recoveries[0]
     assert rec.mode == "heavy" and rec.gather_s > 0, rec
     assert "d" not in rec.plan.devices
-    assert_same_weights(weights, reference_weights(_job('ref'), ROUNDS))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
     assert time.monotonic() - started < 120
 
 
@@ -177,7 +178,7 @@ def test_a_broker_restart_mid_round_is_replayed_and_the_job_ends_the_same(make_b
         hubs[-1].stop()
     assert [r.mode for r in result.recoveries] == ["replay"], seen
     assert result.recoveries[0].failed == [] and result.plan.devices == ["a", "b", "c", "d"]
-    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
 def test_a_checkpoint_store_restart_is_waited_for_and_every_version_is_kept(broker, make_bus, services,
@@ -196,7 +197,7 @@ def test_a_checkpoint_store_restart_is_waited_for_and_every_version_is_kept(brok
                                  checkpoint_interval=1)
     assert result.recoveries == [], seen
     assert [saved[0].version for saved in result.saved] == list(range(1, ROUNDS + 1))
-    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS))
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
 SOAK_S = float(os.environ.get("EDGESWARM_SOAK_S", "300"))

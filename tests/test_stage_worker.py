@@ -25,6 +25,7 @@ from edgeswarm.models.zoo import build_model
 from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+from edgeswarm.training.unit_state import model_state
 from helpers import wait_until
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
@@ -91,7 +92,7 @@ def test_an_hpp_round_over_mqtt_equals_single_process_training(broker, make_bus,
     compared = set()
     for stage in ("stage-0", "stage-1"):
         _, arrays = store.get("j1", stage)
-        for name, value in arrays.items():
+        for name, value in model_state(arrays).items():
             assert np.allclose(value, want[name].detach().numpy(), rtol=1e-5, atol=1e-7), name
             compared.add(name)
     assert compared == set(want)
@@ -146,7 +147,7 @@ def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker,
     store = CheckpointStore(store_dir)
     trained = build_model(MLP)
     state = {name: torch.from_numpy(np.array(value)) for stage in ("stage-0", "stage-1")
-             for name, value in store.get("mlp-teacher", stage)[1].items()}
+             for name, value in model_state(store.get("mlp-teacher", stage)[1]).items()}
     trained.load_state_dict(state, strict=True)
     dataset = open_dataset(DATA, MLP)
     x, y = dataset.batch(np.arange(dataset.test_size), "test")

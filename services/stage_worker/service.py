@@ -224,7 +224,8 @@ class StageWorkerService(Service):
         in_shape, out_shape, sample = _sample_shapes(sequence, spec)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
         share = spec.shares[spec.stage][spec.rank]
-        if share:
+        if share and not spec.restore:
+            # A restore skips it: the job is down until every stage is ready; the replayed round pays instead.
             stage.warm_up(sample[:1].expand(share, *sample.shape[1:]).contiguous())
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
         params = list(stage.parameters())
@@ -579,11 +580,12 @@ class StageWorkerService(Service):
             self._fail(msg, body.job_id, "not_assigned", f"{self.node} holds no stage of job {body.job_id}")
             return
         from edgeswarm.checkpoints.client import save_checkpoint
+        from edgeswarm.training.unit_state import checkpoint_tensors
 
         name = f"stage-{job.spec.stage}"
-        # Weights and buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps).
-        module = job.stage.module
-        tensors = {k: v.detach() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+        # Weights, buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps) and
+        # optimizer state, the same on every replica of the group.
+        tensors = checkpoint_tensors(job.stage.module, job.optimizer)
         try:
             info = save_checkpoint(self.bus, body.store_node, body.job_id, name, body.version, tensors)
         except EdgeswarmError as exc:

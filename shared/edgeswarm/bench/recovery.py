@@ -34,7 +34,7 @@ from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job
 from edgeswarm.training.recovery import RecoveryReport
 
-DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
+DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
 KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the round before
 
 
@@ -140,7 +140,7 @@ def summarize(env: str, victim: str, mode: str, watch: _Watch) -> RecoveryRun:
 
 def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, modes: tuple[str, ...] = ("light", "heavy"),
                        model: ModelSpec = DEFAULT_MODEL, global_batch: int = 64, micro_batches: int = 4,
-                       rounds: int = 7, kill_round: int = 3, profile_dir: Path,
+                       rounds: int = 9, kill_round: int = 3, profile_dir: Path,
                        log: Callable[[str], None] = lambda _m: None) -> list[RecoveryRun]:
     """Drop each device of ``env`` (all of them when ``victims`` is None) under every recovery mode, each on a
     fresh local cluster; profiles are cached in ``profile_dir``."""

@@ -163,13 +163,16 @@ def run_bench_training(args: argparse.Namespace) -> int:
 def run_bench_recovery(args: argparse.Namespace) -> int:
     """``edgeswarm bench recovery``: each device dropped in turn, light against heavy recovery."""
     from edgeswarm.bench.recovery import run_recovery_bench
+    from edgeswarm.cli.profile import parse_config
+    from edgeswarm.profiling.types import ModelSpec
 
+    model = ModelSpec(name=args.model, config=parse_config(args.config) or {"image_size": 32, "num_classes": 10})
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     victims = [v.strip() for v in args.victims.split(",") if v.strip()] or None
-    rows = run_recovery_bench(args.env, victims=victims, modes=modes, rounds=args.rounds,
+    rows = run_recovery_bench(args.env, victims=victims, modes=modes, model=model, rounds=args.rounds,
                               kill_round=args.kill_round, profile_dir=Path(args.profile_dir),
                               log=lambda m: err_console.print(m, highlight=False))
-    t = Table(title=f"Env {args.env.upper()}: a device dropped during round {args.kill_round}")
+    t = Table(title=f"{model.name} on Env {args.env.upper()}: a device dropped during round {args.kill_round}")
     for col in ("dropped", "mode", "stages after", "detection", "recovery", "heavy / light", "moved",
                 "round before", "round after", "after / heavy after"):
         t.add_column(col, justify="left" if col in ("dropped", "mode", "stages after") else "right")

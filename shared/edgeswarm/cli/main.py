@@ -84,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     recovery = bench_sub.add_parser("recovery", help="drop each device of emulated Env D mid-round: detection "
                                     "time, light against heavy recovery, throughput after")
     recovery.add_argument("--env", default="d", help="the Asteroid environment (at 100 Mbps)")
+    recovery.add_argument("--model", default="efficientnet-b1", help="a zoo model (AC-20: EfficientNet-B1)")
+    recovery.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                          help="model config (repeatable; default: image_size=32 num_classes=10)")
     recovery.add_argument("--victims", default="", help="comma-separated devices to drop (default: each in turn)")
     recovery.add_argument("--modes", default="light,heavy", help="comma-separated recovery modes")
-    recovery.add_argument("--rounds", type=int, default=7, help="rounds per run")
+    recovery.add_argument("--rounds", type=int, default=9, help="rounds per run")
     recovery.add_argument("--kill-round", type=int, default=3, help="the round during which the device dies")
     recovery.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     recovery.add_argument("--out", default=None, help="also write the JSON report to this file")

@@ -102,10 +102,10 @@ class JobDriver:
 
     def _ask(self, messages: dict[str, Message], round_index: int | None = None) -> dict[str, Inbound]:
         """Send every device its request and collect the answers. The first failure, a device the failure detector
-        confirms lost, or a cancellation ends the wait early: for a round, every device is told to abort it and
-        gets ABORT_GRACE_S to answer. Raises DeviceLost when a failure is explained by a lost device (a failed
-        answer makes the driver probe every device at once rather than wait for the heartbeats to time out), and
-        ConnectionInterrupted when the connection to the broker dropped meanwhile."""
+        confirms lost, or a cancellation ends the wait early: for a round, every device is told to abort it (and,
+        unless a device is lost, gets ABORT_GRACE_S to answer). Raises DeviceLost when a failure is explained by a
+        lost device (a failed answer makes the driver probe every device at once rather than wait for the
+        heartbeats to time out), and ConnectionInterrupted when the connection to the broker dropped meanwhile."""
         connection = self.bus.hub.connects
         expectations = {}
         for key, message in messages.items():
@@ -124,17 +124,18 @@ class JobDriver:
             if self.bus.hub.connects != connection:
                 break
             lost = lost or self._lost([self._targets.get(k, k) for k in expectations])
-            if lost and all(k in replies or self._targets.get(k, k) in lost for k in expectations):
-                break  # every device still alive has answered
-            if not giving_up and (self.cancel.is_set() or lost or any(isinstance(r.body, StageFailed)
-                                                                      for r in replies.values())):
+            if lost:
+                # Recovery starts at once; the survivors give the round up meanwhile (a device in the middle of a
+                # computation finishes it first, and its new assignment waits for that).
+                if round_index is not None:
+                    self.abort(round_index, f"{', '.join(lost)} failed")
+                break
+            if not giving_up and (self.cancel.is_set() or any(isinstance(r.body, StageFailed)
+                                                              for r in replies.values())):
                 giving_up = True
                 if round_index is None:
-                    if not lost:
-                        break
-                else:
-                    self.abort(round_index, "cancelled" if self.cancel.is_set() else
-                               f"{', '.join(lost)} failed" if lost else "another device failed it")
+                    break
+                self.abort(round_index, "cancelled" if self.cancel.is_set() else "another device failed it")
                 deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
             time.sleep(POLL_S)
         for node, exp in expectations.items():

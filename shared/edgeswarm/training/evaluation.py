@@ -10,6 +10,7 @@ from edgeswarm.checkpoints.client import load_checkpoint
 from edgeswarm.models.zoo import build_model
 from edgeswarm.training.data import Dataset, open_dataset
 from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.unit_state import model_state
 
 
 def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
@@ -27,13 +28,14 @@ def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) ->
 
 def evaluate_checkpoint(bus: Bus, store_node: str, job: JobSpec, stages: int, version: int, *,
                         timeout_s: float = 120.0) -> float:
-    """Load ``version`` of every stage of ``job`` from the checkpoint store on ``store_node`` (weights and
-    buffers), rebuild the whole model and return its held-out accuracy. Raises CheckpointError when a stage
-    is missing or damaged, and RuntimeError when the stages do not make up the model."""
+    """Load ``version`` of every stage of ``job`` from the checkpoint store on ``store_node`` (its weights and
+    buffers; the optimizer state is left out), rebuild the whole model and return its held-out accuracy. Raises
+    CheckpointError when a stage is missing or damaged, and RuntimeError when the stages do not make up the
+    model."""
     state: dict[str, torch.Tensor] = {}
     for stage in range(stages):
         _, tensors = load_checkpoint(bus, store_node, job.name, f"stage-{stage}", version, timeout_s=timeout_s)
-        state.update({name: torch.from_numpy(np.array(value)) for name, value in tensors.items()})
+        state.update({name: torch.from_numpy(np.array(value)) for name, value in model_state(tensors).items()})
     model = build_model(job.model)
     model.load_state_dict(state, strict=True)
     return accuracy(model, open_dataset(job.data, job.model))

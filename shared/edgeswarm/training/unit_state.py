@@ -21,7 +21,8 @@ into small ``StateEntry`` descriptors plus one flat ``uint8`` tensor of raw byte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -147,6 +148,30 @@ def extract_units(module: nn.Module, optimizer: torch.optim.Optimizer | None, na
                                      "for, with the names of the same model")
         result[u] = state
     return result
+
+
+def checkpoint_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """What a stage saves as one checkpoint version: its parameters and buffers under their qualified names (the
+    stages' checkpoints together make a state dict of the whole model) and, as ``opt:<name>:<field>``, the
+    optimizer's state of every parameter it has stepped, so training can go on from the checkpoint exactly.
+    Parameters and buffers are the live tensors (detached): save them before the next step changes them."""
+    params, buffers = _named_tensors(module)
+    tensors = {name: t.detach() for name, t in {**params, **buffers}.items()}
+    if optimizer is not None:
+        trained = _optimizer_params(optimizer)
+        for name, param in params.items():
+            if id(param) in trained and param in optimizer.state:
+                for field, value in optimizer.state[param].items():
+                    tensors[f"{OPT_PREFIX}{name}:{field}"] = _opt_value(name, str(field), value)
+    return tensors
+
+
+T = TypeVar("T")
+
+
+def model_state(tensors: Mapping[str, T]) -> dict[str, T]:
+    """The model's state dict in a checkpoint's tensors (see ``checkpoint_tensors``): all but the optimizer's."""
+    return {name: t for name, t in tensors.items() if not name.startswith(OPT_PREFIX)}
 
 
 def _split_entry(key: str) -> tuple[str, str, str]:
