@@ -295,18 +295,26 @@ def _assert_uninterrupted_weights(tmp_path: Path, job_text: str, run: dict) -> N
                         reference_weights(job, run["state"]["total_rounds"]))
 
 
-FT_JOB = JOB.replace("rounds: 6", "rounds: 24\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
+FT_ROUNDS = 12
+FT_JOB = JOB.replace("rounds: 6", f"rounds: {FT_ROUNDS}\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
 # Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted.
 FT_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "150"}
 
 
+@pytest.fixture(scope="module")
+def ft_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The fault-tolerance tests' device settings and one profile cache for all of them: their devices are alike
+    (Nano-like, FT_ENV's slow-down), so only the first test waits for its devices to be profiled."""
+    return {"EDGESWARM_PROFILE_DIR": str(tmp_path_factory.mktemp("ft-profiles")), **FT_ENV}
+
+
 def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_uninterrupted(
-        tmp_path: Path, up) -> None:
+        tmp_path: Path, up, ft_env: dict[str, str]) -> None:
     """`edgeswarm chaos kill` on a device of a running job's plan: `train --wait` shows the loss and the recovery
     (from the job's event topic), the job completes on the survivors, and its weights are those of a run without
     the failure."""
-    cluster = Up(tmp_path, "--devices", "3", env={"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
-                                                   "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV})
+    cluster = Up(tmp_path, "--devices", "3", "--device-class", "jetson-nano",
+                 env={"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env})
     up.append(cluster)
     cluster.status(devices=3)
     job_text = FT_JOB.replace("mlp-teacher", "chaos")
@@ -323,7 +331,7 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["status"] == "succeeded" and run["state"]["reconfigurations"] == 1
     assert victim not in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
-    assert [r["round"] for r in run["rounds"]] == list(range(1, 25))
+    assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
     _assert_uninterrupted_weights(tmp_path, job_text, run)
 
 
@@ -346,11 +354,11 @@ def _services(node: str, names: tuple[str, ...], url: str, env: dict[str, str]) 
                 p.wait(5)
 
 
-def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up) -> None:
+def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up,
+                                                                    ft_env: dict[str, str]) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
-    env = {"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
-           "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV}
+    env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
     cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
     up.append(cluster)
     cluster.status(devices=2)
@@ -368,12 +376,12 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     _assert_uninterrupted_weights(tmp_path, job_text, run)
 
 
-def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up) -> None:
+def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up,
+                                                                                   ft_env: dict[str, str]) -> None:
     """The coordinator killed (SIGKILL, with `edgeswarm chaos`) while a job trains, and a new one started on the hub:
     it reads the job's retained state, the devices restore their snapshots, `train --wait` follows the job to its
     end, and the weights are those of a run without the restart."""
-    env = {"EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles"),
-           "EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **FT_ENV}
+    env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
     cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
     up.append(cluster)
     cluster.status(devices=2)
@@ -388,6 +396,6 @@ def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrup
     assert train.proc.returncode == 0, out
     assert re.search(r"resumed.*takes the job over at round \d+", out), out
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == 24
-    assert [r["round"] for r in run["rounds"]] == list(range(1, 25))
+    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == FT_ROUNDS
+    assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
     _assert_uninterrupted_weights(tmp_path, job_text, run)

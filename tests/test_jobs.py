@@ -20,7 +20,7 @@ rounds: 3
 
 
 def test_the_coordinator_refuses_bad_submissions_and_fails_a_job_it_cannot_run(broker, make_bus, services) -> None:
-    services.start("coordinator", "hub", broker.url)
+    coordinator = services.start("coordinator", "hub", broker.url)
     services.start("node-agent", "dev-1", broker.url)  # a device, but with no stage-worker
     client = make_bus("job-test", "cli")
     client.peers.wait_for("hub", "coordinator", timeout_s=30)
@@ -41,6 +41,7 @@ def test_the_coordinator_refuses_bad_submissions_and_fails_a_job_it_cannot_run(b
     assert final.status == "failed" and "no stage-worker is online" in final.detail, final
     assert wait_until(lambda: [e.kind for e in events][-1:] == ["failed"], 5)
     assert [e.kind for e in events][0] == "submitted"
+    assert "resumed" not in [e.kind for e in events]  # submitted as the coordinator started: not taken as its own
 
     with pytest.raises(JobRequestError, match=r"refused \(finished\): job lonely already failed"):
         cancel_job(client, "lonely")
@@ -48,3 +49,18 @@ def test_the_coordinator_refuses_bad_submissions_and_fails_a_job_it_cannot_run(b
         cancel_job(client, "nobody")
     states = {s.job_id: s for s in job_states(client)}
     assert states["lonely"].status == "failed" and states["lonely"].model == "mlp"
+
+    # A restarted coordinator knows the finished jobs from their retained states and runs none of them again.
+    first = client.peers.get("hub", "coordinator").instance
+    coordinator.terminate()
+    coordinator.wait(15)
+    services.start("coordinator", "hub", broker.url)
+
+    def restarted() -> bool:
+        now = client.peers.get("hub", "coordinator")
+        return now is not None and now.instance != first and now.state == "online"
+
+    wait_until(restarted, 30, message="the new coordinator")
+    with pytest.raises(JobRequestError, match=r"refused \(finished\): job lonely already failed"):
+        cancel_job(client, "lonely")
+    assert [e.kind for e in events][-1] == "failed"

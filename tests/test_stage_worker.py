@@ -30,9 +30,14 @@ from helpers import wait_until
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
 DATA = DatasetSpec(kind="teacher", size=512, test_size=64)
-GROUPS = [["w0", "w1"], ["w2", "w3", "w4"]]
-SHARES = [[40, 24], [32, 16, 16]]
 M, B, LR = 4, 64, 0.5
+# (groups, shares per micro-batch, unit ranges) of AC-13's plans on five workers: HPP with uneven groups of two
+# and three, pure DP with uneven shares, and a straight pipeline.
+LAYOUTS = {
+    "hpp": ([["w0", "w1"], ["w2", "w3", "w4"]], [[40, 24], [32, 16, 16]], [(0, 3), (3, 6)]),
+    "dp": ([["w0", "w1", "w2", "w3", "w4"]], [[20, 12, 16, 8, 8]], [(0, 6)]),
+    "pp": ([["w0"], ["w1"], ["w2"]], [[64], [64], [64]], [(0, 2), (2, 4), (4, 6)]),
+}
 
 
 def _ask_all(client, messages: dict[str, object], timeout_s: float) -> dict[str, object]:
@@ -45,21 +50,25 @@ def _ask_all(client, messages: dict[str, object], timeout_s: float) -> dict[str,
     return {node: (exp.wait(timeout_s) or None) for node, exp in expectations.items()}
 
 
-def test_an_hpp_round_over_mqtt_equals_single_process_training(broker, make_bus, services, tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", list(LAYOUTS))
+def test_a_round_over_mqtt_equals_single_process_training(strategy: str, broker, make_bus, services,
+                                                          tmp_path: Path) -> None:
+    """AC-13 with worker processes and Mosquitto: after one round of each plan the saved weights equal one
+    process's SGD step on the same 256 samples."""
+    groups, shares, ranges = LAYOUTS[strategy]
     store_dir = tmp_path / "checkpoints"
     services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
-    procs = [services.start("stage-worker", node, broker.url) for group in GROUPS for node in group]
+    procs = {node: services.start("stage-worker", node, broker.url) for group in groups for node in group}
     client = make_bus("coordinator-test", "cli")
-    for node in ("hub", *[n for g in GROUPS for n in g]):
+    for node in ("hub", *procs):
         client.peers.wait_for(node, "checkpoint-store" if node == "hub" else "stage-worker", timeout_s=30)
 
     assigns = {}
-    for p, group in enumerate(GROUPS):
+    for p, group in enumerate(groups):
         for r, node in enumerate(group):
-            end = 3 if p == 0 else 6
-            assigns[node] = StageAssign(job_id="j1", epoch=0, stage=p, rank=r, model=MLP, start=0 if p == 0 else 3,
-                                        end=end, groups=GROUPS, shares=SHARES, micro_batches=M,
-                                        warmup=3 if p == 0 else 1, loss_scale=1.0 / (M * B),
+            assigns[node] = StageAssign(job_id="j1", epoch=0, stage=p, rank=r, model=MLP, start=ranges[p][0],
+                                        end=ranges[p][1], groups=groups, shares=shares, micro_batches=M,
+                                        warmup=min(2 * (len(groups) - p) - 1, M), loss_scale=1.0 / (M * B),
                                         optimizer=OptimizerSpec(name="sgd", lr=LR), data=DATA)
     ready = _ask_all(client, assigns, 60)
     assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
@@ -69,12 +78,12 @@ def test_an_hpp_round_over_mqtt_equals_single_process_training(broker, make_bus,
                                                          sender=0), np.zeros((20, 64), dtype=np.float32))
     done = _ask_all(client, {node: RoundStart(job_id="j1", epoch=0, round=0) for node in assigns}, 120)
     assert all(isinstance(d.body, RoundDone) for d in done.values()), {n: d.body for n, d in done.items()}
-    last = [d.body for n, d in done.items() if n in GROUPS[1]]
+    last = [d.body for n, d in done.items() if n in groups[-1]]
     assert sum(d.terms for d in last) == M * B
-    assert all(d.peak_live <= (3 if d.stage == 0 else 1) for d in (x.body for x in done.values()))
+    assert all(d.peak_live <= min(2 * (len(groups) - d.stage) - 1, M) for d in (x.body for x in done.values()))
 
-    saved = _ask_all(client, {"w0": StageSave(job_id="j1", epoch=0, store_node="hub", version=1),
-                              "w3": StageSave(job_id="j1", epoch=0, store_node="hub", version=1)}, 60)
+    saved = _ask_all(client, {group[-1]: StageSave(job_id="j1", epoch=0, store_node="hub", version=1)
+                              for group in groups}, 60)
     assert all(isinstance(s.body, StageSaved) for s in saved.values()), saved
 
     # The same round in one process: single-device SGD on the same 256 samples.
@@ -90,8 +99,8 @@ def test_an_hpp_round_over_mqtt_equals_single_process_training(broker, make_bus,
     want = dict(reference.named_parameters())
     store = CheckpointStore(store_dir)
     compared = set()
-    for stage in ("stage-0", "stage-1"):
-        _, arrays = store.get("j1", stage)
+    for stage in range(len(groups)):
+        _, arrays = store.get("j1", f"stage-{stage}")
         for name, value in model_state(arrays).items():
             assert np.allclose(value, want[name].detach().numpy(), rtol=1e-5, atol=1e-7), name
             compared.add(name)
@@ -99,8 +108,8 @@ def test_an_hpp_round_over_mqtt_equals_single_process_training(broker, make_bus,
 
     unknown = _ask_all(client, {"w0": RoundStart(job_id="other", epoch=0, round=0)}, 30)["w0"].body
     assert isinstance(unknown, StageFailed) and unknown.reason == "not_assigned"
-    assert wait_until(lambda: all(p.poll() is None for p in procs), 1)
-    assert "dropped a activation tensor for job j1 epoch 7" in services.log_of(procs[2])
+    assert wait_until(lambda: all(p.poll() is None for p in procs.values()), 1)
+    assert "dropped a activation tensor for job j1 epoch 7" in services.log_of(procs["w2"])
 
 
 def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker, make_bus, services,

@@ -134,6 +134,7 @@ class JobManager:
         self._queue: queue.Queue[JobSpec | None] = queue.Queue()
         self._stopping = threading.Event()
         self._taking_over = True  # while the retained states of an earlier coordinator's jobs come in
+        self._retained: set[str] = set()  # the jobs those states are of
         self._thread = threading.Thread(target=self._work, name="jobs", daemon=True)
         bus.subscribe(topics.ALL_JOB_STATES, self._on_retained_state, schemas=(JobState,))
         request = topics.request(node, "coordinator")
@@ -205,6 +206,7 @@ class JobManager:
             if msg.retained and self._taking_over and state.job_id not in self._states:
                 self._states[state.job_id] = state
                 self._cancels[state.job_id] = threading.Event()
+                self._retained.add(state.job_id)
 
     # --- the job thread ----------------------------------------------------------------------------
 
@@ -212,8 +214,10 @@ class JobManager:
         self._stopping.wait(RETAINED_SETTLE_S)
         with self._lock:
             self._taking_over = False
-            earlier = sorted((s for s in self._states.values() if s.status not in FINISHED and s.spec and
-                              not self._cancels[s.job_id].is_set()), key=lambda s: s.submitted_at)
+            # (A job submitted meanwhile is on the queue; a retained unfinished one refused its name.)
+            earlier = sorted((self._states[j] for j in self._retained if self._states[j].status not in FINISHED
+                              and self._states[j].spec and not self._cancels[j].is_set()),
+                             key=lambda s: s.submitted_at)
         for state in earlier:
             if self._stopping.is_set():
                 return

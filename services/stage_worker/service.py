@@ -25,7 +25,7 @@ from typing import Any
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import CheckpointTransferError, EdgeswarmError
 from edgeswarm.messages.training import (
     HeldBackup,
     HeldSnapshot,
@@ -589,7 +589,9 @@ class StageWorkerService(Service):
         try:
             info = save_checkpoint(self.bus, body.store_node, body.job_id, name, body.version, tensors)
         except EdgeswarmError as exc:
-            self._fail(msg, body.job_id, "error", f"saving stage {job.spec.stage}: {exc}")
+            # "timeout": the store is away (restarting, say) and a later try may work; "error": it refused.
+            self._fail(msg, body.job_id, "timeout" if isinstance(exc, CheckpointTransferError) else "error",
+                       f"saving stage {job.spec.stage}: {exc}")
             return
         self.bus.reply(msg, StageSaved(job_id=body.job_id, stage=job.spec.stage, version=body.version,
                                        checkpoint_stage=name, nbytes=info.nbytes))

@@ -59,6 +59,20 @@ class DeviceLost(JobError):
         self.failures = failures
 
 
+class StagesFailed(JobError):
+    """Stage-workers answered with a failure; ``failures`` maps each device to its StageFailed (the devices that
+    failed first: those that only gave up because of them are left out)."""
+
+    def __init__(self, message: str, failures: dict[str, StageFailed]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def transient(self) -> bool:
+        """Whether every failure is one a later try may not meet (reason ``timeout``: a peer or service away)."""
+        return all(f.reason == "timeout" for f in self.failures.values())
+
+
 class ConnectionInterrupted(JobError):
     """The driver's connection to the broker dropped and came back while it waited: messages of that step may
     be lost (a restarted broker keeps none in flight), so the step is given up and replayed."""
@@ -158,8 +172,8 @@ class JobDriver:
         if failed:
             # The devices that failed first say why; those that gave up because of them only say "aborted".
             first = {n: f for n, f in failed.items() if f.reason != "aborted"} or failed
-            raise JobError(f"job {self.job.name}: " + "; ".join(f"{node} failed ({f.reason}): {f.detail}"
-                                                                for node, f in first.items()))
+            raise StagesFailed(f"job {self.job.name}: " + "; ".join(f"{node} failed ({f.reason}): {f.detail}"
+                                                                    for node, f in first.items()), first)
         if missing:
             raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
                            f"{self.timeout_s:.0f} s")

@@ -33,6 +33,7 @@ from edgeswarm.training.driver import (
     JobDriver,
     JobError,
     RoundReport,
+    StagesFailed,
 )
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.recovery import RecoveryReport, grow, recover
@@ -320,8 +321,9 @@ SAVE_RETRY_PAUSE_S = 1.0
 
 
 def _save(driver: JobDriver, store_node: str, version: int, check: Callable[[], None]) -> list[StageSaved]:
-    """``driver.save``, retried for SAVE_RETRY_S while it fails for another reason than a lost device: the
-    checkpoint store keeps its files across a restart, so the job waits for it rather than fail."""
+    """``driver.save``, retried for SAVE_RETRY_S while the checkpoint store is away (a device could not reach it,
+    or did not answer): the store keeps its files across a restart, so the job waits for it rather than fail. A
+    refusal (a stale version, a damaged file, ...) and a lost device are raised at once."""
     deadline = time.monotonic() + SAVE_RETRY_S
     while True:
         try:
@@ -329,7 +331,7 @@ def _save(driver: JobDriver, store_node: str, version: int, check: Callable[[], 
         except (DeviceLost, ConnectionInterrupted, JobCancelled):
             raise
         except JobError as exc:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (isinstance(exc, StagesFailed) and not exc.transient):
                 raise
             log.warning("%s; retrying in %.0f s", exc, SAVE_RETRY_PAUSE_S)
             time.sleep(SAVE_RETRY_PAUSE_S)
