@@ -1,5 +1,5 @@
 # `make run`: set up, start a local cluster shaped like Asteroid's Env D at 100 Mbps (1 TX2-like + 3 Nano-like
-# devices), then train MobileNetV2 on it through the coordinator (profile, plan, deploy, 20 rounds, checkpoints),
+# devices), then train MobileNetV2 on it through the coordinator (profile, plan, deploy, 30 rounds, checkpoints),
 # measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
 # out/timeline.png, stop.
 # `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients).
