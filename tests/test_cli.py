@@ -255,6 +255,22 @@ def test_bench_training_measures_every_strategy(tmp_path: Path) -> None:
     assert rows[1]["stages"] == 4 and "measured / predicted" in out.stdout
 
 
+def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: Path) -> None:
+    """`edgeswarm bench recovery` on emulated Env D with a tiny model: the device dies mid-round under each mode,
+    the job recovers without it, and the report has the detection, the recovery and the bytes moved."""
+    out = edgeswarm("bench", "recovery", "--model", "mlp", "--config", "hidden=32", "--victims", "nano-2",
+                    "--rounds", "4", "--profile-dir", str(tmp_path / "profiles"), "--out", str(tmp_path / "rec.json"),
+                    timeout=300)
+    rows = json.loads((tmp_path / "rec.json").read_text())
+    assert [(r["victim"], r["mode"], r["error"]) for r in rows] == [("nano-2", "light", None),
+                                                                     ("nano-2", "heavy", None)], out.stdout
+    for r in rows:
+        assert "nano-2" in {d for s in r["stages_before"] for d in s}
+        assert "nano-2" not in {d for s in r["stages_after"] for d in s}
+        assert 0 < r["detection_s"] < 10 and r["recovery_s"] > 0 and r["resume_round"] <= r["interrupted_round"]
+    assert rows[1]["gather_s"] > 0 and "heavy / light" in out.stdout
+
+
 class _Following:
     """``edgeswarm train JOB --wait`` in the background, its output in a file."""
 
