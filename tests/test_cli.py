@@ -301,16 +301,6 @@ def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type
     return state if state and state["status"] == "running" and state["round"] >= round_index else None
 
 
-def _assert_uninterrupted_weights(tmp_path: Path, job_text: str, run: dict) -> None:  # type: ignore[type-arg]
-    from edgeswarm.training.jobs import parse_job_text
-    from helpers import assert_same_weights, reference_weights, stored_weights
-
-    job = parse_job_text(job_text)
-    stages = len(run["state"]["plan"]["stages"])
-    assert_same_weights(stored_weights(tmp_path / "checkpoints", job.name, stages),
-                        reference_weights(job, run["state"]["total_rounds"]))
-
-
 FT_ROUNDS = 12
 FT_JOB = JOB.replace("rounds: 6", f"rounds: {FT_ROUNDS}\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
 # Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted.
@@ -324,31 +314,55 @@ def ft_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"EDGESWARM_PROFILE_DIR": str(tmp_path_factory.mktemp("ft-profiles")), **FT_ENV}
 
 
+class _Training:
+    """An ``up --local`` cluster of ``devices`` Nano-like devices training FT_JOB as job ``name`` under
+    ``train --wait`` (its report in run.json), waited for until the job has done ``at_round`` rounds."""
+
+    def __init__(self, tmp_path: Path, up: list[Up], ft_env: dict[str, str], name: str, devices: int, at_round: int,
+                 *train_args: str) -> None:
+        self.tmp_path = tmp_path
+        self.env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
+        self.cluster = Up(tmp_path, "--devices", str(devices), "--device-class", "jetson-nano", env=self.env)
+        up.append(self.cluster)
+        self.cluster.status(devices=devices)
+        self.job_text = FT_JOB.replace("mlp-teacher", name)
+        (tmp_path / f"{name}.yaml").write_text(self.job_text)
+        self.train = _Following(tmp_path, str(tmp_path / f"{name}.yaml"), self.cluster.url, *train_args, "--json",
+                                str(tmp_path / "run.json"))
+        self.state = wait_until(lambda: _running_from(self.cluster.url, name, at_round), 180, interval_s=0.2,
+                                message=f"round {at_round}")
+
+    def finish(self) -> tuple[str, dict]:  # type: ignore[type-arg]
+        """`train --wait`'s output and its report, once it exited 0."""
+        out = self.train.finish(300)
+        assert self.train.proc.returncode == 0, out
+        return out, json.loads((self.tmp_path / "run.json").read_text())
+
+    def assert_uninterrupted_weights(self, run: dict) -> None:  # type: ignore[type-arg]
+        from edgeswarm.training.jobs import parse_job_text
+        from helpers import assert_same_weights, reference_weights, stored_weights
+
+        job = parse_job_text(self.job_text)
+        stages = len(run["state"]["plan"]["stages"])
+        assert_same_weights(stored_weights(self.tmp_path / "checkpoints", job.name, stages),
+                            reference_weights(job, run["state"]["total_rounds"]))
+
+
 def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_uninterrupted(
         tmp_path: Path, up, ft_env: dict[str, str]) -> None:
     """`edgeswarm chaos kill` on a device of a running job's plan: `train --wait` shows the loss and the recovery
     (from the job's event topic), the job completes on the survivors, and its weights are those of a run without
     the failure."""
-    cluster = Up(tmp_path, "--devices", "3", "--device-class", "jetson-nano",
-                 env={"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env})
-    up.append(cluster)
-    cluster.status(devices=3)
-    job_text = FT_JOB.replace("mlp-teacher", "chaos")
-    (tmp_path / "chaos.yaml").write_text(job_text)
-    train = _Following(tmp_path, str(tmp_path / "chaos.yaml"), cluster.url, "--recovery", "light", "--json",
-                       str(tmp_path / "run.json"))
-    state = wait_until(lambda: _running_from(cluster.url, "chaos", 3), 180, interval_s=0.2, message="round 3")
-    victim = state["stages"][-1][-1]  # type: ignore[index]
-    killed = edgeswarm("chaos", "kill", victim, "--hub", cluster.url)
+    job = _Training(tmp_path, up, ft_env, "chaos", 3, 3, "--recovery", "light")
+    victim = job.state["stages"][-1][-1]  # type: ignore[index]
+    killed = edgeswarm("chaos", "kill", victim, "--hub", job.cluster.url)
     assert f"killed stage-worker on {victim}" in killed.stdout, killed.stdout
-    out = train.finish(300)
-    assert train.proc.returncode == 0, out
+    out, run = job.finish()
     assert re.search(rf"device_lost.*{victim}", out) and re.search(r"recovered.*light recovery", out), out
-    run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["status"] == "succeeded" and run["state"]["reconfigurations"] == 1
     assert victim not in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
     assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
-    _assert_uninterrupted_weights(tmp_path, job_text, run)
+    job.assert_uninterrupted_weights(run)
 
 
 @contextlib.contextmanager
@@ -374,22 +388,13 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
                                                                     ft_env: dict[str, str]) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
-    env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
-    cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
-    up.append(cluster)
-    cluster.status(devices=2)
-    job_text = FT_JOB.replace("mlp-teacher", "grow")
-    (tmp_path / "grow.yaml").write_text(job_text)
-    train = _Following(tmp_path, str(tmp_path / "grow.yaml"), cluster.url, "--json", str(tmp_path / "run.json"))
-    wait_until(lambda: _running_from(cluster.url, "grow", 3), 180, interval_s=0.2, message="round 3")
-    with _services("late-0", DEVICE_SERVICES, cluster.url, {**env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}):
-        out = train.finish(300)
-    assert train.proc.returncode == 0, out
+    job = _Training(tmp_path, up, ft_env, "grow", 2, 3)
+    with _services("late-0", DEVICE_SERVICES, job.cluster.url, {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}):
+        out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
-    run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["reconfigurations"] == 1
     assert "late-0" in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
-    _assert_uninterrupted_weights(tmp_path, job_text, run)
+    job.assert_uninterrupted_weights(run)
 
 
 def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up,
@@ -397,21 +402,12 @@ def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrup
     """The coordinator killed (SIGKILL, with `edgeswarm chaos`) while a job trains, and a new one started on the hub:
     it reads the job's retained state, the devices restore their snapshots, `train --wait` follows the job to its
     end, and the weights are those of a run without the restart."""
-    env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
-    cluster = Up(tmp_path, "--devices", "2", "--device-class", "jetson-nano", env=env)
-    up.append(cluster)
-    cluster.status(devices=2)
-    job_text = FT_JOB.replace("mlp-teacher", "handover")
-    (tmp_path / "handover.yaml").write_text(job_text)
-    train = _Following(tmp_path, str(tmp_path / "handover.yaml"), cluster.url, "--json", str(tmp_path / "run.json"))
-    wait_until(lambda: _running_from(cluster.url, "handover", 6), 180, interval_s=0.2, message="round 6")
-    killed = edgeswarm("chaos", "kill", "hub", "--service", "coordinator", "--hub", cluster.url)
+    job = _Training(tmp_path, up, ft_env, "handover", 2, 6)
+    killed = edgeswarm("chaos", "kill", "hub", "--service", "coordinator", "--hub", job.cluster.url)
     assert "killed coordinator on hub" in killed.stdout, killed.stdout
-    with _services("hub", ("coordinator",), cluster.url, env):
-        out = train.finish(300)
-    assert train.proc.returncode == 0, out
+    with _services("hub", ("coordinator",), job.cluster.url, job.env):
+        out, run = job.finish()
     assert re.search(r"resumed.*takes the job over at round \d+", out), out
-    run = json.loads((tmp_path / "run.json").read_text())
     assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == FT_ROUNDS
     assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
-    _assert_uninterrupted_weights(tmp_path, job_text, run)
+    job.assert_uninterrupted_weights(run)
