@@ -69,7 +69,7 @@ class StagesFailed(JobError):
 
     @property
     def transient(self) -> bool:
-        """Whether every failure is one a later try may not meet (reason ``timeout``: a peer or service away)."""
+        """Whether every failure may pass on a later try (reason ``timeout``: a peer or a service was away)."""
         return all(f.reason == "timeout" for f in self.failures.values())
 
 
