@@ -308,6 +308,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
                             "teacher_grid": "int?"}),
         "seed": "int", "backup_to": "str?", "backup_interval": "int", "resume_round": "int",
         "restore": ("list", ("record", {"unit": "int", "node": "str", "owner": "str?"})),
+        "checkpoint": ("optional", ("record", {"store_node": "str", "version": "int",
+                                               "stages": ("list", ("list", "int"))})),
     },
     ("edgeswarm.stage.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "parameters": "int",
                                    "restored_bytes": "int", "restore_s": "number"},

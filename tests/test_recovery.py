@@ -200,6 +200,28 @@ def test_a_checkpoint_store_restart_is_waited_for_and_every_version_is_kept(brok
     assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
+def test_a_device_lost_with_its_backup_goes_back_to_the_last_checkpoint(broker, make_bus, services,
+                                                                      tmp_path: Path) -> None:
+    """d (the last stage) and a (the first stage, which holds d's backup) killed together in round 3: no device
+    has d's units any more, so the job goes back to the checkpoint of round 3 on a new plan of b and c (weights
+    and momentum from the store) and still ends with the uninterrupted weights."""
+    def kill_both(procs) -> _Chaos:
+        def action() -> None:
+            procs["a"].kill()
+            procs["d"].kill()
+        return _Chaos(action)
+
+    result, weights, seen = _run(broker, make_bus, services, tmp_path, None, chaos_for=kill_both,
+                                 checkpoint_interval=1)
+    rec = result.recoveries[-1]
+    assert rec.mode == "checkpoint" and rec.failed == ["a", "d"], seen
+    # Round 3's checkpoint, or round 2's if the kill came while round 3's was being saved (a version counts only
+    # once its layout, written last, is in the store).
+    assert rec.resume_round in (2, 3) and sorted(rec.plan.devices) == ["b", "c"]
+    assert rec.moved_bytes > 0
+    assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
+
+
 SOAK_S = float(os.environ.get("EDGESWARM_SOAK_S", "300"))
 HEARTBEAT_S = 1.0  # spec 5.2's default heartbeat period
 HEAVY_MLP = ModelSpec(name="mlp", config={"hidden": 2048, "layers": 3, "seed": 3})

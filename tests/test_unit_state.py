@@ -15,8 +15,11 @@ from edgeswarm.training.unit_state import (
     StateEntry,
     UnitState,
     UnitStateError,
+    checkpoint_tensors,
+    checkpoint_units,
     extract_units,
     load_units,
+    model_state,
     pack_units,
     state_nbytes,
     unit_names,
@@ -115,6 +118,35 @@ def test_units_moved_to_a_different_split_train_on_bit_identically(spec: ModelSp
     assert_bit_identical(after, named_state(moved))
     # The step changed the state, so the comparison above is not one between untouched copies.
     assert any(not torch.equal(after[key], value) for state in states.values() for key, value in state.items())
+
+
+@pytest.mark.parametrize("opt", [MOMENTUM, ADAM], ids=["momentum", "adam"])
+def test_a_checkpoint_of_two_stages_restores_a_different_split_bit_identically(opt: OptimizerSpec) -> None:
+    """What the stages save (checkpoint_tensors) is the model's state dict plus the optimizer's state; a stage cut
+    elsewhere loads its units from the merged checkpoint and trains on as if nothing had happened."""
+    seq = layer_sequence(build_model(MOBILENET))
+    names = unit_names(seq)
+    count, k = len(seq), len(seq) // 2
+    original = split(MOBILENET, seq, [0, k, count], opt)
+    for step in range(2):
+        train_step(original, *batch(MOBILENET, step))
+    saved: dict[str, torch.Tensor] = {}
+    for stage, optimizer in zip(*original, strict=True):
+        saved.update({key: t.clone() for key, t in checkpoint_tensors(stage, optimizer).items()})
+    whole = build_model(MOBILENET)
+    whole.load_state_dict(model_state(saved), strict=True)  # the weights alone are a state dict of the model
+
+    fresh_seq = layer_sequence(build_model(MOBILENET.model_copy(update={"config": {**MOBILENET.config, "seed": 9}})))
+    moved = split(MOBILENET, fresh_seq, [0, k - 3, count], opt)
+    for (a, b), stage, optimizer in zip([(0, k - 3), (k - 3, count)], *moved, strict=True):
+        load_units(stage, optimizer, checkpoint_units(saved, stage, names, a, b), names)
+    train_step(original, *batch(MOBILENET, 2))
+    train_step(moved, *batch(MOBILENET, 2))
+    assert_bit_identical(named_state(original), named_state(moved))
+
+    missing = {key: t for key, t in saved.items() if key != "features.0.weight"}
+    with pytest.raises(UnitStateError, match="no tensor 'features.0.weight'"):
+        checkpoint_units(missing, moved[0][0], names, 0, k - 3)
 
 
 def test_unit_names_are_the_units_own_parameters_and_buffers() -> None:

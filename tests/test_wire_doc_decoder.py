@@ -265,6 +265,15 @@ def test_round_trip_every_schema(ttl_s: float | None, correlation_id: str | None
                 assert frame.expired(now=env.sent_at + ttl_s + 1)
 
 
+def test_an_assignment_that_restores_from_a_checkpoint_decodes() -> None:
+    """The sample StageAssign restores unit by unit; the other kind names a checkpoint version instead."""
+    assign = stage_samples()[m.StageAssign].model_copy(update={"restore": [], "checkpoint": m.CheckpointSource(
+        store_node="hub", version=8, stages=[(0, 3), (3, 6)])})
+    frame = decode(encode(sender().envelope(assign), assign))
+    assert isinstance(frame, Frame) and frame.body["checkpoint"] == {"store_node": "hub", "version": 8,
+                                                                     "stages": [[0, 3], [3, 6]]}
+
+
 def test_zero_length_payload_is_a_clear() -> None:
     assert decode(b"") == Cleared()
     assert decode(bytearray()).kind == "clear"

@@ -144,7 +144,8 @@ class StageWorkerService(Service):
             self._ready.notify_all()
         try:
             job = self._reuse(spec) or self._build(spec)
-            restored = self._restore(job) if spec.restore else 0
+            restored = (self._restore(job) if spec.restore else
+                        self._restore_checkpoint(job) if spec.checkpoint is not None else 0)
         except EdgeswarmError as exc:
             self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else
                        "timeout" if isinstance(exc, RoundTimeout) else "bad_request", str(exc))
@@ -224,7 +225,7 @@ class StageWorkerService(Service):
         in_shape, out_shape, sample = _sample_shapes(sequence, spec)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
         share = spec.shares[spec.stage][spec.rank]
-        if share and not spec.restore:
+        if share and not spec.restore and spec.checkpoint is None:
             # A restore skips it: the job is down until every stage is ready; the replayed round pays instead.
             stage.warm_up(sample[:1].expand(share, *sample.shape[1:]).contiguous())
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
@@ -268,6 +269,31 @@ class StageWorkerService(Service):
                 received += state_nbytes(states[source.unit])
         load_units(job.stage.module, job.optimizer, states, job.names)
         return received
+
+    def _restore_checkpoint(self, job: _Job) -> int:
+        """Load every unit's state from the checkpoint version the assignment names, reading only the checkpoint
+        stages that hold this stage's units. Returns the bytes received from the store."""
+        import numpy as np
+        import torch
+
+        from edgeswarm.checkpoints.client import load_checkpoint
+        from edgeswarm.training.unit_state import checkpoint_units, load_units
+
+        spec, source = job.spec, job.spec.checkpoint
+        assert source is not None
+        tensors: dict[str, Any] = {}
+        for k, (start, end) in enumerate(source.stages):
+            if start < spec.end and end > spec.start:
+                try:
+                    _, arrays = load_checkpoint(self.bus, source.store_node, spec.job_id, f"stage-{k}", source.version,
+                                                timeout_s=WAIT_S)
+                except EdgeswarmError as exc:
+                    raise RestoreError(f"{self.node} cannot load stage {k} of checkpoint version {source.version} "
+                                       f"of job {spec.job_id}: {exc}") from exc
+                tensors.update({name: torch.from_numpy(np.array(value)) for name, value in arrays.items()})
+        load_units(job.stage.module, job.optimizer,
+                   checkpoint_units(tensors, job.stage.module, job.names, spec.start, spec.end), job.names)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _snapshot(self, job: _Job, round_index: int) -> None:
         """Keep this stage's state at the start of ``round_index`` and, for a single-device stage, send it to its

@@ -20,6 +20,7 @@ from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.messages.training import (
+    CheckpointSource,
     HeldBackup,
     HeldSnapshot,
     RoundDone,
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointLoaded",
     "CheckpointMissing",
     "CheckpointSaved",
+    "CheckpointSource",
     "CheckpointTensor",
     "ClusterEvent",
     "ClusterView",

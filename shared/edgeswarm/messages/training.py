@@ -51,6 +51,18 @@ class UnitSource(BaseModel):
     owner: Name | None = None
 
 
+class CheckpointSource(BaseModel):
+    """A checkpoint a restoring stage-worker takes every unit's state from: ``version`` of the job's stages on the
+    checkpoint store of ``store_node``, where checkpoint stage ``stage-k`` holds units ``stages[k]`` ([start,
+    end)); the worker loads the ones its units are in."""
+
+    model_config = ConfigDict(frozen=True)
+
+    store_node: Name
+    version: int = Field(ge=0)
+    stages: list[tuple[int, int]] = Field(min_length=1, max_length=MAX_GROUPS)
+
+
 @schema("edgeswarm.stage.assign", 1)
 class StageAssign(Message):
     """Request: hold units [start, end) of ``model`` as rank ``rank`` of stage ``stage`` of a job's plan.
@@ -65,6 +77,8 @@ class StageAssign(Message):
     there as a backup. With ``restore`` the stage is not initialised from the seed: every unit's state at the
     start of round ``resume_round`` comes from the named source (its own snapshot or backup, or StageState
     messages from a peer told to send them with StageSendState), and the next round run is ``resume_round``.
+    With ``checkpoint`` instead, every unit's state comes from that checkpoint version (saved after round
+    ``resume_round``): how a job goes on when devices and their backups failed together.
     """
 
     job_id: Name
@@ -86,6 +100,7 @@ class StageAssign(Message):
     backup_interval: int = Field(default=1, ge=1)
     resume_round: int = Field(default=0, ge=0)
     restore: list[UnitSource] = Field(default_factory=list, max_length=65536)
+    checkpoint: CheckpointSource | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StageAssign:
@@ -98,6 +113,8 @@ class StageAssign(Message):
             raise ValueError("every stage's shares must add up to the same micro-batch size")
         if self.restore and sorted(u.unit for u in self.restore) != list(range(self.start, self.end)):
             raise ValueError(f"restore must name one source for every unit in [{self.start}, {self.end})")
+        if self.restore and self.checkpoint is not None:
+            raise ValueError("give restore or checkpoint, not both")
         return self
 
 

@@ -14,9 +14,10 @@ from pydantic import BaseModel
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import CheckpointError, EdgeswarmError
 from edgeswarm.messages import Probe
 from edgeswarm.messages.training import (
+    CheckpointSource,
     RoundDone,
     RoundStart,
     StageAbort,
@@ -35,6 +36,7 @@ from edgeswarm.planning.migration import UnitTransfer, backup_map
 from edgeswarm.planning.types import Plan
 from edgeswarm.training.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.layout import save_layout
 from edgeswarm.wire import Message
 
 WORKER = "stage-worker"
@@ -212,14 +214,14 @@ class JobDriver:
                                                                       round=round_index, reason=reason))
 
     def deploy(self, resume_round: int = 0, transfers: list[UnitTransfer] | None = None,
-               gathered_at: str | None = None) -> dict[str, StageReady]:
+               checkpoint: CheckpointSource | None = None) -> dict[str, StageReady]:
         """Assign every device its stage; returns their StageReady answers.
 
-        Without ``transfers`` the stages start from the model's seed. With them (a recovery) every device
-        restores its units' state at the start of ``resume_round``: a unit a transfer brings comes from that
-        transfer's source, which is told to send it (StageSendState; one request per link, so links carry their
-        units at the same time), and every other unit from the device's own snapshot, or from ``gathered_at``'s
-        when heavy rescheduling gathered the model there."""
+        Without ``transfers`` or ``checkpoint`` the stages start from the model's seed. With ``transfers`` (a
+        recovery) every device restores its units' state at the start of ``resume_round``: a unit a transfer
+        brings comes from that transfer's source, which is told to send it (StageSendState; one request per link,
+        so links carry their units at the same time), and every other unit from the device's own snapshot. With
+        ``checkpoint`` every device loads its units from that checkpoint version instead."""
         groups = [list(s.devices) for s in self.plan.stages]
         shares = [list(s.shares) for s in self.plan.stages]
         backups = backup_map(self.plan)
@@ -239,7 +241,7 @@ class JobDriver:
                     micro_batches=self.plan.options.micro_batches, warmup=s.warmup,
                     loss_scale=1.0 / self.loss_terms, optimizer=self.job.optimizer, data=self.job.data,
                     seed=self.job.seed, backup_to=backups.get(node), backup_interval=self.job.backup_interval,
-                    resume_round=resume_round, restore=restore)
+                    resume_round=resume_round, restore=restore, checkpoint=checkpoint)
         requests: dict[str, Message] = {}
         for (src, dst, owner), units in _links(transfers or []).items():
             requests[f"{src}>{dst}>{owner or ''}"] = StageSendState(
@@ -292,11 +294,17 @@ class JobDriver:
                            accuracy=sum(d.correct for d in last) / max(1, terms), round_s=elapsed, devices=done)
 
     def save(self, store_node: str, version: int) -> list[StageSaved]:
-        """Save every stage (from its first device) to the checkpoint store as ``version``."""
+        """Save every stage (from its first device) to the checkpoint store as ``version``, then the version's
+        layout (which units each stage holds)."""
         messages: dict[str, Message] = {s.devices[0]: StageSave(job_id=self.job.name, epoch=self.epoch,
                                                                   store_node=store_node, version=version)
                                         for s in self.plan.stages}
-        return [r.body for r in self._ask(messages).values()]  # type: ignore[misc]
+        saved = [r.body for r in self._ask(messages).values()]
+        try:
+            save_layout(self.bus, store_node, self.job.name, version, self.plan, timeout_s=self.timeout_s)
+        except CheckpointError as exc:
+            raise JobError(f"job {self.job.name}: saving the layout of checkpoint version {version}: {exc}") from exc
+        return saved  # type: ignore[return-value]
 
 
 def _links(transfers: list[UnitTransfer]) -> dict[tuple[str, str, str | None], list[int]]:

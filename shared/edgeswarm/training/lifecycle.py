@@ -188,7 +188,8 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
             result = JobResult(plan, comparison)
             start = saved_version = 0
         else:
-            driver, report = _take_over(bus, job, resume, cluster, loss_terms, timeout_s, cancel, detector)
+            driver, report = _take_over(bus, job, resume, cluster, loss_terms, timeout_s, cancel, detector,
+                                        store_node)
             cluster = _without(cluster, report.failed)
             result = JobResult(report.plan, recoveries=[report])
             seen.recovered(report)
@@ -209,10 +210,12 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
 
 
 def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, loss_terms: int, timeout_s: float,
-               cancel: threading.Event, detector: FailureDetector) -> tuple[JobDriver, RecoveryReport]:
+               cancel: threading.Event, detector: FailureDetector,
+               store_node: str | None) -> tuple[JobDriver, RecoveryReport]:
     """Bring the devices of ``resume.plan`` under a new driver: the ones that are gone are confirmed failed and
     replaced as ``job.recovery`` says, and every device restores its state at the latest round start all units
-    have a copy of (the round the earlier coordinator was in, normally)."""
+    have a copy of (the round the earlier coordinator was in, normally), or from the last checkpoint when the
+    devices no longer hold the state (they restarted too)."""
     # The earlier coordinator may have sent the next epoch's assignments before it stopped: start past it.
     plan = resume.plan.model_copy(update={"epoch": resume.plan.epoch + 1})
     driver = JobDriver(bus, job, plan, loss_terms, epoch=plan.epoch, timeout_s=timeout_s, cancel=cancel,
@@ -224,7 +227,8 @@ def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, 
                        "could not be profiled; try again once their profilers are up")
     if failures and job.recovery == "none":
         raise DeviceLost(f"job {job.name}: {', '.join(failures)} left while no coordinator ran it", failures)
-    return recover(driver, failures, resume.rounds_done, cluster, job.recovery)
+    checkpoint = (store_node, resume.saved_version) if store_node and resume.saved_version else None
+    return recover(driver, failures, resume.rounds_done, cluster, job.recovery, checkpoint)
 
 
 def _without(cluster: ClusterProfile, nodes: list[str]) -> ClusterProfile:
@@ -306,7 +310,8 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
                 seen.device_lost(failures, index)
             else:
                 log.warning("%s: replaying from the last snapshots", exc)
-            driver, report_ = recover(driver, failures, index, cluster, job.recovery)
+            driver, report_ = recover(driver, failures, index, cluster, job.recovery,
+                                      (store_node, saved_version) if store_node and saved_version else None)
             cluster = _without(cluster, report_.failed)  # a later recovery must not plan on them
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]

@@ -11,8 +11,11 @@ After the failure detector confirms that devices are gone and the driver has abo
 4. every device of the new plan restores its units at the resume round, and the job replays from there.
 
 With no device lost (a round failed for another reason, such as a restarted broker), ``replay`` keeps the plan
-and restores every device from its own snapshot. ``grow`` adds devices that appeared during the job at a round
-boundary: the full planner runs on every device, and only the units whose owner changed move.
+and restores every device from its own snapshot. When devices failed together with their backups, some unit has
+no copy left on any device: the job goes back to its last checkpoint (``checkpoint``: weights and optimizer state
+from the checkpoint store, on a new plan of the survivors) and loses only the rounds since. ``grow`` adds devices
+that appeared during the job at a round boundary: the full planner runs on every device, and only the units
+whose owner changed move.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.messages.training import StageHeld
+from edgeswarm.errors import CheckpointError, InfeasiblePlanError
+from edgeswarm.messages.training import CheckpointSource, StageHeld
 from edgeswarm.planning.compare import plan_best
 from edgeswarm.planning.migration import (
     UnitTransfer,
@@ -40,10 +43,11 @@ from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import DeviceLost, JobDriver, JobError
+from edgeswarm.training.layout import load_layout
 
 log = logging.getLogger(__name__)
 
-RecoveryMode = Literal["light", "heavy", "replay", "join"]
+RecoveryMode = Literal["light", "heavy", "replay", "join", "checkpoint"]
 MAX_ATTEMPTS = 3  # recoveries in a row when devices keep failing while the job recovers
 
 
@@ -111,16 +115,24 @@ def strongest(cluster: ClusterProfile, nodes: list[str]) -> str:
 
 
 def recover(driver: JobDriver, failures: dict[str, Detection], interrupted: int, cluster: ClusterProfile,
-            mode: RecoveryMode) -> tuple[JobDriver, RecoveryReport]:
+            mode: RecoveryMode, checkpoint: tuple[str, int] | None = None) -> tuple[JobDriver, RecoveryReport]:
     """Bring the job of ``driver`` back after ``failures`` (empty: ``replay`` on the same devices) while round
     ``interrupted`` ran. Returns the driver of the new plan, whose devices hold the state at the start of the
     report's resume round, and the report. A device lost during the recovery is added to the failures and the
-    recovery starts again from the same old plan (at most MAX_ATTEMPTS times). Raises UnrecoverableError when
-    some unit has no copy left, DeviceLost after too many attempts, or JobError from a device."""
+    recovery starts again from the same old plan (at most MAX_ATTEMPTS times). When some unit has no copy left
+    on the devices (a device and its backup failed together), the job goes back to ``checkpoint`` (the checkpoint
+    store's node and the last version saved) on a new plan of the survivors, mode ``checkpoint``; without one
+    that raises UnrecoverableError. Raises DeviceLost after too many attempts, or JobError from a device."""
     failed = dict(failures)
     for attempt in range(MAX_ATTEMPTS):
         try:
-            return _recover_once(driver, failed, interrupted, cluster, mode if failed else "replay")
+            try:
+                return _recover_once(driver, failed, interrupted, cluster, mode if failed else "replay")
+            except UnrecoverableError as exc:
+                if checkpoint is None:
+                    raise
+                log.warning("job %s: %s; going back to checkpoint version %d", driver.job.name, exc, checkpoint[1])
+                return _from_checkpoint(driver, failed, interrupted, cluster, *checkpoint)
         except DeviceLost as more:
             log.warning("job %s: %s failed during the recovery (attempt %d)", driver.job.name,
                         ", ".join(more.failures), attempt + 1)
@@ -128,6 +140,43 @@ def recover(driver: JobDriver, failures: dict[str, Detection], interrupted: int,
             if mode == "replay":
                 mode = "light"
     raise DeviceLost(f"job {driver.job.name}: devices kept failing during {MAX_ATTEMPTS} recoveries", failed)
+
+
+def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrupted: int, cluster: ClusterProfile,
+                     store_node: str, version: int) -> tuple[JobDriver, RecoveryReport]:
+    """The job on a new plan of the surviving devices (the full planner: every unit comes from the store
+    anyway), every device loading its units from checkpoint ``version``; the rounds after it run again."""
+    started = time.monotonic()
+    confirmed = max((d.confirmed_at for d in failures.values()), default=time.time())
+    old = driver.plan
+    remaining = cluster
+    for node in failures:
+        remaining = remaining.without(node)
+    try:
+        layout = load_layout(driver.bus, store_node, driver.job.name, version, timeout_s=driver.timeout_s)
+    except CheckpointError as exc:
+        raise UnrecoverableError(f"job {driver.job.name}: devices and their backups failed together and checkpoint "
+                                 f"version {version} cannot be read: {exc}", units=[],
+                                 devices=sorted(failures)) from exc
+    t0 = time.monotonic()
+    new = plan_best(old.strategy, remaining, old.options.global_batch, micro_batches=old.options.micro_batches,
+                    optimizer=old.options.optimizer).model_copy(update={"epoch": old.epoch + 1})
+    replan_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    successor = JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
+                          cancel=driver.cancel, detector=driver.detector)
+    ready = successor.deploy(version, checkpoint=CheckpointSource(store_node=store_node, version=version,
+                                                                  stages=layout))
+    restore_s = time.monotonic() - t0
+    loaded = sum(r.restored_bytes for r in ready.values())
+    report = RecoveryReport(
+        mode="checkpoint", failed=sorted(failures), detection_s={n: d.detection_s for n, d in failures.items()},
+        interrupted_round=interrupted, resume_round=version, epoch=new.epoch, replan_s=replan_s,
+        restore_s=restore_s, recovery_s=max(time.monotonic() - started, time.time() - confirmed),
+        moved_bytes=loaded, moved_state_bytes=loaded, transfers=len(ready), plan=new)
+    log.info("job %s: back to checkpoint version %d without %s: %d stages, %d bytes loaded, %.2f s", driver.job.name,
+             version, ", ".join(report.failed), len(new.stages), loaded, report.recovery_s)
+    return successor, report
 
 
 def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted: int, cluster: ClusterProfile,

@@ -174,6 +174,34 @@ def model_state(tensors: Mapping[str, T]) -> dict[str, T]:
     return {name: t for name, t in tensors.items() if not name.startswith(OPT_PREFIX)}
 
 
+def checkpoint_units(tensors: Mapping[str, torch.Tensor], module: nn.Module, names: list[frozenset[str]],
+                     start: int, end: int) -> dict[int, UnitState]:
+    """The state of units [start, end) in checkpoint ``tensors`` (``checkpoint_tensors`` of the stages holding
+    them, merged), as ``extract_units`` gives it, for ``load_units`` into ``module``, a stage module of those units
+    (it tells parameters from buffers). Raises UnitStateError naming a tensor the checkpoint lacks."""
+    _check_range(names, start, end)
+    params, _ = _named_tensors(module)
+    optimizer_entries: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith(OPT_PREFIX):
+            _, name, _field = _split_entry(key)
+            optimizer_entries.setdefault(name, {})[key] = value
+    result: dict[int, UnitState] = {}
+    for u in range(start, end):
+        state: UnitState = {}
+        for name in sorted(names[u]):
+            if name not in tensors:
+                raise UnitStateError(f"the checkpoint has no tensor {name!r}, which unit {u} uses: it was saved from "
+                                     f"another model, or a stage holding unit {u} is missing from it")
+            if name in params:
+                state[PARAM_PREFIX + name] = tensors[name]
+                state.update(optimizer_entries.get(name, {}))
+            else:
+                state[BUFFER_PREFIX + name] = tensors[name]
+        result[u] = state
+    return result
+
+
 def _split_entry(key: str) -> tuple[str, str, str]:
     """(kind, qualified name, optimizer field or "") of an entry name; raises UnitStateError if malformed."""
     for prefix in (PARAM_PREFIX, BUFFER_PREFIX):

@@ -1,0 +1,38 @@
+"""Which units each checkpoint stage of a version holds, kept in the checkpoint store beside the stages.
+
+A job's stages are saved as ``stage-0``, ``stage-1``, ... of one version, each holding a unit range of the plan
+the job ran on then; a later re-plan changes the ranges, so every version also gets a ``layout`` entry: no
+tensors, and its meta ``stages`` listing the ranges (``"0-52,52-72"``). Restoring a job from a version reads it
+to know which stage files hold a unit.
+"""
+
+from __future__ import annotations
+
+from edgeswarm.bus import Bus
+from edgeswarm.checkpoints.client import load_checkpoint, save_checkpoint
+from edgeswarm.errors import CheckpointError
+from edgeswarm.planning.types import Plan
+
+LAYOUT = "layout"
+
+
+def save_layout(bus: Bus, store_node: str, job_id: str, version: int, plan: Plan, *, timeout_s: float = 60.0) -> None:
+    """Record that ``version`` of ``job_id``'s stages holds ``plan``'s unit ranges. Raises CheckpointError."""
+    ranges = ",".join(f"{s.start}-{s.end}" for s in plan.stages)
+    save_checkpoint(bus, store_node, job_id, LAYOUT, version, {}, meta={"stages": ranges}, timeout_s=timeout_s)
+
+
+def load_layout(bus: Bus, store_node: str, job_id: str, version: int, *,
+                timeout_s: float = 60.0) -> list[tuple[int, int]]:
+    """The unit range [start, end) of every stage of ``version`` of ``job_id``, by stage index. Raises
+    CheckpointError when the store has no layout for it or the layout is malformed."""
+    info, _ = load_checkpoint(bus, store_node, job_id, LAYOUT, version, timeout_s=timeout_s)
+    text = info.meta.get("stages")
+    try:
+        ranges = [(int(a), int(b)) for a, b in (r.split("-") for r in str(text).split(","))]
+    except ValueError:
+        raise CheckpointError(f"the layout of {job_id} version {version} is malformed: {text!r}") from None
+    if not ranges or ranges[0][0] != 0 or any(b <= a for a, b in ranges) or \
+            any(ranges[k][1] != ranges[k + 1][0] for k in range(len(ranges) - 1)):
+        raise CheckpointError(f"the layout of {job_id} version {version} does not cut the model in order: {text!r}")
+    return ranges
