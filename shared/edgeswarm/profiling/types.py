@@ -143,7 +143,8 @@ class ClusterProfile(BaseModel):
     devices: list[DeviceProfileEntry]
     links: list[LinkProfile] = Field(default_factory=list)
 
-    def without(self, node: str) -> ClusterProfile:
-        """This profile without device ``node`` and its links."""
-        return ClusterProfile(model=self.model, devices=[e for e in self.devices if e.device.node != node],
-                              links=[lk for lk in self.links if node not in (lk.src, lk.dst)])
+    def without(self, *nodes: str) -> ClusterProfile:
+        """This profile without devices ``nodes`` and their links."""
+        gone = set(nodes)
+        return ClusterProfile(model=self.model, devices=[e for e in self.devices if e.device.node not in gone],
+                              links=[lk for lk in self.links if not gone & {lk.src, lk.dst}])

@@ -190,7 +190,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
         else:
             driver, report = _take_over(bus, job, resume, cluster, loss_terms, timeout_s, cancel, detector,
                                         store_node)
-            cluster = _without(cluster, report.failed)
+            cluster = cluster.without(*report.failed)
             result = JobResult(report.plan, recoveries=[report])
             seen.recovered(report)
             start, saved_version = report.resume_round, min(resume.saved_version, report.resume_round)
@@ -229,12 +229,6 @@ def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, 
         raise DeviceLost(f"job {job.name}: {', '.join(failures)} left while no coordinator ran it", failures)
     checkpoint = (store_node, resume.saved_version) if store_node and resume.saved_version else None
     return recover(driver, failures, resume.rounds_done, cluster, job.recovery, checkpoint)
-
-
-def _without(cluster: ClusterProfile, nodes: list[str]) -> ClusterProfile:
-    for node in nodes:
-        cluster = cluster.without(node)
-    return cluster
 
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
@@ -312,7 +306,7 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
                 log.warning("%s: replaying from the last snapshots", exc)
             driver, report_ = recover(driver, failures, index, cluster, job.recovery,
                                       (store_node, saved_version) if store_node and saved_version else None)
-            cluster = _without(cluster, report_.failed)  # a later recovery must not plan on them
+            cluster = cluster.without(*report_.failed)  # a later recovery must not plan on them
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
             result.plan = report_.plan

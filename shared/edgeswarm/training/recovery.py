@@ -149,9 +149,7 @@ def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrup
     started = time.monotonic()
     confirmed = max((d.confirmed_at for d in failures.values()), default=time.time())
     old = driver.plan
-    remaining = cluster
-    for node in failures:
-        remaining = remaining.without(node)
+    remaining = cluster.without(*failures)
     try:
         layout = load_layout(driver.bus, store_node, driver.job.name, version, timeout_s=driver.timeout_s)
     except CheckpointError as exc:
@@ -190,9 +188,7 @@ def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted
     resume = resume_round(old, failed, held, interrupted)
     sizes = unit_state_bytes(cluster, driver.job.optimizer.name)
     backups = backup_map(old)
-    remaining = cluster
-    for node in failed:
-        remaining = remaining.without(node)
+    remaining = cluster.without(*failed)
 
     t0 = time.monotonic()
     gathered_at = None
