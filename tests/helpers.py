@@ -59,18 +59,16 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
 def stored_weights(store_dir: Path, job_id: str, stages: int, *, optimizer: bool = False) -> dict:  # type: ignore[type-arg]
     """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict (with
     ``optimizer``, the checkpoints' optimizer entries too, as ``opt:<name>:<field>``)."""
-    import numpy as np
-    import torch
-
     from edgeswarm.checkpoints.store import CheckpointStore
+    from edgeswarm.checkpoints.types import as_torch
+    from edgeswarm.training.layout import stage_entry
     from edgeswarm.training.unit_state import model_state
 
     store = CheckpointStore(store_dir)
     weights = {}
     for s in range(stages):
-        tensors = store.get(job_id, f"stage-{s}")[1]
-        weights.update({k: torch.from_numpy(np.array(v)) for k, v in (tensors if optimizer else
-                                                                       model_state(tensors)).items()})
+        tensors = as_torch(*store.get(job_id, stage_entry(s)))
+        weights.update(tensors if optimizer else model_state(tensors))
     return weights
 
 

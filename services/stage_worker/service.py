@@ -273,10 +273,7 @@ class StageWorkerService(Service):
     def _restore_checkpoint(self, job: _Job) -> int:
         """Load every unit's state from the checkpoint version the assignment names, reading only the checkpoint
         stages that hold this stage's units. Returns the bytes received from the store."""
-        import numpy as np
-        import torch
-
-        from edgeswarm.checkpoints.client import load_checkpoint
+        from edgeswarm.training.layout import load_stage
         from edgeswarm.training.unit_state import checkpoint_units, load_units
 
         spec, source = job.spec, job.spec.checkpoint
@@ -285,12 +282,11 @@ class StageWorkerService(Service):
         for k, (start, end) in enumerate(source.stages):
             if start < spec.end and end > spec.start:
                 try:
-                    _, arrays = load_checkpoint(self.bus, source.store_node, spec.job_id, f"stage-{k}", source.version,
-                                                timeout_s=WAIT_S)
+                    tensors.update(load_stage(self.bus, source.store_node, spec.job_id, k, source.version,
+                                              timeout_s=WAIT_S))
                 except EdgeswarmError as exc:
                     raise RestoreError(f"{self.node} cannot load stage {k} of checkpoint version {source.version} "
                                        f"of job {spec.job_id}: {exc}") from exc
-                tensors.update({name: torch.from_numpy(np.array(value)) for name, value in arrays.items()})
         load_units(job.stage.module, job.optimizer,
                    checkpoint_units(tensors, job.stage.module, job.names, spec.start, spec.end), job.names)
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -606,9 +602,10 @@ class StageWorkerService(Service):
             self._fail(msg, body.job_id, "not_assigned", f"{self.node} holds no stage of job {body.job_id}")
             return
         from edgeswarm.checkpoints.client import save_checkpoint
+        from edgeswarm.training.layout import stage_entry
         from edgeswarm.training.unit_state import checkpoint_tensors
 
-        name = f"stage-{job.spec.stage}"
+        name = stage_entry(job.spec.stage)
         # Weights, buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps) and
         # optimizer state, the same on every replica of the group.
         tensors = checkpoint_tensors(job.stage.module, job.optimizer)

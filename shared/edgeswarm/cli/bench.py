@@ -162,11 +162,11 @@ def run_bench_training(args: argparse.Namespace) -> int:
 
 def run_bench_recovery(args: argparse.Namespace) -> int:
     """``edgeswarm bench recovery``: each device dropped in turn, light against heavy recovery."""
-    from edgeswarm.bench.recovery import run_recovery_bench
+    from edgeswarm.bench.recovery import DEFAULT_MODEL, run_recovery_bench
     from edgeswarm.cli.profile import parse_config
     from edgeswarm.profiling.types import ModelSpec
 
-    model = ModelSpec(name=args.model, config=parse_config(args.config) or {"image_size": 32, "num_classes": 10})
+    model = ModelSpec(name=args.model, config=parse_config(args.config) or dict(DEFAULT_MODEL.config))
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     victims = [v.strip() for v in args.victims.split(",") if v.strip()] or None
     rows = run_recovery_bench(args.env, victims=victims, modes=modes, model=model, rounds=args.rounds,

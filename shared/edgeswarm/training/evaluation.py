@@ -6,10 +6,10 @@ import numpy as np
 import torch
 
 from edgeswarm.bus import Bus
-from edgeswarm.checkpoints.client import load_checkpoint
 from edgeswarm.models.zoo import build_model
 from edgeswarm.training.data import Dataset, open_dataset
 from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.layout import load_stage
 from edgeswarm.training.unit_state import model_state
 
 
@@ -34,8 +34,7 @@ def evaluate_checkpoint(bus: Bus, store_node: str, job: JobSpec, stages: int, ve
     model."""
     state: dict[str, torch.Tensor] = {}
     for stage in range(stages):
-        _, tensors = load_checkpoint(bus, store_node, job.name, f"stage-{stage}", version, timeout_s=timeout_s)
-        state.update({name: torch.from_numpy(np.array(value)) for name, value in model_state(tensors).items()})
+        state.update(model_state(load_stage(bus, store_node, job.name, stage, version, timeout_s=timeout_s)))
     model = build_model(job.model)
     model.load_state_dict(state, strict=True)
     return accuracy(model, open_dataset(job.data, job.model))

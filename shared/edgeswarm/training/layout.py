@@ -1,19 +1,38 @@
-"""Which units each checkpoint stage of a version holds, kept in the checkpoint store beside the stages.
+"""A job's entries in the checkpoint store: its stages, and which units each stage of a version holds.
 
-A job's stages are saved as ``stage-0``, ``stage-1``, ... of one version, each holding a unit range of the plan
-the job ran on then; a later re-plan changes the ranges, so every version also gets a ``layout`` entry: no
-tensors, and its meta ``stages`` listing the ranges (``"0-52,52-72"``). Restoring a job from a version reads it
-to know which stage files hold a unit.
+A job's stages are saved as ``stage-0``, ``stage-1``, ... (``stage_entry``) of one version, each holding a unit
+range of the plan the job ran on then; a later re-plan changes the ranges, so every version also gets a ``layout``
+entry: no tensors, and its meta ``stages`` listing the ranges (``"0-52,52-72"``). Restoring a job from a version
+reads it to know which stage files hold a unit.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import load_checkpoint, save_checkpoint
+from edgeswarm.checkpoints.types import as_torch
 from edgeswarm.errors import CheckpointError
 from edgeswarm.planning.types import Plan
 
+if TYPE_CHECKING:
+    import torch  # only for a load's result: a coordinator saving layouts never imports it
+
 LAYOUT = "layout"
+
+
+def stage_entry(stage: int) -> str:
+    """The checkpoint store's name for stage ``stage`` of a job."""
+    return f"stage-{stage}"
+
+
+def load_stage(bus: Bus, store_node: str, job_id: str, stage: int, version: int, *,
+               timeout_s: float = 60.0) -> dict[str, torch.Tensor]:
+    """Every tensor of stage ``stage`` of ``version`` of ``job_id`` (see ``checkpoint_tensors``), by name. Raises
+    CheckpointError when the store does not have it or it is damaged."""
+    info, arrays = load_checkpoint(bus, store_node, job_id, stage_entry(stage), version, timeout_s=timeout_s)
+    return as_torch(info, arrays)
 
 
 def save_layout(bus: Bus, store_node: str, job_id: str, version: int, plan: Plan, *, timeout_s: float = 60.0) -> None:

@@ -227,8 +227,13 @@ def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, 
                        "could not be profiled; try again once their profilers are up")
     if failures and job.recovery == "none":
         raise DeviceLost(f"job {job.name}: {', '.join(failures)} left while no coordinator ran it", failures)
-    checkpoint = (store_node, resume.saved_version) if store_node and resume.saved_version else None
-    return recover(driver, failures, resume.rounds_done, cluster, job.recovery, checkpoint)
+    return recover(driver, failures, resume.rounds_done, cluster, job.recovery,
+                   _checkpoint(store_node, resume.saved_version))
+
+
+def _checkpoint(store_node: str | None, saved_version: int) -> tuple[str, int] | None:
+    """What ``recover`` may go back to: the store's node and the last version saved, if any was."""
+    return (store_node, saved_version) if store_node and saved_version else None
 
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
@@ -305,7 +310,7 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
             else:
                 log.warning("%s: replaying from the last snapshots", exc)
             driver, report_ = recover(driver, failures, index, cluster, job.recovery,
-                                      (store_node, saved_version) if store_node and saved_version else None)
+                                      _checkpoint(store_node, saved_version))
             cluster = cluster.without(*report_.failed)  # a later recovery must not plan on them
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]

@@ -157,12 +157,10 @@ def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrup
                                  f"version {version} cannot be read: {exc}", units=[],
                                  devices=sorted(failures)) from exc
     t0 = time.monotonic()
-    new = plan_best(old.strategy, remaining, old.options.global_batch, micro_batches=old.options.micro_batches,
-                    optimizer=old.options.optimizer).model_copy(update={"epoch": old.epoch + 1})
+    new = _full_plan(old, remaining)
     replan_s = time.monotonic() - t0
     t0 = time.monotonic()
-    successor = JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
-                          cancel=driver.cancel, detector=driver.detector)
+    successor = _successor(driver, new)
     ready = successor.deploy(version, checkpoint=CheckpointSource(store_node=store_node, version=version,
                                                                   stages=layout))
     restore_s = time.monotonic() - t0
@@ -175,6 +173,19 @@ def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrup
     log.info("job %s: back to checkpoint version %d without %s: %d stages, %d bytes loaded, %.2f s", driver.job.name,
              version, ", ".join(report.failed), len(new.stages), loaded, report.recovery_s)
     return successor, report
+
+
+def _full_plan(old: Plan, cluster: ClusterProfile) -> Plan:
+    """The full planner on ``cluster`` for ``old``'s strategy, global batch, M and optimizer; epoch plus one."""
+    new = plan_best(old.strategy, cluster, old.options.global_batch, micro_batches=old.options.micro_batches,
+                    optimizer=old.options.optimizer)
+    return new.model_copy(update={"epoch": old.epoch + 1})
+
+
+def _successor(driver: JobDriver, new: Plan) -> JobDriver:
+    """A driver of plan ``new`` for ``driver``'s job, bus, detector, timeout and cancellation."""
+    return JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
+                     cancel=driver.cancel, detector=driver.detector)
 
 
 def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted: int, cluster: ClusterProfile,
@@ -215,8 +226,7 @@ def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted
         _wait_gathered(driver, gathered_at, resume, old.units)
         gather_s = time.monotonic() - t0
         t0 = time.monotonic()
-        new = plan_best(old.strategy, remaining, old.options.global_batch, micro_batches=old.options.micro_batches,
-                        optimizer=old.options.optimizer).model_copy(update={"epoch": old.epoch + 1})
+        new = _full_plan(old, remaining)
         replan_s = time.monotonic() - t0
         transfers = [UnitTransfer(unit=u, src=gathered_at, dst=d, nbytes=sizes[u])
                      for s in new.stages for d in s.devices if d != gathered_at for u in range(s.start, s.end)]
@@ -227,8 +237,7 @@ def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted
         transfers = [*moving, *local_restores(old, new, failed, backups, sizes)]
 
     t0 = time.monotonic()
-    successor = JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
-                          cancel=driver.cancel, detector=driver.detector)
+    successor = _successor(driver, new)
     successor.deploy(resume, transfers)
     restore_s = time.monotonic() - t0
     report = RecoveryReport(
@@ -268,8 +277,7 @@ def grow(driver: JobDriver, joined: list[str], cluster: ClusterProfile, round_in
     the report (mode ``join``) are returned. Raises JobError from a device, DeviceLost if one fails meanwhile."""
     started = time.monotonic()
     old = driver.plan
-    new = plan_best(old.strategy, cluster, old.options.global_batch, micro_batches=old.options.micro_batches,
-                    optimizer=old.options.optimizer).model_copy(update={"epoch": old.epoch + 1})
+    new = _full_plan(old, cluster)
     replan_s = time.monotonic() - started
     if new.round_latency_s > old.round_latency_s * (1 - min_gain):
         log.info("job %s: %s joined, but the best plan with them (%.3f s per round) is no faster than the current "
@@ -278,8 +286,7 @@ def grow(driver: JobDriver, joined: list[str], cluster: ClusterProfile, round_in
         return None
     transfers = plan_migration(old, new, set(), backup_map(old), unit_state_bytes(cluster, driver.job.optimizer.name))
     t0 = time.monotonic()
-    successor = JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
-                          cancel=driver.cancel, detector=driver.detector)
+    successor = _successor(driver, new)
     successor.deploy(round_index, transfers)
     report = RecoveryReport(
         mode="join", failed=[], joined=sorted(joined), interrupted_round=round_index, resume_round=round_index,
