@@ -346,7 +346,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "reconfigurations": "int", "detail": "str", "submitted_at": "number", "updated_at": "number",
     },
     ("edgeswarm.job.event", 1): {
-        "job_id": "str",
+        "job_id": "str", "submission": "str",
         "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
                           "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled"}),
         "round": "int", "detail": "str",

@@ -164,7 +164,8 @@ def job_samples() -> dict[type, Any]:
                                predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
                                             StrategyPrediction(strategy="pp", error="does not fit")],
                                reconfigurations=1, submitted_at=1.7e9, updated_at=1.7e9 + 3),
-        m.JobEvent: m.JobEvent(job_id="j1", kind="recovered", round=2, detail="light: resumed at round 2"),
+        m.JobEvent: m.JobEvent(job_id="j1", submission="s1", kind="recovered", round=2,
+                               detail="light: resumed at round 2"),
     }
 
 

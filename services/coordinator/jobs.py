@@ -292,5 +292,5 @@ class JobManager:
         self.bus.publish(topics.job_state(job_id), state, retain=True)
         if event is not None:
             kind, detail = event
-            self.bus.publish(topics.job_events(job_id), JobEvent(job_id=job_id, kind=kind, round=state.round,
-                                                                 detail=detail))
+            self.bus.publish(topics.job_events(job_id), JobEvent(job_id=job_id, submission=state.submission, kind=kind,
+                                                                 round=state.round, detail=detail))

@@ -112,10 +112,11 @@ JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round",
 
 @schema("edgeswarm.job.event", 1)
 class JobEvent(Message):
-    """Something that happened to job ``job_id``: ``round`` is the rounds done when it happened; ``detail`` is
-    for people."""
+    """Something that happened to job ``job_id``, of the submission ``submission`` (as its state's): ``round`` is
+    the rounds done when it happened; ``detail`` is for people."""
 
     job_id: Name
+    submission: str = Field(default="", max_length=64)
     kind: JobEventKind
     round: int = Field(default=0, ge=0)
     detail: str = Field(default="", max_length=4096)

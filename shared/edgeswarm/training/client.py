@@ -81,7 +81,6 @@ class JobFollower:
         self.bus = bus
         self.job_id = job_id
         self.submission = new_id()
-        self._current = False  # whether this submission's state has been seen (events before it are older)
         self.rounds: dict[int, JobState] = {}  # the state after each round, by rounds done
         self.state: JobState | None = None
         self._on_state = on_state
@@ -95,7 +94,6 @@ class JobFollower:
         assert isinstance(state, JobState)
         if state.submission != self.submission:
             return  # an earlier job of the same name
-        self._current = True
         self.state = state
         if state.round and state.round_s is not None:
             self.rounds.setdefault(state.round, state)
@@ -105,8 +103,10 @@ class JobFollower:
             self._done.set()
 
     def _event(self, msg: Inbound) -> None:
+        # Events come on their own topic, handled on another thread than the states: they name their submission
+        # rather than follow its state.
         assert isinstance(msg.body, JobEvent)
-        if self._on_event is not None and self._current:
+        if self._on_event is not None and msg.body.submission == self.submission:
             self._on_event(msg.body)
 
     def wait(self, timeout_s: float) -> JobState:
