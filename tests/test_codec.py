@@ -217,11 +217,21 @@ def _tensor_header(**desc: object) -> dict[str, object]:
     ({"crc32": 12345}, bytes(24), ChecksumError),
     ({"shape": [1 << 20, 1 << 20], "nbytes": 4 << 40, "chunk_size": 1 << 20, "n_chunks": 4 << 20, "chunk": 0},
      bytes(1 << 20), TensorTooLargeError),
+    # Issue 13, finding 1: no bytes, but no view either (numpy cannot shape an array of 2**62 columns).
+    ({"shape": [0, 2**62], "nbytes": 0, "crc32": zlib.crc32(b"")}, b"", TensorTooLargeError),
+    ({"shape": [0] + [2**20] * 3, "nbytes": 0, "crc32": zlib.crc32(b"")}, b"", TensorTooLargeError),
+    ({"shape": [1] * 33, "nbytes": 4, "crc32": zlib.crc32(bytes(4))}, bytes(4), TensorHeaderError),  # rank > 32
 ])
 def test_lying_tensor_headers_are_rejected_before_allocation(desc: dict[str, object], raw: bytes,
                                                              error: type[Exception]) -> None:
     with pytest.raises(error):
         decode(_frame_with_header(_tensor_header(**desc), raw), max_tensor_bytes=1 << 30)
+
+
+def test_empty_tensors_of_any_reasonable_shape_still_decode() -> None:
+    for shape in [(0,), (0, 5), (3, 0, 7), (0, 1 << 20)]:
+        (frame,) = frames_of(np.zeros(shape, dtype=np.float32), 1 << 20)
+        assert decode(frame).whole_tensor().shape == shape
 
 
 def test_trailing_bytes_without_a_tensor_are_rejected() -> None:
@@ -252,13 +262,77 @@ def test_incomplete_transfers_time_out_and_are_freed() -> None:
     assert reasm.add(decode(frames[-1])) is None, "a late chunk of a freed transfer does not restart it"
 
 
-def test_reassembly_memory_limit_refuses_new_transfers() -> None:
+def _lying_first_chunk(sender: Sender, nbytes: int, chunk_size: int, chunk: bytes = b"x") -> bytes:
+    """The first chunk frame of a transfer whose header claims ``nbytes`` bytes in chunks of ``chunk_size``."""
+    from edgeswarm.wire.tensor import TensorDescriptor
+
+    desc = TensorDescriptor(dtype="uint8", shape=(nbytes,), nbytes=nbytes, chunk_size=chunk_size, chunk=0,
+                            n_chunks=-(-nbytes // chunk_size), crc32=zlib.crc32(chunk[:chunk_size]))
+    return encode(sender.envelope(BODY), BODY, desc, chunk[:chunk_size])
+
+
+def test_a_header_alone_reserves_nothing() -> None:
+    # Issue 13, finding 2: two 1-byte frames declaring 2 GiB each used to reserve 4 GiB for 30 s.
+    reasm = Reassembler(max_pending_bytes=4 << 30, timeout_s=30)
+    for _ in range(2):
+        assert reasm.add(decode(_lying_first_chunk(SENDER, 2**31, 1))) is None
+    assert reasm.pending_transfers == 2
+    assert reasm.pending_bytes < 4096, "held: what arrived (two small frames), not what the headers claim"
+    # A genuine 4 MB transfer still completes beside them.
+    value = np.arange(1_000_000, dtype=np.float32)
+    done = [t for t in (reasm.add(decode(f)) for f in frames_of(value, 1 << 20)) if t is not None]
+    assert len(done) == 1 and np.array_equal(done[0].array, value)
+
+
+def test_the_buffer_is_allocated_once_half_the_tensor_arrived() -> None:
+    reasm = Reassembler(max_pending_bytes=1 << 30, timeout_s=30)
+    frames = frames_of(np.arange(8000, dtype=np.uint8), 1000)  # 8 chunks
+    for f in frames[:3]:
+        reasm.add(decode(f))
+    assert 3000 <= reasm.pending_bytes < 8000, "three chunks held as they came"
+    reasm.add(decode(frames[3]))
+    assert reasm.pending_bytes == 8000, "half in: the whole buffer, and nothing more"
+    done = [t for t in (reasm.add(decode(f)) for f in frames[4:]) if t is not None]
+    assert np.array_equal(done[0].array, np.arange(8000, dtype=np.uint8)) and reasm.pending_bytes == 0
+
+
+def test_reassembly_memory_limit_drops_the_transfer_that_would_exceed_it() -> None:
     reasm = Reassembler(max_pending_bytes=6000, timeout_s=5)
-    first = frames_of(np.zeros(1000, dtype=np.float32), 1000)
+    first = frames_of(np.zeros(1000, dtype=np.float32), 1000)  # 4000 bytes once allocated
     second = frames_of(np.ones(1000, dtype=np.float32), 1000)
-    assert reasm.add(decode(first[0])) is None
+    for f in first[:2]:
+        assert reasm.add(decode(f)) is None
+    assert reasm.pending_bytes == 4000
+    assert reasm.add(decode(second[0])) is None  # its first chunk fits
     with pytest.raises(ReassemblyError, match="memory limit"):
-        reasm.add(decode(second[0]))
+        reasm.add(decode(second[1]))  # its buffer would not
+    assert reasm.pending_bytes == 4000 and reasm.pending_transfers == 1
+    done = [t for t in (reasm.add(decode(f)) for f in first[2:]) if t is not None]
+    assert len(done) == 1 and reasm.pending_bytes == 0
+
+
+def test_one_sender_cannot_starve_another() -> None:
+    other = Sender(node="n2", service="svc", instance="inst2")
+    now = [0.0]
+    reasm = Reassembler(max_pending_bytes=1 << 20, max_sender_bytes=20_000, max_sender_transfers=5, timeout_s=5,
+                        clock=lambda: now[0])
+    for _ in range(5):
+        reasm.add(decode(_lying_first_chunk(SENDER, 1 << 19, 2048, bytes(2048))))
+    with pytest.raises(ReassemblyError, match="5 incomplete tensor transfers"):
+        reasm.add(decode(_lying_first_chunk(SENDER, 1 << 19, 2048, bytes(2048))))
+    now[0] = 10.0
+    assert reasm.sweep() == 5 and reasm.sender_bytes("n1") == 0
+    for _ in range(4):
+        reasm.add(decode(_lying_first_chunk(SENDER, 1 << 19, 2048, bytes(2048))))
+    big = list(tensor_frames(SENDER.envelope(BODY), BODY, np.zeros(40_000, np.uint8), 10_000))
+    with pytest.raises(ReassemblyError, match="per sender"):
+        for f in big[:2]:
+            reasm.add(decode(f))
+    value = np.arange(4000, dtype=np.int32)  # n2's 16 kB transfer is not held up by n1
+    done = [t for t in (reasm.add(decode(f)) for f in tensor_frames(other.envelope(BODY), BODY, value, 4000))
+            if t is not None]
+    assert len(done) == 1 and np.array_equal(done[0].array, value)
+    assert reasm.sender_bytes("n2") == 0 and 0 < reasm.sender_bytes("n1") <= 20_000
 
 
 def test_chunks_that_disagree_drop_the_transfer() -> None:

@@ -35,6 +35,12 @@ class MalformedFrameError(WireError):
     reason = "malformed"
 
 
+class MessageTooLargeError(WireError):
+    """A message is larger than its schema's size cap (``Message.MAX_BYTES``)."""
+
+    reason = "too_large"
+
+
 class UnknownSchemaError(WireError):
     """The header names a schema this build does not know."""
 

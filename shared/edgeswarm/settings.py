@@ -97,6 +97,8 @@ class Settings(BaseSettings):
     chunk_bytes: int = Field(default=1 * MIB, ge=1024)
     max_tensor_bytes: int = Field(default=2048 * MIB, ge=1)
     max_reassembly_bytes: int = Field(default=4096 * MIB, ge=1)
+    # What the incomplete transfers of one sender node may hold: one peer cannot starve the others.
+    max_reassembly_bytes_per_sender: int = Field(default=2048 * MIB, ge=1)
     reassembly_timeout_s: float = Field(default=30.0, gt=0)
     inbox_capacity: int = Field(default=1024, ge=16)
     workers: int = Field(default=4, ge=1)

@@ -150,6 +150,7 @@ class Bus:
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
         self._reassembler = Reassembler(max_pending_bytes=settings.max_reassembly_bytes,
+                                        max_sender_bytes=settings.max_reassembly_bytes_per_sender,
                                         timeout_s=settings.reassembly_timeout_s)
         self._timeouts_counted = 0
         self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics)

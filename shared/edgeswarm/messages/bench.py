@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from edgeswarm.wire.schema import Message, schema
+from edgeswarm.wire.schema import MIB, Message, schema
 
 
 @schema("edgeswarm.bench.start", 1)
@@ -43,11 +43,15 @@ class BenchAck(Message):
 class BenchEcho(Message):
     """Request: send ``payload`` straight back (round-trip measurement)."""
 
+    MAX_BYTES = MIB + 64 * 1024
+
     payload: bytes = Field(max_length=1024 * 1024)
 
 
 @schema("edgeswarm.bench.echo_reply", 1)
 class BenchEchoReply(Message):
     """The echoed payload."""
+
+    MAX_BYTES = MIB + 64 * 1024
 
     payload: bytes

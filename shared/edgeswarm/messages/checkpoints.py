@@ -30,7 +30,7 @@ from edgeswarm.checkpoints.types import (
     Meta,
     SafeName,
 )
-from edgeswarm.wire.schema import Message, schema
+from edgeswarm.wire.schema import MIB, Message, schema
 
 TransferId = str
 MAX_LISTING = 4096
@@ -66,6 +66,8 @@ class CheckpointCommit(Message):
     Answered with CheckpointSaved or CheckpointFailed once every tensor has arrived or the upload has
     timed out. ``count`` may be 0 (a checkpoint of ``meta`` alone).
     """
+
+    MAX_BYTES = 2 * MIB
 
     transfer_id: TransferId = Field(min_length=1, max_length=64)
     job_id: SafeName
@@ -108,6 +110,8 @@ class CheckpointLoad(Message):
 class CheckpointLoaded(Message):
     """The answer to a load once its ``count`` tensors have been sent: which version they are, with its
     meta, total tensor bytes, file size and digest (verified before sending)."""
+
+    MAX_BYTES = 2 * MIB
 
     transfer_id: TransferId
     job_id: SafeName
@@ -174,5 +178,7 @@ class StageVersions(BaseModel):
 @schema("edgeswarm.checkpoint.listing", 1)
 class CheckpointListing(Message):
     """The answer to a list: one entry per (job, stage) that has versions."""
+
+    MAX_BYTES = 4 * MIB
 
     entries: list[StageVersions] = Field(default_factory=list, max_length=MAX_LISTING)

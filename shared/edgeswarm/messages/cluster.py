@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.wire.schema import Message, Name, schema
+from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 ServiceState = Literal["online", "suspect", "offline"]
 
@@ -45,6 +45,8 @@ class NodeView(BaseModel):
 @schema("edgeswarm.cluster_view", 1)
 class ClusterView(Message):
     """Retained on ``edgeswarm/cluster/view`` by the coordinator. ``generated_at`` is Unix seconds."""
+
+    MAX_BYTES = 4 * MIB
 
     generated_at: float
     heartbeat_timeout_factor: float = Field(gt=0)

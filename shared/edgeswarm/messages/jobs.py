@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.planning.types import Plan, Strategy
-from edgeswarm.wire.schema import Message, Name, schema
+from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_SPEC_CHARS = 65536
 
@@ -26,6 +26,8 @@ class JobSubmit(Message):
     """Request: run the job that ``spec`` (the text of a YAML or JSON job spec) describes. ``submission`` is the
     submitter's id for this submission, copied into the job's state so it can tell its job from an earlier one
     of the same name. Answered with JobAccepted, or JobRejected naming the invalid field and why."""
+
+    MAX_BYTES = 128 * 1024
 
     spec: str = Field(max_length=MAX_SPEC_CHARS)
     submission: str = Field(default="", max_length=64)
@@ -82,6 +84,8 @@ class JobState(Message):
     failed. After a recovery ``round`` goes back to the round the job resumed from: those rounds run again.
     ``spec`` is the job spec as submitted: with the plan and the rounds done, what a restarted coordinator needs
     to take the job over."""
+
+    MAX_BYTES = 2 * MIB
 
     job_id: Name
     submission: str = Field(default="", max_length=64)

@@ -15,6 +15,8 @@ class MetricsReport(Message):
     ``bytes_out``); ``gauges`` are current values (for example ``inbox_depth``, ``reassembly_bytes``).
     """
 
+    MAX_BYTES = 256 * 1024
+
     node: Name
     service: Name
     instance: Name

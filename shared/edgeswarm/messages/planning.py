@@ -14,7 +14,7 @@ from pydantic import Field
 from edgeswarm.planning.compare import Comparison
 from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.profiling.types import ClusterProfile, Optimizer
-from edgeswarm.wire.schema import Message, Name, schema
+from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 
 @schema("edgeswarm.plan.request", 1)
@@ -25,6 +25,8 @@ class PlanRequest(Message):
     of two. ``strategy`` ``hpp`` is Asteroid's planner; ``dp``, ``pp`` and ``single`` are the baselines.
     ``compare`` asks for every baseline next to the HPP plan as well. ``epoch`` is stamped on the plan.
     """
+
+    MAX_BYTES = 16 * MIB
 
     cluster: ClusterProfile
     global_batch: int = Field(ge=1)
@@ -40,6 +42,8 @@ class ReplanRequest(Message):
     """Request: the lightweight re-plan of ``plan`` without device ``failed`` (spec 5.4). ``cluster`` is the
     profile the plan was made from. ``heavy`` re-runs the full planner on the survivors instead."""
 
+    MAX_BYTES = 16 * MIB
+
     plan: Plan
     cluster: ClusterProfile
     failed: Name
@@ -49,6 +53,8 @@ class ReplanRequest(Message):
 @schema("edgeswarm.plan.reply", 1)
 class PlanReply(Message):
     """A plan (and, when asked, the comparison with the baselines); ``planning_s`` is the planner's time."""
+
+    MAX_BYTES = 4 * MIB
 
     plan: Plan
     comparison: Comparison | None = None

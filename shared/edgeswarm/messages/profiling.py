@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from edgeswarm.profiling.types import DeviceProfileEntry, LinkProfile, ModelProfile, ModelSpec
-from edgeswarm.wire.schema import Message, Name, schema
+from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 ProfileMethod = Literal["calibrated", "measured"]
 
@@ -59,6 +59,8 @@ class ProfileReport(Message):
     from this node to the request's peers; ``cache_hit`` says the timings came from the profile cache
     without measuring; ``elapsed_s`` is how long the request took.
     """
+
+    MAX_BYTES = 4 * MIB
 
     request_id: str
     node: Name

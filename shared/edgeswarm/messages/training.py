@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
-from edgeswarm.wire.schema import Message, Name, schema
+from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_GROUPS = 64
 
@@ -80,6 +80,8 @@ class StageAssign(Message):
     With ``checkpoint`` instead, every unit's state comes from that checkpoint version (saved after round
     ``resume_round``): how a job goes on when devices and their backups failed together.
     """
+
+    MAX_BYTES = 4 * MIB
 
     job_id: Name
     epoch: int = Field(ge=0)
@@ -153,6 +155,8 @@ class RoundDone(Message):
     activation bytes it held for backward at once, and the bytes of its weights, gradients, optimizer state and
     buffers; ``snapshot_s`` is the time taken to snapshot the stage's state after the step (its backup is sent in
     the background)."""
+
+    MAX_BYTES = 256 * 1024
 
     job_id: Name
     epoch: int
@@ -253,6 +257,8 @@ class StageState(Message):
     device restoring plan ``epoch``; ``gather``: sent on StageSendState to the device that collects the whole
     model for heavy rescheduling (it keeps the units as its own snapshot of that round)."""
 
+    MAX_BYTES = 1 * MIB
+
     job_id: Name
     epoch: int = Field(ge=0)
     round: int = Field(ge=0)
@@ -268,6 +274,8 @@ class StageSendState(Message):
     ``epoch`` (StageState, purpose ``migrate``): this worker's own snapshot (``owner`` None) or the backup it
     holds of device ``owner``. Answered with StageStateSent once every unit is sent, or StageFailed."""
 
+    MAX_BYTES = 1 * MIB
+
     job_id: Name
     epoch: int = Field(ge=0)
     round: int = Field(ge=0)
@@ -280,6 +288,8 @@ class StageSendState(Message):
 @schema("edgeswarm.stage.state_sent", 1)
 class StageStateSent(Message):
     """The answer to StageSendState: the units sent, the bytes on the wire and the seconds it took."""
+
+    MAX_BYTES = 1 * MIB
 
     job_id: Name
     to: Name
@@ -318,6 +328,8 @@ class HeldBackup(BaseModel):
 class StageHeld(Message):
     """The answer to StageInventory: the rounds at whose start this worker has snapshots of its own stage
     (with the units), and the backups it holds for other devices."""
+
+    MAX_BYTES = 4 * MIB
 
     job_id: Name
     node: Name

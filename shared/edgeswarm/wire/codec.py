@@ -29,6 +29,7 @@ from edgeswarm.errors import (
     ExpiredMessageError,
     InvalidMessageError,
     MalformedFrameError,
+    MessageTooLargeError,
     TensorHeaderError,
 )
 from edgeswarm.wire.schema import Envelope, Message, resolve
@@ -45,12 +46,14 @@ DEFAULT_MAX_TENSOR_BYTES = 2 * 1024**3
 
 @dataclass(frozen=True)
 class Frame:
-    """One decoded frame. ``raw`` views the payload's tensor bytes without copying them."""
+    """One decoded frame. ``raw`` views the payload's tensor bytes without copying them (and so keeps the whole
+    payload, ``payload_bytes`` long, alive while it is held)."""
 
     envelope: Envelope
     body: Message
     tensor: TensorDescriptor | None
     raw: memoryview
+    payload_bytes: int = 0
 
     def whole_tensor(self) -> WireTensor:
         """The tensor of a single-chunk frame as a zero-copy (read-only) view of the payload."""
@@ -70,8 +73,9 @@ def encode(envelope: Envelope, body: Message, tensor: TensorDescriptor | None = 
         },
         use_bin_type=True,
     )
-    if len(header) > MAX_HEADER_BYTES:
-        raise ValueError(f"frame header is {len(header)} bytes; the limit is {MAX_HEADER_BYTES}")
+    if len(header) > min(MAX_HEADER_BYTES, body.MAX_BYTES):
+        raise MessageTooLargeError(f"a {body.SCHEMA} message is {len(header)} bytes; its schema allows at most "
+                                   f"{min(MAX_HEADER_BYTES, body.MAX_BYTES)}")
     return b"".join((PREFIX.pack(MAGIC, FRAME_VERSION, 0, len(header)), header, raw))
 
 
@@ -90,8 +94,9 @@ def decode(payload: bytes | bytearray | memoryview, *, max_tensor_bytes: int = D
     """Decode and validate one frame without copying its raw bytes.
 
     Checks, in order and before any allocation proportional to a declared size: prefix and header
-    length, msgpack header, envelope, schema name and version, body, expiry, tensor descriptor against
-    the payload length and ``max_tensor_bytes``, and the chunk's CRC-32. Raises a WireError subclass.
+    length, msgpack header, envelope, schema name and version, the header against the schema's size cap,
+    body, expiry, tensor descriptor against the payload length and ``max_tensor_bytes``, and the chunk's
+    CRC-32. Raises a WireError subclass.
     """
     view = memoryview(payload)
     header, raw = _unpack_header(view)
@@ -100,6 +105,10 @@ def decode(payload: bytes | bytearray | memoryview, *, max_tensor_bytes: int = D
     except ValidationError as exc:
         raise InvalidMessageError(f"invalid envelope: {_summarise(exc)}") from None
     cls = resolve(envelope.schema_name, envelope.schema_version)
+    header_bytes = len(view) - len(raw) - PREFIX.size
+    if header_bytes > cls.MAX_BYTES:
+        raise MessageTooLargeError(f"a {envelope.schema_name} message of {header_bytes} bytes is over its schema's "
+                                   f"cap of {cls.MAX_BYTES}")
     try:
         body = cls.model_validate(header.get("body"))
     except ValidationError as exc:
@@ -121,7 +130,7 @@ def decode(payload: bytes | bytearray | memoryview, *, max_tensor_bytes: int = D
             )
     elif len(raw):
         raise MalformedFrameError(f"{len(raw)} trailing bytes after a header that declares no tensor")
-    return Frame(envelope, body, tensor, raw)
+    return Frame(envelope, body, tensor, raw, len(view))
 
 
 def _unpack_header(view: memoryview) -> tuple[dict[str, Any], memoryview]:

@@ -21,13 +21,24 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
+MIB = 1 << 20
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+
+
 class Message(BaseModel):
-    """Base of every message body. Subclasses are registered with :func:`schema`."""
+    """Base of every message body. Subclasses are registered with :func:`schema`.
+
+    ``MAX_BYTES`` caps the frame header (envelope, body and tensor descriptor, msgpack-encoded) of a message
+    of this schema: a larger one is refused by the sender and rejected by the receiver before its body is
+    validated, so no message costs more than its schema's cap. Schemas that carry profiles, plans or unit
+    lists raise it.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     SCHEMA: ClassVar[str] = ""
     VERSION: ClassVar[int] = 0
+    MAX_BYTES: ClassVar[int] = DEFAULT_MAX_HEADER_BYTES
 
 
 class Envelope(BaseModel):

@@ -75,11 +75,20 @@ def expected_chunks(nbytes: int, chunk_size: int) -> int:
 def check_descriptor(desc: TensorDescriptor, raw_len: int, max_tensor_bytes: int) -> None:
     """Check that a descriptor is self-consistent, within limits and matches ``raw_len`` payload bytes.
 
-    Runs before any buffer is allocated for the tensor, so a lying header costs nothing but this check.
+    Runs before any buffer is allocated or viewed for the tensor, so a lying header costs nothing but this
+    check. The shape must be something numpy can view: non-negative dimensions whose product, with every zero
+    dimension counted as one, stays within ``max_tensor_bytes`` (``[0, 2**62]`` holds no bytes but is no view).
     """
     item = storage_dtype(desc.dtype).itemsize
     if any(d < 0 for d in desc.shape):
         raise TensorHeaderError(f"tensor: negative dimension in shape {list(desc.shape)}")
+    extent = item
+    for d in desc.shape:
+        extent *= max(d, 1)
+        if extent > max_tensor_bytes:
+            raise TensorTooLargeError(
+                f"tensor: shape {list(desc.shape)[:MAX_NDIM]} of {desc.dtype} spans more than the limit of "
+                f"{max_tensor_bytes} bytes (EDGESWARM_MAX_TENSOR_BYTES)")
     declared = math.prod(desc.shape) * item
     if declared != desc.nbytes:
         raise TensorHeaderError(
