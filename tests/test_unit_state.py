@@ -11,6 +11,7 @@ from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, example_target
 from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.jobs import OptimizerSpec, make_optimizer
+from edgeswarm.training.stage import classification_loss
 from edgeswarm.training.unit_state import (
     StateEntry,
     UnitState,
@@ -28,6 +29,10 @@ from edgeswarm.training.unit_state import (
 
 LENET = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5, "seed": 1})
 MOBILENET = ModelSpec(name="mobilenetv2", config={"width": 0.25, "image_size": 8, "num_classes": 4, "seed": 2})
+GPT2 = ModelSpec(name="gpt2", config={"vocab_size": 32, "seq_len": 8, "n_layer": 2, "n_embd": 16, "n_head": 2,
+                                      "seed": 3})
+BERT = ModelSpec(name="bert-small", config={"vocab_size": 32, "seq_len": 8, "layers": 2, "hidden": 16, "heads": 2,
+                                            "seed": 4})
 MOMENTUM = OptimizerSpec(name="momentum", lr=0.05, momentum=0.9, weight_decay=1e-4)
 ADAM = OptimizerSpec(name="adam", lr=1e-3)
 
@@ -49,7 +54,7 @@ def train_step(pipeline: Split, x: torch.Tensor, y: torch.Tensor) -> None:
     out = x
     for stage in stages:
         out = stage(out)
-    nn.functional.cross_entropy(out, y, reduction="sum").backward()
+    classification_loss(out, y).backward()
     for opt in optimizers:
         opt.step()
 
@@ -147,6 +152,47 @@ def test_a_checkpoint_of_two_stages_restores_a_different_split_bit_identically(o
     missing = {key: t for key, t in saved.items() if key != "features.0.weight"}
     with pytest.raises(UnitStateError, match="no tensor 'features.0.weight'"):
         checkpoint_units(missing, moved[0][0], names, 0, k - 3)
+
+
+@pytest.mark.parametrize("spec", [GPT2, BERT], ids=["gpt2", "bert-small"])
+def test_non_persistent_buffers_stay_out_of_unit_states_and_checkpoints(spec: ModelSpec) -> None:
+    """The transformers' position ids are a non-persistent buffer: no stage's state dict, unit state or
+    checkpoint holds them, the merged checkpoint loads strictly into the model, and units moved through
+    extract/pack/load or through the checkpoint train on bit-identically (every stage is built with the ids)."""
+    model = build_model(spec)
+    seq = layer_sequence(model)
+    names = unit_names(seq)
+    count, k = len(seq), len(seq) // 2
+    assert "embed.position_ids" in dict(model.named_buffers())
+    assert frozenset().union(*names) == set(model.state_dict())
+    original = split(spec, seq, [0, k, count], ADAM)
+    assert set().union(*(stage.state_dict() for stage in original[0])) == set(model.state_dict())
+    for step in range(2):
+        train_step(original, *batch(spec, step))
+
+    saved: dict[str, torch.Tensor] = {}
+    states: dict[int, UnitState] = {}
+    for (a, b), stage, optimizer in zip([(0, k), (k, count)], *original, strict=True):
+        saved.update({key: t.clone() for key, t in checkpoint_tensors(stage, optimizer).items()})
+        states.update({u: unpack_units(*pack_units(state))
+                       for u, state in extract_units(stage, optimizer, names, a, b).items()})
+    assert set(model_state(saved)) == set(model.state_dict())
+    build_model(spec).load_state_dict(model_state(saved), strict=True)
+    assert not any("position_ids" in key for state in states.values() for key in state)
+
+    fresh = spec.model_copy(update={"config": {**spec.config, "seed": 99}})
+    bounds = [(0, k - 1), (k - 1, count)]
+    from_units = split(fresh, layer_sequence(build_model(fresh)), [0, k - 1, count], ADAM)
+    from_checkpoint = split(fresh, layer_sequence(build_model(fresh)), [0, k - 1, count], ADAM)
+    for (a, b), stage, optimizer in zip(bounds, *from_units, strict=True):
+        load_units(stage, optimizer, {u: states[u] for u in range(a, b)}, names)
+    for (a, b), stage, optimizer in zip(bounds, *from_checkpoint, strict=True):
+        load_units(stage, optimizer, checkpoint_units(saved, stage, names, a, b), names)
+    for moved in (from_units, from_checkpoint):
+        train_step(moved, *batch(spec, 2))
+    train_step(original, *batch(spec, 2))
+    assert_bit_identical(named_state(original), named_state(from_units))
+    assert_bit_identical(named_state(original), named_state(from_checkpoint))
 
 
 def test_unit_names_are_the_units_own_parameters_and_buffers() -> None:

@@ -139,8 +139,9 @@ class LayerSequence:
     """
 
     def __init__(self, traced: fx.GraphModule, source: fx.Node, groups: list[list[fx.Node]],
-                 outputs: list[fx.Node]) -> None:
+                 outputs: list[fx.Node], non_persistent: frozenset[str] = frozenset()) -> None:
         self._traced = traced
+        self._non_persistent = non_persistent  # qualified names of the model's non-persistent buffers
         self._source = source
         self._groups = groups
         self._outputs = outputs  # the candidate point closing each unit: the one value leaving it
@@ -176,7 +177,9 @@ class LayerSequence:
 
     def build_stage(self, start: int, end: int) -> fx.GraphModule:
         """A GraphModule computing units [start, end): it takes the one tensor crossing the cut before ``start``
-        (for start 0, the model's input) and returns the tensor leaving unit ``end - 1``.
+        (for start 0, the model's input) and returns the tensor leaving unit ``end - 1``. Its parameters and buffers
+        keep the model's qualified names and its buffers the model's persistence, so its state dict is the part of
+        the model's state dict that those units use.
 
         Raises StageRangeError unless 0 <= start < end <= len(self)."""
         count = len(self.units)
@@ -192,7 +195,15 @@ class LayerSequence:
             if node in inside or node in needed:
                 env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(env[self._outputs[end - 1]])
-        return fx.GraphModule(self._traced, graph, class_name=f"Stage_{start}_{end}")
+        stage = fx.GraphModule(self._traced, graph, class_name=f"Stage_{start}_{end}")
+        # fx registers every tensor a graph reads as a persistent buffer, so a non-persistent one (GPT-2's and
+        # BERT's position ids) would enter the stage's state dict, and with it checkpoints that the model's own
+        # load_state_dict(strict=True) then refuses. Registering it again keeps the model's persistence.
+        for name, buffer in list(stage.named_buffers(remove_duplicate=False)):
+            if name in self._non_persistent:
+                owner, _, field = name.rpartition(".")
+                stage.get_submodule(owner).register_buffer(field, buffer, persistent=False)
+        return stage
 
     def _constants_for(self, inside: set[fx.Node]) -> set[fx.Node]:
         """The input-independent nodes that the nodes in ``inside`` use, directly or through each other."""
@@ -251,7 +262,9 @@ def layer_sequence(model: nn.Module) -> LayerSequence:
         if node in vertices and node is not source and node is not sink:
             groups[bisect_left(bounds, depth[node])].append(node)
     _check_single_crossing(name, source, sink, groups, closing)
-    seq = LayerSequence(traced, source, groups, closing)
+    non_persistent = frozenset(dict(model.named_buffers(remove_duplicate=False))) - frozenset(
+        model.state_dict(keep_vars=True))
+    seq = LayerSequence(traced, source, groups, closing, non_persistent)
     log.debug("layer sequence of %s: %d units from %d graph vertices", name, len(seq), len(vertices))
     return seq
 

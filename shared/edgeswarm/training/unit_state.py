@@ -2,15 +2,16 @@
 
 Fault-tolerant pipeline training re-partitions a model while it trains: a stage holding units [start, end) hands
 a subrange [a, b) to a device whose new stage covers a different range, and training goes on exactly as if
-nothing had moved. The state of one unit is what a step reads besides the data: its parameters, its buffers
-(BatchNorm running statistics and ``num_batches_tracked``, ...) and the optimizer's per-parameter state
+nothing had moved. The state of one unit is what a step reads besides the data: its parameters, its persistent
+buffers (BatchNorm running statistics and ``num_batches_tracked``, ...; a non-persistent one, such as position
+ids, is a constant of the model that every stage module is built with) and the optimizer's per-parameter state
 (``momentum_buffer`` for momentum SGD; ``step``, ``exp_avg`` and ``exp_avg_sq`` for Adam; nothing before the
 first step or for plain SGD).
 
 A unit's state is a flat ``{entry name: tensor}`` map (``UnitState``) with entry names
 
 - ``param:<qualified name>`` for a parameter,
-- ``buffer:<qualified name>`` for a buffer,
+- ``buffer:<qualified name>`` for a persistent buffer,
 - ``opt:<qualified name>:<field>`` for one tensor of the optimizer's state of a parameter,
 
 where the qualified names are the full model's (a stage module built by ``LayerSequence.build_stage`` keeps
@@ -71,13 +72,16 @@ def _named_tensors(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str
     # remove_duplicate=False keeps every alias of a shared tensor, so the names do not depend on which alias
     # torch happens to meet first in a given stage.
     params = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(module.named_buffers(remove_duplicate=False))
+    # Persistent buffers only, as in the state dict: a non-persistent one (position ids) is a constant that every
+    # freshly built stage already holds, and a checkpoint carrying it would not load into the model strictly.
+    persistent = module.state_dict(keep_vars=True)
+    buffers = {name: b for name, b in module.named_buffers(remove_duplicate=False) if name in persistent}
     return params, buffers
 
 
 def unit_names(sequence: LayerSequence) -> list[frozenset[str]]:
-    """For each unit u of ``sequence``, the qualified names of the parameters and buffers unit u's computation
-    uses: those of the single-unit stage [u, u+1). A name used by several units is listed in each.
+    """For each unit u of ``sequence``, the qualified names of the parameters and persistent buffers unit u's
+    computation uses: those of the single-unit stage [u, u+1). A name used by several units is listed in each.
 
     Pure (the result depends on the sequence only), so callers may compute it once per model and reuse it."""
     result: list[frozenset[str]] = []
@@ -151,9 +155,10 @@ def extract_units(module: nn.Module, optimizer: torch.optim.Optimizer | None, na
 
 
 def checkpoint_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
-    """What a stage saves as one checkpoint version: its parameters and buffers under their qualified names (the
-    stages' checkpoints together make a state dict of the whole model) and, as ``opt:<name>:<field>``, the
-    optimizer's state of every parameter it has stepped, so training can go on from the checkpoint exactly.
+    """What a stage saves as one checkpoint version: its parameters and persistent buffers under their qualified
+    names (the stages' checkpoints together make exactly the state dict of the whole model) and, as
+    ``opt:<name>:<field>``, the optimizer's state of every parameter it has stepped, so training can go on from
+    the checkpoint exactly.
     Parameters and buffers are the live tensors (detached): save them before the next step changes them."""
     params, buffers = _named_tensors(module)
     tensors = {name: t.detach() for name, t in {**params, **buffers}.items()}

@@ -1,0 +1,120 @@
+"""Every family of the model zoo trains through the coordinator, end to end, to an evaluated checkpoint.
+
+One local cluster (a real Mosquitto, the hub's services and two native devices, started the way ``edgeswarm up
+--local`` starts them) runs one tiny job per family, one after the other: profiled, planned as a two-stage
+pipeline, trained for two rounds, saved to the checkpoint store, and loaded back from it into the whole model
+(``load_state_dict(strict=True)``) for the held-out accuracy. A checkpoint holding anything but the model's state
+dict (a non-persistent buffer such as the transformers' position ids) fails the job at that last step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.bus import Bus
+from edgeswarm.devices.cluster import cluster_of
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.models.zoo import MODEL_NAMES, build_model
+from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
+from edgeswarm.settings import Settings
+from edgeswarm.training.client import JobFollower, submit_job
+from edgeswarm.training.layout import stage_entry
+from helpers import FAST_ENV, stored_weights, wait_until
+
+DEVICES = 2
+ROUNDS = 2
+IMAGE_DATA = {"kind": "teacher", "size": 32, "test_size": 16}
+TOKEN_DATA = {"kind": "tokens", "size": 32, "test_size": 16}
+
+# One model per zoo family, each as small as its config allows: a few channels, small images, short sequences.
+FAMILIES: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
+    "mlp": ("mlp", {"image_size": 8, "hidden": 16, "layers": 1}, IMAGE_DATA),
+    "lenet5": ("lenet5", {"image_size": 16, "width": 0.5}, IMAGE_DATA),
+    "vgg": ("vgg11", {"image_size": 32, "width": 0.0625}, IMAGE_DATA),
+    "resnet": ("resnet18", {"image_size": 16, "width": 0.125}, IMAGE_DATA),
+    "mobilenetv2": ("mobilenetv2", {"image_size": 32, "width": 0.25}, IMAGE_DATA),
+    "efficientnet": ("efficientnet-b0", {"image_size": 32, "width": 0.25}, IMAGE_DATA),
+    "bert-small": ("bert-small", {"vocab_size": 32, "seq_len": 8, "layers": 1, "hidden": 16, "heads": 2},
+                   TOKEN_DATA),
+    "gpt2": ("gpt2", {"vocab_size": 32, "seq_len": 8, "n_layer": 2, "n_embd": 16, "n_head": 2}, TOKEN_DATA),
+}
+
+
+def job_text(name: str, model: str, config: dict[str, object], data: dict[str, object]) -> str:
+    """A job for ``model``: a two-stage pipeline ("pp", so the final model is merged from several stages'
+    checkpoints) with 2 micro-batches of 4 samples, checkpointed after every round."""
+    return json.dumps({"name": name, "model": {"name": model, "config": config}, "data": data, "strategy": "pp",
+                       "global_batch": 8, "micro_batches": 2, "optimizer": {"name": "adam", "lr": 0.001},
+                       "rounds": ROUNDS})
+
+
+class Cluster:
+    """A started local cluster, a client bus on it, and where its checkpoint store keeps its files."""
+
+    def __init__(self, local: LocalCluster, bus: Bus, checkpoints: Path) -> None:
+        self.local = local
+        self.bus = bus
+        self.checkpoints = checkpoints
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One cluster for every family's job (starting one costs more than a tiny job): stopped by PID at the end."""
+    root = tmp_path_factory.mktemp("zoo-cluster")
+    checkpoints = root / "checkpoints"
+    env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(checkpoints), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
+    # Native devices: no emulated slow-down, so profiling and rounds cost what the tiny models cost.
+    local = LocalCluster(cluster_of(DEVICES, "native"), workdir=root / "cluster", extra_env=env)
+    local.start()
+    bus: Bus | None = None
+    try:
+        bus = client_bus(Settings(hub_url=local.hub_url), role="zoo-test", connect_timeout_s=30)
+        watcher = ClusterWatcher(bus)
+
+        def ready() -> bool:
+            view = watcher.view()[0]
+            return (online_devices(view) == DEVICES and len(nodes_running(view, "stage-worker")) == DEVICES
+                    and len(nodes_running(view, "profiler")) == DEVICES
+                    and all(nodes_running(view, s) == ["hub"] for s in ("coordinator", "planner", "checkpoint-store")))
+
+        # Generous: every service imports torch, on a host whose cores other work may be using.
+        wait_until(ready, 300, interval_s=0.2, message="every service of the zoo cluster online")
+        yield Cluster(local, bus, checkpoints)
+    finally:
+        if bus is not None:
+            bus.stop()
+        local.stop()
+
+
+def test_every_zoo_model_belongs_to_a_family_trained_here() -> None:
+    assert all(any(name.startswith(family) for family in FAMILIES) for name in MODEL_NAMES), MODEL_NAMES
+    assert {model for model, _, _ in FAMILIES.values()} <= set(MODEL_NAMES)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_tiny_model_of_every_family_trains_through_the_coordinator_to_an_evaluation(cluster: Cluster,
+                                                                                        family: str) -> None:
+    model, config, data = FAMILIES[family]
+    name = f"zoo-{family}-{uuid.uuid4().hex[:6]}"
+    follower = JobFollower(cluster.bus, name)
+    submit_job(cluster.bus, job_text(name, model, config, data), submission=follower.submission)
+    # Bounded, and generous for a loaded host: the job itself takes seconds.
+    final = follower.wait(300)
+
+    assert final.status == "succeeded", f"job {name} ended {final.status}: {final.detail}"
+    assert final.round == ROUNDS and final.checkpoint_version == ROUNDS
+    assert final.test_accuracy is not None and 0.0 <= final.test_accuracy <= 1.0
+    assert final.plan is not None and len(final.plan.stages) == DEVICES
+    assert final.loss is not None and math.isfinite(final.loss)
+    saved = {p.name for p in (cluster.checkpoints / name).iterdir()}
+    assert saved == {stage_entry(s.index) for s in final.plan.stages} | {"layout"}
+    # The stages' checkpoints together are exactly the model's state dict: no non-persistent buffer, nothing lacking.
+    stored = stored_weights(cluster.checkpoints, name, len(final.plan.stages))
+    assert set(stored) == set(build_model(ModelSpec(name=model, config=config)).state_dict())
