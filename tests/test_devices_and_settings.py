@@ -120,21 +120,72 @@ def test_broker_url_defaults_the_port() -> None:
     assert parse_broker_url("10.1.2.3:1999").port == 1999
 
 
-def test_compute_slowdown_is_emulated_as_a_ratio() -> None:
-    native = DeviceProfile(device_class="native", emulated=False, compute_slowdown=1.0, memory_budget_bytes=1)
-    slow = native.model_copy(update={"compute_slowdown": 3.0})
+class FakeClocks:
+    """A wall clock, a thread CPU clock and a sleep that only move when told: ``work`` spends ``cpu_s`` of CPU
+    time over ``wall_s`` of wall time, ``sleep`` records what it was asked for and lets that much wall time pass."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.cpu_now = 7.0
+        self.slept: list[float] = []
+
+    def wall(self) -> float:
+        return self.now
+
+    def cpu(self) -> float:
+        return self.cpu_now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def work(self, cpu_s: float, wall_s: float) -> str:
+        self.cpu_now += cpu_s
+        self.now += wall_s
+        return "done"
+
+
+@pytest.mark.parametrize(("slowdown", "cpu_s", "wall_s", "expected_sleep"), [
+    (3.0, 0.5, 0.5, 1.0),    # alone on a core: it idles (factor - 1) x its CPU time
+    (3.0, 0.5, 0.8, 0.7),    # descheduled 0.3 s by other work: the contention counts towards the slow-down
+    (150.0, 0.01, 0.01, 1.49),
+    (2.0, 0.5, 1.5, None),   # contention already took longer than the slow-down asks: no sleep
+    (1.0, 0.5, 0.5, None),   # a native device never sleeps
+])
+def test_compute_slowdown_sleeps_until_the_work_took_the_factor_times_its_cpu_time(
+        slowdown: float, cpu_s: float, wall_s: float, expected_sleep: float | None) -> None:
+    profile = DeviceProfile(device_class="emulated", emulated=True, compute_slowdown=slowdown, memory_budget_bytes=1)
+    clocks = FakeClocks()
+    start = clocks.now
+
+    result = profile.run(lambda: clocks.work(cpu_s, wall_s), wall=clocks.wall, cpu=clocks.cpu, sleep=clocks.sleep)
+
+    assert result == "done"
+    if expected_sleep is None:
+        assert clocks.slept == []
+        assert clocks.now - start == pytest.approx(wall_s)
+    else:
+        assert clocks.slept == [pytest.approx(expected_sleep)]
+        # The emulated device took exactly the slowed-down CPU time, however the wall time was split.
+        assert clocks.now - start == pytest.approx(slowdown * cpu_s)
+
+
+def test_compute_slowdown_scales_the_calling_threads_real_cpu_time_by_default() -> None:
+    """With the default CPU clock (the wall clock frozen, so that no load on the host can change the outcome), the
+    sleep asked for is the slow-down times at least the CPU time the work itself measured spending."""
+    slow = DeviceProfile(device_class="emulated", emulated=True, compute_slowdown=3.0, memory_budget_bytes=1)
+    slept: list[float] = []
+    spent: list[float] = []
 
     def work() -> int:
-        return sum(i * i for i in range(200_000))
+        before = time.thread_time()
+        total = sum(i * i for i in range(50_000))
+        spent.append(time.thread_time() - before)
+        return total
 
-    def timed(profile: DeviceProfile) -> float:
-        start = time.perf_counter()
-        profile.run(work)
-        return time.perf_counter() - start
-
-    base = min(timed(native) for _ in range(3))
-    ratio = min(timed(slow) for _ in range(3)) / base
-    assert 2.0 < ratio < 4.5
+    assert slow.run(work, wall=lambda: 0.0, sleep=slept.append) == sum(i * i for i in range(50_000))
+    assert spent[0] > 0  # Linux's thread CPU clock counts nanoseconds
+    assert len(slept) == 1 and slept[0] >= 3.0 * spent[0]
 
 
 def test_every_package_folder_is_installed() -> None:

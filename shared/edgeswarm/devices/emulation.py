@@ -51,17 +51,22 @@ class DeviceProfile(BaseModel):
         thread, which is all of the compute only on one thread), None (the host's default) when native."""
         return 1 if self.emulated else None
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], *, wall: Callable[[], float] = time.perf_counter,
+            cpu: Callable[[], float] = time.thread_time, sleep: Callable[[float], None] = time.sleep) -> T:
         """Run ``fn``, then sleep until it has taken ``compute_slowdown`` times the CPU time the calling thread
         spent in it (seconds). Scaling CPU time rather than wall time keeps emulated devices that share a host's
-        cores as fast as they would be alone, as real devices are, while the slow-down exceeds the contention."""
-        start = time.perf_counter()
-        cpu = time.thread_time()
+        cores as fast as they would be alone, as real devices are, while the slow-down exceeds the contention.
+
+        ``wall`` (a monotonic clock), ``cpu`` (the calling thread's CPU time) and ``sleep``, all in seconds, are
+        the clocks the slow-down is measured and spent with; tests pass fakes to check the mechanism without
+        depending on how loaded the host is."""
+        start = wall()
+        cpu_start = cpu()
         result = fn()
         if self.compute_slowdown > 1.0:
-            left = (time.thread_time() - cpu) * self.compute_slowdown - (time.perf_counter() - start)
+            left = (cpu() - cpu_start) * self.compute_slowdown - (wall() - start)
             if left > 0:
-                time.sleep(left)
+                sleep(left)
         return result
 
 
