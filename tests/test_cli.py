@@ -127,13 +127,36 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     assert pids_alive([broker_pid]) == []
 
 
+# How long the amqtt cluster may take to come up. The pure-Python broker and seven services that import torch are
+# slow on a loaded host: this bounds the wait without being a deadline the test could miss for being slow.
+AMQTT_READY_S = 600
+
+
+def _online_view(cluster: Up, devices: int, nodes: int) -> dict | None:  # type: ignore[type-arg]
+    """The cluster view once ``nodes`` nodes, ``devices`` of them devices, are online, else None. One ``status
+    --wait-devices`` call, which itself waits (for the broker too) up to 120 s; fails at once if ``up`` exited."""
+    if cluster.proc.poll() is not None:
+        pytest.fail(f"edgeswarm up exited {cluster.proc.returncode}:\n{cluster.log.read_text()}")
+    result = edgeswarm("status", "--hub", cluster.url, "--json", "--wait-devices", str(devices), "--timeout", "120",
+                       check=False, timeout=300)
+    if result.returncode != 0:
+        return None
+    view = json.loads(result.stdout)
+    return view if sum(1 for n in view["nodes"] if n["state"] == "online") == nodes else None
+
+
 def test_the_amqtt_fallback_brings_up_a_cluster_that_status_shows(tmp_path: Path, up) -> None:
-    cluster = Up(tmp_path, "--broker", "amqtt", "--devices", "2")
+    # `up` waits for its devices as long as the test does, so neither gives up on a cluster that is merely slow.
+    cluster = Up(tmp_path, "--broker", "amqtt", "--devices", "2", "--ready-timeout", str(AMQTT_READY_S))
     up.append(cluster)
-    view = cluster.status(devices=2)
-    assert sum(1 for n in view["nodes"] if n["state"] == "online") == 3
-    assert "broker: amqtt" in cluster.log.read_text()
-    assert "MQTT 3.1.1 only" in cluster.log.read_text()
+    view = wait_until(lambda: _online_view(cluster, devices=2, nodes=3), AMQTT_READY_S, interval_s=1.0,
+                      message="the hub and both devices online in `edgeswarm status`")
+    assert {n["node"] for n in view["nodes"] if n["state"] == "online"} == {"hub", "tx2-0", "nano-1"}
+    # Stop only once `up` itself saw the cluster ready: a SIGTERM while it still waits is an interrupted start.
+    wait_until(lambda: "cluster up" in cluster.log.read_text(), AMQTT_READY_S, interval_s=0.5,
+               message="`edgeswarm up` reporting the cluster up")
+    log = cluster.log.read_text()
+    assert "broker: amqtt" in log and "MQTT 3.1.1 only" in log
     assert cluster.stop() == 0
 
 
