@@ -31,7 +31,7 @@ import numpy as np
 
 __all__ = [
     "DTYPES", "DocDecodeError", "Cleared", "Frame", "TensorDescriptor", "Tensor", "Reassembler",
-    "decode", "decode_header", "tensor_array", "bfloat16_to_float32", "schemas_for_topic", "SCHEMAS",
+    "decode", "decode_header", "tensor_array", "bfloat16_to_float32", "schemas_for_topic", "writer_of", "SCHEMAS",
 ]
 
 
@@ -258,6 +258,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         **_IDS, "uptime_s": "number", "counters": ("map", "int"), "gauges": ("map", "number"),
     },
     ("edgeswarm.probe", 1): {},
+    ("edgeswarm.rejected", 1): {"reason": "str", "detail": "str"},
     ("edgeswarm.probe_reply", 1): {
         **_IDS, "healthy": "bool", "uptime_s": "number", "inbox_depth": "int", "handler_errors": "int",
         "rejected": "int", "detail": "str",
@@ -793,7 +794,8 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save",
                               "edgeswarm.stage.abort", "edgeswarm.stage.send_state", "edgeswarm.stage.inventory",
                               "edgeswarm.job.submit", "edgeswarm.job.cancel"})
-_REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.bench.ack", "edgeswarm.bench.echo_reply",
+_REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
+                            "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
                             "edgeswarm.plan.failed", "edgeswarm.checkpoint.saved", "edgeswarm.checkpoint.loaded",
                             "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed", "edgeswarm.stage.ready",
@@ -814,18 +816,29 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
     if len(levels) == 4 and levels[1] == "job":
         return {"state": frozenset({"edgeswarm.job.state"}),
                 "events": frozenset({"edgeswarm.job.event"})}.get(levels[3])
-    if len(levels) == 5 and levels[1] == "reply":
+    if len(levels) == 6 and levels[1] == "reply":  # section 6: the reply address, then the replier's node
         return _REPLY_SCHEMAS
+    if len(levels) == 6 and levels[1] == "node" and levels[4] in ("request", "data"):  # ... then the sender's node
+        return _REQUEST_SCHEMAS if levels[4] == "request" else frozenset({
+            "edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
+            "edgeswarm.stage.tensor", "edgeswarm.stage.state"})
     if len(levels) == 5 and levels[1] == "node":
         return {
             "status": frozenset({"edgeswarm.status"}),
             "heartbeat": frozenset({"edgeswarm.heartbeat"}),
             "metrics": frozenset({"edgeswarm.metrics"}),
-            "request": _REQUEST_SCHEMAS,
-            "data": frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-                               "edgeswarm.stage.tensor", "edgeswarm.stage.state"}),
             "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
     if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:
         return frozenset({"edgeswarm.profile.report"})
+    return None
+
+
+def writer_of(topic: str) -> str | None:
+    """Section 6: the node a message on ``topic`` must come from, or None where the topic names none."""
+    levels = topic.split("/")
+    if len(levels) == 6 and levels[0] == "edgeswarm" and (levels[1] == "reply" or levels[4] in ("request", "data")):
+        return levels[5]
+    if len(levels) >= 5 and levels[0] == "edgeswarm" and levels[1] == "node":
+        return levels[2]
     return None

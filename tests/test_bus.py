@@ -107,13 +107,13 @@ def test_duplicate_deliveries_are_handled_once(make_bus) -> None:
     body = m.Probe()
     frame = encode(tx.sender.envelope(body), body)
     for _ in range(3):  # what QoS 1 redelivery looks like to the receiver
-        tx.hub.publish(topics.request("rx", "sink"), frame)
+        tx.hub.publish(topics.from_sender(topics.request("rx", "sink"), "tx"), frame)
     from edgeswarm.wire import tensor_frames
 
     data = m.BenchData(run_id="d", seq=0)
     chunks = list(tensor_frames(tx.sender.envelope(data), data, np.arange(1000, dtype=np.int32), 1000))
     for chunk in chunks + chunks[:2]:
-        tx.hub.publish(topics.data("rx", "sink"), chunk)
+        tx.hub.publish(topics.from_sender(topics.data("rx", "sink"), "tx"), chunk)
     assert done.wait(5)
     wait_until(lambda: rx.metrics.counter("duplicates") == 2, 5, message="duplicate control messages dropped")
     time.sleep(0.3)
@@ -134,7 +134,7 @@ def test_bad_payloads_and_failing_handlers_do_not_stop_the_bus(make_bus) -> None
     rx.subscribe(topics.request("rx", "svc"), flaky, schemas=(m.Probe,))
     tx = make_bus("tx")
     for junk in (b"garbage", b"ES\x01\x00\xff\xff\xff\xff", b"\x00" * 100):
-        tx.hub.publish(topics.request("rx", "svc"), junk)
+        tx.hub.publish(topics.from_sender(topics.request("rx", "svc"), "tx"), junk)
     for _ in range(3):
         tx.publish(topics.request("rx", "svc"), m.Probe())
     wait_until(lambda: len(calls) == 3, 5, message="all probes handled")
@@ -270,7 +270,7 @@ def test_envelope_fields_are_mirrored_into_mqtt5_properties(broker: BrokerProces
     spy.connect(broker.host, broker.port)
     spy.loop_start()
     try:
-        spy.subscribe("edgeswarm/node/srv/svc/request", qos=1)
+        spy.subscribe("edgeswarm/node/srv/svc/request/cli", qos=1)
         time.sleep(0.3)
         client = make_bus("cli")
         with pytest.raises(RequestTimeoutError):

@@ -17,6 +17,7 @@ import signal
 import struct
 import subprocess
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -380,11 +381,12 @@ def test_service_refuses_bad_uploads_and_keeps_running(broker: BrokerProcess, se
                        EDGESWARM_CHECKPOINT_MAX_BYTES=str(64 * 1024), EDGESWARM_REASSEMBLY_TIMEOUT_S="1")
     data, request = topics.data(STORE_NODE, STORE), topics.request(STORE_NODE, STORE)
     # Garbage bytes and a tensor message without its tensor, on both topics.
-    trainer.hub.publish(data, b"\x00garbage" * 10, qos=1)
-    trainer.hub.publish(request, b"ES\x01\x00\xff\xff\xff\xff", qos=1)
+    as_trainer = partial(topics.from_sender, sender_node=trainer.sender.node)
+    trainer.hub.publish(as_trainer(data), b"\x00garbage" * 10, qos=1)
+    trainer.hub.publish(as_trainer(request), b"ES\x01\x00\xff\xff\xff\xff", qos=1)
     no_tensor = m.CheckpointTensor(transfer_id="t0", job_id="job", stage="0", version=1, name="w", index=0, count=1)
     trainer.publish(data, no_tensor)
-    trainer.hub.publish(data, encode(trainer.sender.envelope(no_tensor), no_tensor)[:-3], qos=1)
+    trainer.hub.publish(as_trainer(data), encode(trainer.sender.envelope(no_tensor), no_tensor)[:-3], qos=1)
 
     # An upload whose second tensor never comes: its commit is answered "incomplete" after the timeout.
     trainer.send_tensor(STORE_NODE, STORE, m.CheckpointTensor(transfer_id="t1", job_id="job", stage="0", version=1,

@@ -70,8 +70,8 @@ def test_a_service_survives_thousands_of_corrupted_payloads(broker: BrokerProces
     attacker = make_bus("fuzzer", "cli")
     payloads = corrupted_payloads(random.Random(1234), 3000)
     for i, payload in enumerate(payloads):
-        topic = topics.request(NODE, SERVICE) if (i // 8) % 2 else topics.data(NODE, SERVICE)
-        attacker.hub.publish(topic, payload, qos=1)
+        address = topics.request(NODE, SERVICE) if (i // 8) % 2 else topics.data(NODE, SERVICE)
+        attacker.hub.publish(topics.from_sender(address, "fuzzer"), payload, qos=1)
 
     def rejected() -> int:
         reply = client.request(topics.request(NODE, SERVICE), m.Probe(), timeout_s=5)

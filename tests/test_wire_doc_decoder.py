@@ -32,6 +32,7 @@ from doc_decoder import (
     decode,
     schemas_for_topic,
     tensor_array,
+    writer_of,
 )
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
 from helpers import FAST_ENV, wait_until
@@ -71,6 +72,7 @@ def samples() -> dict[type, Any]:
                                          counters={"messages_in": 5, "rejected.checksum": 2**40},
                                          gauges={"inbox_depth": 1.0, "reassembly_bytes": 0.5}),
         m.Probe: m.Probe(),
+        m.RequestRejected: m.RequestRejected(reason="overflow", detail="the node-agent on n is overloaded"),
         m.ProbeReply: m.ProbeReply(node="n", service="s", instance="i", healthy=False, uptime_s=2.0,
                                    inbox_depth=3, handler_errors=1, rejected=4, detail="saturated"),
         m.ClusterView: m.ClusterView(generated_at=now, heartbeat_timeout_factor=3.0, nodes=(
@@ -645,10 +647,10 @@ def test_live_cluster_traffic_decodes() -> None:
             expired_sender = Sender(node="cli", service="docchk", instance="expired1")
             expired_env = expired_sender.envelope(m.Probe(), ttl_s=0.01, reply_to="edgeswarm/reply/cli/docchk/expired1")
             time.sleep(0.05)
-            raw.publish("edgeswarm/node/nano-1/node-agent/request", encode(expired_env, m.Probe()), qos=1)
+            raw.publish("edgeswarm/node/nano-1/node-agent/request/cli", encode(expired_env, m.Probe()), qos=1)
             nocorr_sender = Sender(node="cli", service="docchk", instance="nocorr1")
             nocorr_env = nocorr_sender.envelope(m.Probe(), ttl_s=10, reply_to="edgeswarm/reply/cli/docchk/nocorr1")
-            raw.publish("edgeswarm/node/nano-1/node-agent/request", encode(nocorr_env, m.Probe()), qos=1)
+            raw.publish("edgeswarm/node/nano-1/node-agent/request/cli", encode(nocorr_env, m.Probe()), qos=1)
             for node in ("tx2-0", "nano-1"):
                 assert bus.request(topics.request(node, "node-agent"), m.Probe()) is not None
                 assert bus.request(topics.request(node, "node-agent"), m.BenchEcho(payload=b"x" * 100)) is not None
@@ -663,7 +665,7 @@ def test_live_cluster_traffic_decodes() -> None:
                 return any(t.endswith(schema_topic_suffix) for t, *_ in snapshot())
 
             wait_until(lambda: seen("/metrics") and seen("/heartbeat") and seen("cluster/view")
-                       and seen("/data") and seen("/docchk/nocorr1"), 10,
+                       and seen("/data/cli") and seen("/docchk/nocorr1/nano-1"), 10,
                        message="metrics, heartbeats, a view, tensor chunks and the reply to the raw probe")
             time.sleep(0.3)
             retained_topics = retained_now(host, int(port))
@@ -689,6 +691,8 @@ def test_live_cluster_traffic_decodes() -> None:
             allowed = schemas_for_topic(topic)
             if allowed is None or frame.schema_name not in allowed:
                 failures.append(f"{topic}: {frame.schema_name} is not documented on this topic")
+            if writer_of(topic) not in (None, frame.envelope["sender_node"]):
+                failures.append(f"{topic}: sent by {frame.envelope['sender_node']}, not the node the topic names")
             decoded.append((topic, frame, retained, props))
             assert frame.frame_version == 1 and frame.flags == 0, topic
             if frame.schema_name in ("edgeswarm.probe", "edgeswarm.bench.echo", "edgeswarm.bench.start"):
@@ -748,15 +752,18 @@ def test_live_cluster_traffic_decodes() -> None:
     for name in ("edgeswarm.probe_reply", "edgeswarm.bench.echo_reply", "edgeswarm.bench.ack"):
         for topic, frame, _, _ in by_schema[name]:
             corr = frame.envelope["correlation_id"]
+            address, replier = topic.rsplit("/", 1)  # section 6: the reply address, then the replier's node
+            assert replier == frame.envelope["sender_node"], topic
             if corr in requests:
-                assert topic == requests[corr]["reply_to"]
+                assert address == requests[corr]["reply_to"]
             else:
                 assert name == "edgeswarm.bench.ack" and corr in done_ids, (name, corr)
-                assert topic in {e["reply_to"] for e in start_envs}
-    nocorr_replies = [f for t, f, _, _ in decoded if t == "edgeswarm/reply/cli/docchk/nocorr1"]
+                assert address in {e["reply_to"] for e in start_envs}
+    nocorr_replies = [f for t, f, _, _ in decoded if t == "edgeswarm/reply/cli/docchk/nocorr1/nano-1"]
     assert [f.schema_name for f in nocorr_replies] == ["edgeswarm.probe_reply"]
     assert nocorr_replies[0].envelope["correlation_id"] == nocorr_env.msg_id
-    assert not [t for t, *_ in decoded if t == "edgeswarm/reply/cli/docchk/expired1"], "an expired request was answered"
+    assert not [t for t, *_ in decoded if t.startswith("edgeswarm/reply/cli/docchk/expired1")], \
+        "an expired request was answered"
     echo_replies = [f.body["payload"] for _, f, _, _ in by_schema["edgeswarm.bench.echo_reply"]]
     assert b"x" * 100 in echo_replies
 

@@ -118,6 +118,22 @@ class RequestTimeoutError(BusError):
     """No reply arrived for a request in time."""
 
 
+class RequestRejectedError(BusError):
+    """The receiving service's bus refused a request (inbox full, invalid, not allowed) and said so."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class NotAuthorizedError(BusError):
+    """The broker refused to let this client publish or subscribe (its ACL), or to connect (credentials)."""
+
+
+class NetworkLoopDeadError(BusError):
+    """A broker connection's network thread is gone: nothing is received any more."""
+
+
 class UnknownNodeError(BusError):
     """A message was addressed to a node that has never advertised a status."""
 

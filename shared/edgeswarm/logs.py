@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 
@@ -53,3 +54,33 @@ def configure_logging(node: str, service: str, level: str = "INFO", as_json: boo
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Logs at most ``burst`` lines per key per ``window_s`` seconds to ``logger``, then one summary line per
+    window: for paths an outsider can trigger (a flood of bad messages must not become a flood of log lines)."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
+        self._log = logger
+        self._burst = burst
+        self._window = window_s
+        self._state: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        self.log(logging.WARNING, key, msg, *args, exc_info=exc_info)
+
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            start, n = self._state.get(key, (now, 0))
+            if now - start > self._window:
+                if n > self._burst:
+                    self._log.log(level, "... %d more '%s' lines in the last %.0f s", n - self._burst, key,
+                                  self._window)
+                start, n = now, 0
+            if len(self._state) > 1024 and key not in self._state:
+                self._state.clear()  # keys come from a fixed set of reasons; never let them grow without bound
+            self._state[key] = (start, n + 1)
+        if n < self._burst:
+            self._log.log(level, msg, *args, exc_info=exc_info)

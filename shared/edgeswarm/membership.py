@@ -119,9 +119,9 @@ def observed_at(sent_at: float, retained: bool, now: float) -> float:
     """When a liveness message was true (Unix seconds): its send time for a retained copy, else ``now``.
 
     Live messages are stamped with the receiver's clock so clock skew between nodes does not age them;
-    retained copies delivered on subscribe are as old as their send time says.
+    retained copies delivered on subscribe are as old as their send time says, but never younger than now.
     """
-    return sent_at if retained else now
+    return min(sent_at, now) if retained else now
 
 
 def diff_events(before: ClusterView | None, after: ClusterView) -> list[ClusterEvent]:

@@ -5,14 +5,15 @@ compose.yaml sets these variables and tests/test_deploy.py checks that every one
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from edgeswarm.errors import ConfigError
@@ -31,28 +32,83 @@ class LinkSpec(BaseModel):
 
 
 class BrokerAddress(BaseModel):
-    """A broker's host and port, parsed from ``mqtt://host:port``."""
+    """A broker's host and port, parsed from ``mqtt://host:port`` (or ``mqtts://`` for TLS). It never holds
+    credentials: ``url`` is safe to log and to advertise."""
 
     model_config = ConfigDict(frozen=True)
 
     host: str
     port: int
+    tls: bool = False
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
+
+
+_SCHEMES = {"mqtt": False, "tcp": False, "mqtts": True, "ssl": True, "tls": True}
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
-    """Parse ``mqtt://host[:port]`` (or ``tcp://``); the port defaults to 1883. Raises ConfigError."""
+    """Parse ``mqtt://host[:port]`` (also ``tcp://``; port 1883) or ``mqtts://host[:port]`` (TLS; also ``ssl://``;
+    port 8883). A ``user:password@`` part is not kept here (see ``url_credentials``). Raises ConfigError."""
     parts = urlsplit(url if "://" in url else f"mqtt://{url}")
-    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-        raise ConfigError(f"broker URL {url!r} is not of the form mqtt://host:port")
+    if parts.scheme not in _SCHEMES or not parts.hostname:
+        raise ConfigError(f"broker URL {redact_url(url)!r} is not of the form mqtt://host:port or mqtts://host:port")
+    tls = _SCHEMES[parts.scheme]
     try:
-        port = parts.port or 1883
+        port = parts.port or (8883 if tls else 1883)
     except ValueError:
-        raise ConfigError(f"broker URL {url!r} has an invalid port") from None
-    return BrokerAddress(host=parts.hostname, port=port)
+        raise ConfigError(f"broker URL {redact_url(url)!r} has an invalid port") from None
+    return BrokerAddress(host=parts.hostname, port=port, tls=tls)
+
+
+def url_credentials(url: str) -> tuple[str | None, str | None]:
+    """The (user name, password) in a broker URL's ``user:password@`` part, percent-decoded; None where absent."""
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    return user, password
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages and logs."""
+    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (localhost, 127.0.0.0/8, ::1). Names are not resolved: any other
+    name may reach beyond this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class BrokerCredentials(BaseModel):
+    """How this node proves who it is to every broker of the cluster, and how it checks the brokers (TLS).
+
+    ``password`` is a SecretStr: it never appears in a repr or a log line.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    username: str | None = None
+    password: SecretStr | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @property
+    def anonymous(self) -> bool:
+        """True when this node presents neither a user name nor a client certificate."""
+        return self.username is None and self.cert_file is None
 
 
 def default_profile_dir() -> Path:
@@ -93,6 +149,20 @@ class Settings(BaseSettings):
     metrics_interval_s: float = Field(default=10.0, gt=0)
 
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    # Authentication (one identity per node, the same on every broker of the cluster). The user name is the node
+    # id (the brokers' ACL lets a node write only its own topics); the password comes from the environment or,
+    # better, a file (compose secrets). A ``user:password@`` in EDGESWARM_HUB_URL fills these too.
+    mqtt_username: str | None = None
+    mqtt_password: SecretStr | None = None
+    mqtt_password_file: Path | None = None
+    # TLS for mqtts:// brokers: the cluster's CA (EDGESWARM_TLS_CA_FILE; unset: the system's CAs) and, to log in
+    # with a client certificate instead of a password, this node's certificate and key.
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # A service refuses to run on a broker beyond this machine that let it in without credentials: anyone who
+    # reaches such a broker is the cluster. Set true only for a trusted, isolated development network.
+    allow_anonymous: bool = False
     max_packet_bytes: int = Field(default=16 * MIB, ge=4096)
     chunk_bytes: int = Field(default=1 * MIB, ge=1024)
     max_tensor_bytes: int = Field(default=2048 * MIB, ge=1)
@@ -121,6 +191,37 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_from_url(cls, values: object) -> object:
+        # user:password@ in the hub URL moves into the credential fields, so no URL held here carries a secret.
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for key in ("hub_url", "data_url"):
+            url = values.get(key)
+            if not isinstance(url, str) or "@" not in url:
+                continue
+            user, password = url_credentials(url)
+            if key == "data_url" and (user, password) != url_credentials(str(values.get("hub_url", ""))):
+                raise ValueError("EDGESWARM_DATA_URL carries credentials: a node has one identity for every broker; "
+                                 "set EDGESWARM_MQTT_USERNAME and EDGESWARM_MQTT_PASSWORD_FILE instead")
+            if user is not None and values.get("mqtt_username") in (None, ""):
+                values["mqtt_username"] = user
+            if password is not None and values.get("mqtt_password") in (None, ""):
+                values["mqtt_password"] = password
+            parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+            values[key] = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
+        return values
+
+    @model_validator(mode="after")
+    def _consistent_credentials(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("EDGESWARM_TLS_CERT_FILE and EDGESWARM_TLS_KEY_FILE go together")
+        if self.mqtt_password is not None and self.mqtt_password_file is not None:
+            raise ValueError("set EDGESWARM_MQTT_PASSWORD or EDGESWARM_MQTT_PASSWORD_FILE, not both")
+        return self
+
     @field_validator("data_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
@@ -135,6 +236,23 @@ class Settings(BaseSettings):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None  # pydantic reports ValueErrors with the field name
         return value
+
+    def credentials(self) -> BrokerCredentials:
+        """This node's credentials, the password read from its file now. Without an explicit user name, a node
+        with a password logs in as its node id. Raises ConfigError when the password file cannot be read."""
+        password = self.mqtt_password
+        if self.mqtt_password_file is not None:
+            try:
+                text = self.mqtt_password_file.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read EDGESWARM_MQTT_PASSWORD_FILE {self.mqtt_password_file}: "
+                                  f"{exc.strerror or exc}") from None
+            if not text:
+                raise ConfigError(f"EDGESWARM_MQTT_PASSWORD_FILE {self.mqtt_password_file} is empty")
+            password = SecretStr(text)
+        username = self.mqtt_username or (self.node_id if password is not None else None)
+        return BrokerCredentials(username=username, password=password, ca_file=self.tls_ca_file,
+                                 cert_file=self.tls_cert_file, key_file=self.tls_key_file)
 
     @property
     def data_plane_url(self) -> str:

@@ -1,6 +1,15 @@
-"""The topic tree: one builder per topic, and the table ``edgeswarm topics`` prints.
+"""The topic tree: one builder per topic, who may write and read each, and the table ``edgeswarm topics`` prints.
 
 Every topic starts with ``edgeswarm/`` so ``mosquitto_sub -v -t 'edgeswarm/#'`` shows all traffic.
+
+Every topic names the node allowed to write it, or is written by one role only, so a broker ACL generated from
+this tree (``edgeswarm.security.acl``) lets a node write only what is its own, and every receiver checks that
+the envelope's ``sender_node`` is the node the topic names. Topics owned by a node (``status``, ``heartbeat``,
+``metrics``, the profiler's reports) carry it at their ``{node}`` level; topics addressed *to* a service
+(``request``, ``data``, ``reply``) end with the sender's node: a request from node ``pi-1`` to the planner on
+``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic by its *address* (without
+the sender level: ``request(node, service)``); the bus appends its own node when it publishes and subscribes
+with ``/+``.
 """
 
 from __future__ import annotations
@@ -10,6 +19,32 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 ROOT = "edgeswarm"
+
+Role = Literal["hub", "device", "client"]
+ROLES: tuple[Role, ...] = ("hub", "device", "client")
+
+# Who may send requests to each service (beside a node's own services, which may always address each other:
+# a starting service probes its own node id for a live twin). A service not listed takes requests from the
+# hub only. Devices may not submit or cancel jobs, nor deploy stages: only the coordinator (hub) does.
+REQUEST_WRITERS: dict[str, tuple[Role, ...]] = {
+    "coordinator": ("hub", "client"),
+    "planner": ("hub", "client"),
+    "profiler": ("hub", "client"),
+    "checkpoint-store": ("hub", "device", "client"),
+    "stage-worker": ("hub",),
+    "node-agent": ("hub", "client"),
+}
+DEFAULT_REQUEST_WRITERS: tuple[Role, ...] = ("hub",)
+# Who may send tensors to each service's data topic. A service not listed (a command-line client loading a
+# checkpoint, say) takes tensors from every role; the sender level still names who sent them.
+DATA_WRITERS: dict[str, tuple[Role, ...]] = {
+    "stage-worker": ("hub", "device"),
+    "profiler": ("hub", "device"),
+}
+DEFAULT_DATA_WRITERS: tuple[Role, ...] = ROLES
+
+ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
+OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress")  # node topics written by the node itself
 
 
 def status(node: str, service: str) -> str:
@@ -25,15 +60,55 @@ def metrics(node: str, service: str) -> str:
 
 
 def request(node: str, service: str) -> str:
+    """The address of ``service``'s requests on ``node`` (the bus appends the sender's node)."""
     return f"{ROOT}/node/{node}/{service}/request"
 
 
 def data(node: str, service: str) -> str:
+    """The address of ``service``'s tensors on ``node`` (the bus appends the sender's node)."""
     return f"{ROOT}/node/{node}/{service}/data"
 
 
 def reply(node: str, service: str, instance: str) -> str:
+    """The address of one service instance's replies (the bus appends the replier's node)."""
     return f"{ROOT}/reply/{node}/{service}/{instance}"
+
+
+def is_address(topic: str) -> bool:
+    """Whether ``topic`` is an address (request, data or reply topic without its sender level)."""
+    parts = topic.split("/")
+    return len(parts) == 5 and parts[0] == ROOT and (
+        parts[1] == "reply" or (parts[1] == "node" and parts[4] in ADDRESSED_LEAVES))
+
+
+def from_sender(address: str, sender_node: str) -> str:
+    """The topic a message from ``sender_node`` to ``address`` is published on."""
+    return f"{address}/{sender_node}"
+
+
+def writer_of(topic: str) -> str | None:
+    """The node a message on concrete ``topic`` must come from, or None for topics written by a role (cluster
+    view and events, job state and events) or not in the tree."""
+    parts = topic.split("/")
+    if len(parts) < 5 or parts[0] != ROOT:
+        return None
+    if parts[1] == "reply":
+        return parts[5] if len(parts) == 6 else None
+    if parts[1] != "node":
+        return None
+    if len(parts) == 6 and parts[4] in ADDRESSED_LEAVES:
+        return parts[5]
+    if (len(parts) == 5 and parts[4] in OWNED_LEAVES) or (len(parts) == 6 and parts[3:5] == ["profiler", "profile"]):
+        return parts[2]
+    return None
+
+
+def reply_owner(topic: str) -> str | None:
+    """The node an address ``edgeswarm/reply/{node}/{service}/{instance}`` belongs to, None for anything else."""
+    parts = topic.split("/")
+    if len(parts) == 5 and parts[0] == ROOT and parts[1] == "reply" and all(parts[2:]):
+        return parts[2]
+    return None
 
 
 def profile_progress(node: str) -> str:
@@ -63,8 +138,18 @@ def parse_node_topic(topic: str) -> tuple[str, str, str] | None:
     return None
 
 
+Binding = Literal["node", "sender", "self", "none"]
+
+
 class TopicSpec(BaseModel):
-    """One entry of the topic tree. ``broker`` says which broker carries it: the hub or the node's own."""
+    """One entry of the topic tree. ``broker`` says which broker carries it: the hub or the node's own.
+
+    ``writers`` are the roles that may publish on it and ``bound`` which level must be the writer's own node id:
+    ``node`` the ``{node}`` level, ``sender`` the ``{sender}`` level, ``self`` both, ``none`` neither (a topic
+    of one role). ``readers`` is ``all`` (every member of the cluster) or ``node`` (only the node the topic is
+    addressed to). Placeholders are ``{node}``, ``{service}``, ``{sender}``, ``{instance}``, ``{job}`` and
+    ``{model_fingerprint}``.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -74,6 +159,16 @@ class TopicSpec(BaseModel):
     qos: int
     broker: Literal["hub", "node data"]
     purpose: str
+    writers: tuple[Role, ...]
+    bound: Binding
+    readers: Literal["all", "node"]
+
+    @property
+    def who_writes(self) -> str:
+        """The writers in words, for the table."""
+        roles = ", ".join(self.writers)
+        return {"node": f"{roles}: its own {{node}} only", "sender": f"{roles}: as {{sender}} only",
+                "self": "the node itself, to its own services", "none": roles}[self.bound]
 
 
 def job_state(job_id: str) -> str:
@@ -88,36 +183,65 @@ def job_events(job_id: str) -> str:
 
 ALL_JOB_STATES = job_state("+")
 
+_REQUEST_SCHEMAS = "edgeswarm.probe v1 and the service's requests"
+_SENDER = "{sender}"
+
+
+def _request_spec(service: str, writers: tuple[Role, ...], purpose: str) -> TopicSpec:
+    return TopicSpec(pattern=from_sender(request("{node}", service), _SENDER), schemas=_REQUEST_SCHEMAS,
+                     retained=False, qos=1, broker="hub", purpose=purpose, writers=writers, bound="sender",
+                     readers="node")
+
+
+def _data_spec(service: str, writers: tuple[Role, ...], purpose: str) -> TopicSpec:
+    return TopicSpec(pattern=from_sender(data("{node}", service), _SENDER),
+                     schemas="tensor-carrying schemas (edgeswarm.stage.tensor v1, edgeswarm.checkpoint.tensor v1, ...)",
+                     retained=False, qos=1, broker="node data", purpose=purpose, writers=writers, bound="sender",
+                     readers="node")
+
 
 TOPIC_TREE: tuple[TopicSpec, ...] = (
     TopicSpec(pattern=status("{node}", "{service}"), schemas="edgeswarm.status v1", retained=True, qos=1,
-              broker="hub", purpose="online/offline, version, data-plane URL, memory; the Last Will sets offline"),
+              broker="hub", purpose="online/offline, version, data-plane URL, memory; the Last Will sets offline",
+              writers=ROLES, bound="node", readers="all"),
     TopicSpec(pattern=heartbeat("{node}", "{service}"), schemas="edgeswarm.heartbeat v1", retained=True, qos=0,
-              broker="hub", purpose="periodic liveness; MQTT 5 message expiry of timeout-factor x interval"),
+              broker="hub", purpose="periodic liveness; MQTT 5 message expiry of timeout-factor x interval",
+              writers=ROLES, bound="node", readers="all"),
     TopicSpec(pattern=metrics("{node}", "{service}"), schemas="edgeswarm.metrics v1", retained=False, qos=0,
-              broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges"),
-    TopicSpec(pattern=request("{node}", "{service}"),
-              schemas="edgeswarm.probe v1, edgeswarm.bench.* v1, edgeswarm.profile.request v1, ...", retained=False,
-              qos=1, broker="hub", purpose="requests to one service; replies go to reply_to"),
-    TopicSpec(pattern=reply("{node}", "{service}", "{instance}"), schemas="any reply schema", retained=False,
-              qos=1, broker="hub", purpose="replies to the requests of one service instance"),
-    TopicSpec(pattern=data("{node}", "{service}"),
-              schemas="tensor-carrying schemas (edgeswarm.bench.data v1, edgeswarm.profile.link_probe v1, ...)",
-              retained=False, qos=1, broker="node data",
-              purpose="tensors for the service, chunked; published to the node's advertised data_url"),
+              broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges",
+              writers=ROLES, bound="node", readers="all"),
+    _request_spec("{service}", DEFAULT_REQUEST_WRITERS,
+                  "requests to one service; replies go to reply_to (services not listed below: the hub only)"),
+    *(_request_spec(service, writers, f"requests to the {service}")
+      for service, writers in REQUEST_WRITERS.items() if writers != DEFAULT_REQUEST_WRITERS),
+    TopicSpec(pattern=from_sender(request("{node}", "{service}"), "{node}"), schemas=_REQUEST_SCHEMAS, retained=False,
+              qos=1, broker="hub", purpose="a node's services addressing each other (a starting service probes "
+              "its own node id for a live twin)", writers=ROLES, bound="self", readers="node"),
+    TopicSpec(pattern=from_sender(reply("{node}", "{service}", "{instance}"), _SENDER), schemas="any reply schema",
+              retained=False, qos=1, broker="hub", purpose="replies to the requests of one service instance",
+              writers=ROLES, bound="sender", readers="node"),
+    _data_spec("{service}", ("hub",), "tensors for the service, chunked; published to the node's advertised "
+               "data_url (services not listed below: from the hub only)"),
+    *(_data_spec(service, writers, f"tensors for the {service}")
+      for service, writers in {**{s: DEFAULT_DATA_WRITERS for s in ("checkpoint-store", "node-agent")},
+                               **DATA_WRITERS}.items()),
     TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
-              broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it does"),
+              broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it does",
+              writers=("hub", "device"), bound="node", readers="all"),
     TopicSpec(pattern=profile_report("{node}", "{model_fingerprint}"), schemas="edgeswarm.profile.report v1",
               retained=True, qos=1, broker="hub",
-              purpose="the node's latest profile of one model: layer sequence, timings, memory budget, links"),
+              purpose="the node's latest profile of one model: layer sequence, timings, memory budget, links",
+              writers=("hub", "device"), bound="node", readers="all"),
     TopicSpec(pattern=CLUSTER_VIEW, schemas="edgeswarm.cluster_view v1", retained=True, qos=1, broker="hub",
-              purpose="the coordinator's membership view: nodes, services, states, heartbeat ages"),
+              purpose="the coordinator's membership view: nodes, services, states, heartbeat ages",
+              writers=("hub",), bound="none", readers="all"),
     TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",
-              purpose="membership changes: online, suspect, offline, duplicate node id"),
+              purpose="membership changes: online, suspect, offline, duplicate node id",
+              writers=("hub", "device"), bound="none", readers="all"),
     TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
-              purpose="a training job's latest state: status, rounds done, loss, measured and predicted round time"),
+              purpose="a training job's latest state: status, rounds done, loss, measured and predicted round time",
+              writers=("hub",), bound="none", readers="all"),
     TopicSpec(pattern=job_events("{job}"), schemas="edgeswarm.job.event v1", retained=False, qos=1, broker="hub",
-              purpose="a training job's events: submitted, planned, each round and checkpoint, how it ended"),
+              purpose="a training job's events: submitted, planned, each round and checkpoint, how it ended",
+              writers=("hub",), bound="none", readers="all"),
 )
-
-

@@ -3,13 +3,18 @@
 Control traffic goes to the hub broker. A tensor for node X goes to the data-plane broker X advertises
 in its retained status, through a pool of connections, so it crosses the network once (DESIGN.md
 principle 3). Handlers run on the inbox's worker threads; a handler that raises is logged and counted
-and the bus goes on. Every rejected payload is logged with its topic and sender and counted under
-``rejected.<reason>`` in the metrics.
+and the bus goes on. Every rejected payload is logged (rate-limited) with its topic and sender and counted
+under ``rejected.<reason>`` in the metrics; a rejected or dropped request that names a valid reply topic of
+its sender is answered with a RequestRejected (rate-limited), so its sender learns why at once.
+
+Topics name their writer (``edgeswarm.topics``): the bus appends this node to the addresses it publishes to,
+and drops any message whose ``sender_node`` is not the node its topic names (``rejected.forged_sender``).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -25,11 +30,14 @@ from edgeswarm.bus.peers import PeerDirectory
 from edgeswarm.bus.shaping import ShapedLink
 from edgeswarm.errors import (
     ExpiredMessageError,
+    NotAuthorizedError,
     PeerOfflineError,
+    RequestRejectedError,
     RequestTimeoutError,
     WireError,
 )
-from edgeswarm.messages import Status
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages import RequestRejected, Status
 from edgeswarm.runtime.metrics import Metrics
 from edgeswarm.settings import Settings, parse_broker_url
 from edgeswarm.wire import Envelope, Message, Reassembler, Sender, WireTensor, decode, encode, tensor_frames
@@ -68,6 +76,29 @@ def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
                  f"sender={env.sender_node}/{env.sender_service}/{env.sender_instance}")
 
 
+def check_writer(topic: str, envelope: Envelope, body: Message) -> None:
+    """Raise WireError (``forged_sender``) unless ``envelope``'s sender is the node ``topic`` names as its writer,
+    and a body that names a node (a Status, say) names that node too."""
+    writer = topics.writer_of(topic)
+    if writer is None:
+        return
+    if envelope.sender_node != writer:
+        raise WireError(f"{envelope.schema_name} on {topic[:256]} says it is from {envelope.sender_node}, but only "
+                        f"{writer} may write there", reason="forged_sender")
+    named = getattr(body, "node", writer)
+    if topics.parse_node_topic(topic) is not None and named != writer:
+        raise WireError(f"{envelope.schema_name} on {topic[:256]} from {writer} speaks for node {named!s:.64}",
+                        reason="forged_sender")
+
+
+def raise_if_rejected(reply: Inbound, what: str) -> None:
+    """Raise RequestRejectedError if ``reply`` says the request ``what`` was refused by the receiving bus."""
+    body = reply.body
+    if isinstance(body, RequestRejected):
+        raise RequestRejectedError(f"{reply.sender} refused {what} ({body.reason}): {body.detail}",
+                                   reason=body.reason)
+
+
 @dataclass(frozen=True)
 class _Route:
     handler: Handler
@@ -82,6 +113,7 @@ class Expectation:
         self._bus = bus
         self._event = threading.Event()
         self._reply: Inbound | None = None
+        self.refusal: str | None = None  # why the broker refused to carry the request, if it did
 
     @property
     def arrived(self) -> bool:
@@ -104,27 +136,43 @@ class Expectation:
         self._reply = reply
         self._event.set()
 
+    def _refuse(self, why: str) -> None:
+        self.refusal = why
+        self._event.set()
 
-class _RateLimitedLog:
-    """Logs at most ``burst`` lines per key per ``window_s`` seconds, then one summary line."""
 
-    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
-        self._burst = burst
-        self._window = window_s
-        self._state: dict[str, tuple[float, int]] = {}
+class _TokenBucket:
+    """Allows ``rate`` events per second on average and ``burst`` at once. Thread-safe."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._at = time.monotonic()
         self._lock = threading.Lock()
 
-    def warning(self, key: str, msg: str, *args: object) -> None:
+    def take(self) -> bool:
         now = time.monotonic()
         with self._lock:
-            start, n = self._state.get(key, (now, 0))
-            if now - start > self._window:
-                if n > self._burst:
-                    log.warning("... %d more '%s' rejections in the last %.0f s", n - self._burst, key, self._window)
-                start, n = now, 0
-            self._state[key] = (start, n + 1)
-        if n < self._burst:
-            log.warning(msg, *args)
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+            self._at = now
+            if self._tokens < 1.0:
+                return False
+            self._tokens -= 1.0
+            return True
+
+
+# Rejection answers: at most this many per second (bursts of twice as many) and this many waiting to be sent.
+_REJECTION_RATE = 20.0
+_REJECTION_QUEUE = 64
+
+
+@dataclass(frozen=True)
+class _Rejection:
+    reply_to: str
+    correlation_id: str
+    reason: str
+    detail: str
 
 
 class Bus:
@@ -141,23 +189,30 @@ class Bus:
         self.metrics = metrics or Metrics()
         self.peers = PeerDirectory()
         self.reply_topic = topics.reply(sender.node, sender.service, sender.instance)
+        self._reply_prefix = self.reply_topic + "/"
         self._routes = TopicRouter()
         self._pending: dict[str, Expectation] = {}
+        self._request_mids: OrderedDict[int, str] = OrderedDict()  # hub packet id -> correlation id of a request
         self._pending_lock = threading.Lock()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_lock = threading.Lock()
-        self._reject_log = _RateLimitedLog()
+        self._reject_log = RateLimitedLog(log)
+        self._rejection_tokens = _TokenBucket(_REJECTION_RATE, int(2 * _REJECTION_RATE))
+        self._rejections: queue.Queue[_Rejection] = queue.Queue(maxsize=_REJECTION_QUEUE)
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
+        self.credentials = settings.credentials()
         self._reassembler = Reassembler(max_pending_bytes=settings.max_reassembly_bytes,
                                         max_sender_bytes=settings.max_reassembly_bytes_per_sender,
                                         timeout_s=settings.reassembly_timeout_s)
         self._timeouts_counted = 0
-        self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics)
+        self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics,
+                            on_drop=self._on_dropped)
         self._pool: dict[str, MqttConnection] = {}
         self._pool_lock = threading.Lock()
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
+        self._answerer: threading.Thread | None = None
         will_spec = None
         if will is not None and will_topic is not None:
             will_spec = Will(will_topic, encode(sender.envelope(will), will))
@@ -180,6 +235,8 @@ class Bus:
         self.subscribe(topics.ALL_STATUS, self.peers.update, schemas=(Status,))
         self._housekeeper = threading.Thread(target=self._housekeeping, name="bus-housekeeping", daemon=True)
         self._housekeeper.start()
+        self._answerer = threading.Thread(target=self._answer_rejections, name="bus-rejections", daemon=True)
+        self._answerer.start()
 
     def stop(self) -> None:
         """Disconnect every connection cleanly and stop the worker threads."""
@@ -192,6 +249,13 @@ class Bus:
             conn.close()
         self._inbox.stop()
 
+    @property
+    def network_alive(self) -> bool:
+        """False once the network thread of any broker connection has died: this bus then receives nothing."""
+        with self._pool_lock:
+            conns = list(self._pool.values())
+        return all(conn.network_alive for conn in conns)
+
     def on_reconnect(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` (on a fresh thread) after every reconnect to the hub, e.g. to republish state."""
         self._reconnect_hooks.append(hook)
@@ -202,20 +266,34 @@ class Bus:
                   qos: int = 1, plane: str = "hub") -> None:
         """Call ``handler`` for each message on ``topic_filter`` whose body is one of ``schemas`` (None: any).
 
-        ``plane`` is ``hub`` for control topics or ``data`` for this node's data-plane broker.
+        ``plane`` is ``hub`` for control topics or ``data`` for this node's data-plane broker. An address
+        (``topics.request``, ``topics.data``, ``topics.reply``) subscribes to what every sender sends to it.
         """
+        if topics.is_address(topic_filter):
+            topic_filter = topics.from_sender(topic_filter, "+")
         self._routes.add(topic_filter, _Route(handler, schemas))
         (self.data if plane == "data" else self.hub).subscribe(topic_filter, qos)
 
     def publish(self, topic: str, message: Message, *, qos: int = 1, retain: bool = False,
                 ttl_s: float | None = None, correlation_id: str | None = None, reply_to: str | None = None,
                 timeout_s: float | None = None) -> Envelope:
-        """Publish ``message`` on the hub; returns the envelope sent. ``ttl_s`` sets its expiry (seconds)."""
+        """Publish ``message`` on the hub; returns the envelope sent. ``ttl_s`` sets its expiry (seconds). An
+        address (``topics.request(node, service)``, say) is published to as this node."""
+        if topics.is_address(topic):
+            topic = topics.from_sender(topic, self.sender.node)
         env = self.sender.envelope(message, ttl_s=ttl_s, correlation_id=correlation_id, reply_to=reply_to)
         payload = encode(env, message)
         options = mirrored(env, ttl_s)
-        self.hub.publish(topic, payload, qos=qos, retain=retain, options=options,
-                         timeout_s=timeout_s or self.settings.publish_timeout_s)
+        mid = self.hub.publish(topic, payload, qos=qos, retain=retain, options=options,
+                               timeout_s=timeout_s or self.settings.publish_timeout_s)
+        if correlation_id is not None and reply_to == self.reply_topic and mid:
+            with self._pending_lock:
+                self._request_mids[mid] = correlation_id
+                while len(self._request_mids) > 1024:
+                    self._request_mids.popitem(last=False)
+            why = self.hub.refusal(mid)  # the broker may have refused it before it was recorded
+            if why is not None:
+                self._on_refused(mid, why)
         self.metrics.count("messages_out")
         self.metrics.count("bytes_out", len(payload))
         return env
@@ -238,11 +316,16 @@ class Bus:
             self._forget(exp.correlation_id)
             raise
         reply = exp.wait(timeout)
+        if exp.refusal is not None:
+            raise NotAuthorizedError(
+                f"the broker refused {message.SCHEMA} on {topic} ({exp.refusal}): this node "
+                f"({self.sender.node}) may not send it there; `edgeswarm topics` says who may write what")
         if reply is None:
             raise RequestTimeoutError(
                 f"no reply to {message.SCHEMA} on {topic} within {timeout:.1f} s; "
                 "is the service it is addressed to running? (`edgeswarm status`)"
             )
+        raise_if_rejected(reply, message.SCHEMA)
         return reply
 
     def _forget(self, correlation_id: str) -> None:
@@ -254,7 +337,14 @@ class Bus:
         env = request.envelope
         if not env.reply_to:
             self.metrics.count("rejected.no_reply_to")
-            log.warning("cannot answer %s from %s: it has no reply_to", env.schema_name, request.sender)
+            self._reject_log.warning("no_reply_to", "cannot answer %s from %s: it has no reply_to", env.schema_name,
+                                     request.sender)
+            return
+        if topics.reply_owner(env.reply_to) != env.sender_node:
+            # A reply goes only to a reply topic of the requester's own node: never to a job state, say.
+            self.metrics.count("rejected.bad_reply_to")
+            self._reject_log.warning("bad_reply_to", "not answering %s from %s: reply_to %r is not a reply topic of "
+                                     "its node", env.schema_name, request.sender, env.reply_to[:256])
             return
         ttl = None if env.expires_at is None else max(1.0, env.expires_at - time.time())
         self.publish(env.reply_to, message, correlation_id=env.correlation_id or env.msg_id, ttl_s=ttl)
@@ -262,19 +352,22 @@ class Bus:
     # --- data plane ---------------------------------------------------------------------------------
 
     def send_tensor(self, node: str, service: str, message: Message, value: Any, *,
-                    timeout_s: float | None = None) -> int:
+                    timeout_s: float | None = None, peer_wait_s: float | None = None) -> int:
         """Send ``value`` (numpy or torch) with ``message`` to ``service`` on ``node``; returns bytes sent.
 
         The frames go to the data-plane broker the receiver advertises, in chunks that fit that
         broker's maximum packet size, through this node's emulated link to ``node`` if one is set.
+        ``peer_wait_s`` is how long to wait for the receiver's status to be known (default: the request
+        timeout); answers to a peer pass 0, so an unknown sender never holds the answering thread.
         Raises UnknownNodeError or PeerOfflineError if the receiver is not known to be online.
         """
         timeout = timeout_s or self.settings.publish_timeout_s
-        status = self.peers.wait_for(node, service, timeout_s=min(timeout, self.settings.request_timeout_s))
+        wait = min(timeout, self.settings.request_timeout_s) if peer_wait_s is None else peer_wait_s
+        status = self.peers.wait_for(node, service, timeout_s=wait)
         if status.state != "online":
             raise PeerOfflineError(f"{node}/{service} is offline ({status.reason or 'no reason given'})")
         conn = self.connection_for(status.data_url, timeout)
-        topic = topics.data(node, service)
+        topic = topics.from_sender(topics.data(node, service), self.sender.node)
         env = self.sender.envelope(message)
         headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
         chunk = max(1024, min(self.settings.chunk_bytes, conn.max_packet_bytes - headroom))
@@ -310,6 +403,7 @@ class Bus:
             return  # a cleared retained topic: nothing to decode
         try:
             frame = decode(msg.payload, max_tensor_bytes=self.settings.max_tensor_bytes)
+            check_writer(msg.topic, frame.envelope, frame.body)
             tensor = self._reassembler.add(frame) if frame.tensor is not None else None
         except ExpiredMessageError:
             self.metrics.count("expired")
@@ -348,6 +442,14 @@ class Bus:
                 log.exception("handler %s failed on %s from %s", getattr(route.handler, "__qualname__", route.handler),
                               inbound.topic, inbound.sender)
 
+    def _on_refused(self, mid: int, why: str) -> None:
+        """The hub broker refused QoS 1 message ``mid`` (runs on the network thread): fail its request now."""
+        with self._pending_lock:
+            cid = self._request_mids.pop(mid, None)
+            pending = self._pending.get(cid) if cid is not None else None
+        if pending is not None:
+            pending._refuse(why)
+
     def _resolve_reply(self, inbound: Inbound) -> None:
         cid = inbound.envelope.correlation_id or ""
         with self._pending_lock:
@@ -360,7 +462,58 @@ class Bus:
     def _reject(self, topic: str, exc: WireError, env: dict[str, Any] | None) -> None:
         self.metrics.count(f"rejected.{exc.reason}")
         sender = f"{env.get('sender_node', '?')}/{env.get('sender_service', '?')}" if env else "unknown sender"
-        self._reject_log.warning(exc.reason, "rejected a message on %s from %s: %s", topic, sender, exc)
+        self._reject_log.warning(exc.reason, "rejected a message on %s from %s: %s", topic[:256], sender, exc)
+        if exc.reason not in ("forged_sender", "expired"):  # a forger's reply_to is not its own to receive
+            self._answer_rejected(topic, env, exc.reason, str(exc))
+
+    def _on_dropped(self, msg: InboundMessage, depth: int) -> None:
+        """The inbox had no room for ``msg`` (runs on the network thread: only counts, logs and queues)."""
+        self.metrics.count("inbox_dropped")
+        self._reject_log.warning("inbox_full", "inbox full (%d queued): dropped a QoS %d message on %s", depth,
+                                 msg.qos, msg.topic[:256])
+        if self._is_request_to_me(msg.topic) and self._rejection_tokens.take():
+            self._queue_rejection(msg.topic, peek_envelope(msg.payload), "overflow",
+                                  f"the {self.sender.service} on {self.sender.node} is overloaded ({depth} messages "
+                                  "queued); try again later", rate_checked=True)
+
+    def _answer_rejected(self, topic: str, env: dict[str, Any] | None, reason: str, detail: str) -> None:
+        if self._is_request_to_me(topic):
+            self._queue_rejection(topic, env, reason, detail, rate_checked=False)
+
+    def _is_request_to_me(self, topic: str) -> bool:
+        parts = topic.split("/")
+        return (len(parts) == 6 and parts[1] == "node" and parts[2] == self.sender.node and parts[4] == "request")
+
+    def _queue_rejection(self, topic: str, env: dict[str, Any] | None, reason: str, detail: str, *,
+                         rate_checked: bool) -> None:
+        """Queue a RequestRejected for a request on ``topic`` whose (unvalidated) envelope is ``env``, if that
+        envelope names a reply topic of the node the request topic says it came from."""
+        if not isinstance(env, dict):
+            return
+        reply_to, cid, sender = env.get("reply_to"), env.get("correlation_id") or env.get("msg_id"), env.get(
+            "sender_node")
+        if not (isinstance(reply_to, str) and isinstance(cid, str) and isinstance(sender, str) and len(cid) <= 64
+                and topics.writer_of(topic) == sender and topics.reply_owner(reply_to) == sender):
+            return
+        if not rate_checked and not self._rejection_tokens.take():
+            return
+        try:
+            self._rejections.put_nowait(_Rejection(reply_to, cid, reason, detail[:1024]))
+        except queue.Full:
+            self.metrics.count("rejections_unanswered")
+
+    def _answer_rejections(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = self._rejections.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self.publish(r.reply_to, RequestRejected(reason=r.reason, detail=r.detail), qos=0,
+                             correlation_id=r.correlation_id, ttl_s=30.0, timeout_s=1.0)
+            except Exception as exc:  # noqa: BLE001 - an answer that cannot be sent is only counted
+                self.metrics.count("rejections_unanswered")
+                log.debug("could not answer a rejected request: %s", exc)
 
     def _already_seen(self, msg_id: str) -> bool:
         with self._seen_lock:
@@ -386,17 +539,24 @@ class Bus:
             on_message=self._enqueue,
             on_connected=on_connected,
             will=will,
+            credentials=self.credentials,
+            on_refused=self._on_refused if role == "hub" else None,
         )
 
     def _enqueue(self, msg: InboundMessage) -> None:
-        if msg.topic != self.reply_topic:
+        if not msg.topic.startswith(self._reply_prefix):
             self._inbox.put(msg)
             return
         # Replies are small control messages and resolving one only sets an event, so they are handled
         # on the network thread: a thread hand-off less on every round trip, and a handler blocked in
-        # request() can never wait for a reply queued behind itself.
+        # request() can never wait for a reply queued behind itself. Nothing may escape into paho's thread:
+        # it would end it, and this bus would never receive again.
         try:
             self._handle_raw(msg)
+        except Exception:  # noqa: BLE001 - the last guard of the network thread
+            self.metrics.count("handler_errors")
+            self._reject_log.warning("reply_error", "a reply on %s could not be handled", msg.topic[:256],
+                                     exc_info=True)
         finally:
             msg.ack()
 

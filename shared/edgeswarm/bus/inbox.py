@@ -68,18 +68,20 @@ class Inbox:
     """``workers`` shards, each drained by its own thread."""
 
     def __init__(self, name: str, workers: int, capacity: int, handle: Callable[[InboundMessage], None],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, on_drop: Callable[[InboundMessage, int], None]) -> None:
         per_shard = max(16, capacity // workers)
-        self._metrics = metrics
+        self._on_drop = on_drop
         self._shards = [_Shard(f"{name}-worker-{i}", per_shard, handle, metrics) for i in range(workers)]
 
     def put(self, msg: InboundMessage) -> None:
-        """Queue ``msg`` without blocking; a message that does not fit is dropped, counted and acknowledged."""
+        """Queue ``msg`` without blocking; a message that does not fit is acknowledged and handed to ``on_drop``
+        (with the shard's depth), which counts, logs and answers it without blocking."""
         shard = self._shards[zlib.crc32(msg.topic.encode()) % len(self._shards)]
         if not shard.put(msg):
-            self._metrics.count("inbox_dropped")
-            log.error("inbox full (%d queued): dropped a QoS %d message on %s", len(shard), msg.qos, msg.topic)
-            msg.ack()
+            try:
+                self._on_drop(msg, len(shard))
+            finally:
+                msg.ack()
 
     @property
     def depth(self) -> int:

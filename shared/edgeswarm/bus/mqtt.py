@@ -1,22 +1,29 @@
 """One MQTT connection: the only module in edgeswarm that touches paho-mqtt.
 
-It speaks MQTT 5 and falls back to 3.1.1 when the broker refuses 5 (amqtt), sets TCP_NODELAY on
-every socket it opens, resubscribes after each reconnect, refuses messages larger than the broker's
-maximum packet size before sending them, bounds the messages waiting for a PUBACK (a sender blocks
-instead of growing memory), and never blocks paho's network thread: inbound messages are handed to a
-callback that must only enqueue them, and QoS 1 messages are acknowledged when that work is done.
+It speaks MQTT 5 and falls back to 3.1.1 when the broker refuses 5 (amqtt), logs in with the node's
+credentials and speaks TLS to ``mqtts://`` brokers, sets TCP_NODELAY on every socket it opens,
+resubscribes after each reconnect, refuses messages larger than the broker's maximum packet size before
+sending them, bounds the messages waiting for a PUBACK (a sender blocks instead of growing memory), and
+never blocks paho's network thread: inbound messages are handed to a callback that must only enqueue
+them, and QoS 1 messages are acknowledged when that work is done. No exception reaches paho's thread
+(it would end it silently); ``network_alive`` tells whether that thread still runs. A publish or
+subscription the broker refuses (its ACL) is logged and reported, not silently lost.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
+import ssl
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -24,14 +31,39 @@ from paho.mqtt.matcher import MQTTMatcher
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edgeswarm.errors import BrokerUnavailableError, PayloadTooLargeError, PublishTimeoutError
-from edgeswarm.settings import parse_broker_url
+from edgeswarm.errors import BrokerUnavailableError, NotAuthorizedError, PayloadTooLargeError, PublishTimeoutError
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.settings import BrokerCredentials, parse_broker_url
 
 log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
 
 _UNSUPPORTED_PROTOCOL = (1, 0x84)  # CONNACK codes for "unsupported protocol version" in 3.1.1 and 5
 _V5_ANSWER_S = 3.0  # how long an MQTT 5 CONNECT may go unanswered before trying 3.1.1
 _KNOWN_V311: dict[str, bool] = {}  # brokers this process already found to speak only 3.1.1
+# CONNACK codes meaning "who you are is not accepted": 3.1.1 bad user name or password / not authorised,
+# MQTT 5 bad user name or password / not authorised / banned / bad authentication method.
+_CREDENTIALS_REFUSED = (4, 5, 0x86, 0x87, 0x8A, 0x8C)
+_REMEMBERED_REFUSALS = 256
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guarded(method: F) -> F:
+    """A paho callback that never raises: an exception escaping into paho's network thread ends the thread, and
+    with it every message this connection would ever receive."""
+
+    @functools.wraps(method)
+    def wrapper(self: MqttConnection, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - the last guard of the network thread
+            self.callback_errors += 1
+            _limited.log(logging.ERROR, f"callback:{method.__name__}", "%s on %s failed", method.__name__,
+                         self.url, exc_info=True)
+            return None
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -120,10 +152,19 @@ class MqttConnection:
         on_message: Callable[[InboundMessage], None] | None = None,
         on_connected: Callable[[], None] | None = None,
         will: Will | None = None,
+        credentials: BrokerCredentials | None = None,
+        on_refused: Callable[[int, str], None] | None = None,
     ) -> None:
         self.address = parse_broker_url(url)
         self.url = self.address.url
         self.client_id = client_id
+        self.credentials = credentials or BrokerCredentials()
+        self._on_refused = on_refused
+        self._inflight_topics: dict[int, str] = {}
+        self._refusals: OrderedDict[int, str] = OrderedDict()
+        self._refused_subscriptions: dict[int, str] = {}
+        self._net_thread: threading.Thread | None = None
+        self.callback_errors = 0
         self._protocol_setting = protocol
         self._keepalive = keepalive_s
         self._cap = max_packet_bytes
@@ -179,6 +220,13 @@ class MqttConnection:
         self._wait(deadline)
         if not self._connected.is_set():
             self._stop_client()
+            if self._refused in _CREDENTIALS_REFUSED:
+                who = (f"user {self.credentials.username!r}" if self.credentials.username else
+                       "a client certificate" if self.credentials.cert_file else "an anonymous client")
+                raise NotAuthorizedError(
+                    f"the MQTT broker at {self.url} refused {who} (CONNACK code {self._refused}); check "
+                    "EDGESWARM_MQTT_USERNAME and EDGESWARM_MQTT_PASSWORD_FILE against the broker's password file "
+                    "(`edgeswarm credentials`)")
             why = f"refused with code {self._refused}" if self._refused is not None else "no answer"
             raise BrokerUnavailableError(
                 f"cannot connect to the MQTT broker at {self.url} ({why} within {timeout_s:.0f} s); "
@@ -193,6 +241,12 @@ class MqttConnection:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def network_alive(self) -> bool:
+        """False once paho's network thread, which this connection started, has ended without being asked to."""
+        thread = self._net_thread
+        return self._closing or thread is None or thread.is_alive()
 
     @property
     def max_packet_bytes(self) -> int:
@@ -219,16 +273,24 @@ class MqttConnection:
             log.warning("no SUBACK for %s from %s within %.0f s", topic_filter, self.url, timeout_s)
         with self._sub_lock:
             self._subacks.pop(mid, None)
+            refused = self._refused_subscriptions.pop(mid, None)
+        if refused is not None:
+            with self._sub_lock:
+                self._subscriptions.pop(topic_filter, None)
+            raise NotAuthorizedError(
+                f"the broker at {self.url} refused the subscription to {topic_filter} ({refused}): user "
+                f"{self.credentials.username!r} may not read it (the ACL: `edgeswarm topics` says who reads what)")
 
     # --- publishing ---------------------------------------------------------------------------------
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                options: PublishOptions | None = None, timeout_s: float = 30.0) -> None:
-        """Hand one message to the broker connection.
+                options: PublishOptions | None = None, timeout_s: float = 30.0) -> int:
+        """Hand one message to the broker connection; returns its packet id (0 for QoS 0).
 
         Raises PayloadTooLargeError (nothing is sent) if the packet would exceed ``max_packet_bytes``,
         and PublishTimeoutError if the send window stays full for ``timeout_s`` seconds. QoS 1 messages
-        published while disconnected are queued (within the window) and sent after reconnecting.
+        published while disconnected are queued (within the window) and sent after reconnecting. If the
+        broker later refuses a QoS 1 message (MQTT 5 PUBACK "not authorised"), ``refusal(mid)`` says why.
         """
         props = _PackedProperties(publish_properties(options)) if self.protocol == "5" else None
         size = packet_size(topic, len(payload), qos, props)
@@ -255,6 +317,17 @@ class MqttConnection:
             log.debug("dropped a QoS 0 message on %s: not connected to %s", topic, self.url)
         elif qos > 0:
             self._last_info = info
+            with self._sub_lock:
+                self._inflight_topics[info.mid] = topic
+                if len(self._inflight_topics) > 4 * self._window:  # acknowledged long ago, or lost with a session
+                    self._inflight_topics.pop(next(iter(self._inflight_topics)))
+            return int(info.mid)
+        return 0
+
+    def refusal(self, mid: int) -> str | None:
+        """Why the broker refused QoS 1 message ``mid``, or None if it did not (or has not said yet)."""
+        with self._sub_lock:
+            return self._refusals.get(mid)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the broker to acknowledge the last QoS 1 message; True if it did."""
@@ -282,6 +355,15 @@ class MqttConnection:
             clean_session=None if v5 else True,
             manual_ack=True,
         )
+        creds = self.credentials
+        if creds.username is not None:
+            client.username_pw_set(creds.username,
+                                   creds.password.get_secret_value() if creds.password is not None else None)
+        if self.address.tls:
+            client.tls_set(ca_certs=str(creds.ca_file) if creds.ca_file else None,
+                           certfile=str(creds.cert_file) if creds.cert_file else None,
+                           keyfile=str(creds.key_file) if creds.key_file else None,
+                           cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         client.max_inflight_messages_set(min(self._window, 65535))
         client.max_queued_messages_set(self._window)
         client.reconnect_delay_set(min_delay=1, max_delay=4)
@@ -314,12 +396,14 @@ class MqttConnection:
 
     def _stop_client(self) -> None:
         self._connected.clear()
+        self._net_thread = None  # a thread ended on purpose is not a dead network loop
         try:
             self._client.disconnect()
         except Exception:  # already closed: nothing to undo
             pass
         self._client.loop_stop()
 
+    @_guarded
     def _handle_connect(self, client: paho.Client, _userdata: object, _flags: object, reason_code: object,
                         properties: object) -> None:
         code = getattr(reason_code, "value", reason_code)
@@ -341,6 +425,7 @@ class MqttConnection:
         if self._on_connected is not None:
             self._on_connected()
 
+    @_guarded
     def _handle_disconnect(self, _client: paho.Client, _userdata: object, _flags: object, reason_code: object,
                            _properties: object) -> None:
         self._connected.clear()
@@ -348,8 +433,6 @@ class MqttConnection:
             log.warning("lost the connection to %s (%s); paho reconnects", self.url, reason_code)
 
     def _handle_message(self, client: paho.Client, _userdata: object, msg: paho.MQTTMessage) -> None:
-        if self._on_message is None:
-            return
         mid, qos = msg.mid, msg.qos
         pending = [qos > 0]
 
@@ -358,9 +441,24 @@ class MqttConnection:
                 pending[0] = False
                 client.ack(mid, qos)
 
-        self._on_message(InboundMessage(msg.topic, msg.payload, qos, bool(msg.retain), bool(msg.dup), ack))
+        try:
+            if self._on_message is not None:
+                # msg.topic decodes the topic as UTF-8 and raises on bytes that are not: a hostile publisher's
+                # topic must not end the network thread either.
+                self._on_message(InboundMessage(msg.topic, msg.payload, qos, bool(msg.retain), bool(msg.dup), ack))
+                return
+        except Exception:  # noqa: BLE001 - the last guard of the network thread
+            self.callback_errors += 1
+            _limited.log(logging.ERROR, "callback:_handle_message", "a message from %s could not be queued",
+                         self.url, exc_info=True)
+        try:
+            ack()
+        except Exception:  # noqa: BLE001 - the connection is going away; nothing to acknowledge on
+            pass
 
+    @_guarded
     def _handle_socket_open(self, _client: paho.Client, _userdata: object, sock: socket.socket) -> None:
+        self._net_thread = threading.current_thread()
         if self._socket_opened_at is None:
             self._socket_opened_at = time.monotonic()
         # Without TCP_NODELAY a QoS 1 round trip takes 40-88 ms instead of 0.24 ms (research/mqtt-stack.md §1.6).
@@ -369,11 +467,35 @@ class MqttConnection:
         except OSError:  # unix sockets have no Nagle
             pass
 
-    def _handle_publish(self, *_args: object) -> None:
+    @_guarded
+    def _handle_publish(self, _client: paho.Client, _userdata: object, mid: int, reason_code: object = None,
+                        _properties: object = None) -> None:
         self._progress.set()
-
-    def _handle_subscribe(self, _client: paho.Client, _userdata: object, mid: int, *_rest: object) -> None:
         with self._sub_lock:
+            topic = self._inflight_topics.pop(mid, "?")
+        if not getattr(reason_code, "is_failure", False):
+            return
+        why = str(reason_code)
+        with self._sub_lock:
+            self._refusals[mid] = why
+            while len(self._refusals) > _REMEMBERED_REFUSALS:
+                self._refusals.popitem(last=False)
+        _limited.warning("publish_refused", "the broker at %s refused a message on %s (%s); user %r may not write "
+                         "there (`edgeswarm topics` says who writes what)", self.url, topic[:256], why,
+                         self.credentials.username)
+        if self._on_refused is not None:
+            self._on_refused(mid, why)
+
+    @_guarded
+    def _handle_subscribe(self, _client: paho.Client, _userdata: object, mid: int, reason_codes: object = None,
+                          *_rest: object) -> None:
+        failed = [str(c) for c in (reason_codes if isinstance(reason_codes, list) else [])
+                  if getattr(c, "is_failure", False)]
+        with self._sub_lock:
+            if failed:
+                self._refused_subscriptions[mid] = ", ".join(failed)
+                if len(self._refused_subscriptions) > _REMEMBERED_REFUSALS:
+                    self._refused_subscriptions.pop(next(iter(self._refused_subscriptions)))
             event = self._subacks.get(mid)
             if event is None:  # the SUBACK beat subscribe() to registering its wait
                 event = self._early_subacks[mid] = threading.Event()

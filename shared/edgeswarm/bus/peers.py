@@ -14,22 +14,30 @@ if TYPE_CHECKING:
 
 
 class PeerDirectory:
-    """Latest Status per (node, service), kept newest-first by the envelope's send time. Thread-safe."""
+    """Latest Status per (node, service), newest by when it was true. Thread-safe.
+
+    A live status counts from its arrival (receiver's clock), a retained copy from its send time but never from
+    the future: a status stamped years ahead would otherwise outrank every genuine one after it, and with its
+    ``data_url`` redirect every tensor for that service for good.
+    """
 
     def __init__(self) -> None:
         self._statuses: dict[tuple[str, str], tuple[float, Status]] = {}
         self._cv = threading.Condition()
 
     def update(self, inbound: Inbound) -> None:
-        """Handler for ``edgeswarm/node/+/+/status``: keep the newest status of each service."""
+        """Handler for ``edgeswarm/node/+/+/status``: keep the newest status of each service (the bus has checked
+        that the sender is the node the topic and the status name)."""
         status = inbound.body
         if not isinstance(status, Status):
             return
         key = (status.node, status.service)
+        now = time.time()
+        at = min(inbound.envelope.sent_at, now) if inbound.retained else now
         with self._cv:
             old = self._statuses.get(key)
-            if old is None or old[0] <= inbound.envelope.sent_at:
-                self._statuses[key] = (inbound.envelope.sent_at, status)
+            if old is None or old[0] <= at:
+                self._statuses[key] = (at, status)
                 self._cv.notify_all()
 
     def get(self, node: str, service: str) -> Status | None:

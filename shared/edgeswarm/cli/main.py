@@ -15,7 +15,9 @@ from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
 def add_hub_arg(parser: argparse.ArgumentParser) -> None:
     """Add ``--hub`` (the hub broker URL) to ``parser``."""
     parser.add_argument("--hub", default=None,
-                        help="hub broker URL, mqtt://host:port (default: $EDGESWARM_HUB_URL or mqtt://127.0.0.1:1883)")
+                        help="hub broker URL, mqtt://host:port or mqtts://host:port (default: $EDGESWARM_HUB_URL or "
+                        "mqtt://127.0.0.1:1883); credentials come from EDGESWARM_MQTT_USERNAME and "
+                        "EDGESWARM_MQTT_PASSWORD_FILE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval in seconds")
     up.add_argument("--workdir", default=None, help="where logs and broker files go (default: a temporary folder)")
     up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for every device")
+    up.add_argument("--secure", action="store_true",
+                    help="TLS, a password per node and the topic-tree ACL, as in a deployment (files in the workdir)")
 
     status = sub.add_parser("status", help="nodes, services, their state and heartbeat age")
     add_hub_arg(status)
@@ -97,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
+    from edgeswarm.cli.security import add_security_parsers
     from edgeswarm.cli.train import add_train_parser
 
+    add_security_parsers(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_train_parser(sub)
@@ -126,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
+        if args.command in ("credentials", "certs"):
+            from edgeswarm.cli.security import run_certs, run_credentials
+
+            return run_credentials(args) if args.command == "credentials" else run_certs(args)
         if args.command == "chaos":
             from edgeswarm.cli.chaos import run_chaos
 

@@ -33,7 +33,7 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
-                           workdir=Path(args.workdir) if args.workdir else None)
+                           workdir=Path(args.workdir) if args.workdir else None, secure=args.secure)
     try:
         cluster.start()
         assert cluster.broker is not None
@@ -42,8 +42,15 @@ def run_up(args: argparse.Namespace) -> int:
                          if cluster.broker.kind == "amqtt" else ""))
         console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices; "
                       f"logs in {cluster.workdir / 'logs'}")
+        if cluster.secure:
+            env_file = cluster.secrets / "operator.env"
+            env_file.write_text("".join(f"export {k}={v}\n" for k, v in cluster.client_env().items()))
+            console.print(f"secure: TLS with the CA {cluster.secrets / 'tls' / 'ca.crt'}, a password per node, the ACL "
+                          f"from the topic tree; command lines log in as `operator`: `. {env_file}`")
         _wait_ready(cluster, len(spec.devices), args.ready_timeout, stop)
-        console.print(f"[green]cluster up[/green]: `edgeswarm status --hub {cluster.hub_url}`; Ctrl-C stops it")
+        hint = f". {cluster.secrets / 'operator.env'} && edgeswarm status" if cluster.secure else \
+            f"edgeswarm status --hub {cluster.hub_url}"
+        console.print(f"[green]cluster up[/green]: `{hint}`; Ctrl-C stops it")
         while not stop.wait(1.0):
             for child in cluster.failed_children():
                 console.print(f"[red]{child.service} on {child.node} (pid {child.pid}) exited with code "
@@ -57,8 +64,8 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _wait_ready(cluster: LocalCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
-    bus = client_bus(Settings(hub_url=cluster.hub_url, mqtt_protocol="3.1.1" if cluster.broker and
-                              cluster.broker.kind == "amqtt" else "auto"))
+    env = cluster.client_env()
+    bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}))
     try:
         watcher = ClusterWatcher(bus)
         view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop)

@@ -6,6 +6,8 @@ The broker runs as a child process bound to loopback; callers stop it by its PID
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import shutil
 import signal
 import socket
@@ -41,16 +43,41 @@ def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class BrokerSecurity:
+    """What a secured local broker enforces: the cluster's users and ACL (from ``edgeswarm credentials``), and
+    TLS when ``cert_file`` is set (the server certificate and key, and the CA that signed the clients' view)."""
+
+    mosquitto_passwd: Path
+    mosquitto_acl: Path
+    amqtt_passwd: Path
+    amqtt_acl: Path
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+
 def mosquitto_config(port: int, host: str = "127.0.0.1", *, max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES,
-                     persistence_dir: Path | None = None) -> str:
+                     persistence_dir: Path | None = None, security: BrokerSecurity | None = None) -> str:
     """A mosquitto.conf for one listener, with the settings research/mqtt-stack.md found necessary.
 
     TCP_NODELAY (0.24 ms instead of 88 ms QoS 1 round trips), an explicit ``max_packet_size`` (2.1
-    changed its default), and a QoS 1 queue deep enough for 1 MiB chunks of large tensors.
+    changed its default), and a QoS 1 queue deep enough for 1 MiB chunks of large tensors. With ``security``,
+    no anonymous client, the cluster's password file and ACL, and TLS if it has a certificate.
     """
-    lines = [
-        f"listener {port} {host}",
-        "allow_anonymous true",
+    lines = [f"listener {port} {host}"]
+    if security is None:
+        lines.append("allow_anonymous true")
+    else:
+        if os.geteuid() == 0:
+            # Started as root, Mosquitto would switch to its own user, which cannot read our private files.
+            lines.append(f"user {pwd.getpwuid(0).pw_name}")
+        lines += ["allow_anonymous false", f"password_file {security.mosquitto_passwd}",
+                  f"acl_file {security.mosquitto_acl}"]
+        if security.cert_file is not None:
+            lines += [f"certfile {security.cert_file}", f"keyfile {security.key_file}",
+                      *([f"cafile {security.ca_file}"] if security.ca_file else [])]
+    lines += [
         "set_tcp_nodelay true",
         f"max_packet_size {max_packet_bytes}",
         "max_inflight_messages 20",
@@ -78,10 +105,11 @@ class BrokerProcess:
     process: subprocess.Popen[bytes]
     workdir: Path
     _owns_workdir: bool = field(default=False, repr=False)
+    tls: bool = False
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -118,10 +146,13 @@ def mosquitto_binary() -> str | None:
 
 def start_broker(kind: str = "auto", *, host: str = "127.0.0.1", port: int = 0,
                  max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES, workdir: Path | None = None,
-                 persistent: bool = False, timeout_s: float = 10.0) -> BrokerProcess:
+                 persistent: bool = False, timeout_s: float = 10.0,
+                 security: BrokerSecurity | None = None) -> BrokerProcess:
     """Start a broker on ``host:port`` (port 0: a free one) and wait until it accepts connections.
 
-    Raises ConfigError if the port is taken and BrokerUnavailableError if the broker does not come up.
+    With ``security`` it lets in only the cluster's users, applies the ACL, and speaks TLS when the security
+    has a certificate (``url`` is then ``mqtts://``). Raises ConfigError if the port is taken and
+    BrokerUnavailableError if the broker does not come up.
     """
     resolved = resolve_kind(kind)
     port = port or free_port(host)
@@ -134,14 +165,19 @@ def start_broker(kind: str = "auto", *, host: str = "127.0.0.1", port: int = 0,
     if resolved == "mosquitto":
         conf = wd / "mosquitto.conf"
         conf.write_text(mosquitto_config(port, host, max_packet_bytes=max_packet_bytes,
-                                         persistence_dir=wd if persistent else None))
+                                         persistence_dir=wd if persistent else None, security=security))
         cmd = [mosquitto_binary() or "mosquitto", "-c", str(conf)]
     else:
         cmd = [sys.executable, "-m", "edgeswarm.local.amqtt_broker", "--host", host, "--port", str(port)]
+        if security is not None:
+            cmd += ["--password-file", str(security.amqtt_passwd), "--acl-file", str(security.amqtt_acl)]
+            if security.cert_file is not None:
+                cmd += ["--certfile", str(security.cert_file), "--keyfile", str(security.key_file)]
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=wd, start_new_session=True)
     log_file.close()
-    broker = BrokerProcess(resolved, host, port, proc, wd, owns)
+    broker = BrokerProcess(resolved, host, port, proc, wd, owns, tls=security is not None and
+                           security.cert_file is not None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

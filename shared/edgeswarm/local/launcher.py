@@ -3,6 +3,11 @@
 Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
 environment variables, exactly as a container would be. Children die with the launcher (Linux
 parent-death signal), and ``stop()`` ends each of them by PID.
+
+A local cluster binds only to 127.0.0.1 and is anonymous by default. ``secure=True`` runs it as a deployment
+runs: a credentials folder in the working folder (``edgeswarm credentials``: the hub, each device, and a
+client member ``operator`` for command lines), a CA and a broker certificate (``edgeswarm certs``), and a
+broker that speaks only TLS to those users under the ACL generated from the topic tree.
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeswarm.devices.cluster import ClusterSpec
-from edgeswarm.local.broker import BrokerProcess, start_broker
+from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, start_broker
+from edgeswarm.security.certs import CertsDir
+from edgeswarm.security.credentials import CredentialsDir
+from edgeswarm.topics import Role
 
 log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
 HUB_SERVICES = ("coordinator", "planner", "checkpoint-store")
 DEVICE_SERVICES = ("node-agent", "profiler", "stage-worker")
+OPERATOR = "operator"  # the client member of a secure local cluster: command lines log in as it
 
 
 @dataclass
@@ -75,8 +84,9 @@ class LocalCluster:
 
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, secure: bool = False) -> None:
         self.spec = spec
+        self.secure = secure
         self._broker_kind = broker
         self._port = port
         self._heartbeat = heartbeat_interval_s
@@ -102,18 +112,52 @@ class LocalCluster:
             self.stop()
             raise
 
+    @property
+    def secrets(self) -> Path:
+        """The credentials and certificates folder of a secure cluster."""
+        return self.workdir / "secrets"
+
+    def identity_env(self, member: str) -> dict[str, str]:
+        """The ``EDGESWARM_*`` settings that let ``member`` log in (empty for an anonymous cluster)."""
+        if not self.secure:
+            return {}
+        return {"EDGESWARM_MQTT_USERNAME": member,
+                "EDGESWARM_MQTT_PASSWORD_FILE": str(CredentialsDir(self.secrets).password_file(member)),
+                "EDGESWARM_TLS_CA_FILE": str(CertsDir(self.secrets).ca_cert)}
+
+    def client_env(self) -> dict[str, str]:
+        """What a command line needs to reach this cluster (``EDGESWARM_HUB_URL`` and, when secure, the
+        ``operator`` member's identity)."""
+        protocol = {"EDGESWARM_MQTT_PROTOCOL": "3.1.1"} if self.broker and self.broker.kind == "amqtt" else {}
+        return {"EDGESWARM_HUB_URL": self.hub_url, **protocol, **self.identity_env(OPERATOR)}
+
+    def _secure_broker(self) -> BrokerSecurity:
+        members: dict[str, Role] = {HUB_NODE: "hub", OPERATOR: "client"}
+        members.update({d.id: "device" for d in self.spec.devices})
+        creds = CredentialsDir(self.secrets)
+        creds.update(add=members)
+        certs = CertsDir(self.secrets)
+        certs.ensure_ca()
+        cert, key = certs.issue_broker(HUB_NODE, ["127.0.0.1", "localhost"])
+        return BrokerSecurity(mosquitto_passwd=creds.mosquitto_passwd, mosquitto_acl=creds.mosquitto_acl,
+                              amqtt_passwd=creds.amqtt_passwd, amqtt_acl=creds.amqtt_acl, ca_file=certs.ca_cert,
+                              cert_file=cert, key_file=key)
+
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker")
+        security = self._secure_broker() if self.secure else None
+        self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker",
+                                   security=security)
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
-                              mqtt_protocol=protocol, extra=self._extra_env)
+                              mqtt_protocol=protocol, extra={**self._extra_env, **self.identity_env(HUB_NODE)})
         for service in HUB_SERVICES:
             self._spawn(HUB_NODE, service, hub_env)
         for device in self.spec.devices:
             links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(device.id).items()}
             env = service_env(device.id, self.broker.url, device_class=device.device_class, links=links,
-                              heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol, extra=self._extra_env)
+                              heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
+                              extra={**self._extra_env, **self.identity_env(device.id)})
             for service in DEVICE_SERVICES:
                 self._spawn(device.id, service, env)
 

@@ -15,7 +15,7 @@ from edgeswarm.messages.checkpoints import (
 )
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
 from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
-from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, Status
+from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, RequestRejected, Status
 from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
@@ -81,6 +81,7 @@ __all__ = [
     "ProfileReport",
     "ProfileRequest",
     "ReplanRequest",
+    "RequestRejected",
     "RoundDone",
     "RoundStart",
     "ServiceView",

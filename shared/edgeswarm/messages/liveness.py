@@ -65,3 +65,14 @@ class ProbeReply(Message):
     handler_errors: int = Field(ge=0)
     rejected: int = Field(ge=0)
     detail: str = ""
+
+
+@schema("edgeswarm.rejected", 1)
+class RequestRejected(Message):
+    """The answer to a request the receiving bus could not take: dropped because the service's inbox was full
+    (``overflow``), or refused before any handler saw it (``invalid_message``, ``unknown_schema``,
+    ``unsupported_version``, ``unexpected_schema``, ``too_large``, ``forged_sender``, ...). Sent, rate-limited,
+    only to a valid ``reply_to`` of the requester's own node."""
+
+    reason: str = Field(max_length=64)
+    detail: str = Field(default="", max_length=1024)

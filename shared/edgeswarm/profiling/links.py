@@ -13,12 +13,15 @@ measures its real network.
   the elapsed time minus one ping round trip (the confirmation's own travel).
 
 The measuring side and the answering side are the same object: every profiler attaches a LinkProber
-to its data topic.
+to its data topic. Answers go out from a thread of their own through a short queue, and only to a peer
+whose status is already known: a probe from an unknown sender is dropped at once, so no stranger can hold
+the data topic's dispatch thread (eight such pings used to stall a real measurement for 80 s).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import statistics
 import threading
 import time
@@ -30,6 +33,7 @@ import numpy as np
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import BusError, InvalidMessageError, LinkMeasurementError
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import LinkProbe
 from edgeswarm.profiling.types import LinkProfile
 from edgeswarm.wire.schema import new_id
@@ -44,6 +48,9 @@ DEFAULT_TARGET_S = 0.5
 MIN_BULK_BYTES = 1 * MIB
 MAX_BULK_BYTES = 16 * MIB
 PEER_WAIT_S = 2.0  # how long a peer's status may take to show up before the peer counts as unknown
+ANSWER_QUEUE = 16  # answers waiting to be sent; beyond it probes are dropped (their sender retries or times out)
+
+_limited = RateLimitedLog(log)
 
 
 @dataclass
@@ -66,9 +73,12 @@ class LinkProber:
         self.service = bus.sender.service
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()
+        self._answers: queue.Queue[tuple[str, str, LinkProbe, np.ndarray]] = queue.Queue(maxsize=ANSWER_QUEUE)
 
     def attach(self) -> None:
-        """Subscribe to ``edgeswarm/node/{node}/{service}/data`` on this node's data-plane broker."""
+        """Subscribe to ``edgeswarm/node/{node}/{service}/data`` on this node's data-plane broker and start the
+        thread that sends answers."""
+        threading.Thread(target=self._send_answers, name="link-answers", daemon=True).start()
         self.bus.subscribe(topics.data(self.node, self.service), self._on_probe, schemas=(LinkProbe,), plane="data")
 
     # --- measuring ----------------------------------------------------------------------------------
@@ -170,11 +180,29 @@ class LinkProber:
             waiter.event.set()
 
     def _answer(self, node: str, service: str, message: LinkProbe, value: np.ndarray) -> None:
+        if self.bus.peers.get(node, service) is None:
+            self.bus.metrics.count("link_probes_unknown_sender")
+            _limited.warning("unknown", "dropped a link %s from %s/%s: no status of it is known", message.kind, node,
+                             service)
+            return
         try:
-            self.bus.send_tensor(node, service, message, value)
-        except BusError as exc:
-            self.bus.metrics.count("link_probe_answer_errors")
-            log.warning("could not answer a link probe from %s/%s: %s", node, service, exc)
+            self._answers.put_nowait((node, service, message, value))
+        except queue.Full:
+            self.bus.metrics.count("link_probes_dropped")
+            _limited.warning("full", "dropped a link %s from %s/%s: %d answers are already waiting", message.kind,
+                             node, service, ANSWER_QUEUE)
+
+    def _send_answers(self) -> None:
+        while True:
+            node, service, message, value = self._answers.get()
+            try:
+                self.bus.send_tensor(node, service, message, value, peer_wait_s=0.0)
+            except BusError as exc:
+                self.bus.metrics.count("link_probe_answer_errors")
+                _limited.warning("answer", "could not answer a link probe from %s/%s: %s", node, service, exc)
+            except Exception:  # noqa: BLE001 - one bad answer must not end the answering thread
+                self.bus.metrics.count("link_probe_answer_errors")
+                log.exception("answering a link probe from %s/%s failed", node, service)
 
 
 def _payload(nbytes: int) -> np.ndarray:

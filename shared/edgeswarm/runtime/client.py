@@ -18,9 +18,14 @@ ViewSource = Literal["coordinator", "retained topics"]
 CLI_CONNECT_TIMEOUT_S = 5.0  # a command line gives up on an unreachable broker sooner than a service
 
 
+CLI_NODE = "cli"
+
+
 def client_bus(settings: Settings, role: str = "cli", connect_timeout_s: float = CLI_CONNECT_TIMEOUT_S) -> Bus:
-    """A started Bus for a command-line client (node ``cli``, service ``role``). Call ``stop()`` when done."""
-    bus = Bus(settings, Sender(node="cli", service=role, instance=uuid.uuid4().hex[:12]))
+    """A started Bus for a command-line client, service ``role``. Its node id is the broker user name it logs in
+    with (the ACL binds what a client writes to it), or ``cli`` when anonymous. Call ``stop()`` when done."""
+    node = settings.credentials().username or CLI_NODE
+    bus = Bus(settings, Sender(node=node, service=role, instance=uuid.uuid4().hex[:12]))
     bus.start(timeout_s=connect_timeout_s)
     return bus
 

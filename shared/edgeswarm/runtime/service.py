@@ -5,6 +5,11 @@ refuses to start when another live instance holds the same node id and service, 
 status and a periodic heartbeat (on the main thread, independent of the handler threads, so a busy
 handler never silences it), answers probes, publishes metrics, reports a second live instance that
 appears later, and shuts down cleanly on SIGTERM or SIGINT.
+
+It also refuses to run as a node other than the one its credentials name, or without credentials on a
+broker beyond this machine (unless EDGESWARM_ALLOW_ANONYMOUS), and watches its broker connections: a service
+whose network thread has died would look alive while it received nothing, so it exits at once (status
+``EXIT_NETWORK_DEAD``) and its Last Will tells the cluster, and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -21,17 +26,18 @@ from typing import ClassVar
 from edgeswarm import __version__, topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.devices.emulation import DeviceProfile
-from edgeswarm.errors import DuplicateNodeError, RequestTimeoutError
+from edgeswarm.errors import ConfigError, DuplicateNodeError, RequestTimeoutError
 from edgeswarm.messages import ClusterEvent, Heartbeat, MetricsReport, Probe, ProbeReply, Status
 from edgeswarm.runtime.metrics import Metrics
 from edgeswarm.runtime.signals import stop_on_signals
-from edgeswarm.settings import Settings
+from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 from edgeswarm.wire import Sender
 
 log = logging.getLogger(__name__)
 
 # How long to wait for a retained status of another instance after subscribing (seconds).
 _RETAINED_SETTLE_S = 0.3
+EXIT_NETWORK_DEAD = 70  # EX_SOFTWARE: the process ends so that its Last Will fires and it is restarted
 
 
 class _Periodic:
@@ -85,6 +91,7 @@ class Service:
         Raises DuplicateNodeError before announcing itself if another live instance holds this node
         id and service, and BrokerUnavailableError if the hub cannot be reached.
         """
+        check_identity(self.settings)
         if install_signals:
             stop_on_signals(self._stop)
         self.bus.start(timeout_s=self.settings.request_timeout_s)
@@ -97,9 +104,12 @@ class Service:
             self.every(self.settings.metrics_interval_s, self._publish_metrics, "metrics")
             self._announce()
             self.bus.on_reconnect(self._announce)
-            log.info("%s %s started as instance %s (device class %s, hub %s, data plane %s)", self.name,
-                     __version__, self.instance, self.device.device_class, self.settings.hub_url,
-                     self.settings.data_plane_url)
+            creds = self.bus.credentials
+            log.info("%s %s started as instance %s (device class %s, hub %s, data plane %s, %s)", self.name,
+                     __version__, self.instance, self.device.device_class, self.bus.hub.url,
+                     parse_broker_url(self.settings.data_plane_url).url,
+                     f"user {creds.username}" if creds.username else
+                     "client certificate" if creds.cert_file else "anonymous")
             self._loop()
         finally:
             self._shutdown()
@@ -214,6 +224,9 @@ class Service:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if not self.bus.network_alive:
+                self.network_dead()
+                return
             now = time.monotonic()
             for task in self._periodic:
                 if task.due <= now:
@@ -225,6 +238,16 @@ class Service:
                         log.exception("periodic task %s failed", task.name)
             next_due = min((t.due for t in self._periodic), default=now + 1.0)
             self._stop.wait(max(0.0, next_due - time.monotonic()))
+
+    def network_dead(self) -> None:
+        """A broker connection's network thread has ended: log it and end the process without a clean disconnect,
+        so the broker publishes the Last Will (offline) and the supervisor starts a fresh instance."""
+        log.critical("%s instance %s: the MQTT network thread has stopped; nothing would be received any more. "
+                     "Exiting (status %d) so the cluster sees this service go offline and its supervisor restarts it",
+                     self.name, self.instance, EXIT_NETWORK_DEAD)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_NETWORK_DEAD)
 
     def _shutdown(self) -> None:
         try:
@@ -239,3 +262,23 @@ class Service:
         finally:
             self.bus.stop()
             log.info("%s instance %s stopped", self.name, self.instance)
+
+
+def check_identity(settings: Settings) -> None:
+    """Refuse (ConfigError) a service whose broker user name is not its node id (the ACL lets a node write only
+    its own topics, so it could not even announce itself), or one without credentials on a broker that may be
+    reachable beyond this machine, unless EDGESWARM_ALLOW_ANONYMOUS says the network is trusted."""
+    creds = settings.credentials()
+    if creds.username is not None and creds.username != settings.node_id:
+        raise ConfigError(f"EDGESWARM_MQTT_USERNAME is {creds.username!r} but EDGESWARM_NODE_ID is "
+                          f"{settings.node_id!r}: a node logs in as its own id (the brokers' ACL lets each node write "
+                          "only its own topics); make them equal")
+    if creds.anonymous and not settings.allow_anonymous:
+        remote = [parse_broker_url(u) for u in (settings.hub_url, settings.data_plane_url)]
+        exposed = [a.url for a in remote if not is_loopback(a.host)]
+        if exposed:
+            raise ConfigError(
+                f"no broker credentials, and {exposed[0]} may be reachable beyond this machine: on an anonymous "
+                "broker anyone who reaches it is the cluster. Give this node an identity (EDGESWARM_MQTT_USERNAME "
+                "and EDGESWARM_MQTT_PASSWORD_FILE, made with `edgeswarm credentials`; deploy/README.md), or set "
+                "EDGESWARM_ALLOW_ANONYMOUS=true on an isolated development network")
