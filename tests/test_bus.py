@@ -240,27 +240,23 @@ def test_sending_to_an_unknown_node_fails_clearly(make_bus) -> None:
         tx.send_tensor("ghost", "sink", m.BenchData(run_id="x", seq=0), np.zeros(3, dtype=np.float32))
 
 
-def test_a_100_mbps_emulated_link_takes_the_time_its_rate_implies(make_bus) -> None:
+def test_a_shaped_link_carries_every_byte_at_no_more_than_its_rate(make_bus) -> None:
+    # The pacing itself is tested with a fake clock (test_shaping.py); here: every frame of a transfer goes
+    # through the sender's emulated link, which cannot have let it out faster than its rate (a sleep is never
+    # shorter than asked, so this lower bound holds however loaded the machine is).
     rate = 100e6 / 8
+    burst = 64 * 1024
     rx = make_bus("rx", "sink")
-    got, done = open_sink(rx, "rx", "sink", 2)
+    got, done = open_sink(rx, "rx", "sink", 1)
     announce(rx)
-    fast = make_bus("fast")
     shaped = make_bus("slow", links={"rx": LinkSpec(bandwidth_bps=rate, latency_s=0.002)})
-    value = np.random.default_rng(1).integers(0, 255, 6 * MIB, dtype=np.uint8)
-
-    def timed(bus: Bus, seq: int) -> tuple[float, int]:
-        start = time.perf_counter()
-        sent = bus.send_tensor("rx", "sink", m.BenchData(run_id="link", seq=seq), value)
-        wait_until(lambda: len(got) > seq, 30, interval_s=0.002, message="tensor")
-        return time.perf_counter() - start, sent
-
-    unshaped, _ = timed(fast, 0)
-    elapsed, sent = timed(shaped, 1)
-    expected = sent / rate + 0.002
-    assert 0.9 <= elapsed / expected <= 1.1, f"shaped {elapsed:.3f} s vs {expected:.3f} s implied"
-    assert unshaped < elapsed / 3
-    assert np.array_equal(got[1].tensor.array, value)
+    value = np.random.default_rng(1).integers(0, 255, 2 * MIB, dtype=np.uint8)
+    start = time.monotonic()
+    sent = shaped.send_tensor("rx", "sink", m.BenchData(run_id="link", seq=0), value)
+    wait_until(lambda: got, 30, interval_s=0.002, message="tensor")
+    assert time.monotonic() - start >= (sent - burst) / rate
+    assert shaped._links["rx"].bytes_sent == sent  # noqa: SLF001 - the link the bus keeps for rx
+    assert np.array_equal(got[0].tensor.array, value)
 
 
 def test_envelope_fields_are_mirrored_into_mqtt5_properties(broker: BrokerProcess, make_bus) -> None:

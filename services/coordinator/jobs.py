@@ -21,6 +21,7 @@ import time
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.jobs import (
     FINISHED,
     JobAccepted,
@@ -42,6 +43,7 @@ from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
 from edgeswarm.training.recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
 
 STOP = None  # put on the queue to end the job thread
 RETAINED_SETTLE_S = 1.0  # how long a starting coordinator collects the retained job states before taking jobs over
@@ -126,6 +128,7 @@ class JobManager:
 
     def __init__(self, bus: Bus, node: str, *, store_node: str | None = "hub", timeout_s: float = 600.0) -> None:
         self.bus = bus
+        self.node = node
         self.store_node = store_node
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -202,8 +205,19 @@ class JobManager:
         # Only what the broker kept from before this coordinator started; its own states come back live.
         state = msg.body
         assert isinstance(state, JobState)
+        if not msg.retained or not self._taking_over:
+            return
+        env = msg.envelope
+        if (env.sender_node, env.sender_service) != (self.node, "coordinator") or \
+                topics.job_of(msg.topic) != state.job_id:
+            # Only this node's coordinator (its predecessor) writes the states it takes over; the broker's ACL
+            # lets no one else write job states, and this check holds where no ACL does.
+            _limited.warning("foreign_state", "not taking over the retained state on %s: it was written by %s/%s, "
+                             "not by a coordinator on %s", msg.topic[:256], env.sender_node, env.sender_service,
+                             self.node)
+            return
         with self._lock:
-            if msg.retained and self._taking_over and state.job_id not in self._states:
+            if state.job_id not in self._states:
                 self._states[state.job_id] = state
                 self._cancels[state.job_id] = threading.Event()
                 self._retained.add(state.job_id)

@@ -56,6 +56,32 @@ def configure_logging(node: str, service: str, level: str = "INFO", as_json: boo
     root.setLevel(level.upper())
 
 
+class _OneLineFormatter(logging.Formatter):
+    """``warning: message (ExceptionType: what)``: one line a user reads, never a traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text += f" ({type(exc).__name__}: {exc})"
+        return text
+
+
+def configure_cli_logging(level: str = "WARNING") -> None:
+    """Log records of a command-line run go to stderr as one line each, without tracebacks: what a command
+    receives from the network (a retained message that does not decode, a handler that fails on it) is a warning
+    for the user, not a crash dump. EDGESWARM_LOG_LEVEL=DEBUG shows the tracebacks."""
+    handler = logging.StreamHandler(sys.stderr)
+    if level.upper() != "DEBUG":
+        handler.setFormatter(_OneLineFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    known = isinstance(logging.getLevelName(level.upper()), int)
+    root.setLevel(level.upper() if known else "WARNING")
+
+
 class RateLimitedLog:
     """Logs at most ``burst`` lines per key per ``window_s`` seconds to ``logger``, then one summary line per
     window: for paths an outsider can trigger (a flood of bad messages must not become a flood of log lines)."""

@@ -183,6 +183,12 @@ def job_events(job_id: str) -> str:
 
 ALL_JOB_STATES = job_state("+")
 
+
+def job_of(topic: str) -> str | None:
+    """The job id of an ``edgeswarm/job/{job}/...`` topic, else None."""
+    parts = topic.split("/")
+    return parts[2] if len(parts) == 4 and parts[0] == ROOT and parts[1] == "job" else None
+
 _REQUEST_SCHEMAS = "edgeswarm.probe v1 and the service's requests"
 _SENDER = "{sender}"
 

@@ -89,10 +89,12 @@ class ShapedLink:
         self.spec = spec
         self._bucket = TokenBucket(spec.bandwidth_bps, burst_bytes)
         self._delay = DelayLine(peer) if spec.latency_s > 0 else None
+        self.bytes_sent = 0
 
     def transmit(self, nbytes: int, send: Callable[[], None]) -> None:
         """Occupy the link for ``nbytes`` and have ``send`` deliver the message ``latency`` later."""
         done_at = self._bucket.reserve(nbytes)
+        self.bytes_sent += nbytes
         pause = done_at - time.monotonic()
         if pause > 0:
             time.sleep(pause)

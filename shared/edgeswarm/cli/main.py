@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
+    from edgeswarm.logs import configure_cli_logging
+
+    configure_cli_logging(os.environ.get("EDGESWARM_LOG_LEVEL", "WARNING") if args.command != "service" else "INFO")
     try:
         if args.command == "up":
             from edgeswarm.cli.up import run_up

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.cli.console import console
@@ -37,7 +38,7 @@ def run_status(args: argparse.Namespace) -> int:
         console.print(status_table(view, source, bus.hub.url))
         for node in view.nodes:
             for conflict in node.conflicts:
-                console.print(f"[red]duplicate node id:[/red] {conflict}")
+                console.print(f"[red]duplicate node id:[/red] {escape(conflict)}")
     if online_devices(view) < args.wait_devices:
         console.print(f"[red]only {online_devices(view)} of {args.wait_devices} devices online "
                       f"after {args.timeout:.0f} s[/red]")
@@ -54,7 +55,8 @@ def status_table(view: ClusterView, source: ViewSource, url: str) -> Table:
         for i, svc in enumerate(node.services):
             age = "-" if svc.heartbeat_age_s is None else f"{svc.heartbeat_age_s:.1f} s"
             memory = f"{node.free_memory_bytes / 2**30:.1f} / {node.memory_budget_bytes / 2**30:.1f} GiB"
-            table.add_row(node.node if i == 0 else "", node.device_class if i == 0 else "", svc.service,
+            # Every string here came from the network: escaped, so a "[/x]" in it is text, not rich markup.
+            table.add_row(node.node if i == 0 else "", escape(node.device_class) if i == 0 else "", svc.service,
                           f"[{_STATE_STYLE[svc.state]}]{svc.state}[/]", age, memory if i == 0 else "",
                           svc.instance, str(svc.pid))
     return table

@@ -13,6 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -92,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
             state, run = _follow(bus, variant, variant.model_dump_json(), args.timeout, verbose=False)
             measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
             if state.status != "succeeded":
-                err_console.print(f"  {strategy}: {state.status}: {state.detail}")
+                err_console.print(f"  {strategy}: {state.status}: {escape(state.detail)}")
         if compare:
             _print_comparison(final, measured, job.global_batch)
         return 0
@@ -113,14 +114,15 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
             progress.console.print(plan_table(state.plan, []))
             progress.console.print(f"predicted {state.plan.round_latency_s:.3f} s per round, "
                                    f"{state.plan.throughput_sps:.1f} samples/s")
-        if state.round_s is not None and state.predicted_round_s:
+        if state.round_s is not None and state.predicted_round_s and None not in (state.loss, state.accuracy,
+                                                                                   state.samples_per_s):
             progress.update(task, completed=state.round, total=state.total_rounds or None, description=(
                 f"loss {state.loss:.4f}  accuracy {state.accuracy:.1%}  {state.samples_per_s:.1f} samples/s  "
                 f"round {state.round_s:.3f} s = {state.round_s / state.predicted_round_s:.2f}x predicted"))
 
     def on_event(event: JobEvent) -> None:
         if verbose and event.kind != "round":
-            progress.console.print(f"[dim]{event.kind}[/dim] {event.detail}", highlight=False)
+            progress.console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
 
     follower = JobFollower(bus, job.name, on_state=on_state, on_event=on_event)
     accepted = submit_job(bus, text, submission=follower.submission)
@@ -145,7 +147,7 @@ def _measured_round_s(follower: JobFollower) -> float | None:
 def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse.Namespace) -> None:
     rounds = sorted(follower.rounds.items())
     if final.status != "succeeded":
-        err_console.print(f"job {job.name} {final.status}: {final.detail}")
+        err_console.print(f"job {job.name} {final.status}: {escape(final.detail)}")
     measured = _measured_round_s(follower)
     if rounds and measured is not None and final.predicted_round_s:
         first, last = rounds[0][1], rounds[-1][1]
@@ -212,10 +214,10 @@ def run_jobs(args: argparse.Namespace) -> int:
     for col in ("job", "status", "model", "strategy", "round", "loss", "accuracy", "samples/s", "detail"):
         table.add_column(col)
     for s in states:
-        table.add_row(s.job_id, s.status, s.model, s.strategy, f"{s.round}/{s.total_rounds or '?'}",
+        table.add_row(s.job_id, s.status, escape(s.model), s.strategy, f"{s.round}/{s.total_rounds or '?'}",
                       f"{s.loss:.4f}" if s.loss is not None else "-",
                       f"{s.accuracy:.1%}" if s.accuracy is not None else "-",
-                      f"{s.samples_per_s:.1f}" if s.samples_per_s is not None else "-", s.detail[:80])
+                      f"{s.samples_per_s:.1f}" if s.samples_per_s is not None else "-", escape(s.detail[:80]))
     console.print(table)
     return 0
 

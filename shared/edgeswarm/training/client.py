@@ -62,6 +62,8 @@ def job_states(bus: Bus, *, settle_s: float = 1.0) -> list[JobState]:
 
     def on_state(msg: Inbound) -> None:
         assert isinstance(msg.body, JobState)
+        if topics.job_of(msg.topic) != msg.body.job_id:
+            return  # a state filed under another job's topic speaks for nobody
         with lock:
             states[msg.body.job_id] = msg.body
 
@@ -92,7 +94,7 @@ class JobFollower:
     def _state(self, msg: Inbound) -> None:
         state = msg.body
         assert isinstance(state, JobState)
-        if state.submission != self.submission:
+        if state.submission != self.submission or state.job_id != self.job_id:
             return  # an earlier job of the same name
         self.state = state
         if state.round and state.round_s is not None:
