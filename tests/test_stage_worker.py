@@ -199,16 +199,24 @@ def test_a_wrong_shape_tensor_fails_the_round_at_once_and_the_others_are_aborted
     driver = JobDriver(client, _job("shapes"), _pipeline_plan(nodes, 3), loss_terms=64)
     driver.deploy()
     assert driver.run_round(0).loss > 0  # a healthy round first
-
+    # A tensor from a node that is not the rank it claims is dropped, and fails nothing: the genuine one comes.
     client.send_tensor("p1", "stage-worker", StageTensor(job_id="shapes", epoch=0, round=1, stage=1,
                                                          kind="activation", sender=0, micro_batch=0),
                        np.zeros((32, 7), dtype=np.float32))
+    assert driver.run_round(1).loss > 0
+    assert "that is not coordinator-test in this plan" in services.log_of(procs[1])
+
+    as_p0 = make_bus("p0", "cli")  # the wrong shape, from the node that is rank 0 of stage 0
+    as_p0.peers.wait_for("p1", "stage-worker", timeout_s=30)
+    as_p0.send_tensor("p1", "stage-worker", StageTensor(job_id="shapes", epoch=0, round=2, stage=1,
+                                                        kind="activation", sender=0, micro_batch=0),
+                      np.zeros((32, 7), dtype=np.float32))
     started = time.monotonic()
     with pytest.raises(JobError, match=r"p1 failed \(error\).*shape \[32, 7\], but this stage expects \[rows, 64\]"):
-        driver.run_round(1)
+        driver.run_round(2)
     assert time.monotonic() - started < 60  # the workers' own timeout is 120 s
-    assert "dropped a activation tensor (round 1, micro-batch 0)" in services.log_of(procs[1])
-    assert wait_until(lambda: "round 1 aborted" in services.log_of(procs[0]), 10)
+    assert "dropped a activation tensor (round 2, micro-batch 0)" in services.log_of(procs[1])
+    assert wait_until(lambda: "round 2 aborted" in services.log_of(procs[0]), 10)
     assert all(p.poll() is None for p in procs)
 
 

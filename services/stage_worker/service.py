@@ -26,6 +26,7 @@ from typing import Any
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import CheckpointTransferError, EdgeswarmError
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.training import (
     HeldBackup,
     HeldSnapshot,
@@ -49,6 +50,7 @@ from edgeswarm.services.stage_worker.held import HeldState, StateMissing, UnitSt
 from edgeswarm.services.stage_worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
 
 WAIT_S = 120.0  # longest wait for one tensor from a peer before the round fails
 REUSE_WAIT_S = 5.0  # how long a restore waits for an aborted round to leave the stage it would reuse
@@ -345,6 +347,11 @@ class StageWorkerService(Service):
                           body.purpose, body.unit, body.job_id, msg.sender)
                 return
             if body.purpose == "backup":
+                if body.owner != msg.envelope.sender_node:
+                    self.metrics.count("states_dropped")
+                    _limited.log(logging.ERROR, "backup", "dropped a backup from %s that claims to be %s's",
+                                 msg.sender, body.owner)
+                    return
                 if not held.add_backup(body.owner, body.epoch, body.round, body.unit, state):
                     log.info("dropped a stale backup of %s (epoch %d, round %d)", body.owner, body.epoch, body.round)
             elif body.purpose == "gather":
@@ -401,9 +408,14 @@ class StageWorkerService(Service):
             job = self._job
             if job is None or body.job_id != job.spec.job_id or body.epoch != job.spec.epoch:
                 self.metrics.count("stage_tensors_dropped.epoch")
-                log.error("dropped a %s tensor for job %s epoch %d from %s: this worker holds %s", body.kind,
-                          body.job_id, body.epoch, msg.sender,
-                          f"job {job.spec.job_id} epoch {job.spec.epoch}" if job else "no job")
+                _limited.log(logging.ERROR, "epoch", "dropped a %s tensor for job %s epoch %d from %s: this worker "
+                             "holds %s", body.kind, body.job_id, body.epoch, msg.sender,
+                             f"job {job.spec.job_id} epoch {job.spec.epoch}" if job else "no job")
+                return
+            forged = _forged(job, body, msg)
+            if forged is not None:  # dropped without failing the round: the genuine tensor still comes
+                self.metrics.count("stage_tensors_dropped.sender")
+                _limited.log(logging.ERROR, "sender", "dropped %s", forged)
                 return
             problem = _tensor_problem(job, body, msg)
             if problem is not None:
@@ -646,6 +658,17 @@ def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], t
         out = stage(x)
         stage.train()
     return tuple(x.shape[1:]), tuple(out.shape[1:]), x
+
+
+def _forged(job: _Job, body: StageTensor, msg: Inbound) -> str | None:
+    """Why a tensor does not come from the device of the plan whose stage and rank it claims, or None."""
+    spec = job.spec
+    source = {"activation": spec.stage - 1, "gradient": spec.stage + 1, "allreduce": spec.stage}[body.kind]
+    group = spec.groups[source] if 0 <= source < len(spec.groups) and body.stage == spec.stage else []
+    if body.sender < len(group) and group[body.sender] == msg.envelope.sender_node:
+        return None
+    return (f"a {body.kind} tensor from {msg.sender} for stage {body.stage}, claiming rank {body.sender} of stage "
+            f"{source}: that is not {msg.envelope.sender_node} in this plan")
 
 
 def _tensor_problem(job: _Job, body: StageTensor, msg: Inbound) -> str | None:
