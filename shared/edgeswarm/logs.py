@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 
 class _ContextFilter(logging.Filter):
@@ -53,3 +55,42 @@ def configure_logging(node: str, service: str, level: str = "INFO", as_json: boo
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Logs at most ``burst`` lines per key per ``window_s`` seconds, then one summary line.
+
+    For lines an outsider can trigger (a rejected message, a refused member): a flood must not turn into a
+    flood of log lines. The summary (how many ``what`` were left out) is written when the key is next used
+    after its window. ``clock`` is any monotonic clock in seconds. Thread-safe.
+    """
+
+    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 10.0, what: str = "lines",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._burst = burst
+        self._window = window_s
+        self._what = what
+        self._clock = clock
+        self._state: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+        """Log ``msg % args`` at ``level`` unless ``key`` has had ``burst`` lines in its current window."""
+        now = self._clock()
+        with self._lock:
+            start, n = self._state.get(key, (now, 0))
+            if now - start > self._window:
+                if n > self._burst:
+                    self._log.log(level, "... %d more '%s' %s in the last %.0f s", n - self._burst, key, self._what,
+                                  self._window)
+                start, n = now, 0
+            self._state[key] = (start, n + 1)
+        if n < self._burst:
+            self._log.log(level, msg, *args)
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, key, msg, *args)
+
+    def error(self, key: str, msg: str, *args: object) -> None:
+        self.log(logging.ERROR, key, msg, *args)

@@ -29,6 +29,7 @@ from edgeswarm.errors import (
     RequestTimeoutError,
     WireError,
 )
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import Status
 from edgeswarm.runtime.metrics import Metrics
 from edgeswarm.settings import Settings, parse_broker_url
@@ -105,28 +106,6 @@ class Expectation:
         self._event.set()
 
 
-class _RateLimitedLog:
-    """Logs at most ``burst`` lines per key per ``window_s`` seconds, then one summary line."""
-
-    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
-        self._burst = burst
-        self._window = window_s
-        self._state: dict[str, tuple[float, int]] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            start, n = self._state.get(key, (now, 0))
-            if now - start > self._window:
-                if n > self._burst:
-                    log.warning("... %d more '%s' rejections in the last %.0f s", n - self._burst, key, self._window)
-                start, n = now, 0
-            self._state[key] = (start, n + 1)
-        if n < self._burst:
-            log.warning(msg, *args)
-
-
 class Bus:
     """Connections, routing and transfers of one service instance.
 
@@ -146,7 +125,7 @@ class Bus:
         self._pending_lock = threading.Lock()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_lock = threading.Lock()
-        self._reject_log = _RateLimitedLog()
+        self._reject_log = RateLimitedLog(log, what="rejections")
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
         self._reassembler = Reassembler(max_pending_bytes=settings.max_reassembly_bytes,
