@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from edgeswarm.checkpoints.uploads import DEFAULT_MAX_OPEN_UPLOADS
 from edgeswarm.errors import ConfigError
 from edgeswarm.membership import DEFAULT_MAX_INSTANCES_PER_NODE, DEFAULT_MAX_NODES, DEFAULT_RETENTION_S
 from edgeswarm.wire.schema import NAME_PATTERN
@@ -113,6 +114,10 @@ class Settings(BaseSettings):
     checkpoint_dir: Path = Field(default_factory=default_checkpoint_dir)
     checkpoint_keep: int = Field(default=3, ge=1)
     checkpoint_max_bytes: int = Field(default=2048 * MIB, ge=1)
+    # Uploads open at once (each holds its tensors and its commit's metadata, up to about 1 MB, until complete):
+    # a job saves one upload per stage at a time, so 64 leaves room for several jobs' saves together while a
+    # flood of commits whose tensors never come holds at most some 70 MB of metadata.
+    checkpoint_max_open_uploads: int = Field(default=DEFAULT_MAX_OPEN_UPLOADS, ge=1)
 
     # Membership (the coordinator's cluster view, and `edgeswarm status`): a service instance silent (no status
     # or heartbeat) for longer than the retention is forgotten, offline or not, so a departed node stays listed
