@@ -31,7 +31,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.checkpoints import CheckpointStore, as_torch, read_checkpoint
 from edgeswarm.checkpoints import store as store_module
 from edgeswarm.checkpoints.client import list_checkpoints, load_checkpoint, save_checkpoint
-from edgeswarm.checkpoints.uploads import FailedUpload, ReadyUpload, UploadTracker
+from edgeswarm.checkpoints.uploads import FailedUpload, ReadyUpload, UploadTracker, meta_nbytes
 from edgeswarm.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -239,9 +239,10 @@ def tensor_msg(tid: str, name: str, index: int, count: int, version: int = 1) ->
                               count=count)
 
 
-def commit_msg(tid: str, count: int, nbytes: int, version: int = 1) -> m.CheckpointCommit:
+def commit_msg(tid: str, count: int, nbytes: int, version: int = 1,
+               meta: dict[str, Any] | None = None) -> m.CheckpointCommit:
     return m.CheckpointCommit(transfer_id=tid, job_id="job", stage="0", version=version, count=count, nbytes=nbytes,
-                              meta={"round": 1})
+                              meta={"round": 1} if meta is None else meta)
 
 
 def wt(n: int) -> WireTensor:
@@ -285,6 +286,48 @@ def test_upload_tracker_any_order_limits_and_timeouts() -> None:
     [failed] = tracker.expire(now=16.5)
     assert (failed.reason, failed.token) == ("incomplete", "token-e") and "2 of 3 tensors" in failed.detail
     assert tracker.pending_bytes == 0 and tracker.open_uploads == 0
+
+
+def test_upload_tracker_counts_commit_metadata_against_its_memory() -> None:
+    meta = {"note": "x" * 96, "round": 3}  # 4 + 96 + 5 + 8 bytes
+    assert meta_nbytes(meta) == 113
+    tracker: UploadTracker[str] = UploadTracker(max_upload_bytes=1000, max_pending_bytes=300, timeout_s=5.0)
+    assert tracker.commit(commit_msg("a", 1, 10, meta=meta), "token-a", now=0.0) == []
+    assert tracker.commit(commit_msg("b", 1, 10, meta=meta), "token-b", now=0.0) == []
+    assert tracker.pending_bytes == 226, "commits waiting for their tensors hold their meta"
+    # A third commit's meta would pass the limit: refused as busy, and its answer goes to its commit.
+    [failed] = tracker.commit(commit_msg("c", 1, 10, meta=meta), "token-c", now=0.0)
+    assert (failed.reason, failed.token) == ("busy", "token-c") and "commit metadata" in failed.detail
+    assert tracker.tensor(tensor_msg("c", "w", 0, 1), wt(10), now=0.0) == []  # the refused upload's tensor: ignored
+    assert tracker.pending_bytes == 226 and tracker.open_uploads == 2
+    # Completing or expiring an upload releases its meta with its tensors.
+    [ready] = tracker.tensor(tensor_msg("a", "w", 0, 1), wt(10), now=1.0)
+    assert isinstance(ready, ReadyUpload) and ready.meta == meta and tracker.pending_bytes == 113
+    [expired] = tracker.expire(now=10.0)
+    assert (expired.reason, expired.token) == ("incomplete", "token-b") and tracker.pending_bytes == 0
+    # A commit that comes after its tensors and does not fit fails the whole upload, tensors released too.
+    assert tracker.tensor(tensor_msg("d", "w", 0, 2), wt(250), now=11.0) == []
+    [failed] = tracker.commit(commit_msg("d", 2, 260, meta=meta), "token-d", now=11.0)
+    assert (failed.reason, failed.token) == ("busy", "token-d")
+    assert tracker.pending_bytes == 0 and tracker.open_uploads == 0
+
+
+def test_upload_tracker_caps_the_uploads_open_at_once() -> None:
+    tracker: UploadTracker[str] = UploadTracker(max_upload_bytes=1000, max_pending_bytes=10_000, timeout_s=5.0,
+                                                max_open_uploads=3)
+    for tid in "abc":
+        assert tracker.commit(commit_msg(tid, 1, 10), f"token-{tid}", now=0.0) == []
+    [failed] = tracker.commit(commit_msg("d", 1, 10), "token-d", now=0.0)
+    assert (failed.reason, failed.token) == ("busy", "token-d")
+    assert "3 uploads open" in failed.detail and "EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS = 3" in failed.detail
+    [failed] = tracker.tensor(tensor_msg("e", "w", 0, 1), wt(10), now=0.0)  # a tensor cannot open one either
+    assert (failed.reason, failed.token) == ("busy", None)
+    [failed] = tracker.commit(commit_msg("e", 1, 10), "token-e", now=0.0)  # its commit gets the reason
+    assert (failed.reason, failed.token) == ("busy", "token-e") and "MAX_OPEN_UPLOADS" in failed.detail
+    assert tracker.open_uploads == 3
+    [ready] = tracker.tensor(tensor_msg("a", "w", 0, 1), wt(10), now=1.0)
+    assert isinstance(ready, ReadyUpload)
+    assert tracker.commit(commit_msg("f", 1, 10), "token-f", now=1.0) == [], "a closed upload frees its place"
 
 
 # --- the service over MQTT ----------------------------------------------------------------------------
@@ -410,6 +453,52 @@ def test_service_refuses_bad_uploads_and_keeps_running(broker: BrokerProcess, se
     assert proc.poll() is None
     assert not [p for p in (tmp_path / "checkpoints").rglob("*") if p.name.endswith(".tmp")]
     assert os.listdir(tmp_path / "checkpoints") == ["job"]
+
+
+def test_commits_with_large_meta_and_no_tensors_leave_the_stores_memory_bounded(
+        broker: BrokerProcess, services: Any, trainer: Bus, tmp_path: Path) -> None:
+    """200 commits with about 1 MB of meta each whose tensors never come (300 of them once held 380 MB): at most
+    EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS stay open, the bytes the store holds count their meta and stay under that
+    many commits' worth, the others are answered busy with the cap named; the store answers probes meanwhile and
+    saves and loads a genuine checkpoint once the open ones have timed out."""
+    cap = 8
+    proc = start_store(services, broker, trainer, tmp_path / "checkpoints",
+                       EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS=str(cap), EDGESWARM_REASSEMBLY_TIMEOUT_S="10")
+    reports: list[Any] = []
+    trainer.subscribe(topics.metrics(STORE_NODE, STORE), reports.append, schemas=(m.MetricsReport,))
+    meta = {f"note-{i:03d}": chr(ord("a") + i % 26) * 4000 for i in range(256)}
+    per_commit = meta_nbytes(meta)
+    assert per_commit > 1_000_000
+    request = topics.request(STORE_NODE, STORE)
+    expectations = []
+    for i in range(200):
+        exp = trainer.expect()
+        trainer.publish(request, commit_msg(f"flood-{i}", 1, 4, meta=meta), correlation_id=exp.correlation_id,
+                        reply_to=trainer.reply_topic, ttl_s=120)
+        expectations.append(exp)
+    probe_ok(trainer)
+    replies = [exp.wait(60) for exp in expectations]
+    assert all(r is not None and isinstance(r.body, m.CheckpointFailed) for r in replies)
+    reasons = [r.body.reason for r in replies]
+    assert set(reasons) == {"busy", "incomplete"}, reasons
+    assert all("EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS = 8" in r.body.detail for r in replies if r.body.reason == "busy")
+
+    # What the store reported holding (its tracker's count, published in its metrics) while the flood lasted.
+    wait_until(lambda: reports and reports[-1].body.gauges.get("checkpoint_uploads_open", 1) == 0, 15,
+               message="the open uploads released")
+    held = [r.body.gauges.get("checkpoint_upload_bytes", 0) for r in reports]
+    opened = [r.body.gauges.get("checkpoint_uploads_open", 0) for r in reports]
+    assert max(opened) <= cap and max(held) <= cap * per_commit, (max(opened), max(held))
+    assert max(held) >= per_commit, "the commits' meta was counted"
+    assert reports[-1].body.gauges["checkpoint_upload_bytes"] == 0
+
+    probe_ok(trainer)
+    state = model_state(4)
+    save_checkpoint(trainer, STORE_NODE, "job", 0, 1, state, meta={"round": 1}, timeout_s=15)
+    assert_same(*load_checkpoint(trainer, STORE_NODE, "job", 0, timeout_s=15), state)
+    assert proc.poll() is None
+    busy_lines = services.log_of(proc).count("checkpoint upload failed (busy)")
+    assert busy_lines <= 30 < reasons.count("busy"), f"{busy_lines} log lines for the busy answers: not rate-limited"
 
 
 def test_client_errors_without_a_store(make_bus: Callable[..., Bus]) -> None:

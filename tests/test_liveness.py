@@ -13,6 +13,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.runtime.client import ClusterWatcher
+from edgeswarm.wire import encode
 from helpers import wait_until
 
 KEEPALIVE_S = 2  # FAST_ENV in helpers.py
@@ -159,6 +160,51 @@ def test_a_stale_online_status_is_taken_over(broker: BrokerProcess, services, ma
     assert "taking over node id nano-5" in services.log_of(proc)
 
 
+def test_forged_heartbeats_leave_the_coordinators_view_bounded_until_retention_forgets_them(
+        broker: BrokerProcess, services, make_bus) -> None:
+    """3,000 heartbeats for 3,000 made-up nodes: the coordinator's view never holds more than the cap
+    (EDGESWARM_MEMBERSHIP_MAX_NODES, default 128) and stays small, the refusals are logged a few times rather than
+    thousands, the genuine node stays listed, probes are answered, and once the retention has passed the forged
+    nodes are gone and a new genuine node finds room."""
+    retention_s = 3.0
+    coordinator = services.start("coordinator", "hub", broker.url, EDGESWARM_MEMBERSHIP_RETENTION_S=str(retention_s))
+    services.start("node-agent", "real-1", broker.url)
+    watch = make_bus("watch", "cli")
+    views = latest(watch, topics.CLUSTER_VIEW, m.ClusterView)
+    metrics = latest(watch, topics.metrics("hub", "coordinator"), m.MetricsReport)
+    wait_until(lambda: views and views[-1].body.node("real-1") is not None, 20, message="real-1 in the view")
+
+    attacker = make_bus("attacker", "cli")
+    for i in range(3000):
+        attacker.publish(topics.heartbeat(f"forged-{i}", "node-agent"), m.Heartbeat(
+            node=f"forged-{i}", service="node-agent", instance="f0f0f0f0f0f0", seq=0, interval_s=3600.0,
+            uptime_s=1.0, free_memory_bytes=0, inbox_depth=0), qos=0)
+    attacker.hub.flush(30)
+    full = wait_until(lambda: next((v for v in views if len(v.body.nodes) == 128), None), 30,
+                      message="the view filled up to the cap")
+    flooded = views[views.index(full):]
+    wait_until(lambda: _probe_node(watch, "hub", "coordinator"), 15, message="a probe answered after the flood")
+    assert max(len(v.body.nodes) for v in views) == 128
+    biggest = max(len(encode(v.envelope, v.body)) for v in views)
+    assert biggest < 128 * 1024, f"the view grew to {biggest} bytes"
+    assert all(v.body.node("real-1") is not None for v in flooded), "the genuine node stays listed"
+
+    log = services.log_of(coordinator)
+    refusals = log.count("membership is full")
+    assert 1 <= refusals <= 30, f"{refusals} log lines for the refused nodes: not rate-limited"
+    assert "EDGESWARM_MEMBERSHIP_MAX_NODES" in log
+    counted = wait_until(lambda: next((r.body for r in reversed(metrics)
+                                       if r.body.counters.get("membership_refused", 0) > 0), None), 10,
+                         message="the refusals counted in the coordinator's metrics")
+    assert counted.gauges["membership_nodes"] <= 128
+
+    wait_until(lambda: {n.node for n in views[-1].body.nodes} == {"hub", "real-1"}, retention_s + 15,
+               message="the forged nodes forgotten after the retention")
+    services.start("node-agent", "real-2", broker.url)
+    wait_until(lambda: views[-1].body.node("real-2") is not None, 20, message="a new genuine node admitted")
+    assert coordinator.poll() is None and _probe_node(watch, "hub", "coordinator")
+
+
 def test_invalid_settings_stop_a_service_with_the_variable_named(broker: BrokerProcess, services) -> None:
     proc = services.start("node-agent", "x", broker.url, EDGESWARM_HEARTBEAT_INTERVAL_S="-1")
     assert proc.wait(20) == 2
@@ -166,6 +212,9 @@ def test_invalid_settings_stop_a_service_with_the_variable_named(broker: BrokerP
     proc = services.start("node-agent", "x", broker.url, EDGESWARM_DEVICE_CLASS="cray-1")
     assert proc.wait(20) == 2
     assert "unknown device class 'cray-1'" in services.log_of(proc)
+    proc = services.start("coordinator", "x", broker.url, EDGESWARM_MEMBERSHIP_RETENTION_S="0.5")
+    assert proc.wait(20) == 2
+    assert "EDGESWARM_MEMBERSHIP_RETENTION_S (0.5 s) must exceed" in services.log_of(proc)
 
 
 @pytest.mark.parametrize("service", ["coordinator", "node-agent"])
@@ -192,5 +241,12 @@ def test_every_service_survives_a_broker_restart(tmp_path, services, make_bus, s
 def _probe(bus: Bus, service: str) -> bool:
     try:
         return bool(bus.request(topics.request("n1", service), m.Probe(), timeout_s=0.5).body.healthy)
+    except Exception:
+        return False
+
+
+def _probe_node(bus: Bus, node: str, service: str) -> bool:
+    try:
+        return bool(bus.request(topics.request(node, service), m.Probe(), timeout_s=2.0).body.healthy)
     except Exception:
         return False

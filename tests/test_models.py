@@ -335,3 +335,53 @@ def test_example_inputs_and_targets_fit_the_model(name: str) -> None:
     else:
         assert y.shape == (3,) and y.dtype == torch.int64
         assert out.shape == (3, resolved_config(spec)["num_classes"])
+
+
+# --- stage footprints on the meta device (edgeswarm.training.footprint) ---------------------------------------
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_a_stage_footprint_measured_on_meta_equals_the_real_stage(name: str) -> None:
+    from edgeswarm.training.footprint import module_footprint, stage_footprint
+
+    spec = tiny(name)
+    seq = layer_sequence(build_model(spec))
+    n = len(seq)
+    for start, end in [(0, n), (0, 1), (n // 2, n), (1, max(2, n // 2))]:
+        assert stage_footprint(spec, start, end) == module_footprint(seq.build_stage(start, end)), (start, end)
+
+
+def test_measuring_a_footprint_leaves_the_rng_and_the_next_build_alone() -> None:
+    from edgeswarm.training.footprint import stage_footprint
+
+    spec = tiny("vgg11")
+    expected = build_model(spec).state_dict()
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    stage_footprint(spec, 0, 5)
+    assert torch.equal(torch.get_rng_state(), state), "the global generator moved"
+    after = build_model(spec).state_dict()
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
+
+
+def test_a_footprint_of_terabytes_is_measured_without_allocating_it() -> None:
+    """A stage whose weights would be 4 TiB: allocating them would fail (or exhaust) any machine this runs on, so
+    measuring it at all shows that nothing was allocated; static bytes follow Eq. 3 (Adam: weights, gradients and
+    two moments)."""
+    from edgeswarm.training.footprint import stage_footprint
+
+    hidden = 2 ** 20
+    spec = ModelSpec(name="mlp", config={"image_size": 1, "hidden": hidden, "layers": 2})
+    footprint = stage_footprint(spec, 0, 6)
+    weights = 4 * (hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10)
+    assert footprint.weights_bytes == weights and footprint.buffers_bytes == 0
+    assert footprint.static_bytes("sgd") == 2 * weights and footprint.static_bytes("adam") == 4 * weights
+
+
+def test_a_footprint_of_a_bad_range_raises_like_building_it() -> None:
+    from edgeswarm.training.footprint import stage_footprint
+
+    with pytest.raises(StageRangeError):
+        stage_footprint(tiny("mlp"), 3, 99)
+    with pytest.raises(ConfigError):
+        stage_footprint(ModelSpec(name="mlp", config={"depth": 3}), 0, 1)

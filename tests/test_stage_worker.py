@@ -248,3 +248,43 @@ def test_a_stage_over_its_memory_budget_fails_with_the_numbers(broker, make_bus,
     with pytest.raises(JobError, match=r"r1 failed \(memory\): stage 1 \(units \[3, \d+\)\) needs [\d.]+ MiB for "
                                        r"weights, gradients, sgd state and buffers alone"):
         JobDriver(client, _job("memory2"), _pipeline_plan(tiny, 3), loss_terms=64).deploy()
+
+
+def _rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_an_assignment_over_budget_is_refused_before_any_weight_is_allocated(broker, make_bus, services) -> None:
+    """A stage whose weights would be 4 TiB is refused with reason "memory" and Eq. 3's numbers, measured without
+    building it: the worker's resident memory does not grow by the stage (allocating it would have failed with an
+    allocator error instead), it still answers probes, and it goes on building stages that fit."""
+    from edgeswarm.messages import Probe, ProbeReply
+    from edgeswarm.training.footprint import stage_footprint
+
+    proc = services.start("stage-worker", "big0", broker.url, EDGESWARM_MEMORY_BUDGET_BYTES=str(512 * 2**20))
+    client = make_bus("coordinator-test", "cli")
+    client.peers.wait_for("big0", "stage-worker", timeout_s=30)
+    huge = ModelSpec(name="mlp", config={"image_size": 1, "hidden": 2**20, "layers": 2})
+
+    def assign(model: ModelSpec, job: str) -> object:
+        return StageAssign(job_id=job, epoch=0, stage=0, rank=0, model=model, start=0, end=6, groups=[["big0"]],
+                           shares=[[B]], micro_batches=1, warmup=1, loss_scale=1.0 / B,
+                           optimizer=OptimizerSpec(name="adam", lr=0.01), data=DATA)
+
+    # A stage that fits first: the worker has imported torch and built a stage before its memory is measured.
+    assert isinstance(_ask_all(client, {"big0": assign(MLP, "fits")}, 60)["big0"].body, StageReady)
+    before = _rss_bytes(proc.pid)
+    refused = _ask_all(client, {"big0": assign(huge, "huge")}, 60)["big0"].body
+    assert isinstance(refused, StageFailed) and refused.reason == "memory", refused
+    static = stage_footprint(huge, 0, 6).static_bytes("adam")
+    assert static > 2**44  # weights, gradients and two Adam moments of 4 TiB each
+    assert f"needs {static / 2**20:.1f} MiB for weights, gradients, adam state and buffers alone" in refused.detail
+    assert "memory budget of 512.0 MiB" in refused.detail
+    assert _rss_bytes(proc.pid) - before < 128 * 2**20, "the refused stage was allocated"
+    probe = client.request(topics.request("big0", "stage-worker"), Probe(), timeout_s=10).body
+    assert isinstance(probe, ProbeReply) and probe.healthy
+    ready = _ask_all(client, {"big0": assign(MLP, "fits-again")}, 60)["big0"].body
+    assert isinstance(ready, StageReady), ready
+    assert proc.poll() is None

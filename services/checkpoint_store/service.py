@@ -10,9 +10,11 @@ CheckpointList is answered with the stored versions.
 
 Disk work (writes and loads) runs on one worker thread fed by a bounded queue, so the request topic,
 and with it probes, stays responsive while a large checkpoint is written or sent; beyond ``MAX_QUEUED``
-waiting jobs a request is answered ``busy``. Uploads idle for EDGESWARM_REASSEMBLY_TIMEOUT_S are
-discarded (and a waiting commit answered ``incomplete``). Every bad message is logged, counted and
-answered where it can be; the service goes on.
+waiting jobs a request is answered ``busy``, and so is a new upload beyond EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS
+open ones or beyond twice EDGESWARM_CHECKPOINT_MAX_BYTES of tensors and commit metadata held. Uploads idle for
+EDGESWARM_REASSEMBLY_TIMEOUT_S are discarded (and a waiting commit answered ``incomplete``). Every bad message is
+logged, counted and answered where it can be (failed uploads are logged rate-limited: anyone can cause them); the
+service goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from edgeswarm.errors import (
     EdgeswarmError,
     InvalidMessageError,
 )
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.checkpoints import (
     CheckpointCommit,
     CheckpointFailed,
@@ -84,7 +87,8 @@ class CheckpointStoreService(Service):
             log.warning("cannot look for leftover temporary files in %s: %s", self.store.directory, exc)
         self.uploads: UploadTracker[Inbound] = UploadTracker(
             max_upload_bytes=s.checkpoint_max_bytes, max_pending_bytes=2 * s.checkpoint_max_bytes,
-            timeout_s=s.reassembly_timeout_s)
+            timeout_s=s.reassembly_timeout_s, max_open_uploads=s.checkpoint_max_open_uploads)
+        self._failure_log = RateLimitedLog(log, what="failed uploads")
         self._jobs: queue.Queue[_Save | _Load] = queue.Queue(maxsize=MAX_QUEUED)
         self._worker = threading.Thread(target=self._work, name="checkpoint-disk", daemon=True)
         self._worker.start()
@@ -125,7 +129,9 @@ class CheckpointStoreService(Service):
         for outcome in outcomes:
             if isinstance(outcome, FailedUpload):
                 self.metrics.count(f"checkpoint_failures.{outcome.reason}")
-                log.warning("checkpoint upload failed (%s): %s", outcome.reason, outcome.detail)
+                # Rate-limited: anyone who can reach the broker can send a flood of commits that fail.
+                self._failure_log.warning(outcome.reason, "checkpoint upload failed (%s): %s", outcome.reason,
+                                          outcome.detail)
                 if outcome.token is not None:
                     self._answer(outcome.token, CheckpointFailed(transfer_id=outcome.transfer_id,
                                                                  reason=outcome.reason, detail=outcome.detail[:4096]))

@@ -1,7 +1,8 @@
 """The coordinator: keeps the live cluster view from the retained status and heartbeat topics.
 
 It publishes the view, retained, on ``edgeswarm/cluster/view`` every second and an event on
-``edgeswarm/cluster/events`` for every change of a service's state and every duplicate node id.
+``edgeswarm/cluster/events`` for every change of a service's state and every duplicate node id. The view is
+bounded by the EDGESWARM_MEMBERSHIP_* settings (retention and caps, see ``edgeswarm.membership``).
 It also owns training jobs (``jobs.JobManager``): ``edgeswarm.job.submit`` and ``edgeswarm.job.cancel`` on
 its request topic, with each job's state retained on ``edgeswarm/job/{job}/state``.
 """
@@ -14,7 +15,7 @@ import time
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
-from edgeswarm.membership import MembershipTable, diff_events, observed_at
+from edgeswarm.membership import diff_events, membership_table, observed_at
 from edgeswarm.messages import ClusterView, Heartbeat, Status
 from edgeswarm.runtime.service import Service
 from edgeswarm.services.coordinator.jobs import JobManager
@@ -26,9 +27,10 @@ class CoordinatorService(Service):
     name = "coordinator"
 
     def setup(self) -> None:
-        self.table = MembershipTable(self.settings.heartbeat_timeout_factor)
+        self.table = membership_table(self.settings)
         self._lock = threading.Lock()
         self._last_view: ClusterView | None = None
+        self._refused_counted = 0
         self.bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
         self.bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
         self.every(min(1.0, self.settings.heartbeat_interval_s), self.publish_view, "cluster-view")
@@ -53,6 +55,11 @@ class CoordinatorService(Service):
             view = self.table.view(time.time())
             events = diff_events(self._last_view, view)
             self._last_view = view
+            self.metrics.gauge("membership_nodes", self.table.node_count)
+            self.metrics.gauge("membership_instances", len(self.table))
+            refused, self._refused_counted = self.table.refused - self._refused_counted, self.table.refused
+        if refused:
+            self.metrics.count("membership_refused", refused)  # newcomers a cap turned away
         self.bus.publish(topics.CLUSTER_VIEW, view, retain=True)
         for event in events:
             level = logging.ERROR if event.kind == "duplicate_node" else logging.INFO

@@ -10,8 +10,8 @@ fails the round it belongs to at once; every wait has a timeout.
 
 The worker computes as its device class: forward, backward and the optimizer step run through
 ``DeviceProfile.run`` (the emulated slow-down) on the class's thread count, and a stage whose weights, gradients,
-optimizer state and held activations (Eq. 3, counted as they are allocated) exceed the memory budget fails with
-the numbers.
+optimizer state and held activations (Eq. 3) exceed the memory budget fails with the numbers: the static part is
+measured on torch's meta device and checked before the stage is built, the activations as they are allocated.
 """
 
 from __future__ import annotations
@@ -205,25 +205,25 @@ class StageWorkerService(Service):
 
         from edgeswarm.models.sequence import layer_sequence
         from edgeswarm.models.zoo import build_model
-        from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR
         from edgeswarm.training.data import open_dataset
+        from edgeswarm.training.footprint import stage_footprint
         from edgeswarm.training.jobs import make_optimizer
         from edgeswarm.training.stage import StageCompute
         from edgeswarm.training.unit_state import unit_names
 
-        if self.device.compute_threads is not None:
-            torch.set_num_threads(self.device.compute_threads)
-        last = spec.stage == len(spec.groups) - 1
-        sequence = layer_sequence(build_model(spec.model))
-        module = sequence.build_stage(spec.start, spec.end)
-        weights = sum(p.numel() * p.element_size() for p in module.parameters())
-        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-        static = (2 + OPTIMIZER_STATE_FACTOR[spec.optimizer.name]) * weights + buffers
+        # Measured on the meta device, before any weight exists: an assignment too large for this device is refused
+        # without allocating it (Eq. 3's static part; activations are counted as rounds run, in _check_memory).
+        static = stage_footprint(spec.model, spec.start, spec.end).static_bytes(spec.optimizer.name)
         if static > self.device.memory_budget_bytes:
             raise MemoryBudgetError(
                 f"stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB for weights, "
                 f"gradients, {spec.optimizer.name} state and buffers alone, but {self.node} "
                 f"({self.device.device_class}) has a memory budget of {self.device.memory_budget_bytes / MIB:.1f} MiB")
+        if self.device.compute_threads is not None:
+            torch.set_num_threads(self.device.compute_threads)
+        last = spec.stage == len(spec.groups) - 1
+        sequence = layer_sequence(build_model(spec.model))
+        module = sequence.build_stage(spec.start, spec.end)
         in_shape, out_shape, sample = _sample_shapes(sequence, spec)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
         share = spec.shares[spec.stage][spec.rank]

@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 
 class _ContextFilter(logging.Filter):
@@ -83,30 +84,41 @@ def configure_cli_logging(level: str = "WARNING") -> None:
 
 
 class RateLimitedLog:
-    """Logs at most ``burst`` lines per key per ``window_s`` seconds to ``logger``, then one summary line per
-    window: for paths an outsider can trigger (a flood of bad messages must not become a flood of log lines)."""
+    """Logs at most ``burst`` lines per key per ``window_s`` seconds, then one summary line.
 
-    def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
+    For lines an outsider can trigger (a rejected message, a refused member): a flood must not turn into a
+    flood of log lines. The summary (how many ``what`` were left out) is written when the key is next used
+    after its window. ``clock`` is any monotonic clock in seconds. Thread-safe.
+    """
+
+    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 10.0, what: str = "lines",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._log = logger
         self._burst = burst
         self._window = window_s
+        self._what = what
+        self._clock = clock
         self._state: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
-    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        self.log(logging.WARNING, key, msg, *args, exc_info=exc_info)
-
     def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
+        """Log ``msg % args`` at ``level`` unless ``key`` has had ``burst`` lines in its current window."""
+        now = self._clock()
         with self._lock:
             start, n = self._state.get(key, (now, 0))
             if now - start > self._window:
                 if n > self._burst:
-                    self._log.log(level, "... %d more '%s' lines in the last %.0f s", n - self._burst, key,
+                    self._log.log(level, "... %d more '%s' %s in the last %.0f s", n - self._burst, key, self._what,
                                   self._window)
                 start, n = now, 0
             if len(self._state) > 1024 and key not in self._state:
-                self._state.clear()  # keys come from a fixed set of reasons; never let them grow without bound
+                self._state.clear()  # keys come from fixed sets of reasons; never let them grow without bound
             self._state[key] = (start, n + 1)
         if n < self._burst:
             self._log.log(level, msg, *args, exc_info=exc_info)
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        self.log(logging.WARNING, key, msg, *args, exc_info=exc_info)
+
+    def error(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        self.log(logging.ERROR, key, msg, *args, exc_info=exc_info)

@@ -7,17 +7,40 @@ runs. A service is *online* while its status says online and it has been heard f
 (hung, stopped or cut off), and *offline* once its status says so (shutdown or Last Will). Two
 instances of the same service on the same node that are both online are a conflict: reported, never
 merged.
+
+The table is bounded: an instance silent (no status or heartbeat) for longer than ``retention_s`` is
+forgotten, whatever its state, and at most ``max_nodes`` nodes of at most ``max_instances_per_node``
+instances each are held. A newcomer beyond a cap is refused (counted in ``refused`` and logged, rate-limited)
+until retention frees room: without the caps, anyone who can publish a heartbeat could grow the table, and the
+view republished every second, without bound. Every time is passed in by the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, NodeView, ServiceView, Status
 from edgeswarm.messages.cluster import ServiceState
 
+if TYPE_CHECKING:
+    from edgeswarm.settings import Settings  # settings imports this module's defaults
+
+log = logging.getLogger(__name__)
+
+# Defaults of the Settings fields membership_retention_s, membership_max_nodes and
+# membership_max_instances_per_node (edgeswarm.settings), which explain the choice.
+DEFAULT_RETENTION_S = 300.0
+DEFAULT_MAX_NODES = 128
+DEFAULT_MAX_INSTANCES_PER_NODE = 16
+
 _RANK: dict[ServiceState, int] = {"online": 0, "suspect": 1, "offline": 2}
+_FORGOTTEN_NAMED = 5  # instances named in the log line that reports forgotten ones
+
+Key = tuple[str, str, str]  # (node, service, instance)
 
 
 @dataclass
@@ -28,43 +51,106 @@ class _Instance:
 
 
 class MembershipTable:
-    """Latest known state of every service instance. ``at`` arguments are Unix seconds of the observation."""
+    """Latest known state of every service instance. ``at`` and ``now`` arguments are Unix seconds of the
+    observation; ``retention_s`` is seconds of silence after which an instance is forgotten."""
 
-    def __init__(self, heartbeat_timeout_factor: float = 3.0) -> None:
+    def __init__(self, heartbeat_timeout_factor: float = 3.0, *, retention_s: float = DEFAULT_RETENTION_S,
+                 max_nodes: int = DEFAULT_MAX_NODES,
+                 max_instances_per_node: int = DEFAULT_MAX_INSTANCES_PER_NODE) -> None:
         self.timeout_factor = heartbeat_timeout_factor
-        self._instances: dict[tuple[str, str, str], _Instance] = {}
+        self.retention_s = retention_s
+        self.max_nodes = max_nodes
+        self.max_instances_per_node = max_instances_per_node
+        self.refused = 0  # statuses and heartbeats of newcomers turned away by a cap
+        # node -> (service, instance) -> instance: per node, so caps and superseding need not scan everyone.
+        self._nodes: dict[str, dict[tuple[str, str], _Instance]] = {}
+        self._cap_log = RateLimitedLog(log, what="refused newcomers")
 
-    def apply_status(self, status: Status, at: float) -> None:
-        """Record a status observed at ``at`` (older than the one already held: ignored)."""
-        key = (status.node, status.service, status.instance)
-        held = self._instances.get(key)
+    def __len__(self) -> int:
+        """How many service instances are held."""
+        return sum(len(held) for held in self._nodes.values())
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def apply_status(self, status: Status, at: float) -> bool:
+        """Record a status observed at ``at`` (older than the one already held: ignored). Returns False when a cap
+        turned a newcomer away."""
+        node, key = status.node, (status.service, status.instance)
+        held = self._nodes.get(node, {}).get(key)
         if held is not None and held.status_at > at:
-            return
-        self._instances[key] = _Instance(status, at, max(at, held.heard_at) if held else at)
+            return True
         if status.state == "online":
-            self._forget_superseded(status, at)
+            self._forget_superseded(status, at)  # first: a restarted service takes its old instance's place
+        if held is None and not self._admit(node, key):
+            return False
+        self._nodes.setdefault(node, {})[key] = _Instance(status, at, max(at, held.heard_at) if held else at)
+        return True
 
-    def apply_heartbeat(self, hb: Heartbeat, at: float) -> None:
-        """Record a heartbeat observed at ``at``.
+    def apply_heartbeat(self, hb: Heartbeat, at: float) -> bool:
+        """Record a heartbeat observed at ``at``. Returns False when a cap turned a newcomer away.
 
         An instance heard only through heartbeats is kept with a provisional status until its real one
         arrives: a live twin whose retained status was overwritten by the other's is still seen, so the
-        conflict is reported.
+        conflict is reported. The provisional status holds only the heartbeat's bounded names and numbers.
         """
-        key = (hb.node, hb.service, hb.instance)
-        held = self._instances.get(key)
+        node, key = hb.node, (hb.service, hb.instance)
+        held = self._nodes.get(node, {}).get(key)
         if held is None:
-            self._instances[key] = _Instance(_provisional_status(hb, at), -math.inf, at)
+            if not self._admit(node, key):
+                return False
+            self._nodes.setdefault(node, {})[key] = _Instance(_provisional_status(hb, at), -math.inf, at)
         elif at > held.heard_at:
             held.heard_at = at
+        return True
+
+    def prune(self, now: float) -> list[Key]:
+        """Forget every instance silent for more than ``retention_s`` as of ``now``; returns the forgotten keys."""
+        horizon = now - self.retention_s
+        gone: list[Key] = []
+        for node, held in list(self._nodes.items()):
+            for key, inst in list(held.items()):
+                if inst.heard_at < horizon:
+                    del held[key]
+                    gone.append((node, *key))
+            if not held:
+                del self._nodes[node]
+        if gone:
+            named = ", ".join("/".join(k) for k in gone[:_FORGOTTEN_NAMED])
+            more = f" and {len(gone) - _FORGOTTEN_NAMED} more" if len(gone) > _FORGOTTEN_NAMED else ""
+            log.info("forgot %d service instance(s) silent for over %g s (EDGESWARM_MEMBERSHIP_RETENTION_S): %s%s",
+                     len(gone), self.retention_s, named, more)
+        return gone
 
     def view(self, now: float) -> ClusterView:
-        """The cluster as of ``now``: one NodeView per node, services sorted by name."""
-        by_node: dict[str, list[tuple[_Instance, ServiceView]]] = {}
-        for inst in self._instances.values():
-            by_node.setdefault(inst.status.node, []).append((inst, self._service_view(inst, now)))
-        nodes = [self._node_view(node, entries) for node, entries in sorted(by_node.items())]
+        """The cluster as of ``now``: one NodeView per node, services sorted by name. Forgets instances silent past
+        the retention first (``prune``)."""
+        self.prune(now)
+        nodes = [self._node_view(node, [(inst, self._service_view(inst, now)) for inst in held.values()])
+                 for node, held in sorted(self._nodes.items())]
         return ClusterView(generated_at=now, heartbeat_timeout_factor=self.timeout_factor, nodes=tuple(nodes))
+
+    def _admit(self, node: str, key: tuple[str, str]) -> bool:
+        """Whether a new instance ``key`` of ``node`` fits under the caps; logs (rate-limited) when not."""
+        held = self._nodes.get(node)
+        if held is None and len(self._nodes) >= self.max_nodes:
+            self.refused += 1
+            self._cap_log.error(
+                "max_nodes", "membership is full: it holds %d nodes, the cap (EDGESWARM_MEMBERSHIP_MAX_NODES); node "
+                "%s (%s/%s) is left out until a node has been silent for %g s (EDGESWARM_MEMBERSHIP_RETENTION_S). "
+                "Raise the cap if the cluster really is this large, else find who publishes for unknown nodes",
+                len(self._nodes), node, *key, self.retention_s)
+            return False
+        if held is not None and len(held) >= self.max_instances_per_node:
+            self.refused += 1
+            self._cap_log.error(
+                "max_instances_per_node", "node %s already has %d service instances, the cap "
+                "(EDGESWARM_MEMBERSHIP_MAX_INSTANCES_PER_NODE); instance %s of %s is left out until one has been "
+                "silent for %g s (EDGESWARM_MEMBERSHIP_RETENTION_S)", node, len(held), key[1], key[0],
+                self.retention_s)
+            return False
+        return True
 
     def _service_view(self, inst: _Instance, now: float) -> ServiceView:
         st = inst.status
@@ -102,10 +188,20 @@ class MembershipTable:
 
     def _forget_superseded(self, status: Status, at: float) -> None:
         # An offline instance replaced by a newer one of the same service is history, not membership.
-        for key, inst in list(self._instances.items()):
-            if (key[0], key[1]) == (status.node, status.service) and key[2] != status.instance \
+        held = self._nodes.get(status.node)
+        if held is None:
+            return
+        for key, inst in list(held.items()):
+            if key[0] == status.service and key[1] != status.instance \
                     and inst.status.state == "offline" and inst.status_at <= at:
-                del self._instances[key]
+                del held[key]
+
+
+def membership_table(settings: Settings) -> MembershipTable:
+    """A MembershipTable with the retention and caps of ``settings`` (the EDGESWARM_MEMBERSHIP_* variables)."""
+    return MembershipTable(settings.heartbeat_timeout_factor, retention_s=settings.membership_retention_s,
+                           max_nodes=settings.membership_max_nodes,
+                           max_instances_per_node=settings.membership_max_instances_per_node)
 
 
 def _provisional_status(hb: Heartbeat, at: float) -> Status:
@@ -119,7 +215,8 @@ def observed_at(sent_at: float, retained: bool, now: float) -> float:
     """When a liveness message was true (Unix seconds): its send time for a retained copy, else ``now``.
 
     Live messages are stamped with the receiver's clock so clock skew between nodes does not age them;
-    retained copies delivered on subscribe are as old as their send time says, but never younger than now.
+    retained copies delivered on subscribe are as old as their send time says, but never newer than ``now``:
+    a send time in the future would keep an instance fresh, and so held, for as long as the sender liked.
     """
     return min(sent_at, now) if retained else now
 

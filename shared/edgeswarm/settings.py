@@ -16,7 +16,9 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from edgeswarm.checkpoints.uploads import DEFAULT_MAX_OPEN_UPLOADS
 from edgeswarm.errors import ConfigError
+from edgeswarm.membership import DEFAULT_MAX_INSTANCES_PER_NODE, DEFAULT_MAX_NODES, DEFAULT_RETENTION_S
 from edgeswarm.wire.schema import NAME_PATTERN
 
 MIB = 1024 * 1024
@@ -184,6 +186,23 @@ class Settings(BaseSettings):
     checkpoint_dir: Path = Field(default_factory=default_checkpoint_dir)
     checkpoint_keep: int = Field(default=3, ge=1)
     checkpoint_max_bytes: int = Field(default=2048 * MIB, ge=1)
+    # Uploads open at once (each holds its tensors and its commit's metadata, up to about 1 MB, until complete):
+    # a job saves one upload per stage at a time, so 64 leaves room for several jobs' saves together while a
+    # flood of commits whose tensors never come holds at most some 70 MB of metadata.
+    checkpoint_max_open_uploads: int = Field(default=DEFAULT_MAX_OPEN_UPLOADS, ge=1)
+
+    # Membership (the coordinator's cluster view, and `edgeswarm status`): a service instance silent (no status
+    # or heartbeat) for longer than the retention is forgotten, offline or not, so a departed node stays listed
+    # as offline, with its reason, for a few minutes and then goes. At most ``membership_max_nodes`` nodes of at
+    # most ``membership_max_instances_per_node`` instances each are held; newcomers beyond that are refused (and
+    # logged) until retention frees room, so forged heartbeats cannot grow the view without bound.
+    # Five minutes: long enough that `edgeswarm status` run after a failure still shows which node left and why;
+    # short enough that a flood of forged node ids stops crowding out newcomers within minutes. 128 nodes is far
+    # beyond a cluster of edge devices, 16 instances twice the services one node runs. A flood of forged
+    # heartbeats then leaves a view of about 40 KB; every slot filled with the longest statuses, a few MB.
+    membership_retention_s: float = Field(default=DEFAULT_RETENTION_S, gt=0)
+    membership_max_nodes: int = Field(default=DEFAULT_MAX_NODES, ge=1)
+    membership_max_instances_per_node: int = Field(default=DEFAULT_MAX_INSTANCES_PER_NODE, ge=1)
 
     # The coordinator's training jobs: the longest any one step (profiling, a round, a save) may take.
     job_step_timeout_s: float = Field(default=600.0, gt=0)
@@ -236,6 +255,17 @@ class Settings(BaseSettings):
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None  # pydantic reports ValueErrors with the field name
         return value
+
+    @model_validator(mode="after")
+    def _retention_outlasts_suspicion(self) -> Settings:
+        # Forgetting a service before it could even turn suspect would make live services blink in and out.
+        if self.membership_retention_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"EDGESWARM_MEMBERSHIP_RETENTION_S ({self.membership_retention_s:g} s) must exceed "
+                "EDGESWARM_HEARTBEAT_INTERVAL_S x EDGESWARM_HEARTBEAT_TIMEOUT_FACTOR "
+                f"({self.heartbeat_timeout_s:g} s), or live services would be forgotten before they turn suspect: "
+                "raise the retention")
+        return self
 
     def credentials(self) -> BrokerCredentials:
         """This node's credentials, the password read from its file now. Without an explicit user name, a node

@@ -196,7 +196,7 @@ class Bus:
         self._pending_lock = threading.Lock()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_lock = threading.Lock()
-        self._reject_log = RateLimitedLog(log)
+        self._reject_log = RateLimitedLog(log, what="rejections")
         self._rejection_tokens = _TokenBucket(_REJECTION_RATE, int(2 * _REJECTION_RATE))
         self._rejections: queue.Queue[_Rejection] = queue.Queue(maxsize=_REJECTION_QUEUE)
         self._reconnect_hooks: list[Callable[[], None]] = []

@@ -4,9 +4,11 @@ A pure core (no I/O; the caller passes the clock): the checkpoint-store service 
 CheckpointTensor and CheckpointCommit and acts on what it returns. An upload is *ready* when its commit
 and all ``count`` tensors are in; it *fails* when it is inconsistent (a tensor or commit that disagrees
 with the rest of its upload), too large, over the memory budget, or idle for ``timeout_s`` seconds.
-Memory is bounded: one upload holds at most ``max_upload_bytes`` of tensor data, all incomplete uploads
-together at most ``max_pending_bytes``. The outcome of the last ``remember`` finished uploads is kept so
-that a commit arriving after its upload failed still gets the reason.
+Memory is bounded: one upload holds at most ``max_upload_bytes`` of tensor data; all incomplete uploads
+together hold at most ``max_pending_bytes`` of tensor data and commit metadata (a commit waiting for its
+tensors keeps its meta, up to about a megabyte); at most ``max_open_uploads`` are open at once. Beyond either
+limit a new tensor or commit is refused as ``busy``. The outcome of the last ``remember`` finished uploads is
+kept so that a commit arriving after its upload failed still gets the reason.
 """
 
 from __future__ import annotations
@@ -16,10 +18,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from edgeswarm.checkpoints.types import MetaValue
 from edgeswarm.messages.checkpoints import CheckpointCommit, CheckpointFailureReason, CheckpointTensor
 from edgeswarm.wire.tensor import WireTensor
 
 T = TypeVar("T")
+
+DEFAULT_MAX_OPEN_UPLOADS = 64  # default of the setting checkpoint_max_open_uploads, which explains it
+_SCALAR_BYTES = 8  # what an int, float or bool meta value is counted as
+
+
+def meta_nbytes(meta: dict[str, MetaValue]) -> int:
+    """What a commit's ``meta`` is counted as while its upload is open, in bytes: its keys and string values
+    encoded as UTF-8, 8 bytes per other value (a fair estimate of what it holds, and of its encoded size)."""
+    return sum(len(k.encode()) + (len(v.encode()) if isinstance(v, str) else _SCALAR_BYTES) for k, v in meta.items())
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class _Upload(Generic[T]):
     tensors: dict[int, tuple[str, WireTensor]] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
     nbytes: int = 0
+    meta_bytes: int = 0  # the commit's meta, counted in pending_bytes like the tensors
     commit: CheckpointCommit | None = None
     token: T | None = None
 
@@ -71,18 +84,19 @@ class _Upload(Generic[T]):
 
 
 class UploadTracker(Generic[T]):
-    """Uploads in progress. Thread-safe; ``now`` is any monotonic clock in seconds."""
+    """Uploads in progress. Thread-safe; ``now`` is any monotonic clock in seconds, sizes are bytes."""
 
     def __init__(self, *, max_upload_bytes: int, max_pending_bytes: int, timeout_s: float,
-                 remember: int = 1024) -> None:
+                 max_open_uploads: int = DEFAULT_MAX_OPEN_UPLOADS, remember: int = 1024) -> None:
         self.max_upload_bytes = max_upload_bytes
         self.max_pending_bytes = max_pending_bytes
+        self.max_open_uploads = max_open_uploads
         self.timeout_s = timeout_s
         self._remember = remember
         self._uploads: dict[str, _Upload[T]] = {}
         self._finished: OrderedDict[str, tuple[CheckpointFailureReason | None, str]] = OrderedDict()
         self._lock = threading.Lock()
-        self.pending_bytes = 0
+        self.pending_bytes = 0  # tensor data and commit meta of the open uploads
         self.ignored = 0  # tensors or duplicate deliveries of uploads that are no longer open
 
     @property
@@ -100,10 +114,9 @@ class UploadTracker(Generic[T]):
                 return []
             up = self._uploads.get(msg.transfer_id)
             if up is None:
-                if self.pending_bytes + value.nbytes > self.max_pending_bytes:
-                    return [self._refuse(msg.transfer_id, "busy", (
-                        f"upload {msg.transfer_id}: the store already holds {self.pending_bytes} bytes of incomplete "
-                        f"uploads (limit {self.max_pending_bytes}); try again when they are done"))]
+                refusal = self._no_room(msg.transfer_id, value.nbytes)
+                if refusal is not None:
+                    return [self._refuse(msg.transfer_id, "busy", refusal, None)]
                 up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
                 self._uploads[msg.transfer_id] = up
             if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
@@ -126,7 +139,7 @@ class UploadTracker(Generic[T]):
             if self.pending_bytes + value.nbytes > self.max_pending_bytes:
                 return self._fail(up, "busy", (
                     f"{up.describe()}: the store holds {self.pending_bytes} bytes of incomplete uploads "
-                    f"(limit {self.max_pending_bytes}); try again when they are done"))
+                    f"(tensors and commit metadata; limit {self.max_pending_bytes}); try again when they are done"))
             up.tensors[msg.index] = (msg.name, value)
             up.names.add(msg.name)
             up.nbytes += value.nbytes
@@ -145,13 +158,24 @@ class UploadTracker(Generic[T]):
                                          f"upload {msg.transfer_id} was already committed", token)]
                 return [FailedUpload(msg.transfer_id, reason, detail, token)]
             up = self._uploads.get(msg.transfer_id)
-            if up is None:
-                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
-                self._uploads[msg.transfer_id] = up
-            if up.commit is not None:
+            if up is not None and up.commit is not None:
                 self.ignored += 1
                 return []
+            meta = meta_nbytes(msg.meta)
+            if up is None:
+                refusal = self._no_room(msg.transfer_id, meta)
+                if refusal is not None:
+                    return [self._refuse(msg.transfer_id, "busy", refusal, token)]
+                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
+                self._uploads[msg.transfer_id] = up
             up.commit, up.token = msg, token
+            if self.pending_bytes + meta > self.max_pending_bytes:
+                return self._fail(up, "busy", (
+                    f"{up.describe()}: the store holds {self.pending_bytes} bytes of incomplete uploads (tensors and "
+                    f"commit metadata; limit {self.max_pending_bytes}) and this commit's metadata adds {meta}; try "
+                    "again when they are done"))
+            up.meta_bytes = meta
+            self.pending_bytes += meta
             if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
                 return self._fail(up, "bad_request", (
                     f"{up.describe()}: the commit says {msg.job_id}/{msg.stage} version {msg.version} with "
@@ -193,13 +217,26 @@ class UploadTracker(Generic[T]):
         self._close(up, reason, detail)
         return [FailedUpload(up.transfer_id, reason, detail, up.token)]
 
-    def _refuse(self, transfer_id: str, reason: CheckpointFailureReason, detail: str) -> FailedUpload[T]:
+    def _no_room(self, transfer_id: str, nbytes: int) -> str | None:
+        """Why a new upload whose first message brings ``nbytes`` cannot be opened now, or None."""
+        if len(self._uploads) >= self.max_open_uploads:
+            return (f"upload {transfer_id}: the store already has {len(self._uploads)} uploads open, its limit "
+                    f"(EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS = {self.max_open_uploads}); try again when they are done")
+        if self.pending_bytes + nbytes > self.max_pending_bytes:
+            return (f"upload {transfer_id}: the store already holds {self.pending_bytes} bytes of incomplete uploads "
+                    f"(tensors and commit metadata; limit {self.max_pending_bytes}) and this one brings {nbytes}; "
+                    "try again when they are done")
+        return None
+
+    def _refuse(self, transfer_id: str, reason: CheckpointFailureReason, detail: str,
+                token: T | None) -> FailedUpload[T]:
+        # Remembered, so the refused upload's other messages are ignored and a later commit gets the reason.
         self._remember_outcome(transfer_id, reason, detail)
-        return FailedUpload(transfer_id, reason, detail, None)
+        return FailedUpload(transfer_id, reason, detail, token)
 
     def _close(self, up: _Upload[T], reason: CheckpointFailureReason | None, detail: str) -> None:
         self._uploads.pop(up.transfer_id, None)
-        self.pending_bytes -= up.nbytes
+        self.pending_bytes -= up.nbytes + up.meta_bytes
         self._remember_outcome(up.transfer_id, reason, detail)
 
     def _remember_outcome(self, transfer_id: str, reason: CheckpointFailureReason | None, detail: str) -> None:

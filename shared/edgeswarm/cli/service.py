@@ -22,8 +22,9 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        problems = "; ".join(f"EDGESWARM_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-                             for e in exc.errors())
+        # A check across fields has no location; its message names the variables itself.
+        problems = "; ".join(f"EDGESWARM_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" if e["loc"]
+                             else e["msg"] for e in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from None
 
 

@@ -14,23 +14,24 @@ class Status(Message):
     """Retained on ``edgeswarm/node/{node}/{service}/status``; the Last Will sets ``state=offline``.
 
     ``data_url`` is the broker that tensors for this service must be published to (DESIGN.md
-    principle 3). Memory figures are bytes; ``heartbeat_interval_s`` is seconds.
+    principle 3). Memory figures are bytes; ``heartbeat_interval_s`` is seconds. The strings are bounded
+    because the coordinator keeps every status it accepts and republishes it in the cluster view.
     """
 
     state: Literal["online", "offline"]
     node: Name
     service: Name
     instance: Name
-    version: str
-    host: str
+    version: str = Field(max_length=64)
+    host: str = Field(max_length=255)
     pid: int
-    device_class: str
+    device_class: str = Field(max_length=128)
     memory_budget_bytes: int = Field(ge=0)
     free_memory_bytes: int = Field(ge=0)
-    data_url: str
+    data_url: str = Field(max_length=512)
     heartbeat_interval_s: float = Field(gt=0)
     started_at: float
-    reason: str | None = None
+    reason: str | None = Field(default=None, max_length=512)
 
 
 @schema("edgeswarm.heartbeat", 1)

@@ -38,7 +38,10 @@ class ClusterWatcher:
         self._fresh_s = fresh_s
         self._coordinator_view: ClusterView | None = None
         self._received_at = 0.0
-        self._table = MembershipTable(heartbeat_timeout_factor)
+        s = bus.settings  # EDGESWARM_MEMBERSHIP_*, as the coordinator reads them: the fallback view is bounded too
+        self._table = MembershipTable(heartbeat_timeout_factor, retention_s=s.membership_retention_s,
+                                      max_nodes=s.membership_max_nodes,
+                                      max_instances_per_node=s.membership_max_instances_per_node)
         bus.subscribe(topics.CLUSTER_VIEW, self._on_view, schemas=(ClusterView,))
         bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
         bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
