@@ -398,7 +398,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.checkpoint.failed", 1): {
         "transfer_id": "str?",
         "reason": ("enum", {"corrupt", "too_large", "stale_version", "incomplete", "busy", "unreachable",
-                            "bad_request", "error"}),
+                            "bad_request", "forbidden", "error"}),
         "detail": "str",
     },
     ("edgeswarm.checkpoint.list", 1): {"job_id": "str?"},

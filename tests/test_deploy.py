@@ -30,7 +30,7 @@ from edgeswarm.local.broker import free_port, mosquitto_binary, port_open
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages import Status
 from edgeswarm.services import SERVICES
-from edgeswarm.settings import Settings
+from edgeswarm.settings import Settings, parse_broker_url
 from helpers import REPO, wait_until
 
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -214,10 +214,17 @@ def test_compose_broker(compose: dict[str, Any]) -> None:
     assert (REPO / conf_mount.split(":", 1)[0]).resolve() == MOSQUITTO_CONF.resolve()
     data_mount = next(m for m in mounts if m.split(":")[1] == "/mosquitto/data")
     assert data_mount.split(":")[0] in (compose.get("volumes") or {}), "the broker's data is a named volume"
-    assert broker["ports"] == ["${EDGESWARM_BROKER_PORT:-1883}:1883"]
+    assert broker["ports"] == ["${EDGESWARM_BROKER_PORT:-8883}:8883"], "TLS only"
     test = broker["healthcheck"]["test"]
-    assert test[0] == "CMD" and test[1] == "mosquitto_sub" and "$$SYS/broker/uptime" in test
-    assert interpolate(" ".join(test), {}).count("$SYS/broker/uptime") == 1
+    assert test[0] == "CMD-SHELL" and test[1].startswith("mosquitto_sub ") and "-p 8883" in test[1]
+    assert interpolate(test[1], {}).count("$SYS/broker/uptime") == 1
+    assert "--cafile /run/secrets/edgeswarm-ca" in test[1], "the healthcheck checks the broker's certificate"
+    # The broker reads its certificate, key, password file and ACL as compose secrets, where the config says.
+    conf = MOSQUITTO_CONF.read_text()
+    for secret in broker["secrets"]:
+        assert secret in compose["secrets"], secret
+    for secret in ("broker-cert", "broker-key", "broker-passwd", "broker-acl", "edgeswarm-ca"):
+        assert f"/run/secrets/{secret}" in conf, f"mosquitto.conf does not read the {secret} secret"
 
 
 def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
@@ -243,7 +250,8 @@ def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
         assert expr.has_default or f"`{expr.name}`" in readme, \
             f"${{{expr.name}}} has no default and deploy/README.md does not document it"
     # The variables an operator sets per node are documented whatever their defaults.
-    for documented in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_BROKER_PORT"):
+    for documented in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_BROKER_PORT",
+                       "EDGESWARM_SECRETS"):
         assert f"`{documented}`" in readme, f"deploy/README.md does not document {documented}"
 
     # With nothing set in the shell, the defaults make a valid hub node on its own broker.
@@ -251,20 +259,24 @@ def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
         env = compose_service_env(compose, name, {})
         settings = Settings(**{_setting_name(k): v for k, v in env.items()})  # type: ignore[arg-type]
         assert urlsplit(settings.hub_url).hostname == COMPOSE_BROKER_HOST
+        assert parse_broker_url(settings.hub_url).tls, "the services speak TLS to the brokers by default"
         assert settings.data_plane_url == settings.hub_url
+        assert settings.mqtt_password_file == Path("/run/secrets/edgeswarm-password")
+        assert settings.tls_ca_file == Path("/run/secrets/edgeswarm-ca")
+        assert not settings.allow_anonymous
         assert settings.device_class == "native"
         assert settings.max_packet_bytes == int(mosquitto_settings()["max_packet_size"][0]) == 16 * 1024 * 1024
 
     # A worker node: its own data-plane broker is advertised, control goes to the hub.
     worker = compose_service_env(compose, "node-agent", {"EDGESWARM_NODE_ID": "pi-1",
-                                                         "EDGESWARM_HUB_URL": "mqtt://10.0.0.1:1883",
-                                                         "EDGESWARM_DATA_URL": "mqtt://10.0.0.21:1883"})
-    assert worker["EDGESWARM_HUB_URL"] == "mqtt://10.0.0.1:1883"
-    assert worker["EDGESWARM_DATA_URL"] == "mqtt://10.0.0.21:1883"
+                                                         "EDGESWARM_HUB_URL": "mqtts://10.0.0.1:8883",
+                                                         "EDGESWARM_DATA_URL": "mqtts://10.0.0.21:8883"})
+    assert worker["EDGESWARM_HUB_URL"] == "mqtts://10.0.0.1:8883"
+    assert worker["EDGESWARM_DATA_URL"] == "mqtts://10.0.0.21:8883"
     # A worker that forgets EDGESWARM_DATA_URL falls back to the hub (correct, only slower), never to
     # `broker`, which on another node would name that node's own broker.
-    forgetful = compose_service_env(compose, "node-agent", {"EDGESWARM_HUB_URL": "mqtt://10.0.0.1:1883"})
-    assert forgetful["EDGESWARM_DATA_URL"] == "mqtt://10.0.0.1:1883"
+    forgetful = compose_service_env(compose, "node-agent", {"EDGESWARM_HUB_URL": "mqtts://10.0.0.1:8883"})
+    assert forgetful["EDGESWARM_DATA_URL"] == "mqtts://10.0.0.1:8883"
 
 
 def test_interpolation_helper() -> None:
@@ -274,6 +286,111 @@ def test_interpolation_helper() -> None:
     found: list[Interpolation] = []
     interpolate("${A:-${B}}", {}, found)
     assert [(f.name, f.has_default) for f in found] == [("A", True), ("B", False)]
+
+
+# --- the cluster's secrets, as deploy/README.md makes them -------------------------------------------------
+
+DEPLOY_NODE = "hub"
+WATCHER = "deploy-watch"
+
+
+def make_secrets(folder: Path) -> Path:
+    """What deploy/README.md has a user run: `edgeswarm credentials` and `edgeswarm certs` (here for the hub, one
+    device and a client that watches), through the CLI itself."""
+    from edgeswarm.cli.main import main
+
+    assert main(["credentials", "--dir", str(folder), "--hub", DEPLOY_NODE, "--device", "pi-1",
+                 "--client", WATCHER]) == 0
+    assert main(["certs", "--dir", str(folder), "--broker", f"{DEPLOY_NODE}=127.0.0.1",
+                 "--broker", "pi-1=10.0.0.21"]) == 0
+    return folder
+
+
+def secret_files(compose: dict[str, Any], folder: Path, node: str) -> dict[str, Path]:
+    """Where each compose secret comes from for ``node`` with EDGESWARM_SECRETS=``folder``."""
+    env = {"EDGESWARM_SECRETS": str(folder), "EDGESWARM_NODE_ID": node}
+    return {name: Path(interpolate(spec["file"], env)) for name, spec in compose["secrets"].items()}
+
+
+def test_compose_secrets_are_what_the_commands_make(compose: dict[str, Any], tmp_path: Path) -> None:
+    folder = make_secrets(tmp_path / "secrets")
+    for node in (DEPLOY_NODE, "pi-1"):
+        files = secret_files(compose, folder, node)
+        missing = sorted(name for name, path in files.items() if not path.is_file())
+        assert not missing, f"compose secrets for {node} that `edgeswarm credentials`/`certs` do not make: {missing}"
+        assert files["edgeswarm-password"].stat().st_mode & 0o077 == 0, "a password is readable by its owner only"
+    # The default folder is ./secrets next to compose.yaml, and git never takes it.
+    assert secret_files(compose, Path("./secrets"), "hub")["edgeswarm-ca"] == Path("secrets/tls/ca.crt")
+    assert "secrets/" in (REPO / ".gitignore").read_text().split()
+
+
+class DeployBroker:
+    """Mosquitto run with deploy/mosquitto/mosquitto.conf, its secrets and listener moved into a test folder."""
+
+    def __init__(self, compose: dict[str, Any], folder: Path, workdir: Path) -> None:
+        self.port = free_port()
+        self.files = secret_files(compose, folder, DEPLOY_NODE)
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "data").mkdir()
+        lines = []
+        if os.geteuid() == 0:
+            # Started as root, Mosquitto would switch to its own user, which cannot read the private files.
+            lines.append(f"user {pwd.getpwuid(0).pw_name}")
+        for line in MOSQUITTO_CONF.read_text().splitlines():
+            if line.startswith("listener "):
+                line = f"listener {self.port} 127.0.0.1"
+            elif line.startswith("persistence_location "):
+                line = f"persistence_location {workdir / 'data'}/"
+            for name, path in self.files.items():
+                line = line.replace(f"/run/secrets/{name}", str(path))
+            lines.append(line)
+        conf = workdir / "mosquitto.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        log = open(workdir / "mosquitto.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([mosquitto_binary() or "mosquitto", "-c", str(conf)], stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir)
+        log.close()
+        wait_until(lambda: self.proc.poll() is not None or port_open("127.0.0.1", self.port), 10,
+                   message="mosquitto to accept connections with deploy/mosquitto/mosquitto.conf")
+        assert self.proc.poll() is None, f"mosquitto rejected the config:\n{self.log()}"
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return (self.workdir / "mosquitto.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def deploy_broker(compose: dict[str, Any], tmp_path: Path) -> Iterator[DeployBroker]:
+    broker = DeployBroker(compose, make_secrets(tmp_path / "secrets"), tmp_path / "deploy-broker")
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def in_test(env: dict[str, str], broker: DeployBroker) -> dict[str, str]:
+    """A compose environment with the compose network's broker and the mounted secrets moved to the test's."""
+    out = {}
+    for key, value in env.items():
+        if value.startswith(("mqtt://", "mqtts://")) and urlsplit(value).hostname == COMPOSE_BROKER_HOST:
+            value = broker.url
+        for name, path in broker.files.items():
+            value = value.replace(f"/run/secrets/{name}", str(path))
+        out[key] = value
+    return out
 
 
 # --- every compose service, run as a process --------------------------------------------------------------
@@ -302,28 +419,32 @@ COMPOSE_APP_SERVICES = sorted(name for name in yaml.safe_load(COMPOSE_FILE.read_
 
 
 @pytest.mark.parametrize("service", COMPOSE_APP_SERVICES)
-def test_compose_service_runs_with_compose_environment(service: str, compose: dict[str, Any], broker: Any,
-                                                       services: Any, make_bus: Any) -> None:
+def test_compose_service_runs_with_compose_environment(service: str, compose: dict[str, Any],
+                                                       deploy_broker: DeployBroker, services: Any,
+                                                       make_bus: Any) -> None:
+    """Each service, with the environment and secrets compose gives it, against the deploy config's broker:
+    TLS, its own password, the generated ACL."""
     assert service in app_services(compose)
-    env = compose_service_env(compose, service, {})
-    # Point every compose-network broker URL at the test's broker.
-    for key, value in env.items():
-        if value.startswith("mqtt://") and urlsplit(value).hostname == COMPOSE_BROKER_HOST:
-            env[key] = broker.url
+    env = in_test(compose_service_env(compose, service, {}), deploy_broker)
     node = env["EDGESWARM_NODE_ID"]
+    assert node == DEPLOY_NODE
 
     statuses = StatusLog()
-    watcher = make_bus("deploy-watch", "cli")
+    watcher = make_bus(WATCHER, "cli", hub_url=deploy_broker.url, mqtt_username=WATCHER,
+                       mqtt_password_file=deploy_broker.files["edgeswarm-password"].parent / WATCHER,
+                       tls_ca_file=deploy_broker.files["edgeswarm-ca"])
     watcher.subscribe(topics.status(node, service), statuses, schemas=(Status,))
 
-    proc = services.start(service, node, broker.url, **env)
+    proc = services.start(service, node, deploy_broker.url, **env)
     wait_until(lambda: (s := statuses.latest(proc.pid)) is not None and s.state == "online"
                or proc.poll() is not None, 20, message=f"{service} to report online")
     assert proc.poll() is None, f"{service} exited early:\n{services.log_of(proc)}"
     online = statuses.latest(proc.pid)
     assert online is not None and online.state == "online"
     assert (online.node, online.service, online.device_class) == (node, service, "native")
-    assert online.data_url == broker.url
+    assert online.data_url == deploy_broker.url and "@" not in online.data_url, "no credentials advertised"
+    assert "user hub" in services.log_of(proc)
+    assert deploy_broker.files["edgeswarm-password"].read_text().strip() not in services.log_of(proc)
 
     proc.send_signal(signal.SIGTERM)
     try:
@@ -353,8 +474,11 @@ def mosquitto_settings(path: Path = MOSQUITTO_CONF) -> dict[str, list[str]]:
 
 def test_mosquitto_conf_settings() -> None:
     opts = mosquitto_settings()
-    assert opts["listener"] == ["1883"], "one listener on port 1883, all interfaces (the container's)"
-    assert opts["allow_anonymous"] == ["true"]
+    assert opts["listener"] == ["8883"], "one listener, TLS, on port 8883, all interfaces (the container's)"
+    assert opts["allow_anonymous"] == ["false"]
+    for key, secret in (("certfile", "broker-cert"), ("keyfile", "broker-key"), ("cafile", "edgeswarm-ca"),
+                        ("password_file", "broker-passwd"), ("acl_file", "broker-acl")):
+        assert opts[key] == [f"/run/secrets/{secret}"], key
     assert opts["set_tcp_nodelay"] == ["true"]
     assert opts["max_packet_size"] == [str(Settings().max_packet_bytes)], "keep it equal to the services' limit"
     assert int(opts["max_queued_messages"][0]) >= 1000
@@ -366,61 +490,35 @@ def test_mosquitto_conf_settings() -> None:
     for line in MOSQUITTO_CONF.read_text().splitlines():
         assert line.lstrip().startswith("#") or "#" not in line, \
             f"comments on lines of their own (Mosquitto documents no trailing ones): {line!r}"
-    assert "production" in MOSQUITTO_CONF.read_text().lower(), "say that anonymous access is not for production"
 
 
-def test_mosquitto_accepts_the_conf(tmp_path: Path) -> None:
-    binary = mosquitto_binary()
-    assert binary, "mosquitto is not installed"
-    port = free_port()
-    data = tmp_path / "data"
-    data.mkdir()
-    lines = []
-    if os.geteuid() == 0:
-        # Started as root, Mosquitto would switch to its own user, which cannot enter pytest's tmp dirs.
-        lines.append(f"user {pwd.getpwuid(0).pw_name}")
-    for line in MOSQUITTO_CONF.read_text().splitlines():
-        if line.startswith("listener "):
-            line = f"listener {port} 127.0.0.1"
-        elif line.startswith("persistence_location "):
-            line = f"persistence_location {data}/"
-        lines.append(line)
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text("\n".join(lines) + "\n")
-    log = open(tmp_path / "mosquitto.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, cwd=tmp_path)
-    log.close()
+def test_mosquitto_accepts_the_conf(compose: dict[str, Any], deploy_broker: DeployBroker) -> None:
+    # A member over TLS gets a successful MQTT 5 CONNACK that announces the configured maximum packet size.
+    connected: list[Any] = []
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="deploy-conf-check", protocol=mqtt.MQTTv5)
+    client.username_pw_set(DEPLOY_NODE, deploy_broker.files["edgeswarm-password"].read_text().strip())
+    client.tls_set(ca_certs=str(deploy_broker.files["edgeswarm-ca"]))
+    client.on_connect = lambda c, u, flags, reason, props: connected.append((reason, props))
+    client.connect("127.0.0.1", deploy_broker.port, keepalive=5)
+    client.loop_start()
     try:
-        wait_until(lambda: proc.poll() is not None or port_open("127.0.0.1", port), 10,
-                   message="mosquitto to accept connections with deploy/mosquitto/mosquitto.conf")
-        assert proc.poll() is None, f"mosquitto rejected the config:\n{(tmp_path / 'mosquitto.log').read_text()}"
-
-        # An MQTT 5 client gets a successful CONNACK that announces the configured maximum packet size.
-        connected: list[Any] = []
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="deploy-conf-check",
-                             protocol=mqtt.MQTTv5)
-        client.on_connect = lambda c, u, flags, reason, props: connected.append((reason, props))
-        client.connect("127.0.0.1", port, keepalive=5)
-        client.loop_start()
-        try:
-            wait_until(lambda: connected, 10, message="a CONNACK")
-        finally:
-            client.disconnect()
-            client.loop_stop()
-        reason, props = connected[0]
-        assert not reason.is_failure, reason
-        assert getattr(props, "MaximumPacketSize", None) == int(mosquitto_settings()["max_packet_size"][0])
+        wait_until(lambda: connected, 10, message="a CONNACK")
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        client.disconnect()
+        client.loop_stop()
+    reason, props = connected[0]
+    assert not reason.is_failure, reason
+    assert getattr(props, "MaximumPacketSize", None) == int(mosquitto_settings()["max_packet_size"][0])
+
+    # compose's healthcheck, exactly as written (but for the port and the secrets' paths), passes.
+    check = in_test({"test": compose["services"][BROKER_SERVICE]["healthcheck"]["test"][1]}, deploy_broker)["test"]
+    check = interpolate(check, {}).replace("-p 8883", f"-p {deploy_broker.port}")
+    healthy = subprocess.run(["sh", "-c", check], env={**os.environ, "EDGESWARM_NODE_ID": DEPLOY_NODE},
+                             capture_output=True, text=True, timeout=30)
+    assert healthy.returncode == 0, healthy.stderr
+    deploy_broker.stop()
     # persistence_location is honoured: a clean shutdown saves the database there.
-    assert (data / "mosquitto.db").exists(), (tmp_path / "mosquitto.log").read_text()
+    assert (deploy_broker.workdir / "data" / "mosquitto.db").exists(), deploy_broker.log()
 
 
 # --- deploy/Dockerfile ---------------------------------------------------------------------------------------

@@ -24,11 +24,13 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
+from edgeswarm.checkpoints.ownership import COORDINATOR, JobOwners, owners_of, refusal
 from edgeswarm.checkpoints.store import CheckpointStore
 from edgeswarm.checkpoints.types import sendable
 from edgeswarm.checkpoints.uploads import FailedUpload, Outcome, ReadyUpload, UploadTracker
@@ -55,6 +57,7 @@ from edgeswarm.messages.checkpoints import (
     CheckpointTensor,
     StageVersions,
 )
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.runtime.service import Service
 from edgeswarm.wire import Message
 
@@ -62,6 +65,8 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED = 16
 EXPIRE_INTERVAL_S = 0.5
+MAX_JOBS_FOLLOWED = 4096  # job states remembered for who-may-write; the oldest are forgotten first
+OWNERS_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,9 @@ class CheckpointStoreService(Service):
         self.bus.subscribe(request, self._on_load, schemas=(CheckpointLoad,))
         self.bus.subscribe(request, self._on_list, schemas=(CheckpointList,))
         self.every(EXPIRE_INTERVAL_S, self._expire, "expire-uploads")
+        self._owners: OrderedDict[str, JobOwners] = OrderedDict()
+        self._owners_changed = threading.Condition()
+        self.bus.subscribe(topics.ALL_JOB_STATES, self._on_job_state, schemas=(JobState,))
         _warn_if_unwritable(self.store.directory)
         log.info("checkpoints in %s, keeping %d versions per job and stage, at most %d bytes each",
                  self.store.directory, s.checkpoint_keep, s.checkpoint_max_bytes)
@@ -111,14 +119,14 @@ class CheckpointStoreService(Service):
         if msg.tensor is None:
             raise InvalidMessageError(f"checkpoint tensor {body.name!r} of upload {body.transfer_id} from "
                                       f"{msg.sender} carries no tensor")
-        self._act(self.uploads.tensor(body, msg.tensor, time.monotonic()))
+        self._act(self.uploads.tensor(body, msg.tensor, time.monotonic(), msg.envelope.sender_node))
 
     def _on_commit(self, msg: Inbound) -> None:
         body = msg.body
         assert isinstance(body, CheckpointCommit)
         log.debug("commit of upload %s from %s: %s/%s version %d, %d tensors", body.transfer_id, msg.sender,
                   body.job_id, body.stage, body.version, body.count)
-        self._act(self.uploads.commit(body, msg, time.monotonic()))
+        self._act(self.uploads.commit(body, msg, time.monotonic(), msg.envelope.sender_node))
 
     def _expire(self) -> None:
         self._act(self.uploads.expire(time.monotonic()))
@@ -181,8 +189,37 @@ class CheckpointStoreService(Service):
                 self.metrics.count("handler_errors")
                 log.exception("checkpoint job failed unexpectedly")
 
+    # --- who may write ------------------------------------------------------------------------------
+
+    def _on_job_state(self, msg: Inbound) -> None:
+        state = msg.body
+        assert isinstance(state, JobState)
+        if msg.envelope.sender_service != COORDINATOR or topics.job_of(msg.topic) != state.job_id:
+            return  # only a coordinator's state of that very job says who owns it
+        with self._owners_changed:
+            self._owners[state.job_id] = owners_of(state, msg.envelope.sender_node)
+            self._owners.move_to_end(state.job_id)
+            while len(self._owners) > MAX_JOBS_FOLLOWED:
+                self._owners.popitem(last=False)
+            self._owners_changed.notify_all()
+
+    def _refusal(self, up: ReadyUpload[Inbound]) -> str | None:
+        """Why the upload's sender may not write its stage; waits a moment for a newer job state first, since a
+        re-planned job's state and its next save travel on different topics and may arrive out of order."""
+        deadline = time.monotonic() + OWNERS_WAIT_S
+        with self._owners_changed:
+            while True:
+                why = refusal(self._owners.get(up.job_id), up.sender, up.job_id, up.stage)
+                left = deadline - time.monotonic()
+                if why is None or left <= 0 or not self._owners_changed.wait(left):
+                    return why
+
     def _save(self, up: ReadyUpload[Inbound]) -> None:
         msg = up.token
+        why = self._refusal(up)
+        if why is not None:
+            self._fail(msg, up.transfer_id, "forbidden", why)
+            return
         try:
             info = self.store.put(up.job_id, up.stage, up.version, dict(up.tensors), up.meta)
         except CheckpointVersionError as exc:

@@ -252,6 +252,11 @@ class CheckpointTooLargeError(CheckpointError):
     """A checkpoint is larger than the store accepts (EDGESWARM_CHECKPOINT_MAX_BYTES)."""
 
 
+class CheckpointForbiddenError(CheckpointError):
+    """The store refused to let this node write that checkpoint: it is not the job's coordinator, nor a device of
+    that stage in the job's current plan."""
+
+
 class CheckpointTransferError(CheckpointError):
     """A checkpoint could not be sent to or received from a checkpoint store (unreachable, busy, incomplete)."""
 

@@ -41,6 +41,7 @@ from edgeswarm.errors import (
     BusError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointForbiddenError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTooLargeError,
@@ -73,6 +74,7 @@ _ERRORS: dict[str, type[CheckpointError]] = {
     "corrupt": CheckpointCorruptError,
     "too_large": CheckpointTooLargeError,
     "stale_version": CheckpointVersionError,
+    "forbidden": CheckpointForbiddenError,
 }
 
 

@@ -36,7 +36,8 @@ def meta_nbytes(meta: dict[str, MetaValue]) -> int:
 
 @dataclass(frozen=True)
 class ReadyUpload(Generic[T]):
-    """A complete upload: its tensors in index order, and the commit's ``token`` to answer."""
+    """A complete upload: its tensors in index order, the node that sent it, and the commit's ``token`` to
+    answer."""
 
     transfer_id: str
     job_id: str
@@ -46,6 +47,7 @@ class ReadyUpload(Generic[T]):
     meta: dict[str, str | int | float | bool]
     nbytes: int
     token: T
+    sender: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class _Upload(Generic[T]):
     version: int
     count: int
     touched: float
+    sender: str = ""  # the node whose upload this is: another sender's messages never join it
     tensors: dict[int, tuple[str, WireTensor]] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)
     nbytes: int = 0
@@ -98,6 +101,7 @@ class UploadTracker(Generic[T]):
         self._lock = threading.Lock()
         self.pending_bytes = 0  # tensor data and commit meta of the open uploads
         self.ignored = 0  # tensors or duplicate deliveries of uploads that are no longer open
+        self.foreign = 0  # messages that named another sender's upload
 
     @property
     def open_uploads(self) -> int:
@@ -106,18 +110,22 @@ class UploadTracker(Generic[T]):
 
     # --- inputs -------------------------------------------------------------------------------------
 
-    def tensor(self, msg: CheckpointTensor, value: WireTensor, now: float) -> list[Outcome[T]]:
-        """Feed one uploaded tensor; returns what became of its upload (nothing while it is incomplete)."""
+    def tensor(self, msg: CheckpointTensor, value: WireTensor, now: float, sender: str = "") -> list[Outcome[T]]:
+        """Feed one uploaded tensor from node ``sender``; returns what became of its upload (nothing while it is
+        incomplete). A tensor naming another sender's upload is ignored: it can neither join nor fail it."""
         with self._lock:
             if msg.transfer_id in self._finished:
                 self.ignored += 1
                 return []
             up = self._uploads.get(msg.transfer_id)
+            if up is not None and up.sender != sender:
+                self.foreign += 1
+                return []
             if up is None:
                 refusal = self._no_room(msg.transfer_id, value.nbytes)
                 if refusal is not None:
                     return [self._refuse(msg.transfer_id, "busy", refusal, None)]
-                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
+                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now, sender)
                 self._uploads[msg.transfer_id] = up
             if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
                 return self._fail(up, "bad_request", (
@@ -147,9 +155,15 @@ class UploadTracker(Generic[T]):
             up.touched = now
             return self._maybe_ready(up)
 
-    def commit(self, msg: CheckpointCommit, token: T, now: float) -> list[Outcome[T]]:
-        """Feed the commit of an upload; ``token`` is handed back with the outcome to answer it."""
+    def commit(self, msg: CheckpointCommit, token: T, now: float, sender: str = "") -> list[Outcome[T]]:
+        """Feed the commit of an upload from node ``sender``; ``token`` is handed back with the outcome to answer
+        it. A commit naming another sender's upload is refused without touching that upload."""
         with self._lock:
+            held = self._uploads.get(msg.transfer_id)
+            if held is not None and held.sender != sender:
+                self.foreign += 1
+                return [FailedUpload(msg.transfer_id, "bad_request", f"upload {msg.transfer_id} is another "
+                                     "sender's; pick a fresh transfer id", token)]
             finished = self._finished.get(msg.transfer_id)
             if finished is not None:
                 reason, detail = finished
@@ -166,7 +180,7 @@ class UploadTracker(Generic[T]):
                 refusal = self._no_room(msg.transfer_id, meta)
                 if refusal is not None:
                     return [self._refuse(msg.transfer_id, "busy", refusal, token)]
-                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now)
+                up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now, sender)
                 self._uploads[msg.transfer_id] = up
             up.commit, up.token = msg, token
             if self.pending_bytes + meta > self.max_pending_bytes:
@@ -211,7 +225,7 @@ class UploadTracker(Generic[T]):
         self._close(up, None, "")
         return [ReadyUpload(up.transfer_id, up.job_id, up.stage, up.version,
                             [up.tensors[i] for i in range(up.count)], dict(up.commit.meta), up.nbytes,
-                            up.token)]  # type: ignore[arg-type]  # a commit always comes with its token
+                            up.token, up.sender)]  # type: ignore[arg-type]  # a commit always comes with its token
 
     def _fail(self, up: _Upload[T], reason: CheckpointFailureReason, detail: str) -> list[Outcome[T]]:
         self._close(up, reason, detail)

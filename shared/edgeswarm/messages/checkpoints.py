@@ -139,7 +139,7 @@ class CheckpointMissing(Message):
 
 
 CheckpointFailureReason = Literal["corrupt", "too_large", "stale_version", "incomplete", "busy", "unreachable",
-                                  "bad_request", "error"]
+                                  "bad_request", "forbidden", "error"]
 
 
 @schema("edgeswarm.checkpoint.failed", 1)
@@ -150,7 +150,8 @@ class CheckpointFailed(Message):
     EDGESWARM_CHECKPOINT_MAX_BYTES), ``stale_version`` (older than every kept version), ``incomplete``
     (tensors missing when the upload timed out), ``busy`` (too many uploads or requests at once),
     ``unreachable`` (the store cannot send to the reader's data topic), ``bad_request`` (inconsistent
-    upload) or ``error`` (anything else, e.g. a disk error).
+    upload), ``forbidden`` (the sender is neither the job's coordinator nor a device of that stage in the job's
+    current plan) or ``error`` (anything else, e.g. a disk error).
     """
 
     transfer_id: TransferId | None = None

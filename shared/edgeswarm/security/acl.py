@@ -16,6 +16,8 @@ from typing import Literal
 from edgeswarm.topics import TOPIC_TREE, Role, TopicSpec
 
 Access = Literal["read", "write"]
+# Every member may read the broker's uptime: a node's broker healthcheck logs in as the node and waits for it.
+HEALTH_TOPIC = "$SYS/broker/uptime"
 _PLACEHOLDERS = ("{node}", "{service}", "{sender}", "{instance}", "{job}", "{model_fingerprint}")
 
 
@@ -50,7 +52,7 @@ def _covers(wide: str, narrow: str) -> bool:
 
 def rules(name: str, role: Role) -> list[Rule]:
     """Every permission of member ``name`` in role ``role``, sorted, without duplicates or rules another covers."""
-    found: set[Rule] = set()
+    found: set[Rule] = {Rule("read", HEALTH_TOPIC)}
     for spec in TOPIC_TREE:
         if role in spec.writers:
             found.add(Rule("write", _write_filter(spec, name)))

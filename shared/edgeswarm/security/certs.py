@@ -21,6 +21,7 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.security.credentials import write_private
 
 DEFAULT_DAYS = 825  # the longest validity common TLS clients accept for a server certificate
+LOCAL_NAMES = ("broker", "localhost")  # the compose service name and the container's own loopback
 
 
 class CertsDir:
@@ -71,10 +72,12 @@ class CertsDir:
         return True
 
     def issue_broker(self, name: str, hosts: list[str], days: int = DEFAULT_DAYS) -> tuple[Path, Path]:
-        """A server certificate for broker ``name``, valid for every host name and IP address in ``hosts``."""
+        """A server certificate for broker ``name``, valid for every host name and IP address in ``hosts`` and for
+        ``broker`` and ``localhost`` (how the node's own services and its healthcheck reach it in compose)."""
         if not hosts:
             raise ConfigError(f"broker {name}: give the host names or addresses the nodes reach it at")
-        return self._issue(self.broker(name), name, hosts, server=True, days=days)
+        return self._issue(self.broker(name), name, list(dict.fromkeys([*hosts, *LOCAL_NAMES])), server=True,
+                           days=days)
 
     def issue_client(self, name: str, days: int = DEFAULT_DAYS) -> tuple[Path, Path]:
         """A client certificate whose common name is ``name`` (the broker maps it to that user)."""
