@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,3 +81,28 @@ def assert_same_weights(weights: dict, reference: dict, tolerance: float = 1e-6)
     worst = max(float((weights[k] - reference[k]).abs().max()) for k in reference)
     assert worst <= tolerance, worst
     return worst
+
+
+def announce(bus: Any, data_url: str | None = None) -> None:
+    """Publish a retained online status for the bus's own service, as the service runtime would, so peers know
+    where to send it tensors."""
+    import edgeswarm.messages as m
+    from edgeswarm import topics
+
+    s = bus.sender
+    bus.publish(topics.status(s.node, s.service), m.Status(
+        state="online", node=s.node, service=s.service, instance=s.instance, version="test", host="h", pid=1,
+        device_class="native", memory_budget_bytes=1, free_memory_bytes=1, data_url=data_url or bus.data.url,
+        heartbeat_interval_s=1.0, started_at=0.0), retain=True)
+
+
+@contextmanager
+def running(service: Any) -> Iterator[Any]:
+    """``service`` (an edgeswarm Service) running on a thread of this process until the block ends."""
+    thread = threading.Thread(target=service.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+        thread.join(15)

@@ -24,18 +24,10 @@ from edgeswarm.errors import (
 from edgeswarm.local.broker import BrokerProcess, start_broker
 from edgeswarm.settings import LinkSpec
 from edgeswarm.wire import encode
-from helpers import wait_until
+from helpers import announce, wait_until
 
 MIB = 1024 * 1024
 
-
-def announce(bus: Bus, data_url: str | None = None) -> None:
-    """Publish a retained online status for the bus's own service, as the service runtime would."""
-    s = bus.sender
-    bus.publish(topics.status(s.node, s.service), m.Status(
-        state="online", node=s.node, service=s.service, instance=s.instance, version="t", host="h", pid=1,
-        device_class="native", memory_budget_bytes=1, free_memory_bytes=1, data_url=data_url or bus.data.url,
-        heartbeat_interval_s=1.0, started_at=0.0), retain=True)
 
 
 def collect(bus: Bus, topic: str, schemas: tuple[type[m.Message], ...] | None = None,

@@ -43,7 +43,7 @@ from edgeswarm.errors import (
 )
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.wire import WireTensor, encode
-from helpers import wait_until
+from helpers import announce, wait_until
 
 MIB = 1024 * 1024
 STORE_NODE = "hub"
@@ -332,14 +332,6 @@ def test_upload_tracker_caps_the_uploads_open_at_once() -> None:
 
 # --- the service over MQTT ----------------------------------------------------------------------------
 
-
-def announce(bus: Bus) -> None:
-    """A retained online status for the bus's own service, so the store knows where to send tensors."""
-    s = bus.sender
-    bus.publish(topics.status(s.node, s.service), m.Status(
-        state="online", node=s.node, service=s.service, instance=s.instance, version="test", host="h", pid=1,
-        device_class="native", memory_budget_bytes=1, free_memory_bytes=1, data_url=bus.data.url,
-        heartbeat_interval_s=1.0, started_at=0.0), retain=True)
 
 
 def start_store(services: Any, broker: BrokerProcess, bus: Bus, directory: Path,
