@@ -2,7 +2,7 @@
 
 Requests go to ``edgeswarm/node/{node}/planner/request``; the planner replies with a PlanReply or a
 PlanFailed. Times are seconds; the plan's ``epoch`` versions a job's plans (a re-plan returns the old
-epoch plus one).
+epoch plus one). Requests are bounded in size by their schemas (edgeswarm.profiling.limits).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import Field
 
 from edgeswarm.planning.compare import Comparison
 from edgeswarm.planning.types import Plan, Strategy
+from edgeswarm.profiling.limits import MAX_EPOCH, MAX_GLOBAL_BATCH
 from edgeswarm.profiling.types import ClusterProfile, Optimizer
 from edgeswarm.wire.schema import Message, Name, schema
 
@@ -27,12 +28,12 @@ class PlanRequest(Message):
     """
 
     cluster: ClusterProfile
-    global_batch: int = Field(ge=1)
-    micro_batches: int | None = Field(default=None, ge=1)
+    global_batch: int = Field(ge=1, le=MAX_GLOBAL_BATCH)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_GLOBAL_BATCH)
     optimizer: Optimizer = "sgd"
     strategy: Strategy = "hpp"
     compare: bool = False
-    epoch: int = Field(default=0, ge=0)
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
 
 
 @schema("edgeswarm.plan.replan_request", 1)
