@@ -170,6 +170,16 @@ class InfeasiblePlanError(PlanningError):
     """No configuration fits: the model does not fit the devices' memory, or there are no devices."""
 
 
+class PlanTooLargeError(PlanningError):
+    """Planning the request would take more work than the planner's time budget allows; the message gives the
+    estimate, the budget and what to change (fix the number of micro-batches, fewer units or devices)."""
+
+
+class PlanningDeadlineError(PlanTooLargeError):
+    """A search ran past its deadline and was stopped between iterations (the work estimate was too low for
+    this host, or the budget too tight)."""
+
+
 class ScheduleError(PlanningError, ValueError):
     """A pipeline schedule cannot be built or simulated: malformed step times, bad warm-ups, or a deadlock."""
 

@@ -207,6 +207,11 @@ class Settings(BaseSettings):
     # The coordinator's training jobs: the longest any one step (profiling, a round, a save) may take.
     job_step_timeout_s: float = Field(default=600.0, gt=0)
 
+    # The planner service: the longest one plan or re-plan may take. A request estimated above it is refused
+    # "too_large" before it starts, and a search still running at it is stopped. The default leaves a job's
+    # plan request (120 s timeout) room to wait behind another; a slow planner host should lower it.
+    plan_time_budget_s: float = Field(default=30.0, gt=0)
+
     log_level: str = "INFO"
     log_json: bool = False
 

@@ -2,7 +2,8 @@
 
 Requests go to ``edgeswarm/node/{node}/planner/request``; the planner replies with a PlanReply or a
 PlanFailed. Times are seconds; the plan's ``epoch`` versions a job's plans (a re-plan returns the old
-epoch plus one).
+epoch plus one). Requests are bounded in size by their schemas (edgeswarm.profiling.limits) and in work by
+the planner's time budget (edgeswarm.planning.budget).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import Field
 
 from edgeswarm.planning.compare import Comparison
 from edgeswarm.planning.types import Plan, Strategy
+from edgeswarm.profiling.limits import MAX_EPOCH, MAX_GLOBAL_BATCH
 from edgeswarm.profiling.types import ClusterProfile, Optimizer
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
@@ -29,12 +31,12 @@ class PlanRequest(Message):
     MAX_BYTES = 16 * MIB
 
     cluster: ClusterProfile
-    global_batch: int = Field(ge=1)
-    micro_batches: int | None = Field(default=None, ge=1)
+    global_batch: int = Field(ge=1, le=MAX_GLOBAL_BATCH)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_GLOBAL_BATCH)
     optimizer: Optimizer = "sgd"
     strategy: Strategy = "hpp"
     compare: bool = False
-    epoch: int = Field(default=0, ge=0)
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
 
 
 @schema("edgeswarm.plan.replan_request", 1)
@@ -61,13 +63,16 @@ class PlanReply(Message):
     planning_s: float = Field(ge=0.0)
 
 
-PlanFailureReason = Literal["infeasible", "bad_profile", "bad_request", "error"]
+PlanFailureReason = Literal["infeasible", "bad_profile", "bad_request", "too_large", "busy", "error"]
 
 
 @schema("edgeswarm.plan.failed", 1)
 class PlanFailed(Message):
     """The answer to a request that has no plan: ``infeasible`` (nothing fits in memory), ``bad_profile``
-    (the profiles miss a batch size, a device or a link), ``bad_request`` or ``error``, with ``detail``."""
+    (the profiles miss a batch size, a device or a link), ``bad_request``, ``too_large`` (planning it would
+    take longer than the planner's time budget, EDGESWARM_PLAN_TIME_BUDGET_S: the detail gives the estimate
+    and what to change), ``busy`` (the planner's queue is full: ask again later) or ``error``, with
+    ``detail``."""
 
     reason: PlanFailureReason
     detail: str = Field(max_length=4096)

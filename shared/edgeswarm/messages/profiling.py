@@ -13,12 +13,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from edgeswarm.profiling.limits import MAX_BATCH_GRID
 from edgeswarm.profiling.types import DeviceProfileEntry, LinkProfile, ModelProfile, ModelSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 ProfileMethod = Literal["calibrated", "measured"]
 
-MAX_BATCH_SIZES = 64
 MAX_PEERS = 256
 
 
@@ -35,7 +35,7 @@ class ProfileRequest(Message):
 
     request_id: str = Field(min_length=1, max_length=64)
     model: ModelSpec
-    batch_sizes: list[int] = Field(min_length=1, max_length=MAX_BATCH_SIZES)
+    batch_sizes: list[int] = Field(min_length=1, max_length=MAX_BATCH_GRID)
     method: ProfileMethod = "calibrated"
     peers: list[Name] = Field(default_factory=list, max_length=MAX_PEERS)
 

@@ -9,7 +9,8 @@ Each state is summarised by two numbers so that a new head is priced in O(1) (sp
 Eq. 11): V = max_s V_s (the dominant step's bound) and R = max_s (Ta_s - sum_{i<s} Eb_i); the latency is
 V + R. Prepending a head h and a link c gives
     V' = max(M*E_h, M*E_c + E_h, V + E_h + E_c)    and    R' = max(Ta_h, R - Eb_h - Eb_c).
-All candidates of one (p, a, a') are evaluated at once as an [i, j] matrix.
+All candidates of one (p, a, a') are evaluated at once as an [i, j] matrix; an optional deadline is checked
+before each of these group steps (edgeswarm.planning.budget counts their work in advance).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.planning.assemble import Layout, assemble_plan, stage_costs
 from edgeswarm.planning.costmodel import CostModel
+from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.types import Plan, PlanOptions
 from edgeswarm.profiling.types import ClusterProfile
 
@@ -36,19 +38,22 @@ class _Level:
 
 
 def plan_asteroid(cluster: ClusterProfile, options: PlanOptions, *, memory_aware: bool = True,
-                  max_stages: int | None = None) -> Plan:
+                  max_stages: int | None = None, deadline: Deadline | None = None) -> Plan:
     """The HPP plan of least predicted round latency that uses every device (Alg. 2).
 
     ``memory_aware=False`` ignores the budgets, as memory-blind planners do (the plan still reports its
-    memory against the real budgets). Raises InfeasiblePlanError when nothing fits.
+    memory against the real budgets). Raises InfeasiblePlanError when nothing fits, PlanningDeadlineError
+    once ``deadline`` has passed.
     """
     cm = CostModel(cluster, options, memory_aware=memory_aware)
-    layout = search(cm, max_stages=max_stages)
+    layout = search(cm, max_stages=max_stages, deadline=deadline)
     return assemble_plan(cm, layout, "hpp")
 
 
-def search(cm: CostModel, *, max_stages: int | None = None) -> Layout:
-    """The DP proper: the best layout over the cost model's devices, as (start, end, first, stop) per stage."""
+def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline | None = None) -> Layout:
+    """The DP proper: the best layout over the cost model's devices, as (start, end, first, stop) per stage.
+
+    ``deadline`` is checked before every device group's step (PlanningDeadlineError once it has passed)."""
     n_units, n_dev, m = cm.L, cm.N, cm.options.micro_batches
     p_max = min(n_units, n_dev, max_stages or n_dev)
     b = cm.options.micro_batch_size
@@ -64,6 +69,7 @@ def search(cm: CostModel, *, max_stages: int | None = None) -> Layout:
     one = _Level(n_units, n_dev)
     starts = np.arange(n_units)
     for a in range(n_dev):
+        check(deadline, f"the HPP search (1 stage, devices {a}..{n_dev - 1})")
         c = stage_costs(cm, range(a, n_dev), 1, starts, np.full(n_units, n_units))
         e = c.forward_s + c.backward_s
         one.v[:n_units, a] = m * e
@@ -80,6 +86,7 @@ def search(cm: CostModel, *, max_stages: int | None = None) -> Layout:
         pairs_i, pairs_j = np.nonzero((i_idx < j_idx) & (j_idx <= n_units - p + 1))
         for a in range(n_dev - p + 1):
             for a2 in range(a + 1, n_dev - p + 2):
+                check(deadline, f"the HPP search ({p} stages of {p_max}, head group {a}..{a2 - 1})")
                 c = stage_costs(cm, range(a, a2), k, pairs_i, pairs_j)
                 ef, eb, ta = (_matrix(n_units, pairs_i, pairs_j, x) for x in (c.forward_s, c.backward_s,
                                                                                c.allreduce_s))

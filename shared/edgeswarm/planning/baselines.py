@@ -15,11 +15,12 @@ import numpy as np
 from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.planning.assemble import assemble_plan
 from edgeswarm.planning.costmodel import CostModel, warmup
+from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.types import Plan, PlanOptions
 from edgeswarm.profiling.types import ClusterProfile
 
 
-def plan_single(cluster: ClusterProfile, options: PlanOptions) -> Plan:
+def plan_single(cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline | None = None) -> Plan:
     """The fastest single device for the same global batch, at its fastest micro-batch: B' divides B (and
     M' = M * B / B'), since one device may accumulate smaller micro-batches; memory must hold B'. Raises
     InfeasiblePlanError if no device holds even one sample."""
@@ -27,6 +28,7 @@ def plan_single(cluster: ClusterProfile, options: PlanOptions) -> Plan:
     b, m = options.micro_batch_size, options.micro_batches
     best: tuple[float, int, int] | None = None  # (round seconds, device, micro-batch)
     for d in range(cm.N):
+        check(deadline, "the single-device baseline")
         for size in (s for s in range(1, b + 1) if b % s == 0 and cm.memory_bytes(0, cm.L, s, 1) <= cm.budget[d]):
             t = float(cm.both[d, size, cm.L]) * m * (b // size)
             if best is None or t < best[0]:
@@ -44,13 +46,14 @@ def plan_single(cluster: ClusterProfile, options: PlanOptions) -> Plan:
     return assemble_plan(cm, [(0, cm.L, (device,))], "single")
 
 
-def plan_dp(cluster: ClusterProfile, options: PlanOptions) -> Plan:
+def plan_dp(cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline | None = None) -> Plan:
     """Pure data parallelism over every device: one stage, Alg. 1 shares, ring AllReduce."""
+    check(deadline, "the data-parallel baseline")
     cm = CostModel(cluster, options)
     return assemble_plan(cm, [(0, cm.L, tuple(range(cm.N)))], "dp")
 
 
-def plan_pp(cluster: ClusterProfile, options: PlanOptions) -> Plan:
+def plan_pp(cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline | None = None) -> Plan:
     """A straight pipeline over min(L, N) devices, compute-balanced GPipe-style, memory permitting."""
     cm = CostModel(cluster, options)
     stages = min(cm.L, cm.N)
@@ -63,6 +66,7 @@ def plan_pp(cluster: ClusterProfile, options: PlanOptions) -> Plan:
     best[0] = 0.0
     back: list[np.ndarray] = []
     for p in range(stages):
+        check(deadline, f"the pipeline baseline (stage {p} of {stages})")
         k = warmup(stages, p, m)
         t = cm.both[p, b, j_idx] - cm.both[p, b, i_idx]
         act = np.maximum(cm.act_fixed_prefix[j_idx] - cm.act_fixed_prefix[i_idx], 0) + b * (

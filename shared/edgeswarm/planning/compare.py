@@ -8,17 +8,25 @@ the profiled batch sizes) and keeps its fastest, so every strategy gets the same
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 from pydantic import BaseModel
 
 from edgeswarm.errors import InfeasiblePlanError, ProfileError
 from edgeswarm.planning.asteroid import plan_asteroid
 from edgeswarm.planning.baselines import plan_dp, plan_pp, plan_single
+from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.types import Plan, PlanOptions, Strategy
 from edgeswarm.profiling.types import ClusterProfile, Optimizer
 
-Planner = Callable[[ClusterProfile, PlanOptions], Plan]
+
+class Planner(Protocol):
+    """A strategy's planner: the plan for one PlanOptions, stopping with PlanningDeadlineError past ``deadline``."""
+
+    def __call__(self, cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline | None = None) -> Plan:
+        ...
+
+
 PLANNERS: dict[Strategy, Planner] = {"hpp": plan_asteroid, "single": plan_single, "dp": plan_dp, "pp": plan_pp}
 MAX_MICRO_BATCHES = 64
 
@@ -58,18 +66,20 @@ def micro_batch_choices(cluster: ClusterProfile, global_batch: int) -> list[int]
 
 
 def plan_best(strategy: Strategy, cluster: ClusterProfile, global_batch: int, *, micro_batches: int | None = None,
-              optimizer: Optimizer = "sgd") -> Plan:
+              optimizer: Optimizer = "sgd", deadline: Deadline | None = None) -> Plan:
     """The ``strategy`` plan of highest predicted throughput for ``global_batch`` samples per round, over the
-    given M or every M of ``micro_batch_choices``. Raises InfeasiblePlanError when no choice fits."""
+    given M or every M of ``micro_batch_choices``. Raises InfeasiblePlanError when no choice fits and
+    PlanningDeadlineError once ``deadline`` has passed."""
     if micro_batches is not None and global_batch % micro_batches:
         raise ProfileError(f"a global batch of {global_batch} does not split into {micro_batches} micro-batches")
     choices = [micro_batches] if micro_batches else micro_batch_choices(cluster, global_batch)
     best: Plan | None = None
     errors: list[str] = []
     for m in choices:
+        check(deadline, f"the {strategy} plan at M={m}")
         options = PlanOptions(micro_batch_size=global_batch // m, micro_batches=m, optimizer=optimizer)
         try:
-            plan = PLANNERS[strategy](cluster, options)
+            plan = PLANNERS[strategy](cluster, options, deadline=deadline)
         except InfeasiblePlanError as exc:
             errors.append(f"M={m}: {exc}")
             continue
@@ -81,16 +91,19 @@ def plan_best(strategy: Strategy, cluster: ClusterProfile, global_batch: int, *,
 
 
 def compare(cluster: ClusterProfile, global_batch: int, *, micro_batches: int | None = None,
-            optimizer: Optimizer = "sgd") -> Comparison:
+            optimizer: Optimizer = "sgd", deadline: Deadline | None = None) -> Comparison:
     """Plan with Asteroid and with each baseline. Raises InfeasiblePlanError only when the HPP plan itself is
-    infeasible; infeasible baselines are reported, not raised."""
+    infeasible (infeasible baselines are reported, not raised), PlanningDeadlineError once ``deadline`` has
+    passed."""
     started = time.perf_counter()
-    hpp = plan_best("hpp", cluster, global_batch, micro_batches=micro_batches, optimizer=optimizer)
+    hpp = plan_best("hpp", cluster, global_batch, micro_batches=micro_batches, optimizer=optimizer,
+                    deadline=deadline)
     elapsed = time.perf_counter() - started
     results = []
     for strategy in ("single", "dp", "pp"):
         try:
-            plan = plan_best(strategy, cluster, global_batch, micro_batches=micro_batches, optimizer=optimizer)
+            plan = plan_best(strategy, cluster, global_batch, micro_batches=micro_batches, optimizer=optimizer,
+                             deadline=deadline)
         except InfeasiblePlanError as exc:
             results.append(BaselineResult(strategy=strategy, error=str(exc)))
             continue

@@ -18,16 +18,18 @@ from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.assemble import Layout, assemble_plan, stage_costs
 from edgeswarm.planning.compare import plan_best
 from edgeswarm.planning.costmodel import CostModel, warmup
+from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.profiling.types import ClusterProfile
 
 
-def light_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
+def light_replan(plan: Plan, cluster: ClusterProfile, failed: str, *, deadline: Deadline | None = None) -> Plan:
     """The plan without device ``failed``, with the same stage order and groups and new cut points.
 
     ``cluster`` is the profile the plan was made from (it may still list the failed device). The result's
     epoch is the old one plus one. Raises PlanningError if the device is not in the plan or nobody is left,
-    and InfeasiblePlanError if no nearby cut fits in memory (re-plan from scratch then).
+    InfeasiblePlanError if no nearby cut fits in memory (re-plan from scratch then), and PlanningDeadlineError
+    once ``deadline`` has passed.
     """
     if failed not in plan.devices:
         raise PlanningError(f"device {failed} is not in the plan (devices: {', '.join(plan.devices)})")
@@ -40,18 +42,19 @@ def light_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
     groups = [g for g in groups if g]
     capacity = np.array([sum(1.0 / cm.both[d, cm.options.micro_batch_size, cm.L] for d in g) for g in groups])
     cuts = flops_cuts(cm.flops_prefix, capacity)
-    new = _refine(cm, _fit_memory(cm, cuts, groups), plan.strategy)
+    new = _refine(cm, _fit_memory(cm, cuts, groups, deadline), plan.strategy, deadline)
     return new.model_copy(update={"epoch": plan.epoch + 1})
 
 
-def _refine(cm: CostModel, layout: Layout, strategy: Strategy) -> Plan:
+def _refine(cm: CostModel, layout: Layout, strategy: Strategy, deadline: Deadline | None = None) -> Plan:
     """Hill-climb: move one cut point by one unit at a time, taking the move the cost model predicts the shortest
     round for, while it shortens the round (at most one step per unit). ``layout`` fits in memory; so does the
     result, since an infeasible layout is never taken."""
     best = assemble_plan(cm, layout, strategy)
     cuts = [start for start, _, _ in layout] + [layout[-1][1]]
     groups = [group for _, _, group in layout]
-    for _ in range(cm.L):
+    for move in range(cm.L):
+        check(deadline, f"the light re-plan's refinement (move {move})")
         step = None
         for k in range(1, len(cuts) - 1):
             for delta in (-1, 1):
@@ -72,13 +75,13 @@ def _refine(cm: CostModel, layout: Layout, strategy: Strategy) -> Plan:
     return best
 
 
-def heavy_replan(plan: Plan, cluster: ClusterProfile, failed: str) -> Plan:
+def heavy_replan(plan: Plan, cluster: ClusterProfile, failed: str, *, deadline: Deadline | None = None) -> Plan:
     """Heavy rescheduling, the straw-man of spec 5.1: the full planner on the surviving devices, same global
-    batch, M and optimizer; epoch plus one."""
+    batch, M and optimizer; epoch plus one. Raises PlanningDeadlineError once ``deadline`` has passed."""
     if failed not in plan.devices:
         raise PlanningError(f"device {failed} is not in the plan (devices: {', '.join(plan.devices)})")
     new = plan_best("hpp", cluster.without(failed), plan.options.global_batch,
-                    micro_batches=plan.options.micro_batches, optimizer=plan.options.optimizer)
+                    micro_batches=plan.options.micro_batches, optimizer=plan.options.optimizer, deadline=deadline)
     return new.model_copy(update={"epoch": plan.epoch + 1})
 
 
@@ -104,7 +107,8 @@ def flops_cuts(flops_prefix: np.ndarray, capacity: np.ndarray) -> list[int]:
     return cuts
 
 
-def _fit_memory(cm: CostModel, cuts: list[int], groups: list[tuple[int, ...]]) -> Layout:
+def _fit_memory(cm: CostModel, cuts: list[int], groups: list[tuple[int, ...]],
+                deadline: Deadline | None = None) -> Layout:
     """Move cut points one unit at a time until every stage fits its group's memory (bounded search)."""
     stages = len(groups)
     m = cm.options.micro_batches
@@ -114,7 +118,8 @@ def _fit_memory(cm: CostModel, cuts: list[int], groups: list[tuple[int, ...]]) -
         return bool(c.feasible[0])
 
     cuts = list(cuts)
-    for _ in range(cm.L * stages):
+    for step in range(cm.L * stages):
+        check(deadline, f"the light re-plan's memory fitting (step {step})")
         bad = next((p for p in range(stages) if not fits(p, cuts[p], cuts[p + 1])), None)
         if bad is None:
             return [(cuts[p], cuts[p + 1], groups[p]) for p in range(stages)]

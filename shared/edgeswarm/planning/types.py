@@ -1,17 +1,23 @@
 """The planner's input options and its output, the plan: pydantic models (JSON, MQTT, CLI).
 
-Times in seconds, sizes in bytes, throughput in samples per second.
+Times in seconds, sizes in bytes, throughput in samples per second. Plans travel in re-plan requests, replies
+and job states, so their lists are bounded like the profiles they come from (edgeswarm.profiling.limits).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgeswarm.profiling.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_GLOBAL_BATCH, MAX_ID_CHARS, MAX_UNITS
 from edgeswarm.profiling.types import Optimizer
+from edgeswarm.wire.schema import Name
 
 Strategy = Literal["hpp", "dp", "pp", "single"]
+
+# One entry per device of a stage.
+PerDevice = Annotated[list[int], Field(max_length=MAX_DEVICES)]
 
 
 class PlanOptions(BaseModel):
@@ -19,9 +25,16 @@ class PlanOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    micro_batch_size: int = Field(ge=1)
-    micro_batches: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE)
+    micro_batches: int = Field(ge=1, le=MAX_GLOBAL_BATCH)
     optimizer: Optimizer = "sgd"
+
+    @model_validator(mode="after")
+    def _global_batch(self) -> PlanOptions:
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise ValueError(f"a global batch of {self.micro_batches} x {self.micro_batch_size} samples is more "
+                             f"than {MAX_GLOBAL_BATCH}")
+        return self
 
     @property
     def global_batch(self) -> int:
@@ -34,17 +47,17 @@ class StagePlan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    index: int = Field(ge=0)
-    start: int = Field(ge=0)
-    end: int = Field(ge=1)
-    devices: list[str] = Field(min_length=1)
-    shares: list[int]
+    index: int = Field(ge=0, lt=MAX_DEVICES)
+    start: int = Field(ge=0, lt=MAX_UNITS)
+    end: int = Field(ge=1, le=MAX_UNITS)
+    devices: list[Name] = Field(min_length=1, max_length=MAX_DEVICES)
+    shares: PerDevice
     warmup: int = Field(ge=1)
     forward_s: float = Field(ge=0)
     backward_s: float = Field(ge=0)
     allreduce_s: float = Field(ge=0)
-    memory_bytes: list[int]
-    memory_budget_bytes: list[int]
+    memory_bytes: PerDevice
+    memory_budget_bytes: PerDevice
 
     @model_validator(mode="after")
     def _lengths(self) -> StagePlan:
@@ -61,7 +74,7 @@ class CommStepPlan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    after: int = Field(ge=0)
+    after: int = Field(ge=0, lt=MAX_DEVICES)
     bytes_per_microbatch: int = Field(ge=0)
     bandwidth_bps: float = Field(gt=0)
     forward_s: float = Field(ge=0)
@@ -74,15 +87,15 @@ class Plan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     strategy: Strategy
-    model_fingerprint: str
-    units: int = Field(ge=1)
+    model_fingerprint: str = Field(max_length=MAX_ID_CHARS)
+    units: int = Field(ge=1, le=MAX_UNITS)
     options: PlanOptions
-    stages: list[StagePlan] = Field(min_length=1)
-    comm_steps: list[CommStepPlan]
+    stages: list[StagePlan] = Field(min_length=1, max_length=MAX_DEVICES)
+    comm_steps: list[CommStepPlan] = Field(max_length=MAX_DEVICES)
     dominant_step: int = Field(ge=0)
     round_latency_s: float = Field(gt=0)
     throughput_sps: float = Field(gt=0)
-    epoch: int = Field(default=0, ge=0)
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
 
     @model_validator(mode="after")
     def _structure(self) -> Plan:

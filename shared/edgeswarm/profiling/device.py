@@ -22,6 +22,7 @@ from typing import Literal
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, ProfileRequestError
 from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.profiling.limits import MAX_BATCH_GRID, MAX_BATCH_SIZE
 from edgeswarm.profiling.types import ComputeProfile, DeviceInfo, ModelProfile, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,6 @@ log = logging.getLogger(__name__)
 Method = Literal["calibrated", "measured"]
 # progress(fraction in [0, 1], what is being done)
 Progress = Callable[[float, str], None]
-
-MAX_BATCH_SIZE = 4096
-MAX_GRID = 64
 
 
 @dataclass(frozen=True)
@@ -47,8 +45,8 @@ class DeviceProfileResult:
 def check_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
     """``batch_sizes`` if ascending, distinct, in 1..4096 and at most 64 of them; else ProfileRequestError."""
     sizes = list(batch_sizes)
-    if not sizes or len(sizes) > MAX_GRID:
-        raise ProfileRequestError(f"give between 1 and {MAX_GRID} batch sizes, not {len(sizes)}")
+    if not sizes or len(sizes) > MAX_BATCH_GRID:
+        raise ProfileRequestError(f"give between 1 and {MAX_BATCH_GRID} batch sizes, not {len(sizes)}")
     if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH_SIZE for b in sizes):
         raise ProfileRequestError(f"batch sizes must be integers from 1 to {MAX_BATCH_SIZE}: {sizes}")
     if sizes != sorted(set(sizes)):

@@ -2,15 +2,44 @@
 
 Units: bytes, seconds, FLOPs, bytes per second. A "unit" is one element of a model's layer sequence
 (edgeswarm.models.sequence): the planner may cut between any two consecutive units.
+
+Profiles arrive from the network (in plan requests and profile reports), so every list, string and number is
+bounded (edgeswarm.profiling.limits) and every float is finite: a profile that validates is one the planner
+can hold and price.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgeswarm.profiling.limits import (
+    MAX_BATCH_GRID,
+    MAX_BATCH_SIZE,
+    MAX_CONFIG_KEY_CHARS,
+    MAX_CONFIG_KEYS,
+    MAX_CONFIG_VALUE_CHARS,
+    MAX_DEVICES,
+    MAX_ID_CHARS,
+    MAX_LINKS,
+    MAX_MEMORY_BYTES,
+    MAX_OPS_CHARS,
+    MAX_SAMPLE_BYTES,
+    MAX_UNIT_BYTES,
+    MAX_UNIT_NAME_CHARS,
+    MAX_UNITS,
+)
+from edgeswarm.wire.schema import Name
+
 Optimizer = Literal["sgd", "momentum", "adam"]
+
+Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+ConfigKey = Annotated[str, Field(max_length=MAX_CONFIG_KEY_CHARS)]
+ConfigValue = int | float | Annotated[str, Field(max_length=MAX_CONFIG_VALUE_CHARS)] | bool
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+# One unit's times at every profiled batch size.
+TimingRow = Annotated[list[Seconds], Field(min_length=1, max_length=MAX_BATCH_GRID)]
 
 # Optimizer state per parameter byte (spec section 2.2: k_opt).
 OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -21,8 +50,8 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    config: dict[str, int | float | str | bool] = Field(default_factory=dict)
+    name: Identifier
+    config: dict[ConfigKey, ConfigValue] = Field(default_factory=dict, max_length=MAX_CONFIG_KEYS)
 
 
 class UnitProfile(BaseModel):
@@ -35,16 +64,17 @@ class UnitProfile(BaseModel):
     ``flops_per_sample`` counts forward FLOPs of one sample.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
-    index: int = Field(ge=0)
-    name: str
-    ops: str = ""
-    output_bytes_per_sample: int = Field(ge=0)
-    weight_bytes: int = Field(ge=0)
-    buffer_bytes: int = Field(default=0, ge=0)
-    activation_bytes_fixed: int = 0
-    activation_bytes_per_sample: int = Field(default=0, ge=0)
+    index: int = Field(ge=0, lt=MAX_UNITS)
+    name: str = Field(max_length=MAX_UNIT_NAME_CHARS)
+    ops: str = Field(default="", max_length=MAX_OPS_CHARS)
+    output_bytes_per_sample: int = Field(ge=0, le=MAX_SAMPLE_BYTES)
+    weight_bytes: int = Field(ge=0, le=MAX_UNIT_BYTES)
+    buffer_bytes: int = Field(default=0, ge=0, le=MAX_UNIT_BYTES)
+    # May be negative: a unit can free more than it keeps (the cost model clips a stage's sum at zero).
+    activation_bytes_fixed: int = Field(default=0, ge=-MAX_UNIT_BYTES, le=MAX_UNIT_BYTES)
+    activation_bytes_per_sample: int = Field(default=0, ge=0, le=MAX_SAMPLE_BYTES)
     flops_per_sample: float = Field(default=0.0, ge=0)
 
 
@@ -54,9 +84,9 @@ class ModelProfile(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     model: ModelSpec
-    fingerprint: str
-    input_bytes_per_sample: int = Field(ge=0)
-    units: list[UnitProfile] = Field(min_length=1)
+    fingerprint: Identifier
+    input_bytes_per_sample: int = Field(ge=0, le=MAX_SAMPLE_BYTES)
+    units: list[UnitProfile] = Field(min_length=1, max_length=MAX_UNITS)
 
     @model_validator(mode="after")
     def _indices(self) -> ModelProfile:
@@ -74,15 +104,15 @@ class ComputeProfile(BaseModel):
     "calibrated" (the host's timings scaled by the device's measured speed ratio, ``speed_ratio``).
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
-    model_fingerprint: str
-    device_fingerprint: str
-    batch_sizes: list[int] = Field(min_length=1)
-    forward_s: list[list[float]]
-    backward_s: list[list[float]]
+    model_fingerprint: Identifier
+    device_fingerprint: Identifier
+    batch_sizes: list[Annotated[int, Field(le=MAX_BATCH_SIZE)]] = Field(min_length=1, max_length=MAX_BATCH_GRID)
+    forward_s: list[TimingRow] = Field(max_length=MAX_UNITS)
+    backward_s: list[TimingRow] = Field(max_length=MAX_UNITS)
     method: Literal["measured", "calibrated"] = "measured"
-    speed_ratio: float = 1.0
+    speed_ratio: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
@@ -100,12 +130,12 @@ class DeviceInfo(BaseModel):
     """One device as the planner sees it. ``memory_budget_bytes`` is u_d; ``compute_flops`` is the
     measured training speed (forward+backward FLOPs per second on the profiled model)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
-    node: str
-    device_class: str = ""
-    fingerprint: str
-    memory_budget_bytes: int = Field(ge=0)
+    node: Name
+    device_class: str = Field(default="", max_length=MAX_ID_CHARS)
+    fingerprint: Identifier
+    memory_budget_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
     compute_flops: float = Field(default=0.0, ge=0)
 
 
@@ -113,10 +143,10 @@ class LinkProfile(BaseModel):
     """A measured link from ``src`` to ``dst``: bulk bandwidth (bytes per second) and round-trip
     latency (seconds) over the MQTT data path."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
-    src: str
-    dst: str
+    src: Name
+    dst: Name
     bandwidth_bps: float = Field(gt=0)
     latency_s: float = Field(default=0.0, ge=0)
 
@@ -140,8 +170,8 @@ class ClusterProfile(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     model: ModelProfile
-    devices: list[DeviceProfileEntry]
-    links: list[LinkProfile] = Field(default_factory=list)
+    devices: list[DeviceProfileEntry] = Field(max_length=MAX_DEVICES)
+    links: list[LinkProfile] = Field(default_factory=list, max_length=MAX_LINKS)
 
     def without(self, *nodes: str) -> ClusterProfile:
         """This profile without devices ``nodes`` and their links."""

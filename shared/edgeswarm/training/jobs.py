@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.planning.types import Strategy
+from edgeswarm.profiling.limits import MAX_GLOBAL_BATCH
 from edgeswarm.profiling.types import ModelSpec, Optimizer
 from edgeswarm.wire.schema import NAME_PATTERN
 
@@ -91,8 +92,9 @@ class JobSpec(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     model: ModelSpec
     data: DatasetSpec
-    global_batch: int = Field(default=256, ge=1)
-    micro_batches: int | None = Field(default=None, ge=1)
+    # Capped like the planner's requests, so a job it could never plan is refused when it is submitted.
+    global_batch: int = Field(default=256, ge=1, le=MAX_GLOBAL_BATCH)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_GLOBAL_BATCH)
     optimizer: OptimizerSpec = OptimizerSpec()
     rounds: int | None = Field(default=None, ge=1)
     epochs: float | None = Field(default=None, gt=0)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_PROFILED_BATCH = 256
 PLANNER_NODE = "hub"
+PLANNER_BUSY_PAUSE_S = 2.0  # between asks while the planner's queue is full
 
 
 @dataclass
@@ -99,17 +100,33 @@ def profile_batch_sizes(job: JobSpec) -> list[int]:
 
 
 def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: float = 120.0,
-                 planner_node: str = PLANNER_NODE) -> tuple[Plan, Comparison | None]:
+                 planner_node: str = PLANNER_NODE,
+                 busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> tuple[Plan, Comparison | None]:
     """Ask the planner service on ``planner_node`` for ``job``'s plan with every baseline beside it; returns
-    the plan of the job's strategy and the comparison. Raises JobError when the planner fails, does not
-    answer within ``timeout_s``, or the strategy has no feasible plan."""
+    the plan of the job's strategy and the comparison. While the planner answers ``busy`` (its queue is full)
+    the request is asked again every ``busy_pause_s`` seconds. Raises JobError when the planner fails (``too_large``
+    says how to make the job smaller), stays busy or does not answer within ``timeout_s`` seconds in all, or the
+    strategy has no feasible plan."""
     request = PlanRequest(cluster=cluster, global_batch=job.global_batch, micro_batches=job.micro_batches,
                           optimizer=job.optimizer.name, strategy=job.strategy, compare=True)
-    try:
-        reply = bus.request(topics.request(planner_node, "planner"), request, timeout_s=timeout_s).body
-    except BusError as exc:
-        raise JobError(f"job {job.name}: the planner on {planner_node} did not answer: {exc}") from None
+    give_up = time.monotonic() + timeout_s
+    while True:
+        left = give_up - time.monotonic()
+        try:
+            reply = bus.request(topics.request(planner_node, "planner"), request, timeout_s=max(left, 1.0)).body
+        except BusError as exc:
+            raise JobError(f"job {job.name}: the planner on {planner_node} did not answer: {exc}") from None
+        if not (isinstance(reply, PlanFailed) and reply.reason == "busy"):
+            break
+        if time.monotonic() + busy_pause_s > give_up:
+            raise JobError(f"job {job.name}: the planner on {planner_node} stayed busy for {timeout_s:.0f} s "
+                           f"({reply.detail}); submit the job again when the planner has caught up")
+        log.info("job %s: the planner on %s is busy; asking again in %.0f s", job.name, planner_node, busy_pause_s)
+        time.sleep(busy_pause_s)
     if isinstance(reply, PlanFailed):
+        if reply.reason == "too_large":
+            raise JobError(f"job {job.name}: planning it is too much work for the planner on {planner_node}: "
+                           f"{reply.detail}. In the job file: set micro_batches, or run on fewer devices")
         raise JobError(f"job {job.name}: no plan ({reply.reason}): {reply.detail}")
     assert isinstance(reply, PlanReply) and reply.comparison is not None
     comparison = reply.comparison
