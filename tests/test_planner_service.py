@@ -3,7 +3,6 @@ off the receiving thread, refusals of requests over the time budget and of a ful
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from edgeswarm.messages import Probe, ProbeReply
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.planning.budget import estimate_plan, work_cap
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.runtime.ratelimit import RateLimitedLog
 from edgeswarm.services.planner.service import MAX_QUEUED
 from edgeswarm.training.driver import JobError
 from edgeswarm.training.jobs import parse_job
@@ -176,17 +174,3 @@ def test_a_job_gives_up_on_a_planner_that_stays_busy(make_bus) -> None:
         request_plan(client, parse_job(JOB), _cluster(), timeout_s=1.0, busy_pause_s=0.2)
     assert planner.asked >= 2
 
-
-def test_refusals_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:
-    """A flood of refused requests logs at most ``burst`` lines per reason and window, then one summary line."""
-    now = [0.0]
-    limited = RateLimitedLog(logging.getLogger("test.refusals"), burst=3, window_s=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="test.refusals"):
-        for i in range(100):
-            limited.warning("busy", "refused %d", i)
-        limited.warning("too_large", "other reason")
-        now[0] = 11.0
-        limited.warning("busy", "refused again")
-    assert [r.getMessage() for r in caplog.records] == [
-        "refused 0", "refused 1", "refused 2", "other reason", "... 97 more 'busy' lines were left out in 10 s",
-        "refused again"]

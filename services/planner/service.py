@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError, InfeasiblePlanError, PlanningError, PlanTooLargeError, ProfileError
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import PlanFailed, PlanFailureReason, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.planning.budget import WorkEstimate, check_budget, estimate_plan, estimate_replan
 from edgeswarm.planning.compare import compare, plan_best
 from edgeswarm.planning.deadline import Deadline
 from edgeswarm.planning.replan import heavy_replan, light_replan
-from edgeswarm.runtime.ratelimit import RateLimitedLog
 from edgeswarm.runtime.service import Service
 from edgeswarm.wire import Message
 
@@ -52,7 +52,7 @@ class PlannerService(Service):
         self._budget_s = self.settings.plan_time_budget_s
         self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_QUEUED)
         # Refusals and failures are triggered by whoever sends requests: their log lines are rate-limited.
-        self._refusals = RateLimitedLog(log)
+        self._refusals = RateLimitedLog(log, what="refusals")
         self._worker = threading.Thread(target=self._work, name="planner-worker", daemon=True)
         self._worker.start()
         request = topics.request(self.node, self.name)

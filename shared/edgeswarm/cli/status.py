@@ -67,9 +67,11 @@ def run_topics(args: argparse.Namespace) -> int:
         print(json.dumps([t.model_dump() for t in TOPIC_TREE], indent=2))
         return 0
     table = Table(title="edgeswarm topic tree")
-    for col in ("topic", "schema", "retained", "QoS", "broker", "purpose"):
+    for col in ("topic", "schema", "retained", "QoS", "broker", "written by", "read by", "purpose"):
         table.add_column(col, overflow="fold")
     for t in TOPIC_TREE:
-        table.add_row(t.pattern, t.schemas, "yes" if t.retained else "no", str(t.qos), t.broker, t.purpose)
+        table.add_row(escape(t.pattern), t.schemas, "yes" if t.retained else "no", str(t.qos), t.broker,
+                      escape(t.who_writes), "the node it names" if t.readers == "node" else "every member",
+                      t.purpose)
     console.print(table)
     return 0
