@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import BusError, EdgeswarmError
+from edgeswarm.errors import BusError, EdgeswarmError, NotAuthorizedError
 from edgeswarm.messages.jobs import (
     FINISHED,
     JobAccepted,
@@ -33,6 +33,8 @@ class JobRequestError(EdgeswarmError):
 def _ask(bus: Bus, message: Message, timeout_s: float, coordinator: str) -> JobAccepted:
     try:
         reply = bus.request(topics.request(coordinator, "coordinator"), message, timeout_s=timeout_s).body
+    except NotAuthorizedError as exc:
+        raise JobRequestError(f"{exc} (only the hub and client members may submit or cancel jobs)") from None
     except BusError as exc:
         raise JobRequestError(f"the coordinator on {coordinator} did not answer: {exc}; is the cluster up "
                               "(edgeswarm status)?") from None
