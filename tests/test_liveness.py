@@ -13,7 +13,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.runtime.client import ClusterWatcher
-from edgeswarm.wire import encode
+from edgeswarm.wire import Sender, encode
 from helpers import wait_until
 
 KEEPALIVE_S = 2  # FAST_ENV in helpers.py
@@ -175,10 +175,11 @@ def test_forged_heartbeats_leave_the_coordinators_view_bounded_until_retention_f
     wait_until(lambda: views and views[-1].body.node("real-1") is not None, 20, message="real-1 in the view")
 
     attacker = make_bus("attacker", "cli")
-    for i in range(3000):
-        attacker.publish(topics.heartbeat(f"forged-{i}", "node-agent"), m.Heartbeat(
-            node=f"forged-{i}", service="node-agent", instance="f0f0f0f0f0f0", seq=0, interval_s=3600.0,
-            uptime_s=1.0, free_memory_bytes=0, inbox_depth=0), qos=0)
+    for i in range(3000):  # each as the node it names: on an anonymous broker nothing stops that
+        forged = Sender(node=f"forged-{i}", service="node-agent", instance="f0f0f0f0f0f0")
+        beat = m.Heartbeat(node=f"forged-{i}", service="node-agent", instance="f0f0f0f0f0f0", seq=0,
+                           interval_s=3600.0, uptime_s=1.0, free_memory_bytes=0, inbox_depth=0)
+        attacker.hub.publish(topics.heartbeat(f"forged-{i}", "node-agent"), encode(forged.envelope(beat), beat), qos=0)
     attacker.hub.flush(30)
     full = wait_until(lambda: next((v for v in views if len(v.body.nodes) == 128), None), 30,
                       message="the view filled up to the cap")

@@ -531,7 +531,9 @@ class Bus:
         s = self.settings
         return MqttConnection(
             url,
-            f"{self.sender.node}.{self.sender.service}.{self.sender.instance}.{role}",
+            # The random tail keeps a client id unguessable (the instance id is public, in the status): a broker
+            # drops the older of two connections with one id, so a known id would let anyone disconnect us.
+            f"{self.sender.node}.{self.sender.service}.{self.sender.instance}.{role}.{new_id()[:8]}",
             protocol=s.mqtt_protocol,
             keepalive_s=s.keepalive_s,
             max_packet_bytes=s.max_packet_bytes,
