@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -59,6 +58,7 @@ from edgeswarm.messages.checkpoints import (
 )
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.runtime.service import Service
+from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,7 @@ class CheckpointStoreService(Service):
             max_upload_bytes=s.checkpoint_max_bytes, max_pending_bytes=2 * s.checkpoint_max_bytes,
             timeout_s=s.reassembly_timeout_s, max_open_uploads=s.checkpoint_max_open_uploads)
         self._failure_log = RateLimitedLog(log, what="failed uploads")
-        self._jobs: queue.Queue[_Save | _Load] = queue.Queue(maxsize=MAX_QUEUED)
-        self._worker = threading.Thread(target=self._work, name="checkpoint-disk", daemon=True)
-        self._worker.start()
+        self._jobs: QueueWorker[_Save | _Load] = QueueWorker("checkpoint-disk", MAX_QUEUED, self._work, self.metrics)
         self.bus.subscribe(topics.data(self.node, self.name), self._on_tensor, schemas=(CheckpointTensor,),
                            plane="data")
         request = topics.request(self.node, self.name)
@@ -110,6 +108,9 @@ class CheckpointStoreService(Service):
         _warn_if_unwritable(self.store.directory)
         log.info("checkpoints in %s, keeping %d versions per job and stage, at most %d bytes each",
                  self.store.directory, s.checkpoint_keep, s.checkpoint_max_bytes)
+
+    def teardown(self) -> None:
+        self._jobs.stop()
 
     # --- uploads ------------------------------------------------------------------------------------
 
@@ -168,26 +169,15 @@ class CheckpointStoreService(Service):
     # --- the disk worker ----------------------------------------------------------------------------
 
     def _enqueue(self, job: _Save | _Load, msg: Inbound, transfer_id: str) -> None:
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
+        if not self._jobs.offer(job):
             self._fail(msg, transfer_id, "busy", f"{MAX_QUEUED} checkpoint writes and loads are already queued on "
                                                  f"{self.node}; try again shortly")
 
-    def _work(self) -> None:
-        while not self.stopping:
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                if isinstance(job, _Save):
-                    self._save(job.upload)
-                else:
-                    self._load(job.msg, job.request)
-            except Exception:  # never let one job end the worker
-                self.metrics.count("handler_errors")
-                log.exception("checkpoint job failed unexpectedly")
+    def _work(self, job: _Save | _Load) -> None:
+        if isinstance(job, _Save):
+            self._save(job.upload)
+        else:
+            self._load(job.msg, job.request)
 
     # --- who may write ------------------------------------------------------------------------------
 

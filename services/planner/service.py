@@ -14,8 +14,6 @@ that expired while they waited and stops a search that runs past the budget (``t
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ from edgeswarm.planning.compare import compare, plan_best
 from edgeswarm.planning.deadline import Deadline
 from edgeswarm.planning.replan import heavy_replan, light_replan
 from edgeswarm.runtime.service import Service
+from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
@@ -50,15 +49,18 @@ class PlannerService(Service):
 
     def setup(self) -> None:
         self._budget_s = self.settings.plan_time_budget_s
-        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_QUEUED)
+        self._jobs: QueueWorker[_Job] = QueueWorker("planner-worker", MAX_QUEUED, self._serve, self.metrics,
+                                                    failed=lambda job, exc: self._unexpected(job.msg, exc),
+                                                    depth_gauge="plan_queue_depth")
         # Refusals and failures are triggered by whoever sends requests: their log lines are rate-limited.
         self._refusals = RateLimitedLog(log, what="refusals")
-        self._worker = threading.Thread(target=self._work, name="planner-worker", daemon=True)
-        self._worker.start()
         request = topics.request(self.node, self.name)
         self.bus.subscribe(request, self._on_request, schemas=(PlanRequest, ReplanRequest))
         log.info("planning with a time budget of %g s per request, at most %d requests waiting", self._budget_s,
                  MAX_QUEUED)
+
+    def teardown(self) -> None:
+        self._jobs.stop()
 
     # --- the receiving thread: price, refuse or queue; never plan here --------------------------------
 
@@ -78,27 +80,11 @@ class PlannerService(Service):
         except Exception as exc:  # a bug in the estimate: the requester still hears why, and the handler goes on
             self._unexpected(msg, exc)
             return
-        try:
-            self._jobs.put_nowait(_Job(msg, estimate))
-        except queue.Full:
+        if not self._jobs.offer(_Job(msg, estimate)):
             self._refuse(msg, "busy", f"the planner on {self.node} already has {MAX_QUEUED} requests waiting; "
                                       "try again later")
-            return
-        self.metrics.gauge("plan_queue_depth", self._jobs.qsize())
 
     # --- the worker thread ----------------------------------------------------------------------------
-
-    def _work(self) -> None:
-        while not self.stopping:
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self.metrics.gauge("plan_queue_depth", self._jobs.qsize())
-            try:
-                self._serve(job)
-            except Exception as exc:  # never let one request end the worker
-                self._unexpected(job.msg, exc)
 
     def _serve(self, job: _Job) -> None:
         msg = job.msg

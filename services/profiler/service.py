@@ -14,14 +14,13 @@ imported by the first profile, not at start, so the service starts as cheaply as
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError, LinkMeasurementError, ProfileRequestError
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.messages.profiling import ProfileFailureReason
 from edgeswarm.profiling.cache import ProfileCache
@@ -29,9 +28,11 @@ from edgeswarm.profiling.device import run_device_profile
 from edgeswarm.profiling.links import LinkProber
 from edgeswarm.profiling.types import DeviceProfileEntry
 from edgeswarm.runtime.service import Service
+from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log, what="refusals")
 
 MAX_QUEUED = 8
 PROGRESS_INTERVAL_S = 0.25  # at most this often per request, plus the first and the last event
@@ -54,41 +55,28 @@ class ProfilerService(Service):
         self.cache = ProfileCache(self.settings.profile_dir)
         self.links = LinkProber(self.bus)
         self.links.attach()
-        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_QUEUED)
-        self._worker = threading.Thread(target=self._work, name="profiler-worker", daemon=True)
-        self._worker.start()
+        self._jobs: QueueWorker[_Job] = QueueWorker("profiler-worker", MAX_QUEUED, self._serve, self.metrics)
         self.bus.subscribe(topics.request(self.node, self.name), self._on_request, schemas=(ProfileRequest,))
         log.info("profile cache in %s", self.cache.directory)
+
+    def teardown(self) -> None:
+        self._jobs.stop()
 
     # --- requests -----------------------------------------------------------------------------------
 
     def _on_request(self, msg: Inbound) -> None:
         request = msg.body
         assert isinstance(request, ProfileRequest)
-        try:
-            self._jobs.put_nowait(_Job(msg, request))
-        except queue.Full:
+        if not self._jobs.offer(_Job(msg, request)):
             self.metrics.count("profile_requests_refused")
-            log.warning("refusing profile request %s from %s: %d requests already queued", request.request_id,
-                        msg.sender, MAX_QUEUED)
+            _limited.warning("busy", "refusing profile request %s from %s: %d requests already queued",
+                             request.request_id, msg.sender, MAX_QUEUED)
             self._answer(msg, ProfileFailed(request_id=request.request_id, node=self.node, reason="busy",
                                             detail=f"{MAX_QUEUED} profile requests are already queued on "
                                                    f"{self.node}; try again later"))
             return
         log.info("queued profile request %s from %s: %s at batch sizes %s (%s), links to %s", request.request_id,
                  msg.sender, request.model.name, request.batch_sizes, request.method, request.peers or "none")
-
-    def _work(self) -> None:
-        while not self.stopping:
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self._serve(job)
-            except Exception:  # never let one request end the worker
-                self.metrics.count("handler_errors")
-                log.exception("profile request %s failed unexpectedly", job.request.request_id)
 
     def _serve(self, job: _Job) -> None:
         request, msg = job.request, job.msg
