@@ -14,7 +14,6 @@ and drops any message whose ``sender_node`` is not the node its topic names (``r
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from edgeswarm.errors import (
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import RequestRejected, Status
 from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.settings import Settings, parse_broker_url
 from edgeswarm.wire import Envelope, Message, Reassembler, Sender, WireTensor, decode, encode, tensor_frames
 from edgeswarm.wire.codec import peek_envelope
@@ -198,7 +198,8 @@ class Bus:
         self._seen_lock = threading.Lock()
         self._reject_log = RateLimitedLog(log, what="rejections")
         self._rejection_tokens = _TokenBucket(_REJECTION_RATE, int(2 * _REJECTION_RATE))
-        self._rejections: queue.Queue[_Rejection] = queue.Queue(maxsize=_REJECTION_QUEUE)
+        self._rejections: QueueWorker[_Rejection] = QueueWorker("bus-rejections", _REJECTION_QUEUE,
+                                                                self._answer_rejection, self.metrics)
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
         self.credentials = settings.credentials()
@@ -212,7 +213,6 @@ class Bus:
         self._pool_lock = threading.Lock()
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
-        self._answerer: threading.Thread | None = None
         will_spec = None
         if will is not None and will_topic is not None:
             will_spec = Will(will_topic, encode(sender.envelope(will), will))
@@ -235,8 +235,6 @@ class Bus:
         self.subscribe(topics.ALL_STATUS, self.peers.update, schemas=(Status,))
         self._housekeeper = threading.Thread(target=self._housekeeping, name="bus-housekeeping", daemon=True)
         self._housekeeper.start()
-        self._answerer = threading.Thread(target=self._answer_rejections, name="bus-rejections", daemon=True)
-        self._answerer.start()
 
     def stop(self) -> None:
         """Disconnect every connection cleanly and stop the worker threads."""
@@ -248,6 +246,7 @@ class Bus:
         for conn in conns:
             conn.close()
         self._inbox.stop()
+        self._rejections.stop()
 
     @property
     def network_alive(self) -> bool:
@@ -497,23 +496,16 @@ class Bus:
             return
         if not rate_checked and not self._rejection_tokens.take():
             return
-        try:
-            self._rejections.put_nowait(_Rejection(reply_to, cid, reason, detail[:1024]))
-        except queue.Full:
+        if not self._rejections.offer(_Rejection(reply_to, cid, reason, detail[:1024])):
             self.metrics.count("rejections_unanswered")
 
-    def _answer_rejections(self) -> None:
-        while not self._stop.is_set():
-            try:
-                r = self._rejections.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self.publish(r.reply_to, RequestRejected(reason=r.reason, detail=r.detail), qos=0,
-                             correlation_id=r.correlation_id, ttl_s=30.0, timeout_s=1.0)
-            except Exception as exc:  # noqa: BLE001 - an answer that cannot be sent is only counted
-                self.metrics.count("rejections_unanswered")
-                log.debug("could not answer a rejected request: %s", exc)
+    def _answer_rejection(self, r: _Rejection) -> None:
+        try:
+            self.publish(r.reply_to, RequestRejected(reason=r.reason, detail=r.detail), qos=0,
+                         correlation_id=r.correlation_id, ttl_s=30.0, timeout_s=1.0)
+        except Exception as exc:  # noqa: BLE001 - an answer that cannot be sent is only counted
+            self.metrics.count("rejections_unanswered")
+            log.debug("could not answer a rejected request: %s", exc)
 
     def _already_seen(self, msg_id: str) -> bool:
         with self._seen_lock:
