@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.membership import DEFAULT_MAX_NODES, MembershipTable, diff_events, membership_table, observed_at
+from edgeswarm.membership import MembershipTable, diff_events, membership_table, observed_at
 from edgeswarm.messages import Heartbeat, Status
-from edgeswarm.settings import Settings
+from edgeswarm.settings import DEFAULT_MAX_NODES, Settings
 from edgeswarm.wire import Sender, encode
 
 

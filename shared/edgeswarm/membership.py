@@ -20,22 +20,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, NodeView, ServiceView, Status
 from edgeswarm.messages.cluster import ServiceState
-
-if TYPE_CHECKING:
-    from edgeswarm.settings import Settings  # settings imports this module's defaults
+from edgeswarm.settings import DEFAULT_MAX_INSTANCES_PER_NODE, DEFAULT_MAX_NODES, DEFAULT_RETENTION_S, Settings
 
 log = logging.getLogger(__name__)
 
-# Defaults of the Settings fields membership_retention_s, membership_max_nodes and
-# membership_max_instances_per_node (edgeswarm.settings), which explain the choice.
-DEFAULT_RETENTION_S = 300.0
-DEFAULT_MAX_NODES = 128
-DEFAULT_MAX_INSTANCES_PER_NODE = 16
 
 _RANK: dict[ServiceState, int] = {"online": 0, "suspect": 1, "offline": 2}
 _FORGOTTEN_NAMED = 5  # instances named in the log line that reports forgotten ones

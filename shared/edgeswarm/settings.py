@@ -16,12 +16,17 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from edgeswarm.checkpoints.uploads import DEFAULT_MAX_OPEN_UPLOADS
 from edgeswarm.errors import ConfigError
-from edgeswarm.membership import DEFAULT_MAX_INSTANCES_PER_NODE, DEFAULT_MAX_NODES, DEFAULT_RETENTION_S
 from edgeswarm.wire.schema import NAME_PATTERN
 
 MIB = 1024 * 1024
+
+# Defaults that the code using them (edgeswarm.membership, edgeswarm.checkpoints.uploads) shares with the fields
+# below, where the comments explain them. Settings sit below everything, so they live here.
+DEFAULT_RETENTION_S = 300.0
+DEFAULT_MAX_NODES = 128
+DEFAULT_MAX_INSTANCES_PER_NODE = 16
+DEFAULT_MAX_OPEN_UPLOADS = 64
 
 
 class LinkSpec(BaseModel):

@@ -20,11 +20,11 @@ from typing import Generic, TypeVar
 
 from edgeswarm.checkpoints.types import MetaValue
 from edgeswarm.messages.checkpoints import CheckpointCommit, CheckpointFailureReason, CheckpointTensor
+from edgeswarm.settings import DEFAULT_MAX_OPEN_UPLOADS
 from edgeswarm.wire.tensor import WireTensor
 
 T = TypeVar("T")
 
-DEFAULT_MAX_OPEN_UPLOADS = 64  # default of the setting checkpoint_max_open_uploads, which explains it
 _SCALAR_BYTES = 8  # what an int, float or bool meta value is counted as
 
 
