@@ -61,6 +61,7 @@ from edgeswarm.messages.checkpoints import (
     CheckpointSaved,
     CheckpointTensor,
 )
+from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.wire import Message, WireTensor
 from edgeswarm.wire.schema import new_id
 
@@ -246,6 +247,9 @@ class CheckpointClient:
                 raise CheckpointTransferError(f"{what}: the {STORE_SERVICE} on {store_node} went away before it "
                                               "answered (stopped or restarted); try again once it is back")
         reply = exp.wait(0)
+        if exp.refusal is not None:
+            raise CheckpointForbiddenError(f"{what}: the broker refused to carry it to the {STORE_SERVICE} on "
+                                           f"{store_node} ({exp.refusal}); this node may not send it requests")
         if reply is None:
             raise CheckpointTimeoutError(
                 f"{what}: the {STORE_SERVICE} on {store_node} did not answer within {timeout_s:g} s; is it running? "
@@ -290,6 +294,9 @@ def _failure(reply: Message, store_node: str, what: str) -> CheckpointError:
     if isinstance(reply, CheckpointFailed):
         cls = _ERRORS.get(reply.reason, CheckpointTransferError)
         return cls(f"{what} on {store_node} failed ({reply.reason}): {reply.detail}")
+    if isinstance(reply, RequestRejected):
+        return CheckpointTransferError(f"{what}: the {STORE_SERVICE} on {store_node} refused it ({reply.reason}): "
+                                       f"{reply.detail}")
     return CheckpointTransferError(f"{what}: the {STORE_SERVICE} on {store_node} answered with an unexpected "
                                    f"{reply.SCHEMA}")
 
