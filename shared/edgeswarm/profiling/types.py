@@ -6,11 +6,21 @@ Units: bytes, seconds, FLOPs, bytes per second. A "unit" is one element of a mod
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Optimizer = Literal["sgd", "momentum", "adam"]
+
+# Profiles arrive from other nodes (plan requests carry whole clusters), and the planner does arithmetic on every
+# number in them: a NaN or infinite time or rate turns its shares into NaN and then into garbage array indices, so
+# measured quantities must be finite (and times and rates not negative).
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Byte counts go into the planner's int64 prefix sums over up to ~10^5 units: 1 TiB per unit (and 1 PiB of memory
+# per device) leaves them far from overflowing, where an unbounded integer made the planner raise OverflowError.
+MAX_UNIT_BYTES = 2**40
+MAX_DEVICE_BYTES = 2**50
+UnitBytes = Annotated[int, Field(ge=0, le=MAX_UNIT_BYTES)]
 
 # Optimizer state per parameter byte (spec section 2.2: k_opt).
 OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -40,12 +50,12 @@ class UnitProfile(BaseModel):
     index: int = Field(ge=0)
     name: str
     ops: str = ""
-    output_bytes_per_sample: int = Field(ge=0)
-    weight_bytes: int = Field(ge=0)
-    buffer_bytes: int = Field(default=0, ge=0)
-    activation_bytes_fixed: int = 0
-    activation_bytes_per_sample: int = Field(default=0, ge=0)
-    flops_per_sample: float = Field(default=0.0, ge=0)
+    output_bytes_per_sample: UnitBytes
+    weight_bytes: UnitBytes
+    buffer_bytes: UnitBytes = 0
+    activation_bytes_fixed: int = Field(default=0, ge=-MAX_UNIT_BYTES, le=MAX_UNIT_BYTES)
+    activation_bytes_per_sample: UnitBytes = 0
+    flops_per_sample: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class ModelProfile(BaseModel):
@@ -79,10 +89,10 @@ class ComputeProfile(BaseModel):
     model_fingerprint: str
     device_fingerprint: str
     batch_sizes: list[int] = Field(min_length=1)
-    forward_s: list[list[float]]
-    backward_s: list[list[float]]
+    forward_s: list[list[Seconds]]
+    backward_s: list[list[Seconds]]
     method: Literal["measured", "calibrated"] = "measured"
-    speed_ratio: float = 1.0
+    speed_ratio: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
@@ -105,8 +115,8 @@ class DeviceInfo(BaseModel):
     node: str
     device_class: str = ""
     fingerprint: str
-    memory_budget_bytes: int = Field(ge=0)
-    compute_flops: float = Field(default=0.0, ge=0)
+    memory_budget_bytes: int = Field(ge=0, le=MAX_DEVICE_BYTES)
+    compute_flops: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class LinkProfile(BaseModel):
@@ -117,8 +127,8 @@ class LinkProfile(BaseModel):
 
     src: str
     dst: str
-    bandwidth_bps: float = Field(gt=0)
-    latency_s: float = Field(default=0.0, ge=0)
+    bandwidth_bps: float = Field(gt=0, allow_inf_nan=False)
+    latency_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class DeviceProfileEntry(BaseModel):
