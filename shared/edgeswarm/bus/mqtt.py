@@ -533,7 +533,10 @@ def publish_properties(options: PublishOptions | None) -> bytes:
     buf = bytearray()
     if options is not None:
         if options.expires_in_s is not None:
-            buf += b"\x02" + struct.pack("!I", max(1, math.ceil(options.expires_in_s)))
+            # The property is a four-byte integer: a reply to a request that says it expires in a thousand years
+            # gets the longest interval MQTT can say, rather than a struct.error in the handler that replies.
+            expiry = max(1, math.ceil(min(_MAX_EXPIRY_S, options.expires_in_s)))
+            buf += b"\x02" + struct.pack("!I", expiry)
         if options.reply_to:
             buf += b"\x08" + _utf8(options.reply_to.encode())
         if options.correlation_id:
@@ -566,3 +569,4 @@ def packet_size(topic: str, payload_len: int, qos: int, props: Properties | None
 
 
 _ENVELOPE_KEY = _utf8(b"edgeswarm")
+_MAX_EXPIRY_S = 2**32 - 1  # the largest Message Expiry Interval (seconds) an MQTT 5 property can carry
