@@ -113,7 +113,9 @@ class StageAssign(Message):
             raise ValueError(f"stage {self.stage} rank {self.rank} is not in the groups")
         if len({sum(s) for s in self.shares}) != 1:
             raise ValueError("every stage's shares must add up to the same micro-batch size")
-        if self.restore and sorted(u.unit for u in self.restore) != list(range(self.start, self.end)):
+        # The length first: [start, end) comes off the network, and a range of 2**63 units is no list to build.
+        if self.restore and (len(self.restore) != self.end - self.start
+                             or sorted(u.unit for u in self.restore) != list(range(self.start, self.end))):
             raise ValueError(f"restore must name one source for every unit in [{self.start}, {self.end})")
         if self.restore and self.checkpoint is not None:
             raise ValueError("give restore or checkpoint, not both")
