@@ -32,7 +32,8 @@ class StateEntry(BaseModel):
 
     name: str = Field(min_length=1, max_length=512)
     dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32"]
-    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)
+    # Each dimension fits torch's int64 shape: a larger one made unpack_units raise TypeError out of the handler.
+    shape: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(max_length=16)
 
     @property
     def nbytes(self) -> int:
