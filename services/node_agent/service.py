@@ -43,8 +43,13 @@ class NodeAgentService(Service):
     def _on_bench_start(self, msg: Inbound) -> None:
         body = msg.body
         assert isinstance(body, BenchStart)
+        env = msg.envelope
+        # The final ack is published to reply_to later, outside Bus.reply's check: keep it only if it is a reply
+        # address of the requester's own node. Any other topic is not the requester's to receive (and one the
+        # broker refuses would cost this agent its connection).
+        reply_to = env.reply_to if env.reply_to and topics.reply_owner(env.reply_to) == env.sender_node else None
         with self._runs_lock:
-            self._runs[body.run_id] = _SinkRun(body.count, msg.envelope.reply_to, body.done_correlation_id)
+            self._runs[body.run_id] = _SinkRun(body.count, reply_to, body.done_correlation_id)
             while len(self._runs) > MAX_OPEN_RUNS:
                 self._runs.popitem(last=False)
         self.bus.reply(msg, BenchAck(run_id=body.run_id, received=0, bytes=0))

@@ -109,7 +109,10 @@ class StageWorkerService(Service):
         self._held: HeldState | None = None  # the current job's snapshots and the backups held for others
         self._state_out: dict[str, Outbox] = {}  # peer -> sender of backups
         self._ready = threading.Condition()
-        self._computing = threading.Lock()  # held by a round while it uses the stage's module
+        # Held by a round while it uses the stage's module, and by a build while it traces a model: torch.fx patches
+        # Module.__call__ for every thread while it traces, so a forward pass elsewhere meanwhile (another assignment's,
+        # or a round's) failed with NameError ("module is not installed as a submodule").
+        self._computing = threading.Lock()
         request = topics.request(self.node, self.name)
         self.bus.subscribe(request, self._on_assign, schemas=(StageAssign,))
         self.bus.subscribe(request, self._on_round, schemas=(RoundStart,))
@@ -145,7 +148,10 @@ class StageWorkerService(Service):
                 self._held = HeldState(spec.job_id)
             self._ready.notify_all()
         try:
-            job = self._reuse(spec) or self._build(spec)
+            job = self._reuse(spec)
+            if job is None:
+                with self._computing:
+                    job = self._build(spec)
             restored = (self._restore(job) if spec.restore else
                         self._restore_checkpoint(job) if spec.checkpoint is not None else 0)
         except EdgeswarmError as exc:

@@ -110,6 +110,10 @@ class PayloadTooLargeError(BusError):
     """A message is larger than the broker's maximum packet size; it was refused before sending."""
 
 
+class InvalidTopicError(BusError):
+    """A topic no broker accepts in a PUBLISH (empty, a wildcard, a control character); nothing was sent."""
+
+
 class PublishTimeoutError(BusError):
     """A publish could not be handed to the broker in time (backpressure or a lost connection)."""
 

@@ -14,6 +14,7 @@ with ``/+``.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -103,10 +104,18 @@ def writer_of(topic: str) -> str | None:
     return None
 
 
+# A node id, service name or instance id (edgeswarm.wire.schema.NAME_PATTERN, not imported: this module stays light).
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def reply_owner(topic: str) -> str | None:
-    """The node an address ``edgeswarm/reply/{node}/{service}/{instance}`` belongs to, None for anything else."""
+    """The node an address ``edgeswarm/reply/{node}/{service}/{instance}`` belongs to, None for anything else.
+
+    Every level must be a name: a reply_to arrives in a request's envelope, and a level holding a wildcard or a
+    control character would make the broker drop the connection that publishes the reply (again after every
+    reconnect, as the QoS 1 message is sent again)."""
     parts = topic.split("/")
-    if len(parts) == 5 and parts[0] == ROOT and parts[1] == "reply" and all(parts[2:]):
+    if len(parts) == 5 and parts[0] == ROOT and parts[1] == "reply" and all(_NAME.fullmatch(p) for p in parts[2:]):
         return parts[2]
     return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import socket
 import ssl
 import struct
@@ -31,7 +32,13 @@ from paho.mqtt.matcher import MQTTMatcher
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edgeswarm.errors import BrokerUnavailableError, NotAuthorizedError, PayloadTooLargeError, PublishTimeoutError
+from edgeswarm.errors import (
+    BrokerUnavailableError,
+    InvalidTopicError,
+    NotAuthorizedError,
+    PayloadTooLargeError,
+    PublishTimeoutError,
+)
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.settings import BrokerCredentials, parse_broker_url
 
@@ -292,6 +299,11 @@ class MqttConnection:
         published while disconnected are queued (within the window) and sent after reconnecting. If the
         broker later refuses a QoS 1 message (MQTT 5 PUBACK "not authorised"), ``refusal(mid)`` says why.
         """
+        problem = topic_problem(topic)
+        if problem is not None:
+            # Checked here, not left to the broker: it would drop the connection, and paho would send the QoS 1
+            # message again after every reconnect, so one bad topic would cut this connection off for good.
+            raise InvalidTopicError(f"cannot publish to {topic[:256]!r}: {problem}")
         props = _PackedProperties(publish_properties(options)) if self.protocol == "5" else None
         size = packet_size(topic, len(payload), qos, props)
         if size > self.max_packet_bytes:
@@ -533,7 +545,10 @@ def publish_properties(options: PublishOptions | None) -> bytes:
     buf = bytearray()
     if options is not None:
         if options.expires_in_s is not None:
-            buf += b"\x02" + struct.pack("!I", max(1, math.ceil(options.expires_in_s)))
+            # The property is a four-byte integer: a reply to a request that says it expires in a thousand years
+            # gets the longest interval MQTT can say, rather than a struct.error in the handler that replies.
+            expiry = max(1, math.ceil(min(_MAX_EXPIRY_S, options.expires_in_s)))
+            buf += b"\x02" + struct.pack("!I", expiry)
         if options.reply_to:
             buf += b"\x08" + _utf8(options.reply_to.encode())
         if options.correlation_id:
@@ -541,6 +556,27 @@ def publish_properties(options: PublishOptions | None) -> bytes:
         if options.envelope:
             buf += b"\x26" + _ENVELOPE_KEY + _utf8(options.envelope.encode())
     return _varint(len(buf)) + bytes(buf)
+
+
+# What MQTT brokers refuse in a topic name (Mosquitto disconnects the client): wildcards, control characters and
+# Unicode noncharacters.
+_BAD_TOPIC_CHARS = re.compile("[+#\x00-\x1f\x7f-\x9f\ufdd0-\ufdef"
+                              + "".join(f"{chr(p * 0x10000 + 0xFFFE)}{chr(p * 0x10000 + 0xFFFF)}" for p in range(17))
+                              + "]")
+
+
+def topic_problem(topic: str) -> str | None:
+    """Why a broker would refuse ``topic`` in a PUBLISH, or None if it is a valid topic name."""
+    if not topic:
+        return "a topic is never empty"
+    bad = _BAD_TOPIC_CHARS.search(topic)
+    if bad is not None:
+        return f"a topic holds no wildcard, control character or noncharacter (U+{ord(bad.group()):04X})"
+    try:
+        size = len(topic.encode())
+    except UnicodeEncodeError:
+        return "a topic is valid UTF-8 (this one holds a lone surrogate)"
+    return f"a topic is at most 65535 bytes (this one is {size})" if size > 65535 else None
 
 
 def _utf8(data: bytes) -> bytes:
@@ -566,3 +602,4 @@ def packet_size(topic: str, payload_len: int, qos: int, props: Properties | None
 
 
 _ENVELOPE_KEY = _utf8(b"edgeswarm")
+_MAX_EXPIRY_S = 2**32 - 1  # the largest Message Expiry Interval (seconds) an MQTT 5 property can carry

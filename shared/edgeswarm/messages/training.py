@@ -32,7 +32,8 @@ class StateEntry(BaseModel):
 
     name: str = Field(min_length=1, max_length=512)
     dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32"]
-    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)
+    # Each dimension fits torch's int64 shape: a larger one made unpack_units raise TypeError out of the handler.
+    shape: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(max_length=16)
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +114,9 @@ class StageAssign(Message):
             raise ValueError(f"stage {self.stage} rank {self.rank} is not in the groups")
         if len({sum(s) for s in self.shares}) != 1:
             raise ValueError("every stage's shares must add up to the same micro-batch size")
-        if self.restore and sorted(u.unit for u in self.restore) != list(range(self.start, self.end)):
+        # The length first: [start, end) comes off the network, and a range of 2**63 units is no list to build.
+        if self.restore and (len(self.restore) != self.end - self.start
+                             or sorted(u.unit for u in self.restore) != list(range(self.start, self.end))):
             raise ValueError(f"restore must name one source for every unit in [{self.start}, {self.end})")
         if self.restore and self.checkpoint is not None:
             raise ValueError("give restore or checkpoint, not both")

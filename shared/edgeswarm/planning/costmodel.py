@@ -18,9 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeswarm.errors import InfeasiblePlanError, ProfileError
+from edgeswarm.errors import InfeasiblePlanError, PlanningError, ProfileError
 from edgeswarm.planning.types import PlanOptions
 from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile, ComputeProfile
+
+# Entries of the per-device time tables (devices x (B + 1) x (L + 1)): 2**24 float64 is 128 MiB per table, far
+# beyond a real cluster (32 devices x micro-batch 1024 x 200 units is 6.6 million).
+MAX_TABLE_CELLS = 2**24
 
 
 def warmup(stages: int, stage: int, micro_batches: int) -> int:
@@ -73,6 +77,12 @@ class CostModel:
         units = cluster.model.units
         self.L = len(units)
         b = options.micro_batch_size
+        cells = len(cluster.devices) * (b + 1) * (self.L + 1)
+        if cells > MAX_TABLE_CELLS:
+            # The micro-batch, units and devices come from a plan request: refuse tables that would not fit rather
+            # than allocate them (a profile up to batch size 2**30 asked for tens of GB per device).
+            raise PlanningError(f"{len(cluster.devices)} devices x micro-batch {b} x {self.L} units is too large to "
+                                f"plan: the cost tables would hold {cells} entries, at most {MAX_TABLE_CELLS}")
         # Dense per-device time tables for shares 0..B: [device, share, unit prefix].
         fwd = [self._dense(e.compute, e.device.node, b) for e in cluster.devices]
         bwd = [self._dense(e.compute, e.device.node, b, backward=True) for e in cluster.devices]

@@ -139,6 +139,8 @@ def parse_job_text(text: str, *, source: str = "the job spec") -> JobSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML or JSON: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively: "[[[[..." a few thousand deep
+        raise ConfigError(f"{source} nests its collections too deeply to be a job spec") from None
     return parse_job(data, source=source)
 
 

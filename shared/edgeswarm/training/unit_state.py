@@ -391,8 +391,10 @@ def unpack_units(entries: list[StateEntry], flat: torch.Tensor) -> UnitState:
     offset = 0
     for entry in entries:
         size = entry.nbytes
-        # Clone before the dtype view: the copy starts at offset 0 of its own storage, so the view is aligned.
-        raw = flat[offset:offset + size].clone()
+        # Clone before the dtype view: the copy starts at offset 0 of its own storage, so the view is aligned. With
+        # contiguous strides explicitly: an empty tensor from the wire can have stride 0, and the dtype view of that
+        # raised RuntimeError (a zero-size entry, with nothing to read, must still unpack).
+        raw = flat[offset:offset + size].clone(memory_format=torch.contiguous_format)
         state[entry.name] = raw.view(STATE_DTYPES[entry.dtype]).reshape(entry.shape)
         offset += size
     return state

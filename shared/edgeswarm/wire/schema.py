@@ -57,8 +57,10 @@ class Envelope(BaseModel):
     sender_node: Name
     sender_service: Name
     sender_instance: Name
-    sent_at: float
-    expires_at: float | None = None
+    # Finite only: a NaN send time never compares as newer or older (a retained status stamped NaN could never be
+    # replaced), and an infinite expiry has no MQTT 5 Message Expiry Interval to mirror it to.
+    sent_at: float = Field(allow_inf_nan=False)
+    expires_at: float | None = Field(default=None, allow_inf_nan=False)
     correlation_id: str | None = Field(default=None, max_length=64)
     reply_to: str | None = Field(default=None, max_length=256)
 
