@@ -107,7 +107,6 @@ def workable_messages() -> list[Message]:
                           seed=7, backup_to=None, backup_interval=1, resume_round=0, restore=[])
     upload = {"transfer_id": "0123abcd" * 4, "job_id": "job-1", "stage": "0", "version": 3}
     return [
-        huge_batch_plan(),
         whole,  # a single-device stage: its rounds run without peers
         whole.model_copy(update={"stage": 1, "start": 3, "groups": [["tx2-0"], [SERVICE_NODE]], "shares": [[4], [4]],
                                  "backup_to": "tx2-0"}),
@@ -779,5 +778,5 @@ def _settle(svc: Service, timeout_s: float = 10.0) -> None:
     names = {"assign", "round", "ship"}
     jobs = getattr(svc, "_jobs", None)
     while time.monotonic() < deadline and (any(t.name in names for t in threading.enumerate())
-                                           or (jobs is not None and not jobs.empty())):
+                                           or (jobs is not None and not jobs.idle)):
         time.sleep(0.05)

@@ -34,21 +34,31 @@ class QueueWorker(Generic[T]):
         self._metrics = metrics
         self._gauge = depth_gauge
         self._stop = threading.Event()
+        self._outstanding = 0  # offered and not yet served
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def offer(self, item: T) -> bool:
         """Queue ``item``; False (and nothing queued) when ``capacity`` items already wait."""
-        try:
-            self._items.put_nowait(item)
-        except queue.Full:
-            return False
+        with self._count_lock:
+            try:
+                self._items.put_nowait(item)
+            except queue.Full:
+                return False
+            self._outstanding += 1
         self._measure()
         return True
 
     @property
     def depth(self) -> int:
         return self._items.qsize()
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing waits and nothing is being served."""
+        with self._count_lock:
+            return self._outstanding == 0
 
     def stop(self) -> None:
         """Serve nothing more; an item being served finishes on its own."""
@@ -75,3 +85,6 @@ class QueueWorker(Generic[T]):
                         self._failed(item, exc)
                     except Exception:  # noqa: BLE001 - answering is best effort
                         log.exception("%s could not report a failed item", self._thread.name)
+            finally:
+                with self._count_lock:
+                    self._outstanding -= 1
