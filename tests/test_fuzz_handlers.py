@@ -48,7 +48,7 @@ from edgeswarm.settings import Settings
 from edgeswarm.wire import DTYPES, Message, decode, registered
 from edgeswarm.wire.codec import FRAME_VERSION, MAGIC, PREFIX
 from edgeswarm.wire.tensor import expected_chunks
-from test_wire_doc_decoder import samples
+from test_wire_doc_decoder import plain, samples
 
 # Fixed, so that a run is reproducible: nothing in decoding depends on the send time being recent.
 SENT_AT = 1.7e9
@@ -118,15 +118,6 @@ def workable_messages() -> list[Message]:
         m.ProfileRequest(request_id="req-2", model=mlp, batch_sizes=[1, 2], method="calibrated", peers=[]),
         m.BenchStart(run_id="r1", count=1, done_correlation_id="done-2"),
     ]
-
-
-def plain(value: Any) -> Any:
-    """A model dump as msgpack would give it back (tuples as lists), so that it can be mutated in place."""
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
 
 
 # --- hostile values ----------------------------------------------------------------------------------
