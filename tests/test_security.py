@@ -8,6 +8,7 @@ not let it submit jobs, write another node's topics, read its requests, or write
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]
         wait_until(lambda: any("cluster up" in line for line in lines) or proc.poll() is not None, 150,
                    message="the secure cluster")
         assert proc.poll() is None, "".join(lines)
-        env = dict(line.removeprefix("export ").strip().split("=", 1)
+        env = dict(shlex.split(line.removeprefix("export "))[0].split("=", 1)
                    for line in (workdir / "secrets" / "operator.env").read_text().splitlines())
         yield SecureCluster(workdir, env)
     finally:

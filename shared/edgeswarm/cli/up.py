@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import threading
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def run_up(args: argparse.Namespace) -> int:
                       f"logs in {cluster.workdir / 'logs'}")
         if cluster.secure:
             env_file = cluster.secrets / "operator.env"
-            env_file.write_text("".join(f"export {k}={v}\n" for k, v in cluster.client_env().items()))
+            env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in cluster.client_env().items()))
             console.print(f"secure: TLS with the CA {cluster.secrets / 'tls' / 'ca.crt'}, a password per node, the ACL "
                           f"from the topic tree; command lines log in as `operator`: `. {env_file}`")
         _wait_ready(cluster, len(spec.devices), args.ready_timeout, stop)
