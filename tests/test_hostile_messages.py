@@ -306,3 +306,17 @@ def test_a_restarting_coordinator_takes_over_only_its_own_job_states(broker: Bro
     assert not events, "the forged job was not run"
     probe_ok(client, "hub", "coordinator")
 
+
+
+def test_a_body_on_a_nodes_own_topic_speaks_for_that_node_only() -> None:
+    from edgeswarm.bus.bus import check_writer
+    from edgeswarm.errors import WireError
+
+    progress = m.ProfileProgress(request_id="r", node="other", fraction=0.5, message="m")
+    env = Sender(node="pi-1", service="profiler", instance="i").envelope(progress)
+    with pytest.raises(WireError, match="speaks for node other"):
+        check_writer(topics.profile_progress("pi-1"), env, progress)
+    check_writer(topics.profile_progress("pi-1"), env, progress.model_copy(update={"node": "pi-1"}))
+    probe_reply = m.ProbeReply(node="pi-1", service="s", instance="i", healthy=True, uptime_s=1, inbox_depth=0,
+                               handler_errors=0, rejected=0)
+    check_writer(topics.from_sender(topics.reply("hub", "cli", "x"), "pi-1"), env, probe_reply)

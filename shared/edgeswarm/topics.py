@@ -87,21 +87,25 @@ def from_sender(address: str, sender_node: str) -> str:
     return f"{address}/{sender_node}"
 
 
+def owner_of(topic: str) -> str | None:
+    """The node that owns concrete ``topic`` (its status, heartbeat, metrics, profiler progress and profiles: the
+    ``{node}`` level), or None for a topic no node owns."""
+    parts = topic.split("/")
+    if len(parts) < 5 or parts[0] != ROOT or parts[1] != "node":
+        return None
+    if (len(parts) == 5 and parts[4] in OWNED_LEAVES) or (len(parts) == 6 and parts[3:5] == ["profiler", "profile"]):
+        return parts[2]
+    return None
+
+
 def writer_of(topic: str) -> str | None:
     """The node a message on concrete ``topic`` must come from, or None for topics written by a role (cluster
     view and events, job state and events) or not in the tree."""
     parts = topic.split("/")
-    if len(parts) < 5 or parts[0] != ROOT:
-        return None
-    if parts[1] == "reply":
-        return parts[5] if len(parts) == 6 else None
-    if parts[1] != "node":
-        return None
-    if len(parts) == 6 and parts[4] in ADDRESSED_LEAVES:
+    if len(parts) == 6 and parts[0] == ROOT and (parts[1] == "reply" or
+                                                  (parts[1] == "node" and parts[4] in ADDRESSED_LEAVES)):
         return parts[5]
-    if (len(parts) == 5 and parts[4] in OWNED_LEAVES) or (len(parts) == 6 and parts[3:5] == ["profiler", "profile"]):
-        return parts[2]
-    return None
+    return owner_of(topic)
 
 
 # A node id, service name or instance id (edgeswarm.wire.schema.NAME_PATTERN, not imported: this module stays light).
@@ -137,14 +141,6 @@ CLUSTER_EVENTS = f"{ROOT}/cluster/events"
 ALL_STATUS = f"{ROOT}/node/+/+/status"
 ALL_HEARTBEATS = f"{ROOT}/node/+/+/heartbeat"
 ALL_PROFILE_PROGRESS = profile_progress("+")
-
-
-def parse_node_topic(topic: str) -> tuple[str, str, str] | None:
-    """(node, service, leaf) of an ``edgeswarm/node/{node}/{service}/{leaf}`` topic, else None."""
-    parts = topic.split("/")
-    if len(parts) == 5 and parts[0] == ROOT and parts[1] == "node":
-        return parts[2], parts[3], parts[4]
-    return None
 
 
 Binding = Literal["node", "sender", "self", "none"]

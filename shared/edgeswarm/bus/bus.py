@@ -78,7 +78,7 @@ def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
 
 def check_writer(topic: str, envelope: Envelope, body: Message) -> None:
     """Raise WireError (``forged_sender``) unless ``envelope``'s sender is the node ``topic`` names as its writer,
-    and a body that names a node (a Status, say) names that node too."""
+    and on a node's own topics a body that names a node (a Status, a profile report) names that node too."""
     writer = topics.writer_of(topic)
     if writer is None:
         return
@@ -86,7 +86,7 @@ def check_writer(topic: str, envelope: Envelope, body: Message) -> None:
         raise WireError(f"{envelope.schema_name} on {topic[:256]} says it is from {envelope.sender_node}, but only "
                         f"{writer} may write there", reason="forged_sender")
     named = getattr(body, "node", writer)
-    if topics.parse_node_topic(topic) is not None and named != writer:
+    if topics.owner_of(topic) is not None and named != writer:
         raise WireError(f"{envelope.schema_name} on {topic[:256]} from {writer} speaks for node {named!s:.64}",
                         reason="forged_sender")
 
