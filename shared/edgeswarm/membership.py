@@ -189,9 +189,11 @@ class MembershipTable:
                 del held[key]
 
 
-def membership_table(settings: Settings) -> MembershipTable:
-    """A MembershipTable with the retention and caps of ``settings`` (the EDGESWARM_MEMBERSHIP_* variables)."""
-    return MembershipTable(settings.heartbeat_timeout_factor, retention_s=settings.membership_retention_s,
+def membership_table(settings: Settings, timeout_factor: float | None = None) -> MembershipTable:
+    """A MembershipTable with the retention and caps of ``settings`` (the EDGESWARM_MEMBERSHIP_* variables), and
+    its heartbeat timeout factor unless ``timeout_factor`` is given."""
+    factor = settings.heartbeat_timeout_factor if timeout_factor is None else timeout_factor
+    return MembershipTable(factor, retention_s=settings.membership_retention_s,
                            max_nodes=settings.membership_max_nodes,
                            max_instances_per_node=settings.membership_max_instances_per_node)
 

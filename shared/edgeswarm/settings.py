@@ -11,7 +11,7 @@ import re
 import socket
 from pathlib import Path
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,10 +57,15 @@ class BrokerAddress(BaseModel):
 _SCHEMES = {"mqtt": False, "tcp": False, "mqtts": True, "ssl": True, "tls": True}
 
 
+def _split(url: str) -> SplitResult:
+    """``url`` split into parts; a URL without a scheme is taken as ``mqtt://``."""
+    return urlsplit(url if "://" in url else f"mqtt://{url}")
+
+
 def parse_broker_url(url: str) -> BrokerAddress:
     """Parse ``mqtt://host[:port]`` (also ``tcp://``; port 1883) or ``mqtts://host[:port]`` (TLS; also ``ssl://``;
     port 8883). A ``user:password@`` part is not kept here (see ``url_credentials``). Raises ConfigError."""
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    parts = _split(url)
     if parts.scheme not in _SCHEMES or not parts.hostname:
         raise ConfigError(f"broker URL {redact_url(url)!r} is not of the form mqtt://host:port or mqtts://host:port")
     tls = _SCHEMES[parts.scheme]
@@ -73,7 +78,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
 def url_credentials(url: str) -> tuple[str | None, str | None]:
     """The (user name, password) in a broker URL's ``user:password@`` part, percent-decoded; None where absent."""
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    parts = _split(url)
     user = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password is not None else None
     return user, password
@@ -81,7 +86,7 @@ def url_credentials(url: str) -> tuple[str | None, str | None]:
 
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***``, for messages and logs."""
-    parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+    parts = _split(url)
     if parts.password is None:
         return url
     return url.replace(f":{parts.password}@", ":***@", 1)
@@ -239,7 +244,7 @@ class Settings(BaseSettings):
                 values["mqtt_username"] = user
             if password is not None and values.get("mqtt_password") in (None, ""):
                 values["mqtt_password"] = password
-            parts = urlsplit(url if "://" in url else f"mqtt://{url}")
+            parts = _split(url)
             values[key] = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
         return values
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.membership import MembershipTable, observed_at
+from edgeswarm.membership import membership_table, observed_at
 from edgeswarm.messages import ClusterView, Heartbeat, Status
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
@@ -38,10 +38,8 @@ class ClusterWatcher:
         self._fresh_s = fresh_s
         self._coordinator_view: ClusterView | None = None
         self._received_at = 0.0
-        s = bus.settings  # EDGESWARM_MEMBERSHIP_*, as the coordinator reads them: the fallback view is bounded too
-        self._table = MembershipTable(heartbeat_timeout_factor, retention_s=s.membership_retention_s,
-                                      max_nodes=s.membership_max_nodes,
-                                      max_instances_per_node=s.membership_max_instances_per_node)
+        # EDGESWARM_MEMBERSHIP_*, as the coordinator reads them: the fallback view is bounded too.
+        self._table = membership_table(bus.settings, heartbeat_timeout_factor)
         bus.subscribe(topics.CLUSTER_VIEW, self._on_view, schemas=(ClusterView,))
         bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
         bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
