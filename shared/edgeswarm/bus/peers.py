@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from edgeswarm.errors import UnknownNodeError
+from edgeswarm.membership import observed_at
 from edgeswarm.messages import Status
 
 if TYPE_CHECKING:
@@ -32,8 +33,7 @@ class PeerDirectory:
         if not isinstance(status, Status):
             return
         key = (status.node, status.service)
-        now = time.time()
-        at = min(inbound.envelope.sent_at, now) if inbound.retained else now
+        at = observed_at(inbound.envelope.sent_at, inbound.retained, time.time())
         with self._cv:
             old = self._statuses.get(key)
             if old is None or old[0] <= at:
