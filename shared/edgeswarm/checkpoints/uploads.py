@@ -159,8 +159,8 @@ class UploadTracker(Generic[T]):
         """Feed the commit of an upload from node ``sender``; ``token`` is handed back with the outcome to answer
         it. A commit naming another sender's upload is refused without touching that upload."""
         with self._lock:
-            held = self._uploads.get(msg.transfer_id)
-            if held is not None and held.sender != sender:
+            up = self._uploads.get(msg.transfer_id)
+            if up is not None and up.sender != sender:
                 self.foreign += 1
                 return [FailedUpload(msg.transfer_id, "bad_request", f"upload {msg.transfer_id} is another "
                                      "sender's; pick a fresh transfer id", token)]
@@ -171,7 +171,6 @@ class UploadTracker(Generic[T]):
                     return [FailedUpload(msg.transfer_id, "bad_request",
                                          f"upload {msg.transfer_id} was already committed", token)]
                 return [FailedUpload(msg.transfer_id, reason, detail, token)]
-            up = self._uploads.get(msg.transfer_id)
             if up is not None and up.commit is not None:
                 self.ignored += 1
                 return []
