@@ -229,8 +229,9 @@ def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
     assert "hpp plan" in out.stdout and "final model in the checkpoint store" in out.stdout, text
     assert re.search(r"\n\S*\s*dp\s.*\d+\.\d+x", out.stdout), text  # the measured comparison row
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == 6
-    assert 0.0 <= run["state"]["test_accuracy"] <= 1.0 and "held-out accuracy of the saved model" in out.stdout
+    assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["checkpoint_version"] == 6
+    assert 0.0 <= run["state"]["progress"]["test_accuracy"] <= 1.0
+    assert "held-out accuracy of the saved model" in out.stdout
     assert [r["round"] for r in run["rounds"]] == list(range(1, 7))
     assert run["rounds"][-1]["loss"] < run["rounds"][0]["loss"]
     assert {p["strategy"] for p in run["state"]["predictions"]} == {"hpp", "dp", "pp", "single"}
@@ -368,7 +369,7 @@ class _Training:
         job = parse_job_text(self.job_text)
         stages = len(run["state"]["plan"]["stages"])
         assert_same_weights(stored_weights(self.tmp_path / "checkpoints", job.name, stages),
-                            reference_weights(job, run["state"]["total_rounds"]))
+                            reference_weights(job, run["state"]["progress"]["total_rounds"]))
 
 
 def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_uninterrupted(
@@ -382,7 +383,7 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
     assert f"killed stage-worker on {victim}" in killed.stdout, killed.stdout
     out, run = job.finish()
     assert re.search(rf"device_lost.*{victim}", out) and re.search(r"recovered.*light recovery", out), out
-    assert run["state"]["status"] == "succeeded" and run["state"]["reconfigurations"] == 1
+    assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["reconfigurations"] == 1
     assert victim not in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
     assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
     job.assert_uninterrupted_weights(run)
@@ -415,7 +416,7 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     with _services("late-0", DEVICE_SERVICES, job.cluster.url, {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}):
         out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
-    assert run["state"]["reconfigurations"] == 1
+    assert run["state"]["progress"]["reconfigurations"] == 1
     assert "late-0" in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
     job.assert_uninterrupted_weights(run)
 
@@ -431,6 +432,6 @@ def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrup
     with _services("hub", ("coordinator",), job.cluster.url, job.env):
         out, run = job.finish()
     assert re.search(r"resumed.*takes the job over at round \d+", out), out
-    assert run["state"]["status"] == "succeeded" and run["state"]["checkpoint_version"] == FT_ROUNDS
+    assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["checkpoint_version"] == FT_ROUNDS
     assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
     job.assert_uninterrupted_weights(run)

@@ -174,7 +174,7 @@ def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster
     submit_job(operator, JOB, submission=follower.submission)
     final = follower.wait(240)
     assert final.status == "succeeded", final.detail
-    assert final.plan is not None and final.checkpoint_version is not None
+    assert final.plan is not None and final.train.checkpoint_version is not None
     kept = list_checkpoints(operator, "hub", "guarded", timeout_s=10)["guarded"]
 
     device = connect("nano-1", service="stage-worker")
@@ -182,7 +182,7 @@ def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster
     nano_stages = [k for k, s in enumerate(final.plan.stages) if "nano-1" in s.devices]
     targets = ["layout"] + [f"stage-{k}" for k in range(len(final.plan.stages)) if k not in nano_stages]
     for stage in targets:
-        for version in range(final.checkpoint_version + 1, final.checkpoint_version + 4):
+        for version in range(final.train.checkpoint_version + 1, final.train.checkpoint_version + 4):
             with pytest.raises(CheckpointForbiddenError, match="may not write guarded"):
                 save_checkpoint(device, "hub", "guarded", stage, version, {"w": np.zeros(4, np.float32)},
                                 timeout_s=20)

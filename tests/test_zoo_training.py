@@ -109,10 +109,10 @@ def test_a_tiny_model_of_every_family_trains_through_the_coordinator_to_an_evalu
     final = follower.wait(300)
 
     assert final.status == "succeeded", f"job {name} ended {final.status}: {final.detail}"
-    assert final.round == ROUNDS and final.checkpoint_version == ROUNDS
-    assert final.test_accuracy is not None and 0.0 <= final.test_accuracy <= 1.0
+    assert final.train.round == ROUNDS and final.train.checkpoint_version == ROUNDS
+    assert final.train.test_accuracy is not None and 0.0 <= final.train.test_accuracy <= 1.0
     assert final.plan is not None and len(final.plan.stages) == DEVICES
-    assert final.loss is not None and math.isfinite(final.loss)
+    assert final.train.loss is not None and math.isfinite(final.train.loss)
     saved = {p.name for p in (cluster.checkpoints / name).iterdir()}
     assert saved == {stage_entry(s.index) for s in final.plan.stages} | {"layout"}
     # The stages' checkpoints together are exactly the model's state dict: no non-persistent buffer, nothing lacking.

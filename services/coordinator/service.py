@@ -3,7 +3,7 @@
 It publishes the view, retained, on ``edgeswarm/cluster/view`` every second and an event on
 ``edgeswarm/cluster/events`` for every change of a service's state and every duplicate node id. The view is
 bounded by the EDGESWARM_MEMBERSHIP_* settings (retention and caps, see ``edgeswarm.membership``).
-It also owns training jobs (``jobs.JobManager``): ``edgeswarm.job.submit`` and ``edgeswarm.job.cancel`` on
+It also owns the jobs of every kind (``jobs.JobManager``): ``edgeswarm.job.submit`` and ``edgeswarm.job.cancel`` on
 its request topic, with each job's state retained on ``edgeswarm/job/{job}/state``.
 """
 
@@ -16,7 +16,7 @@ import time
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.membership import diff_events, membership_table, observed_at
-from edgeswarm.messages import ClusterView, Heartbeat, Status
+from edgeswarm.messages import ClusterView, Heartbeat, NodeView, Status
 from edgeswarm.runtime.service import Service
 from edgeswarm.services.coordinator.jobs import JobManager
 
@@ -34,7 +34,8 @@ class CoordinatorService(Service):
         self.bus.subscribe(topics.ALL_STATUS, self._on_status, schemas=(Status,))
         self.bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
         self.every(min(1.0, self.settings.heartbeat_interval_s), self.publish_view, "cluster-view")
-        self.jobs = JobManager(self.bus, self.node, timeout_s=self.settings.job_step_timeout_s)
+        self.jobs = JobManager(self.bus, self.node, timeout_s=self.settings.job_step_timeout_s,
+                               members=self.stage_worker_nodes)
 
     def teardown(self) -> None:
         self.jobs.stop()
@@ -48,6 +49,12 @@ class CoordinatorService(Service):
         assert isinstance(msg.body, Heartbeat)
         with self._lock:
             self.table.apply_heartbeat(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
+
+    def stage_worker_nodes(self) -> list[NodeView]:
+        """The nodes whose stage-worker is online now."""
+        with self._lock:
+            view = self.table.view(time.time())
+        return [n for n in view.nodes if any(s.service == "stage-worker" and s.state == "online" for s in n.services)]
 
     def publish_view(self) -> None:
         """Publish the current view (retained) and one event per change since the last one."""

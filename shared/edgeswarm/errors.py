@@ -277,3 +277,15 @@ class CheckpointTransferError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointTransferError):
     """A checkpoint store did not answer, or did not deliver every tensor, in time."""
+
+
+# --- jobs -----------------------------------------------------------------------------------------------
+
+
+class JobError(EdgeswarmError):
+    """A job's step failed: a worker refused, failed or did not answer, or the planner had no plan; the message
+    names it."""
+
+
+class JobCancelled(JobError):
+    """The job was cancelled."""

@@ -351,13 +351,16 @@ class Bus:
     # --- data plane ---------------------------------------------------------------------------------
 
     def send_tensor(self, node: str, service: str, message: Message, value: Any, *,
-                    timeout_s: float | None = None, peer_wait_s: float | None = None) -> int:
+                    timeout_s: float | None = None, peer_wait_s: float | None = None,
+                    expectation: Expectation | None = None) -> int:
         """Send ``value`` (numpy or torch) with ``message`` to ``service`` on ``node``; returns bytes sent.
 
         The frames go to the data-plane broker the receiver advertises, in chunks that fit that
         broker's maximum packet size, through this node's emulated link to ``node`` if one is set.
         ``peer_wait_s`` is how long to wait for the receiver's status to be known (default: the request
         timeout); answers to a peer pass 0, so an unknown sender never holds the answering thread.
+        With ``expectation`` (from ``expect``) the tensor is a request: its envelope carries this instance's
+        reply topic and the expectation's correlation id, and the answer resolves the expectation.
         Raises UnknownNodeError or PeerOfflineError if the receiver is not known to be online.
         """
         timeout = timeout_s or self.settings.publish_timeout_s
@@ -367,11 +370,34 @@ class Bus:
             raise PeerOfflineError(f"{node}/{service} is offline ({status.reason or 'no reason given'})")
         conn = self.connection_for(status.data_url, timeout)
         topic = topics.from_sender(topics.data(node, service), self.sender.node)
-        env = self.sender.envelope(message)
+        if expectation is None:
+            env = self.sender.envelope(message)
+        else:
+            env = self.sender.envelope(message, correlation_id=expectation.correlation_id, reply_to=self.reply_topic)
+        return self._publish_frames(conn, topic, env, message, value, timeout, self._links.get(node))
+
+    def reply_tensor(self, request: Inbound, message: Message, value: Any) -> int:
+        """Answer ``request`` with ``message`` and the tensor ``value`` on its ``reply_to`` topic (on the hub
+        broker, where the requester listens), in chunks; returns bytes sent, 0 when the request named no reply
+        topic of its own node (counted and logged, as ``reply`` does)."""
+        env = request.envelope
+        if not env.reply_to or topics.reply_owner(env.reply_to) != env.sender_node:
+            self.metrics.count("rejected.bad_reply_to")
+            self._reject_log.warning("bad_reply_to", "not answering %s from %s with a tensor: reply_to %r is not a "
+                                     "reply topic of its node", env.schema_name, request.sender,
+                                     (env.reply_to or "")[:256])
+            return 0
+        ttl = None if env.expires_at is None else max(1.0, env.expires_at - time.time())
+        reply_env = self.sender.envelope(message, ttl_s=ttl, correlation_id=env.correlation_id or env.msg_id)
+        topic = topics.from_sender(env.reply_to, self.sender.node)
+        return self._publish_frames(self.hub, topic, reply_env, message, value,
+                                    self.settings.publish_timeout_s, None)
+
+    def _publish_frames(self, conn: MqttConnection, topic: str, env: Envelope, message: Message, value: Any,
+                        timeout: float, link: ShapedLink | None) -> int:
         headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
         chunk = max(1024, min(self.settings.chunk_bytes, conn.max_packet_bytes - headroom))
         options = mirrored(env, None)
-        link = self._links.get(node)
         sent = 0
         for frame in tensor_frames(env, message, value, chunk):
             send = partial(conn.publish, topic, frame, qos=1, options=options, timeout_s=timeout)

@@ -21,7 +21,8 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
-from edgeswarm.messages.jobs import JobEvent, JobState
+from edgeswarm.messages.jobs import JobEvent, JobState, ServeProgress
+from edgeswarm.planning.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.training.client import JobFollower, cancel_job, job_states, submit_job
@@ -109,16 +110,17 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
 
     def on_state(state: JobState) -> None:
         nonlocal shown_plan
-        if state.plan is not None and not shown_plan and verbose:
+        if isinstance(state.plan, Plan) and not shown_plan and verbose:
             shown_plan = True
             progress.console.print(plan_table(state.plan, []))
             progress.console.print(f"predicted {state.plan.round_latency_s:.3f} s per round, "
                                    f"{state.plan.throughput_sps:.1f} samples/s")
-        if state.round_s is not None and state.predicted_round_s and None not in (state.loss, state.accuracy,
-                                                                                   state.samples_per_s):
-            progress.update(task, completed=state.round, total=state.total_rounds or None, description=(
-                f"loss {state.loss:.4f}  accuracy {state.accuracy:.1%}  {state.samples_per_s:.1f} samples/s  "
-                f"round {state.round_s:.3f} s = {state.round_s / state.predicted_round_s:.2f}x predicted"))
+        t = state.train
+        if t.round_s is not None and t.predicted_round_s and t.loss is not None and t.accuracy is not None and \
+                t.samples_per_s is not None:
+            progress.update(task, completed=t.round, total=t.total_rounds or None, description=(
+                f"loss {t.loss:.4f}  accuracy {t.accuracy:.1%}  {t.samples_per_s:.1f} samples/s  "
+                f"round {t.round_s:.3f} s = {t.round_s / t.predicted_round_s:.2f}x predicted"))
 
     def on_event(event: JobEvent) -> None:
         if verbose and event.kind != "round":
@@ -138,7 +140,7 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
 
 def _measured_round_s(follower: JobFollower) -> float | None:
     """Mean wall time of the rounds after the first (which also warms up every device), or of the only one."""
-    times = [s.round_s for r, s in sorted(follower.rounds.items()) if s.round_s is not None]
+    times = [s.train.round_s for r, s in sorted(follower.rounds.items()) if s.train.round_s is not None]
     if not times:
         return None
     return statistics.fmean(times[1:] if len(times) > 1 else times)
@@ -149,28 +151,29 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if final.status != "succeeded":
         err_console.print(f"job {job.name} {final.status}: {escape(final.detail)}")
     measured = _measured_round_s(follower)
-    if rounds and measured is not None and final.predicted_round_s:
-        first, last = rounds[0][1], rounds[-1][1]
+    t = final.train
+    if rounds and measured is not None and t.predicted_round_s:
+        first, last = rounds[0][1].train, rounds[-1][1].train
         console.print(f"job {job.name} {final.status}: {len(rounds)} rounds, loss {first.loss:.4f} -> "
                       f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
-                      f"{measured:.3f} s per round against {final.predicted_round_s:.3f} s predicted "
-                      f"({measured / final.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
-    if final.checkpoint_version is not None:
-        console.print(f"final model in the checkpoint store as job {job.name} version {final.checkpoint_version}")
-    if final.test_accuracy is not None:
-        console.print(f"held-out accuracy of the saved model: {final.test_accuracy:.1%}")
+                      f"{measured:.3f} s per round against {t.predicted_round_s:.3f} s predicted "
+                      f"({measured / t.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
+    if t.checkpoint_version is not None:
+        console.print(f"final model in the checkpoint store as job {job.name} version {t.checkpoint_version}")
+    if t.test_accuracy is not None:
+        console.print(f"held-out accuracy of the saved model: {t.test_accuracy:.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"),
-                                               "rounds": [s.model_dump(mode="json", exclude={"plan", "predictions"})
+                                               "rounds": [s.train.model_dump(mode="json", exclude={"predictions"})
                                                           for _, s in rounds]}, indent=2))
     if args.loss_png and rounds:
         from edgeswarm.training.curves import render_loss_png
 
-        render_loss_png([r for r, _ in rounds], [s.loss or 0.0 for _, s in rounds],
-                        [s.accuracy or 0.0 for _, s in rounds], Path(args.loss_png),
+        render_loss_png([r for r, _ in rounds], [s.train.loss or 0.0 for _, s in rounds],
+                        [s.train.accuracy or 0.0 for _, s in rounds], Path(args.loss_png),
                         title=f"{job.name}: {job.model.name}, {job.strategy}, global batch {job.global_batch}")
         console.print(f"loss curve written to {args.loss_png}")
-    if args.timeline_png and final.plan is not None:
+    if args.timeline_png and isinstance(final.plan, Plan):
         from edgeswarm.planning.render import render_plan_png
 
         render_plan_png(final.plan, Path(args.timeline_png))
@@ -182,7 +185,7 @@ def _print_comparison(final: JobState, measured: dict[str, float | None], global
     for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted", "measured samples/s",
                 "HPP speed-up (measured)"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
-    predicted = {p.strategy: p for p in final.predictions}
+    predicted = {p.strategy: p for p in final.train.predictions}
     hpp = measured.get("hpp")
     for strategy, seconds in measured.items():
         p = predicted.get(strategy)
@@ -204,22 +207,41 @@ def run_jobs(args: argparse.Namespace) -> int:
     if args.json:
         # The whole plan is long; its devices per stage say where the job runs.
         console.print_json(json.dumps([{**s.model_dump(mode="json", exclude={"plan"}),
-                                         "stages": [list(st.devices) for st in s.plan.stages] if s.plan else []}
+                                         "stages": _stage_devices(s)}
                                         for s in states]))
         return 0
     if not states:
         console.print("no jobs")
         return 0
     table = Table(title="jobs")
-    for col in ("job", "status", "model", "strategy", "round", "loss", "accuracy", "samples/s", "detail"):
+    for col in ("job", "kind", "status", "model", "progress", "figures", "detail"):
         table.add_column(col)
     for s in states:
-        table.add_row(s.job_id, s.status, escape(s.model), s.strategy, f"{s.round}/{s.total_rounds or '?'}",
-                      f"{s.loss:.4f}" if s.loss is not None else "-",
-                      f"{s.accuracy:.1%}" if s.accuracy is not None else "-",
-                      f"{s.samples_per_s:.1f}" if s.samples_per_s is not None else "-", escape(s.detail[:80]))
+        table.add_row(s.job_id, s.kind, s.status, escape(s.model), *_progress_cells(s), escape(s.detail[:80]))
     console.print(table)
     return 0
+
+
+def _stage_devices(state: JobState) -> list[list[str]]:
+    """Every stage's devices of the job's plan."""
+    if isinstance(state.plan, Plan):
+        return [list(st.devices) for st in state.plan.stages]
+    return [[st.device] for st in state.plan.stages] if state.plan is not None else []
+
+
+def _progress_cells(state: JobState) -> tuple[str, str]:
+    """How far a job is, and its latest figures, for the jobs table."""
+    if isinstance(state.progress, ServeProgress):
+        p = state.progress
+        figures = [f"{p.throughput_per_s:.1f} samples/s" if p.throughput_per_s is not None else "",
+                   f"p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
+                   f"p99 {p.latency_p99_s * 1000:.1f} ms" if p.latency_p99_s is not None else ""]
+        return f"{p.answered} answered, {p.errors} errors", "  ".join(f for f in figures if f) or "-"
+    t = state.train
+    figures = [f"loss {t.loss:.4f}" if t.loss is not None else "",
+               f"accuracy {t.accuracy:.1%}" if t.accuracy is not None else "",
+               f"{t.samples_per_s:.1f} samples/s" if t.samples_per_s is not None else ""]
+    return f"{t.strategy} round {t.round}/{t.total_rounds or '?'}", "  ".join(f for f in figures if f) or "-"
 
 
 def run_cancel(args: argparse.Namespace) -> int:

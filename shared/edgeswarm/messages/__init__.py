@@ -17,8 +17,25 @@ from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, Serv
 from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, RequestRejected, Status
 from edgeswarm.messages.metrics import MetricsReport
-from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
+from edgeswarm.messages.planning import (
+    PlanFailed,
+    PlanReply,
+    PlanRequest,
+    ReplanRequest,
+    ServePlanReply,
+    ServePlanRequest,
+)
 from edgeswarm.messages.profiling import LinkProbe, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
+from edgeswarm.messages.serving import (
+    InferError,
+    InferReply,
+    InferRequest,
+    ServeAssign,
+    ServeReady,
+    ServeRelease,
+    ServeTensor,
+    WeightsSource,
+)
 from edgeswarm.messages.training import (
     CheckpointSource,
     HeldBackup,
@@ -81,6 +98,16 @@ __all__ = [
     "ProfileReport",
     "ProfileRequest",
     "ReplanRequest",
+    "ServePlanReply",
+    "ServePlanRequest",
+    "InferError",
+    "InferReply",
+    "InferRequest",
+    "ServeAssign",
+    "ServeReady",
+    "ServeRelease",
+    "ServeTensor",
+    "WeightsSource",
     "RequestRejected",
     "RoundDone",
     "RoundStart",

@@ -1,4 +1,4 @@
-"""Messages of training jobs: submitting and cancelling them, and their state and events.
+"""Messages of jobs of every kind (training, serving): submitting and cancelling them, and their state and events.
 
 Requests go to the coordinator, ``edgeswarm/node/hub/coordinator/request``. A job's state is retained on
 ``edgeswarm/job/{job}/state`` (so any client that subscribes sees where it is at once) and every event goes
@@ -7,15 +7,17 @@ to ``edgeswarm/job/{job}/events``. Times are seconds; ``*_at`` are Unix times.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_SPEC_CHARS = 65536
 
+JobKind = Literal["train", "serve-pipeline"]
 JobStatus = Literal["queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded", "failed",
                     "cancelled"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -73,26 +75,18 @@ class StrategyPrediction(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@schema("edgeswarm.job.state", 1)
-class JobState(Message):
-    """Where job ``job_id`` is (retained). ``round`` counts the rounds done out of ``total_rounds``; ``loss``
-    and ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
-    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the
-    final model's, loaded back from the checkpoint store, on the held-out split. ``plan`` is the plan the
-    job runs on (re-planned after a device left or joined: see ``plan.epoch``), ``reconfigurations`` how many
-    times that happened, and ``predictions`` every strategy's predicted figures. ``detail`` says why a job
-    failed. After a recovery ``round`` goes back to the round the job resumed from: those rounds run again.
-    ``spec`` is the job spec as submitted: with the plan and the rounds done, what a restarted coordinator needs
-    to take the job over."""
+class TrainProgress(BaseModel):
+    """How far a training job is. ``round`` counts the rounds done out of ``total_rounds``; ``loss`` and
+    ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
+    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the final
+    model's, loaded back from the checkpoint store, on the held-out split. ``reconfigurations`` counts re-plans
+    after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery
+    ``round`` goes back to the round the job resumed from: those rounds run again."""
 
-    MAX_BYTES = 2 * MIB
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    job_id: Name
-    submission: str = Field(default="", max_length=64)
-    spec: str = Field(default="", max_length=MAX_SPEC_CHARS)
-    status: JobStatus
-    model: str
-    strategy: Strategy
+    kind: Literal["train"] = "train"
+    strategy: Strategy = "hpp"
     round: int = Field(default=0, ge=0)
     total_rounds: int = Field(default=0, ge=0)
     loss: float | None = None
@@ -102,16 +96,77 @@ class JobState(Message):
     samples_per_s: float | None = None
     checkpoint_version: int | None = None
     test_accuracy: float | None = None
-    plan: Plan | None = None
-    predictions: list[StrategyPrediction] = Field(default_factory=list)
+    predictions: list[StrategyPrediction] = Field(default_factory=list, max_length=8)
     reconfigurations: int = Field(default=0, ge=0)
+
+
+class ServeProgress(BaseModel):
+    """How a serving job serves. ``answered`` requests got outputs and ``errors`` an InferError; ``replayed``
+    pipeline items were sent through again after a device was lost (each still answered once); ``in_flight`` items
+    are in the pipeline and ``queued`` requests wait for room in its window. ``throughput_per_s`` (samples per
+    second) and the latency percentiles (seconds from a request's arrival to its answer) are measured over the
+    recent requests, beside the plan's predictions. ``weights`` says where the weights came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    kind: Literal["serve-pipeline"] = "serve-pipeline"
+    answered: int = Field(default=0, ge=0)
+    samples: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0)
+    replayed: int = Field(default=0, ge=0)
+    in_flight: int = Field(default=0, ge=0)
+    queued: int = Field(default=0, ge=0)
+    throughput_per_s: float | None = None
+    latency_p50_s: float | None = None
+    latency_p99_s: float | None = None
+    predicted_throughput_per_s: float | None = None
+    predicted_latency_s: float | None = None
+    reconfigurations: int = Field(default=0, ge=0)
+    weights: str = Field(default="", max_length=256)
+
+
+AnyPlan = Annotated[Plan | ServePlan, Field(discriminator="workload")]
+Progress = Annotated[TrainProgress | ServeProgress, Field(discriminator="kind")]
+
+
+@schema("edgeswarm.job.state", 1)
+class JobState(Message):
+    """Where job ``job_id`` of kind ``kind`` is (retained): the fields every job has, its ``plan`` (the plan it runs
+    on, re-planned after a device left or joined: see ``plan.epoch``) and the kind's ``progress``. ``detail`` says why
+    a job failed. ``spec`` is the job spec as submitted: with the plan and the progress, what a restarted
+    coordinator needs to take the job over."""
+
+    MAX_BYTES = 2 * MIB
+
+    job_id: Name
+    submission: str = Field(default="", max_length=64)
+    spec: str = Field(default="", max_length=MAX_SPEC_CHARS)
+    kind: JobKind = "train"
+    status: JobStatus
+    model: str = Field(max_length=128)
+    plan: AnyPlan | None = None
+    progress: Progress = Field(default_factory=TrainProgress)
     detail: str = Field(default="", max_length=4096)
     submitted_at: float
     updated_at: float
 
+    @property
+    def train(self) -> TrainProgress:
+        """The progress of a training job (TypeError for another kind)."""
+        if not isinstance(self.progress, TrainProgress):
+            raise TypeError(f"job {self.job_id} is a {self.kind} job, not a training job")
+        return self.progress
+
+    @property
+    def serve(self) -> ServeProgress:
+        """The progress of a serving job (TypeError for another kind)."""
+        if not isinstance(self.progress, ServeProgress):
+            raise TypeError(f"job {self.job_id} is a {self.kind} job, not a serving job")
+        return self.progress
+
 
 JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
-                       "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled"]
+                       "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled", "serving"]
 
 
 @schema("edgeswarm.job.event", 1)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from edgeswarm.planning.compare import Comparison
+from edgeswarm.planning.serve.types import ServeOptions, ServePlan
 from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.profiling.limits import MAX_EPOCH, MAX_GLOBAL_BATCH
 from edgeswarm.profiling.types import ClusterProfile, Optimizer
@@ -76,3 +77,25 @@ class PlanFailed(Message):
 
     reason: PlanFailureReason
     detail: str = Field(max_length=4096)
+
+
+@schema("edgeswarm.plan.serve_request", 1)
+class ServePlanRequest(Message):
+    """Request: plan serving ``cluster``'s model as a pipeline over its devices (workload ``serve-pipeline``),
+    for throughput. Answered with ServePlanReply, or PlanFailed."""
+
+    MAX_BYTES = 16 * MIB
+
+    cluster: ClusterProfile
+    options: ServeOptions
+    epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
+
+
+@schema("edgeswarm.plan.serve_reply", 1)
+class ServePlanReply(Message):
+    """A serving plan with its predicted throughput, latency and memory; ``planning_s`` is the planner's time."""
+
+    MAX_BYTES = 1 * MIB
+
+    plan: ServePlan
+    planning_s: float = Field(ge=0.0)

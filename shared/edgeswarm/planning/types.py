@@ -86,6 +86,7 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    workload: Literal["train"] = "train"
     strategy: Strategy
     model_fingerprint: str = Field(max_length=MAX_ID_CHARS)
     units: int = Field(ge=1, le=MAX_UNITS)

@@ -19,6 +19,7 @@ from edgeswarm.messages.jobs import (
     JobRejected,
     JobState,
     JobSubmit,
+    TrainProgress,
 )
 from edgeswarm.wire import Message
 from edgeswarm.wire.schema import new_id
@@ -99,8 +100,8 @@ class JobFollower:
         if state.submission != self.submission or state.job_id != self.job_id:
             return  # an earlier job of the same name
         self.state = state
-        if state.round and state.round_s is not None:
-            self.rounds.setdefault(state.round, state)
+        if isinstance(state.progress, TrainProgress) and state.progress.round and state.progress.round_s is not None:
+            self.rounds.setdefault(state.progress.round, state)
         if self._on_state is not None:
             self._on_state(state)
         if state.status in FINISHED:

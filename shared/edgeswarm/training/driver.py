@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import CheckpointError, EdgeswarmError
+from edgeswarm.errors import CheckpointError, EdgeswarmError, JobCancelled, JobError
 from edgeswarm.messages import Probe
 from edgeswarm.messages.training import (
     CheckpointSource,
@@ -43,14 +43,6 @@ WORKER = "stage-worker"
 POLL_S = 0.005  # how often a wait for answers looks for a failure or a cancellation
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
 REACH_PROBE_S = 0.5  # one probe's wait while waiting for devices to reconnect
-
-
-class JobError(EdgeswarmError):
-    """A stage-worker refused, failed or did not answer; the message names it."""
-
-
-class JobCancelled(JobError):
-    """The job was cancelled."""
 
 
 class DeviceLost(JobError):

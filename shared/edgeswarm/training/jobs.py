@@ -89,6 +89,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    kind: Literal["train"] = "train"
     name: str = Field(pattern=NAME_PATTERN)
     model: ModelSpec
     data: DatasetSpec

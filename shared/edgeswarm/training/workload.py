@@ -1,0 +1,133 @@
+"""The ``train`` workload: hybrid pipeline-parallel training (Asteroid), run by ``lifecycle.run_job``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.jobs import JobEventKind, StrategyPrediction, TrainProgress
+from edgeswarm.messages.training import StageSaved
+from edgeswarm.planning.compare import Comparison
+from edgeswarm.planning.types import Plan
+from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR
+from edgeswarm.training.detection import Detection
+from edgeswarm.training.driver import RoundReport
+from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
+from edgeswarm.training.recovery import RecoveryReport
+from edgeswarm.workloads.base import JobContext, Workload
+from edgeswarm.workloads.checks import model_problems
+
+log = logging.getLogger(__name__)
+
+NOT_STARTED = frozenset({"queued", "profiling", "planning", "deploying"})  # nothing trained yet: start again
+
+
+def predictions(comparison: Comparison | None, global_batch: int) -> list[StrategyPrediction]:
+    """Every strategy's predicted seconds per round and samples per second from the planner's comparison."""
+    if comparison is None:
+        return []
+    out = [StrategyPrediction(strategy="hpp", round_s=comparison.hpp.round_latency_s,
+                              samples_per_s=global_batch / comparison.hpp.round_latency_s)]
+    for b in comparison.baselines:
+        out.append(StrategyPrediction(strategy=b.strategy, error=b.error) if b.plan is None else StrategyPrediction(
+            strategy=b.strategy, round_s=b.plan.round_latency_s, samples_per_s=global_batch / b.plan.round_latency_s))
+    return out
+
+
+class _Publisher(JobObserver):
+    """Turns what ``run_job`` reports into the job's retained state and its events."""
+
+    def __init__(self, ctx: JobContext, spec: JobSpec) -> None:
+        self.ctx = ctx
+        self.spec = spec
+
+    def profiling(self, nodes: list[str]) -> None:
+        self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
+
+    def planned(self, plan: Plan, comparison: Comparison | None, total_rounds: int) -> None:
+        self.ctx.update("deploying", plan=plan, total_rounds=total_rounds, predicted_round_s=plan.round_latency_s,
+                        predictions=predictions(comparison, self.spec.global_batch),
+                        event=("planned", f"{plan.strategy}: {len(plan.stages)} stages on {len(plan.devices)} "
+                                          f"devices, {plan.round_latency_s:.3f} s per round predicted"))
+
+    def deployed(self) -> None:
+        self.ctx.update("running", event=("deployed", "every stage-worker holds its stage"))
+
+    def round_done(self, report: RoundReport) -> None:
+        self.ctx.update("running", round=report.round + 1, loss=report.loss, accuracy=report.accuracy,
+                        round_s=report.round_s, samples_per_s=self.spec.global_batch / report.round_s,
+                        event=("round", f"loss {report.loss:.4f}, accuracy {report.accuracy:.1%}, "
+                                        f"{report.round_s:.3f} s"))
+
+    def device_lost(self, failures: dict[str, Detection], round_index: int) -> None:
+        lost = "; ".join(f"{d.detail} ({d.how.replace('_', ' ')}, {d.detection_s:.2f} s after it was last heard)"
+                         for d in failures.values())
+        self.ctx.update("recovering", event=("device_lost", f"during round {round_index}: {lost}"))
+
+    def recovered(self, report: RecoveryReport) -> None:
+        self._replanned(report, "recovered", f"{report.mode} recovery without {', '.join(report.failed)}"
+                        if report.failed else "replayed from the devices' snapshots after an interruption")
+
+    def joined(self, report: RecoveryReport) -> None:
+        self._replanned(report, "joined", f"{', '.join(report.joined)} joined")
+
+    def _replanned(self, report: RecoveryReport, kind: JobEventKind, what: str) -> None:
+        plan = report.plan
+        stages = " | ".join(",".join(s.devices) for s in plan.stages)
+        done = self.ctx.state().train.reconfigurations
+        self.ctx.update("running", plan=plan, predicted_round_s=plan.round_latency_s, round=report.resume_round,
+                        reconfigurations=done + 1,
+                        event=(kind, f"{what}: plan epoch {plan.epoch}, stages {stages}, "
+                                     f"{plan.round_latency_s:.3f} s per round predicted; resumed at round "
+                                     f"{report.resume_round} after {report.recovery_s:.2f} s, "
+                                     f"{report.moved_bytes} bytes of state moved"))
+
+    def evaluated(self, test_accuracy: float) -> None:
+        self.ctx.update("running", test_accuracy=test_accuracy,
+                        event=("evaluated", f"held-out accuracy of the saved model {test_accuracy:.1%}"))
+
+    def saved(self, version: int, saved: list[StageSaved]) -> None:
+        self.ctx.update("running", checkpoint_version=version,
+                        event=("checkpoint", f"version {version}: {sum(s.nbytes for s in saved)} bytes in "
+                                             f"{len(saved)} stages"))
+
+
+class TrainWorkload(Workload):
+    """Training jobs run one at a time: every device's stage-worker takes part in a job's rounds."""
+
+    kind = "train"
+    spec_type: ClassVar[type[JobSpec]] = JobSpec
+    exclusive = True
+
+    def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
+        k = 2 + OPTIMIZER_STATE_FACTOR[spec.optimizer.name]  # weights, gradients, optimizer state
+        return model_problems(spec.model, members, lambda weights, buffers: k * weights + buffers)
+
+    def initial_progress(self, spec: Any) -> TrainProgress:
+        assert isinstance(spec, JobSpec)
+        return TrainProgress(strategy=spec.strategy)
+
+    def describe(self, spec: Any) -> str:
+        return f"{spec.model.name}, {spec.strategy}, global batch {spec.global_batch}"
+
+    def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
+        assert isinstance(spec, JobSpec)
+        previous, resume = ctx.previous, None
+        if previous is not None and previous.plan is not None and previous.status not in NOT_STARTED:
+            assert isinstance(previous.plan, Plan)
+            progress = previous.train
+            log.info("job %s: taking it over from an earlier coordinator at round %d", spec.name, progress.round)
+            ctx.update("recovering", event=("resumed", f"a restarted coordinator takes the job over at round "
+                                                       f"{progress.round}, plan epoch {previous.plan.epoch}"))
+            resume = Resume(plan=previous.plan, rounds_done=progress.round,
+                            saved_version=progress.checkpoint_version or 0)
+        elif previous is not None:
+            ctx.update("queued", event=("resumed", f"a restarted coordinator starts the job again (it was "
+                                                   f"{previous.status})"))
+        run_job(ctx.bus, spec, store_node=ctx.store_node, observer=_Publisher(ctx, spec), cancel=ctx.cancel,
+                timeout_s=ctx.timeout_s, resume=resume)
+        progress = ctx.state().train
+        return ("succeeded", f"{progress.round} rounds, final loss {progress.loss:.4f}"
+                if progress.loss is not None else "")

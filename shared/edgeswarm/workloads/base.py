@@ -1,0 +1,76 @@
+"""What every workload gives the coordinator, and what the coordinator gives a running job."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.jobs import JobEventKind, JobState, Progress
+from edgeswarm.wire import Message
+
+DataHandler = Callable[[Inbound], None]
+
+
+@dataclass
+class JobContext:
+    """A running job's view of the coordinator. ``update(status, event=(kind, detail), plan=..., detail=...,
+    **progress_fields)`` publishes the job's retained state (and the event); ``cancel`` is set when the job is
+    cancelled or the coordinator stops (``stopping`` tells the two apart: a stopping coordinator leaves the job
+    unfinished for the next one). ``previous`` is the retained state of a job an earlier coordinator left
+    unfinished, to take over. A job that takes messages on the coordinator's data topic registers its handler
+    with ``on_data``; it is removed when the job ends."""
+
+    bus: Bus
+    node: str
+    store_node: str | None
+    timeout_s: float
+    cancel: threading.Event
+    stopping: threading.Event
+    update: Callable[..., JobState]
+    state: Callable[[], JobState]
+    previous: JobState | None = None
+    data_handler: DataHandler | None = field(default=None)
+
+    def on_data(self, handler: DataHandler) -> None:
+        """Route this job's messages on the coordinator's data topic to ``handler`` (on the bus's threads)."""
+        self.data_handler = handler
+
+
+class Workload(ABC):
+    """One job kind: its spec, its checks and how it runs (its planner, coordinator and worker programs live in the
+    workload's own package). ``exclusive`` jobs run one at a time, in submission order; the others start at once.
+    ``data_schemas`` are the messages its jobs take on the coordinator's data topic (routed by their ``job_id``)."""
+
+    kind: ClassVar[str]
+    spec_type: ClassVar[type[BaseModel]]
+    exclusive: ClassVar[bool] = True
+    data_schemas: ClassVar[tuple[type[Message], ...]] = ()
+
+    def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
+        """What stops ``spec`` from running on a cluster whose online stage-workers are ``members`` (beyond its
+        schema, which parsing checked): every problem, each an actionable sentence. Empty: it may run."""
+        return []
+
+    @abstractmethod
+    def initial_progress(self, spec: Any) -> Progress:
+        """The progress part of a job that has not started."""
+
+    @abstractmethod
+    def describe(self, spec: Any) -> str:
+        """One line for the ``submitted`` event."""
+
+    @abstractmethod
+    def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
+        """Run the job to its end (a serving job: until it is cancelled). Returns the final event, or None. Raises
+        JobCancelled when ``ctx.cancel`` is set, any other exception to fail the job with its message."""
+
+    def refuse_data(self, bus: Bus, msg: Inbound, detail: str) -> None:
+        """Answer a message on the data topic for a job that is not running (no answer by default)."""
+        return None

@@ -1,0 +1,37 @@
+"""Checks every workload makes of a spec at submission: the model can be built, and it fits the cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.profiling.types import ModelSpec
+
+MIB = 1 << 20
+
+
+def model_problems(model: ModelSpec, members: list[NodeView],
+                   need: Callable[[int, int], int]) -> list[str]:
+    """Why ``model`` cannot run: an unknown zoo model or bad config, or (with the nodes whose stage-workers are
+    online, ``members``) more memory than all their budgets together. ``need(weights_bytes, buffers_bytes)`` is the bytes the workload
+    keeps for the whole model whatever its batch (training: weights, gradients, optimizer state; serving: weights).
+    The model is measured on torch's meta device: nothing is allocated."""
+    import torch
+
+    from edgeswarm.models.zoo import build_model
+    from edgeswarm.training.footprint import module_footprint
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            footprint = module_footprint(build_model(model))
+    except EdgeswarmError as exc:
+        return [f"model: {exc}"]
+    online = list(members)
+    needed = need(footprint.weights_bytes, footprint.buffers_bytes)
+    total = sum(m.memory_budget_bytes for m in online)
+    if online and needed > total:
+        return [f"model: {model.name} needs {needed / MIB:.1f} MiB before any activation, but the {len(online)} "
+                f"online devices have {total / MIB:.1f} MiB of memory budget together; it fits nowhere: add devices "
+                "or pick a smaller model"]
+    return []
