@@ -1,0 +1,262 @@
+"""The stage-worker's program for serving jobs: one forward-only pipeline stage per job, any number of jobs.
+
+A ServeAssign builds units [start, end) of the zoo model (from the model's seed, or loading a training job's
+checkpoint), in evaluation mode, after checking its weights and buffers fit the device's memory budget on torch's
+meta device. Items of the job arrive as ServeTensor frames numbered from 0 in each plan epoch; the stage's thread
+takes them in order through the library's TensorExchange, runs the forward pass under ``torch.inference_mode`` as
+its device class (``DeviceProfile.run``), and sends the result to the next stage's device (the last stage: to the
+coordinator). The coordinator's window bounds the items in flight, and the stage holds at most ``MAX_PENDING``
+items beyond the one it computes: more is dropped and counted, never held. A newer assignment of the same job
+replaces its stage; ServeRelease drops it. Items of another epoch, from a device that is not the previous stage,
+or of the wrong dtype or shape are dropped with a rate-limited log line and a counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
+from edgeswarm.messages.training import StageFailed
+from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
+from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.wire import Message
+
+if TYPE_CHECKING:
+    from edgeswarm.bus import Inbound
+
+log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
+
+MIB = 1 << 20
+MAX_PENDING = 64  # items a stage holds beyond the one it computes (the coordinator's window is far smaller)
+IDLE_WAIT_S = 1.0  # how often an idle stage looks whether it was released
+
+
+class MemoryBudgetError(EdgeswarmError):
+    """The stage's weights and buffers exceed the device's memory budget."""
+
+
+class ServeKey(NamedTuple):
+    """Item ``item`` of plan epoch ``epoch``: the epoch is the scope (a re-plan gives every item a new one)."""
+
+    epoch: int
+    item: int
+
+    @property
+    def scope(self) -> int:
+        return self.epoch
+
+    def __str__(self) -> str:
+        return f"item {self.item} of epoch {self.epoch}"
+
+
+@dataclass
+class _Stage:
+    spec: ServeAssign
+    module: Any  # torch.nn.Module, in evaluation mode
+    in_dtype: str
+    in_shape: tuple[int, ...]  # one sample's input to this stage
+    static_bytes: int
+    exchange: TensorExchange[ServeKey]
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.spec.stage == len(self.spec.devices) - 1
+
+    @property
+    def source(self) -> str:
+        """The node this stage's items come from: the previous stage's device, or the coordinator."""
+        return self.spec.devices[self.spec.stage - 1] if self.spec.stage else self.spec.coordinator
+
+    def close(self) -> None:
+        self.stop.set()
+        self.exchange.close(timeout_s=1.0)
+
+
+class ServeStageProgram:
+    """The serving stages this worker holds, by job id (see the module's docstring)."""
+
+    handles: tuple[type[Message], ...] = (ServeAssign, ServeRelease)
+    tensors: tuple[type[Message], ...] = (ServeTensor,)
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._stages: dict[str, _Stage] = {}
+
+    def job_of(self, body: Message) -> str:
+        return str(getattr(body, "job_id", ""))
+
+    def holds(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._stages
+
+    def close(self) -> None:
+        with self._lock:
+            stages, self._stages = list(self._stages.values()), {}
+        for stage in stages:
+            stage.close()
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def on_request(self, msg: Inbound) -> None:
+        body = msg.body
+        if isinstance(body, ServeRelease):
+            with self._lock:
+                stage = self._stages.pop(body.job_id, None)
+            if stage is not None:
+                log.info("serving job %s: released stage %d", body.job_id, stage.spec.stage)
+                stage.close()
+            return
+        assert isinstance(body, ServeAssign)
+        # Building (and loading weights from the store) runs apart from the request topic's thread.
+        threading.Thread(target=self._assign, args=(msg, body), name="serve-assign", daemon=True).start()
+
+    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
+        self.ctx.metrics.count(f"serve_failed.{reason}")
+        log.warning("serving job %s: %s: %s", job_id, reason, detail)
+        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+    def _assign(self, msg: Inbound, spec: ServeAssign) -> None:
+        started = time.monotonic()
+        with self._lock:
+            old = self._stages.get(spec.job_id)
+        if old is not None:
+            old.exchange.retire(f"serving job {spec.job_id} re-planned to epoch {spec.epoch}")
+        try:
+            stage = self._build(spec)
+        except MemoryBudgetError as exc:
+            self.refuse(msg, spec.job_id, "memory", str(exc))
+            return
+        except EdgeswarmError as exc:
+            self.refuse(msg, spec.job_id, "bad_request", str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            log.exception("building serving stage %d of job %s failed", spec.stage, spec.job_id)
+            self.refuse(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            old = self._stages.get(spec.job_id)
+            self._stages[spec.job_id] = stage
+        if old is not None:
+            old.close()
+        stage.thread = threading.Thread(target=self._serve, args=(stage,), name=f"serve-{spec.job_id}", daemon=True)
+        stage.thread.start()
+        params = sum(p.numel() for p in stage.module.parameters())
+        log.info("serving job %s epoch %d: stage %d holds units [%d, %d) (%d parameters)", spec.job_id, spec.epoch,
+                 spec.stage, spec.start, spec.end, params)
+        self.ctx.bus.reply(msg, ServeReady(job_id=spec.job_id, epoch=spec.epoch, stage=spec.stage, parameters=params,
+                                           memory_bytes=stage.static_bytes, load_s=time.monotonic() - started))
+
+    def _build(self, spec: ServeAssign) -> _Stage:
+        import torch
+
+        from edgeswarm.models.sequence import layer_sequence
+        from edgeswarm.models.zoo import build_model, example_input
+        from edgeswarm.training.footprint import stage_footprint
+
+        budget = self.ctx.device.memory_budget_bytes
+        with self.ctx.gate.building():
+            footprint = stage_footprint(spec.model, spec.start, spec.end)
+            static = footprint.weights_bytes + footprint.buffers_bytes
+            if static > budget:
+                raise MemoryBudgetError(
+                    f"serving stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB "
+                    f"for its weights and buffers, but {self.ctx.node} ({self.ctx.device.device_class}) has a "
+                    f"memory budget of {budget / MIB:.1f} MiB")
+            if self.ctx.device.compute_threads is not None:
+                torch.set_num_threads(self.ctx.device.compute_threads)
+            sequence = layer_sequence(build_model(spec.model))
+            module = sequence.build_stage(spec.start, spec.end).eval()
+            x = example_input(spec.model, 1)
+            if spec.start > 0:
+                with torch.inference_mode():
+                    x = sequence.build_stage(0, spec.start).eval()(x)
+        if spec.weights is not None:
+            _load_weights(self.ctx, spec, module, sequence)
+        service = "coordinator" if spec.stage == len(spec.devices) - 1 else self.ctx.service
+        exchange: TensorExchange[ServeKey] = TensorExchange(self.ctx.bus, service, wait_s=IDLE_WAIT_S,
+                                                            name=f"serving job {spec.job_id}", scope_name="epoch")
+        return _Stage(spec, module, str(x.dtype).removeprefix("torch."), tuple(x.shape[1:]), static, exchange)
+
+    # --- items --------------------------------------------------------------------------------------
+
+    def on_tensor(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, ServeTensor)
+        with self._lock:
+            stage = self._stages.get(body.job_id)
+        why = _refusal(stage, body, msg)
+        if why is not None:
+            self.ctx.metrics.count("serve_items_dropped")
+            _limited.log(logging.ERROR, "serve_item", "dropped %s", why)
+            return
+        assert stage is not None and msg.tensor is not None
+        stage.exchange.put(ServeKey(body.epoch, body.item), msg.tensor.to_torch())
+
+    def _serve(self, stage: _Stage) -> None:
+        """Take the epoch's items in order, compute each, send it on; ends when the stage is replaced or released."""
+        import torch
+
+        spec = stage.spec
+        peer = spec.coordinator if stage.last else spec.devices[spec.stage + 1]
+        item = 0
+        while not stage.stop.is_set():
+            try:
+                x = stage.exchange.wait(ServeKey(spec.epoch, item))
+            except ExchangeTimeout:
+                continue  # idle: no request is in the pipeline
+            except ExchangeAborted:
+                return
+            except EdgeswarmError as exc:
+                _limited.log(logging.ERROR, "serve_wait", "serving job %s: %s", spec.job_id, exc)
+                return
+            try:
+                with self.ctx.gate.computing(), torch.inference_mode():
+                    out = self.ctx.device.run(lambda x=x: stage.module(x))
+                stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
+                                                                  stage=spec.stage + 1), out)
+            except Exception as exc:  # noqa: BLE001 - the coordinator replays the item; the stage goes on
+                self.ctx.metrics.count("serve_items_failed")
+                _limited.log(logging.ERROR, "serve_compute", "serving job %s: item %d failed: %s", spec.job_id, item,
+                             exc)
+            self.ctx.metrics.count("serve_items")
+            item += 1
+
+
+def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | None:
+    """Why an arrived item cannot be used by ``stage``, or None."""
+    what = f"serving item {body.item} of job {body.job_id} epoch {body.epoch} from {msg.sender}"
+    if stage is None:
+        return f"{what}: this worker holds no stage of that job"
+    spec = stage.spec
+    if body.epoch != spec.epoch or body.stage != spec.stage:
+        return f"{what} for stage {body.stage}: this worker holds stage {spec.stage} of epoch {spec.epoch}"
+    if msg.envelope.sender_node != stage.source:
+        return f"{what}: items of stage {spec.stage} come from {stage.source}"
+    if stage.exchange.pending() >= MAX_PENDING:
+        return f"{what}: {MAX_PENDING} items are already waiting"
+    return tensor_problem(msg.tensor, dtype=stage.in_dtype, sample_shape=stage.in_shape, what=what)
+
+
+def _load_weights(ctx: WorkerContext, spec: ServeAssign, module: Any, sequence: Any) -> None:
+    """Load units [start, end)'s weights and buffers from the checkpoint stages that hold them."""
+    from edgeswarm.training.layout import load_stage
+    from edgeswarm.training.unit_state import checkpoint_units, load_units, unit_names
+
+    source = spec.weights
+    assert source is not None
+    names = unit_names(sequence)
+    tensors: dict[str, Any] = {}
+    for k, (start, end) in enumerate(source.stages):
+        if start < spec.end and end > spec.start:
+            tensors.update(load_stage(ctx.bus, source.store_node, source.job_id, k, source.version))
+    load_units(module, None, checkpoint_units(tensors, module, names, spec.start, spec.end), names)
