@@ -156,7 +156,11 @@ def random_paper(transfers_all: Sequence[float], memories: Sequence[float], cap:
         if j != m + 1:
             splits.append(j)
         i = j + 1
-    choices = [int(rng.integers(splits[s - 1] + 1, splits[s] + 1)) for s in range(1, len(splits))]
+    # [D] Read with a leading 0, so every greedy-fill window gets one random cut: as written (windows between
+    # consecutive splits only) a model needing two parts would never be cut, yet the reference CSV's random
+    # column is finite for such configs (MobileNetV2 at 64 MB).
+    bounds = [0, *splits]
+    choices = [int(rng.integers(bounds[s - 1] + 1, bounds[s] + 1)) for s in range(1, len(bounds))]
     transfers = [transfers_all[c] for c in choices]
     q = len(transfers) + 1
     if q > bw.shape[0]:
