@@ -191,10 +191,50 @@ def matched_summary(results: Sequence[ConfigResult], nodes: int = 50) -> dict[st
     k_mean = float(np.mean([r.kpath.mean for r in matched])) if matched else math.nan
     g_mean = float(np.mean([r.greedy.mean for r in matched])) if matched else math.nan
     rnd_mean = float(np.mean([r.random.mean for r in matched])) if matched else math.nan
-    published_k = [r.kpath.r_style_mean for r in rows if r.kpath.r_style_mean is not None]
+    # The paper's set: every row of its k-path CSV at this node count (those with a reference value), zeros included.
+    published_k = [r.kpath.r_style_mean for r in rows if r.kpath.r_style_mean is not None
+                   and REFERENCE.get((r.model, r.cap_mb, r.nodes), (None,))[0] is not None]
     pk = float(np.mean(published_k)) if published_k else math.nan
     return {"nodes": nodes, "per_config": per, "matched_kpath_mean": k_mean, "matched_greedy_mean": g_mean,
             "matched_random_mean": rnd_mean, "random_over_kpath_matched": rnd_mean / k_mean if matched else None,
             "kpath_vs_greedy_matched": (k_mean - g_mean) / g_mean if matched else None,
             "published_style": {"kpath_mean": pk, "random_vs_kpath": (rnd_mean - pk) / pk if matched else None,
                                 "greedy_vs_kpath": (g_mean - pk) / pk if matched else None}}
+
+
+def r7_differences(reference: Sequence[ConfigResult], normative: Sequence[ConfigResult]) -> list[dict[str, Any]]:
+    """R7: per config, the normative-mode k-path mean against reference mode's, flagged over 25%, and whether
+    any normative part exceeds the capacity (it must never)."""
+    out = []
+    for r, n in zip(reference, normative, strict=True):
+        diff = (n.kpath.mean - r.kpath.mean) / r.kpath.mean if n.kpath.mean and r.kpath.mean else None
+        out.append({"model": r.model, "cap_mb": r.cap_mb, "nodes": r.nodes, "reference": r.kpath.mean,
+                    "normative": n.kpath.mean, "reference_parts": r.partition.parts,
+                    "normative_parts": n.partition.parts, "difference": diff,
+                    "flag": diff is not None and abs(diff) > 0.25,
+                    "reference_over_capacity": r.max_part_mib >= r.cap_mb,
+                    "normative_over_capacity": n.max_part_mib >= n.cap_mb})
+    return out
+
+
+def serving_report(trials: int, ratio_trials: int, nodes: Sequence[int] = NODES, caps: Sequence[int] = CAPS_MB,
+                   models: Sequence[str] = tuple(MODELS), seed: int = 0, kpath: str = "exact",
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole bench as one JSON-able dict: the grid in reference mode (R3), R4 at the largest node count,
+    LB ratios per model (R6) and the normative-vs-reference differences (R7)."""
+    ref = run_grid(models, caps, nodes, trials, "reference", seed, kpath, progress)
+    norm = run_grid(models, caps, nodes, trials, "normative", seed, kpath, progress)
+    ratios = {m: lb_ratio(m, ratio_trials, seed=seed, kpath=kpath) for m in models}
+    valid = [v for v in ratios.values() if v is not None]
+    r3 = []
+    for r in ref:
+        want = REFERENCE.get((r.model, r.cap_mb, r.nodes), (None, None, None))[0]
+        got = r.kpath.mean
+        if want and got:
+            r3.append({"model": r.model, "cap_mb": r.cap_mb, "nodes": r.nodes, "kpath": got, "reference": want,
+                       "deviation": (got - want) / want, "within_20pct": abs(got - want) / want <= 0.2})
+    return {"trials": trials, "ratio_trials": ratio_trials, "kpath_backend": kpath, "seed": seed,
+            "grid": [r.as_dict() for r in ref], "r3": r3, "r4": matched_summary(ref, max(nodes)),
+            "r6": {"per_model": ratios, "reference": REFERENCE_LB_RATIO,
+                   "mean": float(np.mean(valid)) if valid else None},
+            "r7": r7_differences(ref, norm)}
