@@ -192,3 +192,56 @@ def run_bench_recovery(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
     return 0 if all(r.error is None for r in rows) else 1
+
+
+def run_bench_serving(args: argparse.Namespace) -> int:
+    """``edgeswarm bench serving --sim``: the partition-placement grid against the paper's reference numbers."""
+    from edgeswarm.bench.serving_sim import NODES, serving_report
+
+    if not args.sim:
+        err_console.print("only the simulation exists: pass --sim")
+        return 2
+    trials = min(args.trials, 5) if args.quick else args.trials
+    ratio_trials = min(args.ratio_trials, 50) if args.quick else args.ratio_trials
+    nodes = (5, 50) if args.quick else NODES
+    report = serving_report(trials, ratio_trials, nodes=nodes, seed=args.seed, kpath=args.kpath,
+                            progress=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    table = Table(title=f"mean bottleneck beta (s), reference mode, C = 20, {trials} trials; ours / paper (spec 6.3)")
+    for col in ("model", "cap MB", "nodes", "parts", "k-path", "paper", "greedy", "paper", "random", "paper"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    for row in report["grid"]:
+        ref = row["reference"]
+        status = row["partition"]["status"]
+        parts = str(row["partition"]["parts"]) if status in ("ok", "single_partition") else status
+        table.add_row(row["model"], str(row["cap_mb"]), str(row["nodes"]), parts, f(row["kpath"]["mean"]),
+                      f(ref["kpath"]), f(row["greedy"]["mean"]), f(ref["greedy"]), f(row["random"]["mean"]),
+                      f(ref["random"]))
+    console.print(table)
+    r3 = report["r3"]
+    console.print(f"R3: {sum(r['within_20pct'] for r in r3)}/{len(r3)} configs within 20% of the paper's k-path")
+    r4 = report["r4"]
+    if r4["per_config"]:
+        worst = min(r["random_over_kpath"] for r in r4["per_config"])
+        gap = max(abs(r["kpath_vs_greedy"]) for r in r4["per_config"])
+        console.print(f"R4 at {r4['nodes']} nodes: random/k-path >= {worst:.1f}x per config, matched means "
+                      f"{r4['random_over_kpath_matched']:.1f}x (paper 7.9x); k-path vs greedy matched "
+                      f"{r4['kpath_vs_greedy_matched']:+.1%} (paper -3.6%), worst config {gap:.1%}; published-style "
+                      f"random {r4['published_style']['random_vs_kpath']:+.0%} (paper +983%), greedy "
+                      f"{r4['published_style']['greedy_vs_kpath']:+.0%} (paper +33%)")
+    r6 = report["r6"]
+    console.print("R6 LB ratio (50 nodes, 64 MB): " + ", ".join(
+        f"{m} {f(v)} (paper {r6['reference'].get(m, '-')})" for m, v in r6["per_model"].items())
+        + f"; mean {f(r6['mean'])}")
+    flagged = [r for r in report["r7"] if r["flag"]]
+    over = [r for r in report["r7"] if r["normative_over_capacity"]]
+    console.print(f"R7: normative over capacity in {len(over)} configs (must be 0); reference over capacity in "
+                  f"{sum(r['reference_over_capacity'] for r in report['r7'])}; {len(flagged)} configs differ by "
+                  f"more than 25%: " + ", ".join(f"{r['model']} {r['cap_mb']} MB {r['nodes']} nodes "
+                                                 f"{r['difference']:+.0%}" for r in flagged))
+    return 0

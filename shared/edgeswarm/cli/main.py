@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     recovery.add_argument("--out", default=None, help="also write the JSON report to this file")
 
+    serving = bench_sub.add_parser("serving", help="the partition-placement paper's simulation grid: k-path, greedy "
+                                   "joint and random against its published numbers")
+    serving.add_argument("--sim", action="store_true", help="simulated graphs and Keras-like models (the only mode)")
+    serving.add_argument("--quick", action="store_true", help="fewer trials and node counts (seconds)")
+    serving.add_argument("--trials", type=int, default=50, help="graphs per configuration (default 50)")
+    serving.add_argument("--ratio-trials", type=int, default=1000, help="graphs per model for the LB ratio (R6)")
+    serving.add_argument("--kpath", choices=("exact", "colour"), default="exact", help="K_PATH back-end")
+    serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
@@ -155,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.bench import run_bench_recovery
 
             return run_bench_recovery(args)
+        if args.command == "bench" and args.bench == "serving":
+            from edgeswarm.cli.bench import run_bench_serving
+
+            return run_bench_serving(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 

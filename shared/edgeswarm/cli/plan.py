@@ -18,6 +18,7 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.compare import Comparison, compare
+from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
@@ -47,6 +48,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the profiles")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
     p.add_argument("--png", metavar="FILE", help="draw the stage-to-device map and one round's 1F1B timeline")
+    p.add_argument("--kind", choices=("train", "serve-pipeline"), default="train",
+                   help="train: HPP training (default); serve-pipeline: throughput-optimal pipelined inference")
+    p.add_argument("--serve-micro-batch", type=int, default=1,
+                   help="serve-pipeline: samples per micro-batch (default 1)")
+    p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
+    p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
+                   help="serve-pipeline: search (auto: the best predicted of all)")
+    p.add_argument("--exclude", default="", help="serve-pipeline: comma-separated devices not to use")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -62,6 +71,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.save_profiles:
         path = save_profiles(Path(args.save_profiles), cluster)
         err_console.print(f"cluster profile written to {path}")
+    if args.kind == "serve-pipeline":
+        return _run_serve_plan(args, cluster)
     comparison = compare(cluster, args.global_batch, micro_batches=args.micro_batches, optimizer=args.optimizer)
     if args.json:
         print(comparison.model_dump_json(indent=2))
@@ -73,6 +84,45 @@ def run_plan(args: argparse.Namespace) -> int:
         render_plan_png(comparison.hpp, Path(args.png), title=f"{spec.name} on {len(cluster.devices)} devices")
         err_console.print(f"plan drawn to {args.png}")
     return 0
+
+
+def _run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
+    from pydantic import ValidationError
+
+    from edgeswarm.planning.serve.plan import plan_serving
+    from edgeswarm.planning.serve.types import ServeOptions
+
+    try:
+        options = ServeOptions(micro_batch_size=args.serve_micro_batch, max_stages=args.max_stages,
+                               method=args.serve_method,
+                               exclude=[x for x in args.exclude.split(",") if x.strip()])
+    except ValidationError as exc:
+        raise ConfigError(f"bad serve-pipeline options: {exc}") from exc
+    plan = plan_serving(cluster, options)
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        print_serve_plan(plan, cluster)
+    return 0
+
+
+def print_serve_plan(plan: ServePlan, cluster: ClusterProfile) -> None:
+    """The serve-pipeline plan as a table, then its predicted throughput, latency and bottleneck."""
+    names = [u.name for u in cluster.model.units]
+    console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
+                  f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, method {plan.method}")
+    table = Table(title=f"serve-pipeline plan, epoch {plan.epoch}")
+    for col in ("stage", "units", "layers", "device", "compute (s)", "transfer in (s)", "input (bytes)",
+                "memory used / budget"):
+        table.add_column(col)
+    for s in plan.stages:
+        table.add_row(str(s.index), f"[{s.start}, {s.end})", f"{names[s.start]} .. {names[s.end - 1]}", s.device,
+                      f"{s.compute_s:.4f}", f"{s.transfer_in_s:.4f}", str(s.input_bytes),
+                      f"{s.memory_bytes / 2**20:.0f}/{s.memory_budget_bytes / 2**20:.0f} MiB")
+    console.print(table)
+    console.print(f"predicted throughput [bold]{plan.throughput_per_s:.1f} samples/s[/bold], latency "
+                  f"[bold]{plan.latency_s:.4f} s[/bold] per micro-batch, bottleneck {plan.bottleneck_s:.4f} s "
+                  f"({plan.bottleneck})")
 
 
 def load_profiles(path: Path, spec: ModelSpec) -> ClusterProfile:
