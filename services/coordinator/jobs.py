@@ -159,8 +159,7 @@ class JobManager:
         for kind in KINDS:
             work = workload(kind)
             if isinstance(msg.body, work.data_schemas):
-                work.refuse_data(self.bus, msg, f"job {job_id} is {state.status}" if state is not None else
-                                 f"this coordinator has no job {job_id}")
+                work.refuse_data(self.bus, msg, state)
                 return
 
     def _on_retained_state(self, msg: Inbound) -> None:

@@ -21,11 +21,26 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError, InfeasiblePlanError, PlanningError, PlanTooLargeError, ProfileError
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages.planning import PlanFailed, PlanFailureReason, PlanReply, PlanRequest, ReplanRequest
-from edgeswarm.planning.budget import WorkEstimate, check_budget, estimate_plan, estimate_replan
+from edgeswarm.messages.planning import (
+    PlanFailed,
+    PlanFailureReason,
+    PlanReply,
+    PlanRequest,
+    ReplanRequest,
+    ServePlanReply,
+    ServePlanRequest,
+)
+from edgeswarm.planning.budget import (
+    WorkEstimate,
+    check_budget,
+    estimate_plan,
+    estimate_replan,
+    estimate_serve_plan,
+)
 from edgeswarm.planning.compare import compare, plan_best
 from edgeswarm.planning.deadline import Deadline
 from edgeswarm.planning.replan import heavy_replan, light_replan
+from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.runtime.service import Service
 from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.wire import Message
@@ -55,7 +70,7 @@ class PlannerService(Service):
         # Refusals and failures are triggered by whoever sends requests: their log lines are rate-limited.
         self._refusals = RateLimitedLog(log, what="refusals")
         request = topics.request(self.node, self.name)
-        self.bus.subscribe(request, self._on_request, schemas=(PlanRequest, ReplanRequest))
+        self.bus.subscribe(request, self._on_request, schemas=(PlanRequest, ReplanRequest, ServePlanRequest))
         log.info("planning with a time budget of %g s per request, at most %d requests waiting", self._budget_s,
                  MAX_QUEUED)
 
@@ -70,6 +85,8 @@ class PlannerService(Service):
             if isinstance(req, PlanRequest):
                 estimate = estimate_plan(req.cluster, req.global_batch, micro_batches=req.micro_batches,
                                          strategy=req.strategy, compare=req.compare)
+            elif isinstance(req, ServePlanRequest):
+                estimate = estimate_serve_plan(req.cluster, req.options)
             else:
                 assert isinstance(req, ReplanRequest)  # guaranteed by the subscription's schema filter
                 estimate = estimate_replan(req.plan, req.cluster, req.failed, heavy=req.heavy)
@@ -99,6 +116,16 @@ class PlannerService(Service):
         deadline = Deadline.after(self._budget_s)
         started = time.perf_counter()
         try:
+            if isinstance(msg.body, ServePlanRequest):
+                served = plan_serving(msg.body.cluster, msg.body.options)
+                elapsed = time.perf_counter() - started
+                self.metrics.count("serve_plans")
+                log.info("planned serving %s on %d devices in %.2f s: %d stages, %.1f samples/s predicted (epoch %d)",
+                         msg.body.cluster.model.model.name, len(msg.body.cluster.devices), elapsed,
+                         len(served.stages), served.throughput_per_s, msg.body.epoch)
+                self._answer(msg, ServePlanReply(plan=served.model_copy(update={"epoch": msg.body.epoch}),
+                                                 planning_s=elapsed))
+                return
             if isinstance(msg.body, PlanRequest):
                 answer = self._plan(msg.body, deadline)
             else:

@@ -45,7 +45,9 @@ from edgeswarm.messages.training import (
     StageStateSent,
     StageTensor,
 )
+from edgeswarm.runtime.program import ComputeGate, WorkerContext
 from edgeswarm.runtime.service import Service
+from edgeswarm.serving.stage import ServeStageProgram
 from edgeswarm.services.stage_worker.held import HeldState, StateMissing, UnitStates
 from edgeswarm.services.stage_worker.outbox import Outbox
 
@@ -123,8 +125,13 @@ class StageWorkerService(Service):
         data = topics.data(self.node, self.name)
         self.bus.subscribe(data, self._on_tensor, schemas=(StageTensor,), plane="data")
         self.bus.subscribe(data, self._on_state, schemas=(StageState,), plane="data")
+        self.serving = ServeStageProgram(WorkerContext(self.bus, self.node, self.name, self.device, self.metrics,
+                                                       ComputeGate()))
+        self.bus.subscribe(request, self.serving.on_request, schemas=self.serving.handles)
+        self.bus.subscribe(data, self.serving.on_tensor, schemas=self.serving.tensors, plane="data")
 
     def teardown(self) -> None:
+        self.serving.close()
         for outbox in self._state_out.values():
             outbox.close(timeout_s=1.0)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 import numpy as np
@@ -21,7 +21,7 @@ from edgeswarm.planning.serve.classes import bandwidth_classes
 from edgeswarm.planning.serve.graph import Linearised, linearise
 from edgeswarm.planning.serve.keras_models import MODELS
 from edgeswarm.planning.serve.kpath import ColourCodingKPath, ExactKPath, KPathOracle
-from edgeswarm.planning.serve.partition import Partition, Status, capacity_fits, part_memories, partition
+from edgeswarm.planning.serve.partition import Partition, Status, part_memories, partition
 from edgeswarm.planning.serve.placement import lower_bound, place_greedy, place_kpath, random_paper
 
 Mode = Literal["reference", "normative"]
@@ -63,7 +63,7 @@ for _n in NODES:
 REFERENCE_LB_RATIO = {"MobileNetV2": 1.0, "EfficientNetB1": 1.0, "ResNet50": 1.2682, "InceptionResNetV2": 1.4863}
 
 
-@lru_cache(maxsize=None)
+@cache
 def linearised(model: str) -> Linearised:
     """A model's candidate points, segment memories (reference accounting) and transfers, cached."""
     return linearise(MODELS[model]())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from edgeswarm.errors import PlanTooLargeError
 from edgeswarm.planning.compare import micro_batch_choices
+from edgeswarm.planning.serve.types import ServeOptions
 from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.profiling.types import ClusterProfile
 
@@ -169,3 +170,16 @@ def check_budget(estimate: WorkEstimate, budget_s: float) -> None:
     raise PlanTooLargeError(
         f"planning {estimate.what} is about {estimate.cells:,} cells of work (~{estimate.seconds:.0f} s at "
         f"{SECONDS_PER_CELL:g} s per cell), over this planner's budget of {budget_s:g} s ({cap:,} cells): {advice}")
+
+
+def estimate_serve_plan(cluster: ClusterProfile, options: ServeOptions) -> WorkEstimate:
+    """The work of ``plan_serving``: the paper's partition DP and placements (about L^2 x N^2 cells) and, for
+    methods ``auto`` and ``optimal``, the exact search, which bounds its own work (EXACT_WORK_CELLS)."""
+    from edgeswarm.planning.serve.plan import EXACT_WORK_CELLS
+
+    units, devices = len(cluster.model.units), len(cluster.devices)
+    cells = (units + 1) ** 2 * max(1, devices) ** 2
+    if options.method in ("auto", "optimal"):
+        cells += int(EXACT_WORK_CELLS)
+    return WorkEstimate(cells, f"a serving plan of {units} units on {devices} devices ({options.method})",
+                        ("plan fewer units or devices", "use method kpath or greedy"))

@@ -71,6 +71,7 @@ class Workload(ABC):
         """Run the job to its end (a serving job: until it is cancelled). Returns the final event, or None. Raises
         JobCancelled when ``ctx.cancel`` is set, any other exception to fail the job with its message."""
 
-    def refuse_data(self, bus: Bus, msg: Inbound, detail: str) -> None:
-        """Answer a message on the data topic for a job that is not running (no answer by default)."""
+    def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:
+        """Answer a message on the data topic for a job that is not running: ``state`` is its state, None for a
+        job the coordinator does not know. No answer by default."""
         return None

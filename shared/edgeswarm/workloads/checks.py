@@ -14,9 +14,9 @@ MIB = 1 << 20
 def model_problems(model: ModelSpec, members: list[NodeView],
                    need: Callable[[int, int], int]) -> list[str]:
     """Why ``model`` cannot run: an unknown zoo model or bad config, or (with the nodes whose stage-workers are
-    online, ``members``) more memory than all their budgets together. ``need(weights_bytes, buffers_bytes)`` is the bytes the workload
-    keeps for the whole model whatever its batch (training: weights, gradients, optimizer state; serving: weights).
-    The model is measured on torch's meta device: nothing is allocated."""
+    online, ``members``) more memory than all their budgets together. ``need(weights_bytes, buffers_bytes)`` is the
+    bytes the workload keeps for the whole model whatever its batch (training: weights, gradients, optimizer state;
+    serving: weights and buffers). The model is measured on torch's meta device: nothing is allocated."""
     import torch
 
     from edgeswarm.models.zoo import build_model

@@ -1,0 +1,449 @@
+"""The coordinator's program for a serving job: deploy the pipeline, stream requests through it, survive a loss.
+
+The job profiles the online stage-workers for its model at its micro-batch size, asks the planner service for a
+ServePlan and deploys each stage (ServeAssign). From then on it takes InferRequest frames on the coordinator's
+data topic: each is checked (dtype, sample shape, rows) and queued, at most ``spec.queue`` of them (a request
+beyond is answered ``busy``). A dispatcher batches queued requests into pipeline items of at most
+``micro_batch_size`` samples and sends each to the first stage, with at most ``spec.window`` items in the pipeline:
+a full window holds requests in the queue, so memory never grows with the load. The last stage sends each item's
+outputs back; they are split per request and answered on each caller's reply topic (InferReply frames).
+
+Exactly once: an item stays in flight until its outputs come back from the last stage of the current plan epoch;
+outputs of another epoch, or of an item already answered, are dropped. When the failure detector confirms a stage
+device lost (or the pipeline stalls), the job re-plans over the surviving devices, deploys the new plan as a new
+epoch, and sends every unanswered item again, in order, so each request is answered once. A cancelled job answers
+what it still holds with InferError ``not_serving`` and releases its stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.errors import BusError, EdgeswarmError, JobCancelled, JobError
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.planning import PlanFailed, ServePlanReply, ServePlanRequest
+from edgeswarm.messages.serving import (
+    InferError,
+    InferErrorReason,
+    InferReply,
+    InferRequest,
+    ServeAssign,
+    ServeReady,
+    ServeRelease,
+    ServeTensor,
+    WeightsSource,
+)
+from edgeswarm.messages.training import StageFailed
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.serving.spec import ServeSpec
+from edgeswarm.training.detection import FailureDetector
+from edgeswarm.workloads.base import JobContext
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
+
+PLANNER_NODE = "hub"
+STALL_S = 30.0  # an item in flight this long with no device confirmed lost: re-deploy and replay anyway
+PUBLISH_EVERY_S = 1.0  # how often the job's state is published while it serves
+RECENT = 2048  # answers the latency percentiles and the throughput are measured over
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class _Request:
+    msg: Inbound  # its envelope says where to answer
+    request_id: str
+    inputs: torch.Tensor
+    arrived: float  # monotonic seconds
+
+
+@dataclass
+class _Item:
+    requests: list[_Request]
+    inputs: torch.Tensor
+    replayed: bool = False
+
+    @property
+    def rows(self) -> int:
+        return int(self.inputs.shape[0])
+
+
+@dataclass
+class _Stats:
+    answered: int = 0
+    samples: int = 0
+    errors: int = 0
+    replayed: int = 0
+    reconfigurations: int = 0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    done_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (monotonic, rows)
+
+
+class PipelineRunner:
+    """One serving job on the coordinator (see the module's docstring). ``run`` returns only by raising."""
+
+    def __init__(self, ctx: JobContext, spec: ServeSpec, *, planner_node: str = PLANNER_NODE) -> None:
+        from edgeswarm.models.zoo import example_input
+
+        self.ctx = ctx
+        self.bus: Bus = ctx.bus
+        self.spec = spec
+        self.planner_node = planner_node
+        sample = example_input(spec.model, 1)
+        self.input_dtype = str(sample.dtype).removeprefix("torch.")
+        self.input_shape = tuple(sample.shape[1:])
+        self._changed = threading.Condition()
+        self._queue: deque[_Request] = deque()
+        self._inflight: OrderedDict[int, _Item] = OrderedDict()
+        self._next_item = 0
+        self._epoch = 0
+        self._plan: ServePlan | None = None  # None while (re)deploying: the dispatcher waits
+        self._accepting = False
+        self._stopped = False
+        self._stats = _Stats()
+
+    # --- the job ------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ctx, spec = self.ctx, self.spec
+        ctx.on_data(self.on_data)
+        watcher = ClusterWatcher(self.bus)
+        view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30, cancel=ctx.cancel)
+        nodes = [n for n in nodes_running(view, "stage-worker") if n not in spec.planner.exclude]
+        if not nodes:
+            raise JobError(f"job {spec.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
+        ctx.update("profiling", event=("profiling", f"profiling {spec.model.name} on {', '.join(nodes)}"))
+        cluster = profile_cluster(self.bus, spec.model, [spec.micro_batch_size], nodes=nodes,
+                                  timeout_s=ctx.timeout_s)
+        self._check()
+        ctx.update("planning")
+        plan = self._request_plan(cluster, 0)
+        weights = self._weights_source()
+        ctx.update("deploying", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
+                   predicted_latency_s=plan.latency_s, weights=_describe(weights),
+                   event=("planned", f"{len(plan.stages)} stages on {', '.join(plan.devices)}: "
+                                     f"{plan.throughput_per_s:.1f} samples/s and {plan.latency_s * 1000:.1f} ms per "
+                                     f"micro-batch predicted ({plan.method})"))
+        self._deploy(plan, weights, [])
+        with self._changed:
+            self._plan, self._accepting = plan, True
+            self._changed.notify_all()
+        ctx.update("running", event=("serving", f"serving on {topics.data(ctx.node, 'coordinator')}/{{sender}}: "
+                                                f"micro-batches of {spec.micro_batch_size}, window {spec.window}"))
+        detector = FailureDetector(self.bus, timeout_factor=self.bus.settings.heartbeat_timeout_factor)
+        detector.watch(plan.devices)
+        dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{spec.name}", daemon=True)
+        dispatcher.start()
+        try:
+            self._watch(detector, cluster, weights)
+        finally:
+            self._stop(detector)
+            dispatcher.join(5.0)
+
+    def _watch(self, detector: FailureDetector, cluster: ClusterProfile, weights: WeightsSource | None) -> None:
+        """Publish the progress, and re-plan when a stage device is lost or the pipeline stalls, until cancelled."""
+        while not self.ctx.cancel.wait(PUBLISH_EVERY_S):
+            self.ctx.update("running", **self.progress())
+            lost = detector.failures()
+            stalled = self._stalled()
+            if stalled and not lost:
+                lost = detector.confirm(self._plan.devices if self._plan else [])
+            if lost or stalled:
+                cluster = cluster.without(*lost)
+                self._replan(cluster, weights, sorted(lost), detail="; ".join(d.detail for d in lost.values())
+                             or f"an item took longer than {STALL_S:.0f} s")
+                assert self._plan is not None
+                detector.watch(self._plan.devices)
+        self._check()
+
+    def _check(self) -> None:
+        if self.ctx.cancel.is_set():
+            raise JobCancelled(f"job {self.spec.name} was cancelled")
+
+    def _replan(self, cluster: ClusterProfile, weights: WeightsSource | None, lost: list[str], *, detail: str) -> None:
+        started = time.monotonic()
+        with self._changed:
+            old, self._plan = self._plan, None  # the dispatcher waits
+            epoch = self._epoch + 1
+        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost ({detail}); "
+                                                            f"re-planning over the others"))
+        plan = self._request_plan(cluster, epoch)
+        gone = [d for d in (old.devices if old else []) if d not in plan.devices and d not in lost]
+        self._deploy(plan, weights, gone)
+        with self._changed:
+            # Every unanswered item again, in the order it was first sent, numbered afresh in the new epoch.
+            items = list(self._inflight.values())
+            self._inflight = OrderedDict((k, item) for k, item in enumerate(items))
+            for item in items:
+                item.replayed = True
+            self._epoch, self._next_item = epoch, len(items)
+            self._stats.replayed += len(items)
+            self._stats.reconfigurations += 1
+        for k, item in enumerate(items):
+            self._send(plan, epoch, k, item)
+        with self._changed:
+            self._plan = plan
+            self._changed.notify_all()
+        self.ctx.update("running", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
+                        predicted_latency_s=plan.latency_s, **self.progress(),
+                        event=("recovered", f"plan epoch {epoch}: {len(plan.stages)} stages on "
+                                            f"{', '.join(plan.devices)}, {plan.throughput_per_s:.1f} samples/s "
+                                            f"predicted; {len(items)} items replayed after "
+                                            f"{time.monotonic() - started:.2f} s"))
+
+    def _stop(self, detector: FailureDetector) -> None:
+        detector.close()
+        with self._changed:
+            self._stopped, self._accepting = True, False
+            plan = self._plan
+            requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
+            self._queue.clear()
+            self._inflight.clear()
+            self._changed.notify_all()
+        for request in requests:
+            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+        for device in plan.devices if plan else []:
+            try:
+                self.bus.publish(topics.request(device, "stage-worker"), ServeRelease(job_id=self.spec.name))
+            except EdgeswarmError as exc:
+                log.warning("job %s: could not release the stage on %s: %s", self.spec.name, device, exc)
+
+    # --- planning and deploying -------------------------------------------------------------------
+
+    def _request_plan(self, cluster: ClusterProfile, epoch: int) -> ServePlan:
+        request = ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
+        try:
+            reply = self.bus.request(topics.request(self.planner_node, "planner"), request,
+                                     timeout_s=120.0).body
+        except BusError as exc:
+            raise JobError(f"job {self.spec.name}: the planner on {self.planner_node} did not answer: {exc}") from None
+        if isinstance(reply, PlanFailed):
+            raise JobError(f"job {self.spec.name}: no serving plan ({reply.reason}): {reply.detail}")
+        assert isinstance(reply, ServePlanReply)
+        return reply.plan
+
+    def _weights_source(self) -> WeightsSource | None:
+        """The checkpoint the spec's weights name, with the unit range of each of its stages."""
+        from edgeswarm.checkpoints.client import list_checkpoints
+        from edgeswarm.training.layout import LAYOUT, load_layout
+
+        weights, store = self.spec.weights, self.ctx.store_node
+        if weights is None:
+            return None
+        if store is None:
+            raise JobError(f"job {self.spec.name}: weights from job {weights.job} need a checkpoint store")
+        version = weights.version
+        try:
+            if version == "latest":
+                versions = list_checkpoints(self.bus, store, weights.job).get(weights.job, {}).get(LAYOUT, [])
+                if not versions:
+                    raise JobError(f"job {self.spec.name}: the checkpoint store on {store} has no version of job "
+                                   f"{weights.job}; train it first, or leave weights out to serve a fresh model")
+                version = max(versions)
+            stages = load_layout(self.bus, store, weights.job, version)
+        except EdgeswarmError as exc:
+            if isinstance(exc, JobError):
+                raise
+            raise JobError(f"job {self.spec.name}: cannot read version {version} of job {weights.job} from the "
+                           f"checkpoint store on {store}: {exc}") from None
+        return WeightsSource(store_node=store, job_id=weights.job, version=version, stages=stages)
+
+    def _deploy(self, plan: ServePlan, weights: WeightsSource | None, release: list[str]) -> None:
+        """Assign every stage of ``plan`` at once and wait for all; release the stages of ``release``."""
+        spec = self.spec
+        assigns = {s.device: ServeAssign(job_id=spec.name, epoch=plan.epoch, stage=s.index, model=spec.model,
+                                         start=s.start, end=s.end, devices=plan.devices, coordinator=self.ctx.node,
+                                         micro_batch_size=spec.micro_batch_size, weights=weights)
+                   for s in plan.stages}
+
+        def ask(device: str) -> Any:
+            try:
+                return self.bus.request(topics.request(device, "stage-worker"), assigns[device],
+                                        timeout_s=self.ctx.timeout_s).body
+            except BusError as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=len(assigns)) as pool:
+            replies = dict(zip(assigns, pool.map(ask, assigns), strict=True))
+        for device in release:
+            try:
+                self.bus.publish(topics.request(device, "stage-worker"), ServeRelease(job_id=spec.name))
+            except EdgeswarmError as exc:
+                log.warning("job %s: could not release the stage on %s: %s", spec.name, device, exc)
+        problems = [f"stage on {d}: {r.reason}: {r.detail}" if isinstance(r, StageFailed) else f"stage on {d}: {r}"
+                    for d, r in replies.items() if not isinstance(r, ServeReady)]
+        if problems:
+            raise JobError(f"job {spec.name}: deploying plan epoch {plan.epoch} failed: " + "; ".join(problems))
+
+    # --- requests in, items through, answers out ---------------------------------------------------
+
+    def on_data(self, msg: Inbound) -> None:
+        """An InferRequest from a caller, or a ServeTensor of outputs from the last stage (bus threads)."""
+        if isinstance(msg.body, ServeTensor):
+            self._on_outputs(msg, msg.body)
+        elif isinstance(msg.body, InferRequest):
+            self._on_request(msg, msg.body)
+
+    def _on_request(self, msg: Inbound, body: InferRequest) -> None:
+        problem = self._request_problem(msg)
+        if problem is not None:
+            self._refuse(msg, body.request_id, *problem)
+            return
+        assert msg.tensor is not None
+        request = _Request(msg, body.request_id, msg.tensor.to_torch(), time.monotonic())
+        with self._changed:
+            if not self._accepting:
+                reason: tuple[InferErrorReason, str] | None = (
+                    "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
+            elif len(self._queue) >= self.spec.queue:
+                reason = ("busy", f"job {self.spec.name} has {self.spec.queue} requests waiting; send again later")
+            else:
+                reason = None
+                self._queue.append(request)
+                self._changed.notify_all()
+        if reason is not None:
+            self._refuse(msg, body.request_id, *reason)
+
+    def _request_problem(self, msg: Inbound) -> tuple[InferErrorReason, str] | None:
+        tensor = msg.tensor
+        if tensor is None:
+            return "no_tensor", "an InferRequest carries its inputs as a tensor (docs/wire-format.md)"
+        if tensor.dtype != self.input_dtype:
+            return "bad_dtype", f"inputs of {self.spec.model.name} are {self.input_dtype}, not {tensor.dtype}"
+        shape = tuple(tensor.shape)
+        if len(shape) != len(self.input_shape) + 1 or shape[1:] != self.input_shape:
+            return "bad_shape", (f"inputs must be [rows, {', '.join(map(str, self.input_shape))}], "
+                                 f"not {list(shape)}")
+        if not 1 <= shape[0] <= self.spec.micro_batch_size:
+            return "too_large", (f"a request carries 1 to {self.spec.micro_batch_size} samples (the job's "
+                                 f"micro_batch_size), not {shape[0]}: split it")
+        return None
+
+    def _dispatch(self) -> None:
+        """Batch queued requests into items and send them to the first stage while the window has room."""
+        import torch
+
+        while True:
+            with self._changed:
+                while not self._stopped and (self._plan is None or not self._queue or
+                                             len(self._inflight) >= self.spec.window):
+                    self._changed.wait(1.0)
+                if self._stopped:
+                    return
+                requests, rows = [], 0
+                while self._queue and rows + self._queue[0].inputs.shape[0] <= self.spec.micro_batch_size:
+                    request = self._queue.popleft()
+                    requests.append(request)
+                    rows += int(request.inputs.shape[0])
+                item = _Item(requests, torch.cat([r.inputs for r in requests]))
+                plan, epoch, number = self._plan, self._epoch, self._next_item
+                self._inflight[number] = item
+                self._next_item += 1
+            self._send(plan, epoch, number, item)
+
+    def _send(self, plan: ServePlan, epoch: int, number: int, item: _Item) -> None:
+        try:
+            self.bus.send_tensor(plan.devices[0], "stage-worker", ServeTensor(
+                job_id=self.spec.name, epoch=epoch, item=number, stage=0), item.inputs)
+        except EdgeswarmError as exc:
+            # The item stays in flight: the failure detector (or the stall check) replays it on a new plan.
+            _limited.warning("send", "job %s: item %d of epoch %d not sent to %s: %s", self.spec.name, number,
+                             epoch, plan.devices[0], exc)
+
+    def _on_outputs(self, msg: Inbound, body: ServeTensor) -> None:
+        with self._changed:
+            plan = self._plan
+            last = plan.devices[-1] if plan is not None else None
+            current = (plan is not None and body.epoch == self._epoch and body.stage == len(plan.stages)
+                       and msg.envelope.sender_node == last)
+            item = self._inflight.get(body.item) if current else None
+            tensor = msg.tensor
+            ok = item is not None and tensor is not None and tensor.shape[:1] == (item.rows,)
+            if ok:
+                del self._inflight[body.item]
+                self._changed.notify_all()
+        if not ok:
+            self.bus.metrics.count("serve_outputs_dropped")
+            _limited.warning("outputs", "job %s: dropped outputs of item %d (epoch %d, stage %d) from %s: not an "
+                             "item in flight of the current plan's last stage", self.spec.name, body.item, body.epoch,
+                             body.stage, msg.sender)
+            return
+        assert item is not None and tensor is not None
+        outputs = tensor.to_torch()
+        start, now = 0, time.monotonic()
+        for request in item.requests:
+            rows = int(request.inputs.shape[0])
+            reply = InferReply(job_id=self.spec.name, request_id=request.request_id, latency_s=now - request.arrived,
+                               epoch=body.epoch, replayed=item.replayed)
+            try:
+                self.bus.reply_tensor(request.msg, reply, outputs[start:start + rows])
+            except EdgeswarmError as exc:
+                _limited.warning("answer", "job %s: could not answer %s: %s", self.spec.name, request.msg.sender,
+                                 exc)
+            start += rows
+        with self._changed:
+            stats = self._stats
+            stats.answered += len(item.requests)
+            stats.samples += item.rows
+            stats.latencies.extend(now - r.arrived for r in item.requests)
+            stats.done_at.append((now, item.rows))
+
+    def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
+        with self._changed:
+            self._stats.errors += 1
+        self.bus.metrics.count(f"infer_refused.{reason}")
+        _limited.warning(reason, "job %s: refused a request from %s (%s): %s", self.spec.name, msg.sender, reason,
+                         detail)
+        try:
+            self.bus.reply(msg, InferError(job_id=self.spec.name, request_id=request_id, reason=reason,
+                                           detail=detail[:1024]))
+        except EdgeswarmError as exc:
+            log.debug("could not answer a refused request: %s", exc)
+
+    def _stalled(self) -> bool:
+        """Whether the oldest item in flight has waited past STALL_S for its outputs."""
+        with self._changed:
+            if self._plan is None or not self._inflight:
+                return False
+            oldest = next(iter(self._inflight.values()))
+            return time.monotonic() - min(r.arrived for r in oldest.requests) > STALL_S + \
+                (self._plan.latency_s if self._plan else 0.0)
+
+    def progress(self) -> dict[str, Any]:
+        """The progress fields of the job's state now (see ServeProgress)."""
+        with self._changed:
+            s = self._stats
+            latencies = sorted(s.latencies)
+            now = time.monotonic()
+            recent = [(t, rows) for t, rows in s.done_at if now - t <= THROUGHPUT_WINDOW_S]
+            span = (now - recent[0][0]) if len(recent) > 1 else 0.0
+            return {"answered": s.answered, "samples": s.samples, "errors": s.errors, "replayed": s.replayed,
+                    "in_flight": len(self._inflight), "queued": len(self._queue),
+                    "reconfigurations": s.reconfigurations,
+                    "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
+                    "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted ``values`` (nearest rank), None when empty."""
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, round(q * len(values)) - 1))]
+
+
+def _describe(weights: WeightsSource | None) -> str:
+    return f"job {weights.job_id} version {weights.version}" if weights else "fresh from the model's seed"

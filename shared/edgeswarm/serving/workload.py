@@ -1,0 +1,54 @@
+"""The ``serve-pipeline`` workload: serving a model as a pipeline, planned for throughput (see ``pipeline``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.jobs import JobEventKind, JobState, ServeProgress
+from edgeswarm.messages.serving import InferError, InferRequest, ServeTensor
+from edgeswarm.serving.spec import ServeSpec
+from edgeswarm.workloads.base import JobContext, Workload
+from edgeswarm.workloads.checks import model_problems
+
+
+class ServePipelineWorkload(Workload):
+    """Serving jobs run side by side (and beside a training job): each holds one stage per device it uses."""
+
+    kind = "serve-pipeline"
+    spec_type: ClassVar[type[ServeSpec]] = ServeSpec
+    exclusive = False
+    data_schemas = (InferRequest, ServeTensor)
+
+    def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
+        return model_problems(spec.model, members, lambda weights, buffers: weights + buffers)
+
+    def initial_progress(self, spec: Any) -> ServeProgress:
+        return ServeProgress()
+
+    def describe(self, spec: Any) -> str:
+        weights = (f"weights of job {spec.weights.job} version {spec.weights.version}" if spec.weights else
+                   "fresh weights")
+        return f"serve {spec.model.name} ({weights}), micro-batches of {spec.micro_batch_size}, window {spec.window}"
+
+    def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
+        from edgeswarm.serving.pipeline import PipelineRunner  # torch: only when a job actually runs
+
+        assert isinstance(spec, ServeSpec)
+        if ctx.previous is not None:
+            ctx.update("queued", event=("resumed", f"a restarted coordinator deploys the job again (it was "
+                                                   f"{ctx.previous.status}); requests it held were answered by no one"))
+        PipelineRunner(ctx, spec).run()
+        return None  # run ends only by cancellation or failure
+
+    def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:
+        body = msg.body
+        if not isinstance(body, InferRequest):
+            return  # outputs of a job that ended: nobody waits for them
+        if state is None:
+            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="unknown_job",
+                                      detail=f"the coordinator has no job {body.job_id}: see edgeswarm jobs"))
+        else:
+            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="not_serving",
+                                      detail=f"job {body.job_id} is {state.status}, not serving"))
