@@ -47,9 +47,9 @@ from edgeswarm.messages.training import (
 )
 from edgeswarm.runtime.program import ComputeGate, WorkerContext
 from edgeswarm.runtime.service import Service
-from edgeswarm.serving.stage import ServeStageProgram
 from edgeswarm.services.stage_worker.held import HeldState, StateMissing, UnitStates
 from edgeswarm.services.stage_worker.outbox import Outbox
+from edgeswarm.serving.stage import ServeStageProgram
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
