@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 import numpy as np
@@ -21,7 +21,7 @@ from edgeswarm.planning.serve.classes import bandwidth_classes
 from edgeswarm.planning.serve.graph import Linearised, linearise
 from edgeswarm.planning.serve.keras_models import MODELS
 from edgeswarm.planning.serve.kpath import ColourCodingKPath, ExactKPath, KPathOracle
-from edgeswarm.planning.serve.partition import Partition, Status, capacity_fits, part_memories, partition
+from edgeswarm.planning.serve.partition import Partition, Status, part_memories, partition
 from edgeswarm.planning.serve.placement import lower_bound, place_greedy, place_kpath, random_paper
 
 Mode = Literal["reference", "normative"]
@@ -31,21 +31,45 @@ NODES = (5, 10, 15, 20, 50)
 
 # Spec 6.3: (model, cap MB, nodes) -> (k-path C=20, greedy joint, random); None = not in the CSV / nan.
 REFERENCE: dict[tuple[str, int, int], tuple[float | None, float | None, float | None]] = {}
-_ROWS = """MobileNetV2 64 5 0.0577 0.0586 2.4365|MobileNetV2 64 10 0.0478 0.0461 1.5437|MobileNetV2 64 15 0.0423 0.0410 2.1758
-MobileNetV2 64 20 0.0392 0.0390 2.3428|MobileNetV2 64 50 0.0326 0.0331 2.2005|EfficientNetB1 64 5 0.4299 0.4042 4.1296
-EfficientNetB1 64 10 0.3240 0.3247 3.9554|EfficientNetB1 64 15 0.2868 0.2887 3.8473|EfficientNetB1 64 20 0.2677 0.2704 4.9443
-EfficientNetB1 64 50 0.2248 0.2275 4.7032|EfficientNetB1 128 5 0.0852 0.0836 2.8433|EfficientNetB1 128 10 0.0668 0.0692 2.4516
-EfficientNetB1 128 15 0.0584 0.0593 2.1803|EfficientNetB1 128 20 0.0574 0.0542 2.0882|EfficientNetB1 128 50 0.0477 0.0476 2.6112
-ResNet50 64 5 2.4045 2.4485 6.9033|ResNet50 64 10 1.8883 1.9088 7.2598|ResNet50 64 15 1.6517 1.6493 7.0085
-ResNet50 64 20 1.5348 1.5500 7.8539|ResNet50 64 50 1.3074 1.3127 7.9683|ResNet50 128 5 0.9703 0.9436 4.5154
-ResNet50 128 10 0.7636 0.7377 4.4009|ResNet50 128 15 0.6644 0.6658 4.5408|ResNet50 128 20 0.6303 0.6249 5.3686
-ResNet50 128 50 0.5319 0.5363 4.2462|InceptionResNetV2 64 10 2.2879 2.0876 10.1235
-InceptionResNetV2 64 15 1.9240 1.8243 9.7650|InceptionResNetV2 64 20 1.8324 1.6843 10.3860
-InceptionResNetV2 64 50 1.5193 1.3832 10.8614|InceptionResNetV2 128 5 2.5562 2.4935 9.3156
-InceptionResNetV2 128 10 1.9559 1.8255 8.1438|InceptionResNetV2 128 15 1.6930 1.5897 7.9577
-InceptionResNetV2 128 20 1.5888 1.5156 8.5362|InceptionResNetV2 128 50 1.3353 1.2444 7.8318
-InceptionResNetV2 256 5 1.4529 1.4966 5.4223|InceptionResNetV2 256 10 1.1766 1.1812 6.4995
-InceptionResNetV2 256 15 1.0581 1.0427 5.8899|InceptionResNetV2 256 20 0.9825 1.0021 5.7276
+_ROWS = """\
+MobileNetV2 64 5 0.0577 0.0586 2.4365
+MobileNetV2 64 10 0.0478 0.0461 1.5437
+MobileNetV2 64 15 0.0423 0.0410 2.1758
+MobileNetV2 64 20 0.0392 0.0390 2.3428
+MobileNetV2 64 50 0.0326 0.0331 2.2005
+EfficientNetB1 64 5 0.4299 0.4042 4.1296
+EfficientNetB1 64 10 0.3240 0.3247 3.9554
+EfficientNetB1 64 15 0.2868 0.2887 3.8473
+EfficientNetB1 64 20 0.2677 0.2704 4.9443
+EfficientNetB1 64 50 0.2248 0.2275 4.7032
+EfficientNetB1 128 5 0.0852 0.0836 2.8433
+EfficientNetB1 128 10 0.0668 0.0692 2.4516
+EfficientNetB1 128 15 0.0584 0.0593 2.1803
+EfficientNetB1 128 20 0.0574 0.0542 2.0882
+EfficientNetB1 128 50 0.0477 0.0476 2.6112
+ResNet50 64 5 2.4045 2.4485 6.9033
+ResNet50 64 10 1.8883 1.9088 7.2598
+ResNet50 64 15 1.6517 1.6493 7.0085
+ResNet50 64 20 1.5348 1.5500 7.8539
+ResNet50 64 50 1.3074 1.3127 7.9683
+ResNet50 128 5 0.9703 0.9436 4.5154
+ResNet50 128 10 0.7636 0.7377 4.4009
+ResNet50 128 15 0.6644 0.6658 4.5408
+ResNet50 128 20 0.6303 0.6249 5.3686
+ResNet50 128 50 0.5319 0.5363 4.2462
+InceptionResNetV2 64 10 2.2879 2.0876 10.1235
+InceptionResNetV2 64 15 1.9240 1.8243 9.7650
+InceptionResNetV2 64 20 1.8324 1.6843 10.3860
+InceptionResNetV2 64 50 1.5193 1.3832 10.8614
+InceptionResNetV2 128 5 2.5562 2.4935 9.3156
+InceptionResNetV2 128 10 1.9559 1.8255 8.1438
+InceptionResNetV2 128 15 1.6930 1.5897 7.9577
+InceptionResNetV2 128 20 1.5888 1.5156 8.5362
+InceptionResNetV2 128 50 1.3353 1.2444 7.8318
+InceptionResNetV2 256 5 1.4529 1.4966 5.4223
+InceptionResNetV2 256 10 1.1766 1.1812 6.4995
+InceptionResNetV2 256 15 1.0581 1.0427 5.8899
+InceptionResNetV2 256 20 0.9825 1.0021 5.7276
 InceptionResNetV2 256 50 0.8198 0.8255 5.4076"""
 for _row in _ROWS.replace("\n", "|").split("|"):
     _m, _c, _n, _k, _g, _r = _row.split()
@@ -63,7 +87,7 @@ for _n in NODES:
 REFERENCE_LB_RATIO = {"MobileNetV2": 1.0, "EfficientNetB1": 1.0, "ResNet50": 1.2682, "InceptionResNetV2": 1.4863}
 
 
-@lru_cache(maxsize=None)
+@cache
 def linearised(model: str) -> Linearised:
     """A model's candidate points, segment memories (reference accounting) and transfers, cached."""
     return linearise(MODELS[model]())

@@ -13,7 +13,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Literal
 
 PartitionMode = Literal["normative", "reference"]
@@ -136,7 +136,7 @@ def partition_reference(transfers: Sequence[float], memories: Sequence[float], c
     def kept(i: int, j: int) -> bool:
         return prefix[max(j - 1, i)] - prefix[i] < cap
 
-    @lru_cache(maxsize=None)
+    @cache
     def path(i: int, j: int) -> tuple[float, tuple[int, ...]]:
         # Min cost from vertex (i, j) to a leaf, and the j of each vertex after it.
         if j == m + 1:
