@@ -112,12 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.security import add_security_parsers
+    from edgeswarm.cli.serve import add_serve_parsers
     from edgeswarm.cli.train import add_train_parser
 
     add_security_parsers(sub)
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_train_parser(sub)
+    add_serve_parsers(sub)
     add_chaos_parser(sub)
     return parser
 
@@ -185,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.train import run_train
 
             return run_train(args)
+        if args.command in ("serve", "infer"):
+            from edgeswarm.cli.serve import run_infer, run_serve
+
+            return run_serve(args) if args.command == "serve" else run_infer(args)
         if args.command in ("jobs", "cancel"):
             from edgeswarm.cli.train import run_cancel, run_jobs
 

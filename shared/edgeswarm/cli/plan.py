@@ -102,21 +102,23 @@ def _run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
     if args.json:
         print(plan.model_dump_json(indent=2))
     else:
-        print_serve_plan(plan, cluster)
+        names = [u.name for u in cluster.model.units]
+        console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
+                      f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, method {plan.method}")
+        print_serve_plan(plan, names)
     return 0
 
 
-def print_serve_plan(plan: ServePlan, cluster: ClusterProfile) -> None:
-    """The serve-pipeline plan as a table, then its predicted throughput, latency and bottleneck."""
-    names = [u.name for u in cluster.model.units]
-    console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
-                  f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, method {plan.method}")
+def print_serve_plan(plan: ServePlan, names: list[str] | None = None) -> None:
+    """The serve-pipeline plan as a table (with the units' names when given), then its predicted throughput,
+    latency and bottleneck."""
     table = Table(title=f"serve-pipeline plan, epoch {plan.epoch}")
     for col in ("stage", "units", "layers", "device", "compute (s)", "transfer in (s)", "input (bytes)",
                 "memory used / budget"):
         table.add_column(col)
     for s in plan.stages:
-        table.add_row(str(s.index), f"[{s.start}, {s.end})", f"{names[s.start]} .. {names[s.end - 1]}", s.device,
+        layers = f"{names[s.start]} .. {names[s.end - 1]}" if names else "-"
+        table.add_row(str(s.index), f"[{s.start}, {s.end})", layers, s.device,
                       f"{s.compute_s:.4f}", f"{s.transfer_in_s:.4f}", str(s.input_bytes),
                       f"{s.memory_bytes / 2**20:.0f}/{s.memory_budget_bytes / 2**20:.0f} MiB")
     console.print(table)

@@ -1,0 +1,175 @@
+"""``edgeswarm serve`` (deploy a model as a pipeline on a running cluster) and ``edgeswarm infer`` (ask it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from edgeswarm.cli.console import console, err_console
+from edgeswarm.cli.main import add_hub_arg, hub_url
+from edgeswarm.cli.plan import print_serve_plan
+from edgeswarm.errors import ConfigError
+from edgeswarm.messages.jobs import FINISHED, JobEvent, JobState
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.runtime.client import client_bus
+from edgeswarm.settings import Settings
+from edgeswarm.training.client import JobFollower, JobRequestError, job_states, submit_job
+from edgeswarm.workloads import parse_spec_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgeswarm.serving.client import StreamReport
+
+
+def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``edgeswarm serve`` and ``edgeswarm infer``."""
+    p = sub.add_parser("serve", help="serve a model as a pipeline over the cluster's devices (a serve-pipeline spec)")
+    p.add_argument("spec", help="the serving job spec file (YAML or JSON, kind: serve-pipeline)")
+    add_hub_arg(p)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the pipeline to be serving")
+    p.add_argument("--no-wait", action="store_true", help="submit and return at once")
+
+    q = sub.add_parser("infer", help="send inputs to a serving job and print its outputs, latency and throughput")
+    q.add_argument("job", help="the serving job's name")
+    add_hub_arg(q)
+    source = q.add_mutually_exclusive_group()
+    source.add_argument("--npz", default=None, metavar="FILE",
+                        help="inputs from FILE: array x (or its only array), [samples, ...], split into requests")
+    source.add_argument("--count", type=int, default=8, help="requests of generated inputs (default 8)")
+    q.add_argument("--rows", type=int, default=1, help="samples per request (at most the job's micro-batch size)")
+    q.add_argument("--window", type=int, default=8, help="requests in flight at once")
+    q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer")
+    q.add_argument("--show", type=int, default=4, help="outputs to print (0: none)")
+    q.add_argument("--out", default=None, metavar="FILE", help="write every output to FILE (.npz, array y)")
+    q.add_argument("--json", default=None, metavar="FILE", help="write the figures and every answer to FILE")
+
+
+def _bus(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    return client_bus(Settings(hub_url=hub_url(args.hub) or "mqtt://127.0.0.1:1883"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    path = Path(args.spec)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the serving spec {path}: {exc}") from None
+    spec = parse_spec_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
+    if spec.kind != "serve-pipeline":  # type: ignore[attr-defined]
+        raise ConfigError(f"{path} is a {spec.kind} job: `edgeswarm serve` takes kind: serve-pipeline "  # type: ignore[attr-defined]
+                          "(`edgeswarm train` runs training jobs)")
+    name = spec.name  # type: ignore[attr-defined]
+    bus = _bus(args)
+    try:
+        def on_event(event: JobEvent) -> None:
+            console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
+
+        follower = JobFollower(bus, name, on_event=on_event)
+        accepted = submit_job(bus, text, submission=follower.submission)
+        console.print(f"job {name} submitted: {accepted.detail}")
+        if args.no_wait:
+            return 0
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            state = follower.state
+            if state is not None and (state.status == "running" or state.status in FINISHED):
+                break
+            time.sleep(0.1)
+        state = follower.state
+        if state is None or state.status != "running":
+            where = f"{state.status}: {escape(state.detail)}" if state else "no state seen"
+            err_console.print(f"job {name} is not serving ({where})")
+            return 1
+        if isinstance(state.plan, ServePlan):
+            print_serve_plan(state.plan)
+        console.print(f"job {name} is serving: `edgeswarm infer {name}` asks it, `edgeswarm cancel {name}` stops it")
+        return 0
+    finally:
+        bus.stop()
+
+
+def run_infer(args: argparse.Namespace) -> int:
+    from edgeswarm.serving.client import infer_stream
+
+    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1):
+        raise ConfigError("--rows, --window and --count must be at least 1")
+    bus = _bus(args)
+    try:
+        state = next((s for s in job_states(bus) if s.job_id == args.job), None)
+        if state is None or state.kind != "serve-pipeline":
+            raise JobRequestError(f"no serving job {args.job} (see `edgeswarm jobs`)" if state is None else
+                                  f"job {args.job} is a {state.kind} job, not a serving job")
+        if state.status != "running":
+            raise JobRequestError(f"job {args.job} is {state.status}, not serving")
+        inputs = _inputs(args, state)
+        report = infer_stream(bus, args.job, inputs, window=args.window, timeout_s=args.timeout)
+    finally:
+        bus.stop()
+    _print_report(args, report)
+    return 0 if report.results and all(r.outputs is not None for r in report.results) else 1
+
+
+def _inputs(args: argparse.Namespace, state: JobState) -> list[torch.Tensor]:
+    """The requests' inputs: the .npz file's samples, or ``--count`` generated requests for the job's model."""
+    import numpy as np
+    import torch
+
+    from edgeswarm.models.zoo import example_input
+
+    if args.npz is None:
+        spec = parse_spec_text(state.spec, source=f"the spec of job {state.job_id}")
+        return [example_input(spec.model, args.rows, seed=i) for i in range(args.count)]  # type: ignore[attr-defined]
+    try:
+        with np.load(args.npz, allow_pickle=False) as data:
+            key = "x" if "x" in data.files else data.files[0] if len(data.files) == 1 else None
+            if key is None:
+                raise ConfigError(f"{args.npz} holds {', '.join(data.files)}: name the inputs x")
+            samples = torch.from_numpy(np.ascontiguousarray(data[key]))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read inputs from {args.npz}: {exc}") from None
+    if samples.dim() < 1 or samples.shape[0] == 0:
+        raise ConfigError(f"{args.npz}: x must be [samples, ...] with at least one sample")
+    return list(torch.split(samples, args.rows))
+
+
+def _print_report(args: argparse.Namespace, report: StreamReport) -> None:
+    answered = report.answered
+    for r in answered[:max(0, args.show)]:
+        assert r.outputs is not None
+        out = r.outputs.float()
+        summary = (f"class {out.argmax(-1).tolist()}" if out.dim() == 2 else f"shape {list(out.shape)}")
+        console.print(f"request {r.index}: {summary}, {r.latency_s * 1000:.1f} ms"
+                      + (" (replayed)" if r.replayed else ""))
+    errors: dict[str, int] = {}
+    for r in report.results:
+        if r.outputs is None:
+            errors[r.reason or "failed"] = errors.get(r.reason or "failed", 0) + 1
+            err_console.print(f"request {r.index}: {r.reason}: {escape(r.error or '')}")
+    latencies = sorted(r.latency_s for r in answered)
+    if latencies:
+        p50 = statistics.median(latencies)
+        p99 = latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)]
+        console.print(f"{len(answered)}/{len(report.results)} requests answered, {report.samples} samples in "
+                      f"{report.wall_s:.2f} s: [bold]{report.samples / report.wall_s:.1f} samples/s[/bold]; latency "
+                      f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+    if args.out and answered:
+        import numpy as np
+        import torch
+
+        np.savez(args.out, y=torch.cat([r.outputs for r in answered if r.outputs is not None]).numpy())
+        console.print(f"outputs written to {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "answered": len(answered), "requests": len(report.results), "samples": report.samples,
+            "wall_s": report.wall_s, "busy_retries": report.busy_retries, "errors": errors,
+            "results": [{"index": r.index, "latency_s": r.latency_s, "server_latency_s": r.server_latency_s,
+                         "epoch": r.epoch, "replayed": r.replayed, "reason": r.reason,
+                         "outputs": r.outputs.tolist() if r.outputs is not None else None}
+                        for r in report.results]}, indent=1))
