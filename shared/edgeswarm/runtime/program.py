@@ -1,0 +1,110 @@
+"""What a worker service runs: programs, one per workload, each holding its jobs by job id.
+
+A worker service (the stage-worker) is a thin adapter: it subscribes its request and data-plane topics, and hands
+each message to the ``WorkerProgram`` registered for the message's schema. A program holds any number of jobs at
+once, keyed by job id (a device may serve one model while it trains another); the messages of one job never touch
+another's state. Training is one program (``StageAssign`` and its rounds); pipelined serving, tensor-parallel
+inference and split learning are others, each registered in the service's list.
+
+Programs of one process share its ``ComputeGate``: torch.fx tracing, which building a stage does, patches
+``Module.__call__`` for every thread while it traces, so a forward pass elsewhere meanwhile (another job's round, a
+serving request) fails with NameError ("module is not installed as a submodule"). Computing holds the gate shared
+(many at once), building holds it alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from edgeswarm.bus import Bus, Inbound
+    from edgeswarm.devices.emulation import DeviceProfile
+    from edgeswarm.runtime.metrics import Metrics
+    from edgeswarm.wire import Message
+
+
+class ComputeGate:
+    """Many computes at once, or one build alone. A build that waits goes before computes that come after it, so a
+    steady stream of rounds cannot starve an assignment; computes hold the gate only for one forward, backward or
+    step, never while they wait for a peer, so a build waits at most for the computes under way."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._computing = 0
+        self._building = False
+        self._builders_waiting = 0
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Hold the gate shared while running modules."""
+        with self._changed:
+            while self._building or self._builders_waiting:
+                self._changed.wait()
+            self._computing += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._computing -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        """Hold the gate alone while building (tracing) a model."""
+        with self._changed:
+            self._builders_waiting += 1
+            try:
+                while self._building or self._computing:
+                    self._changed.wait()
+            finally:
+                self._builders_waiting -= 1
+            self._building = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._building = False
+                self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a program gets from the service it runs in: the bus, who it is (``node``, ``service``), the device it
+    computes as, the service's metrics, and the process's compute gate."""
+
+    bus: Bus
+    node: str
+    service: str
+    device: DeviceProfile
+    metrics: Metrics
+    gate: ComputeGate
+
+
+class WorkerProgram(Protocol):
+    """One workload a worker runs, for any number of jobs at once.
+
+    ``handles``: the request schemas it answers (on the service's request topic); ``tensors``: the data-plane
+    schemas it takes (on the service's data topic). ``on_request`` and ``on_tensor`` run on the bus's handler
+    threads: they must not block (slow work goes to a thread of its own) and must not raise (a bad message is
+    logged, counted and answered). ``job_of`` is the job id a body of its schemas belongs to; ``holds`` whether it
+    holds that job now; ``refuse`` answers a request with the program's own failure message.
+    """
+
+    handles: tuple[type[Message], ...]
+    tensors: tuple[type[Message], ...]
+
+    def job_of(self, body: Message) -> str: ...
+
+    def holds(self, job_id: str) -> bool: ...
+
+    def on_request(self, msg: Inbound) -> None: ...
+
+    def on_tensor(self, msg: Inbound) -> None: ...
+
+    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None: ...
+
+    def close(self) -> None: ...
