@@ -565,6 +565,7 @@ class TrainingProgram:
             return
         finally:
             st.exchange.forget(round_index)
+            self._gauges()
         metrics.count("rounds")
         self._ctx.bus.reply(msg, done)
 
@@ -629,6 +630,14 @@ class TrainingProgram:
                          static_bytes=st.static_bytes, snapshot_s=snapshot)
         stage.end_round()
         return done
+
+    def _gauges(self) -> None:
+        """Publish how many jobs this worker holds and how many peer tensors wait to be taken (a tensor a finished
+        round left behind is dropped with it: a count that grows says a peer sends what nobody takes)."""
+        with self._ready:
+            stages = list(self._stages.values())
+        self._ctx.metrics.gauge("stage_jobs", len(stages))
+        self._ctx.metrics.gauge("exchange_pending", sum(st.exchange.pending() for st in stages))
 
     def _check_memory(self, st: _Stage) -> None:
         with self._ready:
