@@ -592,6 +592,9 @@ class TrainingProgram:
             self._send(st, to_stage, to_rank, rows, round=round_index, kind=kind, micro_batch=mb)
 
         def compute(fn: Any) -> Any:
+            # Shared for one forward or backward only, never across a wait for a peer: another job's build waits
+            # for this call alone, and rounds of two jobs whose peers are crosswise cannot hold each other up. (A
+            # build under way delays the call; that time counts as compute, as the device spent it busy.)
             with self._ctx.gate.computing():
                 return device.run(fn)
 
