@@ -288,3 +288,64 @@ def test_an_assignment_over_budget_is_refused_before_any_weight_is_allocated(bro
     ready = _ask_all(client, {"big0": assign(MLP, "fits-again")}, 60)["big0"].body
     assert isinstance(ready, StageReady), ready
     assert proc.poll() is None
+
+
+def test_a_worker_holds_two_training_jobs_and_runs_their_rounds_at_once(broker, make_bus, services) -> None:
+    """Two jobs of different models on the same two workers, each stage on the other worker than the other job's:
+    both are deployed, their rounds run at the same time and each equals single-process training of its model; a
+    new assignment of one job replaces only that job's stage, and the other goes on training."""
+    second = ModelSpec(name="mlp", config={"hidden": 32, "layers": 2, "seed": 5})
+    jobs = {"ja": (MLP, ["x0", "x1"]), "jb": (second, ["x1", "x0"])}
+    procs = {node: services.start("stage-worker", node, broker.url) for node in ("x0", "x1")}
+    client = make_bus("coordinator-test", "cli")
+    for node in procs:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    m = 2
+
+    def assigns(job: str, epoch: int) -> dict[str, object]:
+        model, nodes = jobs[job]
+        return {node: StageAssign(job_id=job, epoch=epoch, stage=p, rank=0, model=model, start=(0, 3)[p],
+                                  end=(3, 6)[p], groups=[[nodes[0]], [nodes[1]]], shares=[[B], [B]],
+                                  micro_batches=m, warmup=min(2 * (2 - p) - 1, m), loss_scale=1.0 / (m * B),
+                                  optimizer=OptimizerSpec(name="sgd", lr=LR), data=DATA)
+                for p, node in enumerate(nodes)}
+
+    def start_round(job: str, epoch: int, round_index: int) -> dict[str, object]:
+        expectations = {}
+        for node in jobs[job][1]:
+            exp = client.expect()
+            expectations[node] = exp
+            client.publish(topics.request(node, "stage-worker"), RoundStart(job_id=job, epoch=epoch,
+                                                                             round=round_index),
+                           correlation_id=exp.correlation_id, reply_to=client.reply_topic, ttl_s=120)
+        return expectations
+
+    for job in jobs:  # (one after the other: each worker builds one stage of each job)
+        ready = _ask_all(client, assigns(job, 0), 60)
+        assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
+
+    dataset = open_dataset(DATA, MLP)
+    x, y = dataset.batch(round_sample_ids(0, m * B, dataset.train_size, 0))
+    for round_index in range(2):
+        # Both jobs' rounds are under way at once on both workers.
+        pending = {job: start_round(job, 0, round_index) for job in jobs}
+        done = {job: {node: exp.wait(120) for node, exp in expectations.items()}
+                for job, expectations in pending.items()}
+        for job, replies in done.items():
+            assert all(r is not None and isinstance(r.body, RoundDone) for r in replies.values()), (job, replies)
+            if round_index == 0:  # the first round's loss is the untrained model's, computed here in one process
+                last = replies[jobs[job][1][1]].body
+                reference = build_model(jobs[job][0])
+                want = torch.nn.functional.cross_entropy(reference(x), y)
+                assert last.loss_sum / (m * B) == pytest.approx(float(want.detach()), rel=1e-5), job
+
+    # A new plan epoch of ja replaces ja's stages only: jb's round still runs on the same workers.
+    ready = _ask_all(client, assigns("ja", 1), 60)
+    assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
+    after = {node: exp.wait(120) for node, exp in start_round("jb", 0, 2).items()}
+    assert all(r is not None and isinstance(r.body, RoundDone) for r in after.values()), after
+    stale = _ask_all(client, {"x0": RoundStart(job_id="ja", epoch=0, round=2)}, 30)["x0"].body
+    assert isinstance(stale, StageFailed) and stale.reason == "not_assigned"
+    again = {node: exp.wait(120) for node, exp in start_round("ja", 1, 2).items()}
+    assert all(r is not None and isinstance(r.body, RoundDone) for r in again.values()), again
+    assert all(p.poll() is None for p in procs.values())

@@ -83,6 +83,7 @@ class TensorExchange(Generic[K]):
         self._failed: dict[Hashable, str] = {}  # scope -> why it cannot complete
         self._aborted: dict[Hashable, str] = {}  # scope -> why it was given up
         self._retired: str | None = None  # why every scope was given up
+        self._closed = False  # sends are refused
         self._outboxes: dict[str, Outbox] = {}  # peer node -> its sender thread
         self._outbox_lock = threading.Lock()
 
@@ -183,7 +184,7 @@ class TensorExchange(Generic[K]):
         """
         wire = tensor.detach().to("cpu").contiguous()
         with self._outbox_lock:
-            if self._retired is not None and self._retired == _CLOSED:
+            if self._closed:
                 raise ExchangeAborted(f"{self.name}: the exchange is closed")
             outbox = self._outboxes.get(peer)
             if outbox is None:
@@ -194,19 +195,18 @@ class TensorExchange(Generic[K]):
         """Give every waiter up, send what is queued (each outbox waits at most ``timeout_s`` seconds), and end
         the outbox threads."""
         with self._changed:
-            self._retired = _CLOSED
+            if self._retired is None:
+                self._retired = "the exchange is closed"
             self._inbox.clear()
             self._changed.notify_all()
         with self._outbox_lock:
+            self._closed = True
             outboxes, self._outboxes = list(self._outboxes.values()), {}
         for outbox in outboxes:
             outbox.close(timeout_s)
 
     def _scope_text(self, scope: Hashable) -> str:
         return f"{self.scope_name} {scope}"
-
-
-_CLOSED = "the exchange is closed"
 
 
 class TensorView(Protocol):

@@ -3,7 +3,8 @@
 This is the semantic reference the distributed runtime is checked against, and a way to run a plan's exact
 arithmetic without MQTT: each device follows its strict 1F1B order with K_p warm-up forwards, activations
 and gradients move by the routing of spec 6.1, each data-parallel group sums its gradients, and every
-replica steps its own optimizer.
+replica steps its own optimizer. The per-device part is the executor the stage-workers run
+(``training.executor``); only the transport here is direct.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from torch import nn
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model
-from edgeswarm.planning.schedule import stage_order, warmup_counts
+from edgeswarm.planning.schedule import warmup_counts
 from edgeswarm.planning.types import Plan
 from edgeswarm.training.data import Dataset, open_dataset, round_sample_ids
 from edgeswarm.training.evaluation import accuracy
+from edgeswarm.training.executor import DeviceIO, GroupSum, Position, Recv, Request, device_round
 from edgeswarm.training.jobs import JobSpec, make_optimizer
-from edgeswarm.training.routing import Piece, pieces, routing_matrix, stage_sample_ids
+from edgeswarm.training.routing import stage_sample_ids
 from edgeswarm.training.stage import StageCompute, loss_terms
 
 
@@ -65,102 +67,82 @@ def run_round(replicas: list[list[StageCompute]], layout: list[StageLayout], inp
               step: Callable[[StageCompute], None] | None = None) -> RoundResult:
     """Train one round on the mini-batch (``inputs``/``labels``: M*B samples in micro-batch order).
 
-    ``step`` is called on every replica after its group's gradient sum (e.g. an optimizer step). Raises
-    EdgeswarmError if the schedules deadlock (which the warm-up counts rule out).
+    Every device runs the shared executor (``training.executor.device_round``); its sends land in a mailbox here
+    and a device resumes when what it waits for is there. ``step`` is called on every replica after its group's
+    gradient sum (e.g. an optimizer step). Raises EdgeswarmError if the schedules deadlock (which the warm-up
+    counts rule out).
     """
     n_stages = len(layout)
     b = sum(layout[0].shares)
     if inputs.shape[0] != micro_batches * b:
         raise EdgeswarmError(f"{inputs.shape[0]} samples for {micro_batches} micro-batches of {b}")
     ks = warmup_counts(n_stages, micro_batches)
-    orders = [[stage_order(ks[p], micro_batches) for _ in stage.shares] for p, stage in enumerate(layout)]
-    position = [[0] * len(stage.shares) for stage in layout]
-    links: list[list[Piece]] = [pieces(routing_matrix(layout[p].shares, layout[p + 1].shares))
-                                for p in range(n_stages - 1)]
     shares = [list(s.shares) for s in layout]
     held = [stage_sample_ids(shares, np.arange(i * b, (i + 1) * b)) for i in range(micro_batches)]
-    # Messages in flight: forward pieces to (stage, device, micro-batch), and gradient pieces back.
-    fwd_in: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
-    bwd_in: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+    # Rows in flight: (to stage, to rank, kind, micro-batch, from rank) -> rows.
+    mail: dict[tuple[int, int, str, int, int], torch.Tensor] = {}
+    devices = [(p, d) for p in range(n_stages) for d in range(len(layout[p].shares))]
+    rounds = {(p, d): device_round(replicas[p][d], Position(p, d, shares, micro_batches, ks[p]),
+                                   _device_io(replicas[p][d], p, d, n_stages, held, inputs, labels, mail, step))
+              for p, d in devices}
+    waiting: dict[tuple[int, int], Request | None] = {}
 
-    def expected(p: int, d: int, backward: bool) -> list[Piece]:
-        if backward:
-            return [pc for pc in links[p] if pc.sender == d]
-        return [pc for pc in links[p - 1] if pc.receiver == d]
+    def resume(device: tuple[int, int], value: torch.Tensor | None) -> Request | None:
+        try:
+            waiting[device] = rounds[device].send(value)  # type: ignore[arg-type]
+        except StopIteration:
+            waiting[device] = None
+        return waiting[device]
 
-    def ready(p: int, d: int, kind: str, mb: int) -> bool:
-        if kind == "F":
-            if p == 0:
-                return True
-            got = fwd_in.get((p, d, mb), {})
-            return all(pc.sender in got for pc in expected(p, d, False))
-        if p == n_stages - 1:
-            return True
-        got = bwd_in.get((p, d, mb), {})
-        return all(pc.receiver in got for pc in expected(p, d, True))
-
-    total = sum(len(o) for group in orders for o in group)
-    done = 0
-    while done < total:
+    for device in devices:
+        resume(device, None)
+    while any(request is not None for request in waiting.values()):
         progressed = False
+        for p, d in devices:
+            request = waiting[(p, d)]
+            while isinstance(request, Recv) and (key := (p, d, request.kind, request.micro_batch,
+                                                         request.peer)) in mail:
+                request = resume((p, d), mail.pop(key))
+                progressed = True
         for p in range(n_stages):
-            for d in range(len(layout[p].shares)):
-                if position[p][d] == len(orders[p][d]) or not ready(p, d, *orders[p][d][position[p][d]]):
-                    continue
-                kind, mb = orders[p][d][position[p][d]]
-                _run(replicas[p][d], p, d, kind, mb, links, held, inputs, labels, fwd_in, bwd_in)
-                position[p][d] += 1
-                done += 1
+            group = [(p, d) for d in range(len(layout[p].shares))]
+            requests = [waiting[device] for device in group]
+            if all(isinstance(request, GroupSum) for request in requests):
+                summed = torch.stack([request.flat for request in requests]).sum(dim=0)  # type: ignore[union-attr]
+                for device in group:
+                    resume(device, summed)
                 progressed = True
         if not progressed:
-            raise EdgeswarmError(f"the schedules deadlocked after {done} of {total} operations")
+            stuck = {device: request for device, request in waiting.items() if request is not None}
+            raise EdgeswarmError(f"the schedules deadlocked: {stuck}")
 
     last = replicas[-1]
     loss = sum(r.loss_sum for r in last) / max(1, sum(r.terms for r in last))
     accuracy = sum(r.correct for r in last) / max(1, sum(r.terms for r in last))
     peak = [[r.peak_live for r in group] for group in replicas]
     for group in replicas:
-        summed = torch.stack([r.flat_gradients() for r in group]).sum(dim=0)
         for r in group:
-            r.set_flat_gradients(summed)
-            if step is not None:
-                step(r)
             r.end_round()
     return RoundResult(loss=loss, accuracy=accuracy, peak_live=peak)
 
 
-def _run(stage: StageCompute, p: int, d: int, kind: str, mb: int, links: list[list[Piece]],
-         held: list[list[list[np.ndarray]]], inputs: torch.Tensor, labels: torch.Tensor,
-         fwd_in: dict[tuple[int, int, int], dict[int, torch.Tensor]],
-         bwd_in: dict[tuple[int, int, int], dict[int, torch.Tensor]]) -> None:
-    n_stages = len(links) + 1
-    ids = held[mb][p][d]
-    if len(ids) == 0:
-        return  # Alg. 1 may give a device no samples: it keeps its weights and adds a zero gradient
-    if kind == "F":
-        if p == 0:
-            x = inputs[ids]
-        else:
-            got = fwd_in.pop((p, d, mb))
-            x = torch.cat([got[s] for s in sorted(got)])
-        y = labels[ids] if p == n_stages - 1 else None
-        out = stage.forward(mb, x, y)
-        if p < n_stages - 1:
-            for pc in links[p]:
-                if pc.sender == d:
-                    rows = out[pc.sender_start:pc.sender_start + pc.rows]
-                    fwd_in.setdefault((p + 1, pc.receiver, mb), {})[d] = rows
-        return
-    grad = None
-    if p < n_stages - 1:
-        got = bwd_in.pop((p, d, mb))
-        grad = torch.cat([got[r] for r in sorted(got)])
-    grad_in = stage.backward(mb, grad)
-    if p > 0 and grad_in is not None:
-        for pc in links[p - 1]:
-            if pc.receiver == d:
-                rows = grad_in[pc.receiver_start:pc.receiver_start + pc.rows]
-                bwd_in.setdefault((p - 1, pc.sender, mb), {})[d] = rows
+def _device_io(stage: StageCompute, p: int, d: int, n_stages: int, held: list[list[list[np.ndarray]]],
+               inputs: torch.Tensor, labels: torch.Tensor, mail: dict[tuple[int, int, str, int, int], torch.Tensor],
+               step: Callable[[StageCompute], None] | None) -> DeviceIO:
+    """Device ``d`` of stage ``p``'s view of the round: its samples by id, sends straight into ``mail``."""
+
+    def batch(mb: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        ids = held[mb][p][d]
+        return (inputs[ids] if p == 0 else None, labels[ids] if p == n_stages - 1 else None)
+
+    def send(kind: str, to_stage: int, to_rank: int, mb: int, rows: torch.Tensor) -> None:
+        mail[(to_stage, to_rank, kind, mb, d)] = rows
+
+    def step_this() -> None:
+        if step is not None:
+            step(stage)
+
+    return DeviceIO(batch=batch, send=send, step=step_this)
 
 
 def layout_of(plan: Plan) -> list[StageLayout]:
