@@ -129,8 +129,8 @@ def test_bad_requests_get_an_error_and_the_stream_goes_on(cluster: Cluster) -> N
     spec = ModelSpec.model_validate(MLP)
     good = example_input(spec, 2)
     cases = {
-        "bad_shape": good.reshape(2, 3, 4, 16),
-        "bad_dtype": good.double(),
+        "bad_shape": good.reshape(2, 1, -1),
+        "bad_dtype": good.half(),
         "too_large": example_input(spec, 5),  # more rows than the micro-batch size
     }
     for reason, x in cases.items():
@@ -231,8 +231,7 @@ def test_a_stream_survives_the_loss_of_a_stage_device_with_every_request_answere
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    late_before = cluster.bus.metrics.snapshot().get("late_replies", 0) if hasattr(cluster.bus.metrics,
-                                                                                     "snapshot") else 0
+    late_before = cluster.bus.metrics.counter("late_replies")
     report = infer_stream(cluster.bus, name, inputs, window=4, timeout_s=120, on_result=on_result)
     killer.join(5)
     net = reference(MLP)
@@ -247,5 +246,4 @@ def test_a_stream_survives_the_loss_of_a_stage_device_with_every_request_answere
     assert victim not in final.plan.devices and final.plan.epoch >= 1
     # Exactly once: the coordinator answered each request one time (a second answer would be a late reply here).
     assert final.serve.answered == len(inputs)
-    if hasattr(cluster.bus.metrics, "snapshot"):
-        assert cluster.bus.metrics.snapshot().get("late_replies", 0) == late_before
+    assert cluster.bus.metrics.counter("late_replies") == late_before

@@ -216,6 +216,7 @@ class PipelineRunner:
             self._changed.notify_all()
         for request in requests:
             self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+        self.ctx.update(self.ctx.state().status, **self.progress())  # the final figures stay in the state
         for device in plan.devices if plan else []:
             try:
                 self.bus.publish(topics.request(device, "stage-worker"), ServeRelease(job_id=self.spec.name))
