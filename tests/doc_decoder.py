@@ -180,7 +180,7 @@ class Tensor:
 # A spec is one of: "str", "int", "number", "bool", "bin", "scalar" (str, int, number or bool), a spec
 # followed by "?" (nil allowed), ("optional", spec) (nil or spec),
 # ("list", spec), ("map", value_spec) (string keys), ("record", {field: spec}), ("enum", {values}),
-# ("bin_max", n).
+# ("bin_max", n), ("tagged", field, {value: {field: spec}}) (a record whose ``field`` picks its fields).
 
 _IDS = {"node": "str", "service": "str", "instance": "str"}
 
@@ -228,11 +228,39 @@ _COMM_STEP = ("record", {
     "after": "int", "bytes_per_microbatch": "int", "bandwidth_bps": "number", "forward_s": "number",
     "backward_s": "number",
 })
-_PLAN = ("record", {
-    "strategy": _STRATEGY, "model_fingerprint": "str", "units": "int",
+_TRAIN_PLAN = {
+    "workload": ("enum", {"train"}), "strategy": _STRATEGY, "model_fingerprint": "str", "units": "int",
     "options": ("record", {"micro_batch_size": "int", "micro_batches": "int", "optimizer": _OPTIMIZER}),
     "stages": ("list", _STAGE), "comm_steps": ("list", _COMM_STEP), "dominant_step": "int",
     "round_latency_s": "number", "throughput_sps": "number", "epoch": "int",
+}
+_PLAN = ("record", _TRAIN_PLAN)
+_SERVE_OPTIONS = ("record", {
+    "micro_batch_size": "int", "max_stages": "int?", "method": ("enum", {"auto", "kpath", "greedy", "optimal"}),
+    "exclude": ("list", "str"), "seed": "int",
+})
+_SERVE_PLAN_FIELDS = {
+    "workload": ("enum", {"serve-pipeline"}), "model_fingerprint": "str", "micro_batch_size": "int",
+    "stages": ("list", ("record", {
+        "index": "int", "start": "int", "end": "int", "device": "str", "compute_s": "number",
+        "transfer_in_s": "number", "input_bytes": "int", "memory_bytes": "int", "memory_budget_bytes": "int"})),
+    "bottleneck_s": "number", "throughput_per_s": "number", "latency_s": "number", "method": "str", "epoch": "int",
+    "bottleneck": "str", "units": "int",
+}
+_ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS})
+_PROGRESS = ("tagged", "kind", {
+    "train": {
+        "kind": ("enum", {"train"}), "strategy": _STRATEGY, "round": "int", "total_rounds": "int",
+        "loss": "number?", "accuracy": "number?", "round_s": "number?", "predicted_round_s": "number?",
+        "samples_per_s": "number?", "checkpoint_version": "int?", "test_accuracy": "number?",
+        "predictions": ("list", ("record", {"strategy": _STRATEGY, "round_s": "number?", "samples_per_s": "number?",
+                                            "error": "str?"})),
+        "reconfigurations": "int"},
+    "serve-pipeline": {
+        "kind": ("enum", {"serve-pipeline"}), "answered": "int", "samples": "int", "errors": "int", "replayed": "int",
+        "in_flight": "int", "queued": "int", "throughput_per_s": "number?", "latency_p50_s": "number?",
+        "latency_p99_s": "number?", "predicted_throughput_per_s": "number?", "predicted_latency_s": "number?",
+        "reconfigurations": "int", "weights": "str"},
 })
 _COMPARISON = ("record", {
     "hpp": _PLAN, "planning_s": "number",
@@ -336,21 +364,39 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "reason": ("enum", {"invalid", "duplicate", "unknown_job", "finished"}), "detail": "str",
     },
     ("edgeswarm.job.state", 1): {
-        "job_id": "str", "submission": "str", "spec": "str",
+        "job_id": "str", "submission": "str", "spec": "str", "kind": ("enum", {"train", "serve-pipeline"}),
         "status": ("enum", {"queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded",
                             "failed", "cancelled"}),
-        "model": "str", "strategy": _STRATEGY, "round": "int", "total_rounds": "int", "loss": "number?",
-        "accuracy": "number?", "round_s": "number?", "predicted_round_s": "number?", "samples_per_s": "number?",
-        "checkpoint_version": "int?", "test_accuracy": "number?", "plan": ("optional", _PLAN),
-        "predictions": ("list", ("record", {"strategy": _STRATEGY, "round_s": "number?", "samples_per_s": "number?",
-                                            "error": "str?"})),
-        "reconfigurations": "int", "detail": "str", "submitted_at": "number", "updated_at": "number",
+        "model": "str", "plan": ("optional", _ANY_PLAN), "progress": _PROGRESS, "detail": "str",
+        "submitted_at": "number", "updated_at": "number",
     },
     ("edgeswarm.job.event", 1): {
         "job_id": "str", "submission": "str",
         "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
-                          "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled"}),
+                          "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled",
+                          "serving"}),
         "round": "int", "detail": "str",
+    },
+    ("edgeswarm.plan.serve_request", 1): {"cluster": _CLUSTER, "options": _SERVE_OPTIONS, "epoch": "int"},
+    ("edgeswarm.plan.serve_reply", 1): {"plan": ("record", _SERVE_PLAN_FIELDS), "planning_s": "number"},
+    ("edgeswarm.serve.assign", 1): {
+        "job_id": "str", "epoch": "int", "stage": "int", "model": _MODEL_SPEC, "start": "int", "end": "int",
+        "devices": ("list", "str"), "coordinator": "str", "micro_batch_size": "int",
+        "weights": ("optional", ("record", {"store_node": "str", "job_id": "str", "version": "int",
+                                            "stages": ("list", ("list", "int"))})),
+    },
+    ("edgeswarm.serve.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "parameters": "int",
+                                   "memory_bytes": "int", "load_s": "number"},
+    ("edgeswarm.serve.release", 1): {"job_id": "str"},
+    ("edgeswarm.serve.tensor", 1): {"job_id": "str", "epoch": "int", "item": "int", "stage": "int"},
+    ("edgeswarm.infer.request", 1): {"job_id": "str", "request_id": "str"},
+    ("edgeswarm.infer.reply", 1): {"job_id": "str", "request_id": "str", "latency_s": "number", "epoch": "int",
+                                   "replayed": "bool"},
+    ("edgeswarm.infer.error", 1): {
+        "job_id": "str", "request_id": "str",
+        "reason": ("enum", {"unknown_job", "not_serving", "no_tensor", "bad_dtype", "bad_shape", "too_large", "busy",
+                            "failed"}),
+        "detail": "str",
     },
     ("edgeswarm.stage.tensor", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int",
@@ -410,7 +456,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
 #: Schemas the document says carry a tensor (section 5: bench.data, profile.link_probe and checkpoint.tensor
 #: "always carry a tensor").
 TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-                            "edgeswarm.stage.tensor", "edgeswarm.stage.state"})
+                            "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.serve.tensor",
+                            "edgeswarm.infer.request", "edgeswarm.infer.reply"})
 
 
 def _is_int(value: object) -> bool:
@@ -458,6 +505,11 @@ def _check(value: Any, spec: Any, where: str) -> None:
             _check(item, spec[1], f"{where}[{key!r}]")
     elif tag == "record":
         _check_record(value, spec[1], where)
+    elif tag == "tagged":
+        choice = value.get(spec[1]) if isinstance(value, dict) else None
+        if choice not in spec[2]:
+            raise DocDecodeError(f"{where}.{spec[1]}: {choice!r:.60} is not one of {sorted(spec[2])}")
+        _check_record(value, spec[2][choice], where)
     else:  # pragma: no cover - a bug in the spec table
         raise AssertionError(spec)
 

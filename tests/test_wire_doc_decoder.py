@@ -34,6 +34,8 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
+from edgeswarm.messages.jobs import ServeProgress
+from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
 from helpers import FAST_ENV, wait_until
 
@@ -93,6 +95,7 @@ def samples() -> dict[type, Any]:
         **stage_samples(),
         **job_samples(),
         **checkpoint_samples(),
+        **serving_samples(),
     }
 
 
@@ -151,7 +154,7 @@ def stage_samples() -> dict[type, Any]:
 
 
 def job_samples() -> dict[type, Any]:
-    from edgeswarm.messages.jobs import StrategyPrediction
+    from edgeswarm.messages.jobs import StrategyPrediction, TrainProgress
 
     plan = _comparison().hpp
     return {
@@ -160,12 +163,13 @@ def job_samples() -> dict[type, Any]:
         m.JobAccepted: m.JobAccepted(job_id="j1", detail="starting"),
         m.JobRejected: m.JobRejected(reason="invalid", detail="global_batch: must be >= 1"),
         m.JobState: m.JobState(job_id="j1", submission="0123abcd", spec="name: j1\nmodel: {name: mlp}\n",
-                               status="running", model="mlp", strategy="hpp", round=2, total_rounds=5,
-                               loss=1.5, accuracy=0.25, round_s=0.5, predicted_round_s=0.4, samples_per_s=128.0,
-                               checkpoint_version=2, test_accuracy=0.5, plan=plan,
-                               predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
-                                            StrategyPrediction(strategy="pp", error="does not fit")],
-                               reconfigurations=1, submitted_at=1.7e9, updated_at=1.7e9 + 3),
+                               status="running", model="mlp", plan=plan, progress=TrainProgress(
+                                   strategy="hpp", round=2, total_rounds=5, loss=1.5, accuracy=0.25, round_s=0.5,
+                                   predicted_round_s=0.4, samples_per_s=128.0, checkpoint_version=2,
+                                   test_accuracy=0.5,
+                                   predictions=[StrategyPrediction(strategy="hpp", round_s=0.4, samples_per_s=160.0),
+                                                StrategyPrediction(strategy="pp", error="does not fit")],
+                                   reconfigurations=1), submitted_at=1.7e9, updated_at=1.7e9 + 3),
         m.JobEvent: m.JobEvent(job_id="j1", submission="s1", kind="recovered", round=2,
                                detail="light: resumed at round 2"),
     }
@@ -195,6 +199,45 @@ def planner_samples() -> dict[type, Any]:
         m.PlanReply: m.PlanReply(plan=plan, comparison=comparison, planning_s=0.01),
         m.PlanFailed: m.PlanFailed(reason="infeasible", detail="nothing fits"),
     }
+
+
+def _serve_plan() -> Any:
+    from edgeswarm.planning.serve.plan import plan_serving
+    from edgeswarm.planning.serve.types import ServeOptions
+
+    return plan_serving(_cluster(), ServeOptions(micro_batch_size=2, max_stages=2))
+
+
+def serving_samples() -> dict[type, Any]:
+    from edgeswarm.planning.serve.types import ServeOptions
+
+    model = ModelSpec(name="mlp", config={"image_size": 8})
+    return {
+        m.ServePlanRequest: m.ServePlanRequest(cluster=_cluster(), options=ServeOptions(
+            micro_batch_size=4, max_stages=3, method="kpath", exclude=["c"], seed=2), epoch=1),
+        m.ServePlanReply: m.ServePlanReply(plan=_serve_plan(), planning_s=0.02),
+        m.ServeAssign: m.ServeAssign(job_id="s1", epoch=1, stage=0, model=model, start=0, end=3,
+                                     devices=["a", "b"], coordinator="hub", micro_batch_size=4,
+                                     weights=m.WeightsSource(store_node="hub", job_id="t1", version=6,
+                                                             stages=[(0, 2), (2, 6)])),
+        m.ServeReady: m.ServeReady(job_id="s1", epoch=1, stage=0, parameters=100, memory_bytes=400, load_s=0.5),
+        m.ServeRelease: m.ServeRelease(job_id="s1"),
+        m.ServeTensor: m.ServeTensor(job_id="s1", epoch=1, item=7, stage=2),
+        m.InferRequest: m.InferRequest(job_id="s1", request_id="r-1"),
+        m.InferReply: m.InferReply(job_id="s1", request_id="r-1", latency_s=0.01, epoch=1, replayed=True),
+        m.InferError: m.InferError(job_id="s1", request_id="r-1", reason="bad_shape", detail="inputs must be ..."),
+    }
+
+
+def test_a_serving_jobs_state_decodes() -> None:
+    """A job state holds a serving plan and progress as well as a training one (by ``workload`` and ``kind``)."""
+    state = m.JobState(job_id="s1", kind="serve-pipeline", status="running", model="mlp", plan=_serve_plan(),
+                       progress=ServeProgress(answered=3, samples=7, throughput_per_s=12.5, latency_p50_s=0.1,
+                                              latency_p99_s=0.3, weights="job t1 version 6"),
+                       submitted_at=1.7e9, updated_at=1.7e9)
+    frame = decode(encode(sender().envelope(state), state))
+    assert isinstance(frame, Frame) and frame.body == plain(state.model_dump())
+    assert frame.body["plan"]["workload"] == "serve-pipeline" and frame.body["progress"]["kind"] == "serve-pipeline"
 
 
 def profiler_samples() -> dict[type, Any]:

@@ -39,10 +39,14 @@ DEFAULT_REQUEST_WRITERS: tuple[Role, ...] = ("hub",)
 # Who may send tensors to each service's data topic. A service not listed (a command-line client loading a
 # checkpoint, say) takes tensors from every role; the sender level still names who sent them.
 DATA_WRITERS: dict[str, tuple[Role, ...]] = {
+    # Inference requests of serving jobs (callers: clients and the hub) and pipeline outputs (devices' last stages).
+    "coordinator": ROLES,
     "stage-worker": ("hub", "device"),
     "profiler": ("hub", "device"),
 }
 DEFAULT_DATA_WRITERS: tuple[Role, ...] = ROLES
+DATA_PURPOSES = {"coordinator": "tensors for the coordinator: serving jobs' inference requests (callers) and pipeline "
+                                "outputs (last stages)"}
 
 ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
 OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress")  # node topics written by the node itself
@@ -233,7 +237,7 @@ TOPIC_TREE: tuple[TopicSpec, ...] = (
               writers=ROLES, bound="sender", readers="node"),
     _data_spec("{service}", ("hub",), "tensors for the service, chunked; published to the node's advertised "
                "data_url (services not listed below: from the hub only)"),
-    *(_data_spec(service, writers, f"tensors for the {service}")
+    *(_data_spec(service, writers, DATA_PURPOSES.get(service, f"tensors for the {service}"))
       for service, writers in {**{s: DEFAULT_DATA_WRITERS for s in ("checkpoint-store", "node-agent")},
                                **DATA_WRITERS}.items()),
     TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
@@ -250,9 +254,10 @@ TOPIC_TREE: tuple[TopicSpec, ...] = (
               purpose="membership changes: online, suspect, offline, duplicate node id",
               writers=("hub", "device"), bound="none", readers="all"),
     TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
-              purpose="a training job's latest state: status, rounds done, loss, measured and predicted round time",
+              purpose="a job's latest state: kind, status, plan, and its kind's progress (rounds and loss; requests "
+                      "answered, throughput, latency)",
               writers=("hub",), bound="none", readers="all"),
     TopicSpec(pattern=job_events("{job}"), schemas="edgeswarm.job.event v1", retained=False, qos=1, broker="hub",
-              purpose="a training job's events: submitted, planned, each round and checkpoint, how it ended",
+              purpose="a job's events: submitted, planned, each round and checkpoint, device lost, how it ended",
               writers=("hub",), bound="none", readers="all"),
 )
