@@ -234,7 +234,7 @@ def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
     assert "held-out accuracy of the saved model" in out.stdout
     assert [r["round"] for r in run["rounds"]] == list(range(1, 7))
     assert run["rounds"][-1]["loss"] < run["rounds"][0]["loss"]
-    assert {p["strategy"] for p in run["state"]["predictions"]} == {"hpp", "dp", "pp", "single"}
+    assert {p["strategy"] for p in run["state"]["progress"]["predictions"]} == {"hpp", "dp", "pp", "single"}
     devices = {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
     assert len(devices) == 3
     saved = list((tmp_path / "checkpoints" / "mlp-teacher").iterdir())
@@ -322,7 +322,7 @@ def _job_state(url: str, name: str) -> dict | None:  # type: ignore[type-arg]
 
 def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type: ignore[type-arg]
     state = _job_state(url, name)
-    return state if state and state["status"] == "running" and state["round"] >= round_index else None
+    return state if state and state["status"] == "running" and state["progress"]["round"] >= round_index else None
 
 
 FT_ROUNDS = 12

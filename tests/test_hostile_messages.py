@@ -23,6 +23,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.bus.peers import PeerDirectory
 from edgeswarm.errors import RequestRejectedError
 from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.messages.jobs import TrainProgress
 from edgeswarm.wire import Envelope, Sender, decode, encode
 from edgeswarm.wire.codec import PREFIX
 from edgeswarm.wire.tensor import TensorDescriptor
@@ -271,10 +272,10 @@ def test_retained_garbage_gives_warnings_not_tracebacks(broker: BrokerProcess, m
         pid=1, device_class="[/nope]", memory_budget_bytes=1, free_memory_bytes=1, data_url="mqtt://x:1",
         heartbeat_interval_s=1.0, started_at=0.0), retain=True)
     mallory.publish(topics.job_state("other"), m.JobState(
-        job_id="junk-job", status="failed", model="[/model]", strategy="hpp", submitted_at=0.0, updated_at=0.0,
+        job_id="junk-job", status="failed", model="[/model]", submitted_at=0.0, updated_at=0.0,
         detail="[/x] not markup"), retain=True)
     mallory.publish(topics.job_state("junk-job"), m.JobState(
-        job_id="junk-job", status="running", model="[/model]", strategy="hpp", round=3, loss=float("nan"),
+        job_id="junk-job", status="running", model="[/model]", progress=TrainProgress(round=3, loss=float("nan")),
         submitted_at=0.0, updated_at=0.0, detail="[/x] not markup"), retain=True)
     env = {**os.environ, "EDGESWARM_HUB_URL": broker.url}
     for command in (["status"], ["jobs"], ["jobs", "--json"], ["status", "--json"]):
@@ -293,7 +294,7 @@ def test_a_restarting_coordinator_takes_over_only_its_own_job_states(broker: Bro
     forger = make_bus("mallory", "coordinator")  # a coordinator, but not on the hub
     spec = "name: forged\nmodel: {name: mlp}\ndata: {kind: teacher, size: 64}\nglobal_batch: 8\nrounds: 1\n"
     forger.publish(topics.job_state("forged"), m.JobState(
-        job_id="forged", spec=spec, status="queued", model="mlp", strategy="hpp", submitted_at=0.0, updated_at=0.0),
+        job_id="forged", spec=spec, status="queued", model="mlp", submitted_at=0.0, updated_at=0.0),
         retain=True)
     proc = services.start("coordinator", "hub", broker.url)
     client = make_bus("cli", "cli")

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
@@ -14,7 +15,7 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import hub_url
 from edgeswarm.cli.status import cli_settings
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids
 
@@ -195,12 +196,12 @@ def run_bench_recovery(args: argparse.Namespace) -> int:
 
 
 def run_bench_serving(args: argparse.Namespace) -> int:
-    """``edgeswarm bench serving --sim``: the partition-placement grid against the paper's reference numbers."""
+    """``edgeswarm bench serving``: measured on emulated environments, or (``--sim``) the partition-placement
+    grid against the paper's reference numbers."""
     from edgeswarm.bench.serving_sim import NODES, serving_report
 
     if not args.sim:
-        err_console.print("only the simulation exists: pass --sim")
-        return 2
+        return _run_bench_serving_measured(args)
     trials = min(args.trials, 5) if args.quick else args.trials
     ratio_trials = min(args.ratio_trials, 50) if args.quick else args.ratio_trials
     nodes = (5, 50) if args.quick else NODES
@@ -245,3 +246,42 @@ def run_bench_serving(args: argparse.Namespace) -> int:
                   f"more than 25%: " + ", ".join(f"{r['model']} {r['cap_mb']} MB {r['nodes']} nodes "
                                                  f"{r['difference']:+.0%}" for r in flagged))
     return 0
+
+
+def _run_bench_serving_measured(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from edgeswarm.bench.serving import run_serving_bench
+    from edgeswarm.profiling.types import ModelSpec
+
+    envs = ["d"] if args.quick else [e.strip() for e in args.envs.split(",") if e.strip()]
+    unknown = [e for e in envs if e not in ("a", "b", "c", "d")]
+    if unknown or not envs:
+        raise ConfigError(f"--envs: Asteroid's environments are a, b, c and d, not {', '.join(unknown) or 'none'}")
+    if args.micro_batch < 1 or args.requests < 1:
+        raise ConfigError("--micro-batch and --requests must be at least 1")
+    model = ModelSpec(name=args.model, config={"image_size": 32, "num_classes": 10})
+    with tempfile.TemporaryDirectory(prefix="edgeswarm-bench-serving-") as tmp:
+        rows = run_serving_bench(envs, model=model, micro_batch=args.micro_batch,
+                                 requests=50 if args.quick else args.requests,
+                                 profile_dir=Path(args.profile_dir or tmp),
+                                 log=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.model_dump() | {"ratio": r.ratio} for r in rows], indent=2))
+    table = Table(title=f"{model.name} served on Asteroid environments at 100 Mbps, micro-batch {args.micro_batch}: "
+                        "measured on the stage-workers")
+    for col in ("env", "variant", "stages", "devices", "predicted samples/s", "measured samples/s",
+                "measured / predicted", "over single device", "p50 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col in ("env", "variant", "devices") else "right")
+    single = {r.env: r.measured_per_s for r in rows if r.variant == "single" and r.measured_per_s}
+    for r in rows:
+        if r.error:
+            table.add_row(r.env, r.variant, "-", escape(r.error[:60]), *["-"] * 6)
+            continue
+        base = single.get(r.env)
+        table.add_row(r.env, r.variant, str(r.stages), ",".join(r.devices), f"{r.predicted_per_s:.1f}",
+                      f"{r.measured_per_s:.1f}", f"{r.ratio:.2f}x" if r.ratio else "-",
+                      f"{r.measured_per_s / base:.2f}x" if base and r.measured_per_s else "-",
+                      f"{(r.p50_s or 0) * 1000:.0f}", f"{(r.p99_s or 0) * 1000:.0f}")
+    console.print(table)
+    return 0 if all(r.error is None for r in rows) else 1

@@ -98,14 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     recovery.add_argument("--out", default=None, help="also write the JSON report to this file")
 
-    serving = bench_sub.add_parser("serving", help="the partition-placement paper's simulation grid: k-path, greedy "
-                                   "joint and random against its published numbers")
-    serving.add_argument("--sim", action="store_true", help="simulated graphs and Keras-like models (the only mode)")
-    serving.add_argument("--quick", action="store_true", help="fewer trials and node counts (seconds)")
-    serving.add_argument("--trials", type=int, default=50, help="graphs per configuration (default 50)")
-    serving.add_argument("--ratio-trials", type=int, default=1000, help="graphs per model for the LB ratio (R6)")
-    serving.add_argument("--kpath", choices=("exact", "colour"), default="exact", help="K_PATH back-end")
+    serving = bench_sub.add_parser("serving", help="pipelined serving measured on emulated Asteroid environments "
+                                   "(planned, greedy-joint, single device); --sim: the partition-placement paper's "
+                                   "simulation grid against its published numbers")
+    serving.add_argument("--sim", action="store_true", help="the simulation grid (simulated graphs, Keras-like models)")
+    serving.add_argument("--quick", action="store_true", help="--sim: fewer trials and node counts (seconds); "
+                         "measured: environment d only, fewer requests")
+    serving.add_argument("--trials", type=int, default=50, help="--sim: graphs per configuration (default 50)")
+    serving.add_argument("--ratio-trials", type=int, default=1000, help="--sim: graphs per model for the LB ratio (R6)")
+    serving.add_argument("--kpath", choices=("exact", "colour"), default="exact", help="--sim: K_PATH back-end")
     serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--envs", default="a,b,c,d", help="measured: Asteroid environments at 100 Mbps")
+    serving.add_argument("--model", default="mobilenetv2", help="measured: zoo model (image_size 32, 10 classes)")
+    serving.add_argument("--micro-batch", type=int, default=8, help="measured: samples per request and micro-batch")
+    serving.add_argument("--requests", type=int, default=200, help="measured: requests per variant")
+    serving.add_argument("--profile-dir", default=None, help="measured: where profiles are cached (default: a "
+                         "temporary folder)")
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
     from edgeswarm.cli.chaos import add_chaos_parser

@@ -83,7 +83,7 @@ class TrainProgress(BaseModel):
     after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery
     ``round`` goes back to the round the job resumed from: those rounds run again."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a diverged loss is NaN
 
     kind: Literal["train"] = "train"
     strategy: Strategy = "hpp"

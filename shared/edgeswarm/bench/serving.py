@@ -1,0 +1,132 @@
+"""``edgeswarm bench serving``: pipelined serving on emulated Asteroid environments, measured on the stage-workers.
+
+For each environment (a local cluster of emulated devices at 100 Mbps) the same model is served three ways, one
+job after the other, on the same runtime: as planned (``auto``: the best predicted of the paper's k-path placement,
+the greedy-joint placement and the exact search, compute counted), with the greedy-joint placement alone, and on
+the single best device (``max_stages: 1``). Each job gets a warm-up, then a stream of full micro-batches with
+enough requests in flight to fill its pipeline; the report gives measured samples per second against the plan's
+prediction, the per-request latency percentiles, and each variant's throughput over the single device's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from edgeswarm.bus import Bus
+from edgeswarm.devices.cluster import load_cluster
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, wait_for_service
+from edgeswarm.serving.client import infer_stream
+from edgeswarm.settings import Settings
+from edgeswarm.training.client import JobFollower, cancel_job, submit_job
+
+DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
+VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}
+
+
+class ServeRun(BaseModel):
+    """One variant served on one environment: its plan's shape and prediction, the measured samples per second
+    over the stream, and the clients' per-request latency percentiles (seconds). ``error`` says why it did not
+    run."""
+
+    env: str
+    variant: str
+    stages: int = 0
+    devices: list[str] = []
+    bottleneck: str = ""
+    predicted_per_s: float | None = None
+    measured_per_s: float | None = None
+    p50_s: float | None = None
+    p99_s: float | None = None
+    requests: int = 0
+    replayed: int = 0
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted throughput."""
+        if self.measured_per_s is None or not self.predicted_per_s:
+            return None
+        return self.measured_per_s / self.predicted_per_s
+
+
+def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_batch: int, requests: int,
+                   window: int, log: Callable[[str], None]) -> ServeRun:
+    from edgeswarm.models.zoo import example_input
+
+    name = f"bench-serve-{env}-{variant}-{uuid.uuid4().hex[:4]}"
+    spec = {"kind": "serve-pipeline", "name": name, "model": model.model_dump(), "micro_batch_size": micro_batch,
+            "window": window, "planner": VARIANTS[variant]}
+    follower = JobFollower(bus, name)
+    submit_job(bus, json.dumps(spec), submission=follower.submission)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and (follower.state is None or follower.state.status not in (
+            "running", "failed", "cancelled")):
+        time.sleep(0.2)
+    state = follower.state
+    if state is None or state.status != "running" or not isinstance(state.plan, ServePlan):
+        return ServeRun(env=env, variant=variant, error=f"not serving: {state.status if state else 'no state'} "
+                                                        f"{state.detail if state else ''}".strip())
+    plan = state.plan
+    try:
+        inputs = [example_input(model, micro_batch, seed=k) for k in range(16)]
+        infer_stream(bus, name, [inputs[k % 16] for k in range(2 * window)], window=window)  # warm-up
+        report = infer_stream(bus, name, [inputs[k % 16] for k in range(requests)], window=2 * window,
+                              timeout_s=300)
+        failed = [r for r in report.results if r.outputs is None]
+        if failed:
+            return ServeRun(env=env, variant=variant, error=f"{len(failed)} requests failed: {failed[0].error}")
+        latencies = sorted(r.latency_s for r in report.results)
+        row = ServeRun(env=env, variant=variant, stages=len(plan.stages), devices=plan.devices,
+                       bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s,
+                       measured_per_s=report.samples / report.wall_s, p50_s=statistics.median(latencies),
+                       p99_s=latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)],
+                       requests=len(report.results), replayed=sum(r.replayed for r in report.results))
+        log(f"env {env}: {variant}: {row.stages} stages on {', '.join(row.devices)}: {row.measured_per_s:.1f} "
+            f"samples/s measured, {row.predicted_per_s:.1f} predicted ({row.ratio or 0:.2f}x); p50 "
+            f"{row.p50_s * 1000:.0f} ms, p99 {row.p99_s * 1000:.0f} ms")
+        return row
+    finally:
+        cancel_job(bus, name)
+        follower.wait(60)
+
+
+def run_serving_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, micro_batch: int = 8,
+                      requests: int = 200, window: int = 8, variants: tuple[str, ...] = tuple(VARIANTS),
+                      profile_dir: Path, log: Callable[[str], None] = lambda _m: None) -> list[ServeRun]:
+    """Serve ``model`` in every variant on each of ``envs`` (a, b, c, d: Asteroid's environments at 100 Mbps),
+    one local cluster per environment; profiles are cached in ``profile_dir``."""
+    rows: list[ServeRun] = []
+    for env in envs:
+        spec = load_cluster(f"asteroid-env-{env}-100mbps")
+        nodes = [d.id for d in spec.devices]
+        with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
+            bus = client_bus(Settings(hub_url=local.hub_url))
+            try:
+                watcher = ClusterWatcher(bus)
+                watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
+                missing = wait_for_service(watcher, "stage-worker", nodes, 120)
+                if missing or nodes_running(watcher.view()[0], "planner") != ["hub"]:
+                    raise EdgeswarmError(f"env {env}: the cluster did not come up (no stage-worker on "
+                                         f"{', '.join(missing) or '-'}, or no planner)")
+                for variant in variants:
+                    log(f"env {env}: serving {model.name} ({variant})")
+                    try:
+                        rows.append(_serve_variant(bus, env, variant, model, micro_batch=micro_batch,
+                                                   requests=requests, window=window, log=log))
+                    except EdgeswarmError as exc:
+                        log(f"env {env}: {variant} failed: {exc}")
+                        rows.append(ServeRun(env=env, variant=variant, error=str(exc)))
+            finally:
+                bus.stop()
+    return rows

@@ -1,0 +1,72 @@
+"""What every planner reads from a ClusterProfile the same way, written once: unit times at a batch size, the link
+matrices and the static memory of Eq. 3.
+
+Times are seconds, bandwidths bytes per second, sizes bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgeswarm.errors import ProfileError
+from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ComputeProfile, LinkProfile, Optimizer
+
+
+def unit_times(compute: ComputeProfile, node: str, fingerprint: str, units: int, batches: Sequence[float], *,
+               backward: bool = False) -> np.ndarray:
+    """Seconds of every unit (columns) at each batch size of ``batches`` (rows): the profiled times interpolated
+    piecewise-linearly over the batch grid with t(0) = 0, never extrapolated (the Asteroid cost model's rule).
+
+    Raises ProfileError when the profile is of another model (``fingerprint``), has another number of units, or
+    stops short of the largest batch size asked."""
+    if compute.model_fingerprint != fingerprint:
+        raise ProfileError(f"device {node} was profiled for model {compute.model_fingerprint}, not {fingerprint}: "
+                           "re-profile it for this model")
+    rows = compute.backward_s if backward else compute.forward_s
+    if len(rows) != units:
+        raise ProfileError(f"device {node}'s profile has {len(rows)} units but the model has {units}")
+    grid = compute.batch_sizes
+    largest = max(batches, default=0)
+    if grid[-1] < largest:
+        raise ProfileError(f"device {node} is profiled up to batch size {grid[-1]} but the plan needs micro-batch "
+                           f"{largest:g}: re-profile with --batch-sizes including {largest:g}, or plan a smaller one")
+    xs = np.concatenate(([0.0], np.asarray(grid, dtype=np.float64)))
+    ys = np.vstack([np.zeros((1, units)), np.asarray(rows, dtype=np.float64).T])  # [grid + 1, units]
+    at = np.asarray(batches, dtype=np.float64)
+    out = np.empty((len(at), units))
+    for unit in range(units):
+        out[:, unit] = np.interp(at, xs, ys[:, unit])
+    return out
+
+
+def link_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Bandwidth (inf on the diagonal) and latency between ``nodes``, symmetric: a pair measured both ways uses
+    the slower direction and the longer latency (transfers go both ways). Raises ProfileError naming the pairs
+    without a measurement."""
+    index = {n: i for i, n in enumerate(nodes)}
+    n = len(nodes)
+    bw = np.full((n, n), np.nan)
+    latency = np.zeros((n, n))
+    np.fill_diagonal(bw, np.inf)
+    for link in links:
+        if link.src in index and link.dst in index and link.src != link.dst:
+            i, j = index[link.src], index[link.dst]
+            bw[i, j] = bw[j, i] = np.fmin(bw[i, j], link.bandwidth_bps)
+            latency[i, j] = latency[j, i] = max(latency[i, j], link.latency_s)
+    missing = [(nodes[i], nodes[j]) for i in range(n) for j in range(i + 1, n) if np.isnan(bw[i, j])]
+    if missing:
+        pairs = ", ".join(f"{a}-{b}" for a, b in missing[:5])
+        raise ProfileError(f"no link measurement for {len(missing)} device pair(s) ({pairs}): profile the links "
+                           "between every pair of devices")
+    return bw, latency
+
+
+def static_bytes(weight_bytes: int, buffer_bytes: int, optimizer: Optimizer | None) -> int:
+    """Eq. 3's static part: bytes held whatever the batch. Training (``optimizer`` given): the weights, their
+    gradients, the optimizer's state (OPTIMIZER_STATE_FACTOR times the weights: 0 for SGD, 1 for momentum, 2 for
+    Adam) and the buffers. Inference (None): the weights and the buffers."""
+    if optimizer is None:
+        return weight_bytes + buffer_bytes
+    return (2 + OPTIMIZER_STATE_FACTOR[optimizer]) * weight_bytes + buffer_bytes
