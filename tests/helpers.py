@@ -63,9 +63,9 @@ def stored_weights(store_dir: Path, job_id: str, stages: int, *, optimizer: bool
     """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict (with
     ``optimizer``, the checkpoints' optimizer entries too, as ``opt:<name>:<field>``)."""
     from edgeswarm.checkpoints.store import CheckpointStore
-    from edgeswarm.checkpoints.types import as_torch
     from edgeswarm.training.layout import stage_entry
     from edgeswarm.training.unit_state import model_state
+    from edgeswarm.values.checkpoints import as_torch
 
     store = CheckpointStore(store_dir)
     weights = {}

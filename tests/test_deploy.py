@@ -188,6 +188,9 @@ def test_compose_declares_the_node_stack(compose: dict[str, Any]) -> None:
     for always in (BROKER_SERVICE, "node-agent"):
         assert not services[always].get("profiles"), f"{always} must run on every node, without a profile"
 
+    assert set(app_services(compose)) == set(SERVICES), "compose.yaml must run exactly edgeswarm.services.SERVICES"
+    for name, entry in SERVICES.items():  # the hub profile runs the hub's services, every node the devices'
+        assert (services[name].get("profiles") == [HUB_PROFILE]) == (entry.role == "hub"), f"{name}: profiles"
     for name, svc in app_services(compose).items():
         assert svc.get("command") == ["edgeswarm", "service", name], f"{name}: command"
         assert name in SERVICES, f"compose service {name} is not in edgeswarm.services.SERVICES"

@@ -97,8 +97,8 @@ def huge_batch_plan() -> m.PlanRequest:
 
 def workable_messages() -> list[Message]:
     """Requests a service here can carry out: a stage it can build and run alone, an upload that adds up, a run."""
-    from edgeswarm.profiling.types import ModelSpec
-    from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+    from edgeswarm.values.profiles import ModelSpec
+    from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 
     mlp = ModelSpec(name="mlp", config={"hidden": 8})
     whole = m.StageAssign(job_id="j1", epoch=2, stage=0, rank=0, model=mlp, start=0, end=6, groups=[[SERVICE_NODE]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgeswarm.errors import PlanningError
-from edgeswarm.planning.migration import (
+from edgeswarm.planning.hpp.migration import (
     MigrationError,
     UnitTransfer,
     UnrecoverableError,
@@ -16,7 +16,7 @@ from edgeswarm.planning.migration import (
     plan_migration,
     unit_holders,
 )
-from edgeswarm.planning.types import CommStepPlan, Plan, PlanOptions, StagePlan
+from edgeswarm.planning.hpp.types import CommStepPlan, Plan, PlanOptions, StagePlan
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -271,11 +271,11 @@ def test_invalid_migrations_are_refused() -> None:
 
 def test_light_replan_result_migrates() -> None:
     """Fig. 9 on a synthetic cluster: light_replan after D fails, then the migration of its result."""
-    from edgeswarm.planning.assemble import assemble_plan
-    from edgeswarm.planning.costmodel import CostModel
-    from edgeswarm.planning.replan import light_replan
+    from edgeswarm.planning.hpp.assemble import assemble_plan
+    from edgeswarm.planning.hpp.costmodel import CostModel
+    from edgeswarm.planning.hpp.replan import light_replan
     from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-    from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR
+    from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR
 
     devs = [SyntheticDevice("A", 1.0, 6 * GIB), SyntheticDevice("B", 2.0, 5 * GIB),
             SyntheticDevice("C", 2.0, 5 * GIB), SyntheticDevice("D", 1.0, 4 * GIB)]
@@ -309,9 +309,9 @@ def test_light_replan_result_migrates() -> None:
 def test_every_light_replan_failure_migrates(layout: list[tuple[int, int, tuple[int, ...]]]) -> None:
     """Drop each device in turn (AC-20 style): the migration plus local restores give every new owner its
     units, moving exactly the bytes of (unit, new owner) pairs that held no live state."""
-    from edgeswarm.planning.assemble import assemble_plan
-    from edgeswarm.planning.costmodel import CostModel
-    from edgeswarm.planning.replan import light_replan
+    from edgeswarm.planning.hpp.assemble import assemble_plan
+    from edgeswarm.planning.hpp.costmodel import CostModel
+    from edgeswarm.planning.hpp.replan import light_replan
     from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 
     devs = [SyntheticDevice(name, slow, 6 * GIB) for name, slow in zip("ABCD", (1.0, 2.0, 2.0, 1.0), strict=True)]

@@ -21,7 +21,7 @@ from edgeswarm.models.zoo import (
     model_fingerprint,
     resolved_config,
 )
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.values.profiles import ModelSpec
 
 TINY: dict[str, dict[str, int | float | str | bool]] = {
     "mlp": {"image_size": 8, "hidden": 16},

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edgeswarm.bench.planner import candidate_count
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.values.profiles import ClusterProfile
 from helpers import FAST_ENV
 
 GIB = 1024**3

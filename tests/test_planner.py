@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError, ProfileError
-from edgeswarm.planning.allocation import allocate, memory_caps
-from edgeswarm.planning.asteroid import plan_asteroid, search
-from edgeswarm.planning.baselines import plan_dp, plan_pp, plan_single
-from edgeswarm.planning.compare import compare
-from edgeswarm.planning.costmodel import CostModel, allreduce_s, round_latency, warmup
-from edgeswarm.planning.oracle import exhaustive_search, layout_latency
-from edgeswarm.planning.replan import flops_cuts, light_replan
-from edgeswarm.planning.schedule import analytic_latency
+from edgeswarm.planning.hpp.allocation import allocate, memory_caps
+from edgeswarm.planning.hpp.asteroid import plan_asteroid, search
+from edgeswarm.planning.hpp.baselines import plan_dp, plan_pp, plan_single
+from edgeswarm.planning.hpp.compare import compare
+from edgeswarm.planning.hpp.costmodel import CostModel, allreduce_s, round_latency, warmup
+from edgeswarm.planning.hpp.oracle import exhaustive_search, layout_latency
+from edgeswarm.planning.hpp.replan import flops_cuts, light_replan
+from edgeswarm.planning.hpp.schedule import analytic_latency
+from edgeswarm.planning.hpp.types import PlanOptions
+from edgeswarm.planning.hpp.volume import hdp_volume, hpp_volume
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.planning.types import PlanOptions
-from edgeswarm.planning.volume import hdp_volume, hpp_volume
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile
+from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ClusterProfile
 
 GIB = 1024**3
 MB = 1e6
@@ -235,7 +235,7 @@ def test_light_replan_keeps_order_and_groups() -> None:
     cluster = synthetic_cluster(30, devs, bandwidth_bps=125e6)
     options = PlanOptions(micro_batch_size=32, micro_batches=8)
     cm = CostModel(cluster, options)
-    from edgeswarm.planning.assemble import assemble_plan
+    from edgeswarm.planning.hpp.assemble import assemble_plan
 
     plan = assemble_plan(cm, [(0, 10, (0,)), (10, 20, (1, 2)), (20, 30, (3,))], "hpp")
     new = light_replan(plan, cluster, "D")
@@ -265,7 +265,7 @@ def test_simulated_round_is_never_faster_than_the_plan_predicts() -> None:
     """AC-5 on real plans: without AllReduce, the event simulation of every plan the planners return takes at
     least the predicted round. (With AllReduce the prediction places a late stage's last backward at its
     bubble-free bound, so it can err on the slow side: Eq. 6 is not a bound for T_a.)"""
-    from edgeswarm.planning.schedule import simulate
+    from edgeswarm.planning.hpp.schedule import simulate
 
     rng = np.random.default_rng(3)
     checked = 0
@@ -298,7 +298,7 @@ def test_offloading_stops_when_no_device_has_room() -> None:
 
 
 def test_memory_breakdown_is_eq_3_itemised() -> None:
-    from edgeswarm.planning.memory import memory_breakdown
+    from edgeswarm.planning.hpp.memory import memory_breakdown
 
     cluster = env_c()
     for optimizer, k_opt in (("sgd", 0), ("momentum", 1), ("adam", 2)):
@@ -310,7 +310,7 @@ def test_memory_breakdown_is_eq_3_itemised() -> None:
 
 def test_transformer_structure_at_100_mbps() -> None:
     """AC-10 (Transformer): uniform small activations and large weights give a straight pipeline."""
-    from edgeswarm.planning.compare import plan_best
+    from edgeswarm.planning.hpp.compare import plan_best
 
     nanos = [SyntheticDevice(f"nano-{i}", 5.0, 3 * GIB) for i in range(5)]
     plan = plan_best("hpp", synthetic_cluster(56, nanos, bandwidth_bps=12.5e6, shape="transformer"), 2048)

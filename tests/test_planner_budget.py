@@ -16,31 +16,29 @@ from pydantic import ValidationError
 
 from edgeswarm.errors import PlanningDeadlineError, PlanTooLargeError
 from edgeswarm.messages.planning import PlanRequest, ReplanRequest
-from edgeswarm.planning import asteroid
-from edgeswarm.planning.baselines import plan_pp, plan_single
-from edgeswarm.planning.budget import (
+from edgeswarm.planning.budget import SECONDS_PER_CELL, check_budget, work_cap
+from edgeswarm.planning.deadline import Deadline
+from edgeswarm.planning.hpp import asteroid
+from edgeswarm.planning.hpp.baselines import plan_pp, plan_single
+from edgeswarm.planning.hpp.budget import (
     PRICING_CELLS,
-    SECONDS_PER_CELL,
     TABLE_ROW_CELLS,
-    check_budget,
     estimate_plan,
     estimate_replan,
     light_replan_cells,
     search_cells,
     strategy_cells,
     table_cells,
-    work_cap,
 )
-from edgeswarm.planning.compare import compare, micro_batch_choices, plan_best
-from edgeswarm.planning.costmodel import CostModel
-from edgeswarm.planning.deadline import Deadline
-from edgeswarm.planning.replan import heavy_replan, light_replan
+from edgeswarm.planning.hpp.compare import compare, micro_batch_choices, plan_best
+from edgeswarm.planning.hpp.costmodel import CostModel
+from edgeswarm.planning.hpp.replan import heavy_replan, light_replan
+from edgeswarm.planning.hpp.types import Plan, PlanOptions
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.planning.types import Plan, PlanOptions
-from edgeswarm.profiling import limits
 from edgeswarm.profiling.device import check_batch_sizes
 from edgeswarm.profiling.gather import symmetric_links
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.values import limits
+from edgeswarm.values.profiles import ClusterProfile
 
 GIB = 1024**3
 

@@ -11,7 +11,8 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages import Probe, ProbeReply
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
-from edgeswarm.planning.budget import estimate_plan, work_cap
+from edgeswarm.planning.budget import work_cap
+from edgeswarm.planning.hpp.budget import estimate_plan
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.services.planner.service import MAX_QUEUED
 from edgeswarm.training.driver import JobError

@@ -15,7 +15,7 @@ from edgeswarm.profiling import cache as cache_module
 from edgeswarm.profiling.cache import ProfileCache, restrict
 from edgeswarm.profiling.device import check_batch_sizes, compute_flops
 from edgeswarm.profiling.gather import symmetric_links
-from edgeswarm.profiling.types import ComputeProfile, LinkProfile, ModelProfile, ModelSpec, UnitProfile
+from edgeswarm.values.profiles import ComputeProfile, LinkProfile, ModelProfile, ModelSpec, UnitProfile
 
 MFP = "a1" * 32
 DFP = "host-x86.jetson-nano.10"

@@ -22,7 +22,7 @@ from edgeswarm.profiling.compute import (
     profile_model,
     validate_batch_sizes,
 )
-from edgeswarm.profiling.types import ComputeProfile, ModelSpec
+from edgeswarm.values.profiles import ComputeProfile, ModelSpec
 
 T = TypeVar("T")
 F32 = 4

@@ -19,9 +19,9 @@ from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages import Probe, ProbeReply, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.profiling.gather import gather_cluster_profile
-from edgeswarm.profiling.types import ClusterProfile, ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus
 from edgeswarm.settings import Settings
+from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 from helpers import FAST_ENV, wait_until
 
 TINY_MLP = ModelSpec(name="mlp", config={"image_size": 8, "hidden": 32})

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from edgeswarm.profiling.types import ModelSpec
-from edgeswarm.training.jobs import DatasetSpec
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
 from helpers import assert_same_weights, reference_weights, stored_weights
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 3, "seed": 3})
@@ -29,11 +29,11 @@ WORKER_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "40"}
 
 
 def _cluster_and_plan(spec: ModelSpec = MLP):
-    from edgeswarm.planning.assemble import assemble_plan
-    from edgeswarm.planning.costmodel import CostModel
-    from edgeswarm.planning.types import PlanOptions
+    from edgeswarm.planning.hpp.assemble import assemble_plan
+    from edgeswarm.planning.hpp.costmodel import CostModel
+    from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.profiling.types import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
+    from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     model, compute = profile_model(spec, [1, 8, 32], repeats=1, warmup=0)
     # Proportional times, so the re-planned cuts do not depend on a noisy one-shot profile.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.errors import EdgeswarmError, ScheduleError
-from edgeswarm.planning.render import render_plan_png
-from edgeswarm.planning.schedule import (
+from edgeswarm.planning.hpp.render import render_plan_png
+from edgeswarm.planning.hpp.schedule import (
     Timeline,
     analytic_latency,
     plan_timeline,
@@ -19,7 +19,7 @@ from edgeswarm.planning.schedule import (
     step_lower_bounds,
     warmup_counts,
 )
-from edgeswarm.planning.types import CommStepPlan, Plan, PlanOptions, StagePlan
+from edgeswarm.planning.hpp.types import CommStepPlan, Plan, PlanOptions, StagePlan
 
 # Spec 4.9 / Appendix A: P = 3, steps exec0, comm, exec1, comm, exec2.
 WORKED_EF = [1.0, 0.5, 1.5, 0.5, 1.0]

@@ -37,7 +37,7 @@ from edgeswarm.planning.serve.placement import (
 from edgeswarm.planning.serve.plan import Candidate, plan_serving, price
 from edgeswarm.planning.serve.types import ServeOptions, ServePlan
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.profiling.types import ClusterProfile, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 
 MIB = 2**20
 GIB = 2**30
@@ -339,7 +339,7 @@ def test_eight_devices_by_a_hundred_units_plans() -> None:
 
 def test_plan_serving_on_a_real_zoo_model_profile() -> None:
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.profiling.types import ComputeProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
+    from edgeswarm.values.profiles import ComputeProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     model, compute = profile_model(ModelSpec(name="lenet5"), [1, 8], repeats=1, warmup=0)
     entries = []

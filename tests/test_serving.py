@@ -30,11 +30,11 @@ from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError, InferRequest
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running
 from edgeswarm.serving.client import InferRefusedError, infer, infer_stream
 from edgeswarm.settings import Settings
 from edgeswarm.training.client import JobFollower, JobRequestError, cancel_job, submit_job
+from edgeswarm.values.profiles import ModelSpec
 from helpers import FAST_ENV, wait_until
 
 DEVICES = 3

@@ -22,11 +22,11 @@ from edgeswarm.messages.training import (
     StageTensor,
 )
 from edgeswarm.models.zoo import build_model
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.evaluation import accuracy
-from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
 from edgeswarm.training.unit_state import model_state
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from helpers import stored_weights, wait_until
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
@@ -118,13 +118,13 @@ def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker,
     """The job driver deploys a plan (a 2-device data-parallel stage, then one device) on three stage-workers,
     runs 25 rounds of the teacher task over MQTT, and saves the stages: the loss falls, and the saved model,
     reassembled here, classifies the held-out split far above chance."""
-    from edgeswarm.planning.assemble import assemble_plan
-    from edgeswarm.planning.costmodel import CostModel
-    from edgeswarm.planning.types import PlanOptions
+    from edgeswarm.planning.hpp.assemble import assemble_plan
+    from edgeswarm.planning.hpp.costmodel import CostModel
+    from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.profiling.types import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
     from edgeswarm.training.driver import JobDriver
     from edgeswarm.training.jobs import parse_job
+    from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     store_dir = tmp_path / "checkpoints"
     services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
@@ -162,11 +162,11 @@ def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker,
 
 def _pipeline_plan(nodes: list[str], cut: int, micro_batch: int = 32, micro_batches: int = 2):
     """A 2-stage straight pipeline of MLP over ``nodes`` (one device each), cut before unit ``cut``."""
-    from edgeswarm.planning.assemble import assemble_plan
-    from edgeswarm.planning.costmodel import CostModel
-    from edgeswarm.planning.types import PlanOptions
+    from edgeswarm.planning.hpp.assemble import assemble_plan
+    from edgeswarm.planning.hpp.costmodel import CostModel
+    from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.profiling.types import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
+    from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     model, compute = profile_model(MLP, [1, micro_batch], repeats=1, warmup=0)
     entries = [DeviceProfileEntry(device=DeviceInfo(node=n, fingerprint=n, memory_budget_bytes=2**30), compute=compute)

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from edgeswarm.errors import ConfigError, DataError
 from edgeswarm.models.zoo import build_model, example_input, example_target
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.data import DatasetSpec, open_dataset, round_sample_ids
 from edgeswarm.training.file_data import CIFAR10_MEAN, CIFAR10_STD
+from edgeswarm.values.profiles import ModelSpec
 
 LENET = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})
 MLP = ModelSpec(name="mlp", config={"in_channels": 1, "image_size": 8, "hidden": 64, "num_classes": 10})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.training.jobs import OptimizerSpec, load_job, make_optimizer, parse_job
+from edgeswarm.training.jobs import load_job, make_optimizer, parse_job
+from edgeswarm.values.specs import OptimizerSpec
 
 GOOD = {
     "name": "mnv2-envd",

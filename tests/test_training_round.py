@@ -11,10 +11,10 @@ import torch
 
 from edgeswarm.errors import PlanningError
 from edgeswarm.models.zoo import build_model
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.training.routing import pieces, route_ids, routing_matrix, stage_sample_ids
 from edgeswarm.training.simulated import StageLayout, build_replicas, run_round
 from edgeswarm.training.stage import StageCompute, StageError
+from edgeswarm.values.profiles import ModelSpec
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
 
@@ -119,12 +119,12 @@ def test_stage_refuses_out_of_order_work() -> None:
 def test_a_planned_job_trains_in_process_and_beats_chance(forced: bool) -> None:
     """A plan's layout on three unequal devices (the planner's own, from a real profile, or one with a two-device
     data-parallel front stage) trains the teacher task: the loss falls and held-out accuracy beats chance."""
-    from edgeswarm.planning.asteroid import plan_asteroid
-    from edgeswarm.planning.types import PlanOptions
+    from edgeswarm.planning.hpp.asteroid import plan_asteroid
+    from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.profiling.types import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
     from edgeswarm.training.jobs import parse_job
     from edgeswarm.training.simulated import layout_of, train_in_process
+    from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     spec = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})
     model, compute = profile_model(spec, [1, 8, 32], repeats=1, warmup=0)
@@ -141,8 +141,8 @@ def test_a_planned_job_trains_in_process_and_beats_chance(forced: bool) -> None:
     cluster = ClusterProfile(model=model, devices=entries, links=links)
     options = PlanOptions(micro_batch_size=32, micro_batches=4)
     if forced:
-        from edgeswarm.planning.assemble import assemble_plan
-        from edgeswarm.planning.costmodel import CostModel
+        from edgeswarm.planning.hpp.assemble import assemble_plan
+        from edgeswarm.planning.hpp.costmodel import CostModel
 
         plan = assemble_plan(CostModel(cluster, options), [(0, 5, (0, 1)), (5, len(model.units), (2,))], "hpp")
         assert plan.stages[0].shares[0] > plan.stages[0].shares[1] > 0  # uneven, by speed

@@ -9,8 +9,7 @@ from torch import nn
 
 from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, example_target
-from edgeswarm.profiling.types import ModelSpec
-from edgeswarm.training.jobs import OptimizerSpec, make_optimizer
+from edgeswarm.training.jobs import make_optimizer
 from edgeswarm.training.stage import classification_loss
 from edgeswarm.training.unit_state import (
     StateEntry,
@@ -26,6 +25,8 @@ from edgeswarm.training.unit_state import (
     unit_names,
     unpack_units,
 )
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import OptimizerSpec
 
 LENET = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5, "seed": 1})
 MOBILENET = ModelSpec(name="mobilenetv2", config={"width": 0.25, "image_size": 8, "num_classes": 4, "seed": 2})

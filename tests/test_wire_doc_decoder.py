@@ -35,7 +35,7 @@ from doc_decoder import (
     writer_of,
 )
 from edgeswarm.messages.jobs import ServeProgress
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
 from helpers import FAST_ENV, wait_until
 
@@ -117,8 +117,8 @@ def checkpoint_samples() -> dict[type, Any]:
 
 
 def stage_samples() -> dict[type, Any]:
-    from edgeswarm.profiling.types import ModelSpec
-    from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+    from edgeswarm.values.profiles import ModelSpec
+    from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 
     assign = m.StageAssign(job_id="j1", epoch=2, stage=1, rank=0, model=ModelSpec(name="mlp", config={"hidden": 8}),
                            start=3, end=6, groups=[["a", "b"], ["c"]], shares=[[5, 3], [8]], micro_batches=4,
@@ -183,7 +183,7 @@ def _cluster() -> Any:
 
 
 def _comparison() -> Any:
-    from edgeswarm.planning.compare import compare
+    from edgeswarm.planning.hpp.compare import compare
 
     return compare(_cluster(), 64, micro_batches=4)
 
@@ -241,7 +241,7 @@ def test_a_serving_jobs_state_decodes() -> None:
 
 
 def profiler_samples() -> dict[type, Any]:
-    from edgeswarm.profiling import types as pt
+    from edgeswarm.values import profiles as pt
 
     spec = pt.ModelSpec(name="lenet5", config={"num_classes": 10, "width": 0.5, "stem": "cifar", "batch_norm": True})
     units = [pt.UnitProfile(index=i, name=f"u{i}", ops="Conv2d+ReLU", output_bytes_per_sample=4096 >> i,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from edgeswarm.runtime.metrics import Metrics
-from edgeswarm.runtime.worker import QueueWorker
+from edgeswarm.metrics import Metrics
+from edgeswarm.queue_worker import QueueWorker
 from helpers import wait_until
 
 

@@ -21,11 +21,11 @@ from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
 from edgeswarm.settings import Settings
 from edgeswarm.training.client import JobFollower, submit_job
 from edgeswarm.training.layout import stage_entry
+from edgeswarm.values.profiles import ModelSpec
 from helpers import FAST_ENV, stored_weights, wait_until
 
 DEVICES = 2

@@ -31,7 +31,6 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.checkpoints.ownership import COORDINATOR, JobOwners, owners_of, refusal
 from edgeswarm.checkpoints.store import CheckpointStore
-from edgeswarm.checkpoints.types import sendable
 from edgeswarm.checkpoints.uploads import FailedUpload, Outcome, ReadyUpload, UploadTracker
 from edgeswarm.errors import (
     BusError,
@@ -57,8 +56,9 @@ from edgeswarm.messages.checkpoints import (
     StageVersions,
 )
 from edgeswarm.messages.jobs import JobState
+from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.runtime.service import Service
-from edgeswarm.runtime.worker import QueueWorker
+from edgeswarm.values.checkpoints import sendable
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)

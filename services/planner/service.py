@@ -30,19 +30,15 @@ from edgeswarm.messages.planning import (
     ServePlanReply,
     ServePlanRequest,
 )
-from edgeswarm.planning.budget import (
-    WorkEstimate,
-    check_budget,
-    estimate_plan,
-    estimate_replan,
-    estimate_serve_plan,
-)
-from edgeswarm.planning.compare import compare, plan_best
+from edgeswarm.planning.budget import WorkEstimate, check_budget
 from edgeswarm.planning.deadline import Deadline
-from edgeswarm.planning.replan import heavy_replan, light_replan
+from edgeswarm.planning.hpp.budget import estimate_plan, estimate_replan
+from edgeswarm.planning.hpp.compare import compare, plan_best
+from edgeswarm.planning.hpp.replan import heavy_replan, light_replan
+from edgeswarm.planning.serve.budget import estimate_serve_plan
 from edgeswarm.planning.serve.plan import plan_serving
+from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.runtime.service import Service
-from edgeswarm.runtime.worker import QueueWorker
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from edgeswarm.messages.profiling import ProfileFailureReason
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import run_device_profile
 from edgeswarm.profiling.links import LinkProber
-from edgeswarm.profiling.types import DeviceProfileEntry
+from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.runtime.service import Service
-from edgeswarm.runtime.worker import QueueWorker
+from edgeswarm.values.profiles import DeviceProfileEntry
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)

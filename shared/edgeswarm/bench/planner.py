@@ -19,13 +19,13 @@ from pydantic import BaseModel
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.planning.asteroid import plan_asteroid
-from edgeswarm.planning.compare import compare
+from edgeswarm.planning.hpp.asteroid import plan_asteroid
+from edgeswarm.planning.hpp.compare import compare
+from edgeswarm.planning.hpp.types import PlanOptions
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.planning.types import PlanOptions
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
-from edgeswarm.profiling.types import ClusterProfile, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 
 GIB = 1024**3
 PAPER_PLANNING_S = {213: 480.0, 56: 69.0}

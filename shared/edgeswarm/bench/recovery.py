@@ -23,9 +23,8 @@ from pydantic import BaseModel
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.planning.compare import Comparison
-from edgeswarm.planning.types import Plan
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
 from edgeswarm.settings import Settings
 from edgeswarm.training.detection import Detection
@@ -33,6 +32,7 @@ from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job
 from edgeswarm.training.recovery import RecoveryReport
+from edgeswarm.values.profiles import ModelSpec
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
 KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the round before

@@ -24,11 +24,11 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.profiling.types import ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, wait_for_service
 from edgeswarm.serving.client import infer_stream
 from edgeswarm.settings import Settings
 from edgeswarm.training.client import JobFollower, cancel_job, submit_job
+from edgeswarm.values.profiles import ModelSpec
 
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
 VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}

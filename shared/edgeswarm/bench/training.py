@@ -23,15 +23,15 @@ from pydantic import BaseModel
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.planning.compare import Comparison
-from edgeswarm.planning.schedule import plan_timeline
-from edgeswarm.planning.types import Plan, Strategy
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.schedule import plan_timeline
+from edgeswarm.planning.hpp.types import Plan, Strategy
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
 from edgeswarm.settings import Settings
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job
+from edgeswarm.values.profiles import ModelSpec
 
 STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})

@@ -37,8 +37,8 @@ from edgeswarm.errors import (
 )
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import RequestRejected, Status
-from edgeswarm.runtime.metrics import Metrics
-from edgeswarm.runtime.worker import QueueWorker
+from edgeswarm.metrics import Metrics
+from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.settings import Settings, parse_broker_url
 from edgeswarm.wire import Envelope, Message, Reassembler, Sender, WireTensor, decode, encode, tensor_frames
 from edgeswarm.wire.codec import peek_envelope

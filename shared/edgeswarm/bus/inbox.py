@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable
 
 from edgeswarm.bus.mqtt import InboundMessage
-from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,6 @@ load_checkpoint``; not imported here, because the messages import this package's
 """
 
 from edgeswarm.checkpoints.store import CheckpointStore, read_checkpoint
-from edgeswarm.checkpoints.types import CheckpointInfo, TensorEntry, as_torch
+from edgeswarm.values.checkpoints import CheckpointInfo, TensorEntry, as_torch
 
 __all__ = ["CheckpointInfo", "CheckpointStore", "TensorEntry", "as_torch", "read_checkpoint"]

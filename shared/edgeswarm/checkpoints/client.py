@@ -24,19 +24,6 @@ import numpy as np
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.checkpoints.types import (
-    MAX_TENSORS,
-    CheckpointInfo,
-    TensorEntry,
-    TensorLike,
-    as_wire,
-    check_meta,
-    check_name,
-    check_tensor_name,
-    check_version,
-    sendable,
-    stage_name,
-)
 from edgeswarm.errors import (
     BusError,
     CheckpointCorruptError,
@@ -62,6 +49,19 @@ from edgeswarm.messages.checkpoints import (
     CheckpointTensor,
 )
 from edgeswarm.messages.liveness import RequestRejected
+from edgeswarm.values.checkpoints import (
+    MAX_TENSORS,
+    CheckpointInfo,
+    TensorEntry,
+    TensorLike,
+    as_wire,
+    check_meta,
+    check_name,
+    check_tensor_name,
+    check_version,
+    sendable,
+    stage_name,
+)
 from edgeswarm.wire import Message, WireTensor
 from edgeswarm.wire.schema import new_id
 

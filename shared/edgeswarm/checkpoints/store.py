@@ -57,7 +57,13 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from edgeswarm.checkpoints.types import (
+from edgeswarm.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    CheckpointVersionError,
+)
+from edgeswarm.values.checkpoints import (
     MAX_TENSORS,
     CheckpointInfo,
     MetaValue,
@@ -70,12 +76,6 @@ from edgeswarm.checkpoints.types import (
     check_tensor_name,
     check_version,
     stage_name,
-)
-from edgeswarm.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    CheckpointValueError,
-    CheckpointVersionError,
 )
 from edgeswarm.wire.tensor import raw_bytes, storage_dtype
 

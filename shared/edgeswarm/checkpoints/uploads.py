@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from edgeswarm.checkpoints.types import MetaValue
 from edgeswarm.messages.checkpoints import CheckpointCommit, CheckpointFailureReason, CheckpointTensor
 from edgeswarm.settings import DEFAULT_MAX_OPEN_UPLOADS
+from edgeswarm.values.checkpoints import MetaValue
 from edgeswarm.wire.tensor import WireTensor
 
 T = TypeVar("T")

@@ -126,7 +126,7 @@ def run_bench_training(args: argparse.Namespace) -> int:
     """``edgeswarm bench training``: every strategy trained on each environment; measured against predicted."""
     from edgeswarm.bench.training import DEFAULT_MODEL, run_training_bench
     from edgeswarm.cli.profile import parse_config
-    from edgeswarm.profiling.types import ModelSpec
+    from edgeswarm.values.profiles import ModelSpec
 
     config = parse_config(args.config)
     model = DEFAULT_MODEL if args.model == DEFAULT_MODEL.name and not config else ModelSpec(name=args.model,
@@ -165,7 +165,7 @@ def run_bench_recovery(args: argparse.Namespace) -> int:
     """``edgeswarm bench recovery``: each device dropped in turn, light against heavy recovery."""
     from edgeswarm.bench.recovery import DEFAULT_MODEL, run_recovery_bench
     from edgeswarm.cli.profile import parse_config
-    from edgeswarm.profiling.types import ModelSpec
+    from edgeswarm.values.profiles import ModelSpec
 
     model = ModelSpec(name=args.model, config=parse_config(args.config) or dict(DEFAULT_MODEL.config))
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -252,7 +252,7 @@ def _run_bench_serving_measured(args: argparse.Namespace) -> int:
     import tempfile
 
     from edgeswarm.bench.serving import run_serving_bench
-    from edgeswarm.profiling.types import ModelSpec
+    from edgeswarm.values.profiles import ModelSpec
 
     envs = ["d"] if args.quick else [e.strip() for e in args.envs.split(",") if e.strip()]
     unknown = [e for e in envs if e not in ("a", "b", "c", "d")]

@@ -17,12 +17,12 @@ from edgeswarm.cli.profile import parse_batch_sizes, parse_config
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.planning.compare import Comparison, compare
+from edgeswarm.planning.hpp.compare import Comparison, compare
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.planning.types import Plan
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
-from edgeswarm.profiling.types import ClusterProfile, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
@@ -79,7 +79,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print_comparison(comparison, cluster)
     if args.png:
-        from edgeswarm.planning.render import render_plan_png
+        from edgeswarm.planning.hpp.render import render_plan_png
 
         render_plan_png(comparison.hpp, Path(args.png), title=f"{spec.name} on {len(cluster.devices)} devices")
         err_console.print(f"plan drawn to {args.png}")

@@ -15,11 +15,11 @@ from rich.table import Table
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
-from edgeswarm.planning.memory import memory_breakdown
+from edgeswarm.planning.hpp.memory import memory_breakdown
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
-from edgeswarm.profiling.types import ClusterProfile, DeviceProfileEntry, ModelSpec
 from edgeswarm.settings import Settings
+from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, ModelSpec
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 

@@ -22,7 +22,7 @@ from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import JobEvent, JobState, ServeProgress
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.training.client import JobFollower, cancel_job, job_states, submit_job
@@ -174,7 +174,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
                         title=f"{job.name}: {job.model.name}, {job.strategy}, global batch {job.global_batch}")
         console.print(f"loss curve written to {args.loss_png}")
     if args.timeline_png and isinstance(final.plan, Plan):
-        from edgeswarm.planning.render import render_plan_png
+        from edgeswarm.planning.hpp.render import render_plan_png
 
         render_plan_png(final.plan, Path(args.timeline_png))
         console.print(f"plan and schedule timeline written to {args.timeline_png}")

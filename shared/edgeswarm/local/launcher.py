@@ -27,13 +27,14 @@ from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, start_broker
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
+from edgeswarm.services import services_of
 from edgeswarm.topics import Role
 
 log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
-HUB_SERVICES = ("coordinator", "planner", "checkpoint-store")
-DEVICE_SERVICES = ("node-agent", "profiler", "stage-worker")
+HUB_SERVICES = services_of("hub")
+DEVICE_SERVICES = services_of("device")
 OPERATOR = "operator"  # the client member of a secure local cluster: command lines log in as it
 
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.checkpoints.types import (
+from edgeswarm.values.checkpoints import (
     MAX_TENSOR_NAME,
     MAX_TENSORS,
     MAX_VERSION,

@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgeswarm.planning.hpp.types import Plan, Strategy
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.planning.types import Plan, Strategy
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_SPEC_CHARS = 65536

@@ -2,7 +2,7 @@
 
 Requests go to ``edgeswarm/node/{node}/planner/request``; the planner replies with a PlanReply or a
 PlanFailed. Times are seconds; the plan's ``epoch`` versions a job's plans (a re-plan returns the old
-epoch plus one). Requests are bounded in size by their schemas (edgeswarm.profiling.limits) and in work by
+epoch plus one). Requests are bounded in size by their schemas (edgeswarm.values.limits) and in work by
 the planner's time budget (edgeswarm.planning.budget).
 """
 
@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from edgeswarm.planning.compare import Comparison
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.types import Plan, Strategy
 from edgeswarm.planning.serve.types import ServeOptions, ServePlan
-from edgeswarm.planning.types import Plan, Strategy
-from edgeswarm.profiling.limits import MAX_EPOCH, MAX_GLOBAL_BATCH
-from edgeswarm.profiling.types import ClusterProfile, Optimizer
+from edgeswarm.values.limits import MAX_EPOCH, MAX_GLOBAL_BATCH
+from edgeswarm.values.profiles import ClusterProfile, Optimizer
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 

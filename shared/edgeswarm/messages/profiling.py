@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from edgeswarm.profiling.limits import MAX_BATCH_GRID
-from edgeswarm.profiling.types import DeviceProfileEntry, LinkProfile, ModelProfile, ModelSpec
+from edgeswarm.values.limits import MAX_BATCH_GRID
+from edgeswarm.values.profiles import DeviceProfileEntry, LinkProfile, ModelProfile, ModelSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 ProfileMethod = Literal["calibrated", "measured"]

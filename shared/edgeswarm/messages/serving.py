@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.profiling.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_UNITS
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.values.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_UNITS
+from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_ITEM = 1 << 40  # pipeline item numbers per epoch: far beyond any stream, small enough for every decoder

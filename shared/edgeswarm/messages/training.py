@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.profiling.types import ModelSpec
-from edgeswarm.training.jobs import DatasetSpec, OptimizerSpec
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_GROUPS = 64

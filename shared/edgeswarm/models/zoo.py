@@ -33,7 +33,7 @@ from torch import nn
 
 from edgeswarm.errors import BatchSizeError, ConfigError
 from edgeswarm.models import cnn, mobile, transformer
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.values.profiles import ModelSpec
 
 # Bump whenever an architecture, an initialisation or a default changes: profiles keyed by the old
 # fingerprints then stop matching instead of silently describing a different model.

@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from edgeswarm.profiling.types import (
+from edgeswarm.values.profiles import (
     ClusterProfile,
     ComputeProfile,
     DeviceInfo,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from edgeswarm.errors import ProfileError
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ComputeProfile, LinkProfile, Optimizer
+from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ComputeProfile, LinkProfile, Optimizer
 
 
 def unit_times(compute: ComputeProfile, node: str, fingerprint: str, units: int, batches: Sequence[float], *,

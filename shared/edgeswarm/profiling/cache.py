@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from edgeswarm.profiling.types import ComputeProfile, ModelProfile
+from edgeswarm.values.profiles import ComputeProfile, ModelProfile
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitPro
 from edgeswarm.models.saved import saved_for_backward
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, model_fingerprint
-from edgeswarm.profiling.types import ComputeProfile, ModelProfile, ModelSpec, UnitProfile
+from edgeswarm.values.profiles import ComputeProfile, ModelProfile, ModelSpec, UnitProfile
 
 log = logging.getLogger(__name__)
 

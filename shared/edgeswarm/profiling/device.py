@@ -22,8 +22,8 @@ from typing import Literal
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, ProfileRequestError
 from edgeswarm.profiling.cache import ProfileCache
-from edgeswarm.profiling.limits import MAX_BATCH_GRID, MAX_BATCH_SIZE
-from edgeswarm.profiling.types import ComputeProfile, DeviceInfo, ModelProfile, ModelSpec
+from edgeswarm.values.limits import MAX_BATCH_GRID, MAX_BATCH_SIZE
+from edgeswarm.values.profiles import ComputeProfile, DeviceInfo, ModelProfile, ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from edgeswarm.bus.bus import Expectation
 from edgeswarm.errors import ProfilerError, ProfileTimeoutError, UnknownNodeError
 from edgeswarm.messages import ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.messages.profiling import ProfileMethod
-from edgeswarm.profiling.types import ClusterProfile, LinkProfile, ModelSpec
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids, wait_for_service
 from edgeswarm.settings import Settings
+from edgeswarm.values.profiles import ClusterProfile, LinkProfile, ModelSpec
 from edgeswarm.wire.schema import new_id
 
 PROFILER = "profiler"

@@ -35,7 +35,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import BusError, InvalidMessageError, LinkMeasurementError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import LinkProbe
-from edgeswarm.profiling.types import LinkProfile
+from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.wire.schema import new_id
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus, Inbound
     from edgeswarm.devices.emulation import DeviceProfile
-    from edgeswarm.runtime.metrics import Metrics
+    from edgeswarm.metrics import Metrics
     from edgeswarm.wire import Message
 
 

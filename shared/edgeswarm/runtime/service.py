@@ -28,7 +28,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, DuplicateNodeError, RequestTimeoutError
 from edgeswarm.messages import ClusterEvent, Heartbeat, MetricsReport, Probe, ProbeReply, Status
-from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.metrics import Metrics
 from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 from edgeswarm.wire import Sender

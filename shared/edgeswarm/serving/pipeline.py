@@ -44,10 +44,10 @@ from edgeswarm.messages.serving import (
 from edgeswarm.messages.training import StageFailed
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.profiling.types import ClusterProfile
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.serving.spec import ServeSpec
 from edgeswarm.training.detection import FailureDetector
+from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads.base import JobContext
 
 if TYPE_CHECKING:

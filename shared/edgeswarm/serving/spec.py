@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.planning.serve.types import ServeOptions
-from edgeswarm.profiling.limits import MAX_BATCH_SIZE
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.values.limits import MAX_BATCH_SIZE
+from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire.schema import NAME_PATTERN, Name
 
 

@@ -22,7 +22,7 @@ class ServePipelineWorkload(Workload):
     data_schemas = (InferRequest, ServeTensor)
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
-        return model_problems(spec.model, members, lambda weights, buffers: weights + buffers)
+        return model_problems(spec.model, members, None)
 
     def initial_progress(self, spec: Any) -> ServeProgress:
         return ServeProgress()

@@ -35,8 +35,8 @@ import torch
 
 from edgeswarm.errors import ConfigError, DataError
 from edgeswarm.models.zoo import resolved_config
-from edgeswarm.profiling.types import ModelSpec
-from edgeswarm.training.jobs import DatasetSpec
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from edgeswarm.messages.training import (
     StageStateSent,
     UnitSource,
 )
-from edgeswarm.planning.migration import UnitTransfer, backup_map
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.migration import UnitTransfer, backup_map
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.training.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.layout import save_layout

@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from edgeswarm.planning.schedule import stage_order
+from edgeswarm.planning.hpp.schedule import stage_order
 from edgeswarm.training.routing import Piece, pieces, routing_matrix
 from edgeswarm.training.stage import StageCompute
 

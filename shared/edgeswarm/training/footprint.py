@@ -16,7 +16,8 @@ from torch import nn
 
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ModelSpec, Optimizer
+from edgeswarm.planning.vocabulary import static_bytes
+from edgeswarm.values.profiles import ModelSpec, Optimizer
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class StageFootprint:
     def static_bytes(self, optimizer: Optimizer) -> int:
         """Eq. 3's static part in bytes: weights, their gradients, the optimizer's state (OPTIMIZER_STATE_FACTOR
         times the weights: 0 for SGD, 1 for momentum, 2 for Adam) and the buffers."""
-        return (2 + OPTIMIZER_STATE_FACTOR[optimizer]) * self.weights_bytes + self.buffers_bytes
+        return static_bytes(self.weights_bytes, self.buffers_bytes, optimizer)
 
 
 def module_footprint(module: nn.Module) -> StageFootprint:

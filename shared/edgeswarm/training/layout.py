@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import load_checkpoint, save_checkpoint
-from edgeswarm.checkpoints.types import as_torch
 from edgeswarm.errors import CheckpointError
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.values.checkpoints import as_torch
 
 if TYPE_CHECKING:
     import torch  # only for a load's result: a coordinator saving layouts never imports it

@@ -20,10 +20,9 @@ from edgeswarm.bus import Bus
 from edgeswarm.errors import BusError, EdgeswarmError
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest
 from edgeswarm.messages.training import StageSaved
-from edgeswarm.planning.compare import Comparison
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.profiling.types import ClusterProfile
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.training.detection import Detection, FailureDetector
 from edgeswarm.training.driver import (
@@ -37,6 +36,7 @@ from edgeswarm.training.driver import (
 )
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.recovery import RecoveryReport, grow, recover
+from edgeswarm.values.profiles import ClusterProfile
 
 log = logging.getLogger(__name__)
 

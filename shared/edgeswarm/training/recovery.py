@@ -29,8 +29,8 @@ from pydantic import BaseModel, Field
 
 from edgeswarm.errors import CheckpointError, InfeasiblePlanError
 from edgeswarm.messages.training import CheckpointSource, StageHeld
-from edgeswarm.planning.compare import plan_best
-from edgeswarm.planning.migration import (
+from edgeswarm.planning.hpp.compare import plan_best
+from edgeswarm.planning.hpp.migration import (
     UnitTransfer,
     UnrecoverableError,
     backup_map,
@@ -38,12 +38,12 @@ from edgeswarm.planning.migration import (
     plan_migration,
     unit_holders,
 )
-from edgeswarm.planning.replan import light_replan
-from edgeswarm.planning.types import Plan
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile
+from edgeswarm.planning.hpp.replan import light_replan
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import DeviceLost, JobDriver, JobError
 from edgeswarm.training.layout import load_layout
+from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ClusterProfile
 
 log = logging.getLogger(__name__)
 

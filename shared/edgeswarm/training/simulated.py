@@ -20,8 +20,8 @@ from torch import nn
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model
-from edgeswarm.planning.schedule import warmup_counts
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.schedule import warmup_counts
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.training.data import Dataset, open_dataset, round_sample_ids
 from edgeswarm.training.evaluation import accuracy
 from edgeswarm.training.executor import DeviceIO, GroupSum, Position, Recv, Request, device_round

@@ -8,9 +8,8 @@ from typing import Any, ClassVar
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, StrategyPrediction, TrainProgress
 from edgeswarm.messages.training import StageSaved
-from edgeswarm.planning.compare import Comparison
-from edgeswarm.planning.types import Plan
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec
@@ -102,8 +101,7 @@ class TrainWorkload(Workload):
     exclusive = True
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
-        k = 2 + OPTIMIZER_STATE_FACTOR[spec.optimizer.name]  # weights, gradients, optimizer state
-        return model_problems(spec.model, members, lambda weights, buffers: k * weights + buffers)
+        return model_problems(spec.model, members, spec.optimizer.name)
 
     def initial_progress(self, spec: Any) -> TrainProgress:
         assert isinstance(spec, JobSpec)

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.profiling.types import ModelSpec
+from edgeswarm.planning.vocabulary import static_bytes
+from edgeswarm.values.profiles import ModelSpec, Optimizer
 
 MIB = 1 << 20
 
 
-def model_problems(model: ModelSpec, members: list[NodeView],
-                   need: Callable[[int, int], int]) -> list[str]:
+def model_problems(model: ModelSpec, members: list[NodeView], optimizer: Optimizer | None) -> list[str]:
     """Why ``model`` cannot run: an unknown zoo model or bad config, or (with the nodes whose stage-workers are
-    online, ``members``) more memory than all their budgets together. ``need(weights_bytes, buffers_bytes)`` is the
-    bytes the workload keeps for the whole model whatever its batch (training: weights, gradients, optimizer state;
-    serving: weights and buffers). The model is measured on torch's meta device: nothing is allocated."""
+    online, ``members``) more memory than all their budgets together. The bytes kept whatever the batch are Eq. 3's
+    static part: training (with ``optimizer``) weights, gradients, optimizer state and buffers; serving (None)
+    weights and buffers. The model is measured on torch's meta device: nothing is allocated."""
     import torch
 
     from edgeswarm.models.zoo import build_model
@@ -28,7 +26,7 @@ def model_problems(model: ModelSpec, members: list[NodeView],
     except EdgeswarmError as exc:
         return [f"model: {exc}"]
     online = list(members)
-    needed = need(footprint.weights_bytes, footprint.buffers_bytes)
+    needed = static_bytes(footprint.weights_bytes, footprint.buffers_bytes, optimizer)
     total = sum(m.memory_budget_bytes for m in online)
     if online and needed > total:
         return [f"model: {model.name} needs {needed / MIB:.1f} MiB before any activation, but the {len(online)} "

@@ -13,22 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeswarm.errors import InfeasiblePlanError, ProfileError
-from edgeswarm.profiling.types import ClusterProfile, ComputeProfile
+from edgeswarm.errors import InfeasiblePlanError
+from edgeswarm.planning.vocabulary import link_matrices, static_bytes, unit_times
+from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
-def forward_prefix(compute: ComputeProfile, units: int, batch: int, node: str) -> np.ndarray:
+def forward_prefix(compute: ComputeProfile, units: int, batch: int, node: str, fingerprint: str) -> np.ndarray:
     """Cumulative forward seconds of units [0, l) at ``batch`` samples, l = 0..units."""
-    if len(compute.forward_s) != units:
-        raise ProfileError(f"device {node}'s profile has {len(compute.forward_s)} units but the model has {units}")
-    grid = compute.batch_sizes
-    if grid[-1] < batch:
-        raise ProfileError(f"device {node} is profiled up to batch size {grid[-1]} but the plan needs micro-batch "
-                           f"{batch}: re-profile with --batch-sizes including {batch}, or plan a smaller one")
-    xs = np.concatenate(([0.0], np.asarray(grid, dtype=float)))
-    times = np.asarray(compute.forward_s, dtype=float)  # [unit, grid]
-    per_unit = np.array([np.interp(batch, xs, np.concatenate(([0.0], row))) for row in times])
-    return np.concatenate(([0.0], np.cumsum(per_unit)))
+    return np.concatenate(([0.0], np.cumsum(unit_times(compute, node, fingerprint, units, [batch])[0])))
 
 
 @dataclass(frozen=True)
@@ -84,35 +76,16 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
                                   "some (edgeswarm up --local) or exclude fewer")
     model = cluster.model
     units = model.units
-    for e in entries:
-        if e.compute.model_fingerprint != model.fingerprint:
-            raise ProfileError(f"device {e.device.node} was profiled for model {e.compute.model_fingerprint}, "
-                               f"not {model.fingerprint}: re-profile it for this model")
     nodes = tuple(e.device.node for e in entries)
-    fwd = np.stack([forward_prefix(e.compute, len(units), batch, e.device.node) for e in entries])
-    index = {n: i for i, n in enumerate(nodes)}
-    n = len(nodes)
-    bw = np.full((n, n), np.nan)
-    lat = np.zeros((n, n))
-    np.fill_diagonal(bw, np.inf)
-    for lk in cluster.links:
-        if lk.src in index and lk.dst in index and lk.src != lk.dst:
-            i, j = index[lk.src], index[lk.dst]
-            # Measured both ways: plan with the slower direction and the longer latency.
-            bw[i, j] = bw[j, i] = np.fmin(bw[i, j], lk.bandwidth_bps)
-            lat[i, j] = lat[j, i] = max(lat[i, j], lk.latency_s)
-    missing = [(nodes[i], nodes[j]) for i in range(n) for j in range(i + 1, n) if np.isnan(bw[i, j])]
-    if missing:
-        pairs = ", ".join(f"{a}-{b}" for a, b in missing[:5])
-        raise ProfileError(f"no link measurement for {len(missing)} device pair(s) ({pairs}): profile the links "
-                           f"between every pair of devices")
+    fwd = np.stack([forward_prefix(e.compute, len(units), batch, e.device.node, model.fingerprint) for e in entries])
+    bw, lat = link_matrices(cluster.links, nodes)
     out_b = np.array([u.output_bytes_per_sample for u in units], dtype=np.float64)
     in_b = np.concatenate(([float(model.input_bytes_per_sample)], out_b[:-1]))
     return ServeCosts(
         nodes=nodes,
         budgets=np.array([e.device.memory_budget_bytes for e in entries], dtype=np.float64),
         fwd=fwd, bw=bw, latency=lat, cut_bytes=batch * out_b, input_bytes=batch * model.input_bytes_per_sample,
-        static_prefix=np.concatenate(([0.0], np.cumsum([u.weight_bytes + u.buffer_bytes for u in units],
-                                                      dtype=np.float64))),
+        static_prefix=np.concatenate(([0.0], np.cumsum([static_bytes(u.weight_bytes, u.buffer_bytes, None)
+                                                       for u in units], dtype=np.float64))),
         live=batch * (in_b + out_b), batch=batch, fingerprint=model.fingerprint,
         unit_names=tuple(u.name for u in units))

@@ -31,8 +31,8 @@ from edgeswarm.planning.serve.kpath import ColourCodingKPath, ExactKPath, KPathO
 from edgeswarm.planning.serve.partition import Status, partition_normative
 from edgeswarm.planning.serve.placement import place_greedy, place_kpath
 from edgeswarm.planning.serve.types import ServeOptions, ServePlan, ServeStagePlan
-from edgeswarm.profiling.limits import MAX_DEVICES
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.values.limits import MAX_DEVICES
+from edgeswarm.values.profiles import ClusterProfile
 
 # Cells the exact DP may touch (2^K * K/2 device-subset steps of (L+1)^2 each): about 0.1-0.3 s of numpy.
 EXACT_WORK_CELLS = 4e7

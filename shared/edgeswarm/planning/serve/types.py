@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.profiling.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_ID_CHARS, MAX_UNITS
+from edgeswarm.values.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_ID_CHARS, MAX_UNITS
 from edgeswarm.wire.schema import Name
 
 ServeMethod = Literal["auto", "kpath", "greedy", "optimal"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.assemble import assemble_plan
-from edgeswarm.planning.costmodel import CostModel, warmup
 from edgeswarm.planning.deadline import Deadline, check
-from edgeswarm.planning.types import Plan, PlanOptions
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.planning.hpp.assemble import assemble_plan
+from edgeswarm.planning.hpp.costmodel import CostModel, warmup
+from edgeswarm.planning.hpp.types import Plan, PlanOptions
+from edgeswarm.values.profiles import ClusterProfile
 
 
 def plan_single(cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline | None = None) -> Plan:

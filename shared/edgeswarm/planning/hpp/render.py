@@ -13,8 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from edgeswarm.planning.schedule import Operation, Timeline, plan_timeline
-from edgeswarm.planning.types import CommStepPlan, Plan, StagePlan
+from edgeswarm.planning.hpp.schedule import Operation, Timeline, plan_timeline
+from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "AR": "#55a868"}
 _DPI = 110

@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
-from edgeswarm.planning.assemble import Layout, stage_costs
-from edgeswarm.planning.costmodel import CostModel, round_latency, warmup
+from edgeswarm.planning.hpp.assemble import Layout, stage_costs
+from edgeswarm.planning.hpp.costmodel import CostModel, round_latency, warmup
 
 MAX_LAYOUTS = 200_000
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from edgeswarm.runtime.metrics import Metrics
+from edgeswarm.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Set
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.errors import PlanningError
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.types import Plan
 
 __all__ = [
     "MigrationError",

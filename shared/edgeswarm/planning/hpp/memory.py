@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ModelProfile, Optimizer
+from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ModelProfile, Optimizer
 
 
 class MemoryBreakdown(BaseModel):

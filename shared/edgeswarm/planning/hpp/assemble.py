@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.allocation import allocate, memory_caps
-from edgeswarm.planning.costmodel import CostModel, allreduce_s, round_latency, warmup
-from edgeswarm.planning.types import CommStepPlan, Plan, StagePlan, Strategy, chain_steps
+from edgeswarm.planning.hpp.allocation import allocate, memory_caps
+from edgeswarm.planning.hpp.costmodel import CostModel, allreduce_s, round_latency, warmup
+from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan, Strategy, chain_steps
 
 Layout = list[tuple[int, int, tuple[int, ...]]]
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeswarm.errors import InfeasiblePlanError, PlanningError, ProfileError
-from edgeswarm.planning.types import PlanOptions
-from edgeswarm.profiling.types import OPTIMIZER_STATE_FACTOR, ClusterProfile, ComputeProfile
+from edgeswarm.errors import InfeasiblePlanError, PlanningError
+from edgeswarm.planning.hpp.types import PlanOptions
+from edgeswarm.planning.vocabulary import link_matrices, static_bytes, unit_times
+from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 # Entries of the per-device time tables (devices x (B + 1) x (L + 1)): 2**24 float64 is 128 MiB per table, far
 # beyond a real cluster (32 devices x micro-batch 1024 x 200 units is 6.6 million).
@@ -103,8 +104,7 @@ class CostModel:
         ], dtype=np.int64)
         self.bandwidth = self._bandwidth_matrix(cluster)
         # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
-        k_opt = OPTIMIZER_STATE_FACTOR[options.optimizer]
-        self.static_prefix = _prefix([(2 + k_opt) * u.weight_bytes + u.buffer_bytes for u in units])
+        self.static_prefix = _prefix([static_bytes(u.weight_bytes, u.buffer_bytes, options.optimizer) for u in units])
         self.weight_prefix = _prefix([u.weight_bytes for u in units])
         self.act_fixed_prefix = _prefix([u.activation_bytes_fixed for u in units])
         self.act_sample_prefix = _prefix([u.activation_bytes_per_sample for u in units])
@@ -114,42 +114,12 @@ class CostModel:
     # --- construction ------------------------------------------------------------------------------
 
     def _dense(self, compute: ComputeProfile, node: str, b: int, *, backward: bool = False) -> np.ndarray:
-        if compute.model_fingerprint != self.model.fingerprint:
-            raise ProfileError(f"device {node} was profiled for model {compute.model_fingerprint}, "
-                               f"not {self.model.fingerprint}: re-profile it for this model")
-        rows = compute.backward_s if backward else compute.forward_s
-        if len(rows) != self.L:
-            raise ProfileError(f"device {node}'s profile has {len(rows)} units but the model has {self.L}")
-        grid = compute.batch_sizes
-        if grid[-1] < b:
-            raise ProfileError(
-                f"device {node} is profiled up to batch size {grid[-1]} but the plan needs micro-batch {b}: "
-                f"re-profile with --batch-sizes including {b}, or plan a smaller micro-batch")
-        times = np.asarray(rows, dtype=np.float64).T  # [grid, L]
-        xs = np.concatenate(([0.0], np.asarray(grid, dtype=np.float64)))
-        ys = np.vstack([np.zeros((1, self.L)), times])
-        shares = np.arange(b + 1, dtype=np.float64)
-        dense = np.empty((b + 1, self.L))
-        for unit in range(self.L):
-            dense[:, unit] = np.interp(shares, xs, ys[:, unit])
-        return np.concatenate([np.zeros((b + 1, 1)), np.cumsum(dense, axis=1)], axis=1)
+        """Cumulative seconds of units [0, l) for every share 0..b of a micro-batch: [b + 1, L + 1]."""
+        times = unit_times(compute, node, self.model.fingerprint, self.L, range(b + 1), backward=backward)
+        return np.concatenate([np.zeros((b + 1, 1)), np.cumsum(times, axis=1)], axis=1)
 
     def _bandwidth_matrix(self, cluster: ClusterProfile) -> np.ndarray:
-        nodes = [d.node for d in self.devices]
-        index = {n: i for i, n in enumerate(nodes)}
-        bw = np.full((self.N, self.N), np.nan)
-        np.fill_diagonal(bw, np.inf)
-        for link in cluster.links:
-            if link.src in index and link.dst in index and link.src != link.dst:
-                i, j = index[link.src], index[link.dst]
-                # A pair measured both ways uses the slower direction: transfers go both ways each round.
-                bw[i, j] = bw[j, i] = np.fmin(bw[i, j], link.bandwidth_bps)
-        missing = [(nodes[i], nodes[j]) for i in range(self.N) for j in range(i + 1, self.N) if np.isnan(bw[i, j])]
-        if missing:
-            pairs = ", ".join(f"{a}-{b}" for a, b in missing[:5])
-            raise ProfileError(f"no link measurement for {len(missing)} device pair(s) ({pairs}): "
-                               f"profile the links between every pair of devices")
-        return bw
+        return link_matrices(cluster.links, [d.node for d in self.devices])[0]
 
     # --- queries -----------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from edgeswarm.errors import ScheduleError
-from edgeswarm.planning.costmodel import warmup
-from edgeswarm.planning.types import Plan
+from edgeswarm.planning.hpp.costmodel import warmup
+from edgeswarm.planning.hpp.types import Plan
 
 Pass = Literal["F", "B"]
 OpKind = Literal["F", "B", "AR"]

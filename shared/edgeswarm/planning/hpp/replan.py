@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
-from edgeswarm.planning.assemble import Layout, assemble_plan, stage_costs
-from edgeswarm.planning.compare import plan_best
-from edgeswarm.planning.costmodel import CostModel, warmup
 from edgeswarm.planning.deadline import Deadline, check
-from edgeswarm.planning.types import Plan, Strategy
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.planning.hpp.assemble import Layout, assemble_plan, stage_costs
+from edgeswarm.planning.hpp.compare import plan_best
+from edgeswarm.planning.hpp.costmodel import CostModel, warmup
+from edgeswarm.planning.hpp.types import Plan, Strategy
+from edgeswarm.values.profiles import ClusterProfile
 
 
 def light_replan(plan: Plan, cluster: ClusterProfile, failed: str, *, deadline: Deadline | None = None) -> Plan:

@@ -1,6 +1,6 @@
 """Size caps on what the profiler produces and the planner reads: profiles, plans, plan and re-plan requests.
 
-Every cap lives here so that the schemas (edgeswarm.profiling.types, edgeswarm.planning.types,
+Every cap lives here so that the schemas (edgeswarm.values.profiles, edgeswarm.planning.hpp.types,
 edgeswarm.messages.planning), the profiler's request checks and the planner's work estimate agree. The caps
 bound the *shape* of a request (how many units, devices, rows); how long planning a request of that shape
 takes is bounded separately by the planner's time budget (edgeswarm.planning.budget), because a request can

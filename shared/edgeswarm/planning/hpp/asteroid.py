@@ -10,7 +10,7 @@ Eq. 11): V = max_s V_s (the dominant step's bound) and R = max_s (Ta_s - sum_{i<
 V + R. Prepending a head h and a link c gives
     V' = max(M*E_h, M*E_c + E_h, V + E_h + E_c)    and    R' = max(Ta_h, R - Eb_h - Eb_c).
 All candidates of one (p, a, a') are evaluated at once as an [i, j] matrix; an optional deadline is checked
-before each of these group steps (edgeswarm.planning.budget counts their work in advance).
+before each of these group steps (edgeswarm.planning.hpp.budget counts their work in advance).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.assemble import Layout, assemble_plan, stage_costs
-from edgeswarm.planning.costmodel import CostModel
 from edgeswarm.planning.deadline import Deadline, check
-from edgeswarm.planning.types import Plan, PlanOptions
-from edgeswarm.profiling.types import ClusterProfile
+from edgeswarm.planning.hpp.assemble import Layout, assemble_plan, stage_costs
+from edgeswarm.planning.hpp.costmodel import CostModel
+from edgeswarm.planning.hpp.types import Plan, PlanOptions
+from edgeswarm.values.profiles import ClusterProfile
 
 
 class _Level:

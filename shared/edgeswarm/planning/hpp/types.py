@@ -1,7 +1,7 @@
 """The planner's input options and its output, the plan: pydantic models (JSON, MQTT, CLI).
 
 Times in seconds, sizes in bytes, throughput in samples per second. Plans travel in re-plan requests, replies
-and job states, so their lists are bounded like the profiles they come from (edgeswarm.profiling.limits).
+and job states, so their lists are bounded like the profiles they come from (edgeswarm.values.limits).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.profiling.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_GLOBAL_BATCH, MAX_ID_CHARS, MAX_UNITS
-from edgeswarm.profiling.types import Optimizer
+from edgeswarm.values.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_GLOBAL_BATCH, MAX_ID_CHARS, MAX_UNITS
+from edgeswarm.values.profiles import Optimizer
 from edgeswarm.wire.schema import Name
 
 Strategy = Literal["hpp", "dp", "pp", "single"]

@@ -4,7 +4,7 @@ Units: bytes, seconds, FLOPs, bytes per second. A "unit" is one element of a mod
 (edgeswarm.models.sequence): the planner may cut between any two consecutive units.
 
 Profiles arrive from the network (in plan requests and profile reports), so every list, string and number is
-bounded (edgeswarm.profiling.limits) and every float is finite: a profile that validates is one the planner
+bounded (edgeswarm.values.limits) and every float is finite: a profile that validates is one the planner
 can hold and price.
 """
 
@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.profiling.limits import (
+from edgeswarm.values.limits import (
     MAX_BATCH_GRID,
     MAX_BATCH_SIZE,
     MAX_CONFIG_KEY_CHARS,

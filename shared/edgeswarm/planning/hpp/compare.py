@@ -13,11 +13,11 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from edgeswarm.errors import InfeasiblePlanError, ProfileError
-from edgeswarm.planning.asteroid import plan_asteroid
-from edgeswarm.planning.baselines import plan_dp, plan_pp, plan_single
 from edgeswarm.planning.deadline import Deadline, check
-from edgeswarm.planning.types import Plan, PlanOptions, Strategy
-from edgeswarm.profiling.types import ClusterProfile, Optimizer
+from edgeswarm.planning.hpp.asteroid import plan_asteroid
+from edgeswarm.planning.hpp.baselines import plan_dp, plan_pp, plan_single
+from edgeswarm.planning.hpp.types import Plan, PlanOptions, Strategy
+from edgeswarm.values.profiles import ClusterProfile, Optimizer
 
 
 class Planner(Protocol):

@@ -1,0 +1,83 @@
+"""The library's packages form layers: no cycle between them, and the shared value types sit below everything.
+
+Only imports that run when a module is imported count (those at module level, outside ``if TYPE_CHECKING``);
+an import inside a function is a deliberate late dependency (torch only when a job runs, say)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LIBRARY = Path(__file__).resolve().parents[1] / "shared" / "edgeswarm"
+
+
+def package_of(path: Path) -> str:
+    """The layer of a module: its sub-package under edgeswarm, or the module's own name at the top."""
+    rel = path.relative_to(LIBRARY)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_layers(path: Path) -> set[str]:
+    """The layers ``path`` imports at module level."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "edgeswarm" and len(parts) > 1:
+                out.add(parts[1])
+    return out
+
+
+def layer_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in LIBRARY.rglob("*.py"):
+        if path.name == "__init__.py" and path.parent == LIBRARY:
+            continue
+        layer = package_of(path)
+        graph.setdefault(layer, set()).update(imported_layers(path) - {layer})
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph``, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_package_imports_itself_back_through_another() -> None:
+    found = cycle(layer_graph())
+    assert found is None, "import cycle between packages: " + " -> ".join(found or [])
+
+
+def test_the_value_types_sit_below_everything() -> None:
+    graph = layer_graph()
+    assert graph["values"] <= {"errors", "wire"}, graph["values"]
+    assert graph["messages"] <= {"errors", "wire", "values", "planning"}, graph["messages"]
+    assert graph["planning"] <= {"errors", "values", "wire"}, graph["planning"]
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
