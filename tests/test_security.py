@@ -32,7 +32,7 @@ from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
 from edgeswarm.security.passwords import mosquitto_hash, mosquitto_verify
 from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, JobRequestError, submit_job
+from edgeswarm.training.client import JobFollower, JobRequestError, cancel_job, submit_job
 from edgeswarm.wire import Sender
 from helpers import FAST_ENV, announce, wait_until
 
@@ -187,6 +187,46 @@ def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster
                 save_checkpoint(device, "hub", "guarded", stage, version, {"w": np.zeros(4, np.float32)},
                                 timeout_s=20)
     assert list_checkpoints(operator, "hub", "guarded", timeout_s=10)["guarded"] == kept, "nothing pruned"
+
+
+def test_a_client_serves_a_trained_models_checkpoint_over_tls(cluster: SecureCluster,
+                                                              connect) -> None:  # type: ignore[no-untyped-def]
+    """Serving under the ACL: the hub deploys the stages with the weights a training job saved, the devices send
+    their outputs to the coordinator, the operator's requests and the tensor answers cross TLS."""
+    import torch
+
+    from edgeswarm.models.zoo import build_model, example_input
+    from edgeswarm.serving.client import infer_stream
+    from edgeswarm.training.layout import load_layout, load_stage
+    from edgeswarm.training.unit_state import model_state
+    from edgeswarm.values.profiles import ModelSpec
+
+    operator = connect("operator")
+    announce(operator)  # loading the checkpoint streams it to the operator's data topic
+    trained = JobFollower(operator, "to-serve")
+    submit_job(operator, JOB.replace("name: guarded", "name: to-serve"), submission=trained.submission)
+    assert trained.wait(240).status == "succeeded"
+    served = JobFollower(operator, "serve-trained")
+    submit_job(operator, "kind: serve-pipeline\nname: serve-trained\nmodel: {name: mlp, config: {hidden: 16, "
+                         "layers: 2}}\nweights: {job: to-serve}\nmicro_batch_size: 4\n",
+               submission=served.submission)
+    wait_until(lambda: served.state is not None and served.state.status in ("running", "failed"), 240)
+    assert served.state is not None and served.state.status == "running", served.state
+    assert served.state.serve.weights == "job to-serve version 2"
+    spec = ModelSpec(name="mlp", config={"hidden": 16, "layers": 2})
+    model = build_model(spec).eval()
+    state: dict[str, torch.Tensor] = {}
+    for k in range(len(load_layout(operator, "hub", "to-serve", 2, timeout_s=20))):
+        state.update(model_state(load_stage(operator, "hub", "to-serve", k, 2, timeout_s=20)))
+    model.load_state_dict(state)
+    inputs = [example_input(spec, 3, seed=k) for k in range(6)]
+    report = infer_stream(operator, "serve-trained", inputs, window=3, timeout_s=60)
+    with torch.no_grad():
+        for r in report.results:
+            assert r.outputs is not None, r.error
+            torch.testing.assert_close(r.outputs, model(inputs[r.index]), rtol=1e-5, atol=1e-5)
+    cancel_job(operator, "serve-trained")
+    assert served.wait(60).status == "cancelled"
 
 
 def test_no_secret_reaches_a_log(cluster: SecureCluster) -> None:
