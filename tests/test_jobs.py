@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from edgeswarm.messages.jobs import JobEvent
-from edgeswarm.training.client import JobFollower, JobRequestError, cancel_job, job_states, submit_job
+from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, job_states, submit_job
 from helpers import wait_until
 
 JOB = """

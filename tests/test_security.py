@@ -32,8 +32,8 @@ from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
 from edgeswarm.security.passwords import mosquitto_hash, mosquitto_verify
 from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, JobRequestError, cancel_job, submit_job
 from edgeswarm.wire import Sender
+from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, announce, wait_until
 
 DEVICES = ("tx2-0", "nano-1")

@@ -33,8 +33,8 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running
 from edgeswarm.serving.client import InferRefusedError, infer, infer_stream
 from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, JobRequestError, cancel_job, submit_job
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, wait_until
 
 DEVICES = 3

@@ -23,9 +23,9 @@ from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
 from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, submit_job
 from edgeswarm.training.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, submit_job
 from helpers import FAST_ENV, stored_weights, wait_until
 
 DEVICES = 2

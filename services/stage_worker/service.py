@@ -2,10 +2,11 @@
 
 The service only subscribes, routes and answers what no program takes: each request on its request topic and each
 tensor on its data-plane topic goes to the program registered for the message's schema, and the program routes it
-to the job it names (``runtime.program``). Training (``train_program.TrainingProgram``: StageAssign, RoundStart
-and the rest) is one program; a forward-only serving stage (``edgeswarm.serving.stage.ServeStageProgram``: ServeAssign,
-ServeRelease and ServeTensor) is another; a new workload's is registered by adding it to ``_programs``. A job id
-belongs to one program at a time: a request of one program for a job another program holds is refused.
+to the job it names (``runtime.program``). Each workload's program lives with its workload: training
+(``edgeswarm.training.stage_program.TrainingProgram``: StageAssign, RoundStart and the rest) and forward-only
+serving (``edgeswarm.serving.stage.ServeStageProgram``: ServeAssign, ServeRelease and ServeTensor); a new
+workload's is registered by adding it to ``_programs``. A job id belongs to one program at a time: a request of
+one program for a job another program holds is refused.
 
 Programs share the process's ``ComputeGate`` (building a model holds it alone: torch.fx tracing patches
 ``Module.__call__`` for every thread), and nothing else: rounds of different jobs run at the same time.
@@ -21,8 +22,8 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.runtime.program import ComputeGate, WorkerContext, WorkerProgram
 from edgeswarm.runtime.service import Service
-from edgeswarm.services.stage_worker.train_program import TrainingProgram
 from edgeswarm.serving.stage import ServeStageProgram
+from edgeswarm.training.stage_program import TrainingProgram
 
 log = logging.getLogger(__name__)
 

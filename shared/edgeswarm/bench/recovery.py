@@ -20,13 +20,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-from edgeswarm.settings import Settings
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
@@ -152,22 +151,13 @@ def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, mode
             job = recovery_job(env, victim, mode, model, global_batch=global_batch, micro_batches=micro_batches,
                                rounds=rounds)
             log(f"env {env}: {mode} recovery from losing {victim} during round {kill_round}")
-            with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
-                bus = client_bus(Settings(hub_url=local.hub_url))
+            with asteroid_cluster(env, profile_dir) as (local, bus):
+                watch = _Watch(lambda v=victim, lc=local: _kill_node(lc, v), kill_round)
                 try:
-                    watcher = ClusterWatcher(bus)
-                    watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
-                    missing = wait_for_service(watcher, "stage-worker", nodes, 120)
-                    if missing:
-                        raise EdgeswarmError(f"env {env}: no stage-worker on {', '.join(missing)}")
-                    watch = _Watch(lambda v=victim, lc=local: _kill_node(lc, v), kill_round)
-                    try:
-                        run_job(bus, job, store_node=None, observer=watch)
-                        row = summarize(env, victim, mode, watch)
-                    except EdgeswarmError as exc:
-                        row = RecoveryRun(env=env, victim=victim, mode=mode, error=str(exc))
-                finally:
-                    bus.stop()
+                    run_job(bus, job, store_node=None, observer=watch)
+                    row = summarize(env, victim, mode, watch)
+                except EdgeswarmError as exc:
+                    row = RecoveryRun(env=env, victim=victim, mode=mode, error=str(exc))
             log(f"env {env}: {mode}, {victim}: " + (row.error or (
                 f"detected in {row.detection_s or 0:.2f} s, recovered in {row.recovery_s or 0:.2f} s, "
                 f"{row.moved_bytes or 0} bytes moved, {row.after_round_s or 0:.3f} s per round after")))

@@ -19,16 +19,13 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.bus import Bus
-from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, wait_for_service
 from edgeswarm.serving.client import infer_stream
-from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, cancel_job, submit_job
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
 VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}
@@ -108,25 +105,13 @@ def run_serving_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, micr
     one local cluster per environment; profiles are cached in ``profile_dir``."""
     rows: list[ServeRun] = []
     for env in envs:
-        spec = load_cluster(f"asteroid-env-{env}-100mbps")
-        nodes = [d.id for d in spec.devices]
-        with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
-            bus = client_bus(Settings(hub_url=local.hub_url))
-            try:
-                watcher = ClusterWatcher(bus)
-                watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
-                missing = wait_for_service(watcher, "stage-worker", nodes, 120)
-                if missing or nodes_running(watcher.view()[0], "planner") != ["hub"]:
-                    raise EdgeswarmError(f"env {env}: the cluster did not come up (no stage-worker on "
-                                         f"{', '.join(missing) or '-'}, or no planner)")
-                for variant in variants:
-                    log(f"env {env}: serving {model.name} ({variant})")
-                    try:
-                        rows.append(_serve_variant(bus, env, variant, model, micro_batch=micro_batch,
-                                                   requests=requests, window=window, log=log))
-                    except EdgeswarmError as exc:
-                        log(f"env {env}: {variant} failed: {exc}")
-                        rows.append(ServeRun(env=env, variant=variant, error=str(exc)))
-            finally:
-                bus.stop()
+        with asteroid_cluster(env, profile_dir) as (_local, bus):
+            for variant in variants:
+                log(f"env {env}: serving {model.name} ({variant})")
+                try:
+                    rows.append(_serve_variant(bus, env, variant, model, micro_batch=micro_batch, requests=requests,
+                                               window=window, log=log))
+                except EdgeswarmError as exc:
+                    log(f"env {env}: {variant} failed: {exc}")
+                    rows.append(ServeRun(env=env, variant=variant, error=str(exc)))
     return rows

@@ -20,14 +20,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from edgeswarm.devices.cluster import load_cluster
+from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.schedule import plan_timeline
 from edgeswarm.planning.hpp.types import Plan, Strategy
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-from edgeswarm.settings import Settings
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job
@@ -122,34 +119,23 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
     Mbps), one local cluster per environment; profiles are cached in ``profile_dir``."""
     rows: list[StrategyRun] = []
     for env in envs:
-        spec = load_cluster(f"asteroid-env-{env}-100mbps")
-        nodes = [d.id for d in spec.devices]
-        with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
-            bus = client_bus(Settings(hub_url=local.hub_url))
-            try:
-                watcher = ClusterWatcher(bus)
-                watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
-                missing = wait_for_service(watcher, "stage-worker", nodes, 120)
-                if missing:
-                    raise EdgeswarmError(f"env {env}: no stage-worker on {', '.join(missing)}")
-                for strategy in strategies:
-                    job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
-                                    rounds=rounds)
-                    seen = _Collect()
-                    log(f"env {env}: {strategy}, {rounds} rounds")
-                    try:
-                        run_job(bus, job, store_node=None, observer=seen)
-                    except EdgeswarmError as exc:
-                        log(f"env {env}: {strategy} failed: {exc}")
-                        rows.append(StrategyRun(env=env, strategy=strategy, error=str(exc)))
-                        continue
-                    assert seen.plan is not None
-                    row = summarize(env, strategy, seen.plan, seen.reports)
-                    log(f"env {env}: {strategy}: {row.measured_round_s:.3f} s per round measured, "
-                        f"{row.predicted_round_s:.3f} s predicted, {row.replayed_round_s:.3f} s replayed with the "
-                        f"measured compute ({row.compute_ratio or 0:.2f}x planned), "
-                        f"overhead {1000 * (row.overhead_per_micro_batch_s or 0):.2f} ms per micro-batch")
-                    rows.append(row)
-            finally:
-                bus.stop()
+        with asteroid_cluster(env, profile_dir) as (_local, bus):
+            for strategy in strategies:
+                job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
+                                rounds=rounds)
+                seen = _Collect()
+                log(f"env {env}: {strategy}, {rounds} rounds")
+                try:
+                    run_job(bus, job, store_node=None, observer=seen)
+                except EdgeswarmError as exc:
+                    log(f"env {env}: {strategy} failed: {exc}")
+                    rows.append(StrategyRun(env=env, strategy=strategy, error=str(exc)))
+                    continue
+                assert seen.plan is not None
+                row = summarize(env, strategy, seen.plan, seen.reports)
+                log(f"env {env}: {strategy}: {row.measured_round_s:.3f} s per round measured, "
+                    f"{row.predicted_round_s:.3f} s predicted, {row.replayed_round_s:.3f} s replayed with the "
+                    f"measured compute ({row.compute_ratio or 0:.2f}x planned), "
+                    f"overhead {1000 * (row.overhead_per_micro_batch_s or 0):.2f} ms per micro-batch")
+                rows.append(row)
     return rows

@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import add_hub_arg, hub_url
+from edgeswarm.cli.main import add_hub_arg
 from edgeswarm.cli.plan import print_serve_plan
+from edgeswarm.cli.train import job_bus, read_spec
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import FINISHED, JobEvent, JobState
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.runtime.client import client_bus
-from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, JobRequestError, job_states, submit_job
 from edgeswarm.workloads import parse_spec_text
+from edgeswarm.workloads.client import JobFollower, JobRequestError, job_states, submit_job
 
 if TYPE_CHECKING:
     import torch
@@ -51,22 +50,15 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     q.add_argument("--json", default=None, metavar="FILE", help="write the figures and every answer to FILE")
 
 
-def _bus(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    return client_bus(Settings(hub_url=hub_url(args.hub) or "mqtt://127.0.0.1:1883"))
-
-
 def run_serve(args: argparse.Namespace) -> int:
     path = Path(args.spec)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the serving spec {path}: {exc}") from None
+    text = read_spec(path)
     spec = parse_spec_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
     if spec.kind != "serve-pipeline":  # type: ignore[attr-defined]
         raise ConfigError(f"{path} is a {spec.kind} job: `edgeswarm serve` takes kind: serve-pipeline "  # type: ignore[attr-defined]
                           "(`edgeswarm train` runs training jobs)")
     name = spec.name  # type: ignore[attr-defined]
-    bus = _bus(args)
+    bus = job_bus(args)
     try:
         def on_event(event: JobEvent) -> None:
             console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
@@ -100,7 +92,7 @@ def run_infer(args: argparse.Namespace) -> int:
 
     if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1):
         raise ConfigError("--rows, --window and --count must be at least 1")
-    bus = _bus(args)
+    bus = job_bus(args)
     try:
         state = next((s for s in job_states(bus) if s.job_id == args.job), None)
         if state is None or state.kind != "serve-pipeline":

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from edgeswarm.bus import Bus
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
@@ -25,8 +26,8 @@ from edgeswarm.messages.jobs import JobEvent, JobState, ServeProgress
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
-from edgeswarm.training.client import JobFollower, cancel_job, job_states, submit_job
 from edgeswarm.training.jobs import JobSpec, parse_job_text
+from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
 STRATEGIES = ("hpp", "dp", "pp", "single")
 
@@ -58,16 +59,22 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     add_hub_arg(cancel)
 
 
-def _bus(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def job_bus(args: argparse.Namespace) -> Bus:
+    """A client bus on the hub of ``--hub`` (the jobs commands' connection)."""
     return client_bus(Settings(hub_url=hub_url(args.hub) or "mqtt://127.0.0.1:1883"))
+
+
+def read_spec(path: Path) -> str:
+    """The text of a job spec file. Raises ConfigError when it cannot be read."""
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
 
 
 def run_train(args: argparse.Namespace) -> int:
     path = Path(args.job)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
+    text = read_spec(path)
     job = parse_job_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
     if args.recovery is not None:
         job = job.model_copy(update={"recovery": args.recovery})
@@ -76,7 +83,7 @@ def run_train(args: argparse.Namespace) -> int:
     unknown = [s for s in compare if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"--compare: unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
-    bus = _bus(args)
+    bus = job_bus(args)
     try:
         if not args.wait:
             accepted = submit_job(bus, text)
@@ -199,7 +206,7 @@ def _print_comparison(final: JobState, measured: dict[str, float | None], global
 
 
 def run_jobs(args: argparse.Namespace) -> int:
-    bus = _bus(args)
+    bus = job_bus(args)
     try:
         states = job_states(bus)
     finally:
@@ -245,7 +252,7 @@ def _progress_cells(state: JobState) -> tuple[str, str]:
 
 
 def run_cancel(args: argparse.Namespace) -> int:
-    bus = _bus(args)
+    bus = job_bus(args)
     try:
         accepted = cancel_job(bus, args.job_id)
     finally:

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from edgeswarm.errors import ConfigError
@@ -22,6 +21,7 @@ from edgeswarm.values.limits import MAX_GLOBAL_BATCH
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from edgeswarm.wire.schema import NAME_PATTERN
+from edgeswarm.workloads import field_errors, spec_data
 
 if TYPE_CHECKING:  # torch is imported only to build an optimizer: messages carry these specs
     import torch
@@ -75,19 +75,13 @@ def parse_job(data: Any, *, source: str = "the job spec") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{_field_errors(exc)}") from None
+        raise ConfigError(f"{source} is invalid:\n{field_errors(exc)}") from None
 
 
 def parse_job_text(text: str, *, source: str = "the job spec") -> JobSpec:
     """A JobSpec from the text of a YAML or JSON spec (YAML parses JSON too). Raises ConfigError for bad
     syntax or an invalid spec, listing every invalid field and why."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML or JSON: {exc}") from None
-    except RecursionError:  # PyYAML composes nested collections recursively: "[[[[..." a few thousand deep
-        raise ConfigError(f"{source} nests its collections too deeply to be a job spec") from None
-    return parse_job(data, source=source)
+    return parse_job(spec_data(text, source=source), source=source)
 
 
 def load_job(path: Path) -> JobSpec:
@@ -109,11 +103,3 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) ->
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
     momentum = spec.momentum if spec.name == "momentum" else 0.0
     return torch.optim.SGD(params, lr=spec.lr, momentum=momentum, weight_decay=spec.weight_decay)
-
-
-def _field_errors(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(part) for part in err["loc"]) or "(the whole spec)"
-        lines.append(f"  {where}: {err['msg']}")
-    return "\n".join(lines)

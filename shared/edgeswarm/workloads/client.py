@@ -1,4 +1,4 @@
-"""A client's side of training jobs: submit one to the coordinator, cancel it, list jobs, follow one to its end.
+"""A client's side of jobs of every kind: submit one to the coordinator, cancel it, list jobs, follow one.
 
 (The bus has no unsubscribe: these are for short-lived clients such as the CLI.)"""
 

@@ -54,7 +54,7 @@ from edgeswarm.messages.training import (
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.outbox import Outbox
 from edgeswarm.runtime.program import WorkerContext
-from edgeswarm.services.stage_worker.held import HeldState, StateMissing, UnitStates
+from edgeswarm.training.held import HeldState, StateMissing, UnitStates
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
