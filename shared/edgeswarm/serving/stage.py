@@ -66,6 +66,8 @@ class _Stage:
     exchange: TensorExchange[ServeKey]
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    items: int = 0
+    compute_s: float = 0.0  # seconds in the forward pass (the device's emulated time included)
 
     @property
     def last(self) -> bool:
@@ -79,6 +81,10 @@ class _Stage:
     def close(self) -> None:
         self.stop.set()
         self.exchange.close(timeout_s=1.0)
+        if self.items:
+            log.info("serving job %s epoch %d: stage %d computed %d items, %.1f ms each, and waited %.1f s for them",
+                     self.spec.job_id, self.spec.epoch, self.spec.stage, self.items, 1000 * self.compute_s / self.items,
+                     self.exchange.blocked_s)
 
 
 class ServeStageProgram:
@@ -220,8 +226,11 @@ class ServeStageProgram:
                 _limited.log(logging.ERROR, "serve_wait", "serving job %s: %s", spec.job_id, exc)
                 return
             try:
+                started = time.perf_counter()
                 with self.ctx.gate.computing(), torch.inference_mode():
                     out = self.ctx.device.run(lambda x=x: stage.module(x))
+                stage.compute_s += time.perf_counter() - started
+                stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
                                                                   stage=spec.stage + 1), out)
             except Exception as exc:  # noqa: BLE001 - the coordinator replays the item; the stage goes on
