@@ -2,10 +2,11 @@
 
 The job profiles the online stage-workers for its model at its micro-batch size, asks the planner service for a
 ServePlan and deploys each stage (ServeAssign). From then on it takes InferRequest frames on the coordinator's
-data topic: each is checked (dtype, sample shape, rows) and queued, at most ``spec.queue`` of them (a request
-beyond is answered ``busy``). A dispatcher batches queued requests into pipeline items of at most
-``micro_batch_size`` samples and sends each to the first stage, with at most ``spec.window`` items in the pipeline:
-a full window holds requests in the queue, so memory never grows with the load. The last stage sends each item's
+data topic: each is checked (dtype, sample shape, rows) and queued, at most ``spec.queue`` of them and
+MAX_QUEUED_BYTES of inputs (a request beyond is answered ``busy``). A dispatcher batches queued requests into
+pipeline items of at most ``micro_batch_size`` samples and sends each to the first stage, with at most
+``spec.window`` items in the pipeline: a full window holds requests in the queue, so memory never grows with the
+load. The last stage sends each item's
 outputs back; they are split per request and answered on each caller's reply topic (InferReply frames).
 
 Exactly once: an item stays in flight until its outputs come back from the last stage of the current plan epoch;
@@ -61,6 +62,7 @@ STALL_S = 30.0  # an item in flight this long with no device confirmed lost: re-
 PUBLISH_EVERY_S = 1.0  # how often the job's state is published while it serves
 RECENT = 2048  # answers the latency percentiles and the throughput are measured over
 THROUGHPUT_WINDOW_S = 10.0
+MAX_QUEUED_BYTES = 256 << 20  # inputs waiting for the window, whatever the spec's queue says: beyond, ``busy``
 
 
 @dataclass
@@ -108,6 +110,7 @@ class PipelineRunner:
         self.input_shape = tuple(sample.shape[1:])
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
+        self._queued_bytes = 0
         self._inflight: OrderedDict[int, _Item] = OrderedDict()
         self._next_item = 0
         self._epoch = 0
@@ -212,6 +215,7 @@ class PipelineRunner:
             plan = self._plan
             requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
             self._queue.clear()
+            self._queued_bytes = 0
             self._inflight.clear()
             self._changed.notify_all()
         for request in requests:
@@ -306,14 +310,17 @@ class PipelineRunner:
             return
         assert msg.tensor is not None
         request = _Request(msg, body.request_id, msg.tensor.to_torch(), time.monotonic())
+        nbytes = _nbytes(request.inputs)
         with self._changed:
             if not self._accepting:
                 reason: tuple[InferErrorReason, str] | None = (
                     "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
-            elif len(self._queue) >= self.spec.queue:
-                reason = ("busy", f"job {self.spec.name} has {self.spec.queue} requests waiting; send again later")
+            elif len(self._queue) >= self.spec.queue or self._queued_bytes + nbytes > MAX_QUEUED_BYTES:
+                reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests ({self._queued_bytes} "
+                                  "bytes) waiting; send again later")
             else:
                 reason = None
+                self._queued_bytes += nbytes
                 self._queue.append(request)
                 self._changed.notify_all()
         if reason is not None:
@@ -348,6 +355,7 @@ class PipelineRunner:
                 requests, rows = [], 0
                 while self._queue and rows + self._queue[0].inputs.shape[0] <= self.spec.micro_batch_size:
                     request = self._queue.popleft()
+                    self._queued_bytes -= _nbytes(request.inputs)
                     requests.append(request)
                     rows += int(request.inputs.shape[0])
                 item = _Item(requests, torch.cat([r.inputs for r in requests]))
@@ -437,6 +445,10 @@ class PipelineRunner:
                     "reconfigurations": s.reconfigurations,
                     "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
                     "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.numel() * tensor.element_size())
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -35,7 +35,7 @@ class ServeSpec(BaseModel):
     weights: WeightsSpec | None = None
     micro_batch_size: int = Field(default=4, ge=1, le=MAX_BATCH_SIZE)
     window: int = Field(default=8, ge=1, le=256)
-    queue: int = Field(default=256, ge=1, le=65536)
+    queue: int = Field(default=256, ge=1, le=4096)
     planner: ServeOptions = ServeOptions()
 
     def options(self) -> ServeOptions:

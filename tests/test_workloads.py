@@ -1,0 +1,65 @@
+"""Job kinds: the registry parses each kind's spec, refuses what cannot run with every problem, and a job state
+is the common fields plus its kind's progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.errors import ConfigError
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.jobs import JobState, ServeProgress, TrainProgress
+from edgeswarm.models.zoo import build_model
+from edgeswarm.serving.spec import ServeSpec
+from edgeswarm.training.jobs import JobSpec
+from edgeswarm.workloads import KINDS, parse_spec_text, workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_every_example_parses_as_its_kind() -> None:
+    kinds = {}
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        spec = parse_spec_text(path.read_text(), source=str(path))
+        kinds[path.name] = type(spec)
+    assert kinds == {"mobilenetv2-env-d.yaml": JobSpec, "serve-mobilenetv2.yaml": ServeSpec}
+
+
+def test_a_spec_without_kind_is_training_and_an_unknown_kind_names_the_kinds() -> None:
+    spec = parse_spec_text("name: t\nmodel: {name: mlp}\ndata: {kind: teacher}\nrounds: 1\n")
+    assert isinstance(spec, JobSpec) and spec.kind == "train"
+    with pytest.raises(ConfigError, match="unknown job kind 'galaxy'; the kinds are: serve-pipeline, train"):
+        parse_spec_text("kind: galaxy\nname: g\n")
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        parse_spec_text("kind: serve-pipeline\nname: s\nmodel: {name: mlp}\nmicro_batch_size: 0\n")
+
+
+def test_each_kind_checks_its_model_and_its_fit() -> None:
+    node = NodeView(node="pi-1", state="online", device_class="rpi4", memory_budget_bytes=1 << 20,
+                    free_memory_bytes=1 << 20, services=())
+    serve = parse_spec_text("kind: serve-pipeline\nname: s\nmodel: {name: mlp, config: {hidden: 1024}}\n")
+    problems = workload("serve-pipeline").problems(serve, [node])
+    assert len(problems) == 1 and "fits nowhere" in problems[0] and "1.0 MiB" in problems[0]
+    assert workload("serve-pipeline").problems(serve, []) == []  # no devices known yet: nothing to compare
+    unknown = parse_spec_text("kind: serve-pipeline\nname: s\nmodel: {name: resnet9000}\n")
+    assert "unknown model 'resnet9000'" in workload("serve-pipeline").problems(unknown, [])[0]
+    train = parse_spec_text("name: t\nmodel: {name: mlp, config: {hidden: 128}}\ndata: {kind: teacher}\n"
+                            "rounds: 1\noptimizer: {name: adam}\n")
+    # Adam keeps two states per weight beside the weight and its gradient: 4x the weights, not 1x.
+    weights = sum(p.numel() * 4 for p in build_model(train.model).parameters())
+    tight = node.model_copy(update={"memory_budget_bytes": 2 * weights})
+    assert workload("serve-pipeline").problems(serve.model_copy(update={"model": train.model}), [tight]) == []
+    assert "fits nowhere" in workload("train").problems(train, [tight])[0]
+
+
+def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
+    state = JobState(job_id="s", kind="serve-pipeline", status="running", model="mlp",
+                     progress=ServeProgress(answered=3), submitted_at=0.0, updated_at=0.0)
+    assert state.serve.answered == 3
+    with pytest.raises(TypeError, match="not a training job"):
+        _ = state.train
+    train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
+                                                  updated_at=0.0).model_dump_json())
+    assert isinstance(train.progress, TrainProgress) and train.kind == "train"
+    assert set(KINDS) == {"train", "serve-pipeline"}
