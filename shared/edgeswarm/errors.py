@@ -289,3 +289,7 @@ class JobError(EdgeswarmError):
 
 class JobCancelled(JobError):
     """The job was cancelled."""
+
+
+class MemoryBudgetError(JobError):
+    """A worker's stage needs more memory than its device's budget; the message gives both."""

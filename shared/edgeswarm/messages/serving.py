@@ -70,7 +70,7 @@ class ServeReady(Message):
 
 @schema("edgeswarm.serve.release", 1)
 class ServeRelease(Message):
-    """Command to a stage-worker (answered ServeReady-free: no answer): drop serving job ``job_id``'s stage."""
+    """Command to a stage-worker, not answered: drop serving job ``job_id``'s stage."""
 
     job_id: Name
 

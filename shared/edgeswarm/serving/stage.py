@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
 from edgeswarm.messages.training import StageFailed
@@ -36,10 +36,6 @@ _limited = RateLimitedLog(log)
 MIB = 1 << 20
 MAX_PENDING = 64  # items a stage holds beyond the one it computes (the coordinator's window is far smaller)
 IDLE_WAIT_S = 1.0  # how often an idle stage looks whether it was released
-
-
-class MemoryBudgetError(EdgeswarmError):
-    """The stage's weights and buffers exceed the device's memory budget."""
 
 
 class ServeKey(NamedTuple):

@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from edgeswarm.bus import Inbound
-from edgeswarm.errors import CheckpointTransferError, EdgeswarmError
+from edgeswarm.errors import CheckpointTransferError, EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.training import (
     HeldBackup,
@@ -63,10 +63,6 @@ _limited = RateLimitedLog(log)
 REUSE_WAIT_S = 5.0  # how long a restore waits for an aborted round to leave the stage it would reuse
 MAX_JOBS = 8  # stages of different jobs held at once; past it, the one idle longest gives way to a new job
 MIB = 1 << 20
-
-
-class MemoryBudgetError(EdgeswarmError):
-    """The stage needs more memory than the device's budget."""
 
 
 class RestoreError(EdgeswarmError):

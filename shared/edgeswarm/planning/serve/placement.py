@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,24 +83,19 @@ def place_kpath(transfers: Sequence[float], classes: Sequence[int], n_classes: i
     return Placement(Status.OK, placed, bottleneck(transfers, placed, bw))
 
 
-def place_greedy(transfers: Sequence[float], bw: np.ndarray, nodes: Sequence[int] | None = None) -> Placement:
-    """Greedy joint baseline (spec 3.2): from every start node chain to the free node with the best link
-    (ties: lowest id); keep the chain with the smallest beta (ties: the earlier start)."""
-    q = len(transfers) + 1
-    pool = sorted(range(bw.shape[0]) if nodes is None else nodes)
+def _trivial(q: int, pool: list[int]) -> Placement | None:
+    """The placement of ``q`` partitions that needs no search: a single partition, or more than the nodes."""
     if q == 1:
         return Placement(Status.SINGLE_PARTITION, (pool[0],), 0.0)
     if q > len(pool):
         return Placement(Status.NO_MATCHING)
+    return None
+
+
+def _smallest_beta(paths: Iterable[Sequence[int]], transfers: Sequence[float], bw: np.ndarray) -> Placement:
+    """The path of ``paths`` with the smallest beta (ties: the earliest)."""
     best: Placement | None = None
-    for u0 in pool:
-        path = [u0]
-        free = [v for v in pool if v != u0]
-        for _ in range(q - 1):
-            last = path[-1]
-            nxt = max(free, key=lambda v: (bw[last, v], -v))
-            path.append(nxt)
-            free.remove(nxt)
+    for path in paths:
         beta = bottleneck(transfers, path, bw)
         if best is None or beta < best.beta:
             best = Placement(Status.OK, tuple(path), beta)
@@ -108,22 +103,31 @@ def place_greedy(transfers: Sequence[float], bw: np.ndarray, nodes: Sequence[int
     return best
 
 
+def place_greedy(transfers: Sequence[float], bw: np.ndarray, nodes: Sequence[int] | None = None) -> Placement:
+    """Greedy joint baseline (spec 3.2): from every start node chain to the free node with the best link
+    (ties: lowest id); keep the chain with the smallest beta (ties: the earlier start)."""
+    q = len(transfers) + 1
+    pool = sorted(range(bw.shape[0]) if nodes is None else nodes)
+
+    def chain(u0: int) -> list[int]:
+        path = [u0]
+        free = [v for v in pool if v != u0]
+        for _ in range(q - 1):
+            last = path[-1]
+            nxt = max(free, key=lambda v: (bw[last, v], -v))
+            path.append(nxt)
+            free.remove(nxt)
+        return path
+
+    return _trivial(q, pool) or _smallest_beta((chain(u0) for u0 in pool), transfers, bw)
+
+
 def place_optimal(transfers: Sequence[float], bw: np.ndarray, nodes: Sequence[int] | None = None) -> Placement:
     """The true optimum for a fixed partition: every injective placement (small n and q only); ties: the
     lexicographically smallest node sequence."""
     q = len(transfers) + 1
     pool = sorted(range(bw.shape[0]) if nodes is None else nodes)
-    if q == 1:
-        return Placement(Status.SINGLE_PARTITION, (pool[0],), 0.0)
-    if q > len(pool):
-        return Placement(Status.NO_MATCHING)
-    best: Placement | None = None
-    for perm in itertools.permutations(pool, q):
-        beta = bottleneck(transfers, perm, bw)
-        if best is None or beta < best.beta:
-            best = Placement(Status.OK, tuple(perm), beta)
-    assert best is not None
-    return best
+    return _trivial(q, pool) or _smallest_beta(itertools.permutations(pool, q), transfers, bw)
 
 
 def joint_optimum(transfers_all: Sequence[float], fits: FitsFn, m: int, bw: np.ndarray,
