@@ -185,13 +185,17 @@ class JobManager:
 
     # --- running -----------------------------------------------------------------------------------
 
-    def _start(self, name: str) -> None:
-        if workload(self._states[name].kind).exclusive:
+    def _start(self, name: str, previous: JobState | None = None) -> None:
+        """Run an exclusive job on the job thread: a new one after those queued, one taken over (``previous``) at
+        once (the job thread calls this then, before it takes the queue); any other job on a thread of its own."""
+        if not workload(self._states[name].kind).exclusive:
+            thread = threading.Thread(target=self._run, args=(name, previous), name=f"job-{name}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        elif previous is None:
             self._queue.put(name)
-            return
-        thread = threading.Thread(target=self._run, args=(name,), name=f"job-{name}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        else:
+            self._run(name, previous)
 
     def _work(self) -> None:
         self._stopping.wait(RETAINED_SETTLE_S)
@@ -212,12 +216,7 @@ class JobManager:
             log.info("job %s: taking it over from an earlier coordinator", state.job_id)
             with self._lock:
                 self._specs[state.job_id] = spec
-            if workload(state.kind).exclusive:
-                self._run(state.job_id, previous=state)
-            else:
-                thread = threading.Thread(target=self._run, args=(state.job_id, state), daemon=True)
-                self._threads.append(thread)
-                thread.start()
+            self._start(state.job_id, previous=state)
         while (name := self._queue.get()) is not STOP:
             assert name is not None
             self._run(name)

@@ -11,7 +11,6 @@ prediction, the per-request latency percentiles, and each variant's throughput o
 from __future__ import annotations
 
 import json
-import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -83,11 +82,11 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
         failed = [r for r in report.results if r.outputs is None]
         if failed:
             return ServeRun(env=env, variant=variant, error=f"{len(failed)} requests failed: {failed[0].error}")
-        latencies = sorted(r.latency_s for r in report.results)
+        latency = report.latency_s()
+        assert latency is not None  # every request was answered
         row = ServeRun(env=env, variant=variant, stages=len(plan.stages), devices=plan.devices,
                        bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s,
-                       measured_per_s=report.samples / report.wall_s, p50_s=statistics.median(latencies),
-                       p99_s=latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)],
+                       measured_per_s=report.samples / report.wall_s, p50_s=latency[0], p99_s=latency[1],
                        requests=len(report.results), replayed=sum(r.replayed for r in report.results))
         log(f"env {env}: {variant}: {row.stages} stages on {', '.join(row.devices)}: {row.measured_per_s:.1f} "
             f"samples/s measured, {row.predicted_per_s:.1f} predicted ({row.ratio or 0:.2f}x); p50 "

@@ -333,20 +333,28 @@ class Bus:
 
     def reply(self, request: Inbound, message: Message) -> None:
         """Answer ``request`` on its ``reply_to`` topic with its correlation id."""
+        target = self._reply_target(request)
+        if target is not None:
+            reply_to, correlation_id, ttl = target
+            self.publish(reply_to, message, correlation_id=correlation_id, ttl_s=ttl)
+
+    def _reply_target(self, request: Inbound) -> tuple[str, str, float | None] | None:
+        """Where and how to answer ``request``: its reply address, the correlation id and the seconds the answer
+        lives (as long as the request had left). None, counted and logged, when it names no reply topic of the
+        requester's own node: a reply never goes to a job state, say."""
         env = request.envelope
         if not env.reply_to:
             self.metrics.count("rejected.no_reply_to")
             self._reject_log.warning("no_reply_to", "cannot answer %s from %s: it has no reply_to", env.schema_name,
                                      request.sender)
-            return
+            return None
         if topics.reply_owner(env.reply_to) != env.sender_node:
-            # A reply goes only to a reply topic of the requester's own node: never to a job state, say.
             self.metrics.count("rejected.bad_reply_to")
             self._reject_log.warning("bad_reply_to", "not answering %s from %s: reply_to %r is not a reply topic of "
                                      "its node", env.schema_name, request.sender, env.reply_to[:256])
-            return
+            return None
         ttl = None if env.expires_at is None else max(1.0, env.expires_at - time.time())
-        self.publish(env.reply_to, message, correlation_id=env.correlation_id or env.msg_id, ttl_s=ttl)
+        return env.reply_to, env.correlation_id or env.msg_id, ttl
 
     # --- data plane ---------------------------------------------------------------------------------
 
@@ -380,18 +388,13 @@ class Bus:
         """Answer ``request`` with ``message`` and the tensor ``value`` on its ``reply_to`` topic (on the hub
         broker, where the requester listens), in chunks; returns bytes sent, 0 when the request named no reply
         topic of its own node (counted and logged, as ``reply`` does)."""
-        env = request.envelope
-        if not env.reply_to or topics.reply_owner(env.reply_to) != env.sender_node:
-            self.metrics.count("rejected.bad_reply_to")
-            self._reject_log.warning("bad_reply_to", "not answering %s from %s with a tensor: reply_to %r is not a "
-                                     "reply topic of its node", env.schema_name, request.sender,
-                                     (env.reply_to or "")[:256])
+        target = self._reply_target(request)
+        if target is None:
             return 0
-        ttl = None if env.expires_at is None else max(1.0, env.expires_at - time.time())
-        reply_env = self.sender.envelope(message, ttl_s=ttl, correlation_id=env.correlation_id or env.msg_id)
-        topic = topics.from_sender(env.reply_to, self.sender.node)
-        return self._publish_frames(self.hub, topic, reply_env, message, value,
-                                    self.settings.publish_timeout_s, None)
+        reply_to, correlation_id, ttl = target
+        reply_env = self.sender.envelope(message, ttl_s=ttl, correlation_id=correlation_id)
+        return self._publish_frames(self.hub, topics.from_sender(reply_to, self.sender.node), reply_env, message,
+                                    value, self.settings.publish_timeout_s, None)
 
     def _publish_frames(self, conn: MqttConnection, topic: str, env: Envelope, message: Message, value: Any,
                         timeout: float, link: ShapedLink | None) -> int:

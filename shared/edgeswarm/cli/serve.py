@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -144,10 +143,9 @@ def _print_report(args: argparse.Namespace, report: StreamReport) -> None:
         if r.outputs is None:
             errors[r.reason or "failed"] = errors.get(r.reason or "failed", 0) + 1
             err_console.print(f"request {r.index}: {r.reason}: {escape(r.error or '')}")
-    latencies = sorted(r.latency_s for r in answered)
-    if latencies:
-        p50 = statistics.median(latencies)
-        p99 = latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)]
+    latency = report.latency_s()
+    if latency is not None:
+        p50, p99 = latency
         console.print(f"{len(answered)}/{len(report.results)} requests answered, {report.samples} samples in "
                       f"{report.wall_s:.2f} s: [bold]{report.samples / report.wall_s:.1f} samples/s[/bold]; latency "
                       f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")

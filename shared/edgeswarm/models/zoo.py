@@ -33,6 +33,7 @@ from torch import nn
 
 from edgeswarm.errors import BatchSizeError, ConfigError
 from edgeswarm.models import cnn, mobile, transformer
+from edgeswarm.models.sequence import LayerSequence
 from edgeswarm.values.profiles import ModelSpec
 
 # Bump whenever an architecture, an initialisation or a default changes: profiles keyed by the old
@@ -210,6 +211,20 @@ def example_input(spec: ModelSpec, batch_size: int, seed: int = 0) -> torch.Tens
     gen = torch.Generator().manual_seed(seed)
     side = int(cfg["image_size"])
     return torch.randn((batch_size, int(cfg["in_channels"]), side, side), generator=gen, dtype=torch.float32)
+
+
+def example_stage_input(spec: ModelSpec, sequence: LayerSequence, start: int, batch_size: int) -> torch.Tensor:
+    """``example_input`` as it enters unit ``start`` of ``sequence`` (the model's layer sequence): run through units
+    [0, start) without gradients, in evaluation mode so BatchNorm statistics stay untouched (the units' training
+    flags are restored after)."""
+    x = example_input(spec, batch_size)
+    if start > 0:
+        before = sequence.build_stage(0, start)
+        with torch.no_grad():
+            before.eval()
+            x = before(x)
+            before.train()
+    return x
 
 
 def example_target(spec: ModelSpec, batch_size: int, seed: int = 0) -> torch.Tensor:

@@ -6,6 +6,7 @@ coordinator's data topic with ``reply_to`` and a correlation id, answered on tha
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from edgeswarm.bus import Bus, Expectation
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError, InferReply, InferRequest
+from edgeswarm.serving.stats import percentile
 from edgeswarm.wire.schema import new_id
 
 if TYPE_CHECKING:
@@ -67,6 +69,13 @@ class StreamReport:
     @property
     def samples(self) -> int:
         return sum(int(r.outputs.shape[0]) for r in self.answered if r.outputs is not None)
+
+    def latency_s(self) -> tuple[float, float] | None:
+        """The answered requests' round trips in seconds: the median and the 99th percentile (nearest rank); None
+        when none was answered."""
+        latencies = sorted(r.latency_s for r in self.answered)
+        p99 = percentile(latencies, 0.99)
+        return None if p99 is None else (statistics.median(latencies), p99)
 
 
 @dataclass

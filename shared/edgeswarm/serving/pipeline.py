@@ -47,6 +47,7 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.serving.spec import ServeSpec
+from edgeswarm.serving.stats import percentile
 from edgeswarm.training.detection import FailureDetector
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads.base import JobContext
@@ -424,13 +425,13 @@ class PipelineRunner:
             log.debug("could not answer a refused request: %s", exc)
 
     def _stalled(self) -> bool:
-        """Whether the oldest item in flight has waited past STALL_S for its outputs."""
+        """Whether the oldest item in flight has waited past STALL_S (beyond the plan's latency) for its outputs."""
         with self._changed:
             if self._plan is None or not self._inflight:
                 return False
             oldest = next(iter(self._inflight.values()))
-            return time.monotonic() - min(r.arrived for r in oldest.requests) > STALL_S + \
-                (self._plan.latency_s if self._plan else 0.0)
+            waited = time.monotonic() - min(r.arrived for r in oldest.requests)
+            return waited > STALL_S + self._plan.latency_s
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""
@@ -444,18 +445,11 @@ class PipelineRunner:
                     "in_flight": len(self._inflight), "queued": len(self._queue),
                     "reconfigurations": s.reconfigurations,
                     "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
-                    "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}
+                    "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99)}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return int(tensor.numel() * tensor.element_size())
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile of sorted ``values`` (nearest rank), None when empty."""
-    if not values:
-        return None
-    return values[min(len(values) - 1, max(0, round(q * len(values)) - 1))]
 
 
 def _describe(weights: WeightsSource | None) -> str:

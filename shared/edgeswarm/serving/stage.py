@@ -162,7 +162,7 @@ class ServeStageProgram:
         import torch
 
         from edgeswarm.models.sequence import layer_sequence
-        from edgeswarm.models.zoo import build_model, example_input
+        from edgeswarm.models.zoo import build_model, example_stage_input
         from edgeswarm.training.footprint import stage_footprint
 
         budget = self.ctx.device.memory_budget_bytes
@@ -177,11 +177,8 @@ class ServeStageProgram:
             if self.ctx.device.compute_threads is not None:
                 torch.set_num_threads(self.ctx.device.compute_threads)
             sequence = layer_sequence(build_model(spec.model))
+            x = example_stage_input(spec.model, sequence, spec.start, 1)
             module = sequence.build_stage(spec.start, spec.end).eval()
-            x = example_input(spec.model, 1)
-            if spec.start > 0:
-                with torch.inference_mode():
-                    x = sequence.build_stage(0, spec.start).eval()(x)
         if spec.weights is not None:
             _load_weights(self.ctx, spec, module, sequence)
         service = "coordinator" if spec.stage == len(spec.devices) - 1 else self.ctx.service

@@ -690,15 +690,9 @@ def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], t
     statistics stay untouched)."""
     import torch
 
-    from edgeswarm.models.zoo import example_input
+    from edgeswarm.models.zoo import example_stage_input
 
-    x = example_input(spec.model, 2)
-    if spec.start > 0:
-        before = sequence.build_stage(0, spec.start)
-        with torch.no_grad():
-            before.eval()
-            x = before(x)
-            before.train()
+    x = example_stage_input(spec.model, sequence, spec.start, 2)
     stage = sequence.build_stage(spec.start, spec.end)
     with torch.no_grad():
         stage.eval()
