@@ -96,3 +96,19 @@ def test_a_service_refuses_an_internal_data_url_at_start_in_one_line() -> None:
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and "EDGESWARM_DATA_URL names mqtt://broker:1883" in errors[0], result.stderr
+
+
+def test_the_connect_url_defaults_to_the_advertised_one_and_carries_no_credentials() -> None:
+    from pydantic import ValidationError
+
+    plain = settings(data_url="mqtts://192.168.1.22:8883")
+    assert plain.data_connect_plane_url == plain.data_plane_url == "mqtts://192.168.1.22:8883"
+    assert settings(data_connect_url="").data_connect_plane_url == LAN_HUB, "empty means unset, down to the hub"
+    inside = settings(data_url="mqtts://192.168.1.22:8883", data_connect_url="mqtts://broker:8883")
+    assert (inside.data_plane_url, inside.data_connect_plane_url) == ("mqtts://192.168.1.22:8883",
+                                                                      "mqtts://broker:8883")
+    check_advertised_data_url(inside, container=True, resolve=NO_DNS)  # what is checked is what is advertised
+    with pytest.raises(ValidationError, match="EDGESWARM_DATA_CONNECT_URL carries credentials"):
+        settings(data_connect_url="mqtts://jetson-1:secret@broker:8883")
+    with pytest.raises(ValidationError, match="data_connect_url"):
+        settings(data_connect_url="http://broker")
