@@ -844,3 +844,11 @@ def test_the_walkthrough_job_reads_the_mounted_data_sets() -> None:
     text = readme[readme.index(opening) + len(opening):]
     job = parse_job_text(text[:text.index("\nEOF\n")], source="deploy/README.md")
     assert job.data.path is not None and job.data.path.startswith(DATASETS_MOUNT + "/")
+
+
+def test_node_files_stay_out_of_git_and_the_images() -> None:
+    # A node's .env, its secrets and its data sets sit next to compose.yaml: never committed, never built into
+    # an image (the data sets alone can be gigabytes of build context).
+    for ignore_file in (".gitignore", ".dockerignore"):
+        entries = (REPO / ignore_file).read_text().split()
+        assert {"secrets/", "datasets/", ".env"} <= set(entries), ignore_file
