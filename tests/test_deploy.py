@@ -819,7 +819,7 @@ def test_docker_compose_config(profile: str, tmp_path: Path) -> None:
         pytest.skip(f"docker compose config not run: {reason} (test_compose_structure checks the file instead)")
     node = DEPLOY_NODE if profile == HUB_PROFILE else "pi-1"
     env = _sample_node(tmp_path, node, profile)
-    base = ["docker", "compose", "-f", str(COMPOSE_FILE), "--env-file", str(tmp_path / ".env")]
+    base = ["docker", "compose", "-f", str(COMPOSE_FILE), "--env-file", str(tmp_path / ".env"), "--profile", profile]
     result = subprocess.run([*base, "config", "-q"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     listed = subprocess.run([*base, "config", "--services"], cwd=REPO, env=env, capture_output=True, text=True,
