@@ -226,6 +226,31 @@ def test_tensors_go_to_the_receivers_data_broker_not_the_hub(tmp_path: Path, mak
         node_broker.stop()
 
 
+def test_a_node_reaches_its_broker_by_one_address_and_advertises_another(tmp_path: Path, make_bus,
+                                                                        broker: BrokerProcess) -> None:
+    # In a compose stack the node's services reach their broker as `broker`, while peers need its LAN address; here
+    # 127.0.0.1 and localhost stand for the two names of one broker.
+    node_broker = start_broker("mosquitto", workdir=tmp_path / "node")
+    try:
+        outside = node_broker.url.replace("127.0.0.1", "localhost")
+        rx = make_bus("rx", "sink", data_url=outside, data_connect_url=node_broker.url)
+        assert rx.data is not rx.hub and rx.data.url == node_broker.url
+        got, done = open_sink(rx, "rx", "sink", 2)
+        announce(rx, data_url=outside)
+        value = np.arange(1000, dtype=np.float32)
+        peer = make_bus("tx")  # another node dials the advertised address
+        peer.send_tensor("rx", "sink", m.BenchData(run_id="peer", seq=0), value)
+        assert outside in peer._pool
+        neighbour = make_bus("rx", "other", data_url=outside, data_connect_url=node_broker.url)
+        assert neighbour.connection_for(outside) is neighbour.data, "a service of the same node uses its own connection"
+        neighbour.send_tensor("rx", "sink", m.BenchData(run_id="neighbour", seq=0), value)
+        assert done.wait(20)
+        assert sorted(msg.body.run_id for msg in got) == ["neighbour", "peer"]
+        assert all(np.array_equal(msg.tensor.array, value) for msg in got)
+    finally:
+        node_broker.stop()
+
+
 def test_sending_to_an_unknown_node_fails_clearly(make_bus) -> None:
     tx = make_bus("tx", request_timeout_s=0.5)
     with pytest.raises(UnknownNodeError, match="ghost"):

@@ -1,8 +1,9 @@
-"""The deployment files: compose.yaml, deploy/Dockerfile and deploy/mosquitto/mosquitto.conf.
+"""The deployment files: compose.yaml, deploy/Dockerfile, deploy/Dockerfile.jetson and deploy/mosquitto/mosquitto.conf.
 
-No Docker engine is needed: compose.yaml is checked as data and every service it declares is run as a
-plain process with the environment compose would give it; the Mosquitto config is run by a real
-Mosquitto. ``docker compose config`` runs too where the compose plugin is installed.
+No Docker engine is needed: compose.yaml is checked as data (a structural check of the Compose spec's subset it
+uses) and every service it declares is run as a plain process with the environment compose would give it, its
+healthcheck included; the Mosquitto config is run by a real Mosquitto. ``docker compose config`` validates every
+profile too where the compose plugin is installed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,26 @@ from edgeswarm.bus import Inbound
 from edgeswarm.local.broker import free_port, mosquitto_binary, port_open
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages import Status
+from edgeswarm.runtime.reachability import COMPOSE_SERVICE_NAMES, check_advertised_data_url
 from edgeswarm.services import SERVICES
 from edgeswarm.settings import Settings, parse_broker_url
 from helpers import REPO, wait_until
 
 COMPOSE_FILE = REPO / "compose.yaml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
+JETSON_DOCKERFILE = REPO / "deploy" / "Dockerfile.jetson"
 MOSQUITTO_CONF = REPO / "deploy" / "mosquitto" / "mosquitto.conf"
 DEPLOY_README = REPO / "deploy" / "README.md"
 
 BROKER_SERVICE = "broker"
 HUB_PROFILE = "hub"
+DEVICE_PROFILE = "device"
+JETSON_PROFILE = "jetson"
+PROFILES = (HUB_PROFILE, DEVICE_PROFILE, JETSON_PROFILE)
+# Where the data sets are mounted in every container that reads them (a job spec's data.path starts here).
+DATASETS_MOUNT = "/var/lib/edgeswarm/datasets"
+# A node's .env as deploy/README.md has a user write it (the data URL has no default).
+SAMPLE_DATA_URL = "mqtts://192.168.1.21:8883"
 # The broker as the service containers reach it on the compose network.
 COMPOSE_BROKER_HOST = "broker"
 
@@ -48,6 +58,10 @@ COMPOSE_BROKER_HOST = "broker"
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OPERATORS = (":-", "-", ":?", "?", ":+", "+")
+
+
+class MissingVariable(AssertionError):
+    """A ``${NAME:?message}`` met an unset variable: compose refuses the file with ``message``."""
 
 
 class Interpolation:
@@ -123,7 +137,8 @@ def interpolate(text: str, env: dict[str, str], found: list[Interpolation] | Non
         elif op == "-":
             out.append(value if value is not None else arg_value)
         elif op in (":?", "?"):
-            assert value if op == ":?" else value is not None, f"compose needs ${name}: {arg_value}"
+            if not (value if op == ":?" else value is not None):
+                raise MissingVariable(f"compose needs ${name}: {arg_value}")
             out.append(value or "")
         elif op == ":+":
             out.append(arg_value if value else "")
@@ -177,30 +192,58 @@ def _setting_name(variable: str) -> str:
     return variable.removeprefix("EDGESWARM_").lower()
 
 
-def test_compose_declares_the_node_stack(compose: dict[str, Any]) -> None:
+def edgeswarm_service(svc: dict[str, Any]) -> str:
+    """The edgeswarm service a compose service runs (``edgeswarm service NAME``)."""
+    return str(svc["command"][2])
+
+
+def profile_of(svc: dict[str, Any]) -> str | None:
+    profiles = svc.get("profiles") or []
+    assert len(profiles) <= 1, f"one role per service, not {profiles}"
+    return profiles[0] if profiles else None
+
+
+def shell(**extra: str) -> dict[str, str]:
+    """A node's shell environment as deploy/README.md has the user set it."""
+    return {"EDGESWARM_DATA_URL": SAMPLE_DATA_URL, **extra}
+
+
+def test_compose_declares_the_node_stacks(compose: dict[str, Any]) -> None:
     assert "version" not in compose, "Compose v2 spec: no top-level `version:` key"
     assert compose.get("name") == "edgeswarm"
     services = compose["services"]
-    assert {BROKER_SERVICE, "coordinator", "node-agent"} <= set(services)
+    assert not services[BROKER_SERVICE].get("profiles"), "every node, whatever its role, runs its own broker"
 
-    # Every node runs a broker and a node agent; only the hub runs the coordinator.
-    assert services["coordinator"].get("profiles") == [HUB_PROFILE]
-    for always in (BROKER_SERVICE, "node-agent"):
-        assert not services[always].get("profiles"), f"{always} must run on every node, without a profile"
-
-    assert set(app_services(compose)) == set(SERVICES), "compose.yaml must run exactly edgeswarm.services.SERVICES"
-    for name, entry in SERVICES.items():  # the hub profile runs the hub's services, every node the devices'
-        assert (services[name].get("profiles") == [HUB_PROFILE]) == (entry.role == "hub"), f"{name}: profiles"
+    # hub: the hub's services; device: the device services on the CPU image; jetson: the same on the Jetson image.
+    by_profile: dict[str | None, list[str]] = {}
     for name, svc in app_services(compose).items():
-        assert svc.get("command") == ["edgeswarm", "service", name], f"{name}: command"
-        assert name in SERVICES, f"compose service {name} is not in edgeswarm.services.SERVICES"
+        assert svc.get("command", [])[:2] == ["edgeswarm", "service"], f"{name}: command"
+        by_profile.setdefault(profile_of(svc), []).append(edgeswarm_service(svc))
+    assert None not in by_profile, "every edgeswarm service belongs to a role's profile"
+    assert set(by_profile) == set(PROFILES)
+    for profile, names in by_profile.items():
+        assert len(names) == len(set(names)), f"profile {profile} runs a service twice: {names}"
+    assert set(by_profile[HUB_PROFILE]) == {n for n, e in SERVICES.items() if e.role == "hub"}
+    devices = {n for n, e in SERVICES.items() if e.role == "device"}
+    assert set(by_profile[DEVICE_PROFILE]) == set(by_profile[JETSON_PROFILE]) == devices
+    for name, svc in app_services(compose).items():  # the CPU services keep their own names
+        if profile_of(svc) != JETSON_PROFILE:
+            assert edgeswarm_service(svc) == name
+
+    for name, svc in app_services(compose).items():
+        jetson = profile_of(svc) == JETSON_PROFILE
         build = svc.get("build")
-        assert isinstance(build, dict), f"{name}: build from deploy/Dockerfile"
-        assert (build.get("context"), build.get("dockerfile")) == (".", "deploy/Dockerfile"), name
+        assert isinstance(build, dict), f"{name}: built from the repository"
+        assert (build.get("context"), build.get("dockerfile")) == \
+            (".", "deploy/Dockerfile.jetson" if jetson else "deploy/Dockerfile"), name
+        assert svc.get("image") == ("edgeswarm:jetson" if jetson else "edgeswarm:latest"), name
         assert svc.get("depends_on", {}).get(BROKER_SERVICE, {}).get("condition") == "service_healthy"
         assert svc.get("restart") == "unless-stopped"
         assert svc.get("stop_signal") == "SIGTERM"
         assert svc.get("stop_grace_period"), f"{name}: no stop_grace_period"
+        check = svc.get("healthcheck") or {}
+        assert check.get("test") == ["CMD", "edgeswarm", "health", edgeswarm_service(svc)], f"{name}: healthcheck"
+        assert check.get("interval") and check.get("retries") and check.get("start_period"), name
 
     # Every edgeswarm service gets the same environment: the shared x-edgeswarm-env anchor.
     assert isinstance(compose.get("x-edgeswarm-env"), dict)
@@ -208,26 +251,81 @@ def test_compose_declares_the_node_stack(compose: dict[str, Any]) -> None:
         assert environment_of(svc) == environment_of({"environment": compose["x-edgeswarm-env"]}), name
 
 
-def test_compose_broker(compose: dict[str, Any]) -> None:
-    broker = compose["services"][BROKER_SERVICE]
-    assert re.fullmatch(r"eclipse-mosquitto:2\.0\.\d+", broker["image"]), \
-        f"pin the broker to a 2.0.x release, not {broker['image']!r} (2.1 changed max_packet_size's default)"
-    mounts = broker["volumes"]
-    conf_mount = next(m for m in mounts if m.endswith("/mosquitto/config/mosquitto.conf:ro"))
-    assert (REPO / conf_mount.split(":", 1)[0]).resolve() == MOSQUITTO_CONF.resolve()
-    data_mount = next(m for m in mounts if m.split(":")[1] == "/mosquitto/data")
-    assert data_mount.split(":")[0] in (compose.get("volumes") or {}), "the broker's data is a named volume"
-    assert broker["ports"] == ["${EDGESWARM_BROKER_PORT:-8883}:8883"], "TLS only"
-    test = broker["healthcheck"]["test"]
-    assert test[0] == "CMD-SHELL" and test[1].startswith("mosquitto_sub ") and "-p 8883" in test[1]
-    assert interpolate(test[1], {}).count("$SYS/broker/uptime") == 1
-    assert "--cafile /run/secrets/edgeswarm-ca" in test[1], "the healthcheck checks the broker's certificate"
-    # The broker reads its certificate, key, password file and ACL as compose secrets, where the config says.
-    conf = MOSQUITTO_CONF.read_text()
-    for secret in broker["secrets"]:
-        assert secret in compose["secrets"], secret
-    for secret in ("broker-cert", "broker-key", "broker-passwd", "broker-acl", "edgeswarm-ca"):
-        assert f"/run/secrets/{secret}" in conf, f"mosquitto.conf does not read the {secret} secret"
+def test_compose_jetson_services_get_the_gpu(compose: dict[str, Any]) -> None:
+    for name, svc in app_services(compose).items():
+        reservations = ((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+        gpus = [d for d in reservations.get("devices") or []
+                if d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])]
+        wants_gpu = svc.get("runtime") == "nvidia" or bool(gpus)
+        assert wants_gpu == (profile_of(svc) == JETSON_PROFILE), f"{name}: only the jetson services ask for the GPU"
+        if wants_gpu:
+            assert interpolate(environment_of(svc)["EDGESWARM_COMPUTE"], {}) == "auto"
+
+
+# The Compose spec's keys that compose.yaml may use: a typo (`healtcheck:`) would otherwise pass unnoticed
+# where `docker compose config` is not installed.
+_TOP_LEVEL_KEYS = {"name", "services", "volumes", "secrets", "networks", "configs"}
+_SERVICE_KEYS = {"image", "build", "command", "environment", "secrets", "depends_on", "restart", "stop_signal",
+                 "stop_grace_period", "healthcheck", "profiles", "volumes", "ports", "runtime", "deploy", "group_add"}
+_HEALTHCHECK_KEYS = {"test", "interval", "timeout", "retries", "start_period", "disable"}
+_DURATION = re.compile(r"(\d+(\.\d+)?(us|ms|s|m|h))+")
+
+
+def _named_volume(mount: str) -> str | None:
+    """The named volume a short-syntax mount uses, or None for a bind mount (a path on the host)."""
+    source = mount.split(":", 1)[0]
+    return None if source.startswith((".", "/", "~", "$")) else source
+
+
+def test_compose_structure(compose: dict[str, Any]) -> None:
+    """The schema check that stands in for ``docker compose config`` where the plugin is missing."""
+    assert set(compose) - _TOP_LEVEL_KEYS <= {k for k in compose if k.startswith("x-")}, "unknown top-level keys"
+    declared_volumes = set(compose.get("volumes") or {})
+    declared_secrets = set(compose.get("secrets") or {})
+    used_volumes: set[str] = set()
+    for name, svc in compose["services"].items():
+        assert not set(svc) - _SERVICE_KEYS, f"{name}: keys outside the Compose spec subset: {set(svc) - _SERVICE_KEYS}"
+        assert svc.get("image") or svc.get("build"), f"{name}: neither image nor build"
+        assert set(svc.get("profiles") or []) <= set(PROFILES), f"{name}: profiles {svc.get('profiles')}"
+        check = svc.get("healthcheck")
+        assert isinstance(check, dict) and check.get("test"), f"{name}: no healthcheck"
+        assert not set(check) - _HEALTHCHECK_KEYS, f"{name}: healthcheck keys {set(check) - _HEALTHCHECK_KEYS}"
+        assert check["test"][0] in ("CMD", "CMD-SHELL"), name
+        for key in ("interval", "timeout", "start_period"):
+            assert _DURATION.fullmatch(str(check.get(key, "1s"))), f"{name}: healthcheck {key}"
+        assert isinstance(svc.get("command", []), list), f"{name}: command as a list (no shell)"
+        for secret in svc.get("secrets") or []:
+            assert secret in declared_secrets, f"{name}: secret {secret} is not declared"
+        for raw in svc.get("volumes") or []:
+            mount = interpolate(raw, shell())
+            assert isinstance(raw, str) and mount.count(":") in (1, 2), f"{name}: volume {raw!r}"
+            assert mount.count(":") == 1 or mount.rsplit(":", 1)[1] in ("ro", "rw"), f"{name}: volume {raw!r}"
+            volume = _named_volume(mount)
+            if volume is not None:
+                assert volume in declared_volumes, f"{name}: volume {volume} is not declared"
+                used_volumes.add(volume)
+        for dependency in svc.get("depends_on") or {}:
+            assert dependency in compose["services"], f"{name} depends on unknown {dependency}"
+            assert dependency == BROKER_SERVICE or compose["services"][dependency].get("healthcheck")
+    assert used_volumes == declared_volumes, f"declared but unused volumes: {declared_volumes - used_volumes}"
+    for name, spec in compose["secrets"].items():
+        assert set(spec) == {"file"}, f"secret {name}: from a file"
+
+
+def test_compose_mounts_the_data_sets_read_only_where_they_are_read(compose: dict[str, Any]) -> None:
+    readers = {"coordinator", "stage-worker"}  # the coordinator evaluates the saved model on the held-out split
+    for name, svc in app_services(compose).items():
+        mounts = [m for m in svc.get("volumes") or [] if interpolate(m, {}).split(":")[1] == DATASETS_MOUNT]
+        if edgeswarm_service(svc) in readers:
+            assert len(mounts) == 1, f"{name}: no data-set mount at {DATASETS_MOUNT}"
+            assert interpolate(mounts[0], {}) == f"./datasets:{DATASETS_MOUNT}:ro", \
+                f"{name}: ./datasets by default, read-only (the services never write the data sets)"
+            assert interpolate(mounts[0], {"EDGESWARM_DATASETS": "/srv/data"}).startswith("/srv/data:")
+        else:
+            assert not mounts, f"{name} does not read data sets"
+    readme = DEPLOY_README.read_text()
+    assert "`EDGESWARM_DATASETS`" in readme and f"path: {DATASETS_MOUNT}/" in readme, \
+        "deploy/README.md shows how a job spec points at the mounted data sets"
 
 
 def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
@@ -240,34 +338,46 @@ def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
             assert _setting_name(variable) in fields, \
                 f"{name} sets {variable}, but Settings has no field {_setting_name(variable)!r}"
             variables.add(variable)
-    for required in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_DEVICE_CLASS",
-                     "EDGESWARM_LOG_LEVEL"):
+    for required in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_DATA_CONNECT_URL",
+                     "EDGESWARM_DEVICE_CLASS", "EDGESWARM_LOG_LEVEL", "EDGESWARM_COMPUTE", "EDGESWARM_HEALTH_DIR"):
         assert required in variables, f"compose.yaml does not set {required}"
 
     # Each ${VAR} either has a default or deploy/README.md tells the user to set it.
     found: list[Interpolation] = []
     for value in _strings(compose):
-        interpolate(value, {}, found)
+        interpolate(value, shell(), found)
     assert found, "compose.yaml interpolates nothing?"
     for expr in found:
         assert expr.has_default or f"`{expr.name}`" in readme, \
             f"${{{expr.name}}} has no default and deploy/README.md does not document it"
     # The variables an operator sets per node are documented whatever their defaults.
     for documented in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_BROKER_PORT",
-                       "EDGESWARM_SECRETS"):
+                       "EDGESWARM_SECRETS", "EDGESWARM_COMPUTE", "EDGESWARM_DATASETS"):
         assert f"`{documented}`" in readme, f"deploy/README.md does not document {documented}"
 
-    # With nothing set in the shell, the defaults make a valid hub node on its own broker.
+    # The advertised data URL has no default at all, least of all the stack-internal `broker`: compose refuses to
+    # start a node whose .env lacks it, with the fix in the message.
+    data_url = [e for e in found if e.name == "EDGESWARM_DATA_URL"]
+    assert data_url and all(e.op == ":?" for e in data_url), "EDGESWARM_DATA_URL must be required (${...:?...})"
     for name in app_services(compose):
-        env = compose_service_env(compose, name, {})
+        with pytest.raises(MissingVariable, match="EDGESWARM_DATA_URL.*LAN address"):
+            compose_service_env(compose, name, {})
+
+    # With only the data URL set, the defaults make a valid hub node on its own broker that advertises that URL.
+    for name in app_services(compose):
+        env = compose_service_env(compose, name, shell())
         settings = Settings(**{_setting_name(k): v for k, v in env.items()})  # type: ignore[arg-type]
         assert urlsplit(settings.hub_url).hostname == COMPOSE_BROKER_HOST
         assert parse_broker_url(settings.hub_url).tls, "the services speak TLS to the brokers by default"
-        assert settings.data_plane_url == settings.hub_url
+        assert settings.data_plane_url == SAMPLE_DATA_URL
+        assert urlsplit(settings.data_connect_plane_url).hostname == COMPOSE_BROKER_HOST, \
+            "a node's services reach their own broker inside the stack"
+        check_advertised_data_url(settings, container=True, resolve=lambda host: [])
         assert settings.mqtt_password_file == Path("/run/secrets/edgeswarm-password")
         assert settings.tls_ca_file == Path("/run/secrets/edgeswarm-ca")
         assert not settings.allow_anonymous
         assert settings.device_class == "native"
+        assert settings.compute == "auto"
         assert settings.max_packet_bytes == int(mosquitto_settings()["max_packet_size"][0]) == 16 * 1024 * 1024
 
     # A worker node: its own data-plane broker is advertised, control goes to the hub.
@@ -276,10 +386,11 @@ def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
                                                          "EDGESWARM_DATA_URL": "mqtts://10.0.0.21:8883"})
     assert worker["EDGESWARM_HUB_URL"] == "mqtts://10.0.0.1:8883"
     assert worker["EDGESWARM_DATA_URL"] == "mqtts://10.0.0.21:8883"
-    # A worker that forgets EDGESWARM_DATA_URL falls back to the hub (correct, only slower), never to
-    # `broker`, which on another node would name that node's own broker.
-    forgetful = compose_service_env(compose, "node-agent", {"EDGESWARM_HUB_URL": "mqtts://10.0.0.1:8883"})
-    assert forgetful["EDGESWARM_DATA_URL"] == "mqtts://10.0.0.1:8883"
+
+
+def test_reachability_knows_every_compose_service_name(compose: dict[str, Any]) -> None:
+    # A node advertising any of them would be refused at start: each resolves only inside its own stack.
+    assert set(compose["services"]) <= COMPOSE_SERVICE_NAMES
 
 
 def test_interpolation_helper() -> None:
@@ -384,16 +495,26 @@ def deploy_broker(compose: dict[str, Any], tmp_path: Path) -> Iterator[DeployBro
         broker.stop()
 
 
-def in_test(env: dict[str, str], broker: DeployBroker) -> dict[str, str]:
-    """A compose environment with the compose network's broker and the mounted secrets moved to the test's."""
+def in_test(env: dict[str, str], broker: DeployBroker, tmp: Path | None = None) -> dict[str, str]:
+    """A compose environment with the compose network's broker and the mounted secrets moved to the test's, and
+    the container's own /tmp to ``tmp``."""
     out = {}
     for key, value in env.items():
         if value.startswith(("mqtt://", "mqtts://")) and urlsplit(value).hostname == COMPOSE_BROKER_HOST:
             value = broker.url
+        elif tmp is not None and value.startswith("/tmp/"):
+            value = str(tmp / value.removeprefix("/tmp/"))
         for name, path in broker.files.items():
             value = value.replace(f"/run/secrets/{name}", str(path))
         out[key] = value
     return out
+
+
+def run_healthcheck(check: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A compose ``healthcheck.test`` of the form ["CMD", "edgeswarm", ...], run here as the container would."""
+    assert check[:2] == ["CMD", "edgeswarm"], check
+    return subprocess.run([sys.executable, "-m", "edgeswarm", *check[2:]], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
 
 
 # --- every compose service, run as a process --------------------------------------------------------------
@@ -416,27 +537,33 @@ class StatusLog:
         return mine[-1] if mine else None
 
 
-# Every edgeswarm service compose.yaml declares, read at collection time so a new one is run too.
-COMPOSE_APP_SERVICES = sorted(name for name in yaml.safe_load(COMPOSE_FILE.read_text())["services"]
-                              if name != BROKER_SERVICE)
+# Every edgeswarm service compose.yaml runs on the CPU image, read at collection time so a new one is run too (the
+# jetson profile runs the same services with the same environment on another image).
+COMPOSE_APP_SERVICES = sorted(name for name, svc in yaml.safe_load(COMPOSE_FILE.read_text())["services"].items()
+                              if name != BROKER_SERVICE and JETSON_PROFILE not in (svc.get("profiles") or []))
 
 
 @pytest.mark.parametrize("service", COMPOSE_APP_SERVICES)
 def test_compose_service_runs_with_compose_environment(service: str, compose: dict[str, Any],
                                                        deploy_broker: DeployBroker, services: Any,
-                                                       make_bus: Any) -> None:
+                                                       make_bus: Any, tmp_path: Path) -> None:
     """Each service, with the environment and secrets compose gives it, against the deploy config's broker:
-    TLS, its own password, the generated ACL."""
+    TLS, its own password, the generated ACL; and its compose healthcheck, run as written, passes while it runs and
+    fails once it has stopped."""
     assert service in app_services(compose)
-    env = in_test(compose_service_env(compose, service, {}), deploy_broker)
+    # This node's own broker is the test's, on loopback, and so is the hub: loopback is then a valid data URL.
+    env = in_test(compose_service_env(compose, service, shell(EDGESWARM_DATA_URL=deploy_broker.url)), deploy_broker,
+                  tmp_path)
     node = env["EDGESWARM_NODE_ID"]
     assert node == DEPLOY_NODE
+    healthcheck = compose["services"][service]["healthcheck"]["test"]
 
     statuses = StatusLog()
     watcher = make_bus(WATCHER, "cli", hub_url=deploy_broker.url, mqtt_username=WATCHER,
                        mqtt_password_file=deploy_broker.files["edgeswarm-password"].parent / WATCHER,
                        tls_ca_file=deploy_broker.files["edgeswarm-ca"])
     watcher.subscribe(topics.status(node, service), statuses, schemas=(Status,))
+    assert run_healthcheck(healthcheck, env).returncode == 1, "unhealthy before the service runs"
 
     proc = services.start(service, node, deploy_broker.url, **env)
     wait_until(lambda: (s := statuses.latest(proc.pid)) is not None and s.state == "online"
@@ -448,6 +575,10 @@ def test_compose_service_runs_with_compose_environment(service: str, compose: di
     assert online.data_url == deploy_broker.url and "@" not in online.data_url, "no credentials advertised"
     assert "user hub" in services.log_of(proc)
     assert deploy_broker.files["edgeswarm-password"].read_text().strip() not in services.log_of(proc)
+    wait_until(lambda: run_healthcheck(healthcheck, env).returncode == 0, 15, interval_s=0.5,
+               message=f"{service}'s compose healthcheck to pass")
+    healthy = run_healthcheck(healthcheck, env)
+    assert healthy.returncode == 0 and f"healthy: {service} on {node}" in healthy.stdout, healthy.stderr
 
     proc.send_signal(signal.SIGTERM)
     try:
@@ -459,6 +590,8 @@ def test_compose_service_runs_with_compose_environment(service: str, compose: di
                message=f"{service} to report offline")
     offline = statuses.latest(proc.pid)
     assert offline is not None and offline.reason == "shutdown" and offline.instance == online.instance
+    stopped = run_healthcheck(healthcheck, env)
+    assert stopped.returncode == 1 and "unhealthy" in stopped.stderr, stopped.stdout
 
 
 # --- deploy/mosquitto/mosquitto.conf ------------------------------------------------------------------------
@@ -524,13 +657,13 @@ def test_mosquitto_accepts_the_conf(compose: dict[str, Any], deploy_broker: Depl
     assert (deploy_broker.workdir / "data" / "mosquitto.db").exists(), deploy_broker.log()
 
 
-# --- deploy/Dockerfile ---------------------------------------------------------------------------------------
+# --- deploy/Dockerfile and deploy/Dockerfile.jetson --------------------------------------------------------------
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) in order, with continuation lines joined and comments dropped."""
     instructions: list[tuple[str, str]] = []
     pending = ""
-    for raw in DOCKERFILE.read_text().splitlines():
+    for raw in path.read_text().splitlines():
         line = raw.strip()
         if not pending and (not line or line.startswith("#")):
             continue
@@ -544,57 +677,110 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
         if full:
             word, _, rest = full.partition(" ")
             instructions.append((word.upper(), rest.strip()))
-    assert not pending, "Dockerfile ends in a continuation"
+    assert not pending, f"{path.name} ends in a continuation"
     return instructions
 
 
-def _pip_installs(args: str) -> list[str] | None:
-    """The arguments of ``pip install`` in a RUN line, or None when it runs no pip install."""
-    for command in re.split(r"&&|;", args):
-        words = shlex.split(command)
-        if "pip" in [Path(w).name for w in words[:3]] and "install" in words:
-            return words[words.index("install") + 1:]
-    return None
+def _pip_installs(args: str) -> list[list[str]]:
+    """The arguments of every ``pip install`` in a RUN line (shell words; ``if``/``else`` branches included)."""
+    lexer = shlex.shlex(args, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in ("&&", "||", ";", "|", "then", "else", "fi", "if"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    found = []
+    for words in commands:
+        names = [Path(w).name for w in words[:4]]
+        if "pip" in names and "install" in words:
+            found.append(words[words.index("install") + 1:])
+    return found
+
+
+def _arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(a.split("=", 1) for ins, a in instructions if ins == "ARG" and "=" in a)
+
+
+def _check_common_layout(instructions: list[tuple[str, str]], name: str) -> int:
+    """The checks both images share; returns the index of the RUN that installs the project."""
+    assert [i for i, _ in instructions].count("FROM") == 1, f"{name}: one stage"
+    assert "ENTRYPOINT" not in [i for i, _ in instructions], "compose runs `edgeswarm service NAME` directly"
+    copies = [(n, args.split()) for n, (ins, args) in enumerate(instructions) if ins == "COPY"]
+    copied = {Path(src).as_posix().rstrip("/") for _, words in copies for src in words[:-1]}
+    assert {"pyproject.toml", "README.md", "shared", "services"} <= copied, name
+    runs = [(n, a) for n, (ins, args) in enumerate(instructions) if ins == "RUN" for a in _pip_installs(args)]
+    project_at, project_args = next((n, a) for n, a in runs if "." in a)
+    assert project_at > max(n for n, _ in copies), f"{name}: the project is installed after its files are copied"
+    assert "--no-cache-dir" in project_args
+    assert not [a for a in project_args if a.startswith(".[")], f"{name}: the services need no extras"
+    assert "-c" in project_args, f"{name}: the project is installed under a torch constraint"
+
+    users = [(n, args) for n, (ins, args) in enumerate(instructions) if ins == "USER"]
+    assert users, f"{name} must not run as root"
+    last_user_at, last_user = users[-1]
+    assert last_user_at > project_at and last_user.split(":")[0] not in ("root", "0"), name
+    # The folders compose mounts volumes on belong to that user (a fresh named volume takes their owner).
+    text = " ".join(args for ins, args in instructions if ins == "RUN")
+    for folder in ("/var/cache/edgeswarm/profiles", "/var/lib/edgeswarm/checkpoints", DATASETS_MOUNT):
+        assert folder in text, f"{name} does not create {folder}"
+    return project_at
 
 
 def test_dockerfile() -> None:
     instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
-    assert [i for i, _ in instructions].count("FROM") == 1
-    assert "ENTRYPOINT" not in [i for i, _ in instructions], "compose runs `edgeswarm service NAME` directly"
+    base = instructions[0]
+    assert base[0] == "FROM" or (base[0] == "ARG" and any(i == "FROM" for i, _ in instructions))
+    from_line = next(args for ins, args in instructions if ins == "FROM")
+    image = re.sub(r"\$\{(\w+)\}", lambda m: _arg_defaults(instructions)[m.group(1)], from_line)
+    m = re.fullmatch(r"python:3\.(\d+)-slim", image)
+    assert m and int(m.group(1)) >= 10, f"a Python 3.10+ slim base, not {image}: it has images for amd64 and arm64"
 
-    torch_pin = next(d for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-                     if d.startswith("torch"))
-    assert torch_pin == "torch==2.13.0"
-    runs = [(n, _pip_installs(args)) for n, (ins, args) in enumerate(instructions) if ins == "RUN"]
-    torch_at, torch_args = next((n, a) for n, a in runs if a and torch_pin in a)
+    # torch alone in its own layer, before the project's files: CPU index on amd64, PyPI (CPU already) on arm64,
+    # chosen by BuildKit's TARGETARCH so one `docker buildx build --platform linux/amd64,linux/arm64` builds both.
+    project_at = _check_common_layout(instructions, "deploy/Dockerfile")
+    assert ("ARG", "TARGETARCH") in instructions
+    torch_runs = [(n, args) for n, (ins, args) in enumerate(instructions)
+                  if ins == "RUN" and any("torch" in a for a in _pip_installs(args))]
+    assert len(torch_runs) == 1, "torch is installed in one RUN"
+    torch_at, torch_run = torch_runs[0]
+    assert "$TARGETARCH" in torch_run and "arm64" in torch_run
+    installs = _pip_installs(torch_run)
+    assert len(installs) == 2, "one pip install per architecture"
     cpu_index = "https://download.pytorch.org/whl/cpu"
-    assert "--index-url" in torch_args and torch_args[torch_args.index("--index-url") + 1] == cpu_index
-    others = [a for a in torch_args if not a.startswith("-") and a not in (torch_pin, cpu_index)]
-    assert not others, f"the torch layer installs torch alone, not {others}"
+    with_index = [a for a in installs if "--index-url" in a]
+    assert len(with_index) == 1 and with_index[0][with_index[0].index("--index-url") + 1] == cpu_index
+    for args in installs:
+        assert "-c" in args and args[args.index("-c") + 1] == "constraints.txt", "torch's version from the pins"
+        assert [a for a in args if not a.startswith("-") and a not in (cpu_index, "constraints.txt")] == ["torch"]
+    first_project_copy = min(n for n, (ins, args) in enumerate(instructions)
+                             if ins == "COPY" and "constraints.txt" not in args)
+    assert torch_at < first_project_copy < project_at, "torch gets its own layer before the project's files"
 
-    copies = [(n, args.split()) for n, (ins, args) in enumerate(instructions) if ins == "COPY"]
-    copied = {Path(src).as_posix().rstrip("/") for _, words in copies for src in words[:-1]}
-    assert {"pyproject.toml", "README.md", "shared", "services"} <= copied
-    first_copy = min(n for n, _ in copies)
-    assert torch_at < first_copy, "torch gets its own layer before the project's files"
-    project_at = next(n for n, a in runs if a is not None and "." in a)
-    assert project_at > max(n for n, _ in copies)
-    assert "--no-cache-dir" in dict(runs)[project_at]
 
-    users = [(n, args) for n, (ins, args) in enumerate(instructions) if ins == "USER"]
-    assert users, "the image must not run as root"
-    last_user_at, last_user = users[-1]
-    assert last_user_at > project_at and last_user.split(":")[0] not in ("root", "0")
+def test_jetson_dockerfile() -> None:
+    instructions = dockerfile_instructions(JETSON_DOCKERFILE)
+    from_line = next(args for ins, args in instructions if ins == "FROM")
+    image = re.sub(r"\$\{(\w+)\}", lambda m: _arg_defaults(instructions)[m.group(1)], from_line)
+    assert re.fullmatch(r"(dustynv|nvcr\.io/nvidia)/l4t-pytorch:r36\.\d+\.\d+.*", image), \
+        f"NVIDIA's L4T PyTorch for JetPack 6 (L4T r36), not {image}"
+    assert "l4t-pytorch" in JETSON_DOCKERFILE.read_text().split("FROM")[0], "the base image's source is cited"
+    project_at = _check_common_layout(instructions, "deploy/Dockerfile.jetson")
+    # The image's CUDA torch is kept: nothing installs torch, and the project's install is pinned to its version.
+    project_run = instructions[project_at][1]
+    assert not [a for a in _pip_installs(project_run) if "torch" in a], "torch is never installed over the image's"
+    assert "version('torch')" in project_run and "keep-torch" in project_run
 
 
 def test_dockerfile_copy_sources_exist() -> None:
-    sources = {src.rstrip("/") for ins, args in dockerfile_instructions() if ins == "COPY"
+    sources = {src.rstrip("/") for path in (DOCKERFILE, JETSON_DOCKERFILE)
+               for ins, args in dockerfile_instructions(path) if ins == "COPY"
                for src in args.split()[:-1] if not src.startswith("--")}
     missing = sorted(s for s in sources if not (REPO / s).exists())
-    if missing == ["README.md"]:
-        pytest.skip("README.md (required by pyproject.toml and copied by deploy/Dockerfile) is not written yet")
-    assert not missing, f"deploy/Dockerfile copies files the repository lacks: {missing}"
+    if missing == ["constraints.txt"]:
+        pytest.skip("constraints.txt (the repository's pins, issue 15 item 2) is not in this tree yet")
+    assert not missing, f"the Dockerfiles copy files the repository lacks: {missing}"
 
 
 # --- docker compose itself, where it is installed -----------------------------------------------------------
@@ -613,17 +799,56 @@ def _compose_available() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("profile_args", [[], ["--profile", HUB_PROFILE]], ids=["node", "hub"])
-def test_docker_compose_config(profile_args: list[str]) -> None:
+def _sample_node(folder: Path, node: str, profile: str) -> dict[str, str]:
+    """A node's folder as deploy/README.md has the user make it: its secrets and a .env; returns the environment
+    ``docker compose`` runs with (no EDGESWARM_* or COMPOSE_* variable of the test's own shell)."""
+    make_secrets(folder / "secrets")
+    lines = {"COMPOSE_PROFILES": profile, "EDGESWARM_NODE_ID": node, "EDGESWARM_SECRETS": str(folder / "secrets"),
+             "EDGESWARM_DATA_URL": SAMPLE_DATA_URL if node != DEPLOY_NODE else "mqtts://192.168.1.10:8883",
+             "EDGESWARM_DATASETS": str(folder / "datasets")}
+    if node != DEPLOY_NODE:
+        lines["EDGESWARM_HUB_URL"] = "mqtts://192.168.1.10:8883"
+    (folder / ".env").write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+    return {k: v for k, v in os.environ.items() if not k.startswith(("EDGESWARM_", "COMPOSE_"))}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_docker_compose_config(profile: str, tmp_path: Path) -> None:
     reason = _compose_available()
     if reason:
-        pytest.skip(f"docker compose config not run: {reason}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EDGESWARM_", "COMPOSE_"))}
-    result = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), *profile_args, "config", "-q"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        pytest.skip(f"docker compose config not run: {reason} (test_compose_structure checks the file instead)")
+    node = DEPLOY_NODE if profile == HUB_PROFILE else "pi-1"
+    env = _sample_node(tmp_path, node, profile)
+    base = ["docker", "compose", "-f", str(COMPOSE_FILE), "--env-file", str(tmp_path / ".env"), "--profile", profile]
+    result = subprocess.run([*base, "config", "-q"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    listed = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), *profile_args, "config", "--services"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    listed = subprocess.run([*base, "config", "--services"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=60)
     assert listed.returncode == 0, listed.stderr
-    expected = {BROKER_SERVICE, *DEVICE_SERVICES} | (set(HUB_SERVICES) if profile_args else set())
-    assert set(listed.stdout.split()) == expected
+    expected = {HUB_PROFILE: set(HUB_SERVICES), DEVICE_PROFILE: set(DEVICE_SERVICES),
+                JETSON_PROFILE: {f"jetson-{s}" for s in DEVICE_SERVICES}}[profile]
+    assert set(listed.stdout.split()) == {BROKER_SERVICE, *expected}
+
+    # Without the data URL compose refuses the node, and says what to set.
+    (tmp_path / ".env").write_text("".join(line + "\n" for line in (tmp_path / ".env").read_text().splitlines()
+                                           if not line.startswith("EDGESWARM_DATA_URL=")))
+    refused = subprocess.run([*base, "config", "-q"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "EDGESWARM_DATA_URL" in refused.stderr
+
+
+def test_the_walkthrough_job_reads_the_mounted_data_sets() -> None:
+    from edgeswarm.training.jobs import parse_job_text
+
+    readme = DEPLOY_README.read_text()
+    opening = "cat > cifar10-jetsons.yaml <<'EOF'\n"
+    text = readme[readme.index(opening) + len(opening):]
+    job = parse_job_text(text[:text.index("\nEOF\n")], source="deploy/README.md")
+    assert job.data.path is not None and job.data.path.startswith(DATASETS_MOUNT + "/")
+
+
+def test_node_files_stay_out_of_git_and_the_images() -> None:
+    # A node's .env, its secrets and its data sets sit next to compose.yaml: never committed, never built into
+    # an image (the data sets alone can be gigabytes of build context).
+    for ignore_file in (".gitignore", ".dockerignore"):
+        entries = (REPO / ignore_file).read_text().split()
+        assert {"secrets/", "datasets/", ".env"} <= set(entries), ignore_file

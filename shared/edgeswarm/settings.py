@@ -9,6 +9,7 @@ import ipaddress
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -136,6 +137,13 @@ def default_checkpoint_dir() -> Path:
     return Path(base) / "edgeswarm" / "checkpoints"
 
 
+def default_health_dir() -> Path:
+    """Where services stamp their heartbeats for ``edgeswarm health``: a folder of this user's under the system's
+    temporary folder (one per user, so two users' services on one host never share stamps)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"edgeswarm-health-{uid}"
+
+
 def default_node_id() -> str:
     """This host's name, reduced to the characters a node id may contain."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "node"
@@ -148,8 +156,14 @@ class Settings(BaseSettings):
 
     node_id: str = Field(default_factory=default_node_id, pattern=NAME_PATTERN)
     hub_url: str = "mqtt://127.0.0.1:1883"
-    # The broker that tensors for this node arrive on; the hub when unset (one broker for everything).
+    # The broker that tensors for this node arrive on, as the other nodes reach it: advertised in every status. The
+    # hub when unset (one broker for everything). Checked at start (edgeswarm.runtime.reachability).
     data_url: str | None = None
+    # Where this node's own services connect to that broker, when it differs from the advertised address: inside a
+    # compose stack the node's broker is `broker`, a name only this node's containers resolve. Unset: data_url.
+    data_connect_url: str | None = None
+    # Where compute runs: auto picks CUDA when torch sees a GPU, else the CPU.
+    compute: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     device_class: str = "native"
     links: dict[str, LinkSpec] = Field(default_factory=dict)
     memory_budget_bytes: int | None = Field(default=None, ge=0)
@@ -222,6 +236,10 @@ class Settings(BaseSettings):
     # plan request (120 s timeout) room to wait behind another; a slow planner host should lower it.
     plan_time_budget_s: float = Field(default=30.0, gt=0)
 
+    # Each service rewrites a small stamp here on every heartbeat; `edgeswarm health SERVICE` (compose's healthcheck)
+    # reads it, so a container whose service stopped heartbeating turns unhealthy.
+    health_dir: Path = Field(default_factory=default_health_dir)
+
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -232,14 +250,14 @@ class Settings(BaseSettings):
         if not isinstance(values, dict):
             return values
         values = dict(values)
-        for key in ("hub_url", "data_url"):
+        for key in ("hub_url", "data_url", "data_connect_url"):
             url = values.get(key)
             if not isinstance(url, str) or "@" not in url:
                 continue
             user, password = url_credentials(url)
-            if key == "data_url" and (user, password) != url_credentials(str(values.get("hub_url", ""))):
-                raise ValueError("EDGESWARM_DATA_URL carries credentials: a node has one identity for every broker; "
-                                 "set EDGESWARM_MQTT_USERNAME and EDGESWARM_MQTT_PASSWORD_FILE instead")
+            if key != "hub_url" and (user, password) != url_credentials(str(values.get("hub_url", ""))):
+                raise ValueError(f"EDGESWARM_{key.upper()} carries credentials: a node has one identity for every "
+                                 "broker; set EDGESWARM_MQTT_USERNAME and EDGESWARM_MQTT_PASSWORD_FILE instead")
             if user is not None and values.get("mqtt_username") in (None, ""):
                 values["mqtt_username"] = user
             if password is not None and values.get("mqtt_password") in (None, ""):
@@ -256,12 +274,12 @@ class Settings(BaseSettings):
             raise ValueError("set EDGESWARM_MQTT_PASSWORD or EDGESWARM_MQTT_PASSWORD_FILE, not both")
         return self
 
-    @field_validator("data_url", mode="before")
+    @field_validator("data_url", "data_connect_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # `EDGESWARM_DATA_URL=` in an .env file means "not set"
 
-    @field_validator("hub_url", "data_url")
+    @field_validator("hub_url", "data_url", "data_connect_url")
     @classmethod
     def _valid_url(cls, value: str | None) -> str | None:
         if value is not None:
@@ -301,8 +319,13 @@ class Settings(BaseSettings):
 
     @property
     def data_plane_url(self) -> str:
-        """The broker this node's tensors arrive on."""
+        """The broker this node's tensors arrive on, as other nodes reach it (what its statuses advertise)."""
         return self.data_url or self.hub_url
+
+    @property
+    def data_connect_plane_url(self) -> str:
+        """The same broker as this node's own services reach it (they subscribe to their data topics there)."""
+        return self.data_connect_url or self.data_plane_url
 
     @property
     def heartbeat_timeout_s(self) -> float:

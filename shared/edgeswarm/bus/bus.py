@@ -217,10 +217,13 @@ class Bus:
         if will is not None and will_topic is not None:
             will_spec = Will(will_topic, encode(sender.envelope(will), will))
         self.hub = self._make_connection(settings.hub_url, "hub", will_spec, self._on_hub_connected)
-        data_url = parse_broker_url(settings.data_plane_url).url
+        data_url = parse_broker_url(settings.data_connect_plane_url).url
         self.data = self.hub if data_url == self.hub.url else self._make_connection(data_url, "data", None, None)
         self._pool[self.hub.url] = self.hub
         self._pool[self.data.url] = self.data
+        # Peers on this node advertise the same outside address as this bus: tensors for them go through the
+        # connection this node's services already hold, not out and back in through the host's published port.
+        self._pool.setdefault(parse_broker_url(settings.data_plane_url).url, self.data)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -242,7 +245,7 @@ class Bus:
         for link in self._links.values():
             link.close()
         with self._pool_lock:
-            conns = list(self._pool.values())
+            conns = list({id(c): c for c in self._pool.values()}.values())
         for conn in conns:
             conn.close()
         self._inbox.stop()

@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
     from edgeswarm.cli.chaos import add_chaos_parser
+    from edgeswarm.cli.health import add_health_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.security import add_security_parsers
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_serve_parsers(sub)
     add_chaos_parser(sub)
+    add_health_parser(sub)
     return parser
 
 
@@ -155,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.service import run_service
 
             return run_service(args.name)
+        if args.command == "health":
+            from edgeswarm.cli.health import run_health
+
+            return run_health(args)
         if args.command in ("credentials", "certs"):
             from edgeswarm.cli.security import run_certs, run_credentials
 

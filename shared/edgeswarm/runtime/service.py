@@ -6,8 +6,10 @@ status and a periodic heartbeat (on the main thread, independent of the handler 
 handler never silences it), answers probes, publishes metrics, reports a second live instance that
 appears later, and shuts down cleanly on SIGTERM or SIGINT.
 
-It also refuses to run as a node other than the one its credentials name, or without credentials on a
-broker beyond this machine (unless EDGESWARM_ALLOW_ANONYMOUS), and watches its broker connections: a service
+It also refuses to run as a node other than the one its credentials name, without credentials on a
+broker beyond this machine (unless EDGESWARM_ALLOW_ANONYMOUS), or advertising a data-plane address other nodes
+cannot reach (edgeswarm.runtime.reachability). It stamps every heartbeat on disk for container healthchecks
+(edgeswarm.runtime.health). It watches its broker connections: a service
 whose network thread has died would look alive while it received nothing, so it exits at once (status
 ``EXIT_NETWORK_DEAD``) and its Last Will tells the cluster, and its supervisor restarts it.
 """
@@ -29,6 +31,8 @@ from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, DuplicateNodeError, RequestTimeoutError
 from edgeswarm.messages import ClusterEvent, Heartbeat, MetricsReport, Probe, ProbeReply, Status
 from edgeswarm.metrics import Metrics
+from edgeswarm.runtime.health import HealthStamp, remove_stamp, stamp_path, write_stamp
+from edgeswarm.runtime.reachability import check_advertised_data_url
 from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 from edgeswarm.wire import Sender
@@ -68,6 +72,8 @@ class Service:
         self._foreign: set[str] = set()
         self._announced = False
         self._claimed_by: Status | None = None
+        self._health_file = stamp_path(settings.health_dir, self.node, self.name)
+        self._health_warned = False
         self.bus = Bus(settings, self.sender, self.metrics, will=self.status_message("offline", "connection lost"),
                        will_topic=topics.status(self.node, self.name))
 
@@ -92,6 +98,7 @@ class Service:
         id and service, and BrokerUnavailableError if the hub cannot be reached.
         """
         check_identity(self.settings)
+        check_advertised_data_url(self.settings)
         if install_signals:
             stop_on_signals(self._stop)
         self.bus.start(timeout_s=self.settings.request_timeout_s)
@@ -158,6 +165,21 @@ class Service:
         self._heartbeat_seq += 1
         self.bus.publish(topics.heartbeat(self.node, self.name), hb, qos=0, retain=True,
                          ttl_s=self.settings.heartbeat_timeout_s)
+        self._stamp_health()
+
+    def _stamp_health(self) -> None:
+        # After the publish: a service that cannot heartbeat (its publish raised) lets its stamp go stale.
+        stamp = HealthStamp(node=self.node, service=self.name, instance=self.instance, pid=os.getpid(), at=time.time(),
+                            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                            stale_after_s=self.settings.heartbeat_timeout_s)
+        try:
+            write_stamp(self._health_file, stamp)
+        except OSError as exc:
+            if not self._health_warned:  # once: the heartbeat itself goes on, only the healthcheck suffers
+                self._health_warned = True
+                log.warning("cannot write the health stamp %s (%s): `edgeswarm health %s` will report unhealthy; "
+                            "point EDGESWARM_HEALTH_DIR at a writable folder", self._health_file,
+                            exc.strerror or exc, self.name)
 
     def _publish_metrics(self) -> None:
         counters, gauges = self.metrics.snapshot()
@@ -257,6 +279,7 @@ class Service:
                 self.bus.hub.flush(timeout_s=2.0)  # the broker has the offline status before we disconnect
         except Exception:
             log.exception("could not publish the offline status")
+        remove_stamp(self._health_file, self.instance)
         try:
             self.teardown()
         finally:
@@ -274,7 +297,8 @@ def check_identity(settings: Settings) -> None:
                           f"{settings.node_id!r}: a node logs in as its own id (the brokers' ACL lets each node write "
                           "only its own topics); make them equal")
     if creds.anonymous and not settings.allow_anonymous:
-        remote = [parse_broker_url(u) for u in (settings.hub_url, settings.data_plane_url)]
+        remote = [parse_broker_url(u) for u in (settings.hub_url, settings.data_plane_url,
+                                                settings.data_connect_plane_url)]
         exposed = [a.url for a in remote if not is_loopback(a.host)]
         if exposed:
             raise ConfigError(
