@@ -14,6 +14,7 @@ from edgeswarm.cli.console import err_console
 # The hub URL comes from --hub as often as from the environment: a bad one names both.
 _FLAG_OF = {"hub_url": "--hub / EDGESWARM_HUB_URL"}
 _SECRET_HINTS = ("password", "secret", "key")
+_VALUE_IN_MESSAGE = {"hub_url", "data_url"}  # their validator quotes the URL, credentials removed
 _MAX_SHOWN = 60
 
 # Exit status of a command whose reader went away (`edgeswarm watch | head`), as for a process killed by SIGPIPE.
@@ -42,7 +43,7 @@ def settings_problem(exc: ValidationError) -> str:
         value = err.get("input")
         shown = ""
         secret = any(h in field for h in _SECRET_HINTS)
-        if isinstance(value, (str, int, float)) and not secret and field not in _FLAG_OF:  # a URL's message has it
+        if isinstance(value, (str, int, float)) and not secret and field not in _VALUE_IN_MESSAGE:
             text = str(value)
             shown = f"={text[:_MAX_SHOWN]!r}" + ("..." if len(text) > _MAX_SHOWN else "")
         problems.append(f"{name}{shown}{where}: {msg}")

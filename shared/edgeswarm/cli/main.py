@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.security import add_security_parsers
     from edgeswarm.cli.serve import add_serve_parsers
     from edgeswarm.cli.train import add_train_parser
+    from edgeswarm.cli.watch import add_watch_parser
 
     add_security_parsers(sub)
     add_profile_parser(sub)
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_serve_parsers(sub)
     add_chaos_parser(sub)
+    add_watch_parser(sub)
     return parser
 
 
@@ -183,6 +185,10 @@ def _run(argv: Sequence[str] | None) -> int:
         from edgeswarm.cli.status import run_topics
 
         return run_topics(args)
+    if args.command == "watch":
+        from edgeswarm.cli.watch import run_watch
+
+        return run_watch(args)
     if args.command == "service":
         from edgeswarm.cli.service import run_service
 
