@@ -164,3 +164,29 @@ def test_observer_reports_what_it_cannot_decode_and_flags_expired_messages() -> 
     env = SENDER.envelope(body, ttl_s=1.0).model_copy(update={"expires_at": time.time() - 10})
     seen = observer.observe("t", encode(env, body))
     assert seen is not None and seen.expired and seen.fields["run_id"] == "old"
+
+
+# --- the bus's raw subscription ---------------------------------------------------------------------------------
+
+def test_a_raw_handler_that_raises_is_counted_and_the_bus_goes_on(make_bus) -> None:  # type: ignore[no-untyped-def]
+    watcher = make_bus("w", "watch")
+    seen: list[tuple[str, bytes, bool]] = []
+    watcher.subscribe_raw("edgeswarm/raw/#", lambda raw: 1 / 0)
+    watcher.subscribe_raw("edgeswarm/raw/#", lambda raw: seen.append((raw.topic, raw.payload, raw.retained)))
+    typed: list[object] = []
+    watcher.subscribe("edgeswarm/raw/typed", lambda msg: typed.append(msg.body), schemas=(m.BenchData,))
+    talker = make_bus("t", "svc")
+    talker.publish("edgeswarm/raw/typed", m.BenchData(run_id="x", seq=1))
+    pub = shutil.which("mosquitto_pub")
+    assert pub, "mosquitto_pub is missing (apt-get install -y mosquitto-clients)"
+    port = watcher.hub.address.port
+    subprocess.run([pub, "-h", "127.0.0.1", "-p", str(port), "-t", "edgeswarm/raw/junk", "-m", "garbage"], check=True,
+                   timeout=10)
+    junk = ("edgeswarm/raw/junk", b"garbage", False)
+    wait_until(lambda: junk in seen and typed, 10, message="both messages at the raw handler, one typed")
+    # Mosquitto delivers the typed message once per matching subscription: the raw handler may see it twice (as
+    # subscribe_raw says), the typed handler sees it once.
+    assert {topic for topic, _, _ in seen} == {"edgeswarm/raw/typed", "edgeswarm/raw/junk"}
+    assert typed == [m.BenchData(run_id="x", seq=1)]
+    assert watcher.metrics.counter("handler_errors") >= len(seen) >= 2  # the raising handler, once per delivery
+    assert watcher.metrics.total("rejected.") == 0  # the garbage was shown, never decoded as a message
