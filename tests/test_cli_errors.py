@@ -72,7 +72,8 @@ def test_a_bad_hub_url_is_one_line(command: str, url: str, says: tuple[str, ...]
 @pytest.mark.parametrize(("variable", "value", "expects"), [
     ("EDGESWARM_HEARTBEAT_INTERVAL_S", "abc", "a valid number"),
     ("EDGESWARM_MQTT_PROTOCOL", "7", "'auto', '5' or '3.1.1'"),
-], ids=["number", "choice"])
+    ("EDGESWARM_LOG_LEVEL", "loud", "expected a logging level"),
+], ids=["number", "choice", "log-level"])
 def test_a_bad_setting_names_the_variable_and_what_it_expects(command: tuple[str, ...], variable: str, value: str,
                                                                expects: str) -> None:
     result = run(*command, env={variable: value, "EDGESWARM_NODE_ID": "n1"})

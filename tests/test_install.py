@@ -244,3 +244,13 @@ def test_the_wheel_metadata_asks_for_310_a_torch_range_and_extras(installed: tup
         lines = [r for r in requires if r.startswith(optional)]
         assert lines and all(f'extra == "{extra}"' in r for r in lines), lines
     assert {"broker", "plot", "all", "test"} <= set(meta.get_all("Provides-Extra"))
+
+
+def test_up_without_mosquitto_or_the_broker_extra_says_how_to_get_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    import edgeswarm.local.broker as local_broker
+    from edgeswarm.errors import MissingExtraError
+
+    monkeypatch.setattr(local_broker, "mosquitto_binary", lambda: None)
+    monkeypatch.setattr(local_broker, "has_extra", lambda extra: False)
+    with pytest.raises(MissingExtraError, match=r"apt-get install mosquitto.*pip install 'edgeswarm\[broker\]'"):
+        local_broker.resolve_kind("auto")
