@@ -51,7 +51,7 @@ def check_filter(topic_filter: str) -> None:
     problem = None
     if not topic_filter:
         problem = "it is empty"
-    elif any(ch in topic_filter for ch in ("\0",)):
+    elif "\0" in topic_filter:
         problem = "it holds a NUL character"
     elif any("#" in level and (level != "#" or i != len(levels) - 1) for i, level in enumerate(levels)):
         problem = "'#' must be a whole level, and the last"
