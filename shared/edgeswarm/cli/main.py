@@ -144,15 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             status = _run(argv)
-        except EdgeswarmError as exc:
-            status = _failed(exc)
         except ValidationError as exc:
             if exc.title != "Settings":  # any other model is the program's own business: a bug, with its traceback
                 raise
             report(settings_problem(exc))
             status = 2
-        except KeyboardInterrupt:
-            status = 130
         # Flushed here, inside the guard, so that a reader gone away shows now and not at the interpreter's exit.
         sys.stdout.flush()
         return status
@@ -161,90 +157,95 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BROKEN_PIPE_STATUS
 
 
-def _failed(exc: EdgeswarmError) -> int:
-    report(str(exc))
-    if isinstance(exc, DuplicateNodeError):
-        return 3
-    return 2 if isinstance(exc, ConfigError) else 1
-
-
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from edgeswarm.logs import configure_cli_logging
 
     configure_cli_logging(os.environ.get("EDGESWARM_LOG_LEVEL", "WARNING") if args.command != "service" else "INFO")
-    if args.command == "up":
-        from edgeswarm.cli.up import run_up
+    try:
+        if args.command == "up":
+            from edgeswarm.cli.up import run_up
 
-        return run_up(args)
-    if args.command == "status":
-        from edgeswarm.cli.status import run_status
+            return run_up(args)
+        if args.command == "status":
+            from edgeswarm.cli.status import run_status
 
-        return run_status(args)
-    if args.command == "topics":
-        from edgeswarm.cli.status import run_topics
+            return run_status(args)
+        if args.command == "topics":
+            from edgeswarm.cli.status import run_topics
 
-        return run_topics(args)
-    if args.command == "watch":
-        from edgeswarm.cli.watch import run_watch
+            return run_topics(args)
+        if args.command == "watch":
+            from edgeswarm.cli.watch import run_watch
 
-        return run_watch(args)
-    if args.command == "service":
-        from edgeswarm.cli.service import run_service
+            return run_watch(args)
+        if args.command == "service":
+            from edgeswarm.cli.service import run_service
 
-        return run_service(args.name)
-    if args.command in ("credentials", "certs"):
-        from edgeswarm.cli.security import run_certs, run_credentials
+            return run_service(args.name)
+        if args.command in ("credentials", "certs"):
+            from edgeswarm.cli.security import run_certs, run_credentials
 
-        return run_credentials(args) if args.command == "credentials" else run_certs(args)
-    if args.command == "chaos":
-        from edgeswarm.cli.chaos import run_chaos
+            return run_credentials(args) if args.command == "credentials" else run_certs(args)
+        if args.command == "chaos":
+            from edgeswarm.cli.chaos import run_chaos
 
-        return run_chaos(args)
-    if args.command in ("plan", "bench", "train"):
-        from edgeswarm.runtime.signals import terminate_as_interrupt
+            return run_chaos(args)
+        if args.command in ("plan", "bench", "train"):
+            from edgeswarm.runtime.signals import terminate_as_interrupt
 
-        terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
-    if args.command == "bench" and args.bench == "training":
-        from edgeswarm.cli.bench import run_bench_training
+            terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
+        if args.command == "bench" and args.bench == "training":
+            from edgeswarm.cli.bench import run_bench_training
 
-        return run_bench_training(args)
-    if args.command == "bench" and args.bench == "recovery":
-        from edgeswarm.cli.bench import run_bench_recovery
+            return run_bench_training(args)
+        if args.command == "bench" and args.bench == "recovery":
+            from edgeswarm.cli.bench import run_bench_recovery
 
-        return run_bench_recovery(args)
-    if args.command == "bench" and args.bench == "serving":
-        from edgeswarm.cli.bench import run_bench_serving
+            return run_bench_recovery(args)
+        if args.command == "bench" and args.bench == "serving":
+            from edgeswarm.cli.bench import run_bench_serving
 
-        return run_bench_serving(args)
-    if args.command == "bench" and args.bench == "planner":
-        from edgeswarm.cli.bench import run_bench_planner
+            return run_bench_serving(args)
+        if args.command == "bench" and args.bench == "planner":
+            from edgeswarm.cli.bench import run_bench_planner
 
-        return run_bench_planner(args)
-    if args.command == "bench":
-        from edgeswarm.cli.bench import run_bench_transport
+            return run_bench_planner(args)
+        if args.command == "bench":
+            from edgeswarm.cli.bench import run_bench_transport
 
-        return run_bench_transport(args)
-    if args.command == "plan":
-        from edgeswarm.cli.plan import run_plan
+            return run_bench_transport(args)
+        if args.command == "plan":
+            from edgeswarm.cli.plan import run_plan
 
-        return run_plan(args)
-    if args.command == "train":
-        from edgeswarm.cli.train import run_train
+            return run_plan(args)
+        if args.command == "train":
+            from edgeswarm.cli.train import run_train
 
-        return run_train(args)
-    if args.command in ("serve", "infer"):
-        from edgeswarm.cli.serve import run_infer, run_serve
+            return run_train(args)
+        if args.command in ("serve", "infer"):
+            from edgeswarm.cli.serve import run_infer, run_serve
 
-        return run_serve(args) if args.command == "serve" else run_infer(args)
-    if args.command in ("jobs", "cancel"):
-        from edgeswarm.cli.train import run_cancel, run_jobs
+            return run_serve(args) if args.command == "serve" else run_infer(args)
+        if args.command in ("jobs", "cancel"):
+            from edgeswarm.cli.train import run_cancel, run_jobs
 
-        return run_jobs(args) if args.command == "jobs" else run_cancel(args)
-    if args.command == "profile":
-        from edgeswarm.cli.profile import run_profile
+            return run_jobs(args) if args.command == "jobs" else run_cancel(args)
+        if args.command == "profile":
+            from edgeswarm.cli.profile import run_profile
 
-        return run_profile(args)
+            return run_profile(args)
+    except DuplicateNodeError as exc:
+        report(str(exc))
+        return 3
+    except ConfigError as exc:
+        report(str(exc))
+        return 2
+    except EdgeswarmError as exc:
+        report(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 2
 
 
