@@ -50,8 +50,7 @@ def newer_than_310(tree: ast.AST) -> Iterator[tuple[int, str]]:
             for alias in node.names:
                 if alias.name in NEW_MODULES:
                     yield node.lineno, f"import {alias.name}"
-                if alias.name in NEWER_THAN_310 or alias.name == "os":
-                    modules[alias.asname or alias.name] = alias.name
+                modules[alias.asname or alias.name.split(".")[0]] = alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
             if node.module in NEW_MODULES:
                 yield node.lineno, f"from {node.module} import ..."
@@ -65,7 +64,7 @@ def newer_than_310(tree: ast.AST) -> Iterator[tuple[int, str]]:
                 yield node.lineno, f"{owner}.{node.attr}"
             elif node.attr in NEW_METHODS:
                 yield node.lineno, f".{node.attr}()"
-            elif node.attr == "walk" and owner != "os":
+            elif node.attr == "walk" and owner is None:  # a module's walk (os.walk, ast.walk) is no Path.walk
                 yield node.lineno, ".walk() (Path.walk is 3.12; os.walk works everywhere)"
         elif isinstance(node, ast.Name) and node.id in NEW_BUILTINS:
             yield node.lineno, node.id
@@ -76,6 +75,7 @@ def test_the_scan_finds_each_kind_of_newer_name() -> None:
         import tomllib
         import datetime as dt
         import os
+        import ast
         from typing import Self
         from enum import StrEnum
         import asyncio
@@ -84,6 +84,7 @@ def test_the_scan_finds_each_kind_of_newer_name() -> None:
         err.add_note("x")
         path.walk()
         os.walk(".")
+        ast.walk(tree)
         raise ExceptionGroup("x", [])
     """)
     found = [what for _, what in newer_than_310(ast.parse(src))]
