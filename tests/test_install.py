@@ -218,6 +218,35 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(installed: tuple[Pa
     assert topics.returncode == 0 and "edgeswarm/cluster/view" in topics.stdout, topics.stderr
 
 
+IMPORT_ALL = """
+import importlib, json, pkgutil
+import edgeswarm
+from edgeswarm.errors import MissingExtraError
+needs_extra, failed = [], {}
+for info in pkgutil.walk_packages(edgeswarm.__path__, "edgeswarm."):
+    if info.name.endswith("__main__"):  # importing it runs the command line
+        continue
+    try:
+        importlib.import_module(info.name)
+    except MissingExtraError:
+        needs_extra.append(info.name)
+    except Exception as exc:
+        failed[info.name] = repr(exc)
+print(json.dumps({"needs_extra": sorted(needs_extra), "failed": failed}))
+"""
+
+
+@pytest.mark.slow
+def test_every_module_imports_without_the_extras_but_the_plotting_ones(installed: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    _, env_dir = installed
+    out = _run(env_dir, tmp_path, str(env_dir / "bin" / "python"), "-c", IMPORT_ALL)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["failed"] == {}
+    assert seen["needs_extra"] == ["edgeswarm.planning.hpp.render", "edgeswarm.training.curves"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("args", "extra"), [
     (("plan", "--model", "mlp", "--profiles", "none.json", "--png", "plan.png"), "plot"),
