@@ -13,9 +13,11 @@ OUT ?= out
 
 .PHONY: venv run test clean
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt pins this environment exactly (the package itself asks for ranges); a change to either file
+# reinstalls.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -778,8 +778,6 @@ def test_dockerfile_copy_sources_exist() -> None:
                for ins, args in dockerfile_instructions(path) if ins == "COPY"
                for src in args.split()[:-1] if not src.startswith("--")}
     missing = sorted(s for s in sources if not (REPO / s).exists())
-    if missing == ["constraints.txt"]:
-        pytest.skip("constraints.txt (the repository's pins, issue 15 item 2) is not in this tree yet")
     assert not missing, f"the Dockerfiles copy files the repository lacks: {missing}"
 
 

@@ -15,6 +15,11 @@ class ConfigError(EdgeswarmError):
     """A setting, cluster file or command-line argument is invalid."""
 
 
+class MissingExtraError(ConfigError):
+    """A feature needs an optional part of the package (an extra) that is not installed; the message gives the
+    ``pip install 'edgeswarm[...]'`` that adds it."""
+
+
 # --- wire format ------------------------------------------------------------------------------------
 
 

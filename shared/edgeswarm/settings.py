@@ -6,6 +6,7 @@ compose.yaml sets these variables and tests/test_deploy.py checks that every one
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -273,6 +274,14 @@ class Settings(BaseSettings):
         if self.mqtt_password is not None and self.mqtt_password_file is not None:
             raise ValueError("set EDGESWARM_MQTT_PASSWORD or EDGESWARM_MQTT_PASSWORD_FILE, not both")
         return self
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_log_level(cls, value: str) -> str:
+        # Checked here, where the variable can be named: logging itself would fail later with a traceback.
+        if not isinstance(logging.getLevelName(value.upper()), int):
+            raise ValueError("expected a logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
+        return value.upper()
 
     @field_validator("data_url", "data_connect_url", mode="before")
     @classmethod

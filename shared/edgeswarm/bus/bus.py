@@ -68,6 +68,19 @@ class Inbound:
 Handler = Callable[[Inbound], None]
 
 
+@dataclass(frozen=True)
+class RawInbound:
+    """A message exactly as it arrived, not decoded or checked: for tools that show the traffic itself."""
+
+    topic: str
+    payload: bytes
+    retained: bool
+    qos: int
+
+
+RawHandler = Callable[[RawInbound], None]
+
+
 def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
     """The MQTT 5 properties that mirror ``env`` (docs/wire-format.md section 3)."""
     return PublishOptions(
@@ -191,6 +204,7 @@ class Bus:
         self.reply_topic = topics.reply(sender.node, sender.service, sender.instance)
         self._reply_prefix = self.reply_topic + "/"
         self._routes = TopicRouter()
+        self._raw_routes = TopicRouter()
         self._pending: dict[str, Expectation] = {}
         self._request_mids: OrderedDict[int, str] = OrderedDict()  # hub packet id -> correlation id of a request
         self._pending_lock = threading.Lock()
@@ -274,6 +288,19 @@ class Bus:
         if topics.is_address(topic_filter):
             topic_filter = topics.from_sender(topic_filter, "+")
         self._routes.add(topic_filter, _Route(handler, schemas))
+        (self.data if plane == "data" else self.hub).subscribe(topic_filter, qos)
+
+    def subscribe_raw(self, topic_filter: str, handler: RawHandler, *, qos: int = 1, plane: str = "hub") -> None:
+        """Call ``handler`` with every message on ``topic_filter`` as it arrived (topic, payload bytes, retain flag),
+        before any decoding or check: ``edgeswarm watch`` shows what is on the wire, the undecodable included.
+
+        It runs where typed handlers run (an inbox worker; the network thread for this instance's own replies), so
+        it must not block for long. An exception it raises is logged and counted (``handler_errors``) and the bus
+        goes on. A message that also matches a ``subscribe`` filter is decoded and handled for that as usual; one
+        that matches only raw filters is never decoded here. The broker may deliver a message once per matching
+        subscription, so a handler whose filter overlaps another may see it twice.
+        """
+        self._raw_routes.add(topic_filter, handler)
         (self.data if plane == "data" else self.hub).subscribe(topic_filter, qos)
 
     def publish(self, topic: str, message: Message, *, qos: int = 1, retain: bool = False,
@@ -430,6 +457,11 @@ class Bus:
     # --- inbound ------------------------------------------------------------------------------------
 
     def _handle_raw(self, msg: InboundMessage) -> None:
+        raw_handlers = self._raw_routes.match(msg.topic)
+        if raw_handlers:
+            self._dispatch_raw(msg, raw_handlers)
+            if not self._routes.match(msg.topic):
+                return  # only shown, not consumed: no decoding, no rejection counted or answered
         if not msg.payload:
             return  # a cleared retained topic: nothing to decode
         try:
@@ -472,6 +504,15 @@ class Bus:
                 self.metrics.count("handler_errors")
                 log.exception("handler %s failed on %s from %s", getattr(route.handler, "__qualname__", route.handler),
                               inbound.topic, inbound.sender)
+
+    def _dispatch_raw(self, msg: InboundMessage, handlers: list[object]) -> None:
+        raw = RawInbound(msg.topic, bytes(msg.payload), msg.retain, msg.qos)
+        for handler in handlers:
+            try:
+                handler(raw)  # type: ignore[operator]
+            except Exception:
+                self.metrics.count("handler_errors")
+                log.exception("raw handler %s failed on %s", getattr(handler, "__qualname__", handler), msg.topic[:256])
 
     def _on_refused(self, mid: int, why: str) -> None:
         """The hub broker refused QoS 1 message ``mid`` (runs on the network thread): fail its request now."""

@@ -234,6 +234,14 @@ class MqttConnection:
                     f"the MQTT broker at {self.url} refused {who} (CONNACK code {self._refused}); check "
                     "EDGESWARM_MQTT_USERNAME and EDGESWARM_MQTT_PASSWORD_FILE against the broker's password file "
                     "(`edgeswarm credentials`)")
+            if self._refused is None and self._socket_opened_at is None:
+                # Never even a TCP connection: say why (paho's thread only retried), so a typo in the host name
+                # does not read like a broker that is down.
+                reason = unreachable_reason(self.address.host, self.address.port)
+                if reason is not None:
+                    raise BrokerUnavailableError(
+                        f"cannot connect to the MQTT broker at {self.url}: {reason}; check the URL (--hub or "
+                        "EDGESWARM_HUB_URL) or start a broker there (`edgeswarm up --local`)")
             why = f"refused with code {self._refused}" if self._refused is not None else "no answer"
             raise BrokerUnavailableError(
                 f"cannot connect to the MQTT broker at {self.url} ({why} within {timeout_s:.0f} s); "
@@ -563,6 +571,24 @@ def publish_properties(options: PublishOptions | None) -> bytes:
 _BAD_TOPIC_CHARS = re.compile("[+#\x00-\x1f\x7f-\x9f\ufdd0-\ufdef"
                               + "".join(f"{chr(p * 0x10000 + 0xFFFE)}{chr(p * 0x10000 + 0xFFFF)}" for p in range(17))
                               + "]")
+
+
+def unreachable_reason(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """Why no TCP connection to ``host:port`` can be made (the name does not resolve, nothing listens there, no
+    route), or None when one can be made now or the attempt merely timed out after ``timeout_s`` seconds."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return f"the host name {host!r} does not resolve"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except ConnectionRefusedError:
+        return f"nothing listens on port {port} of {host} (connection refused)"
+    except TimeoutError:
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def topic_problem(topic: str) -> str | None:

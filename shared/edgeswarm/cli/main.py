@@ -7,8 +7,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from edgeswarm import __version__
-from edgeswarm.cli.console import err_console
+from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, report, settings_problem
 from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
 
 
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.security import add_security_parsers
     from edgeswarm.cli.serve import add_serve_parsers
     from edgeswarm.cli.train import add_train_parser
+    from edgeswarm.cli.watch import add_watch_parser
 
     add_security_parsers(sub)
     add_profile_parser(sub)
@@ -131,11 +134,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(sub)
     add_chaos_parser(sub)
     add_health_parser(sub)
+    add_watch_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status. A user's mistake (a bad argument, hub URL or ``EDGESWARM_*``
+    value, an unreachable broker, a port in use, a missing extra) ends in one ``error:`` line on stderr and a
+    non-zero status, and a reader that goes away (``| head``) ends the command quietly with status 141; only a bug
+    shows a traceback."""
+    try:
+        try:
+            status = _run(argv)
+        except ValidationError as exc:
+            if exc.title != "Settings":  # any other model is the program's own business: a bug, with its traceback
+                raise
+            report(settings_problem(exc))
+            status = 2
+        # Flushed here, inside the guard, so that a reader gone away shows now and not at the interpreter's exit.
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        detach_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from edgeswarm.logs import configure_cli_logging
 
@@ -153,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from edgeswarm.cli.status import run_topics
 
             return run_topics(args)
+        if args.command == "watch":
+            from edgeswarm.cli.watch import run_watch
+
+            return run_watch(args)
         if args.command == "service":
             from edgeswarm.cli.service import run_service
 
@@ -214,13 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_profile(args)
     except DuplicateNodeError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        report(str(exc))
         return 3
     except ConfigError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        report(str(exc))
         return 2
     except EdgeswarmError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        report(str(exc))
         return 1
     except KeyboardInterrupt:
         return 130

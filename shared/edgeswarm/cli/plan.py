@@ -16,6 +16,7 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.profile import parse_batch_sizes, parse_config
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
+from edgeswarm.extras import require_extra
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison, compare
 from edgeswarm.planning.hpp.types import Plan
@@ -60,6 +61,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run_plan(args: argparse.Namespace) -> int:
     spec = ModelSpec(name=args.model, config=parse_config(args.config))
+    if args.png:
+        require_extra("plot")  # now, not after profiling a cluster
     if args.profiles:
         cluster = load_profiles(Path(args.profiles), spec)
     elif args.cluster:

@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
+from edgeswarm.cli.failures import settings_problem
 from edgeswarm.errors import ConfigError
 from edgeswarm.logs import configure_logging
 from edgeswarm.services import service_class
@@ -22,10 +23,7 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        # A check across fields has no location; its message names the variables itself.
-        problems = "; ".join(f"EDGESWARM_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" if e["loc"]
-                             else e["msg"] for e in exc.errors())
-        raise ConfigError(f"invalid settings: {problems}") from None
+        raise ConfigError(settings_problem(exc)) from None
 
 
 def run_service(name: str) -> int:

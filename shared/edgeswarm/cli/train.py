@@ -22,6 +22,7 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
+from edgeswarm.extras import require_extra
 from edgeswarm.messages.jobs import JobEvent, JobState, ServeProgress
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
@@ -83,6 +84,8 @@ def run_train(args: argparse.Namespace) -> int:
     unknown = [s for s in compare if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"--compare: unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    if args.loss_png or args.timeline_png:
+        require_extra("plot")  # now, not after the whole training run
     bus = job_bus(args)
     try:
         if not args.wait:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from edgeswarm.errors import BrokerUnavailableError, ConfigError
+from edgeswarm.errors import BrokerUnavailableError, ConfigError, MissingExtraError
+from edgeswarm.extras import has_extra, require_extra
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,18 @@ def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def port_bindable(host: str, port: int) -> bool:
+    """Whether a listening socket could bind ``host:port`` now (as the broker will, with SO_REUSEADDR): False when
+    another socket holds it, listening or not."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -129,13 +142,21 @@ class BrokerProcess:
 
 
 def resolve_kind(requested: str) -> BrokerKind:
-    """``auto`` means Mosquitto if it is on PATH, else amqtt. Raises ConfigError for a missing Mosquitto."""
+    """``auto`` means Mosquitto if it is on PATH, else amqtt. Raises ConfigError for a missing Mosquitto, and
+    MissingExtraError when it is amqtt and the ``broker`` extra is not installed."""
     if requested == "auto":
-        return "mosquitto" if mosquitto_binary() else "amqtt"
+        if mosquitto_binary():
+            return "mosquitto"
+        if not has_extra("broker"):
+            raise MissingExtraError("no MQTT broker to start: install Mosquitto (Debian: apt-get install mosquitto) "
+                                    "or the embedded one: pip install 'edgeswarm[broker]'")
+        return "amqtt"
     if requested == "mosquitto" and not mosquitto_binary():
         raise ConfigError("--broker mosquitto: no `mosquitto` on PATH (Debian: apt-get install mosquitto)")
     if requested not in ("mosquitto", "amqtt"):
         raise ConfigError(f"unknown broker {requested!r}; choose auto, mosquitto or amqtt")
+    if requested == "amqtt":
+        require_extra("broker")
     return requested  # type: ignore[return-value]
 
 
@@ -156,8 +177,9 @@ def start_broker(kind: str = "auto", *, host: str = "127.0.0.1", port: int = 0,
     """
     resolved = resolve_kind(kind)
     port = port or free_port(host)
-    if port_open(host, port):
-        raise ConfigError(f"port {port} on {host} is already in use; pick another with --port")
+    if port_open(host, port) or not port_bindable(host, port):
+        raise ConfigError(f"port {port} on {host} is already in use; pick another with --port, or --port 0 for "
+                          "any free one")
     owns = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="edgeswarm-broker-")) if workdir is None else workdir.resolve()
     wd.mkdir(parents=True, exist_ok=True)

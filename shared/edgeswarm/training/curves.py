@@ -5,8 +5,13 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from edgeswarm.extras import missing_extra
+
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ModuleNotFoundError:  # matplotlib is the `plot` extra
+    raise missing_extra("plot") from None
 
 _DPI = 110
 

@@ -8,10 +8,15 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+from edgeswarm.extras import missing_extra
+
+try:
+    from matplotlib.axes import Axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+except ModuleNotFoundError:  # matplotlib is the `plot` extra
+    raise missing_extra("plot") from None
 
 from edgeswarm.planning.hpp.schedule import Operation, Timeline, plan_timeline
 from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan
