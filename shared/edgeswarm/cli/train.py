@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -27,6 +28,9 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.training.jobs import JobSpec, parse_job_text
+
+if TYPE_CHECKING:  # torch: imported only when a job starts from a file
+    from edgeswarm.training.model_file import ModelFile
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
 STRATEGIES = ("hpp", "dp", "pp", "single")
@@ -83,8 +87,11 @@ def run_train(args: argparse.Namespace) -> int:
     unknown = [s for s in compare if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"--compare: unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+    initial = _read_initial(job, path) if job.init is not None else None
     bus = job_bus(args)
     try:
+        if initial is not None:
+            job, text = _upload_initial(bus, job, initial)
         if not args.wait:
             accepted = submit_job(bus, text)
             console.print(f"job {job.name} submitted: {accepted.detail}; follow it with `edgeswarm jobs`")
@@ -107,6 +114,34 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     finally:
         bus.stop()
+
+
+def _read_initial(job: JobSpec, spec_path: Path) -> ModelFile:
+    """The weights file of ``job.init`` (a relative path is taken from the spec file's folder), checked against the
+    job's model: ConfigError listing every problem, before anything is sent."""
+    from edgeswarm.training.initial import check_initial
+    from edgeswarm.training.model_file import read_model_file
+
+    assert job.init is not None
+    file_path = Path(job.init.file).expanduser()
+    if not file_path.is_absolute():
+        file_path = spec_path.parent / file_path
+    initial = read_model_file(file_path, max_bytes=Settings().checkpoint_max_bytes)
+    check_initial(job, initial)
+    return initial
+
+
+def _upload_initial(bus: Bus, job: JobSpec, initial: ModelFile) -> tuple[JobSpec, str]:
+    """Store the job's initial weights as version 0 of its checkpoints; returns the job and its text with the
+    file's SHA-256 filled in, for the coordinator to check."""
+    from edgeswarm.training.initial import upload_initial
+
+    assert job.init is not None
+    upload_initial(bus, "hub", job, initial)
+    console.print(f"uploaded {job.init.file} ({initial.file_bytes} bytes, sha256 {initial.sha256[:16]}...) as "
+                  f"version 0 of job {job.name}")
+    job = job.model_copy(update={"init": job.init.model_copy(update={"sha256": initial.sha256})})
+    return job, job.model_dump_json()
 
 
 def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) -> tuple[JobState, JobFollower]:  # type: ignore[no-untyped-def]
