@@ -2,7 +2,8 @@
 
 Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
 environment variables, exactly as a container would be. Children die with the launcher (Linux
-parent-death signal), and ``stop()`` ends each of them by PID.
+parent-death signal), and ``stop()`` ends each of them by PID. Logs, broker files and (unless
+``EDGESWARM_CHECKPOINT_DIR`` is set) the checkpoint store's files go to the working folder.
 
 A local cluster binds only to 127.0.0.1 and is anonymous by default. ``secure=True`` runs it as a deployment
 runs: a credentials folder in the working folder (``edgeswarm credentials``: the hub, each device, and a
