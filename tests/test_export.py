@@ -5,8 +5,8 @@ W/checkpoints. A two-stage job trains; ``edgeswarm export`` writes its model as 
 zoo model loads with ``load_state_dict(strict=True)`` and which equals, tensor for tensor and output for output,
 the stages' checkpoints on the store's disk. A second job starts from that file: its first loss is the exported
 model's loss on that round's batch, and after one round its weights are exactly one SGD step from the file's. A file
-that does not fit the model is refused before anything is sent, with every problem listed; export errors are one
-line.
+that does not fit the model is refused before anything is sent, with every problem listed; export errors, a job name
+whose checkpoints are another job's, and a spec whose file was never uploaded each say what to do.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from edgeswarm.local.broker import free_port
 from edgeswarm.models.zoo import build_model, example_input
+from edgeswarm.runtime.client import client_bus
+from edgeswarm.settings import Settings
 from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.jobs import make_optimizer, parse_job_text
 from edgeswarm.training.model_file import specs_of, state_problems
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, submit_job
 from helpers import FAST_ENV, assert_same_weights, stored_weights, wait_until
 
 MODEL = ModelSpec(name="mlp", config={"hidden": 16, "layers": 2})
@@ -156,6 +159,21 @@ def test_export_a_trained_job_and_train_a_new_job_from_the_file(cluster: Cluster
     assert run["rounds"][0]["loss"] == pytest.approx(want_loss, rel=1e-5) and abs(want_loss - seed_loss) > 1e-3
     assert_same_weights(stored_weights(checkpoints, "from-file", 2),
                         {k: v.detach() for k, v in stepped.state_dict().items()}, tolerance=1e-6)
+
+    # A name whose checkpoints belong to another job cannot take the file: one line, nothing submitted.
+    (cluster.root / "init" / "taken.yaml").write_text(dst_text.replace("name: from-file", "name: source"))
+    out = edgeswarm("train", str(cluster.root / "init" / "taken.yaml"), "--hub", cluster.url, check=False)
+    assert out.returncode == 1 and "rename the job" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+    # A spec with init submitted without the upload (not through `edgeswarm train`) fails at deployment, saying so.
+    bus = client_bus(Settings(hub_url=cluster.url), role="export-test")
+    try:
+        follower = JobFollower(bus, "no-upload")
+        submit_job(bus, dst_text.replace("name: from-file", "name: no-upload"), submission=follower.submission)
+        final = follower.wait(120)
+    finally:
+        bus.stop()
+    assert final.status == "failed" and "submit the job with `edgeswarm train`" in final.detail, final.detail
 
 
 def test_a_file_that_does_not_fit_the_model_is_refused_with_every_problem(tmp_path: Path) -> None:
