@@ -258,18 +258,19 @@ def test_a_corrupt_byte_is_a_clear_checksum_error(tmp_path: Path) -> None:
     store.path("job", 0, 2).write_text("{not json")
     with pytest.raises(CheckpointCorruptError, match="manifest .* not JSON"):
         store.get("job", 0, 2)
+    store.path("job", 0, 2).write_bytes(store.path("job", 0, 1).read_bytes())  # another version's manifest
+    with pytest.raises(CheckpointCorruptError, match="it describes version 1"):
+        store.get("job", 0, 2)
 
 
-def test_a_file_over_the_size_cap_is_refused_before_it_is_read(tmp_path: Path) -> None:
+def test_a_file_over_the_size_cap_is_refused_before_it_is_read(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     CheckpointStore(tmp_path, keep=1).put("job", 0, 1, {"w": np.zeros(1000, np.float32)})
     small = CheckpointStore(tmp_path, keep=1, max_bytes=100)
-    small_limit = store_module.HEADER_ALLOWANCE
-    store_module.HEADER_ALLOWANCE = 0  # the cap is max_bytes plus a header allowance: leave none
-    try:
-        with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
-            small.get("job", 0)
-    finally:
-        store_module.HEADER_ALLOWANCE = small_limit
+    monkeypatch.setattr(store_module, "HEADER_ALLOWANCE", 0)  # the cap is max_bytes plus a header allowance
+    with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
+        small.get("job", 0)
+    monkeypatch.undo()
     with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
         small.put("job", 0, 2, {"w": np.zeros(1000, np.float32)})
 

@@ -321,10 +321,14 @@ class CheckpointStore:
             version = latest
         path = self.path(job_id, stage, version)
         try:
-            return read_checkpoint(path, max_bytes=self.max_bytes)
+            info, arrays = read_checkpoint(path, max_bytes=self.max_bytes)
         except FileNotFoundError:
             self._refuse_legacy(job_id, stage, version)
             raise CheckpointNotFoundError(self._missing(job_id, stage, version)) from None
+        if (info.job_id, info.stage) != (job_id, stage):
+            raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: it describes {info.job_id}/"
+                                         f"{info.stage}, not {job_id}/{stage}")
+        return info, arrays
 
     def _refuse_legacy(self, job_id: str, stage: str, version: int | None) -> None:
         """Raise CheckpointFormatError when (job, stage) has files of the old format where the version was asked."""
@@ -382,6 +386,9 @@ def read_checkpoint(path: Path | str, *,
     if _LEGACY.fullmatch(path.name):
         raise CheckpointFormatError(_legacy_message(path))
     manifest = _read_manifest(path)
+    named = _MANIFEST.fullmatch(path.name)
+    if named is not None and int(named.group(1)) != manifest.version:
+        raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: it describes version {manifest.version}")
     data_path = path.parent / manifest.file
     limit = max_bytes + HEADER_ALLOWANCE
     try:

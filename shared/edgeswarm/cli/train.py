@@ -105,7 +105,10 @@ def run_train(args: argparse.Namespace) -> int:
             variant = job.model_copy(update={"name": f"{job.name}-{strategy}", "strategy": strategy,
                                              "rounds": args.compare_rounds, "epochs": None, "checkpoint_interval": 0})
             console.print(f"measuring {strategy}: {args.compare_rounds} rounds as job {variant.name} ...")
-            state, run = _follow(bus, variant, variant.model_dump_json(), args.timeout, verbose=False)
+            variant_text = variant.model_dump_json()
+            if initial is not None:  # every strategy starts from the same weights
+                variant, variant_text = _upload_initial(bus, variant, initial)
+            state, run = _follow(bus, variant, variant_text, args.timeout, verbose=False)
             measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
             if state.status != "succeeded":
                 err_console.print(f"  {strategy}: {state.status}: {escape(state.detail)}")

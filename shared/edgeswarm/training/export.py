@@ -23,6 +23,8 @@ from edgeswarm.training.model_file import describe_problems, specs_of, state_pro
 from edgeswarm.training.unit_state import model_state
 from edgeswarm.values.profiles import ModelSpec
 
+MAX_JOBS_SHOWN = 20
+
 
 class ExportError(CheckpointError):
     """A job's checkpoint cannot be exported: an unknown job, no such version, a stage or the layout missing."""
@@ -50,8 +52,10 @@ def complete_versions(bus: Bus, store_node: str, job_id: str, *, timeout_s: floa
     listing = list_checkpoints(bus, store_node, job_id, timeout_s=timeout_s).get(job_id, {})
     if not listing:
         known = sorted(list_checkpoints(bus, store_node, timeout_s=timeout_s))
+        shown = ", ".join(known[:MAX_JOBS_SHOWN]) + (f" and {len(known) - MAX_JOBS_SHOWN} more"
+                                                     if len(known) > MAX_JOBS_SHOWN else "")
         raise ExportError(f"the checkpoint store on {store_node} has no checkpoint of job {job_id!r}; jobs with "
-                          f"checkpoints: {', '.join(known) if known else 'none'}")
+                          f"checkpoints: {shown or 'none'}")
     versions = listing.get(LAYOUT, [])
     if not versions:
         raise ExportError(f"job {job_id} has no complete checkpoint version yet (no layout saved): wait for its "
