@@ -24,13 +24,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import free_port
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.jobs import make_optimizer, parse_job_text
-from edgeswarm.training.model_file import specs_of, state_problems
+from edgeswarm.training.model_file import read_model_file, specs_of, state_problems, write_model_file
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
 from helpers import FAST_ENV, assert_same_weights, stored_weights, wait_until
@@ -208,3 +209,27 @@ def test_state_problems_lists_every_difference() -> None:
     other = ModelSpec(name="mlp", config={"hidden": 8, "layers": 2})
     problems = state_problems(specs_of(good), other)
     assert problems and all("has shape" in p for p in problems)
+
+
+def test_a_model_file_with_tied_weights_round_trips(tmp_path: Path) -> None:
+    """GPT-2 ties its embedding and output weights: the file holds both names, and loads back strictly."""
+    spec = ModelSpec(name="gpt2", config={"vocab_size": 32, "seq_len": 8, "n_layer": 1, "n_embd": 16, "n_head": 2})
+    model = build_model(spec)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # away from the seed's weights, so a model that did not load the file differs
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    path = tmp_path / "gpt2.safetensors"
+    size, sha256 = write_model_file(path, model.state_dict(), {"format": "pt", "edgeswarm.model": "gpt2"})
+    assert not list(tmp_path.glob(".*.tmp")), "the temporary file was renamed"
+    read = read_model_file(path, max_bytes=size)
+    assert (read.file_bytes, read.sha256, read.metadata) == (size, sha256, {"format": "pt", "edgeswarm.model": "gpt2"})
+    assert state_problems(specs_of(read.tensors), spec) == []
+    fresh = build_model(spec)
+    x = example_input(spec, 2, seed=1)
+    with torch.no_grad():
+        assert not torch.equal(fresh(x), model(x))
+        fresh.load_state_dict(load_file(path), strict=True)
+        assert torch.equal(fresh(x), model(x))
+    with pytest.raises(ConfigError, match="more than the .*EDGESWARM_CHECKPOINT_MAX_BYTES"):
+        read_model_file(path, max_bytes=size - 1)
