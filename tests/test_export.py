@@ -24,8 +24,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import free_port
+from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
@@ -233,3 +235,14 @@ def test_a_model_file_with_tied_weights_round_trips(tmp_path: Path) -> None:
         assert torch.equal(fresh(x), model(x))
     with pytest.raises(ConfigError, match="more than the .*EDGESWARM_CHECKPOINT_MAX_BYTES"):
         read_model_file(path, max_bytes=size - 1)
+
+
+def test_a_local_cluster_keeps_its_checkpoints_in_its_workdir_unless_told(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDGESWARM_CHECKPOINT_DIR", raising=False)
+    spec = cluster_of(1)
+    assert LocalCluster(spec, workdir=tmp_path / "w").checkpoint_dir == (tmp_path / "w" / "checkpoints").resolve()
+    chosen = LocalCluster(spec, workdir=tmp_path / "w", extra_env={"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "x")})
+    assert chosen.checkpoint_dir == tmp_path / "x"
+    monkeypatch.setenv("EDGESWARM_CHECKPOINT_DIR", str(tmp_path / "env"))
+    assert LocalCluster(spec, workdir=tmp_path / "w").checkpoint_dir == tmp_path / "env"
