@@ -1,11 +1,12 @@
 """The checkpoint store: the on-disk core, the upload tracker, and the service over a real Mosquitto.
 
-Core: bit-exact round trips of every wire dtype (bfloat16, float16, empty and 0-d tensors included),
-keep-K pruning, atomic writes (leftover temporary files are ignored, a failed rename leaves the previous
-version readable), a flipped byte found by the checksum, unsafe names refused. Service: save and load a
-few MB of model state through the client, latest and specific versions, a restart of the service on the
-same folder, a corrupted file answered with a checksum failure while the service lives on, unknown jobs,
-and malformed or incomplete uploads.
+Core: bit-exact round trips of every wire dtype (bfloat16, float16, empty and 0-d tensors included) and of a
+stage's weights with its optimizer state, standard safetensors files with a manifest, keep-K pruning, atomic
+writes (leftover temporary files are ignored, a crash at either rename leaves the previous version readable), a
+flipped byte found by the checksum, truncated, oversized and old-format files refused, unsafe names refused.
+Service: save and load a few MB of model state through the client, latest and specific versions, a restart of
+the service on the same folder, a corrupted file answered with a checksum failure while the service lives on,
+unknown jobs, and malformed or incomplete uploads.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import struct
 import subprocess
 from collections.abc import Callable
 from functools import partial
@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 import edgeswarm.messages as m
 from edgeswarm import topics
@@ -34,6 +36,7 @@ from edgeswarm.checkpoints.client import list_checkpoints, load_checkpoint, save
 from edgeswarm.checkpoints.uploads import FailedUpload, ReadyUpload, UploadTracker, meta_nbytes
 from edgeswarm.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CheckpointTooLargeError,
@@ -42,6 +45,7 @@ from edgeswarm.errors import (
     CheckpointVersionError,
 )
 from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.training.unit_state import checkpoint_tensors
 from edgeswarm.wire import WireTensor, encode
 from helpers import announce, wait_until
 
@@ -99,8 +103,9 @@ def test_put_get_is_bit_exact_for_every_dtype(tmp_path: Path) -> None:
     assert (info.job_id, info.stage, info.version, info.meta) == ("job-1", "0", 12, meta)
     assert info.nbytes == sum(bits(v)[2].__len__() for v in state.values())
     assert {t.name: t.dtype for t in info.tensors}["layer.bf16"] == "bfloat16"
-    path = store.path("job-1", "0", 12)
-    assert path.name == "v0000000012.ckpt" and info.file_bytes == path.stat().st_size
+    path = store.data_path("job-1", "0", 12)
+    assert store.path("job-1", "0", 12).name == "v0000000012.json"
+    assert path.name == f"v0000000012-{info.sha256[:16]}.safetensors" and info.file_bytes == path.stat().st_size
 
     got_info, arrays = store.get("job-1", "0", 12)
     assert got_info == info
@@ -117,20 +122,43 @@ def test_put_get_is_bit_exact_for_every_dtype(tmp_path: Path) -> None:
     assert_same(*store.get("job-1", 0), state)  # the latest is 13
 
 
-def test_the_file_format_is_as_documented(tmp_path: Path) -> None:
+def test_the_files_are_standard_safetensors_with_a_manifest(tmp_path: Path) -> None:
+    """docs/checkpoints.md: the tensor file loads with plain safetensors; the manifest has its digest and meta."""
     store = CheckpointStore(tmp_path, keep=1)
-    info = store.put("j", "s", 3, {"a": np.arange(5, dtype=np.int32), "b": np.ones((2, 2), np.float32)}, {"k": 1})
-    raw = store.path("j", "s", 3).read_bytes()
-    magic, fmt, h = struct.unpack_from("<6sHI", raw, 0)
-    assert (magic, fmt) == (b"ESCKPT", 1)
-    header = json.loads(raw[12:12 + h])
-    assert set(header) == {"format", "job_id", "stage", "version", "created_at", "meta", "payload_bytes", "tensors"}
-    start = -(-(12 + h) // 64) * 64
-    assert len(raw) == start + header["payload_bytes"] + 32
-    assert raw[-32:] == hashlib.sha256(raw[:-32]).digest() and info.sha256 == raw[-32:].hex()
-    b = header["tensors"][1]
-    assert (b["name"], b["dtype"], b["shape"], b["offset"] % 64) == ("b", "float32", [2, 2], 0)
-    assert raw[start + b["offset"]: start + b["offset"] + b["nbytes"]] == np.ones(4, "<f4").tobytes()
+    tensors = {"a": np.arange(5, dtype=np.int32), "b": np.ones((2, 2), np.float32),
+               "c": torch.arange(3, dtype=torch.float32).to(torch.bfloat16)}
+    info = store.put("j", "s", 3, tensors, {"step": 7, "lr": 0.1})
+    data = store.data_path("j", "s", 3)
+    loaded = load_file(data)
+    assert list(loaded) and set(loaded) == {"a", "b", "c"}
+    assert torch.equal(loaded["a"], torch.arange(5, dtype=torch.int32)) and loaded["c"].dtype == torch.bfloat16
+    with safe_open(data, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "edgeswarm.job_id": "j", "edgeswarm.stage": "s",
+                                "edgeswarm.version": "3"}
+    manifest = json.loads(store.path("j", "s", 3).read_text())
+    assert set(manifest) == {"format", "job_id", "stage", "version", "created_at", "meta", "tensors", "file",
+                             "file_bytes", "sha256"}
+    assert (manifest["format"], manifest["meta"], manifest["file"]) == (2, {"step": 7, "lr": 0.1}, data.name)
+    assert [t["name"] for t in manifest["tensors"]] == ["a", "b", "c"]  # save order
+    assert manifest["tensors"][2] == {"name": "c", "dtype": "bfloat16", "shape": [3], "nbytes": 6}
+    raw = data.read_bytes()
+    assert manifest["sha256"] == hashlib.sha256(raw).hexdigest() == info.sha256
+    assert manifest["file_bytes"] == len(raw) == info.file_bytes
+
+
+def test_an_old_format_file_is_refused_clearly(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    folder = store.stage_dir("job", 0)
+    folder.mkdir(parents=True)
+    old = folder / "v0000000004.ckpt"
+    old.write_bytes(b"ESCKPT\x01\x00" + bytes(100))
+    for call in (lambda: store.get("job", 0), lambda: store.get("job", 0, 4), lambda: read_checkpoint(old)):
+        with pytest.raises(CheckpointFormatError, match=r"earlier format \(a \.ckpt file\).*Delete") as caught:
+            call()
+        assert str(old) in str(caught.value)
+    assert store.versions("job", 0) == []
+    store.put("job", 0, 5, {"w": np.zeros(2, np.float32)})  # new versions live beside it
+    assert store.get("job", 0)[0].version == 5
 
 
 def test_keep_prunes_to_the_newest_versions(tmp_path: Path) -> None:
@@ -138,8 +166,9 @@ def test_keep_prunes_to_the_newest_versions(tmp_path: Path) -> None:
     for version in (1, 2, 3, 4):
         store.put("job", "stage-0", version, {"w": np.full(3, version, np.float32)})
     assert store.versions("job", "stage-0") == [3, 4]
-    assert sorted(p.name for p in store.stage_dir("job", "stage-0").iterdir()) == ["v0000000003.ckpt",
-                                                                                 "v0000000004.ckpt"]
+    names = sorted(p.name for p in store.stage_dir("job", "stage-0").iterdir())
+    assert [n[:11] for n in names] == ["v0000000003", "v0000000003", "v0000000004", "v0000000004"]
+    assert [n.rsplit(".", 1)[1] for n in names] == ["safetensors", "json"] * 2  # "-" sorts before "."
     assert store.get("job", "stage-0")[0].version == 4
     assert store.get("job", "stage-0", 3)[1]["w"].tolist() == [3, 3, 3]
     with pytest.raises(CheckpointNotFoundError, match=r"stored versions: \[3, 4\]"):
@@ -160,46 +189,110 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     store.put("job", 0, 1, {"w": np.arange(4, dtype=np.float32)})
     folder = store.stage_dir("job", 0)
     # What a crash in the middle of a write leaves: a temporary file, never read, removed by a sweep.
-    leftover = folder / ".v0000000002.ckpt.crashed.tmp"
+    leftover = folder / ".v0000000002.crashed.tmp"
     leftover.write_bytes(b"half a checkpoint")
     assert store.versions("job", 0) == [1]
     assert store.get("job", 0)[0].version == 1
 
     # A failure between writing and renaming: the previous version stays the latest, and readable.
-    def crash(src: Any, dst: Any) -> None:
-        raise OSError("simulated crash before the rename")
+    before = sorted(p.name for p in folder.iterdir())
 
-    monkeypatch.setattr(store_module.os, "replace", crash)
-    with pytest.raises(OSError, match="simulated crash"):
-        store.put("job", 0, 2, {"w": np.zeros(4, dtype=np.float32)})
-    monkeypatch.undo()
+    # A crash at either rename (the tensor file's, then the manifest's): the previous version stays the latest,
+    # readable, and nothing of the failed write is left behind.
+    real_replace = os.replace
+    for crash_at in (1, 2):
+        calls = []
+
+        def crash(src: Any, dst: Any, crash_at: int = crash_at, calls: list[int] = calls) -> None:
+            calls.append(1)
+            if len(calls) == crash_at:
+                raise OSError("simulated crash before the rename")
+            real_replace(src, dst)
+
+        monkeypatch.setattr(store_module.os, "replace", crash)
+        with pytest.raises(OSError, match="simulated crash"):
+            store.put("job", 0, 2, {"w": np.zeros(4, dtype=np.float32)})
+        monkeypatch.undo()
+        assert store.versions("job", 0) == [1]
+        assert store.get("job", 0)[1]["w"].tolist() == [0, 1, 2, 3]
+        assert sorted(p.name for p in folder.iterdir()) == before
+
+    # A crash after the tensor file is in place but before its manifest (a power cut): the orphan is never read,
+    # and the sweep removes it with the temporary file.
+    (folder / "v0000000002-0123456789abcdef.safetensors").write_bytes(b"orphan")
     assert store.versions("job", 0) == [1]
-    assert store.get("job", 0)[1]["w"].tolist() == [0, 1, 2, 3]
-    assert sorted(p.name for p in folder.iterdir()) == [leftover.name, "v0000000001.ckpt"]
-    assert store.sweep_temp_files() == 1 and not leftover.exists()
+    assert store.sweep_temp_files() == 2 and not leftover.exists()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(set(before) - {leftover.name})
+
+    # Replacing a version: the new one is read, the old tensor file is gone.
+    store.put("job", 0, 1, {"w": np.full(4, 9, dtype=np.float32)})
+    assert store.get("job", 0)[1]["w"].tolist() == [9, 9, 9, 9]
+    assert len(list(folder.glob("v0000000001-*.safetensors"))) == 1
 
 
 def test_a_corrupt_byte_is_a_clear_checksum_error(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=3)
     store.put("job", 0, 1, {"w": np.arange(1000, dtype=np.float32)})
     info = store.put("job", 0, 2, {"w": np.arange(1000, dtype=np.float32) * 2})
-    path = store.path("job", 0, 2)
+    path = store.data_path("job", 0, 2)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10  # one bit of the payload
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorruptError) as caught:
         store.get("job", 0)
     message = str(caught.value)
-    actual = hashlib.sha256(bytes(raw[:-32])).hexdigest()
+    actual = hashlib.sha256(bytes(raw)).hexdigest()
     assert str(path) in message and info.sha256 in message and actual in message and "corrupt" in message
     assert store.get("job", 0, 1)[1]["w"][999] == 999  # other versions are unaffected
 
-    path.write_bytes(bytes(raw[:100]))  # truncated: the digest is wrong too
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw[:100]))  # truncated: refused by its size before it is read
+    with pytest.raises(CheckpointCorruptError, match="truncated"):
+        read_checkpoint(store.path("job", 0, 2))
+    path.write_bytes(bytes(raw) + b"x")  # grown
     with pytest.raises(CheckpointCorruptError, match="corrupt"):
-        read_checkpoint(path)
-    path.write_bytes(b"short")
-    with pytest.raises(CheckpointCorruptError, match="too short"):
-        read_checkpoint(path)
+        store.get("job", 0, 2)
+    path.unlink()
+    with pytest.raises(CheckpointCorruptError, match="tensor file .* is missing"):
+        store.get("job", 0, 2)
+    store.path("job", 0, 2).write_text("{not json")
+    with pytest.raises(CheckpointCorruptError, match="manifest .* not JSON"):
+        store.get("job", 0, 2)
+    store.path("job", 0, 2).write_bytes(store.path("job", 0, 1).read_bytes())  # another version's manifest
+    with pytest.raises(CheckpointCorruptError, match="it describes version 1"):
+        store.get("job", 0, 2)
+
+
+def test_a_file_over_the_size_cap_is_refused_before_it_is_read(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    CheckpointStore(tmp_path, keep=1).put("job", 0, 1, {"w": np.zeros(1000, np.float32)})
+    small = CheckpointStore(tmp_path, keep=1, max_bytes=100)
+    monkeypatch.setattr(store_module, "HEADER_ALLOWANCE", 0)  # the cap is max_bytes plus a header allowance
+    with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
+        small.get("job", 0)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointTooLargeError, match="CHECKPOINT_MAX_BYTES"):
+        small.put("job", 0, 2, {"w": np.zeros(1000, np.float32)})
+
+
+def test_a_stage_version_with_optimizer_state_round_trips(tmp_path: Path) -> None:
+    """What a stage-worker saves (weights, BatchNorm buffers, momentum buffers) comes back equal, bit for bit."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(8, 6)).square().sum().backward()
+        optimizer.step()
+    tensors = checkpoint_tensors(model, optimizer)
+    assert any(n.startswith("opt:") for n in tensors) and "1.num_batches_tracked" in tensors
+    store = CheckpointStore(tmp_path, keep=2)
+    store.put("job", "stage-0", 2, tensors, {"round": 2, "lr": 0.1, "momentum": 0.9})
+    info, arrays = store.get("job", "stage-0", 2)
+    back = as_torch(info, arrays)
+    assert list(back) == list(tensors) and info.meta == {"round": 2, "lr": 0.1, "momentum": 0.9}
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", ".hidden", "../up", "a/b", "a b", "x" * 65, "ü", "a\\b"])
@@ -374,7 +467,8 @@ def test_service_saves_loads_survives_a_restart_and_reports_corruption(
     newer = {**big, "big.weight": big["big.weight"] + 1}
     v2 = save_checkpoint(trainer, STORE_NODE, "job-a", 0, 2, newer, meta={"round": 2}, timeout_s=30)
     assert (v1.version, v2.version, v2.meta) == (1, 2, {"round": 2}) and v2.nbytes > 5 * MIB
-    assert v2.sha256 == (directory / "job-a" / "0" / "v0000000002.ckpt").read_bytes()[-32:].hex()
+    v2_file = directory / "job-a" / "0" / f"v0000000002-{v2.sha256[:16]}.safetensors"
+    assert v2.sha256 == hashlib.sha256(v2_file.read_bytes()).hexdigest()
 
     info, arrays = load_checkpoint(trainer, STORE_NODE, "job-a", 0, timeout_s=30)  # the latest
     assert (info.version, info.meta, info.sha256) == (2, {"round": 2}, v2.sha256)
@@ -397,7 +491,7 @@ def test_service_saves_loads_survives_a_restart_and_reports_corruption(
     assert_same(info, arrays, newer)
 
     # A flipped byte on disk: a clear checksum failure; the service lives on and serves the other version.
-    path = directory / "job-a" / "0" / "v0000000002.ckpt"
+    path = v2_file
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     path.write_bytes(bytes(raw))

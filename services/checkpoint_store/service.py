@@ -36,6 +36,7 @@ from edgeswarm.errors import (
     BusError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     CheckpointValueError,
     CheckpointVersionError,
     EdgeswarmError,
@@ -85,7 +86,7 @@ class CheckpointStoreService(Service):
 
     def setup(self) -> None:
         s = self.settings
-        self.store = CheckpointStore(s.checkpoint_dir, keep=s.checkpoint_keep)
+        self.store = CheckpointStore(s.checkpoint_dir, keep=s.checkpoint_keep, max_bytes=s.checkpoint_max_bytes)
         try:
             self.store.sweep_temp_files()  # before any write of ours can be in progress
         except OSError as exc:
@@ -218,6 +219,9 @@ class CheckpointStoreService(Service):
         except CheckpointValueError as exc:
             self._fail(msg, up.transfer_id, "bad_request", str(exc))
             return
+        except CheckpointTooLargeError as exc:
+            self._fail(msg, up.transfer_id, "too_large", str(exc))
+            return
         except OSError as exc:
             log.exception("cannot write %s/%s version %d", up.job_id, up.stage, up.version)
             self._fail(msg, up.transfer_id, "error", f"the store on {self.node} cannot write the checkpoint: {exc}")
@@ -245,9 +249,12 @@ class CheckpointStoreService(Service):
                                                 versions=self.store.versions(req.job_id, req.stage),
                                                 detail=str(exc)[:4096]))
             return
-        except CheckpointCorruptError as exc:
+        except CheckpointCorruptError as exc:  # a file of the old format too: the detail says which
             log.error("%s", exc)
             self._fail(msg, req.transfer_id, "corrupt", str(exc))
+            return
+        except CheckpointTooLargeError as exc:
+            self._fail(msg, req.transfer_id, "too_large", str(exc))
             return
         except OSError as exc:
             self._fail(msg, req.transfer_id, "error", f"the store on {self.node} cannot read the checkpoint: {exc}")

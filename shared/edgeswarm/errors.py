@@ -267,6 +267,10 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint file fails its checksum or is malformed; the message names the file and the digests."""
 
 
+class CheckpointFormatError(CheckpointCorruptError):
+    """A checkpoint file is in a format this build does not read (the pre-safetensors ``.ckpt`` format, say)."""
+
+
 class CheckpointTooLargeError(CheckpointError):
     """A checkpoint is larger than the store accepts (EDGESWARM_CHECKPOINT_MAX_BYTES)."""
 

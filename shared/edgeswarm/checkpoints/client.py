@@ -14,11 +14,14 @@ service that also receives other tensors there should subscribe to its own schem
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import numpy as np
 
@@ -278,6 +281,33 @@ class CheckpointClient:
                       body.transfer_id, msg.sender)
             return
         download.add(body, msg.tensor)
+
+
+@contextmanager
+def loader_status(bus: Bus) -> Iterator[None]:
+    """Let a command-line client's ``bus`` load checkpoints in the block: a store streams a load to the data-plane
+    broker its caller's status names, and a client has none, so an online status is published for the block (not
+    retained: only the services listening meanwhile need it) and an offline one after it."""
+    from edgeswarm import __version__
+    from edgeswarm.messages.liveness import Status
+
+    s = bus.sender
+
+    def status(state: Literal["online", "offline"]) -> Status:
+        return Status(state=state, node=s.node, service=s.service, instance=s.instance, version=__version__,
+                      host=socket.gethostname()[:255], pid=os.getpid(), device_class="client", memory_budget_bytes=0,
+                      free_memory_bytes=0, data_url=bus.data.url,
+                      heartbeat_interval_s=bus.settings.heartbeat_interval_s, started_at=started)
+
+    started = time.time()
+    bus.publish(topics.status(s.node, s.service), status("online"))
+    try:
+        yield
+    finally:
+        try:
+            bus.publish(topics.status(s.node, s.service), status("offline"), timeout_s=2.0)
+        except BusError as exc:
+            log.debug("could not publish the loader's offline status: %s", exc)
 
 
 def _remaining(deadline: float, what: str, timeout_s: float) -> float:

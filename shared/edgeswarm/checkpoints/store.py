@@ -1,41 +1,26 @@
-"""Checkpoints on disk: versioned tensor sets per (job, stage), written atomically, checked on every read.
+"""Checkpoints on disk: versioned tensor sets per (job, stage) as safetensors files, written atomically, checked on
+every read.
 
 Layout under the store's directory (``EDGESWARM_CHECKPOINT_DIR``)::
 
-    {job_id}/{stage}/v{version:010d}.ckpt      one file per version
-    {job_id}/{stage}/.v{version:010d}.ckpt.*.tmp   a write in progress (or left by a crash; never read)
+    {job_id}/{stage}/v{version:010d}.json                    the version's manifest: it exists iff the version does
+    {job_id}/{stage}/v{version:010d}-{sha256[:16]}.safetensors   its tensors, a standard safetensors file
+    {job_id}/{stage}/.*.tmp                                  a write in progress (or left by a crash; never read)
 
-Only the ``keep`` highest versions of each (job, stage) are kept; older ones are deleted after each
-write. A write goes to a temporary file in the same folder, which is flushed and fsynced, renamed over
-the final name (``os.replace``, atomic on POSIX) and then the folder is fsynced: a reader sees the old
-version or the new one, never part of one, and a crash at any point leaves every earlier version intact.
+The tensor file is what any safetensors reader loads (``safetensors.torch.load_file``); its header's metadata says
+which job, stage and version it is. The manifest (docs/checkpoints.md) holds everything else: the version's meta
+(step counters, optimizer settings, ...), the tensors in save order with their dtypes and shapes, and the tensor
+file's name, size and SHA-256. A write puts the tensor file in place first (a temporary file in the same folder,
+fsynced, renamed) under a name carrying its digest, then the manifest the same way, then fsyncs the folder: a
+reader sees the old version or the new one, never part of one, and a crash at any point leaves every earlier
+version intact (an orphaned tensor file is removed by ``sweep_temp_files``).
 
-**File format, version 1.** All integers little-endian; no pickle anywhere.
+Only the ``keep`` highest versions of each (job, stage) are kept; older ones are deleted after each write.
 
-=========  ==========  ==================================================================================
-offset     size        field
-=========  ==========  ==================================================================================
-0          6           magic: the ASCII bytes ``ESCKPT``
-6          2           format version: unsigned 16-bit, ``1``
-8          4           ``H``: length of the header in bytes, unsigned 32-bit
-12         ``H``       header: a UTF-8 JSON object (below)
-12 + H     ...         zero bytes up to ``P``, the first multiple of 64 at or after ``12 + H``
-``P``      ...         the payload: each tensor's bytes at ``P + offset`` (offsets are multiples of 64;
-                       zero bytes between tensors)
-end - 32   32          SHA-256 of every byte of the file before it
-=========  ==========  ==================================================================================
-
-The header object has exactly these keys: ``format`` (1), ``job_id``, ``stage`` (strings), ``version``
-(integer), ``created_at`` (Unix seconds), ``meta`` (object of string -> string, number or boolean),
-``payload_bytes`` (integer: the payload's length, padding included) and ``tensors``: an array, in save
-order, of objects with ``name``, ``dtype`` (a wire dtype name: ``float32``, ``float16``, ``bfloat16`` as
-its uint16 bit patterns, ``int64``, ``int32``, ``uint8``, ``bool`` as bytes 0/1), ``shape`` (array of
-integers), ``offset`` (integer, from ``P``) and ``nbytes`` (integer). A tensor's bytes are its elements
-in C order, little-endian, unpadded, exactly as on the wire (docs/wire-format.md section 4). The file
-therefore is ``P + payload_bytes + 32`` bytes long.
-
-Every read hashes the whole file and compares the digest with its last 32 bytes before parsing
-anything else: a mismatch raises CheckpointCorruptError naming the file and both digests.
+Every read checks the tensor file's size against the manifest and ``max_bytes`` before reading it, hashes the
+whole file and compares the digest with the manifest's before the safetensors library parses it: a mismatch
+raises CheckpointCorruptError naming the file and both digests. Files of edgeswarm's earlier checkpoint format
+(``v{version}.ckpt``) are not read: they are reported with CheckpointFormatError.
 """
 
 from __future__ import annotations
@@ -43,23 +28,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
-import struct
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgeswarm.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     CheckpointValueError,
     CheckpointVersionError,
 )
@@ -77,55 +63,64 @@ from edgeswarm.values.checkpoints import (
     check_version,
     stage_name,
 )
-from edgeswarm.wire.tensor import raw_bytes, storage_dtype
+from edgeswarm.wire.tensor import storage_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ESCKPT"
-FORMAT = 1
-PREFIX = struct.Struct("<6sHI")  # magic, format version, header length
-ALIGN = 64
-DIGEST_BYTES = 32
-MAX_HEADER_BYTES = 256 * 1024 * 1024
-_VERSION_FILE = re.compile(r"^v(\d{10})\.ckpt$")
+FORMAT = 2
+LEGACY_MAGIC = b"ESCKPT"  # the first bytes of a format-1 ``.ckpt`` file
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # 100,000 tensor entries of long names fit easily
+HEADER_ALLOWANCE = 64 * 1024 * 1024  # a tensor file's safetensors header, on top of its tensor bytes
+DEFAULT_MAX_BYTES = 2048 * 1024 * 1024  # the default of EDGESWARM_CHECKPOINT_MAX_BYTES
+HASH_CHUNK = 4 * 1024 * 1024
+_MANIFEST = re.compile(r"^v(\d{10})\.json$")
+_DATA = re.compile(r"^v(\d{10})-[0-9a-f]{16}\.safetensors$")
+_LEGACY = re.compile(r"^v(\d{10})\.ckpt$")
 _TEMP_SUFFIX = ".tmp"
 
+# Wire dtype names and the safetensors dtype codes they are stored as (both directions are one to one).
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32", "uint8": "U8",
+    "bool": "BOOL",
+}
+_WIRE_DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
-
-class _FileTensor(TensorEntry):
-    offset: int = Field(ge=0)
-
-
-class _FileHeader(BaseModel):
-    """The JSON header of a checkpoint file (format 1)."""
+class Manifest(BaseModel):
+    """The manifest of one stored version (``v{version:010d}.json``): what the tensor file ``file`` holds (in save
+    order), its size in bytes and SHA-256, and the version's meta; ``created_at`` is Unix seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: int
+    format: Literal[2]
     job_id: SafeName
     stage: SafeName
     version: int = Field(ge=0)
     created_at: float
     meta: dict[str, MetaValue]
-    payload_bytes: int = Field(ge=0)
-    tensors: list[_FileTensor] = Field(max_length=MAX_TENSORS)
+    tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
+    file: str = Field(pattern=_DATA.pattern)
+    file_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class CheckpointStore:
-    """Versioned checkpoints in ``directory`` (created on the first write), ``keep`` versions per (job, stage).
+    """Versioned checkpoints in ``directory`` (created on the first write), ``keep`` versions per (job, stage), each
+    version's tensor file at most ``max_bytes`` of tensors (EDGESWARM_CHECKPOINT_MAX_BYTES).
 
     Thread-safe; one process should write a directory at a time (the checkpoint-store service is that
     process). Reads may run in other processes at any time.
     """
 
-    def __init__(self, directory: Path | str, keep: int = 3) -> None:
+    def __init__(self, directory: Path | str, keep: int = 3, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointValueError(f"keep must be an integer of at least 1, not {keep!r}")
         self.directory = Path(directory).expanduser()
         self.keep = keep
+        self.max_bytes = max_bytes
         self._write_lock = threading.Lock()
 
     # --- paths and listings -------------------------------------------------------------------------
@@ -135,17 +130,29 @@ class CheckpointStore:
         return self.directory / check_name(job_id, "job id") / stage_name(stage)
 
     def path(self, job_id: str, stage: str | int, version: int) -> Path:
-        """The file of one version (whether or not it exists)."""
-        return self.stage_dir(job_id, stage) / f"v{check_version(version):010d}.ckpt"
+        """The manifest of one version (whether or not it exists); ``read_checkpoint`` reads a version by it."""
+        return self.stage_dir(job_id, stage) / f"v{check_version(version):010d}.json"
+
+    def data_path(self, job_id: str, stage: str | int, version: int) -> Path:
+        """The safetensors file of one stored version, as its manifest names it. Raises CheckpointNotFoundError
+        when there is no such version and CheckpointCorruptError when its manifest is unreadable."""
+        manifest = self.path(job_id, stage, version)
+        try:
+            return manifest.parent / _read_manifest(manifest).file
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(self._missing(job_id, stage_name(stage), version)) from None
 
     def versions(self, job_id: str, stage: str | int) -> list[int]:
         """The stored versions of (job, stage), ascending; [] if there are none."""
-        folder = self.stage_dir(job_id, stage)
+        return sorted(int(m.group(1)) for n in self._names(self.stage_dir(job_id, stage))
+                      if (m := _MANIFEST.fullmatch(n)))
+
+    @staticmethod
+    def _names(folder: Path) -> list[str]:
         try:
-            names = os.listdir(folder)
+            return os.listdir(folder)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _VERSION_FILE.fullmatch(n)))
 
     def stages(self, job_id: str) -> list[str]:
         """The stages of ``job_id`` that hold at least one version, sorted by name."""
@@ -171,7 +178,8 @@ class CheckpointStore:
         An existing file of the same version is replaced atomically. Afterwards only the ``keep``
         highest versions remain. Raises CheckpointValueError for unsafe names, a bad version, an
         unsupported dtype or bad meta; CheckpointVersionError for a version that would be pruned at once
-        (older than the ``keep`` newest); OSError when the disk refuses (full, read-only, ...).
+        (older than the ``keep`` newest); CheckpointTooLargeError beyond ``max_bytes`` of tensors; OSError when
+        the disk refuses (full, read-only, ...).
         """
         job_id = check_name(job_id, "job id")
         stage = stage_name(stage)
@@ -180,17 +188,12 @@ class CheckpointStore:
         if len(tensors) > MAX_TENSORS:
             raise CheckpointValueError(f"{len(tensors)} tensors; a checkpoint holds at most {MAX_TENSORS}")
         items = [(check_tensor_name(name), *as_wire(value, name)) for name, value in tensors.items()]
-        entries: list[_FileTensor] = []
-        offset = 0
-        for name, dtype, storage in items:
-            offset = _align(offset)
-            entries.append(_FileTensor(name=name, dtype=dtype, shape=tuple(storage.shape), nbytes=storage.nbytes,
-                                       offset=offset))
-            offset += storage.nbytes
-        header = _FileHeader(format=FORMAT, job_id=job_id, stage=stage, version=version, created_at=time.time(),
-                             meta=meta, payload_bytes=_align(offset), tensors=entries)
-        header_bytes = json.dumps(header.model_dump(mode="json"), separators=(",", ":")).encode()
-
+        nbytes = sum(storage.nbytes for _, _, storage in items)
+        if nbytes > self.max_bytes:
+            raise CheckpointTooLargeError(f"{job_id}/{stage} version {version} holds {nbytes} bytes of tensors; the "
+                                          f"store accepts at most {self.max_bytes} (EDGESWARM_CHECKPOINT_MAX_BYTES)")
+        entries = [TensorEntry(name=name, dtype=dtype, shape=tuple(storage.shape), nbytes=storage.nbytes)
+                   for name, dtype, storage in items]
         with self._write_lock:
             existing = self.versions(job_id, stage)
             newest = sorted(set(existing) | {version})[-self.keep:]
@@ -200,79 +203,95 @@ class CheckpointStore:
                     f"{existing[-self.keep:]}; it would be deleted at once. Save a newer version, or raise "
                     "EDGESWARM_CHECKPOINT_KEEP")
             final = self.path(job_id, stage, version)
-            pieces = [(entry, storage) for entry, (_, _, storage) in zip(entries, items, strict=True)]
-            digest, size = self._write_atomically(final, header_bytes, pieces)
+            file_metadata = {"format": "pt", "edgeswarm.job_id": job_id, "edgeswarm.stage": stage,
+                             "edgeswarm.version": str(version)}
+            data_name, digest, size = self._write_tensors(final.parent, version, _as_torch(items), file_metadata)
+            manifest = Manifest(format=FORMAT, job_id=job_id, stage=stage, version=version, created_at=time.time(),
+                                meta=meta, tensors=entries, file=data_name, file_bytes=size, sha256=digest)
+            try:
+                _write_atomically(final, json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
+            except BaseException:
+                self._remove_data_files(final.parent, version, keep_name=self._current_data(final))
+                raise
+            self._remove_data_files(final.parent, version, keep_name=data_name)
             self._prune(job_id, stage)
-        info = _info(header, size, digest)
+        info = _info(manifest)
         log.info("stored %s/%s version %d: %d tensors, %d bytes in %s", job_id, stage, version, len(entries),
-                 info.nbytes, final)
+                 info.nbytes, final.parent / data_name)
         return info
 
-    def _write_atomically(self, final: Path, header_bytes: bytes,
-                          tensors: list[tuple[_FileTensor, np.ndarray]]) -> tuple[str, int]:
-        folder = final.parent
+    def _write_tensors(self, folder: Path, version: int, tensors: dict[str, torch.Tensor],
+                       metadata: dict[str, str]) -> tuple[str, str, int]:
+        """Write ``tensors`` as a safetensors file in ``folder``; returns its name, SHA-256 and size in bytes."""
+        from safetensors.torch import save_file
+
         _make_dirs(folder)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=_TEMP_SUFFIX, dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".v{version:010d}.", suffix=_TEMP_SUFFIX, dir=folder)
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as f:
-                digest = hashlib.sha256()
-
-                def write(data: bytes | memoryview) -> None:
-                    f.write(data)
-                    digest.update(data)
-
-                start = _align(PREFIX.size + len(header_bytes))
-                write(PREFIX.pack(MAGIC, FORMAT, len(header_bytes)))
-                write(header_bytes)
-                write(bytes(start - PREFIX.size - len(header_bytes)))
-                position = 0
-                for entry, storage in tensors:
-                    if entry.offset > position:
-                        write(bytes(entry.offset - position))
-                    write(raw_bytes(storage))
-                    position = entry.offset + entry.nbytes
-                write(bytes(_align(position) - position))
-                f.write(digest.digest())
-                f.flush()
+            save_file(tensors, tmp, metadata=metadata)
+            with open(tmp, "rb") as f:
+                digest, size = _hash_stream(f)
                 os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, final)
+            name = f"v{version:010d}-{digest[:16]}.safetensors"
+            os.replace(tmp, folder / name)
         except BaseException:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
             raise
-        _fsync_dir(folder)
-        return digest.hexdigest(), size
+        return name, digest, size
+
+    def _current_data(self, manifest: Path) -> str | None:
+        """The tensor file the manifest there names now, or None (no manifest, or an unreadable one)."""
+        try:
+            return _read_manifest(manifest).file
+        except (OSError, CheckpointCorruptError):
+            return None
+
+    def _remove_data_files(self, folder: Path, version: int, keep_name: str | None) -> None:
+        prefix = f"v{version:010d}-"
+        for name in self._names(folder):
+            if name.startswith(prefix) and _DATA.fullmatch(name) and name != keep_name:
+                try:
+                    os.unlink(folder / name)
+                except FileNotFoundError:
+                    pass
 
     def _prune(self, job_id: str, stage: str) -> None:
         versions = self.versions(job_id, stage)
         stale = versions[:-self.keep]
+        folder = self.stage_dir(job_id, stage)
         for version in stale:
             try:
-                os.unlink(self.path(job_id, stage, version))
+                os.unlink(self.path(job_id, stage, version))  # the version is gone once its manifest is
             except FileNotFoundError:
                 pass
+            self._remove_data_files(folder, version, keep_name=None)
         if stale:
-            _fsync_dir(self.stage_dir(job_id, stage))
+            _fsync_dir(folder)
             log.info("pruned %s/%s versions %s (keeping the %d newest)", job_id, stage, stale, self.keep)
 
     def sweep_temp_files(self) -> int:
-        """Delete temporary files left by interrupted writes; returns how many. Call only while no write runs."""
+        """Delete temporary files and tensor files no manifest names, left by interrupted writes; returns how many.
+        Call only while no write runs."""
         removed = 0
         for job in _subfolders(self.directory):
             for stage in _subfolders(self.directory / job):
                 folder = self.directory / job / stage
-                for name in os.listdir(folder):
-                    if name.startswith(".") and name.endswith(_TEMP_SUFFIX):
+                names = self._names(folder)
+                named = {self._current_data(folder / n) for n in names if _MANIFEST.fullmatch(n)}
+                for name in names:
+                    temporary = name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+                    if temporary or (_DATA.fullmatch(name) and name not in named):
                         try:
                             os.unlink(folder / name)
                             removed += 1
                         except OSError as exc:
-                            log.warning("cannot remove the leftover temporary file %s: %s", folder / name, exc)
+                            log.warning("cannot remove the leftover file %s: %s", folder / name, exc)
         if removed:
-            log.info("removed %d temporary file(s) left by interrupted checkpoint writes", removed)
+            log.info("removed %d file(s) left by interrupted checkpoint writes", removed)
         return removed
 
     # --- reading ------------------------------------------------------------------------------------
@@ -286,23 +305,38 @@ class CheckpointStore:
             version: int | None = None) -> tuple[CheckpointInfo, dict[str, np.ndarray]]:
         """Read ``version`` (None: the latest) of (job, stage), verifying its checksum.
 
-        Returns its info and name -> array in save order; the arrays are writable views of one buffer,
-        bfloat16 ones as their uint16 bit patterns (``info.tensors`` names the dtypes; ``as_torch`` turns
-        them into torch tensors). Raises CheckpointNotFoundError (listing the versions there are),
-        CheckpointCorruptError (checksum mismatch or malformed file) or CheckpointValueError.
+        Returns its info and name -> array in save order; the arrays are writable, bfloat16 ones as their uint16
+        bit patterns (``info.tensors`` names the dtypes; ``as_torch`` turns them into torch tensors). Raises
+        CheckpointNotFoundError (listing the versions there are), CheckpointFormatError (only files of the old
+        format are there), CheckpointCorruptError (checksum mismatch or malformed file), CheckpointTooLargeError
+        or CheckpointValueError.
         """
         job_id = check_name(job_id, "job id")
         stage = stage_name(stage)
         if version is None:
             latest = self.latest(job_id, stage)
             if latest is None:
+                self._refuse_legacy(job_id, stage, None)
                 raise CheckpointNotFoundError(self._missing(job_id, stage, None))
             version = latest
         path = self.path(job_id, stage, version)
         try:
-            return read_checkpoint(path)
+            info, arrays = read_checkpoint(path, max_bytes=self.max_bytes)
         except FileNotFoundError:
+            self._refuse_legacy(job_id, stage, version)
             raise CheckpointNotFoundError(self._missing(job_id, stage, version)) from None
+        if (info.job_id, info.stage) != (job_id, stage):
+            raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: it describes {info.job_id}/"
+                                         f"{info.stage}, not {job_id}/{stage}")
+        return info, arrays
+
+    def _refuse_legacy(self, job_id: str, stage: str, version: int | None) -> None:
+        """Raise CheckpointFormatError when (job, stage) has files of the old format where the version was asked."""
+        folder = self.stage_dir(job_id, stage)
+        legacy = sorted(n for n in self._names(folder) if (m := _LEGACY.fullmatch(n))
+                        and (version is None or int(m.group(1)) == version))
+        if legacy:
+            raise CheckpointFormatError(_legacy_message(folder / legacy[-1]))
 
     def _missing(self, job_id: str, stage: str, version: int | None) -> str:
         what = f"{job_id}/{stage}" if version is None else f"version {version} of {job_id}/{stage}"
@@ -315,70 +349,159 @@ class CheckpointStore:
         return f"no checkpoint {what} in {self.directory}: the store has no job {job_id!r}"
 
 
-def read_checkpoint(path: Path | str) -> tuple[CheckpointInfo, dict[str, np.ndarray]]:
-    """Read and verify one checkpoint file (format above). Raises FileNotFoundError, CheckpointCorruptError."""
-    path = Path(path)
+def _legacy_message(path: Path) -> str:
+    return (f"{path} is a checkpoint in edgeswarm's earlier format (a .ckpt file), which this version no longer "
+            "reads: checkpoints are safetensors files now. Delete the old files (or the folder) and train the job "
+            "again")
+
+
+def _read_manifest(path: Path) -> Manifest:
+    """The validated manifest at ``path``. Raises FileNotFoundError, CheckpointCorruptError."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != size:
-        raise CheckpointCorruptError(f"checkpoint {path} shrank while it was read ({got} of {size} bytes); "
-                                     "is another process writing it?")
-    if size < PREFIX.size + DIGEST_BYTES:
-        raise CheckpointCorruptError(f"checkpoint {path} is corrupt: {size} bytes is too short for a checkpoint "
-                                     "file (truncated?)")
-    expected = bytes(view[size - DIGEST_BYTES:]).hex()
-    actual = hashlib.sha256(view[: size - DIGEST_BYTES]).hexdigest()
-    if actual != expected:
-        raise CheckpointCorruptError(
-            f"checkpoint {path} is corrupt: its content hashes to SHA-256 {actual} but the file records {expected}; "
-            "it was damaged after it was written (disk or file system error, or an edit). Load another version "
-            "or delete this file")
-    magic, fmt, header_len = PREFIX.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise CheckpointCorruptError(f"{path} is not a checkpoint file (magic {magic!r}, expected {MAGIC!r})")
-    if fmt != FORMAT:
-        raise CheckpointCorruptError(f"checkpoint {path} has format version {fmt}; this build reads version "
-                                     f"{FORMAT}. Upgrade edgeswarm")
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: {size} bytes, more than any "
+                                         f"manifest ({MAX_MANIFEST_BYTES})")
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
     try:
-        if header_len > min(MAX_HEADER_BYTES, size - PREFIX.size - DIGEST_BYTES):
-            raise ValueError(f"header length {header_len} does not fit the file")
-        header = _FileHeader.model_validate(json.loads(bytes(view[PREFIX.size: PREFIX.size + header_len])))
-        if header.format != FORMAT:
-            raise ValueError(f"header format {header.format}")
-        start = _align(PREFIX.size + header_len)
-        if start + header.payload_bytes + DIGEST_BYTES != size:
-            raise ValueError(f"header says {header.payload_bytes} payload bytes at offset {start}, the file has "
-                             f"{size - DIGEST_BYTES - start}")
-        arrays: dict[str, np.ndarray] = {}
-        for t in header.tensors:
-            storage = storage_dtype(t.dtype)
-            if math.prod(t.shape) * storage.itemsize != t.nbytes or t.offset + t.nbytes > header.payload_bytes:
-                raise ValueError(f"tensor {t.name!r} ({t.dtype} {list(t.shape)}, {t.nbytes} bytes at {t.offset}) "
-                                 "is inconsistent")
-            if t.name in arrays:
-                raise ValueError(f"tensor {t.name!r} appears twice")
-            arrays[t.name] = np.frombuffer(buf, dtype=storage, count=math.prod(t.shape),
-                                           offset=start + t.offset).reshape(t.shape)
-    except (ValueError, ValidationError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"checkpoint {path} is malformed although its checksum matches (written by "
-                                     f"a faulty writer?): {str(exc).splitlines()[0]}") from None
-    return _info(header, size, expected), arrays
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: not JSON ({exc})") from None
+    if isinstance(data, dict) and data.get("format") != FORMAT:
+        raise CheckpointFormatError(f"checkpoint manifest {path} has format {data.get('format')!r}; this build "
+                                    f"reads format {FORMAT}. Upgrade edgeswarm")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise CheckpointCorruptError(f"checkpoint manifest {path} is malformed: "
+                                     f"{str(exc).splitlines()[0]}; {exc.errors()[0]['msg']}") from None
 
 
-def _info(header: _FileHeader, file_bytes: int, sha256: str) -> CheckpointInfo:
+def read_checkpoint(path: Path | str, *,
+                    max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[CheckpointInfo, dict[str, np.ndarray]]:
+    """Read and verify one stored version by its manifest ``path`` (``CheckpointStore.path``); ``max_bytes`` caps
+    its tensor bytes (the file may be HEADER_ALLOWANCE bytes larger). Raises FileNotFoundError (no manifest),
+    CheckpointFormatError (a file of the old format), CheckpointCorruptError, CheckpointTooLargeError."""
+    path = Path(path)
+    if _LEGACY.fullmatch(path.name):
+        raise CheckpointFormatError(_legacy_message(path))
+    manifest = _read_manifest(path)
+    named = _MANIFEST.fullmatch(path.name)
+    if named is not None and int(named.group(1)) != manifest.version:
+        raise CheckpointCorruptError(f"checkpoint manifest {path} is corrupt: it describes version {manifest.version}")
+    data_path = path.parent / manifest.file
+    limit = max_bytes + HEADER_ALLOWANCE
+    try:
+        with open(data_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != manifest.file_bytes:
+                raise CheckpointCorruptError(
+                    f"checkpoint {data_path} is corrupt: it is {size} bytes but its manifest {path.name} records "
+                    f"{manifest.file_bytes} (truncated or replaced). Load another version or delete this one")
+            if size > limit:
+                raise CheckpointTooLargeError(
+                    f"checkpoint {data_path} is {size} bytes; this store reads at most {limit} (tensors up to "
+                    "EDGESWARM_CHECKPOINT_MAX_BYTES plus the header); raise EDGESWARM_CHECKPOINT_MAX_BYTES to read it")
+            raw = f.read(size + 1)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint {path} is corrupt: its tensor file {manifest.file} is missing. "
+                                     "Load another version or delete this one") from None
+    if len(raw) != size:
+        raise CheckpointCorruptError(f"checkpoint {data_path} changed size while it was read ({len(raw)} of {size} "
+                                     "bytes); is another process writing it?")
+    actual = hashlib.sha256(raw).hexdigest()
+    if actual != manifest.sha256:
+        raise CheckpointCorruptError(
+            f"checkpoint {data_path} is corrupt: its content hashes to SHA-256 {actual} but its manifest records "
+            f"{manifest.sha256}; it was damaged after it was written (disk or file system error, or an edit). Load "
+            "another version or delete this one")
+    return _info(manifest), _parse(raw, manifest, data_path)
+
+
+def _parse(raw: bytes, manifest: Manifest, path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a verified tensor file, in the manifest's order, checked against what the manifest lists."""
+    from safetensors import SafetensorError, deserialize
+
+    if raw.startswith(LEGACY_MAGIC):
+        raise CheckpointFormatError(_legacy_message(path))
+    try:
+        parsed = deserialize(raw)
+    except (SafetensorError, ValueError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {path} is malformed although its checksum matches (written by a "
+                                     f"faulty writer?): {exc}") from None
+    expected = {t.name: t for t in manifest.tensors}
+    arrays: dict[str, np.ndarray] = {}
+    for name, view in parsed:
+        entry = expected.get(name)
+        dtype = _WIRE_DTYPES.get(view["dtype"])
+        if entry is None or dtype != entry.dtype or tuple(view["shape"]) != entry.shape or \
+                len(view["data"]) != entry.nbytes:
+            raise CheckpointCorruptError(
+                f"checkpoint {path} holds tensor {name!r} ({view['dtype']} {list(view['shape'])}), which its "
+                "manifest does not list as such; the two files do not belong together")
+        array = np.frombuffer(view["data"], dtype=storage_dtype(dtype)).reshape(entry.shape)
+        arrays[name] = array if array.flags.writeable else array.copy()
+    missing = [name for name in expected if name not in arrays]
+    if missing:
+        raise CheckpointCorruptError(f"checkpoint {path} lacks tensors its manifest lists: {missing[:8]}")
+    return {name: arrays[name] for name in expected}
+
+
+def _as_torch(items: list[tuple[str, str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Wire storage arrays as the torch tensors safetensors writes (bfloat16 restored), none sharing memory."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    with warnings.catch_warnings():
+        # Uploaded arrays may be read-only views of a received frame; torch warns, and nothing writes to them.
+        warnings.simplefilter("ignore", UserWarning)
+        for name, dtype, storage in items:
+            key = (storage.ctypes.data, storage.nbytes)
+            if storage.nbytes and key in seen:
+                storage = storage.copy()  # one array under two names (tied weights): safetensors wants two
+            seen.add(key)
+            if dtype == "bfloat16":
+                out[name] = torch.from_numpy(storage.view(np.int16)).view(torch.bfloat16)
+            else:
+                out[name] = torch.from_numpy(storage)
+    return out
+
+
+def _hash_stream(f: Any) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(HASH_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _write_atomically(final: Path, data: bytes) -> None:
+    """Write ``data`` to ``final`` through a fsynced temporary file in its folder, then fsync the folder."""
+    folder = final.parent
+    _make_dirs(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=_TEMP_SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _info(manifest: Manifest) -> CheckpointInfo:
     return CheckpointInfo(
-        job_id=header.job_id, stage=header.stage, version=header.version, created_at=header.created_at,
-        meta=header.meta, tensors=tuple(TensorEntry(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes)
-                                        for t in header.tensors),
-        nbytes=sum(t.nbytes for t in header.tensors), file_bytes=file_bytes, sha256=sha256)
+        job_id=manifest.job_id, stage=manifest.stage, version=manifest.version, created_at=manifest.created_at,
+        meta=manifest.meta, tensors=tuple(manifest.tensors), nbytes=sum(t.nbytes for t in manifest.tensors),
+        file_bytes=manifest.file_bytes, sha256=manifest.sha256)
 
 
 def _subfolders(folder: Path) -> Iterable[str]:

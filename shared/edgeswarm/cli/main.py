@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
     from edgeswarm.cli.chaos import add_chaos_parser
+    from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_train_parser(sub)
+    add_export_parser(sub)
     add_serve_parsers(sub)
     add_chaos_parser(sub)
     add_health_parser(sub)
@@ -229,6 +231,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.train import run_train
 
             return run_train(args)
+        if args.command == "export":
+            from edgeswarm.cli.export import run_export
+
+            return run_export(args)
         if args.command in ("serve", "infer"):
             from edgeswarm.cli.serve import run_infer, run_serve
 

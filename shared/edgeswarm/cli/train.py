@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,6 +29,9 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.training.jobs import JobSpec, parse_job_text
+
+if TYPE_CHECKING:  # torch: imported only when a job starts from a file
+    from edgeswarm.training.model_file import ModelFile
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
 STRATEGIES = ("hpp", "dp", "pp", "single")
@@ -86,8 +90,11 @@ def run_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--compare: unknown strategies {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
     if args.loss_png or args.timeline_png:
         require_extra("plot")  # now, not after the whole training run
+    initial = _read_initial(job, path) if job.init is not None else None
     bus = job_bus(args)
     try:
+        if initial is not None:
+            job, text = _upload_initial(bus, job, initial)
         if not args.wait:
             accepted = submit_job(bus, text)
             console.print(f"job {job.name} submitted: {accepted.detail}; follow it with `edgeswarm jobs`")
@@ -101,7 +108,10 @@ def run_train(args: argparse.Namespace) -> int:
             variant = job.model_copy(update={"name": f"{job.name}-{strategy}", "strategy": strategy,
                                              "rounds": args.compare_rounds, "epochs": None, "checkpoint_interval": 0})
             console.print(f"measuring {strategy}: {args.compare_rounds} rounds as job {variant.name} ...")
-            state, run = _follow(bus, variant, variant.model_dump_json(), args.timeout, verbose=False)
+            variant_text = variant.model_dump_json()
+            if initial is not None:  # every strategy starts from the same weights
+                variant, variant_text = _upload_initial(bus, variant, initial)
+            state, run = _follow(bus, variant, variant_text, args.timeout, verbose=False)
             measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
             if state.status != "succeeded":
                 err_console.print(f"  {strategy}: {state.status}: {escape(state.detail)}")
@@ -110,6 +120,34 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     finally:
         bus.stop()
+
+
+def _read_initial(job: JobSpec, spec_path: Path) -> ModelFile:
+    """The weights file of ``job.init`` (a relative path is taken from the spec file's folder), checked against the
+    job's model: ConfigError listing every problem, before anything is sent."""
+    from edgeswarm.training.initial import check_initial
+    from edgeswarm.training.model_file import read_model_file
+
+    assert job.init is not None
+    file_path = Path(job.init.file).expanduser()
+    if not file_path.is_absolute():
+        file_path = spec_path.parent / file_path
+    initial = read_model_file(file_path, max_bytes=Settings().checkpoint_max_bytes)
+    check_initial(job, initial)
+    return initial
+
+
+def _upload_initial(bus: Bus, job: JobSpec, initial: ModelFile) -> tuple[JobSpec, str]:
+    """Store the job's initial weights as version 0 of its checkpoints; returns the job and its text with the
+    file's SHA-256 filled in, for the coordinator to check."""
+    from edgeswarm.training.initial import upload_initial
+
+    assert job.init is not None
+    upload_initial(bus, "hub", job, initial)
+    console.print(f"uploaded {job.init.file} ({initial.file_bytes} bytes, sha256 {initial.sha256[:16]}...) as "
+                  f"version 0 of job {job.name}")
+    job = job.model_copy(update={"init": job.init.model_copy(update={"sha256": initial.sha256})})
+    return job, job.model_dump_json()
 
 
 def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) -> tuple[JobState, JobFollower]:  # type: ignore[no-untyped-def]

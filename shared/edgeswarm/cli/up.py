@@ -42,7 +42,7 @@ def run_up(args: argparse.Namespace) -> int:
                       + (" [MQTT 3.1.1 only: the envelope carries what MQTT 5 properties would]"
                          if cluster.broker.kind == "amqtt" else ""))
         console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices; "
-                      f"logs in {cluster.workdir / 'logs'}")
+                      f"logs in {cluster.workdir / 'logs'}, checkpoints in {cluster.checkpoint_dir}")
         if cluster.secure:
             env_file = cluster.secrets / "operator.env"
             env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in cluster.client_env().items()))

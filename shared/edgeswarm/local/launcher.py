@@ -2,7 +2,8 @@
 
 Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
 environment variables, exactly as a container would be. Children die with the launcher (Linux
-parent-death signal), and ``stop()`` ends each of them by PID.
+parent-death signal), and ``stop()`` ends each of them by PID. Logs, broker files and (unless
+``EDGESWARM_CHECKPOINT_DIR`` is set) the checkpoint store's files go to the working folder.
 
 A local cluster binds only to 127.0.0.1 and is anonymous by default. ``secure=True`` runs it as a deployment
 runs: a credentials folder in the working folder (``edgeswarm credentials``: the hub, each device, and a
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 HUB_NODE = "hub"
 HUB_SERVICES = services_of("hub")
 DEVICE_SERVICES = services_of("device")
+CHECKPOINT_DIR_ENV = "EDGESWARM_CHECKPOINT_DIR"
 OPERATOR = "operator"  # the client member of a secure local cluster: command lines log in as it
 
 
@@ -144,21 +146,30 @@ class LocalCluster:
                               amqtt_passwd=creds.amqtt_passwd, amqtt_acl=creds.amqtt_acl, ca_file=certs.ca_cert,
                               cert_file=cert, key_file=key)
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where this cluster's checkpoint store keeps its files: ``EDGESWARM_CHECKPOINT_DIR`` when the caller (or the
+        environment) sets it, else the working folder's ``checkpoints``, so clusters do not share their checkpoints
+        (a job name reused in another cluster would find the first one's versions)."""
+        chosen = self._extra_env.get(CHECKPOINT_DIR_ENV) or os.environ.get(CHECKPOINT_DIR_ENV)
+        return Path(chosen).expanduser() if chosen else self.workdir / "checkpoints"
+
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         security = self._secure_broker() if self.secure else None
         self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker",
                                    security=security)
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
+        extra = {CHECKPOINT_DIR_ENV: str(self.checkpoint_dir), **self._extra_env}
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
-                              mqtt_protocol=protocol, extra={**self._extra_env, **self.identity_env(HUB_NODE)})
+                              mqtt_protocol=protocol, extra={**extra, **self.identity_env(HUB_NODE)})
         for service in HUB_SERVICES:
             self._spawn(HUB_NODE, service, hub_env)
         for device in self.spec.devices:
             links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(device.id).items()}
             env = service_env(device.id, self.broker.url, device_class=device.device_class, links=links,
                               heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
-                              extra={**self._extra_env, **self.identity_env(device.id)})
+                              extra={**extra, **self.identity_env(device.id)})
             for service in DEVICE_SERVICES:
                 self._spawn(device.id, service, env)
 

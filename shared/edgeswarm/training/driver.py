@@ -293,7 +293,8 @@ class JobDriver:
                                         for s in self.plan.stages}
         saved = [r.body for r in self._ask(messages).values()]
         try:
-            save_layout(self.bus, store_node, self.job.name, version, self.plan, timeout_s=self.timeout_s)
+            save_layout(self.bus, store_node, self.job.name, version, self.plan, model=self.job.model,
+                        timeout_s=self.timeout_s)
         except CheckpointError as exc:
             raise JobError(f"job {self.job.name}: saving the layout of checkpoint version {version}: {exc}") from exc
         return saved  # type: ignore[return-value]

@@ -3,7 +3,8 @@
 A job names a zoo model and a data set, the global batch (samples per round) and optionally the number of
 micro-batches M, the optimizer, how long to train (rounds or epochs), the strategy (``hpp`` by default;
 ``dp``, ``pp`` and ``single`` run the baselines on the same runtime, so comparisons are measured), and how
-often to checkpoint. An invalid spec is refused with every offending field and the reason.
+often to checkpoint; ``init`` starts it from a safetensors file of the model's weights. An invalid spec is refused
+with every offending field and the reason.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ if TYPE_CHECKING:  # torch is imported only to build an optimizer: messages carr
 Recovery = Literal["light", "heavy", "none"]
 
 
+class InitSpec(BaseModel):
+    """Start a job from a whole-model safetensors file (what ``edgeswarm export`` writes) instead of the model's seed.
+
+    ``file`` is a path on the machine that runs ``edgeswarm train``: the command checks the file against the
+    model, uploads it to the checkpoint store as version 0 of the job and fills in ``sha256`` (of the file's
+    bytes), which the coordinator checks against what the store holds before the stages load it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str = Field(min_length=1, max_length=4096)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
 class JobSpec(BaseModel):
     """A training job. Exactly one of ``rounds`` and ``epochs`` says how long it trains."""
 
@@ -52,6 +67,8 @@ class JobSpec(BaseModel):
                                "(fail the job)")
     backup_interval: int = Field(default=1, ge=1, description="rounds between stage backups and snapshots; a "
                                  "failure replays the rounds since the last one")
+    init: InitSpec | None = Field(default=None, description="start from the weights of this safetensors file "
+                                  "(uploaded by `edgeswarm train`) instead of the model's seed")
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

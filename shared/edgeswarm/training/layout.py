@@ -2,8 +2,9 @@
 
 A job's stages are saved as ``stage-0``, ``stage-1``, ... (``stage_entry``) of one version, each holding a unit
 range of the plan the job ran on then; a later re-plan changes the ranges, so every version also gets a ``layout``
-entry: no tensors, and its meta ``stages`` listing the ranges (``"0-52,52-72"``). Restoring a job from a version
-reads it to know which stage files hold a unit.
+entry: no tensors, and its meta ``stages`` listing the ranges (``"0-52,52-72"``) and ``model`` naming the zoo model
+(its ModelSpec as JSON), so a version says by itself what it is. Restoring a job from a version reads it to know
+which stage files hold a unit; ``edgeswarm export`` reads it to assemble the whole model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from edgeswarm.checkpoints.client import load_checkpoint, save_checkpoint
 from edgeswarm.errors import CheckpointError
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.values.checkpoints import as_torch
+from edgeswarm.values.profiles import ModelSpec
 
 if TYPE_CHECKING:
     import torch  # only for a load's result: a coordinator saving layouts never imports it
@@ -35,17 +37,30 @@ def load_stage(bus: Bus, store_node: str, job_id: str, stage: int, version: int,
     return as_torch(info, arrays)
 
 
-def save_layout(bus: Bus, store_node: str, job_id: str, version: int, plan: Plan, *, timeout_s: float = 60.0) -> None:
-    """Record that ``version`` of ``job_id``'s stages holds ``plan``'s unit ranges. Raises CheckpointError."""
-    ranges = ",".join(f"{s.start}-{s.end}" for s in plan.stages)
-    save_checkpoint(bus, store_node, job_id, LAYOUT, version, {}, meta={"stages": ranges}, timeout_s=timeout_s)
+def save_layout(bus: Bus, store_node: str, job_id: str, version: int, plan: Plan | list[tuple[int, int]], *,
+                model: ModelSpec | None = None, extra: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
+    """Record that ``version`` of ``job_id``'s stages holds ``plan``'s unit ranges (a plan, or the ranges), of
+    ``model``, with ``extra`` meta beside. Raises CheckpointError."""
+    pairs = [(s.start, s.end) for s in plan.stages] if isinstance(plan, Plan) else plan
+    meta = {"stages": ",".join(f"{a}-{b}" for a, b in pairs), **(extra or {})}
+    if model is not None:
+        meta["model"] = model.model_dump_json()
+    save_checkpoint(bus, store_node, job_id, LAYOUT, version, {}, meta=meta, timeout_s=timeout_s)
 
 
 def load_layout(bus: Bus, store_node: str, job_id: str, version: int, *,
                 timeout_s: float = 60.0) -> list[tuple[int, int]]:
     """The unit range [start, end) of every stage of ``version`` of ``job_id``, by stage index. Raises
     CheckpointError when the store has no layout for it or the layout is malformed."""
+    return load_layout_meta(bus, store_node, job_id, version, timeout_s=timeout_s)[0]
+
+
+def load_layout_meta(bus: Bus, store_node: str, job_id: str, version: int, *,
+                     timeout_s: float = 60.0) -> tuple[list[tuple[int, int]], dict[str, str]]:
+    """``load_layout`` and the layout's whole meta (``stages``, ``model`` and whatever else was saved with it, as
+    strings)."""
     info, _ = load_checkpoint(bus, store_node, job_id, LAYOUT, version, timeout_s=timeout_s)
+    meta = {k: str(v) for k, v in info.meta.items()}
     text = info.meta.get("stages")
     try:
         ranges = [(int(a), int(b)) for a, b in (r.split("-") for r in str(text).split(","))]
@@ -54,4 +69,4 @@ def load_layout(bus: Bus, store_node: str, job_id: str, version: int, *,
     if not ranges or ranges[0][0] != 0 or any(b <= a for a, b in ranges) or \
             any(ranges[k][1] != ranges[k + 1][0] for k in range(len(ranges) - 1)):
         raise CheckpointError(f"the layout of {job_id} version {version} does not cut the model in order: {text!r}")
-    return ranges
+    return ranges, meta

@@ -19,7 +19,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus
 from edgeswarm.errors import BusError, EdgeswarmError
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest
-from edgeswarm.messages.training import StageSaved
+from edgeswarm.messages.training import CheckpointSource, StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
@@ -200,7 +200,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
         if resume is None:
             driver = JobDriver(bus, job, plan, loss_terms=loss_terms, timeout_s=timeout_s, cancel=cancel,
                                detector=detector)
-            driver.deploy()
+            driver.deploy(checkpoint=_initial(bus, job, store_node))
             seen.deployed()
             result = JobResult(plan, comparison)
             start = saved_version = 0
@@ -245,12 +245,27 @@ def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, 
     if failures and job.recovery == "none":
         raise DeviceLost(f"job {job.name}: {', '.join(failures)} left while no coordinator ran it", failures)
     return recover(driver, failures, resume.rounds_done, cluster, job.recovery,
-                   _checkpoint(store_node, resume.saved_version))
+                   _checkpoint(store_node, resume.saved_version, job))
 
 
-def _checkpoint(store_node: str | None, saved_version: int) -> tuple[str, int] | None:
-    """What ``recover`` may go back to: the store's node and the last version saved, if any was."""
-    return (store_node, saved_version) if store_node and saved_version else None
+def _initial(bus: Bus, job: JobSpec, store_node: str | None) -> CheckpointSource | None:
+    """Where the stages of a job that starts from a file load it (version 0 of its checkpoints); None: the seed."""
+    if job.init is None:
+        return None
+    if store_node is None:
+        raise JobError(f"job {job.name} starts from {job.init.file}, which needs the checkpoint store")
+    from edgeswarm.training.initial import InitError, initial_checkpoint
+
+    try:
+        return initial_checkpoint(bus, store_node, job)
+    except InitError as exc:
+        raise JobError(str(exc)) from None
+
+
+def _checkpoint(store_node: str | None, saved_version: int, job: JobSpec) -> tuple[str, int] | None:
+    """What ``recover`` may go back to: the store's node and the last version saved, if any was (version 0 is the
+    file a job started from)."""
+    return (store_node, saved_version) if store_node and (saved_version or job.init is not None) else None
 
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
@@ -327,7 +342,7 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
             else:
                 log.warning("%s: replaying from the last snapshots", exc)
             driver, report_ = recover(driver, failures, index, cluster, job.recovery,
-                                      _checkpoint(store_node, saved_version))
+                                      _checkpoint(store_node, saved_version, job))
             cluster = cluster.without(*report_.failed)  # a later recovery must not plan on them
             result.recoveries.append(report_)
             result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
