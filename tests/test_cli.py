@@ -100,12 +100,15 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     assert nodes["tx2-0"]["device_class"] == "jetson-tx2" and nodes["nano-2"]["device_class"] == "jetson-nano"
     assert all(n["state"] == "online" for n in nodes.values())
     assert sorted(s["service"] for s in nodes["hub"]["services"]) == sorted(HUB_SERVICES)
+    # Emulated Jetsons compute on the CPU whatever torch could use; the hub's services compute nothing.
+    assert all(nodes[n]["compute"] == "cpu" for n in nodes if n != "hub") and nodes["hub"]["compute"] == ""
 
     table = edgeswarm("status", "--hub", cluster.url).stdout
     assert "view from coordinator" in table
     for node in nodes:
         assert node in table
     assert "heartbeat age" in table and "online" in table
+    assert re.search(r"tx2-0\s*[│|]\s*jetson-tx2\s*[│|]\s*cpu\s*[│|]", table), table
 
     # A plain MQTT tool sees the retained statuses.
     mosquitto_sub = shutil.which("mosquitto_sub")

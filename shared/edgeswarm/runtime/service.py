@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from edgeswarm import __version__, topics
 from edgeswarm.bus import Bus, Inbound
@@ -32,6 +32,9 @@ from edgeswarm.metrics import Metrics
 from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 from edgeswarm.wire import Sender
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class Service:
     """Subclass, set ``name``, register handlers in ``setup()`` and periodic work with ``every()``."""
 
     name: ClassVar[str] = ""
+    # A service that computes (a worker, the profiler) resolves EDGESWARM_COMPUTE when it is made, so a device it
+    # cannot use stops it before it connects; the others never import torch for it.
+    computes: ClassVar[bool] = False
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -59,6 +65,14 @@ class Service:
         self.instance = uuid.uuid4().hex[:12]
         self.sender = Sender(node=self.node, service=self.name, instance=self.instance)
         self.device = DeviceProfile.from_settings(settings)
+        self.compute: torch.device | None = None
+        self.compute_description = ""
+        if self.computes:
+            from edgeswarm.devices.compute import describe, resolve_compute, with_accelerator_budget
+
+            self.compute = resolve_compute(settings.compute, self.device)
+            self.device = with_accelerator_budget(self.device, self.compute, settings.memory_budget_bytes is not None)
+            self.compute_description = describe(self.compute)
         self.metrics = Metrics()
         self.started_at = time.time()
         self._started_mono = time.monotonic()
@@ -105,8 +119,10 @@ class Service:
             self._announce()
             self.bus.on_reconnect(self._announce)
             creds = self.bus.credentials
-            log.info("%s %s started as instance %s (device class %s, hub %s, data plane %s, %s)", self.name,
-                     __version__, self.instance, self.device.device_class, self.bus.hub.url,
+            log.info("%s %s started as instance %s (device class %s%s, hub %s, data plane %s, %s)", self.name,
+                     __version__, self.instance, self.device.device_class,
+                     f", computing on {self.compute_description}" if self.compute_description else "",
+                     self.bus.hub.url,
                      parse_broker_url(self.settings.data_plane_url).url,
                      f"user {creds.username}" if creds.username else
                      "client certificate" if creds.cert_file else "anonymous")
@@ -145,6 +161,7 @@ class Service:
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             started_at=self.started_at,
             reason=reason,
+            compute=self.compute_description,
         )
 
     def _announce(self) -> None:
