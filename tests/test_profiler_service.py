@@ -119,8 +119,8 @@ def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path)
         try:
             watcher = ClusterWatcher(bus)
             watcher.wait(settle_s=0.2, devices=3, timeout_s=30)
-            # A device is online with its node agent; its profiler (which resolves its compute device with torch
-            # at start) may come later, and a request sent before it subscribed would be lost.
+            # A device is online with its node agent; its profiler may come later (on a native device it asks
+            # torch which accelerator there is first), and a request sent before it subscribed would be lost.
             assert wait_for_service(watcher, "profiler", nodes, 60) == []
             profile = gather_cluster_profile(bus, TINY_MLP, nodes, [1, 4], timeout_s=90,
                                              progress=lambda n, f, _m: seen.__setitem__(n, max(f, seen.get(n, 0))))

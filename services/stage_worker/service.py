@@ -35,9 +35,9 @@ class StageWorkerService(Service):
     computes = True
 
     def setup(self) -> None:
-        assert self.compute is not None  # resolved when the service was made (computes)
+        assert self.compute_name is not None  # resolved when the service was made (computes)
         context = WorkerContext(bus=self.bus, node=self.node, service=self.name, device=self.device,
-                                metrics=self.metrics, gate=ComputeGate(), compute=self.compute)
+                                metrics=self.metrics, gate=ComputeGate(), compute_name=self.compute_name)
         # The registry: one program per workload (read WAIT_S now, so a test may shorten it before setup).
         self._programs: list[WorkerProgram] = [TrainingProgram(context, wait_s=WAIT_S),
                                                ServeStageProgram(context)]

@@ -6,7 +6,9 @@ on the CPU: their slow-down scales the CPU time of the computing thread (``Devic
 accelerator's asynchronous kernels would escape. Tensors leave the compute device only at the wire
 (``to_host``), and come back to it as they arrive (``to_compute``).
 
-torch is imported by the functions that need it, so importing this module stays cheap.
+torch is imported by the functions that need it, so importing this module stays cheap, and a service that computes
+on the CPU by its settings (``cpu``, or an emulated class) decides so without importing torch at all: it starts as
+fast as before accelerators were known, and imports torch with its first job.
 """
 
 from __future__ import annotations
@@ -43,29 +45,37 @@ def resolve_compute(requested: str, device: DeviceProfile) -> torch.device:
     Raises ConfigError when ``cuda`` or ``mps`` is requested and this torch cannot use it."""
     import torch
 
+    return torch.device(compute_name(requested, device))
+
+
+def compute_name(requested: str, device: DeviceProfile) -> str:
+    """``resolve_compute``'s answer as torch spells it ("cpu", "mps", "cuda:0"), the same checks and errors, without
+    importing torch when the settings alone say the CPU (``cpu``, or an emulated class)."""
     if device.emulated:
         if requested != "cpu" and not _emulated_logged.is_set():
             _emulated_logged.set()
             log.info("device class %s is emulated: it computes on the CPU whatever EDGESWARM_COMPUTE says (%s), "
                      "since its slow-down scales CPU time", device.device_class, requested)
-        return torch.device("cpu")
+        return "cpu"
+    if requested == "cpu":
+        return "cpu"
+    if requested not in ("auto", "cuda", "mps"):
+        raise ConfigError(f"EDGESWARM_COMPUTE={requested!r} is not one of auto, cpu, cuda, mps")
+    import torch
+
     cuda, mps = torch.cuda.is_available(), _mps_available()
     if requested == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("mps" if mps else "cpu")
+        return f"cuda:{torch.cuda.current_device()}" if cuda else "mps" if mps else "cpu"
     if requested == "cuda":
         if not cuda:
             # One short line: the CLI prints it as the service's only words.
             raise ConfigError(f"EDGESWARM_COMPUTE=cuda, but torch {torch.__version__} cannot use CUDA "
                               f"({_cuda_absence()}); install a CUDA torch or set EDGESWARM_COMPUTE=auto or cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    if requested == "mps":
-        if not mps:
-            raise ConfigError("EDGESWARM_COMPUTE=mps, but this torch cannot use MPS (macOS 12.3+ on Apple silicon); "
-                              "set EDGESWARM_COMPUTE=auto or cpu")
-        return torch.device("mps")
-    if requested == "cpu":
-        return torch.device("cpu")
-    raise ConfigError(f"EDGESWARM_COMPUTE={requested!r} is not one of auto, cpu, cuda, mps")
+        return f"cuda:{torch.cuda.current_device()}"
+    if not mps:
+        raise ConfigError("EDGESWARM_COMPUTE=mps, but this torch cannot use MPS (macOS 12.3+ on Apple silicon); "
+                          "set EDGESWARM_COMPUTE=auto or cpu")
+    return "mps"
 
 
 def _mps_available() -> bool:
@@ -83,16 +93,20 @@ def _cuda_absence() -> str:
     return f"CUDA {torch.version.cuda} build, no GPU or driver found"
 
 
-def describe(compute: torch.device) -> str:
-    """What ``compute`` is, for the status and logs: ``cpu``, ``mps``, ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+def describe(compute: torch.device | str) -> str:
+    """What ``compute`` (a torch device or its name) is, for the status and logs: ``cpu``, ``mps``,
+    ``cuda:0 (NVIDIA H100 80GB HBM3)``."""
+    if _kind(compute) != "cuda":
+        return str(compute)[:MAX_DESCRIPTION]
     import torch
 
-    if compute.type == "cuda":
-        index = compute.index if compute.index is not None else torch.cuda.current_device()
-        text = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    else:
-        text = str(compute)
-    return text[:MAX_DESCRIPTION]
+    on = torch.device(compute)
+    index = on.index if on.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"[:MAX_DESCRIPTION]
+
+
+def _kind(compute: torch.device | str) -> str:
+    return str(compute).split(":", 1)[0]
 
 
 def is_accelerator(compute: torch.device) -> bool:
@@ -111,18 +125,18 @@ def synchronize(compute: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def accelerator_free_bytes(compute: torch.device) -> int | None:
+def accelerator_free_bytes(compute: torch.device | str) -> int | None:
     """Free memory of ``compute``'s accelerator in bytes (``torch.cuda.mem_get_info``), None for the CPU and MPS
     (whose memory is the host's)."""
+    if _kind(compute) != "cuda":
+        return None
     import torch
 
-    if compute.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(compute)
+    free, _total = torch.cuda.mem_get_info(torch.device(compute))
     return int(free)
 
 
-def with_accelerator_budget(device: DeviceProfile, compute: torch.device, budget_set: bool) -> DeviceProfile:
+def with_accelerator_budget(device: DeviceProfile, compute: torch.device | str, budget_set: bool) -> DeviceProfile:
     """``device`` computing on ``compute``: on CUDA its memory figures become the accelerator's (the budget
     ``ACCELERATOR_BUDGET_SHARE`` of the free memory now, unless EDGESWARM_MEMORY_BUDGET_BYTES set it:
     ``budget_set``); elsewhere ``device`` unchanged."""

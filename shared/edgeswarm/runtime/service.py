@@ -65,14 +65,15 @@ class Service:
         self.instance = uuid.uuid4().hex[:12]
         self.sender = Sender(node=self.node, service=self.name, instance=self.instance)
         self.device = DeviceProfile.from_settings(settings)
-        self.compute: torch.device | None = None
+        self.compute_name: str | None = None  # the torch device's name ("cpu", "cuda:0"); None: computes nothing
         self.compute_description = ""
         if self.computes:
-            from edgeswarm.devices.compute import describe, resolve_compute, with_accelerator_budget
+            from edgeswarm.devices.compute import compute_name, describe, with_accelerator_budget
 
-            self.compute = resolve_compute(settings.compute, self.device)
-            self.device = with_accelerator_budget(self.device, self.compute, settings.memory_budget_bytes is not None)
-            self.compute_description = describe(self.compute)
+            self.compute_name = compute_name(settings.compute, self.device)
+            self.device = with_accelerator_budget(self.device, self.compute_name,
+                                                  settings.memory_budget_bytes is not None)
+            self.compute_description = describe(self.compute_name)
         self.metrics = Metrics()
         self.started_at = time.time()
         self._started_mono = time.monotonic()
@@ -96,6 +97,16 @@ class Service:
     def every(self, interval_s: float, fn: Callable[[], None], name: str = "") -> None:
         """Run ``fn`` every ``interval_s`` seconds on the main thread; a failure is logged and counted."""
         self._periodic.append(_Periodic(name or getattr(fn, "__name__", "task"), interval_s, fn))
+
+    @property
+    def compute(self) -> torch.device | None:
+        """The torch device this service computes on (EDGESWARM_COMPUTE, resolved when it was made), None when it
+        computes nothing. torch is imported on first use."""
+        if self.compute_name is None:
+            return None
+        import torch
+
+        return torch.device(self.compute_name)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
