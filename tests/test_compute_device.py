@@ -159,3 +159,20 @@ def test_units_timed_on_an_accelerator_are_another_cache_key(monkeypatch: pytest
     assert timing.host_description(gpu)["compute"] == "cuda:0 (a GPU)"
     assert timing.host_fingerprint(gpu) != timing.host_fingerprint()
     assert timing.device_fingerprint(_native(), gpu) != timing.device_fingerprint(_native())
+
+
+def test_the_cluster_view_takes_a_nodes_compute_device_from_the_services_that_compute() -> None:
+    from edgeswarm.membership import MembershipTable
+
+    def status(service: str, compute: str = "", state: str = "online") -> Status:
+        return Status(state=state, node="jetson-1", service=service, instance=service[:8], version="1", host="h",
+                      pid=1, device_class="native", memory_budget_bytes=100, free_memory_bytes=50,
+                      data_url="mqtt://x:1", heartbeat_interval_s=1.0, started_at=0.0, compute=compute)
+
+    table = MembershipTable()
+    table.apply_status(status("node-agent"), at=1.0)
+    assert table.view(1.5).nodes[0].compute == ""
+    table.apply_status(status("profiler", "cuda:0 (Orin)", state="offline"), at=1.0)
+    table.apply_status(status("stage-worker", "cuda:0 (Orin)"), at=1.0)
+    node = table.view(1.5).nodes[0]
+    assert node.compute == "cuda:0 (Orin)" and node.device_class == "native"
