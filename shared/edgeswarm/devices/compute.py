@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from edgeswarm.errors import ConfigError
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from edgeswarm.devices.emulation import DeviceProfile
 
 log = logging.getLogger(__name__)
-
-ComputeSetting = Literal["auto", "cpu", "cuda", "mps"]
 
 MAX_DESCRIPTION = 128  # Status.compute's bound
 # Share of the accelerator's free memory at start that becomes the memory budget: the rest is headroom for the
