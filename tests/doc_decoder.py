@@ -190,7 +190,7 @@ _SERVICE_VIEW = ("record", {
 })
 _NODE_VIEW = ("record", {
     "node": "str", "state": ("enum", {"online", "suspect", "offline"}), "device_class": "str",
-    "memory_budget_bytes": "int", "free_memory_bytes": "int", "conflicts": ("list", "str"),
+    "memory_budget_bytes": "int", "free_memory_bytes": "int", "compute": "str", "conflicts": ("list", "str"),
     "services": ("list", _SERVICE_VIEW),
 })
 
@@ -210,7 +210,7 @@ _DEVICE = ("record", {
 _COMPUTE = ("record", {
     "model_fingerprint": "str", "device_fingerprint": "str", "batch_sizes": ("list", "int"),
     "forward_s": ("list", ("list", "number")), "backward_s": ("list", ("list", "number")),
-    "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number",
+    "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number", "compute": "str",
 })
 _LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number"})
 _CLUSTER = ("record", {
@@ -276,7 +276,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.status", 1): {
         "state": ("enum", {"online", "offline"}), **_IDS, "version": "str", "host": "str", "pid": "int",
         "device_class": "str", "memory_budget_bytes": "int", "free_memory_bytes": "int", "data_url": "str",
-        "heartbeat_interval_s": "number", "started_at": "number", "reason": "str?",
+        "heartbeat_interval_s": "number", "started_at": "number", "reason": "str?", "compute": "str",
     },
     ("edgeswarm.heartbeat", 1): {
         **_IDS, "seq": "int", "interval_s": "number", "uptime_s": "number", "free_memory_bytes": "int",

@@ -88,24 +88,28 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     # The hub's services come online in their own time (the coordinator imports torch), so ask until they have.
     view: dict = {}
 
-    def hub_complete() -> bool:
+    def complete() -> bool:
+        # A device counts as online with its node agent; its profiler and stage-worker may come a little later.
         nonlocal view
         view = cluster.status(devices=4)
-        hub = next((n for n in view["nodes"] if n["node"] == "hub"), {"services": []})
-        return len(hub["services"]) == len(HUB_SERVICES)
+        counts = {n["node"]: len(n["services"]) for n in view["nodes"]}
+        return counts.pop("hub", 0) == len(HUB_SERVICES) and all(c == len(DEVICE_SERVICES) for c in counts.values())
 
-    wait_until(hub_complete, 60, interval_s=1.0, message="every hub service in the view")
+    wait_until(complete, 60, interval_s=1.0, message="every service in the view")
     nodes = {n["node"]: n for n in view["nodes"]}
     assert set(nodes) == {"hub", "tx2-0", "nano-0", "nano-1", "nano-2"}
     assert nodes["tx2-0"]["device_class"] == "jetson-tx2" and nodes["nano-2"]["device_class"] == "jetson-nano"
     assert all(n["state"] == "online" for n in nodes.values())
     assert sorted(s["service"] for s in nodes["hub"]["services"]) == sorted(HUB_SERVICES)
+    # Emulated Jetsons compute on the CPU whatever torch could use; the hub's services compute nothing.
+    assert all(nodes[n]["compute"] == "cpu" for n in nodes if n != "hub") and nodes["hub"]["compute"] == ""
 
     table = edgeswarm("status", "--hub", cluster.url).stdout
     assert "view from coordinator" in table
     for node in nodes:
         assert node in table
     assert "heartbeat age" in table and "online" in table
+    assert re.search(r"tx2-0\s*[│|]\s*jetson-tx2\s*[│|]\s*cpu\s*[│|]", table), table
 
     # A plain MQTT tool sees the retained statuses.
     mosquitto_sub = shutil.which("mosquitto_sub")

@@ -19,7 +19,7 @@ from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages import Probe, ProbeReply, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.profiling.gather import gather_cluster_profile
-from edgeswarm.runtime.client import ClusterWatcher, client_bus
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
 from edgeswarm.settings import Settings
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 from helpers import FAST_ENV, wait_until
@@ -117,7 +117,11 @@ def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path)
     with LocalCluster(spec, port=0, workdir=tmp_path / "cluster", extra_env=env) as cluster:
         bus = client_bus(Settings(hub_url=cluster.hub_url))
         try:
-            ClusterWatcher(bus).wait(settle_s=0.2, devices=3, timeout_s=30)
+            watcher = ClusterWatcher(bus)
+            watcher.wait(settle_s=0.2, devices=3, timeout_s=30)
+            # A device is online with its node agent; its profiler may come later (on a native device it asks
+            # torch which accelerator there is first), and a request sent before it subscribed would be lost.
+            assert wait_for_service(watcher, "profiler", nodes, 60) == []
             profile = gather_cluster_profile(bus, TINY_MLP, nodes, [1, 4], timeout_s=90,
                                              progress=lambda n, f, _m: seen.__setitem__(n, max(f, seen.get(n, 0))))
         finally:

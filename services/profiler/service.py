@@ -7,8 +7,9 @@ publishes ProfileProgress on ``edgeswarm/node/{node}/profiler/progress``; when d
 ProfileReport retained on ``edgeswarm/node/{node}/profiler/profile/{model_fingerprint}`` and replies
 with it. A request it cannot serve gets a ProfileFailed reply; the service goes on.
 
-It also answers other profilers' link probes on its data topic (edgeswarm.profiling.links). torch is
-imported by the first profile, not at start, so the service starts as cheaply as the node agent.
+It also answers other profilers' link probes on its data topic (edgeswarm.profiling.links). Units are timed on
+the device's compute device (EDGESWARM_COMPUTE, resolved at start: a device it cannot use stops the service
+there), and on CUDA the memory budget it reports is the accelerator's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class _Job:
 
 class ProfilerService(Service):
     name = "profiler"
+    computes = True
 
     def setup(self) -> None:
         self.cache = ProfileCache(self.settings.profile_dir)
@@ -90,7 +92,7 @@ class ProfilerService(Service):
         progress = _ProgressPublisher(self, request.request_id)
         try:
             result = run_device_profile(request.model, self.device, request.batch_sizes, cache=self.cache,
-                                        method=request.method, node=self.node,
+                                        method=request.method, node=self.node, compute=self.compute,
                                         progress=lambda f, m: progress(0.9 * f if request.peers else f, m))
             links = []
             peers = [p for p in dict.fromkeys(request.peers) if p != self.node]

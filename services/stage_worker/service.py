@@ -32,10 +32,12 @@ WAIT_S = 120.0  # longest wait for one tensor or unit state from a peer before t
 
 class StageWorkerService(Service):
     name = "stage-worker"
+    computes = True
 
     def setup(self) -> None:
+        assert self.compute_name is not None  # resolved when the service was made (computes)
         context = WorkerContext(bus=self.bus, node=self.node, service=self.name, device=self.device,
-                                metrics=self.metrics, gate=ComputeGate())
+                                metrics=self.metrics, gate=ComputeGate(), compute_name=self.compute_name)
         # The registry: one program per workload (read WAIT_S now, so a test may shorten it before setup).
         self._programs: list[WorkerProgram] = [TrainingProgram(context, wait_s=WAIT_S),
                                                ServeStageProgram(context)]

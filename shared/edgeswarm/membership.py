@@ -176,6 +176,9 @@ class MembershipTable:
             free_memory_bytes=status.free_memory_bytes,
             services=tuple(sv for _, sv in entries),
             conflicts=tuple(conflicts),
+            # The node agent computes nothing: the compute device is that of a service that computes, live first.
+            compute=next((e[0].status.compute for e in sorted(entries, key=lambda e: _RANK[e[1].state])
+                          if e[0].status.compute), ""),
         )
 
     def _forget_superseded(self, status: Status, at: float) -> None:

@@ -163,12 +163,13 @@ class Settings(BaseSettings):
     # Where this node's own services connect to that broker, when it differs from the advertised address: inside a
     # compose stack the node's broker is `broker`, a name only this node's containers resolve. Unset: data_url.
     data_connect_url: str | None = None
-    # Where compute runs: auto picks CUDA when torch sees a GPU, else the CPU.
-    compute: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     device_class: str = "native"
     links: dict[str, LinkSpec] = Field(default_factory=dict)
     memory_budget_bytes: int | None = Field(default=None, ge=0)
     compute_slowdown: float | None = Field(default=None, ge=1.0)
+    # Where workers and the profiler compute (edgeswarm.devices.compute): auto takes CUDA when torch can use it,
+    # else MPS, else the CPU. Emulated device classes compute on the CPU whatever this says.
+    compute: Literal["auto", "cpu", "cuda", "mps"] = "auto"
 
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_timeout_factor: float = Field(default=3.0, gt=1)

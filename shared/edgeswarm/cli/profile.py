@@ -72,8 +72,12 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from edgeswarm.devices.compute import resolve_compute, with_accelerator_budget
+
     settings = Settings(device_class=args.device_class)
     device = DeviceProfile.from_settings(settings)
+    compute = resolve_compute(settings.compute, device)  # EDGESWARM_COMPUTE, as the profiler service does
+    device = with_accelerator_budget(device, compute, settings.memory_budget_bytes is not None)
     spec = ModelSpec(name=args.model, config=parse_config(args.config))
     cache = None if args.no_cache else ProfileCache(settings.profile_dir)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
@@ -84,7 +88,8 @@ def run_profile(args: argparse.Namespace) -> int:
             bar.update(task, completed=fraction, description=message[:80])
 
         result = run_device_profile(spec, device, parse_batch_sizes(args.batch_sizes), cache=cache,
-                                    method=args.method, node=settings.node_id, progress=progress)
+                                    method=args.method, node=settings.node_id, progress=progress,
+                                    compute=compute)
     profile = ClusterProfile(model=result.model,
                              devices=[DeviceProfileEntry(device=result.device, compute=result.compute)])
     text = profile.model_dump_json(indent=2)
@@ -129,7 +134,8 @@ def summary_line(result: DeviceProfileResult) -> str:
     return (f"{model.model.name}: {len(model.units)} units, {weights / 1e6:.2f} MB of weights, "
             f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
             f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training on {device.node} as "
-            f"{device.device_class}{ratio}; memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
+            f"{device.device_class} (computing on {compute.compute}){ratio}; "
+            f"memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
 
 
 def memory_line(result: DeviceProfileResult) -> str:

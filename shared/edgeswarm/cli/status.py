@@ -49,14 +49,16 @@ def run_status(args: argparse.Namespace) -> int:
 def status_table(view: ClusterView, source: ViewSource, url: str) -> Table:
     """The view as a table: one row per service instance."""
     table = Table(title=f"edgeswarm cluster at {url} ({len(view.nodes)} nodes; view from {source})")
-    for col in ("node", "class", "service", "state", "heartbeat age", "memory free / budget", "instance", "pid"):
+    for col in ("node", "class", "compute", "service", "state", "heartbeat age", "memory free / budget", "instance",
+                "pid"):
         table.add_column(col, justify="right" if col in ("heartbeat age", "pid") else "left")
     for node in view.nodes:
         for i, svc in enumerate(node.services):
             age = "-" if svc.heartbeat_age_s is None else f"{svc.heartbeat_age_s:.1f} s"
             memory = f"{node.free_memory_bytes / 2**30:.1f} / {node.memory_budget_bytes / 2**30:.1f} GiB"
             # Every string here came from the network: escaped, so a "[/x]" in it is text, not rich markup.
-            table.add_row(node.node if i == 0 else "", escape(node.device_class) if i == 0 else "", svc.service,
+            table.add_row(node.node if i == 0 else "", escape(node.device_class) if i == 0 else "",
+                          (escape(node.compute) or "-") if i == 0 else "", svc.service,
                           f"[{_STATE_STYLE[svc.state]}]{svc.state}[/]", age, memory if i == 0 else "",
                           svc.instance, str(svc.pid))
     return table

@@ -28,6 +28,8 @@ class DeviceProfile(BaseModel):
     emulated: bool
     compute_slowdown: float = Field(ge=1.0)
     memory_budget_bytes: int = Field(ge=0)
+    # The CUDA device ("cuda:0") whose memory the budget is, when the device computes on one; None: host memory.
+    accelerator: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DeviceProfile:
@@ -42,7 +44,12 @@ class DeviceProfile(BaseModel):
         )
 
     def free_memory_bytes(self) -> int:
-        """Budget left for this process: the budget minus its resident memory, capped by what the host has free."""
+        """Budget left for this process in bytes: the budget minus its resident memory, capped by what the host has
+        free; on an accelerator, minus what torch holds there, capped by the accelerator's free memory."""
+        if self.accelerator is not None:
+            from edgeswarm.devices.compute import accelerator_budget_left
+
+            return accelerator_budget_left(self.accelerator, self.memory_budget_bytes)
         return max(0, min(self.memory_budget_bytes - process_rss_bytes(), available_memory_bytes()))
 
     @property

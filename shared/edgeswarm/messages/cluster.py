@@ -29,7 +29,8 @@ class ServiceView(BaseModel):
 
 
 class NodeView(BaseModel):
-    """One node: its device class, memory (bytes) and services. ``state`` is its best service's state."""
+    """One node: its device class, memory (bytes) and services. ``state`` is its best service's state; ``compute``
+    the device its computing services run on ("cpu", "cuda:0 (...)"; empty when none of them says)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +41,7 @@ class NodeView(BaseModel):
     free_memory_bytes: int = Field(ge=0)
     services: tuple[ServiceView, ...]
     conflicts: tuple[str, ...] = ()
+    compute: str = Field(default="", max_length=128)
 
 
 @schema("edgeswarm.cluster_view", 1)

@@ -14,8 +14,11 @@ class Status(Message):
     """Retained on ``edgeswarm/node/{node}/{service}/status``; the Last Will sets ``state=offline``.
 
     ``data_url`` is the broker that tensors for this service must be published to (DESIGN.md
-    principle 3). Memory figures are bytes; ``heartbeat_interval_s`` is seconds. The strings are bounded
-    because the coordinator keeps every status it accepts and republishes it in the cluster view.
+    principle 3). Memory figures are bytes (the accelerator's when the service computes on CUDA);
+    ``heartbeat_interval_s`` is seconds. ``compute`` is the device the service computes on ("cpu",
+    "cuda:0 (NVIDIA ...)"), empty for a service that does not compute (and in statuses from before the field). The
+    strings are bounded because the coordinator keeps every status it accepts and republishes it in the cluster
+    view.
     """
 
     state: Literal["online", "offline"]
@@ -32,6 +35,7 @@ class Status(Message):
     heartbeat_interval_s: float = Field(gt=0)
     started_at: float
     reason: str | None = Field(default=None, max_length=512)
+    compute: str = Field(default="", max_length=128)
 
 
 @schema("edgeswarm.heartbeat", 1)

@@ -1,9 +1,11 @@
 """The compute profiler core: per-unit sizes, FLOPs, saved activations and forward/backward times of a model.
 
-Units are those of edgeswarm.models.sequence. Everything runs in training mode on the CPU, the way a stage
-worker trains: forward times include autograd recording, backward times cover the input gradient and the
-weight gradients. Times are medians in seconds on a grid of batch sizes and are kept as measured, because
-they are not linear in the batch size (Asteroid spec section 2.1).
+Units are those of edgeswarm.models.sequence. Everything runs in training mode, the way a stage worker trains:
+forward times include autograd recording, backward times cover the input gradient and the weight gradients. Units
+are timed on the device the worker computes on (``compute``: the CPU, or CUDA, synchronised around every timed
+call and warmed up first so the first use of kernels and the allocator is not counted); sizes are measured on the
+CPU, so a model's profile is the same on every device. Times are medians in seconds on a grid of batch sizes and
+are kept as measured, because they are not linear in the batch size (Asteroid spec section 2.1).
 
 Two ways to get a device's times: "measured" (every unit timed through the device's ``runner``, which on an
 emulated device sleeps to look slower) and "calibrated" (the host measured once, then scaled by the device's
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgeswarm.devices.compute import describe, is_accelerator, synchronize
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitProfilingError
 from edgeswarm.models.saved import saved_for_backward
@@ -44,6 +47,9 @@ Progress = Callable[[float, str], None]
 # Batch sizes of the size pass: activation memory is fitted as fixed + per_sample * b through these two.
 # Two samples rather than one so that BatchNorm on 1x1 feature maps still runs in training mode.
 _SIZE_BATCHES = (2, 4)
+# Untimed runs of each unit on an accelerator, at least: its first calls pick kernels (cuDNN) and grow the caching
+# allocator, which later calls never pay again.
+ACCELERATOR_WARMUP = 3
 
 
 # --- fingerprints ----------------------------------------------------------------------------------------
@@ -62,31 +68,37 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_description() -> dict[str, str | int]:
-    """What the host fingerprint is made of: CPU model, architecture, core count, torch threads, torch version."""
-    return {
+def host_description(compute: torch.device | None = None) -> dict[str, str | int]:
+    """What the host fingerprint is made of: CPU model, architecture, core count, torch threads, torch version,
+    and the accelerator units are timed on (``compute``) unless that is the CPU (so CPU fingerprints are those of
+    profiles measured before accelerators were)."""
+    description: dict[str, str | int] = {
         "cpu": _cpu_model(),
         "machine": platform.machine(),
         "cores": os.cpu_count() or 0,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    if compute is not None and compute.type != "cpu":
+        description["compute"] = describe(compute)
+    return description
 
 
 def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def host_fingerprint() -> str:
-    """16 hex digits identifying the host's compute (CPU model, cores, torch threads, torch version): hosts with
-    the same fingerprint can share compute profiles."""
-    return _digest(host_description())
+def host_fingerprint(compute: torch.device | None = None) -> str:
+    """16 hex digits identifying the host's compute (CPU model, cores, torch threads, torch version, and the
+    accelerator ``compute`` when it is one): hosts with the same fingerprint can share compute profiles."""
+    return _digest(host_description(compute))
 
 
-def device_fingerprint(device: DeviceProfile) -> str:
-    """16 hex digits identifying a device's compute: the host fingerprint plus the device class, compute
-    slow-down and emulated flag. The memory budget is left out: it does not change timings."""
-    return _digest({"host": host_description(), "device_class": device.device_class,
+def device_fingerprint(device: DeviceProfile, compute: torch.device | None = None) -> str:
+    """16 hex digits identifying a device's compute: the host fingerprint (with ``compute``, the device it computes
+    on) plus the device class, compute slow-down and emulated flag. The memory budget is left out: it does not
+    change timings."""
+    return _digest({"host": host_description(compute), "device_class": device.device_class,
                     "slowdown": device.compute_slowdown, "emulated": device.emulated})
 
 
@@ -105,20 +117,30 @@ def torch_threads(count: int | None) -> Iterator[None]:
 # --- measurement helpers ---------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], object], runner: Runner[Any] | None) -> float:
-    """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count)."""
+def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.device | None = None) -> float:
+    """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count). On an accelerator
+    (``compute``) the work queued before is waited for first and the call's own kernels before the clock stops."""
+    call = fn
+    if compute is not None:
+        synchronize(compute)
+
+        def call() -> None:
+            fn()
+            synchronize(compute)
+
     start = time.perf_counter()
     if runner is None:
-        fn()
+        call()
     else:
-        runner(fn)
+        runner(call)
     return time.perf_counter() - start
 
 
-def _median_time(fn: Callable[[], object], runner: Runner[Any] | None, repeats: int, warmup: int) -> float:
+def _median_time(fn: Callable[[], object], runner: Runner[Any] | None, repeats: int, warmup: int,
+                 compute: torch.device | None = None) -> float:
     for _ in range(warmup):
         fn()
-    return statistics.median(_timed(fn, runner) for _ in range(repeats))
+    return statistics.median(_timed(fn, runner, compute) for _ in range(repeats))
 
 
 def _stage_input(prev: torch.Tensor) -> torch.Tensor:
@@ -193,6 +215,7 @@ def profile_model(
     warmup: int = 1,
     device_fingerprint: str | None = None,
     progress: Progress | None = None,
+    compute: torch.device | None = None,
 ) -> tuple[ModelProfile, ComputeProfile]:
     """Profile every unit of zoo model ``spec`` in training mode.
 
@@ -208,8 +231,12 @@ def profile_model(
     random grad_out, the input requiring grad. Each timed call goes through ``runner`` when given (for example
     DeviceProfile.run, whose sleeps then count): method "measured".
 
-    ``device_fingerprint`` labels the ComputeProfile (default: host_fingerprint(); pass
-    device_fingerprint(device) when timing through an emulated device's runner). ``progress(fraction,
+    ``compute`` is the torch device units are timed on (default the CPU); on an accelerator every timed call is
+    synchronised and at least ACCELERATOR_WARMUP untimed runs come first. Sizes are always measured on the CPU.
+    The ComputeProfile records ``compute`` (its ``compute`` field).
+
+    ``device_fingerprint`` labels the ComputeProfile (default: host_fingerprint(compute); pass
+    device_fingerprint(device, compute) when timing through an emulated device's runner). ``progress(fraction,
     message)`` is called after every unit of every pass. Raises BatchSizeError for a missing or invalid grid,
     ConfigError for a bad spec or repeats/warmup, UnitProfilingError when a unit fails to run.
     """
@@ -232,16 +259,22 @@ def profile_model(
         if progress is not None:
             progress(done / total_steps, message)
 
-    log.info("profiling %s: %d units, batch sizes %s, %d repeats", spec.name, len(stages), grid, repeats)
+    on = compute if compute is not None else torch.device("cpu")
+    accelerated = on if is_accelerator(on) else None
+    if accelerated is not None:
+        warmup = max(warmup, ACCELERATOR_WARMUP)
+    log.info("profiling %s on %s: %d units, batch sizes %s, %d repeats", spec.name, describe(on), len(stages), grid,
+             repeats)
     sizes = _size_pass(spec, stages, names, step)
+    stages = [stage.to(on) for stage in stages]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # on the CPU: the same gradients whatever device times them
     for b in grid:
-        x = example_input(spec, b)
+        x = example_input(spec, b).to(on)
         for i, stage in enumerate(stages):
             try:
-                fwd, bwd, x = _time_unit(stage, _stage_input(x), runner, repeats, warmup, gen)
+                fwd, bwd, x = _time_unit(stage, _stage_input(x), runner, repeats, warmup, gen, accelerated)
             except Exception as exc:
                 message = f"unit {i} ({names[i]}) of {spec.name} failed at batch size {b}: {exc}"
                 raise UnitProfilingError(message) from exc
@@ -256,27 +289,31 @@ def profile_model(
     fingerprint = model_fingerprint(spec)
     model_profile = ModelProfile(model=spec, fingerprint=fingerprint,
                                  input_bytes_per_sample=_nbytes(example_input(spec, 1)), units=units)
-    compute = ComputeProfile(model_fingerprint=fingerprint, device_fingerprint=device_fingerprint or host_fingerprint(),
-                             batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, method="measured")
+    timings = ComputeProfile(model_fingerprint=fingerprint,
+                             device_fingerprint=device_fingerprint or host_fingerprint(on),
+                             batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, method="measured",
+                             compute=describe(on))
     log.info("profiled %s in %.1f s", spec.name, time.perf_counter() - started)
-    return model_profile, compute
+    return model_profile, timings
 
 
 def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
-               gen: torch.Generator) -> tuple[float, float, torch.Tensor]:
-    """Median forward and backward seconds of one unit on input ``x``, and its output (detached)."""
+               gen: torch.Generator, accelerated: torch.device | None = None) -> tuple[float, float, torch.Tensor]:
+    """Median forward and backward seconds of one unit on input ``x`` (on the unit's device; ``accelerated`` when
+    that is an accelerator, to synchronise with), and its output (detached)."""
     out = stage(x)
     recorded = out.detach()
-    fwd = _median_time(lambda: stage(x), runner, repeats, warmup)
+    fwd = _median_time(lambda: stage(x), runner, repeats, warmup, accelerated)
     if not out.requires_grad:
         # Nothing to differentiate (no parameters and an integer input): backward costs nothing.
         return fwd, 0.0, recorded
-    grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
     times = []
     for r in range(warmup + repeats):
         out = stage(x)
         # Warm-up runs skip the runner: on an emulated device its sleeps would only waste time.
-        elapsed = _timed(lambda o=out: torch.autograd.backward(o, grad_out), runner if r >= warmup else None)
+        elapsed = _timed(lambda o=out: torch.autograd.backward(o, grad_out), runner if r >= warmup else None,
+                         accelerated)
         _clear_grads(stage, x)
         if r >= warmup:
             times.append(elapsed)
@@ -371,4 +408,5 @@ def calibrated_profile(native: ComputeProfile, ratio: float, device_fingerprint:
         backward_s=[[t * ratio for t in row] for row in native.backward_s],
         method="calibrated",
         speed_ratio=native.speed_ratio * ratio,
+        compute=native.compute,
     )

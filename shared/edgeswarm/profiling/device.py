@@ -8,6 +8,11 @@ Two methods (``ComputeProfile.method``):
   under the host's fingerprint and shared by every emulated device on it), then scaled by the
   device's speed ratio, measured with ``measure_speed_ratio(device.run)``.
 
+Units are timed on the device's compute device (``compute``: CUDA on a real board with one), which is part of
+the fingerprints the cache is keyed by, so a profile measured on the CPU is never reused for CUDA or the other
+way round; the profile records it (``ComputeProfile.compute``). The memory budget reported is the device's, which
+on CUDA is the accelerator's (``edgeswarm.devices.compute.with_accelerator_budget``).
+
 Nothing here reads the emulation settings (the slow-down factor): the device is only ever *run*
 (DESIGN.md principle 7). torch is imported on first use, so importing this module is cheap.
 """
@@ -17,13 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError, ProfileRequestError
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.values.limits import MAX_BATCH_GRID, MAX_BATCH_SIZE
 from edgeswarm.values.profiles import ComputeProfile, DeviceInfo, ModelProfile, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +88,9 @@ def compute_flops(model: ModelProfile, compute: ComputeProfile) -> float:
 def run_device_profile(spec: ModelSpec, device: DeviceProfile, batch_sizes: Sequence[int], *,
                        cache: ProfileCache | None, method: Method = "calibrated", node: str = "local",
                        progress: Progress | None = None, repeats: int = 3, warmup: int = 1,
-                       ratio_repeats: int = 5) -> DeviceProfileResult:
-    """Profile ``spec`` on ``device`` (named ``node`` in the result) at ``batch_sizes``.
+                       ratio_repeats: int = 5, compute: torch.device | None = None) -> DeviceProfileResult:
+    """Profile ``spec`` on ``device`` (named ``node`` in the result) at ``batch_sizes``, its units timed on
+    ``compute`` (the torch device it computes on; default the CPU).
 
     Cached figures are used when the cache has them for this model, device and method at every
     requested batch size; whatever is measured is stored. ``repeats`` and ``warmup`` are the timed and
@@ -99,15 +108,15 @@ def run_device_profile(spec: ModelSpec, device: DeviceProfile, batch_sizes: Sequ
     # Emulated devices compute on one thread (DeviceProfile.compute_threads), so they are timed on one too.
     with timing.torch_threads(device.compute_threads):
         return _profile(spec, mfp, device, sizes, cache=cache, method=method, node=node, report=report,
-                        repeats=repeats, warmup=warmup, ratio_repeats=ratio_repeats)
+                        repeats=repeats, warmup=warmup, ratio_repeats=ratio_repeats, compute=compute)
 
 
 def _profile(spec: ModelSpec, mfp: str, device: DeviceProfile, sizes: list[int], *, cache: ProfileCache | None,
              method: Method, node: str, report: Progress, repeats: int, warmup: int,
-             ratio_repeats: int) -> DeviceProfileResult:
+             ratio_repeats: int, compute: torch.device | None) -> DeviceProfileResult:
     from edgeswarm.profiling import compute as timing
 
-    dfp = timing.device_fingerprint(device)
+    dfp = timing.device_fingerprint(device, compute)
 
     model = cache.model(mfp) if cache else None
     compute = cache.compute(mfp, dfp, method, sizes) if cache else None
@@ -117,23 +126,26 @@ def _profile(spec: ModelSpec, mfp: str, device: DeviceProfile, sizes: list[int],
 
     if method == "measured":
         report(0.0, f"timing every unit of {spec.name} on {device.device_class}")
-        model, compute = timing.profile_model(spec, sizes, runner=device.run, repeats=repeats, warmup=warmup,
-                                              device_fingerprint=dfp, progress=_scaled(report, 0.0, 1.0))
+        model, timings = timing.profile_model(spec, sizes, runner=device.run, repeats=repeats, warmup=warmup,
+                                              device_fingerprint=dfp, progress=_scaled(report, 0.0, 1.0),
+                                              compute=compute)
     else:
-        hfp = timing.host_fingerprint()
+        hfp = timing.host_fingerprint(compute)
         native = cache.compute(mfp, hfp, "measured", sizes) if cache else None
         if model is None or native is None:
             report(0.0, f"timing every unit of {spec.name} natively (once per host)")
             model, native = timing.profile_model(spec, sizes, repeats=repeats, warmup=warmup,
-                                                 device_fingerprint=hfp, progress=_scaled(report, 0.0, 0.8))
+                                                 device_fingerprint=hfp, progress=_scaled(report, 0.0, 0.8),
+                                                 compute=compute)
             _store(cache, model, native)
         report(0.8, f"measuring the speed of {device.device_class} against the host")
+        # On the CPU, where an emulated slow-down acts (an accelerator's device is never emulated: about 1).
         ratio = timing.measure_speed_ratio(device.run, repeats=ratio_repeats)
-        compute = timing.calibrated_profile(native, ratio, dfp)
+        timings = timing.calibrated_profile(native, ratio, dfp)
         log.info("%s on %s: speed ratio %.2f against the host", spec.name, device.device_class, ratio)
-    _store(cache, model, compute)
+    _store(cache, model, timings)
     report(1.0, f"{spec.name} on {device.device_class}: profiled ({method})")
-    return DeviceProfileResult(model, compute, _device_info(node, device, dfp, model, compute), False)
+    return DeviceProfileResult(model, timings, _device_info(node, device, dfp, model, timings), False)
 
 
 def _device_info(node: str, device: DeviceProfile, fingerprint: str, model: ModelProfile,

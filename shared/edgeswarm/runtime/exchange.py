@@ -12,6 +12,10 @@ for one job:
 * Out: ``send`` queues a tensor on the outbox of its peer (one thread per peer, so links carry traffic at the
   same time and each keeps its order); a send that fails fails its scope.
 
+Tensors cross between the compute device and host memory here only: a tensor taken by ``wait`` is moved to the
+exchange's ``compute`` device, and ``send`` copies one to host memory (without blocking the computing thread on
+CUDA: the peer's outbox thread waits for the copy before it reads the bytes).
+
 ``tensor_problem`` is the shape and dtype check a data-plane handler applies before it ``put``s a tensor, so a
 bad tensor is refused with a reason before anything is allocated from it.
 """
@@ -21,10 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from edgeswarm.devices.compute import to_compute, to_host
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.runtime.outbox import Outbox
 
@@ -67,12 +72,14 @@ class TensorExchange(Generic[K]):
     ``bus`` sends (its ``send_tensor``) to ``service`` on each peer node; ``wait_s`` is the longest wait for one
     tensor, in seconds; ``name`` says whose exchange it is in logs; ``scope_name`` names a scope in error messages
     ("round" gives "round 3 aborted: ..."). A key's ``str`` should say what tensor it is ("activation tensor
-    (round 3, ...)"): the timeout names it.
+    (round 3, ...)"): the timeout names it. ``compute`` is the device ``wait`` hands tensors over on (None: where
+    they arrived, in host memory).
     """
 
     def __init__(self, bus: Bus, service: str, *, wait_s: float = 120.0, name: str = "",
-                 scope_name: str = "scope") -> None:
+                 scope_name: str = "scope", compute: torch.device | None = None) -> None:
         self.wait_s = wait_s
+        self.compute = compute
         self.name = name
         self.scope_name = scope_name
         self.blocked_s = 0.0  # seconds waits have blocked, summed; the owner resets it (per round, say)
@@ -100,7 +107,8 @@ class TensorExchange(Generic[K]):
             self._changed.notify_all()
 
     def wait(self, key: K, *, rows: int | None = None, timeout_s: float | None = None) -> torch.Tensor:
-        """Take the tensor held for ``key``, waiting at most ``timeout_s`` seconds (default ``wait_s``) for it.
+        """Take the tensor held for ``key``, on the exchange's compute device, waiting at most ``timeout_s`` seconds
+        (default ``wait_s``) for it.
 
         Raises ExchangeFailed when its scope was failed, or when ``rows`` is given and the tensor has another
         number of rows (first dimension); ExchangeAborted when its scope was aborted or the exchange retired or
@@ -127,7 +135,8 @@ class TensorExchange(Generic[K]):
             self.blocked_s += time.monotonic() - started
         if rows is not None and value.shape[0] != rows:
             raise ExchangeFailed(f"a {key} of {value.shape[0]} rows where {rows} are expected")
-        return value
+        # Moved on the computing thread (the caller's), never on the bus's handler thread that put it.
+        return to_compute(value, self.compute)
 
     def fail(self, scope: Hashable, reason: str) -> None:
         """Make every wait of ``scope`` raise ExchangeFailed with ``reason`` (the first reason given is kept)."""
@@ -178,18 +187,19 @@ class TensorExchange(Generic[K]):
     def send(self, peer: str, scope: Hashable, message: Message, tensor: torch.Tensor) -> None:
         """Queue ``tensor`` with ``message`` for ``peer`` (a node) on that peer's outbox; returns at once.
 
-        The tensor is detached, moved to host memory and made contiguous here (so the caller may reuse its own
-        buffer, and an accelerator's tensor is copied once, at the wire). Sends to one peer keep their order; one
-        that fails fails ``scope``. Sending on a closed exchange is refused with ExchangeAborted.
+        The tensor is detached, moved to host memory and made contiguous here (an accelerator's tensor is copied
+        once, at the wire, into pinned memory without blocking this thread; the outbox waits for the copy). Sends
+        to one peer keep their order; one that fails fails ``scope``. Sending on a closed exchange is refused with
+        ExchangeAborted.
         """
-        wire = tensor.detach().to("cpu").contiguous()
+        wire, ready = to_host(tensor)
         with self._outbox_lock:
             if self._closed:
                 raise ExchangeAborted(f"{self.name}: the exchange is closed")
             outbox = self._outboxes.get(peer)
             if outbox is None:
                 outbox = self._outboxes[peer] = Outbox(peer, self.fail)
-        outbox.put(scope, partial(self._bus.send_tensor, peer, self._service, message, wire))
+        outbox.put(scope, partial(_send_when_ready, ready, self._bus.send_tensor, peer, self._service, message, wire))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Give every waiter up, send what is queued (each outbox waits at most ``timeout_s`` seconds), and end
@@ -207,6 +217,11 @@ class TensorExchange(Generic[K]):
 
     def _scope_text(self, scope: Hashable) -> str:
         return f"{self.scope_name} {scope}"
+
+
+def _send_when_ready(ready: Callable[[], None], send: Callable[..., object], *args: object) -> object:
+    ready()  # the host copy's bytes are all there before the bus reads them
+    return send(*args)
 
 
 class TensorView(Protocol):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from edgeswarm.bus import Bus, Inbound
     from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.metrics import Metrics
@@ -74,7 +76,9 @@ class ComputeGate:
 @dataclass(frozen=True)
 class WorkerContext:
     """What a program gets from the service it runs in: the bus, who it is (``node``, ``service``), the device it
-    computes as, the service's metrics, and the process's compute gate."""
+    computes as, the service's metrics, the process's compute gate, and ``compute_name``, the name of the torch
+    device its weights, activations, gradients and optimizer state live on (EDGESWARM_COMPUTE resolved:
+    ``edgeswarm.devices.compute``), as a torch device in ``compute``. Tensors leave it only at the wire."""
 
     bus: Bus
     node: str
@@ -82,6 +86,14 @@ class WorkerContext:
     device: DeviceProfile
     metrics: Metrics
     gate: ComputeGate
+    compute_name: str = "cpu"
+
+    @property
+    def compute(self) -> torch.device:
+        """The torch device the programs compute on (torch is imported on first use: a worker starts without it)."""
+        import torch
+
+        return torch.device(self.compute_name)
 
 
 class WorkerProgram(Protocol):

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from edgeswarm import __version__, topics
 from edgeswarm.bus import Bus, Inbound
@@ -36,6 +36,9 @@ from edgeswarm.runtime.reachability import check_advertised_data_url
 from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 from edgeswarm.wire import Sender
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class Service:
     """Subclass, set ``name``, register handlers in ``setup()`` and periodic work with ``every()``."""
 
     name: ClassVar[str] = ""
+    # A service that computes (a worker, the profiler) resolves EDGESWARM_COMPUTE when it is made, so a device it
+    # cannot use stops it before it connects; the others never import torch for it.
+    computes: ClassVar[bool] = False
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -63,6 +69,15 @@ class Service:
         self.instance = uuid.uuid4().hex[:12]
         self.sender = Sender(node=self.node, service=self.name, instance=self.instance)
         self.device = DeviceProfile.from_settings(settings)
+        self.compute_name: str | None = None  # the torch device's name ("cpu", "cuda:0"); None: computes nothing
+        self.compute_description = ""
+        if self.computes:
+            from edgeswarm.devices.compute import compute_name, describe, with_accelerator_budget
+
+            self.compute_name = compute_name(settings.compute, self.device)
+            self.device = with_accelerator_budget(self.device, self.compute_name,
+                                                  settings.memory_budget_bytes is not None)
+            self.compute_description = describe(self.compute_name)
         self.metrics = Metrics()
         self.started_at = time.time()
         self._started_mono = time.monotonic()
@@ -89,6 +104,16 @@ class Service:
         """Run ``fn`` every ``interval_s`` seconds on the main thread; a failure is logged and counted."""
         self._periodic.append(_Periodic(name or getattr(fn, "__name__", "task"), interval_s, fn))
 
+    @property
+    def compute(self) -> torch.device | None:
+        """The torch device this service computes on (EDGESWARM_COMPUTE, resolved when it was made), None when it
+        computes nothing. torch is imported on first use."""
+        if self.compute_name is None:
+            return None
+        import torch
+
+        return torch.device(self.compute_name)
+
     # --- lifecycle ----------------------------------------------------------------------------------
 
     def run(self, *, install_signals: bool = True) -> int:
@@ -112,8 +137,10 @@ class Service:
             self._announce()
             self.bus.on_reconnect(self._announce)
             creds = self.bus.credentials
-            log.info("%s %s started as instance %s (device class %s, hub %s, data plane %s, %s)", self.name,
-                     __version__, self.instance, self.device.device_class, self.bus.hub.url,
+            log.info("%s %s started as instance %s (device class %s%s, hub %s, data plane %s, %s)", self.name,
+                     __version__, self.instance, self.device.device_class,
+                     f", computing on {self.compute_description}" if self.compute_description else "",
+                     self.bus.hub.url,
                      parse_broker_url(self.settings.data_plane_url).url,
                      f"user {creds.username}" if creds.username else
                      "client certificate" if creds.cert_file else "anonymous")
@@ -152,6 +179,7 @@ class Service:
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             started_at=self.started_at,
             reason=reason,
+            compute=self.compute_description,
         )
 
     def _announce(self) -> None:

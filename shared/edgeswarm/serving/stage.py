@@ -9,6 +9,9 @@ coordinator). The coordinator's window bounds the items in flight, and the stage
 items beyond the one it computes: more is dropped and counted, never held. A newer assignment of the same job
 replaces its stage; ServeRelease drops it. Items of another epoch, from a device that is not the previous stage,
 or of the wrong dtype or shape are dropped with a rate-limited log line and a counter.
+
+The module lives on the worker's compute device (``WorkerContext.compute``): it is built and loaded on the CPU, then
+moved; items reach it through the exchange, which moves them there, and results leave it at the wire.
 """
 
 from __future__ import annotations
@@ -181,9 +184,11 @@ class ServeStageProgram:
             module = sequence.build_stage(spec.start, spec.end).eval()
         if spec.weights is not None:
             _load_weights(self.ctx, spec, module, sequence)
+        module = module.to(self.ctx.compute)
         service = "coordinator" if spec.stage == len(spec.devices) - 1 else self.ctx.service
         exchange: TensorExchange[ServeKey] = TensorExchange(self.ctx.bus, service, wait_s=IDLE_WAIT_S,
-                                                            name=f"serving job {spec.job_id}", scope_name="epoch")
+                                                            name=f"serving job {spec.job_id}", scope_name="epoch",
+                                                            compute=self.ctx.compute)
         return _Stage(spec, module, str(x.dtype).removeprefix("torch."), tuple(x.shape[1:]), static, exchange)
 
     # --- items --------------------------------------------------------------------------------------
@@ -221,7 +226,7 @@ class ServeStageProgram:
             try:
                 started = time.perf_counter()
                 with self.ctx.gate.computing(), torch.inference_mode():
-                    out = self.ctx.device.run(lambda x=x: stage.module(x))
+                    out = self.ctx.device.run(lambda x=x: _synchronized(stage.module, x, self.ctx.compute))
                 stage.compute_s += time.perf_counter() - started
                 stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
@@ -232,6 +237,16 @@ class ServeStageProgram:
                              exc)
             self.ctx.metrics.count("serve_items")
             item += 1
+
+
+def _synchronized(module: Any, x: Any, compute: Any) -> Any:
+    """``module(x)``, returning once its kernels on ``compute`` have finished, so an item's compute time (and an
+    emulated device's slow-down) covers the work, not only its launch on an accelerator."""
+    from edgeswarm.devices.compute import synchronize
+
+    out = module(x)
+    synchronize(compute)
+    return out
 
 
 def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | None:

@@ -4,6 +4,10 @@ Snapshots are this device's units at the start of a round (after the previous ro
 are a single-device stage's units sent here by that device (spec 5.3). Both are kept for the last ``KEEP``
 rounds they were taken at, so a failure while the newest backup is still on the wire can fall back one backup
 interval. A backup from an older plan epoch never replaces a newer one of the same round.
+
+Snapshots hold tensors where the stage computes (clones on its compute device, so restoring one is a device-side
+copy); backups and states from peers arrive in host memory. ``unit_state.load_units`` copies either kind into the
+stage's own tensors, so a restored stage stays on its device.
 """
 
 from __future__ import annotations

@@ -36,10 +36,13 @@ def loss_terms(labels: torch.Tensor) -> int:
 
 class StageCompute:
     """Runs units of a stage module on one device's slices. ``first`` stages take data, ``last`` stages take
-    labels and make the loss; ``loss_scale`` multiplies the summed loss (1 / loss terms per mini-batch)."""
+    labels and make the loss; ``loss_scale`` multiplies the summed loss (1 / loss terms per mini-batch).
+    ``compute`` is the torch device the module lives on: inputs, labels and gradients must be there too."""
 
-    def __init__(self, module: nn.Module, *, first: bool, last: bool, loss_scale: float = 1.0) -> None:
+    def __init__(self, module: nn.Module, *, first: bool, last: bool, loss_scale: float = 1.0,
+                 compute: torch.device | None = None) -> None:
         self.module = module
+        self.compute = compute if compute is not None else torch.device("cpu")
         self.first = first
         self.last = last
         self.loss_scale = loss_scale
@@ -115,7 +118,9 @@ class StageCompute:
         generator is restored too, so dropout masks stay those of a run without the warm-up."""
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         x = inputs if self.first or not inputs.is_floating_point() else inputs.detach().requires_grad_(True)
-        with torch.random.fork_rng(devices=[]):
+        # The accelerator's generator too: dropout there draws from it, not from the CPU's.
+        accelerator = [self.compute.index or 0] if self.compute.type == "cuda" else []
+        with torch.random.fork_rng(devices=accelerator):
             out = self.module(x)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
@@ -129,7 +134,7 @@ class StageCompute:
         """Every parameter's accumulated gradient in one flat float32 vector (zeros where there is none), in
         parameter order: what a data-parallel group sums."""
         parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.parameters()]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.compute)
 
     def set_flat_gradients(self, flat: torch.Tensor) -> None:
         """Replace the accumulated gradients by ``flat`` (the group's sum). Raises StageError on a size mismatch."""

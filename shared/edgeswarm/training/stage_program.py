@@ -19,6 +19,12 @@ The worker computes as its device class: forward, backward and the optimizer ste
 weights, gradients, optimizer state and held activations (Eq. 3), must fit the device's memory budget: a stage's
 static part is measured on torch's meta device and checked before the stage is built (stages of other jobs idle
 longest make room, or the assignment fails with the numbers), the activations as they are allocated.
+
+Weights, activations, gradients and optimizer state live on the worker's compute device (``WorkerContext.compute``:
+CUDA on a Jetson, the CPU when emulated). The stage is built and initialised on the CPU (so every replica, whatever
+it computes on, starts from the same seeded weights) and then moved; samples are generated on the CPU by id and
+moved; peers' tensors reach it through the exchange, which moves them; tensors go to host memory only at the wire
+(sends, unit states, checkpoints), and restored state is copied back into the device's tensors.
 """
 
 from __future__ import annotations
@@ -215,7 +221,8 @@ class TrainingProgram:
 
     def _exchange(self, spec: StageAssign) -> TensorExchange[TensorKey]:
         return TensorExchange(self._ctx.bus, self._ctx.service, wait_s=self._wait_s, scope_name="round",
-                              name=f"job {spec.job_id} epoch {spec.epoch} stage {spec.stage} rank {spec.rank}")
+                              name=f"job {spec.job_id} epoch {spec.epoch} stage {spec.stage} rank {spec.rank}",
+                              compute=self._ctx.compute)
 
     def _reuse(self, spec: StageAssign, old: _Stage | None) -> _Stage | None:
         """For a restore that keeps this worker's units (a recovery that moved only other devices' cut points, or
@@ -237,7 +244,7 @@ class TrainingProgram:
             for p in old.stage.parameters():
                 p.grad = None
             stage = StageCompute(old.stage.module, first=now.stage == 0, last=now.stage == last,
-                                 loss_scale=now.loss_scale)
+                                 loss_scale=now.loss_scale, compute=self._ctx.compute)
         finally:
             old.round_lock.release()
         return _Stage(spec, stage, old.optimizer, old.dataset, old.static_bytes, old.in_shape, old.out_shape,
@@ -267,14 +274,15 @@ class TrainingProgram:
         if device.compute_threads is not None:
             torch.set_num_threads(device.compute_threads)
         last = spec.stage == len(spec.groups) - 1
+        compute = self._ctx.compute
         sequence = layer_sequence(build_model(spec.model))
-        module = sequence.build_stage(spec.start, spec.end)
+        module = sequence.build_stage(spec.start, spec.end).to(compute)
         in_shape, out_shape, sample = _sample_shapes(sequence, spec)
-        stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale)
+        stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale, compute=compute)
         share = spec.shares[spec.stage][spec.rank]
         if share and not spec.restore and spec.checkpoint is None:
             # A restore skips it: the job is down until every stage is ready; the replayed round pays instead.
-            stage.warm_up(sample[:1].expand(share, *sample.shape[1:]).contiguous())
+            stage.warm_up(sample[:1].expand(share, *sample.shape[1:]).contiguous().to(compute))
         dataset = open_dataset(spec.data, spec.model) if spec.stage == 0 or last else None
         params = list(stage.parameters())
         optimizer = make_optimizer(spec.optimizer, params) if params else None  # a stage may have no weights
@@ -566,12 +574,13 @@ class TrainingProgram:
         self._ctx.bus.reply(msg, done)
 
     def _run_round(self, st: _Stage, round_index: int) -> RoundDone:
+        from edgeswarm.devices.compute import to_compute
         from edgeswarm.training.allreduce import ring_allreduce
         from edgeswarm.training.data import round_sample_ids
         from edgeswarm.training.executor import DeviceIO, Position, Recv, device_round, run_blocking
         from edgeswarm.training.routing import stage_sample_ids
 
-        spec, stage, exchange, device = st.spec, st.stage, st.exchange, self._ctx.device
+        spec, stage, exchange, device, on = st.spec, st.stage, st.exchange, self._ctx.device, self._ctx.compute
         p, r, n_stages = spec.stage, spec.rank, len(spec.groups)
         b = sum(spec.shares[0])
         ids = (round_sample_ids(round_index, b * spec.micro_batches, st.dataset.train_size, spec.seed)
@@ -581,8 +590,9 @@ class TrainingProgram:
             if ids is None or st.dataset is None:
                 return None, None
             held = stage_sample_ids(spec.shares, ids[mb * b:(mb + 1) * b])[p][r]
-            return (st.dataset.inputs(held) if p == 0 else None,
-                    st.dataset.labels(held) if p == n_stages - 1 else None)
+            # Read (or generated, seeded) on the CPU as on every device, then moved to where the stage computes.
+            return (to_compute(st.dataset.inputs(held), on) if p == 0 else None,
+                    to_compute(st.dataset.labels(held), on) if p == n_stages - 1 else None)
 
         def send(kind: str, to_stage: int, to_rank: int, mb: int, rows: Any) -> None:
             self._send(st, to_stage, to_rank, rows, round=round_index, kind=kind, micro_batch=mb)
@@ -592,11 +602,11 @@ class TrainingProgram:
             # for this call alone, and rounds of two jobs whose peers are crosswise cannot hold each other up. (A
             # build under way delays the call; that time counts as compute, as the device spent it busy.)
             with self._ctx.gate.computing():
-                return device.run(fn)
+                return device.run(partial(_synchronized, fn, on))
 
         def step() -> None:
             if st.optimizer is not None:
-                device.run(st.optimizer.step)
+                device.run(partial(_synchronized, st.optimizer.step, on))
                 st.optimizer.zero_grad(set_to_none=True)
 
         def recv(request: Recv) -> Any:
@@ -661,13 +671,14 @@ class TrainingProgram:
             self._fail(msg, body.job_id, "not_assigned", f"{self._ctx.node} holds no stage of job {body.job_id}")
             return
         from edgeswarm.checkpoints.client import save_checkpoint
+        from edgeswarm.devices.compute import host_copies
         from edgeswarm.training.layout import stage_entry
         from edgeswarm.training.unit_state import checkpoint_tensors
 
         name = stage_entry(st.spec.stage)
         # Weights, buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps) and
-        # optimizer state, the same on every replica of the group.
-        tensors = checkpoint_tensors(st.stage.module, st.optimizer)
+        # optimizer state, the same on every replica of the group; in host memory for the wire.
+        tensors = host_copies(checkpoint_tensors(st.stage.module, st.optimizer))
         try:
             info = save_checkpoint(self._ctx.bus, body.store_node, body.job_id, name, body.version, tensors)
         except EdgeswarmError as exc:
@@ -682,6 +693,16 @@ class TrainingProgram:
         self._ctx.metrics.count(f"stage_failed.{reason}")
         log.warning("job %s: %s: %s", job_id, reason, detail)
         self._ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+
+def _synchronized(fn: Any, compute: Any) -> Any:
+    """``fn()``, returning once the kernels it queued on ``compute`` have finished: a round's compute figures (and
+    the emulated slow-down) must cover the work itself, not only its launch on an accelerator."""
+    from edgeswarm.devices.compute import synchronize
+
+    result = fn()
+    synchronize(compute)
+    return result
 
 
 def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], tuple[int, ...], Any]:

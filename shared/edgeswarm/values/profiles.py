@@ -102,6 +102,7 @@ class ComputeProfile(BaseModel):
     ``batch_sizes[k]`` (ascending). Backward covers the input gradient and the weight gradients.
     ``method`` says how the times were obtained: "measured" (every unit timed on the device) or
     "calibrated" (the host's timings scaled by the device's measured speed ratio, ``speed_ratio``).
+    ``compute`` is the torch device the units were timed on ("cpu", "cuda:0 (NVIDIA ...)").
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
@@ -113,6 +114,7 @@ class ComputeProfile(BaseModel):
     backward_s: list[TimingRow] = Field(max_length=MAX_UNITS)
     method: Literal["measured", "calibrated"] = "measured"
     speed_ratio: float = Field(default=1.0, gt=0)
+    compute: str = Field(default="cpu", max_length=128)
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
