@@ -3,6 +3,7 @@ checked on any machine (CUDA itself is exercised by tests/test_gpu.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -176,3 +177,18 @@ def test_the_cluster_view_takes_a_nodes_compute_device_from_the_services_that_co
     table.apply_status(status("stage-worker", "cuda:0 (Orin)"), at=1.0)
     node = table.view(1.5).nodes[0]
     assert node.compute == "cuda:0 (Orin)" and node.device_class == "native"
+
+
+def test_bench_compute_times_a_stage_here_and_names_a_bad_stage() -> None:
+    done = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "compute", "--model", "resnet18", "--end", "3",
+                           "--batch", "2", "--repeats", "2", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["model"], report["start"], report["end"], report["batch"]) == ("resnet18", 0, 3, 2)
+    devices = [t["compute"] for t in report["timings"]]
+    assert devices[0] == "cpu" and all(t["step_s"] > 0 for t in report["timings"])
+    assert (report["speedup"] is None) == (not torch.cuda.is_available())
+    bad = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "compute", "--model", "resnet18", "--start", "5",
+                          "--end", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "a stage [5, 3) is not among them" in bad.stderr

@@ -3,22 +3,20 @@
 A stage (units [start, end) of a zoo model) runs what a stage-worker runs per micro-batch: a training forward, the
 summed cross-entropy (the last stage) or a backward from a random output gradient, on each compute device in
 turn, from the same seeded weights and inputs. Each figure is the median of ``repeats`` timed steps after
-``warmup`` untimed ones, synchronised with the device. Run it as ``python -m edgeswarm.bench.compute`` on a machine
+``warmup`` untimed ones, synchronised with the device. Run it as ``edgeswarm bench compute`` on a machine
 with CUDA (``--json`` for one JSON object); tests/test_gpu.py prints the same figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from collections.abc import Sequence
 
 import torch
 from pydantic import BaseModel
 
 from edgeswarm.devices.compute import describe, synchronize
+from edgeswarm.errors import ConfigError
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_stage_input, example_target
 from edgeswarm.training.stage import classification_loss
@@ -47,9 +45,13 @@ class StageSpeed(BaseModel):
 def time_stage(spec: ModelSpec, start: int, end: int | None, batch: int, compute: torch.device, *,
                repeats: int = 10, warmup: int = 3) -> StageTiming:
     """Time units [start, end) of ``spec`` (end None: to the last unit) on ``compute``: median seconds of a
-    training forward and backward of ``batch`` samples, after ``warmup`` untimed steps."""
+    training forward and backward of ``batch`` samples, after ``warmup`` untimed steps. Raises ConfigError for a
+    stage outside the model."""
     sequence = layer_sequence(build_model(spec))
     stop = len(sequence) if end is None else end
+    if not 0 <= start < stop <= len(sequence):
+        raise ConfigError(f"{spec.name} has units 0 to {len(sequence) - 1}: a stage [{start}, {stop}) "
+                          "is not among them")
     last = stop == len(sequence)
     module = sequence.build_stage(start, stop).train().to(compute)
     x = example_stage_input(spec, sequence, start, batch).to(compute)
@@ -102,31 +104,3 @@ def summary(speed: StageSpeed) -> str:
     if speed.speedup is not None:
         lines.append(f"  accelerator / CPU speed-up: {speed.speedup:.1f}x")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m edgeswarm.bench.compute [--model M] [--start S] [--end E] [--batch B] [--json]``."""
-    from edgeswarm.cli.console import console
-
-    parser = argparse.ArgumentParser(prog="python -m edgeswarm.bench.compute", description=__doc__)
-    parser.add_argument("--model", default="mobilenetv2")
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--end", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    speed = stage_speed(ModelSpec(name=args.model), args.start, args.end, args.batch, accelerator,
-                        repeats=args.repeats)
-    if args.json:
-        console.print_json(speed.model_dump_json())
-    else:
-        console.print(summary(speed), highlight=False)
-        if accelerator is None:
-            console.print("no CUDA device here: the CPU figure only", highlight=False)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -87,6 +87,27 @@ def report_lines(report: TransportReport) -> list[str]:
     ]
 
 
+def run_bench_compute(args: argparse.Namespace) -> int:
+    """``edgeswarm bench compute``: one stage timed on the CPU and, where torch sees one, on the CUDA device."""
+    import torch
+
+    from edgeswarm.bench.compute import stage_speed, summary
+    from edgeswarm.values.profiles import ModelSpec
+
+    if args.batch < 1 or args.repeats < 1:
+        raise ConfigError("--batch and --repeats must be at least 1")
+    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    speed = stage_speed(ModelSpec(name=args.model), args.start, args.end, args.batch, accelerator,
+                        repeats=args.repeats)
+    if args.json:
+        console.print_json(speed.model_dump_json())
+        return 0
+    console.print(summary(speed), highlight=False)
+    if accelerator is None:
+        console.print("no CUDA device here: the CPU figure only", highlight=False)
+    return 0
+
+
 def run_bench_planner(args: argparse.Namespace) -> int:
     """``edgeswarm bench planner``: planning time, then (unless --time-only) the Table 4 speed-ups."""
     from edgeswarm.bench.planner import planning_time, table4

@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     planner.add_argument("--out", default=None, help="also write the JSON report to this file")
 
+    compute = bench_sub.add_parser("compute", help="one pipeline stage's training step on this machine's accelerator "
+                                   "against its CPU, in the same run")
+    compute.add_argument("--model", default="mobilenetv2", help="a zoo model")
+    compute.add_argument("--start", type=int, default=0, help="the stage's first unit")
+    compute.add_argument("--end", type=int, default=None, help="one past the stage's last unit (default: the last)")
+    compute.add_argument("--batch", type=int, default=32, help="samples per step")
+    compute.add_argument("--repeats", type=int, default=10, help="timed steps per device (the median is shown)")
+    compute.add_argument("--json", action="store_true", help="print the figures as JSON")
+
     training = bench_sub.add_parser("training", help="hpp, dp, pp and single trained on emulated Asteroid "
                                     "environments: measured samples/s against the planner's prediction")
     training.add_argument("--envs", default="a,b,d", help="comma-separated Asteroid environments (at 100 Mbps)")
@@ -215,6 +224,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_serving
 
             return run_bench_serving(args)
+        if args.command == "bench" and args.bench == "compute":
+            from edgeswarm.cli.bench import run_bench_compute
+
+            return run_bench_compute(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 
