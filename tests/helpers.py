@@ -106,3 +106,16 @@ def running(service: Any) -> Iterator[Any]:
     finally:
         service.stop()
         thread.join(15)
+
+
+def ask_stage_workers(client: Any, messages: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Send each node's stage-worker its message as a request, all at once; each node's reply (None on timeout)."""
+    from edgeswarm import topics
+
+    expectations = {}
+    for node, message in messages.items():
+        exp = client.expect()
+        expectations[node] = exp
+        client.publish(topics.request(node, "stage-worker"), message, correlation_id=exp.correlation_id,
+                       reply_to=client.reply_topic, ttl_s=timeout_s)
+    return {node: (exp.wait(timeout_s) or None) for node, exp in expectations.items()}

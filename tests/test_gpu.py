@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeswarm import topics
 from edgeswarm.messages.training import RoundDone, RoundStart, StageAssign, StageReady, StageSave, StageSaved
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
-from helpers import stored_weights
+from helpers import ask_stage_workers, stored_weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda)")]
@@ -31,16 +30,6 @@ GROUPS, SHARES, RANGES = [["w0", "w1"], ["w2", "w3", "w4"]], [[40, 24], [32, 16,
 # fp32 on different kernels (cuBLAS against the CPU's) over two momentum steps: relative 1e-4, absolute 1e-5 for
 # values near zero.
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _ask_all(client, messages: dict[str, object], timeout_s: float) -> dict[str, object]:
-    expectations = {}
-    for node, message in messages.items():
-        exp = client.expect()
-        expectations[node] = exp
-        client.publish(topics.request(node, "stage-worker"), message, correlation_id=exp.correlation_id,
-                       reply_to=client.reply_topic, ttl_s=timeout_s)
-    return {node: (exp.wait(timeout_s) or None) for node, exp in expectations.items()}
 
 
 def _train(mode: str, broker, make_bus, services, tmp_path: Path) -> tuple[dict, list[str]]:
@@ -63,12 +52,13 @@ def _train(mode: str, broker, make_bus, services, tmp_path: Path) -> tuple[dict,
                                         end=RANGES[p][1], groups=groups, shares=SHARES, micro_batches=M,
                                         warmup=min(2 * (len(groups) - p) - 1, M), loss_scale=1.0 / (M * B),
                                         optimizer=OptimizerSpec(name="momentum", lr=0.1), data=DATA)
-    ready = _ask_all(client, assigns, 120)
+    ready = ask_stage_workers(client, assigns, 120)
     assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
     for round_index in range(ROUNDS):
-        done = _ask_all(client, {node: RoundStart(job_id="j1", epoch=0, round=round_index) for node in assigns}, 120)
+        starts = {node: RoundStart(job_id="j1", epoch=0, round=round_index) for node in assigns}
+        done = ask_stage_workers(client, starts, 120)
         assert all(isinstance(d.body, RoundDone) for d in done.values()), {n: d.body for n, d in done.items()}
-    saved = _ask_all(client, {group[-1]: StageSave(job_id="j1", epoch=0, store_node=hub, version=1)
+    saved = ask_stage_workers(client, {group[-1]: StageSave(job_id="j1", epoch=0, store_node=hub, version=1)
                               for group in groups}, 60)
     assert all(isinstance(s.body, StageSaved) for s in saved.values()), saved
     return stored_weights(store_dir, "j1", len(groups), optimizer=True), [s.compute for s in statuses]

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.errors import ProfileRequestError
-from edgeswarm.profiling import cache as cache_module
 from edgeswarm.profiling.cache import ProfileCache, restrict
 from edgeswarm.profiling.device import check_batch_sizes, compute_flops
 from edgeswarm.profiling.gather import symmetric_links
@@ -111,11 +110,10 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     cache.put_compute(compute_profile([1, 2]))
     before = cache.compute_path(MFP, DFP, "measured").read_bytes()
 
-    def broken_dump(doc: object, f: object) -> None:
-        f.write('{"format": 1, "kind": "compute", "prof')  # type: ignore[attr-defined]
+    def broken_fsync(fd: int) -> None:  # the new file's bytes never reach the disk
         raise OSError("disk full")
 
-    monkeypatch.setattr(cache_module.json, "dump", broken_dump)
+    monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         cache.put_compute(compute_profile([1, 2, 4]))
     monkeypatch.undo()

@@ -27,7 +27,7 @@ from edgeswarm.training.evaluation import accuracy
 from edgeswarm.training.unit_state import model_state
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
-from helpers import stored_weights, wait_until
+from helpers import ask_stage_workers, stored_weights, wait_until
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
 DATA = DatasetSpec(kind="teacher", size=512, test_size=64)
@@ -39,16 +39,6 @@ LAYOUTS = {
     "dp": ([["w0", "w1", "w2", "w3", "w4"]], [[20, 12, 16, 8, 8]], [(0, 6)]),
     "pp": ([["w0"], ["w1"], ["w2"]], [[64], [64], [64]], [(0, 2), (2, 4), (4, 6)]),
 }
-
-
-def _ask_all(client, messages: dict[str, object], timeout_s: float) -> dict[str, object]:
-    expectations = {}
-    for node, message in messages.items():
-        exp = client.expect()
-        expectations[node] = exp
-        client.publish(topics.request(node, "stage-worker"), message, correlation_id=exp.correlation_id,
-                       reply_to=client.reply_topic, ttl_s=timeout_s)
-    return {node: (exp.wait(timeout_s) or None) for node, exp in expectations.items()}
 
 
 @pytest.mark.parametrize("strategy", list(LAYOUTS))
@@ -71,19 +61,19 @@ def test_a_round_over_mqtt_equals_single_process_training(strategy: str, broker,
                                         end=ranges[p][1], groups=groups, shares=shares, micro_batches=M,
                                         warmup=min(2 * (len(groups) - p) - 1, M), loss_scale=1.0 / (M * B),
                                         optimizer=OptimizerSpec(name="sgd", lr=LR), data=DATA)
-    ready = _ask_all(client, assigns, 60)
+    ready = ask_stage_workers(client, assigns, 60)
     assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
 
     # A tensor for another epoch is dropped with an error, not used.
     client.send_tensor("w2", "stage-worker", StageTensor(job_id="j1", epoch=7, round=0, stage=1, kind="activation",
                                                          sender=0), np.zeros((20, 64), dtype=np.float32))
-    done = _ask_all(client, {node: RoundStart(job_id="j1", epoch=0, round=0) for node in assigns}, 120)
+    done = ask_stage_workers(client, {node: RoundStart(job_id="j1", epoch=0, round=0) for node in assigns}, 120)
     assert all(isinstance(d.body, RoundDone) for d in done.values()), {n: d.body for n, d in done.items()}
     last = [d.body for n, d in done.items() if n in groups[-1]]
     assert sum(d.terms for d in last) == M * B
     assert all(d.peak_live <= min(2 * (len(groups) - d.stage) - 1, M) for d in (x.body for x in done.values()))
 
-    saved = _ask_all(client, {group[-1]: StageSave(job_id="j1", epoch=0, store_node="hub", version=1)
+    saved = ask_stage_workers(client, {group[-1]: StageSave(job_id="j1", epoch=0, store_node="hub", version=1)
                               for group in groups}, 60)
     assert all(isinstance(s.body, StageSaved) for s in saved.values()), saved
 
@@ -107,7 +97,7 @@ def test_a_round_over_mqtt_equals_single_process_training(strategy: str, broker,
             compared.add(name)
     assert compared == set(want)
 
-    unknown = _ask_all(client, {"w0": RoundStart(job_id="other", epoch=0, round=0)}, 30)["w0"].body
+    unknown = ask_stage_workers(client, {"w0": RoundStart(job_id="other", epoch=0, round=0)}, 30)["w0"].body
     assert isinstance(unknown, StageFailed) and unknown.reason == "not_assigned"
     assert wait_until(lambda: all(p.poll() is None for p in procs.values()), 1)
     assert "dropped a activation tensor for job j1 epoch 7" in services.log_of(procs["w2"])
@@ -274,9 +264,9 @@ def test_an_assignment_over_budget_is_refused_before_any_weight_is_allocated(bro
                            optimizer=OptimizerSpec(name="adam", lr=0.01), data=DATA)
 
     # A stage that fits first: the worker has imported torch and built a stage before its memory is measured.
-    assert isinstance(_ask_all(client, {"big0": assign(MLP, "fits")}, 60)["big0"].body, StageReady)
+    assert isinstance(ask_stage_workers(client, {"big0": assign(MLP, "fits")}, 60)["big0"].body, StageReady)
     before = _rss_bytes(proc.pid)
-    refused = _ask_all(client, {"big0": assign(huge, "huge")}, 60)["big0"].body
+    refused = ask_stage_workers(client, {"big0": assign(huge, "huge")}, 60)["big0"].body
     assert isinstance(refused, StageFailed) and refused.reason == "memory", refused
     static = stage_footprint(huge, 0, 6).static_bytes("adam")
     assert static > 2**44  # weights, gradients and two Adam moments of 4 TiB each
@@ -285,7 +275,7 @@ def test_an_assignment_over_budget_is_refused_before_any_weight_is_allocated(bro
     assert _rss_bytes(proc.pid) - before < 128 * 2**20, "the refused stage was allocated"
     probe = client.request(topics.request("big0", "stage-worker"), Probe(), timeout_s=10).body
     assert isinstance(probe, ProbeReply) and probe.healthy
-    ready = _ask_all(client, {"big0": assign(MLP, "fits-again")}, 60)["big0"].body
+    ready = ask_stage_workers(client, {"big0": assign(MLP, "fits-again")}, 60)["big0"].body
     assert isinstance(ready, StageReady), ready
     assert proc.poll() is None
 
@@ -321,7 +311,7 @@ def test_a_worker_holds_two_training_jobs_and_runs_their_rounds_at_once(broker, 
         return expectations
 
     for job in jobs:  # (one after the other: each worker builds one stage of each job)
-        ready = _ask_all(client, assigns(job, 0), 60)
+        ready = ask_stage_workers(client, assigns(job, 0), 60)
         assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
 
     dataset = open_dataset(DATA, MLP)
@@ -340,11 +330,11 @@ def test_a_worker_holds_two_training_jobs_and_runs_their_rounds_at_once(broker, 
                 assert last.loss_sum / (m * B) == pytest.approx(float(want.detach()), rel=1e-5), job
 
     # A new plan epoch of ja replaces ja's stages only: jb's round still runs on the same workers.
-    ready = _ask_all(client, assigns("ja", 1), 60)
+    ready = ask_stage_workers(client, assigns("ja", 1), 60)
     assert all(isinstance(r.body, StageReady) for r in ready.values()), ready
     after = {node: exp.wait(120) for node, exp in start_round("jb", 0, 2).items()}
     assert all(r is not None and isinstance(r.body, RoundDone) for r in after.values()), after
-    stale = _ask_all(client, {"x0": RoundStart(job_id="ja", epoch=0, round=2)}, 30)["x0"].body
+    stale = ask_stage_workers(client, {"x0": RoundStart(job_id="ja", epoch=0, round=2)}, 30)["x0"].body
     assert isinstance(stale, StageFailed) and stale.reason == "not_assigned"
     again = {node: exp.wait(120) for node, exp in start_round("ja", 1, 2).items()}
     assert all(r is not None and isinstance(r.body, RoundDone) for r in again.values()), again

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 import warnings
@@ -49,6 +48,7 @@ from edgeswarm.errors import (
     CheckpointValueError,
     CheckpointVersionError,
 )
+from edgeswarm.files import TEMP_SUFFIX, fsync_dir, make_dirs, sync_and_hash, temporary_beside, write_atomically
 from edgeswarm.values.checkpoints import (
     MAX_TENSORS,
     CheckpointInfo,
@@ -75,11 +75,9 @@ LEGACY_MAGIC = b"ESCKPT"  # the first bytes of a format-1 ``.ckpt`` file
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # 100,000 tensor entries of long names fit easily
 HEADER_ALLOWANCE = 64 * 1024 * 1024  # a tensor file's safetensors header, on top of its tensor bytes
 DEFAULT_MAX_BYTES = 2048 * 1024 * 1024  # the default of EDGESWARM_CHECKPOINT_MAX_BYTES
-HASH_CHUNK = 4 * 1024 * 1024
 _MANIFEST = re.compile(r"^v(\d{10})\.json$")
 _DATA = re.compile(r"^v(\d{10})-[0-9a-f]{16}\.safetensors$")
 _LEGACY = re.compile(r"^v(\d{10})\.ckpt$")
-_TEMP_SUFFIX = ".tmp"
 
 # Wire dtype names and the safetensors dtype codes they are stored as (both directions are one to one).
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -209,7 +207,7 @@ class CheckpointStore:
             manifest = Manifest(format=FORMAT, job_id=job_id, stage=stage, version=version, created_at=time.time(),
                                 meta=meta, tensors=entries, file=data_name, file_bytes=size, sha256=digest)
             try:
-                _write_atomically(final, json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
+                write_atomically(final, json.dumps(manifest.model_dump(mode="json"), separators=(",", ":")).encode())
             except BaseException:
                 self._remove_data_files(final.parent, version, keep_name=self._current_data(final))
                 raise
@@ -225,22 +223,12 @@ class CheckpointStore:
         """Write ``tensors`` as a safetensors file in ``folder``; returns its name, SHA-256 and size in bytes."""
         from safetensors.torch import save_file
 
-        _make_dirs(folder)
-        fd, tmp = tempfile.mkstemp(prefix=f".v{version:010d}.", suffix=_TEMP_SUFFIX, dir=folder)
-        os.close(fd)
-        try:
+        make_dirs(folder)
+        with temporary_beside(folder / f"v{version:010d}.safetensors") as tmp:
             save_file(tensors, tmp, metadata=metadata)
-            with open(tmp, "rb") as f:
-                digest, size = _hash_stream(f)
-                os.fsync(f.fileno())
+            digest, size = sync_and_hash(tmp)
             name = f"v{version:010d}-{digest[:16]}.safetensors"
             os.replace(tmp, folder / name)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
         return name, digest, size
 
     def _current_data(self, manifest: Path) -> str | None:
@@ -270,7 +258,7 @@ class CheckpointStore:
                 pass
             self._remove_data_files(folder, version, keep_name=None)
         if stale:
-            _fsync_dir(folder)
+            fsync_dir(folder)
             log.info("pruned %s/%s versions %s (keeping the %d newest)", job_id, stage, stale, self.keep)
 
     def sweep_temp_files(self) -> int:
@@ -283,7 +271,7 @@ class CheckpointStore:
                 names = self._names(folder)
                 named = {self._current_data(folder / n) for n in names if _MANIFEST.fullmatch(n)}
                 for name in names:
-                    temporary = name.startswith(".") and name.endswith(_TEMP_SUFFIX)
+                    temporary = name.startswith(".") and name.endswith(TEMP_SUFFIX)
                     if temporary or (_DATA.fullmatch(name) and name not in named):
                         try:
                             os.unlink(folder / name)
@@ -468,35 +456,6 @@ def _as_torch(items: list[tuple[str, str, np.ndarray]]) -> dict[str, torch.Tenso
     return out
 
 
-def _hash_stream(f: Any) -> tuple[str, int]:
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := f.read(HASH_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-    return digest.hexdigest(), size
-
-
-def _write_atomically(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` through a fsynced temporary file in its folder, then fsync the folder."""
-    folder = final.parent
-    _make_dirs(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=_TEMP_SUFFIX, dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(folder)
-
-
 def _info(manifest: Manifest) -> CheckpointInfo:
     return CheckpointInfo(
         job_id=manifest.job_id, stage=manifest.stage, version=manifest.version, created_at=manifest.created_at,
@@ -510,32 +469,3 @@ def _subfolders(folder: Path) -> Iterable[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
-
-
-def _make_dirs(folder: Path) -> None:
-    """Create ``folder`` and its missing parents, fsyncing each parent so the new entries are durable."""
-    missing = []
-    current = folder
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:
-            pass
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename or unlink in ``folder`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

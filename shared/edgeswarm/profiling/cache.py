@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from edgeswarm.files import write_atomically
 from edgeswarm.values.profiles import ComputeProfile, ModelProfile
 
 log = logging.getLogger(__name__)
@@ -140,19 +139,6 @@ def restrict(profile: ComputeProfile, batch_sizes: list[int]) -> ComputeProfile:
 
 
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` as JSON to ``path`` all or nothing: a temporary file beside it, fsync, rename. Creates the
-    folder; a reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write ``doc`` as JSON to ``path`` all or nothing (edgeswarm.files), creating the folder: a reader never sees
+    a half-written file."""
+    write_atomically(path, json.dumps(doc).encode())

@@ -16,8 +16,6 @@ the broker files (restart or SIGHUP the brokers to apply).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.files import write_atomically
 from edgeswarm.security.acl import amqtt_acl, mosquitto_acl
 from edgeswarm.security.passwords import argon2_hash, mosquitto_hash, new_password
 from edgeswarm.topics import ROLES, Role
@@ -40,19 +39,8 @@ class Roster(BaseModel):
 
 
 def write_private(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file in the same folder, then rename) with ``mode``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` all or nothing (edgeswarm.files) with ``mode``, set before any byte is written."""
+    write_atomically(path, text.encode(), mode)
 
 
 class CredentialsDir:

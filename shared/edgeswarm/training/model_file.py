@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +18,11 @@ from pathlib import Path
 import torch
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.files import fsync_dir, sync_and_hash, temporary_beside
 from edgeswarm.models.zoo import build_model
 from edgeswarm.values.profiles import ModelSpec
 
 MAX_PROBLEMS_SHOWN = 50  # a file for another model would list every tensor; the count says the rest
-HASH_CHUNK = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -124,35 +123,14 @@ def write_model_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     from safetensors.torch import save_file
 
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        with temporary_beside(path) as tmp:
+            # contiguous() and clone() of tied tensors: safetensors refuses views and tensors that share memory.
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, tmp,
+                      metadata=dict(metadata))
+            digest, size = sync_and_hash(tmp)
+            os.replace(tmp, path)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
-    os.close(fd)
-    try:
-        # contiguous() and clone() of tied tensors: safetensors refuses views and tensors that share memory.
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, tmp,
-                  metadata=dict(metadata))
-        digest = hashlib.sha256()
-        size = 0
-        with open(tmp, "rb") as f:
-            while chunk := f.read(HASH_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        _unlink(tmp)
-        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return size, digest.hexdigest()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    fsync_dir(path.parent)
+    return size, digest
