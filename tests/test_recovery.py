@@ -135,9 +135,9 @@ def test_a_killed_device_is_replaced_and_the_job_ends_with_uninterrupted_weights
     rec = result.recoveries[0]
     assert rec.failed == [victim] and rec.mode == "light"
     assert [s.devices for s in rec.plan.stages] == new_stages
-    # The kill lands 0.3 s into round 3, or in round 4 when round 3 ends sooner (a loaded machine's timer fires
-    # late); either way the interrupted round is the one replayed, once.
-    assert rec.interrupted_round in (3, 4) and rec.resume_round == rec.interrupted_round, seen
+    # The kill is timed 0.3 s into round 3, but a round can end sooner than that (or a loaded machine's timer fire
+    # late), so it may land in a later round; whichever it is, that round is the one replayed, once.
+    assert 3 <= rec.interrupted_round < ROUNDS and rec.resume_round == rec.interrupted_round, seen
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
     assert rec.moved_bytes <= rec.moved_state_bytes * 1.05 + 4096 * max(1, rec.transfers), rec  # framing only
     assert rec.detection_s[victim] < 5.0
