@@ -119,3 +119,35 @@ def ask_stage_workers(client: Any, messages: dict[str, Any], timeout_s: float) -
         client.publish(topics.request(node, "stage-worker"), message, correlation_id=exp.correlation_id,
                        reply_to=client.reply_topic, ttl_s=timeout_s)
     return {node: (exp.wait(timeout_s) or None) for node, exp in expectations.items()}
+
+
+@contextmanager
+def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str) -> Iterator[tuple[Any, Any]]:
+    """A local cluster of ``devices`` native devices (no emulated slow-down: profiling and rounds cost what tiny
+    models cost) in ``workdir`` with ``env``, and a client bus of ``role`` on it, once every device and every hub
+    service is online; both stopped (the cluster's processes by PID) when the block ends."""
+    from edgeswarm.devices.cluster import cluster_of
+    from edgeswarm.local.launcher import LocalCluster
+    from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
+    from edgeswarm.settings import Settings
+
+    local = LocalCluster(cluster_of(devices, "native"), workdir=workdir, extra_env=env)
+    local.start()
+    bus = None
+    try:
+        bus = client_bus(Settings(hub_url=local.hub_url), role=role, connect_timeout_s=30)
+        watcher = ClusterWatcher(bus)
+
+        def ready() -> bool:
+            view = watcher.view()[0]
+            return (online_devices(view) == devices and len(nodes_running(view, "stage-worker")) == devices
+                    and len(nodes_running(view, "profiler")) == devices
+                    and all(nodes_running(view, s) == ["hub"] for s in ("coordinator", "planner", "checkpoint-store")))
+
+        # Generous: every service imports torch, on a host whose cores other work may be using.
+        wait_until(ready, 300, interval_s=0.2, message=f"every service of the {role} cluster online")
+        yield local, bus
+    finally:
+        if bus is not None:
+            bus.stop()
+        local.stop()

@@ -24,18 +24,15 @@ import torch
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus
-from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError, InferRequest
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running
 from edgeswarm.serving.client import InferRefusedError, infer, infer_stream
-from edgeswarm.settings import Settings
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
-from helpers import FAST_ENV, wait_until
+from helpers import FAST_ENV, native_cluster, wait_until
 
 DEVICES = 3
 BUDGET = 2_000_000  # bytes per device: every model below needs two stages or more
@@ -57,25 +54,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("serving-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles"), "EDGESWARM_MEMORY_BUDGET_BYTES": str(BUDGET)}
-    local = LocalCluster(cluster_of(DEVICES, "native"), workdir=root / "cluster", extra_env=env)
-    local.start()
-    bus: Bus | None = None
-    try:
-        bus = client_bus(Settings(hub_url=local.hub_url), role="serving-test", connect_timeout_s=30)
-        watcher = ClusterWatcher(bus)
-
-        def ready() -> bool:
-            view = watcher.view()[0]
-            return (len(nodes_running(view, "stage-worker")) == DEVICES
-                    and len(nodes_running(view, "profiler")) == DEVICES
-                    and all(nodes_running(view, s) == ["hub"] for s in ("coordinator", "planner", "checkpoint-store")))
-
-        wait_until(ready, 300, interval_s=0.2, message="every service of the serving cluster online")
+    with native_cluster(DEVICES, root / "cluster", env, "serving-test") as (local, bus):
         yield Cluster(local, bus, root)
-    finally:
-        if bus is not None:
-            bus.stop()
-        local.stop()
 
 
 def serve(cluster: Cluster, model: dict[str, object], **fields: object) -> tuple[str, JobFollower]:

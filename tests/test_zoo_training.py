@@ -18,15 +18,12 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.bus import Bus
-from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
-from edgeswarm.settings import Settings
 from edgeswarm.training.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
-from helpers import FAST_ENV, stored_weights, wait_until
+from helpers import FAST_ENV, native_cluster, stored_weights
 
 DEVICES = 2
 ROUNDS = 2
@@ -70,27 +67,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("zoo-cluster")
     checkpoints = root / "checkpoints"
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(checkpoints), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    # Native devices: no emulated slow-down, so profiling and rounds cost what the tiny models cost.
-    local = LocalCluster(cluster_of(DEVICES, "native"), workdir=root / "cluster", extra_env=env)
-    local.start()
-    bus: Bus | None = None
-    try:
-        bus = client_bus(Settings(hub_url=local.hub_url), role="zoo-test", connect_timeout_s=30)
-        watcher = ClusterWatcher(bus)
-
-        def ready() -> bool:
-            view = watcher.view()[0]
-            return (online_devices(view) == DEVICES and len(nodes_running(view, "stage-worker")) == DEVICES
-                    and len(nodes_running(view, "profiler")) == DEVICES
-                    and all(nodes_running(view, s) == ["hub"] for s in ("coordinator", "planner", "checkpoint-store")))
-
-        # Generous: every service imports torch, on a host whose cores other work may be using.
-        wait_until(ready, 300, interval_s=0.2, message="every service of the zoo cluster online")
+    with native_cluster(DEVICES, root / "cluster", env, "zoo-test") as (local, bus):
         yield Cluster(local, bus, checkpoints)
-    finally:
-        if bus is not None:
-            bus.stop()
-        local.stop()
 
 
 def test_every_zoo_model_belongs_to_a_family_trained_here() -> None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from edgeswarm.devices.compute import describe, synchronize
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.sequence import layer_sequence
-from edgeswarm.models.zoo import build_model, example_stage_input, example_target
+from edgeswarm.models.zoo import build_model, example_stage_input, example_target, unit_count
 from edgeswarm.training.stage import classification_loss
 from edgeswarm.values.profiles import ModelSpec
 
@@ -88,11 +88,12 @@ def time_stage(spec: ModelSpec, start: int, end: int | None, batch: int, compute
 def stage_speed(spec: ModelSpec, start: int, end: int | None, batch: int, accelerator: torch.device | None, *,
                 repeats: int = 10, warmup: int = 3) -> StageSpeed:
     """The stage timed on the CPU and, when given, on ``accelerator``, in this run."""
-    timings = [time_stage(spec, start, end, batch, torch.device("cpu"), repeats=repeats, warmup=warmup)]
+    stop = unit_count(spec) if end is None else end
+    # The CPU by name: it is the baseline this benchmark compares the accelerator with, not where work should run.
+    timings = [time_stage(spec, start, stop, batch, torch.device("cpu"), repeats=repeats, warmup=warmup)]
     if accelerator is not None:
-        timings.append(time_stage(spec, start, end, batch, accelerator, repeats=repeats, warmup=warmup))
+        timings.append(time_stage(spec, start, stop, batch, accelerator, repeats=repeats, warmup=warmup))
     speedup = timings[0].step_s / timings[1].step_s if len(timings) > 1 else None
-    stop = len(layer_sequence(build_model(spec))) if end is None else end
     return StageSpeed(model=spec.name, start=start, end=stop, batch=batch, timings=timings, speedup=speedup)
 
 

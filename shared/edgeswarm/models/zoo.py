@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from edgeswarm.errors import BatchSizeError, ConfigError
 from edgeswarm.models import cnn, mobile, transformer
-from edgeswarm.models.sequence import LayerSequence
+from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.values.profiles import ModelSpec
 
 # Bump whenever an architecture, an initialisation or a default changes: profiles keyed by the old
@@ -180,6 +181,24 @@ def build_model(spec: ModelSpec) -> nn.Module:
         torch.default_generator.manual_seed(int(cfg["seed"]))
         model = _entry(spec.name).build(cfg)
     return model.train()
+
+
+@contextmanager
+def without_weights() -> Iterator[None]:
+    """Build models and stages inside on torch's meta device: shapes, dtypes and byte counts without allocating a
+    weight, and every random number generator left as it was, so a real build that follows is initialised exactly
+    as without this one."""
+    # build_model forks the CPU generator around its seeded initialisation; this fork also covers tracing and
+    # stage building, so nothing a meta build does can shift a later draw.
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        yield
+
+
+def unit_count(spec: ModelSpec) -> int:
+    """How many units the zoo model's layer sequence has (a trace of the model, no weight allocated). Raises
+    ConfigError for a bad spec, ModelTraceError when the model cannot be traced."""
+    with without_weights():
+        return len(layer_sequence(build_model(spec)))
 
 
 def model_fingerprint(spec: ModelSpec) -> str:

@@ -13,7 +13,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-from pydantic import ValidationError
 
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import list_checkpoints
@@ -75,12 +74,11 @@ def export_model(bus: Bus, store_node: str, job_id: str, version: int | None = N
     elif version not in versions:
         raise ExportError(f"job {job_id} has no complete checkpoint version {version}; complete versions: "
                           f"{', '.join(map(str, versions))}")
-    ranges, meta = load_layout_meta(bus, store_node, job_id, version, timeout_s=timeout_s)
-    try:
-        model = ModelSpec.model_validate_json(meta["model"])
-    except (KeyError, ValidationError):
+    layout = load_layout_meta(bus, store_node, job_id, version, timeout_s=timeout_s)
+    ranges, model = layout.ranges, layout.model
+    if model is None:
         raise ExportError(f"the layout of version {version} of job {job_id} does not name its model; it was saved by "
-                          "an older edgeswarm") from None
+                          "an older edgeswarm")
     state: dict[str, torch.Tensor] = {}
     for stage in range(len(ranges)):
         try:

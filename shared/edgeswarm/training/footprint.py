@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from edgeswarm.models.sequence import layer_sequence
-from edgeswarm.models.zoo import build_model
+from edgeswarm.models.zoo import build_model, without_weights
 from edgeswarm.planning.vocabulary import static_bytes
 from edgeswarm.values.profiles import ModelSpec, Optimizer
 
@@ -47,8 +46,6 @@ def stage_footprint(model: ModelSpec, start: int, end: int) -> StageFootprint:
     was, so the real build that may follow is initialised exactly as without this call. Raises what building the
     stage raises: ConfigError for a bad model spec, ModelTraceError, StageRangeError for a bad range.
     """
-    # build_model already forks the CPU generator around its seeded initialisation; the fork here also covers
-    # tracing and stage building, so nothing the meta build does can shift a later draw.
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with without_weights():
         module = layer_sequence(build_model(model)).build_stage(start, end)
     return module_footprint(module)

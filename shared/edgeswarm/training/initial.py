@@ -10,18 +10,14 @@ units from it; the optimizer starts empty, as it does from the seed.
 
 from __future__ import annotations
 
-import torch
-
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import save_checkpoint
 from edgeswarm.errors import CheckpointError, CheckpointForbiddenError, CheckpointVersionError, ConfigError
 from edgeswarm.messages.training import CheckpointSource
-from edgeswarm.models.sequence import layer_sequence
-from edgeswarm.models.zoo import build_model
+from edgeswarm.models.zoo import unit_count
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.layout import load_layout_meta, save_layout, stage_entry
 from edgeswarm.training.model_file import ModelFile, describe_problems, specs_of, state_problems
-from edgeswarm.values.profiles import ModelSpec
 
 INIT_VERSION = 0
 SOURCE_SHA256 = "source_sha256"  # the layout's meta: the SHA-256 of the file version 0 was made from
@@ -29,12 +25,6 @@ SOURCE_SHA256 = "source_sha256"  # the layout's meta: the SHA-256 of the file ve
 
 class InitError(CheckpointError):
     """A job's initial weights cannot be uploaded, or are not in the checkpoint store as the job expects."""
-
-
-def unit_count(model: ModelSpec) -> int:
-    """How many units the zoo ``model``'s layer sequence has (computed without allocating a weight)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return len(layer_sequence(build_model(model)))
 
 
 def check_initial(job: JobSpec, file: ModelFile) -> None:
@@ -68,17 +58,18 @@ def initial_checkpoint(bus: Bus, store_node: str, job: JobSpec, *, timeout_s: fl
     its spec names (same SHA-256 when the spec has one) and of its model. Raises InitError saying what to do."""
     assert job.init is not None
     try:
-        ranges, meta = load_layout_meta(bus, store_node, job.name, INIT_VERSION, timeout_s=timeout_s)
+        layout = load_layout_meta(bus, store_node, job.name, INIT_VERSION, timeout_s=timeout_s)
     except CheckpointError as exc:
         raise InitError(f"job {job.name} starts from {job.init.file}, but the checkpoint store on {store_node} does "
                         f"not hold it as version {INIT_VERSION} ({exc}); submit the job with `edgeswarm train`, which "
                         "uploads the file first") from None
-    if job.init.sha256 is not None and meta.get(SOURCE_SHA256) != job.init.sha256:
+    source = layout.meta.get(SOURCE_SHA256)
+    if job.init.sha256 is not None and source != job.init.sha256:
         raise InitError(f"job {job.name}: version {INIT_VERSION} in the checkpoint store was made from another file "
-                        f"(SHA-256 {meta.get(SOURCE_SHA256)}) than {job.init.file} ({job.init.sha256}); submit the job "
+                        f"(SHA-256 {source}) than {job.init.file} ({job.init.sha256}); submit the job "
                         "again with `edgeswarm train` under a new name")
-    if meta.get("model") is not None and ModelSpec.model_validate_json(meta["model"]) != job.model:
+    if layout.model is not None and layout.model != job.model:
         raise InitError(f"job {job.name}: version {INIT_VERSION} in the checkpoint store holds another model than "
                         f"{job.model.name}")
-    return CheckpointSource(store_node=store_node, version=INIT_VERSION, stages=ranges)
+    return CheckpointSource(store_node=store_node, version=INIT_VERSION, stages=layout.ranges)
 

@@ -9,7 +9,10 @@ which stage files hold a unit; ``edgeswarm export`` reads it to assemble the who
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import load_checkpoint, save_checkpoint
@@ -22,6 +25,16 @@ if TYPE_CHECKING:
     import torch  # only for a load's result: a coordinator saving layouts never imports it
 
 LAYOUT = "layout"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A version's layout entry: each stage's unit range [start, end) by stage index, the zoo model (None in a
+    layout saved without one) and the whole meta as strings (``stages``, ``model`` and anything saved beside)."""
+
+    ranges: list[tuple[int, int]]
+    model: ModelSpec | None
+    meta: dict[str, str]
 
 
 def stage_entry(stage: int) -> str:
@@ -52,13 +65,14 @@ def load_layout(bus: Bus, store_node: str, job_id: str, version: int, *,
                 timeout_s: float = 60.0) -> list[tuple[int, int]]:
     """The unit range [start, end) of every stage of ``version`` of ``job_id``, by stage index. Raises
     CheckpointError when the store has no layout for it or the layout is malformed."""
-    return load_layout_meta(bus, store_node, job_id, version, timeout_s=timeout_s)[0]
+    return load_layout_meta(bus, store_node, job_id, version, timeout_s=timeout_s).ranges
 
 
 def load_layout_meta(bus: Bus, store_node: str, job_id: str, version: int, *,
-                     timeout_s: float = 60.0) -> tuple[list[tuple[int, int]], dict[str, str]]:
-    """``load_layout`` and the layout's whole meta (``stages``, ``model`` and whatever else was saved with it, as
-    strings)."""
+                     timeout_s: float = 60.0) -> Layout:
+    """The layout entry of ``version`` of ``job_id``, its ranges and model checked. Raises CheckpointError when the
+    store has no layout for it or the layout is malformed (ranges that do not cut the model in order, a model that
+    is not a model spec)."""
     info, _ = load_checkpoint(bus, store_node, job_id, LAYOUT, version, timeout_s=timeout_s)
     meta = {k: str(v) for k, v in info.meta.items()}
     text = info.meta.get("stages")
@@ -69,4 +83,9 @@ def load_layout_meta(bus: Bus, store_node: str, job_id: str, version: int, *,
     if not ranges or ranges[0][0] != 0 or any(b <= a for a, b in ranges) or \
             any(ranges[k][1] != ranges[k + 1][0] for k in range(len(ranges) - 1)):
         raise CheckpointError(f"the layout of {job_id} version {version} does not cut the model in order: {text!r}")
-    return ranges, meta
+    try:
+        model = ModelSpec.model_validate_json(meta["model"]) if "model" in meta else None
+    except ValidationError:
+        raise CheckpointError(f"the layout of {job_id} version {version} names a malformed model: "
+                              f"{meta['model'][:200]!r}") from None
+    return Layout(ranges, model, meta)

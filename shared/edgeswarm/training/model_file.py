@@ -19,7 +19,7 @@ import torch
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.files import fsync_dir, sync_and_hash, temporary_beside
-from edgeswarm.models.zoo import build_model
+from edgeswarm.models.zoo import build_model, without_weights
 from edgeswarm.values.profiles import ModelSpec
 
 MAX_PROBLEMS_SHOWN = 50  # a file for another model would list every tensor; the count says the rest
@@ -54,7 +54,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def expected_state(model: ModelSpec) -> dict[str, TensorSpec]:
     """The state dict of the zoo ``model`` as names -> dtype and shape, computed without allocating a weight (the
     random number generators are left as they were). Raises ConfigError for a bad model spec."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with without_weights():
         state = build_model(model).state_dict()
     return {name: TensorSpec(_dtype_name(t.dtype), tuple(t.shape)) for name, t in state.items()}
 

@@ -15,13 +15,11 @@ def model_problems(model: ModelSpec, members: list[NodeView], optimizer: Optimiz
     online, ``members``) more memory than all their budgets together. The bytes kept whatever the batch are Eq. 3's
     static part: training (with ``optimizer``) weights, gradients, optimizer state and buffers; serving (None)
     weights and buffers. The model is measured on torch's meta device: nothing is allocated."""
-    import torch
-
-    from edgeswarm.models.zoo import build_model
+    from edgeswarm.models.zoo import build_model, without_weights
     from edgeswarm.training.footprint import module_footprint
 
     try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        with without_weights():
             footprint = module_footprint(build_model(model))
     except EdgeswarmError as exc:
         return [f"model: {exc}"]
