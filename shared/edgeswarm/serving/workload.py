@@ -20,6 +20,7 @@ class ServePipelineWorkload(Workload):
     spec_type: ClassVar[type[ServeSpec]] = ServeSpec
     exclusive = False
     data_schemas = (InferRequest, ServeTensor)
+    worker_program = "edgeswarm.serving.stage:ServeStageProgram"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         return model_problems(spec.model, members, None)

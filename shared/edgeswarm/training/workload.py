@@ -99,6 +99,7 @@ class TrainWorkload(Workload):
     kind = "train"
     spec_type: ClassVar[type[JobSpec]] = JobSpec
     exclusive = True
+    worker_program = "edgeswarm.training.stage_program:TrainingProgram"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         return model_problems(spec.model, members, spec.optimizer.name)

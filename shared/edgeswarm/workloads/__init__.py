@@ -40,6 +40,17 @@ def workload(kind: str) -> Workload:
     return _loaded[kind]
 
 
+def worker_programs(service: str) -> list[str]:
+    """The worker programs ("module:Class") that the worker service ``service`` hosts: one per kind whose work runs
+    there, in registry order, each once."""
+    out: list[str] = []
+    for kind in KINDS:
+        work = workload(kind)
+        if work.worker_service == service and work.worker_program and work.worker_program not in out:
+            out.append(work.worker_program)
+    return out
+
+
 def field_errors(exc: ValidationError) -> str:
     """Every invalid field of a spec and why, one indented line each."""
     lines = []

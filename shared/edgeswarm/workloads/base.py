@@ -52,6 +52,11 @@ class Workload(ABC):
     spec_type: ClassVar[type[BaseModel]]
     exclusive: ClassVar[bool] = True
     data_schemas: ClassVar[tuple[type[Message], ...]] = ()
+    # The service that hosts this kind's work on the devices (a name in the service registry) and the worker program
+    # it runs there ("module:Class", a ``runtime.program.WorkerProgram`` made from a ``WorkerContext``; imported only
+    # by that service).
+    worker_service: ClassVar[str] = "stage-worker"
+    worker_program: ClassVar[str] = ""
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         """What stops ``spec`` from running on a cluster whose online stage-workers are ``members`` (beyond its
