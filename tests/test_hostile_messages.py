@@ -23,7 +23,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.bus.peers import PeerDirectory
 from edgeswarm.errors import RequestRejectedError
 from edgeswarm.local.broker import BrokerProcess
-from edgeswarm.messages.jobs import TrainProgress
+from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.wire import Envelope, Sender, decode, encode
 from edgeswarm.wire.codec import PREFIX
 from edgeswarm.wire.tensor import TensorDescriptor

@@ -31,7 +31,9 @@ from edgeswarm.security.acl import rules
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
 from edgeswarm.security.passwords import mosquitto_hash, mosquitto_verify
+from edgeswarm.serving.spec import ServeProgress
 from edgeswarm.settings import Settings
+from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.wire import Sender
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, announce, wait_until
@@ -174,7 +176,8 @@ def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster
     submit_job(operator, JOB, submission=follower.submission)
     final = follower.wait(240)
     assert final.status == "succeeded", final.detail
-    assert final.plan is not None and final.train.checkpoint_version is not None
+    saved = final.progress_as(TrainProgress).checkpoint_version
+    assert final.plan is not None and saved is not None
     kept = list_checkpoints(operator, "hub", "guarded", timeout_s=10)["guarded"]
 
     device = connect("nano-1", service="stage-worker")
@@ -182,7 +185,7 @@ def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster
     nano_stages = [k for k, s in enumerate(final.plan.stages) if "nano-1" in s.devices]
     targets = ["layout"] + [f"stage-{k}" for k in range(len(final.plan.stages)) if k not in nano_stages]
     for stage in targets:
-        for version in range(final.train.checkpoint_version + 1, final.train.checkpoint_version + 4):
+        for version in range(saved + 1, saved + 4):
             with pytest.raises(CheckpointForbiddenError, match="may not write guarded"):
                 save_checkpoint(device, "hub", "guarded", stage, version, {"w": np.zeros(4, np.float32)},
                                 timeout_s=20)
@@ -212,7 +215,7 @@ def test_a_client_serves_a_trained_models_checkpoint_over_tls(cluster: SecureClu
                submission=served.submission)
     wait_until(lambda: served.state is not None and served.state.status in ("running", "failed"), 240)
     assert served.state is not None and served.state.status == "running", served.state
-    assert served.state.serve.weights == "job to-serve version 2"
+    assert served.state.progress_as(ServeProgress).weights == "job to-serve version 2"
     spec = ModelSpec(name="mlp", config={"hidden": 16, "layers": 2})
     model = build_model(spec).eval()
     state: dict[str, torch.Tensor] = {}

@@ -30,6 +30,7 @@ from edgeswarm.messages.serving import InferError, InferRequest
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.serving.client import InferRefusedError, infer, infer_stream
+from edgeswarm.serving.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, native_cluster, wait_until
@@ -95,9 +96,10 @@ def test_pipelined_outputs_equal_a_single_process(cluster: Cluster, model: dict[
         for r in report.results:
             assert r.outputs is not None, r.error
             torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
-    wait_until(lambda: follower.state is not None and follower.state.serve.answered == len(inputs), 10)
+    wait_until(lambda: follower.state is not None and _answered(follower.state) == len(inputs), 10)
     final = stop(cluster, name, follower)
-    assert final.serve.errors == 0 and final.serve.samples == sum(int(x.shape[0]) for x in inputs)
+    figures = final.progress_as(ServeProgress)
+    assert figures.errors == 0 and figures.samples == sum(int(x.shape[0]) for x in inputs)
     # A cancelled job answers no more: the caller hears so at once.
     with pytest.raises(InferRefusedError) as refused:
         infer(cluster.bus, name, inputs[0], timeout_s=10)
@@ -127,7 +129,7 @@ def test_bad_requests_get_an_error_and_the_stream_goes_on(cluster: Cluster) -> N
     with torch.no_grad():
         torch.testing.assert_close(result.outputs, reference(MLP)(good), rtol=1e-5, atol=1e-5)
     final = stop(cluster, name, follower)
-    assert final.serve.errors == len(cases) + 1 and final.serve.answered == 1
+    assert final.progress_as(ServeProgress).errors == len(cases) + 1 and final.progress_as(ServeProgress).answered == 1
 
 
 def test_a_spec_that_cannot_run_is_refused_with_every_problem(cluster: Cluster) -> None:
@@ -220,10 +222,14 @@ def test_a_stream_survives_the_loss_of_a_stage_device_with_every_request_answere
             assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
             torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
     assert len(report.results) == len(inputs)
-    wait_until(lambda: follower.state is not None and follower.state.serve.answered == len(inputs), 10)
+    wait_until(lambda: follower.state is not None and _answered(follower.state) == len(inputs), 10)
     final = stop(cluster, name, follower)
-    assert final.serve.reconfigurations >= 1 and isinstance(final.plan, ServePlan)
+    assert final.progress_as(ServeProgress).reconfigurations >= 1 and isinstance(final.plan, ServePlan)
     assert victim not in final.plan.devices and final.plan.epoch >= 1
     # Exactly once: the coordinator answered each request one time (a second answer would be a late reply here).
-    assert final.serve.answered == len(inputs)
+    assert final.progress_as(ServeProgress).answered == len(inputs)
     assert cluster.bus.metrics.counter("late_replies") == late_before
+
+
+def _answered(state: JobState) -> int:
+    return state.progress_as(ServeProgress).answered

@@ -9,10 +9,10 @@ import pytest
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.jobs import JobState, ServeProgress, TrainProgress
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.zoo import build_model
-from edgeswarm.serving.spec import ServeSpec
-from edgeswarm.training.jobs import JobSpec
+from edgeswarm.serving.spec import ServeProgress, ServeSpec
+from edgeswarm.training.jobs import JobSpec, TrainProgress
 from edgeswarm.workloads import KINDS, parse_spec_text, workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -56,9 +56,9 @@ def test_each_kind_checks_its_model_and_its_fit() -> None:
 def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     state = JobState(job_id="s", kind="serve-pipeline", status="running", model="mlp",
                      progress=ServeProgress(answered=3), submitted_at=0.0, updated_at=0.0)
-    assert state.serve.answered == 3
-    with pytest.raises(TypeError, match="not a training job"):
-        _ = state.train
+    assert state.progress_as(ServeProgress).answered == 3
+    with pytest.raises(TypeError, match="not one with TrainProgress"):
+        _ = state.progress_as(TrainProgress)
     train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
                                                   updated_at=0.0).model_dump_json())
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"

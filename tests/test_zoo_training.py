@@ -20,6 +20,7 @@ import pytest
 from edgeswarm.bus import Bus
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
+from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.training.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
@@ -87,10 +88,11 @@ def test_a_tiny_model_of_every_family_trains_through_the_coordinator_to_an_evalu
     final = follower.wait(300)
 
     assert final.status == "succeeded", f"job {name} ended {final.status}: {final.detail}"
-    assert final.train.round == ROUNDS and final.train.checkpoint_version == ROUNDS
-    assert final.train.test_accuracy is not None and 0.0 <= final.train.test_accuracy <= 1.0
+    t = final.progress_as(TrainProgress)
+    assert t.round == ROUNDS and t.checkpoint_version == ROUNDS
+    assert t.test_accuracy is not None and 0.0 <= t.test_accuracy <= 1.0
     assert final.plan is not None and len(final.plan.stages) == DEVICES
-    assert final.train.loss is not None and math.isfinite(final.train.loss)
+    assert t.loss is not None and math.isfinite(t.loss)
     saved = {p.name for p in (cluster.checkpoints / name).iterdir()}
     assert saved == {stage_entry(s.index) for s in final.plan.stages} | {"layout"}
     # The stages' checkpoints together are exactly the model's state dict: no non-persistent buffer, nothing lacking.

@@ -37,7 +37,7 @@ from edgeswarm.messages.jobs import (
     JobState,
     JobSubmit,
 )
-from edgeswarm.workloads import KINDS, parse_spec_text, workload
+from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
@@ -49,20 +49,21 @@ TOP_LEVEL = frozenset({"plan", "detail"})  # fields of update() that are the sta
 
 
 def _data_schemas() -> tuple[Any, ...]:
-    return tuple(s for kind in KINDS for s in workload(kind).data_schemas)
+    return tuple(s for kind in KINDS if (work := installed_workload(kind)) is not None for s in work.data_schemas)
 
 
 class JobManager:
     """Owns the jobs of one coordinator: its request handlers, the job threads and the published state.
-    ``members`` gives the nodes whose stage-workers are online (for the checks at submission)."""
+    ``members(service)`` gives the nodes where ``service`` is online (a kind's worker service, for the checks at
+    submission)."""
 
     def __init__(self, bus: Bus, node: str, *, store_node: str | None = "hub", timeout_s: float = 600.0,
-                 members: Callable[[], list[NodeView]] | None = None) -> None:
+                 members: Callable[[str], list[NodeView]] | None = None) -> None:
         self.bus = bus
         self.node = node
         self.store_node = store_node
         self.timeout_s = timeout_s
-        self._members = members or (lambda: [])
+        self._members = members or (lambda service: [])
         self._lock = threading.Lock()
         self._states: dict[str, JobState] = {}
         self._specs: dict[str, Any] = {}
@@ -102,7 +103,9 @@ class JobManager:
         assert isinstance(body, JobSubmit)
         try:
             spec = parse_spec_text(body.spec, source="the submitted job spec")
-            problems = workload(spec.kind).problems(spec, self._members())  # type: ignore[attr-defined]
+            work = workload(spec.kind)  # type: ignore[attr-defined]
+            problems = work.problems(spec, self._members(work.worker_service))
+            model = work.model_name(spec)
         except EdgeswarmError as exc:
             self.bus.reply(msg, JobRejected(reason="invalid", detail=str(exc)[:4096]))
             return
@@ -111,7 +114,6 @@ class JobManager:
                 "the submitted job spec cannot run:\n" + "\n".join(f"  {p}" for p in problems))[:4096]))
             return
         name, kind = spec.name, spec.kind  # type: ignore[attr-defined]
-        work = workload(kind)
         with self._lock:
             current = self._states.get(name)
             if current is not None and current.status not in FINISHED:
@@ -120,8 +122,8 @@ class JobManager:
                 return
             now = time.time()
             self._states[name] = JobState(job_id=name, submission=body.submission, spec=body.spec, kind=kind,
-                                          status="queued", model=spec.model.name,  # type: ignore[attr-defined]
-                                          progress=work.initial_progress(spec), submitted_at=now, updated_at=now)
+                                          status="queued", model=model, progress=work.initial_progress(spec),
+                                          submitted_at=now, updated_at=now)
             self._specs[name] = spec
             self._cancels[name] = threading.Event()
             queued = sum(1 for s in self._states.values() if s.status == "queued"
@@ -157,8 +159,8 @@ class JobManager:
             ctx.data_handler(msg)
             return
         for kind in KINDS:
-            work = workload(kind)
-            if isinstance(msg.body, work.data_schemas):
+            work = installed_workload(kind)
+            if work is not None and isinstance(msg.body, work.data_schemas):
                 work.refuse_data(self.bus, msg, state)
                 return
 
@@ -278,7 +280,7 @@ class JobManager:
         self.bus.publish(topics.job_state(job_id), state, retain=True)
         if event is not None:
             kind, detail = event
-            progress = state.progress
+            work = installed_workload(state.kind)
             self.bus.publish(topics.job_events(job_id), JobEvent(
                 job_id=job_id, submission=state.submission, kind=kind, detail=detail,
-                round=progress.round if state.kind == "train" else 0))  # type: ignore[union-attr]
+                round=work.summary(state).round if work is not None else 0))

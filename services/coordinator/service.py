@@ -35,7 +35,7 @@ class CoordinatorService(Service):
         self.bus.subscribe(topics.ALL_HEARTBEATS, self._on_heartbeat, schemas=(Heartbeat,))
         self.every(min(1.0, self.settings.heartbeat_interval_s), self.publish_view, "cluster-view")
         self.jobs = JobManager(self.bus, self.node, timeout_s=self.settings.job_step_timeout_s,
-                               members=self.stage_worker_nodes)
+                               members=self.nodes_running)
 
     def teardown(self) -> None:
         self.jobs.stop()
@@ -50,11 +50,11 @@ class CoordinatorService(Service):
         with self._lock:
             self.table.apply_heartbeat(msg.body, observed_at(msg.envelope.sent_at, msg.retained, time.time()))
 
-    def stage_worker_nodes(self) -> list[NodeView]:
-        """The nodes whose stage-worker is online now."""
+    def nodes_running(self, service: str) -> list[NodeView]:
+        """The nodes where ``service`` is online now."""
         with self._lock:
             view = self.table.view(time.time())
-        return [n for n in view.nodes if any(s.service == "stage-worker" and s.state == "online" for s in n.services)]
+        return [n for n in view.nodes if any(s.service == service and s.state == "online" for s in n.services)]
 
     def publish_view(self) -> None:
         """Publish the current view (retained) and one event per change since the last one."""

@@ -1,8 +1,10 @@
-"""The planner: answers plan and re-plan requests over MQTT with versioned plans.
+"""The planner: answers every job kind's plan requests over MQTT with versioned plans.
 
-A thin adapter over edgeswarm.planning: a PlanRequest on ``edgeswarm/node/{node}/planner/request`` is
-answered with a PlanReply (the plan, optionally the baselines) or a PlanFailed saying why there is no plan;
-a ReplanRequest with the lightweight re-plan (or, when asked, the full planner on the surviving devices).
+A thin adapter over each workload's planner (``workload.planner``, a ``planning.entry.PlannerEntry``: the request
+schemas it answers and pure functions to price and answer them). HPP training's PlanRequest on
+``edgeswarm/node/{node}/planner/request`` is answered with a PlanReply (the plan, optionally the baselines), its
+ReplanRequest with the lightweight re-plan (or, when asked, the full planner on the surviving devices), serving's
+ServePlanRequest with a ServePlanReply; a request with no plan gets a PlanFailed saying why.
 
 Planning can take seconds, so it never runs on the thread that receives requests (and answers probes on the
 same topic): a request is first priced (edgeswarm.planning.budget) and refused ``too_large`` at once if it is
@@ -19,27 +21,24 @@ from dataclasses import dataclass
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
-from edgeswarm.errors import EdgeswarmError, InfeasiblePlanError, PlanningError, PlanTooLargeError, ProfileError
-from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages.planning import (
-    PlanFailed,
-    PlanFailureReason,
-    PlanReply,
-    PlanRequest,
-    ReplanRequest,
-    ServePlanReply,
-    ServePlanRequest,
+from edgeswarm.errors import (
+    ConfigError,
+    EdgeswarmError,
+    InfeasiblePlanError,
+    PlanningError,
+    PlanTooLargeError,
+    ProfileError,
 )
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.planning import PlanFailed, PlanFailureReason
 from edgeswarm.planning.budget import WorkEstimate, check_budget
 from edgeswarm.planning.deadline import Deadline
-from edgeswarm.planning.hpp.budget import estimate_plan, estimate_replan
-from edgeswarm.planning.hpp.compare import compare, plan_best
-from edgeswarm.planning.hpp.replan import heavy_replan, light_replan
-from edgeswarm.planning.serve.budget import estimate_serve_plan
-from edgeswarm.planning.serve.plan import plan_serving
+from edgeswarm.planning.entry import PlannerEntry
+from edgeswarm.plugins import load_target
 from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.runtime.service import Service
 from edgeswarm.wire import Message
+from edgeswarm.workloads import KINDS, installed_workload
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,24 @@ MAX_QUEUED = 8
 @dataclass(frozen=True)
 class _Job:
     msg: Inbound
+    entry: PlannerEntry
     estimate: WorkEstimate
+
+
+def planner_entries() -> dict[type[Message], PlannerEntry]:
+    """Every installed kind's planner, by the request schemas it answers. Raises ConfigError for a kind whose
+    planner cannot be loaded, or two kinds answering the same schema."""
+    out: dict[type[Message], PlannerEntry] = {}
+    for kind in KINDS:
+        work = installed_workload(kind)
+        if work is None or not work.planner:
+            continue
+        entry = load_target(work.planner, f"the planner of job kind {kind!r}")
+        for schema in entry.requests:
+            if schema in out and out[schema] is not entry:
+                raise ConfigError(f"two job kinds answer {schema.__name__}: give each kind its own request schema")
+            out[schema] = entry
+    return out
 
 
 class PlannerService(Service):
@@ -65,8 +81,9 @@ class PlannerService(Service):
                                                     depth_gauge="plan_queue_depth")
         # Refusals and failures are triggered by whoever sends requests: their log lines are rate-limited.
         self._refusals = RateLimitedLog(log, what="refusals")
+        self._entries = planner_entries()
         request = topics.request(self.node, self.name)
-        self.bus.subscribe(request, self._on_request, schemas=(PlanRequest, ReplanRequest, ServePlanRequest))
+        self.bus.subscribe(request, self._on_request, schemas=tuple(self._entries))
         log.info("planning with a time budget of %g s per request, at most %d requests waiting", self._budget_s,
                  MAX_QUEUED)
 
@@ -76,16 +93,9 @@ class PlannerService(Service):
     # --- the receiving thread: price, refuse or queue; never plan here --------------------------------
 
     def _on_request(self, msg: Inbound) -> None:
-        req = msg.body
+        entry = self._entries[type(msg.body)]  # the subscription's schema filter let only these through
         try:
-            if isinstance(req, PlanRequest):
-                estimate = estimate_plan(req.cluster, req.global_batch, micro_batches=req.micro_batches,
-                                         strategy=req.strategy, compare=req.compare)
-            elif isinstance(req, ServePlanRequest):
-                estimate = estimate_serve_plan(req.cluster, req.options)
-            else:
-                assert isinstance(req, ReplanRequest)  # guaranteed by the subscription's schema filter
-                estimate = estimate_replan(req.plan, req.cluster, req.failed, heavy=req.heavy)
+            estimate = entry.estimate(msg.body)
             check_budget(estimate, self._budget_s)
         except PlanningError as exc:
             self._fail(msg, exc)
@@ -93,7 +103,7 @@ class PlannerService(Service):
         except Exception as exc:  # a bug in the estimate: the requester still hears why, and the handler goes on
             self._unexpected(msg, exc)
             return
-        if not self._jobs.offer(_Job(msg, estimate)):
+        if not self._jobs.offer(_Job(msg, entry, estimate)):
             self._refuse(msg, "busy", f"the planner on {self.node} already has {MAX_QUEUED} requests waiting; "
                                       "try again later")
 
@@ -112,53 +122,14 @@ class PlannerService(Service):
         deadline = Deadline.after(self._budget_s)
         started = time.perf_counter()
         try:
-            if isinstance(msg.body, ServePlanRequest):
-                served = plan_serving(msg.body.cluster, msg.body.options)
-                elapsed = time.perf_counter() - started
-                self.metrics.count("serve_plans")
-                log.info("planned serving %s on %d devices in %.2f s: %d stages, %.1f samples/s predicted (epoch %d)",
-                         msg.body.cluster.model.model.name, len(msg.body.cluster.devices), elapsed,
-                         len(served.stages), served.throughput_per_s, msg.body.epoch)
-                self._answer(msg, ServePlanReply(plan=served.model_copy(update={"epoch": msg.body.epoch}),
-                                                 planning_s=elapsed))
-                return
-            if isinstance(msg.body, PlanRequest):
-                answer = self._plan(msg.body, deadline)
-            else:
-                assert isinstance(msg.body, ReplanRequest)
-                answer = self._replan(msg.body, deadline)
+            answer = job.entry.plan(msg.body, deadline)
         except PlanningError as exc:
             self._fail(msg, exc)
             return
         elapsed = time.perf_counter() - started
-        plan = answer.plan
-        if isinstance(msg.body, PlanRequest):
-            self.metrics.count("plans")
-            log.info("planned %s for %s on %d devices in %.2f s: %d stages, %.3f s per round (epoch %d)",
-                     plan.strategy, msg.body.cluster.model.model.name, len(msg.body.cluster.devices), elapsed,
-                     len(plan.stages), plan.round_latency_s, plan.epoch)
-        else:
-            self.metrics.count("replans")
-            log.info("re-planned without %s (%s) in %.3f s: epoch %d, %d stages", msg.body.failed,
-                     "heavy" if msg.body.heavy else "light", elapsed, plan.epoch, len(plan.stages))
+        self.metrics.count(job.entry.counter(msg.body))
+        log.info("%s", job.entry.describe(msg.body, answer, elapsed))
         self._answer(msg, answer.model_copy(update={"planning_s": elapsed}))
-
-    @staticmethod
-    def _plan(req: PlanRequest, deadline: Deadline) -> PlanReply:
-        if req.compare:
-            comparison = compare(req.cluster, req.global_batch, micro_batches=req.micro_batches,
-                                 optimizer=req.optimizer, deadline=deadline)
-            plan, extra = comparison.hpp, comparison
-        else:
-            plan = plan_best(req.strategy, req.cluster, req.global_batch, micro_batches=req.micro_batches,
-                             optimizer=req.optimizer, deadline=deadline)
-            extra = None
-        return PlanReply(plan=plan.model_copy(update={"epoch": req.epoch}), comparison=extra, planning_s=0.0)
-
-    @staticmethod
-    def _replan(req: ReplanRequest, deadline: Deadline) -> PlanReply:
-        replan = heavy_replan if req.heavy else light_replan
-        return PlanReply(plan=replan(req.plan, req.cluster, req.failed, deadline=deadline), planning_s=0.0)
 
     # --- answers --------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from functools import partial
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
-from edgeswarm.runtime.program import ComputeGate, WorkerContext, WorkerProgram
+from edgeswarm.runtime.program import STAGE_WORKER, ComputeGate, WorkerContext, WorkerProgram
 from edgeswarm.runtime.service import Service
 from edgeswarm.serving.stage import ServeStageProgram
 from edgeswarm.training.stage_program import TrainingProgram
@@ -31,7 +31,7 @@ WAIT_S = 120.0  # longest wait for one tensor or unit state from a peer before t
 
 
 class StageWorkerService(Service):
-    name = "stage-worker"
+    name = STAGE_WORKER
     computes = True
 
     def setup(self) -> None:

@@ -11,6 +11,7 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.settings import Settings
 
 
@@ -26,7 +27,7 @@ def asteroid_cluster(env: str, profile_dir: Path) -> Iterator[tuple[LocalCluster
         try:
             watcher = ClusterWatcher(bus)
             watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
-            missing = [f"stage-worker on {n}" for n in wait_for_service(watcher, "stage-worker", nodes, 120)]
+            missing = [f"{STAGE_WORKER} on {n}" for n in wait_for_service(watcher, STAGE_WORKER, nodes, 120)]
             missing += [f"{s} on {HUB_NODE}" for s in HUB_SERVICES if wait_for_service(watcher, s, [HUB_NODE], 120)]
             if missing:
                 raise EdgeswarmError(f"env {env}: the cluster did not come up: {', '.join(missing)} not online")

@@ -18,12 +18,15 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
 from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.messages.jobs import DEFAULT_KIND
 from edgeswarm.planning.hpp.compare import Comparison, compare
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec
+from edgeswarm.workloads import KINDS, workload
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
@@ -49,8 +52,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the profiles")
     p.add_argument("--json", action="store_true", help="print the plan and baselines as JSON")
     p.add_argument("--png", metavar="FILE", help="draw the stage-to-device map and one round's 1F1B timeline")
-    p.add_argument("--kind", choices=("train", "serve-pipeline"), default="train",
-                   help="train: HPP training (default); serve-pipeline: throughput-optimal pipelined inference")
+    p.add_argument("--kind", default=DEFAULT_KIND, metavar="KIND",
+                   help=f"the job kind to plan ({', '.join(KINDS)}; default {DEFAULT_KIND}: HPP training; "
+                        "serve-pipeline: throughput-optimal pipelined inference)")
     p.add_argument("--serve-micro-batch", type=int, default=1,
                    help="serve-pipeline: samples per micro-batch (default 1)")
     p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
@@ -60,6 +64,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    work = workload(args.kind)
+    if not work.plan_cli:
+        raise ConfigError(f"job kind {args.kind} has no offline planner: `edgeswarm plan` cannot show its plan")
+    show = load_target(work.plan_cli, f"the offline planner of job kind {args.kind!r}")
     spec = ModelSpec(name=args.model, config=parse_config(args.config))
     if args.png:
         require_extra("plot")  # now, not after profiling a cluster
@@ -74,8 +82,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.save_profiles:
         path = save_profiles(Path(args.save_profiles), cluster)
         err_console.print(f"cluster profile written to {path}")
-    if args.kind == "serve-pipeline":
-        return _run_serve_plan(args, cluster)
+    return int(show(args, cluster))
+
+
+def run_hpp_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
+    """Print HPP training's plan for ``cluster`` beside single, DP and PP (and draw it with ``--png``)."""
+    spec = cluster.model.model
     comparison = compare(cluster, args.global_batch, micro_batches=args.micro_batches, optimizer=args.optimizer)
     if args.json:
         print(comparison.model_dump_json(indent=2))
@@ -89,7 +101,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
+def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
+    """Print the serve-pipeline plan for ``cluster`` with the ``--serve-*``, ``--max-stages`` and ``--exclude``
+    options."""
     from pydantic import ValidationError
 
     from edgeswarm.planning.serve.plan import plan_serving

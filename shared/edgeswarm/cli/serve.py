@@ -17,7 +17,7 @@ from edgeswarm.cli.train import job_bus, read_spec
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import FINISHED, JobEvent, JobState
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.workloads import parse_spec_text
+from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobFollower, JobRequestError, job_states, submit_job
 
 if TYPE_CHECKING:
@@ -49,13 +49,19 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     q.add_argument("--json", default=None, metavar="FILE", help="write the figures and every answer to FILE")
 
 
+def serving_kinds() -> list[str]:
+    """The job kinds ``edgeswarm serve`` submits (those whose workload's command is ``serve``)."""
+    return [k for k in KINDS if (w := installed_workload(k)) is not None and w.command == "serve"]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     path = Path(args.spec)
     text = read_spec(path)
     spec = parse_spec_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
-    if spec.kind != "serve-pipeline":  # type: ignore[attr-defined]
-        raise ConfigError(f"{path} is a {spec.kind} job: `edgeswarm serve` takes kind: serve-pipeline "  # type: ignore[attr-defined]
-                          "(`edgeswarm train` runs training jobs)")
+    work = workload(spec.kind)  # type: ignore[attr-defined]
+    if work.command != "serve":
+        raise ConfigError(f"{path} is a {work.kind} job: `edgeswarm serve` takes serving kinds "
+                          f"({', '.join(serving_kinds())}); `edgeswarm {work.command}` runs this one")
     name = spec.name  # type: ignore[attr-defined]
     bus = job_bus(args)
     try:
@@ -94,7 +100,8 @@ def run_infer(args: argparse.Namespace) -> int:
     bus = job_bus(args)
     try:
         state = next((s for s in job_states(bus) if s.job_id == args.job), None)
-        if state is None or state.kind != "serve-pipeline":
+        work = installed_workload(state.kind) if state is not None else None
+        if state is None or work is None or work.command != "serve":
             raise JobRequestError(f"no serving job {args.job} (see `edgeswarm jobs`)" if state is None else
                                   f"job {args.job} is a {state.kind} job, not a serving job")
         if state.status != "running":

@@ -24,14 +24,15 @@ from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
 from edgeswarm.extras import require_extra
-from edgeswarm.messages.jobs import JobEvent, JobState, ServeProgress
+from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
-from edgeswarm.training.jobs import JobSpec, parse_job_text
+from edgeswarm.training.jobs import JobSpec, TrainProgress
 
 if TYPE_CHECKING:  # torch: imported only when a job starts from a file
     from edgeswarm.training.model_file import ModelFile
+from edgeswarm.workloads import installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
 STRATEGIES = ("hpp", "dp", "pp", "single")
@@ -80,7 +81,12 @@ def read_spec(path: Path) -> str:
 def run_train(args: argparse.Namespace) -> int:
     path = Path(args.job)
     text = read_spec(path)
-    job = parse_job_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
+    job = parse_spec_text(text, source=str(path))  # the coordinator checks again; this fails before connecting
+    work = workload(job.kind)  # type: ignore[attr-defined]
+    if work.command != "train":
+        raise ConfigError(f"{path} is a {work.kind} job: `edgeswarm {work.command}` runs it")
+    if not isinstance(job, JobSpec):  # another kind that trains: submitted and followed the common way
+        return run_job_spec(args, job.name, text)  # type: ignore[attr-defined]
     if args.recovery is not None:
         job = job.model_copy(update={"recovery": args.recovery})
         text = job.model_dump_json()
@@ -163,7 +169,7 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
             progress.console.print(plan_table(state.plan, []))
             progress.console.print(f"predicted {state.plan.round_latency_s:.3f} s per round, "
                                    f"{state.plan.throughput_sps:.1f} samples/s")
-        t = state.train
+        t = state.progress_as(TrainProgress)
         if t.round_s is not None and t.predicted_round_s and t.loss is not None and t.accuracy is not None and \
                 t.samples_per_s is not None:
             progress.update(task, completed=t.round, total=t.total_rounds or None, description=(
@@ -188,7 +194,8 @@ def _follow(bus, job: JobSpec, text: str, timeout_s: float, *, verbose: bool) ->
 
 def _measured_round_s(follower: JobFollower) -> float | None:
     """Mean wall time of the rounds after the first (which also warms up every device), or of the only one."""
-    times = [s.train.round_s for r, s in sorted(follower.rounds.items()) if s.train.round_s is not None]
+    rounds = [s.progress_as(TrainProgress) for _, s in sorted(follower.rounds.items())]
+    times = [t.round_s for t in rounds if t.round_s is not None]
     if not times:
         return None
     return statistics.fmean(times[1:] if len(times) > 1 else times)
@@ -199,9 +206,9 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if final.status != "succeeded":
         err_console.print(f"job {job.name} {final.status}: {escape(final.detail)}")
     measured = _measured_round_s(follower)
-    t = final.train
+    t = final.progress_as(TrainProgress)
     if rounds and measured is not None and t.predicted_round_s:
-        first, last = rounds[0][1].train, rounds[-1][1].train
+        first, last = rounds[0][1].progress_as(TrainProgress), rounds[-1][1].progress_as(TrainProgress)
         console.print(f"job {job.name} {final.status}: {len(rounds)} rounds, loss {first.loss:.4f} -> "
                       f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
                       f"{measured:.3f} s per round against {t.predicted_round_s:.3f} s predicted "
@@ -211,14 +218,14 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if t.test_accuracy is not None:
         console.print(f"held-out accuracy of the saved model: {t.test_accuracy:.1%}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"),
-                                               "rounds": [s.train.model_dump(mode="json", exclude={"predictions"})
-                                                          for _, s in rounds]}, indent=2))
+        figures = [s.progress_as(TrainProgress).model_dump(mode="json", exclude={"predictions"}) for _, s in rounds]
+        Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"), "rounds": figures}, indent=2))
     if args.loss_png and rounds:
         from edgeswarm.training.curves import render_loss_png
 
-        render_loss_png([r for r, _ in rounds], [s.train.loss or 0.0 for _, s in rounds],
-                        [s.train.accuracy or 0.0 for _, s in rounds], Path(args.loss_png),
+        figures = [s.progress_as(TrainProgress) for _, s in rounds]
+        render_loss_png([r for r, _ in rounds], [f.loss or 0.0 for f in figures],
+                        [f.accuracy or 0.0 for f in figures], Path(args.loss_png),
                         title=f"{job.name}: {job.model.name}, {job.strategy}, global batch {job.global_batch}")
         console.print(f"loss curve written to {args.loss_png}")
     if args.timeline_png and isinstance(final.plan, Plan):
@@ -233,7 +240,7 @@ def _print_comparison(final: JobState, measured: dict[str, float | None], global
     for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted", "measured samples/s",
                 "HPP speed-up (measured)"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
-    predicted = {p.strategy: p for p in final.train.predictions}
+    predicted = {p.strategy: p for p in final.progress_as(TrainProgress).predictions}
     hpp = measured.get("hpp")
     for strategy, seconds in measured.items():
         p = predicted.get(strategy)
@@ -271,25 +278,40 @@ def run_jobs(args: argparse.Namespace) -> int:
 
 
 def _stage_devices(state: JobState) -> list[list[str]]:
-    """Every stage's devices of the job's plan."""
-    if isinstance(state.plan, Plan):
-        return [list(st.devices) for st in state.plan.stages]
-    return [[st.device] for st in state.plan.stages] if state.plan is not None else []
+    """Every stage's devices of the job's plan (none for a kind not installed here)."""
+    work = installed_workload(state.kind)
+    return work.stage_devices(state.plan) if work is not None and state.plan is not None else []
 
 
 def _progress_cells(state: JobState) -> tuple[str, str]:
-    """How far a job is, and its latest figures, for the jobs table."""
-    if isinstance(state.progress, ServeProgress):
-        p = state.progress
-        figures = [f"{p.throughput_per_s:.1f} samples/s" if p.throughput_per_s is not None else "",
-                   f"p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
-                   f"p99 {p.latency_p99_s * 1000:.1f} ms" if p.latency_p99_s is not None else ""]
-        return f"{p.answered} answered, {p.errors} errors", "  ".join(f for f in figures if f) or "-"
-    t = state.train
-    figures = [f"loss {t.loss:.4f}" if t.loss is not None else "",
-               f"accuracy {t.accuracy:.1%}" if t.accuracy is not None else "",
-               f"{t.samples_per_s:.1f} samples/s" if t.samples_per_s is not None else ""]
-    return f"{t.strategy} round {t.round}/{t.total_rounds or '?'}", "  ".join(f for f in figures if f) or "-"
+    """How far a job is, and its latest figures, for the jobs table: its workload's summary."""
+    work = installed_workload(state.kind)
+    if work is None:
+        return f"(job kind {state.kind} is not installed here)", "-"
+    summary = work.summary(state)
+    return summary.progress, summary.figures
+
+
+def run_job_spec(args: argparse.Namespace, name: str, text: str) -> int:
+    """Submit the spec ``text`` of job ``name`` (of any kind) and, with ``--wait``, print its events and follow it
+    to its end: 0 when it succeeded."""
+    bus = job_bus(args)
+    try:
+        def on_event(event: JobEvent) -> None:
+            console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
+
+        follower = JobFollower(bus, name, on_event=on_event)
+        accepted = submit_job(bus, text, submission=follower.submission)
+        console.print(f"job {name} submitted: {accepted.detail}")
+        if not args.wait:
+            return 0
+        final = follower.wait(args.timeout)
+    finally:
+        bus.stop()
+    progress, figures = _progress_cells(final)
+    console.print(f"job {name} {final.status}: {escape(progress)}; {escape(figures)}" +
+                  (f" ({escape(final.detail)})" if final.detail else ""))
+    return 0 if final.status == "succeeded" else 1
 
 
 def run_cancel(args: argparse.Namespace) -> int:

@@ -7,17 +7,18 @@ to ``edgeswarm/job/{job}/events``. Times are seconds; ``*_at`` are Unix times.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 
-from edgeswarm.planning.hpp.types import Plan, Strategy
-from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_SPEC_CHARS = 65536
+DEFAULT_KIND = "train"  # a spec without ``kind`` (every spec before there were other kinds)
+P = TypeVar("P", bound=BaseModel)
 
-JobKind = Literal["train", "serve-pipeline"]
+# A job kind is a name in the workload registry (``edgeswarm.workloads``), built in or from a plug-in.
+JobKind = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9-]*$")]
 JobStatus = Literal["queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded", "failed",
                     "cancelled"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -63,70 +64,24 @@ class JobRejected(Message):
     detail: str = Field(max_length=4096)
 
 
-class StrategyPrediction(BaseModel):
-    """What the planner predicts for one strategy on this job's cluster: seconds per round and samples per
-    second, or why the strategy has no plan (it does not fit in memory)."""
+class OpaqueValue(BaseModel):
+    """The plan or progress of a job whose kind is not installed here (a plug-in's, seen by a client without it):
+    kept as it came, shown as it is, never interpreted."""
 
-    strategy: Strategy
-    round_s: float | None = None
-    samples_per_s: float | None = None
-    error: str | None = None
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True)
 
 
-class TrainProgress(BaseModel):
-    """How far a training job is. ``round`` counts the rounds done out of ``total_rounds``; ``loss`` and
-    ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
-    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the final
-    model's, loaded back from the checkpoint store, on the held-out split. ``reconfigurations`` counts re-plans
-    after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery
-    ``round`` goes back to the round the job resumed from: those rounds run again."""
+def _kind_part(kind: str, part: str, value: object) -> object:
+    """``value`` validated as the ``part`` ("plan" or "progress") type of job kind ``kind``; an OpaqueValue when
+    the kind is not installed here."""
+    from edgeswarm.workloads import installed_workload  # the registry imports workloads only when asked
 
-    model_config = ConfigDict(extra="forbid", frozen=True)  # a diverged loss is NaN
-
-    kind: Literal["train"] = "train"
-    strategy: Strategy = "hpp"
-    round: int = Field(default=0, ge=0)
-    total_rounds: int = Field(default=0, ge=0)
-    loss: float | None = None
-    accuracy: float | None = None
-    round_s: float | None = None
-    predicted_round_s: float | None = None
-    samples_per_s: float | None = None
-    checkpoint_version: int | None = None
-    test_accuracy: float | None = None
-    predictions: list[StrategyPrediction] = Field(default_factory=list, max_length=8)
-    reconfigurations: int = Field(default=0, ge=0)
-
-
-class ServeProgress(BaseModel):
-    """How a serving job serves. ``answered`` requests got outputs and ``errors`` an InferError; ``replayed``
-    pipeline items were sent through again after a device was lost (each still answered once); ``in_flight`` items
-    are in the pipeline and ``queued`` requests wait for room in its window. ``throughput_per_s`` (samples per
-    second) and the latency percentiles (seconds from a request's arrival to its answer) are measured over the
-    recent requests, beside the plan's predictions. ``weights`` says where the weights came from."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    kind: Literal["serve-pipeline"] = "serve-pipeline"
-    answered: int = Field(default=0, ge=0)
-    samples: int = Field(default=0, ge=0)
-    errors: int = Field(default=0, ge=0)
-    replayed: int = Field(default=0, ge=0)
-    in_flight: int = Field(default=0, ge=0)
-    queued: int = Field(default=0, ge=0)
-    throughput_per_s: float | None = None
-    latency_p50_s: float | None = None
-    latency_p99_s: float | None = None
-    predicted_throughput_per_s: float | None = None
-    predicted_latency_s: float | None = None
-    reconfigurations: int = Field(default=0, ge=0)
-    weights: str = Field(default="", max_length=256)
-
-
-AnyPlan = Annotated[Plan | ServePlan, Field(discriminator="workload")]
-Progress = Annotated[TrainProgress | ServeProgress, Field(discriminator="kind")]
+    work = installed_workload(kind)
+    cls = None if work is None else work.plan_type if part == "plan" else work.progress_type
+    if cls is None:
+        return value if isinstance(value, BaseModel) else OpaqueValue.model_validate(value)
+    return value if isinstance(value, cls) else cls.model_validate(
+        value.model_dump() if isinstance(value, BaseModel) else value)
 
 
 @schema("edgeswarm.job.state", 1)
@@ -141,32 +96,49 @@ class JobState(Message):
     job_id: Name
     submission: str = Field(default="", max_length=64)
     spec: str = Field(default="", max_length=MAX_SPEC_CHARS)
-    kind: JobKind = "train"
+    kind: JobKind = DEFAULT_KIND
     status: JobStatus
     model: str = Field(max_length=128)
-    plan: AnyPlan | None = None
-    progress: Progress = Field(default_factory=TrainProgress)
+    plan: SerializeAsAny[BaseModel] | None = None
+    progress: SerializeAsAny[BaseModel] = Field(default_factory=OpaqueValue)
     detail: str = Field(default="", max_length=4096)
     submitted_at: float
     updated_at: float
 
-    @property
-    def train(self) -> TrainProgress:
-        """The progress of a training job (TypeError for another kind)."""
-        if not isinstance(self.progress, TrainProgress):
-            raise TypeError(f"job {self.job_id} is a {self.kind} job, not a training job")
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_types(cls, data: Any) -> Any:
+        # The plan and the progress are the kind's own types (its workload's ``plan_type`` and ``progress_type``):
+        # validated here by the workload registered for ``kind``, so no list of kinds is written in this module.
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("kind", DEFAULT_KIND)
+        if not isinstance(kind, str):
+            return data  # the field's own check says why
+        out = dict(data)
+        if out.get("plan") is not None:
+            out["plan"] = _kind_part(kind, "plan", out["plan"])
+        out["progress"] = _kind_part(kind, "progress", out.get("progress", {}))
+        return out
+
+    def progress_as(self, cls: type[P]) -> P:
+        """The progress, as the kind's progress type ``cls``. Raises TypeError for a job of another kind."""
+        if not isinstance(self.progress, cls):
+            raise TypeError(f"job {self.job_id} is a {self.kind} job, not one with {cls.__name__}")
         return self.progress
 
-    @property
-    def serve(self) -> ServeProgress:
-        """The progress of a serving job (TypeError for another kind)."""
-        if not isinstance(self.progress, ServeProgress):
-            raise TypeError(f"job {self.job_id} is a {self.kind} job, not a serving job")
-        return self.progress
+    def plan_as(self, cls: type[P]) -> P | None:
+        """The plan as the kind's plan type ``cls`` (None before there is one). Raises TypeError for another kind."""
+        if self.plan is not None and not isinstance(self.plan, cls):
+            raise TypeError(f"job {self.job_id} is a {self.kind} job, not one with {cls.__name__}")
+        return self.plan
 
 
-JobEventKind = Literal["submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
-                       "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled", "serving"]
+# What happened to a job. The common events are these; a workload may name its own (a plug-in's kind included), so the
+# type is a short name rather than a closed list: "submitted", "profiling", "planned", "deployed", "round",
+# "checkpoint", "device_lost", "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled",
+# "serving".
+JobEventKind = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z][a-z_]*$")]
 
 
 @schema("edgeswarm.job.event", 1)

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from edgeswarm.wire import Message
 
 
+# The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
+# its registration, by the workloads it hosts and by their coordinator programs that address it.
+STAGE_WORKER = "stage-worker"
+
+
 class ComputeGate:
     """Many computes at once, or one build alone. A build that waits goes before computes that come after it, so a
     steady stream of rounds cannot starve an assignment; computes hold the gate only for one forward, backward or

@@ -46,6 +46,7 @@ from edgeswarm.messages.training import StageFailed
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.serving.spec import ServeSpec
 from edgeswarm.serving.stats import percentile
 from edgeswarm.training.detection import FailureDetector
@@ -127,7 +128,7 @@ class PipelineRunner:
         ctx.on_data(self.on_data)
         watcher = ClusterWatcher(self.bus)
         view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30, cancel=ctx.cancel)
-        nodes = [n for n in nodes_running(view, "stage-worker") if n not in spec.planner.exclude]
+        nodes = [n for n in nodes_running(view, STAGE_WORKER) if n not in spec.planner.exclude]
         if not nodes:
             raise JobError(f"job {spec.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
         ctx.update("profiling", event=("profiling", f"profiling {spec.model.name} on {', '.join(nodes)}"))
@@ -224,7 +225,7 @@ class PipelineRunner:
         self.ctx.update(self.ctx.state().status, **self.progress())  # the final figures stay in the state
         for device in plan.devices if plan else []:
             try:
-                self.bus.publish(topics.request(device, "stage-worker"), ServeRelease(job_id=self.spec.name))
+                self.bus.publish(topics.request(device, STAGE_WORKER), ServeRelease(job_id=self.spec.name))
             except EdgeswarmError as exc:
                 log.warning("job %s: could not release the stage on %s: %s", self.spec.name, device, exc)
 
@@ -278,7 +279,7 @@ class PipelineRunner:
 
         def ask(device: str) -> Any:
             try:
-                return self.bus.request(topics.request(device, "stage-worker"), assigns[device],
+                return self.bus.request(topics.request(device, STAGE_WORKER), assigns[device],
                                         timeout_s=self.ctx.timeout_s).body
             except BusError as exc:
                 return exc
@@ -287,7 +288,7 @@ class PipelineRunner:
             replies = dict(zip(assigns, pool.map(ask, assigns), strict=True))
         for device in release:
             try:
-                self.bus.publish(topics.request(device, "stage-worker"), ServeRelease(job_id=spec.name))
+                self.bus.publish(topics.request(device, STAGE_WORKER), ServeRelease(job_id=spec.name))
             except EdgeswarmError as exc:
                 log.warning("job %s: could not release the stage on %s: %s", spec.name, device, exc)
         problems = [f"stage on {d}: {r.reason}: {r.detail}" if isinstance(r, StageFailed) else f"stage on {d}: {r}"
@@ -367,7 +368,7 @@ class PipelineRunner:
 
     def _send(self, plan: ServePlan, epoch: int, number: int, item: _Item) -> None:
         try:
-            self.bus.send_tensor(plan.devices[0], "stage-worker", ServeTensor(
+            self.bus.send_tensor(plan.devices[0], STAGE_WORKER, ServeTensor(
                 job_id=self.spec.name, epoch=epoch, item=number, stage=0), item.inputs)
         except EdgeswarmError as exc:
             # The item stays in flight: the failure detector (or the stall check) replays it on a new plan.

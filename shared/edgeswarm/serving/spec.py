@@ -41,3 +41,28 @@ class ServeSpec(BaseModel):
     def options(self) -> ServeOptions:
         """The planner's options for this job (its micro-batch size wins over the planner section's)."""
         return self.planner.model_copy(update={"micro_batch_size": self.micro_batch_size})
+
+
+class ServeProgress(BaseModel):
+    """How a serving job serves. ``answered`` requests got outputs and ``errors`` an InferError; ``replayed``
+    pipeline items were sent through again after a device was lost (each still answered once); ``in_flight`` items
+    are in the pipeline and ``queued`` requests wait for room in its window. ``throughput_per_s`` (samples per
+    second) and the latency percentiles (seconds from a request's arrival to its answer) are measured over the
+    recent requests, beside the plan's predictions. ``weights`` says where the weights came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    kind: Literal["serve-pipeline"] = "serve-pipeline"
+    answered: int = Field(default=0, ge=0)
+    samples: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0)
+    replayed: int = Field(default=0, ge=0)
+    in_flight: int = Field(default=0, ge=0)
+    queued: int = Field(default=0, ge=0)
+    throughput_per_s: float | None = None
+    latency_p50_s: float | None = None
+    latency_p99_s: float | None = None
+    predicted_throughput_per_s: float | None = None
+    predicted_latency_s: float | None = None
+    reconfigurations: int = Field(default=0, ge=0)
+    weights: str = Field(default="", max_length=256)

@@ -6,10 +6,11 @@ from typing import Any, ClassVar
 
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.jobs import JobEventKind, JobState, ServeProgress
+from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.serving import InferError, InferRequest, ServeTensor
-from edgeswarm.serving.spec import ServeSpec
-from edgeswarm.workloads.base import JobContext, Workload
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.serving.spec import ServeProgress, ServeSpec
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload
 from edgeswarm.workloads.checks import model_problems
 
 
@@ -18,6 +19,11 @@ class ServePipelineWorkload(Workload):
 
     kind = "serve-pipeline"
     spec_type: ClassVar[type[ServeSpec]] = ServeSpec
+    progress_type = ServeProgress
+    plan_type = ServePlan
+    plan_cli = "edgeswarm.cli.plan:run_serve_plan"
+    planner = "edgeswarm.serving.planner:PLANNER"
+    command = "serve"
     exclusive = False
     data_schemas = (InferRequest, ServeTensor)
     worker_program = "edgeswarm.serving.stage:ServeStageProgram"
@@ -25,13 +31,22 @@ class ServePipelineWorkload(Workload):
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         return model_problems(spec.model, members, None)
 
-    def initial_progress(self, spec: Any) -> ServeProgress:
-        return ServeProgress()
-
     def describe(self, spec: Any) -> str:
         weights = (f"weights of job {spec.weights.job} version {spec.weights.version}" if spec.weights else
                    "fresh weights")
         return f"serve {spec.model.name} ({weights}), micro-batches of {spec.micro_batch_size}, window {spec.window}"
+
+    def summary(self, state: JobState) -> JobSummary:
+        p = state.progress_as(ServeProgress)
+        figures = [f"{p.throughput_per_s:.1f} samples/s" if p.throughput_per_s is not None else "",
+                   f"p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
+                   f"p99 {p.latency_p99_s * 1000:.1f} ms" if p.latency_p99_s is not None else ""]
+        return JobSummary(progress=f"{p.answered} answered, {p.errors} errors",
+                          figures="  ".join(f for f in figures if f) or "-")
+
+    def stage_devices(self, plan: Any) -> list[list[str]]:
+        assert isinstance(plan, ServePlan)
+        return [[st.device] for st in plan.stages]
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.serving.pipeline import PipelineRunner  # torch: only when a job actually runs

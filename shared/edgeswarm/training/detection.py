@@ -19,6 +19,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages import Heartbeat, Probe, Status
+from edgeswarm.runtime.program import STAGE_WORKER
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class FailureDetector:
     """Watches the ``service`` of the nodes given to ``watch``. Confirmed failures stay confirmed until the node's
     service comes back as a new instance (then it is a new device that may join)."""
 
-    def __init__(self, bus: Bus, service: str = "stage-worker", *, timeout_factor: float = 3.0,
+    def __init__(self, bus: Bus, service: str = STAGE_WORKER, *, timeout_factor: float = 3.0,
                  probe_timeout_s: float = 2.0, probe_retries: int = 1, poll_s: float = 0.05) -> None:
         self.bus = bus
         self.service = service

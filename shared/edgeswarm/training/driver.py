@@ -34,12 +34,13 @@ from edgeswarm.messages.training import (
 )
 from edgeswarm.planning.hpp.migration import UnitTransfer, backup_map
 from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.training.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.layout import save_layout
 from edgeswarm.wire import Message
 
-WORKER = "stage-worker"
+WORKER = STAGE_WORKER
 POLL_S = 0.005  # how often a wait for answers looks for a failure or a cancellation
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
 REACH_PROBE_S = 0.5  # one probe's wait while waiting for devices to reconnect

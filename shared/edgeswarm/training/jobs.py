@@ -120,3 +120,40 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) ->
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
     momentum = spec.momentum if spec.name == "momentum" else 0.0
     return torch.optim.SGD(params, lr=spec.lr, momentum=momentum, weight_decay=spec.weight_decay)
+
+
+class StrategyPrediction(BaseModel):
+    """What the planner predicts for one strategy on this job's cluster: seconds per round and samples per
+    second, or why the strategy has no plan (it does not fit in memory)."""
+
+    strategy: Strategy
+    round_s: float | None = None
+    samples_per_s: float | None = None
+    error: str | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainProgress(BaseModel):
+    """How far a training job is. ``round`` counts the rounds done out of ``total_rounds``; ``loss`` and
+    ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
+    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the final
+    model's, loaded back from the checkpoint store, on the held-out split. ``reconfigurations`` counts re-plans
+    after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery
+    ``round`` goes back to the round the job resumed from: those rounds run again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a diverged loss is NaN
+
+    kind: Literal["train"] = "train"
+    strategy: Strategy = "hpp"
+    round: int = Field(default=0, ge=0)
+    total_rounds: int = Field(default=0, ge=0)
+    loss: float | None = None
+    accuracy: float | None = None
+    round_s: float | None = None
+    predicted_round_s: float | None = None
+    samples_per_s: float | None = None
+    checkpoint_version: int | None = None
+    test_accuracy: float | None = None
+    predictions: list[StrategyPrediction] = Field(default_factory=list, max_length=8)
+    reconfigurations: int = Field(default=0, ge=0)

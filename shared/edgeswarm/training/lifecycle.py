@@ -24,6 +24,7 @@ from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.training.detection import Detection, FailureDetector
 from edgeswarm.training.driver import (
     ConnectionInterrupted,
@@ -179,7 +180,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     total = job.total_rounds(dataset.train_size)
     watcher = ClusterWatcher(bus)
     view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30)
-    nodes = nodes_running(view, "stage-worker")
+    nodes = nodes_running(view, STAGE_WORKER)
     if resume is not None:
         nodes = [n for n in resume.plan.devices if n in nodes]
     if not nodes:
@@ -211,7 +212,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
             result = JobResult(report.plan, recoveries=[report])
             seen.recovered(report)
             start, saved_version = report.resume_round, min(resume.saved_version, report.resume_round)
-        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes_running(view, "stage-worker")) -
+        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes_running(view, STAGE_WORKER)) -
                          set(result.plan.devices), timeout_s=timeout_s)
         train_rounds(driver, job, total, cluster, store_node, result, seen, check, joiner, start=start,
                      saved_version=saved_version)
@@ -286,7 +287,7 @@ def _joiner(bus: Bus, job: JobSpec, watcher: ClusterWatcher, detector: FailureDe
     def join(driver: JobDriver, cluster: ClusterProfile, index: int) -> tuple[JobDriver, RecoveryReport,
                                                                             ClusterProfile] | None:
         view, _ = watcher.view()
-        fresh = sorted(n for n in nodes_running(view, "stage-worker")
+        fresh = sorted(n for n in nodes_running(view, STAGE_WORKER)
                        if n not in driver.plan.devices and n not in tried and not detector.failed(n))
         if not fresh:
             return None

@@ -6,16 +6,16 @@ import logging
 from typing import Any, ClassVar
 
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.jobs import JobEventKind, StrategyPrediction, TrainProgress
+from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.training.detection import Detection
 from edgeswarm.training.driver import RoundReport
-from edgeswarm.training.jobs import JobSpec
+from edgeswarm.training.jobs import JobSpec, StrategyPrediction, TrainProgress
 from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
 from edgeswarm.training.recovery import RecoveryReport
-from edgeswarm.workloads.base import JobContext, Workload
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload
 from edgeswarm.workloads.checks import model_problems
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _Publisher(JobObserver):
     def _replanned(self, report: RecoveryReport, kind: JobEventKind, what: str) -> None:
         plan = report.plan
         stages = " | ".join(",".join(s.devices) for s in plan.stages)
-        done = self.ctx.state().train.reconfigurations
+        done = self.ctx.state().progress_as(TrainProgress).reconfigurations
         self.ctx.update("running", plan=plan, predicted_round_s=plan.round_latency_s, round=report.resume_round,
                         reconfigurations=done + 1,
                         event=(kind, f"{what}: plan epoch {plan.epoch}, stages {stages}, "
@@ -98,6 +98,11 @@ class TrainWorkload(Workload):
 
     kind = "train"
     spec_type: ClassVar[type[JobSpec]] = JobSpec
+    progress_type = TrainProgress
+    plan_type = Plan
+    plan_cli = "edgeswarm.cli.plan:run_hpp_plan"
+    planner = "edgeswarm.training.planner:PLANNER"
+    command = "train"
     exclusive = True
     worker_program = "edgeswarm.training.stage_program:TrainingProgram"
 
@@ -111,12 +116,25 @@ class TrainWorkload(Workload):
     def describe(self, spec: Any) -> str:
         return f"{spec.model.name}, {spec.strategy}, global batch {spec.global_batch}"
 
+    def summary(self, state: JobState) -> JobSummary:
+        t = state.progress_as(TrainProgress)
+        figures = [f"loss {t.loss:.4f}" if t.loss is not None else "",
+                   f"accuracy {t.accuracy:.1%}" if t.accuracy is not None else "",
+                   f"{t.samples_per_s:.1f} samples/s" if t.samples_per_s is not None else ""]
+        return JobSummary(progress=f"{t.strategy} round {t.round}/{t.total_rounds or '?'}",
+                          figures="  ".join(f for f in figures if f) or "-", round=t.round,
+                          round_measured=t.round_s is not None)
+
+    def stage_devices(self, plan: Any) -> list[list[str]]:
+        assert isinstance(plan, Plan)
+        return [list(st.devices) for st in plan.stages]
+
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         assert isinstance(spec, JobSpec)
         previous, resume = ctx.previous, None
         if previous is not None and previous.plan is not None and previous.status not in NOT_STARTED:
             assert isinstance(previous.plan, Plan)
-            progress = previous.train
+            progress = previous.progress_as(TrainProgress)
             log.info("job %s: taking it over from an earlier coordinator at round %d", spec.name, progress.round)
             ctx.update("recovering", event=("resumed", f"a restarted coordinator takes the job over at round "
                                                        f"{progress.round}, plan epoch {previous.plan.epoch}"))
@@ -127,6 +145,6 @@ class TrainWorkload(Workload):
                                                    f"{previous.status})"))
         run_job(ctx.bus, spec, store_node=ctx.store_node, observer=_Publisher(ctx, spec), cancel=ctx.cancel,
                 timeout_s=ctx.timeout_s, resume=resume)
-        progress = ctx.state().train
+        progress = ctx.state().progress_as(TrainProgress)
         return ("succeeded", f"{progress.round} rounds, final loss {progress.loss:.4f}"
                 if progress.loss is not None else "")

@@ -1,52 +1,107 @@
-"""Workloads as plug-ins: each job kind is registered here, once, with the object that runs it.
+"""Workloads as plug-ins: each job kind is registered once, with the object that knows everything about it.
 
-A workload (``base.Workload``) names its job kind and spec type, checks a spec at submission, gives the job's
-initial progress, and runs the job through a ``base.JobContext`` (the coordinator's common part: the queue,
-cancel, take-over after a restart, the retained state and the events). Its planner lives in
-``edgeswarm.planning.<workload>``, its coordinator program and worker program with the workload's own package.
-Adding a workload is one line in ``KINDS``.
+A workload (``base.Workload``) names its job kind and carries its spec, plan and progress types, its planner
+(``planner``: the planner service's functions for its requests), the service and worker program that host its work on
+the devices, its coordinator program (``run``, through a ``base.JobContext``: the coordinator's common part, i.e.
+the queue, cancel, take-over after a restart, the retained state and the events) and a one-line summary of a job's
+state for the CLI and the dashboard. The coordinator, the planner service, the worker services, job-state
+validation and the CLI read it from here; nothing else names a kind.
+
+Adding a workload is one entry: a line in ``BUILTIN`` for edgeswarm's own, or an entry point in the group
+``edgeswarm.workloads`` (``edgeswarm.plugins``) from another installed package.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.messages.jobs import DEFAULT_KIND
+from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import Workload
 
 # Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run.
-KINDS: dict[str, str] = {
+BUILTIN: dict[str, str] = {
     "train": "edgeswarm.training.workload:TrainWorkload",
     "serve-pipeline": "edgeswarm.serving.workload:ServePipelineWorkload",
 }
-DEFAULT_KIND = "train"
 _loaded: dict[str, Workload] = {}
 
 
+@lru_cache(maxsize=1)
+def kinds() -> dict[str, str]:
+    """Every job kind: the built-in ones, then those of installed plug-ins (a plug-in may not take a built-in
+    kind's name: it is left out, and using it names the clash)."""
+    out = dict(BUILTIN)
+    for name, target in discovered(WORKLOAD_GROUP).items():
+        out.setdefault(name, target)
+    return out
+
+
+class _Kinds:
+    """``KINDS``: the registry as a read-only mapping (kind -> "module:class"), built in plus plug-ins."""
+
+    def __iter__(self) -> Any:
+        return iter(kinds())
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in kinds()
+
+    def __getitem__(self, kind: str) -> str:
+        return kinds()[kind]
+
+    def __len__(self) -> int:
+        return len(kinds())
+
+
+KINDS = _Kinds()
+
+
 def workload(kind: str) -> Workload:
-    """The workload of job kind ``kind``. Raises ConfigError naming the kinds that exist."""
+    """The workload of job kind ``kind``. Raises ConfigError naming the kinds that exist, or the plug-in that cannot
+    be loaded."""
     if kind not in _loaded:
-        try:
-            module, cls = KINDS[kind].split(":")
-        except KeyError:
-            raise ConfigError(f"unknown job kind {kind!r}; the kinds are: {', '.join(sorted(KINDS))}") from None
-        _loaded[kind] = getattr(import_module(module), cls)()
+        registry = kinds()
+        if kind not in registry:
+            raise ConfigError(f"unknown job kind {kind!r}; the kinds are: {', '.join(sorted(registry))}")
+        builtin = BUILTIN.get(kind)
+        plugin = discovered(WORKLOAD_GROUP).get(kind)
+        if builtin is not None and plugin is not None and plugin != builtin:
+            raise ConfigError(f"an installed plug-in registers job kind {kind!r} ({plugin}), which is edgeswarm's "
+                              "own: rename the plug-in's kind")
+        cls = load_target(registry[kind], f"job kind {kind!r}")
+        made = cls()
+        if getattr(made, "kind", None) != kind:
+            raise ConfigError(f"job kind {kind!r} is registered as {registry[kind]}, whose kind is "
+                              f"{getattr(made, 'kind', None)!r}")
+        _loaded[kind] = made
     return _loaded[kind]
+
+
+def installed_workload(kind: str) -> Workload | None:
+    """The workload of ``kind`` if it is installed here and loads; None otherwise (a client without a plug-in
+    still lists that plug-in's jobs)."""
+    try:
+        return workload(kind)
+    except ConfigError:
+        return None
 
 
 def worker_programs(service: str) -> list[str]:
     """The worker programs ("module:Class") that the worker service ``service`` hosts: one per kind whose work runs
-    there, in registry order, each once."""
+    there, in registry order, each once. A plug-in kind that does not load is left out (its jobs fail on their
+    own)."""
     out: list[str] = []
     for kind in KINDS:
-        work = workload(kind)
-        if work.worker_service == service and work.worker_program and work.worker_program not in out:
+        work = installed_workload(kind)
+        if work is not None and work.worker_service == service and work.worker_program and \
+                work.worker_program not in out:
             out.append(work.worker_program)
     return out
 

@@ -6,13 +6,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.jobs import JobEventKind, JobState, Progress
+from edgeswarm.messages.jobs import JobEventKind, JobState
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.wire import Message
 
 DataHandler = Callable[[Inbound], None]
@@ -43,29 +44,65 @@ class JobContext:
         self.data_handler = handler
 
 
+class JobSummary(BaseModel):
+    """A job's state in a line, for the CLI's job table and the dashboard: ``progress`` (how far it is), ``figures``
+    (its latest measured figures, "-" when none) and, for kinds that run in rounds, ``round`` (rounds done) with
+    ``round_measured`` set once that round's figures are in the state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    progress: str = Field(max_length=256)
+    figures: str = Field(default="-", max_length=512)
+    round: int = Field(default=0, ge=0)
+    round_measured: bool = False
+
+
 class Workload(ABC):
-    """One job kind: its spec, its checks and how it runs (its planner, coordinator and worker programs live in the
-    workload's own package). ``exclusive`` jobs run one at a time, in submission order; the others start at once.
-    ``data_schemas`` are the messages its jobs take on the coordinator's data topic (routed by their ``job_id``)."""
+    """One job kind and everything about it. Its spec, plan and progress types (``plan_type`` None: its jobs carry
+    no plan in their state); ``planner``, the "module:attr" of its ``planning.entry.PlannerEntry`` (the planner
+    service's functions for its requests; empty: it plans nothing there); ``worker_service`` and ``worker_program``,
+    what hosts its work on the devices; ``run``, its coordinator program; ``summary``, its state in a line.
+    ``command`` is the CLI command that submits it (``train`` follows rounds to the end, ``serve`` deploys and
+    returns, and ``infer`` then asks it). ``exclusive`` jobs run one at a time, in submission order; the others start
+    at once. ``data_schemas`` are the messages its jobs take on the coordinator's data topic (routed by their
+    ``job_id``)."""
 
     kind: ClassVar[str]
     spec_type: ClassVar[type[BaseModel]]
+    progress_type: ClassVar[type[BaseModel]]
+    plan_type: ClassVar[type[BaseModel] | None] = None
+    planner: ClassVar[str] = ""
+    plan_cli: ClassVar[str] = ""  # "module:function(args, cluster) -> exit code": its plan shown by `edgeswarm plan`
+    command: ClassVar[Literal["train", "serve"]] = "train"
     exclusive: ClassVar[bool] = True
     data_schemas: ClassVar[tuple[type[Message], ...]] = ()
     # The service that hosts this kind's work on the devices (a name in the service registry) and the worker program
     # it runs there ("module:Class", a ``runtime.program.WorkerProgram`` made from a ``WorkerContext``; imported only
     # by that service).
-    worker_service: ClassVar[str] = "stage-worker"
+    worker_service: ClassVar[str] = STAGE_WORKER
     worker_program: ClassVar[str] = ""
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
-        """What stops ``spec`` from running on a cluster whose online stage-workers are ``members`` (beyond its
-        schema, which parsing checked): every problem, each an actionable sentence. Empty: it may run."""
+        """What stops ``spec`` from running on a cluster whose online ``worker_service`` instances are on ``members``
+        (beyond its schema, which parsing checked): every problem, each an actionable sentence. Empty: it may
+        run."""
         return []
 
+    def model_name(self, spec: Any) -> str:
+        """The model a job of ``spec`` computes with, for its state (by default the spec's ``model.name``)."""
+        return str(spec.model.name)
+
+    def initial_progress(self, spec: Any) -> BaseModel:
+        """The progress part of a job that has not started (by default the progress type's defaults)."""
+        return self.progress_type()
+
     @abstractmethod
-    def initial_progress(self, spec: Any) -> Progress:
-        """The progress part of a job that has not started."""
+    def summary(self, state: JobState) -> JobSummary:
+        """The job's state in a line (see JobSummary). ``state.progress`` is this kind's ``progress_type``."""
+
+    def stage_devices(self, plan: BaseModel) -> list[list[str]]:
+        """The devices of each stage (or shard) of ``plan`` (this kind's ``plan_type``), for listings."""
+        return []
 
     @abstractmethod
     def describe(self, spec: Any) -> str:

@@ -19,10 +19,10 @@ from edgeswarm.messages.jobs import (
     JobRejected,
     JobState,
     JobSubmit,
-    TrainProgress,
 )
 from edgeswarm.wire import Message
 from edgeswarm.wire.schema import new_id
+from edgeswarm.workloads import installed_workload
 
 COORDINATOR_NODE = "hub"
 
@@ -100,8 +100,10 @@ class JobFollower:
         if state.submission != self.submission or state.job_id != self.job_id:
             return  # an earlier job of the same name
         self.state = state
-        if isinstance(state.progress, TrainProgress) and state.progress.round and state.progress.round_s is not None:
-            self.rounds.setdefault(state.progress.round, state)
+        work = installed_workload(state.kind)
+        summary = work.summary(state) if work is not None else None
+        if summary is not None and summary.round and summary.round_measured:
+            self.rounds.setdefault(summary.round, state)
         if self._on_state is not None:
             self._on_state(state)
         if state.status in FINISHED:
