@@ -47,6 +47,7 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.serving.spec import ServeSpec
 from edgeswarm.serving.stats import percentile
 from edgeswarm.training.detection import FailureDetector
@@ -379,8 +380,9 @@ class PipelineRunner:
         with self._changed:
             plan = self._plan
             last = plan.devices[-1] if plan is not None else None
+            foreign = last is not None and stranger(msg, last, "") is not None
             current = (plan is not None and body.epoch == self._epoch and body.stage == len(plan.stages)
-                       and msg.envelope.sender_node == last)
+                       and not foreign)
             item = self._inflight.get(body.item) if current else None
             tensor = msg.tensor
             ok = item is not None and tensor is not None and tensor.shape[:1] == (item.rows,)
@@ -389,6 +391,8 @@ class PipelineRunner:
                 self._changed.notify_all()
         if not ok:
             self.bus.metrics.count("serve_outputs_dropped")
+            if foreign:
+                count_stranger(self.bus.metrics)
             _limited.warning("outputs", "job %s: dropped outputs of item %d (epoch %d, stage %d) from %s: not an "
                              "item in flight of the current plan's last stage", self.spec.name, body.item, body.epoch,
                              body.stage, msg.sender)

@@ -28,6 +28,7 @@ from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, Se
 from edgeswarm.messages.training import StageFailed
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.wire import Message
 
 if TYPE_CHECKING:
@@ -201,6 +202,8 @@ class ServeStageProgram:
         why = _refusal(stage, body, msg)
         if why is not None:
             self.ctx.metrics.count("serve_items_dropped")
+            if stage is not None and stranger(msg, stage.source, "") is not None:
+                count_stranger(self.ctx.metrics)
             _limited.log(logging.ERROR, "serve_item", "dropped %s", why)
             return
         assert stage is not None and msg.tensor is not None
@@ -257,8 +260,9 @@ def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | Non
     spec = stage.spec
     if body.epoch != spec.epoch or body.stage != spec.stage:
         return f"{what} for stage {body.stage}: this worker holds stage {spec.stage} of epoch {spec.epoch}"
-    if msg.envelope.sender_node != stage.source:
-        return f"{what}: items of stage {spec.stage} come from {stage.source}"
+    foreign = stranger(msg, stage.source, what)
+    if foreign is not None:
+        return foreign
     if stage.exchange.pending() >= MAX_PENDING:
         return f"{what}: {MAX_PENDING} items are already waiting"
     return tensor_problem(msg.tensor, dtype=stage.in_dtype, sample_shape=stage.in_shape, what=what)

@@ -25,6 +25,8 @@ class ServePipelineWorkload(Workload):
     planner = "edgeswarm.serving.planner:PLANNER"
     command = "serve"
     exclusive = False
+    example = ("kind: serve-pipeline\nname: {name}\n"
+               "model: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\nmicro_batch_size: 2\n")
     data_schemas = (InferRequest, ServeTensor)
     worker_program = "edgeswarm.serving.stage:ServeStageProgram"
 

@@ -104,6 +104,9 @@ class TrainWorkload(Workload):
     planner = "edgeswarm.training.planner:PLANNER"
     command = "train"
     exclusive = True
+    example = ("name: {name}\nmodel: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\n"
+               "data: {kind: teacher, size: 256, test_size: 64}\nglobal_batch: 16\nmicro_batches: 2\nrounds: 400\n"
+               "checkpoint_interval: 50\n")
     worker_program = "edgeswarm.training.stage_program:TrainingProgram"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:

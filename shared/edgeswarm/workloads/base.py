@@ -75,6 +75,9 @@ class Workload(ABC):
     plan_cli: ClassVar[str] = ""  # "module:function(args, cluster) -> exit code": its plan shown by `edgeswarm plan`
     command: ClassVar[Literal["train", "serve"]] = "train"
     exclusive: ClassVar[bool] = True
+    # A small spec of this kind that runs on any cluster in seconds, with ``{name}`` for the job's name: the
+    # contract test every kind must pass runs it, and the docs show it.
+    example: ClassVar[str] = ""
     data_schemas: ClassVar[tuple[type[Message], ...]] = ()
     # The service that hosts this kind's work on the devices (a name in the service registry) and the worker program
     # it runs there ("module:Class", a ``runtime.program.WorkerProgram`` made from a ``WorkerContext``; imported only
