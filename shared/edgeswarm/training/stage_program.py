@@ -60,6 +60,7 @@ from edgeswarm.messages.training import (
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.outbox import Outbox
 from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.senders import count_stranger
 from edgeswarm.training.held import HeldState, StateMissing, UnitStates
 from edgeswarm.wire import Message
 
@@ -440,6 +441,7 @@ class TrainingProgram:
             if body.purpose == "backup":
                 if body.owner != msg.envelope.sender_node:
                     metrics.count("states_dropped")
+                    count_stranger(metrics)
                     _limited.log(logging.ERROR, "backup", "dropped a backup from %s that claims to be %s's",
                                  msg.sender, body.owner)
                     return
@@ -508,6 +510,7 @@ class TrainingProgram:
         forged = _forged(st, body, msg)
         if forged is not None:  # dropped without failing the round: the genuine tensor still comes
             metrics.count("stage_tensors_dropped.sender")
+            count_stranger(metrics)
             _limited.log(logging.ERROR, "sender", "dropped %s", forged)
             return
         problem = tensor_problem(msg.tensor, dtype="float32",
