@@ -40,8 +40,9 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
     ``optimizer``, and the optimizer's state as a checkpoint holds it)."""
     import torch
 
+    from edgeswarm.data import open_dataset
+    from edgeswarm.data.base import round_sample_ids
     from edgeswarm.models.zoo import build_model
-    from edgeswarm.training.data import open_dataset, round_sample_ids
     from edgeswarm.training.jobs import make_optimizer
 
     model = build_model(job.model)
@@ -53,7 +54,7 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
         (torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / job.global_batch).backward()
         opt.step()
     if optimizer:
-        from edgeswarm.training.unit_state import checkpoint_tensors
+        from edgeswarm.state.units import checkpoint_tensors
 
         return checkpoint_tensors(model, opt)
     return {k: v.detach() for k, v in model.state_dict().items()}
@@ -63,8 +64,8 @@ def stored_weights(store_dir: Path, job_id: str, stages: int, *, optimizer: bool
     """The latest version of every stage of ``job_id`` in the checkpoint store's folder, as one state dict (with
     ``optimizer``, the checkpoints' optimizer entries too, as ``opt:<name>:<field>``)."""
     from edgeswarm.checkpoints.store import CheckpointStore
-    from edgeswarm.training.layout import stage_entry
-    from edgeswarm.training.unit_state import model_state
+    from edgeswarm.state.layout import stage_entry
+    from edgeswarm.state.units import model_state
     from edgeswarm.values.checkpoints import as_torch
 
     store = CheckpointStore(store_dir)

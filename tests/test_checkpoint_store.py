@@ -45,7 +45,7 @@ from edgeswarm.errors import (
     CheckpointVersionError,
 )
 from edgeswarm.local.broker import BrokerProcess
-from edgeswarm.training.unit_state import checkpoint_tensors
+from edgeswarm.state.units import checkpoint_tensors
 from edgeswarm.wire import WireTensor, encode
 from helpers import announce, wait_until
 

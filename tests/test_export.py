@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from edgeswarm.data import open_dataset
+from edgeswarm.data.base import round_sample_ids
 from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import free_port
@@ -31,7 +33,6 @@ from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
-from edgeswarm.training.data import open_dataset, round_sample_ids
 from edgeswarm.training.jobs import make_optimizer, parse_job_text
 from edgeswarm.training.model_file import read_model_file, specs_of, state_problems, write_model_file
 from edgeswarm.values.profiles import ModelSpec

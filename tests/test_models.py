@@ -337,12 +337,12 @@ def test_example_inputs_and_targets_fit_the_model(name: str) -> None:
         assert out.shape == (3, resolved_config(spec)["num_classes"])
 
 
-# --- stage footprints on the meta device (edgeswarm.training.footprint) ---------------------------------------
+# --- stage footprints on the meta device (edgeswarm.models.footprint) ---------------------------------------
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_a_stage_footprint_measured_on_meta_equals_the_real_stage(name: str) -> None:
-    from edgeswarm.training.footprint import module_footprint, stage_footprint
+    from edgeswarm.models.footprint import module_footprint, stage_footprint
 
     spec = tiny(name)
     seq = layer_sequence(build_model(spec))
@@ -352,7 +352,7 @@ def test_a_stage_footprint_measured_on_meta_equals_the_real_stage(name: str) -> 
 
 
 def test_measuring_a_footprint_leaves_the_rng_and_the_next_build_alone() -> None:
-    from edgeswarm.training.footprint import stage_footprint
+    from edgeswarm.models.footprint import stage_footprint
 
     spec = tiny("vgg11")
     expected = build_model(spec).state_dict()
@@ -368,7 +368,7 @@ def test_a_footprint_of_terabytes_is_measured_without_allocating_it() -> None:
     """A stage whose weights would be 4 TiB: allocating them would fail (or exhaust) any machine this runs on, so
     measuring it at all shows that nothing was allocated; static bytes follow Eq. 3 (Adam: weights, gradients and
     two moments)."""
-    from edgeswarm.training.footprint import stage_footprint
+    from edgeswarm.models.footprint import stage_footprint
 
     hidden = 2 ** 20
     spec = ModelSpec(name="mlp", config={"image_size": 1, "hidden": hidden, "layers": 2})
@@ -379,7 +379,7 @@ def test_a_footprint_of_terabytes_is_measured_without_allocating_it() -> None:
 
 
 def test_a_footprint_of_a_bad_range_raises_like_building_it() -> None:
-    from edgeswarm.training.footprint import stage_footprint
+    from edgeswarm.models.footprint import stage_footprint
 
     with pytest.raises(StageRangeError):
         stage_footprint(tiny("mlp"), 3, 99)

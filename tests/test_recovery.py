@@ -84,7 +84,7 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
          recovery: str = "light", chaos_for=None, checkpoint_interval: int = 0):
     """Train the job on a, b, c, d with the checkpoint store on hub. ``victim`` gets ``sig`` during round 3;
     otherwise ``chaos_for(processes)`` (keyed by node, the store as "store") says what happens."""
-    from edgeswarm.training.detection import FailureDetector
+    from edgeswarm.runtime.detection import FailureDetector
     from edgeswarm.training.driver import JobDriver
     from edgeswarm.training.lifecycle import JobObserver, JobResult, train_rounds
 
@@ -247,7 +247,7 @@ def test_no_false_failure_in_a_healthy_run_under_full_load(broker, make_bus, ser
     why the tests' quick 0.25 s heartbeat is not used here: it would be probed, though never declared failed.)"""
     from edgeswarm import topics
     from edgeswarm.messages import Heartbeat
-    from edgeswarm.training.detection import FailureDetector
+    from edgeswarm.runtime.detection import FailureDetector
     from edgeswarm.training.driver import JobDriver
 
     for node in NODES:

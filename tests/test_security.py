@@ -200,8 +200,8 @@ def test_a_client_serves_a_trained_models_checkpoint_over_tls(cluster: SecureClu
 
     from edgeswarm.models.zoo import build_model, example_input
     from edgeswarm.serving.client import infer_stream
-    from edgeswarm.training.layout import load_layout, load_stage
-    from edgeswarm.training.unit_state import model_state
+    from edgeswarm.state.layout import load_layout, load_stage
+    from edgeswarm.state.units import model_state
     from edgeswarm.values.profiles import ModelSpec
 
     operator = connect("operator")

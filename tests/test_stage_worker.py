@@ -11,6 +11,8 @@ import torch
 
 from edgeswarm import topics
 from edgeswarm.checkpoints.store import CheckpointStore
+from edgeswarm.data import open_dataset
+from edgeswarm.data.base import round_sample_ids
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
@@ -22,9 +24,8 @@ from edgeswarm.messages.training import (
     StageTensor,
 )
 from edgeswarm.models.zoo import build_model
-from edgeswarm.training.data import open_dataset, round_sample_ids
+from edgeswarm.state.units import model_state
 from edgeswarm.training.evaluation import accuracy
-from edgeswarm.training.unit_state import model_state
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from helpers import ask_stage_workers, stored_weights, wait_until
@@ -251,7 +252,7 @@ def test_an_assignment_over_budget_is_refused_before_any_weight_is_allocated(bro
     building it: the worker's resident memory does not grow by the stage (allocating it would have failed with an
     allocator error instead), it still answers probes, and it goes on building stages that fit."""
     from edgeswarm.messages import Probe, ProbeReply
-    from edgeswarm.training.footprint import stage_footprint
+    from edgeswarm.models.footprint import stage_footprint
 
     proc = services.start("stage-worker", "big0", broker.url, EDGESWARM_MEMORY_BUDGET_BYTES=str(512 * 2**20))
     client = make_bus("coordinator-test", "cli")

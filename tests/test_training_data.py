@@ -10,10 +10,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from edgeswarm.data import open_dataset
+from edgeswarm.data.base import DatasetSpec, round_sample_ids
+from edgeswarm.data.files import CIFAR10_MEAN, CIFAR10_STD
 from edgeswarm.errors import ConfigError, DataError
 from edgeswarm.models.zoo import build_model, example_input, example_target
-from edgeswarm.training.data import DatasetSpec, open_dataset, round_sample_ids
-from edgeswarm.training.file_data import CIFAR10_MEAN, CIFAR10_STD
 from edgeswarm.values.profiles import ModelSpec
 
 LENET = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})

@@ -9,9 +9,7 @@ from torch import nn
 
 from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, example_target
-from edgeswarm.training.jobs import make_optimizer
-from edgeswarm.training.stage import classification_loss
-from edgeswarm.training.unit_state import (
+from edgeswarm.state.units import (
     StateEntry,
     UnitState,
     UnitStateError,
@@ -25,6 +23,8 @@ from edgeswarm.training.unit_state import (
     unit_names,
     unpack_units,
 )
+from edgeswarm.training.jobs import make_optimizer
+from edgeswarm.training.stage import classification_loss
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import OptimizerSpec
 

@@ -20,8 +20,8 @@ import pytest
 from edgeswarm.bus import Bus
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
+from edgeswarm.state.layout import stage_entry
 from edgeswarm.training.jobs import TrainProgress
-from edgeswarm.training.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
 from helpers import FAST_ENV, native_cluster, stored_weights

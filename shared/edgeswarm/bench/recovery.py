@@ -26,7 +26,7 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.training.detection import Detection
+from edgeswarm.runtime.detection import Detection
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, parse_job
 from edgeswarm.training.lifecycle import JobObserver, run_job

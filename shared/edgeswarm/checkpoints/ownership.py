@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from edgeswarm.messages.jobs import JobState
 
 COORDINATOR = "coordinator"
-_STAGE = re.compile(r"^stage-(\d{1,6})$")  # edgeswarm.training.layout.stage_entry
+_STAGE = re.compile(r"^stage-(\d{1,6})$")  # edgeswarm.state.layout.stage_entry
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,11 @@ from edgeswarm.messages.training import StageFailed
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.serving.spec import ServeSpec
 from edgeswarm.serving.stats import percentile
-from edgeswarm.training.detection import FailureDetector
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads.base import JobContext
 
@@ -247,7 +247,7 @@ class PipelineRunner:
     def _weights_source(self) -> WeightsSource | None:
         """The checkpoint the spec's weights name, with the unit range of each of its stages."""
         from edgeswarm.checkpoints.client import list_checkpoints
-        from edgeswarm.training.layout import LAYOUT, load_layout
+        from edgeswarm.state.layout import LAYOUT, load_layout
 
         weights, store = self.spec.weights, self.ctx.store_node
         if weights is None:

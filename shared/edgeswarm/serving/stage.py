@@ -165,9 +165,9 @@ class ServeStageProgram:
     def _build(self, spec: ServeAssign) -> _Stage:
         import torch
 
+        from edgeswarm.models.footprint import stage_footprint
         from edgeswarm.models.sequence import layer_sequence
         from edgeswarm.models.zoo import build_model, example_stage_input
-        from edgeswarm.training.footprint import stage_footprint
 
         budget = self.ctx.device.memory_budget_bytes
         with self.ctx.gate.building():
@@ -270,8 +270,8 @@ def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | Non
 
 def _load_weights(ctx: WorkerContext, spec: ServeAssign, module: Any, sequence: Any) -> None:
     """Load units [start, end)'s weights and buffers from the checkpoint stages that hold them."""
-    from edgeswarm.training.layout import load_stage
-    from edgeswarm.training.unit_state import checkpoint_units, load_units, unit_names
+    from edgeswarm.state.layout import load_stage
+    from edgeswarm.state.units import checkpoint_units, load_units, unit_names
 
     source = spec.weights
     assert source is not None

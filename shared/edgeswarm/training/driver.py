@@ -34,10 +34,10 @@ from edgeswarm.messages.training import (
 )
 from edgeswarm.planning.hpp.migration import UnitTransfer, backup_map
 from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.runtime.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.runtime.program import STAGE_WORKER
-from edgeswarm.training.detection import RECONNECT_GRACE_S, Detection, FailureDetector
+from edgeswarm.state.layout import save_layout
 from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.layout import save_layout
 from edgeswarm.wire import Message
 
 WORKER = STAGE_WORKER

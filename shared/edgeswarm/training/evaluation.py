@@ -6,11 +6,12 @@ import numpy as np
 import torch
 
 from edgeswarm.bus import Bus
+from edgeswarm.data import open_dataset
+from edgeswarm.data.base import Dataset
 from edgeswarm.models.zoo import build_model
-from edgeswarm.training.data import Dataset, open_dataset
+from edgeswarm.state.layout import load_stage
+from edgeswarm.state.units import model_state
 from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.layout import load_stage
-from edgeswarm.training.unit_state import model_state
 
 
 def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:

@@ -15,8 +15,8 @@ from edgeswarm.checkpoints.client import save_checkpoint
 from edgeswarm.errors import CheckpointError, CheckpointForbiddenError, CheckpointVersionError, ConfigError
 from edgeswarm.messages.training import CheckpointSource
 from edgeswarm.models.zoo import unit_count
+from edgeswarm.state.layout import load_layout_meta, save_layout, stage_entry
 from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.layout import load_layout_meta, save_layout, stage_entry
 from edgeswarm.training.model_file import ModelFile, describe_problems, specs_of, state_problems
 
 INIT_VERSION = 0

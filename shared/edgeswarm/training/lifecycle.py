@@ -24,8 +24,8 @@ from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.detection import Detection, FailureDetector
 from edgeswarm.runtime.program import STAGE_WORKER
-from edgeswarm.training.detection import Detection, FailureDetector
 from edgeswarm.training.driver import (
     ConnectionInterrupted,
     DeviceLost,
@@ -163,7 +163,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     a lost connection, so the job goes on exactly where it was. Raises JobCancelled once ``cancel`` is set,
     JobError (or a profiling error) naming what failed.
     """
-    from edgeswarm.training.data import open_dataset  # torch: only when a job actually runs
+    from edgeswarm.data import open_dataset  # torch: only when a job actually runs
 
     seen = observer or JobObserver()
     cancel = cancel or threading.Event()

@@ -40,9 +40,9 @@ from edgeswarm.planning.hpp.migration import (
 )
 from edgeswarm.planning.hpp.replan import light_replan
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.training.detection import Detection
+from edgeswarm.runtime.detection import Detection
+from edgeswarm.state.layout import load_layout
 from edgeswarm.training.driver import DeviceLost, JobDriver, JobError
-from edgeswarm.training.layout import load_layout
 from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ClusterProfile
 
 log = logging.getLogger(__name__)

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgeswarm.data import open_dataset
+from edgeswarm.data.base import Dataset, round_sample_ids
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.hpp.schedule import warmup_counts
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.training.data import Dataset, open_dataset, round_sample_ids
 from edgeswarm.training.evaluation import accuracy
 from edgeswarm.training.executor import DeviceIO, GroupSum, Position, Recv, Request, device_round
 from edgeswarm.training.jobs import JobSpec, make_optimizer

@@ -254,13 +254,13 @@ class TrainingProgram:
     def _build(self, spec: StageAssign) -> _Stage:
         import torch
 
+        from edgeswarm.data import open_dataset
+        from edgeswarm.models.footprint import stage_footprint
         from edgeswarm.models.sequence import layer_sequence
         from edgeswarm.models.zoo import build_model
-        from edgeswarm.training.data import open_dataset
-        from edgeswarm.training.footprint import stage_footprint
+        from edgeswarm.state.units import unit_names
         from edgeswarm.training.jobs import make_optimizer
         from edgeswarm.training.stage import StageCompute
-        from edgeswarm.training.unit_state import unit_names
 
         device, node = self._ctx.device, self._ctx.node
         # Measured on the meta device, before any weight exists: an assignment too large for this device is refused
@@ -329,7 +329,7 @@ class TrainingProgram:
     def _restore(self, st: _Stage) -> int:
         """Load every unit's state at the start of the resume round from the sources the assignment names: this
         worker's own snapshot or backup, or a peer's StageState messages. Returns the bytes received from peers."""
-        from edgeswarm.training.unit_state import load_units, state_nbytes
+        from edgeswarm.state.units import load_units, state_nbytes
 
         spec, node = st.spec, self._ctx.node
         states: UnitStates = {}
@@ -364,8 +364,8 @@ class TrainingProgram:
     def _restore_checkpoint(self, st: _Stage) -> int:
         """Load every unit's state from the checkpoint version the assignment names, reading only the checkpoint
         stages that hold this stage's units. Returns the bytes received from the store."""
-        from edgeswarm.training.layout import load_stage
-        from edgeswarm.training.unit_state import checkpoint_units, load_units
+        from edgeswarm.state.layout import load_stage
+        from edgeswarm.state.units import checkpoint_units, load_units
 
         spec, source = st.spec, st.spec.checkpoint
         assert source is not None
@@ -385,7 +385,7 @@ class TrainingProgram:
     def _snapshot(self, st: _Stage, round_index: int) -> None:
         """Keep this stage's state at the start of ``round_index`` and, for a single-device stage, send it to its
         backup device (in the background: the round goes on)."""
-        from edgeswarm.training.unit_state import extract_units
+        from edgeswarm.state.units import extract_units
 
         spec = st.spec
         units = extract_units(st.stage.module, st.optimizer, st.names, spec.start, spec.end)
@@ -405,7 +405,7 @@ class TrainingProgram:
 
     def _send_state(self, to: str, job_id: str, epoch: int, round_index: int, unit: int, state: dict[str, Any],
                     purpose: str) -> int:
-        from edgeswarm.training.unit_state import pack_units
+        from edgeswarm.state.units import pack_units
 
         entries, flat = pack_units(state)
         message = StageState(job_id=job_id, epoch=epoch, round=round_index, unit=unit, owner=self._ctx.node,
@@ -419,7 +419,7 @@ class TrainingProgram:
     def _on_state(self, msg: Inbound) -> None:
         body = msg.body
         assert isinstance(body, StageState)
-        from edgeswarm.training.unit_state import unpack_units
+        from edgeswarm.state.units import unpack_units
 
         metrics = self._ctx.metrics
         if msg.tensor is None:
@@ -577,9 +577,9 @@ class TrainingProgram:
         self._ctx.bus.reply(msg, done)
 
     def _run_round(self, st: _Stage, round_index: int) -> RoundDone:
+        from edgeswarm.data.base import round_sample_ids
         from edgeswarm.devices.compute import to_compute
         from edgeswarm.training.allreduce import ring_allreduce
-        from edgeswarm.training.data import round_sample_ids
         from edgeswarm.training.executor import DeviceIO, Position, Recv, device_round, run_blocking
         from edgeswarm.training.routing import stage_sample_ids
 
@@ -675,8 +675,8 @@ class TrainingProgram:
             return
         from edgeswarm.checkpoints.client import save_checkpoint
         from edgeswarm.devices.compute import host_copies
-        from edgeswarm.training.layout import stage_entry
-        from edgeswarm.training.unit_state import checkpoint_tensors
+        from edgeswarm.state.layout import stage_entry
+        from edgeswarm.state.units import checkpoint_tensors
 
         name = stage_entry(st.spec.stage)
         # Weights, buffers (BatchNorm statistics: the first device of the group's, as data parallelism keeps) and

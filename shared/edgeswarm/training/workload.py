@@ -10,7 +10,7 @@ from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.training.detection import Detection
+from edgeswarm.runtime.detection import Detection
 from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, StrategyPrediction, TrainProgress
 from edgeswarm.training.lifecycle import JobObserver, Resume, run_job

@@ -15,8 +15,8 @@ def model_problems(model: ModelSpec, members: list[NodeView], optimizer: Optimiz
     online, ``members``) more memory than all their budgets together. The bytes kept whatever the batch are Eq. 3's
     static part: training (with ``optimizer``) weights, gradients, optimizer state and buffers; serving (None)
     weights and buffers. The model is measured on torch's meta device: nothing is allocated."""
+    from edgeswarm.models.footprint import module_footprint
     from edgeswarm.models.zoo import build_model, without_weights
-    from edgeswarm.training.footprint import module_footprint
 
     try:
         with without_weights():

@@ -52,7 +52,8 @@ def run_toy(ctx: JobContext, spec: ToySpec) -> tuple[str, str]:
             if not isinstance(answer, ToyStepDone) or answer.doubled != 2 * (step + 1):
                 raise JobError(f"toy job {spec.name}: {node} answered step {step} with {type(answer).__name__}")
             doubled = ctx.state().progress_as(ToyProgress).doubled_sum + answer.doubled
-            ctx.update("running", steps_done=step + 1, doubled_sum=doubled, event=("round", f"step {step + 1} on {node}"))
+            ctx.update("running", steps_done=step + 1, doubled_sum=doubled,
+                       event=("round", f"step {step + 1} on {node}"))
             if ctx.cancel.wait(spec.step_s):
                 raise JobCancelled(f"toy job {spec.name} cancelled")
     finally:

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from edgeswarm.data.base import Dataset, DatasetSpec, ModelFit, Split, mismatch_error
 from edgeswarm.errors import DataError
-from edgeswarm.training.data import Dataset, DatasetSpec, ModelFit, Split, mismatch_error
 
 log = logging.getLogger(__name__)
 

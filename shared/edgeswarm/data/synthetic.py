@@ -1,6 +1,6 @@
 """The synthetic data sets: a teacher-labelled image task and token tasks, every sample generated from its id.
 
-See edgeswarm.training.data for the kinds and the guarantees every data set gives.
+See edgeswarm.data.base for the kinds and the guarantees every data set gives.
 """
 
 import math
@@ -8,8 +8,7 @@ import math
 import numpy as np
 import torch
 
-from edgeswarm.errors import DataError
-from edgeswarm.training.data import (
+from edgeswarm.data.base import (
     DEFAULT_SYNTHETIC_SIZE,
     DEFAULT_SYNTHETIC_TEST_SIZE,
     TAG_SAMPLE,
@@ -17,9 +16,11 @@ from edgeswarm.training.data import (
     DatasetSpec,
     ModelFit,
     Split,
+    mismatch_error,
     sample_rng,
     with_label_noise,
 )
+from edgeswarm.errors import DataError
 
 _TAG_TEACHER = 0x54454143
 _TAG_CALIBRATION = 0x43414C49
@@ -219,3 +220,18 @@ def _affine_rule(rng: np.random.Generator, vocab: int) -> tuple[int, int]:
         if math.gcd(a, vocab) == 1:
             return a, int(rng.integers(0, vocab))
 
+
+
+def open_teacher(spec: DatasetSpec, fit: ModelFit) -> Dataset:
+    """The ``teacher`` task for an image model. Raises ConfigError for a token model."""
+    if fit.tokens:
+        raise mismatch_error("teacher", "float images", fit, "use kind 'tokens' for token models")
+    return TeacherDataset(spec, fit)
+
+
+def open_tokens(spec: DatasetSpec, fit: ModelFit) -> Dataset:
+    """The ``tokens`` task for a token model. Raises ConfigError for an image model."""
+    if not fit.tokens:
+        raise mismatch_error("tokens", "sequences of int64 token ids", fit,
+                             "use kind 'teacher', 'cifar10' or 'npz' for image models")
+    return TokenDataset(spec, fit)
