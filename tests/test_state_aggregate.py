@@ -23,7 +23,7 @@ def test_the_mean_weights_each_state_by_its_weight() -> None:
     mean = weighted_mean(states, weights)
     for name, value in mean.items():
         if value.is_floating_point():
-            expected = sum(s[name].double() * w for s, w in zip(states, weights)) / 100.0
+            expected = sum(s[name].double() * w for s, w in zip(states, weights, strict=True)) / 100.0
             torch.testing.assert_close(value, expected.float())
         else:
             assert torch.equal(value, states[2][name])  # the heaviest client's count

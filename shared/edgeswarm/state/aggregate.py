@@ -45,7 +45,7 @@ def weighted_mean(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequenc
             out[name] = states[heaviest][name].clone()
             continue
         acc = torch.zeros(first.shape, dtype=torch.float64, device=first.device)
-        for state, weight in zip(states, weights):
+        for state, weight in zip(states, weights, strict=True):
             acc.add_(state[name].to(torch.float64), alpha=float(weight) / total)
         out[name] = acc.to(first.dtype)
     return out
