@@ -575,7 +575,7 @@ class TrainingProgram:
 
     def _run_round(self, st: _Stage, round_index: int) -> RoundDone:
         from edgeswarm.devices.compute import to_compute
-        from edgeswarm.training.allreduce import ring_allreduce
+        from edgeswarm.runtime.collectives import even_bounds, ring_all_reduce
         from edgeswarm.training.data import round_sample_ids
         from edgeswarm.training.executor import DeviceIO, Position, Recv, device_round, run_blocking
         from edgeswarm.training.routing import stage_sample_ids
@@ -620,7 +620,7 @@ class TrainingProgram:
             def recv_chunk(frm: int, ring_step: int) -> Any:
                 return exchange.wait(TensorKey(round_index, "allreduce", 0, ring_step, frm))
 
-            return ring_allreduce(flat, r, len(spec.groups[p]), send_chunk, recv_chunk)
+            return ring_all_reduce(flat, r, even_bounds(flat.numel(), len(spec.groups[p])), send_chunk, recv_chunk)
 
         exchange.blocked_s = 0.0
         io = DeviceIO(batch=batch, send=send, compute=compute, after_forward=partial(self._check_memory, st),
