@@ -250,3 +250,216 @@ def test_refusals_are_value_errors_with_the_reason() -> None:
 
     with pytest.raises(ValueError, match="float64"):
         ring_reduce_scatter(x, 0, even_bounds(6, 2), nothing, wrong_dtype)  # type: ignore[arg-type]
+
+
+# --- over Mosquitto, through real TensorExchanges ---------------------------------------------------------------
+
+SVC = "coll"
+JOB = "job1"
+
+
+class Peers:
+    """``n`` bus instances on the test broker, each with a TensorExchange and a CollectivePort whose data-plane
+    handler is ``CollectivePort.accept`` for the ring of every bus in order; ``refused[r]`` collects what rank r's
+    port dropped."""
+
+    def __init__(self, make_bus: Callable[..., Any], n: int, *, dtype: str = "float32") -> None:
+        from edgeswarm import topics
+        from edgeswarm.messages.collectives import CollectiveTensor
+        from edgeswarm.runtime.collective_exchange import CollectivePort
+        from edgeswarm.runtime.exchange import TensorExchange
+        from helpers import announce
+
+        self.buses = [make_bus(f"n{r}", SVC) for r in range(n)]
+        self.nodes = [bus.sender.node for bus in self.buses]
+        self.exchanges = [TensorExchange(bus, SVC, wait_s=10.0, name=f"n{r}", scope_name="scope")
+                          for r, bus in enumerate(self.buses)]
+        self.ports = [CollectivePort(x, JOB, dtype=dtype) for x in self.exchanges]
+        self.refused: list[list[Any]] = [[] for _ in range(n)]
+        for rank, (bus, port) in enumerate(zip(self.buses, self.ports, strict=True)):
+            bus.subscribe(topics.data(bus.sender.node, SVC), self._handler(rank, port), schemas=(CollectiveTensor,),
+                          plane="data")
+            announce(bus)
+        for bus in self.buses:
+            for node in self.nodes:
+                bus.peers.wait_for(node, SVC, timeout_s=10)
+
+    def _handler(self, rank: int, port: Any) -> Callable[[Any], None]:
+        def on_data(msg: Any) -> None:
+            refused = port.accept(msg, self.nodes, rank)
+            if refused is not None:
+                self.refused[rank].append(refused)
+        return on_data
+
+    def run(self, body: Callable[[int, Any, Any], torch.Tensor], scope: int, **ring: Any) -> list[Any]:
+        """``body(rank, send, recv)`` on every rank at once, over ``port.ring(nodes, rank, scope, **ring)``; the
+        results (or the exception each rank raised) by rank."""
+        results: list[Any] = [None] * len(self.nodes)
+
+        def worker(rank: int) -> None:
+            send, recv = self.ports[rank].ring(self.nodes, rank, scope, **ring)
+            try:
+                results[rank] = body(rank, send, recv)
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                results[rank] = exc
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(self.nodes))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        return results
+
+    def close(self) -> None:
+        for x in self.exchanges:
+            x.close(timeout_s=1.0)
+
+
+def test_all_gather_and_reduce_scatter_among_three_peers_over_mosquitto(make_bus) -> None:
+    peers = Peers(make_bus, 3)
+    try:
+        length = 1000
+        bounds = weighted_bounds(length, [3, 0, 2])  # rank 1 owns nothing
+        gen = torch.Generator().manual_seed(3)
+        full = torch.randn(length, generator=gen)
+        tiles: list[list[int]] = [[], [], []]
+
+        def gather(rank: int, send: Any, recv: Any) -> torch.Tensor:
+            a, b = bounds[rank]
+            return ring_all_gather(full[a:b].clone(), rank, bounds, send, recv,
+                                   on_slice=lambda owner, _start, _view: tiles[rank].append(owner))
+
+        gathered = peers.run(gather, scope=1)
+        assert all(isinstance(g, torch.Tensor) and torch.equal(g, full) for g in gathered), gathered
+        assert all(sorted(t) == [0, 1, 2] and t[0] == r for r, t in enumerate(tiles))
+
+        vectors = [torch.randint(-50, 50, (length,), generator=gen).float() for _ in range(3)]
+        want = torch.stack(vectors).sum(dim=0)
+        scattered = peers.run(lambda r, send, recv: ring_reduce_scatter(vectors[r], r, bounds, send, recv), scope=2,
+                              collective=5)
+        for rank, got in enumerate(scattered):
+            a, b = bounds[rank]
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want[a:b]), rank
+        summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=3, qos=0,
+                           deadline_s=5.0)
+        assert all(torch.equal(s, want) for s in summed), summed
+        assert peers.refused == [[], [], []]
+    finally:
+        peers.close()
+
+
+def test_a_bfloat16_all_reduce_over_mosquitto(make_bus) -> None:
+    peers = Peers(make_bus, 3, dtype="bfloat16")
+    try:
+        gen = torch.Generator().manual_seed(4)
+        vectors = [torch.randint(-8, 9, (301,), generator=gen).to(torch.bfloat16) for _ in range(3)]
+        bounds = even_bounds(301, 3)
+        summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=0)
+        assert all(s.dtype == torch.bfloat16 and torch.equal(s, torch.stack(vectors).sum(dim=0)) for s in summed)
+    finally:
+        peers.close()
+
+
+def test_forged_and_misplaced_senders_are_refused(make_bus) -> None:
+    """A node outside the ring, and a member claiming a rank it is not or that may not send to the receiver, are
+    dropped by the one sender check; the genuine slices still make the sum."""
+    from edgeswarm.messages.collectives import CollectiveTensor
+    from helpers import wait_until
+
+    peers = Peers(make_bus, 3)
+    try:
+        mallory = make_bus("mallory", SVC)
+        bounds = even_bounds(30, 3)
+        poison = torch.full((10,), 1e6)
+        # Rank 1's left neighbour is rank 0 (n0): each of these claims a slice of step 0 for rank 1.
+        for who, claimed in ((mallory, 0), (peers.buses[2], 0), (peers.buses[2], 2)):
+            who.send_tensor("n1", SVC, CollectiveTensor(job_id=JOB, epoch=0, scope=7, step=0, sender=claimed), poison)
+        # A resend request for n0 from mallory claiming rank 1, the only rank that may ask n0.
+        mallory.send_tensor("n0", SVC, CollectiveTensor(job_id=JOB, epoch=0, scope=7, step=0, sender=1, resend=True),
+                            torch.empty(0))
+        wait_until(lambda: len(peers.refused[1]) == 3 and len(peers.refused[0]) == 1, timeout_s=10)
+        assert all(r.reason == "sender" for rs in peers.refused for r in rs), peers.refused
+        assert "mallory" in peers.refused[1][0].detail and "rank 0 of the ring is n0" in peers.refused[1][0].detail
+        assert "only rank 0 sends that to rank 1" in peers.refused[1][2].detail
+        vectors = [torch.arange(30.0) * (r + 1) for r in range(3)]
+        summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=7)
+        assert all(torch.equal(s, torch.arange(30.0) * 6) for s in summed), summed
+    finally:
+        peers.close()
+
+
+def test_a_wrong_dtype_from_the_genuine_neighbour_fails_the_scope(make_bus) -> None:
+    from edgeswarm.messages.collectives import CollectiveTensor
+    from edgeswarm.runtime.exchange import ExchangeFailed
+
+    peers = Peers(make_bus, 2)
+    try:
+        peers.buses[0].send_tensor("n1", SVC, CollectiveTensor(job_id=JOB, epoch=0, scope=4, step=0, sender=0),
+                                   torch.zeros(5, dtype=torch.int64))
+        send, recv = peers.ports[1].ring(peers.nodes, 1, 4)
+        with pytest.raises(ExchangeFailed, match="expected a 1-D float32 tensor, got int64"):
+            recv(0, 0)
+        assert [r.reason for r in peers.refused[1]] == ["tensor"]
+    finally:
+        peers.close()
+
+
+def _drop_first(port: Any, lost: Callable[[Any], bool], times: int = 1) -> list[Any]:
+    """Make ``port``'s exchange lose its first ``times`` sends whose message ``lost`` picks (as QoS 0 may);
+    returns the list the lost messages go to."""
+    exchange = port.exchange
+    real = exchange.send
+    dropped: list[Any] = []
+
+    def send(peer: str, scope: Any, message: Any, tensor: torch.Tensor, **kw: Any) -> None:
+        if len(dropped) < times and lost(message):
+            dropped.append((message, kw))
+            return
+        real(peer, scope, message, tensor, **kw)
+
+    exchange.send = send
+    return dropped
+
+
+def test_a_slice_lost_at_qos_0_is_asked_for_again_and_the_sum_is_exact(make_bus) -> None:
+    peers = Peers(make_bus, 3)
+    try:
+        dropped = _drop_first(peers.ports[0], lambda m: m.step == 1 and not m.resend)
+        vectors = [torch.randint(-50, 50, (99,), generator=torch.Generator().manual_seed(r)).float() for r in range(3)]
+        bounds = weighted_bounds(99, [1, 2, 3])
+        summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=5, qos=0,
+                           deadline_s=0.5)
+        assert [(m.step, kw) for m, kw in dropped] == [(1, {"qos": 0})]
+        assert all(isinstance(s, torch.Tensor) and torch.equal(s, torch.stack(vectors).sum(dim=0)) for s in summed), \
+            summed
+        assert peers.ports[0].kept_bytes() > 0  # what it sent at QoS 0 is kept until the scope is forgotten
+        peers.ports[0].forget(5)
+        assert peers.ports[0].kept_bytes() == 0
+    finally:
+        peers.close()
+
+
+def test_a_slice_lost_twice_fails_the_scope_within_two_deadlines(make_bus) -> None:
+    from edgeswarm.runtime.exchange import ExchangeFailed, ExchangeTimeout
+
+    peers = Peers(make_bus, 2)
+    try:
+        _drop_first(peers.ports[0], lambda m: m.step == 0, times=2)  # the slice, then its resend at QoS 1
+        vectors = [torch.ones(10), torch.ones(10)]
+        results = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, even_bounds(10, 2), send, recv),
+                            scope=6, qos=0, deadline_s=0.3)
+        assert isinstance(results[1], ExchangeTimeout) and "asked again once" in str(results[1])
+        # Rank 0 waits for rank 1's all-gather slice, which rank 1 never sends once it failed.
+        assert isinstance(results[0], (ExchangeTimeout, ExchangeFailed))
+        with pytest.raises(ExchangeFailed):  # the scope is failed: any other wait of it gives up at once
+            peers.exchanges[1].wait(_another_key(6), timeout_s=5)
+    finally:
+        peers.close()
+
+
+def _another_key(scope: int) -> Any:
+    """A key of ``scope`` that no ring of the tests waits for."""
+    from edgeswarm.runtime.collective_exchange import CollectiveKey
+
+    return CollectiveKey(scope, 9, 0, 0)
