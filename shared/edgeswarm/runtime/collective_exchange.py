@@ -23,7 +23,10 @@ QoS, deadline and retry, per collective (``ring(..., qos=, deadline_s=)``):
   with a resend request at QoS 1; the neighbour sends the slice again at QoS 1 (or, if it has not sent it yet,
   sends it at QoS 1 when it does). If the slice still does not come within another ``deadline_s``, the scope is
   failed and ExchangeTimeout is raised. A late original and its resend may both arrive: they are the same bytes,
-  and the later one replaces the earlier (or waits, unused, until the scope is forgotten).
+  and the later one replaces the earlier (or waits, unused, until the scope is forgotten). ``deadline_s`` should
+  be well above a step's usual time: a lost slice holds the ring up by about ``deadline_s``, so the ranks after
+  it may miss their deadline too and ask as well (harmless: they get their slice at QoS 1), and a second loss in
+  the same collective can fail it.
 
 The port never tells other peers that a scope failed: each of them times out on its own, within its deadline(s),
 or the workload's coordinator aborts the scope (training's StageAbort). The slices kept for resending are bounded
@@ -100,7 +103,8 @@ _Kept = tuple[str, CollectiveTensor, "torch.Tensor"]  # peer node, message, slic
 
 class CollectivePort:
     """The collectives of job ``job_id`` at plan ``epoch`` over its ``exchange`` (see the module's docstring);
-    slices travel as wire dtype ``dtype`` ("float32", "bfloat16"). Thread-safe."""
+    slices travel as wire dtype ``dtype`` ("float32", "bfloat16"). Thread-safe. ``asked`` counts the resend
+    requests this port sent (slices that missed their deadline at QoS 0), ``resent`` the slices it sent again."""
 
     def __init__(self, exchange: TensorExchange[Any], job_id: str, *, epoch: int = 0, dtype: str = "float32",
                  max_kept_scopes: int = 16) -> None:
@@ -112,6 +116,8 @@ class CollectivePort:
         self._lock = threading.Lock()
         self._kept: dict[int, dict[tuple[int, int, int], _Kept]] = {}  # scope -> (collective, step, to) -> slice
         self._wanted: set[tuple[int, int, int, int]] = set()  # (scope, collective, step, to) asked before sent
+        self.asked = 0
+        self.resent = 0
 
     def ring(self, nodes: Sequence[str], rank: int, scope: int, *, collective: int = 0, qos: int = 1,
              deadline_s: float | None = None) -> tuple[Send, Recv]:
@@ -150,6 +156,8 @@ class CollectivePort:
                     raise
             log.info("%s: no %s within %.1f s at QoS 0: asking %s again", exchange.name, key, wait_s,
                      members[from_rank])
+            with self._lock:
+                self.asked += 1
             exchange.send(members[from_rank], scope, message(step, resend=True), torch.empty(0), qos=1)
             try:
                 return exchange.wait(key, timeout_s=wait_s)
@@ -216,6 +224,7 @@ class CollectivePort:
                 if len(self._wanted) < MAX_WANTED:
                     self._wanted.add((body.scope, *slot))
                 return
+            self.resent += 1
         node, message, tensor = kept
         _limited.log(logging.INFO, "resend", "%s: sending step %d of scope %d, collective %d to %s again",
                      self.exchange.name, body.step, body.scope, body.collective, node)
