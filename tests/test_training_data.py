@@ -11,11 +11,12 @@ import torch
 from pydantic import ValidationError
 
 from edgeswarm.data import open_dataset
-from edgeswarm.data.base import DatasetSpec, round_sample_ids
+from edgeswarm.data.base import round_sample_ids
 from edgeswarm.data.files import CIFAR10_MEAN, CIFAR10_STD
 from edgeswarm.errors import ConfigError, DataError
 from edgeswarm.models.zoo import build_model, example_input, example_target
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
 
 LENET = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})
 MLP = ModelSpec(name="mlp", config={"in_channels": 1, "image_size": 8, "hidden": 64, "num_classes": 10})

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgeswarm.data.base import Dataset, DatasetSpec, ModelFit, Split, mismatch_error
+from edgeswarm.data.base import Dataset, ModelFit, Split, mismatch_error
 from edgeswarm.errors import DataError
+from edgeswarm.values.specs import DatasetSpec
 
 log = logging.getLogger(__name__)
 

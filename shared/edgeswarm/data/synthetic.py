@@ -13,7 +13,6 @@ from edgeswarm.data.base import (
     DEFAULT_SYNTHETIC_TEST_SIZE,
     TAG_SAMPLE,
     Dataset,
-    DatasetSpec,
     ModelFit,
     Split,
     mismatch_error,
@@ -21,6 +20,7 @@ from edgeswarm.data.base import (
     with_label_noise,
 )
 from edgeswarm.errors import DataError
+from edgeswarm.values.specs import DatasetSpec
 
 _TAG_TEACHER = 0x54454143
 _TAG_CALIBRATION = 0x43414C49
