@@ -93,7 +93,7 @@ class ClusterSpec(BaseModel):
         for link in self.links:
             missing = [e for e in link.between if e not in ids]
             if missing:
-                raise ValueError(f"link {list(link.between)} names unknown node(s) {missing}")
+                raise ValueError(f"link {list(link.between)} names unknown device(s) or edge(s) {missing}")
         return self
 
     def device_class_of(self, node: str) -> DeviceClass:
