@@ -146,6 +146,11 @@ def test_a_plugin_entry_must_name_a_service_entry(install_plugin) -> None:  # ty
                                           "cannot be loaded"):
         services()
     assert "broken" in service_names()  # the names alone come from the metadata: nothing is imported for them
+    # A broken plug-in stops what uses it, not the other services nor their start.
+    assert service_class("stage-worker").__name__ == "StageWorkerService"
+    assert {"broken", "toy-manager"} <= compose_service_names()
+    with pytest.raises(ConfigError, match="which is a str, not an edgeswarm.service_registry.ServiceEntry"):
+        service_class("toy-manager")
 
 
 def test_an_edge_node_writes_only_what_its_role_may_and_only_as_itself() -> None:

@@ -85,22 +85,25 @@ BUILT_IN: dict[str, ServiceEntry] = {
 }
 
 
+def _plugin_entry(name: str, target: str) -> ServiceEntry:
+    """The entry plug-in service ``name``'s entry point ``target`` names. Raises ConfigError when it takes a built-in's
+    name or leads to no ``ServiceEntry``."""
+    if name in BUILT_IN:
+        raise ConfigError(f"the installed plug-in service {name!r} ({target}) takes the name of a built-in "
+                          "service; rename it in its package's edgeswarm.services entry points")
+    entry = load_target(target, f"service {name!r}")
+    if not isinstance(entry, ServiceEntry):
+        raise ConfigError(f"service {name!r} comes from {target!r}, which is a {type(entry).__name__}, "
+                          "not an edgeswarm.service_registry.ServiceEntry")
+    return entry
+
+
 @lru_cache(maxsize=1)
 def services() -> dict[str, ServiceEntry]:
     """Every service: the built-ins, in their order, then the plug-ins', in name order. Read once per process.
 
-    Raises ConfigError when a plug-in reuses a built-in's name or its entry point names no ``ServiceEntry``."""
-    found = dict(BUILT_IN)
-    for name, target in discovered(SERVICE_GROUP).items():
-        if name in BUILT_IN:
-            raise ConfigError(f"the installed plug-in service {name!r} ({target}) takes the name of a built-in "
-                              "service; rename it in its package's edgeswarm.services entry points")
-        entry = load_target(target, f"service {name!r}")
-        if not isinstance(entry, ServiceEntry):
-            raise ConfigError(f"service {name!r} comes from {target!r}, which is a {type(entry).__name__}, "
-                              "not an edgeswarm.service_registry.ServiceEntry")
-        found[name] = entry
-    return found
+    Raises ConfigError when a plug-in reuses a built-in's name or its entry point leads to no ``ServiceEntry``."""
+    return {**BUILT_IN, **{name: _plugin_entry(name, target) for name, target in discovered(SERVICE_GROUP).items()}}
 
 
 def service_names() -> tuple[str, ...]:
@@ -110,11 +113,14 @@ def service_names() -> tuple[str, ...]:
 
 
 def service_entry(name: str) -> ServiceEntry:
-    """The entry of service ``name``. Raises ConfigError listing the services that exist."""
-    try:
-        return services()[name]
-    except KeyError:
-        raise ConfigError(f"unknown service {name!r}; available: {', '.join(sorted(services()))}") from None
+    """The entry of service ``name``; of the plug-ins, only its own is imported, so a broken plug-in does not stop
+    another service. Raises ConfigError listing the services that exist."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    found = discovered(SERVICE_GROUP)
+    if name in found:
+        return _plugin_entry(name, found[name])
+    raise ConfigError(f"unknown service {name!r}; available: {', '.join(sorted(service_names()))}")
 
 
 def services_of(role: str) -> tuple[str, ...]:

@@ -30,11 +30,13 @@ JETSON_PREFIX = "jetson-"
 
 @lru_cache(maxsize=1)
 def compose_service_names() -> frozenset[str]:
-    """The service names of compose.yaml: on a compose network each resolves to a container of this node's stack
-    only."""
-    from edgeswarm.service_registry import services, services_of
+    """The service names of compose.yaml (and of a plug-in's compose file beside it): on a compose network each
+    resolves to a container of this node's stack only. Read from the metadata alone, so a broken plug-in stops only
+    the command that uses it, not every service's start."""
+    from edgeswarm.service_registry import BUILT_IN, service_names
 
-    return frozenset({COMPOSE_BROKER, *services(), *(JETSON_PREFIX + name for name in services_of("device"))})
+    jetson = (JETSON_PREFIX + name for name, entry in BUILT_IN.items() if entry.runs_on("device"))
+    return frozenset({COMPOSE_BROKER, *service_names(), *jetson})
 
 
 def __getattr__(name: str) -> Any:
