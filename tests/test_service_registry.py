@@ -308,3 +308,10 @@ def test_a_plugin_worker_service_with_no_program_starts(install_plugin, broker: 
         reply = client.request(topics.request("mec-0", "toy-manager"), m.Probe(), timeout_s=10)
         assert isinstance(reply.body, m.ProbeReply)
         assert manager.programs == ()  # type: ignore[attr-defined]
+
+
+def test_the_readme_topic_table_says_who_writes_each_topic_as_the_tree_does() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    for spec in topics.topic_tree():
+        row = next(line for line in readme if line.startswith(f"| `{spec.pattern}` |"))
+        assert row.split(" | ")[5] == spec.who_writes, f"README.md's row for {spec.pattern}: {row}"
