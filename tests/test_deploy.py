@@ -28,7 +28,7 @@ import yaml
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.local.broker import free_port, mosquitto_binary, port_open
-from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
+from edgeswarm.local.launcher import DEVICE_SERVICES, EDGE_SERVICES, HUB_SERVICES
 from edgeswarm.messages import Status
 from edgeswarm.runtime.reachability import COMPOSE_SERVICE_NAMES, check_advertised_data_url
 from edgeswarm.services import SERVICES
@@ -45,7 +45,8 @@ BROKER_SERVICE = "broker"
 HUB_PROFILE = "hub"
 DEVICE_PROFILE = "device"
 JETSON_PROFILE = "jetson"
-PROFILES = (HUB_PROFILE, DEVICE_PROFILE, JETSON_PROFILE)
+EDGE_PROFILE = "edge"
+PROFILES = (HUB_PROFILE, DEVICE_PROFILE, JETSON_PROFILE, EDGE_PROFILE)
 # Where the data sets are mounted in every container that reads them (a job spec's data.path starts here).
 DATASETS_MOUNT = "/var/lib/edgeswarm/datasets"
 # A node's .env as deploy/README.md has a user write it (the data URL has no default).
@@ -197,10 +198,11 @@ def edgeswarm_service(svc: dict[str, Any]) -> str:
     return str(svc["command"][2])
 
 
-def profile_of(svc: dict[str, Any]) -> str | None:
-    profiles = svc.get("profiles") or []
-    assert len(profiles) <= 1, f"one role per service, not {profiles}"
-    return profiles[0] if profiles else None
+def profiles_of(svc: dict[str, Any]) -> list[str]:
+    """The compose profiles that run ``svc``: one per role of its registry entry (jetson: the device role's)."""
+    profiles = list(svc.get("profiles") or [])
+    assert JETSON_PROFILE not in profiles or profiles == [JETSON_PROFILE], "the jetson image is its own profile"
+    return profiles
 
 
 def shell(**extra: str) -> dict[str, str]:
@@ -215,23 +217,25 @@ def test_compose_declares_the_node_stacks(compose: dict[str, Any]) -> None:
     assert not services[BROKER_SERVICE].get("profiles"), "every node, whatever its role, runs its own broker"
 
     # hub: the hub's services; device: the device services on the CPU image; jetson: the same on the Jetson image.
-    by_profile: dict[str | None, list[str]] = {}
+    by_profile: dict[str, list[str]] = {}
     for name, svc in app_services(compose).items():
         assert svc.get("command", [])[:2] == ["edgeswarm", "service"], f"{name}: command"
-        by_profile.setdefault(profile_of(svc), []).append(edgeswarm_service(svc))
-    assert None not in by_profile, "every edgeswarm service belongs to a role's profile"
+        assert profiles_of(svc), f"{name}: every edgeswarm service belongs to a role's profile"
+        for profile in profiles_of(svc):
+            by_profile.setdefault(profile, []).append(edgeswarm_service(svc))
     assert set(by_profile) == set(PROFILES)
     for profile, names in by_profile.items():
         assert len(names) == len(set(names)), f"profile {profile} runs a service twice: {names}"
-    assert set(by_profile[HUB_PROFILE]) == {n for n, e in SERVICES.items() if e.role == "hub"}
-    devices = {n for n, e in SERVICES.items() if e.role == "device"}
-    assert set(by_profile[DEVICE_PROFILE]) == set(by_profile[JETSON_PROFILE]) == devices
+    # Each role's profile runs exactly the services the registry gives that role.
+    for role in (HUB_PROFILE, DEVICE_PROFILE, EDGE_PROFILE):
+        assert set(by_profile[role]) == {n for n, e in SERVICES.items() if role in e.roles}, role
+    assert set(by_profile[JETSON_PROFILE]) == set(by_profile[DEVICE_PROFILE])
     for name, svc in app_services(compose).items():  # the CPU services keep their own names
-        if profile_of(svc) != JETSON_PROFILE:
+        if JETSON_PROFILE not in profiles_of(svc):
             assert edgeswarm_service(svc) == name
 
     for name, svc in app_services(compose).items():
-        jetson = profile_of(svc) == JETSON_PROFILE
+        jetson = JETSON_PROFILE in profiles_of(svc)
         build = svc.get("build")
         assert isinstance(build, dict), f"{name}: built from the repository"
         assert (build.get("context"), build.get("dockerfile")) == \
@@ -257,7 +261,7 @@ def test_compose_jetson_services_get_the_gpu(compose: dict[str, Any]) -> None:
         gpus = [d for d in reservations.get("devices") or []
                 if d.get("driver") == "nvidia" and "gpu" in (d.get("capabilities") or [])]
         wants_gpu = svc.get("runtime") == "nvidia" or bool(gpus)
-        assert wants_gpu == (profile_of(svc) == JETSON_PROFILE), f"{name}: only the jetson services ask for the GPU"
+        assert wants_gpu == (JETSON_PROFILE in profiles_of(svc)), f"{name}: only the jetson services ask for the GPU"
         if wants_gpu:
             assert interpolate(environment_of(svc)["EDGESWARM_COMPUTE"], {}) == "auto"
 
@@ -823,7 +827,7 @@ def test_docker_compose_config(profile: str, tmp_path: Path) -> None:
     listed = subprocess.run([*base, "config", "--services"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=60)
     assert listed.returncode == 0, listed.stderr
-    expected = {HUB_PROFILE: set(HUB_SERVICES), DEVICE_PROFILE: set(DEVICE_SERVICES),
+    expected = {HUB_PROFILE: set(HUB_SERVICES), DEVICE_PROFILE: set(DEVICE_SERVICES), EDGE_PROFILE: set(EDGE_SERVICES),
                 JETSON_PROFILE: {f"jetson-{s}" for s in DEVICE_SERVICES}}[profile]
     assert set(listed.stdout.split()) == {BROKER_SERVICE, *expected}
 

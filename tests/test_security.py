@@ -2,7 +2,8 @@
 
 Most tests share one `edgeswarm up --local --secure` cluster (Mosquitto with TLS, a password per node and the
 ACL): the operator sees it over TLS, outsiders and wrong passwords are refused, and a device's credentials do
-not let it submit jobs, write another node's topics, read its requests, or write checkpoints it does not own.
+not let it submit jobs, write another node's topics, read its requests, or write checkpoints it does not own. The
+cluster has an edge server too (the edge role), which runs its role's services under its own credentials.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job,
 from helpers import FAST_ENV, announce, wait_until
 
 DEVICES = ("tx2-0", "nano-1")
+EDGE = "edge-0"  # `up --local --edges 1`
 JOB = """name: guarded
 model: {name: mlp, config: {hidden: 16, layers: 2}}
 data: {kind: teacher, size: 256, test_size: 32}
@@ -75,8 +77,8 @@ class SecureCluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]:
     workdir = tmp_path_factory.mktemp("secure")
-    cmd = [sys.executable, "-m", "edgeswarm", "up", "--local", "--secure", "--devices", "2", "--port",
-           str(free_port()), "--workdir", str(workdir), "--heartbeat", "0.5", "--ready-timeout", "120"]
+    cmd = [sys.executable, "-m", "edgeswarm", "up", "--local", "--secure", "--devices", "2", "--edges", "1",
+           "--port", str(free_port()), "--workdir", str(workdir), "--heartbeat", "0.5", "--ready-timeout", "120"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **FAST_ENV, "COLUMNS": "200"})
     lines: list[str] = []
@@ -167,6 +169,28 @@ def test_a_device_cannot_submit_jobs_nor_write_what_is_not_its_own(cluster: Secu
     assert operator.request(topics.request("tx2-0", "node-agent"), m.Probe(), timeout_s=10) is not None
     time.sleep(0.5)
     assert not overheard
+
+
+def test_an_edge_server_runs_its_roles_services_and_writes_only_its_own(cluster: SecureCluster,
+                                                                       connect) -> None:  # type: ignore[no-untyped-def]
+    from edgeswarm.runtime.client import ClusterWatcher
+    from edgeswarm.service_registry import services_of
+
+    watcher = ClusterWatcher(connect("operator"))
+
+    def edge_services() -> dict[str, str]:
+        node = next((n for n in watcher.view()[0].nodes if n.node == EDGE), None)
+        return {s.service: s.state for s in node.services} if node else {}
+
+    wait_until(lambda: edge_services() == {s: "online" for s in services_of("edge")}, 30,
+               message=f"{EDGE}'s services online")
+    assert "stage-worker" not in edge_services()
+    edge = connect(EDGE)
+    refused = [edge.hub.publish(topics.from_sender(topics.request("tx2-0", "stage-worker"), EDGE), b"\x00"),
+               edge.hub.publish(topics.job_state("guarded"), b"\x00" * 8, retain=True),
+               edge.hub.publish(topics.status("tx2-0", "node-agent"), b"\x00" * 8, retain=True),
+               edge.hub.publish(topics.from_sender(topics.request("hub", "coordinator"), EDGE), b"\x00")]
+    wait_until(lambda: all(edge.hub.refusal(mid) for mid in refused), 10, message="the refusals")
 
 
 def test_only_a_jobs_coordinator_and_stage_devices_write_its_checkpoints(cluster: SecureCluster,

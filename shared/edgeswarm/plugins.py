@@ -7,7 +7,10 @@ A package extends edgeswarm without editing it by declaring entry points in one 
 * ``edgeswarm.services``: name = the service, value = ``"module:attr"`` of its ``ServiceEntry``.
 
 Only the metadata is read here: nothing of a plug-in is imported until its kind or service is used, so a broken
-plug-in fails the command that uses it (with its name), not every command.
+plug-in fails the command that uses it (with its name), not every command. A service's entry is the exception: the
+topic tree, the ACL and the launcher read every service's roles and writers, so the module its entry point names is
+imported whenever the service registry is read; keep the ``ServiceEntry`` in a light module of its own and point its
+``target`` at the service class elsewhere (``docs/adding-a-service.md``).
 """
 
 from __future__ import annotations

@@ -10,43 +10,23 @@ the envelope's ``sender_node`` is the node the topic names. Topics owned by a no
 ``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic by its *address* (without
 the sender level: ``request(node, service)``); the bus appends its own node when it publishes and subscribes
 with ``/+``.
+
+``topic_tree()`` is the whole tree. Who may send requests and tensors to each service is its entry in the service
+registry (``edgeswarm.service_registry``, plug-ins' included); the roles are ``edgeswarm.roles``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from functools import lru_cache
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+# The roles are written once, in edgeswarm.roles; they stay importable from here.
+from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role  # noqa: F401
+
 ROOT = "edgeswarm"
-
-Role = Literal["hub", "device", "client"]
-ROLES: tuple[Role, ...] = ("hub", "device", "client")
-
-# Who may send requests to each service (beside a node's own services, which may always address each other:
-# a starting service probes its own node id for a live twin). A service not listed takes requests from the
-# hub only. Devices may not submit or cancel jobs, nor deploy stages: only the coordinator (hub) does.
-REQUEST_WRITERS: dict[str, tuple[Role, ...]] = {
-    "coordinator": ("hub", "client"),
-    "planner": ("hub", "client"),
-    "profiler": ("hub", "client"),
-    "checkpoint-store": ("hub", "device", "client"),
-    "stage-worker": ("hub",),
-    "node-agent": ("hub", "client"),
-}
-DEFAULT_REQUEST_WRITERS: tuple[Role, ...] = ("hub",)
-# Who may send tensors to each service's data topic. A service not listed (a command-line client loading a
-# checkpoint, say) takes tensors from every role; the sender level still names who sent them.
-DATA_WRITERS: dict[str, tuple[Role, ...]] = {
-    # Inference requests of serving jobs (callers: clients and the hub) and pipeline outputs (devices' last stages).
-    "coordinator": ROLES,
-    "stage-worker": ("hub", "device"),
-    "profiler": ("hub", "device"),
-}
-DEFAULT_DATA_WRITERS: tuple[Role, ...] = ROLES
-DATA_PURPOSES = {"coordinator": "tensors for the coordinator: serving jobs' inference requests (callers) and pipeline "
-                                "outputs (last stages)"}
 
 ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
 OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress")  # node topics written by the node itself
@@ -198,6 +178,10 @@ def job_of(topic: str) -> str | None:
     parts = topic.split("/")
     return parts[2] if len(parts) == 4 and parts[0] == ROOT and parts[1] == "job" else None
 
+
+# Who may write to a service that no registry entry lists (one of another cluster's plug-ins, say): the hub only.
+DEFAULT_REQUEST_WRITERS: tuple[Role, ...] = ("hub",)
+DEFAULT_DATA_WRITERS: tuple[Role, ...] = ("hub",)
 _REQUEST_SCHEMAS = "edgeswarm.probe v1 and the service's requests"
 _SENDER = "{sender}"
 
@@ -215,49 +199,74 @@ def _data_spec(service: str, writers: tuple[Role, ...], purpose: str) -> TopicSp
                      readers="node")
 
 
-TOPIC_TREE: tuple[TopicSpec, ...] = (
-    TopicSpec(pattern=status("{node}", "{service}"), schemas="edgeswarm.status v1", retained=True, qos=1,
-              broker="hub", purpose="online/offline, version, data-plane URL, memory; the Last Will sets offline",
-              writers=ROLES, bound="node", readers="all"),
-    TopicSpec(pattern=heartbeat("{node}", "{service}"), schemas="edgeswarm.heartbeat v1", retained=True, qos=0,
-              broker="hub", purpose="periodic liveness; MQTT 5 message expiry of timeout-factor x interval",
-              writers=ROLES, bound="node", readers="all"),
-    TopicSpec(pattern=metrics("{node}", "{service}"), schemas="edgeswarm.metrics v1", retained=False, qos=0,
-              broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges",
-              writers=ROLES, bound="node", readers="all"),
-    _request_spec("{service}", DEFAULT_REQUEST_WRITERS,
-                  "requests to one service; replies go to reply_to (services not listed below: the hub only)"),
-    *(_request_spec(service, writers, f"requests to the {service}")
-      for service, writers in REQUEST_WRITERS.items() if writers != DEFAULT_REQUEST_WRITERS),
-    TopicSpec(pattern=from_sender(request("{node}", "{service}"), "{node}"), schemas=_REQUEST_SCHEMAS, retained=False,
-              qos=1, broker="hub", purpose="a node's services addressing each other (a starting service probes "
-              "its own node id for a live twin)", writers=ROLES, bound="self", readers="node"),
-    TopicSpec(pattern=from_sender(reply("{node}", "{service}", "{instance}"), _SENDER), schemas="any reply schema",
-              retained=False, qos=1, broker="hub", purpose="replies to the requests of one service instance",
-              writers=ROLES, bound="sender", readers="node"),
-    _data_spec("{service}", ("hub",), "tensors for the service, chunked; published to the node's advertised "
-               "data_url (services not listed below: from the hub only)"),
-    *(_data_spec(service, writers, DATA_PURPOSES.get(service, f"tensors for the {service}"))
-      for service, writers in {**{s: DEFAULT_DATA_WRITERS for s in ("checkpoint-store", "node-agent")},
-                               **DATA_WRITERS}.items()),
-    TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
-              broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it does",
-              writers=("hub", "device"), bound="node", readers="all"),
-    TopicSpec(pattern=profile_report("{node}", "{model_fingerprint}"), schemas="edgeswarm.profile.report v1",
-              retained=True, qos=1, broker="hub",
-              purpose="the node's latest profile of one model: layer sequence, timings, memory budget, links",
-              writers=("hub", "device"), bound="node", readers="all"),
-    TopicSpec(pattern=CLUSTER_VIEW, schemas="edgeswarm.cluster_view v1", retained=True, qos=1, broker="hub",
-              purpose="the coordinator's membership view: nodes, services, states, heartbeat ages",
-              writers=("hub",), bound="none", readers="all"),
-    TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",
-              purpose="membership changes: online, suspect, offline, duplicate node id",
-              writers=("hub", "device"), bound="none", readers="all"),
-    TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
-              purpose="a job's latest state: kind, status, plan, and its kind's progress (rounds and loss; requests "
-                      "answered, throughput, latency)",
-              writers=("hub",), bound="none", readers="all"),
-    TopicSpec(pattern=job_events("{job}"), schemas="edgeswarm.job.event v1", retained=False, qos=1, broker="hub",
-              purpose="a job's events: submitted, planned, each round and checkpoint, device lost, how it ended",
-              writers=("hub",), bound="none", readers="all"),
-)
+def _node_roles(service: str) -> tuple[Role, ...]:
+    """The roles whose nodes may run ``service``: its own, and the hub's, which may run any service beside its own
+    (a hub that also computes)."""
+    from edgeswarm.service_registry import service_entry
+
+    roles = service_entry(service).roles
+    return tuple(r for r in NODE_ROLES if r == "hub" or r in roles)
+
+
+@lru_cache(maxsize=1)
+def topic_tree() -> tuple[TopicSpec, ...]:
+    """Every topic of the cluster, the request and data topics of each service written as its registry entry says
+    (``edgeswarm.service_registry``, plug-ins' included). Built once per process."""
+    from edgeswarm.service_registry import services
+
+    registry = services()
+    profilers = _node_roles("profiler")
+    return (
+        TopicSpec(pattern=status("{node}", "{service}"), schemas="edgeswarm.status v1", retained=True, qos=1,
+                  broker="hub", purpose="online/offline, version, data-plane URL, memory; the Last Will sets offline",
+                  writers=ROLES, bound="node", readers="all"),
+        TopicSpec(pattern=heartbeat("{node}", "{service}"), schemas="edgeswarm.heartbeat v1", retained=True, qos=0,
+                  broker="hub", purpose="periodic liveness; MQTT 5 message expiry of timeout-factor x interval",
+                  writers=ROLES, bound="node", readers="all"),
+        TopicSpec(pattern=metrics("{node}", "{service}"), schemas="edgeswarm.metrics v1", retained=False, qos=0,
+                  broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges",
+                  writers=ROLES, bound="node", readers="all"),
+        _request_spec("{service}", DEFAULT_REQUEST_WRITERS,
+                      "requests to one service; replies go to reply_to (services not listed below: the hub only)"),
+        *(_request_spec(name, entry.request_writers, f"requests to the {name}")
+          for name, entry in registry.items() if entry.request_writers != DEFAULT_REQUEST_WRITERS),
+        TopicSpec(pattern=from_sender(request("{node}", "{service}"), "{node}"), schemas=_REQUEST_SCHEMAS,
+                  retained=False, qos=1, broker="hub", purpose="a node's services addressing each other (a starting "
+                  "service probes its own node id for a live twin)", writers=ROLES, bound="self", readers="node"),
+        TopicSpec(pattern=from_sender(reply("{node}", "{service}", "{instance}"), _SENDER),
+                  schemas="any reply schema", retained=False, qos=1, broker="hub",
+                  purpose="replies to the requests of one service instance", writers=ROLES, bound="sender",
+                  readers="node"),
+        _data_spec("{service}", DEFAULT_DATA_WRITERS, "tensors for the service, chunked; published to the node's "
+                   "advertised data_url (services not listed below: from the hub only)"),
+        *(_data_spec(name, entry.data_writers, entry.data_purpose or f"tensors for the {name}")
+          for name, entry in registry.items() if entry.data_writers != DEFAULT_DATA_WRITERS),
+        TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
+                  broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it "
+                  "does", writers=profilers, bound="node", readers="all"),
+        TopicSpec(pattern=profile_report("{node}", "{model_fingerprint}"), schemas="edgeswarm.profile.report v1",
+                  retained=True, qos=1, broker="hub",
+                  purpose="the node's latest profile of one model: layer sequence, timings, memory budget, links",
+                  writers=profilers, bound="node", readers="all"),
+        TopicSpec(pattern=CLUSTER_VIEW, schemas="edgeswarm.cluster_view v1", retained=True, qos=1, broker="hub",
+                  purpose="the coordinator's membership view: nodes, services, states, heartbeat ages",
+                  writers=("hub",), bound="none", readers="all"),
+        # Any service reports a second live instance of itself (runtime.service), on any node.
+        TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",
+                  purpose="membership changes: online, suspect, offline, duplicate node id",
+                  writers=NODE_ROLES, bound="none", readers="all"),
+        TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
+                  purpose="a job's latest state: kind, status, plan, and its kind's progress (rounds and loss; "
+                          "requests answered, throughput, latency)",
+                  writers=("hub",), bound="none", readers="all"),
+        TopicSpec(pattern=job_events("{job}"), schemas="edgeswarm.job.event v1", retained=False, qos=1, broker="hub",
+                  purpose="a job's events: submitted, planned, each round and checkpoint, device lost, how it ended",
+                  writers=("hub",), bound="none", readers="all"),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # TOPIC_TREE, as it was read before the tree came from the service registry: built when first asked for.
+    if name == "TOPIC_TREE":
+        return topic_tree()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a number of emulated devices, a cluster file, or a bundled one's name "
                     "(asteroid-env-d-100mbps)")
     up.add_argument("--device-class", default=None, help="with --devices N: give every device this class")
+    up.add_argument("--edges", type=int, default=0, metavar="N",
+                    help="add N edge servers (the edge role: an MEC that hosts work for devices), class native")
     up.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"],
                     help="auto: Mosquitto when on PATH, otherwise the embedded amqtt broker")
     up.add_argument("--port", type=int, default=1883, help="broker port on 127.0.0.1 (0: any free port)")

@@ -10,9 +10,9 @@ from rich.table import Table
 
 from edgeswarm.cli.console import console
 from edgeswarm.errors import ConfigError
+from edgeswarm.roles import ROLES, Role
 from edgeswarm.security.certs import DEFAULT_DAYS, CertsDir
 from edgeswarm.security.credentials import CredentialsDir
-from edgeswarm.topics import Role
 from edgeswarm.wire.schema import NAME_PATTERN
 
 DEFAULT_DIR = "secrets"
@@ -23,7 +23,8 @@ def add_security_parsers(sub: argparse._SubParsersAction) -> None:  # type: igno
                            "password file and ACL generated from the topic tree")
     creds.add_argument("--dir", default=DEFAULT_DIR, help="the credentials folder (default: ./secrets)")
     for role, what in (("hub", "the hub node (coordinator, planner, checkpoint store)"),
-                       ("device", "a device node"), ("client", "a command-line user (submits and cancels jobs)")):
+                       ("device", "a device node"), ("edge", "an edge server (MEC) that hosts work for devices"),
+                       ("client", "a command-line user (submits and cancels jobs)")):
         creds.add_argument(f"--{role}", action="append", default=[], metavar="NAME", help=f"add {what} (repeatable)")
     creds.add_argument("--remove", action="append", default=[], metavar="NAME", help="remove a member (repeatable)")
 
@@ -48,13 +49,13 @@ def _name(value: str) -> str:
 def run_credentials(args: argparse.Namespace) -> int:
     folder = CredentialsDir(Path(args.dir))
     add: dict[str, Role] = {}
-    for role in ("hub", "device", "client"):
+    for role in ROLES:
         for name in getattr(args, role):
             add[_name(name)] = role  # type: ignore[assignment]
     before = set(folder.roster().members)
     roster = folder.update(add=add, remove=[_name(n) for n in args.remove])
     if not roster.members:
-        raise ConfigError("the cluster has no members yet: add some with --hub, --device and --client")
+        raise ConfigError("the cluster has no members yet: add some with --hub, --device, --edge and --client")
     table = Table(title=f"cluster members in {folder.path}")
     for col in ("member", "role", "password file (EDGESWARM_MQTT_PASSWORD_FILE)", ""):
         table.add_column(col)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from edgeswarm.cli.failures import settings_problem
 from edgeswarm.errors import ConfigError
 from edgeswarm.logs import configure_logging
-from edgeswarm.services import service_class
+from edgeswarm.service_registry import service_class
 from edgeswarm.settings import Settings
 
 _PR_SET_PDEATHSIG = 1

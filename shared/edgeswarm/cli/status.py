@@ -13,7 +13,7 @@ from edgeswarm.cli.main import hub_url
 from edgeswarm.messages import ClusterView
 from edgeswarm.runtime.client import CLI_CONNECT_TIMEOUT_S, ClusterWatcher, ViewSource, client_bus, online_devices
 from edgeswarm.settings import Settings
-from edgeswarm.topics import TOPIC_TREE
+from edgeswarm.topics import topic_tree
 
 _STATE_STYLE = {"online": "green", "suspect": "yellow", "offline": "red"}
 
@@ -66,12 +66,12 @@ def status_table(view: ClusterView, source: ViewSource, url: str) -> Table:
 
 def run_topics(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps([t.model_dump() for t in TOPIC_TREE], indent=2))
+        print(json.dumps([t.model_dump() for t in topic_tree()], indent=2))
         return 0
     table = Table(title="edgeswarm topic tree")
     for col in ("topic", "schema", "retained", "QoS", "broker", "written by", "read by", "purpose"):
         table.add_column(col, overflow="fold")
-    for t in TOPIC_TREE:
+    for t in topic_tree():
         table.add_row(escape(t.pattern), t.schemas, "yes" if t.retained else "no", str(t.qos), t.broker,
                       escape(t.who_writes), "the node it names" if t.readers == "node" else "every member",
                       t.purpose)

@@ -31,6 +31,8 @@ def run_up(args: argparse.Namespace) -> int:
         raise ConfigError("only `edgeswarm up --local` is built in; on real devices run `docker compose up` "
                           "on each node (see compose.yaml)")
     spec = cluster_from_arg(args.devices, args.device_class)
+    if args.edges:
+        spec = spec.with_edges(args.edges)
     stop = threading.Event()
     stop_on_signals(stop)
     cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
@@ -41,14 +43,16 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"broker: {cluster.broker.kind} (pid {cluster.broker.pid}) at {cluster.hub_url}"
                       + (" [MQTT 3.1.1 only: the envelope carries what MQTT 5 properties would]"
                          if cluster.broker.kind == "amqtt" else ""))
-        console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices; "
+        edges = f" and {len(spec.edges)} edge servers" if spec.edges else ""
+        console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices{edges}; "
                       f"logs in {cluster.workdir / 'logs'}, checkpoints in {cluster.checkpoint_dir}")
         if cluster.secure:
             env_file = cluster.secrets / "operator.env"
             env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in cluster.client_env().items()))
             console.print(f"secure: TLS with the CA {cluster.secrets / 'tls' / 'ca.crt'}, a password per node, the ACL "
                           f"from the topic tree; command lines log in as `operator`: `. {env_file}`")
-        _wait_ready(cluster, len(spec.devices), args.ready_timeout, stop)
+        # Every node beside the hub runs a node-agent, which is what the wait counts.
+        _wait_ready(cluster, len(spec.nodes), args.ready_timeout, stop)
         hint = f". {cluster.secrets / 'operator.env'} && edgeswarm status" if cluster.secure else \
             f"edgeswarm status --hub {cluster.hub_url}"
         console.print(f"[green]cluster up[/green]: `{hint}`; Ctrl-C stops it")

@@ -1,4 +1,4 @@
-"""Cluster files: which devices a local cluster has, their classes, and link overrides.
+"""Cluster files: which devices (and edge servers) a local cluster has, their classes, and link overrides.
 
 A cluster file is YAML::
 
@@ -8,8 +8,14 @@ A cluster file is YAML::
     devices:
       - {id: tx2-0, class: jetson-tx2}
       - {id: nano-0, class: jetson-nano}
+    edges:                                            # optional: edge servers (MECs), the edge role
+      - {id: mec-0, class: native}
     links:                                            # optional, symmetric unless directed: true
       - {between: [tx2-0, nano-0], bandwidth_mbps: 50, latency_ms: 5}
+
+``devices`` run the device role's services and ``edges`` the edge role's (``edgeswarm.service_registry``); an edge
+server is emulated like a device (its class) and linked like one, but it is not a device: plans place no stage on
+it. ``up --local --edges N`` adds N edge servers of class ``native`` to any cluster.
 
 Ready files for the Asteroid paper's environments ship in ``edgeswarm/devices/clusters/`` and can be
 named without their path (``--devices asteroid-env-d-100mbps``).
@@ -31,7 +37,7 @@ CLUSTERS_DIR = Path(__file__).parent / "clusters"
 
 
 class DeviceEntry(BaseModel):
-    """One device of a cluster: its node id and device class."""
+    """One device (or edge server) of a cluster: its node id and device class."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -52,14 +58,15 @@ class NetworkDefaults(BaseModel):
 
 
 class LinkOverride(NetworkDefaults):
-    """A link between two devices with its own bandwidth and latency."""
+    """A link between two nodes (devices or edge servers) with its own bandwidth and latency."""
 
     between: tuple[Name, Name]
     directed: bool = False
 
 
 class ClusterSpec(BaseModel):
-    """A validated cluster: unique device ids, known classes, links between existing devices."""
+    """A validated cluster: unique node ids, known classes, links between existing nodes. ``devices`` are the nodes
+    of the device role, ``edges`` those of the edge role; ``nodes`` both."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -67,27 +74,33 @@ class ClusterSpec(BaseModel):
     description: str = ""
     network: NetworkDefaults | None = None
     devices: tuple[DeviceEntry, ...] = Field(min_length=1)
+    edges: tuple[DeviceEntry, ...] = ()
     links: tuple[LinkOverride, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[DeviceEntry, ...]:
+        """Every node beside the hub: the devices, then the edge servers."""
+        return self.devices + self.edges
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterSpec:
-        ids = [d.id for d in self.devices]
+        ids = [d.id for d in self.nodes]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
-            raise ValueError(f"device ids must be unique; repeated: {dupes}")
-        for d in self.devices:
+            raise ValueError(f"node ids (devices and edges) must be unique; repeated: {dupes}")
+        for d in self.nodes:
             device_class(d.device_class)
         for link in self.links:
             missing = [e for e in link.between if e not in ids]
             if missing:
-                raise ValueError(f"link {list(link.between)} names unknown device(s) {missing}")
+                raise ValueError(f"link {list(link.between)} names unknown device(s) or edge(s) {missing}")
         return self
 
     def device_class_of(self, node: str) -> DeviceClass:
-        """The class of device ``node``."""
-        entry = next((d for d in self.devices if d.id == node), None)
+        """The class of device (or edge server) ``node``."""
+        entry = next((d for d in self.nodes if d.id == node), None)
         if entry is None:
-            raise ConfigError(f"no device {node!r} in cluster {self.name}")
+            raise ConfigError(f"no device or edge {node!r} in cluster {self.name}")
         return device_class(entry.device_class)
 
     def link(self, src: str, dst: str) -> LinkSpec:
@@ -100,8 +113,19 @@ class ClusterSpec(BaseModel):
         return link_between(self.device_class_of(src), self.device_class_of(dst))
 
     def links_from(self, src: str) -> dict[str, LinkSpec]:
-        """Every outgoing link of ``src``, keyed by peer node id."""
-        return {d.id: self.link(src, d.id) for d in self.devices if d.id != src}
+        """Every outgoing link of ``src``, keyed by peer node id (devices and edge servers)."""
+        return {d.id: self.link(src, d.id) for d in self.nodes if d.id != src}
+
+    def with_edges(self, count: int, device_class_name: str = "native") -> ClusterSpec:
+        """This cluster with ``count`` more edge servers of one class, ``edge-0``, ``edge-1``, ... (skipping ids
+        taken)."""
+        taken = {d.id for d in self.nodes}
+        names = (f"edge-{i}" for i in range(len(taken) + count + 1))
+        added = tuple(DeviceEntry(id=n, device_class=device_class_name) for n in names if n not in taken)[:count]
+        try:  # validated again: the class must exist
+            return ClusterSpec.model_validate({**self.model_dump(by_alias=True), "edges": self.edges + added})
+        except ValidationError as exc:
+            raise ConfigError(f"cannot add {count} edge servers of class {device_class_name!r}: {exc}") from None
 
 
 def load_cluster(ref: str) -> ClusterSpec:

@@ -1,14 +1,17 @@
 """``edgeswarm up --local``: a broker, the coordinator and N emulated devices as separate processes.
 
+Each node runs the services of its role (``edgeswarm.service_registry``): the hub node the hub's, every device of
+the cluster spec the device role's, and every edge server (the spec's ``edges``) the edge role's.
+
 Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
 environment variables, exactly as a container would be. Children die with the launcher (Linux
 parent-death signal), and ``stop()`` ends each of them by PID. Logs, broker files and (unless
 ``EDGESWARM_CHECKPOINT_DIR`` is set) the checkpoint store's files go to the working folder.
 
 A local cluster binds only to 127.0.0.1 and is anonymous by default. ``secure=True`` runs it as a deployment
-runs: a credentials folder in the working folder (``edgeswarm credentials``: the hub, each device, and a
-client member ``operator`` for command lines), a CA and a broker certificate (``edgeswarm certs``), and a
-broker that speaks only TLS to those users under the ACL generated from the topic tree.
+runs: a credentials folder in the working folder (``edgeswarm credentials``: the hub, each device, each edge
+server, and a client member ``operator`` for command lines), a CA and a broker certificate (``edgeswarm certs``),
+and a broker that speaks only TLS to those users under the ACL generated from the topic tree.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ from pathlib import Path
 
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, start_broker
+from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
-from edgeswarm.services import services_of
-from edgeswarm.topics import Role
+from edgeswarm.service_registry import services_of
 
 log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
 HUB_SERVICES = services_of("hub")
 DEVICE_SERVICES = services_of("device")
+EDGE_SERVICES = services_of("edge")
 CHECKPOINT_DIR_ENV = "EDGESWARM_CHECKPOINT_DIR"
 OPERATOR = "operator"  # the client member of a secure local cluster: command lines log in as it
 
@@ -137,6 +141,7 @@ class LocalCluster:
     def _secure_broker(self) -> BrokerSecurity:
         members: dict[str, Role] = {HUB_NODE: "hub", OPERATOR: "client"}
         members.update({d.id: "device" for d in self.spec.devices})
+        members.update({e.id: "edge" for e in self.spec.edges})
         creds = CredentialsDir(self.secrets)
         creds.update(add=members)
         certs = CertsDir(self.secrets)
@@ -165,13 +170,15 @@ class LocalCluster:
                               mqtt_protocol=protocol, extra={**extra, **self.identity_env(HUB_NODE)})
         for service in HUB_SERVICES:
             self._spawn(HUB_NODE, service, hub_env)
-        for device in self.spec.devices:
-            links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(device.id).items()}
-            env = service_env(device.id, self.broker.url, device_class=device.device_class, links=links,
-                              heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
-                              extra={**extra, **self.identity_env(device.id)})
-            for service in DEVICE_SERVICES:
-                self._spawn(device.id, service, env)
+        roles: tuple[tuple[NodeRole, tuple[str, ...]], ...] = (("device", DEVICE_SERVICES), ("edge", EDGE_SERVICES))
+        for role, services in roles:
+            for node in self.spec.devices if role == "device" else self.spec.edges:
+                links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(node.id).items()}
+                env = service_env(node.id, self.broker.url, device_class=node.device_class, links=links,
+                                  heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
+                                  extra={**extra, **self.identity_env(node.id)})
+                for service in services:
+                    self._spawn(node.id, service, env)
 
     def _spawn(self, node: str, service: str, env: dict[str, str]) -> None:
         logs = self.workdir / "logs"

@@ -1,10 +1,12 @@
 """What a worker service runs: programs, one per workload, each holding its jobs by job id.
 
-A worker service (the stage-worker) is a thin adapter: it subscribes its request and data-plane topics, and hands
-each message to the ``WorkerProgram`` registered for the message's schema. A program holds any number of jobs at
-once, keyed by job id (a device may serve one model while it trains another); the messages of one job never touch
-another's state. Training is one program (``StageAssign`` and its rounds); pipelined serving, tensor-parallel
-inference and split learning are others, each registered in the service's list.
+A worker service (the stage-worker; any ``runtime.worker_host.WorkerService``) is a thin adapter: it subscribes its
+request and data-plane topics, and hands each message to the ``WorkerProgram`` registered for the message's schema.
+A program holds any number of jobs at once, keyed by job id (a device may serve one model while it trains
+another); the messages of one job never touch another's state. Training is one program (``StageAssign`` and its
+rounds); pipelined serving, tensor-parallel inference and split learning are others. The job kinds name each
+program and the service that hosts it (``Workload.worker_service``, ``Workload.worker_program``); the service makes
+each once: ``Program(context)``.
 
 Programs of one process share its ``ComputeGate``: torch.fx tracing, which building a stage does, patches
 ``Module.__call__`` for every thread while it traces, so a forward pass elsewhere meanwhile (another job's round, a
@@ -83,7 +85,8 @@ class WorkerContext:
     """What a program gets from the service it runs in: the bus, who it is (``node``, ``service``), the device it
     computes as, the service's metrics, the process's compute gate, and ``compute_name``, the name of the torch
     device its weights, activations, gradients and optimizer state live on (EDGESWARM_COMPUTE resolved:
-    ``edgeswarm.devices.compute``), as a torch device in ``compute``. Tensors leave it only at the wire."""
+    ``edgeswarm.devices.compute``), as a torch device in ``compute``. Tensors leave it only at the wire.
+    ``wait_s`` is the longest a program waits for one tensor or unit state from a peer before it gives up (seconds)."""
 
     bus: Bus
     node: str
@@ -92,6 +95,7 @@ class WorkerContext:
     metrics: Metrics
     gate: ComputeGate
     compute_name: str = "cpu"
+    wait_s: float = 120.0
 
     @property
     def compute(self) -> torch.device:

@@ -13,19 +13,38 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.settings import Settings, is_loopback, parse_broker_url
 
 log = logging.getLogger(__name__)
 
-# The service names of compose.yaml: on a compose network each resolves to a container of this node's stack only.
-# tests/test_deploy.py keeps this in step with compose.yaml.
-COMPOSE_SERVICE_NAMES = frozenset({
-    "broker", "coordinator", "planner", "checkpoint-store", "node-agent", "profiler", "stage-worker",
-    "jetson-node-agent", "jetson-profiler", "jetson-stage-worker",
-})
+# compose.yaml names its containers after the services of the registry, the device role's once more with this prefix
+# for the Jetson image, beside the broker every node runs. tests/test_deploy.py keeps this in step with compose.yaml.
+COMPOSE_BROKER = "broker"
+JETSON_PREFIX = "jetson-"
+
+
+@lru_cache(maxsize=1)
+def compose_service_names() -> frozenset[str]:
+    """The service names of compose.yaml (and of a plug-in's compose file beside it): on a compose network each
+    resolves to a container of this node's stack only. Read from the metadata alone, so a broken plug-in stops only
+    the command that uses it, not every service's start."""
+    from edgeswarm.service_registry import BUILT_IN, service_names
+
+    jetson = (JETSON_PREFIX + name for name, entry in BUILT_IN.items() if entry.runs_on("device"))
+    return frozenset({COMPOSE_BROKER, *service_names(), *jetson})
+
+
+def __getattr__(name: str) -> Any:
+    # COMPOSE_SERVICE_NAMES, read as before the names came from the service registry.
+    if name == "COMPOSE_SERVICE_NAMES":
+        return compose_service_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Docker's default bridge (172.17.0.0/16) and the default pool its user-defined networks, compose's included, take
 # their subnets from (172.18.0.0/16 to 172.31.0.0/16). 192.168.0.0/16 is in that pool too, but it is also the most
@@ -77,7 +96,7 @@ def check_advertised_data_url(settings: Settings, *, container: bool | None = No
             "EDGESWARM_DATA_URL is unset, so this node advertises the hub URL; it")
     fix = (f"set EDGESWARM_DATA_URL to {'mqtts' if advertised.tls else 'mqtt'}://<this node's LAN address>:"
            f"{advertised.port} (the address other nodes reach this node's broker at; deploy/README.md)")
-    if host in COMPOSE_SERVICE_NAMES:
+    if host in compose_service_names():
         raise ConfigError(f"{what} names {advertised.url}, a name only this node's compose stack resolves, so other "
                           f"nodes cannot send it tensors: {fix}; this node's services reach their own broker through "
                           "EDGESWARM_DATA_CONNECT_URL")

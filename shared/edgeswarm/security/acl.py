@@ -1,10 +1,11 @@
 """Broker access rules generated from the topic tree: what each member of a cluster may publish and read.
 
-``rules(name, role)`` turns ``edgeswarm.topics.TOPIC_TREE`` into one member's rules: every topic its role may
-write, with the levels the tree binds to the writer (``{node}``, ``{sender}``) set to the member's own name, and
-every topic it may read (all members read the cluster's liveness, views and job states; only the node a request,
-data or reply topic is addressed to reads it). ``mosquitto_acl`` renders the rules of all members as a Mosquitto
-``acl_file``; ``amqtt_acl`` as the embedded broker's publish and subscribe lists. Pure functions.
+``rules(name, role)`` turns ``edgeswarm.topics.topic_tree()`` (the service registry's writers included) into one
+member's rules: every topic its role may write, with the levels the tree binds to the writer (``{node}``,
+``{sender}``) set to the member's own name, and every topic it may read (all members read the cluster's liveness,
+views and job states; only the node a request, data or reply topic is addressed to reads it). ``mosquitto_acl``
+renders the rules of all members as a Mosquitto ``acl_file``; ``amqtt_acl`` as the embedded broker's publish and
+subscribe lists. Pure functions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from edgeswarm.topics import TOPIC_TREE, Role, TopicSpec
+from edgeswarm.topics import Role, TopicSpec, topic_tree
 
 Access = Literal["read", "write"]
 # Every member may read the broker's uptime: a node's broker healthcheck logs in as the node and waits for it.
@@ -53,7 +54,7 @@ def _covers(wide: str, narrow: str) -> bool:
 def rules(name: str, role: Role) -> list[Rule]:
     """Every permission of member ``name`` in role ``role``, sorted, without duplicates or rules another covers."""
     found: set[Rule] = {Rule("read", HEALTH_TOPIC)}
-    for spec in TOPIC_TREE:
+    for spec in topic_tree():
         if role in spec.writers:
             found.add(Rule("write", _write_filter(spec, name)))
         found.add(Rule("read", _fill(spec.pattern, node=name) if spec.readers == "node" else _fill(spec.pattern)))

@@ -2,7 +2,7 @@
 
 Layout (``edgeswarm credentials --dir DIR``)::
 
-    DIR/roster.yaml            member -> role (hub, device, client); no secrets
+    DIR/roster.yaml            member -> role (hub, device, edge, client); no secrets
     DIR/passwords/<member>     one password per member (mode 600): give each node only its own file
     DIR/mosquitto/passwd       Mosquitto password file (PBKDF2-SHA512 hashes), mode 600
     DIR/mosquitto/acl          Mosquitto ACL from the topic tree (edgeswarm.security.acl)

@@ -132,9 +132,9 @@ class TrainingProgram:
                                           StageInventory)
     tensors: tuple[type[Message], ...] = (StageTensor, CollectiveTensor, StageState)
 
-    def __init__(self, ctx: WorkerContext, *, wait_s: float = 120.0) -> None:
+    def __init__(self, ctx: WorkerContext, *, wait_s: float | None = None) -> None:
         self._ctx = ctx
-        self._wait_s = wait_s
+        self._wait_s = ctx.wait_s if wait_s is None else wait_s
         self._stages: dict[str, _Stage] = {}  # job id -> its stage
         self._held: dict[str, HeldState] = {}  # job id -> its snapshots and the backups held for its devices
         self._state_out: dict[str, Outbox] = {}  # peer -> sender of backups (of every job, in order)

@@ -1,0 +1,100 @@
+"""The generic worker service: it hosts the worker programs of every job kind whose work runs in it.
+
+A worker service only subscribes, routes and answers what no program takes. Its programs are those the job kinds
+name for it (``edgeswarm.workloads.worker_programs(service)``: each kind's ``worker_service`` and
+``worker_program``), each made once with the service's ``WorkerContext``: ``Program(context)``. Each request on the
+service's request topic and each tensor on its data-plane topic goes to the program registered for the message's
+schema, and the program routes it to the job it names (``runtime.program``). A job id belongs to one program at a
+time: a request of one program for a job another program holds is refused, a tensor dropped.
+
+Programs share the process's ``ComputeGate`` (building a model holds it alone: torch.fx tracing patches
+``Module.__call__`` for every thread), and nothing else: jobs of different programs run at the same time.
+
+A new worker service is a subclass that sets ``name`` and an entry in the service registry
+(``edgeswarm.service_registry``); a job kind then names it as its ``worker_service``. A worker service that no kind
+names yet starts and answers probes like any other, with no program.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.errors import ConfigError
+from edgeswarm.plugins import load_target
+from edgeswarm.runtime.program import ComputeGate, WorkerContext, WorkerProgram
+from edgeswarm.runtime.service import Service
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 120.0  # default longest wait for one tensor or unit state from a peer (seconds): WorkerContext.wait_s
+
+
+class WorkerService(Service):
+    """A service that hosts worker programs (see the module docstring). Subclasses set ``name``."""
+
+    computes = True
+
+    def peer_wait_s(self) -> float:
+        """The longest wait for one tensor or unit state from a peer that the programs get (``WorkerContext.wait_s``,
+        seconds). Read when the service sets up, so a test may shorten it before."""
+        return WAIT_S
+
+    def program_targets(self) -> list[str]:
+        """The ``"module:Class"`` of every program this service hosts: one per job kind whose work runs here."""
+        from edgeswarm.workloads import worker_programs  # the kinds sit above the runtime
+
+        return worker_programs(self.name)
+
+    def setup(self) -> None:
+        assert self.compute_name is not None  # resolved when the service was made (computes)
+        context = WorkerContext(bus=self.bus, node=self.node, service=self.name, device=self.device,
+                                metrics=self.metrics, gate=ComputeGate(), compute_name=self.compute_name,
+                                wait_s=self.peer_wait_s())
+        self._programs: list[WorkerProgram] = [self._make(target, context) for target in self.program_targets()]
+        if not self._programs:
+            log.info("%s hosts no worker program yet: no job kind names it as its worker service", self.name)
+        request = topics.request(self.node, self.name)
+        data = topics.data(self.node, self.name)
+        for program in self._programs:
+            self.bus.subscribe(request, partial(self._route, program, program.on_request), schemas=program.handles)
+            if program.tensors:
+                self.bus.subscribe(data, partial(self._route, program, program.on_tensor), schemas=program.tensors,
+                                   plane="data")
+
+    def _make(self, target: str, context: WorkerContext) -> WorkerProgram:
+        """The program ``target`` names, made with ``context``. Raises ConfigError when it cannot be loaded or made,
+        so the service stops at start with the program's name rather than running without it."""
+        program_type = load_target(target, f"the worker program of {self.name}")
+        try:
+            return program_type(context)  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 - any failure of a program's constructor is reported with its name
+            raise ConfigError(f"the worker program {target} of {self.name} cannot be made: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    def teardown(self) -> None:
+        for program in getattr(self, "_programs", []):
+            program.close()
+
+    @property
+    def programs(self) -> tuple[WorkerProgram, ...]:
+        """The programs this service hosts, in the order of the job kinds (empty before setup)."""
+        return tuple(getattr(self, "_programs", ()))
+
+    def _route(self, program: WorkerProgram, handler: Callable[[Inbound], None], msg: Inbound) -> None:
+        """Hand ``msg`` to ``program`` unless its job belongs to another program (a request is then refused; a
+        tensor dropped)."""
+        job_id = program.job_of(msg.body)
+        other = next((p for p in self._programs if p is not program and p.holds(job_id)), None)
+        if other is not None:
+            self.metrics.count("requests_refused.job_kind")
+            detail = (f"{self.node} holds job {job_id} as {type(other).__name__}, not {type(program).__name__}: "
+                      f"a {type(msg.body).__name__} does not apply to it")
+            log.error("%s from %s: %s", type(msg.body).__name__, msg.sender, detail)
+            if handler == program.on_request:
+                program.refuse(msg, job_id, "bad_request", detail)
+            return
+        handler(msg)
