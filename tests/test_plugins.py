@@ -136,9 +136,9 @@ def test_a_toy_job_is_cancelled(fresh: Path, cluster: str, tmp_path: Path) -> No
 
 
 def test_a_restarted_coordinator_takes_a_toy_job_over(fresh: Path, cluster: str, tmp_path: Path) -> None:
-    run(fresh, "-m", "edgeswarm", "train", _spec(tmp_path, "toy-handover", 40, 0.1), "--hub", cluster)
-    wait_until(lambda: ((_job(fresh, cluster, "toy-handover") or {}).get("progress") or {}).get("steps_done", 0) >= 5,
-               60, interval_s=0.3, message="the toy job five steps in")
+    run(fresh, "-m", "edgeswarm", "train", _spec(tmp_path, "toy-handover", 60, 0.25), "--hub", cluster)
+    wait_until(lambda: ((_job(fresh, cluster, "toy-handover") or {}).get("progress") or {}).get("steps_done", 0) >= 3,
+               60, interval_s=0.3, message="the toy job three steps in")
     killed = run(fresh, "-m", "edgeswarm", "chaos", "kill", "hub", "--service", "coordinator", "--hub", cluster).stdout
     assert "killed coordinator on hub" in killed, killed
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -155,8 +155,8 @@ def test_a_restarted_coordinator_takes_a_toy_job_over(fresh: Path, cluster: str,
                 break
             time.sleep(0.5)
         assert job is not None and job["status"] == "succeeded", job
-        # Every step counted once across the two coordinators: 2 * (1 + ... + 40).
-        assert job["progress"] == {"steps_done": 40, "total": 40, "doubled_sum": 1640}, job
+        # Every step counted once across the two coordinators: 2 * (1 + ... + 60).
+        assert job["progress"] == {"steps_done": 60, "total": 60, "doubled_sum": 3660}, job
     finally:
         coordinator.terminate()
         try:

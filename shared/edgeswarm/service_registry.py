@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from edgeswarm.errors import ConfigError
 from edgeswarm.plugins import SERVICE_GROUP, discovered, load_target
 from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role
+from edgeswarm.runtime.program import STAGE_WORKER
 
 if TYPE_CHECKING:
     from edgeswarm.runtime.service import Service
@@ -80,7 +81,7 @@ BUILT_IN: dict[str, ServiceEntry] = {
     "profiler": ServiceEntry(_TARGET.format("profiler", "ProfilerService"), ("device", "edge"),
                              request_writers=("hub", "client"), data_writers=("hub", "device", "edge")),
     # Only the coordinator deploys stages; tensors come from the stages' peers.
-    "stage-worker": ServiceEntry(_TARGET.format("stage_worker", "StageWorkerService"), ("device",),
+    STAGE_WORKER: ServiceEntry(_TARGET.format("stage_worker", "StageWorkerService"), ("device",),
                                  data_writers=("hub", "device")),
 }
 
