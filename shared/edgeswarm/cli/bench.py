@@ -11,9 +11,8 @@ from rich.table import Table
 
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
 from edgeswarm.bus import Bus
+from edgeswarm.cli.common import cli_settings, hub_url
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import hub_url
-from edgeswarm.cli.status import cli_settings
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster

@@ -417,7 +417,7 @@ def do_slow(held: Sequence[Held], factor: float, for_s: float, period_s: float =
 
 def add_chaos_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``chaos kill|stop|cont|slow`` under the subparsers ``sub``."""
-    from edgeswarm.cli.main import add_hub_arg
+    from edgeswarm.cli.common import add_hub_arg
 
     chaos = sub.add_parser("chaos", help="fault injection on a local cluster: kill, stop, resume or slow a node's "
                            "processes")
@@ -462,8 +462,7 @@ def validate(args: argparse.Namespace) -> None:
 def fetch_view(hub: str | None) -> ClusterView:
     """The cluster view as ``edgeswarm status`` sees it: the coordinator's when fresh, else folded from the
     retained statuses and heartbeats. Raises an EdgeswarmError when the broker cannot be reached."""
-    from edgeswarm.cli.main import hub_url
-    from edgeswarm.cli.status import cli_settings
+    from edgeswarm.cli.common import cli_settings, hub_url
     from edgeswarm.runtime.client import ClusterWatcher, client_bus
 
     bus = client_bus(cli_settings(hub_url(hub)))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console
-from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.errors import ConfigError
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings

@@ -10,16 +10,9 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from edgeswarm import __version__
+from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, report, settings_problem
 from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
-
-
-def add_hub_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--hub`` (the hub broker URL) to ``parser``."""
-    parser.add_argument("--hub", default=None,
-                        help="hub broker URL, mqtt://host:port or mqtts://host:port (default: $EDGESWARM_HUB_URL or "
-                        "mqtt://127.0.0.1:1883); credentials come from EDGESWARM_MQTT_USERNAME and "
-                        "EDGESWARM_MQTT_PASSWORD_FILE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,11 +267,6 @@ def _run(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
-
-
-def hub_url(arg: str | None) -> str | None:
-    """The hub URL from ``--hub`` or ``$EDGESWARM_HUB_URL``; None when neither is given."""
-    return arg or os.environ.get("EDGESWARM_HUB_URL")
 
 
 if __name__ == "__main__":

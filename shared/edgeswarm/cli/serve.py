@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
+from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import add_hub_arg
 from edgeswarm.cli.plan import print_serve_plan
 from edgeswarm.cli.train import job_bus, read_spec
 from edgeswarm.errors import ConfigError

@@ -8,19 +8,13 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
+from edgeswarm.cli.common import cli_settings, hub_url
 from edgeswarm.cli.console import console
-from edgeswarm.cli.main import hub_url
 from edgeswarm.messages import ClusterView
 from edgeswarm.runtime.client import CLI_CONNECT_TIMEOUT_S, ClusterWatcher, ViewSource, client_bus, online_devices
-from edgeswarm.settings import Settings
 from edgeswarm.topics import topic_tree
 
 _STATE_STYLE = {"online": "green", "suspect": "yellow", "offline": "red"}
-
-
-def cli_settings(hub: str | None) -> Settings:
-    """Settings for a command-line client, with ``--hub`` applied."""
-    return Settings(hub_url=hub) if hub else Settings()
 
 
 def run_status(args: argparse.Namespace) -> int:

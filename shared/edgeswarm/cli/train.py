@@ -19,8 +19,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from edgeswarm.bus import Bus
+from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
 from edgeswarm.extras import require_extra

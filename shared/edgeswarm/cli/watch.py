@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from edgeswarm.bus import RawInbound
+from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.main import add_hub_arg, hub_url
 from edgeswarm.errors import ConfigError
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
