@@ -62,4 +62,5 @@ def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
                                                   updated_at=0.0).model_dump_json())
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"
-    assert set(KINDS) == {"train", "serve-pipeline"}
+    assert set(KINDS) == {"train-hpp", "serve-pipeline"}
+    assert workload("train") is workload("train-hpp")  # the old name of HPP training stays an alias

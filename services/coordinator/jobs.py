@@ -113,7 +113,7 @@ class JobManager:
             self.bus.reply(msg, JobRejected(reason="invalid", detail=(
                 "the submitted job spec cannot run:\n" + "\n".join(f"  {p}" for p in problems))[:4096]))
             return
-        name, kind = spec.name, spec.kind  # type: ignore[attr-defined]
+        name, kind = spec.name, work.kind  # type: ignore[attr-defined]  # an alias is stored as the kind it names
         with self._lock:
             current = self._states.get(name)
             if current is not None and current.status not in FINISHED:

@@ -49,7 +49,7 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["train"] = "train"
+    kind: Literal["train", "train-hpp"] = "train"
     name: str = Field(pattern=NAME_PATTERN)
     model: ModelSpec
     data: DatasetSpec
@@ -144,7 +144,7 @@ class TrainProgress(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)  # a diverged loss is NaN
 
-    kind: Literal["train"] = "train"
+    kind: Literal["train", "train-hpp"] = "train"
     strategy: Strategy = "hpp"
     round: int = Field(default=0, ge=0)
     total_rounds: int = Field(default=0, ge=0)

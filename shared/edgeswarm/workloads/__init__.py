@@ -26,11 +26,14 @@ from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import Workload
 
-# Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run.
+# Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run. Kinds are
+# named for their algorithm.
 BUILTIN: dict[str, str] = {
-    "train": "edgeswarm.training.workload:TrainWorkload",
+    "train-hpp": "edgeswarm.training.workload:TrainWorkload",
     "serve-pipeline": "edgeswarm.serving.workload:ServePipelineWorkload",
 }
+# Older names that specs and states may still carry -> the kind they mean. A spec without ``kind`` is ``train``.
+ALIASES: dict[str, str] = {"train": "train-hpp"}
 _loaded: dict[str, Workload] = {}
 
 
@@ -63,13 +66,19 @@ class _Kinds:
 KINDS = _Kinds()
 
 
+def canonical(kind: str) -> str:
+    """The kind an alias stands for (``train`` -> ``train-hpp``); any other name as it is."""
+    return ALIASES.get(kind, kind)
+
+
 def workload(kind: str) -> Workload:
-    """The workload of job kind ``kind``. Raises ConfigError naming the kinds that exist, or the plug-in that cannot
-    be loaded."""
+    """The workload of job kind ``kind`` (or of the kind an alias stands for). Raises ConfigError naming the kinds
+    that exist, or the plug-in that cannot be loaded."""
+    kind = canonical(kind)
     if kind not in _loaded:
         registry = kinds()
         if kind not in registry:
-            raise ConfigError(f"unknown job kind {kind!r}; the kinds are: {', '.join(sorted(registry))}")
+            raise ConfigError(f"unknown job kind {kind!r}; the kinds are: {', '.join(sorted([*registry, *ALIASES]))}")
         builtin = BUILTIN.get(kind)
         plugin = discovered(WORKLOAD_GROUP).get(kind)
         if builtin is not None and plugin is not None and plugin != builtin:
