@@ -22,6 +22,7 @@ from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.hpp.assemble import Layout, assemble_plan, stage_costs
 from edgeswarm.planning.hpp.costmodel import CostModel
 from edgeswarm.planning.hpp.types import Plan, PlanOptions
+from edgeswarm.planning.vocabulary import MESSAGE_BYTES
 from edgeswarm.values.profiles import ClusterProfile
 
 
@@ -60,10 +61,18 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
     i_idx = np.arange(n_units + 1)[:, None]
     j_idx = np.arange(n_units + 1)[None, :]
     levels: list[_Level] = []
+    has_messages = bool(cm.message.any())
     # link_bw[a, a2][stop]: slowest link between devices [a, a2) and [a2, stop); inf where stop <= a2.
     link_bw = {(a, a2): np.array([cm.min_bandwidth(range(a, a2), range(a2, s)) if s > a2 else np.inf
                                   for s in range(n_dev + 1)])
                for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)}
+    # link_msg[a, a2][stop]: the per-message seconds of that step's messages per micro-batch one way
+    # (comm_messages' count over max_message's link); 0 where stop <= a2.
+    cut_bytes = b * np.concatenate(([0.0], cm.cut_bytes))  # per j (cut after unit j-1)
+    chunks = np.maximum(1.0, np.ceil(cut_bytes / MESSAGE_BYTES)) - 1.0
+    link_msg = {(a, a2): [(max(a2 - a, s - a2) + chunks) * cm.max_message(range(a, a2), range(a2, s)) if s > a2
+                          else np.zeros_like(chunks) for s in range(n_dev + 1)]
+                for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)}
 
     # p = 1: one stage, the tail: units [i, L) on devices [a, N), K = 1.
     one = _Level(n_units, n_dev)
@@ -92,8 +101,11 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
                                                                                c.allreduce_s))
                 eh = ef + eb
                 # The link to the sub-pipeline's head group, per j.
-                bw = link_bw[a, a2][sub.head_stop[:, a2]]
-                ec = b * np.concatenate(([0.0], cm.cut_bytes)) / bw  # one way, per j (cut after unit j-1)
+                stops = sub.head_stop[:, a2]
+                bw = link_bw[a, a2][stops]
+                ec = cut_bytes / bw  # one way, per j (cut after unit j-1)
+                if has_messages:
+                    ec = ec + np.array([link_msg[a, a2][stop][j] for j, stop in enumerate(stops)])
                 v = np.maximum(np.maximum(m * eh, m * 2 * ec[None, :] + eh), sub.v[None, :, a2] + eh + 2 * ec[None, :])
                 with np.errstate(invalid="ignore"):  # inf - inf where a head or sub is infeasible: masked below
                     r = np.maximum(ta, sub.r[None, :, a2] - eb - ec[None, :])
