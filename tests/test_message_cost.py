@@ -64,8 +64,9 @@ def test_data_parallel_stage_counts_its_allreduce_messages() -> None:
     weights = CostModel(cluster(), OPTIONS).weight_bytes(0, base.units)
     steps = 2 * (g - 1) * messages(weights / g)
     assert costly.stages[0].allreduce_s == pytest.approx(base.stages[0].allreduce_s + steps * MESSAGE_S)
-    assert costly.round_overhead_s == REQUEST_S
-    assert costly.round_latency_s == pytest.approx(base.round_latency_s + steps * MESSAGE_S + REQUEST_S)
+    # A RoundStart to each of the g devices and its answer, one after another.
+    assert costly.round_overhead_s == pytest.approx(g * REQUEST_S)
+    assert costly.round_latency_s == pytest.approx(base.round_latency_s + steps * MESSAGE_S + g * REQUEST_S)
 
 
 def test_pipeline_comm_steps_count_their_messages_and_the_round_its_request() -> None:
@@ -77,7 +78,8 @@ def test_pipeline_comm_steps_count_their_messages_and_the_round_its_request() ->
         assert new.messages == messages(new.bytes_per_microbatch)
         assert new.forward_s == pytest.approx(old.forward_s + new.messages * MESSAGE_S)
         assert new.backward_s == pytest.approx(old.backward_s + new.messages * MESSAGE_S)
-    assert costly.round_latency_s > base.round_latency_s + REQUEST_S
+    assert costly.round_overhead_s == pytest.approx(len(costly.devices) * REQUEST_S)
+    assert costly.round_latency_s > base.round_latency_s + costly.round_overhead_s
     assert math.isclose(costly.throughput_sps, OPTIONS.global_batch / costly.round_latency_s)
 
 

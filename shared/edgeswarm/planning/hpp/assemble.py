@@ -107,12 +107,13 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
                                   forward_s=one_way, backward_s=one_way))
     ef, eb, ta = chain_steps(stages, comms)
     latency, dm = round_latency(ef, eb, m, ta)
-    latency += cm.round_overhead_s
+    overhead = cm.round_overhead_s(sum(len(group) for _, _, group in layout))
+    latency += overhead
     if not math.isfinite(latency) or latency <= 0:
         raise InfeasiblePlanError(f"the {strategy} layout has no finite positive round latency ({latency})")
     return Plan(strategy=strategy, model_fingerprint=model_fingerprint or cm.model.fingerprint, units=cm.L,
                 options=cm.options, stages=stages, comm_steps=comms, dominant_step=dm,
-                round_latency_s=latency, round_overhead_s=cm.round_overhead_s,
+                round_latency_s=latency, round_overhead_s=overhead,
                 throughput_sps=cm.options.global_batch / latency)
 
 

@@ -61,18 +61,21 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
     i_idx = np.arange(n_units + 1)[:, None]
     j_idx = np.arange(n_units + 1)[None, :]
     levels: list[_Level] = []
-    has_messages = bool(cm.message.any())
     # link_bw[a, a2][stop]: slowest link between devices [a, a2) and [a2, stop); inf where stop <= a2.
     link_bw = {(a, a2): np.array([cm.min_bandwidth(range(a, a2), range(a2, s)) if s > a2 else np.inf
                                   for s in range(n_dev + 1)])
                for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)}
-    # link_msg[a, a2][stop]: the per-message seconds of that step's messages per micro-batch one way
-    # (comm_messages' count over max_message's link); 0 where stop <= a2.
-    cut_bytes = b * np.concatenate(([0.0], cm.cut_bytes))  # per j (cut after unit j-1)
+    has_messages = bool(cm.message.any())
+    # For the per-message seconds of a step (comm_messages' count times max_message's link): link_msg[a, a2][stop]
+    # is that link's seconds per message and link_peers[a, a2][stop] the peers a device exchanges rows with (0 where
+    # stop <= a2); chunks[j] the further 1 MiB chunks of a micro-batch cut after unit j-1.
+    cut_bytes = b * np.concatenate(([0.0], cm.cut_bytes))
     chunks = np.maximum(1.0, np.ceil(cut_bytes / MESSAGE_BYTES)) - 1.0
-    link_msg = {(a, a2): [(max(a2 - a, s - a2) + chunks) * cm.max_message(range(a, a2), range(a2, s)) if s > a2
-                          else np.zeros_like(chunks) for s in range(n_dev + 1)]
-                for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)}
+    pairs = [(a, a2) for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)] if has_messages else []
+    link_msg = {(a, a2): np.array([cm.max_message(range(a, a2), range(a2, s)) if s > a2 else 0.0
+                                   for s in range(n_dev + 1)]) for a, a2 in pairs}
+    link_peers = {(a, a2): np.array([max(a2 - a, s - a2) for s in range(n_dev + 1)], dtype=np.float64)
+                  for a, a2 in pairs}
 
     # p = 1: one stage, the tail: units [i, L) on devices [a, N), K = 1.
     one = _Level(n_units, n_dev)
@@ -105,7 +108,7 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
                 bw = link_bw[a, a2][stops]
                 ec = cut_bytes / bw  # one way, per j (cut after unit j-1)
                 if has_messages:
-                    ec = ec + np.array([link_msg[a, a2][stop][j] for j, stop in enumerate(stops)])
+                    ec = ec + (link_peers[a, a2][stops] + chunks) * link_msg[a, a2][stops]
                 v = np.maximum(np.maximum(m * eh, m * 2 * ec[None, :] + eh), sub.v[None, :, a2] + eh + 2 * ec[None, :])
                 with np.errstate(invalid="ignore"):  # inf - inf where a head or sub is infeasible: masked below
                     r = np.maximum(ta, sub.r[None, :, a2] - eb - ec[None, :])

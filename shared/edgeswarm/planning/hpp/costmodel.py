@@ -12,9 +12,9 @@ the bandwidth) are counted where a round sends messages: a communication step se
 message per pair of devices that exchange rows (a device of a group of g talks to up to h devices of the next group
 of h, so max(g, h) messages each way), plus one per further 1 MiB chunk; a ring AllReduce over g devices takes
 2(g - 1) dependent steps of one chunk message each. The coordinator's requests of a round (a RoundStart to every
-device, all sent at once, and their answers) add one request round trip (the links' slowest ``request_s``) to every
-round: ``round_overhead_s``. With every ``message_s`` and ``request_s`` at 0 the prices are those of bytes over
-bandwidth alone, exactly.
+device and its answer, handled one after another on the coordinator's side) add a request round trip per device
+(the links' slowest ``request_s``) to every round: ``round_overhead_s``. With every ``message_s`` and ``request_s``
+at 0 the prices are those of bytes over bandwidth alone, exactly.
 
 Times in seconds, sizes in bytes, bandwidth in bytes per second.
 """
@@ -121,8 +121,9 @@ class CostModel:
         ], dtype=np.int64)
         self.bandwidth = self._bandwidth_matrix(cluster)
         self.message, request = message_matrices(cluster.links, [d.node for d in self.devices])
-        # Every device gets its RoundStart at once and answers when done: one round trip, the slowest link's.
-        self.round_overhead_s = float(request.max()) if request.size else 0.0
+        # Seconds of one coordinator request and its reply: the slowest link's (the coordinator's own link to a
+        # device is through the same hub).
+        self.request_s = float(request.max()) if request.size else 0.0
         # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
         self.static_prefix = _prefix([static_bytes(u.weight_bytes, u.buffer_bytes, options.optimizer) for u in units])
         self.weight_prefix = _prefix([u.weight_bytes for u in units])
@@ -178,6 +179,12 @@ class CostModel:
         act = (max(0, self.act_fixed_prefix[end] - self.act_fixed_prefix[start])
                + share * (self.act_sample_prefix[end] - self.act_sample_prefix[start]))
         return int(self.static_bytes(start, end) + warmup_count * act)
+
+    def round_overhead_s(self, devices: int) -> float:
+        """The coordinator's requests of one round on ``devices`` devices, seconds: a RoundStart to each and its
+        answer. They go out and come back through one hub connection and are handled one after another (one
+        dispatch thread on each side), so they cost ``devices`` request round trips, not one."""
+        return devices * self.request_s
 
     def comm_s(self, cut_after: int, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link, plus the

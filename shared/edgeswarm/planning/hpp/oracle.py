@@ -58,4 +58,4 @@ def layout_latency(cm: CostModel, layout: Layout) -> float:
             ef.append(comm)
             eb.append(comm)
             ta.append(0.0)
-    return round_latency(ef, eb, m, ta)[0] + cm.round_overhead_s
+    return round_latency(ef, eb, m, ta)[0] + cm.round_overhead_s(sum(len(group) for _, _, group in layout))
