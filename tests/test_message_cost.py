@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from edgeswarm.planning.hpp.assemble import assemble_plan
@@ -16,7 +17,7 @@ from edgeswarm.planning.serve.costs import serve_costs
 from edgeswarm.planning.serve.plan import Candidate, plan_serving, price, to_plan
 from edgeswarm.planning.serve.types import ServeOptions
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.planning.vocabulary import MESSAGE_BYTES, message_matrices, messages, transfer_s
+from edgeswarm.planning.vocabulary import MESSAGE_BYTES, message_counts, message_matrices, messages
 from edgeswarm.profiling.gather import symmetric_links
 from edgeswarm.values.profiles import ClusterProfile, LinkProfile
 
@@ -43,13 +44,12 @@ def test_old_links_validate_and_price_as_before() -> None:
     zero = with_costs(base, 0.0, 0.0)
     for planner in (plan_asteroid, plan_dp, plan_pp):
         assert planner(zero, OPTIONS) == planner(base, OPTIONS)
-    assert transfer_s(3e6, 1e6, 0.0) == 3.0
 
 
 def test_message_counts_follow_the_chunking() -> None:
     assert messages(0) == 1 and messages(100) == 1 and messages(MESSAGE_BYTES) == 1
     assert messages(MESSAGE_BYTES + 1) == 2 and messages(5 * MESSAGE_BYTES) == 5
-    assert transfer_s(2 * MESSAGE_BYTES, 1e6, 0.5) == pytest.approx(2 * MESSAGE_BYTES / 1e6 + 2 * 0.5)
+    assert message_counts(np.array([0, MESSAGE_BYTES, 3 * MESSAGE_BYTES + 1])).tolist() == [1.0, 1.0, 4.0]
 
 
 def test_ring_allreduce_pays_one_message_per_step() -> None:

@@ -94,11 +94,9 @@ def messages(nbytes: float) -> int:
     return max(1, math.ceil(nbytes / MESSAGE_BYTES))
 
 
-def transfer_s(nbytes: float, bandwidth_bps: float, message_s: float) -> float:
-    """Seconds for one tensor of ``nbytes`` over a link: its bytes over the bandwidth plus ``message_s`` per message
-    it is sent as (exactly ``nbytes / bandwidth_bps`` when ``message_s`` is 0)."""
-    base = nbytes / bandwidth_bps
-    return base + messages(nbytes) * message_s if message_s > 0 else base
+def message_counts(nbytes: np.ndarray) -> np.ndarray:
+    """``messages`` of every entry of ``nbytes``, as floats (for pricing arrays of cut points or unit ranges)."""
+    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=np.float64) / MESSAGE_BYTES))
 
 
 def static_bytes(weight_bytes: int, buffer_bytes: int, optimizer: Optimizer | None) -> int:

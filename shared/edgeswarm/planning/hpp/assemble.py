@@ -17,7 +17,7 @@ from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.planning.hpp.allocation import allocate, memory_caps
 from edgeswarm.planning.hpp.costmodel import CostModel, allreduce_s, comm_messages, round_latency, warmup
 from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan, Strategy, chain_steps
-from edgeswarm.planning.vocabulary import MESSAGE_BYTES
+from edgeswarm.planning.vocabulary import message_counts
 
 Layout = list[tuple[int, int, tuple[int, ...]]]
 
@@ -64,8 +64,7 @@ def stage_costs(cm: CostModel, group: Sequence[int], warmup_count: int, starts: 
     message = cm.group_message(group)
     if g > 1 and message > 0:
         # One chunk message per ring step (allreduce_s's count); nothing is reduced for a stage without weights.
-        chunks = np.maximum(1.0, np.ceil(weights / (g * MESSAGE_BYTES)))
-        ta = ta + np.where(weights > 0, 2.0 * (g - 1) * chunks * message, 0.0)
+        ta = ta + np.where(weights > 0, 2.0 * (g - 1) * message_counts(weights / g) * message, 0.0)
     ta = np.broadcast_to(np.asarray(ta, dtype=np.float64), fwd.shape)
     inf = np.where(ok, 0.0, np.inf)
     return StageCosts(fwd + inf, bwd + inf, ta + inf, y, ok)

@@ -22,7 +22,7 @@ from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.hpp.assemble import Layout, assemble_plan, stage_costs
 from edgeswarm.planning.hpp.costmodel import CostModel
 from edgeswarm.planning.hpp.types import Plan, PlanOptions
-from edgeswarm.planning.vocabulary import MESSAGE_BYTES
+from edgeswarm.planning.vocabulary import message_counts
 from edgeswarm.values.profiles import ClusterProfile
 
 
@@ -70,7 +70,7 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
     # is that link's seconds per message and link_peers[a, a2][stop] the peers a device exchanges rows with (0 where
     # stop <= a2); chunks[j] the further 1 MiB chunks of a micro-batch cut after unit j-1.
     cut_bytes = b * np.concatenate(([0.0], cm.cut_bytes))
-    chunks = np.maximum(1.0, np.ceil(cut_bytes / MESSAGE_BYTES)) - 1.0
+    chunks = message_counts(cut_bytes) - 1.0
     pairs = [(a, a2) for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)] if has_messages else []
     link_msg = {(a, a2): np.array([cm.max_message(range(a, a2), range(a2, s)) if s > a2 else 0.0
                                    for s in range(n_dev + 1)]) for a, a2 in pairs}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.vocabulary import MESSAGE_BYTES, link_matrices, message_matrices, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrices, static_bytes, unit_times
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
@@ -45,10 +45,10 @@ class ServeCosts:
 
     def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
         """Per-message seconds of a tensor of ``nbytes`` (one or an array) from device a to b: one message per
-        MESSAGE_BYTES chunk, at least one; 0 without a per-message cost."""
+        1 MiB chunk, at least one (``vocabulary.messages``); 0 without a per-message cost."""
         if self.message is None:
             return 0.0
-        return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=np.float64) / MESSAGE_BYTES)) * self.message[a, b]
+        return message_counts(np.asarray(nbytes)) * self.message[a, b]
 
     @property
     def n(self) -> int:
