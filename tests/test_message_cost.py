@@ -130,3 +130,13 @@ def test_link_matrices_of_message_costs_are_symmetric_and_gathered_from_the_quie
     assert [(lk.src, lk.dst) for lk in both] == [("a", "b"), ("b", "a")]
     for lk in both:
         assert (lk.bandwidth_bps, lk.latency_s, lk.message_s, lk.request_s) == (1e6, 0.02, 0.005, 0.002)
+
+
+def test_one_slow_link_does_not_set_the_round_overhead() -> None:
+    # Each device's request round trip is the median over its links: one link timed while the host was busy
+    # (0.1 s here) does not stand for the devices at its ends.
+    base = cluster(devices=4)
+    links = [link.model_copy(update={"request_s": 0.1 if {link.src, link.dst} == {"d0", "d1"} else 0.002})
+             for link in base.links]
+    plan = plan_dp(base.model_copy(update={"links": links}), OPTIONS)
+    assert plan.round_overhead_s == pytest.approx(4 * 0.002)

@@ -106,7 +106,7 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
                                   forward_s=one_way, backward_s=one_way))
     ef, eb, ta = chain_steps(stages, comms)
     latency, dm = round_latency(ef, eb, m, ta)
-    overhead = cm.round_overhead_s(sum(len(group) for _, _, group in layout))
+    overhead = cm.round_overhead_s([d for _, _, group in layout for d in group])
     latency += overhead
     if not math.isfinite(latency) or latency <= 0:
         raise InfeasiblePlanError(f"the {strategy} layout has no finite positive round latency ({latency})")

@@ -13,8 +13,8 @@ message per pair of devices that exchange rows (a device of a group of g talks t
 of h, so max(g, h) messages each way), plus one per further 1 MiB chunk; a ring AllReduce over g devices takes
 2(g - 1) dependent steps of one chunk message each. The coordinator's requests of a round (a RoundStart to every
 device and its answer, handled one after another on the coordinator's side) add a request round trip per device
-(the links' slowest ``request_s``) to every round: ``round_overhead_s``. With every ``message_s`` and ``request_s``
-at 0 the prices are those of bytes over bandwidth alone, exactly.
+(the median ``request_s`` of its links) to every round: ``round_overhead_s``. With every ``message_s`` and
+``request_s`` at 0 the prices are those of bytes over bandwidth alone, exactly.
 
 Times in seconds, sizes in bytes, bandwidth in bytes per second.
 """
@@ -121,9 +121,12 @@ class CostModel:
         ], dtype=np.int64)
         self.bandwidth = self._bandwidth_matrix(cluster)
         self.message, request = message_matrices(cluster.links, [d.node for d in self.devices])
-        # Seconds of one coordinator request and its reply: the slowest link's (the coordinator's own link to a
-        # device is through the same hub).
-        self.request_s = float(request.max()) if request.size else 0.0
+        # Seconds of one coordinator request to each device and its reply. The coordinator's own link to a device
+        # is not measured, but it crosses the same hub as the device's requests to its peers: the median of those
+        # (a median, so one link timed while the host was busy does not stand for the device).
+        off = ~np.eye(self.N, dtype=bool)
+        self.request_s = np.array([float(np.median(request[d][off[d]])) if self.N > 1 else 0.0
+                                   for d in range(self.N)])
         # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
         self.static_prefix = _prefix([static_bytes(u.weight_bytes, u.buffer_bytes, options.optimizer) for u in units])
         self.weight_prefix = _prefix([u.weight_bytes for u in units])
@@ -180,11 +183,11 @@ class CostModel:
                + share * (self.act_sample_prefix[end] - self.act_sample_prefix[start]))
         return int(self.static_bytes(start, end) + warmup_count * act)
 
-    def round_overhead_s(self, devices: int) -> float:
-        """The coordinator's requests of one round on ``devices`` devices, seconds: a RoundStart to each and its
-        answer. They go out and come back through one hub connection and are handled one after another (one
-        dispatch thread on each side), so they cost ``devices`` request round trips, not one."""
-        return devices * self.request_s
+    def round_overhead_s(self, devices: Sequence[int]) -> float:
+        """The coordinator's requests of one round on ``devices`` (planning-order indices), seconds: a RoundStart
+        to each and its answer. They go out and come back through one hub connection and are handled one after
+        another (one dispatch thread on each side), so they cost the sum of the devices' request round trips."""
+        return float(sum(self.request_s[d] for d in devices))
 
     def comm_s(self, cut_after: int, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link, plus the
