@@ -17,7 +17,7 @@ from edgeswarm.planning.serve.costs import serve_costs
 from edgeswarm.planning.serve.plan import Candidate, plan_serving, price, to_plan
 from edgeswarm.planning.serve.types import ServeOptions
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
-from edgeswarm.planning.vocabulary import MESSAGE_BYTES, message_counts, message_matrices, messages
+from edgeswarm.planning.vocabulary import MESSAGE_BYTES, message_counts, message_matrix, messages, request_seconds
 from edgeswarm.profiling.gather import symmetric_links
 from edgeswarm.values.profiles import ClusterProfile, LinkProfile
 
@@ -120,23 +120,27 @@ def test_serving_counts_a_message_per_micro_batch_at_every_boundary() -> None:
     assert len(plan_serving(dear, ServeOptions(method="optimal", micro_batch_size=4)).stages) == 1
 
 
-def test_link_matrices_of_message_costs_are_symmetric_and_gathered_from_the_quieter_direction() -> None:
+def test_message_costs_are_symmetric_and_gathered_from_the_quieter_direction() -> None:
     links = [LinkProfile(src="a", dst="b", bandwidth_bps=1e6, latency_s=0.01, message_s=0.005, request_s=0.003),
              LinkProfile(src="b", dst="a", bandwidth_bps=2e6, latency_s=0.02, message_s=0.040, request_s=0.002)]
-    message, request = message_matrices(links, ["a", "b"])
+    message = message_matrix(links, ["a", "b"])
     assert message[0, 1] == message[1, 0] == 0.040 and message[0, 0] == 0.0
-    assert request[0, 1] == request[1, 0] == 0.003
+    assert request_seconds(links, ["a", "b", "c"]).tolist() == [0.003, 0.002, 0.0]
     both = symmetric_links(links)
     assert [(lk.src, lk.dst) for lk in both] == [("a", "b"), ("b", "a")]
     for lk in both:
-        assert (lk.bandwidth_bps, lk.latency_s, lk.message_s, lk.request_s) == (1e6, 0.02, 0.005, 0.002)
+        assert (lk.bandwidth_bps, lk.latency_s, lk.message_s) == (1e6, 0.02, 0.005)
+    # Each direction keeps its source's own request round trip; one measured way only serves both.
+    assert [lk.request_s for lk in both] == [0.003, 0.002]
+    assert [lk.request_s for lk in symmetric_links(links[:1])] == [0.003, 0.003]
 
 
 def test_one_slow_link_does_not_set_the_round_overhead() -> None:
-    # Each device's request round trip is the median over its links: one link timed while the host was busy
-    # (0.1 s here) does not stand for the devices at its ends.
+    # Each device's request round trip is the median over the links it measured: one timed while the host was busy
+    # (0.1 s here) does not stand for the device.
     base = cluster(devices=4)
-    links = [link.model_copy(update={"request_s": 0.1 if {link.src, link.dst} == {"d0", "d1"} else 0.002})
-             for link in base.links]
+    links = [LinkProfile(src=a, dst=b, bandwidth_bps=12.5e6, message_s=0.0,
+                         request_s=0.1 if (a, b) == ("d0", "d1") else 0.002)
+             for a in ("d0", "d1", "d2", "d3") for b in ("d0", "d1", "d2", "d3") if a != b]
     plan = plan_dp(base.model_copy(update={"links": links}), OPTIONS)
     assert plan.round_overhead_s == pytest.approx(4 * 0.002)

@@ -73,20 +73,31 @@ def link_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[n
     return bw, latency
 
 
-def message_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-message seconds (``message_s``) and per-request seconds (``request_s``) between ``nodes``, symmetric: a
-    pair measured both ways uses the larger of each; 0 on the diagonal (no message crosses a device's own link) and
-    for pairs without a measurement (``link_matrices`` reports those)."""
+def message_matrix(links: Sequence[LinkProfile], nodes: Sequence[str]) -> np.ndarray:
+    """Per-message seconds (``message_s``) between ``nodes``, symmetric: a pair measured both ways uses the larger; 0
+    on the diagonal (no message crosses a device's own link) and for pairs without a measurement (``link_matrices``
+    reports those)."""
     index = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
     message = np.zeros((n, n))
-    request = np.zeros((n, n))
     for link in links:
         if link.src in index and link.dst in index and link.src != link.dst:
             i, j = index[link.src], index[link.dst]
             message[i, j] = message[j, i] = max(message[i, j], link.message_s)
-            request[i, j] = request[j, i] = max(request[i, j], link.request_s)
-    return message, request
+    return message
+
+
+def request_seconds(links: Sequence[LinkProfile], nodes: Sequence[str]) -> np.ndarray:
+    """Each node's request round trip through the hub (``request_s``): the median over the links it measured (their
+    ``src``), so one request timed while the host was busy does not stand for the node; over the links to it when
+    it measured none (a profile listing each pair once); 0 for a node without links."""
+    out: dict[str, list[float]] = {n: [] for n in nodes}
+    into: dict[str, list[float]] = {n: [] for n in nodes}
+    for link in links:
+        if link.src in out and link.dst in out and link.src != link.dst:
+            out[link.src].append(link.request_s)
+            into[link.dst].append(link.request_s)
+    return np.array([float(np.median(out[n] or into[n])) if out[n] or into[n] else 0.0 for n in nodes])
 
 
 def messages(nbytes: float) -> int:

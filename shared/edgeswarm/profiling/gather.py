@@ -11,8 +11,9 @@ Two phases:
    hit now).
 
 A pair measured in both directions gets the slower bandwidth and the longer latency in both directions,
-and the smaller of its per-message and per-request seconds (both directions time the same round trip;
-the larger one overlapped a bulk transfer on the pair's link), so the result is symmetric. A node that
+and the smaller of its per-message seconds (both directions time the same round trip; the larger one
+overlapped a bulk transfer on the pair's link), so the result is symmetric; a link's per-request seconds
+stay its source node's own. A node that
 does not answer in time, answers with a failure, or profiled a different model makes the whole call fail
 with an error naming it.
 """
@@ -196,24 +197,27 @@ def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list
 
 def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
     """Both directions of every measured pair, each with the pair's slowest bandwidth, longest latency and smallest
-    per-message and per-request seconds.
+    per-message seconds, and its source's own per-request seconds (the other direction's when only that was
+    measured).
 
     Sorted by (src, dst). Self-links are dropped.
     """
-    pairs: dict[tuple[str, str], tuple[float, float, float, float]] = {}
+    pairs: dict[tuple[str, str], tuple[float, float, float]] = {}
+    requests: dict[tuple[str, str], float] = {}  # (src, dst) -> src's own request round trip
     for link in links:
         if link.src == link.dst:
             continue
         key = (min(link.src, link.dst), max(link.src, link.dst))
-        # Both directions' per-message and per-request figures time the same round trip (a ping and its pong, a
-        # request and its reply); the larger is the one that overlapped the pair's bulk transfer, so the smaller
-        # stands for the pair.
-        bw, lat, msg, req = pairs.get(key, (float("inf"), 0.0, float("inf"), float("inf")))
-        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s),
-                      min(req, link.request_s))
+        # Both directions' per-message figures time the same round trip (a ping and its pong); the larger is the
+        # one that overlapped the pair's bulk transfer, so the smaller stands for the pair.
+        bw, lat, msg = pairs.get(key, (float("inf"), 0.0, float("inf")))
+        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s))
+        requests[(link.src, link.dst)] = link.request_s
     out = []
-    for (a, b), (bw, lat, msg, req) in pairs.items():
+    for (a, b), (bw, lat, msg) in pairs.items():
         for src, dst in ((a, b), (b, a)):
+            # request_s is the measuring node's own figure; a direction nobody measured takes the other's.
+            req = requests.get((src, dst), requests.get((dst, src), 0.0))
             out.append(LinkProfile(src=src, dst=dst, bandwidth_bps=bw, latency_s=lat, message_s=msg, request_s=req))
     return sorted(out, key=lambda link: (link.src, link.dst))
 

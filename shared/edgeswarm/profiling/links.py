@@ -14,9 +14,11 @@ measures its real network.
 - **Per message** (``message_s``, seconds): what one tensor message costs beyond its bytes over the
   bandwidth, one way: half the median ping round trip less the ping's own bytes (a ping and its pong are
   two such messages, each received through its receiver's broker).
-- **Per request** (``request_s``, seconds): the median round trip of a small control request (a
-  ``Probe`` to the peer's profiler) and its reply through the hub, as a coordinator's request to a
-  device's worker travels.
+- **Per request** (``request_s``, seconds): the median round trip of a small control request and its
+  reply through the hub, from this node: a ``Probe`` to its own profiler, which crosses the hub broker
+  both ways and is handled by a service's dispatch thread, as a coordinator's request to a device's
+  worker is (a node may always address its own services; the ACL lets only the hub and clients ask
+  another node's profiler). It is this node's figure, whichever peer the link goes to.
 
 The measuring side and the answering side are the same object: every profiler attaches a LinkProber
 to its data topic. Answers go out from a thread of their own through a short queue, and only to a peer
@@ -94,7 +96,8 @@ class LinkProber:
                 min_bulk_bytes: int = MIN_BULK_BYTES, max_bulk_bytes: int = MAX_BULK_BYTES,
                 requests: int = DEFAULT_REQUESTS, timeout_s: float = 60.0) -> LinkProfile:
         """The link from this node to ``peer``: bandwidth (bytes/s), round-trip latency (s), seconds per message
-        and seconds per request round trip (``requests`` of them timed; 0 leaves ``request_s`` at 0).
+        and this node's seconds per request round trip through the hub (``requests`` of them timed; 0 leaves
+        ``request_s`` at 0).
 
         Takes about ``target_s`` plus a few round trips. Raises LinkMeasurementError if the peer's
         profiler is unknown, offline or does not answer a probe or a request within ``timeout_s`` seconds.
@@ -113,24 +116,24 @@ class LinkProber:
             raise LinkMeasurementError(f"{peer}'s profiler confirmed {received} bytes of a {size}-byte transfer")
         bandwidth = self._rate(size, elapsed, rtt)
         message = max(0.0, rtt - 2 * PING_BYTES / bandwidth) / 2
-        request = self.request_round_trip(peer, requests, timeout_s) if requests > 0 else 0.0
+        request = self.request_round_trip(requests, timeout_s) if requests > 0 else 0.0
         log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps) from %d bytes in %.3f s; round trip %.2f ms (median of %d); "
                  "%.2f ms per message, %.2f ms per request", self.node, peer, bandwidth, bandwidth * 8 / 1e6, size,
                  elapsed, rtt * 1e3, len(rtts), message * 1e3, request * 1e3)
         return LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=rtt, message_s=message,
                            request_s=request)
 
-    def request_round_trip(self, peer: str, count: int, timeout_s: float) -> float:
-        """Median seconds of ``count`` small requests (after one warm-up) to ``peer``'s service of this prober's
-        name and their replies, through the hub. Raises LinkMeasurementError when one is not answered in time."""
+    def request_round_trip(self, count: int, timeout_s: float) -> float:
+        """Median seconds of ``count`` small requests (after one warm-up) from this node to its own service of this
+        prober's name and their replies, through the hub. Raises LinkMeasurementError when one is not answered
+        within ``timeout_s`` seconds."""
         times = []
         for _ in range(count + 1):
             start = time.perf_counter()
             try:
-                self.bus.request(topics.request(peer, self.service), Probe(), timeout_s=timeout_s)
+                self.bus.request(topics.request(self.node, self.service), Probe(), timeout_s=timeout_s)
             except BusError as exc:
-                raise LinkMeasurementError(f"cannot time a request from {self.node} to {peer}'s {self.service}: "
-                                           f"{exc}") from exc
+                raise LinkMeasurementError(f"cannot time a request from {self.node} through the hub: {exc}") from exc
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
 

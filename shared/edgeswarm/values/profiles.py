@@ -148,9 +148,9 @@ class LinkProfile(BaseModel):
     ``message_s`` is what one tensor message (one chunk) adds beyond its bytes over the bandwidth: the
     one-way seconds from the sender's publish to the receiver's handler through the receiver's data
     broker (encoding, the brokers, the link's latency, decoding and dispatch). ``request_s`` is one
-    small control request and its reply through the hub broker (seconds, the whole round trip), what a
-    coordinator pays per request it waits on. Both default to 0, so profiles measured before they
-    existed still validate and price as they did.
+    small control request of ``src``'s and its reply through the hub broker (seconds, the whole round
+    trip), what a coordinator pays per request it waits on from that node. Both default to 0, so
+    profiles measured before they existed still validate and price as they did.
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)

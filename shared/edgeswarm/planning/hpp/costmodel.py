@@ -13,7 +13,7 @@ message per pair of devices that exchange rows (a device of a group of g talks t
 of h, so max(g, h) messages each way), plus one per further 1 MiB chunk; a ring AllReduce over g devices takes
 2(g - 1) dependent steps of one chunk message each. The coordinator's requests of a round (a RoundStart to every
 device and its answer, handled one after another on the coordinator's side) add a request round trip per device
-(the median ``request_s`` of its links) to every round: ``round_overhead_s``. With every ``message_s`` and
+(its median ``request_s`` over its links) to every round: ``round_overhead_s``. With every ``message_s`` and
 ``request_s`` at 0 the prices are those of bytes over bandwidth alone, exactly.
 
 Times in seconds, sizes in bytes, bandwidth in bytes per second.
@@ -29,7 +29,14 @@ import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.hpp.types import PlanOptions
-from edgeswarm.planning.vocabulary import link_matrices, message_matrices, messages, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import (
+    link_matrices,
+    message_matrix,
+    messages,
+    request_seconds,
+    static_bytes,
+    unit_times,
+)
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 # Entries of the per-device time tables (devices x (B + 1) x (L + 1)): 2**24 float64 is 128 MiB per table, far
@@ -120,13 +127,11 @@ class CostModel:
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
         self.bandwidth = self._bandwidth_matrix(cluster)
-        self.message, request = message_matrices(cluster.links, [d.node for d in self.devices])
-        # Seconds of one coordinator request to each device and its reply. The coordinator's own link to a device
-        # is not measured, but it crosses the same hub as the device's requests to its peers: the median of those
-        # (a median, so one link timed while the host was busy does not stand for the device).
-        off = ~np.eye(self.N, dtype=bool)
-        self.request_s = np.array([float(np.median(request[d][off[d]])) if self.N > 1 else 0.0
-                                   for d in range(self.N)])
+        nodes = [d.node for d in self.devices]
+        self.message = message_matrix(cluster.links, nodes)
+        # Seconds of one coordinator request to each device and its reply: the device's own request round trip
+        # through the hub, as its profiler measured it.
+        self.request_s = request_seconds(cluster.links, nodes)
         # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
         self.static_prefix = _prefix([static_bytes(u.weight_bytes, u.buffer_bytes, options.optimizer) for u in units])
         self.weight_prefix = _prefix([u.weight_bytes for u in units])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrices, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrix, static_bytes, unit_times
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
@@ -90,7 +90,7 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
     nodes = tuple(e.device.node for e in entries)
     fwd = np.stack([forward_prefix(e.compute, len(units), batch, e.device.node, model.fingerprint) for e in entries])
     bw, lat = link_matrices(cluster.links, nodes)
-    message = message_matrices(cluster.links, nodes)[0]
+    message = message_matrix(cluster.links, nodes)
     out_b = np.array([u.output_bytes_per_sample for u in units], dtype=np.float64)
     in_b = np.concatenate(([float(model.input_bytes_per_sample)], out_b[:-1]))
     return ServeCosts(
