@@ -212,7 +212,8 @@ _COMPUTE = ("record", {
     "forward_s": ("list", ("list", "number")), "backward_s": ("list", ("list", "number")),
     "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number", "compute": "str",
 })
-_LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number"})
+_LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number",
+                    "message_s": "number", "request_s": "number"})
 _CLUSTER = ("record", {
     "model": _MODEL_PROFILE, "devices": ("list", ("record", {"device": _DEVICE, "compute": _COMPUTE})),
     "links": ("list", _LINK),
@@ -225,14 +226,14 @@ _STAGE = ("record", {
     "memory_bytes": ("list", "int"), "memory_budget_bytes": ("list", "int"),
 })
 _COMM_STEP = ("record", {
-    "after": "int", "bytes_per_microbatch": "int", "bandwidth_bps": "number", "forward_s": "number",
+    "after": "int", "bytes_per_microbatch": "int", "bandwidth_bps": "number", "messages": "int", "forward_s": "number",
     "backward_s": "number",
 })
 _TRAIN_PLAN = {
     "workload": ("enum", {"train"}), "strategy": _STRATEGY, "model_fingerprint": "str", "units": "int",
     "options": ("record", {"micro_batch_size": "int", "micro_batches": "int", "optimizer": _OPTIMIZER}),
     "stages": ("list", _STAGE), "comm_steps": ("list", _COMM_STEP), "dominant_step": "int",
-    "round_latency_s": "number", "throughput_sps": "number", "epoch": "int",
+    "round_latency_s": "number", "round_overhead_s": "number", "throughput_sps": "number", "epoch": "int",
 }
 _PLAN = ("record", _TRAIN_PLAN)
 _SERVE_OPTIONS = ("record", {

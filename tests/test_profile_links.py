@@ -41,3 +41,20 @@ def test_a_shaped_100_mbps_link_measures_near_12_5_mb_per_s(broker: BrokerProces
     # a message that fits in the bucket's burst credit at a time in the past, so small pings skip it.
     assert link.latency_s > 0 and back.latency_s > 0 and back.bandwidth_bps > 0
     assert a.metrics.counter("handler_errors") == 0 and b.metrics.counter("handler_errors") == 0
+
+
+def test_a_link_measures_its_cost_per_message_and_per_request(broker: BrokerProcess, tmp_path: Path) -> None:
+    a = ProfilerService(bus_settings(broker.url, node_id="a", profile_dir=tmp_path / "a"))
+    b = ProfilerService(bus_settings(broker.url, node_id="b", profile_dir=tmp_path / "b"))
+    with running(b), running(a):
+        wait_until(lambda: online(a, "b") and online(b, "a"), 15, message="both profilers online")
+        link = a.links.measure("b", pings=5, requests=3, min_bulk_bytes=64 * 1024, max_bulk_bytes=256 * 1024,
+                               target_s=0.05)
+        quick = a.links.measure("b", pings=3, requests=0, min_bulk_bytes=64 * 1024, max_bulk_bytes=64 * 1024)
+
+    # Measured on the real broker: a message and a request through it take time, and the figures are finite
+    # (LinkProfile refuses anything else). A one-way message is half a ping's round trip, less its bytes.
+    assert 0 < link.message_s <= link.latency_s / 2
+    assert 0 < link.request_s < 60
+    assert quick.request_s == 0 and quick.message_s > 0
+    assert a.metrics.counter("handler_errors") == 0 and b.metrics.counter("handler_errors") == 0

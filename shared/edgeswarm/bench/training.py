@@ -96,7 +96,8 @@ def summarize(env: str, strategy: Strategy, plan: Plan, reports: list[RoundRepor
                        micro_batches=m, micro_batch_size=plan.options.micro_batch_size,
                        predicted_round_s=plan.round_latency_s, measured_round_s=measured,
                        measured_sps=plan.options.global_batch / measured, overhead_per_micro_batch_s=overhead,
-                       compute_ratio=max(ratios), replayed_round_s=plan_timeline(replayed).makespan_s,
+                       compute_ratio=max(ratios),
+                       replayed_round_s=plan_timeline(replayed).makespan_s + plan.round_overhead_s,
                        first_loss=reports[0].loss,
                        last_loss=reports[-1].loss)
 

@@ -1,17 +1,27 @@
 """What every planner reads from a ClusterProfile the same way, written once: unit times at a batch size, the link
-matrices and the static memory of Eq. 3.
+matrices, the fixed costs per message and per request, and the static memory of Eq. 3.
 
 Times are seconds, bandwidths bytes per second, sizes bytes.
+
+A tensor crosses a link as ``messages(nbytes)`` messages (the bus chunks tensors at MESSAGE_BYTES), each costing the
+link's ``message_s`` on top of its bytes over the bandwidth; a coordinator's request to a device and the reply cost
+the link's ``request_s``. With both at 0 (profiles measured before they existed) every price is bytes over bandwidth,
+as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ComputeProfile, LinkProfile, Optimizer
+
+# The bus sends a tensor in chunks of this many bytes (Settings.chunk_bytes, wire.chunking.DEFAULT_CHUNK_BYTES): each
+# chunk is a message of its own through the brokers.
+MESSAGE_BYTES = 1024 * 1024
 
 
 def unit_times(compute: ComputeProfile, node: str, fingerprint: str, units: int, batches: Sequence[float], *,
@@ -61,6 +71,43 @@ def link_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[n
         raise ProfileError(f"no link measurement for {len(missing)} device pair(s) ({pairs}): profile the links "
                            "between every pair of devices")
     return bw, latency
+
+
+def message_matrix(links: Sequence[LinkProfile], nodes: Sequence[str]) -> np.ndarray:
+    """Per-message seconds (``message_s``) between ``nodes``, symmetric: a pair measured both ways uses the larger; 0
+    on the diagonal (no message crosses a device's own link) and for pairs without a measurement (``link_matrices``
+    reports those)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    n = len(nodes)
+    message = np.zeros((n, n))
+    for link in links:
+        if link.src in index and link.dst in index and link.src != link.dst:
+            i, j = index[link.src], index[link.dst]
+            message[i, j] = message[j, i] = max(message[i, j], link.message_s)
+    return message
+
+
+def request_seconds(links: Sequence[LinkProfile], nodes: Sequence[str]) -> np.ndarray:
+    """Each node's request round trip through the hub (``request_s``): the median over the links it measured (their
+    ``src``), so one request timed while the host was busy does not stand for the node; over the links to it when
+    it measured none (a profile listing each pair once); 0 for a node without links."""
+    out: dict[str, list[float]] = {n: [] for n in nodes}
+    into: dict[str, list[float]] = {n: [] for n in nodes}
+    for link in links:
+        if link.src in out and link.dst in out and link.src != link.dst:
+            out[link.src].append(link.request_s)
+            into[link.dst].append(link.request_s)
+    return np.array([float(np.median(out[n] or into[n])) if out[n] or into[n] else 0.0 for n in nodes])
+
+
+def messages(nbytes: float) -> int:
+    """How many messages a tensor of ``nbytes`` bytes is sent as: one per MESSAGE_BYTES chunk, at least one."""
+    return max(1, math.ceil(nbytes / MESSAGE_BYTES))
+
+
+def message_counts(nbytes: np.ndarray) -> np.ndarray:
+    """``messages`` of every entry of ``nbytes``, as floats (for pricing arrays of cut points or unit ranges)."""
+    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=np.float64) / MESSAGE_BYTES))
 
 
 def static_bytes(weight_bytes: int, buffer_bytes: int, optimizer: Optimizer | None) -> int:

@@ -10,9 +10,12 @@ Two phases:
 2. links: every node measures its link to every other node, all at once (the compute part is a cache
    hit now).
 
-A pair measured in both directions gets the slower bandwidth and the longer latency in both
-directions, so the result is symmetric. A node that does not answer in time, answers with a failure,
-or profiled a different model makes the whole call fail with an error naming it.
+A pair measured in both directions gets the slower bandwidth and the longer latency in both directions,
+and the smaller of its per-message seconds (both directions time the same round trip; the larger one
+overlapped a bulk transfer on the pair's link), so the result is symmetric; a link's per-request seconds
+stay its source node's own. A node that
+does not answer in time, answers with a failure, or profiled a different model makes the whole call fail
+with an error naming it.
 """
 
 from __future__ import annotations
@@ -193,21 +196,29 @@ def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list
 
 
 def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
-    """Both directions of every measured pair, each with the pair's slowest bandwidth and longest latency.
+    """Both directions of every measured pair, each with the pair's slowest bandwidth, longest latency and smallest
+    per-message seconds, and its source's own per-request seconds (the other direction's when only that was
+    measured).
 
     Sorted by (src, dst). Self-links are dropped.
     """
-    pairs: dict[tuple[str, str], tuple[float, float]] = {}
+    pairs: dict[tuple[str, str], tuple[float, float, float]] = {}
+    requests: dict[tuple[str, str], float] = {}  # (src, dst) -> src's own request round trip
     for link in links:
         if link.src == link.dst:
             continue
         key = (min(link.src, link.dst), max(link.src, link.dst))
-        bw, lat = pairs.get(key, (float("inf"), 0.0))
-        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s))
+        # Both directions' per-message figures time the same round trip (a ping and its pong); the larger is the
+        # one that overlapped the pair's bulk transfer, so the smaller stands for the pair.
+        bw, lat, msg = pairs.get(key, (float("inf"), 0.0, float("inf")))
+        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s))
+        requests[(link.src, link.dst)] = link.request_s
     out = []
-    for (a, b), (bw, lat) in pairs.items():
-        out.append(LinkProfile(src=a, dst=b, bandwidth_bps=bw, latency_s=lat))
-        out.append(LinkProfile(src=b, dst=a, bandwidth_bps=bw, latency_s=lat))
+    for (a, b), (bw, lat, msg) in pairs.items():
+        for src, dst in ((a, b), (b, a)):
+            # request_s is the measuring node's own figure; a direction nobody measured takes the other's.
+            req = requests.get((src, dst), requests.get((dst, src), 0.0))
+            out.append(LinkProfile(src=src, dst=dst, bandwidth_bps=bw, latency_s=lat, message_s=msg, request_s=req))
     return sorted(out, key=lambda link: (link.src, link.dst))
 
 

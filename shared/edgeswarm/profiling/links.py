@@ -11,6 +11,14 @@ measures its real network.
   sized to take about ``target_s`` at that rate (clamped to [1 MiB, 16 MiB]; about 6 MB on 100 Mbps)
   is sent and the peer confirms it with a tiny ``bulk_ack`` tensor. The rate is the bulk bytes over
   the elapsed time minus one ping round trip (the confirmation's own travel).
+- **Per message** (``message_s``, seconds): what one tensor message costs beyond its bytes over the
+  bandwidth, one way: half the median ping round trip less the ping's own bytes (a ping and its pong are
+  two such messages, each received through its receiver's broker).
+- **Per request** (``request_s``, seconds): the median round trip of a small control request and its
+  reply through the hub, from this node: a ``Probe`` to its own profiler, which crosses the hub broker
+  both ways and is handled by a service's dispatch thread, as a coordinator's request to a device's
+  worker is (a node may always address its own services; the ACL lets only the hub and clients ask
+  another node's profiler). It is this node's figure, whichever peer the link goes to.
 
 The measuring side and the answering side are the same object: every profiler attaches a LinkProber
 to its data topic. Answers go out from a thread of their own through a short queue, and only to a peer
@@ -34,7 +42,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import BusError, InvalidMessageError, LinkMeasurementError
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages import LinkProbe
+from edgeswarm.messages import LinkProbe, Probe
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.wire.schema import new_id
 
@@ -44,6 +52,7 @@ MIB = 1024 * 1024
 PING_BYTES = 64
 MAX_PING_BYTES = 64 * 1024  # a larger "ping" is refused: the echo must stay cheap for the answering side
 DEFAULT_PINGS = 7
+DEFAULT_REQUESTS = 5
 DEFAULT_TARGET_S = 0.5
 MIN_BULK_BYTES = 1 * MIB
 MAX_BULK_BYTES = 16 * MIB
@@ -85,11 +94,13 @@ class LinkProber:
 
     def measure(self, peer: str, *, pings: int = DEFAULT_PINGS, target_s: float = DEFAULT_TARGET_S,
                 min_bulk_bytes: int = MIN_BULK_BYTES, max_bulk_bytes: int = MAX_BULK_BYTES,
-                timeout_s: float = 60.0) -> LinkProfile:
-        """The link from this node to ``peer``: bandwidth (bytes/s) and round-trip latency (s).
+                requests: int = DEFAULT_REQUESTS, timeout_s: float = 60.0) -> LinkProfile:
+        """The link from this node to ``peer``: bandwidth (bytes/s), round-trip latency (s), seconds per message
+        and this node's seconds per request round trip through the hub (``requests`` of them timed; 0 leaves
+        ``request_s`` at 0).
 
         Takes about ``target_s`` plus a few round trips. Raises LinkMeasurementError if the peer's
-        profiler is unknown, offline or does not answer a probe within ``timeout_s`` seconds.
+        profiler is unknown, offline or does not answer a probe or a request within ``timeout_s`` seconds.
         """
         if peer == self.node:
             raise LinkMeasurementError(f"cannot measure a link from {peer} to itself")
@@ -104,9 +115,27 @@ class LinkProber:
         if received != size:
             raise LinkMeasurementError(f"{peer}'s profiler confirmed {received} bytes of a {size}-byte transfer")
         bandwidth = self._rate(size, elapsed, rtt)
-        log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps) from %d bytes in %.3f s; round trip %.2f ms (median of %d)",
-                 self.node, peer, bandwidth, bandwidth * 8 / 1e6, size, elapsed, rtt * 1e3, len(rtts))
-        return LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=rtt)
+        message = max(0.0, rtt - 2 * PING_BYTES / bandwidth) / 2
+        request = self.request_round_trip(requests, timeout_s) if requests > 0 else 0.0
+        log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps) from %d bytes in %.3f s; round trip %.2f ms (median of %d); "
+                 "%.2f ms per message, %.2f ms per request", self.node, peer, bandwidth, bandwidth * 8 / 1e6, size,
+                 elapsed, rtt * 1e3, len(rtts), message * 1e3, request * 1e3)
+        return LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=rtt, message_s=message,
+                           request_s=request)
+
+    def request_round_trip(self, count: int, timeout_s: float) -> float:
+        """Median seconds of ``count`` small requests (after one warm-up) from this node to its own service of this
+        prober's name and their replies, through the hub. Raises LinkMeasurementError when one is not answered
+        within ``timeout_s`` seconds."""
+        times = []
+        for _ in range(count + 1):
+            start = time.perf_counter()
+            try:
+                self.bus.request(topics.request(self.node, self.service), Probe(), timeout_s=timeout_s)
+            except BusError as exc:
+                raise LinkMeasurementError(f"cannot time a request from {self.node} through the hub: {exc}") from exc
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
 
     def _check_peer(self, peer: str, wait_s: float) -> None:
         try:

@@ -143,7 +143,15 @@ class DeviceInfo(BaseModel):
 
 class LinkProfile(BaseModel):
     """A measured link from ``src`` to ``dst``: bulk bandwidth (bytes per second) and round-trip
-    latency (seconds) over the MQTT data path."""
+    latency (seconds) over the MQTT data path, and the fixed costs of a message on it.
+
+    ``message_s`` is what one tensor message (one chunk) adds beyond its bytes over the bandwidth: the
+    one-way seconds from the sender's publish to the receiver's handler through the receiver's data
+    broker (encoding, the brokers, the link's latency, decoding and dispatch). ``request_s`` is one
+    small control request of ``src``'s and its reply through the hub broker (seconds, the whole round
+    trip), what a coordinator pays per request it waits on from that node. Both default to 0, so
+    profiles measured before they existed still validate and price as they did.
+    """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
@@ -151,6 +159,8 @@ class LinkProfile(BaseModel):
     dst: Name
     bandwidth_bps: float = Field(gt=0)
     latency_s: float = Field(default=0.0, ge=0)
+    message_s: float = Field(default=0.0, ge=0)
+    request_s: float = Field(default=0.0, ge=0)
 
 
 class DeviceProfileEntry(BaseModel):

@@ -15,8 +15,9 @@ import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.planning.hpp.allocation import allocate, memory_caps
-from edgeswarm.planning.hpp.costmodel import CostModel, allreduce_s, round_latency, warmup
+from edgeswarm.planning.hpp.costmodel import CostModel, allreduce_s, comm_messages, round_latency, warmup
 from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan, Strategy, chain_steps
+from edgeswarm.planning.vocabulary import message_counts
 
 Layout = list[tuple[int, int, tuple[int, ...]]]
 
@@ -60,6 +61,10 @@ def stage_costs(cm: CostModel, group: Sequence[int], warmup_count: int, starts: 
     weights = (cm.weight_prefix[ends] - cm.weight_prefix[starts]).astype(np.float64)
     g = len(group)
     ta = 0.0 if g == 1 else 2.0 * (g - 1) * weights / (g * cm.group_bandwidth(group))
+    message = cm.group_message(group)
+    if g > 1 and message > 0:
+        # One chunk message per ring step (allreduce_s's count); nothing is reduced for a stage without weights.
+        ta = ta + np.where(weights > 0, 2.0 * (g - 1) * message_counts(weights / g) * message, 0.0)
     ta = np.broadcast_to(np.asarray(ta, dtype=np.float64), fwd.shape)
     inf = np.where(ok, 0.0, np.inf)
     return StageCosts(fwd + inf, bwd + inf, ta + inf, y, ok)
@@ -84,24 +89,31 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
             warmup=k,
             forward_s=float(c.forward_s[0]),
             backward_s=float(c.backward_s[0]),
-            allreduce_s=allreduce_s(cm.weight_bytes(start, end), len(group), cm.group_bandwidth(group)),
+            allreduce_s=allreduce_s(cm.weight_bytes(start, end), len(group), cm.group_bandwidth(group),
+                                    cm.group_message(group)),
             memory_bytes=[cm.memory_bytes(start, end, y, k) for y in shares],
             memory_budget_bytes=[cm.devices[d].memory_budget_bytes for d in group],
         ))
     comms = []
     for p in range(p_total - 1):
         _, end, group = layout[p]
-        bw = cm.min_bandwidth(group, layout[p + 1][2])
+        after = layout[p + 1][2]
+        bw = cm.min_bandwidth(group, after)
         nbytes = int(cm.options.micro_batch_size * cm.cut_bytes[end - 1])
-        comms.append(CommStepPlan(after=p, bytes_per_microbatch=nbytes, bandwidth_bps=bw,
-                                  forward_s=nbytes / bw, backward_s=nbytes / bw))
+        count = comm_messages(nbytes, len(group), len(after))
+        one_way = nbytes / bw + count * cm.max_message(group, after)
+        comms.append(CommStepPlan(after=p, bytes_per_microbatch=nbytes, bandwidth_bps=bw, messages=count,
+                                  forward_s=one_way, backward_s=one_way))
     ef, eb, ta = chain_steps(stages, comms)
     latency, dm = round_latency(ef, eb, m, ta)
+    overhead = cm.round_overhead_s([d for _, _, group in layout for d in group])
+    latency += overhead
     if not math.isfinite(latency) or latency <= 0:
         raise InfeasiblePlanError(f"the {strategy} layout has no finite positive round latency ({latency})")
     return Plan(strategy=strategy, model_fingerprint=model_fingerprint or cm.model.fingerprint, units=cm.L,
                 options=cm.options, stages=stages, comm_steps=comms, dominant_step=dm,
-                round_latency_s=latency, throughput_sps=cm.options.global_batch / latency)
+                round_latency_s=latency, round_overhead_s=overhead,
+                throughput_sps=cm.options.global_batch / latency)
 
 
 def _memory_report(cm: CostModel, start: int, end: int, group: Sequence[int], k: int) -> str:

@@ -22,6 +22,7 @@ from edgeswarm.planning.deadline import Deadline, check
 from edgeswarm.planning.hpp.assemble import Layout, assemble_plan, stage_costs
 from edgeswarm.planning.hpp.costmodel import CostModel
 from edgeswarm.planning.hpp.types import Plan, PlanOptions
+from edgeswarm.planning.vocabulary import message_counts
 from edgeswarm.values.profiles import ClusterProfile
 
 
@@ -64,6 +65,17 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
     link_bw = {(a, a2): np.array([cm.min_bandwidth(range(a, a2), range(a2, s)) if s > a2 else np.inf
                                   for s in range(n_dev + 1)])
                for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)}
+    has_messages = bool(cm.message.any())
+    # For the per-message seconds of a step (comm_messages' count times max_message's link): link_msg[a, a2][stop]
+    # is that link's seconds per message and link_peers[a, a2][stop] the peers a device exchanges rows with (0 where
+    # stop <= a2); chunks[j] the further 1 MiB chunks of a micro-batch cut after unit j-1.
+    cut_bytes = b * np.concatenate(([0.0], cm.cut_bytes))
+    chunks = message_counts(cut_bytes) - 1.0
+    pairs = [(a, a2) for a in range(n_dev) for a2 in range(a + 1, n_dev + 1)] if has_messages else []
+    link_msg = {(a, a2): np.array([cm.max_message(range(a, a2), range(a2, s)) if s > a2 else 0.0
+                                   for s in range(n_dev + 1)]) for a, a2 in pairs}
+    link_peers = {(a, a2): np.array([max(a2 - a, s - a2) for s in range(n_dev + 1)], dtype=np.float64)
+                  for a, a2 in pairs}
 
     # p = 1: one stage, the tail: units [i, L) on devices [a, N), K = 1.
     one = _Level(n_units, n_dev)
@@ -92,8 +104,11 @@ def search(cm: CostModel, *, max_stages: int | None = None, deadline: Deadline |
                                                                                c.allreduce_s))
                 eh = ef + eb
                 # The link to the sub-pipeline's head group, per j.
-                bw = link_bw[a, a2][sub.head_stop[:, a2]]
-                ec = b * np.concatenate(([0.0], cm.cut_bytes)) / bw  # one way, per j (cut after unit j-1)
+                stops = sub.head_stop[:, a2]
+                bw = link_bw[a, a2][stops]
+                ec = cut_bytes / bw  # one way, per j (cut after unit j-1)
+                if has_messages:
+                    ec = ec + (link_peers[a, a2][stops] + chunks) * link_msg[a, a2][stops]
                 v = np.maximum(np.maximum(m * eh, m * 2 * ec[None, :] + eh), sub.v[None, :, a2] + eh + 2 * ec[None, :])
                 with np.errstate(invalid="ignore"):  # inf - inf where a head or sub is infeasible: masked below
                     r = np.maximum(ta, sub.r[None, :, a2] - eb - ec[None, :])

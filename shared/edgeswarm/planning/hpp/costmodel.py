@@ -7,6 +7,15 @@ range on any device at any share is two array lookups (spec 2.3). Times between 
 interpolated piecewise-linearly with t(0) = 0 (A11); a profile that stops short of B is an error, never an
 extrapolation.
 
+Per-message costs (the links' ``message_s``: a fixed time per message through the brokers, beyond its bytes over
+the bandwidth) are counted where a round sends messages: a communication step sends every micro-batch's rows as one
+message per pair of devices that exchange rows (a device of a group of g talks to up to h devices of the next group
+of h, so max(g, h) messages each way), plus one per further 1 MiB chunk; a ring AllReduce over g devices takes
+2(g - 1) dependent steps of one chunk message each. The coordinator's requests of a round (a RoundStart to every
+device and its answer, handled one after another on the coordinator's side) add a request round trip per device
+(its median ``request_s`` over its links) to every round: ``round_overhead_s``. With every ``message_s`` and
+``request_s`` at 0 the prices are those of bytes over bandwidth alone, exactly.
+
 Times in seconds, sizes in bytes, bandwidth in bytes per second.
 """
 
@@ -20,7 +29,14 @@ import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.hpp.types import PlanOptions
-from edgeswarm.planning.vocabulary import link_matrices, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import (
+    link_matrices,
+    message_matrix,
+    messages,
+    request_seconds,
+    static_bytes,
+    unit_times,
+)
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 # Entries of the per-device time tables (devices x (B + 1) x (L + 1)): 2**24 float64 is 128 MiB per table, far
@@ -33,11 +49,19 @@ def warmup(stages: int, stage: int, micro_batches: int) -> int:
     return min(2 * (stages - stage) - 1, micro_batches)
 
 
-def allreduce_s(weight_bytes: float, group_size: int, min_bandwidth_bps: float) -> float:
-    """Ring AllReduce time of ``weight_bytes`` of gradients over a group (Eq. 5b); 0 for one device."""
+def allreduce_s(weight_bytes: float, group_size: int, min_bandwidth_bps: float, message_s: float = 0.0) -> float:
+    """Ring AllReduce time of ``weight_bytes`` of gradients over a group (Eq. 5b) plus ``message_s`` for every
+    message of its 2(g - 1) steps (each step one slice of weight_bytes / g, chunked); 0 for one device."""
     if group_size <= 1 or weight_bytes <= 0:
         return 0.0
-    return 2.0 * (group_size - 1) * weight_bytes / (group_size * min_bandwidth_bps)
+    return (2.0 * (group_size - 1) * weight_bytes / (group_size * min_bandwidth_bps)
+            + 2.0 * (group_size - 1) * messages(weight_bytes / group_size) * message_s)
+
+
+def comm_messages(nbytes: float, senders: int, receivers: int) -> int:
+    """Messages one way of a communication step carries per micro-batch, as the slowest device sees them: one per
+    peer it exchanges rows with (max(senders, receivers)) plus one per further chunk of the ``nbytes``."""
+    return max(senders, receivers) + messages(nbytes) - 1
 
 
 def round_latency(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
@@ -103,6 +127,11 @@ class CostModel:
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
         self.bandwidth = self._bandwidth_matrix(cluster)
+        nodes = [d.node for d in self.devices]
+        self.message = message_matrix(cluster.links, nodes)
+        # Seconds of one coordinator request to each device and its reply: the device's own request round trip
+        # through the hub, as its profiler measured it.
+        self.request_s = request_seconds(cluster.links, nodes)
         # Memory prefix sums (Eq. 3): static bytes = (2 + k_opt) * weights + buffers; activations = a0 + a1*y.
         self.static_prefix = _prefix([static_bytes(u.weight_bytes, u.buffer_bytes, options.optimizer) for u in units])
         self.weight_prefix = _prefix([u.weight_bytes for u in units])
@@ -127,6 +156,16 @@ class CostModel:
         """Slowest link between two device groups (planning-order indices), bytes per second."""
         return float(self.bandwidth[np.ix_(list(group_a), list(group_b))].min())
 
+    def max_message(self, group_a: Sequence[int], group_b: Sequence[int]) -> float:
+        """Largest per-message seconds on a link between two device groups (planning-order indices)."""
+        return float(self.message[np.ix_(list(group_a), list(group_b))].max())
+
+    def group_message(self, group: Sequence[int]) -> float:
+        """Largest per-message seconds on a link inside a group; 0 for one device."""
+        if len(group) <= 1:
+            return 0.0
+        return float(self.message[np.ix_(list(group), list(group))].max())
+
     def group_bandwidth(self, group: Sequence[int]) -> float:
         """Slowest link inside a group (self-pairs excluded: A17); inf for one device."""
         if len(group) <= 1:
@@ -149,9 +188,18 @@ class CostModel:
                + share * (self.act_sample_prefix[end] - self.act_sample_prefix[start]))
         return int(self.static_bytes(start, end) + warmup_count * act)
 
+    def round_overhead_s(self, devices: Sequence[int]) -> float:
+        """The coordinator's requests of one round on ``devices`` (planning-order indices), seconds: a RoundStart
+        to each and its answer. They go out and come back through one hub connection and are handled one after
+        another (one dispatch thread on each side), so they cost the sum of the devices' request round trips."""
+        return float(sum(self.request_s[d] for d in devices))
+
     def comm_s(self, cut_after: int, group_a: Sequence[int], group_b: Sequence[int]) -> float:
-        """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link."""
-        return self.options.micro_batch_size * float(self.cut_bytes[cut_after]) / self.min_bandwidth(group_a, group_b)
+        """One way of a communication step: B samples of unit ``cut_after``'s output over the slowest link, plus the
+        per-message seconds of its messages (``comm_messages``)."""
+        nbytes = self.options.micro_batch_size * float(self.cut_bytes[cut_after])
+        return (nbytes / self.min_bandwidth(group_a, group_b)
+                + comm_messages(nbytes, len(group_a), len(group_b)) * self.max_message(group_a, group_b))
 
 
 def _prefix(values: Sequence[float], dtype: type = np.int64) -> np.ndarray:

@@ -58,4 +58,4 @@ def layout_latency(cm: CostModel, layout: Layout) -> float:
             ef.append(comm)
             eb.append(comm)
             ta.append(0.0)
-    return round_latency(ef, eb, m, ta)[0]
+    return round_latency(ef, eb, m, ta)[0] + cm.round_overhead_s([d for _, _, group in layout for d in group])

@@ -60,7 +60,7 @@ def _default_title(plan: Plan, timeline: Timeline) -> str:
     return (
         f"{plan.strategy} plan, epoch {plan.epoch}: P={len(plan.stages)}, M={o.micro_batches} × B={o.micro_batch_size}"
         f" | predicted round {plan.round_latency_s:.3g} s ({plan.throughput_sps:.3g} samples/s),"
-        f" simulated {timeline.makespan_s:.3g} s"
+        f" simulated {timeline.makespan_s + plan.round_overhead_s:.3g} s"
     )
 
 

@@ -70,19 +70,24 @@ class StagePlan(BaseModel):
 
 
 class CommStepPlan(BaseModel):
-    """The link step between stage ``after`` and stage ``after + 1``: bytes per micro-batch each way."""
+    """The link step between stage ``after`` and stage ``after + 1``: bytes per micro-batch each way, and the
+    messages they are sent as (the slowest device's count; each costs the link's per-message seconds)."""
 
     model_config = ConfigDict(frozen=True)
 
     after: int = Field(ge=0, lt=MAX_DEVICES)
     bytes_per_microbatch: int = Field(ge=0)
     bandwidth_bps: float = Field(gt=0)
+    messages: int = Field(default=1, ge=0, le=2**31)
     forward_s: float = Field(ge=0)
     backward_s: float = Field(ge=0)
 
 
 class Plan(BaseModel):
-    """A training plan and its prediction. ``epoch`` versions a job's plans (a re-plan increments it)."""
+    """A training plan and its prediction. ``epoch`` versions a job's plans (a re-plan increments it).
+
+    ``round_latency_s`` is the schedule's round (Eqs. 4-6) plus ``round_overhead_s``, the coordinator's requests of
+    a round (a round trip through the hub), which the schedule's steps do not hold."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -95,6 +100,7 @@ class Plan(BaseModel):
     comm_steps: list[CommStepPlan] = Field(max_length=MAX_DEVICES)
     dominant_step: int = Field(ge=0)
     round_latency_s: float = Field(gt=0)
+    round_overhead_s: float = Field(default=0.0, ge=0)
     throughput_sps: float = Field(gt=0)
     epoch: int = Field(default=0, ge=0, le=MAX_EPOCH)
 

@@ -3,7 +3,9 @@
 Per device: forward seconds of any unit range at micro-batch b (prefix sums of per-unit times, interpolated
 piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the Asteroid cost
 model's rule); per unit range: inference memory = weights + buffers + the largest live activation (a unit's
-input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction) and latency (s).
+input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction), latency (s) and the fixed
+seconds per message (``message_s``: every micro-batch crosses a stage boundary as one tensor, one message per 1 MiB
+chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured before it existed).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.vocabulary import link_matrices, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrix, static_bytes, unit_times
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
@@ -39,6 +41,14 @@ class ServeCosts:
     batch: int
     fingerprint: str
     unit_names: tuple[str, ...]
+    message: np.ndarray | None = None  # (N, N) seconds per message; None: no per-message cost
+
+    def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
+        """Per-message seconds of a tensor of ``nbytes`` (one or an array) from device a to b: one message per
+        1 MiB chunk, at least one (``vocabulary.messages``); 0 without a per-message cost."""
+        if self.message is None:
+            return 0.0
+        return message_counts(np.asarray(nbytes)) * self.message[a, b]
 
     @property
     def n(self) -> int:
@@ -64,7 +74,8 @@ class ServeCosts:
 
     def transfer_s(self, a: int, b: int, cut_after: int) -> float:
         """Seconds for one micro-batch of unit ``cut_after``'s output from device a to b."""
-        return float(self.cut_bytes[cut_after] / self.bw[a, b] + self.latency[a, b])
+        return float(self.cut_bytes[cut_after] / self.bw[a, b] + self.latency[a, b]
+                     + self.message_s(a, b, self.cut_bytes[cut_after]))
 
 
 def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()) -> ServeCosts:
@@ -79,6 +90,7 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
     nodes = tuple(e.device.node for e in entries)
     fwd = np.stack([forward_prefix(e.compute, len(units), batch, e.device.node, model.fingerprint) for e in entries])
     bw, lat = link_matrices(cluster.links, nodes)
+    message = message_matrix(cluster.links, nodes)
     out_b = np.array([u.output_bytes_per_sample for u in units], dtype=np.float64)
     in_b = np.concatenate(([float(model.input_bytes_per_sample)], out_b[:-1]))
     return ServeCosts(
@@ -88,4 +100,4 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
         static_prefix=np.concatenate(([0.0], np.cumsum([static_bytes(u.weight_bytes, u.buffer_bytes, None)
                                                        for u in units], dtype=np.float64))),
         live=batch * (in_b + out_b), batch=batch, fingerprint=model.fingerprint,
-        unit_names=tuple(u.name for u in units))
+        unit_names=tuple(u.name for u in units), message=message if message.any() else None)

@@ -1,7 +1,8 @@
 """``plan_serving``: the serve-pipeline planner for a real, profiled cluster (spec 2.7 and beyond).
 
 The objective restores the paper's Eq. (1): beta = max over stages of the stage's forward time on its device
-at the micro-batch size, and over links of bytes / bandwidth + latency. Every device has its own memory
+at the micro-batch size, and over links of bytes / bandwidth + latency + the link's seconds per message for each
+message the micro-batch is sent as (edgeswarm.planning.serve.costs). Every device has its own memory
 budget (a stage must fit the device holding it), devices may be left out, and fewer stages are allowed.
 Candidate cut points are the boundaries between the profile's units (units already are linearised segments).
 
@@ -175,7 +176,8 @@ def exact_search(costs: ServeCosts, devices: Sequence[int], max_stages: int) -> 
         ok = upper & (mem <= costs.budgets[d])
         comp.append(np.where(ok, c, inf))
     xfer = {(i, j): np.concatenate(([inf], costs.cut_bytes / costs.bw[devs[i], devs[j]]
-                                    + costs.latency[devs[i], devs[j]]))
+                                    + costs.latency[devs[i], devs[j]]
+                                    + costs.message_s(devs[i], devs[j], costs.cut_bytes)))
             for i in range(k) for j in range(k) if i != j}  # xfer[(i, j)][e]: cut after unit e-1
     g: dict[tuple[int, int], np.ndarray] = {}
     back: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
