@@ -17,10 +17,11 @@ def package_of(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def imported_layers(path: Path) -> set[str]:
-    """The layers ``path`` imports at module level."""
+def imported_layers(path: Path, *, late: bool = False) -> set[str]:
+    """The layers ``path`` imports at module level (``late``: anywhere, in functions and for type checking too)."""
+    tree = ast.parse(path.read_text())
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree) if late else tree.body:
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
@@ -85,22 +86,6 @@ def test_the_cycle_finder_finds_one() -> None:
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
-def all_imported_layers(path: Path) -> set[str]:
-    """The layers ``path`` imports anywhere: at module level, in functions, or for type checking."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "edgeswarm" and len(parts) > 1:
-                out.add(parts[1])
-    return out
-
-
 def test_no_workload_package_imports_another() -> None:
     """What workloads share sits below them (runtime, state, data, models, planning): a workload's package never
     imports another's, not even late."""
@@ -110,5 +95,5 @@ def test_no_workload_package_imports_another() -> None:
     assert len(packages) == len(BUILTIN), "each built-in kind has a package of its own"
     for package in packages:
         for path in (LIBRARY / package).rglob("*.py"):
-            others = all_imported_layers(path) & (packages - {package})
+            others = imported_layers(path, late=True) & (packages - {package})
             assert not others, f"{path.relative_to(LIBRARY)} imports the workload package(s) {sorted(others)}"

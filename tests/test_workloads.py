@@ -23,7 +23,8 @@ def test_every_example_parses_as_its_kind() -> None:
     for path in sorted(EXAMPLES.glob("*.yaml")):
         spec = parse_spec_text(path.read_text(), source=str(path))
         kinds[path.name] = type(spec)
-    assert kinds == {"lenet5-env-d.yaml": JobSpec, "mobilenetv2-env-d.yaml": JobSpec, "serve-mobilenetv2.yaml": ServeSpec}
+    assert kinds == {"lenet5-env-d.yaml": JobSpec, "mobilenetv2-env-d.yaml": JobSpec,
+                     "serve-mobilenetv2.yaml": ServeSpec}
 
 
 def test_a_spec_without_kind_is_training_and_an_unknown_kind_names_the_kinds() -> None:

@@ -13,12 +13,12 @@ from rich.markup import escape
 from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.plan import print_serve_plan
-from edgeswarm.cli.train import job_bus, read_spec
+from edgeswarm.cli.train import job_bus, read_spec, submit_printing_events
 from edgeswarm.errors import ConfigError
-from edgeswarm.messages.jobs import FINISHED, JobEvent, JobState
+from edgeswarm.messages.jobs import FINISHED, JobState
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
-from edgeswarm.workloads.client import JobFollower, JobRequestError, job_states, submit_job
+from edgeswarm.workloads.client import JobRequestError, job_states
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = spec.name  # type: ignore[attr-defined]
     bus = job_bus(args)
     try:
-        def on_event(event: JobEvent) -> None:
-            console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
-
-        follower = JobFollower(bus, name, on_event=on_event)
-        accepted = submit_job(bus, text, submission=follower.submission)
-        console.print(f"job {name} submitted: {accepted.detail}")
+        follower = submit_printing_events(bus, name, text)
         if args.no_wait:
             return 0
         deadline = time.monotonic() + args.timeout

@@ -292,17 +292,23 @@ def _progress_cells(state: JobState) -> tuple[str, str]:
     return summary.progress, summary.figures
 
 
+def submit_printing_events(bus: Bus, name: str, text: str) -> JobFollower:
+    """Submit the spec ``text`` of job ``name`` with a follower that prints each of its events; returns it."""
+    def on_event(event: JobEvent) -> None:
+        console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
+
+    follower = JobFollower(bus, name, on_event=on_event)
+    accepted = submit_job(bus, text, submission=follower.submission)
+    console.print(f"job {name} submitted: {accepted.detail}")
+    return follower
+
+
 def run_job_spec(args: argparse.Namespace, name: str, text: str) -> int:
     """Submit the spec ``text`` of job ``name`` (of any kind) and, with ``--wait``, print its events and follow it
     to its end: 0 when it succeeded."""
     bus = job_bus(args)
     try:
-        def on_event(event: JobEvent) -> None:
-            console.print(f"[dim]{event.kind}[/dim] {escape(event.detail)}", highlight=False)
-
-        follower = JobFollower(bus, name, on_event=on_event)
-        accepted = submit_job(bus, text, submission=follower.submission)
-        console.print(f"job {name} submitted: {accepted.detail}")
+        follower = submit_printing_events(bus, name, text)
         if not args.wait:
             return 0
         final = follower.wait(args.timeout)

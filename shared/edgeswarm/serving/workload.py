@@ -10,7 +10,7 @@ from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.serving import InferError, InferRequest, ServeTensor
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.serving.spec import ServeProgress, ServeSpec
-from edgeswarm.workloads.base import JobContext, JobSummary, Workload
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 
 
@@ -40,11 +40,10 @@ class ServePipelineWorkload(Workload):
 
     def summary(self, state: JobState) -> JobSummary:
         p = state.progress_as(ServeProgress)
-        figures = [f"{p.throughput_per_s:.1f} samples/s" if p.throughput_per_s is not None else "",
-                   f"p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
-                   f"p99 {p.latency_p99_s * 1000:.1f} ms" if p.latency_p99_s is not None else ""]
-        return JobSummary(progress=f"{p.answered} answered, {p.errors} errors",
-                          figures="  ".join(f for f in figures if f) or "-")
+        return JobSummary(progress=f"{p.answered} answered, {p.errors} errors", figures=figures_line(
+            f"{p.throughput_per_s:.1f} samples/s" if p.throughput_per_s is not None else "",
+            f"p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
+            f"p99 {p.latency_p99_s * 1000:.1f} ms" if p.latency_p99_s is not None else ""))
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, ServePlan)

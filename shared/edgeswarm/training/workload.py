@@ -15,7 +15,7 @@ from edgeswarm.training.driver import RoundReport
 from edgeswarm.training.jobs import JobSpec, StrategyPrediction, TrainProgress
 from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
 from edgeswarm.training.recovery import RecoveryReport
-from edgeswarm.workloads.base import JobContext, JobSummary, Workload
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 
 log = logging.getLogger(__name__)
@@ -121,12 +121,11 @@ class TrainWorkload(Workload):
 
     def summary(self, state: JobState) -> JobSummary:
         t = state.progress_as(TrainProgress)
-        figures = [f"loss {t.loss:.4f}" if t.loss is not None else "",
-                   f"accuracy {t.accuracy:.1%}" if t.accuracy is not None else "",
-                   f"{t.samples_per_s:.1f} samples/s" if t.samples_per_s is not None else ""]
-        return JobSummary(progress=f"{t.strategy} round {t.round}/{t.total_rounds or '?'}",
-                          figures="  ".join(f for f in figures if f) or "-", round=t.round,
-                          round_measured=t.round_s is not None)
+        figures = figures_line(f"loss {t.loss:.4f}" if t.loss is not None else "",
+                               f"accuracy {t.accuracy:.1%}" if t.accuracy is not None else "",
+                               f"{t.samples_per_s:.1f} samples/s" if t.samples_per_s is not None else "")
+        return JobSummary(progress=f"{t.strategy} round {t.round}/{t.total_rounds or '?'}", figures=figures,
+                          round=t.round, round_measured=t.round_s is not None)
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, Plan)

@@ -57,6 +57,11 @@ class JobSummary(BaseModel):
     round_measured: bool = False
 
 
+def figures_line(*figures: str) -> str:
+    """The non-empty ``figures`` joined for a summary's ``figures``, or "-" when there are none."""
+    return "  ".join(f for f in figures if f) or "-"
+
+
 class Workload(ABC):
     """One job kind and everything about it. Its spec, plan and progress types (``plan_type`` None: its jobs carry
     no plan in their state); ``planner``, the "module:attr" of its ``planning.entry.PlannerEntry`` (the planner
