@@ -591,6 +591,7 @@ def unreachable_reason(host: str, port: int, timeout_s: float = 2.0) -> str | No
         return exc.strerror or str(exc)
 
 
+@functools.lru_cache(maxsize=4096)  # checked on every publish, and a sender uses the same few topics over and over
 def topic_problem(topic: str) -> str | None:
     """Why a broker would refuse ``topic`` in a PUBLISH, or None if it is a valid topic name."""
     if not topic:
