@@ -400,7 +400,11 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     },
     ("edgeswarm.stage.tensor", 1): {
         "job_id": "str", "epoch": "int", "round": "int", "stage": "int",
-        "kind": ("enum", {"activation", "gradient", "allreduce"}), "sender": "int", "micro_batch": "int", "step": "int",
+        "kind": ("enum", {"activation", "gradient"}), "sender": "int", "micro_batch": "int",
+    },
+    ("edgeswarm.collective.tensor", 1): {
+        "job_id": "str", "epoch": "int", "scope": "int", "collective": "int", "step": "int", "sender": "int",
+        "resend": "bool",
     },
     ("edgeswarm.stage.save", 1): {"job_id": "str", "epoch": "int", "store_node": "str", "version": "int"},
     ("edgeswarm.stage.saved", 1): {
@@ -457,7 +461,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
 #: "always carry a tensor").
 TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
                             "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.serve.tensor",
-                            "edgeswarm.infer.request", "edgeswarm.infer.reply"})
+                            "edgeswarm.infer.request", "edgeswarm.infer.reply", "edgeswarm.collective.tensor"})
 
 
 def _is_int(value: object) -> bool:
@@ -873,7 +877,7 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
     if len(levels) == 6 and levels[1] == "node" and levels[4] in ("request", "data"):  # ... then the sender's node
         return _REQUEST_SCHEMAS if levels[4] == "request" else frozenset({
             "edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-            "edgeswarm.stage.tensor", "edgeswarm.stage.state"})
+            "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.collective.tensor"})
     if len(levels) == 5 and levels[1] == "node":
         return {
             "status": frozenset({"edgeswarm.status"}),

@@ -640,7 +640,7 @@ HANDLED: dict[str, list[type[Message]]] = {
     "checkpoint-store": [m.CheckpointTensor, m.CheckpointCommit, m.CheckpointLoad, m.CheckpointList],
     "profiler": [m.ProfileRequest, m.LinkProbe],
     "stage-worker": [m.StageAssign, m.RoundStart, m.StageSave, m.StageAbort, m.StageSendState, m.StageInventory,
-                     m.StageTensor, m.StageState],
+                     m.StageTensor, m.CollectiveTensor, m.StageState],
 }
 EXAMPLES = {"node-agent": 500, "planner": 500, "coordinator": 500, "checkpoint-store": 500, "profiler": 500,
             "stage-worker": 500}

@@ -1,4 +1,5 @@
-"""Ring AllReduce over an in-process transport: every rank gets the exact sum."""
+"""Training's ring AllReduce (``runtime.collectives`` with even slices) over an in-process transport: every rank gets
+the exact sum."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from edgeswarm.training.allreduce import chunk_bounds, ring_allreduce
+from edgeswarm.runtime.collectives import even_bounds, ring_all_reduce
 
 
 def _run_ring(vectors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -29,7 +30,7 @@ def _run_ring(vectors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int
             return chunk
 
         try:
-            results[rank] = ring_allreduce(vectors[rank], rank, size, send, recv)
+            results[rank] = ring_all_reduce(vectors[rank], rank, even_bounds(vectors[rank].numel(), size), send, recv)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
@@ -56,6 +57,6 @@ def test_every_rank_gets_the_sum_and_sends_the_ring_volume(size: int, length: in
     assert all(torch.equal(v, vectors[i]) for i, v in enumerate(vectors)), "inputs are not modified"
 
 
-def test_chunk_bounds_cover_the_vector() -> None:
-    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+def test_even_bounds_cover_the_vector() -> None:
+    assert even_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert even_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]

@@ -400,7 +400,7 @@ class Bus:
 
     def send_tensor(self, node: str, service: str, message: Message, value: Any, *,
                     timeout_s: float | None = None, peer_wait_s: float | None = None,
-                    expectation: Expectation | None = None) -> int:
+                    expectation: Expectation | None = None, qos: int = 1) -> int:
         """Send ``value`` (numpy or torch) with ``message`` to ``service`` on ``node``; returns bytes sent.
 
         The frames go to the data-plane broker the receiver advertises, in chunks that fit that
@@ -409,6 +409,8 @@ class Bus:
         timeout); answers to a peer pass 0, so an unknown sender never holds the answering thread.
         With ``expectation`` (from ``expect``) the tensor is a request: its envelope carries this instance's
         reply topic and the expectation's correlation id, and the answer resolves the expectation.
+        ``qos`` is the frames' MQTT QoS: 1 (at least once) or 0 (at most once: cheaper, a frame may be lost; the
+        sender then needs a deadline and a retry of its own, as ``runtime.collective_exchange`` has).
         Raises UnknownNodeError or PeerOfflineError if the receiver is not known to be online.
         """
         timeout = timeout_s or self.settings.publish_timeout_s
@@ -422,7 +424,7 @@ class Bus:
             env = self.sender.envelope(message)
         else:
             env = self.sender.envelope(message, correlation_id=expectation.correlation_id, reply_to=self.reply_topic)
-        return self._publish_frames(conn, topic, env, message, value, timeout, self._links.get(node))
+        return self._publish_frames(conn, topic, env, message, value, timeout, self._links.get(node), qos)
 
     def reply_tensor(self, request: Inbound, message: Message, value: Any) -> int:
         """Answer ``request`` with ``message`` and the tensor ``value`` on its ``reply_to`` topic (on the hub
@@ -437,7 +439,7 @@ class Bus:
                                     value, self.settings.publish_timeout_s, None)
 
     def _publish_frames(self, conn: MqttConnection, topic: str, env: Envelope, message: Message, value: Any,
-                        timeout: float, link: ShapedLink | None) -> int:
+                        timeout: float, link: ShapedLink | None, qos: int = 1) -> int:
         chunk = self.settings.chunk_bytes
         # The header (envelope and body) is at most the schema's cap, so when even that leaves room for a whole chunk
         # the size is known without encoding the header once more just to measure it (a third of a small send).
@@ -447,7 +449,7 @@ class Bus:
         options = mirrored(env, None)
         sent = 0
         for frame in tensor_frames(env, message, value, chunk):
-            send = partial(conn.publish, topic, frame, qos=1, options=options, timeout_s=timeout)
+            send = partial(conn.publish, topic, frame, qos=qos, options=options, timeout_s=timeout)
             if link is None:
                 send()
             else:

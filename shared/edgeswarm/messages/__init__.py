@@ -14,6 +14,7 @@ from edgeswarm.messages.checkpoints import (
     StageVersions,
 )
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
+from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, RequestRejected, Status
 from edgeswarm.messages.metrics import MetricsReport
@@ -75,6 +76,7 @@ __all__ = [
     "CheckpointSource",
     "CheckpointTensor",
     "ClusterEvent",
+    "CollectiveTensor",
     "ClusterView",
     "Heartbeat",
     "HeldBackup",

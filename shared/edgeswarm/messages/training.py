@@ -205,7 +205,7 @@ class StageAbort(Message):
     reason: str = Field(max_length=1024)
 
 
-StageTensorKind = Literal["activation", "gradient", "allreduce"]
+StageTensorKind = Literal["activation", "gradient"]
 
 
 @schema("edgeswarm.stage.tensor", 1)
@@ -213,8 +213,8 @@ class StageTensor(Message):
     """A tensor between stage-workers; always carries the tensor.
 
     ``activation``: rows of micro-batch ``micro_batch`` from rank ``sender`` of stage ``stage`` - 1 to stage
-    ``stage``. ``gradient``: the gradient rows back from rank ``sender`` of stage ``stage`` + 1.
-    ``allreduce``: chunk of ring step ``step`` from rank ``sender`` of the same stage.
+    ``stage``. ``gradient``: the gradient rows back from rank ``sender`` of stage ``stage`` + 1. (The group's
+    AllReduce sends its slices as ``CollectiveTensor``, ``messages.collectives``.)
     """
 
     job_id: Name
@@ -224,7 +224,6 @@ class StageTensor(Message):
     kind: StageTensorKind
     sender: int = Field(ge=0)
     micro_batch: int = Field(default=0, ge=0)
-    step: int = Field(default=0, ge=0)
 
 
 @schema("edgeswarm.stage.save", 1)

@@ -4,8 +4,9 @@ A StageAssign builds the stage (units [start, end) of the zoo model, initialised
 replica starts identical) and its optimizer. A RoundStart runs the device's strict 1F1B round
 (``training.executor``) on a round thread: the first stage reads its samples by id, the last its labels;
 activations go to the next group and gradient rows back to the device that sent them (spec 6.1); after the last
-backward the group sums its gradients with a ring AllReduce over MQTT and every replica steps its optimizer.
-Tensors travel through the stage's ``TensorExchange``. Tensors from another job or plan epoch are dropped with a
+backward the group sums its gradients with a ring AllReduce (``runtime.collectives``, its slices travelling as
+``CollectiveTensor`` through the stage's ``CollectivePort``) and every replica steps its optimizer. Tensors travel
+through the stage's ``TensorExchange``. Tensors from another job or plan epoch are dropped with a
 logged error; one of the wrong dtype or shape is dropped too and fails the round it belongs to at once; every wait
 has a timeout.
 
@@ -39,6 +40,7 @@ from typing import Any, NamedTuple
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import CheckpointTransferError, EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.training import (
     HeldBackup,
     HeldSnapshot,
@@ -57,6 +59,7 @@ from edgeswarm.messages.training import (
     StageStateSent,
     StageTensor,
 )
+from edgeswarm.runtime.collective_exchange import CollectivePort
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.outbox import Outbox
 from edgeswarm.runtime.program import WorkerContext
@@ -76,13 +79,12 @@ class RestoreError(EdgeswarmError):
 
 
 class TensorKey(NamedTuple):
-    """A stage's tensor of one round: ``kind`` for ``micro_batch`` (activations, gradients) or ring ``step``
-    (AllReduce chunks) from rank ``sender`` of the stage it comes from."""
+    """A stage's tensor of one round: ``kind`` (activations, gradients) for ``micro_batch`` from rank ``sender`` of
+    the stage it comes from. (The AllReduce's slices are ``CollectiveKey``s in the same exchange.)"""
 
     round: int
     kind: str
     micro_batch: int
-    step: int
     sender: int
 
     @property
@@ -91,8 +93,7 @@ class TensorKey(NamedTuple):
         return self.round
 
     def __str__(self) -> str:
-        return (f"{self.kind} tensor (round {self.round}, micro-batch {self.micro_batch}, step {self.step}, "
-                f"from rank {self.sender})")
+        return f"{self.kind} tensor (round {self.round}, micro-batch {self.micro_batch}, from rank {self.sender})"
 
 
 @dataclass
@@ -107,10 +108,19 @@ class _Stage:
     in_shape: tuple[int, ...]  # one sample's input to this stage
     out_shape: tuple[int, ...]  # one sample's output of this stage
     names: list[frozenset[str]]  # every unit's parameter and buffer names
-    exchange: TensorExchange[TensorKey]
+    exchange: TensorExchange[Any]  # TensorKey and CollectiveKey
     # Held by a round while it uses the stage, and by a restore that reuses the stage's module.
     round_lock: threading.Lock = field(default_factory=threading.Lock)
     used: float = field(default_factory=time.monotonic)  # last assignment or round: the idlest gives way first
+    collectives: CollectivePort = field(init=False)  # the group's AllReduce over ``exchange``
+
+    def __post_init__(self) -> None:
+        self.collectives = CollectivePort(self.exchange, self.spec.job_id, epoch=self.spec.epoch)
+
+    @property
+    def ring(self) -> list[str]:
+        """The nodes of this stage's data-parallel group, by rank: the AllReduce's ring."""
+        return self.spec.groups[self.spec.stage]
 
 
 class TrainingProgram:
@@ -119,7 +129,7 @@ class TrainingProgram:
 
     handles: tuple[type[Message], ...] = (StageAssign, RoundStart, StageSave, StageAbort, StageSendState,
                                           StageInventory)
-    tensors: tuple[type[Message], ...] = (StageTensor, StageState)
+    tensors: tuple[type[Message], ...] = (StageTensor, CollectiveTensor, StageState)
 
     def __init__(self, ctx: WorkerContext, *, wait_s: float = 120.0) -> None:
         self._ctx = ctx
@@ -147,6 +157,8 @@ class TrainingProgram:
     def on_tensor(self, msg: Inbound) -> None:
         if isinstance(msg.body, StageTensor):
             self._on_tensor(msg)
+        elif isinstance(msg.body, CollectiveTensor):
+            self._on_collective(msg)
         else:
             self._on_state(msg)
 
@@ -219,7 +231,7 @@ class TrainingProgram:
                                             parameters=params, restored_bytes=restored,
                                             restore_s=time.monotonic() - started))
 
-    def _exchange(self, spec: StageAssign) -> TensorExchange[TensorKey]:
+    def _exchange(self, spec: StageAssign) -> TensorExchange[Any]:
         return TensorExchange(self._ctx.bus, self._ctx.service, wait_s=self._wait_s, scope_name="round",
                               name=f"job {spec.job_id} epoch {spec.epoch} stage {spec.stage} rank {spec.rank}",
                               compute=self._ctx.compute)
@@ -493,17 +505,38 @@ class TrainingProgram:
 
     # --- tensors --------------------------------------------------------------------------------------
 
+    def _tensor_stage(self, msg: Inbound, job_id: str, epoch: int, kind: str) -> _Stage | None:
+        """The stage a peer's tensor is for, or None (counted and logged) when this worker holds no stage of its
+        job and plan epoch."""
+        with self._ready:
+            st = self._stages.get(job_id)
+        if st is None or epoch != st.spec.epoch:
+            self._ctx.metrics.count("stage_tensors_dropped.epoch")
+            _limited.log(logging.ERROR, "epoch", "dropped a %s tensor for job %s epoch %d from %s: this worker "
+                         "holds %s", kind, job_id, epoch, msg.sender,
+                         f"job {st.spec.job_id} epoch {st.spec.epoch}" if st else "no stage of that job")
+            return None
+        return st
+
+    def _on_collective(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, CollectiveTensor)
+        st = self._tensor_stage(msg, body.job_id, body.epoch, "collective")
+        if st is None:
+            return
+        refused = st.collectives.accept(msg, st.ring, st.spec.rank)
+        if refused is None:
+            return
+        # A forged one is dropped without failing the round (the genuine tensor still comes); a bad one failed it.
+        self._ctx.metrics.count(f"stage_tensors_dropped.{'shape' if refused.reason == 'tensor' else refused.reason}")
+        _limited.log(logging.ERROR, refused.reason, "dropped %s", refused.detail)
+
     def _on_tensor(self, msg: Inbound) -> None:
         body = msg.body
         assert isinstance(body, StageTensor)
         metrics = self._ctx.metrics
-        with self._ready:
-            st = self._stages.get(body.job_id)
-        if st is None or body.epoch != st.spec.epoch:
-            metrics.count("stage_tensors_dropped.epoch")
-            _limited.log(logging.ERROR, "epoch", "dropped a %s tensor for job %s epoch %d from %s: this worker "
-                         "holds %s", body.kind, body.job_id, body.epoch, msg.sender,
-                         f"job {st.spec.job_id} epoch {st.spec.epoch}" if st else "no stage of that job")
+        st = self._tensor_stage(msg, body.job_id, body.epoch, body.kind)
+        if st is None:
             return
         forged = _forged(st, body, msg)
         if forged is not None:  # dropped without failing the round: the genuine tensor still comes
@@ -520,8 +553,7 @@ class TrainingProgram:
             st.exchange.fail(body.round, f"dropped {problem}")
             return
         assert msg.tensor is not None
-        st.exchange.put(TensorKey(body.round, body.kind, body.micro_batch, body.step, body.sender),
-                        msg.tensor.to_torch())
+        st.exchange.put(TensorKey(body.round, body.kind, body.micro_batch, body.sender), msg.tensor.to_torch())
 
     def _send(self, st: _Stage, stage: int, rank: int, tensor: Any, **tags: Any) -> None:
         """Queue ``tensor`` for rank ``rank`` of stage ``stage`` on that peer's outbox (it must not change after)."""
@@ -569,13 +601,14 @@ class TrainingProgram:
             return
         finally:
             st.exchange.forget(round_index)
+            st.collectives.forget(round_index)
             self._gauges()
         metrics.count("rounds")
         self._ctx.bus.reply(msg, done)
 
     def _run_round(self, st: _Stage, round_index: int) -> RoundDone:
         from edgeswarm.devices.compute import to_compute
-        from edgeswarm.training.allreduce import ring_allreduce
+        from edgeswarm.runtime.collectives import even_bounds, ring_all_reduce
         from edgeswarm.training.data import round_sample_ids
         from edgeswarm.training.executor import DeviceIO, Position, Recv, device_round, run_blocking
         from edgeswarm.training.routing import stage_sample_ids
@@ -610,17 +643,12 @@ class TrainingProgram:
                 st.optimizer.zero_grad(set_to_none=True)
 
         def recv(request: Recv) -> Any:
-            key = TensorKey(round_index, request.kind, request.micro_batch, 0, request.peer)
+            key = TensorKey(round_index, request.kind, request.micro_batch, request.peer)
             return exchange.wait(key, rows=request.rows)
 
         def group_sum(flat: Any) -> Any:
-            def send_chunk(to: int, ring_step: int, chunk: Any) -> None:
-                self._send(st, p, to, chunk, round=round_index, kind="allreduce", step=ring_step)
-
-            def recv_chunk(frm: int, ring_step: int) -> Any:
-                return exchange.wait(TensorKey(round_index, "allreduce", 0, ring_step, frm))
-
-            return ring_allreduce(flat, r, len(spec.groups[p]), send_chunk, recv_chunk)
+            send_slice, recv_slice = st.collectives.ring(st.ring, r, round_index)
+            return ring_all_reduce(flat, r, even_bounds(flat.numel(), len(st.ring)), send_slice, recv_slice)
 
         exchange.blocked_s = 0.0
         io = DeviceIO(batch=batch, send=send, compute=compute, after_forward=partial(self._check_memory, st),
@@ -723,9 +751,10 @@ def _sample_shapes(sequence: Any, spec: StageAssign) -> tuple[tuple[int, ...], t
 
 
 def _forged(st: _Stage, body: StageTensor, msg: Inbound) -> str | None:
-    """Why a tensor does not come from the device of the plan whose stage and rank it claims, or None."""
+    """Why an activation or gradient does not come from the device of the plan whose stage and rank it claims, or
+    None. (The AllReduce's slices have the ring's own check: ``CollectivePort.accept``.)"""
     spec = st.spec
-    source = {"activation": spec.stage - 1, "gradient": spec.stage + 1, "allreduce": spec.stage}[body.kind]
+    source = {"activation": spec.stage - 1, "gradient": spec.stage + 1}[body.kind]
     group = spec.groups[source] if 0 <= source < len(spec.groups) and body.stage == spec.stage else []
     if body.sender < len(group) and group[body.sender] == msg.envelope.sender_node:
         return None
