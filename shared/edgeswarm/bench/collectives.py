@@ -123,6 +123,11 @@ def run_collectives_bench(*, peers: tuple[int, ...] = DEFAULT_PEERS, sizes: tupl
         if not 4 <= size <= MAX_SIZE or size % 4:
             raise ValueError(f"a size is a whole number of float32 elements up to {MAX_SIZE} bytes, not {size}")
     broker = start_broker("mosquitto" if mosquitto_binary() else "auto")
+    # One torch thread: the slices' arithmetic is tiny, and with several ranks in one process torch's OpenMP pool
+    # spins on both cores between operations, starving the network threads and the broker (it doubled the time of
+    # a 1 MB AllGather between two peers here).
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         settings = Settings(hub_url=broker.url)
         progress("loopback bulk rate")
@@ -144,6 +149,7 @@ def run_collectives_bench(*, peers: tuple[int, ...] = DEFAULT_PEERS, sizes: tupl
         return CollectivesReport(broker=f"{broker.kind} {broker.url}", chunk_bytes=settings.chunk_bytes,
                                  loopback_mb_s=loopback / 1e6, rate=rate, rows=rows)
     finally:
+        torch.set_num_threads(torch_threads)
         broker.stop()
 
 
