@@ -380,8 +380,10 @@ def test_forged_and_misplaced_senders_are_refused(make_bus) -> None:
                             torch.empty(0))
         wait_until(lambda: len(peers.refused[1]) == 3 and len(peers.refused[0]) == 1, timeout_s=10)
         assert all(r.reason == "sender" for rs in peers.refused for r in rs), peers.refused
-        assert "mallory" in peers.refused[1][0].detail and "rank 0 of the ring is n0" in peers.refused[1][0].detail
-        assert "only rank 0 sends that to rank 1" in peers.refused[1][2].detail
+        # Different senders' messages arrive in any order (their own connections, their own inbox shards).
+        details = [r.detail for r in peers.refused[1]]
+        assert any("mallory" in d and "rank 0 of the ring is n0" in d for d in details), details
+        assert any("only rank 0 sends that to rank 1" in d for d in details), details
         vectors = [torch.arange(30.0) * (r + 1) for r in range(3)]
         summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=7)
         assert all(torch.equal(s, torch.arange(30.0) * 6) for s in summed), summed
