@@ -89,11 +89,21 @@ def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
                  f"sender={env.sender_node}/{env.sender_service}/{env.sender_instance}")
 
 
-@lru_cache(maxsize=4096)
 def _writer_of(topic: str) -> tuple[str | None, bool]:
     """``topic``'s writer and whether a node owns it: a service sees the same few topics over and over, and
-    parsing them again for every message cost a microsecond each."""
+    parsing them again for every message cost a microsecond each. Only short topics are remembered, so what the
+    table holds stays small whatever topics arrive."""
+    if len(topic) > _REMEMBERED_TOPIC_CHARS:
+        return _parse_writer(topic)
+    return _remembered_writer(topic)
+
+
+def _parse_writer(topic: str) -> tuple[str | None, bool]:
     return topics.writer_of(topic), topics.owner_of(topic) is not None
+
+
+_REMEMBERED_TOPIC_CHARS = 256
+_remembered_writer = lru_cache(maxsize=4096)(_parse_writer)
 
 
 def check_writer(topic: str, envelope: Envelope, body: Message) -> None:

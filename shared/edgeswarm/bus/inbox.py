@@ -80,9 +80,10 @@ class Inbox:
         index = self._shard_of.get(msg.topic)
         if index is None:
             index = zlib.crc32(msg.topic.encode()) % len(self._shards)
-            if len(self._shard_of) >= 4096:  # bounded: topics come from the broker, senders name their own
-                self._shard_of.clear()
-            self._shard_of[msg.topic] = index
+            if len(msg.topic) <= 256:  # bounded, in entries and size: topics come from the broker, senders name them
+                if len(self._shard_of) >= 4096:
+                    self._shard_of.clear()
+                self._shard_of[msg.topic] = index
         shard = self._shards[index]
         if not shard.put(msg):
             try:

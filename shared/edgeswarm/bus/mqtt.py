@@ -591,9 +591,13 @@ def unreachable_reason(host: str, port: int, timeout_s: float = 2.0) -> str | No
         return exc.strerror or str(exc)
 
 
-@functools.lru_cache(maxsize=4096)  # checked on every publish, and a sender uses the same few topics over and over
 def topic_problem(topic: str) -> str | None:
     """Why a broker would refuse ``topic`` in a PUBLISH, or None if it is a valid topic name."""
+    # Checked on every publish, and a sender uses the same few topics over and over: short ones are remembered.
+    return _remembered_topic_problem(topic) if len(topic) <= 256 else _topic_problem(topic)
+
+
+def _topic_problem(topic: str) -> str | None:
     if not topic:
         return "a topic is never empty"
     bad = _BAD_TOPIC_CHARS.search(topic)
@@ -604,6 +608,9 @@ def topic_problem(topic: str) -> str | None:
     except UnicodeEncodeError:
         return "a topic is valid UTF-8 (this one holds a lone surrogate)"
     return f"a topic is at most 65535 bytes (this one is {size})" if size > 65535 else None
+
+
+_remembered_topic_problem = functools.lru_cache(maxsize=4096)(_topic_problem)
 
 
 def _utf8(data: bytes) -> bytes:
