@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from edgeswarm import topics
@@ -89,17 +89,36 @@ def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:
                  f"sender={env.sender_node}/{env.sender_service}/{env.sender_instance}")
 
 
+def _writer_of(topic: str) -> tuple[str | None, bool]:
+    """``topic``'s writer and whether a node owns it: a service sees the same few topics over and over, and
+    parsing them again for every message cost a microsecond each. Only short topics are remembered, so what the
+    table holds stays small whatever topics arrive."""
+    if len(topic) > _REMEMBERED_TOPIC_CHARS:
+        return _parse_writer(topic)
+    return _remembered_writer(topic)
+
+
+def _parse_writer(topic: str) -> tuple[str | None, bool]:
+    return topics.writer_of(topic), topics.owner_of(topic) is not None
+
+
+_REMEMBERED_TOPIC_CHARS = 256
+_remembered_writer = lru_cache(maxsize=4096)(_parse_writer)
+
+
 def check_writer(topic: str, envelope: Envelope, body: Message) -> None:
     """Raise WireError (``forged_sender``) unless ``envelope``'s sender is the node ``topic`` names as its writer,
     and on a node's own topics a body that names a node (a Status, a profile report) names that node too."""
-    writer = topics.writer_of(topic)
+    writer, owned = _writer_of(topic)
     if writer is None:
         return
     if envelope.sender_node != writer:
         raise WireError(f"{envelope.schema_name} on {topic[:256]} says it is from {envelope.sender_node}, but only "
                         f"{writer} may write there", reason="forged_sender")
+    if not owned:
+        return
     named = getattr(body, "node", writer)
-    if topics.owner_of(topic) is not None and named != writer:
+    if named != writer:
         raise WireError(f"{envelope.schema_name} on {topic[:256]} from {writer} speaks for node {named!s:.64}",
                         reason="forged_sender")
 
@@ -224,6 +243,7 @@ class Bus:
         self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics,
                             on_drop=self._on_dropped)
         self._pool: dict[str, MqttConnection] = {}
+        self._conn_by_url: dict[str, MqttConnection] = {}  # URLs as given -> their pooled connection
         self._pool_lock = threading.Lock()
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
@@ -430,8 +450,12 @@ class Bus:
 
     def _publish_frames(self, conn: MqttConnection, topic: str, env: Envelope, message: Message, value: Any,
                         timeout: float, link: ShapedLink | None, qos: int = 1) -> int:
-        headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
-        chunk = max(1024, min(self.settings.chunk_bytes, conn.max_packet_bytes - headroom))
+        chunk = self.settings.chunk_bytes
+        # The header (envelope and body) is at most the schema's cap, so when even that leaves room for a whole chunk
+        # the size is known without encoding the header once more just to measure it (a third of a small send).
+        if conn.max_packet_bytes - (8 + message.MAX_BYTES + len(topic) + _CHUNK_HEADROOM) < chunk:
+            headroom = len(encode(env, message)) + len(topic) + _CHUNK_HEADROOM
+            chunk = max(1024, min(chunk, conn.max_packet_bytes - headroom))
         options = mirrored(env, None)
         sent = 0
         for frame in tensor_frames(env, message, value, chunk):
@@ -447,6 +471,9 @@ class Bus:
 
     def connection_for(self, url: str, timeout_s: float = 10.0) -> MqttConnection:
         """The pooled connection to the broker at ``url``, connecting on first use."""
+        known = self._conn_by_url.get(url)  # every send asks; parsing the URL each time cost 3 us a message
+        if known is not None:
+            return known
         key = parse_broker_url(url).url
         with self._pool_lock:
             conn = self._pool.get(key)
@@ -454,6 +481,8 @@ class Bus:
                 conn = self._make_connection(key, f"dp{len(self._pool)}", None, None)
                 conn.connect(timeout_s)
                 self._pool[key] = conn
+            if len(self._conn_by_url) < 1024:  # bounded: the URLs come from peers' statuses
+                self._conn_by_url[url] = conn
         return conn
 
     # --- inbound ------------------------------------------------------------------------------------

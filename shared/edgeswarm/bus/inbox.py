@@ -71,12 +71,20 @@ class Inbox:
                  metrics: Metrics, on_drop: Callable[[InboundMessage, int], None]) -> None:
         per_shard = max(16, capacity // workers)
         self._on_drop = on_drop
+        self._shard_of: dict[str, int] = {}  # topic -> its shard, remembered (only the network threads put)
         self._shards = [_Shard(f"{name}-worker-{i}", per_shard, handle, metrics) for i in range(workers)]
 
     def put(self, msg: InboundMessage) -> None:
         """Queue ``msg`` without blocking; a message that does not fit is acknowledged and handed to ``on_drop``
         (with the shard's depth), which counts, logs and answers it without blocking."""
-        shard = self._shards[zlib.crc32(msg.topic.encode()) % len(self._shards)]
+        index = self._shard_of.get(msg.topic)
+        if index is None:
+            index = zlib.crc32(msg.topic.encode()) % len(self._shards)
+            if len(msg.topic) <= 256:  # bounded, in entries and size: topics come from the broker, senders name them
+                if len(self._shard_of) >= 4096:
+                    self._shard_of.clear()
+                self._shard_of[msg.topic] = index
+        shard = self._shards[index]
         if not shard.put(msg):
             try:
                 self._on_drop(msg, len(shard))

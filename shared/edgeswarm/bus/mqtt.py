@@ -593,6 +593,11 @@ def unreachable_reason(host: str, port: int, timeout_s: float = 2.0) -> str | No
 
 def topic_problem(topic: str) -> str | None:
     """Why a broker would refuse ``topic`` in a PUBLISH, or None if it is a valid topic name."""
+    # Checked on every publish, and a sender uses the same few topics over and over: short ones are remembered.
+    return _remembered_topic_problem(topic) if len(topic) <= 256 else _topic_problem(topic)
+
+
+def _topic_problem(topic: str) -> str | None:
     if not topic:
         return "a topic is never empty"
     bad = _BAD_TOPIC_CHARS.search(topic)
@@ -603,6 +608,9 @@ def topic_problem(topic: str) -> str | None:
     except UnicodeEncodeError:
         return "a topic is valid UTF-8 (this one holds a lone surrogate)"
     return f"a topic is at most 65535 bytes (this one is {size})" if size > 65535 else None
+
+
+_remembered_topic_problem = functools.lru_cache(maxsize=4096)(_topic_problem)
 
 
 def _utf8(data: bytes) -> bytes:
@@ -629,3 +637,85 @@ def packet_size(topic: str, payload_len: int, qos: int, props: Properties | None
 
 _ENVELOPE_KEY = _utf8(b"edgeswarm")
 _MAX_EXPIRY_S = 2**32 - 1  # the largest Message Expiry Interval (seconds) an MQTT 5 property can carry
+
+
+class RawPeer:
+    """Bare paho for baselines only (``edgeswarm bench collectives``): publishes raw payloads and counts what
+    arrives on one topic, nothing encoded, decoded, checked or handed to another thread.
+
+    It is what the bus does per message with everything of edgeswarm's taken away, so a benchmark can put the bus
+    next to it in the same run: MQTT 5, clean start, TCP_NODELAY, QoS 1 with the same send window
+    (``window_messages`` unacknowledged messages at most; ``publish`` waits for room), acknowledged by paho on its
+    network thread as each message arrives. Not for anything but measurements: it validates nothing.
+    """
+
+    def __init__(self, url: str, client_id: str, topic: str, *, window_messages: int = 32,
+                 timeout_s: float = 10.0) -> None:
+        address = parse_broker_url(url)
+        self._window = window_messages
+        self._received = 0
+        self._arrived = threading.Condition()
+        self._progress = threading.Event()
+        self._client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        self._client.max_inflight_messages_set(window_messages)
+        self._client.max_queued_messages_set(window_messages)
+        self._client.on_socket_open = self._socket_open
+        self._client.on_message = self._message
+        self._client.on_publish = self._published
+        connected = threading.Event()
+        self._client.on_connect = lambda *_args: connected.set()
+        self._client.connect(address.host, address.port, keepalive=30, clean_start=True)
+        self._client.loop_start()
+        if not connected.wait(timeout_s):
+            self.close()
+            raise BrokerUnavailableError(f"the raw baseline client could not connect to {url}")
+        subscribed = threading.Event()
+        self._client.on_subscribe = lambda *_args: subscribed.set()
+        self._client.subscribe(topic, qos=1)
+        if not subscribed.wait(timeout_s):
+            self.close()
+            raise BrokerUnavailableError(f"the broker at {url} did not confirm the raw baseline's subscription")
+
+    @property
+    def received(self) -> int:
+        """Messages that arrived on this peer's topic so far."""
+        with self._arrived:
+            return self._received
+
+    def publish(self, topic: str, payload: bytes, timeout_s: float = 30.0) -> None:
+        """Publish ``payload`` at QoS 1, waiting up to ``timeout_s`` seconds for room in the send window."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._progress.clear()
+            info = self._client.publish(topic, payload, qos=1)
+            if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+                return
+            if time.monotonic() >= deadline:
+                raise PublishTimeoutError(f"the raw baseline's window of {self._window} stayed full")
+            self._progress.wait(0.02)
+
+    def wait_received(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` messages in all have arrived; False if they did not within ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while self._received < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(left)
+        return True
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def _socket_open(self, _client: paho.Client, _userdata: object, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _message(self, _client: paho.Client, _userdata: object, _msg: paho.MQTTMessage) -> None:
+        with self._arrived:
+            self._received += 1
+            self._arrived.notify_all()
+
+    def _published(self, *_args: object) -> None:
+        self._progress.set()

@@ -1,10 +1,11 @@
-"""``edgeswarm bench transport``."""
+"""``edgeswarm bench ...``: the commands' argument checks and tables (the measurements live in edgeswarm.bench)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 from rich.table import Table
@@ -17,6 +18,9 @@ from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids
+
+if TYPE_CHECKING:
+    from edgeswarm.bench.collectives import CollectivesReport
 
 QUICK_PLAN = {KB: 500, 64 * KB: 100, MB: 20, 16 * MB: 2}
 
@@ -305,3 +309,75 @@ def _run_bench_serving_measured(args: argparse.Namespace) -> int:
                       f"{(r.p50_s or 0) * 1000:.0f}", f"{(r.p99_s or 0) * 1000:.0f}")
     console.print(table)
     return 0 if all(r.error is None for r in rows) else 1
+
+
+_UNITS = {"B": 1, "KB": 1024, "KIB": 1024, "MB": 1024 * 1024, "MIB": 1024 * 1024}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``64KB``, ``1MB``, ``512B`` or a plain number (KB = 1024 bytes). Raises ConfigError."""
+    raw = text.strip().upper()
+    digits = raw.rstrip("KMIB")
+    unit = raw[len(digits):] or "B"
+    if not digits.isdigit() or unit not in _UNITS:
+        raise ConfigError(f"--sizes: {text!r} is not a size (write 1KB, 64KB, 1MB, 16MB or a number of bytes)")
+    return int(digits) * _UNITS[unit]
+
+
+def run_bench_collectives(args: argparse.Namespace) -> int:
+    """``edgeswarm bench collectives``: ring AllGather and ReduceScatter through the bus against the link and bare
+    paho, and the 1 KB two-instance rate (``edgeswarm.bench.collectives``)."""
+    from edgeswarm.bench.collectives import MAX_PEERS, MAX_SIZE, run_collectives_bench
+
+    if args.quick:
+        args.peers, args.sizes = "2,4", "1KB,1MB"
+        args.repeats = args.repeats or 5
+        args.rate_messages = min(args.rate_messages, 5000)
+    try:
+        peers = tuple(int(p) for p in args.peers.split(",") if p.strip())
+    except ValueError:
+        raise ConfigError(f"--peers: {args.peers!r} is not a comma-separated list of numbers") from None
+    bad_peers = [p for p in peers if not 2 <= p <= MAX_PEERS]
+    if not peers or bad_peers:
+        raise ConfigError(f"--peers: each count is 2 to {MAX_PEERS}, not {bad_peers or 'none'}")
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    bad_sizes = [s for s in sizes if not 4 <= s <= MAX_SIZE or s % 4]
+    if not sizes or bad_sizes:
+        raise ConfigError(f"--sizes: each is a whole number of float32 elements (a multiple of 4 bytes) up to "
+                          f"{MAX_SIZE // MB} MB, not {bad_sizes or 'none'}")
+    if args.repeats < 0 or args.rate_messages < 1:
+        raise ConfigError("--repeats must be 0 or more and --rate-messages at least 1")
+    report = run_collectives_bench(peers=peers, sizes=sizes, repeats=args.repeats or None,
+                                   rate_messages=args.rate_messages,
+                                   progress=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(report.model_dump_json(indent=2))
+    for line in collectives_lines(report):
+        console.print(line, highlight=False)
+    console.print(collectives_table(report))
+    return 0
+
+
+def collectives_lines(report: CollectivesReport) -> list[str]:
+    """The rate and the link, one line each."""
+    r = report.rate
+    return [f"{report.broker}, loopback bulk rate {report.loopback_mb_s:.0f} MB/s, chunks of "
+            f"{report.chunk_bytes // KB} KiB, QoS 1",
+            f"{r.payload_bytes // KB} KB one way between two instances: bus {r.bus_per_s:.0f} msg/s, bare paho "
+            f"{r.paho_per_s:.0f} msg/s, bus/paho {r.ratio:.2f} ({r.messages} messages)"]
+
+
+def collectives_table(report: CollectivesReport) -> Table:
+    """The collective rows: median time per collective through the bus, against bare paho and the link."""
+    from edgeswarm.bench.collectives import human_size
+
+    table = Table(title="ring collectives, float32, median per collective (bus: Bus + TensorExchange + "
+                        "CollectivePort; paho: the same frames and steps over bare paho)")
+    for col in ("op", "peers", "vector", "msgs", "bus ms", "paho ms", "bus/paho", "link ms", "bus/link", "msg/s"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for row in report.rows:
+        table.add_row(row.op, str(row.peers), human_size(row.size_bytes), str(row.messages), f"{row.bus_s * 1e3:.2f}",
+                      f"{row.paho_s * 1e3:.2f}", f"{row.over_paho:.2f}", f"{row.link_s * 1e3:.3f}",
+                      f"{row.over_link:.1f}", f"{row.messages_per_s:.0f}")
+    return table

@@ -122,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "temporary folder)")
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
+    collectives = bench_sub.add_parser("collectives", help="ring AllGather and ReduceScatter among 2 to 6 bus "
+                                       "instances against the link and bare paho; the 1 KB message rate")
+    collectives.add_argument("--peers", default="2,3,4,5,6", help="comma-separated peer counts, each 2 to 6")
+    collectives.add_argument("--sizes", default="1KB,64KB,1MB,16MB",
+                             help="comma-separated vector sizes (B, KB, MB; float32, up to 64MB)")
+    collectives.add_argument("--repeats", type=int, default=0,
+                             help="collectives timed per cell, the median shown (0: by size, 30 to 3)")
+    collectives.add_argument("--rate-messages", type=int, default=20000,
+                             help="1 KB messages for the two-instance rate (default 20000)")
+    collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
+    collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
@@ -223,6 +235,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_compute
 
             return run_bench_compute(args)
+        if args.command == "bench" and args.bench == "collectives":
+            from edgeswarm.cli.bench import run_bench_collectives
+
+            return run_bench_collectives(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 

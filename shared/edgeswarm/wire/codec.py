@@ -67,9 +67,11 @@ def encode(envelope: Envelope, body: Message, tensor: TensorDescriptor | None = 
     """Build one frame. ``raw`` is any bytes-like object (copied once, into the frame)."""
     header = msgpack.packb(
         {
-            "env": envelope.model_dump(),
+            # The envelope and the descriptor hold only plain values (str, int, float, None, a tuple of ints), so
+            # their field dicts are exactly what model_dump returns, at a tenth of its cost per frame.
+            "env": dict(envelope.__dict__),
             "body": body.model_dump(),
-            "tensor": None if tensor is None else tensor.model_dump(),
+            "tensor": None if tensor is None else dict(tensor.__dict__),
         },
         use_bin_type=True,
     )

@@ -8,6 +8,7 @@ says which versions this build understands.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Annotated, ClassVar, TypeVar
@@ -65,9 +66,28 @@ class Envelope(BaseModel):
     reply_to: str | None = Field(default=None, max_length=256)
 
 
+# Ids come from the OS's random source in batches: os.urandom releases the GIL, and on a busy process each call
+# then waited for the GIL to come back (28 us a message under load, the largest single cost of a small send).
+_ID_BATCH = 128
+_ids = threading.local()
+_id_generation = [0]  # bumped in a forked child, so it never hands out the ids its parent holds too
+
+
+def _forked() -> None:
+    _id_generation[0] += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def new_id() -> str:
-    """A random 128-bit id as 32 hex digits (the format of msg_id); faster than uuid4().hex."""
-    return os.urandom(16).hex()
+    """A random 128-bit id as 32 hex digits (the format of msg_id), from the OS's cryptographic source."""
+    pool: list[str] | None = getattr(_ids, "pool", None)
+    if not pool or getattr(_ids, "generation", -1) != _id_generation[0]:
+        digits = os.urandom(16 * _ID_BATCH).hex()
+        pool = _ids.pool = [digits[i : i + 32] for i in range(0, len(digits), 32)]
+        _ids.generation = _id_generation[0]
+    return pool.pop()
 
 
 class Sender(BaseModel):
