@@ -23,6 +23,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from edgeswarm import topics
+from edgeswarm.bus.inbound import Handler, Inbound, RawHandler, RawInbound
 from edgeswarm.bus.inbox import Inbox
 from edgeswarm.bus.mqtt import InboundMessage, MqttConnection, PublishOptions, TopicRouter, Will
 from edgeswarm.bus.peers import PeerDirectory
@@ -40,7 +41,7 @@ from edgeswarm.messages import RequestRejected, Status
 from edgeswarm.metrics import Metrics
 from edgeswarm.queue_worker import QueueWorker
 from edgeswarm.settings import Settings, parse_broker_url
-from edgeswarm.wire import Envelope, Message, Reassembler, Sender, WireTensor, decode, encode, tensor_frames
+from edgeswarm.wire import Envelope, Message, Reassembler, Sender, decode, encode, tensor_frames
 from edgeswarm.wire.codec import peek_envelope
 from edgeswarm.wire.schema import new_id
 
@@ -50,35 +51,6 @@ log = logging.getLogger(__name__)
 _CHUNK_HEADROOM = 1024
 
 
-@dataclass(frozen=True)
-class Inbound:
-    """A decoded, validated message as handlers see it. ``tensor`` is set for tensor-carrying messages."""
-
-    topic: str
-    envelope: Envelope
-    body: Message
-    tensor: WireTensor | None
-    retained: bool
-
-    @property
-    def sender(self) -> str:
-        return f"{self.envelope.sender_node}/{self.envelope.sender_service}"
-
-
-Handler = Callable[[Inbound], None]
-
-
-@dataclass(frozen=True)
-class RawInbound:
-    """A message exactly as it arrived, not decoded or checked: for tools that show the traffic itself."""
-
-    topic: str
-    payload: bytes
-    retained: bool
-    qos: int
-
-
-RawHandler = Callable[[RawInbound], None]
 
 
 def mirrored(env: Envelope, ttl_s: float | None) -> PublishOptions:

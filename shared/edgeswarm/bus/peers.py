@@ -11,7 +11,7 @@ from edgeswarm.membership import observed_at
 from edgeswarm.messages import Status
 
 if TYPE_CHECKING:
-    from edgeswarm.bus.bus import Inbound
+    from edgeswarm.bus.inbound import Inbound
 
 
 class PeerDirectory:
