@@ -192,3 +192,29 @@ def test_bench_compute_times_a_stage_here_and_names_a_bad_stage() -> None:
                           "--end", "3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "a stage [5, 3) is not among them" in bad.stderr
+
+
+@pytest.mark.parametrize("method", ["measured", "calibrated"])
+def test_a_profile_not_in_the_cache_is_timed_on_the_device_asked_for(tmp_path, monkeypatch, method: str) -> None:  # type: ignore[no-untyped-def]
+    """Found on an H200: the cache look-up once took the name of the compute device, so a GPU profile that missed
+    the cache was timed on the CPU. Checked here without a GPU: the timing is stopped where it starts."""
+    from edgeswarm.profiling import compute as timing
+    from edgeswarm.profiling.cache import ProfileCache
+    from edgeswarm.profiling.device import run_device_profile
+
+    asked: list[object] = []
+
+    class Timed(Exception):
+        pass
+
+    def fake_profile_model(*_args: object, compute: object = None, **_kwargs: object) -> None:
+        asked.append(compute)
+        raise Timed
+
+    monkeypatch.setattr(timing, "device_fingerprint", lambda device, compute: f"fp-{compute}")
+    monkeypatch.setattr(timing, "host_fingerprint", lambda compute: f"host-{compute}")
+    monkeypatch.setattr(timing, "profile_model", fake_profile_model)
+    with pytest.raises(Timed):
+        run_device_profile(ModelSpec(name="lenet5"), DeviceProfile.from_settings(Settings(node_id="gpu-0")), [1],
+                           cache=ProfileCache(tmp_path), method=method, node="gpu-0", compute=torch.device("cuda"))
+    assert asked == [torch.device("cuda")]

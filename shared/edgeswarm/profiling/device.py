@@ -119,10 +119,10 @@ def _profile(spec: ModelSpec, mfp: str, device: DeviceProfile, sizes: list[int],
     dfp = timing.device_fingerprint(device, compute)
 
     model = cache.model(mfp) if cache else None
-    compute = cache.compute(mfp, dfp, method, sizes) if cache else None
-    if model is not None and compute is not None:
+    cached = cache.compute(mfp, dfp, method, sizes) if cache else None
+    if model is not None and cached is not None:
         report(1.0, f"{spec.name} on {device.device_class}: cached ({method})")
-        return DeviceProfileResult(model, compute, _device_info(node, device, dfp, model, compute), True)
+        return DeviceProfileResult(model, cached, _device_info(node, device, dfp, model, cached), True)
 
     if method == "measured":
         report(0.0, f"timing every unit of {spec.name} on {device.device_class}")
