@@ -22,15 +22,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edgeswarm import topics
-from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import BusError, EdgeswarmError, JobCancelled, JobError
+from edgeswarm.bus import Inbound
+from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
+from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages.planning import PlanFailed, ServePlanReply, ServePlanRequest
+from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
 from edgeswarm.messages.serving import (
     InferError,
     InferErrorReason,
@@ -42,16 +43,14 @@ from edgeswarm.messages.serving import (
     ServeTensor,
     WeightsSource,
 )
-from edgeswarm.messages.training import StageFailed
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.runtime.client import ClusterWatcher, nodes_running
-from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.serving.spec import ServeSpec
 from edgeswarm.serving.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
 
 if TYPE_CHECKING:
@@ -60,7 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
-PLANNER_NODE = "hub"
 STALL_S = 30.0  # an item in flight this long with no device confirmed lost: re-deploy and replay anyway
 PUBLISH_EVERY_S = 1.0  # how often the job's state is published while it serves
 RECENT = 2048  # answers the latency percentiles and the throughput are measured over
@@ -98,19 +96,28 @@ class _Stats:
     done_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (monotonic, rows)
 
 
-class PipelineRunner:
-    """One serving job on the coordinator (see the module's docstring). ``run`` returns only by raising."""
+class PipelineRunner(CoordinatorProgram[ServePlan]):
+    """One serving job on the coordinator (see the module's docstring), on the coordinator skeleton: ``run``
+    returns only by raising. ``_plan`` is the plan items go to, None while the job (re)deploys."""
 
-    def __init__(self, ctx: JobContext, spec: ServeSpec, *, planner_node: str = PLANNER_NODE) -> None:
+    ready = ServeReady
+    part = "stage"
+    plan_noun = "serving plan"
+    too_large_advice = "In the job file: use a smaller micro_batch_size, or exclude devices (planner.exclude)"
+
+    def __init__(self, ctx: JobContext, spec: ServeSpec, *, planner_node: str = PLANNER_NODE,
+                 busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
         from edgeswarm.models.zoo import example_input
 
+        super().__init__(ctx.bus, name=spec.name, worker_service=STAGE_WORKER, cancel=ctx.cancel,
+                         timeout_s=ctx.timeout_s, exclude=spec.planner.exclude, planner_node=planner_node,
+                         busy_pause_s=busy_pause_s)
         self.ctx = ctx
-        self.bus: Bus = ctx.bus
         self.spec = spec
-        self.planner_node = planner_node
         sample = example_input(spec.model, 1)
         self.input_dtype = str(sample.dtype).removeprefix("torch.")
         self.input_shape = tuple(sample.shape[1:])
+        self.weights: WeightsSource | None = None
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._queued_bytes = 0
@@ -121,75 +128,103 @@ class PipelineRunner:
         self._accepting = False
         self._stopped = False
         self._stats = _Stats()
+        self._dispatcher: threading.Thread | None = None
 
-    # --- the job ------------------------------------------------------------------------------------
+    # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
     def run(self) -> None:
-        ctx, spec = self.ctx, self.spec
-        ctx.on_data(self.on_data)
-        watcher = ClusterWatcher(self.bus)
-        view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30, cancel=ctx.cancel)
-        nodes = [n for n in nodes_running(view, STAGE_WORKER) if n not in spec.planner.exclude]
-        if not nodes:
-            raise JobError(f"job {spec.name}: no stage-worker is online; start a cluster (edgeswarm up --local)")
-        ctx.update("profiling", event=("profiling", f"profiling {spec.model.name} on {', '.join(nodes)}"))
-        cluster = profile_cluster(self.bus, spec.model, [spec.micro_batch_size], nodes=nodes,
-                                  timeout_s=ctx.timeout_s)
-        self._check()
-        ctx.update("planning")
-        plan = self._request_plan(cluster, 0)
-        weights = self._weights_source()
-        ctx.update("deploying", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
-                   predicted_latency_s=plan.latency_s, weights=_describe(weights),
-                   event=("planned", f"{len(plan.stages)} stages on {', '.join(plan.devices)}: "
-                                     f"{plan.throughput_per_s:.1f} samples/s and {plan.latency_s * 1000:.1f} ms per "
-                                     f"micro-batch predicted ({plan.method})"))
-        self._deploy(plan, weights, [])
+        self.ctx.on_data(self.on_data)
+        super().run()
+
+    def profile(self, nodes: list[str]) -> ClusterProfile:
+        self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
+        return profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
+                               timeout_s=self.ctx.timeout_s)
+
+    def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
+        if epoch == 0:
+            self.ctx.update("planning")
+        return ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
+
+    def plan_from(self, reply: Message) -> ServePlan:
+        assert isinstance(reply, ServePlanReply)
+        return reply.plan
+
+    def on_planned(self, plan: ServePlan) -> None:
+        self.weights = self._weights_source()
+        self.ctx.update("deploying", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
+                        predicted_latency_s=plan.latency_s, weights=_describe(self.weights),
+                        event=("planned", f"{len(plan.stages)} stages on {', '.join(plan.devices)}: "
+                                          f"{plan.throughput_per_s:.1f} samples/s and {plan.latency_s * 1000:.1f} ms "
+                                          f"per micro-batch predicted ({plan.method})"))
+
+    def assignments(self, plan: ServePlan) -> dict[str, Message]:
+        spec = self.spec
+        return {s.device: ServeAssign(job_id=spec.name, epoch=plan.epoch, stage=s.index, model=spec.model,
+                                      start=s.start, end=s.end, devices=plan.devices, coordinator=self.ctx.node,
+                                      micro_batch_size=spec.micro_batch_size, weights=self.weights)
+                for s in plan.stages}
+
+    def on_ready(self, plan: ServePlan) -> None:
         with self._changed:
             self._plan, self._accepting = plan, True
             self._changed.notify_all()
-        ctx.update("running", event=("serving", f"serving on {topics.data(ctx.node, 'coordinator')}/{{sender}}: "
-                                                f"micro-batches of {spec.micro_batch_size}, window {spec.window}"))
-        detector = FailureDetector(self.bus, timeout_factor=self.bus.settings.heartbeat_timeout_factor)
-        detector.watch(plan.devices)
-        dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{spec.name}", daemon=True)
-        dispatcher.start()
-        try:
-            self._watch(detector, cluster, weights)
-        finally:
-            self._stop(detector)
-            dispatcher.join(5.0)
+        self.ctx.update("running", event=("serving", f"serving on {topics.data(self.ctx.node, 'coordinator')}/"
+                                                     f"{{sender}}: micro-batches of {self.spec.micro_batch_size}, "
+                                                     f"window {self.spec.window}"))
+        self._dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{self.spec.name}", daemon=True)
+        self._dispatcher.start()
 
-    def _watch(self, detector: FailureDetector, cluster: ClusterProfile, weights: WeightsSource | None) -> None:
-        """Publish the progress, and re-plan when a stage device is lost or the pipeline stalls, until cancelled."""
-        while not self.ctx.cancel.wait(PUBLISH_EVERY_S):
-            self.ctx.update("running", **self.progress())
-            lost = detector.failures()
-            stalled = self._stalled()
-            if stalled and not lost:
-                lost = detector.confirm(self._plan.devices if self._plan else [])
-            if lost or stalled:
-                cluster = cluster.without(*lost)
-                self._replan(cluster, weights, sorted(lost), detail="; ".join(d.detail for d in lost.values())
-                             or f"an item took longer than {STALL_S:.0f} s")
-                assert self._plan is not None
-                detector.watch(self._plan.devices)
-        self._check()
+    def step(self) -> None:
+        """Publish the progress every PUBLISH_EVERY_S; a stage device lost or a stalled pipeline disrupts the job."""
+        if self.ctx.cancel.wait(PUBLISH_EVERY_S):
+            return  # the skeleton's check raises JobCancelled
+        self.ctx.update("running", **self.progress())
+        assert self.detector is not None
+        lost = self.detector.failures()
+        stalled = self._stalled()
+        if stalled and not lost:
+            lost = self.detector.confirm(self._plan.devices if self._plan else [])
+        if lost or stalled:
+            raise Disrupted("; ".join(d.detail for d in lost.values()) or
+                            f"an item took longer than {STALL_S:.0f} s", lost)
 
-    def _check(self) -> None:
-        if self.ctx.cancel.is_set():
-            raise JobCancelled(f"job {self.spec.name} was cancelled")
+    def on_lost(self, disruption: Disrupted) -> ServePlan:
+        """Re-plan over the devices left, deploy the new plan as a new epoch and replay every unanswered item."""
+        assert self.cluster is not None
+        self.cluster = self.cluster.without(*disruption.failures)
+        return self._replan(self.cluster, sorted(disruption.failures), detail=str(disruption))
 
-    def _replan(self, cluster: ClusterProfile, weights: WeightsSource | None, lost: list[str], *, detail: str) -> None:
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped, self._accepting = True, False
+            plan = self._plan
+            requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._inflight.clear()
+            self._changed.notify_all()
+        for request in requests:
+            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+        self.ctx.update(self.ctx.state().status, **self.progress())  # the final figures stay in the state
+        self._release(plan.devices if plan else [])
+        if self._dispatcher is not None:
+            self._dispatcher.join(5.0)
+
+    # --- re-planning ---------------------------------------------------------------------------------
+
+    def _replan(self, cluster: ClusterProfile, lost: list[str], *, detail: str) -> ServePlan:
         started = time.monotonic()
         with self._changed:
             old, self._plan = self._plan, None  # the dispatcher waits
             epoch = self._epoch + 1
         self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost ({detail}); "
                                                             f"re-planning over the others"))
-        plan = self._request_plan(cluster, epoch)
-        gone = [d for d in (old.devices if old else []) if d not in plan.devices and d not in lost]
-        self._deploy(plan, weights, gone)
+        plan = self.request_plan(cluster, epoch)
+        try:
+            self.deploy(plan)
+        finally:
+            self._release([d for d in (old.devices if old else []) if d not in plan.devices and d not in lost])
         with self._changed:
             # Every unanswered item again, in the order it was first sent, numbered afresh in the new epoch.
             items = list(self._inflight.values())
@@ -210,39 +245,15 @@ class PipelineRunner:
                                             f"{', '.join(plan.devices)}, {plan.throughput_per_s:.1f} samples/s "
                                             f"predicted; {len(items)} items replayed after "
                                             f"{time.monotonic() - started:.2f} s"))
+        return plan
 
-    def _stop(self, detector: FailureDetector) -> None:
-        detector.close()
-        with self._changed:
-            self._stopped, self._accepting = True, False
-            plan = self._plan
-            requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._inflight.clear()
-            self._changed.notify_all()
-        for request in requests:
-            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
-        self.ctx.update(self.ctx.state().status, **self.progress())  # the final figures stay in the state
-        for device in plan.devices if plan else []:
+    def _release(self, devices: list[str]) -> None:
+        """Tell ``devices`` to drop the job's stage (no answer expected)."""
+        for device in devices:
             try:
                 self.bus.publish(topics.request(device, STAGE_WORKER), ServeRelease(job_id=self.spec.name))
             except EdgeswarmError as exc:
                 log.warning("job %s: could not release the stage on %s: %s", self.spec.name, device, exc)
-
-    # --- planning and deploying -------------------------------------------------------------------
-
-    def _request_plan(self, cluster: ClusterProfile, epoch: int) -> ServePlan:
-        request = ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
-        try:
-            reply = self.bus.request(topics.request(self.planner_node, "planner"), request,
-                                     timeout_s=120.0).body
-        except BusError as exc:
-            raise JobError(f"job {self.spec.name}: the planner on {self.planner_node} did not answer: {exc}") from None
-        if isinstance(reply, PlanFailed):
-            raise JobError(f"job {self.spec.name}: no serving plan ({reply.reason}): {reply.detail}")
-        assert isinstance(reply, ServePlanReply)
-        return reply.plan
 
     def _weights_source(self) -> WeightsSource | None:
         """The checkpoint the spec's weights name, with the unit range of each of its stages."""
@@ -269,33 +280,6 @@ class PipelineRunner:
             raise JobError(f"job {self.spec.name}: cannot read version {version} of job {weights.job} from the "
                            f"checkpoint store on {store}: {exc}") from None
         return WeightsSource(store_node=store, job_id=weights.job, version=version, stages=stages)
-
-    def _deploy(self, plan: ServePlan, weights: WeightsSource | None, release: list[str]) -> None:
-        """Assign every stage of ``plan`` at once and wait for all; release the stages of ``release``."""
-        spec = self.spec
-        assigns = {s.device: ServeAssign(job_id=spec.name, epoch=plan.epoch, stage=s.index, model=spec.model,
-                                         start=s.start, end=s.end, devices=plan.devices, coordinator=self.ctx.node,
-                                         micro_batch_size=spec.micro_batch_size, weights=weights)
-                   for s in plan.stages}
-
-        def ask(device: str) -> Any:
-            try:
-                return self.bus.request(topics.request(device, STAGE_WORKER), assigns[device],
-                                        timeout_s=self.ctx.timeout_s).body
-            except BusError as exc:
-                return exc
-
-        with ThreadPoolExecutor(max_workers=len(assigns)) as pool:
-            replies = dict(zip(assigns, pool.map(ask, assigns), strict=True))
-        for device in release:
-            try:
-                self.bus.publish(topics.request(device, STAGE_WORKER), ServeRelease(job_id=spec.name))
-            except EdgeswarmError as exc:
-                log.warning("job %s: could not release the stage on %s: %s", spec.name, device, exc)
-        problems = [f"stage on {d}: {r.reason}: {r.detail}" if isinstance(r, StageFailed) else f"stage on {d}: {r}"
-                    for d, r in replies.items() if not isinstance(r, ServeReady)]
-        if problems:
-            raise JobError(f"job {spec.name}: deploying plan epoch {plan.epoch} failed: " + "; ".join(problems))
 
     # --- requests in, items through, answers out ---------------------------------------------------
 

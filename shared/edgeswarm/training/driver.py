@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
 from edgeswarm import topics
-from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import CheckpointError, EdgeswarmError, JobCancelled, JobError
+from edgeswarm.bus import Bus
+from edgeswarm.coordination.fanout import fan_out
+from edgeswarm.coordination.program import Disrupted
+from edgeswarm.errors import CheckpointError, EdgeswarmError, JobCancelled, JobError, RequestTimeoutError
 from edgeswarm.messages import Probe
 from edgeswarm.messages.training import (
     CheckpointSource,
@@ -41,17 +44,15 @@ from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
 WORKER = STAGE_WORKER
-POLL_S = 0.005  # how often a wait for answers looks for a failure or a cancellation
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
 REACH_PROBE_S = 0.5  # one probe's wait while waiting for devices to reconnect
 
 
-class DeviceLost(JobError):
+class DeviceLost(Disrupted):
     """Devices of the plan failed (confirmed by the failure detector) while the driver waited on them."""
 
     def __init__(self, message: str, failures: dict[str, Detection]) -> None:
-        super().__init__(message)
-        self.failures = failures
+        super().__init__(message, failures)
 
 
 class StagesFailed(JobError):
@@ -68,7 +69,7 @@ class StagesFailed(JobError):
         return all(f.reason == "timeout" for f in self.failures.values())
 
 
-class ConnectionInterrupted(JobError):
+class ConnectionInterrupted(Disrupted):
     """The driver's connection to the broker dropped and came back while it waited: messages of that step may
     be lost (a restarted broker keeps none in flight), so the step is given up and replayed."""
 
@@ -101,7 +102,6 @@ class JobDriver:
     detector: FailureDetector | None = None
 
     def __post_init__(self) -> None:
-        self._targets: dict[str, str] = {}  # request key -> node, for requests not keyed by node
         self.sent: list[StageStateSent] = []  # the state sends of the last deploy
         if self.detector is not None:
             self.detector.watch(self.plan.devices)
@@ -109,59 +109,50 @@ class JobDriver:
     def _lost(self, nodes: list[str]) -> dict[str, Detection]:
         return {n: d for n, d in self.detector.failures().items() if n in nodes} if self.detector else {}
 
-    def _ask(self, messages: dict[str, Message], round_index: int | None = None) -> dict[str, Inbound]:
-        """Send every device its request and collect the answers. The first failure, a device the failure detector
-        confirms lost, or a cancellation ends the wait early: for a round, every device is told to abort it (and,
-        unless a device is lost, gets ABORT_GRACE_S to answer). Raises DeviceLost when a failure is explained by a
-        lost device (a failed answer makes the driver probe every device at once rather than wait for the
-        heartbeats to time out), and ConnectionInterrupted when the connection to the broker dropped meanwhile."""
+    def _ask(self, messages: dict[str, Message], round_index: int | None = None,
+             targets: dict[str, str] | None = None) -> dict[str, Message]:
+        """Send every device its request (keyed by node, or by a key ``targets`` maps to one) and collect the
+        answers. The first failure, a device the failure detector confirms lost, or a cancellation ends the wait
+        early: for a round, every device is told to abort it (and, unless a device is lost, gets ABORT_GRACE_S to
+        answer). Raises DeviceLost when a failure is explained by a lost device (a failed answer makes the driver
+        probe every device at once rather than wait for the heartbeats to time out), and ConnectionInterrupted
+        when the connection to the broker dropped meanwhile."""
+        targets = targets or {}
+        nodes = [targets.get(k, k) for k in messages]
         connection = self.bus.hub.connects
-        expectations = {}
-        for key, message in messages.items():
-            exp = self.bus.expect()
-            expectations[key] = exp
-            self.bus.publish(topics.request(self._targets.get(key, key), WORKER), message,
-                             correlation_id=exp.correlation_id, reply_to=self.bus.reply_topic, ttl_s=self.timeout_s)
-        deadline = time.monotonic() + self.timeout_s
-        replies: dict[str, Inbound] = {}
-        giving_up = False
         lost: dict[str, Detection] = {}
-        while len(replies) < len(expectations) and time.monotonic() < deadline:
-            for node, exp in expectations.items():
-                if node not in replies and exp.arrived:
-                    replies[node] = exp.wait(0)  # type: ignore[assignment]
-            if self.bus.hub.connects != connection:
-                break
-            lost = lost or self._lost([self._targets.get(k, k) for k in expectations])
+        giving_up = False
+
+        def watch(replies: Mapping[str, Message]) -> float | None:
+            nonlocal lost, giving_up
+            lost = lost or self._lost(nodes)
             if lost:
                 # Recovery starts at once; the survivors give the round up meanwhile (a device in the middle of a
                 # computation finishes it first, and its new assignment waits for that).
                 if round_index is not None:
                     self.abort(round_index, f"{', '.join(lost)} failed")
-                break
-            if not giving_up and (self.cancel.is_set() or any(isinstance(r.body, StageFailed)
-                                                              for r in replies.values())):
+                return 0.0
+            if not giving_up and (self.cancel.is_set() or any(isinstance(r, StageFailed) for r in replies.values())):
                 giving_up = True
                 if round_index is None:
-                    break
+                    return 0.0
                 self.abort(round_index, "cancelled" if self.cancel.is_set() else "another device failed it")
-                deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
-            time.sleep(POLL_S)
-        for node, exp in expectations.items():
-            if node not in replies:
-                exp.wait(0)  # ends the expectation
+                return ABORT_GRACE_S
+            return None
+
+        fan = fan_out(self.bus, messages, WORKER, timeout_s=self.timeout_s, targets=targets, watch=watch)
         if self.cancel.is_set():
             raise JobCancelled(f"job {self.job.name} was cancelled")
-        if self.bus.hub.connects != connection:
+        if fan.interrupted or self.bus.hub.connects != connection:
             if round_index is not None:
                 self.abort(round_index, "the connection to the broker dropped")
             raise ConnectionInterrupted(f"job {self.job.name}: the connection to the broker dropped while waiting "
-                                        f"for {', '.join(k for k in expectations if k not in replies) or 'nobody'}")
-        failed = {node: r.body for node, r in replies.items() if isinstance(r.body, StageFailed)}
-        missing = [node for node in expectations if node not in replies]
+                                        f"for {', '.join(k for k in messages if k not in fan.replies) or 'nobody'}")
+        failed = {node: r for node, r in fan.replies.items() if isinstance(r, StageFailed)}
+        missing = [key for key in messages if key in fan.failures]
         if (failed or missing) and self.detector is not None and not lost:
             # A peer's death shows first as a failed send or a timeout on the devices around it: ask now.
-            lost = self.detector.confirm(sorted({self._targets.get(k, k) for k in expectations}))
+            lost = self.detector.confirm(sorted(set(nodes)))
         if lost:
             raise DeviceLost(f"job {self.job.name}: " + "; ".join(d.detail for d in lost.values()), lost)
         if failed:
@@ -171,8 +162,9 @@ class JobDriver:
                                                                     for node, f in first.items()), first)
         if missing:
             raise JobError(f"job {self.job.name}: no answer from the stage-worker on {', '.join(missing)} within "
-                           f"{self.timeout_s:.0f} s")
-        return replies
+                           f"{self.timeout_s:.0f} s" + "".join(f"; {exc}" for exc in fan.failures.values()
+                                                               if not isinstance(exc, RequestTimeoutError)))
+        return fan.replies
 
     def await_reconnected(self, within_s: float = RECONNECT_GRACE_S) -> dict[str, Detection]:
         """After this side's connection to the broker came back (a broker restart): wait until every device of the
@@ -239,19 +231,10 @@ class JobDriver:
         for (src, dst, owner), units in _links(transfers or []).items():
             requests[f"{src}>{dst}>{owner or ''}"] = StageSendState(
                 job_id=self.job.name, epoch=self.epoch, round=resume_round, units=units, owner=owner, to=dst)
-        replies = self._ask_many(messages, requests)
-        self.sent = [r.body for key, r in replies.items() if ">" in key]  # type: ignore[misc]
-        return {node: r.body for node, r in replies.items() if ">" not in node}  # type: ignore[misc]
-
-    def _ask_many(self, assigns: dict[str, Message], sends: dict[str, Message]) -> dict[str, Inbound]:
-        """``_ask`` for assignments (keyed by node) and state sends (keyed ``src>dst>owner``) together."""
-        keyed: dict[str, Message] = dict(assigns)
-        self._targets = {key: key.split(">", 1)[0] for key in sends}
-        keyed.update(sends)
-        try:
-            return self._ask(keyed)
-        finally:
-            self._targets = {}
+        # Assignments are keyed by node and state sends by ``src>dst>owner``, asked together.
+        replies = self._ask({**messages, **requests}, targets={key: key.split(">", 1)[0] for key in requests})
+        self.sent = [r for key, r in replies.items() if ">" in key]  # type: ignore[misc]
+        return {node: r for node, r in replies.items() if ">" not in node}  # type: ignore[misc]
 
     def gather(self, at: str, resume_round: int, holders: dict[int, tuple[str, str | None]]) -> list[StageStateSent]:
         """Heavy rescheduling's first step: every unit's holder sends its state at the start of ``resume_round``
@@ -260,19 +243,16 @@ class JobDriver:
         for unit, (node, owner) in sorted(holders.items()):
             if node != at or owner is not None:
                 by_source.setdefault((node, owner), []).append(unit)
-        self._targets = {f"{n}>{at}>{o or ''}": n for n, o in by_source}
-        try:
-            replies = self._ask({f"{n}>{at}>{o or ''}": StageSendState(
-                job_id=self.job.name, epoch=self.epoch, round=resume_round, units=units, owner=o, to=at,
-                purpose="gather") for (n, o), units in by_source.items()})
-        finally:
-            self._targets = {}
-        return [r.body for r in replies.values()]  # type: ignore[misc]
+        replies = self._ask({f"{n}>{at}>{o or ''}": StageSendState(
+            job_id=self.job.name, epoch=self.epoch, round=resume_round, units=units, owner=o, to=at,
+            purpose="gather") for (n, o), units in by_source.items()},
+            targets={f"{n}>{at}>{o or ''}": n for n, o in by_source})
+        return list(replies.values())  # type: ignore[arg-type]
 
     def inventory(self, nodes: list[str]) -> dict[str, StageHeld]:
         """What state of the job every node in ``nodes`` holds (their snapshots and the backups of others)."""
         replies = self._ask({n: StageInventory(job_id=self.job.name) for n in nodes})
-        return {n: r.body for n, r in replies.items()}  # type: ignore[misc]
+        return replies  # type: ignore[return-value]
 
     def run_round(self, index: int) -> RoundReport:
         """Run round ``index`` on every device and report it."""
@@ -280,7 +260,7 @@ class JobDriver:
         replies = self._ask({node: RoundStart(job_id=self.job.name, epoch=self.epoch, round=index)
                              for node in self.plan.devices}, round_index=index)
         elapsed = time.perf_counter() - started
-        done: dict[str, RoundDone] = {node: r.body for node, r in replies.items()}  # type: ignore[misc]
+        done: dict[str, RoundDone] = replies  # type: ignore[assignment]
         last = [d for d in done.values() if d.stage == len(self.plan.stages) - 1]
         terms = sum(d.terms for d in last)
         return RoundReport(round=index, loss=sum(d.loss_sum for d in last) / max(1, terms),
@@ -292,7 +272,7 @@ class JobDriver:
         messages: dict[str, Message] = {s.devices[0]: StageSave(job_id=self.job.name, epoch=self.epoch,
                                                                   store_node=store_node, version=version)
                                         for s in self.plan.stages}
-        saved = [r.body for r in self._ask(messages).values()]
+        saved = list(self._ask(messages).values())
         try:
             save_layout(self.bus, store_node, self.job.name, version, self.plan, model=self.job.model,
                         timeout_s=self.timeout_s)

@@ -4,7 +4,8 @@
 whose stage-workers are online through their profiler services, asks the planner service for the plan and the
 baselines, deploys the plan on the stage-workers, runs the rounds and saves checkpoints. Every step waits with
 a timeout and fails naming the step and the device; ``cancel`` stops the job at once, aborting a round in
-flight. What happens is reported to a ``JobObserver``.
+flight. What happens is reported to a ``JobObserver``. The job runs on the coordinator skeleton
+(``coordination.program``): ``HppCoordinator`` is training's hooks.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgeswarm import topics
 from edgeswarm.bus import Bus
-from edgeswarm.errors import BusError, EdgeswarmError
-from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest
+from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
+from edgeswarm.coordination.planner_client import request_plan as ask_planner
+from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.messages.planning import PlanReply, PlanRequest
 from edgeswarm.messages.training import CheckpointSource, StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
@@ -38,12 +41,11 @@ from edgeswarm.training.driver import (
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.training.recovery import RecoveryReport, grow, recover
 from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
 
 MAX_PROFILED_BATCH = 256
-PLANNER_NODE = "hub"
-PLANNER_BUSY_PAUSE_S = 2.0  # between asks while the planner's queue is full
 
 
 @dataclass
@@ -100,35 +102,17 @@ def profile_batch_sizes(job: JobSpec) -> list[int]:
     return sorted(sizes)
 
 
-def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: float = 120.0,
-                 planner_node: str = PLANNER_NODE,
-                 busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> tuple[Plan, Comparison | None]:
-    """Ask the planner service on ``planner_node`` for ``job``'s plan with every baseline beside it; returns
-    the plan of the job's strategy and the comparison. While the planner answers ``busy`` (its queue is full)
-    the request is asked again every ``busy_pause_s`` seconds. Raises JobError when the planner fails (``too_large``
-    says how to make the job smaller), stays busy or does not answer within ``timeout_s`` seconds in all, or the
-    strategy has no feasible plan."""
-    request = PlanRequest(cluster=cluster, global_batch=job.global_batch, micro_batches=job.micro_batches,
-                          optimizer=job.optimizer.name, strategy=job.strategy, compare=True)
-    give_up = time.monotonic() + timeout_s
-    while True:
-        left = give_up - time.monotonic()
-        try:
-            reply = bus.request(topics.request(planner_node, "planner"), request, timeout_s=max(left, 1.0)).body
-        except BusError as exc:
-            raise JobError(f"job {job.name}: the planner on {planner_node} did not answer: {exc}") from None
-        if not (isinstance(reply, PlanFailed) and reply.reason == "busy"):
-            break
-        if time.monotonic() + busy_pause_s > give_up:
-            raise JobError(f"job {job.name}: the planner on {planner_node} stayed busy for {timeout_s:.0f} s "
-                           f"({reply.detail}); submit the job again when the planner has caught up")
-        log.info("job %s: the planner on %s is busy; asking again in %.0f s", job.name, planner_node, busy_pause_s)
-        time.sleep(busy_pause_s)
-    if isinstance(reply, PlanFailed):
-        if reply.reason == "too_large":
-            raise JobError(f"job {job.name}: planning it is too much work for the planner on {planner_node}: "
-                           f"{reply.detail}. In the job file: set micro_batches, or run on fewer devices")
-        raise JobError(f"job {job.name}: no plan ({reply.reason}): {reply.detail}")
+TOO_LARGE_ADVICE = "In the job file: set micro_batches, or run on fewer devices"
+
+
+def _plan_request(job: JobSpec, cluster: ClusterProfile) -> PlanRequest:
+    """The planner request for ``job``'s plan with every baseline beside it."""
+    return PlanRequest(cluster=cluster, global_batch=job.global_batch, micro_batches=job.micro_batches,
+                       optimizer=job.optimizer.name, strategy=job.strategy, compare=True)
+
+
+def _chosen(job: JobSpec, reply: Message) -> tuple[Plan, Comparison | None]:
+    """The plan of ``job``'s strategy in the planner's ``reply``, and the comparison."""
     assert isinstance(reply, PlanReply) and reply.comparison is not None
     comparison = reply.comparison
     if job.strategy == "hpp":
@@ -137,6 +121,19 @@ def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: 
     if baseline.plan is None:
         raise JobError(f"job {job.name}: strategy {job.strategy} has no feasible plan: {baseline.error}")
     return baseline.plan, comparison
+
+
+def request_plan(bus: Bus, job: JobSpec, cluster: ClusterProfile, *, timeout_s: float = 120.0,
+                 planner_node: str = PLANNER_NODE,
+                 busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> tuple[Plan, Comparison | None]:
+    """Ask the planner service on ``planner_node`` for ``job``'s plan with every baseline beside it; returns
+    the plan of the job's strategy and the comparison. While the planner answers ``busy`` (its queue is full)
+    the request is asked again every ``busy_pause_s`` seconds. Raises JobError when the planner fails (``too_large``
+    says how to make the job smaller), stays busy or does not answer within ``timeout_s`` seconds in all, or the
+    strategy has no feasible plan."""
+    reply = ask_planner(bus, _plan_request(job, cluster), what=f"job {job.name}", planner_node=planner_node,
+                        timeout_s=timeout_s, busy_pause_s=busy_pause_s, too_large_advice=TOO_LARGE_ADVICE)
+    return _chosen(job, reply)
 
 
 @dataclass(frozen=True)
@@ -165,66 +162,178 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     """
     from edgeswarm.data import open_dataset  # torch: only when a job actually runs
 
-    seen = observer or JobObserver()
-    cancel = cancel or threading.Event()
-
-    def check() -> None:
-        if cancel.is_set():
-            raise JobCancelled(f"job {job.name} was cancelled")
-
     dataset = open_dataset(job.data, job.model)
     terms_per_sample = 1
     for dim in dataset.label_shape:
         terms_per_sample *= dim
-    loss_terms = job.global_batch * terms_per_sample
-    total = job.total_rounds(dataset.train_size)
-    watcher = ClusterWatcher(bus)
-    view, _ = watcher.wait(settle_s=0.5, devices=1, timeout_s=30)
-    nodes = nodes_running(view, STAGE_WORKER)
-    if resume is not None:
-        nodes = [n for n in resume.plan.devices if n in nodes]
-    if not nodes:
-        raise JobError(f"job {job.name}: no stage-worker " + ("of its plan " if resume else "") +
-                       "is online; start a cluster (edgeswarm up --local)")
-    if resume is None:
-        seen.profiling(nodes)
-    cluster = profile_cluster(bus, job.model, profile_batch_sizes(job), nodes=nodes, timeout_s=timeout_s,
-                              progress=seen.profile_progress)
-    check()
-    if resume is None:
-        plan, comparison = request_plan(bus, job, cluster)
-        seen.planned(plan, comparison, total)
-        check()
-    own_detector = detector is None
-    detector = detector or FailureDetector(bus, timeout_factor=bus.settings.heartbeat_timeout_factor)
-    try:
-        if resume is None:
-            driver = JobDriver(bus, job, plan, loss_terms=loss_terms, timeout_s=timeout_s, cancel=cancel,
-                               detector=detector)
-            driver.deploy(checkpoint=_initial(bus, job, store_node))
-            seen.deployed()
-            result = JobResult(plan, comparison)
-            start = saved_version = 0
-        else:
-            driver, report = _take_over(bus, job, resume, cluster, loss_terms, timeout_s, cancel, detector,
-                                        store_node)
-            cluster = cluster.without(*report.failed)
-            result = JobResult(report.plan, recoveries=[report])
-            seen.recovered(report)
-            start, saved_version = report.resume_round, min(resume.saved_version, report.resume_round)
-        joiner = _joiner(bus, job, watcher, detector, passed_over=set(nodes_running(view, STAGE_WORKER)) -
-                         set(result.plan.devices), timeout_s=timeout_s)
-        train_rounds(driver, job, total, cluster, store_node, result, seen, check, joiner, start=start,
-                     saved_version=saved_version)
-    finally:
-        if own_detector:
-            detector.close()
-    if store_node and total:
+    program = HppCoordinator(bus, job, loss_terms=job.global_batch * terms_per_sample,
+                             total=job.total_rounds(dataset.train_size), store_node=store_node,
+                             observer=observer or JobObserver(), cancel=cancel, timeout_s=timeout_s, detector=detector,
+                             resume=resume)
+    program.run()
+    result = program.result
+    assert result is not None
+    if store_node and program.total:
         from edgeswarm.training.evaluation import evaluate_checkpoint
 
-        result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(result.plan.stages), total)
-        seen.evaluated(result.test_accuracy)
+        result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(result.plan.stages), program.total)
+        program.seen.evaluated(result.test_accuracy)
     return result
+
+
+class HppCoordinator(CoordinatorProgram[Plan]):
+    """A training job on the coordinator skeleton: profile at the job's micro-batch sizes, plan (the planner's
+    comparison beside the plan), deploy the stages (from the seed or the file the job starts from), then rounds,
+    checkpoints at their interval and devices that appear joined at snapshot rounds. A loss is recovered as
+    ``job.recovery`` says (``recovery.recover``: the plan changes locally, no planner round trip); a job an
+    earlier coordinator ran is taken over from ``resume``. ``loss_terms`` is the loss terms per round, ``total``
+    the rounds to run."""
+
+    def __init__(self, bus: Bus, job: JobSpec, *, loss_terms: int, total: int, store_node: str | None,
+                 observer: JobObserver, cancel: threading.Event | None = None, timeout_s: float = 600.0,
+                 detector: FailureDetector | None = None, resume: Resume | None = None,
+                 check: Callable[[], None] | None = None) -> None:
+        super().__init__(bus, name=job.name, worker_service=STAGE_WORKER, cancel=cancel, timeout_s=timeout_s,
+                         detector=detector)
+        self.job = job
+        self.loss_terms = loss_terms
+        self.total = total
+        self.store_node = store_node
+        self.seen = observer
+        self.resume = resume
+        self._check = check
+        self.too_large_advice = TOO_LARGE_ADVICE
+        self.comparison: Comparison | None = None
+        self.driver: JobDriver | None = None
+        self.result: JobResult | None = None
+        self.joiner: Joiner | None = None
+        self.index = 0  # the next round to run
+        self.saved_version = 0  # the last checkpoint version saved
+
+    @classmethod
+    def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
+                result: JobResult, seen: JobObserver, check: Callable[[], None], joiner: Joiner | None = None, *,
+                start: int = 0, saved_version: int = 0) -> HppCoordinator:
+        """The program of a job whose ``driver`` already holds its deployed plan, at round ``start``."""
+        program = cls(driver.bus, job, loss_terms=driver.loss_terms, total=total, store_node=store_node,
+                      observer=seen, cancel=driver.cancel, timeout_s=driver.timeout_s, detector=driver.detector,
+                      check=check)
+        program.driver, program.cluster, program.result, program.joiner = driver, cluster, result, joiner
+        program.plan, program.index, program.saved_version = driver.plan, start, saved_version
+        return program
+
+    def check(self) -> None:
+        if self._check is not None:
+            self._check()
+        else:
+            super().check()
+
+    # --- start: profile, plan, deploy (or take over) ------------------------------------------------
+
+    def nodes(self, online: list[str]) -> list[str]:
+        if self.resume is None:
+            return super().nodes(online)
+        nodes = [n for n in self.resume.plan.devices if n in online]
+        if not nodes:
+            raise JobError(f"job {self.job.name}: no stage-worker of its plan is online; start a cluster "
+                           "(edgeswarm up --local)")
+        return nodes
+
+    def profile(self, nodes: list[str]) -> ClusterProfile:
+        if self.resume is None:
+            self.seen.profiling(nodes)
+        return profile_cluster(self.bus, self.job.model, profile_batch_sizes(self.job), nodes=nodes,
+                               timeout_s=self.timeout_s, progress=self.seen.profile_progress)
+
+    def take_over(self, cluster: ClusterProfile) -> Plan | None:
+        if self.resume is None:
+            return None
+        assert self.detector is not None
+        self.driver, report = _take_over(self.bus, self.job, self.resume, cluster, self.loss_terms, self.timeout_s,
+                                         self.cancel, self.detector, self.store_node)
+        self.cluster = cluster.without(*report.failed)
+        self.result = JobResult(report.plan, recoveries=[report])
+        self.seen.recovered(report)
+        self.index, self.saved_version = report.resume_round, min(self.resume.saved_version, report.resume_round)
+        return report.plan
+
+    def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
+        return _plan_request(self.job, cluster)
+
+    def plan_from(self, reply: Message) -> Plan:
+        plan, self.comparison = _chosen(self.job, reply)
+        return plan
+
+    def on_planned(self, plan: Plan) -> None:
+        self.seen.planned(plan, self.comparison, self.total)
+
+    def deploy(self, plan: Plan) -> None:
+        self.driver = JobDriver(self.bus, self.job, plan, loss_terms=self.loss_terms, timeout_s=self.timeout_s,
+                                cancel=self.cancel, detector=self.detector)
+        self.driver.deploy(checkpoint=_initial(self.bus, self.job, self.store_node))
+
+    def on_ready(self, plan: Plan) -> None:
+        if self.result is None:  # deployed afresh (a take-over reported its recovery)
+            self.seen.deployed()
+            self.result = JobResult(plan, self.comparison)
+        assert self.watcher is not None and self.detector is not None
+        self.joiner = _joiner(self.bus, self.job, self.watcher, self.detector,
+                              passed_over=set(self.online) - set(plan.devices), timeout_s=self.timeout_s)
+
+    # --- rounds -------------------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Every round ran and, with a checkpoint store, the last one is saved."""
+        return not (self.index < self.total or (self.store_node and self.saved_version < self.total))
+
+    def step(self) -> None:
+        """At a round start with snapshots (every ``job.backup_interval``-th), devices that appeared may join; then
+        the next round, and a checkpoint when one is due."""
+        assert self.driver is not None and self.result is not None and self.cluster is not None
+        job, index, result = self.job, self.index, self.result
+        if self.joiner is not None and 0 < index < self.total and index % job.backup_interval == 0:
+            grown = self.joiner(self.driver, self.cluster, index)
+            if grown is not None:
+                self.driver, report, self.cluster = grown
+                result.recoveries.append(report)
+                result.plan = report.plan
+                self.replanned(report.plan)
+                self.seen.joined(report)
+        if index < self.total:
+            done = self.driver.run_round(index)
+            result.rounds.append(done)
+            self.seen.round_done(done)
+            self.index = index = index + 1
+        due = index == self.total or (job.checkpoint_interval and index % job.checkpoint_interval == 0)
+        if self.store_node and due and self.saved_version < index:
+            saved = _save(self.driver, self.store_node, index, self.check)
+            self.saved_version = index
+            result.saved.append(saved)
+            self.seen.saved(index, saved)
+
+    def on_lost(self, disruption: Disrupted) -> Plan:
+        """Replace the lost devices as ``job.recovery`` says (``none``: fail) and replay from the latest round
+        start every unit has a copy of."""
+        assert self.driver is not None and self.result is not None and self.cluster is not None
+        if self.job.recovery == "none":
+            raise disruption
+        failures = (disruption.failures if isinstance(disruption, DeviceLost) else
+                    self.driver.await_reconnected())
+        if failures:
+            self.seen.device_lost(failures, self.index)
+        else:
+            log.warning("%s: replaying from the last snapshots", disruption)
+        self.driver, report = recover(self.driver, failures, self.index, self.cluster, self.job.recovery,
+                                      _checkpoint(self.store_node, self.saved_version, self.job))
+        self.cluster = self.cluster.without(*report.failed)  # a later recovery must not plan on them
+        result = self.result
+        result.recoveries.append(report)
+        result.rounds = [r for r in result.rounds if r.round < report.resume_round]
+        result.plan = report.plan
+        self.index = report.resume_round
+        self.saved_version = min(self.saved_version, self.index)
+        self.seen.recovered(report)
+        return report.plan
 
 
 def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, loss_terms: int, timeout_s: float,
@@ -312,45 +421,8 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
     version saved); a lost device is replaced (``job.recovery``) and the rounds since the resume point run again.
     At round starts that have snapshots (every ``job.backup_interval``-th), ``joiner`` may add devices that
     appeared."""
-    index = start
-    while index < total or (store_node and saved_version < total):
-        check()
-        try:
-            if joiner is not None and 0 < index < total and index % job.backup_interval == 0:
-                grown = joiner(driver, cluster, index)
-                if grown is not None:
-                    driver, report_, cluster = grown
-                    result.recoveries.append(report_)
-                    result.plan = report_.plan
-                    seen.joined(report_)
-            if index < total:
-                report = driver.run_round(index)
-                result.rounds.append(report)
-                seen.round_done(report)
-                index += 1
-            due = index == total or (job.checkpoint_interval and index % job.checkpoint_interval == 0)
-            if store_node and due and saved_version < index:
-                saved = _save(driver, store_node, index, check)
-                saved_version = index
-                result.saved.append(saved)
-                seen.saved(index, saved)
-        except (DeviceLost, ConnectionInterrupted) as exc:
-            if job.recovery == "none":
-                raise
-            failures = exc.failures if isinstance(exc, DeviceLost) else driver.await_reconnected()
-            if failures:
-                seen.device_lost(failures, index)
-            else:
-                log.warning("%s: replaying from the last snapshots", exc)
-            driver, report_ = recover(driver, failures, index, cluster, job.recovery,
-                                      _checkpoint(store_node, saved_version, job))
-            cluster = cluster.without(*report_.failed)  # a later recovery must not plan on them
-            result.recoveries.append(report_)
-            result.rounds = [r for r in result.rounds if r.round < report_.resume_round]
-            result.plan = report_.plan
-            index = report_.resume_round
-            saved_version = min(saved_version, index)
-            seen.recovered(report_)
+    HppCoordinator.running(driver, job, total, cluster, store_node, result, seen, check, joiner, start=start,
+                           saved_version=saved_version).loop()
 
 
 SAVE_RETRY_S = 60.0  # how long a checkpoint save is retried while the checkpoint store is away (restarting)
