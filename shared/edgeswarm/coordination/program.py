@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Generic, Protocol, TypeVar
 
 from edgeswarm.bus import Bus
-from edgeswarm.coordination.fanout import FanOut, fan_out
+from edgeswarm.coordination.fanout import FanOut, Watch, fan_out
 from edgeswarm.coordination.planner_client import (
     PLAN_TIMEOUT_S,
     PLANNER_BUSY_PAUSE_S,
@@ -179,9 +179,11 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
                              too_large_advice=self.too_large_advice)
         return self.plan_from(reply)
 
-    def fan_out(self, messages: Mapping[str, Message], **kwargs: object) -> FanOut:
-        """``fan_out`` of ``messages`` to this job's worker service, each request waiting at most ``timeout_s``."""
-        return fan_out(self.bus, messages, self.worker_service, timeout_s=self.timeout_s, **kwargs)  # type: ignore[arg-type]
+    def fan_out(self, messages: Mapping[str, Message], *, targets: Mapping[str, str] | None = None,
+                watch: Watch | None = None, stop_on_reconnect: bool = True) -> FanOut:
+        """``fan_out`` of ``messages`` to this job's worker service, waiting at most ``timeout_s`` seconds."""
+        return fan_out(self.bus, messages, self.worker_service, timeout_s=self.timeout_s, targets=targets,
+                       watch=watch, stop_on_reconnect=stop_on_reconnect)
 
     # --- the hooks --------------------------------------------------------------------------------
 
