@@ -204,3 +204,14 @@ def test_the_loop_replans_on_every_disruption_and_stops_on_anything_else() -> No
     cancel.set()
     with pytest.raises(JobCancelled, match="job j was cancelled"):
         _Steps(["ok"], cancel).loop()
+
+
+def test_the_skeleton_sits_below_every_workload() -> None:
+    """Every workload runs on the skeleton, so it imports none of them (not even late) and names no service."""
+    from edgeswarm.workloads import BUILTIN
+    from test_layers import LIBRARY, all_imported_layers
+
+    workloads = {target.split(":")[0].split(".")[1] for target in BUILTIN.values()}
+    for path in (LIBRARY / "coordination").rglob("*.py"):
+        assert not all_imported_layers(path) & workloads, path.name
+        assert '"stage-worker"' not in path.read_text(), path.name
