@@ -105,11 +105,11 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
     plan_noun = "serving plan"
     too_large_advice = "In the job file: use a smaller micro_batch_size, or exclude devices (planner.exclude)"
 
-    def __init__(self, ctx: JobContext, spec: ServeSpec, *, planner_node: str = PLANNER_NODE,
-                 busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
+    def __init__(self, ctx: JobContext, spec: ServeSpec, *, worker_service: str = STAGE_WORKER,
+                 planner_node: str = PLANNER_NODE, busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
         from edgeswarm.models.zoo import example_input
 
-        super().__init__(ctx.bus, name=spec.name, worker_service=STAGE_WORKER, cancel=ctx.cancel,
+        super().__init__(ctx.bus, name=spec.name, worker_service=worker_service, cancel=ctx.cancel,
                          timeout_s=ctx.timeout_s, exclude=spec.planner.exclude, planner_node=planner_node,
                          busy_pause_s=busy_pause_s)
         self.ctx = ctx
@@ -251,7 +251,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
         """Tell ``devices`` to drop the job's stage (no answer expected)."""
         for device in devices:
             try:
-                self.bus.publish(topics.request(device, STAGE_WORKER), ServeRelease(job_id=self.spec.name))
+                self.bus.publish(topics.request(device, self.worker_service), ServeRelease(job_id=self.spec.name))
             except EdgeswarmError as exc:
                 log.warning("job %s: could not release the stage on %s: %s", self.spec.name, device, exc)
 
@@ -353,7 +353,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
 
     def _send(self, plan: ServePlan, epoch: int, number: int, item: _Item) -> None:
         try:
-            self.bus.send_tensor(plan.devices[0], STAGE_WORKER, ServeTensor(
+            self.bus.send_tensor(plan.devices[0], self.worker_service, ServeTensor(
                 job_id=self.spec.name, epoch=epoch, item=number, stage=0), item.inputs)
         except EdgeswarmError as exc:
             # The item stays in flight: the failure detector (or the stall check) replays it on a new plan.

@@ -56,7 +56,7 @@ class ServePipelineWorkload(Workload):
         if ctx.previous is not None:
             ctx.update("queued", event=("resumed", f"a restarted coordinator deploys the job again (it was "
                                                    f"{ctx.previous.status}); requests it held were answered by no one"))
-        PipelineRunner(ctx, spec).run()
+        PipelineRunner(ctx, spec, worker_service=self.worker_service).run()
         return None  # run ends only by cancellation or failure
 
     def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:

@@ -43,7 +43,6 @@ from edgeswarm.state.layout import save_layout
 from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
-WORKER = STAGE_WORKER
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer
 REACH_PROBE_S = 0.5  # one probe's wait while waiting for devices to reconnect
 
@@ -100,6 +99,7 @@ class JobDriver:
     timeout_s: float = 120.0
     cancel: threading.Event = field(default_factory=threading.Event)
     detector: FailureDetector | None = None
+    service: str = STAGE_WORKER  # the worker service that hosts the stages (the kind's ``worker_service``)
 
     def __post_init__(self) -> None:
         self.sent: list[StageStateSent] = []  # the state sends of the last deploy
@@ -140,7 +140,7 @@ class JobDriver:
                 return ABORT_GRACE_S
             return None
 
-        fan = fan_out(self.bus, messages, WORKER, timeout_s=self.timeout_s, targets=targets, watch=watch)
+        fan = fan_out(self.bus, messages, self.service, timeout_s=self.timeout_s, targets=targets, watch=watch)
         if self.cancel.is_set():
             raise JobCancelled(f"job {self.job.name} was cancelled")
         if fan.interrupted or self.bus.hub.connects != connection:
@@ -178,7 +178,7 @@ class JobDriver:
         def reach(node: str) -> None:
             while time.monotonic() < deadline:
                 try:
-                    self.bus.request(topics.request(node, WORKER), Probe(), timeout_s=REACH_PROBE_S)
+                    self.bus.request(topics.request(node, self.service), Probe(), timeout_s=REACH_PROBE_S)
                 except EdgeswarmError:
                     continue
                 with lock:
@@ -195,7 +195,7 @@ class JobDriver:
     def abort(self, round_index: int, reason: str) -> None:
         """Tell every device of the plan to give round ``round_index`` up (no answer expected)."""
         for node in self.plan.devices:
-            self.bus.publish(topics.request(node, WORKER), StageAbort(job_id=self.job.name, epoch=self.epoch,
+            self.bus.publish(topics.request(node, self.service), StageAbort(job_id=self.job.name, epoch=self.epoch,
                                                                       round=round_index, reason=reason))
 
     def deploy(self, resume_round: int = 0, transfers: list[UnitTransfer] | None = None,

@@ -148,8 +148,10 @@ class Resume:
 
 def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
             cancel: threading.Event | None = None, timeout_s: float = 600.0,
-            detector: FailureDetector | None = None, resume: Resume | None = None) -> JobResult:
-    """Train ``job`` on the devices whose stage-workers are online on ``bus``'s cluster; returns what happened.
+            detector: FailureDetector | None = None, resume: Resume | None = None,
+            worker_service: str = STAGE_WORKER) -> JobResult:
+    """Train ``job`` on the devices whose ``worker_service`` (the stage-worker) is online on ``bus``'s cluster;
+    returns what happened.
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
@@ -169,7 +171,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     program = HppCoordinator(bus, job, loss_terms=job.global_batch * terms_per_sample,
                              total=job.total_rounds(dataset.train_size), store_node=store_node,
                              observer=observer or JobObserver(), cancel=cancel, timeout_s=timeout_s, detector=detector,
-                             resume=resume)
+                             resume=resume, worker_service=worker_service)
     program.run()
     result = program.result
     assert result is not None
@@ -192,8 +194,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
     def __init__(self, bus: Bus, job: JobSpec, *, loss_terms: int, total: int, store_node: str | None,
                  observer: JobObserver, cancel: threading.Event | None = None, timeout_s: float = 600.0,
                  detector: FailureDetector | None = None, resume: Resume | None = None,
-                 check: Callable[[], None] | None = None) -> None:
-        super().__init__(bus, name=job.name, worker_service=STAGE_WORKER, cancel=cancel, timeout_s=timeout_s,
+                 check: Callable[[], None] | None = None, worker_service: str = STAGE_WORKER) -> None:
+        super().__init__(bus, name=job.name, worker_service=worker_service, cancel=cancel, timeout_s=timeout_s,
                          detector=detector)
         self.job = job
         self.loss_terms = loss_terms
@@ -217,7 +219,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         """The program of a job whose ``driver`` already holds its deployed plan, at round ``start``."""
         program = cls(driver.bus, job, loss_terms=driver.loss_terms, total=total, store_node=store_node,
                       observer=seen, cancel=driver.cancel, timeout_s=driver.timeout_s, detector=driver.detector,
-                      check=check)
+                      check=check, worker_service=driver.service)
         program.driver, program.cluster, program.result, program.joiner = driver, cluster, result, joiner
         program.plan, program.index, program.saved_version = driver.plan, start, saved_version
         return program
@@ -250,7 +252,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             return None
         assert self.detector is not None
         self.driver, report = _take_over(self.bus, self.job, self.resume, cluster, self.loss_terms, self.timeout_s,
-                                         self.cancel, self.detector, self.store_node)
+                                         self.cancel, self.detector, self.store_node, self.worker_service)
         self.cluster = cluster.without(*report.failed)
         self.result = JobResult(report.plan, recoveries=[report])
         self.seen.recovered(report)
@@ -269,7 +271,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
 
     def deploy(self, plan: Plan) -> None:
         self.driver = JobDriver(self.bus, self.job, plan, loss_terms=self.loss_terms, timeout_s=self.timeout_s,
-                                cancel=self.cancel, detector=self.detector)
+                                cancel=self.cancel, detector=self.detector, service=self.worker_service)
         self.driver.deploy(checkpoint=_initial(self.bus, self.job, self.store_node))
 
     def on_ready(self, plan: Plan) -> None:
@@ -277,7 +279,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             self.seen.deployed()
             self.result = JobResult(plan, self.comparison)
         assert self.watcher is not None and self.detector is not None
-        self.joiner = _joiner(self.bus, self.job, self.watcher, self.detector,
+        self.joiner = _joiner(self.bus, self.job, self.watcher, self.detector, self.worker_service,
                               passed_over=set(self.online) - set(plan.devices), timeout_s=self.timeout_s)
 
     # --- rounds -------------------------------------------------------------------------------------
@@ -337,8 +339,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
 
 
 def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, loss_terms: int, timeout_s: float,
-               cancel: threading.Event, detector: FailureDetector,
-               store_node: str | None) -> tuple[JobDriver, RecoveryReport]:
+               cancel: threading.Event, detector: FailureDetector, store_node: str | None,
+               service: str) -> tuple[JobDriver, RecoveryReport]:
     """Bring the devices of ``resume.plan`` under a new driver: the ones that are gone are confirmed failed and
     replaced as ``job.recovery`` says, and every device restores its state at the latest round start all units
     have a copy of (the round the earlier coordinator was in, normally), or from the last checkpoint when the
@@ -346,7 +348,7 @@ def _take_over(bus: Bus, job: JobSpec, resume: Resume, cluster: ClusterProfile, 
     # The earlier coordinator may have sent the next epoch's assignments before it stopped: start past it.
     plan = resume.plan.model_copy(update={"epoch": resume.plan.epoch + 1})
     driver = JobDriver(bus, job, plan, loss_terms, epoch=plan.epoch, timeout_s=timeout_s, cancel=cancel,
-                       detector=detector)
+                       detector=detector, service=service)
     gone = [n for n in plan.devices if n not in {d.device.node for d in cluster.devices}]
     failures = detector.confirm(gone) if gone else {}
     if len(failures) < len(gone):
@@ -386,17 +388,17 @@ Joiner = Callable[[JobDriver, ClusterProfile, int], tuple[JobDriver, RecoveryRep
 JOIN_READY_S = 30.0  # how long a device that appeared may take to bring its profiler up
 
 
-def _joiner(bus: Bus, job: JobSpec, watcher: ClusterWatcher, detector: FailureDetector, *, passed_over: set[str],
-            timeout_s: float) -> Joiner:
-    """Adds the devices whose stage-worker came online during the job (not those the plan passed over at the
-    start; a device lost earlier may come back). Each new device is tried once: profiled together with the
-    plan's devices, then ``grow``."""
+def _joiner(bus: Bus, job: JobSpec, watcher: ClusterWatcher, detector: FailureDetector, service: str, *,
+            passed_over: set[str], timeout_s: float) -> Joiner:
+    """Adds the devices whose ``service`` (the stage-worker) came online during the job (not those the plan passed
+    over at the start; a device lost earlier may come back). Each new device is tried once: profiled together with
+    the plan's devices, then ``grow``."""
     tried = set(passed_over)
 
     def join(driver: JobDriver, cluster: ClusterProfile, index: int) -> tuple[JobDriver, RecoveryReport,
                                                                             ClusterProfile] | None:
         view, _ = watcher.view()
-        fresh = sorted(n for n in nodes_running(view, STAGE_WORKER)
+        fresh = sorted(n for n in nodes_running(view, service)
                        if n not in driver.plan.devices and n not in tried and not detector.failed(n))
         if not fresh:
             return None

@@ -183,9 +183,9 @@ def _full_plan(old: Plan, cluster: ClusterProfile) -> Plan:
 
 
 def _successor(driver: JobDriver, new: Plan) -> JobDriver:
-    """A driver of plan ``new`` for ``driver``'s job, bus, detector, timeout and cancellation."""
+    """A driver of plan ``new`` for ``driver``'s job, bus, detector, timeout, cancellation and worker service."""
     return JobDriver(driver.bus, driver.job, new, driver.loss_terms, epoch=new.epoch, timeout_s=driver.timeout_s,
-                     cancel=driver.cancel, detector=driver.detector)
+                     cancel=driver.cancel, detector=driver.detector, service=driver.service)
 
 
 def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted: int, cluster: ClusterProfile,

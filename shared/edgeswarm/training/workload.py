@@ -146,7 +146,7 @@ class TrainWorkload(Workload):
             ctx.update("queued", event=("resumed", f"a restarted coordinator starts the job again (it was "
                                                    f"{previous.status})"))
         run_job(ctx.bus, spec, store_node=ctx.store_node, observer=_Publisher(ctx, spec), cancel=ctx.cancel,
-                timeout_s=ctx.timeout_s, resume=resume)
+                timeout_s=ctx.timeout_s, resume=resume, worker_service=self.worker_service)
         progress = ctx.state().progress_as(TrainProgress)
         return ("succeeded", f"{progress.round} rounds, final loss {progress.loss:.4f}"
                 if progress.loss is not None else "")
