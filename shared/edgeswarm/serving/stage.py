@@ -20,8 +20,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from edgeswarm.devices.compute import synchronized
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
@@ -229,7 +231,7 @@ class ServeStageProgram:
             try:
                 started = time.perf_counter()
                 with self.ctx.gate.computing(), torch.inference_mode():
-                    out = self.ctx.device.run(lambda x=x: _synchronized(stage.module, x, self.ctx.compute))
+                    out = self.ctx.device.run(partial(synchronized, partial(stage.module, x), self.ctx.compute))
                 stage.compute_s += time.perf_counter() - started
                 stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
@@ -240,16 +242,6 @@ class ServeStageProgram:
                              exc)
             self.ctx.metrics.count("serve_items")
             item += 1
-
-
-def _synchronized(module: Any, x: Any, compute: Any) -> Any:
-    """``module(x)``, returning once its kernels on ``compute`` have finished, so an item's compute time (and an
-    emulated device's slow-down) covers the work, not only its launch on an accelerator."""
-    from edgeswarm.devices.compute import synchronize
-
-    out = module(x)
-    synchronize(compute)
-    return out
 
 
 def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | None:
