@@ -47,6 +47,7 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
+from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.serving.spec import ServeSpec
@@ -135,6 +136,7 @@ class PipelineRunner:
         ctx.update("profiling", event=("profiling", f"profiling {spec.model.name} on {', '.join(nodes)}"))
         cluster = profile_cluster(self.bus, spec.model, [spec.micro_batch_size], nodes=nodes,
                                   timeout_s=ctx.timeout_s)
+        cluster = unreserved(cluster, watcher.view()[0])  # room beside the jobs the devices already hold
         self._check()
         ctx.update("planning")
         plan = self._request_plan(cluster, 0)

@@ -2,7 +2,8 @@
 
 A StageAssign builds units [start, end) of the zoo model, initialised from the model's seed so every replica
 starts identical, and its optimizer; the stage's static part (weights, gradients, optimizer state, buffers) is
-measured on torch's meta device and given room (``StageJobs.make_room``) before any weight exists. The stage is built
+measured on torch's meta device and reserved in the node's memory ledger (``StageJobs.make_room``) before any
+weight exists; a failed assignment gives the reservation back. The stage is built
 and initialised on the CPU and then moved to the worker's compute device. A restore that keeps this worker's units
 reuses the stage already built. The stage is then restored (from peers' unit states or a checkpoint) and the worker
 answers StageReady, or StageFailed with the reason.
@@ -60,10 +61,12 @@ class StageBuilder:
             restored = (self._recovery.restore(st) if spec.restore else
                         self._recovery.restore_checkpoint(st) if spec.checkpoint is not None else 0)
         except EdgeswarmError as exc:
+            jobs.unreserve(spec.job_id)
             self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else
                        "timeout" if isinstance(exc, ExchangeTimeout) else "bad_request", str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            jobs.unreserve(spec.job_id)
             log.exception("building stage %d of job %s failed", spec.stage, spec.job_id)
             self._fail(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
             return
