@@ -15,14 +15,20 @@ Policy (who gives way):
   training jobs give way, and so does a new training job.
 * Only this process's hooks are asked: a reservation held by another process on the node (another worker service)
   is never taken away; it counts against the budget until its holder releases it or dies.
+* Planners see it: statuses carry the bytes reserved on the node, and the serving coordinator plans a new job on
+  each device's budget less them (``unreserved``), so it places stages where they fit beside the running jobs.
 
 Mechanism: a JSON file in the node's health folder (``Settings.health_dir``, a per-user folder on the host where
 services already stamp their heartbeats), named by node and hub, under an exclusive ``fcntl.flock`` on a lock file
-beside it. Every service of the node in every process reads and rewrites it in one locked transaction. It needs no
-network exposure, no new topic, and no other service running (a worker without its node-agent still counts every
-program); the node-agent only reads it to report the reserved figure in its status. Services of one node that run
-in separate containers share it by mounting one volume at the health folder. One ``MemoryLedger`` object per node
-and file is kept per process (``node_ledger``), so every program and worker service in a process shares it.
+beside it. Every service of the node in every process reads and rewrites it in one locked transaction. Chosen over a
+ledger the node-agent owns (programs reserving by request to it): that would need new messages and a round trip on
+every reservation, and a worker whose node-agent is down or restarting could not reserve at all; the file needs no
+network exposure, no new topic and no other service running. The node-agent and the worker services only read it
+to report the reserved bytes in their statuses (the cluster view takes the most any live service of the node
+reports). Services of one node that run in separate containers (``compose.yaml`` gives each its own ``/tmp``) share
+it only when one volume is mounted at the health folder for them; the stage-worker hosts every built-in program, so
+one node's programs meet in one process today. One ``MemoryLedger`` object per node and file is kept per process
+(``node_ledger``), so every program and worker service in a process shares it.
 
 A crashed process's reservations do not leak: each holding carries its holder (a per-process id, host and pid) and
 a lease that the holder renews while it holds anything (a thread, every ``LEASE_S / 3``); a holding whose lease ran
@@ -174,8 +180,8 @@ class MemoryLedger:
         return _total(h for h in self.holdings() if h.key != exclude or h.holder != self.holder)
 
     def holdings(self) -> list[Holding]:
-        """Every live holding on the node (other processes' too), this process's last."""
-        with self._transaction() as others:
+        """Every live holding on the node (other processes' too), this process's last. Only reads the file."""
+        with self._transaction(write=False) as others:
             return [*others, *self._mine.values()]
 
     def close(self) -> None:
@@ -210,9 +216,9 @@ class MemoryLedger:
         return freed
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[list[Holding]]:
+    def _transaction(self, write: bool = True) -> Iterator[list[Holding]]:
         """Hold the ledger (this process's lock, and the file's), yielding the live holdings of other processes;
-        on leaving, write them back with this process's own, renewed."""
+        on leaving, write them back with this process's own, renewed (unless ``write`` is False: a look only)."""
         with self._lock:
             if self.path is None:
                 yield []
@@ -223,6 +229,8 @@ class MemoryLedger:
                 try:
                     others = self._read()
                     yield others
+                    if not write:
+                        return
                     now = self._clock()
                     for key, held in self._mine.items():
                         self._mine[key] = held.model_copy(update={"lease_until": now + self.lease_s})
