@@ -191,7 +191,7 @@ _SERVICE_VIEW = ("record", {
 _NODE_VIEW = ("record", {
     "node": "str", "state": ("enum", {"online", "suspect", "offline"}), "device_class": "str",
     "memory_budget_bytes": "int", "free_memory_bytes": "int", "compute": "str", "conflicts": ("list", "str"),
-    "services": ("list", _SERVICE_VIEW),
+    "services": ("list", _SERVICE_VIEW), "reserved_memory_bytes": "int",
 })
 
 _MODEL_SPEC = ("record", {"name": "str", "config": ("map", "scalar")})
@@ -278,6 +278,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "state": ("enum", {"online", "offline"}), **_IDS, "version": "str", "host": "str", "pid": "int",
         "device_class": "str", "memory_budget_bytes": "int", "free_memory_bytes": "int", "data_url": "str",
         "heartbeat_interval_s": "number", "started_at": "number", "reason": "str?", "compute": "str",
+        "reserved_memory_bytes": "int",
     },
     ("edgeswarm.heartbeat", 1): {
         **_IDS, "seq": "int", "interval_s": "number", "uptime_s": "number", "free_memory_bytes": "int",

@@ -1,5 +1,7 @@
-"""The node agent: one per node. It advertises the node's device class, memory and data-plane broker,
-and serves the data-plane sink and echo that link measurements and ``edgeswarm bench transport`` use.
+"""The node agent: one per node. It advertises the node's device class, memory (with the bytes its memory ledger
+holds for the jobs of every program on the node: ``runtime.ledger``, read from the ledger's file and re-announced
+when it changes) and data-plane broker, and serves the data-plane sink and echo that link measurements and
+``edgeswarm bench transport`` use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import InvalidMessageError, UnknownRouteError
 from edgeswarm.messages import BenchAck, BenchData, BenchEcho, BenchEchoReply, BenchStart
+from edgeswarm.runtime.ledger import ledger_path, read_reserved
 from edgeswarm.runtime.service import Service
 
 MAX_OPEN_RUNS = 16
@@ -32,7 +35,11 @@ class _SinkRun:
 class NodeAgentService(Service):
     name = "node-agent"
 
+    def reserved_memory_bytes(self) -> int:
+        return read_reserved(ledger_path(self.settings.health_dir, self.node, self.settings.hub_url))[0]
+
     def setup(self) -> None:
+        self.watch_reserved_memory()
         self._runs: OrderedDict[str, _SinkRun] = OrderedDict()
         self._runs_lock = threading.Lock()
         request = topics.request(self.node, self.name)

@@ -179,6 +179,9 @@ class MembershipTable:
             # The node agent computes nothing: the compute device is that of a service that computes, live first.
             compute=next((e[0].status.compute for e in sorted(entries, key=lambda e: _RANK[e[1].state])
                           if e[0].status.compute), ""),
+            # Every service that reports it reads the same ledger; one announced before the last change may lag.
+            reserved_memory_bytes=max((e[0].status.reserved_memory_bytes for e in entries if e[1].state == "online"),
+                                      default=0),
         )
 
     def _forget_superseded(self, status: Status, at: float) -> None:

@@ -11,6 +11,7 @@ from rich.table import Table
 from edgeswarm.cli.common import cli_settings, hub_url
 from edgeswarm.cli.console import console
 from edgeswarm.messages import ClusterView
+from edgeswarm.messages.cluster import NodeView
 from edgeswarm.runtime.client import CLI_CONNECT_TIMEOUT_S, ClusterWatcher, ViewSource, client_bus, online_devices
 from edgeswarm.topics import topic_tree
 
@@ -43,19 +44,29 @@ def run_status(args: argparse.Namespace) -> int:
 def status_table(view: ClusterView, source: ViewSource, url: str) -> Table:
     """The view as a table: one row per service instance."""
     table = Table(title=f"edgeswarm cluster at {url} ({len(view.nodes)} nodes; view from {source})")
-    for col in ("node", "class", "compute", "service", "state", "heartbeat age", "memory free / budget", "instance",
-                "pid"):
+    for col in ("node", "class", "compute", "service", "state", "heartbeat age", "memory reserved / used / budget",
+                "instance", "pid"):
         table.add_column(col, justify="right" if col in ("heartbeat age", "pid") else "left")
     for node in view.nodes:
         for i, svc in enumerate(node.services):
             age = "-" if svc.heartbeat_age_s is None else f"{svc.heartbeat_age_s:.1f} s"
-            memory = f"{node.free_memory_bytes / 2**30:.1f} / {node.memory_budget_bytes / 2**30:.1f} GiB"
+            memory = _memory(node)
             # Every string here came from the network: escaped, so a "[/x]" in it is text, not rich markup.
             table.add_row(node.node if i == 0 else "", escape(node.device_class) if i == 0 else "",
                           (escape(node.compute) or "-") if i == 0 else "", svc.service,
                           f"[{_STATE_STYLE[svc.state]}]{svc.state}[/]", age, memory if i == 0 else "",
                           svc.instance, str(svc.pid))
     return table
+
+
+def _memory(node: NodeView) -> str:
+    """A node's memory: reserved in its ledger for jobs, used (the budget less what is free), and its budget."""
+    used = max(0, node.memory_budget_bytes - node.free_memory_bytes)
+    return " / ".join(_size(n) for n in (node.reserved_memory_bytes, used, node.memory_budget_bytes))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def run_topics(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from edgeswarm.errors import ConfigError
 
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from edgeswarm.devices.emulation import DeviceProfile
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_DESCRIPTION = 128  # Status.compute's bound
 # Share of the accelerator's free memory at start that becomes the memory budget: the rest is headroom for the
@@ -121,6 +123,14 @@ def synchronize(compute: torch.device) -> None:
         torch.cuda.synchronize(compute)
     elif compute.type == "mps":
         torch.mps.synchronize()
+
+
+def synchronized(fn: Callable[[], T], compute: torch.device) -> T:
+    """``fn()``, returning once the kernels it queued on ``compute`` have finished: a compute time measured around
+    it (and an emulated device's slow-down) covers the work itself, not only its launch on an accelerator."""
+    result = fn()
+    synchronize(compute)
+    return result
 
 
 def accelerator_free_bytes(compute: torch.device | str) -> int | None:

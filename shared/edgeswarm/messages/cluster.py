@@ -30,7 +30,10 @@ class ServiceView(BaseModel):
 
 class NodeView(BaseModel):
     """One node: its device class, memory (bytes) and services. ``state`` is its best service's state; ``compute``
-    the device its computing services run on ("cpu", "cuda:0 (...)"; empty when none of them says)."""
+    the device its computing services run on ("cpu", "cuda:0 (...)"; empty when none of them says).
+    ``free_memory_bytes`` is the budget less what the best service's process uses; ``reserved_memory_bytes`` what the
+    node's memory ledger holds for the jobs of every program on the node (``runtime.ledger``), the most any of its
+    live services reports (0 in views from before the field)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -42,6 +45,7 @@ class NodeView(BaseModel):
     services: tuple[ServiceView, ...]
     conflicts: tuple[str, ...] = ()
     compute: str = Field(default="", max_length=128)
+    reserved_memory_bytes: int = Field(default=0, ge=0)
 
 
 @schema("edgeswarm.cluster_view", 1)

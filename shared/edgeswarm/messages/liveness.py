@@ -18,7 +18,9 @@ class Status(Message):
     ``heartbeat_interval_s`` is seconds. ``compute`` is the device the service computes on ("cpu",
     "cuda:0 (NVIDIA ...)"), empty for a service that does not compute (and in statuses from before the field). The
     strings are bounded because the coordinator keeps every status it accepts and republishes it in the cluster
-    view.
+    view. ``reserved_memory_bytes`` is what the node's memory ledger holds for every program on the node (bytes; 0
+    for a service that does not report it, and in statuses from before the field); the service re-announces its
+    status when it changes.
     """
 
     state: Literal["online", "offline"]
@@ -36,6 +38,7 @@ class Status(Message):
     started_at: float
     reason: str | None = Field(default=None, max_length=512)
     compute: str = Field(default="", max_length=128)
+    reserved_memory_bytes: int = Field(default=0, ge=0)
 
 
 @schema("edgeswarm.heartbeat", 1)

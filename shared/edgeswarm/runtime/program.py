@@ -11,7 +11,8 @@ each once: ``Program(context)``.
 Programs of one process share its ``ComputeGate``: torch.fx tracing, which building a stage does, patches
 ``Module.__call__`` for every thread while it traces, so a forward pass elsewhere meanwhile (another job's round, a
 serving request) fails with NameError ("module is not installed as a submodule"). Computing holds the gate shared
-(many at once), building holds it alone.
+(many at once), building holds it alone. Programs of every process on a node share its memory ledger
+(``runtime.ledger``): each reserves its jobs' memory there, and idle training jobs give way to new reservations.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from edgeswarm.bus import Bus, Inbound
     from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.metrics import Metrics
+    from edgeswarm.runtime.ledger import MemoryLedger
     from edgeswarm.wire import Message
 
 
@@ -86,7 +88,9 @@ class WorkerContext:
     computes as, the service's metrics, the process's compute gate, and ``compute_name``, the name of the torch
     device its weights, activations, gradients and optimizer state live on (EDGESWARM_COMPUTE resolved:
     ``edgeswarm.devices.compute``), as a torch device in ``compute``. Tensors leave it only at the wire.
-    ``wait_s`` is the longest a program waits for one tensor or unit state from a peer before it gives up (seconds)."""
+    ``wait_s`` is the longest a program waits for one tensor or unit state from a peer before it gives up (seconds).
+    ``ledger`` is the node's memory ledger (``runtime.ledger``), shared by every program and service on the node: a
+    program reserves a job's memory there before allocating it and releases it with the job."""
 
     bus: Bus
     node: str
@@ -96,6 +100,7 @@ class WorkerContext:
     gate: ComputeGate
     compute_name: str = "cpu"
     wait_s: float = 120.0
+    ledger: MemoryLedger = field(kw_only=True)
 
     @property
     def compute(self) -> torch.device:

@@ -180,7 +180,32 @@ class Service:
             started_at=self.started_at,
             reason=reason,
             compute=self.compute_description,
+            reserved_memory_bytes=self._reserved_now() if state == "online" else 0,
         )
+
+    def reserved_memory_bytes(self) -> int:
+        """The bytes reserved in this node's memory ledger (``runtime.ledger``) that the status reports: 0 for a
+        service that does not look at the ledger."""
+        return 0
+
+    def watch_reserved_memory(self) -> None:
+        """Re-announce the status whenever the bytes reserved on the node change (looked at every heartbeat), so
+        ``edgeswarm status`` shows them: for the services that report them."""
+        self._reserved_announced = self._reserved_now()
+        self.every(self.settings.heartbeat_interval_s, self._reserved_changed, "reserved-memory")
+
+    def _reserved_now(self) -> int:
+        try:
+            return self.reserved_memory_bytes()
+        except OSError as exc:
+            log.error("cannot read the node's memory ledger: %s", exc)
+            return 0
+
+    def _reserved_changed(self) -> None:
+        reserved = self._reserved_now()
+        if reserved != self._reserved_announced:
+            self._reserved_announced = reserved
+            self._announce()
 
     def _announce(self) -> None:
         self.bus.publish(topics.status(self.node, self.name), self.status_message("online"), retain=True)

@@ -8,7 +8,9 @@ schema, and the program routes it to the job it names (``runtime.program``). A j
 time: a request of one program for a job another program holds is refused, a tensor dropped.
 
 Programs share the process's ``ComputeGate`` (building a model holds it alone: torch.fx tracing patches
-``Module.__call__`` for every thread), and nothing else: jobs of different programs run at the same time.
+``Module.__call__`` for every thread) and the node's memory ledger (``runtime.ledger``: every program reserves its
+jobs' memory there; the service's status carries the bytes reserved on the node), and nothing else: jobs of
+different programs run at the same time.
 
 A new worker service is a subclass that sets ``name`` and an entry in the service registry
 (``edgeswarm.service_registry``); a job kind then names it as its ``worker_service``. A worker service that no kind
@@ -25,6 +27,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import ConfigError
 from edgeswarm.plugins import load_target
+from edgeswarm.runtime.ledger import MemoryLedger, ledger_path, node_ledger
 from edgeswarm.runtime.program import ComputeGate, WorkerContext, WorkerProgram
 from edgeswarm.runtime.service import Service
 
@@ -49,11 +52,22 @@ class WorkerService(Service):
 
         return worker_programs(self.name)
 
+    @property
+    def memory_ledger(self) -> MemoryLedger:
+        """The node's memory ledger, this process's object of it (one per node: every worker service of the process
+        shares it, and the file behind it is shared with the node's other processes)."""
+        return node_ledger(self.node, self.device.memory_budget_bytes,
+                           ledger_path(self.settings.health_dir, self.node, self.settings.hub_url))
+
+    def reserved_memory_bytes(self) -> int:
+        return self.memory_ledger.reserved_bytes()
+
     def setup(self) -> None:
+        self.watch_reserved_memory()
         assert self.compute_name is not None  # resolved when the service was made (computes)
         context = WorkerContext(bus=self.bus, node=self.node, service=self.name, device=self.device,
                                 metrics=self.metrics, gate=ComputeGate(), compute_name=self.compute_name,
-                                wait_s=self.peer_wait_s())
+                                wait_s=self.peer_wait_s(), ledger=self.memory_ledger)
         self._programs: list[WorkerProgram] = [self._make(target, context) for target in self.program_targets()]
         if not self._programs:
             log.info("%s hosts no worker program yet: no job kind names it as its worker service", self.name)

@@ -45,6 +45,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.serving.spec import ServeSpec
@@ -138,8 +139,10 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
 
     def profile(self, nodes: list[str]) -> ClusterProfile:
         self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
-        return profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
-                               timeout_s=self.ctx.timeout_s)
+        cluster = profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
+                                  timeout_s=self.ctx.timeout_s)
+        # Plan on the room beside the jobs the devices already hold (the node's memory ledger, in their status).
+        return unreserved(cluster, self.watcher.view()[0]) if self.watcher is not None else cluster
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
         if epoch == 0:

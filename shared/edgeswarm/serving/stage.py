@@ -1,14 +1,16 @@
 """The stage-worker's program for serving jobs: one forward-only pipeline stage per job, any number of jobs.
 
 A ServeAssign builds units [start, end) of the zoo model (from the model's seed, or loading a training job's
-checkpoint), in evaluation mode, after checking its weights and buffers fit the device's memory budget on torch's
-meta device. Items of the job arrive as ServeTensor frames numbered from 0 in each plan epoch; the stage's thread
-takes them in order through the library's TensorExchange, runs the forward pass under ``torch.inference_mode`` as
-its device class (``DeviceProfile.run``), and sends the result to the next stage's device (the last stage: to the
-coordinator). The coordinator's window bounds the items in flight, and the stage holds at most ``MAX_PENDING``
-items beyond the one it computes: more is dropped and counted, never held. A newer assignment of the same job
-replaces its stage; ServeRelease drops it. Items of another epoch, from a device that is not the previous stage,
-or of the wrong dtype or shape are dropped with a rate-limited log line and a counter.
+checkpoint), in evaluation mode, after reserving its weights and buffers, measured on torch's meta device, in the
+node's memory ledger (``runtime.ledger``) beside every other job on the node: idle training jobs give way, else the
+assignment is refused naming what holds the memory. ServeRelease, a failed assignment and closing give it back.
+Items of the job arrive as ServeTensor frames numbered from 0 in each plan epoch; the stage's thread takes them in
+order through the library's TensorExchange, runs the forward pass under ``torch.inference_mode`` as its device class
+(``DeviceProfile.run``), and sends the result to the next stage's device (the last stage: to the coordinator). The
+coordinator's window bounds the items in flight, and the stage holds at most ``MAX_PENDING`` items beyond the one it
+computes: more is dropped and counted, never held. A newer assignment of the same job replaces its stage;
+ServeRelease drops it. Items of another epoch, from a device that is not the previous stage, or of the wrong dtype
+or shape are dropped with a rate-limited log line and a counter.
 
 The module lives on the worker's compute device (``WorkerContext.compute``): it is built and loaded on the CPU, then
 moved; items reach it through the exchange, which moves them there, and results leave it at the wire.
@@ -20,8 +22,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from edgeswarm.devices.compute import synchronized
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
@@ -40,6 +44,7 @@ _limited = RateLimitedLog(log)
 MIB = 1 << 20
 MAX_PENDING = 64  # items a stage holds beyond the one it computes (the coordinator's window is far smaller)
 IDLE_WAIT_S = 1.0  # how often an idle stage looks whether it was released
+PROGRAM = "serving"  # this program's name in the node's memory ledger
 
 
 class ServeKey(NamedTuple):
@@ -110,6 +115,7 @@ class ServeStageProgram:
             stages, self._stages = list(self._stages.values()), {}
         for stage in stages:
             stage.close()
+            self.ctx.ledger.release(PROGRAM, stage.spec.job_id)
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -121,6 +127,7 @@ class ServeStageProgram:
             if stage is not None:
                 log.info("serving job %s: released stage %d", body.job_id, stage.spec.stage)
                 stage.close()
+                self.ctx.ledger.release(PROGRAM, body.job_id)
             return
         assert isinstance(body, ServeAssign)
         # Building (and loading weights from the store) runs apart from the request topic's thread.
@@ -140,12 +147,15 @@ class ServeStageProgram:
         try:
             stage = self._build(spec)
         except MemoryBudgetError as exc:
+            self._unreserve(spec.job_id)
             self.refuse(msg, spec.job_id, "memory", str(exc))
             return
         except EdgeswarmError as exc:
+            self._unreserve(spec.job_id)
             self.refuse(msg, spec.job_id, "bad_request", str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            self._unreserve(spec.job_id)
             log.exception("building serving stage %d of job %s failed", spec.stage, spec.job_id)
             self.refuse(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
             return
@@ -178,6 +188,13 @@ class ServeStageProgram:
                     f"serving stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB "
                     f"for its weights and buffers, but {self.ctx.node} ({self.ctx.device.device_class}) has a "
                     f"memory budget of {budget / MIB:.1f} MiB")
+            # Before any weight exists: beside every other job on the node (training's too), or idle training jobs
+            # give way (the ledger's policy), or the assignment is refused naming what holds the memory.
+            self.ctx.ledger.reserve(
+                PROGRAM, spec.job_id, static, service=self.ctx.service,
+                what=f"serving job {spec.job_id} (stage {spec.stage}, units [{spec.start}, {spec.end}))",
+                refusal=f"serving stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB "
+                        "for its weights and buffers")
             if self.ctx.device.compute_threads is not None:
                 torch.set_num_threads(self.ctx.device.compute_threads)
             sequence = layer_sequence(build_model(spec.model))
@@ -191,6 +208,15 @@ class ServeStageProgram:
                                                             name=f"serving job {spec.job_id}", scope_name="epoch",
                                                             compute=self.ctx.compute)
         return _Stage(spec, module, str(x.dtype).removeprefix("torch."), tuple(x.shape[1:]), static, exchange)
+
+    def _unreserve(self, job_id: str) -> None:
+        """After an assignment of ``job_id`` failed: its reservation goes back to what the stage still held for the
+        job needs, or goes."""
+        with self._lock:
+            stage = self._stages.get(job_id)
+        self.ctx.ledger.release(PROGRAM, job_id)
+        if stage is not None:
+            self.ctx.ledger.grow(PROGRAM, job_id, stage.static_bytes)
 
     # --- items --------------------------------------------------------------------------------------
 
@@ -229,7 +255,7 @@ class ServeStageProgram:
             try:
                 started = time.perf_counter()
                 with self.ctx.gate.computing(), torch.inference_mode():
-                    out = self.ctx.device.run(lambda x=x: _synchronized(stage.module, x, self.ctx.compute))
+                    out = self.ctx.device.run(partial(synchronized, partial(stage.module, x), self.ctx.compute))
                 stage.compute_s += time.perf_counter() - started
                 stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
@@ -240,16 +266,6 @@ class ServeStageProgram:
                              exc)
             self.ctx.metrics.count("serve_items")
             item += 1
-
-
-def _synchronized(module: Any, x: Any, compute: Any) -> Any:
-    """``module(x)``, returning once its kernels on ``compute`` have finished, so an item's compute time (and an
-    emulated device's slow-down) covers the work, not only its launch on an accelerator."""
-    from edgeswarm.devices.compute import synchronize
-
-    out = module(x)
-    synchronize(compute)
-    return out
 
 
 def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | None:
