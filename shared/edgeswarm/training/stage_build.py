@@ -145,8 +145,10 @@ class StageBuilder:
         last = spec.stage == len(spec.groups) - 1
         compute = self._ctx.compute
         sequence = layer_sequence(build_model(spec.model))
-        module = sequence.build_stage(spec.start, spec.end).to(compute)
+        # Shapes first: stages built from one sequence share its submodules, and .to() moves them in place, so a
+        # stage moved to an accelerator first would leave the CPU sample run with its weights there (seen on CUDA).
         in_shape, out_shape, sample = _sample_shapes(sequence, spec)
+        module = sequence.build_stage(spec.start, spec.end).to(compute)
         stage = StageCompute(module, first=spec.stage == 0, last=last, loss_scale=spec.loss_scale, compute=compute)
         share = spec.shares[spec.stage][spec.rank]
         if share and not spec.restore and spec.checkpoint is None:
