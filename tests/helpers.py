@@ -42,8 +42,8 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
 
     from edgeswarm.data import open_dataset
     from edgeswarm.data.base import round_sample_ids
+    from edgeswarm.hpp.spec import make_optimizer
     from edgeswarm.models.zoo import build_model
-    from edgeswarm.training.jobs import make_optimizer
 
     model = build_model(job.model)
     opt = make_optimizer(job.optimizer, model.parameters())

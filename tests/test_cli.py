@@ -367,7 +367,7 @@ class _Training:
         return out, json.loads((self.tmp_path / "run.json").read_text())
 
     def assert_uninterrupted_weights(self, run: dict) -> None:  # type: ignore[type-arg]
-        from edgeswarm.training.jobs import parse_job_text
+        from edgeswarm.hpp.spec import parse_job_text
         from helpers import assert_same_weights, reference_weights, stored_weights
 
         job = parse_job_text(self.job_text)

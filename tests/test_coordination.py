@@ -144,8 +144,8 @@ def test_the_planner_client_names_a_planner_that_does_not_answer(make_bus) -> No
 
 def test_serving_asks_the_planner_again_while_it_is_busy(make_bus) -> None:
     """Serving's coordinator plans through the common client: a busy planner is asked again (it was not)."""
-    from edgeswarm.serving.pipeline import PipelineRunner
-    from edgeswarm.serving.spec import ServeSpec
+    from edgeswarm.pipeline_serve.coordinator import PipelineRunner
+    from edgeswarm.pipeline_serve.spec import ServeSpec
     from edgeswarm.workloads.base import JobContext
 
     planner = _FakePlanner(make_bus("hub", "planner"), [BUSY, ServePlanReply(plan=_serve_plan(1), planning_s=0.0)],

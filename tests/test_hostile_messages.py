@@ -22,8 +22,8 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.bus.peers import PeerDirectory
 from edgeswarm.errors import RequestRejectedError
+from edgeswarm.hpp.spec import TrainProgress
 from edgeswarm.local.broker import BrokerProcess
-from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.wire import Envelope, Sender, decode, encode
 from edgeswarm.wire.codec import PREFIX
 from edgeswarm.wire.tensor import TensorDescriptor

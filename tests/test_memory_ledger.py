@@ -107,10 +107,10 @@ def test_serving_and_training_on_one_device_see_each_other_and_status_shows_it(b
     assignment makes the idle training job give way; a training job that comes after is refused, naming the serving
     job; the node's status (the node-agent's, as `edgeswarm status` shows it) carries what is reserved."""
     from edgeswarm.cli.status import status_table
+    from edgeswarm.hpp.driver import JobDriver, JobError
     from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease
     from edgeswarm.models.footprint import stage_footprint
     from edgeswarm.runtime.client import ClusterWatcher
-    from edgeswarm.training.driver import JobDriver, JobError
     from test_stage_worker import MLP, _job, _pipeline_plan
 
     cut = 3

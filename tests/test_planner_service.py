@@ -9,15 +9,15 @@ import pytest
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
+from edgeswarm.hpp.coordinator import request_plan
+from edgeswarm.hpp.driver import JobError
+from edgeswarm.hpp.spec import parse_job
 from edgeswarm.messages import Probe, ProbeReply
 from edgeswarm.messages.planning import PlanFailed, PlanReply, PlanRequest, ReplanRequest
 from edgeswarm.planning.budget import work_cap
 from edgeswarm.planning.hpp.budget import estimate_plan
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.services.planner.service import MAX_QUEUED
-from edgeswarm.training.driver import JobError
-from edgeswarm.training.jobs import parse_job
-from edgeswarm.training.lifecycle import request_plan
 from edgeswarm.wire import Message
 
 GIB = 1024**3

@@ -51,7 +51,7 @@ def _cluster_and_plan(spec: ModelSpec = MLP):
 
 def _job(name: str, recovery: str = "light", checkpoint_interval: int = 0, spec: ModelSpec = MLP,
          rounds: int = ROUNDS):
-    from edgeswarm.training.jobs import parse_job
+    from edgeswarm.hpp.spec import parse_job
 
     return parse_job({"name": name, "model": spec.model_dump(), "data": DATA.model_dump(),
                       "global_batch": GLOBAL_BATCH, "micro_batches": M,
@@ -84,9 +84,9 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
          recovery: str = "light", chaos_for=None, checkpoint_interval: int = 0):
     """Train the job on a, b, c, d with the checkpoint store on hub. ``victim`` gets ``sig`` during round 3;
     otherwise ``chaos_for(processes)`` (keyed by node, the store as "store") says what happens."""
+    from edgeswarm.hpp.coordinator import JobObserver, JobResult, train_rounds
+    from edgeswarm.hpp.driver import JobDriver
     from edgeswarm.runtime.detection import FailureDetector
-    from edgeswarm.training.driver import JobDriver
-    from edgeswarm.training.lifecycle import JobObserver, JobResult, train_rounds
 
     store_dir = tmp_path / "checkpoints"
     store = services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
@@ -246,9 +246,9 @@ def test_no_false_failure_in_a_healthy_run_under_full_load(broker, make_bus, ser
     was long enough for a worker to be suspected and probed. (Under this load the gaps reach about 0.9 s, which is
     why the tests' quick 0.25 s heartbeat is not used here: it would be probed, though never declared failed.)"""
     from edgeswarm import topics
+    from edgeswarm.hpp.driver import JobDriver
     from edgeswarm.messages import Heartbeat
     from edgeswarm.runtime.detection import FailureDetector
-    from edgeswarm.training.driver import JobDriver
 
     for node in NODES:
         services.start("stage-worker", node, broker.url, EDGESWARM_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S))

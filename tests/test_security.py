@@ -27,14 +27,14 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
 from edgeswarm.errors import BrokerUnavailableError, CheckpointForbiddenError, NotAuthorizedError
+from edgeswarm.hpp.spec import TrainProgress
 from edgeswarm.local.broker import BrokerSecurity, free_port, start_broker
+from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.security.acl import rules
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
 from edgeswarm.security.passwords import mosquitto_hash, mosquitto_verify
-from edgeswarm.serving.spec import ServeProgress
 from edgeswarm.settings import Settings
-from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.wire import Sender
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, announce, wait_until
@@ -223,7 +223,7 @@ def test_a_client_serves_a_trained_models_checkpoint_over_tls(cluster: SecureClu
     import torch
 
     from edgeswarm.models.zoo import build_model, example_input
-    from edgeswarm.serving.client import infer_stream
+    from edgeswarm.pipeline_serve.client import infer_stream
     from edgeswarm.state.layout import load_layout, load_stage
     from edgeswarm.state.units import model_state
     from edgeswarm.values.profiles import ModelSpec

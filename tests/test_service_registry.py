@@ -295,8 +295,8 @@ def test_the_stage_worker_hosts_the_programs_its_kinds_name() -> None:
 
     targets = StageWorkerService(Settings(node_id="w0")).program_targets()
     assert targets == worker_programs("stage-worker")
-    assert "edgeswarm.training.stage_program:TrainingProgram" in targets
-    assert "edgeswarm.serving.stage:ServeStageProgram" in targets
+    assert "edgeswarm.hpp.worker:TrainingProgram" in targets
+    assert "edgeswarm.pipeline_serve.worker:ServeStageProgram" in targets
 
 
 def test_a_plugin_worker_service_with_no_program_starts(install_plugin, broker: BrokerProcess, make_bus) -> None:  # type: ignore[no-untyped-def]

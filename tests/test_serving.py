@@ -28,9 +28,9 @@ from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError, InferRequest
 from edgeswarm.models.zoo import build_model, example_input
+from edgeswarm.pipeline_serve.client import InferRefusedError, infer, infer_stream
+from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.serving.client import InferRefusedError, infer, infer_stream
-from edgeswarm.serving.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
 from helpers import FAST_ENV, native_cluster, wait_until

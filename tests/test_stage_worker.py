@@ -13,6 +13,7 @@ from edgeswarm import topics
 from edgeswarm.checkpoints.store import CheckpointStore
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import round_sample_ids
+from edgeswarm.hpp.evaluation import accuracy
 from edgeswarm.messages.training import (
     RoundDone,
     RoundStart,
@@ -25,7 +26,6 @@ from edgeswarm.messages.training import (
 )
 from edgeswarm.models.zoo import build_model
 from edgeswarm.state.units import model_state
-from edgeswarm.training.evaluation import accuracy
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from helpers import ask_stage_workers, stored_weights, wait_until
@@ -109,12 +109,12 @@ def test_a_planned_job_trains_over_mqtt_and_its_saved_model_beats_chance(broker,
     """The job driver deploys a plan (a 2-device data-parallel stage, then one device) on three stage-workers,
     runs 25 rounds of the teacher task over MQTT, and saves the stages: the loss falls, and the saved model,
     reassembled here, classifies the held-out split far above chance."""
+    from edgeswarm.hpp.driver import JobDriver
+    from edgeswarm.hpp.spec import parse_job
     from edgeswarm.planning.hpp.assemble import assemble_plan
     from edgeswarm.planning.hpp.costmodel import CostModel
     from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
-    from edgeswarm.training.driver import JobDriver
-    from edgeswarm.training.jobs import parse_job
     from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
 
     store_dir = tmp_path / "checkpoints"
@@ -169,7 +169,7 @@ def _pipeline_plan(nodes: list[str], cut: int, micro_batch: int = 32, micro_batc
 
 
 def _job(name: str, rounds: int = 2):
-    from edgeswarm.training.jobs import parse_job
+    from edgeswarm.hpp.spec import parse_job
 
     return parse_job({"name": name, "model": MLP.model_dump(), "data": DATA.model_dump(), "global_batch": 64,
                       "micro_batches": 2, "optimizer": {"name": "sgd", "lr": 0.1}, "rounds": rounds})
@@ -180,7 +180,7 @@ def test_a_wrong_shape_tensor_fails_the_round_at_once_and_the_others_are_aborted
     shapes named, the coordinator aborts the round on the other device, and nobody waits out a timeout."""
     import time
 
-    from edgeswarm.training.driver import JobDriver, JobError
+    from edgeswarm.hpp.driver import JobDriver, JobError
 
     nodes = ["p0", "p1"]
     procs = [services.start("stage-worker", n, broker.url) for n in nodes]
@@ -214,8 +214,8 @@ def test_a_wrong_shape_tensor_fails_the_round_at_once_and_the_others_are_aborted
 def test_a_stage_over_its_memory_budget_fails_with_the_numbers(broker, make_bus, services) -> None:
     """Eq. 3 as the worker counts it: a budget below the stage's weights, gradients and optimizer state refuses
     the assignment; a budget that holds those but not one micro-batch's activations fails the round."""
+    from edgeswarm.hpp.driver import JobDriver, JobError
     from edgeswarm.models.sequence import layer_sequence
-    from edgeswarm.training.driver import JobDriver, JobError
 
     stage1 = layer_sequence(build_model(MLP)).build_stage(3, len(layer_sequence(build_model(MLP))))
     static = 2 * sum(p.numel() * 4 for p in stage1.parameters())  # SGD: weights and gradients, no buffers

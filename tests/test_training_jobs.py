@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.training.jobs import load_job, make_optimizer, parse_job
+from edgeswarm.hpp.spec import load_job, make_optimizer, parse_job
 from edgeswarm.values.specs import OptimizerSpec
 
 GOOD = {

@@ -7,6 +7,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
+from edgeswarm.hpp.compute import classification_loss
+from edgeswarm.hpp.spec import make_optimizer
 from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, example_target
 from edgeswarm.state.units import (
@@ -23,8 +25,6 @@ from edgeswarm.state.units import (
     unit_names,
     unpack_units,
 )
-from edgeswarm.training.jobs import make_optimizer
-from edgeswarm.training.stage import classification_loss
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import OptimizerSpec
 

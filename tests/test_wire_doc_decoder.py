@@ -34,7 +34,7 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
-from edgeswarm.serving.spec import ServeProgress
+from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
 from helpers import FAST_ENV, wait_until
@@ -155,7 +155,7 @@ def stage_samples() -> dict[type, Any]:
 
 
 def job_samples() -> dict[type, Any]:
-    from edgeswarm.training.jobs import StrategyPrediction, TrainProgress
+    from edgeswarm.hpp.spec import StrategyPrediction, TrainProgress
 
     plan = _comparison().hpp
     return {

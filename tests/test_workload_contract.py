@@ -234,7 +234,7 @@ def _traffic(cluster: Contract, kind: str, name: str) -> None:
     if workload(kind).command != "serve":
         return
     from edgeswarm.models.zoo import example_input
-    from edgeswarm.serving.client import infer_stream
+    from edgeswarm.pipeline_serve.client import infer_stream
 
     spec = parse_spec_text(example(kind, name))
     infer_stream(cluster.bus, name, [example_input(spec.model, 1, seed=i) for i in range(4)],  # type: ignore[attr-defined]

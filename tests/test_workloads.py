@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.zoo import build_model
-from edgeswarm.serving.spec import ServeProgress, ServeSpec
-from edgeswarm.training.jobs import JobSpec, TrainProgress
+from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.workloads import KINDS, parse_spec_text, workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

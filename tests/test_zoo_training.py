@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.bus import Bus
+from edgeswarm.hpp.spec import TrainProgress
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
 from edgeswarm.state.layout import stage_entry
-from edgeswarm.training.jobs import TrainProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
 from helpers import FAST_ENV, native_cluster, stored_weights

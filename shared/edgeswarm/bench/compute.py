@@ -17,9 +17,9 @@ from pydantic import BaseModel
 
 from edgeswarm.devices.compute import describe, synchronize
 from edgeswarm.errors import ConfigError
+from edgeswarm.hpp.compute import classification_loss
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_stage_input, example_target, unit_count
-from edgeswarm.training.stage import classification_loss
 from edgeswarm.values.profiles import ModelSpec
 
 

@@ -23,14 +23,14 @@ from pydantic import BaseModel
 from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.hpp.coordinator import JobObserver, run_job
+from edgeswarm.hpp.driver import RoundReport
+from edgeswarm.hpp.recovery import RecoveryReport
+from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
-from edgeswarm.training.driver import RoundReport
-from edgeswarm.training.jobs import JobSpec, parse_job
-from edgeswarm.training.lifecycle import JobObserver, run_job
-from edgeswarm.training.recovery import RecoveryReport
 from edgeswarm.values.profiles import ModelSpec
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model

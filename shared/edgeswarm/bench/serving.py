@@ -21,8 +21,8 @@ from pydantic import BaseModel
 from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.bus import Bus
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.serving.client import infer_stream
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 

@@ -22,12 +22,12 @@ from pydantic import BaseModel
 
 from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.hpp.coordinator import JobObserver, run_job
+from edgeswarm.hpp.driver import RoundReport
+from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.schedule import plan_timeline
 from edgeswarm.planning.hpp.types import Plan, Strategy
-from edgeswarm.training.driver import RoundReport
-from edgeswarm.training.jobs import JobSpec, parse_job
-from edgeswarm.training.lifecycle import JobObserver, run_job
 from edgeswarm.values.profiles import ModelSpec
 
 STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")

@@ -31,8 +31,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def run_export(args: argparse.Namespace) -> int:
     from edgeswarm.checkpoints.client import loader_status
-    from edgeswarm.training.export import export_model
-    from edgeswarm.training.model_file import write_model_file
+    from edgeswarm.hpp.export import export_model
+    from edgeswarm.hpp.model_file import write_model_file
 
     out = Path(args.out)
     if out.is_dir():

@@ -23,7 +23,7 @@ from edgeswarm.workloads.client import JobRequestError, job_states
 if TYPE_CHECKING:
     import torch
 
-    from edgeswarm.serving.client import StreamReport
+    from edgeswarm.pipeline_serve.client import StreamReport
 
 
 def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -88,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_infer(args: argparse.Namespace) -> int:
-    from edgeswarm.serving.client import infer_stream
+    from edgeswarm.pipeline_serve.client import infer_stream
 
     if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1):
         raise ConfigError("--rows, --window and --count must be at least 1")

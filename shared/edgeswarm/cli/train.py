@@ -24,14 +24,14 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.plan import plan_table
 from edgeswarm.errors import ConfigError
 from edgeswarm.extras import require_extra
+from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
-from edgeswarm.training.jobs import JobSpec, TrainProgress
 
 if TYPE_CHECKING:  # torch: imported only when a job starts from a file
-    from edgeswarm.training.model_file import ModelFile
+    from edgeswarm.hpp.model_file import ModelFile
 from edgeswarm.workloads import installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
@@ -131,8 +131,8 @@ def run_train(args: argparse.Namespace) -> int:
 def _read_initial(job: JobSpec, spec_path: Path) -> ModelFile:
     """The weights file of ``job.init`` (a relative path is taken from the spec file's folder), checked against the
     job's model: ConfigError listing every problem, before anything is sent."""
-    from edgeswarm.training.initial import check_initial
-    from edgeswarm.training.model_file import read_model_file
+    from edgeswarm.hpp.initial import check_initial
+    from edgeswarm.hpp.model_file import read_model_file
 
     assert job.init is not None
     file_path = Path(job.init.file).expanduser()
@@ -146,7 +146,7 @@ def _read_initial(job: JobSpec, spec_path: Path) -> ModelFile:
 def _upload_initial(bus: Bus, job: JobSpec, initial: ModelFile) -> tuple[JobSpec, str]:
     """Store the job's initial weights as version 0 of its checkpoints; returns the job and its text with the
     file's SHA-256 filled in, for the coordinator to check."""
-    from edgeswarm.training.initial import upload_initial
+    from edgeswarm.hpp.initial import upload_initial
 
     assert job.init is not None
     upload_initial(bus, "hub", job, initial)
@@ -221,7 +221,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
         figures = [s.progress_as(TrainProgress).model_dump(mode="json", exclude={"predictions"}) for _, s in rounds]
         Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"), "rounds": figures}, indent=2))
     if args.loss_png and rounds:
-        from edgeswarm.training.curves import render_loss_png
+        from edgeswarm.hpp.curves import render_loss_png
 
         figures = [s.progress_as(TrainProgress) for _, s in rounds]
         render_loss_png([r for r, _ in rounds], [f.loss or 0.0 for f in figures],

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 # Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run. Kinds are
 # named for their algorithm.
 BUILTIN: dict[str, str] = {
-    "train-hpp": "edgeswarm.training.workload:TrainWorkload",
-    "serve-pipeline": "edgeswarm.serving.workload:ServePipelineWorkload",
+    "train-hpp": "edgeswarm.hpp.workload:TrainWorkload",
+    "serve-pipeline": "edgeswarm.pipeline_serve.workload:ServePipelineWorkload",
 }
 # Older names that specs and states may still carry -> the kind they mean. A spec without ``kind`` is ``train``.
 ALIASES: dict[str, str] = {"train": "train-hpp"}

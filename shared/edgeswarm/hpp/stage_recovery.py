@@ -18,6 +18,8 @@ from typing import Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.hpp.held import StateMissing, UnitStates
+from edgeswarm.hpp.stage_jobs import StageJobs, _Stage
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.training import (
     HeldBackup,
@@ -31,8 +33,6 @@ from edgeswarm.messages.training import (
 from edgeswarm.runtime.exchange import ExchangeTimeout
 from edgeswarm.runtime.outbox import Outbox
 from edgeswarm.runtime.senders import count_stranger
-from edgeswarm.training.held import StateMissing, UnitStates
-from edgeswarm.training.stage_jobs import StageJobs, _Stage
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)

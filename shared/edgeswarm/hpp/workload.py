@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
+from edgeswarm.hpp.coordinator import JobObserver, Resume, run_job
+from edgeswarm.hpp.driver import RoundReport
+from edgeswarm.hpp.recovery import RecoveryReport
+from edgeswarm.hpp.spec import JobSpec, StrategyPrediction, TrainProgress
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
-from edgeswarm.training.driver import RoundReport
-from edgeswarm.training.jobs import JobSpec, StrategyPrediction, TrainProgress
-from edgeswarm.training.lifecycle import JobObserver, Resume, run_job
-from edgeswarm.training.recovery import RecoveryReport
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 
@@ -101,13 +101,13 @@ class TrainWorkload(Workload):
     progress_type = TrainProgress
     plan_type = Plan
     plan_cli = "edgeswarm.cli.plan:run_hpp_plan"
-    planner = "edgeswarm.training.planner:PLANNER"
+    planner = "edgeswarm.hpp.planner:PLANNER"
     command = "train"
     exclusive = True
     example = ("name: {name}\nmodel: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\n"
                "data: {kind: teacher, size: 256, test_size: 64}\nglobal_batch: 16\nmicro_batches: 2\nrounds: 400\n"
                "checkpoint_interval: 50\n")
-    worker_program = "edgeswarm.training.stage_program:TrainingProgram"
+    worker_program = "edgeswarm.hpp.worker:TrainingProgram"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         return model_problems(spec.model, members, spec.optimizer.name)

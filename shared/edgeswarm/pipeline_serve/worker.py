@@ -22,10 +22,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from edgeswarm.devices.compute import synchronized
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
@@ -173,11 +171,8 @@ class ServeStageProgram:
                                            memory_bytes=stage.static_bytes, load_s=time.monotonic() - started))
 
     def _build(self, spec: ServeAssign) -> _Stage:
-        import torch
-
         from edgeswarm.models.footprint import stage_footprint
-        from edgeswarm.models.sequence import layer_sequence
-        from edgeswarm.models.zoo import build_model, example_stage_input
+        from edgeswarm.pipeline_serve.compute import build_stage, load_weights
 
         budget = self.ctx.device.memory_budget_bytes
         with self.ctx.gate.building():
@@ -195,19 +190,15 @@ class ServeStageProgram:
                 what=f"serving job {spec.job_id} (stage {spec.stage}, units [{spec.start}, {spec.end}))",
                 refusal=f"serving stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB "
                         "for its weights and buffers")
-            if self.ctx.device.compute_threads is not None:
-                torch.set_num_threads(self.ctx.device.compute_threads)
-            sequence = layer_sequence(build_model(spec.model))
-            x = example_stage_input(spec.model, sequence, spec.start, 1)
-            module = sequence.build_stage(spec.start, spec.end).eval()
+            built = build_stage(spec, self.ctx.device.compute_threads)
         if spec.weights is not None:
-            _load_weights(self.ctx, spec, module, sequence)
-        module = module.to(self.ctx.compute)
+            load_weights(self.ctx.bus, spec, built)
+        module = built.module.to(self.ctx.compute)
         service = "coordinator" if spec.stage == len(spec.devices) - 1 else self.ctx.service
         exchange: TensorExchange[ServeKey] = TensorExchange(self.ctx.bus, service, wait_s=IDLE_WAIT_S,
                                                             name=f"serving job {spec.job_id}", scope_name="epoch",
                                                             compute=self.ctx.compute)
-        return _Stage(spec, module, str(x.dtype).removeprefix("torch."), tuple(x.shape[1:]), static, exchange)
+        return _Stage(spec, module, built.in_dtype, built.in_shape, static, exchange)
 
     def _unreserve(self, job_id: str) -> None:
         """After an assignment of ``job_id`` failed: its reservation goes back to what the stage still held for the
@@ -237,7 +228,7 @@ class ServeStageProgram:
 
     def _serve(self, stage: _Stage) -> None:
         """Take the epoch's items in order, compute each, send it on; ends when the stage is replaced or released."""
-        import torch
+        from edgeswarm.pipeline_serve.compute import forward
 
         spec = stage.spec
         peer = spec.coordinator if stage.last else spec.devices[spec.stage + 1]
@@ -254,8 +245,8 @@ class ServeStageProgram:
                 return
             try:
                 started = time.perf_counter()
-                with self.ctx.gate.computing(), torch.inference_mode():
-                    out = self.ctx.device.run(partial(synchronized, partial(stage.module, x), self.ctx.compute))
+                with self.ctx.gate.computing():
+                    out = forward(stage.module, x, self.ctx.device, self.ctx.compute)
                 stage.compute_s += time.perf_counter() - started
                 stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
@@ -282,18 +273,3 @@ def _refusal(stage: _Stage | None, body: ServeTensor, msg: Inbound) -> str | Non
     if stage.exchange.pending() >= MAX_PENDING:
         return f"{what}: {MAX_PENDING} items are already waiting"
     return tensor_problem(msg.tensor, dtype=stage.in_dtype, sample_shape=stage.in_shape, what=what)
-
-
-def _load_weights(ctx: WorkerContext, spec: ServeAssign, module: Any, sequence: Any) -> None:
-    """Load units [start, end)'s weights and buffers from the checkpoint stages that hold them."""
-    from edgeswarm.state.layout import load_stage
-    from edgeswarm.state.units import checkpoint_units, load_units, unit_names
-
-    source = spec.weights
-    assert source is not None
-    names = unit_names(sequence)
-    tensors: dict[str, Any] = {}
-    for k, (start, end) in enumerate(source.stages):
-        if start < spec.end and end > spec.start:
-            tensors.update(load_stage(ctx.bus, source.store_node, source.job_id, k, source.version))
-    load_units(module, None, checkpoint_units(tensors, module, names, spec.start, spec.end), names)

@@ -20,15 +20,15 @@ from torch import nn
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import Dataset, round_sample_ids
 from edgeswarm.errors import ConfigError, EdgeswarmError
+from edgeswarm.hpp.compute import StageCompute, loss_terms
+from edgeswarm.hpp.evaluation import accuracy
+from edgeswarm.hpp.executor import DeviceIO, GroupSum, Position, Recv, Request, device_round
+from edgeswarm.hpp.routing import stage_sample_ids
+from edgeswarm.hpp.spec import JobSpec, make_optimizer
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.hpp.schedule import warmup_counts
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.training.evaluation import accuracy
-from edgeswarm.training.executor import DeviceIO, GroupSum, Position, Recv, Request, device_round
-from edgeswarm.training.jobs import JobSpec, make_optimizer
-from edgeswarm.training.routing import stage_sample_ids
-from edgeswarm.training.stage import StageCompute, loss_terms
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.coordination.program import Disrupted
 from edgeswarm.errors import CheckpointError, EdgeswarmError, JobCancelled, JobError, RequestTimeoutError
+from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.messages import Probe
 from edgeswarm.messages.training import (
     CheckpointSource,
@@ -40,7 +41,6 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import RECONNECT_GRACE_S, Detection, FailureDetector
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.state.layout import save_layout
-from edgeswarm.training.jobs import JobSpec
 from edgeswarm.wire import Message
 
 ABORT_GRACE_S = 10.0  # how long the other devices get to give up an aborted round and answer

@@ -18,11 +18,11 @@ from typing import Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.hpp.held import HeldState
+from edgeswarm.hpp.stage_jobs import MIB, StageJobs, _Stage
+from edgeswarm.hpp.stage_recovery import Fail, StageRecovery
 from edgeswarm.messages.training import StageAssign, StageReady
 from edgeswarm.runtime.exchange import ExchangeTimeout, TensorExchange
-from edgeswarm.training.held import HeldState
-from edgeswarm.training.stage_jobs import MIB, StageJobs, _Stage
-from edgeswarm.training.stage_recovery import Fail, StageRecovery
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class StageBuilder:
         """For a restore that keeps this worker's units (a recovery that moved only other devices' cut points, or
         none), the stage already built, without its aborted round's gradients: the restore then only loads the
         snapshot, with no model to build and no kernels to warm up. None when the stage must be built anew."""
-        from edgeswarm.training.stage import StageCompute
+        from edgeswarm.hpp.compute import StageCompute
 
         if old is None or not spec.restore:
             return None
@@ -123,12 +123,12 @@ class StageBuilder:
         import torch
 
         from edgeswarm.data import open_dataset
+        from edgeswarm.hpp.compute import StageCompute
+        from edgeswarm.hpp.spec import make_optimizer
         from edgeswarm.models.footprint import stage_footprint
         from edgeswarm.models.sequence import layer_sequence
         from edgeswarm.models.zoo import build_model
         from edgeswarm.state.units import unit_names
-        from edgeswarm.training.jobs import make_optimizer
-        from edgeswarm.training.stage import StageCompute
 
         device, node = self._ctx.device, self._ctx.node
         # Measured on the meta device, before any weight exists: an assignment too large for this device is refused

@@ -21,15 +21,7 @@ from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_
 from edgeswarm.coordination.planner_client import request_plan as ask_planner
 from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.messages.planning import PlanReply, PlanRequest
-from edgeswarm.messages.training import CheckpointSource, StageSaved
-from edgeswarm.planning.hpp.compare import Comparison
-from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.runtime.client import ClusterWatcher, nodes_running
-from edgeswarm.runtime.detection import Detection, FailureDetector
-from edgeswarm.runtime.program import STAGE_WORKER
-from edgeswarm.training.driver import (
+from edgeswarm.hpp.driver import (
     ConnectionInterrupted,
     DeviceLost,
     JobCancelled,
@@ -38,8 +30,16 @@ from edgeswarm.training.driver import (
     RoundReport,
     StagesFailed,
 )
-from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.recovery import RecoveryReport, grow, recover
+from edgeswarm.hpp.recovery import RecoveryReport, grow, recover
+from edgeswarm.hpp.spec import JobSpec
+from edgeswarm.messages.planning import PlanReply, PlanRequest
+from edgeswarm.messages.training import CheckpointSource, StageSaved
+from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.detection import Detection, FailureDetector
+from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 
@@ -176,7 +176,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     result = program.result
     assert result is not None
     if store_node and program.total:
-        from edgeswarm.training.evaluation import evaluate_checkpoint
+        from edgeswarm.hpp.evaluation import evaluate_checkpoint
 
         result.test_accuracy = evaluate_checkpoint(bus, store_node, job, len(result.plan.stages), program.total)
         program.seen.evaluated(result.test_accuracy)
@@ -366,7 +366,7 @@ def _initial(bus: Bus, job: JobSpec, store_node: str | None) -> CheckpointSource
         return None
     if store_node is None:
         raise JobError(f"job {job.name} starts from {job.init.file}, which needs the checkpoint store")
-    from edgeswarm.training.initial import InitError, initial_checkpoint
+    from edgeswarm.hpp.initial import InitError, initial_checkpoint
 
     try:
         return initial_checkpoint(bus, store_node, job)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from edgeswarm.errors import MemoryBudgetError
+from edgeswarm.hpp.held import HeldState
 from edgeswarm.messages.training import StageAssign
 from edgeswarm.runtime.collective_exchange import CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
 from edgeswarm.runtime.ledger import MIB
 from edgeswarm.runtime.program import WorkerContext
-from edgeswarm.training.held import HeldState
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,10 @@ from collections.abc import Callable
 
 from edgeswarm.bus import Inbound
 from edgeswarm.errors import CheckpointTransferError, EdgeswarmError
+from edgeswarm.hpp.stage_build import StageBuilder
+from edgeswarm.hpp.stage_jobs import MAX_JOBS, StageJobs, TensorKey
+from edgeswarm.hpp.stage_recovery import RestoreError, StageRecovery
+from edgeswarm.hpp.stage_round import StageRounds
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.training import (
     RoundStart,
@@ -44,10 +48,6 @@ from edgeswarm.messages.training import (
     StageTensor,
 )
 from edgeswarm.runtime.program import WorkerContext
-from edgeswarm.training.stage_build import StageBuilder
-from edgeswarm.training.stage_jobs import MAX_JOBS, StageJobs, TensorKey
-from edgeswarm.training.stage_recovery import RestoreError, StageRecovery
-from edgeswarm.training.stage_round import StageRounds
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)

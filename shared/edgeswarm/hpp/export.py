@@ -17,9 +17,9 @@ import torch
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import list_checkpoints
 from edgeswarm.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from edgeswarm.hpp.model_file import describe_problems, specs_of, state_problems
 from edgeswarm.state.layout import LAYOUT, load_layout_meta, load_stage, stage_entry
 from edgeswarm.state.units import model_state
-from edgeswarm.training.model_file import describe_problems, specs_of, state_problems
 from edgeswarm.values.profiles import ModelSpec
 
 MAX_JOBS_SHOWN = 20

@@ -28,6 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from edgeswarm.errors import CheckpointError, InfeasiblePlanError
+from edgeswarm.hpp.driver import DeviceLost, JobDriver, JobError
 from edgeswarm.messages.training import CheckpointSource, StageHeld
 from edgeswarm.planning.hpp.compare import plan_best
 from edgeswarm.planning.hpp.migration import (
@@ -42,7 +43,6 @@ from edgeswarm.planning.hpp.replan import light_replan
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
 from edgeswarm.state.layout import load_layout
-from edgeswarm.training.driver import DeviceLost, JobDriver, JobError
 from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ClusterProfile
 
 log = logging.getLogger(__name__)

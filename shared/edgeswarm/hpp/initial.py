@@ -13,11 +13,11 @@ from __future__ import annotations
 from edgeswarm.bus import Bus
 from edgeswarm.checkpoints.client import save_checkpoint
 from edgeswarm.errors import CheckpointError, CheckpointForbiddenError, CheckpointVersionError, ConfigError
+from edgeswarm.hpp.model_file import ModelFile, describe_problems, specs_of, state_problems
+from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.messages.training import CheckpointSource
 from edgeswarm.models.zoo import unit_count
 from edgeswarm.state.layout import load_layout_meta, save_layout, stage_entry
-from edgeswarm.training.jobs import JobSpec
-from edgeswarm.training.model_file import ModelFile, describe_problems, specs_of, state_problems
 
 INIT_VERSION = 0
 SOURCE_SHA256 = "source_sha256"  # the layout's meta: the SHA-256 of the file version 0 was made from

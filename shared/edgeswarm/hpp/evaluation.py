@@ -8,10 +8,10 @@ import torch
 from edgeswarm.bus import Bus
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import Dataset
+from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.models.zoo import build_model
 from edgeswarm.state.layout import load_stage
 from edgeswarm.state.units import model_state
-from edgeswarm.training.jobs import JobSpec
 
 
 def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:

@@ -8,8 +8,8 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.serving import InferError, InferRequest, ServeTensor
+from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.serving.spec import ServeProgress, ServeSpec
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 
@@ -22,13 +22,13 @@ class ServePipelineWorkload(Workload):
     progress_type = ServeProgress
     plan_type = ServePlan
     plan_cli = "edgeswarm.cli.plan:run_serve_plan"
-    planner = "edgeswarm.serving.planner:PLANNER"
+    planner = "edgeswarm.pipeline_serve.planner:PLANNER"
     command = "serve"
     exclusive = False
     example = ("kind: serve-pipeline\nname: {name}\n"
                "model: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\nmicro_batch_size: 2\n")
     data_schemas = (InferRequest, ServeTensor)
-    worker_program = "edgeswarm.serving.stage:ServeStageProgram"
+    worker_program = "edgeswarm.pipeline_serve.worker:ServeStageProgram"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         return model_problems(spec.model, members, None)
@@ -50,7 +50,7 @@ class ServePipelineWorkload(Workload):
         return [[st.device] for st in plan.stages]
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
-        from edgeswarm.serving.pipeline import PipelineRunner  # torch: only when a job actually runs
+        from edgeswarm.pipeline_serve.coordinator import PipelineRunner  # torch: only when a job actually runs
 
         assert isinstance(spec, ServeSpec)
         if ctx.previous is not None:

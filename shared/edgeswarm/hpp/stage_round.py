@@ -22,13 +22,13 @@ from typing import Any
 from edgeswarm.bus import Inbound
 from edgeswarm.devices.compute import synchronized
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.hpp.stage_jobs import StageJobs, TensorKey, _Stage
+from edgeswarm.hpp.stage_recovery import Fail, StageRecovery
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.training import RoundDone, RoundStart, StageAbort, StageTensor
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, tensor_problem
 from edgeswarm.runtime.senders import count_stranger
-from edgeswarm.training.stage_jobs import StageJobs, TensorKey, _Stage
-from edgeswarm.training.stage_recovery import Fail, StageRecovery
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
@@ -66,6 +66,8 @@ class StageRounds:
             return
         # A forged one is dropped without failing the round (the genuine tensor still comes); a bad one failed it.
         self._ctx.metrics.count(f"stage_tensors_dropped.{'shape' if refused.reason == 'tensor' else refused.reason}")
+        if refused.reason == "sender":
+            count_stranger(self._ctx.metrics)
         _limited.log(logging.ERROR, refused.reason, "dropped %s", refused.detail)
 
     def on_tensor(self, msg: Inbound) -> None:
@@ -147,9 +149,9 @@ class StageRounds:
     def _run_round(self, st: _Stage, round_index: int) -> RoundDone:
         from edgeswarm.data.base import round_sample_ids
         from edgeswarm.devices.compute import to_compute
+        from edgeswarm.hpp.executor import DeviceIO, Position, Recv, device_round, run_blocking
+        from edgeswarm.hpp.routing import stage_sample_ids
         from edgeswarm.runtime.collectives import even_bounds, ring_all_reduce
-        from edgeswarm.training.executor import DeviceIO, Position, Recv, device_round, run_blocking
-        from edgeswarm.training.routing import stage_sample_ids
 
         spec, stage, exchange, device, on = st.spec, st.stage, st.exchange, self._ctx.device, self._ctx.compute
         p, r, n_stages = spec.stage, spec.rank, len(spec.groups)

@@ -23,9 +23,9 @@ from typing import Literal, TypeVar
 
 import torch
 
+from edgeswarm.hpp.compute import StageCompute
+from edgeswarm.hpp.routing import Piece, pieces, routing_matrix
 from edgeswarm.planning.hpp.schedule import stage_order
-from edgeswarm.training.routing import Piece, pieces, routing_matrix
-from edgeswarm.training.stage import StageCompute
 
 T = TypeVar("T")
 Kind = Literal["activation", "gradient"]
