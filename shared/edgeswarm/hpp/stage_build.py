@@ -76,6 +76,7 @@ class StageBuilder:
             held = jobs.held.setdefault(spec.job_id, HeldState(spec.job_id))  # (evicted meanwhile)
             held.forget_after(spec.resume_round)
             held.epoch = spec.epoch
+            jobs.building.discard(spec.job_id)
             jobs.ready.notify_all()
         if replaced is not None and replaced is not st:
             replaced.exchange.close()

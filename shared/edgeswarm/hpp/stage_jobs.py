@@ -84,6 +84,7 @@ class StageJobs:
         self.stages: dict[str, _Stage] = {}  # job id -> its stage
         self.held: dict[str, HeldState] = {}  # job id -> its snapshots and the backups held for its devices
         self.ready = threading.Condition()  # guards the dicts above; notified when state arrives
+        self.building: set[str] = set()  # jobs whose new stage holds a reservation but is not in ``stages`` yet
         ctx.ledger.on_pressure(PROGRAM, self._give_way)
 
     def stage_of(self, job_id: str, epoch: int | None = None) -> _Stage | None:
@@ -94,6 +95,7 @@ class StageJobs:
 
     def close(self) -> list[_Stage]:
         """Forget every stage and release its memory; returns the stages (the caller closes their exchanges)."""
+        self.ctx.ledger.off_pressure(self._give_way)
         with self.ready:
             stages, self.stages = list(self.stages.values()), {}
         for st in stages:
@@ -106,12 +108,13 @@ class StageJobs:
         pressure hooks make idle jobs give way when the budget is short. Raises MemoryBudgetError with the numbers
         and the holders when it cannot."""
         with self.ready:
+            self.building.add(spec.job_id)  # its old stage (a replacement) must not give its reservation away
             others = sorted((st for job, st in self.stages.items() if job != spec.job_id), key=lambda st: st.used)
             count = len(others)
             for st in others:
                 if count < MAX_JOBS:
                     break
-                if self._evict_idle(st, f"job {spec.job_id} needs the room"):
+                if st.spec.job_id not in self.building and self._evict_idle(st, f"job {spec.job_id} needs the room"):
                     count -= 1
         self.ctx.ledger.reserve(
             PROGRAM, spec.job_id, static, service=self.ctx.service,
@@ -123,6 +126,7 @@ class StageJobs:
         job needs (its static bytes), or goes."""
         with self.ready:
             st = self.stages.get(job_id)
+            self.building.discard(job_id)
         self.ctx.ledger.release(PROGRAM, job_id)
         if st is not None:
             self.ctx.ledger.grow(PROGRAM, job_id, st.static_bytes)
@@ -135,7 +139,7 @@ class StageJobs:
             for st in sorted(self.stages.values(), key=lambda st: st.used):
                 if freed >= need:
                     break
-                if st.spec.job_id == keep:
+                if st.spec.job_id == keep or st.spec.job_id in self.building:
                     continue
                 held = self.ctx.ledger.held_by(PROGRAM, st.spec.job_id)
                 if self._evict_idle(st, why):

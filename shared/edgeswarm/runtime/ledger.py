@@ -126,6 +126,11 @@ class MemoryLedger:
         with self._lock:
             self._hooks.append((program, hook))
 
+    def off_pressure(self, hook: PressureHook) -> None:
+        """Forget ``hook`` (its program closed)."""
+        with self._lock:
+            self._hooks = [(owner, h) for owner, h in self._hooks if h != hook]
+
     def reserve(self, program: str, job_id: str, nbytes: int, *, what: str, refusal: str = "",
                 service: str = "") -> None:
         """Hold ``nbytes`` for job ``job_id`` of ``program`` (replacing what that job held), asking the pressure hooks
