@@ -127,12 +127,6 @@ class JobState(Message):
             raise TypeError(f"job {self.job_id} is a {self.kind} job, not one with {cls.__name__}")
         return self.progress
 
-    def plan_as(self, cls: type[P]) -> P | None:
-        """The plan as the kind's plan type ``cls`` (None before there is one). Raises TypeError for another kind."""
-        if self.plan is not None and not isinstance(self.plan, cls):
-            raise TypeError(f"job {self.job_id} is a {self.kind} job, not one with {cls.__name__}")
-        return self.plan
-
 
 # What happened to a job. The common events are these; a workload may name its own (a plug-in's kind included), so the
 # type is a short name rather than a closed list: "submitted", "profiling", "planned", "deployed", "round",
