@@ -213,8 +213,9 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
         """The job's first plan is known (not called for a take-over or a re-plan)."""
 
     def assignments(self, plan: PlanT) -> dict[str, Message]:
-        """What each device of ``plan`` is asked to deploy (for the default ``deploy``)."""
-        raise NotImplementedError(f"{type(self).__name__} deploys without assignments")
+        """What each device of ``plan`` is asked to deploy (for the default ``deploy``). A program overrides either
+        this or ``deploy`` (HPP training deploys through its driver; pipelined serving gives assignments)."""
+        raise NotImplementedError(f"{type(self).__name__} must override assignments() or deploy()")
 
     def deploy(self, plan: PlanT) -> None:
         """Put ``plan`` on its devices: ``assignments(plan)`` to each at once; raises JobError naming every device
