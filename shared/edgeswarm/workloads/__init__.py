@@ -14,6 +14,7 @@ Adding a workload is one entry: a line in ``BUILTIN`` for edgeswarm's own, or an
 from __future__ import annotations
 
 from functools import lru_cache
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -47,23 +48,12 @@ def kinds() -> dict[str, str]:
     return out
 
 
-class _Kinds:
-    """``KINDS``: the registry as a read-only mapping (kind -> "module:class"), built in plus plug-ins."""
-
-    def __iter__(self) -> Any:
-        return iter(kinds())
-
-    def __contains__(self, kind: object) -> bool:
-        return kind in kinds()
-
-    def __getitem__(self, kind: str) -> str:
-        return kinds()[kind]
-
-    def __len__(self) -> int:
-        return len(kinds())
-
-
-KINDS = _Kinds()
+def __getattr__(name: str) -> Any:
+    # KINDS (kind -> "module:class", built in plus plug-ins) is read when asked for, not at import: the plug-ins'
+    # entry points are found then, as the service registry's SERVICES is.
+    if name == "KINDS":
+        return MappingProxyType(kinds())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def canonical(kind: str) -> str:
@@ -107,7 +97,7 @@ def worker_programs(service: str) -> list[str]:
     there, in registry order, each once. A plug-in kind that does not load is left out (its jobs fail on their
     own)."""
     out: list[str] = []
-    for kind in KINDS:
+    for kind in kinds():
         work = installed_workload(kind)
         if work is not None and work.worker_service == service and work.worker_program and \
                 work.worker_program not in out:
@@ -139,7 +129,7 @@ def parse_spec(data: Any, *, source: str = "the job spec") -> BaseModel:
     ConfigError listing every invalid field and why."""
     kind = data.get("kind", DEFAULT_KIND) if isinstance(data, dict) else DEFAULT_KIND
     if not isinstance(kind, str):
-        raise ConfigError(f"{source} is invalid:\n  kind: must be one of {', '.join(sorted(KINDS))}")
+        raise ConfigError(f"{source} is invalid:\n  kind: must be one of {', '.join(sorted(kinds()))}")
     spec_type = workload(kind).spec_type
     try:
         return spec_type.model_validate(data)
