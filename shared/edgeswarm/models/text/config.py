@@ -1,0 +1,174 @@
+"""The architecture of a Transformer language model, its presets and its weight layout.
+
+Weight layout (the one every loader writes and every runtime reads; ``nn.Linear`` convention, weight [out, in]),
+``hd`` = ``head_dim``, ``H`` = ``heads``, ``K`` = ``kv_heads``, ``h`` = ``hidden``, ``f`` = ``ffn``:
+
+=============================  ======================  =====================================================
+name                           shape                   present
+=============================  ======================  =====================================================
+``embed.tokens``               [vocab, h]              always
+``embed.positions``            [max_positions+off, h]  learned positions (bert, gpt2, opt; ``off`` =
+                                                       ``position_offset``, OPT's 2)
+``embed.types``                [type_vocab, h]         bert
+``embed.norm.weight|bias``     [h]                     bert (LayerNorm after the embedding sum)
+``layers.{i}.q.weight|bias``   [H*hd, h] | [H*hd]      always (bias when ``bias``)
+``layers.{i}.k.weight|bias``   [K*hd, h] | [K*hd]      always
+``layers.{i}.v.weight|bias``   [K*hd, h] | [K*hd]      always
+``layers.{i}.o.weight|bias``   [h, H*hd] | [h]         always
+``layers.{i}.attn_norm.*``     [h]                     always: pre-LN: before attention; post-LN (bert): after
+                                                       the attention's residual add (``.bias`` not for RMSNorm)
+``layers.{i}.mlp_norm.*``      [h]                     likewise around the MLP
+``layers.{i}.up.weight|bias``  [f, h] | [f]            always
+``layers.{i}.gate.weight``     [f, h]                  llama (SwiGLU: down(silu(gate(x)) * up(x)))
+``layers.{i}.down.weight|bias`` [h, f] | [h]           always
+``final_norm.weight|bias``     [h]                     pre-LN families (gpt2 ``ln_f``, opt, llama ``norm``)
+``lm_head.weight``             [vocab, h]              decoders (the same tensor as ``embed.tokens`` when tied)
+=============================  ======================  =====================================================
+
+Head ``j`` of a layer is rows [j*hd, (j+1)*hd) of ``q``; query head ``j`` reads KV head ``j // (H // K)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Family = Literal["bert", "gpt2", "opt", "llama"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+MAX_LAYERS = 256
+MAX_WIDTH = 65536
+MAX_VOCAB = 1 << 20
+MAX_POSITIONS = 1 << 17
+
+
+class TextModelConfig(BaseModel):
+    """One Transformer's shape. ``family`` fixes the block structure: bert is post-LN, bidirectional, with token
+    types; gpt2 and opt are pre-LN causal decoders with learned positions (opt: ReLU, positions offset by 2);
+    llama is a pre-LN causal decoder with RMSNorm, SwiGLU, rotary positions and grouped-query attention
+    (``kv_heads`` < ``heads``). ``dtype`` is what weights and activations are held in."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: Family
+    layers: int = Field(ge=1, le=MAX_LAYERS)
+    hidden: int = Field(ge=1, le=MAX_WIDTH)
+    heads: int = Field(ge=1, le=MAX_WIDTH)
+    kv_heads: int = Field(default=0, ge=0, le=MAX_WIDTH)  # 0: as many as ``heads``
+    ffn: int = Field(ge=1, le=4 * MAX_WIDTH)
+    vocab: int = Field(ge=2, le=MAX_VOCAB)
+    max_positions: int = Field(default=512, ge=1, le=MAX_POSITIONS)
+    type_vocab: int = Field(default=2, ge=0, le=16)
+    norm_eps: float = Field(default=1e-5, gt=0, le=1e-1)
+    activation: Activation = "gelu"
+    bias: bool = True
+    position_offset: int = Field(default=0, ge=0, le=16)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    tie_embeddings: bool = True
+    dtype: DType = "float32"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TextModelConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.heads % self.n_kv:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dimension, not {self.head_dim}")
+        return self
+
+    @property
+    def n_kv(self) -> int:
+        """KV heads (``kv_heads``, or ``heads`` when 0)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.n_kv
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def pre_ln(self) -> bool:
+        return self.family != "bert"
+
+    @property
+    def causal(self) -> bool:
+        return self.family != "bert"
+
+    @property
+    def rms_norm(self) -> bool:
+        return self.family == "llama"
+
+    @property
+    def gated(self) -> bool:
+        return self.family == "llama"
+
+    @property
+    def rotary(self) -> bool:
+        return self.family == "llama"
+
+    @property
+    def decoder(self) -> bool:
+        return self.family != "bert"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def attention_params(self) -> int:
+        """Parameters of one attention block (projections and their biases), the paper's M_att in elements."""
+        h, hd = self.hidden, self.head_dim
+        q = self.heads * hd * h + (self.heads * hd if self.bias else 0)
+        kv = 2 * (self.n_kv * hd * h + (self.n_kv * hd if self.bias else 0))
+        o = h * self.heads * hd + (h if self.bias else 0)
+        return q + kv + o
+
+    def mlp_params(self) -> int:
+        """Parameters of one MLP block (M_mlp in elements)."""
+        h, f = self.hidden, self.ffn
+        mats = (3 if self.gated else 2) * h * f
+        return mats + ((f + h) if self.bias else 0)
+
+
+def _bert(layers: int, hidden: int, heads: int, **kw: object) -> TextModelConfig:
+    return TextModelConfig(family="bert", layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=30522,
+                           norm_eps=1e-12, activation="gelu", tie_embeddings=False, **kw)  # type: ignore[arg-type]
+
+
+def _gpt2(layers: int, hidden: int, heads: int, **kw: object) -> TextModelConfig:
+    return TextModelConfig(family="gpt2", layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=50257,
+                           max_positions=1024, activation="gelu_tanh", type_vocab=0, **kw)  # type: ignore[arg-type]
+
+
+def _opt(layers: int, hidden: int, heads: int, **kw: object) -> TextModelConfig:
+    return TextModelConfig(family="opt", layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=50272,
+                           max_positions=2048, position_offset=2, activation="relu", type_vocab=0,
+                           **kw)  # type: ignore[arg-type]
+
+
+def _llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, **kw: object) -> TextModelConfig:
+    return TextModelConfig(family="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                           vocab=32000, max_positions=4096, activation="silu", bias=False, type_vocab=0,
+                           norm_eps=1e-5, tie_embeddings=False, **kw)  # type: ignore[arg-type]
+
+
+# Test sizes run in milliseconds; the paper's shapes (Table IV) hold random weights unless a model folder is given.
+PRESETS: dict[str, TextModelConfig] = {
+    "bert-tiny": _bert(2, 64, 4).model_copy(update={"vocab": 512, "max_positions": 128}),
+    "gpt2-tiny": _gpt2(2, 64, 4).model_copy(update={"vocab": 512, "max_positions": 128}),
+    "opt-tiny": _opt(2, 64, 4).model_copy(update={"vocab": 512, "max_positions": 128}),
+    "llama-tiny": _llama(2, 64, 8, 2, 176).model_copy(update={"vocab": 512, "max_positions": 128}),
+    "distilbert": _bert(6, 768, 12),
+    "bert-large": _bert(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "opt-1.3b": _opt(24, 2048, 32),
+    "opt-2.7b": _opt(32, 2560, 32),
+    "llama-3.2-1b": _llama(16, 2048, 32, 8, 8192).model_copy(update={"vocab": 128256, "rope_theta": 500000.0,
+                                                                      "tie_embeddings": True}),
+}
