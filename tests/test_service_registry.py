@@ -87,7 +87,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 def test_the_built_in_services_and_their_roles() -> None:
     assert list(BUILT_IN) == list(services())[:len(BUILT_IN)]
     assert services_of("hub") == ("coordinator", "planner", "checkpoint-store")
-    assert services_of("device") == ("node-agent", "profiler", "stage-worker")
+    assert services_of("device") == ("node-agent", "profiler", "stage-worker", "tensor-shard-worker")
     assert services_of("edge") == ("node-agent", "profiler")  # a node like any other, but no stage-worker
     assert services_of("client") == ()
     assert service_class("stage-worker").__name__ == "StageWorkerService"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from edgeswarm.errors import ConfigError
 from edgeswarm.plugins import SERVICE_GROUP, discovered, load_target
 from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
 
 if TYPE_CHECKING:
     from edgeswarm.runtime.service import Service
@@ -83,6 +83,11 @@ BUILT_IN: dict[str, ServiceEntry] = {
     # Only the coordinator deploys stages; tensors come from the stages' peers.
     STAGE_WORKER: ServiceEntry(_TARGET.format("stage_worker", "StageWorkerService"), ("device",),
                                  data_writers=("hub", "device")),
+    # Only the coordinator deploys shards; tensors come from the coordinator (tokens) and the ring's other devices.
+    TENSOR_SHARD_WORKER: ServiceEntry(_TARGET.format("tensor_shard_worker", "TensorShardWorkerService"), ("device",),
+                                      data_writers=("hub", "device"),
+                                      data_purpose="tensors for the tensor-shard-worker: a request's tokens (the "
+                                                   "coordinator) and the ring's collective slices (its devices)"),
 }
 
 

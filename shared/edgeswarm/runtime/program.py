@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 # The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
 # its registration, by the workloads it hosts and by their coordinator programs that address it.
 STAGE_WORKER = "stage-worker"
+# The worker service that hosts tensor-parallel shards (Galaxy's serve-hmp): every device holds a share of every layer.
+TENSOR_SHARD_WORKER = "tensor-shard-worker"
 
 
 class ComputeGate:
