@@ -28,7 +28,7 @@ def test_every_topic_is_documented() -> None:
 def test_the_device_class_table_matches_the_catalogue() -> None:
     for c in CATALOGUE.values():
         row = (f"| `{c.name}` | {c.description} | {c.compute_slowdown:g} | {c.memory_bytes / 2**30:g} GiB | "
-               f"{c.memory_budget_bytes / 2**30:g} GiB | {c.link.bandwidth_bps * 8 / 1e6:g} Mbps, "
+               f"{c.memory_budget_bytes / 2**30:.3g} GiB | {c.link.bandwidth_bps * 8 / 1e6:g} Mbps, "
                f"{c.link.latency_s * 1e3:g} ms |")
         assert row in REFERENCE, f"docs/reference.md's row for {c.name} is out of date; expected:\n{row}"
 

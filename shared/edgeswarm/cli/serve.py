@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Register ``edgeswarm serve`` and ``edgeswarm infer``."""
-    p = sub.add_parser("serve", help="serve a model as a pipeline over the cluster's devices (a serve-pipeline spec)")
-    p.add_argument("spec", help="the serving job spec file (YAML or JSON, kind: serve-pipeline)")
+    p = sub.add_parser("serve", help="serve a model over the cluster's devices: as a pipeline (serve-pipeline) or "
+                                      "split by heads, columns and rows (serve-hmp)")
+    p.add_argument("spec", help="the serving job spec file (YAML or JSON, kind: serve-pipeline or serve-hmp)")
     add_hub_arg(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the pipeline to be serving")
     p.add_argument("--no-wait", action="store_true", help="submit and return at once")
@@ -39,8 +40,15 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_hub_arg(q)
     source = q.add_mutually_exclusive_group()
     source.add_argument("--npz", default=None, metavar="FILE",
-                        help="inputs from FILE: array x (or its only array), [samples, ...], split into requests")
+                        help="inputs from FILE: array x (or its only array), [samples, ...], split into requests "
+                             "(a text model: token ids, one request per row)")
     source.add_argument("--count", type=int, default=8, help="requests of generated inputs (default 8)")
+    source.add_argument("--text", action="append", default=None, metavar="TEXT",
+                        help="a text model with a tokenizer: one request of TEXT (repeatable)")
+    source.add_argument("--tokens", action="append", default=None, metavar="IDS",
+                        help="a text model: one request of these comma-separated token ids (repeatable)")
+    q.add_argument("--max-new-tokens", type=int, default=0,
+                   help="a text decoder: tokens to generate per request (default: the job's max_new_tokens)")
     q.add_argument("--rows", type=int, default=1, help="samples per request (at most the job's micro-batch size)")
     q.add_argument("--window", type=int, default=8, help="requests in flight at once")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer")
@@ -89,9 +97,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_infer(args: argparse.Namespace) -> int:
     from edgeswarm.pipeline_serve.client import infer_stream
+    from edgeswarm.plugins import load_target
 
-    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1):
-        raise ConfigError("--rows, --window and --count must be at least 1")
+    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1) or args.max_new_tokens < 0:
+        raise ConfigError("--rows, --window and --count must be at least 1, --max-new-tokens at least 0")
     bus = job_bus(args)
     try:
         state = next((s for s in job_states(bus) if s.job_id == args.job), None)
@@ -101,6 +110,11 @@ def run_infer(args: argparse.Namespace) -> int:
                                   f"job {args.job} is a {state.kind} job, not a serving job")
         if state.status != "running":
             raise JobRequestError(f"job {args.job} is {state.status}, not serving")
+        if work.infer_cli:
+            return int(load_target(work.infer_cli, f"the infer command of {work.kind}")(args, bus, state))
+        if args.text or args.tokens:
+            raise ConfigError(f"job {args.job} is a {work.kind} job: it takes tensors (--npz or --count), not "
+                              "--text or --tokens")
         inputs = _inputs(args, state)
         report = infer_stream(bus, args.job, inputs, window=args.window, timeout_s=args.timeout)
     finally:
@@ -110,26 +124,56 @@ def run_infer(args: argparse.Namespace) -> int:
 
 
 def _inputs(args: argparse.Namespace, state: JobState) -> list[torch.Tensor]:
-    """The requests' inputs: the .npz file's samples, or ``--count`` generated requests for the job's model."""
+    """The requests' inputs: the .npz file's samples (in the model's input dtype), or ``--count`` generated requests
+    for the job's model."""
+    from edgeswarm.models.zoo import example_input
+
+    spec = parse_spec_text(state.spec, source=f"the spec of job {state.job_id}")
+    if args.npz is None:
+        return [example_input(spec.model, args.rows, seed=i) for i in range(args.count)]  # type: ignore[attr-defined]
+    samples = as_input_dtype(read_npz(args.npz), example_input(spec.model, 1).dtype, args.npz)  # type: ignore[attr-defined]
+    return list(samples.split(args.rows))
+
+
+def read_npz(path: str) -> torch.Tensor:
+    """Array ``x`` of the .npz file ``path`` (or its only array), [samples, ...]. Raises ConfigError saying what is
+    wrong with the file."""
     import numpy as np
     import torch
 
-    from edgeswarm.models.zoo import example_input
-
-    if args.npz is None:
-        spec = parse_spec_text(state.spec, source=f"the spec of job {state.job_id}")
-        return [example_input(spec.model, args.rows, seed=i) for i in range(args.count)]  # type: ignore[attr-defined]
     try:
-        with np.load(args.npz, allow_pickle=False) as data:
+        with np.load(path, allow_pickle=False) as data:
             key = "x" if "x" in data.files else data.files[0] if len(data.files) == 1 else None
             if key is None:
-                raise ConfigError(f"{args.npz} holds {', '.join(data.files)}: name the inputs x")
+                raise ConfigError(f"{path} holds {', '.join(data.files)}: name the inputs x")
             samples = torch.from_numpy(np.ascontiguousarray(data[key]))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read inputs from {args.npz}: {exc}") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot read inputs from {path}: {exc}") from None
     if samples.dim() < 1 or samples.shape[0] == 0:
-        raise ConfigError(f"{args.npz}: x must be [samples, ...] with at least one sample")
-    return list(torch.split(samples, args.rows))
+        raise ConfigError(f"{path}: x must be [samples, ...] with at least one sample")
+    return samples
+
+
+def as_input_dtype(samples: torch.Tensor, dtype: torch.dtype, source: str) -> torch.Tensor:
+    """``samples`` in the model's input ``dtype`` when that loses nothing a user cares about: any float to the
+    model's float (NumPy's float64 default to float32, say), integers to a wider or equal integer, and integral
+    values of any dtype to an integer type that holds them (token ids saved as floats). Raises ConfigError when it
+    would change values."""
+    import torch
+
+    if samples.dtype == dtype:
+        return samples
+    if dtype.is_floating_point and (samples.dtype.is_floating_point or not samples.dtype.is_complex):
+        return samples.to(dtype)
+    if not dtype.is_floating_point and not dtype.is_complex and samples.dtype != torch.bool:
+        info = torch.iinfo(dtype)
+        converted = samples.to(torch.float64)
+        if bool((converted == converted.round()).all()) and (samples.numel() == 0 or (
+                float(converted.min()) >= info.min and float(converted.max()) <= info.max)):
+            return samples.to(dtype)
+    raise ConfigError(f"{source}: the model takes {str(dtype).removeprefix('torch.')} inputs; "
+                      f"{str(samples.dtype).removeprefix('torch.')} values would change on the way (save them as "
+                      f"{str(dtype).removeprefix('torch.')})")
 
 
 def _print_report(args: argparse.Namespace, report: StreamReport) -> None:

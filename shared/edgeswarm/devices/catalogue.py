@@ -54,6 +54,13 @@ CATALOGUE: dict[str, DeviceClass] = {
         _cls("jetson-nano", "Jetson Nano-like: 128-core Maxwell, 4 GB unified memory", 10.0, 4, 3.0, 1000, 0.5),
         _cls("jetson-tx2", "Jetson TX2-like: 256-core Pascal, 8 GB unified memory", 4.0, 8, 6.5, 1000, 0.5),
         _cls("jetson-nx", "Jetson Xavier NX-like: 384-core Volta, 8 GB unified memory", 2.0, 8, 6.5, 1000, 0.5),
+        # The Galaxy paper's Jetson Nano CPU at three clock settings (1.47 GHz, 825 MHz, 403 MHz: its Table II),
+        # slowed in proportion to the clock, with the paper's heterogeneous budgets (1.5, 1.2, 0.7 GB).
+        _cls("jetson-nano-l", "Jetson Nano CPU at 1.47 GHz (Galaxy's Nano-L), 4 GB", 6.0, 4, 1.5e9 / GIB, 1000, 0.5),
+        _cls("jetson-nano-m", "Jetson Nano CPU at 825 MHz (Galaxy's Nano-M), 4 GB", round(6.0 * 1.47 / 0.825, 1), 4,
+             1.2e9 / GIB, 1000, 0.5),
+        _cls("jetson-nano-s", "Jetson Nano CPU at 403 MHz (Galaxy's Nano-S), 4 GB", round(6.0 * 1.47 / 0.403, 1), 4,
+             0.7e9 / GIB, 1000, 0.5),
         _cls("rpi4", "Raspberry Pi 4-like: 4x Cortex-A72 CPU only, 4 GB, Wi-Fi", 20.0, 4, 3.0, 300, 2.0),
         _cls("laptop", "Laptop-like: mobile CPU, 16 GB, Wi-Fi", 1.5, 16, 12.0, 400, 2.0),
         _cls("edge-server", "Edge server-like: server CPU/GPU, 64 GB, 10 GbE", 1.0, 64, 56.0, 10000, 0.2),

@@ -37,12 +37,21 @@ CLUSTERS_DIR = Path(__file__).parent / "clusters"
 
 
 class DeviceEntry(BaseModel):
-    """One device (or edge server) of a cluster: its node id and device class."""
+    """One device (or edge server) of a cluster: its node id and device class, and optionally a memory budget other
+    than the class's (``memory_budget_gb``, decimal gigabytes: the Galaxy paper gives one board class different
+    budgets in different environments)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     id: Name
     device_class: str = Field(alias="class")
+    memory_budget_gb: float | None = Field(default=None, gt=0, le=1e6)
+
+    def budget_env(self) -> dict[str, str]:
+        """The setting that gives the node its own memory budget (none: the class's)."""
+        if self.memory_budget_gb is None:
+            return {}
+        return {"EDGESWARM_MEMORY_BUDGET_BYTES": str(int(self.memory_budget_gb * 1e9))}
 
 
 class NetworkDefaults(BaseModel):
@@ -101,7 +110,10 @@ class ClusterSpec(BaseModel):
         entry = next((d for d in self.nodes if d.id == node), None)
         if entry is None:
             raise ConfigError(f"no device or edge {node!r} in cluster {self.name}")
-        return device_class(entry.device_class)
+        dc = device_class(entry.device_class)
+        if entry.memory_budget_gb is not None:
+            dc = dc.model_copy(update={"memory_budget_bytes": int(entry.memory_budget_gb * 1e9)})
+        return dc
 
     def link(self, src: str, dst: str) -> LinkSpec:
         """The emulated link from ``src`` to ``dst``: an override, else the network default, else the classes'."""

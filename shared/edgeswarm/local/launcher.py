@@ -176,7 +176,7 @@ class LocalCluster:
                 links = {peer: spec.model_dump() for peer, spec in self.spec.links_from(node.id).items()}
                 env = service_env(node.id, self.broker.url, device_class=node.device_class, links=links,
                                   heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
-                                  extra={**extra, **self.identity_env(node.id)})
+                                  extra={**extra, **node.budget_env(), **self.identity_env(node.id)})
                 for service in services:
                     self._spawn(node.id, service, env)
 

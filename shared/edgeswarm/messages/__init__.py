@@ -15,6 +15,16 @@ from edgeswarm.messages.checkpoints import (
 )
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
 from edgeswarm.messages.collectives import CollectiveTensor
+from edgeswarm.messages.hmp import (
+    HmpReply,
+    HmpRequest,
+    ShardAssign,
+    ShardFree,
+    ShardPass,
+    ShardReady,
+    ShardRelease,
+    ShardResult,
+)
 from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, RequestRejected, Status
 from edgeswarm.messages.metrics import MetricsReport
@@ -60,6 +70,14 @@ from edgeswarm.messages.training import (
 )
 
 __all__ = [
+    "HmpReply",
+    "HmpRequest",
+    "ShardAssign",
+    "ShardFree",
+    "ShardPass",
+    "ShardReady",
+    "ShardRelease",
+    "ShardResult",
     "BenchAck",
     "BenchData",
     "BenchEcho",

@@ -78,6 +78,9 @@ class Workload(ABC):
     plan_type: ClassVar[type[BaseModel] | None] = None
     planner: ClassVar[str] = ""
     plan_cli: ClassVar[str] = ""  # "module:function(args, cluster) -> exit code": its plan shown by `edgeswarm plan`
+    # "module:function(args, bus, state) -> exit code": how `edgeswarm infer` asks a running job of a serving kind
+    # (empty: the pipelined serving client, tensors of the model's input shape).
+    infer_cli: ClassVar[str] = ""
     command: ClassVar[Literal["train", "serve"]] = "train"
     exclusive: ClassVar[bool] = True
     # A small spec of this kind that runs on any cluster in seconds, with ``{name}`` for the job's name: the

@@ -1,0 +1,76 @@
+"""What a user submits to serve a Transformer split across devices: ``kind: serve-hmp`` and these fields."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgeswarm.messages.hmp import MAX_NEW_TOKENS, LayerSplit
+from edgeswarm.models.text.source import TextModelSource
+from edgeswarm.planning.hmp.shares import MAX_SHARDS, Mode
+from edgeswarm.wire.schema import NAME_PATTERN, Name
+
+
+class HmpPlannerSpec(BaseModel):
+    """How the planner may split the job: devices it must leave out, at most ``most_devices`` of them, and how an
+    over-budget device's share moves (``paper``: in proportion to the receivers' speed, as Algorithm 1;
+    ``water-filling``: never past a receiver's free memory)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exclude: list[Name] = Field(default_factory=list, max_length=MAX_SHARDS)
+    most_devices: int | None = Field(default=None, ge=1, le=MAX_SHARDS)
+    shift: Literal["paper", "water-filling"] = "paper"
+
+
+class HmpSpec(BaseModel):
+    """A tensor-parallel serving job. ``mode`` is Galaxy's hybrid parallelism (``galaxy``) or a baseline on the same
+    runtime (``megatron``: equal tensor parallelism with AllReduce; ``sp``: sequence parallelism, every device holds
+    every weight; ``local``: one device); ``overlap`` tiles Galaxy's collectives with its GEMMs. ``seq_len`` is
+    the prompt length it is profiled and planned for; ``max_tokens`` bounds a request's prompt and generated tokens
+    together, ``max_new_tokens`` is a decoder's default number of generated tokens. At most ``queue`` requests
+    wait; beyond, a request is answered ``busy``. The ring's slices go at ``qos`` (0: a slice not there within
+    ``deadline_s`` seconds is asked for again once; a request whose pass fails is run again once)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["serve-hmp"]
+    name: str = Field(pattern=NAME_PATTERN)
+    model: TextModelSource
+    mode: Mode = "galaxy"
+    overlap: bool = True
+    seq_len: int = Field(default=128, ge=1, le=1 << 16)
+    max_tokens: int = Field(default=512, ge=1, le=1 << 17)
+    max_new_tokens: int = Field(default=16, ge=0, le=MAX_NEW_TOKENS)
+    queue: int = Field(default=64, ge=1, le=4096)
+    qos: Literal[0, 1] = 0
+    deadline_s: float = Field(default=5.0, gt=0, le=600)
+    planner: HmpPlannerSpec = HmpPlannerSpec()
+
+
+class HmpProgress(BaseModel):
+    """How a tensor-parallel serving job serves: requests ``answered`` and refused (``errors``), ``recomputed``
+    requests (a device was lost during them: their KV cache was rebuilt on the survivors), requests ``queued``,
+    ``tokens`` generated. Latencies are over the recent requests, in seconds: ``latency`` from arrival to answer,
+    ``ttft`` to the first token, ``tpot`` per further token; ``tokens_per_s`` generated tokens per second of
+    decoding. ``split`` is the measured per-layer time split of the latest prefill (slowest device), beside the
+    plan's predictions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    kind: Literal["serve-hmp"] = "serve-hmp"
+    answered: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0)
+    recomputed: int = Field(default=0, ge=0)
+    queued: int = Field(default=0, ge=0)
+    tokens: int = Field(default=0, ge=0)
+    reconfigurations: int = Field(default=0, ge=0)
+    latency_p50_s: float | None = None
+    latency_p99_s: float | None = None
+    ttft_p50_s: float | None = None
+    tpot_p50_s: float | None = None
+    tokens_per_s: float | None = None
+    split: LayerSplit | None = None
+    predicted_latency_s: float | None = None
+    predicted_tpot_s: float | None = None

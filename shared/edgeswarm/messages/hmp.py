@@ -1,0 +1,171 @@
+"""Messages of the serve-hmp workload (Galaxy): deploying a model split by heads, columns and rows, its passes, and
+requests for it.
+
+The coordinator assigns each device of an HmpPlan its shard (ShardAssign, answered ShardReady or StageFailed) and
+releases it when the job ends (ShardRelease). A request runs as passes: a prefill pass over the prompt, then one
+pass per generated token. Each pass starts with a ShardPass frame (the pass's token ids) from the coordinator to
+every device of the ring; the devices exchange CollectiveTensor slices among themselves, and each answers the
+coordinator with a ShardResult frame (its rows of the final hidden states, or, from the device holding the last
+row of a decoder, the top logits of the next token). ShardFree drops a request's KV cache.
+
+Anyone allowed to send the coordinator tensors asks with an HmpRequest frame on the coordinator's data topic (token
+ids as an int64 tensor [tokens], or ``text`` for a model with a tokenizer), with ``reply_to`` and a correlation id in
+its envelope; the answer is an HmpReply (its tensor: the final hidden states [tokens, hidden] of an encoder) or an
+InferError on that reply topic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgeswarm.messages.collectives import MAX_SCOPE
+from edgeswarm.models.text.source import TextModelSource
+from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.limits import MAX_DEVICES, MAX_EPOCH
+from edgeswarm.wire.schema import MIB, Message, Name, schema
+
+MAX_TEXT_CHARS = 16384
+MAX_NEW_TOKENS = 4096
+MAX_TOP = 16  # next-token candidates a pass reports
+MAX_REQUESTS_FREED = 64
+
+
+class PassSplit(BaseModel):
+    """Where one device's time went in one pass, in seconds summed over the layers: ``compute`` (its own
+    arithmetic), ``sync`` (inside collectives, sending and adding), ``waiting`` (for a peer's slice)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    compute_s: float = Field(default=0.0, ge=0)
+    sync_s: float = Field(default=0.0, ge=0)
+    waiting_s: float = Field(default=0.0, ge=0)
+
+
+@schema("edgeswarm.hmp.assign", 1)
+class ShardAssign(Message):
+    """Request to a tensor-shard-worker: hold rank ``rank``'s shard of ``model`` under ``shares`` for serving job
+    ``job_id`` at plan ``epoch``; passes come from ``coordinator``. ``max_tokens`` bounds a request's sequence
+    (prompt and generated tokens: the KV cache it may hold); ``qos`` and ``deadline_s`` are the ring's (a step's
+    slice that has not come within ``deadline_s`` is asked for again once at QoS 0). Answered ShardReady, or
+    StageFailed (``memory`` when the shard does not fit the device's budget). A newer assignment of the job replaces
+    the old one."""
+
+    MAX_BYTES = 1 * MIB
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    rank: int = Field(ge=0, lt=MAX_DEVICES)
+    model: TextModelSource
+    shares: HmpShares
+    coordinator: Name
+    max_tokens: int = Field(ge=1, le=1 << 17)
+    qos: Literal[0, 1] = 0
+    deadline_s: float = Field(default=5.0, gt=0, le=600)
+
+
+@schema("edgeswarm.hmp.ready", 1)
+class ShardReady(Message):
+    """Rank ``rank`` of ``job_id`` at ``epoch`` holds its shard: ``parameters`` weights, ``memory_bytes`` reserved
+    in the node's memory ledger (weights and the largest KV cache), ``load_s`` seconds to make or read them."""
+
+    job_id: Name
+    epoch: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    parameters: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0)
+    load_s: float = Field(ge=0)
+
+
+@schema("edgeswarm.hmp.release", 1)
+class ShardRelease(Message):
+    """Command to a tensor-shard-worker, not answered: drop serving job ``job_id``'s shard."""
+
+    job_id: Name
+
+
+@schema("edgeswarm.hmp.free", 1)
+class ShardFree(Message):
+    """Command, not answered: drop the KV caches of ``requests`` (their passes are over) of ``job_id``."""
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    requests: list[int] = Field(max_length=MAX_REQUESTS_FREED)
+
+
+@schema("edgeswarm.hmp.pass", 1)
+class ShardPass(Message):
+    """Frames of one pass of ``job_id`` at ``epoch`` for every rank: its tensor is the pass's token ids (int64
+    [tokens]) at positions ``start`` .. of request number ``request`` (the KV cache it extends; 0 .. for a prefill,
+    which starts a new cache). ``pass_id`` numbers the job's passes (the ring's exchange scope)."""
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    pass_id: int = Field(ge=0, le=MAX_SCOPE)
+    request: int = Field(ge=0, le=MAX_SCOPE)
+    start: int = Field(ge=0, le=1 << 17)
+
+
+@schema("edgeswarm.hmp.result", 1)
+class ShardResult(Message):
+    """Frames of rank ``rank``'s answer to pass ``pass_id``: its tensor holds its rows [row_start, row_start + rows)
+    of the final hidden states (an encoder), or the logits of ``top`` (the most likely next tokens, best first: a
+    decoder's rank holding the last row; float32 [len(top)]), or nothing useful (an empty tensor: a decoder's other
+    ranks). ``split`` says where the rank's time went."""
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    pass_id: int = Field(ge=0, le=MAX_SCOPE)
+    rank: int = Field(ge=0, lt=MAX_DEVICES)
+    row_start: int = Field(default=0, ge=0)
+    top: list[int] = Field(default_factory=list, max_length=MAX_TOP)
+    split: PassSplit = PassSplit()
+    cache_bytes: int = Field(default=0, ge=0)
+
+
+@schema("edgeswarm.hmp.request", 1)
+class HmpRequest(Message):
+    """Frames of a request to serving job ``job_id``: token ids (its tensor, int64 [tokens]) or ``text`` (for a
+    model with a tokenizer; its tensor is then empty). A decoder generates up to ``max_new_tokens`` tokens greedily
+    (0: the job's default); an encoder answers its final hidden states. ``request_id`` is the caller's, echoed."""
+
+    job_id: Name
+    request_id: str = Field(default="", max_length=64)
+    text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    max_new_tokens: int = Field(default=0, ge=0, le=MAX_NEW_TOKENS)
+
+
+class LayerSplit(BaseModel):
+    """A request's time per layer on its slowest device, in milliseconds: compute, sync and waiting (the device
+    whose sum is the largest)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    compute_ms: float = Field(ge=0)
+    sync_ms: float = Field(ge=0)
+    waiting_ms: float = Field(ge=0)
+
+
+@schema("edgeswarm.hmp.reply", 1)
+class HmpReply(Message):
+    """The answer to ``request_id``: the prompt's ``prompt_tokens`` token ids and the generated ``tokens`` (with
+    ``text``, their decoding, for a model with a tokenizer); an encoder's tensor is its final hidden states
+    [tokens, hidden] (float32). ``latency_s`` runs from the request's arrival at the coordinator to this answer;
+    ``ttft_s`` to its first token (the prefill), ``tpot_s`` is the mean time per further token. ``split`` is the
+    per-layer time split of the prefill, ``epoch`` the plan epoch that finished it; ``recomputed`` says a device
+    was lost during it and the request's cache was rebuilt on the survivors."""
+
+    MAX_BYTES = 1 * MIB
+
+    job_id: Name
+    request_id: str = Field(default="", max_length=64)
+    prompt_tokens: list[int] = Field(default_factory=list, max_length=1 << 17)
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_NEW_TOKENS)
+    text: str = Field(default="", max_length=4 * MAX_TEXT_CHARS)
+    latency_s: float = Field(ge=0)
+    ttft_s: float = Field(ge=0)
+    tpot_s: float | None = Field(default=None, ge=0)
+    split: LayerSplit | None = None
+    epoch: int = Field(ge=0)
+    recomputed: bool = False
