@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from edgeswarm.models.text import hf, reference
 from edgeswarm.models.text.hf import (
@@ -291,8 +291,6 @@ def test_loader_errors_say_what_is_wrong(transformers: ModuleType, tmp_path: Pat
         hf.open_model(pickled)
 
     partial = variant("partial")
-    from safetensors.torch import load_file
-
     tensors = load_file(str(partial / "model.safetensors"))
     del tensors["model.decoder.layers.1.fc2.bias"]
     save_file(tensors, str(partial / "model.safetensors"))
@@ -306,8 +304,38 @@ def test_loader_errors_say_what_is_wrong(transformers: ModuleType, tmp_path: Pat
     with pytest.raises(MissingModelFileError, match="model-00002-of-00002.safetensors is missing"):
         hf.open_model(broken_index)
 
+    garbage = variant("garbage")
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(hf.ModelFolderError, match="not a readable safetensors file"):
+        hf.open_model(garbage)
+
     with pytest.raises(MissingModelFileError, match="tokenizer.json is missing"):
         load_tokenizer(base)
+
+
+def test_an_untied_decoder_needs_its_head(transformers: ModuleType, tmp_path: Path) -> None:
+    _saved(transformers, "llama", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MissingWeightError, match="lm_head.weight is not in the safetensors files and config.json "
+                                                 "says the embeddings are not tied"):
+        hf.open_model(tmp_path)
+
+
+def test_prefixed_and_legacy_names_read_the_same(transformers: ModuleType, tmp_path: Path) -> None:
+    """BertForMaskedLM-style checkpoints put ``bert.`` before every name; older ones call LayerNorm's weight and
+    bias gamma and beta."""
+    _saved(transformers, "bert", tmp_path / "plain")
+    shutil.copytree(tmp_path / "plain", tmp_path / "old")
+    tensors = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    renamed = {"bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+               v for k, v in tensors.items()}
+    renamed["cls.predictions.bias"] = torch.zeros(96)
+    save_file(renamed, str(tmp_path / "old" / "model.safetensors"))
+    _, plain = hf.load_model(tmp_path / "plain")
+    _, old = hf.load_model(tmp_path / "old", device="cpu")
+    assert set(plain) == set(old) and all(torch.equal(plain[n], old[n]) for n in plain)
 
 
 def test_config_translation_of_each_family(tmp_path: Path) -> None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from edgeswarm.models.text.config import MAX_POSITIONS, DType, TextModelConfig
 from edgeswarm.models.text.ops import Weights, torch_dtype
@@ -303,25 +304,28 @@ class ModelFolder:
     Nothing is read from disk until asked: ``get`` reads a whole tensor, ``get_slice`` rows or columns of it,
     ``load`` a set of them. Shapes are checked against ``config`` when the folder is opened (from the files'
     headers), so a mismatched checkpoint fails before any weight is read. Use as a context manager or ``close()``.
-    ``lm_head.weight`` is present for decoders; when tied it is ``embed.tokens``'s storage."""
+    ``lm_head.weight`` is present for decoders; when tied it is ``embed.tokens``'s storage. ``device``: where the
+    tensors read land (the compute device from ``devices.compute``; None: host memory)."""
 
-    def __init__(self, folder: Path | str, dtype: DType | None = None) -> None:
+    def __init__(self, folder: Path | str, dtype: DType | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.folder = Path(folder)
+        self.device = torch.device(device) if device is not None else None
         self.config = load_config(self.folder, dtype)
         raw = _read_json(self.folder / CONFIG_FILE, CONFIG_FILE)
         self.model_type: str = raw["model_type"]
         self._dtype = torch_dtype(self.config)
-        self._files = self._weight_files()
+        self._files, self._shapes = self._read_headers()
         self._handles: dict[str, Any] = {}
-        self._shapes = {key: shape for key, (_, shape) in self._stored.items()}
+        self._lock = threading.Lock()  # handles are opened on first use, possibly from several threads
         self._sources = self._resolve(raw)
         self._check_shapes()
 
     # -- files ----------------------------------------------------------------------------------------------------
 
-    def _weight_files(self) -> dict[str, str]:
-        """Stored name -> file name, from the index or the single file's header."""
-        self._stored: dict[str, tuple[str, tuple[int, ...]]] = {}
+    def _read_headers(self) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+        """Stored name -> its file and stored name -> its shape, from the headers of the single file or of every
+        file the index names."""
         index, single = self.folder / INDEX_FILE, self.folder / SINGLE_FILE
         if index.is_file():
             weight_map = _read_json(index, "safetensors index").get("weight_map")
@@ -336,6 +340,7 @@ class ModelFolder:
                     "transformers' save_pretrained(..., safe_serialization=True))") if found else ""
             raise MissingModelFileError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
         out: dict[str, str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for name in files:
             path = self.folder / name
             if Path(name).name != name or not path.is_file():
@@ -344,19 +349,21 @@ class ModelFolder:
                 with safe_open(str(path), framework="pt") as f:
                     for key in f.keys():
                         out[key] = name
-                        self._stored[key] = (name, tuple(f.get_slice(key).get_shape()))
-            except (OSError, RuntimeError, ValueError) as exc:
+                        shapes[key] = tuple(f.get_slice(key).get_shape())
+            except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
                 raise ModelFolderError(f"{path} is not a readable safetensors file ({exc})") from exc
-        return out
+        return out, shapes
 
     def _handle(self, file: str) -> Any:
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.folder / file), framework="pt")
-        return self._handles[file]
+        with self._lock:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(self.folder / file), framework="pt")
+            return self._handles[file]
 
     def close(self) -> None:
-        """Releases the open files (their memory maps)."""
-        self._handles.clear()
+        """Releases the open files (their memory maps); a later read opens them again."""
+        with self._lock:
+            self._handles.clear()
 
     def __enter__(self) -> ModelFolder:
         return self
@@ -396,12 +403,14 @@ class ModelFolder:
                                          "safetensors files; the checkpoint is incomplete or not a "
                                          f"{kind} model as config.json says")
             out[name] = src.model_copy(update={"key": key})
-        if cfg.decoder:
-            key = "lm_head.weight" if "lm_head.weight" in self._files else None
-            if key is None and not cfg.tie_embeddings:
+        if cfg.decoder and cfg.tie_embeddings:
+            # Tied: the head is the embedding, whether or not the file also stores a copy (transformers ties too).
+            out["lm_head.weight"] = out["embed.tokens"]
+        elif cfg.decoder:
+            if "lm_head.weight" not in self._files:
                 raise MissingWeightError(f"{self.folder}: lm_head.weight is not in the safetensors files and "
                                          "config.json says the embeddings are not tied (tie_word_embeddings false)")
-            out["lm_head.weight"] = out["embed.tokens"] if key is None else _Source(key=key)
+            out["lm_head.weight"] = _Source(key="lm_head.weight")
         return out
 
     def _check_shapes(self) -> None:
@@ -478,7 +487,8 @@ class ModelFolder:
         t = part[index] if index else part[:]
         if src.transpose:
             t = t.t()
-        return t.to(self._dtype).contiguous()
+        t = t.to(self._dtype).contiguous()
+        return t if self.device is None else t.to(self.device)
 
     def load(self, names: Iterable[str] | None = None) -> Weights:
         """The canonical weights ``names`` (all of ``self.names`` when None), each read once; a tied ``lm_head``
@@ -505,13 +515,14 @@ class ModelFolder:
         return self.load(names)
 
 
-def open_model(folder: Path | str, dtype: DType | None = None) -> ModelFolder:
+def open_model(folder: Path | str, dtype: DType | None = None,
+               device: torch.device | str | None = None) -> ModelFolder:
     """The model folder opened for lazy reads (config, names, shapes checked; no weight read yet)."""
-    return ModelFolder(folder, dtype)
+    return ModelFolder(folder, dtype, device)
 
 
-def load_model(folder: Path | str, names: Iterable[str] | None = None,
-               dtype: DType | None = None) -> tuple[TextModelConfig, Weights]:
+def load_model(folder: Path | str, names: Iterable[str] | None = None, dtype: DType | None = None,
+               device: torch.device | str | None = None) -> tuple[TextModelConfig, Weights]:
     """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""
-    with ModelFolder(folder, dtype) as model:
+    with ModelFolder(folder, dtype, device) as model:
         return model.config, model.load(names)
