@@ -23,6 +23,7 @@ from edgeswarm.models.text.hf import (
     WeightShapeError,
     WeightSlice,
 )
+from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence_embedding
 from edgeswarm.models.text.tokenizer import load_tokenizer, minilm_folder
 
 SENTENCES = [
@@ -62,6 +63,8 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm: Path, transformer
     cfg, w = hf.load_model(minilm)
     assert (cfg.family, cfg.layers, cfg.hidden, cfg.heads) == ("bert", 6, 384, 12)
     tok = load_tokenizer(minilm)
+    pooling = pooling_for(minilm)
+    assert pooling == SentencePooling(mode="mean", normalize=True)
     theirs = st.tokenizer(SENTENCES)["input_ids"]
     lengths = set()
     for i, sentence in enumerate(SENTENCES):
@@ -70,7 +73,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm: Path, transformer
         lengths.add(len(enc.ids))
         with torch.inference_mode():  # one sentence at a time, batch 1, no padding
             hidden = reference.forward(cfg, w, torch.tensor(enc.ids), types=torch.tensor(enc.types))
-        ours = torch.nn.functional.normalize(hidden.mean(0), dim=0)
+        ours = sentence_embedding(pooling, hidden)
         assert torch.allclose(ours, expected[i], atol=1e-5, rtol=0), (ours - expected[i]).abs().max()
         assert float(ours @ expected[i]) == pytest.approx(1.0, abs=1e-6)
     assert len(lengths) == len(SENTENCES)
@@ -386,3 +389,20 @@ def test_tokenizer_special_tokens_from_the_folder(tmp_path: Path) -> None:
     assert len(t.encode("hello " * 20).ids) == 8
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2]}))
     assert load_tokenizer(tmp_path).special.eos_id == 3
+
+
+def test_pooling_modes_and_folders(tmp_path: Path) -> None:
+    assert pooling_for(tmp_path) is None  # not a sentence-transformers folder
+    hidden = torch.tensor([[3.0, 0.0], [1.0, 4.0]])
+    assert sentence_embedding(SentencePooling(mode="mean"), hidden).tolist() == [2.0, 2.0]
+    assert sentence_embedding(SentencePooling(mode="cls", normalize=True), hidden).tolist() == [1.0, 0.0]
+    assert sentence_embedding(SentencePooling(mode="max"), hidden).tolist() == [3.0, 4.0]
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"type": "sentence_transformers.models.Transformer", "path": ""},
+        {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    assert pooling_for(tmp_path) == SentencePooling(mode="cls", normalize=False)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(hf.ModelFolderError, match="only one of mean, CLS or max"):
+        pooling_for(tmp_path)
