@@ -79,6 +79,53 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm: Path, transformer
     assert len(lengths) == len(SENTENCES)
 
 
+def _sharded_forward(model: hf.ModelFolder, ids: torch.Tensor, heads: list[int], columns: list[int]) -> torch.Tensor:
+    """A post-LN encoder computed as a tensor-parallel run would: each share reads only its heads' rows of q, k, v
+    and columns of o, its MLP columns' rows of up and columns of down (``get_slice``), and the partial outputs
+    are summed (the reduction), the output biases added once."""
+    from edgeswarm.models.text.ops import attention, embed, mlp_inner, norm
+
+    cfg, hd = model.config, model.config.head_dim
+    whole = model.load([n for n in model.names if not n.startswith("layers.")])
+    x = embed(cfg, whole, ids)
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        att = model.get(p + "o.bias").expand_as(x).clone()
+        start = 0
+        for n in heads:
+            rows = (start * hd, (start + n) * hd)
+            q, k, v = (torch.nn.functional.linear(x, model.get_slice(p + t + ".weight", 0, *rows),
+                                                  model.get_slice(p + t + ".bias", 0, *rows)) for t in "qkv")
+            att += attention(cfg, q, k, v, 0) @ model.get_slice(p + "o.weight", 1, *rows).t()
+            start += n
+        u = norm(cfg, x + att, model.load([p + "attn_norm.weight", p + "attn_norm.bias"]), p + "attn_norm")
+        mlp = model.get(p + "down.bias").expand_as(u).clone()
+        start = 0
+        for n in columns:
+            cols = (start, start + n)
+            inner = mlp_inner(cfg, u, model.get_slice(p + "up.weight", 0, *cols),
+                              model.get_slice(p + "up.bias", 0, *cols))
+            mlp += inner @ model.get_slice(p + "down.weight", 1, *cols).t()
+            start += n
+        x = norm(cfg, u + mlp, model.load([p + "mlp_norm.weight", p + "mlp_norm.bias"]), p + "mlp_norm")
+    return x
+
+
+def test_minilm_from_uneven_shards_read_by_slice_equals_sentence_transformers(minilm: Path,
+                                                                              transformers: ModuleType) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(minilm), device="cpu").encode(SENTENCES[:3], convert_to_tensor=True)
+    tok, pooling = load_tokenizer(minilm), pooling_for(minilm)
+    assert pooling is not None
+    with hf.open_model(minilm) as model, torch.inference_mode():
+        for i, sentence in enumerate(SENTENCES[:3]):
+            hidden = _sharded_forward(model, torch.tensor(tok.encode(sentence).ids), heads=[5, 0, 7],
+                                      columns=[1000, 3, 533])
+            ours = sentence_embedding(pooling, hidden)
+            assert torch.allclose(ours, expected[i], atol=1e-5, rtol=0), (ours - expected[i]).abs().max()
+
+
 def test_minilm_tokenizer_pairs_decode_and_truncation(minilm: Path, transformers: ModuleType) -> None:
     tok = load_tokenizer(minilm)
     theirs = transformers.AutoTokenizer.from_pretrained(str(minilm))
