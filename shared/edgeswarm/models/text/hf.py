@@ -231,6 +231,9 @@ def load_config(folder: Path | str, dtype: DType | None = None) -> TextModelConf
     return config_from_hf(_read_json(folder / CONFIG_FILE, CONFIG_FILE), folder / CONFIG_FILE, dtype)
 
 
+read_config = load_config  # the name ``models.text.source`` calls
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # stored names -> canonical names
 
@@ -305,13 +308,18 @@ class ModelFolder:
     ``load`` a set of them. Shapes are checked against ``config`` when the folder is opened (from the files'
     headers), so a mismatched checkpoint fails before any weight is read. Use as a context manager or ``close()``.
     ``lm_head.weight`` is present for decoders; when tied it is ``embed.tokens``'s storage. ``device``: where the
-    tensors read land (the compute device from ``devices.compute``; None: host memory)."""
+    tensors read land (the compute device from ``devices.compute``; None: host memory). ``layers``: keep only the
+    first layers (``config.layers`` becomes it; the others are neither checked nor offered)."""
 
     def __init__(self, folder: Path | str, dtype: DType | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, layers: int | None = None) -> None:
         self.folder = Path(folder)
         self.device = torch.device(device) if device is not None else None
         self.config = load_config(self.folder, dtype)
+        if layers is not None:
+            if not 1 <= layers <= self.config.layers:
+                raise ModelFolderError(f"{self.folder} holds {self.config.layers} layers; cannot keep {layers}")
+            self.config = self.config.model_copy(update={"layers": layers})
         raw = _read_json(self.folder / CONFIG_FILE, CONFIG_FILE)
         self.model_type: str = raw["model_type"]
         self._dtype = torch_dtype(self.config)
@@ -515,14 +523,15 @@ class ModelFolder:
         return self.load(names)
 
 
-def open_model(folder: Path | str, dtype: DType | None = None,
-               device: torch.device | str | None = None) -> ModelFolder:
-    """The model folder opened for lazy reads (config, names, shapes checked; no weight read yet)."""
-    return ModelFolder(folder, dtype, device)
+def open_model(folder: Path | str, dtype: DType | None = None, device: torch.device | str | None = None,
+               layers: int | None = None) -> ModelFolder:
+    """The model folder opened for lazy reads (config, names, shapes checked; no weight read yet); the arguments
+    as ``ModelFolder``'s."""
+    return ModelFolder(folder, dtype, device, layers)
 
 
 def load_model(folder: Path | str, names: Iterable[str] | None = None, dtype: DType | None = None,
-               device: torch.device | str | None = None) -> tuple[TextModelConfig, Weights]:
+               device: torch.device | str | None = None, layers: int | None = None) -> tuple[TextModelConfig, Weights]:
     """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""
-    with ModelFolder(folder, dtype, device) as model:
+    with ModelFolder(folder, dtype, device, layers) as model:
         return model.config, model.load(names)
