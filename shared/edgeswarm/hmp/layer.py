@@ -32,6 +32,7 @@ numbers are unique within a pass, so each pass (prefill, every decode step) need
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -45,8 +46,15 @@ from edgeswarm.hmp.trace import OUTSIDE, Recorder
 from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, rotary, torch_dtype
 from edgeswarm.planning.hmp.shares import HmpShares
-from edgeswarm.runtime.collectives import (Bounds, Recv, Send, even_bounds, ring_all_gather, ring_all_reduce,
-                                           ring_reduce_scatter)
+from edgeswarm.runtime.collectives import (
+    Bounds,
+    Recv,
+    Send,
+    even_bounds,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 
 Ring = Callable[[int], tuple[Send, Recv]]
 COLLECTIVES_PER_LAYER = 4
@@ -303,7 +311,7 @@ class HmpRank:
         for i in range(cfg.layers):
             rec.layer = i
             base = i * COLLECTIVES_PER_LAYER
-            gemm = (lambda t, i=i: self._qkv(i, t))
+            gemm = functools.partial(self._qkv, i)
             if own is None:
                 with rec.phase("compute", "qkv"):
                     qkv = gemm(first_in)
@@ -393,16 +401,16 @@ class HmpRank:
             hin = self._norm(x, f"layers.{i}.attn_norm") if cfg.pre_ln else x
             with rec.phase("compute", "qkv"):
                 q, k, v = self._split_qkv(i, self._qkv(i, hin))
-                qh = q.view(b - a, -1, hd).transpose(0, 1)
+                qh = q.view(b - a, cfg.heads, hd).transpose(0, 1)
                 if cfg.rotary:
                     qh = rotary(cfg, qh, start + a)
-                    kr = rotary(cfg, k.view(b - a, -1, hd).transpose(0, 1), start + a)
-                    k = kr.transpose(0, 1).reshape(b - a, -1)
+                    kr = rotary(cfg, k.view(b - a, cfg.n_kv, hd).transpose(0, 1), start + a)
+                    k = kr.transpose(0, 1).reshape(b - a, cfg.n_kv * hd)
             keys = self._sp_gather(k, bounds, ring, base + 0)
             values = self._sp_gather(v, bounds, ring, base + 1)
             with rec.phase("compute", "attention"):
-                kh = keys.view(s, -1, hd).transpose(0, 1)
-                vh = values.view(s, -1, hd).transpose(0, 1)
+                kh = keys.view(s, cfg.n_kv, hd).transpose(0, 1)
+                vh = values.view(s, cfg.n_kv, hd).transpose(0, 1)
                 if cache is not None:
                     kh, vh = cache.layers[i].extend(kh, vh)
                 att = _sp_attention(cfg, qh, kh, vh, start + a)
