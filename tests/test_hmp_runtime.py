@@ -379,3 +379,39 @@ def test_bad_tokens_are_refused_before_any_collective() -> None:
                 rank.forward(bad, ring)
     finally:
         rank.close()
+
+
+def test_a_pass_that_fails_part_way_leaves_the_cache_as_it_was() -> None:
+    cfg = PRESETS["gpt2-tiny"]
+    w = ref.init_weights(cfg, 73)
+    prompt = tokens_of(cfg, 6, seed=7).tolist()
+    want = ref.generate(cfg, w, prompt, 2)
+    shares = shares_for(cfg, "galaxy", 2, "uneven")
+    loop = Loopback(2, timeout_s=5)
+    ranks = [HmpRank(cfg, shares, r, w) for r in range(2)]
+    caches = [rank.new_cache() for rank in ranks]
+
+    def broken(r: int):  # type: ignore[no-untyped-def]
+        def factory(c: int):  # type: ignore[no-untyped-def]
+            if c >= 4:  # layer 1's first collective: layer 0 has cached this pass's keys already
+                raise ConnectionError("peer gone")
+            return loop.ring(r, 1)(c)
+        return factory
+
+    def body(r: int) -> int | None:
+        out = ranks[r].forward(prompt, loop.ring(r, 0), cache=caches[r])
+        logits = ranks[r].next_logits(out)
+        with pytest.raises(ConnectionError):
+            ranks[r].forward([want[0]], broken(r), cache=caches[r])
+        assert caches[r].length == len(prompt)
+        assert all(c.length in (0, len(prompt)) for c in caches[r].layers)
+        again = ranks[r].next_logits(ranks[r].forward([want[0]], loop.ring(r, 2), cache=caches[r]))
+        return None if logits is None and again is None else int(again.argmax()) if again is not None else -1
+
+    try:
+        answers = in_threads(2, body)
+    finally:
+        for rank in ranks:
+            rank.close()
+        loop.close()
+    assert want[1] in answers

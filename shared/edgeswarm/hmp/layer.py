@@ -112,6 +112,13 @@ class RequestCache:
         self.layers = [HeadCache() for _ in self.layers]
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (drop those of a pass that failed part-way)."""
+        for c in self.layers:
+            if c.k is not None and c.v is not None:
+                c.k, c.v = c.k[:, :length].clone(), c.v[:, :length].clone()
+        self.length = min(self.length, length)
+
 
 class HmpRank:
     """Rank ``rank`` of ``shares`` computing ``cfg`` on torch device ``device``. ``weights``: its shard
@@ -141,6 +148,8 @@ class HmpRank:
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{name}: got {tuple(weights[name].shape)}, rank {rank} holds {shape}")
             w[name] = t.to(self.device, self.dtype).contiguous()
+        if cfg.decoder and cfg.tie_embeddings:
+            w["lm_head.weight"] = w["embed.tokens"]  # one tensor under both names, as the reference holds it
         self.w = w
         self._fuse()
 
@@ -183,16 +192,22 @@ class HmpRank:
         self._check(ids, start, types)
         if types is not None:
             types = types.to(self.device)
-        with torch.inference_mode():
-            if self.shares.mode == "galaxy":
-                first, hidden = self._galaxy(ids, start, ring, cache, types)
-            elif self.shares.mode == "sp":
-                first, hidden = self._sp(ids, start, ring, cache, types)
-            else:
-                first, hidden = self._megatron(ids, start, ring, cache, types)
+        try:
+            with torch.inference_mode():
+                if self.shares.mode == "galaxy":
+                    first, hidden = self._galaxy(ids, start, ring, cache, types)
+                elif self.shares.mode == "sp":
+                    first, hidden = self._sp(ids, start, ring, cache, types)
+                else:
+                    first, hidden = self._megatron(ids, start, ring, cache, types)
+        except BaseException:
+            if cache is not None:
+                cache.truncate(start)  # a failed pass leaves the cache as it found it, so the request can go on
+            raise
+        finally:
+            self.recorder.layer = OUTSIDE
         if cache is not None:
             cache.length = start + s
-        self.recorder.layer = OUTSIDE
         return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden,
                           last=self.rank == last_row_rank(self.shares.mode, s, self.n))
 

@@ -4,8 +4,10 @@ galaxy and megatron (tensor parallel): rank r holds the rows of ``q`` of its que
 of the KV heads they read (its heads are whole KV groups), the matching columns of ``o``, the rows of ``up`` (and
 ``gate``) of its MLP columns and the matching columns of ``down``; the biases of ``q``/``k``/``v``/``up`` are sliced
 like their rows. The biases of the row-partitioned GEMMs (``o.bias``, ``down.bias``) are held whole and added once,
-after the reduction (C-N4). Norms, embeddings, ``final_norm`` and ``lm_head`` are replicated: embeddings so that
-layer 0 needs no AllGather, ``lm_head`` because the rank holding the last row changes with the sequence length.
+after the reduction (C-N4). Norms, embeddings, ``final_norm`` and ``lm_head`` (when not tied to ``embed.tokens``)
+are replicated: embeddings so that layer 0 needs no AllGather, ``lm_head`` because the rank holding the last row
+changes with the sequence length (a decode step's one row is on rank 0, a prefill's last row on rank D-1 when
+s >= D).
 sp and local: every weight, whole.
 """
 
@@ -67,9 +69,7 @@ def rank_slices(cfg: TextModelConfig, shares: HmpShares, rank: int) -> list[Weig
     check_shares(cfg, shares)
     if not 0 <= rank < len(shares.devices):
         raise ValueError(f"rank {rank} is not one of {len(shares.devices)}")
-    names = list(weight_shapes(cfg))
-    if cfg.decoder and "lm_head.weight" not in names:
-        names.append("lm_head.weight")  # tied: the same tensor as embed.tokens, held under both names
+    names = list(weight_shapes(cfg))  # a tied lm_head is embed.tokens: the runtime holds it once
     if shares.mode in ("sp", "local"):
         return [WeightSlice(name=n) for n in names]
     hd = cfg.head_dim
@@ -102,8 +102,6 @@ def rank_slices(cfg: TextModelConfig, shares: HmpShares, rank: int) -> list[Weig
 def shard_shapes(cfg: TextModelConfig, shares: HmpShares, rank: int) -> dict[str, tuple[int, ...]]:
     """Name and shape of every tensor rank ``rank`` holds."""
     full = weight_shapes(cfg)
-    if cfg.decoder and "lm_head.weight" not in full:
-        full["lm_head.weight"] = full["embed.tokens"]
     return {s.name: s.shape(full[s.name]) for s in rank_slices(cfg, shares, rank)}
 
 
