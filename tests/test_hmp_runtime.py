@@ -415,3 +415,16 @@ def test_a_pass_that_fails_part_way_leaves_the_cache_as_it_was() -> None:
             rank.close()
         loop.close()
     assert want[1] in answers
+
+
+@pytest.mark.parametrize("mode", ["galaxy", "megatron", "sp"])
+def test_half_precision_runs_within_the_fp16_tolerance(mode: str) -> None:
+    cfg = PRESETS["llama-tiny"].model_copy(update={"dtype": "bfloat16"})
+    w = ref.init_weights(cfg, 81)
+    tokens = tokens_of(cfg, 10)
+    want = ref.forward(cfg, w, tokens).float()
+    outs, loop, _ = run_pass(cfg, shares_for(cfg, mode, 3, "equal" if mode == "megatron" else "uneven"), w, tokens)
+    got = assemble(outs)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max().item() <= 3e-2 * want.abs().max().item()
+    assert loop.counts[0].bytes % 2 == 0 and loop.counts[0].messages > 0

@@ -134,7 +134,8 @@ class HmpRank:
         self.n = len(shares.devices)
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg)
-        self.recorder = Recorder(spans)
+        fence = torch.cuda.synchronize if self.device.type == "cuda" else None
+        self.recorder = Recorder(spans, fence)
         self.io = CommThreads(self.recorder, f"hmp{rank}")
         want = shard_shapes(cfg, shares, rank)
         slices = {s.name: s for s in rank_slices(cfg, shares, rank)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -62,9 +62,10 @@ class Recorder:
     """Per-rank time split and spans; phases are recorded by the thread that runs the layers, comm spans by the
     communication threads. Thread-safe."""
 
-    def __init__(self, spans: bool = True) -> None:
+    def __init__(self, spans: bool = True, fence: Callable[[], None] | None = None) -> None:
         self.layer = OUTSIDE
         self.keep_spans = spans
+        self._fence = fence  # waits for an accelerator's queued kernels, so a compute phase ends when they do
         self._lock = threading.Lock()
         self._local = threading.local()
         self._times: dict[int, LayerTime] = {}
@@ -79,6 +80,8 @@ class Recorder:
         try:
             yield
         finally:
+            if kind == "compute" and self._fence is not None:
+                self._fence()
             end = time.perf_counter()
             stack.pop()
             dur = end - frame[0]
