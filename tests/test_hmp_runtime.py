@@ -7,7 +7,9 @@ reference.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from edgeswarm.hmp.layer import HmpRank, assemble, last_row_rank
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.hmp.sharding import rank_slices, shard_shapes, shard_weights
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
-from edgeswarm.hmp.trace import Recorder, chrome_events
+from edgeswarm.hmp.trace import Recorder, chrome_events, write_chrome_trace
 from edgeswarm.models.text import reference as ref
 from edgeswarm.models.text.config import PRESETS, TextModelConfig
 from edgeswarm.models.text.ops import embed, norm
@@ -295,7 +297,7 @@ def test_cc1_cc2_cc3_messages_bytes_and_norm_rows_per_layer(n: int) -> None:
 # -- C-C4: time split and spans ----------------------------------------------------------------------------------
 
 
-def test_cc4_comm_spans_overlap_gemm_spans_and_the_time_split_is_recorded() -> None:
+def test_cc4_comm_spans_overlap_gemm_spans_and_the_time_split_is_recorded(tmp_path: Path) -> None:
     cfg = PRESETS["gpt2-tiny"]
     w = ref.init_weights(cfg, 51)
     tokens = tokens_of(cfg, 30)
@@ -315,6 +317,11 @@ def test_cc4_comm_spans_overlap_gemm_spans_and_the_time_split_is_recorded() -> N
         assert sum(times[i].wait_s for i in (0, 1)) > 0.005  # the emulated link's latency is waited for
         events = chrome_events(spans, pid=rank.rank, origin=spans[0].start)
         assert len(events) == len(spans) and all(e.dur >= 0 for e in events)
+    path = tmp_path / "trace.json"
+    count = write_chrome_trace(path, [rank.recorder.spans() for rank in ranks])
+    written = json.loads(path.read_text())["traceEvents"]
+    assert len(written) == count and {e["pid"] for e in written} == {0, 1, 2}
+    assert any(e["tid"].startswith("hmp1-recv") for e in written)
 
 
 # -- generation from the sharded KV cache ------------------------------------------------------------------------

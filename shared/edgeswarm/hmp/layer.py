@@ -134,7 +134,8 @@ class HmpRank:
         self.n = len(shares.devices)
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg)
-        fence = torch.cuda.synchronize if self.device.type == "cuda" else None
+        dev = self.device
+        fence = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
         self.recorder = Recorder(spans, fence)
         self.io = CommThreads(self.recorder, f"hmp{rank}")
         want = shard_shapes(cfg, shares, rank)
@@ -144,11 +145,13 @@ class HmpRank:
             if name not in weights:
                 raise ValueError(f"rank {rank} needs weight {name}")
             t = weights[name]
-            if tuple(t.shape) != shape:
+            cut = tuple(t.shape) != shape
+            if cut:
                 t = slices[name].cut(t)
                 if tuple(t.shape) != shape:
                     raise ValueError(f"{name}: got {tuple(weights[name].shape)}, rank {rank} holds {shape}")
-            w[name] = t.to(self.device, self.dtype).contiguous()
+            # a copy of a cut part, so that a row slice does not keep the whole weight's storage alive
+            w[name] = t.to(self.device, self.dtype, copy=cut).contiguous()
         if cfg.decoder and cfg.tie_embeddings:
             w["lm_head.weight"] = w["embed.tokens"]  # one tensor under both names, as the reference holds it
         self.w = w
@@ -284,8 +287,7 @@ class HmpRank:
                 return gemm(own)
         send, recv = ring(index)
         if self.shares.overlap:
-            return ag_gemm(own, self.rank, bounds, gemm, send, recv, self.io, self.recorder,
-                           name=name)
+            return ag_gemm(own, self.rank, bounds, gemm, send, recv, self.io, self.recorder, name=name)
         cols = own.shape[1]
         with self.recorder.phase("sync", "allgather"):
             full = ring_all_gather(own, self.rank, _scale(bounds, cols), send, self._timed(recv))
@@ -299,8 +301,7 @@ class HmpRank:
                 return gemm(full)
         send, recv = ring(index)
         if self.shares.overlap:
-            return gemm_rs(full, self.rank, bounds, gemm, send, recv, self.io, self.recorder,
-                           name=name)
+            return gemm_rs(full, self.rank, bounds, gemm, send, recv, self.io, self.recorder, name=name)
         with self.recorder.phase("compute", name):
             out = gemm(full)
         cols = out.shape[1]
@@ -316,14 +317,10 @@ class HmpRank:
         a, b = bounds[self.rank]
         rec.layer = OUTSIDE
         x = self._embed(ids, start, types)
-        if cfg.pre_ln:
-            resid = x[a:b]
-            own = None
-            first_in = self._norm(x, "layers.0.attn_norm")  # replicated, so layer 0 starts without an AllGather
-        else:
-            resid = x[a:b]
-            own = None
-            first_in = x
+        resid = x[a:b]  # the residual stream, sharded by rows from here on
+        own: torch.Tensor | None = None  # this rank's rows of the next TP block's input, to be AllGathered
+        # layer 0's input is replicated (pre-LN: its norm too), so it starts without an AllGather
+        first_in = self._norm(x, "layers.0.attn_norm") if cfg.pre_ln else x
         for i in range(cfg.layers):
             rec.layer = i
             base = i * COLLECTIVES_PER_LAYER

@@ -7,10 +7,12 @@ excludes the GEMMs and waits it runs. Times are ``time.perf_counter`` seconds.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -130,3 +132,13 @@ def chrome_events(spans: list[Span], pid: int, origin: float = 0.0) -> list[Chro
     """``spans`` as Chrome-trace complete events of process ``pid`` (one per rank), times from ``origin``."""
     return [ChromeEvent(name=s.name, cat=s.kind, ts=(s.start - origin) * 1e6, dur=(s.end - s.start) * 1e6, pid=pid,
                         tid=s.thread) for s in spans]
+
+
+def write_chrome_trace(path: Path, ranks: list[list[Span]]) -> int:
+    """Write every rank's spans (``ranks[r]`` as process ``r``; times from the earliest span) as a Chrome trace
+    (``chrome://tracing``, Perfetto) to ``path``; returns the number of events."""
+    starts = [s.start for spans in ranks for s in spans]
+    origin = min(starts) if starts else 0.0
+    events = [e.model_dump() for r, spans in enumerate(ranks) for e in chrome_events(spans, r, origin)]
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return len(events)
