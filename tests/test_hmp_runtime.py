@@ -370,6 +370,8 @@ def test_a_rank_built_from_a_reader_reads_only_its_slices() -> None:
     rank = HmpRank.from_reader(cfg, shares, 2, read)
     rank.close()
     assert sorted(asked) == sorted(s.name for s in rank_slices(cfg, shares, 2))
+    held = sum(math.prod(shape) * 4 for shape in shard_shapes(cfg, shares, 2).values())
+    assert rank.weight_bytes() == held
 
 
 def test_bad_tokens_are_refused_before_any_collective() -> None:

@@ -181,6 +181,17 @@ class HmpRank:
     def new_cache(self) -> RequestCache:
         return RequestCache(self.cfg.layers)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (a tied ``lm_head`` counted once)."""
+        seen: set[int] = set()
+        total = 0
+        tensors = list(self.w.values()) + [t for wt, b, _, _ in self.qkv for t in (wt, b) if t is not None]
+        for t in tensors + self.upgate:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
     def close(self) -> None:
         self.io.close()
 
