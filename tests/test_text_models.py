@@ -21,9 +21,9 @@ from edgeswarm.models.text.hf import (
     MissingWeightError,
     UnsupportedModelError,
     WeightShapeError,
-    WeightSlice,
 )
 from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence_embedding
+from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.models.text.tokenizer import load_tokenizer, minilm_folder
 
 SENTENCES = [
@@ -272,7 +272,7 @@ def test_reading_a_slice_equals_slicing_the_whole_tensor(transformers: ModuleTyp
         if kind == "gpt2":
             bias = model.get_slice("layers.0.k.bias", 0, 4, 20)
             assert torch.equal(bias, model.get("layers.0.k.bias")[4:20])
-        got = model.load_slices([WeightSlice(name="layers.0.q.weight", dim=0, start=0, stop=hd),
+        got = model.load_slices([WeightSlice(name="layers.0.q.weight", rows=(0, hd)),
                                  WeightSlice(name="final_norm.weight")])
         assert torch.equal(got["layers.0.q.weight"], model.get("layers.0.q.weight")[:hd])
         assert torch.equal(got["final_norm.weight"], model.get("final_norm.weight"))

@@ -40,11 +40,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from edgeswarm.hmp.sharding import WeightSlice, check_shares, rank_slices, read_shard, shard_shapes
+from edgeswarm.hmp.sharding import check_shares, rank_slices, read_shard, shard_shapes
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import OUTSIDE, Recorder
 from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, rotary, torch_dtype
+from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.runtime.collectives import (
     Bounds,

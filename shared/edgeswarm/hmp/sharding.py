@@ -16,40 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import Weights
 from edgeswarm.models.text.reference import weight_shapes
+from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.planning.hmp.shares import HmpShares
-
-
-class WeightSlice(BaseModel):
-    """Weight ``name`` restricted to rows [``rows[0]``, ``rows[1]``) and columns [``columns[0]``, ``columns[1]``)
-    (None: all of them). For a safetensors file: ``f.get_slice(name)[r0:r1]`` or ``[:, c0:c1]``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    rows: tuple[int, int] | None = None
-    columns: tuple[int, int] | None = None
-
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        """This slice of ``full`` (a view when nothing is cut)."""
-        t = full
-        if self.rows is not None:
-            t = t[self.rows[0]:self.rows[1]]
-        if self.columns is not None:
-            t = t[:, self.columns[0]:self.columns[1]]
-        return t
-
-    def shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
-        dims = list(full_shape)
-        if self.rows is not None:
-            dims[0] = self.rows[1] - self.rows[0]
-        if self.columns is not None:
-            dims[1] = self.columns[1] - self.columns[0]
-        return tuple(dims)
 
 
 def check_shares(cfg: TextModelConfig, shares: HmpShares) -> None:

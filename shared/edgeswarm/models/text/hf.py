@@ -19,15 +19,16 @@ import math
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError, safe_open
 
 from edgeswarm.models.text.config import MAX_POSITIONS, DType, TextModelConfig
 from edgeswarm.models.text.ops import Weights, torch_dtype
 from edgeswarm.models.text.reference import weight_shapes
+from edgeswarm.models.text.slices import WeightSlice
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,6 @@ class MissingWeightError(ModelFolderError, KeyError):
 
 class WeightShapeError(ModelFolderError):
     """A stored tensor's shape does not match the one ``config.json`` implies."""
-
-
-class WeightSlice(BaseModel):
-    """Rows (``dim`` 0) or columns (``dim`` 1) [start, stop) of the canonical tensor ``name``; ``dim`` None: all."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(min_length=1, max_length=200)
-    dim: Literal[0, 1] | None = None
-    start: int = Field(default=0, ge=0)
-    stop: int = Field(default=0, ge=0)
 
 
 class _Source(BaseModel):
@@ -509,13 +499,22 @@ class ModelFolder:
             out[name] = out[tied] if tied is not None else self.get(name)
         return out
 
+    def read_slice(self, part: WeightSlice) -> torch.Tensor:
+        """The rows and/or columns of one canonical tensor that ``part`` names, reading only those bytes (rows, or
+        columns; both: the rows read, then cut)."""
+        if part.rows is not None:
+            return part.model_copy(update={"rows": None}).cut(self.get_slice(part.name, 0, *part.rows))
+        if part.columns is not None:
+            return self.get_slice(part.name, 1, *part.columns)
+        return self.get(part.name)
+
     def load_slices(self, slices: Iterable[WeightSlice]) -> Weights:
         """The tensors ``slices`` describe, keyed by canonical name (one slice per name)."""
         out: Weights = {}
         for s in slices:
             if s.name in out:
                 raise ValueError(f"{s.name} is asked for twice")
-            out[s.name] = self.get_slice(s.name, s.dim, s.start, s.stop)
+            out[s.name] = self.read_slice(s)
         return out
 
     def __call__(self, names: Iterable[str]) -> Weights:
