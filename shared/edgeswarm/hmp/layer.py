@@ -127,7 +127,7 @@ class HmpRank:
     Holds two communication threads: ``close`` them. Not thread-safe: one pass at a time."""
 
     def __init__(self, cfg: TextModelConfig, shares: HmpShares, rank: int, weights: Weights,
-                 device: torch.device | str = "cpu", *, spans: bool = True) -> None:
+                 device: torch.device | str = "cpu", *, spans: bool = True, slowdown: float = 1.0) -> None:
         check_shares(cfg, shares)
         if shares.mode == "local" and rank != 0:
             raise ValueError("a local run has only rank 0")
@@ -137,7 +137,7 @@ class HmpRank:
         self.dtype = torch_dtype(cfg)
         dev = self.device
         fence = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
-        self.recorder = Recorder(spans, fence)
+        self.recorder = Recorder(spans, fence, slowdown)
         self.io = CommThreads(self.recorder, f"hmp{rank}")
         want = shard_shapes(cfg, shares, rank)
         slices = {s.name: s for s in rank_slices(cfg, shares, rank)}
@@ -161,9 +161,9 @@ class HmpRank:
     @classmethod
     def from_reader(cls, cfg: TextModelConfig, shares: HmpShares, rank: int,
                     read: Callable[[WeightSlice], torch.Tensor], device: torch.device | str = "cpu",
-                    *, spans: bool = True) -> HmpRank:
+                    *, spans: bool = True, slowdown: float = 1.0) -> HmpRank:
         """A rank whose shard ``read(slice)`` gives weight by weight (a loader reading only its part of a file)."""
-        return cls(cfg, shares, rank, read_shard(cfg, shares, rank, read), device, spans=spans)
+        return cls(cfg, shares, rank, read_shard(cfg, shares, rank, read), device, spans=spans, slowdown=slowdown)
 
     def _fuse(self) -> None:
         """One GEMM for q, k, v and one for up and gate per layer (the tiles multiply each once)."""

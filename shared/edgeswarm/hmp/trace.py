@@ -62,12 +62,17 @@ class ChromeEvent(BaseModel):
 
 class Recorder:
     """Per-rank time split and spans; phases are recorded by the thread that runs the layers, comm spans by the
-    communication threads. Thread-safe."""
+    communication threads. Thread-safe.
 
-    def __init__(self, spans: bool = True, fence: Callable[[], None] | None = None) -> None:
+    ``slowdown`` emulates a slower device: each compute phase (the outermost one of a nest) is stretched to
+    ``slowdown`` times the CPU time the thread spent in it (``DeviceProfile.run``'s rule), there and then, so the
+    waits and transfers around it keep their real timing and overlap stays what it would be on the device."""
+
+    def __init__(self, spans: bool = True, fence: Callable[[], None] | None = None, slowdown: float = 1.0) -> None:
         self.layer = OUTSIDE
         self.keep_spans = spans
         self._fence = fence  # waits for an accelerator's queued kernels, so a compute phase ends when they do
+        self.slowdown = slowdown
         self._lock = threading.Lock()
         self._local = threading.local()
         self._times: dict[int, LayerTime] = {}
@@ -77,6 +82,10 @@ class Recorder:
     def phase(self, kind: Kind, name: str) -> Iterator[None]:
         stack: list[list[float]] = getattr(self._local, "stack", None) or []
         self._local.stack = stack
+        emulate = kind == "compute" and self.slowdown > 1.0 and not getattr(self._local, "computing", False)
+        if emulate:
+            self._local.computing = True
+            cpu_start = time.thread_time()
         frame = [time.perf_counter(), 0.0]
         stack.append(frame)
         try:
@@ -84,6 +93,11 @@ class Recorder:
         finally:
             if kind == "compute" and self._fence is not None:
                 self._fence()
+            if emulate:
+                self._local.computing = False
+                left = (time.thread_time() - cpu_start) * self.slowdown - (time.perf_counter() - frame[0])
+                if left > 0:
+                    time.sleep(left)
             end = time.perf_counter()
             stack.pop()
             dur = end - frame[0]
