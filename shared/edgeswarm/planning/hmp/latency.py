@@ -1,0 +1,235 @@
+"""The latency and communication model of spec 4.5 and 2.8 over measured block profiles.
+
+A block's latency at a share between two measured points is interpolated linearly (with zero work at zero share,
+proportional beyond the last point). The overlap forms need the GEMM part of a block: a block's measured time is
+split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). One ring step
+costs tau = message_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor goes
+sender -> receiver's broker -> receiver, one broker hop per message, whose fixed cost ``message_s`` includes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from edgeswarm.errors import ProfileError
+from edgeswarm.models.text.config import TextModelConfig
+from edgeswarm.planning.hmp.algorithm import equal_split
+from edgeswarm.planning.hmp.types import BlockProfile, CommModel, DecodePrediction, HmpMode, LatencySplit
+from edgeswarm.values.profiles import LinkProfile
+
+# The elementwise add of one received tile costs about a quarter of a connective block on the same rows (the
+# block reads and writes the rows about four times: residual add, mean, variance, scale).
+ADD_FRACTION = 0.25
+# Without decode measurements, one row through a block is priced at this many times its share of the prefill
+# time: a one-row GEMM streams the whole weight and runs far below the many-row GEMM rate.
+DECODE_SLOWDOWN = 8.0
+
+
+def interpolate(grid: Sequence[int], times: Sequence[float], x: float) -> float:
+    """Seconds at share ``x`` from ``times`` measured at ascending ``grid``: linear between points, from (0, 0)
+    below the first, proportional to ``x`` beyond the last."""
+    if x <= 0:
+        return 0.0
+    if x >= grid[-1]:
+        return times[-1] * x / grid[-1]
+    i = bisect.bisect_left(grid, x)
+    if grid[i] == x:
+        return float(times[i])
+    x0, t0 = (grid[i - 1], times[i - 1]) if i > 0 else (0, 0.0)
+    x1, t1 = grid[i], times[i]
+    return float(t0 + (t1 - t0) * (x - x0) / (x1 - x0))
+
+
+def mha_s(p: BlockProfile, heads: float) -> float:
+    return interpolate(p.heads, p.mha_s, heads)
+
+
+def mlp_s(p: BlockProfile, columns: float) -> float:
+    return interpolate(p.columns, p.mlp_s, columns)
+
+
+def con_s(p: BlockProfile, rows: float) -> float:
+    return interpolate(p.rows, p.con_s, rows)
+
+
+def capacity(p: BlockProfile, cfg: TextModelConfig) -> float:
+    """V_d (Eq. 6): 1 / (the whole MHA block + the whole MLP block), per second."""
+    whole = mha_s(p, cfg.heads) + mlp_s(p, cfg.ffn)
+    if whole <= 0:
+        raise ProfileError(f"device {p.node}'s profile has zero latency for the whole blocks")
+    return 1.0 / whole
+
+
+@dataclass(frozen=True)
+class BlockFractions:
+    """Shares of a block's time: MHA = ``qkv`` + ``core`` + ``oproj``; MLP = ``up`` (with the activation) +
+    ``down``. Each triple or pair sums to 1."""
+
+    qkv: float
+    core: float
+    oproj: float
+    up: float
+    down: float
+
+
+def block_fractions(cfg: TextModelConfig, rows: int, keys: int) -> BlockFractions:
+    """FLOP shares of ``rows`` query rows against ``keys`` keys (per head, so independent of the head count)."""
+    hd, h = cfg.head_dim, cfg.hidden
+    qkv = 2.0 * rows * h * hd * (1 + 2 / cfg.group)
+    core = 4.0 * rows * keys * hd
+    oproj = 2.0 * rows * hd * h
+    mha = qkv + core + oproj
+    up = (2.0 if cfg.gated else 1.0)
+    return BlockFractions(qkv / mha, core / mha, oproj / mha, up / (up + 1.0), 1.0 / (up + 1.0))
+
+
+def ring_link(links: Sequence[LinkProfile], devices: Sequence[str]) -> list[LinkProfile]:
+    """The links i -> i + 1 of the ring over ``devices`` (either direction); a pair with no profile is priced as
+    the slowest profiled link. Raises ProfileError when a ring of two or more has no link profile at all."""
+    if len(devices) < 2:
+        return []
+    by = {(lk.src, lk.dst): lk for lk in links}
+    out: list[LinkProfile] = []
+    for i, a in enumerate(devices):
+        b = devices[(i + 1) % len(devices)]
+        lk = by.get((a, b)) or by.get((b, a))
+        if lk is None:
+            if not links:
+                raise ProfileError(f"no link profile between {a} and {b} (and none at all): profile the links")
+            lk = min(links, key=lambda x: x.bandwidth_bps)
+        out.append(lk)
+    return out
+
+
+def step_s(ring: Sequence[LinkProfile], payload: float) -> float:
+    """tau: one ring step of ``payload`` bytes, paced by the slowest link (seconds)."""
+    return max((lk.message_s + lk.latency_s + payload / lk.bandwidth_bps for lk in ring), default=0.0)
+
+
+def _ag_gemm(c: float, tau: float, d: int, overlap: bool) -> float:
+    return c + (d - 1) * max(c, tau) if overlap else (d - 1) * tau + d * c
+
+
+def _gemm_rs(c: float, tau: float, t_add: float, d: int, overlap: bool) -> float:
+    return c + (d - 1) * (max(c, tau) + t_add) if overlap else d * c + (d - 1) * (tau + t_add)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layer's latency, communication and the decode prediction."""
+
+    layer: LatencySplit
+    comm: CommModel
+    decode: DecodePrediction | None
+
+
+def _split(total: float, compute: float, comm: float) -> LatencySplit:
+    return LatencySplit(total_s=total, compute_s=compute, comm_s=comm, exposed_s=max(0.0, total - compute))
+
+
+def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
+            heads: Sequence[int], columns: Sequence[int], links: Sequence[LinkProfile], *, overlap: bool = True,
+            decode_cache: int = 0) -> Prediction:
+    """Spec 4.5's per-layer latency of ``mode`` on ``profiles`` (ring order) with the given head and column
+    shares (galaxy, megatron; sp and local hold everything), and for decoders one token's with a cache of
+    ``decode_cache`` tokens (0: ``seq_len``)."""
+    d = len(profiles)
+    s, h, beta = seq_len, cfg.hidden, cfg.dtype_bytes
+    rows = equal_split(s, d)
+    ring = ring_link(links, [p.node for p in profiles])
+    fr = block_fractions(cfg, s, s)
+    msg_s = max((lk.message_s for lk in ring), default=0.0)
+    if mode in ("galaxy", "megatron"):
+        mha = [mha_s(p, a) for p, a in zip(profiles, heads, strict=True)]
+        mlp = [mlp_s(p, b) for p, b in zip(profiles, columns, strict=True)]
+        tau = step_s(ring, max(rows) * h * beta)
+        messages = 4 * (d - 1)
+        sent = 4 * (s - min(rows)) * h * beta if d > 1 else 0
+        comm = messages * tau
+        if mode == "galaxy":
+            tile = max(rows) / s
+            c_qkv, c_o = max(fr.qkv * m for m in mha) * tile, max(fr.oproj * m for m in mha) * tile
+            c_up, c_down = max(fr.up * m for m in mlp) * tile, max(fr.down * m for m in mlp) * tile
+            core = max(fr.core * m for m in mha)
+            con = max(con_s(p, r) for p, r in zip(profiles, rows, strict=True))
+            t_add = ADD_FRACTION * max(con_s(p, max(rows)) for p in profiles) if d > 1 else 0.0
+            total = (_ag_gemm(c_qkv, tau, d, overlap) + core + _gemm_rs(c_o, tau, t_add, d, overlap) + con
+                     + _ag_gemm(c_up, tau, d, overlap) + _gemm_rs(c_down, tau, t_add, d, overlap) + con)
+            compute = d * (c_qkv + c_o + c_up + c_down) + core + 2 * con + 2 * (d - 1) * t_add
+        else:
+            con = max(con_s(p, s) for p in profiles)
+            compute = max(mha) + max(mlp) + 2 * con
+            total = compute + comm
+    elif mode == "sp":
+        kv_width = cfg.n_kv * cfg.head_dim
+        tau = step_s(ring, max(rows) * kv_width * beta)
+        messages = 2 * (d - 1)
+        sent = 2 * (s - min(rows)) * kv_width * beta if d > 1 else 0
+        comm = messages * tau
+        full_mha = [mha_s(p, cfg.heads) * r / s for p, r in zip(profiles, rows, strict=True)]
+        full_mlp = [mlp_s(p, cfg.ffn) * r / s for p, r in zip(profiles, rows, strict=True)]
+        con = max(con_s(p, r) for p, r in zip(profiles, rows, strict=True))
+        qkv = max(fr.qkv * m for m in full_mha)
+        rest = max((fr.core + fr.oproj) * m for m in full_mha)
+        compute = qkv + rest + max(full_mlp) + 2 * con
+        total = compute + comm
+    else:
+        if d != 1:
+            raise ValueError("a local plan has one device")
+        p = profiles[0]
+        tau, messages, sent, comm = 0.0, 0, 0, 0.0
+        compute = mha_s(p, cfg.heads) + mlp_s(p, cfg.ffn) + 2 * con_s(p, s)
+        total = compute
+    layer = _split(total, compute, comm)
+    cm = CommModel(messages=messages, bytes=int(sent), broker_hops=messages, tau_s=tau, message_s=msg_s)
+    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, ring, decode_cache or seq_len) if cfg.decoder \
+        else None
+    return Prediction(layer, cm, dec)
+
+
+def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float], prefill: Sequence[float],
+                  share: float, seq_len: int) -> float:
+    if measured:
+        return interpolate(grid, measured, share)
+    return min(interpolate(grid, prefill, share), DECODE_SLOWDOWN * interpolate(grid, prefill, share) / seq_len)
+
+
+def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
+            heads: Sequence[int], columns: Sequence[int], ring: Sequence[LinkProfile],
+            cache: int) -> DecodePrediction:
+    """One new token per layer times the layers: its blocks on one row (the attention core scaled from the
+    profiled cache of ``seq_len`` to ``cache`` keys) and the two AllReduces (or, for SP, the K/V AllGather) of
+    one row, which no GEMM hides."""
+    d = len(profiles)
+    fr = block_fractions(cfg, 1, seq_len)
+    core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
+    if mode in ("sp", "local"):
+        heads, columns = [cfg.heads] * d, [cfg.ffn] * d
+    mha = max(_decode_block(p, p.heads, p.mha_decode_s, p.mha_s, a, seq_len) * core_scale
+              for p, a in zip(profiles, heads, strict=True))
+    mlp = max(_decode_block(p, p.columns, p.mlp_decode_s, p.mlp_s, b, seq_len)
+              for p, b in zip(profiles, columns, strict=True))
+    con = max(con_s(p, 1) for p in profiles)
+    compute = mha + mlp + 2 * con
+    beta = cfg.dtype_bytes
+    if d == 1:
+        net = 0.0
+    elif mode == "sp":
+        net = 2 * (d - 1) * step_s(ring, cfg.n_kv * cfg.head_dim * beta)
+    else:
+        net = 4 * (d - 1) * step_s(ring, -(-cfg.hidden // d) * beta)
+    per_layer = compute + net
+    total = cfg.layers * per_layer
+    return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=cfg.layers * net,
+                            network_share=net / per_layer if per_layer > 0 else 0.0)
+
+
+def check_profiles(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockProfile]) -> None:
+    """Raise ProfileError unless every profile is of ``seq_len`` rows (spec A9: profile at the deployment
+    length)."""
+    for p in profiles:
+        if p.seq_len != seq_len:
+            raise ProfileError(f"device {p.node} was profiled at {p.seq_len} rows, not at the planned {seq_len}: "
+                               "profile it at the deployment sequence length")

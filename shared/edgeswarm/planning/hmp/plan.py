@@ -1,0 +1,195 @@
+"""Plans of every parallelism over an HmpCluster: Galaxy's Algorithm 1 (with devices left out when they do not
+pay), the Megatron-TP, SP and Local baselines on the same memory and latency model, and their comparison."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from edgeswarm.errors import ProfileError
+from edgeswarm.models.text.config import TextModelConfig
+from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
+from edgeswarm.planning.hmp.latency import capacity, check_profiles, predict
+from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.planning.hmp.types import (
+    BlockProfile,
+    HmpCluster,
+    HmpComparison,
+    HmpMode,
+    HmpOptions,
+    HmpPlan,
+    HmpPlanError,
+    HmpVerdict,
+)
+
+MODES: tuple[HmpMode, ...] = ("galaxy", "megatron", "sp", "local")
+
+
+def reserved_bytes(cfg: TextModelConfig, seq_len: int) -> float:
+    """R_d: what every device holds whatever its share (spec A8), in bytes: the embeddings (and an untied LM
+    head), every norm, and the live activations of one layer (input, output and the widest intermediate,
+    ~3 s max(h, f), plus the attention scores of every head, s^2 n_h)."""
+    h, beta = cfg.hidden, cfg.dtype_bytes
+    embed = cfg.vocab * h + (cfg.max_positions + cfg.position_offset) * h * (cfg.family != "llama")
+    embed += cfg.type_vocab * h if cfg.family == "bert" else 0
+    head = cfg.vocab * h if cfg.decoder and not cfg.tie_embeddings else 0
+    norms = (cfg.layers * 2 + 1) * 2 * h
+    acts = 3 * seq_len * max(h, cfg.ffn) + seq_len * seq_len * cfg.heads
+    return float((embed + head + norms + acts) * beta)
+
+
+def kv_bytes_per_head(cfg: TextModelConfig, tokens: int) -> float:
+    """The KV cache one query head brings over all layers for ``tokens`` tokens (its 1/group of a KV head)."""
+    return cfg.layers * 2.0 * cfg.head_dim * tokens * cfg.dtype_bytes / cfg.group
+
+
+def memory_problem(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockProfile],
+                   options: HmpOptions) -> MemoryProblem:
+    """Algorithm 1's numbers for ``profiles``: the weights' footprints from the config, and unless
+    ``options.paper`` the reserved bytes and the KV cache of ``max_tokens``."""
+    return MemoryProblem(
+        capacity=[capacity(p, cfg) for p in profiles],
+        budget=[float(p.memory_budget_bytes) for p in profiles],
+        layers=cfg.layers, heads=cfg.heads, columns=cfg.ffn, group=cfg.group,
+        att_bytes=float(cfg.attention_params() * cfg.dtype_bytes),
+        mlp_bytes=float(cfg.mlp_params() * cfg.dtype_bytes),
+        head_extra=0.0 if options.paper else kv_bytes_per_head(cfg, options.max_tokens),
+        reserved=None if options.paper else [reserved_bytes(cfg, seq_len)] * len(profiles),
+        margin=float(options.margin_bytes))
+
+
+def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile], heads: list[int],
+             columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str]) -> HmpPlan:
+    cfg = cluster.model
+    pred = predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links,
+                   overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache)
+    layers = cfg.layers
+    model = pred.layer.model_copy(update={k: getattr(pred.layer, k) * layers
+                                          for k in ("total_s", "compute_s", "comm_s", "exposed_s")})
+    return HmpPlan(
+        model_name=cluster.model_name, seq_len=cluster.seq_len,
+        shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,
+                         overlap=options.overlap and mode == "galaxy"),
+        rows=equal_split(cluster.seq_len, len(profiles)) if mode in ("galaxy", "sp") else
+        [cluster.seq_len] * len(profiles),
+        capacity=list(problem.capacity),
+        memory_bytes=[int(problem.memory(d, heads[d], columns[d])) for d in range(len(profiles))],
+        memory_budget_bytes=[p.memory_budget_bytes for p in profiles],
+        layer=pred.layer, model=model, comm=pred.comm, decode=pred.decode, shift=options.shift,
+        paper=options.paper, left_out=left_out)
+
+
+def _usable(cluster: HmpCluster, options: HmpOptions) -> list[BlockProfile]:
+    unknown = sorted(set(options.exclude) - {p.node for p in cluster.devices})
+    if unknown:
+        raise ProfileError(f"cannot exclude {unknown}: no such devices (have {[p.node for p in cluster.devices]})")
+    kept = [p for p in cluster.devices if p.node not in options.exclude]
+    if not kept:
+        raise HmpPlanError("every device is excluded: keep at least one")
+    check_profiles(cluster.model, cluster.seq_len, kept)
+    return kept
+
+
+def _left_out(cluster: HmpCluster, used: Sequence[BlockProfile]) -> list[str]:
+    names = {p.node for p in used}
+    return [p.node for p in cluster.devices if p.node not in names]
+
+
+def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
+    """Galaxy's plan (Algorithm 1, spec 3.5-3.7). With ``options.prune``, also the plans without the slowest
+    device, without the two slowest, ... and the one with the lowest predicted latency wins (a device whose
+    compute does not pay for its communication is left out). Raises HmpPlanError when nothing fits."""
+    kept = _usable(cluster, options)
+    cfg = cluster.model
+    full = memory_problem(cfg, cluster.seq_len, kept, options)
+    by_speed = sorted(range(len(kept)), key=lambda i: (-full.capacity[i], i))
+    sizes = range(len(kept), 0, -1) if options.prune else [len(kept)]
+    best: HmpPlan | None = None
+    first_error: HmpPlanError | None = None
+    for n in sizes:
+        chosen = sorted(by_speed[:n])  # keep the ring order of the cluster
+        subset = [kept[i] for i in chosen]
+        problem = memory_problem(cfg, cluster.seq_len, subset, options)
+        try:
+            heads, columns = algorithm1(problem, options.shift)
+        except HmpPlanError as exc:
+            first_error = first_error or exc
+            break  # fewer devices hold less: no smaller subset fits either
+        left = _left_out(cluster, subset)
+        plan = _plan_of(cluster, "galaxy", subset, heads, columns, problem, options, left)
+        if best is None or plan.model.total_s < best.model.total_s:
+            best = plan
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    return best
+
+
+def plan_megatron(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
+    """Megatron-TP: equal heads (whole KV groups) and columns on every usable device; raises HmpPlanError
+    naming the device over budget."""
+    kept = _usable(cluster, options)
+    problem = memory_problem(cluster.model, cluster.seq_len, kept, options)
+    heads, columns = equal_shares(problem, len(kept))
+    why = check_memory(problem, heads, columns, "Megatron-TP's equal split")
+    if why:
+        raise HmpPlanError(why + ": use galaxy, which shifts work off it")
+    left = _left_out(cluster, kept)
+    return _plan_of(cluster, "megatron", kept, heads, columns, problem, options, left)
+
+
+def plan_sp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
+    """Sequence parallelism: every weight on every usable device; raises HmpPlanError naming the device over
+    budget."""
+    kept = _usable(cluster, options)
+    cfg = cluster.model
+    problem = memory_problem(cfg, cluster.seq_len, kept, options)
+    heads, columns = [cfg.heads] * len(kept), [cfg.ffn] * len(kept)
+    why = check_memory(problem, heads, columns, "SP's full copy of the model")
+    if why:
+        raise HmpPlanError(why + ": use galaxy or megatron, which shard the weights")
+    left = _left_out(cluster, kept)
+    return _plan_of(cluster, "sp", kept, heads, columns, problem, options, left)
+
+
+def plan_local(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
+    """The whole model on the fastest usable device that holds it; raises HmpPlanError when none does."""
+    kept = _usable(cluster, options)
+    cfg = cluster.model
+    problem = memory_problem(cfg, cluster.seq_len, kept, options)
+    fits = [i for i in range(len(kept)) if problem.memory(i, cfg.heads, cfg.ffn) <= problem.limit(i) + 1e-6]
+    if not fits:
+        need = problem.memory(0, cfg.heads, cfg.ffn)
+        most = max(problem.limit(i) for i in range(len(kept)))
+        raise HmpPlanError(f"no single device holds the model: it needs {need / 1e9:.2f} GB, the largest budget is "
+                           f"{most / 1e9:.2f} GB; split it (galaxy)")
+    best = max(fits, key=lambda i: (problem.capacity[i], -i))
+    one = kept[best]
+    single = memory_problem(cfg, cluster.seq_len, [one], options)
+    left = _left_out(cluster, [one])
+    return _plan_of(cluster, "local", [one], [cfg.heads], [cfg.ffn], single, options, left)
+
+
+PLANNERS = {"galaxy": plan_galaxy, "megatron": plan_megatron, "sp": plan_sp, "local": plan_local}
+
+
+def compare(cluster: HmpCluster, options: HmpOptions) -> HmpComparison:
+    """Every parallelism's plan or the reason it does not fit, on the same cluster, memory and latency model."""
+    verdicts = []
+    for mode in MODES:
+        try:
+            verdicts.append(HmpVerdict(mode=mode, plan=PLANNERS[mode](cluster, options)))
+        except HmpPlanError as exc:
+            verdicts.append(HmpVerdict(mode=mode, reason=str(exc)[:4096]))
+    return HmpComparison(verdicts=verdicts)
+
+
+def plan_hmp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
+    """The plan of ``options.mode``; ``auto``: the lowest predicted model latency of the parallelisms that fit.
+    Raises HmpPlanError (an InfeasiblePlanError) with what to change when nothing fits, ProfileError when the
+    profiles do not cover the request."""
+    if options.mode != "auto":
+        return PLANNERS[options.mode](cluster, options)
+    found = [v.plan for v in compare(cluster, options).verdicts if v.plan is not None]
+    if not found:
+        return plan_galaxy(cluster, options)  # raises with Galaxy's reason, the most telling
+    return min(found, key=lambda p: p.model.total_s)
