@@ -1,0 +1,102 @@
+"""Galaxy's profiler (spec 1.1): one device's latency of the MHA, MLP and connective blocks of one layer at a
+sequence length, on grids of heads, columns and rows, as that device computes (its emulated slow-down included).
+
+Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
+then the median of ``repeats`` timed ones per point. The grids are capped (``profile_grids``: at most 16 head
+counts, ``column_points`` column counts, the rows of up to ``max_devices`` slices) so a paper-sized model profiles
+in bounded time. Decoders also get one row against a KV cache of ``seq_len`` tokens (the generation prediction).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from edgeswarm.devices.compute import synchronized
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.models.text.config import TextModelConfig
+from edgeswarm.models.text.ops import HeadCache, attention, mlp_inner, norm, torch_dtype
+from edgeswarm.models.text.reference import init_weights, weight_shapes
+from edgeswarm.planning.hmp.synthetic import MAX_COLUMN_POINTS, profile_grids
+from edgeswarm.planning.hmp.types import BlockProfile
+
+LAYER = "layers.0."
+
+
+def _median_s(fn: Callable[[], object], device: DeviceProfile, compute: torch.device, warmup: int,
+              repeats: int) -> float:
+    run = partial(device.run, partial(synchronized, fn, compute))
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(statistics.median(times))
+
+
+def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: DeviceProfile,
+                   compute: torch.device, warmup: int = 3, repeats: int = 10, max_devices: int = 4,
+                   column_points: int = MAX_COLUMN_POINTS, seed: int = 0) -> BlockProfile:
+    """``node``'s BlockProfile of ``cfg`` at ``seq_len`` rows (seconds per block of one layer), timed through
+    ``device.run`` (its emulated slow-down) on ``compute``, with ``device``'s memory budget. The caller sets the
+    torch thread count the device computes with (``DeviceProfile.compute_threads``)."""
+    if warmup < 0 or repeats < 1:
+        raise ValueError("at least one timed run and no negative warm-ups")
+    names = {n for n in weight_shapes(cfg) if n.startswith(LAYER)}
+    w = {k.removeprefix(LAYER): v.to(compute) for k, v in init_weights(cfg, seed, names=names).items()}
+    dtype = torch_dtype(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seq_len, cfg.hidden, generator=gen).to(dtype).to(compute)
+    row = x[-1:].clone()
+    hd, group = cfg.head_dim, cfg.group
+    heads, columns, rows = profile_grids(cfg, seq_len, max_devices, column_points)
+    time_it = partial(_median_s, device=device, compute=compute, warmup=warmup, repeats=repeats)
+    cache_k = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
+    cache_v = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
+
+    def lin(t: torch.Tensor, name: str, rows_of: int | None = None, cols_of: int | None = None,
+            bias: bool = True) -> torch.Tensor:
+        weight = w[name + ".weight"]
+        weight = weight[:rows_of] if rows_of is not None else weight
+        weight = weight[:, :cols_of] if cols_of is not None else weight
+        b = w.get(name + ".bias") if bias else None
+        b = b[:rows_of] if (b is not None and rows_of is not None) else b
+        return F.linear(t, weight, b)
+
+    def mha(k: int, inp: torch.Tensor, cached: bool) -> torch.Tensor:
+        kv = k // group * hd
+        cache = None
+        start = 0
+        if cached:
+            cache = HeadCache()
+            cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
+            start = seq_len
+        att = attention(cfg, lin(inp, "q", k * hd), lin(inp, "k", kv), lin(inp, "v", kv), start, cache)
+        return lin(att, "o", cols_of=k * hd)
+
+    def mlp(c: int, inp: torch.Tensor) -> torch.Tensor:
+        gate = w["gate.weight"][:c] if cfg.gated else None
+        up_b = w.get("up.bias")
+        inner = mlp_inner(cfg, inp, w["up.weight"][:c], up_b[:c] if up_b is not None else None, gate)
+        return lin(inner, "down", cols_of=c)
+
+    def con(r: int) -> torch.Tensor:
+        part = x[:r]
+        return norm(cfg, part + part, w, "attn_norm")
+
+    with torch.inference_mode():
+        mha_t = [time_it(partial(mha, k, x, False)) for k in heads]
+        mlp_t = [time_it(partial(mlp, c, x)) for c in columns]
+        con_t = [time_it(partial(con, r)) for r in rows]
+        mha_d = [time_it(partial(mha, k, row, True)) for k in heads] if cfg.decoder else []
+        mlp_d = [time_it(partial(mlp, c, row)) for c in columns] if cfg.decoder else []
+    return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
+                        seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
+                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, compute=str(compute))
