@@ -1,0 +1,366 @@
+"""Galaxy's planner (spec 3, 4.5, 6.3): C-P1..C-P7, C-M2, the 3.8 table, GQA rounding, the latency model's
+consequences as inequalities on the model, and the planner service entry."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults, load_cluster
+from edgeswarm.errors import InfeasiblePlanError, PlanningError
+from edgeswarm.hmp.planner import PLANNER
+from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
+from edgeswarm.models.text.config import PRESETS, TextModelConfig
+from edgeswarm.planning.deadline import Deadline
+from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split, \
+    lr_round
+from edgeswarm.planning.hmp.latency import capacity
+from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron
+from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
+from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlanError
+from edgeswarm.values.profiles import LinkProfile
+
+# Spec 3.8's assumptions: V proportional to the CPU clock; budgets of 5.1; Table I footprints split MHA:MLP = 1:2.
+CLOCK = {"L": 1.47, "M": 0.825, "S": 0.403}
+HETERO_BUDGET = {"L": 1.5e9, "M": 1.2e9, "S": 0.7e9}
+HOMO_BUDGET = 1.5e9
+FOOTPRINT = {"distilbert": 0.13e9, "bert-l": 0.68e9, "gpt2-l": 1.6e9, "opt-l": 2.6e9, "opt-xl": 5.4e9}
+SHAPE = {"distilbert": (12, 3072), "bert-l": (16, 4096), "gpt2-l": (20, 5120), "opt-l": (32, 8192),
+         "opt-xl": (32, 10240)}
+ENVS = {"A": "MM", "B": "MMM", "C": "MMMM", "D": "LM", "E": "LS", "F": "LMS"}
+
+
+def problem(env: str, model: str, heads: int | None = None) -> MemoryProblem:
+    kinds = ENVS[env]
+    homogeneous = len(set(kinds)) == 1
+    n_h, f = SHAPE[model]
+    return MemoryProblem(capacity=[CLOCK[k] for k in kinds],
+                         budget=[HOMO_BUDGET if homogeneous else HETERO_BUDGET[k] for k in kinds],
+                         layers=1, heads=heads or n_h, columns=f, att_bytes=FOOTPRINT[model] / 3,
+                         mlp_bytes=2 * FOOTPRINT[model] / 3)
+
+
+def gb(p: MemoryProblem, heads: list[int], columns: list[int]) -> list[float]:
+    return [round(p.memory(d, heads[d], columns[d]) / 1e9, 2) for d in range(len(heads))]
+
+
+# env, model, heads, columns, GB per device (None: Fail), M-LM fits, SP fits
+TABLE_38 = [
+    ("A", "opt-l", [16, 16], [4096, 4096], [1.30, 1.30], True, False),
+    ("A", "opt-xl", None, None, None, False, False),
+    ("B", "bert-l", [6, 5, 5], [1366, 1365, 1365], [0.24, 0.22, 0.22], True, True),
+    ("B", "gpt2-l", [7, 7, 6], [1707, 1707, 1706], [0.54, 0.54, 0.52], True, False),
+    ("B", "opt-xl", None, None, None, False, False),
+    ("C", "opt-xl", [8, 8, 8, 8], [2560] * 4, [1.35] * 4, True, False),
+    ("D", "gpt2-l", [13, 7], [3279, 1841], [1.03, 0.57], True, False),
+    ("D", "opt-l", [20, 12], [4529, 3663], [1.50, 1.10], False, False),
+    ("E", "bert-l", [13, 3], [3215, 881], [0.54, 0.14], True, True),
+    ("E", "gpt2-l", [16, 4], [4018, 1102], [1.26, 0.34], False, False),
+    ("E", "opt-l", None, None, None, False, False),
+    ("F", "gpt2-l", [11, 6, 3], [2790, 1565, 765], [0.88, 0.49, 0.24], True, False),
+    ("F", "opt-l", [17, 10, 5], [4463, 2505, 1224], [1.41, 0.80, 0.39], False, False),
+    ("F", "opt-xl", None, None, None, False, False),
+]
+
+
+@pytest.mark.parametrize("env,model,heads,columns,mem,mlm,sp", TABLE_38)
+def test_c_p5_table_3_8_is_reproduced_exactly(env: str, model: str, heads: list[int] | None,
+                                                columns: list[int] | None, mem: list[float] | None, mlm: bool,
+                                                sp: bool) -> None:
+    p = problem(env, model)
+    if heads is None:
+        with pytest.raises(HmpPlanError, match="does not fit"):
+            algorithm1(p)
+    else:
+        got_heads, got_columns = algorithm1(p)
+        assert (got_heads, got_columns) == (heads, columns)
+        assert gb(p, got_heads, got_columns) == pytest.approx(mem, abs=0.011)  # the table prints 1.5 as 1.50
+    d = len(p.capacity)
+    assert (check_memory(p, *equal_shares(p, d), "M-LM") == "") is mlm
+    assert (check_memory(p, [p.heads] * d, [p.columns] * d, "SP") == "") is sp
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_opt_l_with_16_and_32_heads(heads: int) -> None:
+    """Spec 7.1: the paper prints 16 heads for OPT-L, the model has 32; the columns do not depend on it."""
+    got_heads, got_columns = algorithm1(problem("D", "opt-l", heads))
+    assert got_heads == ([10, 6] if heads == 16 else [20, 12]) and got_columns == [4529, 3663]
+    assert algorithm1(problem("A", "opt-l", heads))[0] == [heads // 2] * 2
+
+
+def test_c_p4_columns_move_before_heads() -> None:
+    """Env D / OPT-L: the heads stay at the capacity split, only the columns move."""
+    p = problem("D", "opt-l")
+    heads, columns = algorithm1(p)
+    assert heads == lr_round(p.capacity, p.heads)
+    assert columns != lr_round(p.capacity, p.columns) and columns == [4529, 3663]
+
+
+def test_c_m2_oom_pattern_of_table_iv() -> None:
+    def galaxy_fits(env: str, model: str) -> bool:
+        try:
+            algorithm1(problem(env, model))
+            return True
+        except HmpPlanError:
+            return False
+
+    def mlm_fits(env: str, model: str) -> bool:
+        p = problem(env, model)
+        return check_memory(p, *equal_shares(p, len(p.capacity)), "M-LM") == ""
+
+    def sp_fits(env: str, model: str) -> bool:
+        p = problem(env, model)
+        d = len(p.capacity)
+        return check_memory(p, [p.heads] * d, [p.columns] * d, "SP") == ""
+
+    assert galaxy_fits("A", "opt-l") and mlm_fits("A", "opt-l")
+    assert galaxy_fits("C", "opt-xl") and mlm_fits("C", "opt-xl")
+    for env in "AB":
+        assert not galaxy_fits(env, "opt-xl") and not mlm_fits(env, "opt-xl")
+    for env in "ABC":
+        for model in ("gpt2-l", "opt-l", "opt-xl"):
+            assert not sp_fits(env, model)
+        for model in ("distilbert", "bert-l"):
+            assert sp_fits(env, model)
+
+
+def test_c_p1_homogeneous_devices_get_equal_shares() -> None:
+    for d in range(1, 9):
+        p = MemoryProblem(capacity=[1.0] * d, budget=[1e12] * d, layers=24, heads=32, columns=8192,
+                          att_bytes=1e6, mlp_bytes=2e6)
+        heads, columns = algorithm1(p)
+        rows = equal_split(284, d)
+        for share in (heads, columns, rows):
+            assert max(share) - min(share) <= 1
+
+
+def test_c_p1_on_a_synthetic_homogeneous_cluster() -> None:
+    cfg = PRESETS["gpt2-large"].model_copy(update={"dtype": "float16"})
+    cluster = synthetic_cluster(load_cluster("asteroid-env-a-1000mbps"), cfg, 284)
+    plan = plan_galaxy(cluster, HmpOptions(prune=False))
+    assert max(plan.shares.heads) - min(plan.shares.heads) <= 1
+    assert max(plan.shares.columns) - min(plan.shares.columns) <= 1
+    assert max(plan.rows) - min(plan.rows) <= 1 and sum(plan.rows) == 284
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.floats(0.05, 20.0), min_size=1, max_size=8), st.sampled_from([(16, 4096), (20, 5120),
+                                                                                    (32, 8192), (12, 3072)]))
+def test_c_p2_capacity_proportional_without_memory(caps: list[float], shape: tuple[int, int]) -> None:
+    n_h, f = shape
+    p = MemoryProblem(capacity=caps, budget=[1e15] * len(caps), layers=1, heads=n_h, columns=f, att_bytes=1.0,
+                      mlp_bytes=2.0)
+    heads, columns = algorithm1(p)
+    total = sum(caps)
+    assert sum(heads) == n_h and sum(columns) == f
+    for d, v in enumerate(caps):
+        assert abs(heads[d] - v / total * n_h) < 1 and abs(columns[d] - v / total * f) < 1
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.floats(0.1, 10.0), st.floats(0.05, 3.0)), min_size=1, max_size=6),
+       st.sampled_from(["paper", "water"]), st.floats(0.3, 6.0))
+def test_c_p3_every_plan_fits_and_shares_sum(devs: list[tuple[float, float]], shift: str, footprint: float) -> None:
+    p = MemoryProblem(capacity=[v for v, _ in devs], budget=[b * 1e9 for _, b in devs], layers=1, heads=32,
+                      columns=8192, att_bytes=footprint * 1e9 / 3, mlp_bytes=2 * footprint * 1e9 / 3)
+    total_budget = sum(b for _, b in devs) * 1e9
+    try:
+        heads, columns = algorithm1(p, shift)  # type: ignore[arg-type]
+    except HmpPlanError:
+        return
+    assert footprint * 1e9 <= total_budget + 1  # C-P3: nothing over the total budget ever succeeds
+    assert sum(heads) == 32 and sum(columns) == 8192 and min(heads + columns) >= 0
+    for d in range(len(devs)):
+        assert p.memory(d, heads[d], columns[d]) <= p.budget[d] + 1e-3
+
+
+def test_c_p3_fail_when_the_total_budget_is_short() -> None:
+    p = MemoryProblem(capacity=[1.0, 2.0], budget=[1e9, 1e9], layers=2, heads=16, columns=4096, att_bytes=0.4e9,
+                      mlp_bytes=0.7e9)
+    with pytest.raises(HmpPlanError) as err:
+        algorithm1(p)
+    assert isinstance(err.value, InfeasiblePlanError) and isinstance(err.value, PlanningError)
+    assert "2.20 GB needed" in str(err.value) and "Add devices" in str(err.value)
+
+
+def test_water_filling_fits_where_the_paper_shift_overshoots() -> None:
+    """Spec A4: proportional shifts can push a fast receiver over; water-filling caps it at its room."""
+    p = MemoryProblem(capacity=[1.0, 10.0, 1.0], budget=[0.1e9, 0.5e9, 2.0e9], layers=1, heads=16, columns=4096,
+                      att_bytes=0.5e9, mlp_bytes=1.0e9)
+    heads, columns = algorithm1(p, "water")
+    assert all(p.memory(d, heads[d], columns[d]) <= p.budget[d] for d in range(3))
+
+
+def test_a_device_with_zero_heads_is_allowed() -> None:
+    p = MemoryProblem(capacity=[10.0, 10.0, 0.2], budget=[1e12] * 3, layers=1, heads=8, columns=512,
+                      att_bytes=1.0, mlp_bytes=2.0)
+    heads, columns = algorithm1(p)
+    assert heads[2] == 0 and columns[2] > 0 and sum(heads) == 8
+
+
+def test_gqa_heads_move_in_whole_kv_groups() -> None:
+    p = MemoryProblem(capacity=[3.0, 2.0, 1.0], budget=[1e12, 1e12, 0.3e9], layers=1, heads=32, columns=8192,
+                      group=4, att_bytes=0.6e9, mlp_bytes=1.2e9)
+    heads, _ = algorithm1(p)
+    assert sum(heads) == 32 and all(a % 4 == 0 for a in heads)
+    cfg = PRESETS["llama-3.2-1b"].model_copy(update={"dtype": "float16"})
+    cluster = synthetic_cluster(load_cluster("asteroid-env-d-1000mbps"), cfg, 128)
+    for mode in ("galaxy", "megatron"):
+        plan = plan_hmp(cluster, HmpOptions(mode=mode, prune=False))  # type: ignore[arg-type]
+        assert sum(plan.shares.heads) == 32 and all(a % cfg.group == 0 for a in plan.shares.heads)
+
+
+def test_c_p6_planner_time_scales_gently() -> None:
+    times = {}
+    for d in (4, 16, 64):
+        p = MemoryProblem(capacity=[1.0 + (i % 5) for i in range(d)], budget=[0.09e9 + 0.01e9 * (i % 3)
+                                                                               for i in range(d)],
+                          layers=1, heads=64 * d, columns=256 * d, att_bytes=1e9, mlp_bytes=2e9)
+        start = time.perf_counter()
+        try:
+            algorithm1(p)
+        except HmpPlanError:
+            pass
+        times[d] = time.perf_counter() - start
+    assert times[4] < 1.0  # C-P6: well under a second for 4 devices (milliseconds in practice)
+    assert times[64] < 5.0  # no worse than O(D^3) with a generous constant (not a speed assertion)
+
+
+def test_c_p7_rows_are_equal_whatever_the_heterogeneity() -> None:
+    cfg = PRESETS["bert-large"].model_copy(update={"dtype": "float16"})
+    spec = ClusterSpec(name="x", network=NetworkDefaults(bandwidth_mbps=125),
+                       devices=(DeviceEntry(id="fast", **{"class": "edge-server"}),
+                                DeviceEntry(id="mid", **{"class": "jetson-tx2"}),
+                                DeviceEntry(id="slow", **{"class": "rpi4"})))
+    plan = plan_galaxy(synthetic_cluster(spec, cfg, 284), HmpOptions(prune=False))
+    assert plan.rows == [95, 95, 94] and plan.shares.heads[0] > plan.shares.heads[2]
+
+
+def _cluster(kinds: str, model: str = "opt-1.3b", mbps: float = 125.0, seq: int = 284,
+             message_s: float = 0.0) -> HmpCluster:
+    cfg = PRESETS[model].model_copy(update={"dtype": "float16"})
+    slow = {"L": 10.0, "M": 10.0 * 1.47 / 0.825, "S": 10.0 * 1.47 / 0.403}
+    devices = [synthetic_profile(f"d{i}", cfg, seq, slowdown=slow[k], budget_bytes=int(64e9))
+               for i, k in enumerate(kinds)]
+    links = [LinkProfile(src=a.node, dst=b.node, bandwidth_bps=mbps * 1e6 / 8, latency_s=1e-4, message_s=message_s)
+             for a in devices for b in devices if a.node != b.node]
+    return HmpCluster(model=cfg, model_name=model, seq_len=seq, devices=devices, links=links)
+
+
+def _ratio(cluster: HmpCluster) -> float:
+    opts = HmpOptions(prune=False)
+    return plan_megatron(cluster, opts).model.total_s / plan_galaxy(cluster, opts).model.total_s
+
+
+def test_latency_model_consequences() -> None:
+    """Spec 4.5's bullets, as inequalities on the model (never on a clock)."""
+    # The advantage over M-LM grows as bandwidth falls (while tau <~ c).
+    assert _ratio(_cluster("MMM", mbps=125)) > _ratio(_cluster("MMM", mbps=1000))
+    # ... grows with D.
+    assert _ratio(_cluster("MMMM", mbps=1000)) > _ratio(_cluster("MM", mbps=1000))
+    # ... shrinks for larger models.
+    assert _ratio(_cluster("MMM", "bert-large", mbps=1000)) > _ratio(_cluster("MMM", "opt-2.7b", mbps=1000))
+    # Overlap saves at most (D - 1) min(c, tau) per collective: never more than the raw communication, never negative.
+    c = _cluster("MMM", mbps=125)
+    on = plan_galaxy(c, HmpOptions(prune=False))
+    off = plan_galaxy(c, HmpOptions(prune=False, overlap=False))
+    assert off.layer.total_s >= on.layer.total_s
+    assert off.layer.total_s - on.layer.total_s <= on.layer.comm_s + 1e-12
+    assert on.layer.total_s == pytest.approx(on.layer.compute_s + on.layer.exposed_s)
+    # A heterogeneous cluster gains from the capacity split even with free communication.
+    assert _ratio(_cluster("LMS", mbps=1e6)) > 1.3
+
+
+def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:
+    c = _cluster("MMMM", "bert-large", mbps=125, seq=284, message_s=2e-3)
+    cmp = compare(c, HmpOptions(prune=False))
+    g, m, sp, local = (cmp.of(k).plan for k in ("galaxy", "megatron", "sp", "local"))
+    assert g is not None and m is not None and sp is not None and local is not None
+    assert g.comm.messages == m.comm.messages == 4 * 3 and sp.comm.messages == 2 * 3 and local.comm.messages == 0
+    assert g.comm.broker_hops == g.comm.messages
+    assert g.comm.bytes == 4 * (284 - 71) * 1024 * 2 and sp.comm.bytes == g.comm.bytes // 2
+    assert g.comm.tau_s == pytest.approx(2e-3 + 1e-4 + 71 * 1024 * 2 / (125e6 / 8))
+    # More per-message cost costs more predicted latency.
+    assert plan_galaxy(_cluster("MMMM", "bert-large", message_s=2e-2), HmpOptions(prune=False)).model.total_s > \
+        g.model.total_s
+
+
+def test_devices_that_do_not_pay_are_left_out() -> None:
+    c = _cluster("LLS", mbps=1000)
+    fast = c.devices[0]
+    crawl = synthetic_profile("crawl", c.model, c.seq_len, slowdown=5000.0, budget_bytes=int(64e9))
+    cluster = c.model_copy(update={"devices": [fast, c.devices[1], crawl],
+                                   "links": [*c.links, *(LinkProfile(src="crawl", dst=d.node, bandwidth_bps=1e6,
+                                                                     message_s=0.05) for d in c.devices[:2])]})
+    pruned = plan_galaxy(cluster, HmpOptions())
+    kept = plan_galaxy(cluster, HmpOptions(prune=False))
+    assert "crawl" in pruned.left_out and pruned.model.total_s <= kept.model.total_s
+
+
+def test_baselines_give_reasons_a_user_can_act_on() -> None:
+    cfg = PRESETS["opt-1.3b"].model_copy(update={"dtype": "float16"})
+    spec = ClusterSpec(name="x", network=NetworkDefaults(bandwidth_mbps=125),
+                       devices=tuple(DeviceEntry(id=f"n{i}", **{"class": "jetson-nano"}) for i in range(2)))
+    cluster = synthetic_cluster(spec, cfg, 284)
+    small = cluster.model_copy(update={"devices": [d.model_copy(update={"memory_budget_bytes": int(1.5e9)})
+                                                   for d in cluster.devices]})
+    cmp = compare(small, HmpOptions(paper=True))
+    assert cmp.of("galaxy").feasible and cmp.of("megatron").feasible
+    assert not cmp.of("sp").feasible and "SP" in cmp.of("sp").reason and "GB" in cmp.of("sp").reason
+    assert not cmp.of("local").feasible and "no single device" in cmp.of("local").reason
+    # The reserved bytes (embeddings, activations, a KV cache of 2048 tokens) count unless paper mode.
+    real = plan_galaxy(small.model_copy(update={"devices": [d.model_copy(update={"memory_budget_bytes": int(3e9)})
+                                                            for d in small.devices]}),
+                       HmpOptions(max_tokens=2048, prune=False))
+    paper = plan_galaxy(small, HmpOptions(paper=True, prune=False))
+    assert min(real.memory_bytes) > max(paper.memory_bytes)
+
+
+def test_decode_prediction_for_decoders() -> None:
+    c = _cluster("MMMM", "opt-1.3b", mbps=1000, message_s=1e-3)
+    plan = plan_galaxy(c, HmpOptions(prune=False, decode_cache=512))
+    assert plan.decode is not None and plan.decode.cache_tokens == 512
+    assert 0 < plan.decode.network_s < plan.decode.per_token_s
+    assert plan.decode.network_share == pytest.approx(plan.decode.network_s / plan.decode.per_token_s)
+    local = plan_hmp(c, HmpOptions(mode="local"))
+    assert local.decode is not None and local.decode.network_s == 0
+    assert plan_galaxy(_cluster("MM", "bert-large"), HmpOptions(prune=False)).decode is None
+
+
+def test_capacity_is_eq_6() -> None:
+    cfg = PRESETS["bert-large"]
+    p = synthetic_profile("a", cfg, 128, slowdown=2.0, budget_bytes=1)
+    assert capacity(p, cfg) == pytest.approx(1 / (p.mha_s[-1] + p.mlp_s[-1]))
+
+
+def test_auto_picks_the_fastest_that_fits() -> None:
+    c = _cluster("LMS", "bert-large", mbps=125)
+    auto = plan_hmp(c, HmpOptions(mode="auto"))
+    feasible = [v.plan for v in compare(c, HmpOptions()).verdicts if v.plan is not None]
+    assert auto.model.total_s == min(p.model.total_s for p in feasible)
+
+
+def test_planner_entry_answers_a_request() -> None:
+    c = _cluster("LM", "gpt2-tiny", seq=16)
+    req = HmpPlanRequest(cluster=c, options=HmpOptions(), compare=True, epoch=3)
+    assert PLANNER.estimate(req).cells > 0
+    reply = PLANNER.plan(req, Deadline.after(10.0))
+    assert isinstance(reply, HmpPlanReply) and reply.plan.epoch == 3 and reply.comparison is not None
+    back = HmpPlanRequest.model_validate_json(req.model_dump_json())
+    assert back == req
+    assert "gpt2-tiny" in PLANNER.describe(req, reply, 0.01)
+
+
+def test_profiles_at_another_length_are_refused() -> None:
+    c = _cluster("LM", "gpt2-tiny", seq=16)
+    with pytest.raises(PlanningError, match="deployment sequence length"):
+        plan_galaxy(c.model_copy(update={"seq_len": 32}), HmpOptions())
+
+
+def test_a_tiny_config_validates_end_to_end() -> None:
+    cfg = TextModelConfig.model_validate(PRESETS["llama-tiny"].model_dump())
+    plan = plan_hmp(_cluster("LMS", "llama-tiny", seq=24), HmpOptions(mode="auto"))
+    assert sum(plan.shares.heads) == cfg.heads
