@@ -3,24 +3,34 @@ consequences as inequalities on the model, and the planner service entry."""
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgeswarm.cli.plan import add_plan_parser
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults, load_cluster
-from edgeswarm.errors import InfeasiblePlanError, PlanningError
+from edgeswarm.errors import ConfigError, InfeasiblePlanError, PlanningError
+from edgeswarm.hmp.plan_cli import run_hmp_plan
 from edgeswarm.hmp.planner import PLANNER
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.models.text.config import PRESETS, TextModelConfig
 from edgeswarm.planning.deadline import Deadline
-from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split, \
-    lr_round
+from edgeswarm.planning.hmp.algorithm import (
+    MemoryProblem,
+    algorithm1,
+    check_memory,
+    equal_shares,
+    equal_split,
+    lr_round,
+)
 from edgeswarm.planning.hmp.latency import capacity
 from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
-from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlanError
+from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
 from edgeswarm.values.profiles import LinkProfile
 
 # Spec 3.8's assumptions: V proportional to the CPU clock; budgets of 5.1; Table I footprints split MHA:MLP = 1:2.
@@ -364,3 +374,45 @@ def test_a_tiny_config_validates_end_to_end() -> None:
     cfg = TextModelConfig.model_validate(PRESETS["llama-tiny"].model_dump())
     plan = plan_hmp(_cluster("LMS", "llama-tiny", seq=24), HmpOptions(mode="auto"))
     assert sum(plan.shares.heads) == cfg.heads
+
+
+def _plan_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", "--kind", "serve-hmp", *argv])
+
+
+def test_plan_cli_prints_the_plan_and_the_comparison(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    base = ("--model", "opt-1.3b", "--config", "dtype=float16", "--cluster", "asteroid-env-d-100mbps")
+    assert run_hmp_plan(_plan_args(*base, "--compare"), None) == 0
+    out = capsys.readouterr().out
+    for text in ("Galaxy", "Megatron-TP", "SP", "Local", "exposed comm", "speed-up"):
+        assert text in out
+    assert run_hmp_plan(_plan_args(*base, "--json", "--exclude", "nano-2", "--save-profiles", str(tmp_path)),
+                        None) == 0
+    plan = HmpPlan.model_validate_json(capsys.readouterr().out)
+    assert "nano-2" not in plan.shares.devices and sum(plan.shares.heads) == 32
+    saved = next(tmp_path.glob("*.json"))
+    assert run_hmp_plan(_plan_args("--model", "opt-1.3b", "--profiles", str(saved), "--hmp-mode", "megatron"),
+                        None) == 0
+    assert "serve-hmp megatron plan" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="preset"):
+        run_hmp_plan(_plan_args("--model", "resnet18", "--cluster", "asteroid-env-d-100mbps"), None)
+
+
+def test_profiler_measures_one_layer_through_the_device() -> None:
+    import torch
+
+    from edgeswarm.devices.emulation import DeviceProfile
+    from edgeswarm.hmp.profiling import profile_blocks
+
+    device = DeviceProfile(device_class="test", emulated=True, compute_slowdown=1.0, memory_budget_bytes=10**9)
+    for name in ("bert-tiny", "llama-tiny"):
+        cfg = PRESETS[name]
+        p = profile_blocks(cfg, 12, node="n0", device=device, compute=torch.device("cpu"), warmup=1, repeats=2)
+        assert p.heads[-1] == cfg.heads and p.columns[-1] == cfg.ffn and all(a % cfg.group == 0 for a in p.heads)
+        assert min(p.mha_s + p.mlp_s + p.con_s) > 0 and p.memory_budget_bytes == 10**9
+        assert bool(p.mha_decode_s) is cfg.decoder
+        cluster = HmpCluster(model=cfg, seq_len=12, devices=[p, p.model_copy(update={"node": "n1"})],
+                             links=[LinkProfile(src="n0", dst="n1", bandwidth_bps=1e8)])
+        assert sum(plan_hmp(cluster, HmpOptions(prune=False)).shares.heads) == cfg.heads

@@ -17,6 +17,7 @@ from edgeswarm.cli.profile import parse_batch_sizes, parse_config
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
+from edgeswarm.hmp.plan_cli import add_hmp_arguments
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import DEFAULT_KIND
 from edgeswarm.planning.hpp.compare import Comparison, compare
@@ -60,7 +61,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
     p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
                    help="serve-pipeline: search (auto: the best predicted of all)")
-    p.add_argument("--exclude", default="", help="serve-pipeline: comma-separated devices not to use")
+    p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
+    add_hmp_arguments(p)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -68,6 +70,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if not work.plan_cli:
         raise ConfigError(f"job kind {args.kind} has no offline planner: `edgeswarm plan` cannot show its plan")
     show = load_target(work.plan_cli, f"the offline planner of job kind {args.kind!r}")
+    if not work.plan_profiles_zoo:
+        return int(show(args, None))
     spec = ModelSpec(name=args.model, config=parse_config(args.config))
     if args.png:
         require_extra("plot")  # now, not after profiling a cluster

@@ -81,6 +81,8 @@ class Workload(ABC):
     # "module:function(args, bus, state) -> exit code": how `edgeswarm infer` asks a running job of a serving kind
     # (empty: the pipelined serving client, tensors of the model's input shape).
     infer_cli: ClassVar[str] = ""
+    # False: ``plan_cli`` reads its own profiles and gets cluster None (no zoo model is profiled first).
+    plan_profiles_zoo: ClassVar[bool] = True
     command: ClassVar[Literal["train", "serve"]] = "train"
     exclusive: ClassVar[bool] = True
     # A small spec of this kind that runs on any cluster in seconds, with ``{name}`` for the job's name: the
