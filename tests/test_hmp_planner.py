@@ -416,3 +416,59 @@ def test_profiler_measures_one_layer_through_the_device() -> None:
         cluster = HmpCluster(model=cfg, seq_len=12, devices=[p, p.model_copy(update={"node": "n1"})],
                              links=[LinkProfile(src="n0", dst="n1", bandwidth_bps=1e8)])
         assert sum(plan_hmp(cluster, HmpOptions(prune=False)).shares.heads) == cfg.heads
+
+
+def test_the_planner_service_answers_hmp_requests_over_mosquitto(broker, make_bus, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                  tmp_path: Path) -> None:
+    """The real planner service (in this process, its entries narrowed to this workload's) on a real broker."""
+    import threading
+
+    from conftest import bus_settings
+    from edgeswarm import topics
+    from edgeswarm.messages.planning import PlanFailed
+    from edgeswarm.services.planner import service as planner_service
+
+    monkeypatch.setattr(planner_service, "planner_entries", lambda: {HmpPlanRequest: PLANNER})
+    svc = planner_service.PlannerService(bus_settings(broker.url, node_id="plan-hmp", health_dir=tmp_path))
+    runner = threading.Thread(target=svc.run, kwargs={"install_signals": False}, daemon=True)
+    runner.start()
+    try:
+        client = make_bus("tester", "cli")
+        client.peers.wait_for("plan-hmp", "planner", timeout_s=10)
+        topic = topics.request("plan-hmp", "planner")
+        cluster = _cluster("LMS", "gpt2-tiny", seq=16)
+        reply = client.request(topic, HmpPlanRequest(cluster=cluster, compare=True, epoch=2), timeout_s=10).body
+        assert isinstance(reply, HmpPlanReply) and reply.plan.epoch == 2 and reply.planning_s >= 0
+        assert sum(reply.plan.shares.heads) == 4 and reply.comparison is not None
+        tiny = cluster.model_copy(update={"devices": [d.model_copy(update={"memory_budget_bytes": 1000})
+                                                      for d in cluster.devices]})
+        failed = client.request(topic, HmpPlanRequest(cluster=tiny), timeout_s=10).body
+        assert isinstance(failed, PlanFailed) and failed.reason == "infeasible" and "GB" in failed.detail
+    finally:
+        svc.stop()
+        runner.join(10)
+    assert not runner.is_alive()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.floats(1.0, 40.0), st.floats(0.2, 4.0)), min_size=1, max_size=5),
+       st.sampled_from(["bert-large", "opt-1.3b", "llama-3.2-1b"]), st.sampled_from(["paper", "water"]),
+       st.integers(0, 4096))
+def test_cluster_plans_fit_and_cover_the_model(devs: list[tuple[float, float]], model: str, shift: str,
+                                               max_tokens: int) -> None:
+    cfg = PRESETS[model].model_copy(update={"dtype": "float16"})
+    devices = [synthetic_profile(f"d{i}", cfg, 128, slowdown=s, budget_bytes=int(b * 1e9))
+               for i, (s, b) in enumerate(devs)]
+    cluster = HmpCluster(model=cfg, seq_len=128, devices=devices,
+                         links=[LinkProfile(src=a.node, dst=b.node, bandwidth_bps=12.5e6, message_s=1e-3)
+                                for a in devices for b in devices if a.node != b.node])
+    try:
+        plan = plan_galaxy(cluster, HmpOptions(shift=shift, max_tokens=max_tokens))  # type: ignore[arg-type]
+    except HmpPlanError as exc:
+        assert "does not fit" in str(exc)
+        return
+    assert sum(plan.shares.heads) == cfg.heads and sum(plan.shares.columns) == cfg.ffn
+    assert all(a % cfg.group == 0 for a in plan.shares.heads) and sum(plan.rows) == 128
+    assert all(m <= b for m, b in zip(plan.memory_bytes, plan.memory_budget_bytes, strict=True))
+    assert set(plan.shares.devices) | set(plan.left_out) == {d.node for d in devices}
+    assert plan.model.total_s == pytest.approx(cfg.layers * plan.layer.total_s)

@@ -162,8 +162,10 @@ class DecodePrediction(BaseModel):
 class HmpPlan(BaseModel):
     """A plan of one parallelism and its prediction.
 
-    ``shares``: who computes which heads and columns (rows: ``rows``, the equal split). ``capacity``: V_d (Eq. 6,
-    per second) of each planned device. ``memory_bytes``/``memory_budget_bytes``: per planned device.
+    ``shares``: who computes which heads and columns (sp: every device holds all of them, ``heads`` = n_h and
+    ``columns`` = f each; local: one device). ``rows``: the rows each device's connective blocks run on (galaxy and
+    sp: the equal split, the first s mod D one more; megatron and local: all s). ``capacity``: V_d (Eq. 6, per
+    second) of each planned device. ``memory_bytes``/``memory_budget_bytes``: per planned device.
     ``layer``/``model``: the predicted latency of one layer and of all layers. ``comm``: one layer's messages.
     ``decode``: the per-token prediction for decoders. ``left_out``: devices the plan does not use (excluded,
     or not worth their communication)."""
