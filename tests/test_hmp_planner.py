@@ -472,3 +472,16 @@ def test_cluster_plans_fit_and_cover_the_model(devs: list[tuple[float, float]], 
     assert all(m <= b for m, b in zip(plan.memory_bytes, plan.memory_budget_bytes, strict=True))
     assert set(plan.shares.devices) | set(plan.left_out) == {d.node for d in devices}
     assert plan.model.total_s == pytest.approx(cfg.layers * plan.layer.total_s)
+
+
+@pytest.mark.parametrize("env,galaxy_heads,mlm", [("d", [21, 11], False), ("f", [17, 10, 5], False),
+                                                  ("a", [16, 16], True)])
+def test_galaxy_cluster_files_in_paper_mode(env: str, galaxy_heads: list[int], mlm: bool) -> None:
+    """OPT-1.3B (fp16, the real config's weights) on the bundled Galaxy environments: Galaxy fits where the equal
+    split and the full copy do not (spec 5.5, 6.3 C-M2)."""
+    cfg = PRESETS["opt-1.3b"].model_copy(update={"dtype": "float16"})
+    cluster = synthetic_cluster(load_cluster(f"galaxy-env-{env}-125mbps"), cfg, 284, "opt-1.3b")
+    cmp = compare(cluster, HmpOptions(paper=True, prune=False))
+    galaxy = cmp.of("galaxy").plan
+    assert galaxy is not None and galaxy.shares.heads == galaxy_heads
+    assert cmp.of("megatron").feasible is mlm and not cmp.of("sp").feasible and not cmp.of("local").feasible

@@ -144,8 +144,8 @@ def print_comparison(c: HmpComparison, cluster: HmpCluster) -> None:
     names = {"galaxy": "Galaxy", "megatron": "Megatron-TP", "sp": "SP", "local": "Local"}
     for v in c.verdicts:
         if v.plan is None:
-            table.add_row(names[v.mode], "-", "-", "OOM" if "fit" in v.reason else "Fail", "-", "-", "-", "-", "-",
-                          "-")
+            verdict = "Fail" if v.mode == "galaxy" else "OOM" if "GB" in v.reason else "no plan"
+            table.add_row(names[v.mode], "-", "-", verdict, "-", "-", "-", "-", "-", "-")
             continue
         p = v.plan
         worst = max(range(len(p.memory_bytes)), key=lambda i: p.memory_bytes[i] / max(1, p.memory_budget_bytes[i]))
