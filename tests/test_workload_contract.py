@@ -230,8 +230,15 @@ def test_a_restarted_coordinator_takes_the_job_over(cluster: Contract, kind: str
 
 
 def _traffic(cluster: Contract, kind: str, name: str) -> None:
-    """Make the job move tensors: a training kind's rounds do by themselves; a serving kind is asked to infer."""
-    if workload(kind).command != "serve":
+    """Make the job move tensors: a training kind's rounds do by themselves; a serving kind is asked to infer (with
+    `edgeswarm infer`, which knows every serving kind's client)."""
+    work = workload(kind)
+    if work.command != "serve":
+        return
+    if work.infer_cli:
+        done = subprocess.run([sys.executable, "-m", "edgeswarm", "infer", name, "--count", "2", "--hub",
+                               cluster.local.hub_url], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
         return
     from edgeswarm.models.zoo import example_input
     from edgeswarm.pipeline_serve.client import infer_stream

@@ -13,15 +13,16 @@ from edgeswarm.wire.schema import NAME_PATTERN, Name
 
 
 class HmpPlannerSpec(BaseModel):
-    """How the planner may split the job: devices it must leave out, at most ``most_devices`` of them, and how an
-    over-budget device's share moves (``paper``: in proportion to the receivers' speed, as Algorithm 1;
-    ``water-filling``: never past a receiver's free memory)."""
+    """How the planner may split the job: devices it must leave out, whether it may leave out devices that do not
+    pay for their communication (``prune``), and how an over-budget device's share moves (``paper``: in proportion
+    to the receivers' speed, as Algorithm 1;
+    ``water``: water-filling, never past a receiver's free memory)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     exclude: list[Name] = Field(default_factory=list, max_length=MAX_SHARDS)
-    most_devices: int | None = Field(default=None, ge=1, le=MAX_SHARDS)
-    shift: Literal["paper", "water-filling"] = "paper"
+    prune: bool = True
+    shift: Literal["paper", "water"] = "paper"
 
 
 class HmpSpec(BaseModel):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.messages.collectives import MAX_SCOPE
 from edgeswarm.models.text.source import TextModelSource
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.planning.hmp.types import BlockProfile
 from edgeswarm.values.limits import MAX_DEVICES, MAX_EPOCH
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
@@ -41,6 +42,25 @@ class PassSplit(BaseModel):
     compute_s: float = Field(default=0.0, ge=0)
     sync_s: float = Field(default=0.0, ge=0)
     waiting_s: float = Field(default=0.0, ge=0)
+
+
+@schema("edgeswarm.hmp.profile", 1)
+class ShardProfileRequest(Message):
+    """Request to a tensor-shard-worker: time one layer's attention, MLP and connective blocks of ``model`` at
+    ``seq_len`` tokens on this device (several head, column and row counts; spec 1.1). Answered ShardProfileReply,
+    or StageFailed."""
+
+    model: TextModelSource
+    seq_len: int = Field(ge=1, le=1 << 16)
+
+
+@schema("edgeswarm.hmp.profile_reply", 1)
+class ShardProfileReply(Message):
+    """The device's block latencies and memory budget (``planning.hmp.types.BlockProfile``)."""
+
+    MAX_BYTES = 1 * MIB
+
+    profile: BlockProfile
 
 
 @schema("edgeswarm.hmp.assign", 1)

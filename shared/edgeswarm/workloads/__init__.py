@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 BUILTIN: dict[str, str] = {
     "train-hpp": "edgeswarm.hpp.workload:TrainWorkload",
     "serve-pipeline": "edgeswarm.pipeline_serve.workload:ServePipelineWorkload",
+    "serve-hmp": "edgeswarm.hmp.workload:HmpWorkload",
 }
 # Older names that specs and states may still carry -> the kind they mean. A spec without ``kind`` is ``train``.
 ALIASES: dict[str, str] = {"train": "train-hpp"}

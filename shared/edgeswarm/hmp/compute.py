@@ -1,0 +1,129 @@
+"""A tensor-shard-worker's shard of a model, made and run: the bridge from the worker program to ``hmp.layer``.
+
+``load_shard`` makes rank ``rank``'s weights (only its slices: read from the model folder, or drawn tensor by tensor
+from a preset's seed, so a rank never holds the whole model), on the worker's compute device, computing as its
+device class (the emulated slow-down applies to each compute phase, not to the waits between them, so overlap is
+what it would be on the device). ``run_pass`` runs one pass and says what the coordinator gets back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edgeswarm.hmp.layer import HmpRank, RequestCache, Ring
+from edgeswarm.hmp.sharding import shard_shapes
+from edgeswarm.messages.hmp import MAX_TOP, PassSplit
+from edgeswarm.models.text.config import TextModelConfig
+from edgeswarm.models.text.source import TextModelSource
+from edgeswarm.planning.hmp.shares import HmpShares
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgeswarm.devices.emulation import DeviceProfile
+
+TOP = 8  # next-token candidates a decoder's last-row rank reports
+CACHES_RESERVED = 2  # KV caches a shard's memory reservation holds room for (one request runs at a time)
+
+
+@dataclass
+class Shard:
+    """One rank's part of a model: ``rank`` computes it; ``parameters`` counts its weights; ``wire_dtype`` is what
+    its collective slices travel as."""
+
+    rank: HmpRank
+    cfg: TextModelConfig
+    parameters: int
+    wire_dtype: str
+
+
+@dataclass
+class PassOutput:
+    """What a rank answers a pass with: ``tensor`` (its rows of the final hidden states for an encoder, the logits of
+    ``top`` for a decoder's last-row rank, else empty), ``row_start`` and where its time went."""
+
+    tensor: torch.Tensor
+    row_start: int
+    top: list[int]
+    split: PassSplit
+
+
+def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens: int) -> int:
+    """Bytes rank ``rank`` reserves: its weights, CACHES_RESERVED KV caches of ``max_tokens`` tokens for its KV
+    heads (sp: every head), and one pass's activations (a few [tokens, max(hidden, ffn)] tensors)."""
+    shapes = shard_shapes(cfg, shares, rank)
+    weights = sum(_numel(s) for s in shapes.values()) * cfg.dtype_bytes
+    heads = cfg.heads if shares.mode in ("sp", "local") else shares.heads[rank]
+    kv = 2 * cfg.layers * (heads // cfg.group) * cfg.head_dim * max_tokens * cfg.dtype_bytes
+    activations = 6 * max_tokens * max(cfg.hidden, cfg.ffn) * cfg.dtype_bytes
+    return int(weights + CACHES_RESERVED * kv + activations)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def load_shard(source: TextModelSource, cfg: TextModelConfig, shares: HmpShares, rank: int,
+               compute: torch.device, *, device: DeviceProfile) -> Shard:
+    """Rank ``rank``'s shard of ``source`` (with ``cfg``, its resolved shape) on ``compute``, computing as
+    ``device``. Raises ConfigError (the folder cannot be read) or ValueError (the shares do not fit the model)."""
+    import torch
+
+    from edgeswarm.models.text.reference import init_weights
+
+    if device.compute_threads is not None:
+        torch.set_num_threads(device.compute_threads)
+    if source.path is not None:
+        from edgeswarm.models.text.hf import ModelFolderError, open_model
+
+        try:
+            with open_model(source.path, cfg.dtype) as folder:
+                rank_of = HmpRank.from_reader(cfg, shares, rank, folder.read_slice, compute,
+                                              slowdown=device.compute_slowdown)
+        except ModelFolderError as exc:
+            from edgeswarm.errors import ConfigError
+
+            raise ConfigError(f"model folder {source.path}: {exc}") from None
+    else:
+        # One whole tensor at a time, cut at once: a rank never holds more than its shard and one tensor.
+        rank_of = HmpRank.from_reader(
+            cfg, shares, rank, lambda s: s.cut(init_weights(cfg, source.seed, names={s.name})[s.name]), compute,
+            slowdown=device.compute_slowdown)
+    parameters = sum(_numel(s) for s in shard_shapes(cfg, shares, rank).values())
+    return Shard(rank_of, cfg, parameters, cfg.dtype)
+
+
+def new_cache(shard: Shard) -> RequestCache:
+    """An empty KV cache for a new request on ``shard``."""
+    return shard.rank.new_cache()
+
+
+def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache, ring: Ring) -> PassOutput:
+    """One pass of ``tokens`` at positions ``start`` .. (continuing ``cache``, which must hold ``start`` tokens)."""
+    import torch
+
+    if cache.length != start:
+        raise ValueError(f"the request's cache holds {cache.length} tokens, the pass starts at {start}")
+    rank = shard.rank
+    rank.recorder.reset()
+    out = rank.forward(tokens, ring, cache=cache)
+    top: list[int] = []
+    if shard.cfg.decoder:
+        logits = rank.next_logits(out)
+        if logits is not None:
+            values, ids = logits.float().topk(min(TOP, MAX_TOP, logits.shape[0]))
+            tensor, top = values.cpu(), [int(i) for i in ids.tolist()]
+        else:
+            tensor = torch.empty(0)
+    elif rank.shares.mode in ("galaxy", "sp") or out.last:
+        tensor = out.hidden.float().cpu()  # megatron's ranks all hold every row: one of them answers
+    else:
+        tensor = torch.empty(0)
+    times = rank.recorder.times()
+    split = PassSplit(compute_s=sum(t.compute_s for t in times), sync_s=sum(t.sync_s for t in times),
+                      waiting_s=sum(t.wait_s for t in times))
+    return PassOutput(tensor, out.start, top, split)

@@ -1,0 +1,580 @@
+"""The coordinator's program for a serve-hmp job: deploy the shards, run each request as passes, survive a loss.
+
+The job measures every device's block latencies for its model (a ShardProfile request to each tensor-shard-worker;
+the links come from the profilers), asks the planner service for an HmpPlan and deploys each rank's shard
+(ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
+lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them (beyond: ``busy``). One request runs
+at a time, as passes: a prefill pass over the prompt, then, for a decoder, one pass per generated token (greedy:
+the most likely token, which the rank holding the last row reports). Each pass is a ShardPass frame to every rank
+and a ShardResult from every rank; a pass whose results do not all come within its deadline is run again once on a
+new KV cache (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the
+survivors, deploys the new plan as a new epoch and rebuilds the request's cache there from its tokens so far (a
+prefill over the prompt and the tokens generated), so every request is answered once. A cancelled job answers what
+it still holds with InferError ``not_serving`` and releases its shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edgeswarm import topics
+from edgeswarm.bus import Inbound
+from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
+from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.errors import EdgeswarmError, JobError
+from edgeswarm.hmp.gather import hmp_cluster, profile_shards
+from edgeswarm.hmp.spec import HmpSpec
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.hmp import (
+    HmpReply,
+    HmpRequest,
+    LayerSplit,
+    ShardAssign,
+    ShardFree,
+    ShardPass,
+    ShardReady,
+    ShardRelease,
+    ShardResult,
+)
+from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
+from edgeswarm.messages.serving import InferError, InferErrorReason
+from edgeswarm.pipeline_serve.stats import percentile
+from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
+from edgeswarm.runtime.ledger import unreserved
+from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
+from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.wire import Message
+from edgeswarm.workloads.base import JobContext
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgeswarm.models.text.config import TextModelConfig
+
+log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
+
+PUBLISH_EVERY_S = 1.0
+RECENT = 1024  # requests the latency percentiles are measured over
+RETRIES = 1  # a request whose pass failed with no device lost is run again this many times
+REPLAN_WAIT_S = 300.0  # how long a request waits for the job to re-plan after a device of its pass was lost
+
+
+class PassFailed(EdgeswarmError):
+    """A pass's results did not all come in time."""
+
+
+@dataclass
+class _Request:
+    msg: Inbound
+    request_id: str
+    prompt: list[int]
+    new_tokens: int
+    arrived: float
+
+
+@dataclass
+class _Pass:
+    pass_id: int
+    ranks: int
+    results: dict[int, tuple[ShardResult, Any]] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Stats:
+    answered: int = 0
+    errors: int = 0
+    recomputed: int = 0
+    tokens: int = 0
+    reconfigurations: int = 0
+    decode_s: float = 0.0
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    tpots: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    split: LayerSplit | None = None
+
+
+def describe_plan(plan: HmpPlan) -> str:
+    """One line on ``plan`` for the job's events."""
+    s = plan.shares
+    shares = ", ".join(f"{d} {h}h/{c}c" for d, h, c in zip(s.devices, s.heads, s.columns, strict=True))
+    line = (f"{s.mode} over {len(s.devices)} devices ({shares}): {plan.model.total_s * 1000:.1f} ms per "
+            f"{plan.seq_len}-token prefill predicted")
+    if plan.decode is not None:
+        line += f", {plan.decode.per_token_s * 1000:.1f} ms per token"
+    return line + (f"; left out: {', '.join(plan.left_out)}" if plan.left_out else "")
+
+
+class HmpRunner(CoordinatorProgram[HmpPlan]):
+    """One serve-hmp job on the coordinator (see the module's docstring); ``run`` returns only by raising."""
+
+    ready = ShardReady
+    part = "shard"
+    plan_noun = "tensor-parallel plan"
+    too_large_advice = "In the job file: exclude devices (planner.exclude)"
+
+    def __init__(self, ctx: JobContext, spec: HmpSpec, *, worker_service: str = TENSOR_SHARD_WORKER,
+                 planner_node: str = PLANNER_NODE, busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
+        super().__init__(ctx.bus, name=spec.name, worker_service=worker_service, cancel=ctx.cancel,
+                         timeout_s=ctx.timeout_s, exclude=spec.planner.exclude, planner_node=planner_node,
+                         busy_pause_s=busy_pause_s)
+        self.ctx = ctx
+        self.spec = spec
+        self.config: TextModelConfig = spec.model.config()
+        self.tokenizer: Any = None
+        self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)
+        self._changed = threading.Condition()
+        self._queue: deque[_Request] = deque()
+        self._plan: HmpPlan | None = None  # None while (re)deploying: the dispatcher waits
+        self._epoch = 0
+        self._accepting = False
+        self._stopped = False
+        self._next_pass = 0
+        self._next_request = 0
+        self._pass: _Pass | None = None
+        self._stats = _Stats()
+        self._dispatcher: threading.Thread | None = None
+
+    # --- the job: the skeleton's hooks ----------------------------------------------------------------
+
+    def run(self) -> None:
+        self.ctx.on_data(self.on_data)
+        super().run()
+
+    def profile(self, nodes: list[str]) -> ClusterProfile:
+        self.ctx.update("profiling", event=("profiling", f"measuring {self.spec.model.name}'s blocks at "
+                                                         f"{self.spec.seq_len} tokens on {', '.join(nodes)}"))
+        cluster, self.device_profiles = profile_shards(self.bus, self.spec, nodes, self.worker_service,
+                                                       timeout_s=self.ctx.timeout_s)
+        # Plan on the room beside the jobs the devices already hold (the node's memory ledger, in their status).
+        return unreserved(cluster, self.watcher.view()[0]) if self.watcher is not None else cluster
+
+    def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
+        if epoch == 0:
+            self.ctx.update("planning")
+        spec = self.spec
+        options = HmpOptions(mode=spec.mode, exclude=spec.planner.exclude, overlap=spec.overlap,
+                             shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens)
+        return HmpPlanRequest(cluster=hmp_cluster(spec, self.config, cluster, self.device_profiles),
+                              options=options, epoch=epoch)
+
+    def plan_from(self, reply: Message) -> HmpPlan:
+        assert isinstance(reply, HmpPlanReply)
+        return reply.plan
+
+    def on_planned(self, plan: HmpPlan) -> None:
+        self.ctx.update("deploying", plan=plan, **self._predictions(plan), event=("planned", describe_plan(plan)))
+
+    def assignments(self, plan: HmpPlan) -> dict[str, Message]:
+        spec = self.spec
+        return {device: ShardAssign(job_id=spec.name, epoch=plan.epoch, rank=rank, model=spec.model,
+                                    shares=plan.shares, coordinator=self.ctx.node, max_tokens=spec.max_tokens,
+                                    qos=spec.qos, deadline_s=spec.deadline_s)
+                for rank, device in enumerate(plan.shares.devices)}
+
+    def on_ready(self, plan: HmpPlan) -> None:
+        if self.spec.model.path is not None:
+            self.tokenizer = _tokenizer(self.spec.model.path)
+        with self._changed:
+            self._plan, self._epoch, self._accepting = plan, plan.epoch, True
+            self._changed.notify_all()
+        self.ctx.update("running", event=("serving", f"serving on {topics.data(self.ctx.node, 'coordinator')}/"
+                                                     f"{{sender}}: {plan.shares.mode} over "
+                                                     f"{', '.join(plan.shares.devices)}"))
+        self._dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{self.spec.name}", daemon=True)
+        self._dispatcher.start()
+
+    def step(self) -> None:
+        """Publish the progress every PUBLISH_EVERY_S; a shard device lost disrupts the job."""
+        if self.ctx.cancel.wait(PUBLISH_EVERY_S):
+            return  # the skeleton's check raises JobCancelled
+        self.ctx.update("running", **self.progress())
+        assert self.detector is not None
+        lost = self.detector.failures()
+        if lost:
+            raise Disrupted("; ".join(d.detail for d in lost.values()), lost)
+
+    def on_lost(self, disruption: Disrupted) -> HmpPlan:
+        """Re-plan over the devices left and deploy the new plan as a new epoch; the request under way rebuilds its
+        cache there."""
+        assert self.cluster is not None
+        lost = sorted(disruption.failures)
+        started = time.monotonic()
+        self.cluster = self.cluster.without(*lost)
+        for node in lost:
+            self.device_profiles.pop(node, None)
+        with self._changed:
+            old, self._plan = self._plan, None  # the dispatcher waits
+            epoch = self._epoch + 1
+            self._fail_pass(f"{', '.join(lost)} lost")
+        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost "
+                                                            f"({disruption}); re-planning over the others"))
+        plan = self.request_plan(self.cluster, epoch)
+        try:
+            self.deploy(plan)
+        finally:
+            self._release([d for d in (old.devices if old else []) if d not in plan.devices and d not in lost])
+        with self._changed:
+            self._plan, self._epoch = plan, epoch
+            self._stats.reconfigurations += 1
+            self._changed.notify_all()
+        self.ctx.update("running", plan=plan, **self._predictions(plan), **self.progress(),
+                        event=("recovered", f"plan epoch {epoch} after {time.monotonic() - started:.2f} s: "
+                                            f"{describe_plan(plan)}"))
+        return plan
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped, self._accepting = True, False
+            plan = self._plan
+            requests = list(self._queue)
+            self._queue.clear()
+            self._fail_pass("the job stopped")
+            self._changed.notify_all()
+        for request in requests:
+            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+        if self._dispatcher is not None:
+            self._dispatcher.join(10.0)
+        self.ctx.update(self.ctx.state().status, **self.progress())
+        self._release(plan.devices if plan else [])
+
+    def _release(self, devices: list[str]) -> None:
+        for device in devices:
+            try:
+                self.bus.publish(topics.request(device, self.worker_service), ShardRelease(job_id=self.spec.name))
+            except EdgeswarmError as exc:
+                log.warning("job %s: could not release the shard on %s: %s", self.spec.name, device, exc)
+
+    def _predictions(self, plan: HmpPlan) -> dict[str, Any]:
+        return {"predicted_latency_s": plan.model.total_s,
+                "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None}
+
+    # --- requests in ------------------------------------------------------------------------------
+
+    def on_data(self, msg: Inbound) -> None:
+        """An HmpRequest from a caller, or a ShardResult from a rank (bus threads)."""
+        if isinstance(msg.body, ShardResult):
+            self._on_result(msg, msg.body)
+        elif isinstance(msg.body, HmpRequest):
+            self._on_request(msg, msg.body)
+
+    def _on_request(self, msg: Inbound, body: HmpRequest) -> None:
+        prompt, problem = self._prompt(msg, body)
+        if problem is not None:
+            self._refuse(msg, body.request_id, *problem)
+            return
+        assert prompt is not None
+        new = body.max_new_tokens or self.spec.max_new_tokens if self.config.decoder else 0
+        new = min(new, self.spec.max_tokens - len(prompt))
+        request = _Request(msg, body.request_id, prompt, new, time.monotonic())
+        with self._changed:
+            if not self._accepting:
+                reason: tuple[InferErrorReason, str] | None = (
+                    "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
+            elif len(self._queue) >= self.spec.queue:
+                reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests waiting; send again later")
+            else:
+                reason = None
+                self._queue.append(request)
+                self._changed.notify_all()
+        if reason is not None:
+            self._refuse(msg, body.request_id, *reason)
+
+    def _prompt(self, msg: Inbound, body: HmpRequest) -> tuple[list[int] | None, tuple[InferErrorReason, str] | None]:
+        """The request's prompt token ids, or why it is refused."""
+        cap = self.spec.max_tokens
+        if body.text is not None:
+            if self.tokenizer is None:
+                return None, ("bad_shape", f"model {self.spec.model.name} has no tokenizer (a preset): send token "
+                                           "ids as an int64 tensor")
+            ids = list(self.tokenizer.encode(body.text).ids)
+        else:
+            t = msg.tensor
+            if t is None or t.shape == (0,) or len(t.shape) == 0:
+                return None, ("no_tensor", "a request carries token ids (an int64 tensor [tokens]) or text")
+            if t.dtype != "int64":
+                return None, ("bad_dtype", f"token ids are int64, not {t.dtype}")
+            if len(t.shape) != 1:
+                return None, ("bad_shape", f"token ids are one sequence [tokens], not {list(t.shape)}")
+            if t.shape[0] > cap:
+                return None, ("too_large", f"{t.shape[0]} tokens: the job takes at most {cap} (max_tokens)")
+            ids = [int(v) for v in t.to_torch().tolist()]
+        if not ids:
+            return None, ("bad_shape", "the prompt is empty")
+        if len(ids) > cap:
+            return None, ("too_large", f"{len(ids)} tokens: the job takes at most {cap} (max_tokens)")
+        if min(ids) < 0 or max(ids) >= self.config.vocab:
+            return None, ("bad_shape", f"token ids must be in [0, {self.config.vocab}) for {self.spec.model.name}")
+        return ids, None
+
+    def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
+        with self._changed:
+            self._stats.errors += 1
+        self.bus.metrics.count(f"infer_refused.{reason}")
+        _limited.warning(reason, "job %s: refused a request from %s (%s): %s", self.spec.name, msg.sender, reason,
+                         detail)
+        try:
+            self.bus.reply(msg, InferError(job_id=self.spec.name, request_id=request_id, reason=reason,
+                                           detail=detail[:1024]))
+        except EdgeswarmError as exc:
+            log.debug("could not answer a refused request: %s", exc)
+
+    # --- requests through -------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopped and (self._plan is None or not self._queue):
+                    self._changed.wait(1.0)
+                if self._stopped:
+                    return
+                request = self._queue.popleft()
+            try:
+                self._serve(request)
+            except _Stopped:
+                self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+                return
+            except EdgeswarmError as exc:
+                self._refuse(request.msg, request.request_id, "failed", str(exc))
+            except Exception as exc:  # noqa: BLE001 - one request must not end the job's serving
+                log.exception("job %s: request %s failed", self.spec.name, request.request_id)
+                self._refuse(request.msg, request.request_id, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _serve(self, request: _Request) -> None:
+        """Run ``request`` to its answer: prefill, then one pass per token, rebuilding its cache after a loss."""
+
+        generated: list[int] = []
+        ttft: float | None = None
+        decode_s = 0.0
+        retries, recomputed = 0, False
+        prefill_split: LayerSplit | None = None
+        hidden: torch.Tensor | None = None
+        while True:
+            plan, epoch = self._current_plan()
+            number = self._new_request_number()
+            tokens = request.prompt + generated
+            try:
+                results = self._run_pass(plan, epoch, number, tokens, 0)
+                if ttft is None:
+                    ttft = time.monotonic() - request.arrived
+                prefill_split = _layer_split(results, self.config.layers)
+                if self.config.decoder:
+                    if len(generated) < request.new_tokens:
+                        generated.append(_top(results))
+                    while len(generated) < request.new_tokens:
+                        started = time.perf_counter()
+                        results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
+                                                 + len(generated) - 1)
+                        decode_s += time.perf_counter() - started
+                        generated.append(_top(results))
+                else:
+                    hidden = _rows(results, len(tokens))
+                break
+            except PassFailed as exc:
+                self._free(plan, epoch, number)
+                if self._wait_for_replan(plan, epoch):
+                    recomputed = True  # a device was lost: the new plan rebuilds the cache from the tokens so far
+                    continue
+                retries += 1
+                if retries > RETRIES:
+                    raise JobError(f"request {request.request_id or '(no id)'}: {exc}, also when run again") from None
+                _limited.warning("retry", "job %s: %s; running the request again", self.spec.name, exc)
+        self._free(plan, epoch, number)
+        self._answer(request, generated, hidden, ttft or 0.0, decode_s, prefill_split, epoch, recomputed)
+
+    def _answer(self, request: _Request, generated: list[int], hidden: Any, ttft: float, decode_s: float,
+                split: LayerSplit | None, epoch: int, recomputed: bool) -> None:
+        now = time.monotonic()
+        tpot = decode_s / (len(generated) - 1) if len(generated) > 1 else None
+        text = self.tokenizer.decode(generated) if self.tokenizer is not None and generated else ""
+        reply = HmpReply(job_id=self.spec.name, request_id=request.request_id, prompt_tokens=request.prompt,
+                         tokens=generated, text=text, latency_s=now - request.arrived, ttft_s=ttft, tpot_s=tpot,
+                         split=split, epoch=epoch, recomputed=recomputed)
+        try:
+            if hidden is not None:
+                self.bus.reply_tensor(request.msg, reply, hidden)
+            else:
+                self.bus.reply(request.msg, reply)
+        except EdgeswarmError as exc:
+            _limited.warning("answer", "job %s: could not answer %s: %s", self.spec.name, request.msg.sender, exc)
+        with self._changed:
+            s = self._stats
+            s.answered += 1
+            s.recomputed += int(recomputed)
+            s.tokens += len(generated)
+            s.decode_s += decode_s
+            s.latencies.append(now - request.arrived)
+            s.ttfts.append(ttft)
+            if tpot is not None:
+                s.tpots.append(tpot)
+            s.split = split
+
+    def _current_plan(self) -> tuple[HmpPlan, int]:
+        with self._changed:
+            while self._plan is None and not self._stopped:
+                self._changed.wait(1.0)
+            if self._stopped or self._plan is None:
+                raise _Stopped()
+            return self._plan, self._epoch
+
+    def _new_request_number(self) -> int:
+        with self._changed:
+            self._next_request += 1
+            return self._next_request
+
+    def _wait_for_replan(self, plan: HmpPlan, epoch: int) -> bool:
+        """After a failed pass of ``plan`` (epoch ``epoch``): whether a device of it is confirmed lost (probed now)
+        and the job re-planned within REPLAN_WAIT_S. False: every device answers (a slice was lost twice, say)."""
+        assert self.detector is not None
+        if not self.detector.confirm(plan.devices):
+            return False
+        deadline = time.monotonic() + REPLAN_WAIT_S
+        with self._changed:
+            while not self._stopped and time.monotonic() < deadline:
+                if self._epoch != epoch and self._plan is not None:
+                    return True
+                self._changed.wait(0.5)
+            if self._stopped:
+                raise _Stopped()
+        raise JobError(f"job {self.spec.name}: a device of plan epoch {epoch} was lost and no new plan came within "
+                       f"{REPLAN_WAIT_S:.0f} s")
+
+    def _run_pass(self, plan: HmpPlan, epoch: int, request: int, tokens: list[int], start: int
+                  ) -> dict[int, tuple[ShardResult, Any]]:
+        """Send one pass to every rank and wait for every rank's result. Raises PassFailed when they do not all
+        come within the pass's deadline."""
+        import torch
+
+        devices = plan.shares.devices
+        with self._changed:
+            if self._stopped:
+                raise _Stopped()
+            self._next_pass += 1
+            current = self._pass = _Pass(self._next_pass, len(devices))
+        body = ShardPass(job_id=self.spec.name, epoch=epoch, pass_id=current.pass_id, request=request, start=start)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        for device in devices:
+            try:
+                self.bus.send_tensor(device, self.worker_service, body, ids, qos=self.spec.qos)
+            except EdgeswarmError as exc:
+                raise PassFailed(f"pass {current.pass_id} not sent to {device}: {exc}") from None
+        if not current.done.wait(self._pass_deadline_s(plan, len(tokens))):
+            missing = sorted(set(range(len(devices))) - set(current.results))
+            raise PassFailed(f"pass {current.pass_id}: no result from {', '.join(devices[r] for r in missing)} "
+                             f"within {self._pass_deadline_s(plan, len(tokens)):.1f} s")
+        with self._changed:
+            if self._pass is current:
+                self._pass = None
+            if self._stopped:
+                raise _Stopped()
+        if len(current.results) < current.ranks:
+            raise PassFailed(f"pass {current.pass_id} was given up")
+        return current.results
+
+    def _pass_deadline_s(self, plan: HmpPlan, tokens: int) -> float:
+        # A slice lost at QoS 0 is asked for again after deadline_s; a pass of a few seconds more than predicted is
+        # not lost, only slow.
+        predicted = plan.model.total_s * max(1.0, tokens / max(1, self.spec.seq_len))
+        return 10.0 * predicted + 3 * self.spec.deadline_s + 5.0
+
+    def _fail_pass(self, reason: str) -> None:
+        """Wake the pass under way (the caller holds ``_changed``): it fails."""
+        current = self._pass
+        if current is not None:
+            current.done.set()
+            log.info("job %s: pass %d given up: %s", self.spec.name, current.pass_id, reason)
+
+    def _free(self, plan: HmpPlan, epoch: int, request: int) -> None:
+        for device in plan.shares.devices:
+            try:
+                self.bus.publish(topics.request(device, self.worker_service),
+                                 ShardFree(job_id=self.spec.name, epoch=epoch, requests=[request]))
+            except EdgeswarmError as exc:
+                log.debug("could not free request %d on %s: %s", request, device, exc)
+
+    def _on_result(self, msg: Inbound, body: ShardResult) -> None:
+        with self._changed:
+            plan, current = self._plan, self._pass
+            devices = plan.shares.devices if plan is not None else []
+            sender = devices[body.rank] if body.rank < len(devices) else None
+            foreign = plan is not None and (sender is None or stranger(msg, sender, "") is not None)
+            ok = (not foreign and current is not None and body.pass_id == current.pass_id
+                  and body.epoch == self._epoch and body.rank not in current.results)
+            if ok:
+                assert current is not None
+                current.results[body.rank] = (body, msg.tensor.to_torch() if msg.tensor is not None else None)
+                if len(current.results) == current.ranks:
+                    current.done.set()
+        if not ok:
+            self.bus.metrics.count("hmp_results_dropped")
+            if foreign:
+                count_stranger(self.bus.metrics)
+            _limited.warning("result", "job %s: dropped the result of pass %d (epoch %d, rank %d) from %s: not a "
+                             "rank's result of the pass under way", self.spec.name, body.pass_id, body.epoch,
+                             body.rank, msg.sender)
+
+    def progress(self) -> dict[str, Any]:
+        """The progress fields of the job's state now (see HmpProgress)."""
+        with self._changed:
+            s = self._stats
+            return {"answered": s.answered, "errors": s.errors, "recomputed": s.recomputed,
+                    "queued": len(self._queue), "tokens": s.tokens, "reconfigurations": s.reconfigurations,
+                    "latency_p50_s": percentile(sorted(s.latencies), 0.5),
+                    "latency_p99_s": percentile(sorted(s.latencies), 0.99),
+                    "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),
+                    "tokens_per_s": (len(s.tpots) and s.tokens / s.decode_s) if s.decode_s > 0 else None,
+                    "split": s.split}
+
+
+class _Stopped(EdgeswarmError):
+    """The job stopped while a request ran."""
+
+
+def _top(results: dict[int, tuple[ShardResult, Any]]) -> int:
+    """The most likely next token, from the rank that reports it."""
+    for result, _ in results.values():
+        if result.top:
+            return result.top[0]
+    raise PassFailed("no rank reported the next token")
+
+
+def _rows(results: dict[int, tuple[ShardResult, Any]], tokens: int) -> Any:
+    """The final hidden states [tokens, hidden], put together from the ranks' rows. Raises PassFailed when a row is
+    missing."""
+    import torch
+
+    parts = [(r.row_start, t) for r, t in results.values() if t is not None and t.dim() == 2 and t.numel()]
+    if not parts:
+        raise PassFailed("no rank sent hidden states")
+    full = torch.full((tokens, parts[0][1].shape[1]), float("nan"))
+    for start, t in parts:
+        full[start:start + t.shape[0]] = t.float()
+    if bool(full.isnan().any()):
+        raise PassFailed("the ranks' hidden states do not cover every row")
+    return full
+
+
+def _layer_split(results: dict[int, tuple[ShardResult, Any]], layers: int) -> LayerSplit:
+    """The per-layer time split of the slowest rank of a pass, in milliseconds."""
+    slowest = max((r.split for r, _ in results.values()),
+                  key=lambda s: s.compute_s + s.sync_s + s.waiting_s)
+    per = 1000.0 / max(1, layers)
+    return LayerSplit(compute_ms=slowest.compute_s * per, sync_ms=slowest.sync_s * per,
+                      waiting_ms=slowest.waiting_s * per)
+
+
+def _tokenizer(path: str) -> Any:
+    from edgeswarm.models.text.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        log.warning("model folder %s: no tokenizer (%s); requests must carry token ids", path, exc)
+        return None

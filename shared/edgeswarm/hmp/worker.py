@@ -1,0 +1,337 @@
+"""The tensor-shard-worker's program for serve-hmp jobs: one shard of every layer per job, any number of jobs.
+
+A ShardAssign makes rank ``rank``'s shard of the model under the plan's shares (the heads, MLP columns and rows of
+``hmp.compute``), after reserving its weights and its largest KV cache in the node's memory ledger beside every
+other job on the node: a shard that does not fit is refused naming what holds the memory. Weights come from the
+model folder (only the shard's slices are read) or, for a preset, from its seed. ShardRelease, a failed assignment
+and closing give the memory back.
+
+Passes arrive as ShardPass frames from the job's coordinator (any other sender is refused and counted); the job's
+thread runs them in order: the shard's forward over the pass's tokens, exchanging the ring's CollectiveTensor
+slices with the other ranks through the platform's ``CollectivePort`` (scope: the pass), and answers the
+coordinator with a ShardResult. A pass that fails (a peer gone, a slice lost twice) is answered with nothing: the
+coordinator runs the request again or re-plans. The request's KV cache lives on the shard until ShardFree (or a
+newer prefill of the same request, or the release). Caches are bounded: MAX_CACHES requests, and the bytes the
+assignment reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.collectives import CollectiveTensor
+from edgeswarm.messages.hmp import (
+    ShardAssign,
+    ShardFree,
+    ShardPass,
+    ShardProfileReply,
+    ShardProfileRequest,
+    ShardReady,
+    ShardRelease,
+    ShardResult,
+)
+from edgeswarm.messages.training import StageFailed
+from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
+from edgeswarm.runtime.exchange import TensorExchange
+from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.wire import Message
+
+if TYPE_CHECKING:
+    from edgeswarm.bus import Inbound
+    from edgeswarm.hmp.compute import Shard
+    from edgeswarm.planning.hmp.types import BlockProfile
+
+log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
+
+MIB = 1 << 20
+PROGRAM = "hmp"  # this program's name in the node's memory ledger
+MAX_QUEUED_PASSES = 64  # passes a shard holds beyond the one it runs (the coordinator runs one request at a time)
+MAX_CACHES = 16  # requests whose KV cache a shard holds at once
+MAX_PROFILES = 8  # block profiles kept (one per model and sequence length)
+
+
+@dataclass
+class _Job:
+    spec: ShardAssign
+    shard: Shard
+    exchange: TensorExchange[CollectiveKey]
+    port: CollectivePort
+    reserved_bytes: int
+    passes: queue.Queue[tuple[ShardPass, Any] | None] = field(default_factory=lambda: queue.Queue(MAX_QUEUED_PASSES))
+    caches: dict[int, Any] = field(default_factory=dict)  # request number -> its KV cache
+    thread: threading.Thread | None = None
+    ran: int = 0
+
+    def close(self) -> None:
+        try:
+            self.passes.put_nowait(None)
+        except queue.Full:
+            pass
+        self.exchange.close(timeout_s=1.0)
+        self.caches.clear()
+
+
+class ShardProgram:
+    """The shards this worker holds, by job id (see the module's docstring)."""
+
+    handles: tuple[type[Message], ...] = (ShardAssign, ShardRelease, ShardFree, ShardProfileRequest)
+    tensors: tuple[type[Message], ...] = (ShardPass, CollectiveTensor)
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._profiles: dict[str, BlockProfile] = {}  # (model, sequence length) -> this device's block latencies
+        self._profiling = threading.Lock()  # one profile at a time: two would time each other
+
+    def job_of(self, body: Message) -> str:
+        return str(getattr(body, "job_id", ""))  # a profile request names no job: it is nobody's
+
+    def holds(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._jobs
+
+    def close(self) -> None:
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.close()
+            self.ctx.ledger.release(PROGRAM, job.spec.job_id)
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def on_request(self, msg: Inbound) -> None:
+        body = msg.body
+        if isinstance(body, ShardRelease):
+            self._release(body.job_id)
+        elif isinstance(body, ShardFree):
+            with self._lock:
+                job = self._jobs.get(body.job_id)
+            if job is not None and job.spec.epoch == body.epoch:
+                for request in body.requests:
+                    job.caches.pop(request, None)  # the pass thread reads it only while it runs that request
+        elif isinstance(body, ShardAssign):
+            # Making the shard (reading a model folder) runs apart from the request topic's thread.
+            threading.Thread(target=self._assign, args=(msg, body), name="hmp-assign", daemon=True).start()
+        elif isinstance(body, ShardProfileRequest):
+            threading.Thread(target=self._profile, args=(msg, body), name="hmp-profile", daemon=True).start()
+
+    def _profile(self, msg: Inbound, body: ShardProfileRequest) -> None:
+        """Answer a profile request with this device's block latencies (measured once per model and length)."""
+        from edgeswarm.hmp.profiling import profile_blocks
+
+        key = f"{body.model.model_dump_json()}@{body.seq_len}"
+        try:
+            with self._profiling:
+                profile = self._profiles.get(key)
+                if profile is None:
+                    cfg = body.model.config()
+                    with self.ctx.gate.computing():
+                        profile = profile_blocks(cfg, body.seq_len, node=self.ctx.node, device=self.ctx.device,
+                                                 compute=self.ctx.compute)
+                    while len(self._profiles) >= MAX_PROFILES:
+                        del self._profiles[next(iter(self._profiles))]
+                    self._profiles[key] = profile
+        except EdgeswarmError as exc:
+            self.refuse(msg, "", "bad_request", f"cannot profile {body.model.name}: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            log.exception("profiling %s failed", body.model.name)
+            self.refuse(msg, "", "error", f"profiling {body.model.name} failed: {type(exc).__name__}: {exc}")
+            return
+        self.ctx.bus.reply(msg, ShardProfileReply(profile=profile))
+
+    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
+        self.ctx.metrics.count(f"hmp_failed.{reason}")
+        log.warning("hmp job %s: %s: %s", job_id, reason, detail)
+        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        if job is not None:
+            log.info("hmp job %s: released rank %d after %d passes", job_id, job.spec.rank, job.ran)
+            job.close()
+            self.ctx.ledger.release(PROGRAM, job_id)
+
+    def _assign(self, msg: Inbound, spec: ShardAssign) -> None:
+        from edgeswarm.hmp.compute import load_shard, shard_memory
+
+        started = time.monotonic()
+        self._release(spec.job_id)  # a newer assignment replaces the job's shard (and its memory)
+        try:
+            cfg = spec.model.config()
+            if not spec.shares.devices[spec.rank:spec.rank + 1]:
+                raise EdgeswarmError(f"rank {spec.rank} is not in a ring of {len(spec.shares.devices)}")
+            if spec.shares.devices[spec.rank] != self.ctx.node:
+                raise EdgeswarmError(f"rank {spec.rank} of the plan is {spec.shares.devices[spec.rank]}, not "
+                                     f"{self.ctx.node}")
+            need = shard_memory(cfg, spec.shares, spec.rank, spec.max_tokens)
+            budget = self.ctx.device.memory_budget_bytes
+            what = (f"rank {spec.rank} of serving job {spec.job_id} ({spec.shares.heads[spec.rank]} heads, "
+                    f"{spec.shares.columns[spec.rank]} MLP columns of {cfg.layers} layers)")
+            if need > budget:
+                raise MemoryBudgetError(f"{what} needs {need / MIB:.1f} MiB for its weights and KV cache, but "
+                                        f"{self.ctx.node} ({self.ctx.device.device_class}) has a memory budget of "
+                                        f"{budget / MIB:.1f} MiB")
+            self.ctx.ledger.reserve(PROGRAM, spec.job_id, need, service=self.ctx.service, what=what,
+                                    refusal=f"{what} needs {need / MIB:.1f} MiB for its weights and KV cache")
+            with self.ctx.gate.building():
+                shard = load_shard(spec.model, cfg, spec.shares, spec.rank, self.ctx.compute, device=self.ctx.device)
+        except MemoryBudgetError as exc:
+            self.ctx.ledger.release(PROGRAM, spec.job_id)
+            self.refuse(msg, spec.job_id, "memory", str(exc))
+            return
+        except EdgeswarmError as exc:
+            self.ctx.ledger.release(PROGRAM, spec.job_id)
+            self.refuse(msg, spec.job_id, "bad_request", str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
+            self.ctx.ledger.release(PROGRAM, spec.job_id)
+            log.exception("making rank %d of hmp job %s failed", spec.rank, spec.job_id)
+            self.refuse(msg, spec.job_id, "error", f"making the shard failed: {type(exc).__name__}: {exc}")
+            return
+        exchange: TensorExchange[CollectiveKey] = TensorExchange(
+            self.ctx.bus, self.ctx.service, wait_s=spec.deadline_s, name=f"hmp job {spec.job_id} rank {spec.rank}",
+            scope_name="pass", compute=self.ctx.compute)
+        port = CollectivePort(exchange, spec.job_id, epoch=spec.epoch, dtype=shard.wire_dtype)
+        job = _Job(spec, shard, exchange, port, need)
+        with self._lock:
+            old = self._jobs.pop(spec.job_id, None)
+            self._jobs[spec.job_id] = job
+        if old is not None:
+            old.close()
+        job.thread = threading.Thread(target=self._run, args=(job,), name=f"hmp-{spec.job_id}", daemon=True)
+        job.thread.start()
+        log.info("hmp job %s epoch %d: rank %d of %s holds %d parameters", spec.job_id, spec.epoch, spec.rank,
+                 ", ".join(spec.shares.devices), shard.parameters)
+        self.ctx.bus.reply(msg, ShardReady(job_id=spec.job_id, epoch=spec.epoch, rank=spec.rank,
+                                           parameters=shard.parameters, memory_bytes=need,
+                                           load_s=time.monotonic() - started))
+
+    # --- tensors ------------------------------------------------------------------------------------
+
+    def on_tensor(self, msg: Inbound) -> None:
+        body = msg.body
+        with self._lock:
+            job = self._jobs.get(self.job_of(body))
+        if isinstance(body, CollectiveTensor):
+            if job is None:
+                _limited.log(logging.WARNING, "no_job", "dropped a collective tensor of job %s from %s: this worker "
+                             "holds no shard of it", body.job_id, msg.sender)
+                return
+            refused = job.port.accept(msg, job.spec.shares.devices, job.spec.rank)
+            if refused is not None:
+                self.ctx.metrics.count(f"hmp_tensors_dropped.{refused.reason}")
+                if refused.reason == "sender":
+                    count_stranger(self.ctx.metrics)
+                _limited.log(logging.ERROR, refused.reason, "dropped %s", refused.detail)
+            return
+        assert isinstance(body, ShardPass)
+        why = self._pass_problem(job, body, msg)
+        if why is not None:
+            self.ctx.metrics.count("hmp_passes_dropped")
+            _limited.log(logging.ERROR, "pass", "dropped %s", why)
+            return
+        assert job is not None and msg.tensor is not None
+        try:
+            job.passes.put_nowait((body, msg.tensor.to_torch()))
+        except queue.Full:
+            self.ctx.metrics.count("hmp_passes_dropped")
+            _limited.log(logging.ERROR, "full", "dropped pass %d of hmp job %s: %d passes are waiting", body.pass_id,
+                         body.job_id, MAX_QUEUED_PASSES)
+
+    def _pass_problem(self, job: _Job | None, body: ShardPass, msg: Inbound) -> str | None:
+        what = f"pass {body.pass_id} of hmp job {body.job_id} epoch {body.epoch} from {msg.sender}"
+        if job is None:
+            return f"{what}: this worker holds no shard of that job"
+        foreign = stranger(msg, job.spec.coordinator, what)
+        if foreign is not None:
+            count_stranger(self.ctx.metrics)
+            return foreign
+        if body.epoch != job.spec.epoch:
+            return f"{what}: this worker holds epoch {job.spec.epoch}"
+        t = msg.tensor
+        if t is None or t.dtype != "int64" or len(t.shape) != 1 or not 1 <= t.shape[0] <= job.spec.max_tokens:
+            got = "no tensor" if t is None else f"{t.dtype} {list(t.shape)}"
+            return f"{what}: token ids are a 1-D int64 tensor of 1 to {job.spec.max_tokens}, not {got}"
+        if body.start + t.shape[0] > job.spec.max_tokens:
+            return f"{what}: positions up to {body.start + t.shape[0]} pass the job's {job.spec.max_tokens} tokens"
+        return None
+
+    # --- passes -------------------------------------------------------------------------------------
+
+    def _run(self, job: _Job) -> None:
+        """Run the job's passes in order until it is released."""
+        from edgeswarm.hmp.compute import run_pass
+
+        spec = job.spec
+        while True:
+            item = job.passes.get()
+            if item is None:
+                return
+            body, tokens = item
+            cache = self._cache_for(job, body)
+            if cache is None:
+                continue
+
+            def ring(collective: int, _scope: int = body.pass_id) -> Any:
+                return job.port.ring(spec.shares.devices, spec.rank, _scope, collective=collective, qos=spec.qos,
+                                     deadline_s=spec.deadline_s)
+
+            try:
+                with self.ctx.gate.computing():
+                    out = run_pass(job.shard, tokens, body.start, cache, ring)
+            except EdgeswarmError as exc:
+                # A peer gone or a slice lost twice: the coordinator hears nothing and runs the request again.
+                self.ctx.metrics.count("hmp_passes_failed")
+                job.caches.pop(body.request, None)
+                _limited.log(logging.WARNING, "pass_failed", "hmp job %s: pass %d failed: %s", spec.job_id,
+                             body.pass_id, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the shard
+                self.ctx.metrics.count("hmp_passes_failed")
+                job.caches.pop(body.request, None)
+                log.exception("hmp job %s: pass %d failed: %s", spec.job_id, body.pass_id, exc)
+                continue
+            finally:
+                job.exchange.forget(body.pass_id)
+                job.port.forget(body.pass_id)
+            job.ran += 1
+            self.ctx.metrics.count("hmp_passes")
+            result = ShardResult(job_id=spec.job_id, epoch=spec.epoch, pass_id=body.pass_id, rank=spec.rank,
+                                 row_start=out.row_start, top=out.top, split=out.split,
+                                 cache_bytes=sum(c.nbytes() for c in job.caches.values()))
+            try:
+                self.ctx.bus.send_tensor(spec.coordinator, "coordinator", result, out.tensor)
+            except EdgeswarmError as exc:
+                _limited.log(logging.WARNING, "result", "hmp job %s: result of pass %d not sent: %s", spec.job_id,
+                             body.pass_id, exc)
+
+    def _cache_for(self, job: _Job, body: ShardPass) -> Any:
+        """The KV cache pass ``body`` extends: a new one for a prefill (start 0), else the request's. None (the pass
+        is dropped) when a continuation's cache is gone, or it does not continue where the cache ends."""
+        from edgeswarm.hmp.compute import new_cache
+
+        if body.start == 0:
+            while len(job.caches) >= MAX_CACHES:
+                del job.caches[next(iter(job.caches))]  # the oldest request's: its client went away
+            cache = job.caches[body.request] = new_cache(job.shard)
+            return cache
+        cache = job.caches.get(body.request)
+        if cache is None or cache.length != body.start:
+            self.ctx.metrics.count("hmp_passes_dropped")
+            _limited.log(logging.WARNING, "cache", "hmp job %s: pass %d continues request %d at %d, but its cache "
+                         "holds %s tokens", job.spec.job_id, body.pass_id, body.request, body.start,
+                         "no" if cache is None else cache.length)
+            return None
+        return cache

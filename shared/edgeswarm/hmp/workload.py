@@ -1,0 +1,99 @@
+"""The ``serve-hmp`` workload: a Transformer served with every layer split across devices (Galaxy's HMP)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from edgeswarm.bus import Bus, Inbound
+from edgeswarm.errors import EdgeswarmError
+from edgeswarm.hmp.spec import HmpProgress, HmpSpec
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.hmp import HmpRequest, ShardResult
+from edgeswarm.messages.jobs import JobEventKind, JobState
+from edgeswarm.messages.serving import InferError
+from edgeswarm.planning.hmp.plan import HmpPlan
+from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
+
+MIB = 1 << 20
+
+
+class HmpWorkload(Workload):
+    """Tensor-parallel serving jobs run side by side (and beside training and pipelined serving): each holds one
+    shard per device it uses, on the devices' tensor-shard-workers."""
+
+    kind = "serve-hmp"
+    spec_type: ClassVar[type[HmpSpec]] = HmpSpec
+    progress_type = HmpProgress
+    plan_type = HmpPlan
+    planner = "edgeswarm.hmp.planner:PLANNER"
+    plan_cli = "edgeswarm.hmp.plan_cli:run_hmp_plan"
+    plan_profiles_zoo = False
+    command = "serve"
+    exclusive = False
+    example = ("kind: serve-hmp\nname: {name}\nmodel: {preset: gpt2-tiny}\nseq_len: 16\nmax_tokens: 64\n"
+               "max_new_tokens: 4\n")
+    data_schemas = (HmpRequest, ShardResult)
+    worker_service = TENSOR_SHARD_WORKER
+    worker_program = "edgeswarm.hmp.worker:ShardProgram"
+    infer_cli = "edgeswarm.hmp.client:run_infer"
+
+    def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
+        assert isinstance(spec, HmpSpec)
+        try:
+            cfg = spec.model.config()
+        except EdgeswarmError as exc:
+            return [str(exc)]
+        found = []
+        if not cfg.rotary and spec.max_tokens > cfg.max_positions:
+            found.append(f"max_tokens {spec.max_tokens} passes {spec.model.name}'s {cfg.max_positions} positions")
+        if spec.seq_len > spec.max_tokens:
+            found.append(f"seq_len {spec.seq_len} passes max_tokens {spec.max_tokens}")
+        layers_bytes = cfg.layers * (cfg.attention_params() + cfg.mlp_params()) * cfg.dtype_bytes
+        total = sum(m.memory_budget_bytes for m in members)
+        if members and layers_bytes > total:
+            found.append(f"model: {spec.model.name}'s layers need {layers_bytes / MIB:.1f} MiB, but the "
+                         f"{len(members)} online devices have {total / MIB:.1f} MiB of memory budget together: add "
+                         "devices or pick a smaller model")
+        return found
+
+    def model_name(self, spec: Any) -> str:
+        return str(spec.model.name)
+
+    def describe(self, spec: Any) -> str:
+        assert isinstance(spec, HmpSpec)
+        return (f"serve {spec.model.name} split by {spec.mode}{' with tile overlap' if spec.overlap else ''}, "
+                f"planned for {spec.seq_len} tokens, at most {spec.max_tokens} per request")
+
+    def summary(self, state: JobState) -> JobSummary:
+        p = state.progress_as(HmpProgress)
+        return JobSummary(progress=f"{p.answered} answered, {p.errors} errors", figures=figures_line(
+            f"latency p50 {p.latency_p50_s * 1000:.1f} ms" if p.latency_p50_s is not None else "",
+            f"TTFT {p.ttft_p50_s * 1000:.1f} ms" if p.ttft_p50_s is not None else "",
+            f"TPOT {p.tpot_p50_s * 1000:.1f} ms" if p.tpot_p50_s is not None else ""))
+
+    def stage_devices(self, plan: Any) -> list[list[str]]:
+        assert isinstance(plan, HmpPlan)
+        return [[d] for d in plan.shares.devices]
+
+    def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
+        from edgeswarm.hmp.coordinator import HmpRunner  # torch: only when a job actually runs
+
+        assert isinstance(spec, HmpSpec)
+        if ctx.previous is not None:
+            ctx.update("queued", event=("resumed", f"a restarted coordinator deploys the job again (it was "
+                                                   f"{ctx.previous.status}); the request under way was answered "
+                                                   "by no one"))
+        HmpRunner(ctx, spec, worker_service=self.worker_service).run()
+        return None
+
+    def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:
+        body = msg.body
+        if not isinstance(body, HmpRequest):
+            return
+        if state is None:
+            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="unknown_job",
+                                      detail=f"the coordinator has no job {body.job_id}: see edgeswarm jobs"))
+        else:
+            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="not_serving",
+                                      detail=f"job {body.job_id} is {state.status}, not serving"))

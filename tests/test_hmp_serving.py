@@ -1,0 +1,210 @@
+"""Serving a Transformer split across devices by heads, columns and rows (workload ``serve-hmp``, Galaxy), end to end
+on real processes and a real Mosquitto.
+
+One local cluster of three native devices for the whole module. Jobs are submitted like any job (the first through
+``edgeswarm serve``); requests go to the coordinator's data topic as HmpRequest frames (through ``edgeswarm infer``
+and the client) and every answer is checked against the model computed whole on one device: the same generated
+tokens, the same hidden states. The test that kills a device runs last: it leaves the cluster with two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeswarm.bus import Bus
+from edgeswarm.hmp.client import ask
+from edgeswarm.hmp.spec import HmpProgress
+from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.messages.hmp import HmpRequest
+from edgeswarm.messages.jobs import JobState
+from edgeswarm.messages.serving import InferError
+from edgeswarm.models.text import reference
+from edgeswarm.models.text.config import PRESETS
+from edgeswarm.planning.hmp.types import HmpPlan
+from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
+from helpers import FAST_ENV, native_cluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+DEVICES = 3
+SHARD_WORKER = "tensor-shard-worker"
+
+
+class Cluster:
+    def __init__(self, local: LocalCluster, bus: Bus, root: Path) -> None:
+        self.local = local
+        self.bus = bus
+        self.root = root
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("hmp-cluster")
+    env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
+           "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
+    with native_cluster(DEVICES, root / "cluster", env, "hmp-test") as (local, bus):
+        watcher = ClusterWatcher(bus)
+        wait_until(lambda: len(nodes_running(watcher.view()[0], SHARD_WORKER)) == DEVICES, 120,
+                   message="every tensor-shard-worker online")
+        yield Cluster(local, bus, root)
+
+
+def spec_text(name: str, preset: str, *, mode: str = "galaxy", extra: str = "") -> str:
+    return (f"kind: serve-hmp\nname: {name}\nmodel: {{preset: {preset}, seed: 3}}\nmode: {mode}\nseq_len: 8\n"
+            f"max_tokens: 120\nmax_new_tokens: 5\nplanner: {{prune: false}}\n{extra}")
+
+
+def start(cluster: Cluster, text: str) -> JobFollower:
+    name = next(line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("name: "))
+    follower = JobFollower(cluster.bus, name)
+    submit_job(cluster.bus, text, submission=follower.submission)
+    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 180,
+               message=f"job {name} serving")
+    assert follower.state is not None and follower.state.status == "running", follower.state.detail
+    return follower
+
+
+def stop(cluster: Cluster, follower: JobFollower) -> JobState:
+    cancel_job(cluster.bus, follower.job_id)
+    final = follower.wait(60)
+    assert final.status == "cancelled", (final.status, final.detail)
+    return final
+
+
+def expected_tokens(preset: str, prompt: list[int], new: int) -> list[int]:
+    cfg = PRESETS[preset]
+    return reference.generate(cfg, reference.init_weights(cfg, 3), prompt, new)
+
+
+def prompts(preset: str, count: int, length: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, PRESETS[preset].vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def test_serve_and_infer_on_the_command_line_generate_the_single_device_tokens(cluster: Cluster,
+                                                                               tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(spec_text("hmp-cli", "gpt2-tiny"))
+    hub = ["--hub", cluster.local.hub_url]
+    served = subprocess.run([sys.executable, "-m", "edgeswarm", "serve", str(spec), *hub], capture_output=True,
+                            text=True, timeout=240)
+    assert served.returncode == 0, served.stdout + served.stderr
+    assert "is serving" in served.stdout
+    prompt = prompts("gpt2-tiny", 1)[0]
+    out = tmp_path / "answers.json"
+    asked = subprocess.run([sys.executable, "-m", "edgeswarm", "infer", "hmp-cli", *hub, "--tokens",
+                            ",".join(map(str, prompt)), "--max-new-tokens", "6", "--json", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    assert "TTFT" in asked.stdout and "per layer: compute" in asked.stdout, asked.stdout
+    reply = json.loads(out.read_text())["results"][0]["reply"]
+    assert reply["tokens"] == expected_tokens("gpt2-tiny", prompt, 6)
+    assert reply["prompt_tokens"] == prompt and reply["tpot_s"] is not None
+    state = wait_until(lambda: next((s for s in job_states(cluster.bus) if s.job_id == "hmp-cli"
+                                     and s.progress_as(HmpProgress).answered == 1), None), 30)
+    assert isinstance(state, JobState) and isinstance(state.plan, HmpPlan)
+    assert len(state.plan.shares.devices) == DEVICES and state.plan.shares.mode == "galaxy"
+    listed = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", *hub], capture_output=True, text=True,
+                            timeout=60)
+    assert "hmp-cli" in listed.stdout and "TTFT" in listed.stdout, listed.stdout
+    cancel_job(cluster.bus, "hmp-cli")
+    wait_until(lambda: any(s.job_id == "hmp-cli" and s.status == "cancelled" for s in job_states(cluster.bus)), 60)
+
+
+@pytest.mark.parametrize(("preset", "mode"), [("llama-tiny", "galaxy"), ("opt-tiny", "megatron"),
+                                               ("gpt2-tiny", "sp"), ("llama-tiny", "local")])
+def test_every_mode_generates_the_single_device_tokens(cluster: Cluster, preset: str, mode: str) -> None:
+    name = f"hmp-{mode}-{preset}"
+    follower = start(cluster, spec_text(name, preset, mode=mode))
+    asked = prompts(preset, 3)
+    answers = ask(cluster.bus, name, list(asked), max_new_tokens=5, timeout_s=120)
+    for prompt, answer in zip(asked, answers, strict=True):
+        assert answer.reply is not None, (answer.reason, answer.error)
+        assert answer.reply.tokens == expected_tokens(preset, prompt, 5)
+    state = stop(cluster, follower)
+    assert isinstance(state.plan, HmpPlan) and state.plan.shares.mode == mode
+    assert len(state.plan.shares.devices) == (1 if mode == "local" else DEVICES)
+
+
+def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) -> None:
+    follower = start(cluster, spec_text("hmp-bert", "bert-tiny"))
+    asked = prompts("bert-tiny", 2, length=11)  # 11 rows over 3 devices: 4, 4, 3
+    answers = ask(cluster.bus, "hmp-bert", list(asked), timeout_s=120)
+    cfg = PRESETS["bert-tiny"]
+    w = reference.init_weights(cfg, 3)
+    for prompt, answer in zip(asked, answers, strict=True):
+        assert answer.reply is not None and answer.hidden is not None, (answer.reason, answer.error)
+        with torch.inference_mode():
+            torch.testing.assert_close(answer.hidden, reference.forward(cfg, w, torch.tensor(prompt)),
+                                       rtol=1e-4, atol=1e-4)
+        assert answer.reply.tokens == []
+    stop(cluster, follower)
+
+
+def test_bad_requests_are_answered_with_errors_and_the_job_goes_on(cluster: Cluster) -> None:
+    follower = start(cluster, spec_text("hmp-bad", "gpt2-tiny", extra="queue: 2\n"))
+    cases = [
+        (torch.tensor([1.0, 2.0]), None, "bad_dtype"),
+        (torch.ones(2, 3, dtype=torch.int64), None, "bad_shape"),
+        (torch.zeros(121, dtype=torch.int64), None, "too_large"),
+        (torch.tensor([1, 99999]), None, "bad_shape"),
+        (torch.empty(0, dtype=torch.int64), "hello", "bad_shape"),  # a preset has no tokenizer
+        (torch.empty(0, dtype=torch.int64), None, "no_tensor"),
+    ]
+    for tensor, text, reason in cases:
+        exp = cluster.bus.expect()
+        cluster.bus.send_tensor("hub", "coordinator", HmpRequest(job_id="hmp-bad", request_id=reason, text=text),
+                                tensor, expectation=exp)
+        reply = exp.wait(30)
+        assert reply is not None and isinstance(reply.body, InferError), reply
+        assert reply.body.reason == reason, reply.body
+    # A burst beyond the queue: some are answered busy, every other one is answered right.
+    burst = prompts("gpt2-tiny", 8)
+    answers = ask(cluster.bus, "hmp-bad", list(burst), max_new_tokens=3, window=8, timeout_s=120)
+    assert {a.reason for a in answers if a.reply is None} <= {"busy"}
+    good = [(p, a) for p, a in zip(burst, answers, strict=True) if a.reply is not None]
+    assert good and all(a.reply is not None and a.reply.tokens == expected_tokens("gpt2-tiny", p, 3)
+                        for p, a in good)
+    assert follower.state is not None and follower.state.status == "running"
+    final = stop(cluster, follower)
+    assert final.progress_as(HmpProgress).errors >= len(cases)
+
+
+def test_a_device_killed_mid_generation_costs_a_rebuilt_cache_and_the_answer_is_the_same(cluster: Cluster) -> None:
+    follower = start(cluster, spec_text("hmp-kill", "llama-tiny", extra="deadline_s: 1.0\n"))
+    state = follower.state
+    assert state is not None and isinstance(state.plan, HmpPlan)
+    victim = state.plan.shares.devices[1]
+    prompt = prompts("llama-tiny", 1)[0]
+    new = 100
+
+    def kill() -> None:
+        time.sleep(1.0)
+        for child in cluster.local.children:
+            if child.node == victim and child.alive():
+                os.kill(child.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    answers = ask(cluster.bus, "hmp-kill", [prompt], max_new_tokens=new, timeout_s=240)
+    killer.join(5)
+    answer = answers[0]
+    assert answer.reply is not None, (answer.reason, answer.error)
+    assert answer.reply.tokens == expected_tokens("llama-tiny", prompt, new)
+    assert answer.reply.recomputed and answer.reply.epoch >= 1
+    final = stop(cluster, follower)
+    assert isinstance(final.plan, HmpPlan) and victim not in final.plan.shares.devices
+    progress = final.progress_as(HmpProgress)
+    assert progress.answered == 1 and progress.recomputed == 1 and progress.reconfigurations >= 1
