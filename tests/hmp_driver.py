@@ -9,9 +9,9 @@ import torch
 
 from edgeswarm.hmp.layer import HmpRank, RankOutput, RequestCache
 from edgeswarm.hmp.loopback import Loopback
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import Weights
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.text_model import TextModelConfig
 
 
 def shares_for(cfg: TextModelConfig, mode: str, n: int, kind: str = "equal", overlap: bool = True) -> HmpShares:

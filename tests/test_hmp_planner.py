@@ -17,7 +17,6 @@ from edgeswarm.errors import ConfigError, InfeasiblePlanError, PlanningError
 from edgeswarm.hmp.plan_cli import run_hmp_plan
 from edgeswarm.hmp.planner import PLANNER
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
-from edgeswarm.models.text.config import PRESETS, TextModelConfig
 from edgeswarm.planning.deadline import Deadline
 from edgeswarm.planning.hmp.algorithm import (
     MemoryProblem,
@@ -32,6 +31,7 @@ from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_meg
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.text_model import PRESETS, TextModelConfig
 
 # Spec 3.8's assumptions: V proportional to the CPU clock; budgets of 5.1; Table I footprints split MHA:MLP = 1:2.
 CLOCK = {"L": 1.47, "M": 0.825, "S": 0.403}

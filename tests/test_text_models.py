@@ -287,7 +287,7 @@ def test_reading_a_slice_equals_slicing_the_whole_tensor(transformers: ModuleTyp
 def test_keeping_the_first_layers(transformers: ModuleType, tmp_path: Path) -> None:
     _saved(transformers, "opt", tmp_path)
     cfg, w = hf.load_model(tmp_path, layers=1)
-    assert cfg.layers == 1 and hf.read_config(tmp_path).layers == 2
+    assert cfg.layers == 1 and hf.load_config(tmp_path).layers == 2
     assert set(w) == set(reference.weight_shapes(cfg)) | {"lm_head.weight"}
     assert reference.forward(cfg, w, torch.tensor(PROMPT)).shape == (len(PROMPT), 64)
     with pytest.raises(hf.ModelFolderError, match="holds 2 layers; cannot keep 3"):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobState
@@ -24,14 +25,14 @@ def test_every_example_parses_as_its_kind() -> None:
         spec = parse_spec_text(path.read_text(), source=str(path))
         kinds[path.name] = type(spec)
     assert kinds == {"lenet5-env-d.yaml": JobSpec, "mobilenetv2-env-d.yaml": JobSpec,
-                     "serve-mobilenetv2.yaml": ServeSpec}
+                     "serve-mobilenetv2.yaml": ServeSpec, "serve-hmp-gpt2.yaml": HmpSpec}
 
 
 def test_a_spec_without_kind_is_training_and_an_unknown_kind_names_the_kinds() -> None:
     spec = parse_spec_text("name: t\nmodel: {name: mlp}\ndata: {kind: teacher}\nrounds: 1\n")
     assert isinstance(spec, JobSpec) and spec.kind == "train"
-    with pytest.raises(ConfigError, match="unknown job kind 'galaxy'; the kinds are: serve-pipeline, train"):
-        parse_spec_text("kind: galaxy\nname: g\n")
+    with pytest.raises(ConfigError, match="unknown job kind 'fl'; the kinds are: serve-hmp, serve-pipeline, train"):
+        parse_spec_text("kind: fl\nname: g\n")
     with pytest.raises(ConfigError, match="micro_batch_size"):
         parse_spec_text("kind: serve-pipeline\nname: s\nmodel: {name: mlp}\nmicro_batch_size: 0\n")
 
@@ -63,5 +64,5 @@ def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
                                                   updated_at=0.0).model_dump_json())
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"
-    assert set(KINDS) == {"train-hpp", "serve-pipeline"}
+    assert set(KINDS) == {"train-hpp", "serve-pipeline", "serve-hmp"}
     assert workload("train") is workload("train-hpp")  # the old name of HPP training stays an alias

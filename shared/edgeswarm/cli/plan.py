@@ -17,7 +17,6 @@ from edgeswarm.cli.profile import parse_batch_sizes, parse_config
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
-from edgeswarm.hmp.plan_cli import add_hmp_arguments
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import DEFAULT_KIND
 from edgeswarm.planning.hpp.compare import Comparison, compare
@@ -62,6 +61,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
                    help="serve-pipeline: search (auto: the best predicted of all)")
     p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
+    from edgeswarm.hmp.plan_cli import add_hmp_arguments  # the workload's own options (it imports the CLI's helpers)
+
     add_hmp_arguments(p)
 
 

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 from edgeswarm.hmp.layer import HmpRank, RequestCache, Ring
 from edgeswarm.hmp.sharding import shard_shapes
 from edgeswarm.messages.hmp import MAX_TOP, PassSplit
-from edgeswarm.models.text.config import TextModelConfig
-from edgeswarm.models.text.source import TextModelSource
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.text_model import TextModelConfig, TextModelSource
 
 if TYPE_CHECKING:
     import torch

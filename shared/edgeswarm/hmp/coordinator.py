@@ -43,11 +43,11 @@ from edgeswarm.messages.hmp import (
 )
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferError, InferErrorReason
-from edgeswarm.pipeline_serve.stats import percentile
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
@@ -55,7 +55,7 @@ from edgeswarm.workloads.base import JobContext
 if TYPE_CHECKING:
     import torch
 
-    from edgeswarm.models.text.config import TextModelConfig
+    from edgeswarm.values.text_model import TextModelConfig
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)

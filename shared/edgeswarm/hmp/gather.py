@@ -8,10 +8,10 @@ from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.errors import JobError
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.messages.hmp import ShardProfileReply, ShardProfileRequest
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec
+from edgeswarm.values.text_model import TextModelConfig
 
 # The profilers measure links while they profile a model; this one costs nothing to profile.
 LINK_PROBE_MODEL = ModelSpec(name="mlp", config={"image_size": 4, "hidden": 8, "layers": 1})

@@ -43,7 +43,6 @@ from pydantic import BaseModel, ConfigDict
 from edgeswarm.hmp.sharding import check_shares, rank_slices, read_shard, shard_shapes
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import OUTSIDE, Recorder
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, rotary, torch_dtype
 from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.planning.hmp.shares import HmpShares
@@ -56,6 +55,7 @@ from edgeswarm.runtime.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from edgeswarm.values.text_model import TextModelConfig
 
 Ring = Callable[[int], tuple[Send, Recv]]
 COLLECTIVES_PER_LAYER = 4

@@ -17,10 +17,10 @@ from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.errors import ConfigError
-from edgeswarm.models.text.config import PRESETS, TextModelConfig
 from edgeswarm.planning.hmp.plan import compare, plan_hmp
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpComparison, HmpOptions, HmpPlan
+from edgeswarm.values.text_model import PRESETS, TextModelConfig
 
 DEFAULT_SEQ_LEN = 284  # the paper's mean QNLI length (spec 5.1)
 

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from edgeswarm.devices.compute import synchronized
 from edgeswarm.devices.emulation import DeviceProfile
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import HeadCache, attention, mlp_inner, norm, torch_dtype
 from edgeswarm.models.text.reference import init_weights, weight_shapes
 from edgeswarm.planning.hmp.synthetic import MAX_COLUMN_POINTS, profile_grids
 from edgeswarm.planning.hmp.types import BlockProfile
+from edgeswarm.values.text_model import TextModelConfig
 
 LAYER = "layers.0."
 

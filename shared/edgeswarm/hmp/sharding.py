@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import torch
 
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import Weights
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.text_model import TextModelConfig
 
 
 def check_shares(cfg: TextModelConfig, shares: HmpShares) -> None:

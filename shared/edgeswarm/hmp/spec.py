@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.messages.hmp import MAX_NEW_TOKENS, LayerSplit
-from edgeswarm.models.text.source import TextModelSource
 from edgeswarm.planning.hmp.shares import MAX_SHARDS, Mode
+from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.wire.schema import NAME_PATTERN, Name
 
 

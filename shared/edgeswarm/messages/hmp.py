@@ -21,10 +21,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.messages.collectives import MAX_SCOPE
-from edgeswarm.models.text.source import TextModelSource
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.types import BlockProfile
 from edgeswarm.values.limits import MAX_DEVICES, MAX_EPOCH
+from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_TEXT_CHARS = 16384

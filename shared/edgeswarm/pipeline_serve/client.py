@@ -17,7 +17,7 @@ from edgeswarm.bus import Bus, Expectation
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError, InferReply, InferRequest
-from edgeswarm.pipeline_serve.stats import percentile
+from edgeswarm.stats import percentile
 from edgeswarm.wire.schema import new_id
 
 if TYPE_CHECKING:

@@ -25,10 +25,10 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError, safe_open
 
-from edgeswarm.models.text.config import MAX_POSITIONS, DType, TextModelConfig
 from edgeswarm.models.text.ops import Weights, torch_dtype
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.models.text.slices import WeightSlice
+from edgeswarm.values.text_model import MAX_POSITIONS, DType, TextModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,6 @@ def load_config(folder: Path | str, dtype: DType | None = None) -> TextModelConf
     return config_from_hf(_read_json(folder / CONFIG_FILE, CONFIG_FILE), folder / CONFIG_FILE, dtype)
 
 
-read_config = load_config  # the name ``models.text.source`` calls
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from edgeswarm.models.text.config import TextModelConfig
+from edgeswarm.values.text_model import TextModelConfig
 
 Weights = dict[str, torch.Tensor]
 

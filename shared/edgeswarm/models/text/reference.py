@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, torch_dtype
+from edgeswarm.values.text_model import TextModelConfig
 
 
 def weight_shapes(cfg: TextModelConfig) -> dict[str, tuple[int, ...]]:

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgeswarm.errors import ProfileError
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.planning.hmp.algorithm import equal_split
 from edgeswarm.planning.hmp.types import BlockProfile, CommModel, DecodePrediction, HmpMode, LatencySplit
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.text_model import TextModelConfig
 
 # The elementwise add of one received tile costs about a quarter of a connective block on the same rows (the
 # block reads and writes the rows about four times: residual add, mean, variance, scale).

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from edgeswarm.errors import ProfileError
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
 from edgeswarm.planning.hmp.latency import capacity, check_profiles, predict
 from edgeswarm.planning.hmp.shares import HmpShares
@@ -20,6 +19,7 @@ from edgeswarm.planning.hmp.types import (
     HmpPlanError,
     HmpVerdict,
 )
+from edgeswarm.values.text_model import TextModelConfig
 
 MODES: tuple[HmpMode, ...] = ("galaxy", "megatron", "sp", "local")
 

@@ -8,10 +8,14 @@ divides both (the emulation scales a device's CPU time; spec 3.4 notes the conne
 
 from __future__ import annotations
 
-from edgeswarm.devices.cluster import ClusterSpec
-from edgeswarm.models.text.config import TextModelConfig
+from typing import TYPE_CHECKING
+
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.text_model import TextModelConfig
+
+if TYPE_CHECKING:  # only read: the planner sits below the device emulation
+    from edgeswarm.devices.cluster import ClusterSpec
 
 REFERENCE_FLOPS = 3e10
 REFERENCE_BYTES_PER_S = 1e10

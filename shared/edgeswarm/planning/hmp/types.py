@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.models.text.config import TextModelConfig
 from edgeswarm.planning.hmp.shares import MAX_SHARDS, HmpShares
 from edgeswarm.values.limits import MAX_EPOCH, MAX_ID_CHARS, MAX_MEMORY_BYTES
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.text_model import TextModelConfig
 from edgeswarm.wire.schema import Name
 
 MAX_GRID = 64
