@@ -157,7 +157,7 @@ def test_the_cli_serves_infers_lists_and_cancels(cluster: Cluster, tmp_path: Pat
     assert served.returncode == 0, served.stderr
     assert "is serving" in served.stdout and "samples/s" in served.stdout
     x = example_input(ModelSpec.model_validate(MLP), 6, seed=3).numpy()
-    np.savez(tmp_path / "inputs.npz", x=x)
+    np.savez(tmp_path / "inputs.npz", x=x.astype(np.float64))  # NumPy's default dtype: infer converts it
     out = tmp_path / "outputs.npz"
     inferred = cli("infer", name, "--npz", str(tmp_path / "inputs.npz"), "--rows", "2", "--out", str(out),
                    "--json", str(tmp_path / "run.json"))

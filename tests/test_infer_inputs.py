@@ -1,0 +1,37 @@
+"""`edgeswarm infer`'s inputs from a file: converted to the model's input dtype when no value changes, refused with
+what to do otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgeswarm.cli.serve import as_input_dtype, read_npz
+from edgeswarm.errors import ConfigError
+
+
+def test_numpy_defaults_become_the_models_dtype(tmp_path: Path) -> None:
+    np.savez(tmp_path / "f.npz", x=np.linspace(0, 1, 12).reshape(3, 4))  # float64
+    got = as_input_dtype(read_npz(str(tmp_path / "f.npz")), torch.float32, "f.npz")
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), torch.linspace(0, 1, 12).double().view(3, 4),
+                                                         atol=1e-7)
+    np.savez(tmp_path / "ids.npz", x=np.array([[15496.0, 11.0, 995.0]]))  # token ids saved as floats
+    ids = as_input_dtype(read_npz(str(tmp_path / "ids.npz")), torch.int64, "ids.npz")
+    assert ids.dtype == torch.int64 and ids.tolist() == [[15496, 11, 995]]
+    assert as_input_dtype(torch.tensor([1, 2], dtype=torch.int32), torch.int64, "x").dtype == torch.int64
+
+
+def test_a_conversion_that_would_change_values_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="int64 inputs; float64 values would change"):
+        as_input_dtype(torch.tensor([1.5], dtype=torch.float64), torch.int64, "x.npz")
+    with pytest.raises(ConfigError, match="would change"):
+        as_input_dtype(torch.tensor([2.0 ** 40]), torch.int32, "x.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="cannot read inputs"):
+        read_npz(str(tmp_path / "bad.npz"))
+    np.savez(tmp_path / "two.npz", a=np.zeros(2), b=np.zeros(2))
+    with pytest.raises(ConfigError, match="name the inputs x"):
+        read_npz(str(tmp_path / "two.npz"))
