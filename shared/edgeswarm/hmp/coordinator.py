@@ -5,7 +5,8 @@ the links come from the profilers), asks the planner service for an HmpPlan and 
 (ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
 lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them (beyond: ``busy``). One request runs
 at a time, as passes: a prefill pass over the prompt, then, for a decoder, one pass per generated token (greedy:
-the most likely token, which the rank holding the last row reports). Each pass is a ShardPass frame to every rank
+the most likely token, which the rank holding the last row reports; a model folder's end-of-sequence token ends it
+early). Each pass is a ShardPass frame to every rank
 and a ShardResult from every rank; a pass whose results do not all come within its deadline is run again once on a
 new KV cache (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the
 survivors, deploys the new plan as a new epoch and rebuilds the request's cache there from its tokens so far (a
@@ -129,6 +130,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         self.spec = spec
         self.config: TextModelConfig = spec.model.config()
         self.tokenizer: Any = None
+        self.stop_tokens: frozenset[int] = frozenset()  # generation ends at these (the tokenizer's end of sequence)
         self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
@@ -180,8 +182,10 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 for rank, device in enumerate(plan.shares.devices)}
 
     def on_ready(self, plan: HmpPlan) -> None:
-        if self.spec.model.path is not None:
+        if self.spec.model.path is not None and self.tokenizer is None:
             self.tokenizer = _tokenizer(self.spec.model.path)
+            if self.tokenizer is not None:
+                self.stop_tokens = frozenset(self.tokenizer.special.eos)
         with self._changed:
             self._plan, self._epoch, self._accepting = plan, plan.epoch, True
             self._changed.notify_all()
@@ -368,7 +372,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 if self.config.decoder:
                     if len(generated) < request.new_tokens:
                         generated.append(_top(results))
-                    while len(generated) < request.new_tokens:
+                    while len(generated) < request.new_tokens and generated[-1] not in self.stop_tokens:
                         started = time.perf_counter()
                         results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
                                                  + len(generated) - 1)
