@@ -95,7 +95,8 @@ class _Stats:
     recomputed: int = 0
     tokens: int = 0
     reconfigurations: int = 0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # seconds of decode passes
+    decoded: int = 0  # tokens the decode passes generated
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     tpots: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -353,7 +354,6 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
 
     def _serve(self, request: _Request) -> None:
         """Run ``request`` to its answer: prefill, then one pass per token, rebuilding its cache after a loss."""
-
         generated: list[int] = []
         ttft: float | None = None
         decode_s = 0.0
@@ -414,6 +414,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             s.recomputed += int(recomputed)
             s.tokens += len(generated)
             s.decode_s += decode_s
+            s.decoded += max(0, len(generated) - 1)  # the first token comes from the prefill
             s.latencies.append(now - request.arrived)
             s.ttfts.append(ttft)
             if tpot is not None:
@@ -533,7 +534,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                     "latency_p50_s": percentile(sorted(s.latencies), 0.5),
                     "latency_p99_s": percentile(sorted(s.latencies), 0.99),
                     "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),
-                    "tokens_per_s": (len(s.tpots) and s.tokens / s.decode_s) if s.decode_s > 0 else None,
+                    "tokens_per_s": s.decoded / s.decode_s if s.decode_s > 0 else None,
                     "split": s.split}
 
 

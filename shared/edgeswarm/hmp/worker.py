@@ -10,7 +10,8 @@ Passes arrive as ShardPass frames from the job's coordinator (any other sender i
 thread runs them in order: the shard's forward over the pass's tokens, exchanging the ring's CollectiveTensor
 slices with the other ranks through the platform's ``CollectivePort`` (scope: the pass), and answers the
 coordinator with a ShardResult. A pass that fails (a peer gone, a slice lost twice) is answered with nothing: the
-coordinator runs the request again or re-plans. The request's KV cache lives on the shard until ShardFree (or a
+coordinator runs the request again or re-plans, and its ShardFree for the request stops a pass of it still waiting
+for a peer's slice here. The request's KV cache lives on the shard until ShardFree (or a
 newer prefill of the same request, or the release). Caches are bounded: MAX_CACHES requests, and the bytes the
 assignment reserved.
 """
@@ -70,6 +71,7 @@ class _Job:
     caches: dict[int, Any] = field(default_factory=dict)  # request number -> its KV cache
     thread: threading.Thread | None = None
     ran: int = 0
+    running: tuple[int, int] | None = None  # (request, pass) of the pass under way
 
     def close(self) -> None:
         try:
@@ -117,8 +119,12 @@ class ShardProgram:
             with self._lock:
                 job = self._jobs.get(body.job_id)
             if job is not None and job.spec.epoch == body.epoch:
+                running = job.running
                 for request in body.requests:
                     job.caches.pop(request, None)  # the pass thread reads it only while it runs that request
+                    if running is not None and running[0] == request:
+                        # The coordinator gave the request up (a peer is gone): its pass stops waiting for slices.
+                        job.exchange.abort(running[1], "the coordinator gave the request up")
         elif isinstance(body, ShardAssign):
             # Making the shard (reading a model folder) runs apart from the request topic's thread.
             threading.Thread(target=self._assign, args=(msg, body), name="hmp-assign", daemon=True).start()
@@ -288,6 +294,7 @@ class ShardProgram:
                 return job.port.ring(spec.shares.devices, spec.rank, _scope, collective=collective, qos=spec.qos,
                                      deadline_s=spec.deadline_s)
 
+            job.running = (body.request, body.pass_id)
             try:
                 with self.ctx.gate.computing():
                     out = run_pass(job.shard, tokens, body.start, cache, ring)
@@ -304,6 +311,7 @@ class ShardProgram:
                 log.exception("hmp job %s: pass %d failed: %s", spec.job_id, body.pass_id, exc)
                 continue
             finally:
+                job.running = None
                 job.exchange.forget(body.pass_id)
                 job.port.forget(body.pass_id)
             job.ran += 1
