@@ -1,8 +1,8 @@
 """Ring collectives (``edgeswarm.runtime.collectives``): ReduceScatter, AllGather and AllReduce equal torch's sums for
 1 to 6 peers, even, uneven and zero-size slices, float32 and bfloat16; the tiled AllGather hands every slice over
 once; the direct (one-step) AllReduce sums in rank order, bit-identical on every rank, and the direct AllGather
-puts the parts together. In-process over a threaded in-memory transport (a queue per ordered pair of ranks, which also checks that
-both ends of a link agree on which steps carry a tensor)."""
+puts the parts together. In-process over a threaded in-memory transport (a queue per ordered pair of ranks, which
+also checks that both ends of a link agree on which steps carry a tensor)."""
 
 from __future__ import annotations
 

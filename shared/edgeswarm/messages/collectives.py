@@ -1,9 +1,10 @@
 """The one data-plane message of every collective (``edgeswarm.runtime.collectives``), whatever the workload.
 
 A ring collective among the N peers of a job moves one slice per ring step from each peer to its right neighbour
-(a direct one, for small tensors, moves each peer's vector to every other peer in one step); each slice travels as a CollectiveTensor frame on the receiver's data topic. Training's AllReduce uses it; the
-workloads after it (tensor-parallel inference, split learning) use it too, so the sender check and the retry are
-written once (``edgeswarm.runtime.collective_exchange``).
+(a direct one, for small tensors, moves each peer's vector to every other peer in one step); each slice travels
+as a CollectiveTensor frame on the receiver's data topic. Training's AllReduce uses it; the workloads after it
+(tensor-parallel inference, split learning) use it too, so the sender check and the retry are written once
+(``edgeswarm.runtime.collective_exchange``).
 """
 
 from __future__ import annotations
