@@ -77,11 +77,12 @@ def run_pass(cfg: TextModelConfig, shares: HmpShares, weights: Weights, tokens: 
 
 
 def generate(cfg: TextModelConfig, shares: HmpShares, weights: Weights, prompt: list[int],
-             new_tokens: int) -> tuple[list[int], list[RequestCache], list[int]]:
-    """Greedy generation on every rank with each rank's sharded KV cache: the tokens, the caches and the
-    cache bytes each rank held at the end (before it was freed)."""
+             new_tokens: int, loop: Loopback | None = None) -> tuple[list[int], list[RequestCache], list[int]]:
+    """Greedy generation on every rank with each rank's sharded KV cache (the prefill on scope 0, decode step k on
+    scope k of ``loop``): the tokens, the caches and the cache bytes each rank held at the end (before it was
+    freed)."""
     n = len(shares.devices)
-    loop = Loopback(n)
+    loop = loop or Loopback(n)
     ranks = [HmpRank(cfg, shares, r, weights) for r in range(n)]
     caches = [rank.new_cache() for rank in ranks]
     produced: list[int] = []

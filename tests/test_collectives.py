@@ -1,7 +1,8 @@
 """Ring collectives (``edgeswarm.runtime.collectives``): ReduceScatter, AllGather and AllReduce equal torch's sums for
 1 to 6 peers, even, uneven and zero-size slices, float32 and bfloat16; the tiled AllGather hands every slice over
-once. In-process over a threaded in-memory transport (a queue per ordered pair of ranks, which also checks that
-both ends of a link agree on which steps carry a tensor)."""
+once; the direct (one-step) AllReduce sums in rank order, bit-identical on every rank, and the direct AllGather
+puts the parts together. In-process over a threaded in-memory transport (a queue per ordered pair of ranks, which
+also checks that both ends of a link agree on which steps carry a tensor)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from edgeswarm.runtime.collectives import (
     Bounds,
     check_bounds,
+    direct_all_gather,
+    direct_all_reduce,
     even_bounds,
     ring_all_gather,
     ring_all_reduce,
@@ -39,8 +42,9 @@ def _layouts(n: int, length: int) -> dict[str, Bounds]:
 class Ring:
     """N ranks in threads; ``sent[r]`` counts the elements rank r sent, ``steps[r]`` the steps it sent on."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, mesh: bool = False) -> None:
         self.n = n
+        self.mesh = mesh  # direct collectives: any rank sends to any other
         self.boxes: dict[tuple[int, int], queue.Queue[tuple[int, torch.Tensor]]] = {
             (s, d): queue.Queue() for s in range(n) for d in range(n)}
         self.sent = [0] * n
@@ -52,13 +56,13 @@ class Ring:
 
         def worker(rank: int) -> None:
             def send(to: int, step: int, tensor: torch.Tensor) -> None:
-                assert to == (rank + 1) % self.n, "a ring sends to its right neighbour only"
+                assert to == (rank + 1) % self.n or (self.mesh and to != rank), "a ring sends to its right neighbour"
                 self.sent[rank] += tensor.numel()
                 self.steps[rank].append(step)
                 self.boxes[(rank, to)].put((step, tensor))
 
             def recv(frm: int, step: int) -> torch.Tensor:
-                assert frm == (rank - 1) % self.n, "a ring receives from its left neighbour only"
+                assert frm == (rank - 1) % self.n or (self.mesh and frm != rank), "a ring receives from the left"
                 got_step, tensor = self.boxes[(frm, rank)].get(timeout=5)
                 assert got_step == step, (got_step, step)
                 return tensor
@@ -252,6 +256,78 @@ def test_refusals_are_value_errors_with_the_reason() -> None:
         ring_reduce_scatter(x, 0, even_bounds(6, 2), nothing, wrong_dtype)  # type: ignore[arg-type]
 
 
+# --- direct collectives -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_direct_all_reduce_equals_torchs_sum_in_one_step(n: int, dtype: torch.dtype) -> None:
+    length = 37
+    vectors = _vectors(n, length, dtype, integral=True)
+    copies = [v.clone() for v in vectors]
+    ring = Ring(n, mesh=True)
+    results = ring.run(lambda r, send, recv: direct_all_reduce(vectors[r].reshape(1, length), r, n, send, recv))
+    want = torch.stack(vectors).sum(dim=0)
+    assert len(results) == n
+    for rank, got in enumerate(results):
+        assert got.dtype == dtype and got.shape == (length,)
+        assert torch.equal(got, want), rank
+    assert all(torch.equal(v, c) for v, c in zip(vectors, copies, strict=True)), "inputs are not modified"
+    # One step: every rank sends its whole vector once to each other rank, all on step 0.
+    assert all(steps == [0] * (n - 1) for steps in ring.steps)
+    assert all(sent == (n - 1) * length for sent in ring.sent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_direct_all_reduce_sums_in_rank_order_and_every_rank_holds_the_same_bits(n: int, dtype: torch.dtype) -> None:
+    length = 1001
+    vectors = _vectors(n, length, dtype, integral=False)
+    results = Ring(n, mesh=True).run(lambda r, send, recv: direct_all_reduce(vectors[r], r, n, send, recv, step=3))
+    acc = vectors[0].float()
+    for v in vectors[1:]:
+        acc = acc + v.float()  # rank order 0 .. n-1, 16-bit floats in float32, rounded once
+    want = acc.to(dtype)
+    assert all(torch.equal(got, want) for got in results), "the documented order, on every rank"
+    exact = torch.stack([v.double() for v in vectors]).sum(dim=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * float(exact.abs().max())
+    assert torch.allclose(results[0].double(), exact, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_direct_all_gather_puts_every_part_together_in_one_step(n: int, dtype: torch.dtype, layout: str) -> None:
+    length = 23
+    bounds = _layouts(n, length)[layout]
+    full = _vectors(1, length, dtype, integral=False)[0]
+    ring = Ring(n, mesh=True)
+    results = ring.run(lambda r, send, recv: direct_all_gather(full[bounds[r][0]:bounds[r][1]].clone(), r, bounds,
+                                                               send, recv))
+    assert len(results) == n and all(torch.equal(got, full) for got in results)
+    for rank, (a, b) in enumerate(bounds):  # its part to every other rank, on step 0; an empty part never
+        assert ring.sent[rank] == (n - 1) * (b - a) and ring.steps[rank] == ([0] * (n - 1) if b > a else [])
+
+
+def test_direct_collectives_of_nothing_or_one_rank_send_nothing() -> None:
+    def never(*_: object) -> torch.Tensor:
+        raise AssertionError("nothing to send or receive")
+
+    x = torch.arange(5.0)
+    got = direct_all_reduce(x, 0, 1, never, never)
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()
+    assert direct_all_reduce(torch.zeros(0), 2, 4, never, never).numel() == 0
+    assert torch.equal(direct_all_gather(x, 0, [(0, 5)], never, never), x)
+    with pytest.raises(ValueError, match="rank 3 is not in a ring of 3"):
+        direct_all_reduce(x, 3, 3, never, never)
+
+    def short(_frm: int, _step: int) -> torch.Tensor:
+        return torch.zeros(2)
+
+    with pytest.raises(ValueError, match="rank 1 sent 2 values for a slice of 5"):
+        direct_all_reduce(x, 0, 2, lambda *_: None, short)
+
+
 # --- over Mosquitto, through real TensorExchanges ---------------------------------------------------------------
 
 SVC = "coll"
@@ -389,6 +465,76 @@ def test_forged_and_misplaced_senders_are_refused(make_bus) -> None:
         vectors = [torch.arange(30.0) * (r + 1) for r in range(3)]
         summed = peers.run(lambda r, send, recv: ring_all_reduce(vectors[r], r, bounds, send, recv), scope=7)
         assert all(torch.equal(s, torch.arange(30.0) * 6) for s in summed), summed
+    finally:
+        peers.close()
+
+
+def test_a_direct_all_reduce_among_four_peers_over_mosquitto(make_bus) -> None:
+    """Every member sends to every other: frames between non-neighbours are marked direct and taken; the sum is
+    exact and the same bits everywhere, at QoS 1 and at QoS 0; a direct AllGather too."""
+    peers = Peers(make_bus, 4)
+    try:
+        gen = torch.Generator().manual_seed(8)
+        vectors = [torch.randn(77, generator=gen) for _ in range(4)]
+        want = ((vectors[0] + vectors[1]) + vectors[2]) + vectors[3]
+        for scope, qos in ((1, 1), (2, 0)):
+            summed = peers.run(lambda r, send, recv: direct_all_reduce(vectors[r], r, 4, send, recv), scope=scope,
+                               collective=3, qos=qos, deadline_s=5.0)
+            assert all(isinstance(s, torch.Tensor) and torch.equal(s, want) for s in summed), summed
+        bounds = weighted_bounds(77, [1, 0, 2, 1])
+        full = torch.cat(vectors)[:77]
+        gathered = peers.run(lambda r, send, recv: direct_all_gather(full[bounds[r][0]:bounds[r][1]].clone(), r,
+                                                                     bounds, send, recv), scope=3)
+        assert all(isinstance(g, torch.Tensor) and torch.equal(g, full) for g in gathered), gathered
+        assert peers.refused == [[], [], [], []]
+    finally:
+        peers.close()
+
+
+def test_forged_direct_slices_are_refused(make_bus) -> None:
+    """``direct`` lets any member send, but only as the rank it holds: a node outside the ring, a member claiming
+    another's rank, and a frame claiming the receiver's own rank are dropped; the genuine direct sum still holds."""
+    from edgeswarm.messages.collectives import CollectiveTensor
+    from helpers import wait_until
+
+    peers = Peers(make_bus, 4)
+    try:
+        mallory = make_bus("mallory", SVC)
+        poison = torch.full((12,), 1e6)
+
+        def forged(claimed: int) -> CollectiveTensor:
+            return CollectiveTensor(job_id=JOB, epoch=0, scope=9, step=0, sender=claimed, direct=True)
+
+        # Rank 1's left neighbour is rank 0; rank 3 may send to it directly, but nobody else as rank 3 or rank 1.
+        for who, claimed in ((mallory, 3), (peers.buses[2], 3), (peers.buses[1], 1)):
+            who.send_tensor("n1", SVC, forged(claimed), poison)
+        wait_until(lambda: len(peers.refused[1]) == 3, timeout_s=10)
+        assert all(r.reason == "sender" for r in peers.refused[1]), peers.refused
+        details = sorted(r.detail for r in peers.refused[1])
+        assert "from mallory claiming rank 3: rank 3 of the ring is n3" in details[0]
+        assert "from n1 claiming rank 1: rank 1 does not send to itself" in details[1]
+        assert "from n2 claiming rank 3: rank 3 of the ring is n3" in details[2]
+        vectors = [torch.arange(12.0) * (r + 1) for r in range(4)]
+        summed = peers.run(lambda r, send, recv: direct_all_reduce(vectors[r], r, 4, send, recv), scope=9)
+        assert all(torch.equal(s, torch.arange(12.0) * 10) for s in summed), summed
+        assert [len(r) for r in peers.refused] == [0, 3, 0, 0]
+    finally:
+        peers.close()
+
+
+def test_a_direct_slice_lost_at_qos_0_is_asked_for_again(make_bus) -> None:
+    peers = Peers(make_bus, 3)
+    try:
+        # Rank 0's slice to rank 2 (not its right neighbour: a direct frame) is lost; rank 2 asks rank 0 for it.
+        dropped = _drop_first(peers.ports[0], lambda m: m.direct and not m.resend)
+        vectors = [torch.randint(-50, 50, (40,), generator=torch.Generator().manual_seed(r)).float() for r in range(3)]
+        summed = peers.run(lambda r, send, recv: direct_all_reduce(vectors[r], r, 3, send, recv), scope=5, qos=0,
+                           deadline_s=0.5)
+        assert len(dropped) == 1
+        assert peers.ports[2].asked == 1 and peers.ports[0].resent == 1
+        assert all(isinstance(s, torch.Tensor) and torch.equal(s, torch.stack(vectors).sum(dim=0)) for s in summed), \
+            summed
+        assert peers.refused == [[], [], []]
     finally:
         peers.close()
 

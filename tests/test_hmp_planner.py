@@ -340,6 +340,28 @@ def test_decode_prediction_for_decoders() -> None:
     assert plan_galaxy(_cluster("MM", "bert-large"), HmpOptions(prune=False)).decode is None
 
 
+def test_decode_network_is_two_direct_rounds_of_one_row_per_layer() -> None:
+    """The runtime syncs a decode step with two direct AllReduces per layer (one round of D - 1 parallel
+    messages each): message_s + latency_s + one row's bytes over the bandwidth per round, whatever D."""
+    cfg = PRESETS["opt-1.3b"]
+    row_s = 1e-3 + 1e-4 + cfg.hidden * 2 / (1000e6 / 8)  # float16 rows on 1 Gbps links
+    for kinds in ("MM", "MMM", "MMMM"):
+        for plan in (plan_galaxy(_cluster(kinds, mbps=1000, message_s=1e-3), HmpOptions(prune=False)),
+                     plan_megatron(_cluster(kinds, mbps=1000, message_s=1e-3), HmpOptions(prune=False))):
+            assert plan.decode is not None
+            assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * row_s)
+    sp = plan_hmp(_cluster("MMM", mbps=1000, message_s=1e-3), HmpOptions(mode="sp", paper=True))
+    assert sp.decode is not None
+    kv_s = 1e-3 + 1e-4 + cfg.n_kv * cfg.head_dim * 2 / (1000e6 / 8)
+    assert sp.decode.network_s == pytest.approx(cfg.layers * 2 * kv_s)
+    # The slowest link of the mesh paces a round, not only the ring's links.
+    c = _cluster("MMMM", mbps=1000, message_s=1e-3)
+    slow = [lk.model_copy(update={"message_s": 5e-3}) if {lk.src, lk.dst} == {"d0", "d2"} else lk for lk in c.links]
+    plan = plan_galaxy(c.model_copy(update={"links": slow}), HmpOptions(prune=False))
+    assert plan.decode is not None
+    assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * (row_s + 4e-3))
+
+
 def test_capacity_is_eq_6() -> None:
     cfg = PRESETS["bert-large"]
     p = synthetic_profile("a", cfg, 128, slowdown=2.0, budget_bytes=1)

@@ -1,8 +1,8 @@
 """The tensor-parallel (HMP) runtime on one host: every rank in a thread over the in-memory ring.
 
 Spec checks C-N1..C-N5 (numerics), C-C1..C-C3 (counted on the transport), C-C4's spans, generation from the
-sharded KV cache equal to one device token for token, and the baselines (megatron, sp, local) equal to the
-reference.
+sharded KV cache equal to one device token for token, decode steps (fewer rows than ranks) synchronised by direct
+collectives, and the baselines (megatron, sp, local) equal to the reference.
 """
 
 from __future__ import annotations
@@ -355,6 +355,76 @@ def test_generation_in_the_baseline_modes_equals_one_device(mode: str) -> None:
     n = 1 if mode == "local" else 3
     got, _, _ = generate(cfg, shares_for(cfg, mode, n, "equal"), w, prompt, 6)
     assert got == want
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_decode_steps_sync_with_two_direct_rounds_per_layer_and_generate_as_one_device(name: str, n: int) -> None:
+    """A prefill on the ring, then decode steps (one row: fewer rows than ranks) with the rows replicated and two
+    direct AllReduces per layer, each one round of n - 1 messages of one row from every rank, on uneven shares with
+    a rank holding no heads; the tokens and the KV cache are the single device's."""
+    cfg = PRESETS[name]
+    w = ref.init_weights(cfg, 63)
+    prompt = tokens_of(cfg, 6, seed=n).tolist()
+    new = 5
+    want = ref.generate(cfg, w, prompt, new)
+    single = ref.ModelCache(cfg.layers)
+    ref.forward(cfg, w, torch.tensor(prompt + want[:-1]), cache=single)
+    direct = {4 * i + j for i in range(cfg.layers) for j in (1, 3)}
+    row = cfg.hidden * 4
+    for mode in ("galaxy", "megatron"):
+        shares = shares_for(cfg, mode, n, "uneven")
+        assert 0 in shares.heads
+        loop = Loopback(n)
+        got, _, held = generate(cfg, shares, w, prompt, new, loop=loop)
+        assert got == want, mode
+        assert sum(held) == single.nbytes() and held[1] == 0  # the prefill's and the steps' caches continue
+        for r in range(n):
+            counts = loop.counts[r]
+            for step in range(1, new):
+                per = {c: v for (scope, c), v in counts.per_collective.items() if scope == step}
+                assert set(per) == direct, (mode, r, step)
+                assert all(v == (n - 1, (n - 1) * row) for v in per.values())
+                assert all(counts.steps[(step, c)] == {0} for c in per)  # one round each
+            if mode == "galaxy":  # the prefill (6 rows >= n) still runs galaxy's ring collectives
+                prefill = {c for (scope, c) in counts.per_collective if scope == 0}
+                assert prefill == set(range(1, 4 * cfg.layers))
+
+
+def test_sp_decode_steps_gather_keys_and_values_direct() -> None:
+    cfg = PRESETS["llama-tiny"]
+    w = ref.init_weights(cfg, 64)
+    n, prompt = 3, tokens_of(cfg, 5, seed=8).tolist()
+    loop = Loopback(n)
+    got, _, _ = generate(cfg, shares_for(cfg, "sp", n), w, prompt, 4, loop=loop)
+    assert got == ref.generate(cfg, w, prompt, 4)
+    kv = cfg.n_kv * cfg.head_dim * 4
+    for r in range(n):
+        per = {c: v for (scope, c), v in loop.counts[r].per_collective.items() if scope == 2}
+        if r == 0:  # the step's one row is rank 0's: it sends its keys and values to the others at once
+            assert per == {4 * i + j: (n - 1, (n - 1) * kv) for i in range(cfg.layers) for j in (0, 1)}
+            assert all(loop.counts[r].steps[(2, c)] == {0} for c in per)
+        else:
+            assert per == {}
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_prompt_shorter_than_the_ring_syncs_direct_with_replicated_rows(n: int) -> None:
+    cfg = PRESETS["opt-tiny"].model_copy(update={"layers": 3})
+    w = ref.init_weights(cfg, 65)
+    for s in range(1, n):
+        tokens = tokens_of(cfg, s, seed=s)
+        outs, loop, ranks = run_pass(cfg, shares_for(cfg, "galaxy", n, "uneven"), w, tokens)
+        close(assemble(outs), ref.forward(cfg, w, tokens), math.sqrt(cfg.layers))
+        assert [o.hidden.shape[0] for o in outs] == [1] * s + [0] * (n - s)  # galaxy answers with its row slice
+        assert [o.rank for o in outs if o.last] == [last_row_rank("galaxy", s, n)]
+        for r in range(n):
+            per = loop.counts[r].per_collective
+            assert set(per) == {(0, 4 * i + j) for i in range(cfg.layers) for j in (1, 3)}
+            assert all(m == n - 1 for m, _ in per.values())
+        rows = [sum(t.norm_rows for rk in ranks for t in rk.recorder.times() if t.layer == i)
+                for i in range(cfg.layers)]
+        assert rows == [2 * n * s] * cfg.layers  # the connective blocks run on every rank
 
 
 def test_a_rank_built_from_a_reader_reads_only_its_slices() -> None:

@@ -18,6 +18,17 @@ a decode step of one token is rows 1, 0, 0, ...). Every rank is given the same t
   causal masks by absolute position.
 * ``local``: one rank, everything (megatron's path with no collective).
 
+Direct syncs (``direct_syncs``: a pass of fewer rows than ranks, such as every decode step). Splitting so few
+rows gains nothing, and a ring collective of them is D - 1 sequential message hops that carry almost nothing, so
+such a pass is message-bound. galaxy and megatron then run megatron's path: every rank holds all the pass's rows
+(the connective blocks replicated) and the two per-layer syncs (numbers layer*4 + 1 and + 3) are direct
+AllReduces (``runtime.collectives.direct_all_reduce``: one round of D - 1 parallel messages each, summed in rank
+order so every rank's replicated rows hold the same bits): 2 message rounds per layer instead of 4 (D - 1) hops.
+galaxy still answers with its row slice (``row_bounds``) of the result. sp keeps its K and V AllGathers (it shards
+no weights, so there is nothing to reduce) but runs them direct (one round each, from the ranks with rows).
+The KV cache is the same either way (each rank's heads, or sp's every head, for every position), so a prefill
+on the ring and decode steps direct continue one another.
+
 KV cache (decoders). galaxy and megatron: each rank caches the keys and values of its KV heads for every position
 (the prefill fills it, each decode step adds the step's rows), which is exactly the single device's cache cut by
 heads. sp: each rank caches every head's keys and values for every position, as gathered (D copies in all: sp
@@ -50,6 +61,8 @@ from edgeswarm.runtime.collectives import (
     Bounds,
     Recv,
     Send,
+    direct_all_gather,
+    direct_all_reduce,
     even_bounds,
     ring_all_gather,
     ring_all_reduce,
@@ -64,6 +77,14 @@ COLLECTIVES_PER_LAYER = 4
 def row_bounds(s: int, parts: int) -> Bounds:
     """The rows [start, end) of each rank for a pass of ``s`` tokens (the first ``s mod parts`` one longer)."""
     return even_bounds(s, parts)
+
+
+def direct_syncs(rows: int, parts: int) -> bool:
+    """Whether a pass of ``rows`` tokens on ``parts`` ranks synchronises with direct collectives, every rank holding
+    every row (galaxy, megatron; sp gathers direct), instead of ring collectives over row slices: when there are
+    fewer rows than ranks (a decode step's one row; a prompt shorter than the ring), where a ring step carries at
+    most one row and its message's fixed cost is all its time."""
+    return parts > 1 and rows < parts
 
 
 def last_row_rank(mode: str, s: int, parts: int) -> int:
@@ -210,12 +231,17 @@ class HmpRank:
             types = types.to(self.device)
         try:
             with torch.inference_mode():
-                if self.shares.mode == "galaxy":
+                direct = direct_syncs(s, self.n)
+                if self.shares.mode == "galaxy" and direct:
+                    _, every = self._megatron(ids, start, ring, cache, types, direct=True)
+                    first, end = row_bounds(s, self.n)[self.rank]
+                    hidden = every[first:end]
+                elif self.shares.mode == "galaxy":
                     first, hidden = self._galaxy(ids, start, ring, cache, types)
                 elif self.shares.mode == "sp":
-                    first, hidden = self._sp(ids, start, ring, cache, types)
+                    first, hidden = self._sp(ids, start, ring, cache, types, direct=direct)
                 else:
-                    first, hidden = self._megatron(ids, start, ring, cache, types)
+                    first, hidden = self._megatron(ids, start, ring, cache, types, direct=direct)
         except BaseException:
             if cache is not None:
                 cache.truncate(start)  # a failed pass leaves the cache as it found it, so the request can go on
@@ -367,16 +393,19 @@ class HmpRank:
 
     # -- megatron and local ------------------------------------------------------------------------------------
 
-    def _all_reduce(self, part: torch.Tensor, bounds: Bounds, ring: Ring, index: int) -> torch.Tensor:
+    def _all_reduce(self, part: torch.Tensor, bounds: Bounds, ring: Ring, index: int, direct: bool) -> torch.Tensor:
         if self.n == 1:
             return part
         send, recv = ring(index)
         cols = part.shape[1]
+        if direct:
+            with self.recorder.phase("sync", "allreduce direct"):
+                return direct_all_reduce(part, self.rank, self.n, send, self._timed(recv)).view(-1, cols)
         with self.recorder.phase("sync", "allreduce"):
             return ring_all_reduce(part, self.rank, _scale(bounds, cols), send, self._timed(recv)).view(-1, cols)
 
     def _megatron(self, ids: torch.Tensor, start: int, ring: Ring, cache: RequestCache | None,
-                  types: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+                  types: torch.Tensor | None, *, direct: bool = False) -> tuple[int, torch.Tensor]:
         cfg, rec = self.cfg, self.recorder
         bounds = row_bounds(int(ids.shape[0]), self.n)
         rec.layer = OUTSIDE
@@ -391,7 +420,7 @@ class HmpRank:
                 att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None)
             with rec.phase("compute", "o"):
                 c = self._o(i, att)
-            g = self._all_reduce(c, bounds, ring, base + 1)
+            g = self._all_reduce(c, bounds, ring, base + 1, direct)
             with rec.phase("compute", "residual"):
                 u = x + g + self._bias(i, "o")
             if not cfg.pre_ln:
@@ -399,7 +428,7 @@ class HmpRank:
             m = self._norm(u, f"layers.{i}.mlp_norm") if cfg.pre_ln else u
             with rec.phase("compute", "mlp"):
                 f = self._down(i, self._inner(i, m))
-            g2 = self._all_reduce(f, bounds, ring, base + 3)
+            g2 = self._all_reduce(f, bounds, ring, base + 3, direct)
             with rec.phase("compute", "residual"):
                 x = u + g2 + self._bias(i, "down")
             if not cfg.pre_ln:
@@ -412,7 +441,7 @@ class HmpRank:
     # -- sequence parallel -------------------------------------------------------------------------------------
 
     def _sp(self, ids: torch.Tensor, start: int, ring: Ring, cache: RequestCache | None,
-            types: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+            types: torch.Tensor | None, *, direct: bool = False) -> tuple[int, torch.Tensor]:
         cfg, rec = self.cfg, self.recorder
         s = int(ids.shape[0])
         bounds = row_bounds(s, self.n)
@@ -431,8 +460,8 @@ class HmpRank:
                     qh = rotary(cfg, qh, start + a)
                     kr = rotary(cfg, k.view(b - a, cfg.n_kv, hd).transpose(0, 1), start + a)
                     k = kr.transpose(0, 1).reshape(b - a, cfg.n_kv * hd)
-            keys = self._sp_gather(k, bounds, ring, base + 0)
-            values = self._sp_gather(v, bounds, ring, base + 1)
+            keys = self._sp_gather(k, bounds, ring, base + 0, direct)
+            values = self._sp_gather(v, bounds, ring, base + 1, direct)
             with rec.phase("compute", "attention"):
                 kh = keys.view(s, cfg.n_kv, hd).transpose(0, 1)
                 vh = values.view(s, cfg.n_kv, hd).transpose(0, 1)
@@ -457,11 +486,15 @@ class HmpRank:
             x = self._norm(x, "final_norm")
         return a, x
 
-    def _sp_gather(self, part: torch.Tensor, bounds: Bounds, ring: Ring, index: int) -> torch.Tensor:
+    def _sp_gather(self, part: torch.Tensor, bounds: Bounds, ring: Ring, index: int, direct: bool) -> torch.Tensor:
         cols = part.shape[1]
         if self.n == 1:
             return part
         send, recv = ring(index)
+        if direct:
+            with self.recorder.phase("sync", "allgather kv direct"):
+                return direct_all_gather(part, self.rank, _scale(bounds, cols), send,
+                                         self._timed(recv)).view(-1, cols)
         with self.recorder.phase("sync", "allgather kv"):
             return ring_all_gather(part, self.rank, _scale(bounds, cols), send, self._timed(recv)).view(-1, cols)
 

@@ -1,6 +1,11 @@
 """An in-memory ring transport for tests and benchmarks on one host: ranks in threads, one queue per message,
 messages and bytes counted per sending rank and per collective, and an optional emulated link (bandwidth and
-latency) with one outbox thread per sender, so that ``send`` returns at once as the platform's does."""
+latency) with one outbox thread per sender, so that ``send`` returns at once as the platform's does.
+
+The emulated link: a sender's messages leave one after another, each taking its bytes / ``bandwidth_bps``, and
+each arrives ``latency_s`` after it left. The latency is in flight, not on the sender, so messages sent to several
+peers at once (a direct collective's) overlap their latencies, as on the platform, where each goes through its
+own outbox and broker."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class Counts:
     messages: int = 0
     bytes: int = 0
     per_collective: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (scope, c) -> (msgs, B)
+    steps: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (scope, c) -> the steps it sent on
 
 
 class Loopback:
@@ -46,9 +52,13 @@ class Loopback:
         if bandwidth_bps is not None or latency_s > 0:
             for r in range(n):
                 box: queue.Queue[tuple[int, Key, torch.Tensor] | None] = queue.Queue()
-                t = threading.Thread(target=self._pump, args=(box,), name=f"link-{r}", daemon=True)
+                flight: queue.Queue[tuple[float, int, Key, torch.Tensor] | None] = queue.Queue()
                 self._outboxes.append(box)
-                self._threads.append(t)
+                self._threads += [threading.Thread(target=self._pump, args=(box, flight), name=f"link-{r}",
+                                                   daemon=True),
+                                  threading.Thread(target=self._land, args=(flight,), name=f"flight-{r}",
+                                                   daemon=True)]
+            for t in self._threads:
                 t.start()
 
     def ring(self, rank: int, scope: int = 0) -> Callable[[int], tuple[Send, Recv]]:
@@ -66,6 +76,7 @@ class Loopback:
                     c.bytes += nbytes
                     m, b = c.per_collective.get((scope, collective), (0, 0))
                     c.per_collective[(scope, collective)] = (m + 1, b + nbytes)
+                    c.steps.setdefault((scope, collective), set()).add(step)
                 copy = tensor.detach().to("cpu", copy=True)
                 if self._outboxes:
                     self._outboxes[rank].put((to, key, copy))
@@ -96,14 +107,27 @@ class Loopback:
             self._held[(to, key)] = tensor
             self._lock.notify_all()
 
-    def _pump(self, box: queue.Queue[tuple[int, Key, torch.Tensor] | None]) -> None:
+    def _pump(self, box: queue.Queue[tuple[int, Key, torch.Tensor] | None],
+              flight: queue.Queue[tuple[float, int, Key, torch.Tensor] | None]) -> None:
+        """Transmit one sender's messages in order, each for its bytes' time on the link, then put it in flight."""
         while True:
             item = box.get()
             if item is None:
+                flight.put(None)
                 return
             to, key, tensor = item
-            delay = self.latency_s
             if self.bandwidth_bps:
-                delay += tensor.numel() * tensor.element_size() * 8 / self.bandwidth_bps
-            time.sleep(delay)
+                time.sleep(tensor.numel() * tensor.element_size() * 8 / self.bandwidth_bps)
+            flight.put((time.monotonic() + self.latency_s, to, key, tensor))
+
+    def _land(self, flight: queue.Queue[tuple[float, int, Key, torch.Tensor] | None]) -> None:
+        """Deliver one sender's messages in flight when each is due (in order: one latency for all)."""
+        while True:
+            item = flight.get()
+            if item is None:
+                return
+            due, to, key, tensor = item
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
             self._deliver(to, key, tensor)

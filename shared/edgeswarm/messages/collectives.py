@@ -1,9 +1,10 @@
 """The one data-plane message of every collective (``edgeswarm.runtime.collectives``), whatever the workload.
 
-A ring collective among the N peers of a job moves one slice per ring step from each peer to its right neighbour;
-each slice travels as a CollectiveTensor frame on the receiver's data topic. Training's AllReduce uses it; the
-workloads after it (tensor-parallel inference, split learning) use it too, so the sender check and the retry are
-written once (``edgeswarm.runtime.collective_exchange``).
+A ring collective among the N peers of a job moves one slice per ring step from each peer to its right neighbour
+(a direct one, for small tensors, moves each peer's vector to every other peer in one step); each slice travels
+as a CollectiveTensor frame on the receiver's data topic. Training's AllReduce uses it; the workloads after it
+(tensor-parallel inference, split learning) use it too, so the sender check and the retry are written once
+(``edgeswarm.runtime.collective_exchange``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class CollectiveTensor(Message):
     second synchronisation, say; 0 when a scope has one). ``step`` is the ring step, ``sender`` the sender's rank in
     the ring. With ``resend`` it is the receiver asking its left neighbour for step ``step`` again (its tensor is
     empty): a step sent at QoS 0 did not arrive by the deadline.
+
+    ``direct`` marks a frame between two members that are not ring neighbours in its direction (a direct
+    collective's slice to a rank other than the sender's right neighbour, or a resend request to a rank other than
+    the asker's left neighbour): the receiver then takes it from any member of the ring, still only from the node
+    that holds the rank ``sender`` claims.
     """
 
     job_id: Name
@@ -36,3 +42,4 @@ class CollectiveTensor(Message):
     step: int = Field(ge=0, lt=MAX_STEP)
     sender: int = Field(ge=0, lt=MAX_DEVICES)
     resend: bool = False
+    direct: bool = False

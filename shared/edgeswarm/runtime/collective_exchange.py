@@ -9,9 +9,16 @@ step)``. A ``CollectivePort`` (one per job and plan epoch, over the job's exchan
   belongs to (training's round): failing, aborting or forgetting the scope covers its collectives too.
 * ``accept(msg, nodes, rank)`` is the data-plane handler's half: it refuses a tensor whose envelope's node is not
   the ring member whose rank it claims, or whose rank is not the one that may send it (a slice comes from the left
-  neighbour only, a resend request from the right neighbour only), or whose tensor is not a 1-D tensor of the
-  port's dtype (that fails the scope: the genuine peer sent something unusable); otherwise it ``put``s the tensor
-  under its key, or answers the resend request. Every workload that runs collectives uses this one check.
+  neighbour only, a resend request from the right neighbour only; a frame marked ``direct`` from any other member),
+  or whose tensor is not a 1-D tensor of the port's dtype (that fails the scope: the genuine peer sent something
+  unusable); otherwise it ``put``s the tensor under its key, or answers the resend request. Every workload that
+  runs collectives uses this one check.
+
+Direct collectives (``direct_all_reduce``, ``direct_all_gather``) run over the same ``ring(...)`` pair: ``send``
+marks a slice to any rank but the right neighbour ``direct``, and ``recv`` marks a resend request to any rank but
+the left neighbour so, so neither side needs to be told which kind of collective it runs (a slice between
+neighbours is an ordinary ring slice either way). The retry below works the same for them: the receiver asks the
+rank it waits on.
 
 QoS, deadline and retry, per collective (``ring(..., qos=, deadline_s=)``):
 
@@ -83,7 +90,8 @@ class Refusal(NamedTuple):
 def ring_sender_problem(nodes: Sequence[str], rank: int, body: CollectiveTensor, sender_node: str) -> str | None:
     """Why ``body``, which came from ``sender_node``, is not from the member of the ring ``nodes`` (node of each
     rank) that may send it to rank ``rank``: its claimed rank must be in the ring and be ``sender_node``, and be
-    ``rank``'s left neighbour for a slice or its right neighbour for a resend request. None when it is."""
+    ``rank``'s left neighbour for a slice or its right neighbour for a resend request, or, for a ``direct`` frame,
+    any rank but ``rank``. None when it is."""
     n = len(nodes)
     what = (f"a collective {'resend request' if body.resend else 'tensor'} (scope {body.scope}, collective "
             f"{body.collective}, step {body.step}) from {sender_node} claiming rank {body.sender}")
@@ -92,6 +100,10 @@ def ring_sender_problem(nodes: Sequence[str], rank: int, body: CollectiveTensor,
     if body.sender >= n or nodes[body.sender] != sender_node:
         member = nodes[body.sender] if body.sender < n else "nobody"
         return f"{what}: rank {body.sender} of the ring is {member}"
+    if body.direct:
+        if body.sender == rank:
+            return f"{what}: rank {rank} does not send to itself"
+        return None
     may = (rank + 1) % n if body.resend else (rank - 1) % n
     if n == 1 or body.sender != may:
         return f"{what}: only rank {may} sends that to rank {rank} of a ring of {n}"
@@ -122,7 +134,8 @@ class CollectivePort:
     def ring(self, nodes: Sequence[str], rank: int, scope: int, *, collective: int = 0, qos: int = 1,
              deadline_s: float | None = None) -> tuple[Send, Recv]:
         """``send`` and ``recv`` for collective ``collective`` of ``scope`` among ``nodes`` (node of each rank;
-        this worker is rank ``rank``), for ``ring_reduce_scatter``, ``ring_all_gather`` or ``ring_all_reduce``.
+        this worker is rank ``rank``), for ``ring_reduce_scatter``, ``ring_all_gather``, ``ring_all_reduce``,
+        ``direct_all_reduce`` or ``direct_all_gather``.
         ``qos`` 0 or 1 and ``deadline_s`` (seconds to wait for one step's slice; default the exchange's
         ``wait_s``) as the module's docstring says. ``recv`` raises ExchangeTimeout (the scope failed),
         ExchangeFailed or ExchangeAborted."""
@@ -136,12 +149,15 @@ class CollectivePort:
         exchange = self.exchange
         wait_s = exchange.wait_s if deadline_s is None else deadline_s
 
-        def message(step: int, *, resend: bool = False) -> CollectiveTensor:
+        n = len(members)
+        right, left = (rank + 1) % n, (rank - 1) % n
+
+        def message(step: int, *, resend: bool = False, direct: bool = False) -> CollectiveTensor:
             return CollectiveTensor(job_id=self.job_id, epoch=self.epoch, scope=scope, collective=collective,
-                                    step=step, sender=rank, resend=resend)
+                                    step=step, sender=rank, resend=resend, direct=direct)
 
         def send(to_rank: int, step: int, tensor: torch.Tensor) -> None:
-            body, at = message(step), qos
+            body, at = message(step, direct=to_rank != right), qos
             if qos == 0:
                 at = self._keep(scope, (collective, step, to_rank), (members[to_rank], body, tensor))
             exchange.send(members[to_rank], scope, body, tensor, qos=at)
@@ -158,7 +174,8 @@ class CollectivePort:
                      members[from_rank])
             with self._lock:
                 self.asked += 1
-            exchange.send(members[from_rank], scope, message(step, resend=True), torch.empty(0), qos=1)
+            exchange.send(members[from_rank], scope, message(step, resend=True, direct=from_rank != left),
+                          torch.empty(0), qos=1)
             try:
                 return exchange.wait(key, timeout_s=wait_s)
             except ExchangeTimeout as exc:

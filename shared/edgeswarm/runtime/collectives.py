@@ -1,4 +1,5 @@
-"""Ring collectives among N peers over any transport: ReduceScatter, AllGather and AllReduce (SUM).
+"""Ring collectives among N peers over any transport: ReduceScatter, AllGather and AllReduce (SUM); and the
+direct (one-step) AllReduce and AllGather for small tensors.
 
 Pure: torch only, no I/O. The transport is two callables, ``send(to_rank, step, tensor)`` (returns at once; it owns
 ``tensor``, which is never modified after) and ``recv(from_rank, step) -> tensor`` (blocks, with its own timeout,
@@ -25,6 +26,14 @@ ReduceScatter on steps 0 .. N-2 and AllGather on steps N-1 .. 2N-3.
 Zero-size slices are skipped on both sides: a slice both ends know (from ``bounds``) to be empty is neither sent
 nor waited for, so a transport never carries an empty tensor. With N = 1 nothing is sent: ReduceScatter and
 AllReduce return a copy, AllGather the part.
+
+Direct. A ring collective costs N - 1 (AllReduce: 2 (N - 1)) sequential message hops, which for a small tensor
+(one decode row, say) is all its time. ``direct_all_reduce`` and ``direct_all_gather`` take one step instead:
+every rank sends its whole vector (AllGather: its slice) to every other rank at once, N - 1 messages in parallel,
+all on step ``step`` (default 0; the receiver tells them apart by sender), and receives the N - 1 others. Each rank
+sends N - 1 times the vector, so they pay off only where a message's fixed cost outweighs its bytes. The
+AllReduce sums the N vectors in rank order 0 .. N-1 on every rank (16-bit floats accumulated in float32, then
+rounded once), so every rank gets bit-identical values: replicated state stays identical across ranks.
 
 Tiled AllGather: ``on_slice(owner_rank, start, view)`` is called for the caller's own slice first and then for
 each slice as it arrives (zero-size ones too, in ring order), so each slice is seen exactly once and computation
@@ -155,6 +164,63 @@ def ring_all_reduce(flat: torch.Tensor, rank: int, bounds: Bounds, send: Send, r
     if n > 1:
         _reduce_scatter_into(out, rank, bounds, send, recv, 0)
     _all_gather_into(out, rank, bounds, send, recv, n - 1, on_slice)
+    return out
+
+
+def direct_all_reduce(flat: torch.Tensor, rank: int, parts: int, send: Send, recv: Recv, *,
+                      step: int = 0) -> torch.Tensor:
+    """The element-wise sum of every rank's ``flat`` (same length everywhere; any shape, read flattened) among
+    ``parts`` ranks, in one step: ``flat`` goes to every other rank and theirs come here, all on step ``step``.
+    Summed in rank order 0 .. parts-1 (16-bit floats in float32, rounded once), so the result, a new 1-D tensor
+    of ``flat``'s dtype and device, is bit-identical on every rank. ``flat`` is not modified. An empty vector, or
+    one rank, sends nothing."""
+    if parts < 1:
+        raise ValueError("a ring needs at least one slice")
+    if not 0 <= rank < parts:
+        raise ValueError(f"rank {rank} is not in a ring of {parts}")
+    n = parts
+    vector = flat.detach().reshape(-1)
+    if n == 1 or vector.numel() == 0:
+        return vector.clone()
+    mine = vector.clone()  # the transport owns it; every send may share it, as nothing modifies it after
+    for k in range(1, n):
+        send((rank + k) % n, step, mine)  # each rank starts with its right neighbour: no peer is everyone's first
+    got: list[torch.Tensor] = [mine] * n
+    for k in range(1, n):
+        frm = (rank - k) % n
+        got[frm] = _received(recv, frm, step, vector)
+    wide = torch.float32 if vector.dtype in (torch.float16, torch.bfloat16) else vector.dtype
+    total = got[0].to(wide, copy=True)
+    for j in range(1, n):
+        total.add_(got[j].to(wide))
+    return total.to(vector.dtype)
+
+
+def direct_all_gather(part: torch.Tensor, rank: int, bounds: Bounds, send: Send, recv: Recv, *,
+                      step: int = 0) -> torch.Tensor:
+    """Every rank's ``part`` (its slice ``bounds[rank]``, any shape, read flattened) put together into one new 1-D
+    tensor of ``bounds[-1][1]`` elements, of ``part``'s dtype and device, in one step: the part goes to every other
+    rank and theirs come here, all on step ``step``; zero-size slices are neither sent nor waited for. ``part`` is
+    not modified."""
+    n = _check_ring(rank, bounds)
+    length = bounds[-1][1]
+    check_bounds(bounds, length)
+    piece = part.detach().reshape(-1)
+    start, end = bounds[rank]
+    if piece.numel() != end - start:
+        raise ValueError(f"rank {rank} owns [{start}, {end}), {end - start} elements, but its part has "
+                         f"{piece.numel()}")
+    out = torch.empty(length, dtype=piece.dtype, device=piece.device)
+    out[start:end].copy_(piece)
+    if end > start:
+        mine = piece.clone()
+        for k in range(1, n):
+            send((rank + k) % n, step, mine)
+    for k in range(1, n):
+        frm = (rank - k) % n
+        a, b = bounds[frm]
+        if b > a:
+            out[a:b].copy_(_received(recv, frm, step, out[a:b]))
     return out
 
 

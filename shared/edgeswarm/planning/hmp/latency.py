@@ -5,6 +5,11 @@ proportional beyond the last point). The overlap forms need the GEMM part of a b
 split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). One ring step
 costs tau = message_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor goes
 sender -> receiver's broker -> receiver, one broker hop per message, whose fixed cost ``message_s`` includes.
+
+Decode steps (one row: fewer rows than devices) synchronise with direct collectives, as the runtime does
+(``hmp.layer.direct_syncs``): galaxy and megatron two direct AllReduces per layer, sp its K and V AllGathers direct.
+A direct round sends one row from every device to every other at once, D - 1 messages in parallel on separate
+links, so it costs one message on the slowest link of the mesh: message_s + latency_s + row bytes / bandwidth.
 """
 
 from __future__ import annotations
@@ -103,6 +108,25 @@ def ring_link(links: Sequence[LinkProfile], devices: Sequence[str]) -> list[Link
     return out
 
 
+def mesh_links(links: Sequence[LinkProfile], devices: Sequence[str]) -> list[LinkProfile]:
+    """The links between every two of ``devices`` (either direction), what a direct collective uses; a pair with no
+    profile is priced as the slowest profiled link. Raises ProfileError when two or more devices have no link
+    profile at all."""
+    if len(devices) < 2:
+        return []
+    by = {(lk.src, lk.dst): lk for lk in links}
+    out: list[LinkProfile] = []
+    for i, a in enumerate(devices):
+        for b in devices[i + 1:]:
+            lk = by.get((a, b)) or by.get((b, a))
+            if lk is None:
+                if not links:
+                    raise ProfileError(f"no link profile between {a} and {b} (and none at all): profile the links")
+                lk = min(links, key=lambda x: x.bandwidth_bps)
+            out.append(lk)
+    return out
+
+
 def step_s(ring: Sequence[LinkProfile], payload: float) -> float:
     """tau: one ring step of ``payload`` bytes, paced by the slowest link (seconds)."""
     return max((lk.message_s + lk.latency_s + payload / lk.bandwidth_bps for lk in ring), default=0.0)
@@ -184,7 +208,8 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         total = compute
     layer = _split(total, compute, comm)
     cm = CommModel(messages=messages, bytes=int(sent), broker_hops=messages, tau_s=tau, message_s=msg_s)
-    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, ring, decode_cache or seq_len) if cfg.decoder \
+    mesh = mesh_links(links, [p.node for p in profiles]) if cfg.decoder else []
+    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, mesh, decode_cache or seq_len) if cfg.decoder \
         else None
     return Prediction(layer, cm, dec)
 
@@ -197,11 +222,12 @@ def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float
 
 
 def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
-            heads: Sequence[int], columns: Sequence[int], ring: Sequence[LinkProfile],
+            heads: Sequence[int], columns: Sequence[int], mesh: Sequence[LinkProfile],
             cache: int) -> DecodePrediction:
     """One new token per layer times the layers: its blocks on one row (the attention core scaled from the
-    profiled cache of ``seq_len`` to ``cache`` keys) and the two AllReduces (or, for SP, the K/V AllGather) of
-    one row, which no GEMM hides."""
+    profiled cache of ``seq_len`` to ``cache`` keys) and the two direct AllReduces (or, for SP, the K and V
+    direct AllGathers) of one row, which no GEMM hides: two rounds per layer, each one message on the slowest
+    link of ``mesh`` (``mesh_links``), whatever the number of devices."""
     d = len(profiles)
     fr = block_fractions(cfg, 1, seq_len)
     core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
@@ -217,9 +243,9 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     if d == 1:
         net = 0.0
     elif mode == "sp":
-        net = 2 * (d - 1) * step_s(ring, cfg.n_kv * cfg.head_dim * beta)
+        net = 2 * step_s(mesh, cfg.n_kv * cfg.head_dim * beta)
     else:
-        net = 4 * (d - 1) * step_s(ring, -(-cfg.hidden // d) * beta)
+        net = 2 * step_s(mesh, cfg.hidden * beta)
     per_layer = compute + net
     total = cfg.layers * per_layer
     return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=cfg.layers * net,
