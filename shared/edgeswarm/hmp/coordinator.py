@@ -164,7 +164,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             self.ctx.update("planning")
         spec = self.spec
         options = HmpOptions(mode=spec.mode, exclude=spec.planner.exclude, overlap=spec.overlap,
-                             shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens)
+                             shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens,
+                             direct_syncs=spec.decode_syncs == "direct")
         return HmpPlanRequest(cluster=hmp_cluster(spec, self.config, cluster, self.device_profiles),
                               options=options, epoch=epoch)
 

@@ -231,7 +231,7 @@ class HmpRank:
             types = types.to(self.device)
         try:
             with torch.inference_mode():
-                direct = direct_syncs(s, self.n)
+                direct = self.shares.direct_syncs and direct_syncs(s, self.n)
                 if self.shares.mode == "galaxy" and direct:
                     _, every = self._megatron(ids, start, ring, cache, types, direct=True)
                     first, end = row_bounds(s, self.n)[self.rank]

@@ -32,7 +32,10 @@ class HmpSpec(BaseModel):
     the prompt length it is profiled and planned for; ``max_tokens`` bounds a request's prompt and generated tokens
     together, ``max_new_tokens`` is a decoder's default number of generated tokens. At most ``queue`` requests
     wait; beyond, a request is answered ``busy``. The ring's slices go at ``qos`` (0: a slice not there within
-    ``deadline_s`` seconds is asked for again once; a request whose pass fails is run again once)."""
+    ``deadline_s`` seconds is asked for again once; a request whose pass fails is run again once). A decode step
+    (one row) synchronises with ``direct`` collectives, one round of messages from every device to every other, or
+    ``ring`` ones, one hop after another: direct wins where each message's latency is its cost (separate
+    devices), ring where the devices share the cores that move the messages (an emulated cluster on one host)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -47,6 +50,7 @@ class HmpSpec(BaseModel):
     queue: int = Field(default=64, ge=1, le=4096)
     qos: Literal[0, 1] = 0
     deadline_s: float = Field(default=5.0, gt=0, le=600)
+    decode_syncs: Literal["direct", "ring"] = "direct"
     planner: HmpPlannerSpec = HmpPlannerSpec()
 
 

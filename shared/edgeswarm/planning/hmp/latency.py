@@ -155,7 +155,7 @@ def _split(total: float, compute: float, comm: float) -> LatencySplit:
 
 def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
             heads: Sequence[int], columns: Sequence[int], links: Sequence[LinkProfile], *, overlap: bool = True,
-            decode_cache: int = 0) -> Prediction:
+            decode_cache: int = 0, direct_syncs: bool = True) -> Prediction:
     """Spec 4.5's per-layer latency of ``mode`` on ``profiles`` (ring order) with the given head and column
     shares (galaxy, megatron; sp and local hold everything), and for decoders one token's with a cache of
     ``decode_cache`` tokens (0: ``seq_len``)."""
@@ -208,9 +208,9 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         total = compute
     layer = _split(total, compute, comm)
     cm = CommModel(messages=messages, bytes=int(sent), broker_hops=messages, tau_s=tau, message_s=msg_s)
-    mesh = mesh_links(links, [p.node for p in profiles]) if cfg.decoder else []
-    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, mesh, decode_cache or seq_len) if cfg.decoder \
-        else None
+    mesh = (mesh_links(links, [p.node for p in profiles]) if direct_syncs else ring) if cfg.decoder else []
+    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, mesh, decode_cache or seq_len,
+                  direct_syncs) if cfg.decoder else None
     return Prediction(layer, cm, dec)
 
 
@@ -223,11 +223,12 @@ def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float
 
 def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
             heads: Sequence[int], columns: Sequence[int], mesh: Sequence[LinkProfile],
-            cache: int) -> DecodePrediction:
+            cache: int, direct_syncs: bool = True) -> DecodePrediction:
     """One new token per layer times the layers: its blocks on one row (the attention core scaled from the
     profiled cache of ``seq_len`` to ``cache`` keys) and the two direct AllReduces (or, for SP, the K and V
     direct AllGathers) of one row, which no GEMM hides: two rounds per layer, each one message on the slowest
-    link of ``mesh`` (``mesh_links``), whatever the number of devices."""
+    link of ``mesh`` (``mesh_links``), whatever the number of devices. Without ``direct_syncs`` (``mesh`` is then
+    the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1))."""
     d = len(profiles)
     fr = block_fractions(cfg, 1, seq_len)
     core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
@@ -242,10 +243,10 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     beta = cfg.dtype_bytes
     if d == 1:
         net = 0.0
-    elif mode == "sp":
-        net = 2 * step_s(mesh, cfg.n_kv * cfg.head_dim * beta)
     else:
-        net = 2 * step_s(mesh, cfg.hidden * beta)
+        row = (cfg.n_kv * cfg.head_dim if mode == "sp" else cfg.hidden) * beta
+        rounds = 2 if direct_syncs else (2 if mode == "sp" else 4) * (d - 1)
+        net = rounds * step_s(mesh, row)
     per_layer = compute + net
     total = cfg.layers * per_layer
     return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=cfg.layers * net,

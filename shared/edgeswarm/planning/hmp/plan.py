@@ -61,14 +61,15 @@ def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile
              columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str]) -> HmpPlan:
     cfg = cluster.model
     pred = predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links,
-                   overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache)
+                   overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache,
+                   direct_syncs=options.direct_syncs)
     layers = cfg.layers
     model = pred.layer.model_copy(update={k: getattr(pred.layer, k) * layers
                                           for k in ("total_s", "compute_s", "comm_s", "exposed_s")})
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,
-                         overlap=options.overlap and mode == "galaxy"),
+                         overlap=options.overlap and mode == "galaxy", direct_syncs=options.direct_syncs),
         rows=equal_split(cluster.seq_len, len(profiles)) if mode in ("galaxy", "sp") else
         [cluster.seq_len] * len(profiles),
         capacity=list(problem.capacity),

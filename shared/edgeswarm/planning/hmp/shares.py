@@ -24,7 +24,10 @@ class HmpShares(BaseModel):
       the connective blocks on every row on every rank.
     * ``sp``: every rank holds every weight and an equal split of the rows; keys and values are AllGathered.
     * ``local``: one device computes everything.
-    ``overlap``: ReduceScatter and AllGather are tiled with the GEMMs beside them (galaxy only)."""
+    ``overlap``: ReduceScatter and AllGather are tiled with the GEMMs beside them (galaxy only).
+    ``direct_syncs``: a pass of fewer rows than devices (every decode step) synchronises with direct collectives
+    (one round of D-1 messages per device) rather than ring ones (D-1 hops each): faster where a message's latency
+    is its cost, slower where the devices share the cores that move the messages (an emulated cluster)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -33,6 +36,7 @@ class HmpShares(BaseModel):
     heads: list[int] = Field(max_length=MAX_SHARDS)
     columns: list[int] = Field(max_length=MAX_SHARDS)
     overlap: bool = True
+    direct_syncs: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> HmpShares:

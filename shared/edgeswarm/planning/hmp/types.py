@@ -106,7 +106,8 @@ class HmpOptions(BaseModel):
     replicated parts, activations and the KV cache are reserved. ``prune``: try leaving out the slowest devices
     and keep the fastest predicted plan. ``max_tokens``: tokens a request's KV cache must hold (0: prefill only).
     ``decode_cache``: the cache length of the per-token prediction (0: ``seq_len``). ``margin_bytes``: kept free
-    on every device."""
+    on every device. ``direct_syncs``: passes of fewer rows than devices (decode steps) use direct collectives
+    (``HmpShares.direct_syncs``), else ring ones."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -119,6 +120,7 @@ class HmpOptions(BaseModel):
     max_tokens: int = Field(default=0, ge=0, le=MAX_SEQ)
     decode_cache: int = Field(default=0, ge=0, le=MAX_SEQ)
     margin_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
+    direct_syncs: bool = True
 
 
 class LatencySplit(BaseModel):
