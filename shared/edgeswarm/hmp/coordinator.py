@@ -27,6 +27,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
 from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.coordination.serving import refuse_request, release
 from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.hmp.gather import hmp_cluster, profile_shards
 from edgeswarm.hmp.spec import HmpSpec
@@ -43,7 +44,7 @@ from edgeswarm.messages.hmp import (
     ShardResult,
 )
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
-from edgeswarm.messages.serving import InferError, InferErrorReason
+from edgeswarm.messages.serving import InferErrorReason
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
@@ -252,11 +253,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         self._release(plan.devices if plan else [])
 
     def _release(self, devices: list[str]) -> None:
-        for device in devices:
-            try:
-                self.bus.publish(topics.request(device, self.worker_service), ShardRelease(job_id=self.spec.name))
-            except EdgeswarmError as exc:
-                log.warning("job %s: could not release the shard on %s: %s", self.spec.name, device, exc)
+        release(self.bus, devices, self.worker_service, ShardRelease(job_id=self.spec.name),
+                f"shard of job {self.spec.name}")
 
     def _predictions(self, plan: HmpPlan) -> dict[str, Any]:
         return {"predicted_latency_s": plan.model.total_s,
@@ -323,14 +321,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
     def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
         with self._changed:
             self._stats.errors += 1
-        self.bus.metrics.count(f"infer_refused.{reason}")
-        _limited.warning(reason, "job %s: refused a request from %s (%s): %s", self.spec.name, msg.sender, reason,
-                         detail)
-        try:
-            self.bus.reply(msg, InferError(job_id=self.spec.name, request_id=request_id, reason=reason,
-                                           detail=detail[:1024]))
-        except EdgeswarmError as exc:
-            log.debug("could not answer a refused request: %s", exc)
+        refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
 
     # --- requests through -------------------------------------------------------------------------
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from edgeswarm.bus import Bus, Inbound
+from edgeswarm.coordination.serving import refuse_unserved
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.spec import HmpProgress, HmpSpec
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.hmp import HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobEventKind, JobState
-from edgeswarm.messages.serving import InferError
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
@@ -89,11 +89,5 @@ class HmpWorkload(Workload):
 
     def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:
         body = msg.body
-        if not isinstance(body, HmpRequest):
-            return
-        if state is None:
-            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="unknown_job",
-                                      detail=f"the coordinator has no job {body.job_id}: see edgeswarm jobs"))
-        else:
-            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="not_serving",
-                                      detail=f"job {body.job_id} is {state.status}, not serving"))
+        if isinstance(body, HmpRequest):  # results of a job that ended: nobody waits for them
+            refuse_unserved(bus, msg, body.job_id, body.request_id, state)

@@ -29,11 +29,11 @@ from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
 from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.coordination.serving import refuse_request, release
 from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
 from edgeswarm.messages.serving import (
-    InferError,
     InferErrorReason,
     InferReply,
     InferRequest,
@@ -252,11 +252,8 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
 
     def _release(self, devices: list[str]) -> None:
         """Tell ``devices`` to drop the job's stage (no answer expected)."""
-        for device in devices:
-            try:
-                self.bus.publish(topics.request(device, self.worker_service), ServeRelease(job_id=self.spec.name))
-            except EdgeswarmError as exc:
-                log.warning("job %s: could not release the stage on %s: %s", self.spec.name, device, exc)
+        release(self.bus, devices, self.worker_service, ServeRelease(job_id=self.spec.name),
+                f"stage of job {self.spec.name}")
 
     def _weights_source(self) -> WeightsSource | None:
         """The checkpoint the spec's weights name, with the unit range of each of its stages."""
@@ -407,14 +404,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
     def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
         with self._changed:
             self._stats.errors += 1
-        self.bus.metrics.count(f"infer_refused.{reason}")
-        _limited.warning(reason, "job %s: refused a request from %s (%s): %s", self.spec.name, msg.sender, reason,
-                         detail)
-        try:
-            self.bus.reply(msg, InferError(job_id=self.spec.name, request_id=request_id, reason=reason,
-                                           detail=detail[:1024]))
-        except EdgeswarmError as exc:
-            log.debug("could not answer a refused request: %s", exc)
+        refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
 
     def _stalled(self) -> bool:
         """Whether the oldest item in flight has waited past STALL_S (beyond the plan's latency) for its outputs."""

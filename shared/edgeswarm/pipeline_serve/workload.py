@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from edgeswarm.bus import Bus, Inbound
+from edgeswarm.coordination.serving import refuse_unserved
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
-from edgeswarm.messages.serving import InferError, InferRequest, ServeTensor
+from edgeswarm.messages.serving import InferRequest, ServeTensor
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
@@ -61,11 +62,5 @@ class ServePipelineWorkload(Workload):
 
     def refuse_data(self, bus: Bus, msg: Inbound, state: JobState | None) -> None:
         body = msg.body
-        if not isinstance(body, InferRequest):
-            return  # outputs of a job that ended: nobody waits for them
-        if state is None:
-            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="unknown_job",
-                                      detail=f"the coordinator has no job {body.job_id}: see edgeswarm jobs"))
-        else:
-            bus.reply(msg, InferError(job_id=body.job_id, request_id=body.request_id, reason="not_serving",
-                                      detail=f"job {body.job_id} is {state.status}, not serving"))
+        if isinstance(body, InferRequest):  # outputs of a job that ended: nobody waits for them
+            refuse_unserved(bus, msg, body.job_id, body.request_id, state)
