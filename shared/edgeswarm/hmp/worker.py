@@ -141,6 +141,9 @@ class ShardProgram:
                 profile = self._profiles.get(key)
                 if profile is None:
                     cfg = body.model.config()
+                    if body.seq_len > cfg.max_positions:
+                        raise EdgeswarmError(f"{body.model.name} takes at most {cfg.max_positions} tokens, not "
+                                             f"{body.seq_len}")
                     with self.ctx.gate.computing():
                         profile = profile_blocks(cfg, body.seq_len, node=self.ctx.node, device=self.ctx.device,
                                                  compute=self.ctx.compute)
