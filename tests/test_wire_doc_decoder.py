@@ -34,6 +34,9 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
+
+# edgeswarm.messages does not import the HMP planner's messages: imported here so they are registered.
+from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
@@ -242,7 +245,6 @@ def _hmp_cluster() -> Any:
 def hmp_samples() -> dict[type, Any]:
     """The tensor-parallel serving (serve-hmp) messages, built from a real HMP plan and comparison."""
     from edgeswarm.messages.hmp import LayerSplit, PassSplit
-    from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
     from edgeswarm.planning.hmp.plan import compare, plan_hmp
     from edgeswarm.planning.hmp.synthetic import synthetic_profile
     from edgeswarm.planning.hmp.types import HmpOptions
@@ -283,7 +285,6 @@ def hmp_samples() -> dict[type, Any]:
 def test_hmp_messages_of_the_other_kinds_decode() -> None:
     """The optional parts the samples fill, left empty: a plan without a decode prediction or comparison, an
     encoder's reply without a split or tpot, a request by token ids, a direct collective frame."""
-    from edgeswarm.messages.hmp_planning import HmpPlanReply
     from edgeswarm.planning.hmp.plan import plan_hmp
     from edgeswarm.planning.hmp.types import HmpOptions
 
