@@ -383,7 +383,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.plan.replan_request", 1): {"plan": _PLAN, "cluster": _CLUSTER, "failed": "str", "heavy": "bool"},
     ("edgeswarm.plan.reply", 1): {"plan": _PLAN, "comparison": ("optional", _COMPARISON), "planning_s": "number"},
     ("edgeswarm.plan.failed", 1): {
-        "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "error"}), "detail": "str",
+        "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "too_large", "busy", "error"}), "detail": "str",
     },
     ("edgeswarm.stage.assign", 1): {
         "job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "model": _MODEL_SPEC, "start": "int",
