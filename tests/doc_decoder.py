@@ -248,7 +248,58 @@ _SERVE_PLAN_FIELDS = {
     "bottleneck_s": "number", "throughput_per_s": "number", "latency_s": "number", "method": "str", "epoch": "int",
     "bottleneck": "str", "units": "int",
 }
-_ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS})
+# The tensor-parallel planner's records (section 5, "Planner schemas": HMP cluster ... HMP comparison).
+_TEXT_DTYPE = ("enum", {"float32", "bfloat16", "float16"})
+_HMP_MODES = {"galaxy", "megatron", "sp", "local"}
+_TEXT_MODEL_CONFIG = ("record", {
+    "family": ("enum", {"bert", "gpt2", "opt", "llama"}), "layers": "int", "hidden": "int", "heads": "int",
+    "kv_heads": "int", "ffn": "int", "vocab": "int", "max_positions": "int", "type_vocab": "int",
+    "norm_eps": "number", "activation": ("enum", {"gelu", "gelu_tanh", "relu", "silu"}), "bias": "bool",
+    "position_offset": "int", "rope_theta": "number", "tie_embeddings": "bool", "dtype": _TEXT_DTYPE,
+})
+_BLOCK_PROFILE = ("record", {
+    "node": "str", "device_class": "str", "memory_budget_bytes": "int", "seq_len": "int",
+    "heads": ("list", "int"), "mha_s": ("list", "number"), "columns": ("list", "int"), "mlp_s": ("list", "number"),
+    "rows": ("list", "int"), "con_s": ("list", "number"), "mha_decode_s": ("list", "number"),
+    "mlp_decode_s": ("list", "number"), "compute": "str", "method": ("enum", {"measured", "synthetic"}),
+})
+_HMP_CLUSTER = ("record", {
+    "model": _TEXT_MODEL_CONFIG, "model_name": "str", "seq_len": "int", "devices": ("list", _BLOCK_PROFILE),
+    "links": ("list", _LINK),
+})
+_HMP_OPTIONS = ("record", {
+    "mode": ("enum", _HMP_MODES | {"auto"}), "exclude": ("list", "str"), "overlap": "bool",
+    "shift": ("enum", {"paper", "water"}), "paper": "bool", "prune": "bool", "max_tokens": "int",
+    "decode_cache": "int", "margin_bytes": "int", "direct_syncs": "bool",
+})
+_HMP_SHARES = ("record", {
+    "mode": ("enum", _HMP_MODES), "devices": ("list", "str"), "heads": ("list", "int"),
+    "columns": ("list", "int"), "overlap": "bool", "direct_syncs": "bool",
+})
+_LATENCY_SPLIT = ("record", {"total_s": "number", "compute_s": "number", "comm_s": "number", "exposed_s": "number"})
+_HMP_PLAN_FIELDS = {
+    "workload": ("enum", {"serve-hmp"}), "model_name": "str", "seq_len": "int", "shares": _HMP_SHARES,
+    "rows": ("list", "int"), "capacity": ("list", "number"), "memory_bytes": ("list", "int"),
+    "memory_budget_bytes": ("list", "int"), "layer": _LATENCY_SPLIT, "model": _LATENCY_SPLIT,
+    "comm": ("record", {"messages": "int", "bytes": "int", "broker_hops": "int", "tau_s": "number",
+                        "message_s": "number"}),
+    "decode": ("optional", ("record", {"cache_tokens": "int", "per_token_s": "number", "network_s": "number",
+                                       "network_share": "number"})),
+    "shift": ("enum", {"paper", "water"}), "paper": "bool", "left_out": ("list", "str"), "epoch": "int",
+}
+_HMP_PLAN = ("record", _HMP_PLAN_FIELDS)
+_HMP_COMPARISON = ("record", {
+    "verdicts": ("list", ("record", {"mode": ("enum", _HMP_MODES), "plan": ("optional", _HMP_PLAN),
+                                     "reason": "str"})),
+})
+# Section 5, "Tensor-parallel serving schemas": the text model source.
+_TEXT_MODEL_SOURCE = ("record", {"preset": "str?", "path": "str?", "layers": "int?", "dtype": ("optional", _TEXT_DTYPE),
+                                 "seed": "int"})
+
+_LAYER_SPLIT = ("record", {"compute_ms": "number", "sync_ms": "number", "waiting_ms": "number"})
+
+_ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS,
+                                    "serve-hmp": _HMP_PLAN_FIELDS})
 _PROGRESS = ("tagged", "kind", {
     "train": {
         "kind": ("enum", {"train"}), "strategy": _STRATEGY, "round": "int", "total_rounds": "int",
@@ -262,6 +313,11 @@ _PROGRESS = ("tagged", "kind", {
         "in_flight": "int", "queued": "int", "throughput_per_s": "number?", "latency_p50_s": "number?",
         "latency_p99_s": "number?", "predicted_throughput_per_s": "number?", "predicted_latency_s": "number?",
         "reconfigurations": "int", "weights": "str"},
+    "serve-hmp": {
+        "kind": ("enum", {"serve-hmp"}), "answered": "int", "errors": "int", "recomputed": "int", "queued": "int",
+        "tokens": "int", "reconfigurations": "int", "latency_p50_s": "number?", "latency_p99_s": "number?",
+        "ttft_p50_s": "number?", "tpot_p50_s": "number?", "tokens_per_s": "number?",
+        "split": ("optional", _LAYER_SPLIT), "predicted_latency_s": "number?", "predicted_tpot_s": "number?"},
 })
 _COMPARISON = ("record", {
     "hpp": _PLAN, "planning_s": "number",
@@ -327,7 +383,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.plan.replan_request", 1): {"plan": _PLAN, "cluster": _CLUSTER, "failed": "str", "heavy": "bool"},
     ("edgeswarm.plan.reply", 1): {"plan": _PLAN, "comparison": ("optional", _COMPARISON), "planning_s": "number"},
     ("edgeswarm.plan.failed", 1): {
-        "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "error"}), "detail": "str",
+        "reason": ("enum", {"infeasible", "bad_profile", "bad_request", "too_large", "busy", "error"}), "detail": "str",
     },
     ("edgeswarm.stage.assign", 1): {
         "job_id": "str", "epoch": "int", "stage": "int", "rank": "int", "model": _MODEL_SPEC, "start": "int",
@@ -366,7 +422,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "reason": ("enum", {"invalid", "duplicate", "unknown_job", "finished"}), "detail": "str",
     },
     ("edgeswarm.job.state", 1): {
-        "job_id": "str", "submission": "str", "spec": "str", "kind": ("enum", {"train", "serve-pipeline"}),
+        "job_id": "str", "submission": "str", "spec": "str", "kind": ("enum", {"train", "serve-pipeline", "serve-hmp"}),
         "status": ("enum", {"queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded",
                             "failed", "cancelled"}),
         "model": "str", "plan": ("optional", _ANY_PLAN), "progress": _PROGRESS, "detail": "str",
@@ -406,7 +462,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     },
     ("edgeswarm.collective.tensor", 1): {
         "job_id": "str", "epoch": "int", "scope": "int", "collective": "int", "step": "int", "sender": "int",
-        "resend": "bool",
+        "resend": "bool", "direct": "bool",
     },
     ("edgeswarm.stage.save", 1): {"job_id": "str", "epoch": "int", "store_node": "str", "version": "int"},
     ("edgeswarm.stage.saved", 1): {
@@ -453,6 +509,34 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
                             "bad_request", "forbidden", "error"}),
         "detail": "str",
     },
+    ("edgeswarm.plan.hmp_request", 1): {
+        "cluster": _HMP_CLUSTER, "options": _HMP_OPTIONS, "compare": "bool", "epoch": "int",
+    },
+    ("edgeswarm.plan.hmp_reply", 1): {
+        "plan": _HMP_PLAN, "comparison": ("optional", _HMP_COMPARISON), "planning_s": "number",
+    },
+    ("edgeswarm.hmp.profile", 1): {"model": _TEXT_MODEL_SOURCE, "seq_len": "int"},
+    ("edgeswarm.hmp.profile_reply", 1): {"profile": _BLOCK_PROFILE},
+    ("edgeswarm.hmp.assign", 1): {
+        "job_id": "str", "epoch": "int", "rank": "int", "model": _TEXT_MODEL_SOURCE, "shares": _HMP_SHARES,
+        "coordinator": "str", "max_tokens": "int", "qos": "int", "deadline_s": "number",
+    },
+    ("edgeswarm.hmp.ready", 1): {"job_id": "str", "epoch": "int", "rank": "int", "parameters": "int",
+                                 "memory_bytes": "int", "load_s": "number"},
+    ("edgeswarm.hmp.release", 1): {"job_id": "str"},
+    ("edgeswarm.hmp.free", 1): {"job_id": "str", "epoch": "int", "requests": ("list", "int")},
+    ("edgeswarm.hmp.pass", 1): {"job_id": "str", "epoch": "int", "pass_id": "int", "request": "int", "start": "int"},
+    ("edgeswarm.hmp.result", 1): {
+        "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int", "top": ("list", "int"),
+        "split": ("record", {"compute_s": "number", "sync_s": "number", "waiting_s": "number"}), "cache_bytes": "int",
+    },
+    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int"},
+    ("edgeswarm.hmp.reply", 1): {
+        "job_id": "str", "request_id": "str", "prompt_tokens": ("list", "int"), "tokens": ("list", "int"),
+        "text": "str", "latency_s": "number", "ttft_s": "number", "tpot_s": "number?",
+        "split": ("optional", _LAYER_SPLIT),
+        "epoch": "int", "recomputed": "bool",
+    },
     ("edgeswarm.checkpoint.list", 1): {"job_id": "str?"},
     ("edgeswarm.checkpoint.listing", 1): {
         "entries": ("list", ("record", {"job_id": "str", "stage": "str", "versions": ("list", "int")})),
@@ -463,7 +547,9 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
 #: "always carry a tensor").
 TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
                             "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.serve.tensor",
-                            "edgeswarm.infer.request", "edgeswarm.infer.reply", "edgeswarm.collective.tensor"})
+                            "edgeswarm.infer.request", "edgeswarm.infer.reply", "edgeswarm.collective.tensor",
+                            "edgeswarm.hmp.request", "edgeswarm.hmp.reply", "edgeswarm.hmp.pass",
+                            "edgeswarm.hmp.result"})
 
 
 def _is_int(value: object) -> bool:
@@ -851,7 +937,10 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.checkpoint.commit", "edgeswarm.checkpoint.load", "edgeswarm.checkpoint.list",
                               "edgeswarm.stage.assign", "edgeswarm.stage.round", "edgeswarm.stage.save",
                               "edgeswarm.stage.abort", "edgeswarm.stage.send_state", "edgeswarm.stage.inventory",
-                              "edgeswarm.job.submit", "edgeswarm.job.cancel"})
+                              "edgeswarm.job.submit", "edgeswarm.job.cancel", "edgeswarm.plan.serve_request",
+                              "edgeswarm.serve.assign", "edgeswarm.serve.release", "edgeswarm.plan.hmp_request",
+                              "edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release",
+                              "edgeswarm.hmp.free"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
                             "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
@@ -859,7 +948,15 @@ _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edge
                             "edgeswarm.checkpoint.missing", "edgeswarm.checkpoint.failed", "edgeswarm.stage.ready",
                             "edgeswarm.stage.round_done", "edgeswarm.stage.failed", "edgeswarm.stage.saved",
                             "edgeswarm.checkpoint.listing", "edgeswarm.job.accepted", "edgeswarm.job.rejected",
-                            "edgeswarm.stage.state_sent", "edgeswarm.stage.held"})
+                            "edgeswarm.stage.state_sent", "edgeswarm.stage.held", "edgeswarm.plan.serve_reply",
+                            "edgeswarm.serve.ready", "edgeswarm.infer.reply", "edgeswarm.infer.error",
+                            "edgeswarm.plan.hmp_reply", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.ready",
+                            "edgeswarm.hmp.reply"})
+#: Section 5: the schemas on a service's data topic (tensors, and the requests that carry one).
+_DATA_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
+                           "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.collective.tensor",
+                           "edgeswarm.serve.tensor", "edgeswarm.infer.request", "edgeswarm.hmp.pass",
+                           "edgeswarm.hmp.result", "edgeswarm.hmp.request"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:
@@ -877,9 +974,7 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
     if len(levels) == 6 and levels[1] == "reply":  # section 6: the reply address, then the replier's node
         return _REPLY_SCHEMAS
     if len(levels) == 6 and levels[1] == "node" and levels[4] in ("request", "data"):  # ... then the sender's node
-        return _REQUEST_SCHEMAS if levels[4] == "request" else frozenset({
-            "edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
-            "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.collective.tensor"})
+        return _REQUEST_SCHEMAS if levels[4] == "request" else _DATA_SCHEMAS
     if len(levels) == 5 and levels[1] == "node":
         return {
             "status": frozenset({"edgeswarm.status"}),

@@ -34,6 +34,9 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
+
+# edgeswarm.messages does not import the HMP planner's messages: imported here so they are registered.
+from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
@@ -96,6 +99,7 @@ def samples() -> dict[type, Any]:
         **job_samples(),
         **checkpoint_samples(),
         **serving_samples(),
+        **hmp_samples(),
     }
 
 
@@ -230,6 +234,111 @@ def serving_samples() -> dict[type, Any]:
     }
 
 
+def _hmp_cluster() -> Any:
+    from edgeswarm.devices.cluster import load_cluster
+    from edgeswarm.planning.hmp.synthetic import synthetic_cluster
+    from edgeswarm.values.text_model import PRESETS
+
+    return synthetic_cluster(load_cluster("galaxy-env-f-125mbps"), PRESETS["gpt2-tiny"], 16, model_name="gpt2-tiny")
+
+
+def hmp_samples() -> dict[type, Any]:
+    """The tensor-parallel serving (serve-hmp) messages, built from a real HMP plan and comparison."""
+    from edgeswarm.messages.hmp import LayerSplit, PassSplit
+    from edgeswarm.planning.hmp.plan import compare, plan_hmp
+    from edgeswarm.planning.hmp.synthetic import synthetic_profile
+    from edgeswarm.planning.hmp.types import HmpOptions
+    from edgeswarm.values.text_model import PRESETS, TextModelSource
+
+    cluster = _hmp_cluster()
+    options = HmpOptions(mode="auto", exclude=[cluster.devices[-1].node], shift="water", max_tokens=64,
+                         margin_bytes=1 << 20, direct_syncs=False)
+    plan = plan_hmp(cluster, HmpOptions(max_tokens=32)).model_copy(update={"epoch": 3})
+    assert plan.decode is not None  # a decoder's plan: the per-token prediction is there to round-trip
+    comparison = compare(cluster, HmpOptions())
+    profile = synthetic_profile("nano-1", PRESETS["llama-tiny"], 16, slowdown=4.0, budget_bytes=2**30,
+                                device_class="jetson-nano")
+    source = TextModelSource(preset="gpt2-tiny", layers=1, dtype="bfloat16", seed=7)
+    return {
+        HmpPlanRequest: HmpPlanRequest(cluster=cluster, options=options, compare=True, epoch=3),
+        HmpPlanReply: HmpPlanReply(plan=plan, comparison=comparison, planning_s=0.003),
+        m.ShardProfileRequest: m.ShardProfileRequest(model=TextModelSource(path="/models/gpt2"), seq_len=16),
+        m.ShardProfileReply: m.ShardProfileReply(profile=profile),
+        m.ShardAssign: m.ShardAssign(job_id="g1", epoch=3, rank=1, model=source, shares=plan.shares,
+                                     coordinator="hub", max_tokens=48, qos=1, deadline_s=2.5),
+        m.ShardReady: m.ShardReady(job_id="g1", epoch=3, rank=1, parameters=12345, memory_bytes=1 << 20,
+                                   load_s=0.125),
+        m.ShardRelease: m.ShardRelease(job_id="g1"),
+        m.ShardFree: m.ShardFree(job_id="g1", epoch=3, requests=[4, 5]),
+        m.ShardPass: m.ShardPass(job_id="g1", epoch=3, pass_id=17, request=4, start=9),
+        m.ShardResult: m.ShardResult(job_id="g1", epoch=3, pass_id=17, rank=1, row_start=8, top=[50, 7, 3],
+                                     split=PassSplit(compute_s=0.01, sync_s=0.002, waiting_s=0.0005),
+                                     cache_bytes=4096),
+        m.HmpRequest: m.HmpRequest(job_id="g1", request_id="r-9", text="héllo", max_new_tokens=8),
+        m.HmpReply: m.HmpReply(job_id="g1", request_id="r-9", prompt_tokens=[1, 2, 3], tokens=[4, 5],
+                               text=" world", latency_s=0.5, ttft_s=0.2, tpot_s=0.15,
+                               split=LayerSplit(compute_ms=1.5, sync_ms=0.5, waiting_ms=0.25), epoch=3,
+                               recomputed=True),
+    }
+
+
+def test_hmp_messages_of_the_other_kinds_decode() -> None:
+    """The optional parts the samples fill, left empty: a plan without a decode prediction or comparison, an
+    encoder's reply without a split or tpot, a request by token ids, a direct collective frame."""
+    from edgeswarm.planning.hmp.plan import plan_hmp
+    from edgeswarm.planning.hmp.types import HmpOptions
+
+    plan = plan_hmp(_hmp_cluster(), HmpOptions(mode="megatron", prune=False, overlap=False))
+    messages = [HmpPlanReply(plan=plan.model_copy(update={"decode": None}), planning_s=0.0),
+                m.HmpReply(job_id="g1", latency_s=0.1, ttft_s=0.1, epoch=0),
+                m.HmpRequest(job_id="g1"),
+                m.ShardResult(job_id="g1", epoch=0, pass_id=0, rank=0)]
+    for message in messages:
+        frame = decode(encode(sender().envelope(message), message)) if message.SCHEMA not in TENSOR_SCHEMAS else \
+            decode(next(iter(tensor_frames(sender().envelope(message), message, np.zeros(0, dtype=np.float32)))))
+        assert isinstance(frame, Frame) and frame.body == plain(message.model_dump()), message.SCHEMA
+    direct = m.CollectiveTensor(job_id="g1", epoch=0, scope=5, collective=1, step=0, sender=2, direct=True)
+    (payload,) = tensor_frames(sender().envelope(direct), direct, np.ones(3, dtype=np.float32))
+    frame = decode(payload)
+    assert isinstance(frame, Frame) and frame.body["direct"] is True
+
+
+def test_a_tensor_parallel_jobs_state_decodes() -> None:
+    """A serve-hmp job's state holds an HMP plan and progress (by ``workload`` and ``kind``)."""
+    from edgeswarm.hmp.spec import HmpProgress
+    from edgeswarm.messages.hmp import LayerSplit
+    from edgeswarm.planning.hmp.plan import plan_hmp
+    from edgeswarm.planning.hmp.types import HmpOptions
+
+    plan = plan_hmp(_hmp_cluster(), HmpOptions(max_tokens=32))
+    state = m.JobState(job_id="g1", kind="serve-hmp", status="running", model="gpt2-tiny", plan=plan,
+                       progress=HmpProgress(answered=4, errors=1, recomputed=1, tokens=40, latency_p50_s=0.4,
+                                            ttft_p50_s=0.1, tpot_p50_s=0.02, tokens_per_s=50.0,
+                                            split=LayerSplit(compute_ms=1.0, sync_ms=0.5, waiting_ms=0.1),
+                                            predicted_latency_s=0.3),
+                       submitted_at=1.7e9, updated_at=1.7e9)
+    frame = decode(encode(sender().envelope(state), state))
+    assert isinstance(frame, Frame) and frame.body == plain(state.model_dump())
+    assert frame.body["plan"]["workload"] == "serve-hmp" and frame.body["progress"]["kind"] == "serve-hmp"
+
+
+def test_hmp_topics_carry_their_schemas() -> None:
+    """Section 5's topics of the tensor-parallel serving schemas, as the doc decoder reads them."""
+    from edgeswarm import topics
+
+    worker = "tensor-shard-worker"
+    for name in ("edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release", "edgeswarm.hmp.free"):
+        assert name in (schemas_for_topic(topics.request("nano-1", worker) + "/hub") or ())
+    assert "edgeswarm.plan.hmp_request" in (schemas_for_topic(topics.request("hub", "planner") + "/cli") or ())
+    data = schemas_for_topic(f"edgeswarm/node/nano-1/{worker}/data/hub") or frozenset()
+    assert {"edgeswarm.hmp.pass", "edgeswarm.collective.tensor"} <= data
+    coordinator = schemas_for_topic("edgeswarm/node/hub/coordinator/data/nano-1") or frozenset()
+    assert {"edgeswarm.hmp.result", "edgeswarm.hmp.request"} <= coordinator
+    replies = schemas_for_topic("edgeswarm/reply/cli/cli/abc123/hub") or frozenset()
+    assert {"edgeswarm.hmp.reply", "edgeswarm.hmp.ready", "edgeswarm.hmp.profile_reply",
+            "edgeswarm.plan.hmp_reply", "edgeswarm.infer.error", "edgeswarm.stage.failed"} <= replies
+
+
 def test_a_serving_jobs_state_decodes() -> None:
     """A job state holds a serving plan and progress as well as a training one (by ``workload`` and ``kind``)."""
     state = m.JobState(job_id="s1", kind="serve-pipeline", status="running", model="mlp", plan=_serve_plan(),
@@ -283,6 +392,26 @@ def test_doc_lists_exactly_the_registered_schemas() -> None:
     assert registered_keys == set(SCHEMAS)
     for cls in registered():
         assert set(cls.model_fields) == set(SCHEMAS[(cls.SCHEMA, cls.VERSION)]), cls.SCHEMA
+
+
+def test_doc_size_caps_are_the_schemas_caps() -> None:
+    """Section 1's size caps name every schema whose header cap is not the default, with its cap."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wire-format.md").read_text()
+    para = doc[doc.index("**Size caps.**"):]
+    para = para[para.index("(in KiB):"):para.index("Senders never exceed a cap")]
+    caps: dict[str, int] = {}
+    pending: list[str] = []
+    for name, number in re.findall(r"`([a-z_.]+)`|(\d+)", para):
+        if name:
+            pending.append(f"edgeswarm.{name}")
+        else:
+            caps.update({n: int(number) * 1024 for n in pending})
+            pending = []
+    actual = {cls.SCHEMA: cls.MAX_BYTES for cls in registered() if cls.MAX_BYTES != 65536}
+    assert caps == actual
 
 
 @pytest.mark.parametrize("ttl_s,correlation_id,reply_to", [
