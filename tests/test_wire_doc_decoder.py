@@ -34,9 +34,7 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
-
-# edgeswarm.messages does not import the HMP planner's messages: imported here so they are registered.
-from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
+from edgeswarm.messages import HmpPlanReply, HmpPlanRequest
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire import Sender, encode, registered, tensor_frames

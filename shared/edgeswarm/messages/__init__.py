@@ -27,6 +27,7 @@ from edgeswarm.messages.hmp import (
     ShardRelease,
     ShardResult,
 )
+from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.jobs import JobAccepted, JobCancel, JobEvent, JobRejected, JobState, JobSubmit
 from edgeswarm.messages.liveness import Heartbeat, Probe, ProbeReply, RequestRejected, Status
 from edgeswarm.messages.metrics import MetricsReport
@@ -72,6 +73,8 @@ from edgeswarm.messages.training import (
 )
 
 __all__ = [
+    "HmpPlanReply",
+    "HmpPlanRequest",
     "HmpReply",
     "HmpRequest",
     "ShardAssign",
