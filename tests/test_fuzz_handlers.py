@@ -97,8 +97,10 @@ def huge_batch_plan() -> m.PlanRequest:
 
 def workable_messages() -> list[Message]:
     """Requests a service here can carry out: a stage it can build and run alone, an upload that adds up, a run."""
+    from edgeswarm.planning.hmp.shares import HmpShares
     from edgeswarm.values.profiles import ModelSpec
     from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
+    from edgeswarm.values.text_model import TextModelSource
 
     mlp = ModelSpec(name="mlp", config={"hidden": 8})
     whole = m.StageAssign(job_id="j1", epoch=2, stage=0, rank=0, model=mlp, start=0, end=6, groups=[[SERVICE_NODE]],
@@ -117,6 +119,12 @@ def workable_messages() -> list[Message]:
         m.CheckpointLoad(transfer_id="load-1", job_id="job-1", stage="0", version=None),
         m.ProfileRequest(request_id="req-2", model=mlp, batch_sizes=[1, 2], method="calibrated", peers=[]),
         m.BenchStart(run_id="r1", count=1, done_correlation_id="done-2"),
+        # A whole tiny model on this one device: its passes run without peers.
+        m.ShardAssign(job_id="g1", epoch=3, rank=0, model=TextModelSource(preset="gpt2-tiny"),
+                      shares=HmpShares(mode="local", devices=[SERVICE_NODE], heads=[4], columns=[256]),
+                      coordinator=SERVICE_NODE, max_tokens=32),
+        m.ShardPass(job_id="g1", epoch=3, pass_id=1, request=1, start=0),
+        m.ShardProfileRequest(model=TextModelSource(preset="bert-tiny"), seq_len=8),
     ]
 
 
@@ -635,15 +643,17 @@ def _identity_fields(body: Message) -> dict[str, Any]:
 # The schemas each service handles (beyond probes, statuses and heartbeats, which every service follows).
 HANDLED: dict[str, list[type[Message]]] = {
     "node-agent": [m.BenchStart, m.BenchData, m.BenchEcho],
-    "planner": [m.PlanRequest, m.ReplanRequest],
+    "planner": [m.PlanRequest, m.ReplanRequest, m.HmpPlanRequest],
     "coordinator": [m.JobSubmit, m.JobCancel, m.JobState],
     "checkpoint-store": [m.CheckpointTensor, m.CheckpointCommit, m.CheckpointLoad, m.CheckpointList],
     "profiler": [m.ProfileRequest, m.LinkProbe],
     "stage-worker": [m.StageAssign, m.RoundStart, m.StageSave, m.StageAbort, m.StageSendState, m.StageInventory,
                      m.StageTensor, m.CollectiveTensor, m.StageState],
+    "tensor-shard-worker": [m.ShardAssign, m.ShardRelease, m.ShardFree, m.ShardProfileRequest, m.ShardPass,
+                            m.CollectiveTensor],
 }
 EXAMPLES = {"node-agent": 500, "planner": 500, "coordinator": 500, "checkpoint-store": 500, "profiler": 500,
-            "stage-worker": 500}
+            "stage-worker": 500, "tensor-shard-worker": 300}
 
 
 class RunningService:
@@ -766,7 +776,7 @@ def _settle(svc: Service, timeout_s: float = 10.0) -> None:
     """Give work the handlers handed on (a stage-worker's assignment threads, the profiler's and checkpoint store's
     queues) a bounded moment to finish or fail, so that a failure there is counted before the test looks."""
     deadline = time.monotonic() + timeout_s
-    names = {"assign", "round", "ship"}
+    names = {"assign", "round", "ship", "hmp-assign", "hmp-profile"}
     jobs = getattr(svc, "_jobs", None)
     while time.monotonic() < deadline and (any(t.name in names for t in threading.enumerate())
                                            or (jobs is not None and not jobs.idle)):
