@@ -60,12 +60,18 @@ class HmpRun(BaseModel):
     seq_len: int
     mode: str
     overlap: bool = True
+    prune: bool = True
     devices: list[str] = []
     heads: list[int] = []
     columns: list[int] = []
     left_out: list[str] = []
     predicted_s: float | None = None
     predicted_layer_s: float | None = None
+    predicted_comm_s: float | None = None
+    predicted_exposed_s: float | None = None
+    tau_s: float | None = None
+    message_s: float | None = None
+    link_mbps: float | None = None
     predicted_tpot_s: float | None = None
     predicted_network_share: float | None = None
     latency_s: float | None = None
@@ -157,6 +163,17 @@ def _median(values: list[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+def _link_mbps(plan: HmpPlan, hidden: int, dtype_bytes: int) -> float | None:
+    """The ring's bandwidth the plan priced its steps at (Mbps), from tau = message + latency + payload / bandwidth
+    (one step carries the largest row slice); None for one device."""
+    devices = len(plan.shares.devices)
+    rows = -(-plan.seq_len // devices) if devices > 1 else 0
+    left = plan.comm.tau_s - plan.comm.message_s - LATENCY_MS / 1000
+    if rows <= 0 or left <= 0:
+        return None
+    return rows * hidden * dtype_bytes * 8 / left / 1e6
+
+
 def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float, model: str, layers: int,
                       seq_len: int, mode: str, overlap: bool = True, prune: bool = True, exclude: tuple[str, ...] = (),
                       requests: int = 3, new_tokens: int = 0, log: Log = lambda _m: None) -> HmpRun:
@@ -164,11 +181,12 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
     and then ``requests`` prompts of ``seq_len`` tokens one at a time (``new_tokens`` generated each), cancel it,
     and return the run. ``exclude``: devices the plan must leave out."""
     row = HmpRun(section=section, env=env, bandwidth_mbps=bandwidth_mbps, model=model, layers=layers,
-                 seq_len=seq_len, mode=mode, overlap=overlap, new_tokens=new_tokens)
+                 seq_len=seq_len, mode=mode, overlap=overlap, prune=prune, new_tokens=new_tokens)
     name = f"bench-hmp-{mode}-{uuid.uuid4().hex[:6]}"
     spec = {"kind": "serve-hmp", "name": name, "model": {"preset": model, "layers": layers, "seed": 0},
             "mode": mode, "overlap": overlap, "seq_len": seq_len, "max_tokens": seq_len + new_tokens + 1,
-            "max_new_tokens": new_tokens, "deadline_s": DEADLINE_S, "planner": {"prune": prune, "exclude": list(exclude)}}
+            "max_new_tokens": new_tokens, "deadline_s": DEADLINE_S,
+            "planner": {"prune": prune, "exclude": list(exclude)}}
     follower = JobFollower(bus, name)
     submit_job(bus, json.dumps(spec), submission=follower.submission)
     try:
@@ -184,6 +202,9 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         row = row.model_copy(update={
             "devices": plan.shares.devices, "heads": plan.shares.heads, "columns": plan.shares.columns,
             "left_out": plan.left_out, "predicted_s": plan.model.total_s, "predicted_layer_s": plan.layer.total_s,
+            "predicted_comm_s": plan.layer.comm_s, "predicted_exposed_s": plan.layer.exposed_s,
+            "tau_s": plan.comm.tau_s, "message_s": plan.comm.message_s,
+            "link_mbps": _link_mbps(plan, PRESETS[model].hidden, PRESETS[model].dtype_bytes),
             "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None,
             "predicted_network_share": plan.decode.network_share if plan.decode is not None else None})
         prompts = prompts_of(model, requests + 1, seq_len, seed=len(section))
@@ -246,6 +267,7 @@ class HmpBenchConfig(BaseModel):
     scaling_seq_len: int = 384
     weak_tokens: int = 96
     overlap_env: str = "c"
+    generation_envs: list[str] = ["c", "b", "f"]
     generation_model: str = "gpt2-large"
     generation_layers: int = 2
     generation_prompt: int = 32
@@ -276,6 +298,12 @@ def _on_cluster(report: HmpReport, spec: ClusterSpec, env: str, bandwidth: float
                     log(f"{run.section}: env {env.upper()} {run.model} {run.mode}: {run.error[:200]}")
                 report.runs.append(run)
                 save()
+                if run.mode == "galaxy" and run.prune and run.left_out and not run.error:
+                    # The planner left devices out on its prediction: the paper's Galaxy, on every device, beside it.
+                    every = {**job, "prune": False}
+                    report.runs.append(serve_and_measure(bus, env=env, bandwidth_mbps=bandwidth, log=log,
+                                                         **every))  # type: ignore[arg-type]
+                    save()
     except EdgeswarmError as exc:
         log(f"{spec.name}: {exc}")
         for job in jobs:
@@ -299,7 +327,7 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
         return {"section": section, "model": model, "layers": layers, "seq_len": seq_len, "mode": mode,
                 "requests": c.requests, **extra}
 
-    overlap_jobs = [job("overlap", m, c.layers, c.seq_len, "galaxy", overlap=False) for m in c.models]
+    overlap_jobs = [job("overlap", m, c.layers, c.seq_len, "galaxy", overlap=False, prune=False) for m in c.models]
     if "envs" in c.sections:
         for env in c.envs:
             for model in c.models:
@@ -328,7 +356,7 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
                      job("weak", c.scaling_model, 1, c.weak_tokens * n, mode, prune=False, exclude=tuple(names[n:]))]
         _on_cluster(report, spec, "c", 1000, jobs, save, log)
     if "generation" in c.sections:
-        for env in ("c", "b", "f"):
+        for env in c.generation_envs:
             jobs = [job("generation", c.generation_model, c.generation_layers, c.generation_prompt, mode,
                         new_tokens=c.generation_tokens, prune=False) for mode in ("galaxy", "megatron")]
             # one-token passes: a decoding step's per-layer split without the KV cache's attention
@@ -354,14 +382,28 @@ def report_json(report: HmpReport) -> dict[str, object]:
     return out
 
 
-def speedups(runs: list[HmpRun]) -> dict[tuple[str, str, float, str], dict[str, float | None]]:
+def galaxy_of(runs: list[HmpRun], section: str, env: str, bandwidth: float, model: str,
+              all_devices: bool = False) -> HmpRun | None:
+    """Galaxy's run in that cell (overlap on): as planned (devices left out where the plan predicts they do not
+    pay), or with ``all_devices`` the run on every device (the planned one where it left none out)."""
+    same = [r for r in runs if (r.section, r.env, r.bandwidth_mbps, r.model, r.mode) == (
+        section, env, bandwidth, model, "galaxy") and r.overlap]
+    planned = next((r for r in same if r.prune), None)
+    if not all_devices:
+        return planned or next(iter(same), None)
+    every = next((r for r in same if not r.prune), None)
+    return every or (planned if planned is not None and not planned.left_out else None)
+
+
+def speedups(runs: list[HmpRun], all_devices: bool = False) -> dict[tuple[str, str, float, str],
+                                                                      dict[str, float | None]]:
     """Per (section, env, bandwidth, model): Galaxy's speedup over each baseline measured in the same section
-    (baseline latency over Galaxy's; None where either did not serve)."""
+    (baseline latency over Galaxy's; None where either did not serve); ``all_devices``: see ``galaxy_of``."""
     out: dict[tuple[str, str, float, str], dict[str, float | None]] = {}
     keys = {(r.section, r.env, r.bandwidth_mbps, r.model) for r in runs if r.mode == "galaxy" and r.overlap}
     for key in sorted(keys):
         same = [r for r in runs if (r.section, r.env, r.bandwidth_mbps, r.model) == key and r.overlap]
-        galaxy = next((r for r in same if r.mode == "galaxy"), None)
+        galaxy = galaxy_of(runs, *key, all_devices=all_devices)
         local = [r for r in runs if (r.section, r.env, r.model, r.mode) == (key[0], key[1], key[3], "local")]
         cell: dict[str, float | None] = {}
         for mode in ("megatron", "sp", "local"):
@@ -371,4 +413,3 @@ def speedups(runs: list[HmpRun]) -> dict[tuple[str, str, float, str], dict[str, 
                           and base.latency_s and galaxy.latency_s else None)
         out[key] = cell
     return out
-

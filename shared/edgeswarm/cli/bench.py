@@ -400,10 +400,12 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
 
     sections = _split_list(args.sections, "--sections")
     envs = _split_list(args.envs.lower(), "--envs")
+    generation_envs = _split_list(args.generation_envs.lower(), "--generation-envs")
     models = _split_list(args.models, "--models")
     modes = _split_list(args.modes, "--modes")
     bad = ([f"section {s}" for s in sections if s not in HmpBenchConfig().sections]
-           + [f"env {e}" for e in envs + [args.bandwidth_env, args.overlap_env] if e not in ENVS]
+           + [f"env {e}" for e in envs + generation_envs + [args.bandwidth_env, args.overlap_env]
+              if e not in ENVS]
            + [f"mode {m}" for m in modes if m not in MODES]
            + [f"model {m}" for m in models + [args.bandwidth_model, args.scaling_model, args.generation_model]
               if m not in PRESETS])
@@ -424,7 +426,8 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
                               bandwidth_env=args.bandwidth_env, bandwidth_model=args.bandwidth_model,
                               scaling_model=args.scaling_model, scaling_devices=args.scaling_devices,
                               scaling_seq_len=args.scaling_seq_len, weak_tokens=args.weak_tokens,
-                              overlap_env=args.overlap_env, generation_model=args.generation_model,
+                              overlap_env=args.overlap_env, generation_envs=generation_envs,
+                              generation_model=args.generation_model,
                               generation_layers=args.generation_layers, generation_prompt=args.generation_prompt,
                               generation_tokens=args.generation_tokens)
     except ValidationError as exc:
@@ -467,11 +470,11 @@ def layer_flops(model: str, seq_len: int) -> float:
 
 def hmp_tables(report: HmpReport) -> list[Table]:
     """The report's tables: the environments, the bandwidth sweep, scaling, overlap and generation."""
-    from edgeswarm.bench.hmp import speedups
+    from edgeswarm.bench.hmp import galaxy_of, speedups
 
     runs = report.runs
     tables: list[Table] = []
-    ups = speedups(runs)
+    ups, ups_all = speedups(runs), speedups(runs, all_devices=True)
     verdicts = {(v.env, v.model, v.mode): v for v in report.verdicts}
     for section, title in (("envs", "Galaxy environments at 125 Mbps"), ("bandwidth", "bandwidth sweep")):
         rows = [r for r in runs if r.section == section]
@@ -494,10 +497,13 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                           escape(r.error[:60]), "-", "-", "-", full)
                 continue
             up = ups.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
-            t.add_row(r.env.upper(), f"{r.bandwidth_mbps:g}", r.model, r.mode, str(len(r.devices)),
+            up_all = ups_all.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
+            label = r.mode + ("" if r.mode != "galaxy" else " (all devices)" if not r.prune else " (planned)")
+            t.add_row(r.env.upper(), f"{r.bandwidth_mbps:g}", r.model, label, str(len(r.devices)),
                       "/".join(map(str, r.heads)), _ms(r.predicted_s), _ms(r.latency_s), _x(r.ratio),
                       f"{r.compute_ms or 0:.0f} / {r.sync_ms or 0:.0f} / {r.waiting_ms or 0:.0f}",
-                      _x(up) if r.mode != "galaxy" else "", full)
+                      "" if r.mode == "galaxy" else _x(up) if up == up_all else f"{_x(up)} ({_x(up_all)} all)",
+                      full)
         tables.append(t)
     strong = {len(r.devices): r for r in runs if r.section == "strong" and r.latency_s}
     weak = {len(r.devices): r for r in runs if r.section == "weak" and r.latency_s}
@@ -523,8 +529,7 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                     "predicted on / off ms"):
             t.add_column(col, justify="left" if col in ("env", "model") else "right")
         for r in off:
-            on = next((x for x in runs if x.section == "envs" and x.env == r.env and x.model == r.model
-                       and x.mode == "galaxy" and x.latency_s), None)
+            on = galaxy_of(runs, "envs", r.env, r.bandwidth_mbps, r.model, all_devices=True)
             if on is None or on.latency_s is None or r.latency_s is None:
                 continue
             t.add_row(r.env.upper(), r.model, _ms(on.latency_s), _ms(r.latency_s), _ms(r.latency_s - on.latency_s),
@@ -560,15 +565,19 @@ def hmp_lines(report: HmpReport) -> list[str]:
 
     lines = []
     homo = {"a", "b", "c"}
+    every = speedups(report.runs, all_devices=True)
     for (section, env, bw, model), cell in speedups(report.runs).items():
         if section != "envs":
             continue
         goal = 1.46 if env in homo else 2.5
-        mlm = cell.get("megatron")
-        worst = min((v for v in cell.values() if v is not None), default=None)
-        lines.append(f"Env {env.upper()} {model}: Galaxy {_x(mlm)} over Megatron-TP (goal >= {goal}x: "
-                     f"{'met' if mlm and mlm >= goal else 'missed'}); slowest against any baseline {_x(worst)} "
-                     f"({'never slower' if worst is None or worst >= 1.0 else 'SLOWER than a baseline'})")
+        for what, c in (("as planned", cell), ("on every device", every.get((section, env, bw, model), {}))):
+            if what != "as planned" and (c == cell or all(v is None for v in c.values())):
+                continue
+            mlm = c.get("megatron")
+            worst = min((v for v in c.values() if v is not None), default=None)
+            lines.append(f"Env {env.upper()} {model}, Galaxy {what}: {_x(mlm)} over Megatron-TP (goal >= {goal}x: "
+                         f"{'met' if mlm and mlm >= goal else 'missed'}); against the fastest baseline "
+                         f"{_x(worst)} ({'never slower' if worst is None or worst >= 1.0 else 'SLOWER'})")
     ratios = [r.ratio for r in report.runs if r.ratio is not None and r.section in ("envs", "bandwidth")]
     if ratios:
         inside = sum(0.8 <= x <= 1.2 for x in ratios)

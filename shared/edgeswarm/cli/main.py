@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     hmp.add_argument("--scaling-seq-len", type=int, default=384, help="strong scaling's tokens")
     hmp.add_argument("--weak-tokens", type=int, default=96, help="weak scaling's tokens per device")
     hmp.add_argument("--overlap-env", default="c", help="the environment of overlap on against off")
+    hmp.add_argument("--generation-envs", default="c,b,f",
+                     help="generation's environments at 1000 Mbps (c: 4 Nano-M, b: 3, f: Nano-L, -M, -S)")
     hmp.add_argument("--generation-model", default="gpt2-large", help="the generation runs' model")
     hmp.add_argument("--generation-layers", type=int, default=2, help="the generation runs' layers")
     hmp.add_argument("--generation-prompt", type=int, default=32, help="the generation runs' prompt tokens")
