@@ -67,6 +67,7 @@ class HmpRun(BaseModel):
     left_out: list[str] = []
     predicted_s: float | None = None
     predicted_layer_s: float | None = None
+    predicted_compute_s: float | None = None
     predicted_comm_s: float | None = None
     predicted_exposed_s: float | None = None
     tau_s: float | None = None
@@ -202,7 +203,8 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         row = row.model_copy(update={
             "devices": plan.shares.devices, "heads": plan.shares.heads, "columns": plan.shares.columns,
             "left_out": plan.left_out, "predicted_s": plan.model.total_s, "predicted_layer_s": plan.layer.total_s,
-            "predicted_comm_s": plan.layer.comm_s, "predicted_exposed_s": plan.layer.exposed_s,
+            "predicted_compute_s": plan.layer.compute_s, "predicted_comm_s": plan.layer.comm_s,
+            "predicted_exposed_s": plan.layer.exposed_s,
             "tau_s": plan.comm.tau_s, "message_s": plan.comm.message_s,
             "link_mbps": _link_mbps(plan, PRESETS[model].hidden, PRESETS[model].dtype_bytes),
             "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None,
