@@ -239,12 +239,13 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
 
 def full_model_verdicts(env: str, model: str, seq_len: int) -> list[Verdict]:
     """The planner's verdict per mode on the whole ``model`` (every layer) on Env ``env``'s device classes with
-    the paper's memory model (spec C-M2): which modes run out of memory."""
+    the paper's memory model in float16, as its Table I footprints (spec C-M2): which modes run out of memory."""
     from edgeswarm.planning.hmp.plan import compare
     from edgeswarm.planning.hmp.synthetic import synthetic_cluster
     from edgeswarm.planning.hmp.types import HmpOptions
 
-    cluster = synthetic_cluster(cluster_at(env, 125), PRESETS[model], seq_len, model)
+    cfg = PRESETS[model].model_copy(update={"dtype": "float16"})
+    cluster = synthetic_cluster(cluster_at(env, 125), cfg, seq_len, model)
     comparison = compare(cluster, HmpOptions(paper=True))
     return [Verdict(env=env, model=model, mode=v.mode, fits=v.plan is not None,
                     predicted_s=v.plan.model.total_s if v.plan is not None else None, reason=v.reason)
