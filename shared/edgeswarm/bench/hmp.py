@@ -233,8 +233,11 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
             + (f"; TPOT {row.tpot_s * 1000:.0f} ms" if row.tpot_s else ""))
         return row
     finally:
-        cancel_job(bus, name)
-        follower.wait(60)
+        try:
+            cancel_job(bus, name)
+            follower.wait(60)
+        except EdgeswarmError:
+            pass  # it had already ended (a job whose planning failed): its reason is the run's error
 
 
 def full_model_verdicts(env: str, model: str, seq_len: int) -> list[Verdict]:
@@ -348,16 +351,13 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
                     if mode != "local" or bw == c.bandwidths[0]]  # Local does not use the network
             _on_cluster(report, cluster_at(c.bandwidth_env, bw), c.bandwidth_env, bw, jobs, save, log)
     if "scaling" in c.sections:
-        # One cluster of Nano-M at 1000 Mbps; n devices by leaving the others out of the plan (profiles are kept).
-        spec = cluster_at("c", 1000, c.scaling_devices)
-        names = [d.id for d in spec.devices]
-        jobs = []
-        for n in range(1, len(names) + 1):
+        # A cluster of n Nano-M at 1000 Mbps for each n (planner.exclude cannot narrow one cluster: the
+        # coordinator removes the excluded devices before planning and the planner then refuses to exclude them).
+        for n in range(1, c.scaling_devices + 1):
             mode = "local" if n == 1 else "galaxy"
-            jobs += [job("strong", c.scaling_model, 1, c.scaling_seq_len, mode, prune=False,
-                         exclude=tuple(names[n:])),
-                     job("weak", c.scaling_model, 1, c.weak_tokens * n, mode, prune=False, exclude=tuple(names[n:]))]
-        _on_cluster(report, spec, "c", 1000, jobs, save, log)
+            jobs = [job("strong", c.scaling_model, 1, c.scaling_seq_len, mode, prune=False),
+                    job("weak", c.scaling_model, 1, c.weak_tokens * n, mode, prune=False)]
+            _on_cluster(report, cluster_at("c", 1000, n), "c", 1000, jobs, save, log)
     if "generation" in c.sections:
         for env in c.generation_envs:
             jobs = [job("generation", c.generation_model, c.generation_layers, c.generation_prompt, mode,
