@@ -39,6 +39,7 @@ from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 
 MODES = ("galaxy", "megatron", "sp", "local")
 ENVS = ("a", "b", "c", "d", "e", "f")
+SECTIONS = ("envs", "bandwidth", "scaling", "overlap", "generation", "trace")
 LATENCY_MS = 0.5  # the Galaxy cluster files' one-way link latency
 DEADLINE_S = 60.0  # a slice's re-request deadline: far above an emulated Nano's slowest phase
 Log = Callable[[str], None]
@@ -258,8 +259,8 @@ def full_model_verdicts(env: str, model: str, seq_len: int) -> list[Verdict]:
 class HmpBenchConfig(BaseModel):
     """What ``run_hmp_bench`` runs: ``sections`` of envs, bandwidth, scaling, overlap, generation, trace."""
 
-    sections: list[str] = ["envs", "bandwidth", "scaling", "overlap", "generation", "trace"]
-    envs: list[str] = ["a", "c", "d", "f"]
+    sections: list[str] = ["envs", "overlap", "trace"]
+    envs: list[str] = ["a", "f"]
     models: list[str] = ["distilbert", "gpt2-large"]
     layers: int = 1
     seq_len: int = 284
@@ -272,7 +273,7 @@ class HmpBenchConfig(BaseModel):
     scaling_devices: int = 4
     scaling_seq_len: int = 384
     weak_tokens: int = 96
-    overlap_env: str = "c"
+    overlap_env: str = "a"
     generation_envs: list[str] = ["c", "b", "f"]
     generation_model: str = "gpt2-large"
     generation_layers: int = 2

@@ -395,7 +395,7 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
     """The benchmark's configuration from ``edgeswarm bench hmp``'s arguments. Raises ConfigError."""
     from pydantic import ValidationError
 
-    from edgeswarm.bench.hmp import ENVS, MODES, HmpBenchConfig
+    from edgeswarm.bench.hmp import ENVS, MODES, SECTIONS, HmpBenchConfig
     from edgeswarm.models.text.config import PRESETS
 
     sections = _split_list(args.sections, "--sections")
@@ -403,7 +403,7 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
     generation_envs = _split_list(args.generation_envs.lower(), "--generation-envs")
     models = _split_list(args.models, "--models")
     modes = _split_list(args.modes, "--modes")
-    bad = ([f"section {s}" for s in sections if s not in HmpBenchConfig().sections]
+    bad = ([f"section {s}" for s in sections if s not in SECTIONS]
            + [f"env {e}" for e in envs + generation_envs + [args.bandwidth_env, args.overlap_env]
               if e not in ENVS]
            + [f"mode {m}" for m in modes if m not in MODES]
