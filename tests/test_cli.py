@@ -452,15 +452,20 @@ def test_bench_hmp_measures_every_mode_generation_and_writes_a_trace(tmp_path: P
                     "--json", str(tmp_path / "hmp.json"), timeout=300)
     report = json.loads((tmp_path / "hmp.json").read_text())
     runs = report["runs"]
+    # Galaxy as planned may leave a device out of a tiny model's plan: then it also runs on every device.
+    every = [r for r in runs if r["section"] == "envs" and r["mode"] == "galaxy" and not r["prune"]]
+    assert len(every) == (1 if runs[0]["left_out"] else 0)
+    runs = [r for r in runs if r not in every]
     assert [(r["section"], r["mode"], r["error"]) for r in runs] == [
         ("envs", "galaxy", None), ("envs", "megatron", None), ("envs", "sp", None), ("envs", "local", None),
         ("overlap", "galaxy", None), ("generation", "galaxy", None), ("generation", "megatron", None),
         ("token-pass", "galaxy", None), ("token-pass", "megatron", None)], out.stderr
-    for r in runs:
+    for r in runs + every:
         assert r["latency_s"] > 0 and r["predicted_s"] > 0 and r["requests"] == 1 and r["compute_ms"] > 0
         assert r["devices"] and r["ratio"] > 0
     assert [r["overlap"] for r in runs[:5]] == [True] * 4 + [False]
     assert len(runs[1]["devices"]) == 2 and runs[1]["heads"] == [2, 2]  # Megatron's equal split on Env A
+    assert len(runs[4]["devices"]) == 2 and all(len(r["devices"]) == 2 for r in every)  # no overlap: every device
     for r in runs[5:7]:
         assert r["new_tokens"] == 3 and r["tpot_s"] > 0 and r["ttft_s"] > 0 and r["predicted_tpot_s"] > 0
     assert 0 <= runs[8]["network_share"] <= 1
