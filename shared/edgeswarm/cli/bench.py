@@ -542,7 +542,7 @@ def hmp_tables(report: HmpReport) -> list[Table]:
         t = Table(title="generation at 1000 Mbps: greedy tokens from the sharded KV cache; network share = sync + "
                         "waiting over the slowest rank's time in a one-token pass")
         for col in ("env", "devices", "model", "mode", "TTFT ms", "TPOT ms", "predicted TPOT ms",
-                    "Galaxy vs this", "network share", "predicted share"):
+                    "Galaxy's speedup", "network share", "predicted share"):
             t.add_column(col, justify="left" if col in ("env", "model", "mode") else "right")
         for r in gen:
             if r.error:
