@@ -134,6 +134,34 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
+    hmp = bench_sub.add_parser("hmp", help="Galaxy's tensor-parallel serving against Megatron-TP, SP and Local on "
+                               "emulated Galaxy environments: speedups, bandwidth sweep, scaling, overlap, generation")
+    hmp.add_argument("--sections", default="envs,overlap,trace",
+                     help="comma-separated: envs, bandwidth, scaling, overlap, generation, trace (default: about 15 "
+                     "minutes on a 2-core VM; each further section 5 to 20)")
+    hmp.add_argument("--envs", default="a,f", help="Galaxy environments (a-f) at 125 Mbps")
+    hmp.add_argument("--models", default="distilbert,gpt2-large", help="comma-separated Transformer presets")
+    hmp.add_argument("--modes", default="galaxy,megatron,sp,local", help="comma-separated modes")
+    hmp.add_argument("--layers", type=int, default=1, help="layers kept of each model (the paper's shapes)")
+    hmp.add_argument("--seq-len", type=int, default=284, help="prompt tokens per request (the paper's 284)")
+    hmp.add_argument("--requests", type=int, default=3, help="measured requests per run, after one warm-up")
+    hmp.add_argument("--bandwidths", default="125,250,500,1000", help="the sweep's bandwidths, Mbps")
+    hmp.add_argument("--bandwidth-env", default="b", help="the sweep's environment")
+    hmp.add_argument("--bandwidth-model", default="distilbert", help="the sweep's model")
+    hmp.add_argument("--scaling-model", default="gpt2-large", help="the scaling runs' model (one layer)")
+    hmp.add_argument("--scaling-devices", type=int, default=4, help="scaling: 1 to this many Nano-M")
+    hmp.add_argument("--scaling-seq-len", type=int, default=384, help="strong scaling's tokens")
+    hmp.add_argument("--weak-tokens", type=int, default=96, help="weak scaling's tokens per device")
+    hmp.add_argument("--overlap-env", default="a", help="the environment of overlap on against off")
+    hmp.add_argument("--generation-envs", default="c,b,f",
+                     help="generation's environments at 1000 Mbps (c: 4 Nano-M, b: 3, f: Nano-L, -M, -S)")
+    hmp.add_argument("--generation-model", default="gpt2-large", help="the generation runs' model")
+    hmp.add_argument("--generation-layers", type=int, default=2, help="the generation runs' layers")
+    hmp.add_argument("--generation-prompt", type=int, default=32, help="the generation runs' prompt tokens")
+    hmp.add_argument("--generation-tokens", type=int, default=8, help="tokens generated per request")
+    hmp.add_argument("--trace", default="out/hmp-trace.json", help="where the Chrome trace goes")
+    hmp.add_argument("--json", default=None, metavar="PATH", help="also write every run as JSON")
+
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
@@ -239,6 +267,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_collectives
 
             return run_bench_collectives(args)
+        if args.command == "bench" and args.bench == "hmp":
+            from edgeswarm.cli.bench import run_bench_hmp
+
+            return run_bench_hmp(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 
