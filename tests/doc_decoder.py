@@ -530,7 +530,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int", "top": ("list", "int"),
         "split": ("record", {"compute_s": "number", "sync_s": "number", "waiting_s": "number"}), "cache_bytes": "int",
     },
-    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int"},
+    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int?"},
     ("edgeswarm.hmp.reply", 1): {
         "job_id": "str", "request_id": "str", "prompt_tokens": ("list", "int"), "tokens": ("list", "int"),
         "text": "str", "latency_s": "number", "ttft_s": "number", "tpot_s": "number?",

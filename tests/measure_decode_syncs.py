@@ -22,9 +22,9 @@ from edgeswarm.hmp.layer import HmpRank
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.models.text import reference as ref
-from edgeswarm.models.text.config import PRESETS
 from edgeswarm.runtime.collective_exchange import CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
+from edgeswarm.values.text_model import PRESETS
 from helpers import announce
 from hmp_driver import in_threads, shares_for
 

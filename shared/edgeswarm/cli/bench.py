@@ -396,7 +396,7 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
     from pydantic import ValidationError
 
     from edgeswarm.bench.hmp import ENVS, MODES, SECTIONS, HmpBenchConfig
-    from edgeswarm.models.text.config import PRESETS
+    from edgeswarm.values.text_model import PRESETS
 
     sections = _split_list(args.sections, "--sections")
     envs = _split_list(args.envs.lower(), "--envs")
@@ -462,7 +462,7 @@ def _x(ratio: float | None) -> str:
 
 def layer_flops(model: str, seq_len: int) -> float:
     """Multiply-adds times two of one layer of ``model`` over ``seq_len`` tokens (the GEMMs and attention)."""
-    from edgeswarm.models.text.config import PRESETS
+    from edgeswarm.values.text_model import PRESETS
 
     cfg = PRESETS[model]
     return 2.0 * seq_len * (cfg.attention_params() + cfg.mlp_params()) + 4.0 * seq_len * seq_len * cfg.hidden

@@ -47,7 +47,7 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="a text model with a tokenizer: one request of TEXT (repeatable)")
     source.add_argument("--tokens", action="append", default=None, metavar="IDS",
                         help="a text model: one request of these comma-separated token ids (repeatable)")
-    q.add_argument("--max-new-tokens", type=int, default=0,
+    q.add_argument("--max-new-tokens", type=int, default=None,
                    help="a text decoder: tokens to generate per request (default: the job's max_new_tokens)")
     q.add_argument("--rows", type=int, default=1, help="samples per request (at most the job's micro-batch size)")
     q.add_argument("--window", type=int, default=8, help="requests in flight at once")
@@ -99,7 +99,7 @@ def run_infer(args: argparse.Namespace) -> int:
     from edgeswarm.pipeline_serve.client import infer_stream
     from edgeswarm.plugins import load_target
 
-    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1) or args.max_new_tokens < 0:
+    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1) or (args.max_new_tokens or 0) < 0:
         raise ConfigError("--rows, --window and --count must be at least 1, --max-new-tokens at least 0")
     bus = job_bus(args)
     try:

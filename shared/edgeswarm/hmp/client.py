@@ -45,7 +45,8 @@ class Answer:
     error: str | None = None
 
 
-def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int, coordinator: str) -> Expectation:
+def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int | None,
+          coordinator: str) -> Expectation:
     import torch
 
     exp = bus.expect()
@@ -59,11 +60,12 @@ def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int, c
     return exp
 
 
-def ask(bus: Bus, job_id: str, prompts: list[list[int] | str], *, max_new_tokens: int = 0, window: int = 4,
+def ask(bus: Bus, job_id: str, prompts: list[list[int] | str], *, max_new_tokens: int | None = None, window: int = 4,
         timeout_s: float = 120.0, coordinator: str = COORDINATOR_NODE) -> list[Answer]:
     """Send every prompt (token ids, or text for a model with a tokenizer) to serve-hmp job ``job_id``, at most
     ``window`` unanswered at once, and return the answers in prompt order; a request not answered within
-    ``timeout_s`` seconds is an answer with reason ``timeout``."""
+    ``timeout_s`` seconds is an answer with reason ``timeout``. ``max_new_tokens``: what a decoder generates (None:
+    the job's default)."""
     answers: dict[int, Answer] = {}
     pending: list[tuple[int, Expectation, float]] = []
     todo = list(enumerate(prompts))

@@ -164,7 +164,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         if epoch == 0:
             self.ctx.update("planning")
         spec = self.spec
-        options = HmpOptions(mode=spec.mode, exclude=spec.planner.exclude, overlap=spec.overlap,
+        # The excluded devices are out of the cluster already (the skeleton's ``nodes``).
+        options = HmpOptions(mode=spec.mode, overlap=spec.overlap,
                              shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens,
                              direct_syncs=spec.decode_syncs == "direct")
         return HmpPlanRequest(cluster=hmp_cluster(spec, self.config, cluster, self.device_profiles),
@@ -275,7 +276,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             self._refuse(msg, body.request_id, *problem)
             return
         assert prompt is not None
-        new = body.max_new_tokens or self.spec.max_new_tokens if self.config.decoder else 0
+        asked = self.spec.max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
+        new = asked if self.config.decoder else 0
         new = min(new, self.spec.max_tokens - len(prompt))
         request = _Request(msg, body.request_id, prompt, new, time.monotonic())
         with self._changed:

@@ -78,7 +78,8 @@ class _Job:
             self.passes.put_nowait(None)
         except queue.Full:
             pass
-        self.exchange.close(timeout_s=1.0)
+        self.exchange.close(timeout_s=1.0)  # a pass waiting for a slice gives up now
+        self.shard.rank.close()  # its communication threads
         self.caches.clear()
 
 

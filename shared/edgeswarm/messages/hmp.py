@@ -148,12 +148,13 @@ class ShardResult(Message):
 class HmpRequest(Message):
     """Frames of a request to serving job ``job_id``: token ids (its tensor, int64 [tokens]) or ``text`` (for a
     model with a tokenizer; its tensor is then empty). A decoder generates up to ``max_new_tokens`` tokens greedily
-    (0: the job's default); an encoder answers its final hidden states. ``request_id`` is the caller's, echoed."""
+    (None: the job's default; 0: the prefill alone); an encoder answers its final hidden states. ``request_id`` is
+    the caller's, echoed."""
 
     job_id: Name
     request_id: str = Field(default="", max_length=64)
     text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
-    max_new_tokens: int = Field(default=0, ge=0, le=MAX_NEW_TOKENS)
+    max_new_tokens: int | None = Field(default=None, ge=0, le=MAX_NEW_TOKENS)
 
 
 class LayerSplit(BaseModel):
