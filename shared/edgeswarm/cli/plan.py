@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
+from edgeswarm.cli.hmp_plan import add_hmp_arguments
 from edgeswarm.cli.profile import parse_batch_sizes, parse_config
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
@@ -61,8 +62,6 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
                    help="serve-pipeline: search (auto: the best predicted of all)")
     p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
-    from edgeswarm.hmp.plan_cli import add_hmp_arguments  # the workload's own options (it imports the CLI's helpers)
-
     add_hmp_arguments(p)
 
 

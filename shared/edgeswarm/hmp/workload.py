@@ -27,7 +27,7 @@ class HmpWorkload(Workload):
     progress_type = HmpProgress
     plan_type = HmpPlan
     planner = "edgeswarm.hmp.planner:PLANNER"
-    plan_cli = "edgeswarm.hmp.plan_cli:run_hmp_plan"
+    plan_cli = "edgeswarm.cli.hmp_plan:run_hmp_plan"
     plan_profiles_zoo = False
     command = "serve"
     exclusive = False
@@ -36,7 +36,7 @@ class HmpWorkload(Workload):
     data_schemas = (HmpRequest, ShardResult)
     worker_service = TENSOR_SHARD_WORKER
     worker_program = "edgeswarm.hmp.worker:ShardProgram"
-    infer_cli = "edgeswarm.hmp.client:run_infer"
+    infer_cli = "edgeswarm.cli.hmp_infer:run_hmp_infer"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         assert isinstance(spec, HmpSpec)
