@@ -123,16 +123,18 @@ def ask_stage_workers(client: Any, messages: dict[str, Any], timeout_s: float) -
 
 
 @contextmanager
-def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str) -> Iterator[tuple[Any, Any]]:
+def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str,
+                   skip_services: tuple[str, ...] = ("tensor-shard-worker",)) -> Iterator[tuple[Any, Any]]:
     """A local cluster of ``devices`` native devices (no emulated slow-down: profiling and rounds cost what tiny
     models cost) in ``workdir`` with ``env``, and a client bus of ``role`` on it, once every device and every hub
-    service is online; both stopped (the cluster's processes by PID) when the block ends."""
+    service is online; both stopped (the cluster's processes by PID) when the block ends. ``skip_services`` are not
+    started on the devices (by default the tensor-shard-worker, which only serve-hmp jobs use)."""
     from edgeswarm.devices.cluster import cluster_of
     from edgeswarm.local.launcher import LocalCluster
     from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
     from edgeswarm.settings import Settings
 
-    local = LocalCluster(cluster_of(devices, "native"), workdir=workdir, extra_env=env)
+    local = LocalCluster(cluster_of(devices, "native"), workdir=workdir, extra_env=env, skip_services=skip_services)
     local.start()
     bus = None
     try:

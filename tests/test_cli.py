@@ -441,40 +441,17 @@ def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrup
     job.assert_uninterrupted_weights(run)
 
 
-def test_bench_hmp_measures_every_mode_generation_and_writes_a_trace(tmp_path: Path) -> None:
-    """`edgeswarm bench hmp` with a tiny decoder on emulated Env A (2 Nano-M): Galaxy, Megatron-TP, SP and Local each
-    serve prefill requests measured on the tensor-shard-workers beside the plan's prediction, Galaxy also without
-    overlap; generation reports time per output token; the Chrome trace has comm spans overlapping GEMM spans."""
-    out = edgeswarm("bench", "hmp", "--sections", "envs,overlap,generation,trace", "--envs", "a", "--overlap-env",
-                    "a", "--models", "gpt2-tiny", "--seq-len", "16", "--requests", "1", "--generation-envs", "a",
-                    "--generation-model", "gpt2-tiny", "--generation-layers", "1", "--generation-prompt", "8",
-                    "--generation-tokens", "3", "--scaling-model", "gpt2-tiny", "--trace", str(tmp_path / "t.json"),
-                    "--json", str(tmp_path / "hmp.json"), timeout=300)
+def test_bench_hmp_writes_a_trace_whose_communication_overlaps_the_gemms(tmp_path: Path) -> None:
+    """`edgeswarm bench hmp --sections trace`: one Galaxy pass in threads over the in-memory ring at 125 Mbps, written
+    as a Chrome trace in which communication spans overlap GEMM spans. (The sections that serve jobs on emulated
+    clusters submit, ask and cancel serve-hmp jobs as tests/test_hmp_serving.py does, end to end.)"""
+    out = edgeswarm("bench", "hmp", "--sections", "trace", "--trace", str(tmp_path / "t.json"), "--json",
+                    str(tmp_path / "hmp.json"), timeout=300)
     report = json.loads((tmp_path / "hmp.json").read_text())
-    runs = report["runs"]
-    # Galaxy as planned may leave a device out of a tiny model's plan: then it also runs on every device.
-    every = [r for r in runs if r["section"] == "envs" and r["mode"] == "galaxy" and not r["prune"]]
-    assert len(every) == (1 if runs[0]["left_out"] else 0)
-    runs = [r for r in runs if r not in every]
-    assert [(r["section"], r["mode"], r["error"]) for r in runs] == [
-        ("envs", "galaxy", None), ("envs", "megatron", None), ("envs", "sp", None), ("envs", "local", None),
-        ("overlap", "galaxy", None), ("generation", "galaxy", None), ("generation", "megatron", None),
-        ("token-pass", "galaxy", None), ("token-pass", "megatron", None)], out.stderr
-    for r in runs + every:
-        assert r["latency_s"] > 0 and r["predicted_s"] > 0 and r["requests"] == 1 and r["compute_ms"] > 0
-        assert r["devices"] and r["ratio"] > 0
-    assert [r["overlap"] for r in runs[:5]] == [True] * 4 + [False]
-    assert len(runs[1]["devices"]) == 2 and runs[1]["heads"] == [2, 2]  # Megatron's equal split on Env A
-    assert len(runs[4]["devices"]) == 2 and all(len(r["devices"]) == 2 for r in every)  # no overlap: every device
-    for r in runs[5:7]:
-        assert r["new_tokens"] == 3 and r["tpot_s"] > 0 and r["ttft_s"] > 0 and r["predicted_tpot_s"] > 0
-    assert 0 <= runs[8]["network_share"] <= 1
-    assert {(v["mode"], v["fits"]) for v in report["verdicts"]} == {(m, True) for m in ("galaxy", "megatron", "sp",
-                                                                                          "local")}
     assert report["trace_overlaps"] > 0
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert {e["cat"] for e in events} >= {"compute", "comm"}
-    assert "Galaxy speedup" in out.stdout and "TPOT ms" in out.stdout and "overlap off ms" in out.stdout
+    assert "perfetto" in out.stdout
 
 
 def test_bench_hmp_refuses_unknown_environments_and_models() -> None:

@@ -653,7 +653,7 @@ HANDLED: dict[str, list[type[Message]]] = {
                             m.CollectiveTensor],
 }
 EXAMPLES = {"node-agent": 500, "planner": 500, "coordinator": 500, "checkpoint-store": 500, "profiler": 500,
-            "stage-worker": 500, "tensor-shard-worker": 300}
+            "stage-worker": 500, "tensor-shard-worker": 150}
 
 
 class RunningService:

@@ -11,7 +11,7 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
 from edgeswarm.settings import Settings
 
 
@@ -22,7 +22,9 @@ def asteroid_cluster(env: str, profile_dir: Path) -> Iterator[tuple[LocalCluster
     EdgeswarmError when the cluster does not come up within two minutes."""
     spec = load_cluster(f"asteroid-env-{env}-100mbps")
     nodes = [d.id for d in spec.devices]
-    with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
+    # Pipelines only: no tensor-shard-worker competes for the host's cores.
+    with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
+                      skip_services=(TENSOR_SHARD_WORKER,)) as local:
         bus = client_bus(Settings(hub_url=local.hub_url))
         try:
             watcher = ClusterWatcher(bus)

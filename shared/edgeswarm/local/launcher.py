@@ -91,8 +91,10 @@ class LocalCluster:
 
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
-                 extra_env: dict[str, str] | None = None, secure: bool = False) -> None:
+                 extra_env: dict[str, str] | None = None, secure: bool = False,
+                 skip_services: tuple[str, ...] = ()) -> None:
         self.spec = spec
+        self.skip_services = skip_services  # services not started on the devices and edges (what a run needs not)
         self.secure = secure
         self._broker_kind = broker
         self._port = port
@@ -178,7 +180,8 @@ class LocalCluster:
                                   heartbeat_interval_s=self._heartbeat, mqtt_protocol=protocol,
                                   extra={**extra, **node.budget_env(), **self.identity_env(node.id)})
                 for service in services:
-                    self._spawn(node.id, service, env)
+                    if service not in self.skip_services:
+                        self._spawn(node.id, service, env)
 
     def _spawn(self, node: str, service: str, env: dict[str, str]) -> None:
         logs = self.workdir / "logs"
