@@ -137,15 +137,7 @@ def ring_all_gather(part: torch.Tensor, rank: int, bounds: Bounds, send: Send, r
     steps ``first_step`` .. ``first_step + N - 2``; see the module's docstring.
     """
     _check_ring(rank, bounds)
-    length = bounds[-1][1]
-    check_bounds(bounds, length)
-    piece = part.detach().reshape(-1)
-    start, end = bounds[rank]
-    if piece.numel() != end - start:
-        raise ValueError(f"rank {rank} owns [{start}, {end}), {end - start} elements, but its part has "
-                         f"{piece.numel()}")
-    out = torch.empty(length, dtype=piece.dtype, device=piece.device)
-    out[start:end].copy_(piece)
+    out, _ = _gather_buffer(part, rank, bounds)
     _all_gather_into(out, rank, bounds, send, recv, first_step, on_slice)
     return out
 
@@ -203,15 +195,8 @@ def direct_all_gather(part: torch.Tensor, rank: int, bounds: Bounds, send: Send,
     rank and theirs come here, all on step ``step``; zero-size slices are neither sent nor waited for. ``part`` is
     not modified."""
     n = _check_ring(rank, bounds)
-    length = bounds[-1][1]
-    check_bounds(bounds, length)
-    piece = part.detach().reshape(-1)
+    out, piece = _gather_buffer(part, rank, bounds)
     start, end = bounds[rank]
-    if piece.numel() != end - start:
-        raise ValueError(f"rank {rank} owns [{start}, {end}), {end - start} elements, but its part has "
-                         f"{piece.numel()}")
-    out = torch.empty(length, dtype=piece.dtype, device=piece.device)
-    out[start:end].copy_(piece)
     if end > start:
         mine = piece.clone()
         for k in range(1, n):
@@ -231,6 +216,21 @@ def _check_ring(rank: int, bounds: Sequence[tuple[int, int]]) -> int:
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is not in a ring of {n}")
     return n
+
+
+def _gather_buffer(part: torch.Tensor, rank: int, bounds: Bounds) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new 1-D tensor of every slice's length holding the caller's ``part`` at its slice, and ``part`` flattened.
+    Raises ValueError when the bounds do not cover a vector or ``part`` is not the size of its slice."""
+    length = bounds[-1][1]
+    check_bounds(bounds, length)
+    piece = part.detach().reshape(-1)
+    start, end = bounds[rank]
+    if piece.numel() != end - start:
+        raise ValueError(f"rank {rank} owns [{start}, {end}), {end - start} elements, but its part has "
+                         f"{piece.numel()}")
+    out = torch.empty(length, dtype=piece.dtype, device=piece.device)
+    out[start:end].copy_(piece)
+    return out, piece
 
 
 def _received(recv: Recv, left: int, step: int, like: torch.Tensor) -> torch.Tensor:
