@@ -39,8 +39,9 @@ class Shard:
 
 @dataclass
 class PassOutput:
-    """What a rank answers a pass with: ``tensor`` (its rows of the final hidden states for an encoder, the logits of
-    ``top`` for a decoder's last-row rank, else empty), ``row_start`` and where its time went."""
+    """What a rank answers a pass with: ``tensor`` (its rows of the final hidden states for an encoder, the logits
+    of ``top`` for a decoder's last-row rank, else empty; on the compute device until the wire), ``row_start`` and
+    where its time went."""
 
     tensor: torch.Tensor
     row_start: int
@@ -115,11 +116,11 @@ def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache
         logits = rank.next_logits(out)
         if logits is not None:
             values, ids = logits.float().topk(min(TOP, MAX_TOP, logits.shape[0]))
-            tensor, top = values.cpu(), [int(i) for i in ids.tolist()]
+            tensor, top = values, [int(i) for i in ids.tolist()]
         else:
             tensor = torch.empty(0)
     elif rank.shares.mode in ("galaxy", "sp") or out.last:
-        tensor = out.hidden.float().cpu()  # megatron's ranks all hold every row: one of them answers
+        tensor = out.hidden.float()  # megatron's ranks all hold every row: one of them answers
     else:
         tensor = torch.empty(0)
     times = rank.recorder.times()

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from edgeswarm.devices.compute import to_host
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
@@ -323,8 +324,10 @@ class ShardProgram:
             result = ShardResult(job_id=spec.job_id, epoch=spec.epoch, pass_id=body.pass_id, rank=spec.rank,
                                  row_start=out.row_start, top=out.top, split=out.split,
                                  cache_bytes=sum(c.nbytes() for c in job.caches.values()))
+            wire, ready = to_host(out.tensor)
+            ready()
             try:
-                self.ctx.bus.send_tensor(spec.coordinator, "coordinator", result, out.tensor)
+                self.ctx.bus.send_tensor(spec.coordinator, "coordinator", result, wire)
             except EdgeswarmError as exc:
                 _limited.log(logging.WARNING, "result", "hmp job %s: result of pass %d not sent: %s", spec.job_id,
                              body.pass_id, exc)
