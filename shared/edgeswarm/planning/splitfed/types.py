@@ -1,0 +1,148 @@
+"""The SmartSplit planner's contract: a model's per-unit costs, a device's profile, the options, the selection.
+
+Units: FLOPs, bytes, seconds, bytes per second. A model is a chain of ``V`` cuttable units (a zoo model's layer
+sequence); cut ``j`` (1..V-h) keeps units 1..j on the device, ``j+1..V-h`` on its MEC and the last ``h`` (the tail:
+classifier and loss, so labels never leave the device) on the device again (spec 4.2). Everything here travels in
+MQTT messages, so lists are bounded and floats finite.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from edgeswarm.values.limits import MAX_DEVICES, MAX_MEMORY_BYTES, MAX_UNITS
+from edgeswarm.wire.schema import Name
+
+# The paper's scale is 100 devices under 5 MECs; a central manager may plan for a few hundred.
+MAX_SPLIT_DEVICES = 1024
+MAX_MECS = MAX_DEVICES
+NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]
+
+Solver = Literal["bo", "exhaustive", "global"]
+LatencyModel = Literal["usplit", "vanilla", "paper"]
+
+
+class UnitCost(BaseModel):
+    """One cuttable unit of the model at the profile's batch size ``B``: forward and backward FLOPs, the bytes of
+    its output activation (what crosses a cut after it), of its parameters, of the activations it saves for
+    backward, and of its peak while its backward runs (``backward_bytes``, l^b of Algorithm 3). ``expensive``
+    units (conv, linear, attention) keep their outputs as recomputation checkpoints; cheap ones (activation,
+    pooling, norm) may be recomputed (spec 6.3)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(max_length=256)
+    flops_fwd: NonNegative
+    flops_bwd: NonNegative
+    out_bytes: Bytes
+    param_bytes: Bytes
+    act_bytes: Bytes
+    backward_bytes: Bytes = 0
+    expensive: bool = True
+
+
+class ModelCost(BaseModel):
+    """A model's units in order, profiled at ``batch_size`` samples; ``optimizer_states`` is s_opt (0 for SGD,
+    1 for momentum SGD, 2 for Adam) and ``classes`` C, for normalising the skew Dis by ln C."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(max_length=128)
+    batch_size: int = Field(ge=1, le=1 << 16)
+    units: list[UnitCost] = Field(min_length=2, max_length=MAX_UNITS)
+    optimizer_states: int = Field(default=1, ge=0, le=2)
+    classes: int = Field(default=10, ge=2, le=1 << 20)
+
+
+class SplitDevice(BaseModel):
+    """One device as the central manager sees it: its MEC, speed, link rate to that MEC, memory budget for
+    training now, local data set size and the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and
+    statistical utility (``stat``, Eq. 7)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    node: Name
+    mec: Name
+    speed_flops: Positive
+    link_bytes_s: Positive
+    budget_bytes: Bytes
+    samples: int = Field(ge=0, le=1 << 31)
+    dis: NonNegative = 0.0
+    stat: NonNegative = 0.0
+    available: bool = True
+
+
+class SplitMec(BaseModel):
+    """An edge server: its speed, shared by the devices it trains for in a round (processor sharing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    node: Name
+    speed_flops: Positive
+
+
+class SplitOptions(BaseModel):
+    """The central manager's settings (spec 4.2-4.4). ``participants`` K train per round; the manager selects
+    ``ceil(gamma * K)`` candidates for the MECs' importance scheduling (gamma 1: no re-selection). ``lam`` weighs
+    round time against skew; ``normalise`` divides Dis by ln C and T by T_ref. ``tail`` is h, the units kept on
+    the device after the MEC's part. ``epochs`` E local epochs of ``ceil(samples / batch)`` iterations.
+    ``fixed_cut`` forces one cut for every device (the SplitFed baseline); ``local_only`` plans whole-model
+    local training (FedAvg: a device whose budget cannot hold it is left out)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    participants: int = Field(default=10, ge=1, le=MAX_SPLIT_DEVICES)
+    gamma: float = Field(default=2.0, ge=1.0, le=10.0, allow_inf_nan=False)
+    lam: NonNegative = 1.0
+    normalise: bool = True
+    tail: int = Field(default=1, ge=0, le=MAX_UNITS)
+    epochs: int = Field(default=5, ge=1, le=1000)
+    d_threshold: int = Field(default=0, ge=0)
+    overhead_bytes: Bytes = 0
+    latency_model: LatencyModel = "usplit"
+    solver: Solver = "bo"
+    bo_budget: int = Field(default=20, ge=1, le=10_000)
+    bo_init: int = Field(default=4, ge=0, le=1000)
+    seed: int = Field(default=0, ge=0)
+    fixed_cut: int | None = Field(default=None, ge=1, le=MAX_UNITS)
+    local_only: bool = False
+    previous_best: tuple[int, int] | None = None  # (target cut, count) of the previous round: BO starts there
+
+
+class DeviceCut(BaseModel):
+    """One selected device and its cut, with its predicted round time (seconds) and device-side memory (bytes)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    node: Name
+    mec: Name
+    cut: int = Field(ge=1, le=MAX_UNITS)
+    round_s: NonNegative
+    memory_bytes: Bytes
+
+
+class SplitSelection(BaseModel):
+    """The matrix S of one round: the selected devices with their cuts (Eq. 8/10), the objective F it reaches,
+    the predicted round time T_system (Eq. 5), the BO point (target cut, count) it decodes from, how many points
+    the solver evaluated, and the devices left out because no cut fits their budget."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    selected: list[DeviceCut] = Field(max_length=MAX_SPLIT_DEVICES)
+    objective: float = Field(allow_inf_nan=False)
+    t_system_s: NonNegative
+    target_cut: int = Field(ge=1, le=MAX_UNITS)
+    count: int = Field(ge=0, le=MAX_SPLIT_DEVICES)
+    evaluations: int = Field(ge=0)
+    solver: Solver
+    infeasible: list[Name] = Field(default_factory=list, max_length=MAX_SPLIT_DEVICES)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SplitSelection:
+        if len({d.node for d in self.selected}) != len(self.selected):
+            raise ValueError("a device is selected twice")
+        return self
