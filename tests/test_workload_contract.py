@@ -94,7 +94,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contract]:
     root = tmp_path_factory.mktemp("contract")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "contract-test", skip_services=()) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "contract-test", skip_services=(), edges=1) as (local, bus):
         contract = Contract(local, bus, root, env)
         handles, tensors = _worker_schemas()
 

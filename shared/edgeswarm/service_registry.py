@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from edgeswarm.errors import ConfigError
 from edgeswarm.plugins import SERVICE_GROUP, discovered, load_target
 from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role
-from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
+from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER, TENSOR_SHARD_WORKER
 
 if TYPE_CHECKING:
     from edgeswarm.runtime.service import Service
@@ -80,14 +80,23 @@ BUILT_IN: dict[str, ServiceEntry] = {
                                request_writers=("hub", "client")),
     "profiler": ServiceEntry(_TARGET.format("profiler", "ProfilerService"), ("device", "edge"),
                              request_writers=("hub", "client"), data_writers=("hub", "device", "edge")),
-    # Only the coordinator deploys stages; tensors come from the stages' peers.
+    # Only the coordinator deploys stages; tensors come from the stages' peers, and from the MECs that train split
+    # learning's server halves (the activations and gradients back to a device's half, its round's weights).
     STAGE_WORKER: ServiceEntry(_TARGET.format("stage_worker", "StageWorkerService"), ("device",),
-                                 data_writers=("hub", "device")),
+                                 data_writers=("hub", "device", "edge"),
+                                 data_purpose="tensors for the stage-worker: activations and gradients from the "
+                                              "stages' peers, split learning's from the device's MEC"),
     # Only the coordinator deploys shards; tensors come from the coordinator (tokens) and the ring's other devices.
     TENSOR_SHARD_WORKER: ServiceEntry(_TARGET.format("tensor_shard_worker", "TensorShardWorkerService"), ("device",),
                                       data_writers=("hub", "device"),
                                       data_purpose="tensors for the tensor-shard-worker: a request's tokens (the "
                                                    "coordinator) and the ring's collective slices (its devices)"),
+    # An edge server trains split learning's server halves: the coordinator sends it each round (with the global
+    # weights), its devices their halves' activations, gradients and round-end weights.
+    MEC_MANAGER: ServiceEntry(_TARGET.format("mec_manager", "MecManagerService"), ("edge",),
+                              data_writers=("hub", "device"),
+                              data_purpose="tensors for the mec-manager: a round's global weights (the coordinator), "
+                                           "its devices' activations, tail gradients and round-end weights"),
 }
 
 

@@ -61,6 +61,17 @@ CATALOGUE: dict[str, DeviceClass] = {
              1.2e9 / GIB, 1000, 0.5),
         _cls("jetson-nano-s", "Jetson Nano CPU at 403 MHz (Galaxy's Nano-S), 4 GB", round(6.0 * 1.47 / 0.403, 1), 4,
              0.7e9 / GIB, 1000, 0.5),
+        # SmartSplit's five phones (its Table I), slowed in proportion to their big cores' clock against a 3.5 GHz
+        # host core (and twice more for the Redmi 2's in-order A53s), each with a quarter of its RAM as its training
+        # budget (the paper draws 10 to 40 percent per round) and a Wi-Fi link to the edge server.
+        _cls("redmi-2", "Redmi 2-like phone: Snapdragon 410, 4x 1.2 GHz, 2 GB", 6.0, 2, 0.5, 50, 5.0),
+        _cls("honor-8", "Honor 8-like phone: Kirin 950, 4x 2.3 GHz big cores, 4 GB", 1.5, 4, 1.0, 50, 5.0),
+        _cls("redmi-note-10", "Redmi Note 10-like phone: Snapdragon 678, 2x 2.2 GHz big cores, 6 GB", 1.6, 6, 1.5,
+             50, 5.0),
+        _cls("pixel-6", "Google Pixel 6-like phone: Google Tensor, 2x 2.8 GHz big cores, 8 GB", 1.25, 8, 2.0, 50,
+             5.0),
+        _cls("oneplus-9", "OnePlus 9-like phone: Snapdragon 888, 1x 2.84 GHz prime core, 12 GB", 1.25, 12, 3.0, 50,
+             5.0),
         _cls("rpi4", "Raspberry Pi 4-like: 4x Cortex-A72 CPU only, 4 GB, Wi-Fi", 20.0, 4, 3.0, 300, 2.0),
         _cls("laptop", "Laptop-like: mobile CPU, 16 GB, Wi-Fi", 1.5, 16, 12.0, 400, 2.0),
         _cls("edge-server", "Edge server-like: server CPU/GPU, 64 GB, 10 GbE", 1.0, 64, 56.0, 10000, 0.2),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from edgeswarm.bus import Bus
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import Dataset
+from edgeswarm.evaluation import held_out
 from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.models.zoo import build_model
 from edgeswarm.state.layout import load_stage
@@ -17,14 +17,7 @@ from edgeswarm.state.units import model_state
 def accuracy(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
     """Share of the held-out split's targets (samples, or tokens for sequence targets) the model in evaluation
     mode predicts right."""
-    model.eval()
-    correct = total = 0
-    with torch.no_grad():
-        for start in range(0, dataset.test_size, batch_size):
-            x, y = dataset.batch(np.arange(start, min(start + batch_size, dataset.test_size)), "test")
-            correct += int((model(x).argmax(dim=-1) == y).sum())
-            total += y.numel()
-    return correct / max(1, total)
+    return held_out(model, dataset, batch_size)[0]
 
 
 def evaluate_checkpoint(bus: Bus, store_node: str, job: JobSpec, stages: int, version: int, *,

@@ -24,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeswarm.devices.cluster import ClusterSpec
+from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, start_broker
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
@@ -52,6 +53,7 @@ class ChildProcess:
     service: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def pid(self) -> int:
@@ -190,8 +192,19 @@ class LocalCluster:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(service_command(service), env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
-        self.children.append(ChildProcess(node, service, proc, log_path))
+        self.children.append(ChildProcess(node, service, proc, log_path, env))
         log.debug("started %s on %s (pid %d)", service, node, proc.pid)
+
+    def restart(self, node: str, service: str) -> ChildProcess:
+        """Start ``service`` on ``node`` again, as it was started (after a crash, or after it was killed), and return
+        the new process. Raises ConfigError when the cluster never ran it, or it is still running."""
+        old = next((c for c in reversed(self.children) if (c.node, c.service) == (node, service)), None)
+        if old is None:
+            raise ConfigError(f"{service} on {node} is not a service of this cluster")
+        if old.alive():
+            raise ConfigError(f"{service} on {node} is still running (pid {old.pid})")
+        self._spawn(node, service, old.env)
+        return self.children[-1]
 
     def failed_children(self) -> list[ChildProcess]:
         """Children that have exited."""

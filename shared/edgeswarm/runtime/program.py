@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 STAGE_WORKER = "stage-worker"
 # The worker service that hosts tensor-parallel shards (Galaxy's serve-hmp): every device holds a share of every layer.
 TENSOR_SHARD_WORKER = "tensor-shard-worker"
+# The worker service of an edge server (an MEC): split learning's server halves (SmartSplit's train-splitfed).
+MEC_MANAGER = "mec-manager"
 
 
 class ComputeGate:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.values.profiles import Optimizer
 
-DatasetKind = Literal["teacher", "tokens", "cifar10", "npz"]
+DatasetKind = Literal["teacher", "tokens", "cifar10", "npz", "digits"]
 
 
 class DatasetSpec(BaseModel):

@@ -33,6 +33,7 @@ BUILTIN: dict[str, str] = {
     "train-hpp": "edgeswarm.hpp.workload:TrainWorkload",
     "serve-pipeline": "edgeswarm.pipeline_serve.workload:ServePipelineWorkload",
     "serve-hmp": "edgeswarm.hmp.workload:HmpWorkload",
+    "train-splitfed": "edgeswarm.splitfed.workload:SplitfedWorkload",
 }
 # Older names that specs and states may still carry -> the kind they mean. A spec without ``kind`` is ``train``.
 ALIASES: dict[str, str] = {"train": "train-hpp"}
@@ -100,9 +101,9 @@ def worker_programs(service: str) -> list[str]:
     out: list[str] = []
     for kind in kinds():
         work = installed_workload(kind)
-        if work is not None and work.worker_service == service and work.worker_program and \
-                work.worker_program not in out:
-            out.append(work.worker_program)
+        program = work.programs().get(service) if work is not None else None
+        if program and program not in out:
+            out.append(program)
     return out
 
 

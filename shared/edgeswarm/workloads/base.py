@@ -94,6 +94,14 @@ class Workload(ABC):
     # by that service).
     worker_service: ClassVar[str] = STAGE_WORKER
     worker_program: ClassVar[str] = ""
+    # The programs a kind runs on services other than its worker service, by service name ("module:Class" each): a
+    # kind whose work has two halves on two kinds of node (split learning's device half and its edge server's).
+    other_programs: ClassVar[dict[str, str]] = {}
+
+    def programs(self) -> dict[str, str]:
+        """Every program of this kind by the service that hosts it: ``worker_program`` on ``worker_service`` and the
+        ``other_programs``."""
+        return {**({self.worker_service: self.worker_program} if self.worker_program else {}), **self.other_programs}
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         """What stops ``spec`` from running on a cluster whose online ``worker_service`` instances are on ``members``

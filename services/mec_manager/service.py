@@ -1,0 +1,12 @@
+"""The mec-manager: one per edge server (MEC). It hosts the programs of the job kinds that train a server half for
+devices (SmartSplit's ``train-splitfed``: ``edgeswarm.splitfed.mec.MecProgram``); the generic worker host does the
+rest."""
+
+from __future__ import annotations
+
+from edgeswarm.runtime.program import MEC_MANAGER
+from edgeswarm.runtime.worker_host import WorkerService
+
+
+class MecManagerService(WorkerService):
+    name = MEC_MANAGER

@@ -1,0 +1,355 @@
+"""The coordinator's program for a train-splitfed job: SmartSplit's central manager and server, round by round.
+
+Each round: read the cluster (the online stage-workers are the devices, the online mec-managers the edge servers),
+ask the planner service for the central manager's selection (participants and cuts: ``planning.splitfed``), enrol
+the candidates with their devices, start the round on each MEC with its candidates and the global weights, wait for
+every MEC's weighted sum (a lost MEC is left out), finish FedAvg, evaluate the model on the held-out split, checkpoint
+it to the checkpoint store as the whole model (so ``edgeswarm export`` reads it like any trained model) and publish
+the round. A restarted coordinator resumes from the last checkpointed round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from edgeswarm.aggregation import FedAvg, PartialSum, UpdateRejectedError
+from edgeswarm.bus import Inbound
+from edgeswarm.coordination.fanout import fan_out
+from edgeswarm.coordination.planner_client import request_plan
+from edgeswarm.data import open_dataset
+from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobCancelled, JobError
+from edgeswarm.evaluation import held_out
+from edgeswarm.messages.splitfed import (
+    RoundSetup,
+    SplitCandidate,
+    SplitEnrol,
+    SplitEnrolled,
+    SplitGlobal,
+    SplitPlanReply,
+    SplitPlanRequest,
+    SplitRelease,
+    SplitRoundStart,
+    SplitUpdate,
+)
+from edgeswarm.models.zoo import build_model
+from edgeswarm.planning.splitfed.scheduling import mec_quotas
+from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
+from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+from edgeswarm.runtime.detection import FailureDetector
+from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+from edgeswarm.splitfed import gather
+from edgeswarm.splitfed.partitions import device_partitions
+from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
+from edgeswarm.splitfed.weights import Layout, flatten, layout_of, unflatten
+from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
+from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
+from edgeswarm import topics
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.base import JobContext
+
+log = logging.getLogger(__name__)
+
+CLUSTER_SETTLE_S = 0.5
+CLUSTER_WAIT_S = 30.0
+ENROL_TIMEOUT_S = 30.0
+POLL_S = 0.1
+TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the cloud server (spec 10.4, 12.14)
+
+
+class SplitfedRunner:
+    """One train-splitfed job on the coordinator (see the module's docstring)."""
+
+    def __init__(self, ctx: JobContext, spec: SplitfedSpec) -> None:
+        self.ctx, self.spec, self.bus = ctx, spec, ctx.bus
+        self.training = spec.local_training()
+        self.updates: queue.Queue[Inbound] = queue.Queue()
+        self.estimates: dict[str, gather.Estimates] = {}
+        self.previous_best: tuple[int, int] | None = None
+        self.history: list[RoundRecord] = []
+        self.refused = 0
+
+    # --- the job --------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        spec, ctx = self.spec, self.ctx
+        ctx.on_data(self._on_data)
+        watcher = ClusterWatcher(self.bus)
+        watcher.wait(settle_s=CLUSTER_SETTLE_S, devices=1, timeout_s=CLUSTER_WAIT_S, cancel=ctx.cancel)
+        self._check()
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.layout = layout_of(state)
+        dataset = open_dataset(spec.data, spec.model)
+        self.parts = device_partitions(dataset, spec.partition)
+        start = self._resume(state)
+        ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
+                                                    f"{self.training.batch_size}"))
+        self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
+        self.flops = gather.host_flops()
+        detector = FailureDetector(self.bus, MEC_MANAGER, timeout_factor=self.bus.settings.heartbeat_timeout_factor)
+        used: set[tuple[str, str]] = set()
+        try:
+            for r in range(start, spec.rounds):
+                self._check()
+                view, _ = watcher.view()
+                state = self._round(r, state, view, detector, used, model, dataset)
+            ctx.update("running", event=("finished", f"{spec.rounds} rounds; held-out accuracy "
+                                                     f"{_pct(self.history[-1].accuracy if self.history else None)}"))
+        finally:
+            detector.close()
+            for node, service in sorted(used):
+                try:
+                    self.bus.publish(topics.request(node, service), SplitRelease(job_id=spec.name), qos=1)
+                except BusError as exc:
+                    log.warning("job %s: could not release %s/%s: %s", spec.name, node, service, exc)
+
+    def _check(self) -> None:
+        if self.ctx.cancel.is_set():
+            raise JobCancelled(f"job {self.spec.name} was cancelled")
+
+    def _on_data(self, msg: Inbound) -> None:
+        if isinstance(msg.body, SplitUpdate):
+            self.updates.put(msg)
+
+    # --- one round ------------------------------------------------------------------------------------
+
+    def _round(self, r: int, state: dict[str, torch.Tensor], view: object, detector: FailureDetector,
+               used: set[tuple[str, str]], model: torch.nn.Module, dataset: object) -> dict[str, torch.Tensor]:
+        spec, ctx = self.spec, self.ctx
+        started = time.monotonic()
+        devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
+        devices = devices[:spec.partition.devices]  # a device's partition is its index among these
+        mecs = sorted(nodes_running(view, MEC_MANAGER))
+        if not mecs:
+            raise JobError(f"job {spec.name}: no mec-manager is online; start an edge server "
+                           "(edgeswarm up --local --edges 1)")
+        if len(devices) < spec.participants:
+            raise JobError(f"job {spec.name}: {len(devices)} devices are online, fewer than the {spec.participants} "
+                           "participants a round needs")
+        index = {d: i for i, d in enumerate(devices)}
+        mec_of = gather.assign_mecs(devices, mecs)
+        samples = {d: len(self.parts[index[d]]) for d in devices}
+        split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self.flops,
+                                             spec.memory_budget_bytes)
+        options = SplitOptions(
+            participants=spec.participants, gamma=spec.gamma if spec.mode == "smartsplit" else 1.0, lam=spec.lam,
+            tail=self.training.tail if self.training.mode == "usplit" else 0, epochs=self.training.epochs,
+            latency_model="vanilla" if self.training.mode == "vanilla" else "usplit", solver=spec.solver,
+            seed=spec.seed + r, fixed_cut=spec.fixed_cut if spec.mode == "splitfed" else None,
+            local_only=spec.mode == "fedavg", previous_best=self.previous_best)
+        ctx.update("planning")
+        reply = request_plan(self.bus, SplitPlanRequest(model=self.cost, devices=split_devices,
+                                                        mecs=gather.split_mecs(view, mecs, self.flops),
+                                                        options=options, round=r),
+                             what=f"job {spec.name} round {r}", plan_noun="selection")
+        assert isinstance(reply, SplitPlanReply)
+        selection = reply.selection
+        self.previous_best = (selection.target_cut, selection.count)
+        setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=self.training)
+        # Enrol the candidates: each takes its MEC's part and tensors for this round and no one else's.
+        enrols = {c.node: SplitEnrol(job_id=spec.name, round=r, mec=c.mec, index=index[c.node], setup=setup,
+                                     budget_bytes=spec.memory_budget_bytes, wait_s=spec.wait_s)
+                  for c in selection.selected}
+        fan = fan_out(self.bus, enrols, STAGE_WORKER, timeout_s=ENROL_TIMEOUT_S)
+        used.update((n, STAGE_WORKER) for n in enrols)
+        enrolled = [c for c in selection.selected if isinstance(fan.replies.get(c.node), SplitEnrolled)]
+        left_out = sorted(set(enrols) - {c.node for c in enrolled})
+        by_mec: dict[str, list[SplitCandidate]] = {}
+        for c in enrolled:
+            by_mec.setdefault(c.mec, []).append(SplitCandidate(node=c.node, cut=c.cut, index=index[c.node],
+                                                               samples=samples[c.node]))
+        quotas = mec_quotas({m: len(cs) for m, cs in by_mec.items()}, spec.participants)
+        starts = {m: SplitRoundStart(job_id=spec.name, round=r, coordinator=ctx.node, setup=setup, candidates=cs,
+                                     quota=max(1, quotas.get(m, 1)), epsilon=spec.epsilon if spec.mode == "smartsplit"
+                                     else 1.0, seed=spec.seed * 7919 + r, estimator=spec.estimator,
+                                     wait_s=spec.wait_s)
+                  for m, cs in by_mec.items()}
+        used.update((m, MEC_MANAGER) for m in starts)
+        flat = flatten(state, self.layout)
+        running = [m for m in starts if self._start_on(m, starts[m], flat)]
+        ctx.update("running", plan=selection, event=("round_started", _describe(r, selection, running)))
+        updates = self._collect(r, {m: starts[m] for m in running}, flat, detector, selection)
+        wan = self.layout.numel * 4 * (len(running) + self.restarts)
+        new_state, record = self._aggregate(r, state, updates, selection, started, wan, left_out)
+        model.load_state_dict(new_state)
+        accuracy, loss = held_out(model, dataset, batch_size=256)
+        record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
+        self.history = (self.history + [record])[-MAX_ROUND_RECORDS:]
+        self._checkpoint(r, new_state)
+        ctx.update("running", rounds_done=r + 1, rounds_total=spec.rounds, accuracy=accuracy, loss=loss,
+                   refused=self.refused, history=self.history,
+                   event=("round", f"round {r}: {len([p for p in record.participants if p.outcome == 'trained'])} "
+                                   f"trained, held-out accuracy {_pct(accuracy)}, loss {loss:.4f}"))
+        return new_state
+
+    def _start_on(self, mec: str, start: SplitRoundStart, flat: torch.Tensor) -> bool:
+        """Start the round on ``mec``: its candidates, then the global weights. Whether it took the round."""
+        fan = fan_out(self.bus, {mec: start}, MEC_MANAGER, timeout_s=ENROL_TIMEOUT_S)
+        if not isinstance(fan.replies.get(mec), SplitEnrolled):
+            log.warning("job %s round %d: %s did not take the round: %s", self.spec.name, start.round, mec,
+                        fan.failures.get(mec) or fan.replies.get(mec))
+            return False
+        try:
+            self.bus.send_tensor(mec, MEC_MANAGER, SplitGlobal(job_id=self.spec.name, round=start.round), flat)
+        except EdgeswarmError as exc:
+            log.warning("job %s round %d: the global weights did not reach %s: %s", self.spec.name, start.round, mec,
+                        exc)
+            return False
+        return True
+
+    def _collect(self, r: int, starts: dict[str, SplitRoundStart], flat: torch.Tensor, detector: FailureDetector,
+                 selection: SplitSelection) -> dict[str, tuple[SplitUpdate, PartialSum | None]]:
+        """Every running MEC's update of round ``r`` with its weighted sum (None when none of its devices trained).
+        An MEC the failure detector confirms lost is given ``wait_s`` to come back, and then the round again (it
+        resumes from its own checkpoint); one that does not is left out, and so is an update with NaN or infinite
+        values (counted)."""
+        mecs = list(starts)
+        detector.watch(mecs)
+        self.restarts = 0
+        # An MEC answers even when its devices fail (each wait is bounded by wait_s): this bound is for an MEC that
+        # hangs while it still sends heartbeats.
+        give_up = time.monotonic() + self.spec.wait_s * 4 + 50 * max((c.round_s for c in selection.selected),
+                                                                     default=1.0)
+        got: dict[str, tuple[SplitUpdate, PartialSum | None]] = {}
+        lost_at: dict[str, float] = {}
+        pending = set(mecs)
+        while pending - set(got):
+            self._check()
+            now = time.monotonic()
+            for m in sorted(pending - set(got)):
+                if detector.failed(m):
+                    lost_at.setdefault(m, now)
+                    if now - lost_at[m] > self.spec.wait_s:
+                        log.warning("job %s round %d: %s is lost; the round goes on without its devices",
+                                    self.spec.name, r, m)
+                        pending.discard(m)
+                elif m in lost_at:
+                    del lost_at[m]
+                    self.ctx.update("running", event=("mec_restarted", f"round {r}: {m} came back; it resumes the "
+                                                                       "round from its checkpoint"))
+                    if self._start_on(m, starts[m], flat):
+                        self.restarts += 1
+            if now > give_up:
+                log.warning("job %s round %d: no update from %s in time", self.spec.name, r,
+                            ", ".join(sorted(pending - set(got))))
+                break
+            try:
+                msg = self.updates.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            body = msg.body
+            assert isinstance(body, SplitUpdate)
+            if body.round != r or body.mec not in mecs or msg.envelope.sender_node != body.mec or body.mec in got:
+                log.info("job %s: dropped an update of round %d from %s", self.spec.name, body.round, msg.sender)
+                continue
+            partial = None
+            if body.count > 0:
+                try:
+                    sums = unflatten(msg.tensor.to_torch() if msg.tensor is not None else torch.zeros(0),
+                                     self.layout, dtype=torch.float64)
+                    partial = PartialSum(sums=sums, weight=float(body.samples), heaviest=float(body.heaviest),
+                                         count=body.count)
+                except EdgeswarmError as exc:
+                    self.refused += 1
+                    log.warning("job %s round %d: refused the update of %s: %s", self.spec.name, r, body.mec, exc)
+            self.refused += body.refused
+            got[body.mec] = (body, partial)
+        return got
+
+    def _aggregate(self, r: int, state: dict[str, torch.Tensor],
+                   updates: dict[str, tuple[SplitUpdate, PartialSum | None]], selection: SplitSelection,
+                   started: float, wan: int, left_out: list[str]) -> tuple[dict[str, torch.Tensor], RoundRecord]:
+        """FedAvg of the MECs' weighted sums (the hierarchical form: each MEC summed its own devices), or the old
+        weights when nobody trained; and the round's record."""
+        total = FedAvg(state)
+        for update, partial in updates.values():
+            if partial is not None:
+                try:
+                    total.merge(partial, who=f"the update of {update.mec}")
+                except UpdateRejectedError as exc:
+                    self.refused += 1
+                    log.warning("job %s round %d: refused %s", self.spec.name, r, exc)
+        new_state = total.result() if total.count else state
+        mec_of = {c.node: c.mec for c in selection.selected}
+        participants = []
+        for update, _ in updates.values():
+            for rep in update.reports:
+                participants.append(ParticipantRecord(node=rep.node, mec=update.mec, cut=rep.cut,
+                                                      outcome=rep.outcome, peak_bytes=rep.peak_bytes, loss=rep.loss,
+                                                      samples=rep.samples, recompute=rep.recompute))
+                if rep.dis is not None or rep.stat is not None:
+                    old = self.estimates.get(rep.node)
+                    self.estimates[rep.node] = gather.Estimates(
+                        dis=rep.dis if rep.dis is not None else (old.dis if old else 0.0),
+                        stat=rep.stat if rep.stat is not None else (old.stat if old else 0.0))
+            wan += self.layout.numel * 4 if update.samples else 0  # the MEC's sum back (the global went out)
+            if self.spec.mode in TWO_TIER:
+                # The two-tier baselines have no MEC: their server is the cloud, so what the devices exchange with
+                # it (whole models for FedAvg, every batch's activations and gradients for SplitFed) is WAN traffic.
+                wan += update.lan_bytes
+        lost_mecs = sorted(set(mec_of.values()) - set(updates))
+        record = RoundRecord(round=r, participants=participants, predicted_s=selection.t_system_s,
+                             round_s=time.monotonic() - started,
+                             lan_bytes=sum(u.lan_bytes for u, _ in updates.values()), wan_bytes=wan,
+                             refused=sum(u.refused for u, _ in updates.values()),
+                             left_out=sorted(set(left_out) | {d for d, m in mec_of.items() if m in lost_mecs}))
+        return new_state, record
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def _checkpoint(self, r: int, state: dict[str, torch.Tensor]) -> None:
+        """Save round ``r``'s global model as version r + 1: the whole model as one stage, with its layout, so
+        ``edgeswarm export`` and a restarted coordinator read it. A store that cannot be reached costs the
+        checkpoint, not the job."""
+        store = self.ctx.store_node
+        if not store:
+            return
+        try:
+            save_checkpoint(self.bus, store, self.spec.name, stage_entry(0), r + 1,
+                            {k: v.detach().cpu() for k, v in state.items()})
+            save_layout(self.bus, store, self.spec.name, r + 1, [(0, len(self.cost.units))], model=self.spec.model,
+                        extra={"round": str(r)})
+        except CheckpointError as exc:
+            log.warning("job %s: round %d's checkpoint was not saved: %s", self.spec.name, r, exc)
+
+    def _resume(self, state: dict[str, torch.Tensor]) -> int:
+        """The round to start from: after the last checkpointed round of a job an earlier coordinator left, whose
+        weights are loaded into ``state``; 0 for a new job."""
+        previous, store = self.ctx.previous, self.ctx.store_node
+        if previous is None or not store:
+            return 0
+        try:
+            versions = list_checkpoints(self.bus, store, self.spec.name).get(self.spec.name, {}).get("layout", [])
+            if not versions:
+                return 0
+            version = versions[-1]
+            load_layout_meta(self.bus, store, self.spec.name, version)
+            loaded = load_stage(self.bus, store, self.spec.name, 0, version)
+        except CheckpointError as exc:
+            log.warning("job %s: no checkpoint to resume from (%s); starting over", self.spec.name, exc)
+            return 0
+        state.update({k: v.to(state[k].dtype) for k, v in loaded.items() if k in state})
+        progress = previous.progress
+        self.history = list(getattr(progress, "history", []))
+        self.ctx.update("queued", event=("resumed", f"a restarted coordinator resumes after round {version - 1}"))
+        return version
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _describe(r: int, selection: SplitSelection, mecs: list[str]) -> str:
+    cuts = ", ".join(f"{c.node}@{c.cut}" for c in selection.selected)
+    return (f"round {r}: {len(selection.selected)} candidates ({cuts}) on {len(mecs)} MEC(s), predicted "
+            f"{selection.t_system_s:.2f} s")

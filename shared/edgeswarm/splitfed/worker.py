@@ -1,0 +1,282 @@
+"""The device's half of SmartSplit (the On-Device Manager), hosted by the stage-worker: any number of
+train-splitfed jobs at once, each a round at a time.
+
+A SplitEnrol (from the coordinator) names the round's MEC and the device's partition; the device answers with the
+training memory it has now (its ledger's room, capped by the round). Only that MEC's SplitPartWeights starts the round:
+the device reserves its part in the node's memory ledger, reads its own partition, loads the part's weights and
+trains E local epochs with the MEC through the U-split (spec section 7): the cut activation out, the MEC's output
+in, the tail's loss and gradient on the device (labels never leave it), the cut gradient in. Its memory reducer
+recomputes cheap layers' activations when its budget is short (Algorithm 3), and after every epoch it prunes samples
+it has learned (spec 5.4). At the end it sends its trained part and the round's scalars (mean loss, sum of squared
+losses, peak bytes) to the MEC. Tensors from any other node, or of another round, are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.logs import RateLimitedLog
+from edgeswarm.messages.splitfed import (
+    DeviceReport,
+    SplitDone,
+    SplitEnrol,
+    SplitEnrolled,
+    SplitPartWeights,
+    SplitRelease,
+    SplitTensor,
+)
+from edgeswarm.messages.training import StageFailed
+from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, ExchangeTimeout, TensorExchange
+from edgeswarm.runtime.program import MEC_MANAGER, WorkerContext
+from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.splitfed.compute import DevicePart, local_batches
+from edgeswarm.wire import Message
+
+if TYPE_CHECKING:
+    from edgeswarm.bus import Inbound
+
+log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)
+
+PROGRAM = "splitfed-device"  # this program's name in the node's memory ledger
+MAX_JOBS = 16
+
+
+class TensorKey(NamedTuple):
+    """A U-split tensor of one round's step (``scope``: the round)."""
+
+    round: int
+    step: int
+    kind: str
+
+    @property
+    def scope(self) -> int:
+        return self.round
+
+    def __str__(self) -> str:
+        return f"{self.kind} tensor (round {self.round}, step {self.step})"
+
+
+@dataclass
+class _Job:
+    enrol: SplitEnrol
+    exchange: TensorExchange[TensorKey]
+    thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.exchange.close(timeout_s=1.0)
+
+
+class DeviceProgram:
+    """The device's half of every train-splitfed job on this stage-worker (see the module's docstring)."""
+
+    handles: tuple[type[Message], ...] = (SplitEnrol, SplitRelease)
+    tensors: tuple[type[Message], ...] = (SplitPartWeights, SplitTensor)
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+
+    def job_of(self, body: Message) -> str:
+        return str(getattr(body, "job_id", ""))
+
+    def holds(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._jobs
+
+    def close(self) -> None:
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.close()
+            self.ctx.ledger.release(PROGRAM, job.enrol.job_id)
+
+    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
+        self.ctx.metrics.count(f"splitfed_refused.{reason}")
+        _limited.warning(f"refuse.{reason}", "splitfed job %s: %s: %s", job_id, reason, detail)
+        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def on_request(self, msg: Inbound) -> None:
+        body = msg.body
+        if isinstance(body, SplitRelease):
+            self._release(body.job_id)
+        elif isinstance(body, SplitEnrol):
+            self._enrol(msg, body)
+
+    def _enrol(self, msg: Inbound, body: SplitEnrol) -> None:
+        with self._lock:
+            job = self._jobs.get(body.job_id)
+            if job is None and len(self._jobs) >= MAX_JOBS:
+                busy = True
+            else:
+                busy = False
+                if job is not None and job.thread is not None and job.thread.is_alive():
+                    # A new round while the old one still runs: the coordinator gave the old one up.
+                    job.stop.set()
+                    job.exchange.abort(job.enrol.round, f"round {body.round} replaces it")
+                if job is None:
+                    exchange: TensorExchange[TensorKey] = TensorExchange(
+                        self.ctx.bus, MEC_MANAGER, wait_s=body.wait_s, name=f"splitfed {body.job_id}",
+                        scope_name="round", compute=self.ctx.compute)
+                    job = _Job(enrol=body, exchange=exchange)
+                    self._jobs[body.job_id] = job
+                else:
+                    job.enrol, job.stop = body, threading.Event()
+                    job.exchange.wait_s = body.wait_s
+        if busy:
+            self.refuse(msg, body.job_id, "busy", f"{self.ctx.node} holds {MAX_JOBS} split learning jobs")
+            return
+        self.ctx.bus.reply(msg, SplitEnrolled(job_id=body.job_id, round=body.round, node=self.ctx.node,
+                                              budget_bytes=self._budget(body)))
+
+    def _budget(self, enrol: SplitEnrol) -> int:
+        """The training memory this device has for ``enrol``'s job now (bytes)."""
+        ledger = self.ctx.ledger
+        room = max(ledger.budget_bytes - ledger.reserved_bytes(exclude=(PROGRAM, enrol.job_id)), 0)
+        return min(room, enrol.budget_bytes) if enrol.budget_bytes else room
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        if job is not None:
+            job.close()
+            self.ctx.ledger.release(PROGRAM, job_id)
+            log.info("splitfed job %s: released", job_id)
+
+    # --- tensors --------------------------------------------------------------------------------------
+
+    def on_tensor(self, msg: Inbound) -> None:
+        body = msg.body
+        with self._lock:
+            job = self._jobs.get(self.job_of(body))
+        if job is None:
+            self.ctx.metrics.count("data_refused.unknown_job")
+            return
+        why = stranger(msg, job.enrol.mec, type(body).__name__)
+        if why is not None:
+            count_stranger(self.ctx.metrics)
+            _limited.warning("stranger", "splitfed job %s: %s", job.enrol.job_id, why)
+            return
+        if getattr(body, "round", -1) != job.enrol.round or msg.tensor is None:
+            self.ctx.metrics.count("data_refused.stale_round")
+            return
+        if isinstance(body, SplitPartWeights):
+            with self._lock:
+                previous = job.thread if job.thread is not None and job.thread.is_alive() else None
+                if previous is not None:
+                    # The MEC sends the round again (it restarted): the run under way gives up, quietly.
+                    job.stop.set()
+                    job.exchange.abort(body.round, "the MEC started the round again")
+                job.stop = threading.Event()
+                job.thread = threading.Thread(target=self._train, args=(job, body, msg.tensor.to_torch(), job.stop,
+                                                                        previous),
+                                              name=f"splitfed-{body.job_id}", daemon=True)
+                job.thread.start()
+        elif isinstance(body, SplitTensor) and body.kind in ("middle", "cut_gradient"):
+            job.exchange.put(TensorKey(body.round, body.step, body.kind), msg.tensor.to_torch())
+        else:
+            self.ctx.metrics.count("data_refused.kind")
+
+    # --- the round ------------------------------------------------------------------------------------
+
+    def _train(self, job: _Job, part_msg: SplitPartWeights, flat: torch.Tensor, stop: threading.Event,
+               previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join(job.enrol.wait_s)
+        enrol, r = job.enrol, part_msg.round
+        report = DeviceReport(node=self.ctx.node, outcome="failed", cut=part_msg.cut)
+        weights = torch.zeros(0)
+        try:
+            part = DevicePart(enrol.setup, part_msg.cut, compute=self.ctx.compute, gate=self.ctx.gate)
+            budget = self._budget(enrol)
+            self.ctx.ledger.reserve(PROGRAM, enrol.job_id, part.static_bytes(), what=f"split learning job "
+                                    f"{enrol.job_id}'s device part (cut {part_msg.cut})")
+            part.load(flat)
+            part.plan_memory(budget)
+            report = self._epochs(job, part, r, budget, stop)
+            weights = part.flat()
+        except (ExchangeTimeout, ExchangeFailed, ExchangeAborted) as exc:
+            report = report.model_copy(update={"detail": f"the MEC's tensors stopped: {exc}"[:1024]})
+        except MemoryBudgetError as exc:
+            report = report.model_copy(update={"detail": str(exc)[:1024]})
+        except EdgeswarmError as exc:
+            report = report.model_copy(update={"detail": str(exc)[:1024]})
+        except Exception as exc:  # noqa: BLE001 - a torch failure fails the round, never the service
+            log.exception("splitfed job %s round %d failed", enrol.job_id, r)
+            report = report.model_copy(update={"detail": f"{type(exc).__name__}: {exc}"[:1024]})
+        finally:
+            self.ctx.ledger.release(PROGRAM, enrol.job_id)
+            job.exchange.forget(r)
+        if stop.is_set():
+            return
+        try:
+            self.ctx.bus.send_tensor(enrol.mec, MEC_MANAGER, SplitDone(job_id=enrol.job_id, round=r, report=report),
+                                     weights)
+        except EdgeswarmError as exc:
+            log.warning("splitfed job %s round %d: could not send the trained part: %s", enrol.job_id, r, exc)
+
+    def _epochs(self, job: _Job, part: DevicePart, r: int, budget: int, stop: threading.Event) -> DeviceReport:
+        enrol, training = job.enrol, job.enrol.setup.training
+        data = part.partition_data(enrol.index)
+        rng = np.random.default_rng((enrol.setup.partition.seed, r, enrol.index))
+        active = np.arange(data.size)
+        losses = np.zeros(data.size)
+        step = iterations = pruned = seen = 0
+        loss_sum = 0.0
+        for epoch in range(training.epochs):
+            batches = local_batches(active, training.batch_size, rng)
+            for i, ids in enumerate(batches):
+                if stop.is_set():
+                    raise ExchangeAborted("the round was replaced")
+                x, y = data.batch(ids)
+                last = epoch == training.epochs - 1 and i == len(batches) - 1
+                per_sample = self._iteration(job, part, r, step, x, y, last)
+                losses[ids] = per_sample
+                step += 1
+                iterations += 1
+                seen += len(ids)
+                loss_sum += float(per_sample.sum())
+            if training.sample_pruning and epoch + 1 < training.epochs:
+                active, dropped = part.prune(active, losses, rng)
+                pruned += dropped
+        vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
+        return DeviceReport(node=self.ctx.node, outcome="trained", cut=part.cut, samples=data.size,
+                            iterations=iterations, loss=None if vanilla else loss_sum / max(seen, 1), loss_sq_sum=float((losses ** 2).sum()),
+                            peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
+                            pruned=pruned)
+
+    def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
+                   last: bool) -> np.ndarray:
+        """One mini-batch with the MEC (or alone, for local training); the per-sample losses."""
+        enrol, mode = job.enrol, job.enrol.setup.training.mode
+        if mode == "local":
+            return part.local_step(x, y)
+        ex = job.exchange
+        activation = part.front_forward(x)
+        labels = [int(v) for v in y.tolist()] if mode == "vanilla" else None
+        ex.send(enrol.mec, r, SplitTensor(job_id=enrol.job_id, round=r, step=step, kind="activation", last=last,
+                                          labels=labels),
+                activation)
+        if mode == "vanilla":
+            losses = np.zeros(len(y))  # the MEC computes the loss; the device learns only its gradient
+        else:
+            middle = ex.wait(TensorKey(r, step, "middle"))
+            losses, tail_gradient = part.tail_step(middle, y)
+            ex.send(enrol.mec, r, SplitTensor(job_id=enrol.job_id, round=r, step=step, kind="tail_gradient"),
+                    tail_gradient)
+        cut_gradient = ex.wait(TensorKey(r, step, "cut_gradient"))
+        part.front_backward(cut_gradient)
+        return losses

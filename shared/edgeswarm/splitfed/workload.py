@@ -1,0 +1,71 @@
+"""The ``train-splitfed`` workload: SmartSplit's split federated learning, devices training the first and last
+layers of a model, edge servers (MECs) the middle, the coordinator averaging the reassembled models."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from edgeswarm.messages.cluster import NodeView
+from edgeswarm.messages.jobs import JobEventKind, JobState
+from edgeswarm.messages.splitfed import SplitUpdate
+from edgeswarm.planning.splitfed.types import SplitSelection
+from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
+from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
+
+MIB = 1 << 20
+
+
+class SplitfedWorkload(Workload):
+    """Split federated learning jobs: each round the central manager picks participants and cuts, the devices'
+    stage-workers train their halves with the MECs' mec-managers, and the coordinator aggregates."""
+
+    kind = "train-splitfed"
+    spec_type: ClassVar[type[SplitfedSpec]] = SplitfedSpec
+    progress_type = SplitfedProgress
+    plan_type = SplitSelection
+    planner = "edgeswarm.splitfed.planner:PLANNER"
+    command = "train"
+    exclusive = False
+    example = ("kind: train-splitfed\nname: {name}\nrounds: 2\nparticipants: 2\npartition: {devices: 4}\n"
+               "training: {epochs: 1, batch_size: 64}\nwait_s: 20\n")
+    data_schemas = (SplitUpdate,)
+    worker_service = STAGE_WORKER
+    worker_program = "edgeswarm.splitfed.worker:DeviceProgram"
+    # The MEC's half runs on the edge servers' mec-manager.
+    other_programs: ClassVar[dict[str, str]] = {MEC_MANAGER: "edgeswarm.splitfed.mec:MecProgram"}
+
+    def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
+        assert isinstance(spec, SplitfedSpec)
+        found = []
+        if members and len(members) < spec.participants:
+            found.append(f"participants: {spec.participants} devices train per round, but {len(members)} "
+                         f"stage-workers are online; lower participants or start more devices")
+        return found
+
+    def describe(self, spec: Any) -> str:
+        assert isinstance(spec, SplitfedSpec)
+        return (f"train {spec.model.name} on {spec.data.kind} split {spec.partition.kind} over "
+                f"{spec.partition.devices} devices by {spec.mode}, {spec.participants} per round, "
+                f"{spec.rounds} rounds")
+
+    def summary(self, state: JobState) -> JobSummary:
+        p = state.progress_as(SplitfedProgress)
+        last = p.history[-1] if p.history else None
+        peak = max((x.peak_bytes for x in last.participants), default=0) if last else 0
+        return JobSummary(progress=f"round {p.rounds_done}/{p.rounds_total or '?'}", round=p.rounds_done,
+                          round_measured=last is not None, figures=figures_line(
+                              f"accuracy {100 * p.accuracy:.1f}%" if p.accuracy is not None else "",
+                              f"loss {p.loss:.4f}" if p.loss is not None else "",
+                              f"device peak {peak / MIB:.1f} MiB" if peak else ""))
+
+    def stage_devices(self, plan: Any) -> list[list[str]]:
+        assert isinstance(plan, SplitSelection)
+        return [[d.node] for d in plan.selected]
+
+    def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
+        from edgeswarm.splitfed.coordinator import SplitfedRunner  # torch: only when a job actually runs
+
+        assert isinstance(spec, SplitfedSpec)
+        SplitfedRunner(ctx, spec).run()
+        return None
