@@ -68,14 +68,13 @@ def extra_flops(segment: Segment, strategy: Strategy) -> float:
 
 
 def segments(units: Sequence[UnitCost], positions: Sequence[int] | None = None) -> list[Segment]:
-    """The maximal runs of cheap units after a checkpoint (an expensive unit), in execution order. ``positions``
-    (default 0..len-1) label the units; a run never spans a gap in them (the front and tail of a cut are not
-    adjacent). Cheap units with no checkpoint before them (the model's first units) cannot be rebuilt and are
-    kept, like checkpoints."""
+    """The maximal runs of cheap units after a checkpoint (an expensive unit's output), in execution order.
+    ``positions`` (default 0..len-1) label the units; a run never spans a gap in them (the front and tail of a
+    cut are not adjacent). The batch a run at the model's start reads and the activation the tail receives from
+    the MEC are kept anyway (the data, the receive buffer), so they serve as checkpoints too."""
     pos = list(range(len(units))) if positions is None else list(positions)
     out: list[Segment] = []
     run: list[int] = []
-    seen_checkpoint = False
 
     def close() -> None:
         if run:
@@ -85,13 +84,9 @@ def segments(units: Sequence[UnitCost], positions: Sequence[int] | None = None) 
             run.clear()
 
     for i, unit in enumerate(units):
-        if i and pos[i] != pos[i - 1] + 1:
+        if unit.expensive or (i and pos[i] != pos[i - 1] + 1):
             close()
-            seen_checkpoint = False
-        if unit.expensive:
-            close()
-            seen_checkpoint = True
-        elif seen_checkpoint:
+        if not unit.expensive:
             run.append(i)
     close()
     return out
