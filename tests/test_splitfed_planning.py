@@ -368,3 +368,26 @@ def test_budget_trace_stays_within_the_clip() -> None:
     trace = budget_trace(8 * 2**30, 0.3, 1000, rng)
     assert len(trace) == 20 and trace[0] == int(8 * 2**30 * 0.3)
     assert all(0.05 * 8 * 2**30 - 1 <= b <= 0.5 * 8 * 2**30 for b in trace)
+
+
+def test_planning_with_recompute_admits_tighter_budgets_at_a_time_cost() -> None:
+    # conv, norm, relu blocks with equal activations: the norm and relu outputs can be rebuilt.
+    units = [UnitCost(name=f"u{k}", flops_fwd=1e8, flops_bwd=2e8, out_bytes=10 * MB, param_bytes=MB,
+                      act_bytes=10 * MB, backward_bytes=20 * MB, expensive=k % 3 == 0) for k in range(9)]
+    model = ModelCost(name="blocks", batch_size=32, units=units)
+    opts = SplitOptions(plan_with_recompute=True)
+    plain = cut_costs(model, SplitOptions())
+    costs = cut_costs(model, opts)
+    # Cut 6: front 0..5 and tail 8 keep five cheap outputs (50 MB), l_peak is 20 MB.
+    assert costs.lean_memory[5] == plain.memory[5] - 50 * MB + 20 * MB
+    assert costs.recompute_flops[5] == pytest.approx(2 * 1e8)  # two k=2 segments: 1 forward each either way
+    budget = int((costs.lean_memory[5] + plain.memory[5]) / 2)  # cut 6 fits only by recomputing
+    dev = SplitDevice(node="d", mec="m", speed_flops=1e9, link_bytes_s=1e7, budget_bytes=budget, samples=64)
+    assert 6 not in feasible_cuts(model, dev, SplitOptions())
+    assert 6 in feasible_cuts(model, dev, opts)
+    mec = [SplitMec(node="m", speed_flops=1e12)]
+    lean = cost_table(model, [dev], mec, opts)
+    full = cost_table(model, [dev.model_copy(update={"budget_bytes": 10**12})], mec, opts)
+    assert lean.memory[0, 5] == costs.lean_memory[5] <= budget
+    extra = lean.fixed_s[0, 5] - full.fixed_s[0, 5]
+    assert extra == pytest.approx(5 * 2 * costs.recompute_flops[5] / 1e9)  # E = 5 epochs x 2 batches

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
 from edgeswarm.planning.splitfed.types import ModelCost, SplitOptions, SplitPlanError, UnitCost
 
 if TYPE_CHECKING:
@@ -49,13 +50,17 @@ def effective_tail(model: ModelCost, options: SplitOptions) -> int:
 @dataclass(frozen=True)
 class CutCosts:
     """The per-cut quantities of one model, index ``j - 1`` for cut ``j`` in 1..V-h: device memory (bytes),
-    device and MEC FLOPs per iteration, bytes crossing per iteration, and device-side parameter bytes."""
+    device and MEC FLOPs per iteration, bytes crossing per iteration, device-side parameter bytes, and under
+    cost-aware recomputation (theta = l_peak) the device memory M_persist + l_peak and the extra forward FLOPs
+    per iteration."""
 
     memory: np.ndarray
     device_flops: np.ndarray
     mec_flops: np.ndarray
     transfer_bytes: np.ndarray
     device_params: np.ndarray
+    lean_memory: np.ndarray
+    recompute_flops: np.ndarray
 
     @property
     def cuts(self) -> int:
@@ -106,6 +111,7 @@ def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
     n_cuts = v - tail
     front_flops = np.cumsum(flops)[:n_cuts]
     middle_total = float(flops[:n_cuts].sum())
+    lean = [lean_memory(model, j, tail, options.overhead_bytes, options.comm_buffers) for j in range(1, n_cuts + 1)]
     return CutCosts(
         memory=np.array([device_memory(model, j, tail, options.overhead_bytes, options.comm_buffers)
                          for j in range(1, n_cuts + 1)], dtype=np.float64),
@@ -114,7 +120,26 @@ def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
         transfer_bytes=np.array([iteration_bytes(model, j, tail, options.latency_model)
                                  for j in range(1, n_cuts + 1)], dtype=np.float64),
         device_params=np.cumsum(params)[:n_cuts] + tail_params,
+        lean_memory=np.array([m for m, _ in lean], dtype=np.float64),
+        recompute_flops=np.array([f for _, f in lean], dtype=np.float64),
     )
+
+
+def lean_memory(model: ModelCost, cut: int, tail: int, overhead_bytes: int = 0,
+                buffers: bool = True) -> tuple[int, float]:
+    """(bytes, FLOPs): the device memory of cut ``cut`` under cost-aware recomputation with theta = l_peak,
+    M_persist + l_peak (parameters, gradients and optimizer state, the checkpoints, i.e. expensive units' saved
+    activations, buffers and overhead, plus the largest backward footprint l_peak), and the extra forward
+    FLOPs per iteration its plan costs (spec 4.2's ``plan_with_recompute``, 6.3)."""
+    units = model.units
+    v = len(units)
+    side = units[:cut] + units[v - tail:]
+    full = device_memory(model, cut, tail, overhead_bytes, buffers)
+    cheap_act = sum(u.act_bytes for u in side if not u.expensive)
+    l_peak = max(u.backward_bytes for u in side)
+    plan = plan_recompute(device_segments(model, cut, tail), float(l_peak), "peak", "always",
+                          l_peak_bytes=l_peak)
+    return full - cheap_act + l_peak, plan.extra_flops
 
 
 def iterations(samples: int, batch_size: int, epochs: int) -> int:
@@ -202,13 +227,21 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
                          dtype=np.float64)[:, None]
         sync = 2.0 * costs.device_params[None, :] / link
     fixed = iters * (costs.device_flops[None, :] / speed + costs.transfer_bytes[None, :] / link) + sync
+    memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
+    fits = memory <= budget
+    if options.plan_with_recompute:
+        # Where the full activations do not fit but the cost-aware footprint does, the device recomputes.
+        lean = ~fits & (costs.lean_memory[None, :] <= budget)
+        memory = np.where(lean, costs.lean_memory[None, :], memory)
+        fixed = fixed + np.where(lean, iters * costs.recompute_flops[None, :] / speed, 0.0)
+        fits = fits | lean
     return CostTable(
         nodes=tuple(d.node for d in devices),
         mec_names=mec_names,
         mec_of=np.array([index[d.mec] for d in devices], dtype=np.int64),
         mec_speed=np.array([m.speed_flops for m in mecs], dtype=np.float64),
-        memory=np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy(),
-        feasible=(costs.memory[None, :] <= budget) & available & allowed[None, :],
+        memory=memory,
+        feasible=fits & available & allowed[None, :],
         fixed_s=fixed,
         mec_work=iters * costs.mec_flops[None, :],
         dis=np.array([d.dis for d in devices], dtype=np.float64),
@@ -218,11 +251,13 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
 
 
 def feasible_cuts(model: ModelCost, device: SplitDevice, options: SplitOptions) -> list[int]:
-    """J_i: the cuts whose device memory fits the device's budget (empty when it cannot train this round)."""
+    """J_i: the cuts whose device memory (or, with ``plan_with_recompute``, cost-aware footprint) fits the
+    device's budget; empty when it cannot train this round. Ignores ``local_only``/``fixed_cut``."""
     costs = cut_costs(model, options)
     if not device.available:
         return []
-    return [j + 1 for j in range(costs.cuts) if costs.memory[j] <= device.budget_bytes]
+    return [j + 1 for j in range(costs.cuts) if costs.memory[j] <= device.budget_bytes
+            or (options.plan_with_recompute and costs.lean_memory[j] <= device.budget_bytes)]
 
 
 def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, options: SplitOptions,

@@ -125,6 +125,9 @@ class SplitOptions(BaseModel):
     # Send and receive buffers for the activations and gradients crossing the cuts count in device memory
     # (spec 4.2's 2*(O(j)+O(V-h)) term); off only for the paper's worked examples (U4).
     comm_buffers: bool = True
+    # Spec 4.2: feasibility may count the cost-aware recomputation footprint M_persist + l_peak (Algorithm 3 with
+    # theta = l_peak) where the full activations do not fit, and T_i(j) then includes T_recompute.
+    plan_with_recompute: bool = False
 
     @model_validator(mode="after")
     def _counts(self) -> SplitOptions:
