@@ -98,7 +98,10 @@ class SplitOptions(BaseModel):
     round time against skew; ``normalise`` divides Dis by ln C and T by T_ref. ``tail`` is h, the units kept on
     the device after the MEC's part. ``epochs`` E local epochs of ``ceil(samples / batch)`` iterations.
     ``fixed_cut`` forces one cut for every device (the SplitFed baseline); ``local_only`` plans whole-model
-    local training (FedAvg: a device whose budget cannot hold it is left out)."""
+    local training (FedAvg: a device whose budget cannot hold it is left out); both baselines select their
+    devices uniformly at random (seeded by ``seed``). ``n_min``/``n_max`` make the count a search dimension,
+    ``comm_buffers`` counts the cut's send/receive buffers in device memory, ``plan_with_recompute`` admits a cut
+    whose cost-aware recomputation footprint fits (spec 4.2)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
