@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from edgeswarm.errors import InfeasiblePlanError
+from edgeswarm.errors import InfeasiblePlanError, PlanTooLargeError
 from edgeswarm.planning.splitfed.cost import (
     LABEL_BYTES,
     cost_table,
@@ -391,3 +391,11 @@ def test_planning_with_recompute_admits_tighter_budgets_at_a_time_cost() -> None
     assert lean.memory[0, 5] == costs.lean_memory[5] <= budget
     extra = lean.fixed_s[0, 5] - full.fixed_s[0, 5]
     assert extra == pytest.approx(5 * 2 * costs.recompute_flops[5] / 1e9)  # E = 5 epochs x 2 batches
+
+
+def test_plan_round_refuses_searches_beyond_its_work_caps() -> None:
+    devs, mecs = paper_devices(np.random.default_rng(0))
+    model = chain_model(units=8)
+    with pytest.raises(PlanTooLargeError, match="bo_budget"):  # 7 cuts x 60 counts: 420 evaluations
+        plan_round(model, devs, mecs, SplitOptions(bo_budget=500, n_min=1, n_max=60))
+    assert plan_round(model, devs, mecs, SplitOptions(bo_budget=500)).count == 20  # |chi| = 7: exhaustive

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edgeswarm.errors import PlanTooLargeError
 from edgeswarm.planning.splitfed.cost import CostTable, cost_table
 from edgeswarm.planning.splitfed.objective import Decoded, Normalisers, normalisers, objective, sharing
 from edgeswarm.planning.splitfed.solvers import Solution, bayesian, exhaustive, global_oracle, grid
@@ -21,6 +22,14 @@ from edgeswarm.planning.splitfed.types import (
     SplitSelection,
 )
 
+# Work caps, so that options a message carries cannot make the planner run for minutes: device-points an
+# exhaustive search decodes (about a second at 1e7), BO evaluations (each fits a GP on all before it) and the
+# grid points scored per evaluation, and (count, threshold) pairs the global oracle tries.
+MAX_EXHAUSTIVE_WORK = 10_000_000
+MAX_BO_EVALUATIONS = 200
+MAX_BO_WORK = 20_000_000
+MAX_ORACLE_WORK = 1_000_000
+
 
 def plan_round(model: ModelCost, devices: list[SplitDevice], mecs: list[SplitMec],
                options: SplitOptions) -> SplitSelection:
@@ -33,7 +42,8 @@ def plan_round(model: ModelCost, devices: list[SplitDevice], mecs: list[SplitMec
     listed in ``infeasible``. A device's id for tie-breaks is its position in ``devices``.
 
     Raises SplitPlanError (an InfeasiblePlanError) when no device can train, saying how much memory the
-    shallowest allowed cut needs against the largest budget, and what to change.
+    shallowest allowed cut needs against the largest budget, and what to change; PlanTooLargeError when the
+    search would exceed the work caps above.
     """
     if not devices:
         raise SplitPlanError("no devices to plan a round for: every MEC reported none; start devices or wait "
@@ -49,13 +59,15 @@ def plan_round(model: ModelCost, devices: list[SplitDevice], mecs: list[SplitMec
     lo, hi = options.count_range()
     hi = min(hi, int(eligible.size))
     lo = min(lo, hi)
+    n_cuts = table.feasible.shape[1]
+    _check_size(options, n_cuts * (hi - lo + 1), len(devices), hi - lo + 1)
     if options.local_only or options.fixed_cut is not None:
         solution = _random_selection(table, eligible, hi, options, norm)
     elif options.solver == "global":
         solution = min((global_oracle(table, n, options, norm) for n in range(lo, hi + 1)),
                        key=lambda s: s.decoded.objective)
     else:
-        points = grid(table.feasible.shape[1], lo, hi)
+        points = grid(n_cuts, lo, hi)
         if options.solver == "exhaustive":
             solution = exhaustive(table, points, options, norm)
         else:
@@ -66,6 +78,25 @@ def plan_round(model: ModelCost, devices: list[SplitDevice], mecs: list[SplitMec
                              f"samples (the eligible devices hold {int(table.samples[eligible].sum())}): lower "
                              "d_threshold or raise the count")
     return _selection(table, decoded, solution, options, left_out)
+
+
+def _check_size(options: SplitOptions, points: int, devices: int, counts: int) -> None:
+    """Raise PlanTooLargeError when the chosen solver's work over ``points`` grid points exceeds its cap."""
+    if options.local_only or options.fixed_cut is not None:
+        return
+    fix = "narrow n_min..n_max, plan fewer devices or a model with fewer units"
+    if options.solver == "exhaustive" and points * devices > MAX_EXHAUSTIVE_WORK:
+        raise PlanTooLargeError(f"exhaustive search over {points} points x {devices} devices exceeds "
+                                f"{MAX_EXHAUSTIVE_WORK}: use solver bo, or {fix}")
+    if options.solver == "global" and counts * devices > MAX_ORACLE_WORK:
+        raise PlanTooLargeError(f"the global oracle over {counts} counts x {devices} devices exceeds "
+                                f"{MAX_ORACLE_WORK}: {fix}")
+    if options.solver == "bo":
+        evaluations = min(options.bo_budget, points)
+        if evaluations > MAX_BO_EVALUATIONS or (evaluations < points and evaluations * points > MAX_BO_WORK):
+            raise PlanTooLargeError(f"BO with {evaluations} evaluations over {points} points exceeds "
+                                    f"{MAX_BO_EVALUATIONS} evaluations or {MAX_BO_WORK} scored points: lower "
+                                    f"bo_budget (default 20), or {fix}")
 
 
 def _random_selection(table: CostTable, eligible: np.ndarray, n: int, options: SplitOptions,
