@@ -8,10 +8,12 @@ MQTT messages, so lists are bounded and floats finite.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgeswarm.errors import InfeasiblePlanError
 from edgeswarm.values.limits import MAX_DEVICES, MAX_MEMORY_BYTES, MAX_UNITS
 from edgeswarm.wire.schema import Name
 
@@ -24,6 +26,11 @@ Bytes = Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]
 
 Solver = Literal["bo", "exhaustive", "global"]
 LatencyModel = Literal["usplit", "vanilla", "paper"]
+
+
+class SplitPlanError(InfeasiblePlanError):
+    """No device can train this round (none available, or no cut fits any budget), or the options ask for the
+    impossible (a fixed cut beyond the model, a tail as long as the model): the message says what to change."""
 
 
 class UnitCost(BaseModel):
@@ -91,7 +98,10 @@ class SplitOptions(BaseModel):
     round time against skew; ``normalise`` divides Dis by ln C and T by T_ref. ``tail`` is h, the units kept on
     the device after the MEC's part. ``epochs`` E local epochs of ``ceil(samples / batch)`` iterations.
     ``fixed_cut`` forces one cut for every device (the SplitFed baseline); ``local_only`` plans whole-model
-    local training (FedAvg: a device whose budget cannot hold it is left out)."""
+    local training (FedAvg: a device whose budget cannot hold it is left out); both baselines select their
+    devices uniformly at random (seeded by ``seed``). ``n_min``/``n_max`` make the count a search dimension,
+    ``comm_buffers`` counts the cut's send/receive buffers in device memory, ``plan_with_recompute`` admits a cut
+    whose cost-aware recomputation footprint fits (spec 4.2)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -111,6 +121,34 @@ class SplitOptions(BaseModel):
     fixed_cut: int | None = Field(default=None, ge=1, le=MAX_UNITS)
     local_only: bool = False
     previous_best: tuple[int, int] | None = None  # (target cut, count) of the previous round: BO starts there
+    # The count n of section 4.3 ranges over n_min..n_max (both default to n_c = ceil(gamma * K)); a range makes
+    # the BO space two-dimensional (target cut x count), as in the paper.
+    n_min: int | None = Field(default=None, ge=1, le=MAX_SPLIT_DEVICES)
+    n_max: int | None = Field(default=None, ge=1, le=MAX_SPLIT_DEVICES)
+    # Send and receive buffers for the activations and gradients crossing the cuts count in device memory
+    # (spec 4.2's 2*(O(j)+O(V-h)) term); off only for the paper's worked examples (U4).
+    comm_buffers: bool = True
+    # Spec 4.2: feasibility may count the cost-aware recomputation footprint M_persist + l_peak (Algorithm 3 with
+    # theta = l_peak) where the full activations do not fit, and T_i(j) then includes T_recompute.
+    plan_with_recompute: bool = False
+
+    @model_validator(mode="after")
+    def _counts(self) -> SplitOptions:
+        lo, hi = self.n_min, self.n_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"n_min {lo} exceeds n_max {hi}")
+        return self
+
+    def candidates(self) -> int:
+        """n_c = ceil(gamma * K): how many devices the central manager hands the MECs (spec 5.3)."""
+        return min(MAX_SPLIT_DEVICES, math.ceil(self.gamma * self.participants - 1e-9))
+
+    def count_range(self) -> tuple[int, int]:
+        """(n_min, n_max) of the search space; each defaults to n_c."""
+        n_c = self.candidates()
+        lo = self.n_min if self.n_min is not None else min(n_c, self.n_max or n_c)
+        hi = self.n_max if self.n_max is not None else max(n_c, lo)
+        return lo, hi
 
 
 class DeviceCut(BaseModel):
