@@ -39,7 +39,7 @@ from edgeswarm.messages.splitfed import (
     SplitUpdate,
 )
 from edgeswarm.models.zoo import build_model
-from edgeswarm.planning.splitfed.scheduling import mec_quotas
+from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
@@ -168,12 +168,12 @@ class SplitfedRunner:
         for c in enrolled:
             by_mec.setdefault(c.mec, []).append(SplitCandidate(node=c.node, cut=c.cut, index=index[c.node],
                                                                samples=samples[c.node]))
-        quotas = mec_quotas({m: len(cs) for m, cs in by_mec.items()}, spec.participants)
-        starts = {m: SplitRoundStart(job_id=spec.name, round=r, coordinator=ctx.node, setup=setup, candidates=cs,
-                                     quota=max(1, quotas.get(m, 1)), epsilon=spec.epsilon if spec.mode == "smartsplit"
-                                     else 1.0, seed=spec.seed * 7919 + r, estimator=spec.estimator,
-                                     wait_s=spec.wait_s)
-                  for m, cs in by_mec.items()}
+        names = sorted(by_mec)
+        shares = quotas([len(by_mec[m]) for m in names], spec.participants)
+        starts = {m: SplitRoundStart(job_id=spec.name, round=r, coordinator=ctx.node, setup=setup, candidates=by_mec[m],
+                                     quota=k, epsilon=spec.epsilon if spec.mode == "smartsplit" else 1.0,
+                                     seed=spec.seed * 7919 + r, estimator=spec.estimator, wait_s=spec.wait_s)
+                  for m, k in zip(names, shares) if k > 0}
         used.update((m, MEC_MANAGER) for m in starts)
         flat = flatten(state, self.layout)
         running = [m for m in starts if self._start_on(m, starts[m], flat)]
