@@ -1,0 +1,335 @@
+"""A train-splitfed party's part of the model, made and run: the device's front and tail (or the whole model for
+FedAvg, or the front alone for the vanilla split), the MEC's middle (or everything after the cut for the vanilla
+split), and the reassembly of a device's local model from both, with the MEC's estimate of its label distribution.
+
+The torch of the split itself is ``split`` (the five U-split steps, built parts, the optimizer) and ``recompute``
+(the memory reducer); this module ties it to a round's setup: the split point of a mode, the flat weight layouts
+that cross the wire, the device's own data partition, its memory plan under its budget, and sample pruning.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from edgeswarm.data import open_dataset
+from edgeswarm.data.partition import Partition, device_view, partition_dataset
+from edgeswarm.errors import ConfigError, MemoryBudgetError
+from edgeswarm.messages.splitfed import RoundSetup
+from edgeswarm.models.sequence import layer_sequence
+from edgeswarm.models.zoo import build_model, without_weights
+from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
+from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis, oracle_distribution
+from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.pruning import PruningSpec, prune_step
+from edgeswarm.splitfed.split import (
+    DeviceSide,
+    MecSide,
+    Role,
+    ServerSide,
+    SplitPoint,
+    build_parts,
+    split_point,
+)
+from edgeswarm.splitfed.weights import Layout, flatten, layout_of, unflatten
+from edgeswarm.values.specs import OptimizerSpec
+
+if TYPE_CHECKING:
+    from edgeswarm.data.base import Dataset
+    from edgeswarm.runtime.program import ComputeGate
+    from edgeswarm.values.profiles import ModelSpec
+
+
+def point_of(setup: RoundSetup, cut: int) -> SplitPoint:
+    """The split point of ``cut`` in ``setup``'s mode: the U-split keeps the tail on the device; the vanilla split
+    has none; local training is the cut that leaves the MEC nothing."""
+    training = setup.training
+    if training.mode == "usplit":
+        return split_point(setup.model, cut, training.tail)
+    if training.mode == "vanilla":
+        return split_point(setup.model, cut, 0)
+    units = _unit_count(setup.model.model_dump_json())
+    return split_point(setup.model, units - training.tail, training.tail)
+
+
+def device_roles(setup: RoundSetup) -> tuple[Role, ...]:
+    """The parts a device holds in ``setup``'s mode."""
+    return ("front",) if setup.training.mode == "vanilla" else ("front", "tail")
+
+
+def mec_roles(setup: RoundSetup) -> tuple[Role, ...]:
+    """The parts an MEC holds in ``setup``'s mode (none for local training)."""
+    return {"usplit": ("middle",), "vanilla": ("server",), "local": ()}[setup.training.mode]  # type: ignore[return-value]
+
+
+def optimizer_of(setup: RoundSetup) -> OptimizerSpec:
+    """Both parties' optimizer (spec section 7): SGD with the round's momentum and weight decay."""
+    t = setup.training
+    return OptimizerSpec(name="momentum" if t.momentum > 0 else "sgd", lr=t.lr, momentum=t.momentum,
+                         weight_decay=t.weight_decay)
+
+
+@lru_cache(maxsize=16)
+def _unit_count(model_json: str) -> int:
+    from edgeswarm.values.profiles import ModelSpec
+
+    with without_weights():
+        return len(layer_sequence(build_model(ModelSpec.model_validate_json(model_json))))
+
+
+@lru_cache(maxsize=16)
+def _global_layout(model_json: str) -> Layout:
+    from edgeswarm.values.profiles import ModelSpec
+
+    with without_weights():
+        return layout_of(build_model(ModelSpec.model_validate_json(model_json)).state_dict())
+
+
+@lru_cache(maxsize=64)
+def _part_keys(model_json: str, units: int, bounds: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
+    from edgeswarm.values.profiles import ModelSpec
+
+    with without_weights():
+        seq = layer_sequence(build_model(ModelSpec.model_validate_json(model_json)))
+        return tuple(k for start, end in bounds for i in range(start, end)
+                     for k in seq.build_stage(i, i + 1).state_dict())
+
+
+def global_layout(model: ModelSpec) -> Layout:
+    """The whole model's flat layout (what SplitGlobal and SplitUpdate carry)."""
+    return _global_layout(model.model_dump_json())
+
+
+def part_layout(setup: RoundSetup, cut: int, roles: tuple[Role, ...]) -> Layout:
+    """The flat layout of the parts ``roles`` at ``cut``: the whole model's entries those units hold, in its
+    order."""
+    point = point_of(setup, cut)
+    keys = _part_keys(setup.model.model_dump_json(), point.units, tuple(point.bounds(r) for r in roles))
+    return global_layout(setup.model).subset(keys)
+
+
+@lru_cache(maxsize=8)
+def _partition(setup_json: str) -> tuple[Dataset, Partition]:
+    setup = RoundSetup.model_validate_json(setup_json)
+    dataset = open_dataset(setup.dataset, setup.model)
+    return dataset, partition_dataset(dataset, setup.partition.devices, setup.partition)
+
+
+def partition_of(setup: RoundSetup) -> tuple[Dataset, Partition]:
+    """The data set and its division among the job's devices (the same on every node: seeded)."""
+    key = RoundSetup(model=setup.model, dataset=setup.dataset, partition=setup.partition,
+                     training=setup.training.model_copy(update={"mode": "usplit"})).model_dump_json()
+    return _partition(key)
+
+
+class DeviceData:
+    """One device's partition: its sample count and batches on the compute device."""
+
+    def __init__(self, view: Dataset, compute: torch.device) -> None:
+        self.view, self.compute = view, compute
+
+    @property
+    def size(self) -> int:
+        return self.view.train_size
+
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.view.batch(ids)
+        return x.to(self.compute), y.to(self.compute)
+
+
+def local_batches(active: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """One local epoch over the ``active`` sample ids: shuffled, in batches of ``batch_size`` (the last may be
+    smaller)."""
+    order = rng.permutation(active)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+class DevicePart:
+    """The device's part of the model at ``cut`` for one round (see the module's docstring)."""
+
+    def __init__(self, setup: RoundSetup, cut: int, *, compute: torch.device, gate: ComputeGate) -> None:
+        self.setup, self.cut, self.compute, self.gate = setup, cut, compute, gate
+        self.point = point_of(setup, cut)
+        self.roles = device_roles(setup)
+        self.layout = part_layout(setup, cut, self.roles)
+        with gate.building():
+            self.parts = build_parts(setup.model, self.point, self.roles, compute=compute)
+        self.side = DeviceSide(self.parts["front"], self.parts.get("tail"), optimizer=optimizer_of(setup))
+        self.recompute_summary = "none"
+
+    def static_bytes(self) -> int:
+        """The part's persistent training bytes: weights, gradients, the momentum buffer, buffers."""
+        params = sum(p.param_bytes() for p in self.parts.values())
+        buffers = sum(b.numel() * b.element_size() for p in self.parts.values() for b in p.buffers())
+        return params * (3 if self.setup.training.momentum > 0 else 2) + buffers
+
+    def load(self, flat: torch.Tensor) -> None:
+        """Load the round's weights of the part (SplitPartWeights' vector). Raises WeightsError."""
+        state = unflatten(flat, self.layout, device=self.compute)
+        for part in self.parts.values():
+            part.load_state(state)
+
+    def flat(self) -> torch.Tensor:
+        """The trained part as SplitDone carries it."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self.parts.values():
+            state.update(part.state_dict())
+        return flatten(state, self.layout)
+
+    def plan_memory(self, budget_bytes: int) -> None:
+        """Choose the front's recomputation under ``budget_bytes`` of training memory (Algorithm 3 with the
+        round's policy). Raises MemoryBudgetError when not even memory-centric recomputation fits: the MEC must
+        move the cut."""
+        training = self.setup.training
+        if training.recompute == "off" or training.mode == "local":
+            return
+        cost = model_cost(self.setup.model, training.batch_size, optimizer_states=1 if training.momentum else 0)
+        segs = device_segments(cost, self.cut, self.point.tail)
+        allowance = budget_bytes - self.static_bytes()
+        plan = plan_recompute(segs, allowance, theta_mode=training.theta, policy=training.recompute)
+        if plan.outcome == "infeasible":
+            raise MemoryBudgetError(f"cut {self.cut} needs {plan.l_peak_bytes / 2**20:.1f} MiB of activations at "
+                                    f"its peak, but {max(allowance, 0) / 2**20:.1f} MiB of the budget are left after "
+                                    "the weights: a shallower cut is needed")
+        if plan.outcome == "recompute":
+            front = [r for seg, r in zip(segs, plan.strategies) if seg.units[0] < self.cut]
+            self.side.front_chain.set_plan(front)
+            counts = {r: front.count(r) for r in ("speed", "memory") if r in front}
+            self.recompute_summary = ", ".join(f"{n} {r}-centric" for r, n in counts.items()) or "none"
+
+    def partition_data(self, index: int) -> DeviceData:
+        """This device's own samples (partition ``index``)."""
+        dataset, partition = partition_of(self.setup)
+        return DeviceData(device_view(dataset, partition, index), self.compute)
+
+    def front_forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.gate.computing():
+            return self.side.front_forward(x)
+
+    def tail_step(self, middle: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """The tail's loss on this device's labels, its backward and update: per-sample losses and g_mid."""
+        with self.gate.computing():
+            step = self.side.tail_step(middle, y)
+        return step.losses.cpu().numpy(), step.g_mid
+
+    def front_backward(self, gradient: torch.Tensor) -> None:
+        with self.gate.computing():
+            self.side.front_backward(gradient)
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+        """One step of whole-model local training (FedAvg): the same parts, nothing between them."""
+        with self.gate.computing():
+            step = self.side.tail_step(self.side.front_forward(x), y)
+            self.side.front_backward(step.g_mid)
+        return step.losses.cpu().numpy()
+
+    def prune(self, active: np.ndarray, losses: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+        """Sample pruning after an epoch (spec 5.4): the ids that stay, and how many left."""
+        t = self.setup.training
+        spec = PruningSpec(percentile=t.prune_percentile, ratio=t.prune_ratio)
+        step = prune_step(active, losses[active], spec, seed=int(rng.integers(1 << 31)))
+        return step.active, len(active) - len(step.active)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The measured peak of training memory so far (bytes)."""
+        return self.side.memory().peak_bytes
+
+
+class MecPart:
+    """The MEC's replica of the middle of the model (or the vanilla split's server part) for one device."""
+
+    def __init__(self, setup: RoundSetup, cut: int, *, compute: torch.device) -> None:
+        self.setup = setup
+        point = point_of(setup, cut)
+        roles = mec_roles(setup)
+        self.parts = build_parts(setup.model, point, roles, compute=compute)
+        if setup.training.mode == "vanilla":
+            self.server: ServerSide | None = ServerSide(self.parts["server"], optimizer=optimizer_of(setup))
+            self.side: MecSide | None = None
+        else:
+            self.side, self.server = MecSide(self.parts["middle"], optimizer=optimizer_of(setup)), None
+        self.losses: list[float] = []
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        for part in self.parts.values():
+            part.load_state(state)
+
+    def forward(self, activation: torch.Tensor) -> torch.Tensor:
+        assert self.side is not None
+        return self.side.forward(activation)
+
+    def backward(self, gradient: torch.Tensor) -> torch.Tensor:
+        assert self.side is not None
+        return self.side.backward(gradient)
+
+    def vanilla_step(self, activation: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The vanilla split's server step with the device's labels; the cut gradient."""
+        assert self.server is not None
+        step = self.server.step(activation, labels)
+        self.losses.append(step.loss)
+        return step.g_j
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for part in self.parts.values():
+            out.update(part.state_dict())
+        return out
+
+
+class Reassembly:
+    """What the MEC knows of the whole model in a round: the global weights' layout, each device's part of them,
+    the reassembled local models, and the label-distribution estimate (Algorithm 1)."""
+
+    def __init__(self, setup: RoundSetup, *, compute: torch.device) -> None:
+        self.setup, self.compute = setup, compute
+        self.layout = global_layout(setup.model)
+        self._grads: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The round's global state from SplitGlobal's vector. Raises WeightsError."""
+        return unflatten(flat, self.layout, device=self.compute)
+
+    def device_flat(self, state: dict[str, torch.Tensor], cut: int) -> torch.Tensor:
+        """The device's part of ``state`` at ``cut``, as SplitPartWeights carries it."""
+        return flatten(state, part_layout(self.setup, cut, device_roles(self.setup)))
+
+    def full_state(self, cut: int, device_flat: torch.Tensor, mec_state: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+        """A device's local model: its trained part (SplitDone's vector) and the MEC's replica. Raises
+        WeightsError for a vector that does not fit the part or holds NaN or infinite values."""
+        own = unflatten(device_flat, part_layout(self.setup, cut, device_roles(self.setup)), device=self.compute)
+        full = {**own, **{k: v.to(self.compute) for k, v in mec_state.items()}}
+        missing = [k for k in self.layout.names if k not in full]
+        if missing:
+            raise ConfigError(f"the reassembled model lacks {missing[0]!r}: the parts do not cover the model")
+        return {k: full[k] for k in self.layout.names}
+
+    def label_distribution(self, global_state: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
+                           index: int, mode: str) -> list[float]:
+        """The device's estimated label distribution: from its output layer's update (``grad_nnls``) or its
+        partition's true histogram (``oracle``, for simulations and upper bounds)."""
+        if mode == "oracle":
+            _, partition = partition_of(self.setup)
+            return list(oracle_distribution(partition.histogram(index)).probabilities)
+        name = output_weight(self.layout)
+        with self._lock:
+            if self._grads is None:
+                dataset, _ = partition_of(self.setup)
+                model = build_model(self.setup.model).to(self.compute)
+                model.load_state_dict(global_state)
+                self._grads = class_gradients(model, name, auxiliary_set(dataset), compute=self.compute)
+        return list(obtain_dis(local[name], global_state[name], self._grads).probabilities)
+
+
+def output_weight(layout: Layout) -> str:
+    """The output layer's weight: the last two-dimensional floating entry of the model."""
+    for name, shape, dtype in zip(reversed(layout.names), reversed(layout.shapes), reversed(layout.dtypes)):
+        if len(shape) == 2 and dtype.is_floating_point:
+            return name
+    raise ConfigError("the model has no two-dimensional output weight to estimate its label distribution from")
