@@ -170,8 +170,9 @@ def obtain_dis(local_weight: torch.Tensor, global_weight: torch.Tensor,
     if class_grads.numel() > MAX_NNLS_ENTRIES:
         raise ConfigError(f"NNLS over {class_grads.shape[0]} classes x {numel} weights exceeds {MAX_NNLS_ENTRIES} "
                           "entries: bucket the classes (spec §5.2) or use the oracle mode")
-    delta = (local_weight.detach().double().cpu() - global_weight.detach().double().cpu()).reshape(-1).numpy()
-    grads = class_grads.detach().double().cpu().numpy()
+    # To the host first: NNLS runs there, and MPS has no float64.
+    delta = (local_weight.detach().cpu().double() - global_weight.detach().cpu().double()).reshape(-1).numpy()
+    grads = class_grads.detach().cpu().double().numpy()
     if not (np.isfinite(delta).all() and np.isfinite(grads).all()):
         raise ConfigError("the output weights or class gradients hold NaN or infinite values")
     q, residual = nnls(grads.T, -delta)

@@ -46,7 +46,8 @@ class DatasetSpec(BaseModel):
                         if self.kind == "cifar10" else "a directory holding train.npz and test.npz (arrays x and y)")
             raise ValueError(f"kind {self.kind!r} needs path: {expected}; nothing is downloaded")
         if not reads_files and self.path is not None:
-            raise ValueError(f"kind {self.kind!r} generates its data and takes no path (got {self.path!r}); "
+            source = "reads scikit-learn's bundled digits" if self.kind == "digits" else "generates its data"
+            raise ValueError(f"kind {self.kind!r} {source} and takes no path (got {self.path!r}); "
                              "remove path, or use kind 'cifar10' or 'npz' to read files")
         if self.teacher_grid is not None and self.kind != "teacher":
             raise ValueError(f"teacher_grid applies to kind 'teacher' only, not {self.kind!r}")
