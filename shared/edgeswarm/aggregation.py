@@ -23,6 +23,7 @@ on without it.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -82,7 +83,8 @@ def check_update(update: State, reference: State, *, who: str = "update") -> Non
 
 
 def _check_weight(weight: float, who: str) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+    # numbers.Real: numpy's counts (Partition.sizes() gives int64) are weights too.
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight <= 0:
         raise BadWeightError(f"{who}: weight must be a finite number > 0 (its sample count), not {weight!r}")
     return float(weight)
 
