@@ -147,3 +147,15 @@ def test_lenet5_states_average_on_the_compute_device() -> None:
     for name, value in mean.items():
         assert value.device == a[name].device
         torch.testing.assert_close(value, a[name] + 0.25)
+
+
+def test_overflow_of_a_sum_is_not_mistaken_for_a_non_finite_update() -> None:
+    """The fast finiteness check sums in float64; values whose float64 sum overflows are still finite."""
+    big = {"w": torch.full((4,), 1e308, dtype=torch.float64)}
+    agg = FedAvg(big)
+    agg.add(big, 1)
+    assert torch.equal(agg.result()["w"], big["w"])
+    with pytest.raises(NonFiniteUpdateError):
+        agg.add({"w": torch.tensor([1e308, 1e308, float("inf"), 1e308], dtype=torch.float64)}, 1)
+    half = {"w": torch.full((3,), 60000.0, dtype=torch.float16)}
+    FedAvg(half).add(half, 2)

@@ -78,8 +78,22 @@ def check_update(update: State, reference: State, *, who: str = "update") -> Non
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise UpdateMismatchError(f"{who}: {name} is {got}, the global model's is {tuple(ref.shape)} "
                                       f"{ref.dtype}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not _finite(t):
             raise NonFiniteUpdateError(f"{who}: {name} holds NaN or infinite values")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite. A float64 sum is non-finite whenever a value is (NaN and infinities
+    propagate) and, for 32-bit and narrower values, only then; a float64 tensor whose sum overflows is checked
+    value by value (and so is anything on MPS, which has no float64). The sum is several times faster than
+    ``isfinite(t).all()`` on the CPU."""
+    import torch
+
+    if t.device.type == "mps":  # no float64 there
+        return bool(torch.isfinite(t).all())
+    if bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        return True
+    return bool(torch.isfinite(t).all()) if t.dtype == torch.float64 else False
 
 
 def _check_weight(weight: float, who: str) -> float:
