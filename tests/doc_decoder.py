@@ -390,7 +390,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "end": "int", "groups": ("list", ("list", "str")), "shares": ("list", ("list", "int")),
         "micro_batches": "int", "warmup": "int", "loss_scale": "number",
         "optimizer": ("record", {"name": _OPTIMIZER, "lr": "number", "momentum": "number", "weight_decay": "number"}),
-        "data": ("record", {"kind": ("enum", {"teacher", "tokens", "cifar10", "npz"}), "path": "str?",
+        "data": ("record", {"kind": ("enum", {"teacher", "tokens", "cifar10", "npz", "digits"}), "path": "str?",
                             "size": "int?", "test_size": "int?", "seed": "int", "noise": "number",
                             "teacher_grid": "int?"}),
         "seed": "int", "backup_to": "str?", "backup_interval": "int", "resume_round": "int",

@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "tokens": "edgeswarm.data.synthetic:open_tokens",
     "cifar10": "edgeswarm.data.files:open_cifar10",
     "npz": "edgeswarm.data.files:open_npz",
+    "digits": "edgeswarm.data.digits:open_digits",
 }
 
 

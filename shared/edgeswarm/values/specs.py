@@ -17,7 +17,8 @@ DatasetKind = Literal["teacher", "tokens", "cifar10", "npz", "digits"]
 class DatasetSpec(BaseModel):
     """Which data to train on.
 
-    ``path`` is the directory of a "cifar10" or "npz" data set (required there, refused for synthetic kinds).
+    ``path`` is the directory of a "cifar10" or "npz" data set (required there, refused for the synthetic kinds and
+    for "digits", scikit-learn's bundled handwritten digits).
     ``size`` and ``test_size`` are sample counts of the training and held-out splits: the synthetic kinds generate
     that many (default 4096 and 1024); the file kinds use the first ``size`` / ``test_size`` samples of their files
     (default: all of them). ``seed`` selects the synthetic task and its samples, and the epoch permutations of
@@ -45,11 +46,12 @@ class DatasetSpec(BaseModel):
                         if self.kind == "cifar10" else "a directory holding train.npz and test.npz (arrays x and y)")
             raise ValueError(f"kind {self.kind!r} needs path: {expected}; nothing is downloaded")
         if not reads_files and self.path is not None:
-            raise ValueError(f"kind {self.kind!r} generates its data and takes no path (got {self.path!r}); "
+            source = "reads scikit-learn's bundled digits" if self.kind == "digits" else "generates its data"
+            raise ValueError(f"kind {self.kind!r} {source} and takes no path (got {self.path!r}); "
                              "remove path, or use kind 'cifar10' or 'npz' to read files")
         if self.teacher_grid is not None and self.kind != "teacher":
             raise ValueError(f"teacher_grid applies to kind 'teacher' only, not {self.kind!r}")
-        if reads_files and self.noise > 0:
+        if (reads_files or self.kind == "digits") and self.noise > 0:
             raise ValueError(f"noise applies to the synthetic kinds only; kind {self.kind!r} uses its labels "
                              "as they are")
         return self
