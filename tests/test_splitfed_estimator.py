@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import Dataset
-from edgeswarm.data.partition import PartitionSpec, device_view, partition_dataset
+from edgeswarm.data.partition import device_view, partition_dataset
+from edgeswarm.values.federated import PartitionSpec
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import build_model
 from edgeswarm.splitfed.estimator import (

@@ -26,50 +26,17 @@ A device computes the same partition from the spec and the training labels alone
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.data.base import Dataset, Split
 from edgeswarm.errors import ConfigError, DataError
-
-PartitionKind = Literal["iid", "dirichlet", "label-skew"]
+from edgeswarm.values.federated import PartitionSpec
 
 # Leading words of the generator seeds, one per kind, so that two kinds with the same seed draw unrelated numbers.
 _TAG = {"iid": 0x49494400, "dirichlet": 0x44495200, "label-skew": 0x534B4557}
 # Partitions are computed in memory from the labels; a bound keeps a claimed device count from allocating N rows.
 MAX_DEVICES = 100_000
-
-
-class PartitionSpec(BaseModel):
-    """How a training set is shared among devices.
-
-    ``alpha`` (> 0) is the Dirichlet concentration, required by "dirichlet" and refused by the other kinds;
-    ``classes_per_device`` (>= 1) is required by "label-skew" and refused by the others; ``seed`` selects the draw.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: PartitionKind = "iid"
-    alpha: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    classes_per_device: int | None = Field(default=None, ge=1)
-    seed: int = Field(default=0, ge=0)
-
-    @model_validator(mode="after")
-    def _parameters_fit_the_kind(self) -> PartitionSpec:
-        if self.kind == "dirichlet" and self.alpha is None:
-            raise ValueError("kind 'dirichlet' needs alpha > 0: the Dirichlet concentration, e.g. 0.1 (strongly "
-                             "non-IID) or 1.0 (mildly non-IID)")
-        if self.kind != "dirichlet" and self.alpha is not None:
-            raise ValueError(f"alpha applies to kind 'dirichlet' only, not {self.kind!r}; remove it or use "
-                             "kind 'dirichlet'")
-        if self.kind == "label-skew" and self.classes_per_device is None:
-            raise ValueError("kind 'label-skew' needs classes_per_device >= 1: how many classes each device holds")
-        if self.kind != "label-skew" and self.classes_per_device is not None:
-            raise ValueError(f"classes_per_device applies to kind 'label-skew' only, not {self.kind!r}; remove it "
-                             "or use kind 'label-skew'")
-        return self
 
 
 @dataclass(frozen=True)

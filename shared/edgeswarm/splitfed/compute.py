@@ -227,11 +227,13 @@ class DevicePart:
             self.side.front_backward(step.g_mid)
         return step.losses.cpu().numpy()
 
-    def prune(self, active: np.ndarray, losses: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
-        """Sample pruning after an epoch (spec 5.4): the ids that stay, and how many left."""
+    def prune(self, active: np.ndarray, losses: np.ndarray, index: int, round_index: int,
+              epoch: int) -> tuple[np.ndarray, int]:
+        """Sample pruning after local epoch ``epoch`` (1-based, spec 5.4) of ``losses`` (by sample id): the ids
+        that stay, and how many left."""
         t = self.setup.training
-        spec = PruningSpec(percentile=t.prune_percentile, ratio=t.prune_ratio)
-        step = prune_step(active, losses[active], spec, seed=int(rng.integers(1 << 31)))
+        spec = PruningSpec(percentile=t.prune_percentile, prune_ratio=t.prune_ratio, seed=self.setup.partition.seed)
+        step = prune_step(active, losses[active], spec, device=index, round_index=round_index, epoch=epoch)
         return step.active, len(active) - len(step.active)
 
     @property

@@ -250,7 +250,7 @@ class DeviceProgram:
                 seen += len(ids)
                 loss_sum += float(per_sample.sum())
             if training.sample_pruning and epoch + 1 < training.epochs:
-                active, dropped = part.prune(active, losses, rng)
+                active, dropped = part.prune(active, losses, enrol.index, r, epoch + 1)
                 pruned += dropped
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
         return DeviceReport(node=self.ctx.node, outcome="trained", cut=part.cut, samples=data.size,

@@ -16,24 +16,32 @@ MAX_FL_DEVICES = 1024
 
 
 class PartitionSpec(BaseModel):
-    """How the training set is divided over ``devices`` devices, from ``seed``: ``iid`` (shuffled, equal shares),
-    ``dirichlet`` (class k's proportions across the devices drawn from Dir(``alpha``): 0.1 is strongly non-IID,
-    1.0 mildly), ``label-skew`` (each device holds ``classes_per_device`` classes only)."""
+    """How a training set is divided over ``devices`` devices, from ``seed``: ``iid`` (shuffled, equal shares),
+    ``dirichlet`` (class k's proportions across the devices drawn from Dir(``alpha``), required here and refused by
+    the other kinds: 0.1 is strongly non-IID, 1.0 mildly), ``label-skew`` (each device holds ``classes_per_device``
+    classes only, required here and refused by the others)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    kind: PartitionKind = "dirichlet"
+    kind: PartitionKind = "iid"
     devices: int = Field(default=4, ge=1, le=MAX_FL_DEVICES)
-    alpha: float = Field(default=0.5, gt=0.0, le=1e6)
-    classes_per_device: int = Field(default=2, ge=1, le=1 << 16)
+    alpha: float | None = Field(default=None, gt=0.0, le=1e6)
+    classes_per_device: int | None = Field(default=None, ge=1, le=1 << 16)
     seed: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _fields_apply(self) -> PartitionSpec:
-        if self.kind != "dirichlet" and "alpha" in self.model_fields_set:
-            raise ValueError(f"alpha applies to kind 'dirichlet' only, not {self.kind!r}")
-        if self.kind != "label-skew" and "classes_per_device" in self.model_fields_set:
-            raise ValueError(f"classes_per_device applies to kind 'label-skew' only, not {self.kind!r}")
+    def _parameters_fit_the_kind(self) -> PartitionSpec:
+        if self.kind == "dirichlet" and self.alpha is None:
+            raise ValueError("kind 'dirichlet' needs alpha > 0: the Dirichlet concentration, e.g. 0.1 (strongly "
+                             "non-IID) or 1.0 (mildly non-IID)")
+        if self.kind != "dirichlet" and self.alpha is not None:
+            raise ValueError(f"alpha applies to kind 'dirichlet' only, not {self.kind!r}; remove it or use "
+                             "kind 'dirichlet'")
+        if self.kind == "label-skew" and self.classes_per_device is None:
+            raise ValueError("kind 'label-skew' needs classes_per_device >= 1: how many classes each device holds")
+        if self.kind != "label-skew" and self.classes_per_device is not None:
+            raise ValueError(f"classes_per_device applies to kind 'label-skew' only, not {self.kind!r}; remove it "
+                             "or use kind 'label-skew'")
         return self
 
 
