@@ -16,9 +16,10 @@ and the tensor entering it is its checkpoint. Per segment the plan names a strat
 
 "Extra layer forwards" counts what the paper counts: forwards run to rebuild a freed output, i.e. the input of the
 layer whose backward runs. A layer's backward itself is a vector-Jacobian product over its input; autograd gets it
-by running that one layer again with a graph (``vjp_forwards``: one per unit of a recomputed segment), which a
-layer-level backward kernel would not need. Cost-aware planning (Algorithm 3) is a choice of ``speed`` or ``memory``
-per segment: the pure planner decides, this runtime executes.
+by running that one layer again with a graph where it was not kept (``vjp_forwards``: s_k's per speed-centric
+segment, every unit's per memory-centric one), which a layer-level backward kernel would not need. Cost-aware
+planning (Algorithm 3) is a choice of ``speed`` or ``memory`` per segment: the pure planner decides, this runtime
+executes.
 
 Recomputation replays the random number generators from the segment's forward (dropout gives the same mask) and
 leaves buffers as the forward left them (a BatchNorm's running statistics are updated once per iteration, not once
