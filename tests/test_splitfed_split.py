@@ -10,6 +10,7 @@ import torch
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import build_model, example_input, example_target
+from edgeswarm.splitfed.memory import front_segments, measure_device_memory
 from edgeswarm.splitfed.split import (
     SPLITFED_OPTIMIZER,
     DeviceSide,
@@ -147,15 +148,14 @@ def test_the_mec_never_takes_labels_and_refuses_steps_out_of_order() -> None:
 
 def test_device_memory_is_measured_and_smaller_than_whole_model_training() -> None:
     spec = ModelSpec(name="vgg11", config={"width": 0.25})
-    x, y = example_input(spec, 4), example_target(spec, 4)
     units = split_point(spec, 1).units
     peaks = {}
-    for cut in (1, units - 1):
-        point = split_point(spec, cut)
-        parts = build_parts(spec, point, ("front", "middle", "tail"))
-        device = DeviceSide(parts["front"], parts["tail"])
-        run_usplit_iteration(device, MecSide(parts["middle"]), x, y)
-        memory = device.memory()
+    for cut in (1, 8, units - 1):
+        memory = measure_device_memory(spec, split_point(spec, cut), 4)
+        parts = build_parts(spec, split_point(spec, cut), ("front", "tail"))
         assert memory.persistent_bytes >= 2 * (parts["front"].param_bytes() + parts["tail"].param_bytes())
         peaks[cut] = memory.peak_bytes
     assert peaks[1] * 4 < peaks[units - 1]
+    point = split_point(spec, 8)  # two segments (BatchNorm, ReLU, max pool) in the front
+    memory_centric = measure_device_memory(spec, point, 4, plan=["memory"] * front_segments(spec, point))
+    assert memory_centric.peak_bytes < peaks[8]
