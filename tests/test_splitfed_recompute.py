@@ -65,8 +65,9 @@ def test_a_four_unit_segment_recomputes_as_the_paper_says() -> None:
         assert chain.stats.extra_forwards == [extra_forwards(strategy, 4)]  # 0, 3, 6
     assert results["speed"][0].stats.vjp_forwards == 1 and results["memory"][0].stats.vjp_forwards == 4
     peak = {s: results[s][0].ledger.peak_bytes for s in STRATEGIES}
-    # The whole segment is live at once under speed-centric: here, where it is the peak, no lower than without.
-    assert peak["memory"] < peak["speed"] <= peak["none"]
+    # Speed-centric holds the checkpoint (the Linear's output, which no unit saves without recomputation) and the
+    # whole rebuilt segment at once: here, where the segment is the peak, more than no recomputation does.
+    assert peak["memory"] < peak["none"] < peak["speed"]
 
 
 def test_each_strategy_on_a_vgg_front_gives_the_same_gradients_within_its_bound() -> None:

@@ -25,11 +25,12 @@ Recomputation replays the random number generators from the segment's forward (d
 leaves buffers as the forward left them (a BatchNorm's running statistics are updated once per iteration, not once
 per recomputation).
 
-Memory is measured, not modelled: every tensor the runtime keeps for backward (island inputs and outputs, the
-tensors autograd saves, which a ``saved_tensors_hooks`` pair hands to the ledger instead of to the graph, checkpoints,
-gradients in flight) is held in an ``ActivationLedger``, which sums the distinct storages it holds, parameters and
-buffers excluded, after every unit's forward and every unit's backward and keeps the peak. Bytes are bytes of
-tensor storage on the compute device.
+Memory is measured, not modelled: every tensor the runtime keeps for backward (the tensors autograd saves, which a
+``saved_tensors_hooks`` pair hands to the ledger instead of to the graph, and checkpoints; an island's input and
+output are reached through stand-ins that save nothing, so they live only where something saves them, as in one
+whole-model graph) is held in an ``ActivationLedger``, which sums the distinct storages it holds, parameters and
+buffers excluded, with the tensors in flight (the output just computed, gradients) after every unit's forward and
+every unit's backward, and keeps the peak. Bytes are bytes of tensor storage on the compute device.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import fx, nn
@@ -219,6 +220,56 @@ def _buffers_kept(units: Sequence[nn.Module]) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+class _Sink:
+    """Where a gradient is handed between islands."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class _Enter(torch.autograd.Function):
+    """The identity into an island: its backward hands the input's gradient to a sink. It saves nothing, so the
+    input's storage stays alive only if the unit itself saves it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, sink: _Sink) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.sink.grad = grad
+        return None, None, None
+
+
+class _Exit(torch.autograd.Function):
+    """A scalar stand-in for an island's output: backward feeds the output the gradient set on a sink. It saves
+    nothing, so the output's storage stays alive only if something that needs it holds it."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, sink: _Sink) -> torch.Tensor:
+        ctx.sink = sink
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        grad, ctx.sink.grad = ctx.sink.grad, None
+        return grad, None
+
+
+class _Island:
+    """One unit's graph: the stand-in root to call backward on, and the sinks of its input and output gradients."""
+
+    __slots__ = ("entry", "exit", "root")
+
+    def __init__(self) -> None:
+        self.entry: _Sink | None = None
+        self.exit = _Sink()
+        self.root: torch.Tensor | None = None
+
+
 class UnitChain:
     """Trains a chain of unit modules with per-segment recomputation, measuring the activation bytes it holds.
 
@@ -259,7 +310,9 @@ class UnitChain:
             for i in range(seg.start, seg.end)}
         self._rng: dict[int, _RngState] = {}
         self._forwarded = False
-        self._device = torch.device("cpu")
+        self._islands: dict[object, _Island] = {}
+        # Makes the island entries' outputs require grad, so the input gradient reaches their sinks.
+        self._anchor = torch.zeros((), requires_grad=True)
 
     # --- islands -----------------------------------------------------------------------------------------
 
@@ -267,13 +320,16 @@ class UnitChain:
         return (self.name, kind, index)
 
     def _island(self, index: int, x: torch.Tensor, needs_grad: bool, key: object) -> torch.Tensor:
-        """Run unit ``index`` on ``x`` with a graph whose saved tensors the ledger holds under ``key``."""
+        """Run unit ``index`` on ``x`` with a graph of its own whose saved tensors the ledger holds under ``key``;
+        returns the unit's output. Nothing else of the island keeps a storage alive: its input and output are
+        reached through stand-ins (``_Enter``, ``_Exit``) that save nothing, as in one whole-model graph."""
         inp = x.detach()
+        island = _Island()
         if needs_grad and inp.is_floating_point():
-            inp.requires_grad_(True)
-        ledger = self.ledger
-        ledger.hold(key, inp)
-        store = ledger.get(key)
+            island.entry = _Sink()
+            inp = _Enter.apply(inp, self._anchor, island.entry)
+        self.ledger.hold(key)  # the key exists from here on, even if the unit saves nothing
+        store = self.ledger.get(key)
 
         def pack(t: torch.Tensor) -> int:
             store.append(t)
@@ -284,16 +340,17 @@ class UnitChain:
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = self.units[index](inp)
-        store.append(out)
-        # the island's input and output are store[0] and store[-1]
+            if out.requires_grad:
+                island.root = _Exit.apply(out, island.exit)
+        self._islands[key] = island
         return out
 
     def _island_backward(self, key: object, grad: torch.Tensor) -> torch.Tensor | None:
-        store = self.ledger.get(key)
-        inp, out = store[0], store[-1]
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
-        g_in = inp.grad if inp.requires_grad else None
+        island = self._islands.pop(key)
+        if island.root is not None:
+            island.exit.grad = grad
+            island.root.backward()
+        g_in = island.entry.grad if island.entry is not None else None
         self.ledger.sample(grad, g_in)
         self.ledger.release(key)
         return g_in
@@ -304,7 +361,6 @@ class UnitChain:
         """One training forward over the chain; returns its output (detached: what crosses the wire). The chain
         keeps what its backward needs until ``backward``."""
         self._drop_iteration()
-        self._device = x.device
         self.stats = RecomputeStats(extra_forwards=[0] * len(self.segments))
         for i in range(len(self.units)):
             entry = self._recomputed.get(i)
@@ -319,10 +375,8 @@ class UnitChain:
                 with torch.no_grad():
                     x = self.units[i](x)
             self.ledger.sample(x)
-        out = x.detach()
-        self.ledger.hold(self._key("output", 0), out)
         self._forwarded = True
-        return out
+        return x.detach()
 
     # --- backward ----------------------------------------------------------------------------------------
 
@@ -333,7 +387,6 @@ class UnitChain:
         if not self._forwarded:
             raise RecomputeError(f"{self.name}: backward without a forward")
         self._forwarded = False
-        self.ledger.release(self._key("output", 0))
         g: torch.Tensor | None = grad
         i = len(self.units) - 1
         while i >= 0:
@@ -404,7 +457,7 @@ class UnitChain:
             self.ledger.release(self._key("recomputed", i))
         for n in range(len(self.segments)):
             self.ledger.release(self._key("checkpoint", n))
-        self.ledger.release(self._key("output", 0))
+        self._islands.clear()
         self._rng.clear()
 
     def reset(self) -> None:

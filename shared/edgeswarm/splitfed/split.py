@@ -328,14 +328,18 @@ class DeviceSide:
         self._persistent = 0
 
     def front_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Step 1: a_j = front(x), detached, to send to the MEC. The front keeps what its backward needs."""
-        return self.front_chain.forward(x)
+        """Step 1: a_j = front(x), detached, to send to the MEC. The front keeps what its backward needs; a_j counts
+        as the device's send buffer until the MEC's answer (a_mid, or g_j for the vanilla split) arrives."""
+        a_j = self.front_chain.forward(x)
+        self.ledger.hold(("sent", "a_j"), a_j)
+        return a_j
 
     def tail_step(self, a_mid: torch.Tensor, labels: torch.Tensor) -> TailStep:
         """Step 3: the tail on the MEC's ``a_mid``, the loss on ``labels``, the tail's backward and update; returns
         g_mid for the MEC. Raises SplitProtocolError for a vanilla-split device (no tail)."""
         if self.tail_chain is None:
             raise SplitProtocolError("this device has no tail: the vanilla split's server computes the loss")
+        self.ledger.release(("sent", "a_j"))
         self.ledger.hold(("received", "a_mid"), a_mid)
         z = self.tail_chain.forward(a_mid).requires_grad_(True)
         loss = split_loss(z, labels)
@@ -344,13 +348,17 @@ class DeviceSide:
         g_mid = self.tail_chain.backward(z.grad)
         assert g_mid is not None
         self.ledger.release(("received", "a_mid"))
+        g_mid = g_mid.detach()
+        self.ledger.hold(("sent", "g_mid"), g_mid)  # the send buffer, until g_j comes back
         self._note_persistent()
         _step(self.tail_opt)
-        return TailStep(g_mid=g_mid.detach(), loss=float(loss.detach()))
+        return TailStep(g_mid=g_mid, loss=float(loss.detach()))
 
     def front_backward(self, g_j: torch.Tensor) -> None:
         """Step 5: the front's backward with the MEC's ``g_j`` and its update. Raises RecomputeError without a
         forward."""
+        self.ledger.release(("sent", "a_j"))
+        self.ledger.release(("sent", "g_mid"))
         self.ledger.hold(("received", "g_j"), g_j)
         self.front_chain.backward(g_j)
         self.ledger.release(("received", "g_j"))
