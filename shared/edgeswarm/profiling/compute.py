@@ -265,7 +265,7 @@ def profile_model(
         warmup = max(warmup, ACCELERATOR_WARMUP)
     log.info("profiling %s on %s: %d units, batch sizes %s, %d repeats", spec.name, describe(on), len(stages), grid,
              repeats)
-    sizes = _size_pass(spec, stages, names, step)
+    sizes = size_pass(spec, stages, names, step)
     stages = [stage.to(on) for stage in stages]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
@@ -320,9 +320,11 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
     return fwd, statistics.median(times), recorded
 
 
-def _size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
-               step: Callable[[str], None]) -> list[dict[str, int | float]]:
-    """Per-unit sizes: output bytes, weight and buffer bytes, FLOPs and the saved-activation fit."""
+def size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
+              step: Callable[[str], None] = lambda message: None) -> list[dict[str, int | float]]:
+    """Per-unit sizes of ``stages`` (one per unit, in order; ``names`` theirs), keyed as UnitProfile's fields:
+    output bytes per sample, weight and buffer bytes, forward FLOPs per sample and the saved-activation fit
+    (fixed + per-sample bytes through batches 2 and 4). ``step(message)`` is called after every unit."""
     small, large = _SIZE_BATCHES
     x_small, x_large = example_input(spec, small), example_input(spec, large)
     sizes: list[dict[str, int | float]] = []

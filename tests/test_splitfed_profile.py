@@ -1,0 +1,42 @@
+"""SmartSplit's model profile (spec 4.1): per-unit FLOPs, bytes and the expensive flag, for the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgeswarm.errors import ConfigError
+from edgeswarm.models.zoo import unit_count
+from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.values.profiles import ModelSpec
+
+
+@pytest.mark.parametrize("name", ["lenet5", "mlp", "vgg16", "resnet18"])
+def test_every_unit_is_profiled_and_scales_with_the_batch(name: str) -> None:
+    spec = ModelSpec(name=name)
+    small, large = model_cost(spec, 4), model_cost(spec, 8, optimizer_states=2)
+    assert len(small.units) == unit_count(spec) and small.optimizer_states == 1 and large.optimizer_states == 2
+    for a, b in zip(small.units, large.units, strict=True):
+        assert b.out_bytes == 2 * a.out_bytes > 0
+        assert b.flops_fwd == pytest.approx(2 * a.flops_fwd)
+        assert a.flops_bwd == pytest.approx(2 * a.flops_fwd)
+        assert a.param_bytes == b.param_bytes
+        assert a.backward_bytes >= a.act_bytes + 2 * a.out_bytes
+    assert small.units[-1].expensive and small.classes == 10
+
+
+def test_lenet5_units_match_hand_counts() -> None:
+    cost = model_cost(ModelSpec(name="lenet5"), 2)
+    assert [u.expensive for u in cost.units] == [True, False, False, True, False, False, False, True, False, True,
+                                                False, True]
+    conv1 = cost.units[0]
+    assert conv1.out_bytes == 2 * 6 * 28 * 28 * 4
+    assert conv1.flops_fwd == 2 * (2 * 6 * 28 * 28 * 25)  # 2 FLOPs per multiply-add, batch 2
+    assert conv1.param_bytes == (6 * 25 + 6) * 4
+    assert conv1.act_bytes == 2 * 32 * 32 * 4  # the convolution saves its input
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        model_cost(ModelSpec(name="lenet5"), 0)
+    with pytest.raises(ConfigError):
+        model_cost(ModelSpec(name="lenet5"), 2, optimizer_states=3)
