@@ -493,7 +493,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "job_id": "str", "submission": "str",
         "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
                           "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled",
-                          "serving"}),
+                          "serving", "round_started", "mec_restarted", "finished"}),
         "round": "int", "detail": "str",
     },
     ("edgeswarm.plan.serve_request", 1): {"cluster": _CLUSTER, "options": _SERVE_OPTIONS, "epoch": "int"},

@@ -381,6 +381,9 @@ def test_a_split_federated_jobs_state_decodes() -> None:
     frame = decode(encode(sender().envelope(state), state))
     assert isinstance(frame, Frame) and frame.body == plain(state.model_dump())
     assert frame.body["progress"]["kind"] == "train-splitfed" and "workload" not in frame.body["plan"]
+    for kind in ("round_started", "mec_restarted", "finished"):  # the kind's own events
+        event = m.JobEvent(job_id="sf1", submission="s1", kind=kind, round=1, detail="round 1")
+        assert decode(encode(sender().envelope(event), event)).body["kind"] == kind
     # The kind picks the plan's shape: a selection of the wrong shape, or a good one under a kind whose plans have
     # a workload, is refused.
     for kind, plan in (("train-splitfed", dict(frame.body["plan"], selected="no")), ("serve-hmp", frame.body["plan"])):
