@@ -30,9 +30,12 @@ class PartitionSpec(BaseModel):
 
     @model_validator(mode="after")
     def _fields_apply(self) -> PartitionSpec:
-        if self.kind != "dirichlet" and "alpha" in self.model_fields_set:
+        # By value, not by ``model_fields_set``: a message carries every field, defaults included, so a spec that
+        # went over the wire has them all set.
+        fields = type(self).model_fields
+        if self.kind != "dirichlet" and self.alpha != fields["alpha"].default:
             raise ValueError(f"alpha applies to kind 'dirichlet' only, not {self.kind!r}")
-        if self.kind != "label-skew" and "classes_per_device" in self.model_fields_set:
+        if self.kind != "label-skew" and self.classes_per_device != fields["classes_per_device"].default:
             raise ValueError(f"classes_per_device applies to kind 'label-skew' only, not {self.kind!r}")
         return self
 
