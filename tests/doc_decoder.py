@@ -180,7 +180,8 @@ class Tensor:
 # A spec is one of: "str", "int", "number", "bool", "bin", "scalar" (str, int, number or bool), a spec
 # followed by "?" (nil allowed), ("optional", spec) (nil or spec),
 # ("list", spec), ("map", value_spec) (string keys), ("record", {field: spec}), ("enum", {values}),
-# ("bin_max", n), ("tagged", field, {value: {field: spec}}) (a record whose ``field`` picks its fields).
+# ("bin_max", n), ("tagged", field, {value: {field: spec}}) (a record whose ``field`` picks its fields), and as a
+# record's field ("by_field", sibling, {value: spec}, default_spec) (the record's ``sibling`` field picks the spec).
 
 _IDS = {"node": "str", "service": "str", "instance": "str"}
 
@@ -298,8 +299,66 @@ _TEXT_MODEL_SOURCE = ("record", {"preset": "str?", "path": "str?", "layers": "in
 
 _LAYER_SPLIT = ("record", {"compute_ms": "number", "sync_ms": "number", "waiting_ms": "number"})
 
+# Section 5, "Split federated learning schemas": the planner's records, the round setup, the device report.
+_SPLIT_SOLVER = ("enum", {"bo", "exhaustive", "global"})
+_MODEL_COST = ("record", {
+    "name": "str", "batch_size": "int", "optimizer_states": "int", "classes": "int",
+    "units": ("list", ("record", {"name": "str", "flops_fwd": "number", "flops_bwd": "number", "out_bytes": "int",
+                                  "param_bytes": "int", "act_bytes": "int", "backward_bytes": "int",
+                                  "expensive": "bool"})),
+})
+_SPLIT_DEVICE = ("record", {
+    "node": "str", "mec": "str", "speed_flops": "number", "link_bytes_s": "number", "budget_bytes": "int",
+    "samples": "int", "dis": "number", "stat": "number", "available": "bool",
+})
+_SPLIT_MEC = ("record", {"node": "str", "speed_flops": "number"})
+_SPLIT_OPTIONS = ("record", {
+    "participants": "int", "gamma": "number", "lam": "number", "normalise": "bool", "tail": "int", "epochs": "int",
+    "d_threshold": "int", "overhead_bytes": "int", "latency_model": ("enum", {"usplit", "vanilla", "paper"}),
+    "solver": _SPLIT_SOLVER, "bo_budget": "int", "bo_init": "int", "seed": "int", "fixed_cut": "int?",
+    "local_only": "bool", "previous_best": ("optional", ("list", "int")), "n_min": "int?", "n_max": "int?",
+    "comm_buffers": "bool", "plan_with_recompute": "bool",
+})
+_SPLIT_SELECTION_FIELDS = {
+    "selected": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "round_s": "number",
+                                     "memory_bytes": "int"})),
+    "objective": "number", "t_system_s": "number", "target_cut": "int", "count": "int", "evaluations": "int",
+    "solver": _SPLIT_SOLVER, "infeasible": ("list", "str"),
+}
+_ROUND_SETUP = ("record", {
+    "model": _MODEL_SPEC,
+    "dataset": ("record", {"kind": ("enum", {"teacher", "tokens", "cifar10", "npz", "digits"}), "path": "str?",
+                           "size": "int?", "test_size": "int?", "seed": "int", "noise": "number",
+                           "teacher_grid": "int?"}),
+    "partition": ("record", {"kind": ("enum", {"iid", "dirichlet", "label-skew"}), "devices": "int",
+                             "alpha": "number", "classes_per_device": "int", "seed": "int"}),
+    "training": ("record", {
+        "mode": ("enum", {"usplit", "vanilla", "local"}), "tail": "int", "epochs": "int", "batch_size": "int",
+        "lr": "number", "momentum": "number", "weight_decay": "number", "sample_pruning": "bool",
+        "prune_percentile": "number", "prune_ratio": "number", "recompute": ("enum", {"adaptive", "always", "off"}),
+        "theta": ("enum", {"peak", "budget"})}),
+})
+_DEVICE_REPORT = ("record", {
+    "node": "str", "outcome": ("enum", {"trained", "failed", "lost", "refused", "skipped"}), "cut": "int",
+    "samples": "int", "iterations": "int", "loss": "number?", "loss_sq_sum": "number", "peak_bytes": "int",
+    "budget_bytes": "int", "recompute": "str", "pruned": "int", "dis": "number?", "stat": "number?", "detail": "str",
+})
+_SPLITFED_PROGRESS = {
+    "kind": ("enum", {"train-splitfed"}), "rounds_done": "int", "rounds_total": "int", "accuracy": "number?",
+    "loss": "number?", "refused": "int",
+    "history": ("list", ("record", {
+        "round": "int", "accuracy": "number?", "loss": "number?", "predicted_s": "number", "round_s": "number",
+        "lan_bytes": "int", "wan_bytes": "int", "refused": "int", "left_out": ("list", "str"),
+        "participants": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "outcome": "str",
+                                             "peak_bytes": "int", "loss": "number?", "samples": "int",
+                                             "recompute": "str"}))})),
+}
+
 _ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS,
                                     "serve-hmp": _HMP_PLAN_FIELDS})
+# A job state's plan: a train-splitfed job's (a split selection) has no ``workload``, so the job's ``kind`` picks it.
+_JOB_PLAN = ("by_field", "kind", {"train-splitfed": ("optional", ("record", _SPLIT_SELECTION_FIELDS))},
+             ("optional", _ANY_PLAN))
 _PROGRESS = ("tagged", "kind", {
     "train": {
         "kind": ("enum", {"train"}), "strategy": _STRATEGY, "round": "int", "total_rounds": "int",
@@ -318,6 +377,7 @@ _PROGRESS = ("tagged", "kind", {
         "tokens": "int", "reconfigurations": "int", "latency_p50_s": "number?", "latency_p99_s": "number?",
         "ttft_p50_s": "number?", "tpot_p50_s": "number?", "tokens_per_s": "number?",
         "split": ("optional", _LAYER_SPLIT), "predicted_latency_s": "number?", "predicted_tpot_s": "number?"},
+    "train-splitfed": _SPLITFED_PROGRESS,
 })
 _COMPARISON = ("record", {
     "hpp": _PLAN, "planning_s": "number",
@@ -422,17 +482,18 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "reason": ("enum", {"invalid", "duplicate", "unknown_job", "finished"}), "detail": "str",
     },
     ("edgeswarm.job.state", 1): {
-        "job_id": "str", "submission": "str", "spec": "str", "kind": ("enum", {"train", "serve-pipeline", "serve-hmp"}),
+        "job_id": "str", "submission": "str", "spec": "str",
+        "kind": ("enum", {"train", "serve-pipeline", "serve-hmp", "train-splitfed"}),
         "status": ("enum", {"queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded",
                             "failed", "cancelled"}),
-        "model": "str", "plan": ("optional", _ANY_PLAN), "progress": _PROGRESS, "detail": "str",
+        "model": "str", "plan": _JOB_PLAN, "progress": _PROGRESS, "detail": "str",
         "submitted_at": "number", "updated_at": "number",
     },
     ("edgeswarm.job.event", 1): {
         "job_id": "str", "submission": "str",
         "kind": ("enum", {"submitted", "profiling", "planned", "deployed", "round", "checkpoint", "device_lost",
                           "recovered", "joined", "resumed", "evaluated", "succeeded", "failed", "cancelled",
-                          "serving"}),
+                          "serving", "round_started", "mec_restarted", "finished"}),
         "round": "int", "detail": "str",
     },
     ("edgeswarm.plan.serve_request", 1): {"cluster": _CLUSTER, "options": _SERVE_OPTIONS, "epoch": "int"},
@@ -537,6 +598,35 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "split": ("optional", _LAYER_SPLIT),
         "epoch": "int", "recomputed": "bool",
     },
+    ("edgeswarm.splitfed.plan_request", 1): {
+        "model": _MODEL_COST, "devices": ("list", _SPLIT_DEVICE), "mecs": ("list", _SPLIT_MEC),
+        "options": _SPLIT_OPTIONS, "round": "int",
+    },
+    ("edgeswarm.splitfed.plan_reply", 1): {"selection": ("record", _SPLIT_SELECTION_FIELDS), "planning_s": "number"},
+    ("edgeswarm.splitfed.enrol", 1): {
+        "job_id": "str", "round": "int", "mec": "str", "index": "int", "setup": _ROUND_SETUP, "budget_bytes": "int",
+        "wait_s": "number",
+    },
+    ("edgeswarm.splitfed.enrolled", 1): {"job_id": "str", "round": "int", "node": "str", "budget_bytes": "int"},
+    ("edgeswarm.splitfed.round_start", 1): {
+        "job_id": "str", "round": "int", "coordinator": "str", "setup": _ROUND_SETUP,
+        "candidates": ("list", ("record", {"node": "str", "cut": "int", "index": "int", "samples": "int"})),
+        "quota": "int", "epsilon": "number", "seed": "int", "estimator": ("enum", {"grad_nnls", "oracle", "off"}),
+        "wait_s": "number",
+    },
+    ("edgeswarm.splitfed.release", 1): {"job_id": "str"},
+    ("edgeswarm.splitfed.global", 1): {"job_id": "str", "round": "int"},
+    ("edgeswarm.splitfed.part", 1): {"job_id": "str", "round": "int", "cut": "int"},
+    ("edgeswarm.splitfed.tensor", 1): {
+        "job_id": "str", "round": "int", "step": "int",
+        "kind": ("enum", {"activation", "middle", "tail_gradient", "cut_gradient"}), "last": "bool",
+        "labels": ("optional", ("list", "int")),
+    },
+    ("edgeswarm.splitfed.done", 1): {"job_id": "str", "round": "int", "report": _DEVICE_REPORT},
+    ("edgeswarm.splitfed.update", 1): {
+        "job_id": "str", "round": "int", "mec": "str", "samples": "int", "heaviest": "int", "count": "int",
+        "reports": ("list", _DEVICE_REPORT), "refused": "int", "lan_bytes": "int",
+    },
     ("edgeswarm.checkpoint.list", 1): {"job_id": "str?"},
     ("edgeswarm.checkpoint.listing", 1): {
         "entries": ("list", ("record", {"job_id": "str", "stage": "str", "versions": ("list", "int")})),
@@ -549,7 +639,8 @@ TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_prob
                             "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.serve.tensor",
                             "edgeswarm.infer.request", "edgeswarm.infer.reply", "edgeswarm.collective.tensor",
                             "edgeswarm.hmp.request", "edgeswarm.hmp.reply", "edgeswarm.hmp.pass",
-                            "edgeswarm.hmp.result"})
+                            "edgeswarm.hmp.result", "edgeswarm.splitfed.global", "edgeswarm.splitfed.part",
+                            "edgeswarm.splitfed.tensor", "edgeswarm.splitfed.done", "edgeswarm.splitfed.update"})
 
 
 def _is_int(value: object) -> bool:
@@ -616,6 +707,8 @@ def _check_record(value: Any, fields: Mapping[str, Any], where: str) -> None:
     if missing:
         raise DocDecodeError(f"{where}: missing field(s) {missing}")
     for name, spec in fields.items():
+        if isinstance(spec, tuple) and spec[0] == "by_field":  # the spec a sibling field's value picks
+            spec = spec[2].get(value[spec[1]], spec[3])
         _check(value[name], spec, f"{where}.{name}")
 
 
@@ -940,7 +1033,8 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.job.submit", "edgeswarm.job.cancel", "edgeswarm.plan.serve_request",
                               "edgeswarm.serve.assign", "edgeswarm.serve.release", "edgeswarm.plan.hmp_request",
                               "edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release",
-                              "edgeswarm.hmp.free"})
+                              "edgeswarm.hmp.free", "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.enrol",
+                              "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
                             "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
@@ -951,12 +1045,14 @@ _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edge
                             "edgeswarm.stage.state_sent", "edgeswarm.stage.held", "edgeswarm.plan.serve_reply",
                             "edgeswarm.serve.ready", "edgeswarm.infer.reply", "edgeswarm.infer.error",
                             "edgeswarm.plan.hmp_reply", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.ready",
-                            "edgeswarm.hmp.reply"})
+                            "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply", "edgeswarm.splitfed.enrolled"})
 #: Section 5: the schemas on a service's data topic (tensors, and the requests that carry one).
 _DATA_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
                            "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.collective.tensor",
                            "edgeswarm.serve.tensor", "edgeswarm.infer.request", "edgeswarm.hmp.pass",
-                           "edgeswarm.hmp.result", "edgeswarm.hmp.request"})
+                           "edgeswarm.hmp.result", "edgeswarm.hmp.request", "edgeswarm.splitfed.global",
+                           "edgeswarm.splitfed.part", "edgeswarm.splitfed.tensor", "edgeswarm.splitfed.done",
+                           "edgeswarm.splitfed.update"})
 
 
 def schemas_for_topic(topic: str) -> frozenset[str] | None:

@@ -98,6 +98,7 @@ def samples() -> dict[type, Any]:
         **checkpoint_samples(),
         **serving_samples(),
         **hmp_samples(),
+        **splitfed_samples(),
     }
 
 
@@ -280,6 +281,136 @@ def hmp_samples() -> dict[type, Any]:
     }
 
 
+def _split_selection() -> Any:
+    """A real SmartSplit round plan: the planner's exhaustive search over a small seeded instance."""
+    from edgeswarm.planning.splitfed.plan import plan_round
+    from edgeswarm.planning.splitfed.synthetic import random_instance
+    from edgeswarm.planning.splitfed.types import SplitOptions
+
+    model, devices, mecs = random_instance(np.random.default_rng(3), devices=8, units=6, mecs=2)
+    selection = plan_round(model, devices, mecs, SplitOptions(participants=2, solver="exhaustive", epochs=1))
+    assert selection.selected  # something to round-trip
+    return model, devices, mecs, selection
+
+
+def _round_setup(mode: str = "usplit") -> Any:
+    from edgeswarm.messages.splitfed import RoundSetup
+    from edgeswarm.values.federated import LocalTraining, PartitionSpec
+    from edgeswarm.values.specs import DatasetSpec
+
+    return RoundSetup(model=ModelSpec(name="lenet5", config={"num_classes": 10}),
+                      dataset=DatasetSpec(kind="digits", size=512, test_size=128, seed=4),
+                      partition=PartitionSpec(kind="dirichlet", devices=8, alpha=0.1, seed=2),
+                      training=LocalTraining(mode=mode, epochs=2, batch_size=16, lr=0.05, recompute="always",
+                                             theta="budget"))
+
+
+def splitfed_samples() -> dict[type, Any]:
+    """The split federated learning (train-splitfed) messages, built from a real SmartSplit round plan."""
+    from edgeswarm.messages.splitfed import DeviceReport, SplitCandidate
+    from edgeswarm.planning.splitfed.types import SplitOptions
+
+    model, devices, mecs, selection = _split_selection()
+    chosen = selection.selected[0]
+    options = SplitOptions(participants=3, gamma=1.5, lam=0.5, normalise=False, tail=2, solver="bo", bo_budget=12,
+                           bo_init=3, seed=9, previous_best=(2, 4), n_min=2, n_max=5, plan_with_recompute=True)
+    trained = DeviceReport(node=chosen.node, outcome="trained", cut=chosen.cut, samples=300, iterations=19,
+                           loss=0.75, loss_sq_sum=210.5, peak_bytes=1 << 24, budget_bytes=1 << 25,
+                           recompute="2 of 5 units recomputed", pruned=40, dis=0.4, stat=12.5)
+    skipped = DeviceReport(node="d007", outcome="skipped", cut=1, detail="not picked")
+    return {
+        m.SplitPlanRequest: m.SplitPlanRequest(model=model, devices=devices, mecs=mecs, options=options, round=4),
+        m.SplitPlanReply: m.SplitPlanReply(selection=selection, planning_s=0.02),
+        m.SplitEnrol: m.SplitEnrol(job_id="sf1", round=4, mec=chosen.mec, index=3, setup=_round_setup(),
+                                   budget_bytes=1 << 26, wait_s=30.0),
+        m.SplitEnrolled: m.SplitEnrolled(job_id="sf1", round=4, node=chosen.node, budget_bytes=1 << 25),
+        m.SplitRoundStart: m.SplitRoundStart(
+            job_id="sf1", round=4, coordinator="hub", setup=_round_setup(),
+            candidates=[SplitCandidate(node=d.node, cut=d.cut, index=i, samples=100 + i)
+                        for i, d in enumerate(selection.selected)],
+            quota=1, epsilon=0.2, seed=5, estimator="oracle", wait_s=20.0),
+        m.SplitRelease: m.SplitRelease(job_id="sf1"),
+        m.SplitGlobal: m.SplitGlobal(job_id="sf1", round=4),
+        m.SplitPartWeights: m.SplitPartWeights(job_id="sf1", round=4, cut=chosen.cut),
+        m.SplitTensor: m.SplitTensor(job_id="sf1", round=4, step=7, kind="activation", last=True, labels=[1, 0, 9]),
+        m.SplitDone: m.SplitDone(job_id="sf1", round=4, report=trained),
+        m.SplitUpdate: m.SplitUpdate(job_id="sf1", round=4, mec=chosen.mec, samples=300, heaviest=300, count=1,
+                                     reports=[trained, skipped], refused=1, lan_bytes=123456),
+    }
+
+
+def test_splitfed_messages_of_the_other_kinds_decode() -> None:
+    """The optional parts the samples fill, left empty or of another kind: a U-split tensor without labels, a
+    failed device's empty part, an MEC's update with no trained device (an empty tensor), default options."""
+    from edgeswarm.messages.splitfed import DeviceReport
+    from edgeswarm.planning.splitfed.types import SplitOptions
+
+    model, devices, mecs, _ = _split_selection()
+    failed = DeviceReport(node="d001", outcome="lost", cut=2, detail="the MEC's tensors stopped")
+    for message, tensor in [
+        (m.SplitTensor(job_id="sf1", round=0, step=0, kind="cut_gradient"), np.ones((3, 4), dtype=np.float32)),
+        (m.SplitTensor(job_id="sf1", round=0, step=1, kind="middle"), np.ones((2, 6, 5, 5), dtype=np.float32)),
+        (m.SplitDone(job_id="sf1", round=0, report=failed), np.zeros(0, dtype=np.float32)),
+        (m.SplitUpdate(job_id="sf1", round=0, mec="m0", samples=0, reports=[failed]), np.zeros(0, dtype=np.float32)),
+    ]:
+        frames = [decode(p) for p in tensor_frames(sender().envelope(message), message, tensor)]
+        assert all(isinstance(f, Frame) and f.body == plain(message.model_dump()) for f in frames), message.SCHEMA
+        assert frames[0].body.get("labels", None) is None
+    request = m.SplitPlanRequest(model=model, devices=devices, mecs=mecs, options=SplitOptions())
+    frame = decode(encode(sender().envelope(request), request))
+    assert isinstance(frame, Frame) and frame.body["options"]["fixed_cut"] is None
+    assert frame.body["options"]["previous_best"] is None
+
+
+def test_a_split_federated_jobs_state_decodes() -> None:
+    """A train-splitfed job's state holds its round's split selection (picked by the job's ``kind``: the selection
+    has no ``workload``) and its progress with the rounds' records."""
+    from edgeswarm.splitfed.spec import ParticipantRecord, RoundRecord, SplitfedProgress
+
+    _, _, _, selection = _split_selection()
+    chosen = selection.selected[0]
+    record = RoundRecord(round=0, participants=[
+        ParticipantRecord(node=chosen.node, mec=chosen.mec, cut=chosen.cut, outcome="trained", peak_bytes=1 << 20,
+                          loss=0.5, samples=120, recompute="off"),
+        ParticipantRecord(node="d007", mec=chosen.mec, cut=1, outcome="skipped")],
+        accuracy=0.8, loss=0.6, predicted_s=3.5, round_s=4.25, lan_bytes=1 << 22, wan_bytes=1 << 21, refused=0,
+        left_out=["d005"])
+    progress = SplitfedProgress(rounds_done=1, rounds_total=5, accuracy=0.8, loss=0.6, history=[record])
+    state = m.JobState(job_id="sf1", kind="train-splitfed", status="running", model="lenet5", plan=selection,
+                       progress=progress, submitted_at=1.7e9, updated_at=1.7e9)
+    frame = decode(encode(sender().envelope(state), state))
+    assert isinstance(frame, Frame) and frame.body == plain(state.model_dump())
+    assert frame.body["progress"]["kind"] == "train-splitfed" and "workload" not in frame.body["plan"]
+    for kind in ("round_started", "mec_restarted", "finished"):  # the kind's own events
+        event = m.JobEvent(job_id="sf1", submission="s1", kind=kind, round=1, detail="round 1")
+        assert decode(encode(sender().envelope(event), event)).body["kind"] == kind
+    # The kind picks the plan's shape: a selection of the wrong shape, or a good one under a kind whose plans have
+    # a workload, is refused.
+    for kind, plan in (("train-splitfed", dict(frame.body["plan"], selected="no")), ("serve-hmp", frame.body["plan"])):
+        header = {"env": frame.envelope, "body": dict(frame.body, kind=kind, plan=plan), "tensor": None}
+        raw = msgpack.packb(header, use_bin_type=True)
+        with pytest.raises(DocDecodeError, match="plan"):
+            decode(b"ES\x01\x00" + struct.pack("<I", len(raw)) + raw)
+
+
+def test_splitfed_topics_carry_their_schemas() -> None:
+    """Section 5's topics of the split federated learning schemas, as the doc decoder reads them."""
+    from edgeswarm import topics
+
+    worker = schemas_for_topic(topics.request("dev1", "stage-worker") + "/hub") or frozenset()
+    mec = schemas_for_topic(topics.request("mec0", "mec-manager") + "/hub") or frozenset()
+    assert {"edgeswarm.splitfed.enrol", "edgeswarm.splitfed.release"} <= worker
+    assert {"edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release"} <= mec
+    assert "edgeswarm.splitfed.plan_request" in (schemas_for_topic(topics.request("hub", "planner") + "/hub") or ())
+    assert {"edgeswarm.splitfed.global", "edgeswarm.splitfed.tensor", "edgeswarm.splitfed.done"} <= (
+        schemas_for_topic("edgeswarm/node/mec0/mec-manager/data/dev1") or frozenset())
+    assert {"edgeswarm.splitfed.part", "edgeswarm.splitfed.tensor"} <= (
+        schemas_for_topic("edgeswarm/node/dev1/stage-worker/data/mec0") or frozenset())
+    assert "edgeswarm.splitfed.update" in (schemas_for_topic("edgeswarm/node/hub/coordinator/data/mec0") or ())
+    replies = schemas_for_topic("edgeswarm/reply/hub/coordinator/abc123/mec0") or frozenset()
+    assert {"edgeswarm.splitfed.enrolled", "edgeswarm.splitfed.plan_reply", "edgeswarm.plan.failed"} <= replies
+
+
 def test_hmp_messages_of_the_other_kinds_decode() -> None:
     """The optional parts the samples fill, left empty: a plan without a decode prediction or comparison, an
     encoder's reply without a split or tpot, a request by token ids, a direct collective frame."""
@@ -437,6 +568,19 @@ def test_round_trip_every_schema(ttl_s: float | None, correlation_id: str | None
             assert not frame.expired(now=env.sent_at)
             if ttl_s is not None:
                 assert frame.expired(now=env.sent_at + ttl_s + 1)
+
+
+def test_every_sample_reads_back_with_edgeswarms_own_decoder() -> None:
+    """The samples are real messages: edgeswarm reads each back equal (a value whose validator looked at which
+    fields were set refused every message, since a message carries all its fields: PartitionSpec did)."""
+    from edgeswarm.wire import decode as wire_decode
+
+    snd = sender()
+    for cls, message in samples().items():
+        env = snd.envelope(message)
+        payload = next(iter(tensor_frames(env, message, np.zeros(2, dtype=np.float32)))) \
+            if cls.SCHEMA in TENSOR_SCHEMAS else encode(env, message)
+        assert wire_decode(payload).body == message, cls.SCHEMA
 
 
 def test_an_assignment_that_restores_from_a_checkpoint_decodes() -> None:
