@@ -207,7 +207,7 @@ class SplitDone(Message):
 @schema("edgeswarm.splitfed.update", 1)
 class SplitUpdate(Message):
     """From an MEC to the coordinator: the sum of its trained devices' reassembled models weighted by their
-    samples (float64, flattened in SplitGlobal's order; empty when none trained), the total weight ``samples``, the
+    samples (float32, flattened in SplitGlobal's order; empty when none trained), the total weight ``samples``, the
     largest single weight ``heaviest`` and the ``count`` of models summed (``aggregation.PartialSum``), every
     candidate's report, the updates refused (NaN or infinite values) and the bytes its devices' tensors took on its
     LAN."""

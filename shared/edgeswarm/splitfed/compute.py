@@ -196,7 +196,10 @@ class DevicePart:
                                     f"its peak, but {max(allowance, 0) / 2**20:.1f} MiB of the budget are left after "
                                     "the weights: a shallower cut is needed")
         if plan.outcome == "recompute":
-            front = [r for seg, r in zip(segs, plan.strategies) if seg.units[0] < self.cut]
+            # The planner's segments carry model positions; the front chain's start at its own unit 0 = position 0.
+            by_start = {seg.units[0]: r for seg, r in zip(segs, plan.strategies, strict=True)
+                        if seg.units[0] < self.cut}
+            front = [by_start.get(seg.start, "memory") for seg in self.side.front_chain.segments]
             self.side.front_chain.set_plan(front)
             counts = {r: front.count(r) for r in ("speed", "memory") if r in front}
             self.recompute_summary = ", ".join(f"{n} {r}-centric" for r, n in counts.items()) or "none"
@@ -331,7 +334,8 @@ class Reassembly:
 
 def output_weight(layout: Layout) -> str:
     """The output layer's weight: the last two-dimensional floating entry of the model."""
-    for name, shape, dtype in zip(reversed(layout.names), reversed(layout.shapes), reversed(layout.dtypes)):
+    entries = zip(layout.names, layout.shapes, layout.dtypes, strict=True)
+    for name, shape, dtype in reversed(list(entries)):
         if len(shape) == 2 and dtype.is_floating_point:
             return name
     raise ConfigError("the model has no two-dimensional output weight to estimate its label distribution from")

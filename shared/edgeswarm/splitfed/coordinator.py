@@ -11,19 +11,18 @@ the round. A restarted coordinator resumes from the last checkpointed round.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from edgeswarm import topics
 from edgeswarm.aggregation import FedAvg, PartialSum, UpdateRejectedError
 from edgeswarm.bus import Inbound
+from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
 from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.coordination.planner_client import request_plan
-from edgeswarm.data import open_dataset
 from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobCancelled, JobError
 from edgeswarm.evaluation import held_out
 from edgeswarm.messages.splitfed import (
@@ -45,13 +44,11 @@ from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
-from edgeswarm.splitfed.partitions import device_partitions
+from edgeswarm.splitfed.compute import partition_of
 from edgeswarm.splitfed.profile import model_cost
 from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
-from edgeswarm.splitfed.weights import Layout, flatten, layout_of, unflatten
+from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
-from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
-from edgeswarm import topics
 
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import JobContext
@@ -89,8 +86,8 @@ class SplitfedRunner:
         model = build_model(spec.model)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.layout = layout_of(state)
-        dataset = open_dataset(spec.data, spec.model)
-        self.parts = device_partitions(dataset, spec.partition)
+        setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=self.training)
+        dataset, self.partition = partition_of(setup)
         start = self._resume(state)
         ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
                                                     f"{self.training.batch_size}"))
@@ -138,7 +135,7 @@ class SplitfedRunner:
                            "participants a round needs")
         index = {d: i for i, d in enumerate(devices)}
         mec_of = gather.assign_mecs(devices, mecs)
-        samples = {d: len(self.parts[index[d]]) for d in devices}
+        samples = {d: int(self.partition.sizes()[index[d]]) for d in devices}
         split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self.flops,
                                              spec.memory_budget_bytes)
         options = SplitOptions(
@@ -173,7 +170,7 @@ class SplitfedRunner:
         starts = {m: SplitRoundStart(job_id=spec.name, round=r, coordinator=ctx.node, setup=setup, candidates=by_mec[m],
                                      quota=k, epsilon=spec.epsilon if spec.mode == "smartsplit" else 1.0,
                                      seed=spec.seed * 7919 + r, estimator=spec.estimator, wait_s=spec.wait_s)
-                  for m, k in zip(names, shares) if k > 0}
+                  for m, k in zip(names, shares, strict=True) if k > 0}
         used.update((m, MEC_MANAGER) for m in starts)
         flat = flatten(state, self.layout)
         running = [m for m in starts if self._start_on(m, starts[m], flat)]

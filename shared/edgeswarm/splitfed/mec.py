@@ -4,8 +4,8 @@ A SplitRoundStart (from the coordinator) hands the MEC its candidates for a roun
 global weights follow as SplitGlobal from the coordinator the round names. The Importance Scheduler (Algorithm 2)
 keeps ``quota`` of the candidates: the top by statistical utility from its Loss Cache, or with probability epsilon a
 random draw. For each device it keeps a replica of the middle of the model (SplitFed-v1: one per device), sends the
-device its part (SplitPartWeights) and serves its mini-batches: the cut activation in, the middle's output out, the tail's
-gradient in, the cut gradient out. When a device's SplitDone comes the MEC reassembles its whole local model, refuses
+device its part (SplitPartWeights) and serves its mini-batches: the cut activation in, the middle's output out,
+the tail's gradient in, the cut gradient out. When a device's SplitDone comes the MEC reassembles its whole local model, refuses
 one with NaN or infinite values (counted), estimates its label distribution from its output layer (Algorithm 1) and
 adds it to the round's sum weighted by its samples. A device whose tensors stop for ``wait_s`` is left out; the round
 completes with the rest. Each finished device is checkpointed to the MEC's disk, so a restarted MEC given the round
@@ -189,6 +189,9 @@ class MecProgram:
             return
         value = msg.tensor.to_torch()
         if isinstance(body, SplitDone):
+            if body.report.node != sender:  # a report speaks for its sender only
+                count_stranger(self.ctx.metrics)
+                return
             event = rnd.done_events.get(sender)
             if event is not None and not event.is_set():
                 rnd.done[sender] = (body.report, value)
@@ -258,7 +261,7 @@ class MecProgram:
         if rnd.stop.is_set():
             return
         partial = rnd.total.partial() if rnd.total is not None else None
-        sums = flatten(partial.sums, rebuild.layout, torch.float64) if partial and partial.count else torch.zeros(0)
+        sums = flatten(partial.sums, rebuild.layout) if partial and partial.count else torch.zeros(0)
         update = SplitUpdate(job_id=job, round=r, mec=self.ctx.node, samples=int(partial.weight) if partial else 0,
                              heaviest=int(partial.heaviest) if partial else 0, count=partial.count if partial else 0,
                              reports=rnd.reports, refused=rnd.refused, lan_bytes=rnd.lan_bytes)
@@ -325,8 +328,8 @@ class MecProgram:
         start, ex, device = rnd.start, rnd.exchange, cand.node
         r, job, training = start.round, start.job_id, start.setup.training
         part_flat = rebuild.device_flat(global_state, cand.cut)
-        rnd.lan_bytes += self.ctx.bus.send_tensor(device, STAGE_WORKER, SplitPartWeights(job_id=job, round=r, cut=cand.cut),
-                                                  part_flat)
+        rnd.lan_bytes += self.ctx.bus.send_tensor(device, STAGE_WORKER,
+                                                  SplitPartWeights(job_id=job, round=r, cut=cand.cut), part_flat)
         done = rnd.done_events[device]
         if training.mode == "local":
             batches = -(-max(cand.samples, 1) // training.batch_size) * training.epochs

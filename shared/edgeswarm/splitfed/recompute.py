@@ -292,22 +292,10 @@ class UnitChain:
         self.name = name
         self.segments = list(segments) if segments is not None else find_segments(
             [is_expensive(op_names(u)) for u in self.units])
-        strategies = list(plan) if plan is not None else ["none"] * len(self.segments)
-        if len(strategies) != len(self.segments):
-            raise ConfigError(f"{name}: the plan names {len(strategies)} strategies for {len(self.segments)} "
-                              "segments")
-        bad = [s for s in strategies if s not in STRATEGIES]
-        if bad:
-            raise ConfigError(f"{name}: unknown recomputation strategy {bad[0]!r}; use one of {', '.join(STRATEGIES)}")
-        self.plan: list[str] = strategies
         self.ledger = ledger if ledger is not None else ActivationLedger()
         self.ledger.exclude(self.units)
         self.input_grad = input_grad
-        self.stats = RecomputeStats(extra_forwards=[0] * len(self.segments))
-        # unit index -> (segment index, segment) for units of segments that recompute
-        self._recomputed: dict[int, tuple[int, Segment]] = {
-            i: (n, seg) for n, (seg, s) in enumerate(zip(self.segments, self.plan, strict=True)) if s != "none"
-            for i in range(seg.start, seg.end)}
+        self.set_plan(plan)
         self._rng: dict[int, _RngState] = {}
         self._forwarded = False
         self._islands: dict[object, _Island] = {}
@@ -315,6 +303,25 @@ class UnitChain:
         self._anchor = torch.zeros((), requires_grad=True)
 
     # --- islands -----------------------------------------------------------------------------------------
+
+    def set_plan(self, plan: Sequence[str] | None) -> None:
+        """Use ``plan`` (one strategy per segment; None: no recomputation) from the next iteration on: the memory
+        reducer re-plans when the device's budget changes. Raises ConfigError for a plan of another length or an
+        unknown strategy."""
+        strategies = list(plan) if plan is not None else ["none"] * len(self.segments)
+        if len(strategies) != len(self.segments):
+            raise ConfigError(f"{self.name}: the plan names {len(strategies)} strategies for {len(self.segments)} "
+                              "segments")
+        bad = [s for s in strategies if s not in STRATEGIES]
+        if bad:
+            raise ConfigError(f"{self.name}: unknown recomputation strategy {bad[0]!r}; use one of "
+                              f"{', '.join(STRATEGIES)}")
+        self.plan: list[str] = strategies
+        self.stats = RecomputeStats(extra_forwards=[0] * len(self.segments))
+        # unit index -> (segment index, segment) for units of segments that recompute
+        self._recomputed: dict[int, tuple[int, Segment]] = {
+            i: (n, seg) for n, (seg, s) in enumerate(zip(self.segments, self.plan, strict=True)) if s != "none"
+            for i in range(seg.start, seg.end)}
 
     def _key(self, kind: str, index: int) -> tuple[str, str, int]:
         return (self.name, kind, index)

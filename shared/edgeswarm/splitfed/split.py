@@ -259,6 +259,14 @@ def _step(opt: torch.optim.Optimizer | None) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def sample_losses(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's cross-entropy (a token model's: the mean over its positions), without a graph."""
+    with torch.no_grad():
+        if output.dim() == 3:
+            return nn.functional.cross_entropy(output.transpose(1, 2), labels, reduction="none").mean(dim=1)
+        return nn.functional.cross_entropy(output, labels, reduction="none")
+
+
 def split_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy; token outputs [N, S, V] with labels [N, S] are flattened to N*S terms."""
     if output.dim() == 3:
@@ -280,10 +288,12 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer | None) -> int:
 
 @dataclass(frozen=True)
 class TailStep:
-    """What the device's tail step gives: ``g_mid`` (dLoss/da_mid, to the MEC) and the batch's mean ``loss``."""
+    """What the device's tail step gives: ``g_mid`` (dLoss/da_mid, to the MEC), the batch's mean ``loss`` and each
+    sample's ``losses`` (detached, on the compute device: the loss prober's and the pruner's input)."""
 
     g_mid: torch.Tensor
     loss: float
+    losses: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -345,6 +355,7 @@ class DeviceSide:
         loss = split_loss(z, labels)
         loss.backward()
         assert z.grad is not None
+        losses = sample_losses(z.detach(), labels)
         g_mid = self.tail_chain.backward(z.grad)
         assert g_mid is not None
         self.ledger.release(("received", "a_mid"))
@@ -352,7 +363,7 @@ class DeviceSide:
         self.ledger.hold(("sent", "g_mid"), g_mid)  # the send buffer, until g_j comes back
         self._note_persistent()
         _step(self.tail_opt)
-        return TailStep(g_mid=g_mid, loss=float(loss.detach()))
+        return TailStep(g_mid=g_mid, loss=float(loss.detach()), losses=losses)
 
     def front_backward(self, g_j: torch.Tensor) -> None:
         """Step 5: the front's backward with the MEC's ``g_j`` and its update. Raises RecomputeError without a

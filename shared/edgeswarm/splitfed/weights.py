@@ -56,7 +56,7 @@ def flatten(state: Mapping[str, torch.Tensor], layout: Layout, dtype: torch.dtyp
     exact) on the host (``state`` may hold more). Raises WeightsError naming an entry that is missing or of another
     shape."""
     parts = []
-    for name, shape in zip(layout.names, layout.shapes):
+    for name, shape in zip(layout.names, layout.shapes, strict=True):
         value = state.get(name)
         if value is None or tuple(value.shape) != shape:
             raise WeightsError(f"entry {name}: expected shape {list(shape)}, got "
@@ -78,7 +78,7 @@ def unflatten(flat: torch.Tensor, layout: Layout, device: torch.device | None = 
         raise WeightsError("the weight vector holds NaN or infinite values")
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, shape, entry_dtype in zip(layout.names, layout.shapes, layout.dtypes):
+    for name, shape, entry_dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
         n = 1
         for d in shape:
             n *= d

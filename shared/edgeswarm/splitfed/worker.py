@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -254,7 +253,8 @@ class DeviceProgram:
                 pruned += dropped
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
         return DeviceReport(node=self.ctx.node, outcome="trained", cut=part.cut, samples=data.size,
-                            iterations=iterations, loss=None if vanilla else loss_sum / max(seen, 1), loss_sq_sum=float((losses ** 2).sum()),
+                            iterations=iterations, loss=None if vanilla else loss_sum / max(seen, 1),
+                            loss_sq_sum=float((losses ** 2).sum()),
                             peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
                             pruned=pruned)
 
