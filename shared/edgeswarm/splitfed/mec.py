@@ -5,7 +5,8 @@ global weights follow as SplitGlobal from the coordinator the round names. The I
 keeps ``quota`` of the candidates: the top by statistical utility from its Loss Cache, or with probability epsilon a
 random draw. For each device it keeps a replica of the middle of the model (SplitFed-v1: one per device), sends the
 device its part (SplitPartWeights) and serves its mini-batches: the cut activation in, the middle's output out,
-the tail's gradient in, the cut gradient out. When a device's SplitDone comes the MEC reassembles its whole local model, refuses
+the tail's gradient in, the cut gradient out. When a device's SplitDone comes the MEC reassembles its whole
+local model, refuses
 one with NaN or infinite values (counted), estimates its label distribution from its output layer (Algorithm 1) and
 adds it to the round's sum weighted by its samples. A device whose tensors stop for ``wait_s`` is left out; the round
 completes with the rest. Each finished device is checkpointed to the MEC's disk, so a restarted MEC given the round
