@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from edgeswarm.bus import Bus
+from edgeswarm.bus.inbound import RawInbound
 from edgeswarm.data import open_dataset
 from edgeswarm.evaluation import held_out
 from edgeswarm.local.launcher import LocalCluster
@@ -105,8 +106,8 @@ def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:
     lock = threading.Lock()
     observer = Observer()
 
-    def on_raw(topic: str, payload: bytes, retained: bool) -> None:
-        obs = observer.observe(topic, payload, retained)
+    def on_raw(raw: RawInbound) -> None:
+        obs = observer.observe(raw.topic, raw.payload, raw.retained)
         if obs is not None:
             with lock:
                 seen.append(obs)
@@ -127,7 +128,7 @@ def test_no_label_reaches_the_mec_on_the_wire_and_the_vanilla_baseline_would_sho
         assert o.fields.get("labels") is None, o  # type: ignore[attr-defined]
         if o.tensor is not None:  # type: ignore[attr-defined]
             assert o.tensor.dtype.startswith("float"), o  # type: ignore[attr-defined]  labels are int64
-    final, _ = run(cluster, spec_text("sf-vanilla", rounds=1, mode="splitfed"))
+    final, _ = run(cluster, spec_text("sf-vanilla", rounds=1, mode="splitfed", memory_budget_bytes=0))
     assert final.status == "succeeded", final.detail
     with lock:
         vanilla = [o for o in seen if o.fields.get("job_id") == "sf-vanilla"  # type: ignore[attr-defined]
@@ -136,8 +137,10 @@ def test_no_label_reaches_the_mec_on_the_wire_and_the_vanilla_baseline_would_sho
 
 
 def test_updates_with_nan_values_are_refused_and_counted_and_the_job_goes_on(cluster: Cluster) -> None:
-    # A learning rate that makes every device's weights overflow: their updates hold NaN or infinite values.
-    final, _ = run(cluster, spec_text("sf-nan", rounds=2, training={"epochs": 1, "batch_size": 32, "lr": 10.0}))
+    # Weight decay of lr x wd = 10 multiplies every weight by -9 a step: within a round the devices' weights overflow,
+    # so their updates hold NaN or infinite values.
+    final, _ = run(cluster, spec_text("sf-nan", rounds=2, training={"epochs": 2, "batch_size": 32, "lr": 10.0,
+                                                                    "weight_decay": 1.0}))
     assert final.status == "succeeded", final.detail
     progress = final.progress_as(SplitfedProgress)
     assert progress.rounds_done == 2

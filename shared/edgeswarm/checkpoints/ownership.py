@@ -28,8 +28,9 @@ class JobOwners:
 
 
 def owners_of(state: JobState, writer_node: str) -> JobOwners:
-    """The owners a job state written by the coordinator on ``writer_node`` declares."""
-    stages = tuple(tuple(s.devices) for s in state.plan.stages) if state.plan is not None else ()
+    """The owners a job state written by the coordinator on ``writer_node`` declares. A plan without pipeline
+    stages (tensor-parallel serving, split learning) gives no device a stage: only the coordinator writes."""
+    stages = tuple(tuple(s.devices) for s in getattr(state.plan, "stages", None) or ())
     return JobOwners(coordinator=writer_node, stages=stages)
 
 

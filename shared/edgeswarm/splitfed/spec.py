@@ -27,8 +27,8 @@ class SplitfedSpec(BaseModel):
     device; a device's partition is its index among the job's devices, in name order), ``participants`` K train
     per round (the central manager selects ``ceil(gamma * K)`` candidates, the MECs' importance scheduler keeps K,
     exploring with ``epsilon``). ``lam`` weighs round time against label skew; ``solver`` is the central manager's
-    (Bayesian optimisation or the exhaustive oracle). ``fixed_cut`` is the SplitFed baseline's cut (default: unit 2,
-    after LeNet-5's first pooling). ``memory_budget_bytes`` caps every device's training memory (0: the node's own
+    (Bayesian optimisation or the exhaustive oracle). ``fixed_cut`` is the SplitFed baseline's cut (default 3: after
+    LeNet-5's first pooling, its third unit). ``memory_budget_bytes`` caps every device's training memory (0: the node's own
     budget, from its ledger). ``wait_s`` is the longest a party waits for one tensor of its peer."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -46,7 +46,7 @@ class SplitfedSpec(BaseModel):
     lam: float = Field(default=1.0, ge=0.0, le=1e6)
     solver: Solver = "bo"
     training: LocalTraining = LocalTraining()
-    fixed_cut: int = Field(default=2, ge=1, le=MAX_UNITS)
+    fixed_cut: int = Field(default=3, ge=1, le=MAX_UNITS)
     recompute: RecomputePolicy = "adaptive"
     theta: ThetaMode = "peak"
     estimator: Literal["grad_nnls", "oracle", "off"] = "grad_nnls"

@@ -14,6 +14,7 @@ losses, peak bytes) to the MEC. Tensors from any other node, or of another round
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -252,9 +253,11 @@ class DeviceProgram:
                 active, dropped = part.prune(active, losses, enrol.index, r, epoch + 1)
                 pruned += dropped
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
+        mean, squares = loss_sum / max(seen, 1), float((losses ** 2).sum())
+        finite = math.isfinite(mean) and math.isfinite(squares)  # a diverged run still reports; its MEC refuses it
         return DeviceReport(node=self.ctx.node, outcome="trained", cut=part.cut, samples=data.size,
-                            iterations=iterations, loss=None if vanilla else loss_sum / max(seen, 1),
-                            loss_sq_sum=float((losses ** 2).sum()),
+                            iterations=iterations, loss=None if vanilla or not finite else mean,
+                            loss_sq_sum=squares if finite else 0.0, detail="" if finite else "its losses diverged",
                             peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
                             pruned=pruned)
 
