@@ -22,6 +22,7 @@ from edgeswarm.errors import ConfigError, MemoryBudgetError
 from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, without_weights
+from edgeswarm.planning.splitfed.cost import device_memory
 from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis, oracle_distribution
 from edgeswarm.splitfed.profile import model_cost
@@ -188,6 +189,8 @@ class DevicePart:
         if training.recompute == "off" or training.mode == "local":
             return
         cost = model_cost(self.setup.model, training.batch_size, optimizer_states=1 if training.momentum else 0)
+        if training.recompute == "adaptive" and device_memory(cost, self.cut, self.point.tail) <= budget_bytes:
+            return  # it fits as the central manager planned it (the same memory model): nothing to recompute
         segs = device_segments(cost, self.cut, self.point.tail)
         allowance = budget_bytes - self.static_bytes()
         plan = plan_recompute(segs, allowance, theta_mode=training.theta, policy=training.recompute)

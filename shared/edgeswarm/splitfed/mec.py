@@ -197,6 +197,8 @@ class MecProgram:
             if event is not None and not event.is_set():
                 rnd.done[sender] = (body.report, value)
                 event.set()
+                if body.report.outcome != "trained":  # its mini-batches stop here: the waits for them end now
+                    rnd.exchange.fail((rnd.start.round, sender), f"{sender} ended its round: {body.report.detail}")
             else:
                 self.ctx.metrics.count("data_refused.duplicate")
             return

@@ -221,7 +221,9 @@ class DeviceProgram:
             self.ctx.ledger.release(PROGRAM, enrol.job_id)
             job.exchange.forget(r)
         if stop.is_set():
-            return
+            return  # replaced by a newer run of the round: nobody waits for this one's report
+        if report.outcome != "trained":
+            log.warning("splitfed job %s round %d failed here: %s", enrol.job_id, r, report.detail)
         try:
             self.ctx.bus.send_tensor(enrol.mec, MEC_MANAGER, SplitDone(job_id=enrol.job_id, round=r, report=report),
                                      weights)
