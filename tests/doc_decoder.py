@@ -331,7 +331,7 @@ _ROUND_SETUP = ("record", {
                            "size": "int?", "test_size": "int?", "seed": "int", "noise": "number",
                            "teacher_grid": "int?"}),
     "partition": ("record", {"kind": ("enum", {"iid", "dirichlet", "label-skew"}), "devices": "int",
-                             "alpha": "number", "classes_per_device": "int", "seed": "int"}),
+                             "alpha": "number?", "classes_per_device": "int?", "seed": "int"}),
     "training": ("record", {
         "mode": ("enum", {"usplit", "vanilla", "local"}), "tail": "int", "epochs": "int", "batch_size": "int",
         "lr": "number", "momentum": "number", "weight_decay": "number", "sample_pruning": "bool",

@@ -317,7 +317,8 @@ def test_compose_structure(compose: dict[str, Any]) -> None:
 
 
 def test_compose_mounts_the_data_sets_read_only_where_they_are_read(compose: dict[str, Any]) -> None:
-    readers = {"coordinator", "stage-worker"}  # the coordinator evaluates the saved model on the held-out split
+    # The coordinator evaluates the saved model on the held-out split; an MEC estimates label distributions on it.
+    readers = {"coordinator", "stage-worker", "mec-manager"}
     for name, svc in app_services(compose).items():
         mounts = [m for m in svc.get("volumes") or [] if interpolate(m, {}).split(":")[1] == DATASETS_MOUNT]
         if edgeswarm_service(svc) in readers:

@@ -323,17 +323,24 @@ class SplitfedRunner:
         """The round to start from: after the last checkpointed round of a job an earlier coordinator left, whose
         weights are loaded into ``state``; 0 for a new job."""
         previous, store = self.ctx.previous, self.ctx.store_node
-        if previous is None or not store:
+        if previous is None:
+            return 0
+        if not store:
+            self.ctx.update("queued", event=("resumed", "a restarted coordinator runs the job again from round 0 "
+                                                        "(no checkpoint store)"))
             return 0
         try:
             versions = list_checkpoints(self.bus, store, self.spec.name).get(self.spec.name, {}).get("layout", [])
             if not versions:
+                self.ctx.update("queued", event=("resumed", "a restarted coordinator runs the job again from round 0 "
+                                                            "(no round was checkpointed yet)"))
                 return 0
             version = versions[-1]
             load_layout_meta(self.bus, store, self.spec.name, version)
             loaded = load_stage(self.bus, store, self.spec.name, 0, version)
         except CheckpointError as exc:
-            log.warning("job %s: no checkpoint to resume from (%s); starting over", self.spec.name, exc)
+            self.ctx.update("queued", event=("resumed", f"a restarted coordinator runs the job again from round 0: "
+                                                        f"its checkpoint cannot be read ({exc})"))
             return 0
         state.update({k: v.to(state[k].dtype) for k, v in loaded.items() if k in state})
         progress = previous.progress
