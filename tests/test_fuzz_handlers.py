@@ -643,17 +643,19 @@ def _identity_fields(body: Message) -> dict[str, Any]:
 # The schemas each service handles (beyond probes, statuses and heartbeats, which every service follows).
 HANDLED: dict[str, list[type[Message]]] = {
     "node-agent": [m.BenchStart, m.BenchData, m.BenchEcho],
-    "planner": [m.PlanRequest, m.ReplanRequest, m.HmpPlanRequest],
+    "planner": [m.PlanRequest, m.ReplanRequest, m.HmpPlanRequest, m.SplitPlanRequest],
     "coordinator": [m.JobSubmit, m.JobCancel, m.JobState],
     "checkpoint-store": [m.CheckpointTensor, m.CheckpointCommit, m.CheckpointLoad, m.CheckpointList],
     "profiler": [m.ProfileRequest, m.LinkProbe],
     "stage-worker": [m.StageAssign, m.RoundStart, m.StageSave, m.StageAbort, m.StageSendState, m.StageInventory,
-                     m.StageTensor, m.CollectiveTensor, m.StageState],
+                     m.StageTensor, m.CollectiveTensor, m.StageState, m.SplitEnrol, m.SplitRelease,
+                     m.SplitPartWeights, m.SplitTensor],
     "tensor-shard-worker": [m.ShardAssign, m.ShardRelease, m.ShardFree, m.ShardProfileRequest, m.ShardPass,
                             m.CollectiveTensor],
+    "mec-manager": [m.SplitRoundStart, m.SplitRelease, m.SplitGlobal, m.SplitTensor, m.SplitDone],
 }
 EXAMPLES = {"node-agent": 500, "planner": 500, "coordinator": 500, "checkpoint-store": 500, "profiler": 500,
-            "stage-worker": 500, "tensor-shard-worker": 150}
+            "stage-worker": 500, "tensor-shard-worker": 150, "mec-manager": 150}
 
 
 class RunningService:
