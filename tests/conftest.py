@@ -42,7 +42,8 @@ def _gate(item: pytest.Item) -> Iterator[None]:
     so that what it measures (speed ratios, heartbeat gaps under its own load) is not the other worker's load; the
     others share the gate. The turnstile lets an ``alone`` test in even while the other worker goes from test to
     test: it holds the turnstile while it waits, and every test passes the turnstile before it takes its share."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    # Not the PYTEST_XDIST_WORKER variable: a pytest that a test starts inherits it without being a worker.
+    if not hasattr(item.config, "workerinput"):
         yield
         return
     # xdist gives each worker a basetemp inside the session's own, which no other session shares.
