@@ -2,7 +2,9 @@
 # devices), then train MobileNetV2 on it through the coordinator (profile, plan, deploy, 30 rounds, checkpoints),
 # measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
 # out/timeline.png, stop.
-# `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients).
+# `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients) on two
+# pytest-xdist workers, a test file to a worker (its module fixtures stay in one process); the 25 slowest tests are
+# listed at the end.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,7 +34,7 @@ run: venv
 		--json $(OUT)/train.json --loss-png $(OUT)/loss.png --timeline-png $(OUT)/timeline.png
 
 test: venv
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) $(OUT) *.egg-info .pytest_cache .hypothesis

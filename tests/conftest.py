@@ -5,11 +5,13 @@ Everything a test starts is stopped by PID when the test ends; every wait is bou
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # CI installs Mosquitto; a machine without it would only produce confusing connection errors.
     if mosquitto_binary() is None:
         raise pytest.UsageError("the test suite needs mosquitto on PATH (apt-get install -y mosquitto)")
+
+
+@contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)  # released when the file closes
+        yield
+
+
+@contextmanager
+def _gate(item: pytest.Item) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test (its fixtures included),
+    so that what it measures (speed ratios, heartbeat gaps under its own load) is not the other worker's load; the
+    others share the gate. The turnstile lets an ``alone`` test in even while the other worker goes from test to
+    test: it holds the turnstile while it waits, and every test passes the turnstile before it takes its share."""
+    # Not the PYTEST_XDIST_WORKER variable: a pytest that a test starts inherits it without being a worker.
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    # xdist gives each worker a basetemp inside the session's own, which no other session shares.
+    root = Path(item.config.option.basetemp).parent
+    turnstile, gate = root / "alone.turnstile", root / "alone.gate"
+    if item.get_closest_marker("alone") is not None:
+        with _flock(turnstile, fcntl.LOCK_EX), _flock(gate, fcntl.LOCK_EX):
+            yield
+        return
+    with _flock(turnstile, fcntl.LOCK_EX):
+        pass
+    with _flock(gate, fcntl.LOCK_SH):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # The whole protocol (setup, call, teardown), so that the other worker's module fixtures (clusters) do not
+    # start or stop while an ``alone`` test runs.
+    with _gate(item):
+        yield
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from edgeswarm.bench.planner import candidate_count
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.values.profiles import ClusterProfile
@@ -56,6 +58,7 @@ def test_plan_explains_what_is_missing(tmp_path: Path) -> None:
     assert big.returncode == 1 and "batch size" in big.stderr
 
 
+@pytest.mark.alone
 def test_plan_profiles_an_emulated_cluster_on_the_fly(tmp_path: Path) -> None:
     """The whole path: start a 2-device cluster, its profilers measure the model and the shaped link over MQTT."""
     cluster = tmp_path / "two.yaml"

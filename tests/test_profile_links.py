@@ -22,6 +22,7 @@ def online(service: ProfilerService, peer: str) -> bool:
     return status is not None and status.state == "online"
 
 
+@pytest.mark.alone
 def test_a_shaped_100_mbps_link_measures_near_12_5_mb_per_s(broker: BrokerProcess, tmp_path: Path) -> None:
     shaped = {"b": LinkSpec(bandwidth_bps=SHAPED_BPS, latency_s=SHAPED_LATENCY_S)}
     a = ProfilerService(bus_settings(broker.url, node_id="a", links=shaped, profile_dir=tmp_path / "a"))

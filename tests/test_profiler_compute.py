@@ -91,6 +91,7 @@ def test_lenet_sizes_match_a_hand_count(lenet_profile: tuple) -> None:
         assert units[i].activation_bytes_per_sample == received
 
 
+@pytest.mark.alone
 def test_times_are_positive_and_grow_with_the_batch(lenet_profile: tuple, one_thread: None) -> None:
     _, compute = lenet_profile
     assert compute.batch_sizes == [1, 64]
@@ -128,6 +129,7 @@ def test_batch_norm_and_token_models_profile() -> None:
     assert block.activation_bytes_per_sample >= 3 * block.output_bytes_per_sample
 
 
+@pytest.mark.alone
 def test_a_sleeping_runner_slows_the_measured_times_by_its_factor(one_thread: None) -> None:
     def work(p: ComputeProfile) -> float:
         # The convolutions: long enough that the sleep's own latency does not distort the factor.
@@ -158,6 +160,7 @@ def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
             calibrated_profile(native, bad, "device-abc")
 
 
+@pytest.mark.alone
 def test_speed_ratio_measures_a_runner_against_native(one_thread: None) -> None:
     # Wide bounds: other processes on the host may steal time from either side of a pair.
     assert 1.8 < measure_speed_ratio(slow(3.0)) < 6.0

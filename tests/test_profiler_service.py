@@ -106,6 +106,7 @@ def _host_fingerprint() -> str:
         return host_fingerprint()
 
 
+@pytest.mark.alone
 def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path) -> None:
     spec = ClusterSpec(name="gather-test", network=NetworkDefaults(bandwidth_mbps=100, latency_ms=1),
                        devices=(DeviceEntry(id="server-0", device_class="edge-server"),

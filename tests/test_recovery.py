@@ -238,6 +238,7 @@ def _cpu_busy_and_total() -> tuple[int, int]:
     return sum(ticks) - idle, sum(ticks)
 
 
+@pytest.mark.alone
 def test_no_false_failure_in_a_healthy_run_under_full_load(broker, make_bus, services) -> None:
     """Four workers at full speed (the native class: no emulated sleeping, torch on every core) train round after
     round for EDGESWARM_SOAK_S seconds (a minute by default, five for the spec's check), with the spec's heartbeat
