@@ -88,7 +88,7 @@ def test_the_built_in_services_and_their_roles() -> None:
     assert list(BUILT_IN) == list(services())[:len(BUILT_IN)]
     assert services_of("hub") == ("coordinator", "planner", "checkpoint-store")
     assert services_of("device") == ("node-agent", "profiler", "stage-worker", "tensor-shard-worker")
-    assert services_of("edge") == ("node-agent", "profiler")  # a node like any other, but no stage-worker
+    assert services_of("edge") == ("node-agent", "profiler", "mec-manager")  # a node like any other, no stage-worker
     assert services_of("client") == ()
     assert service_class("stage-worker").__name__ == "StageWorkerService"
     assert issubclass(service_class("stage-worker"), WorkerService)
@@ -115,7 +115,7 @@ def test_an_entry_is_checked_where_it_is_made() -> None:
 def test_a_plugin_service_joins_the_registry_the_topic_tree_and_the_acl(install_plugin) -> None:  # type: ignore[no-untyped-def]
     install_plugin(f"toy-manager = {PLUGIN}:ENTRY")
     assert service_names()[-1] == "toy-manager" and list(services())[-1] == "toy-manager"
-    assert services_of("edge") == ("node-agent", "profiler", "toy-manager")
+    assert services_of("edge") == ("node-agent", "profiler", "mec-manager", "toy-manager")
     assert "toy-manager" not in services_of("device")
     assert service_class("toy-manager").__name__ == "ToyManager"
     assert "toy-manager" in compose_service_names()
@@ -160,9 +160,10 @@ def test_an_edge_node_writes_only_what_its_role_may_and_only_as_itself() -> None
                   "edgeswarm/cluster/events",
                   "edgeswarm/node/+/checkpoint-store/request/mec-0",  # an edge server saves what it holds
                   "edgeswarm/node/+/profiler/data/mec-0",  # its profiler measures its links to the others
-                  "edgeswarm/node/+/coordinator/data/mec-0"):
+                  "edgeswarm/node/+/coordinator/data/mec-0",
+                  "edgeswarm/node/+/stage-worker/data/mec-0"):  # split learning's tensors back to its devices
         assert ("write", topic) in edge, topic
-    for topic in ("edgeswarm/node/+/stage-worker/data/mec-0", "edgeswarm/node/+/stage-worker/request/mec-0",
+    for topic in ("edgeswarm/node/+/stage-worker/request/mec-0",
                   "edgeswarm/node/+/coordinator/request/mec-0", "edgeswarm/job/+/state", "edgeswarm/cluster/view"):
         assert ("write", topic) not in edge, topic
     assert ("read", "edgeswarm/node/mec-0/+/request/+") in edge

@@ -9,6 +9,7 @@ import pytest
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.spec import HmpSpec
+from edgeswarm.splitfed.spec import SplitfedSpec
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobState
@@ -25,7 +26,8 @@ def test_every_example_parses_as_its_kind() -> None:
         spec = parse_spec_text(path.read_text(), source=str(path))
         kinds[path.name] = type(spec)
     assert kinds == {"lenet5-env-d.yaml": JobSpec, "mobilenetv2-env-d.yaml": JobSpec,
-                     "serve-mobilenetv2.yaml": ServeSpec, "serve-hmp-gpt2.yaml": HmpSpec}
+                     "serve-mobilenetv2.yaml": ServeSpec, "serve-hmp-gpt2.yaml": HmpSpec,
+                     "splitfed-digits.yaml": SplitfedSpec}
 
 
 def test_a_spec_without_kind_is_training_and_an_unknown_kind_names_the_kinds() -> None:
@@ -64,5 +66,5 @@ def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
                                                   updated_at=0.0).model_dump_json())
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"
-    assert set(KINDS) == {"train-hpp", "serve-pipeline", "serve-hmp"}
+    assert set(KINDS) == {"train-hpp", "serve-pipeline", "serve-hmp", "train-splitfed"}
     assert workload("train") is workload("train-hpp")  # the old name of HPP training stays an alias
