@@ -51,6 +51,8 @@ from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
 
 if TYPE_CHECKING:
+    from edgeswarm.data.base import Dataset
+    from edgeswarm.messages.cluster import ClusterView
     from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
@@ -120,8 +122,8 @@ class SplitfedRunner:
 
     # --- one round ------------------------------------------------------------------------------------
 
-    def _round(self, r: int, state: dict[str, torch.Tensor], view: object, detector: FailureDetector,
-               used: set[tuple[str, str]], model: torch.nn.Module, dataset: object) -> dict[str, torch.Tensor]:
+    def _round(self, r: int, state: dict[str, torch.Tensor], view: ClusterView, detector: FailureDetector,
+               used: set[tuple[str, str]], model: torch.nn.Module, dataset: Dataset) -> dict[str, torch.Tensor]:
         spec, ctx = self.spec, self.ctx
         started = time.monotonic()
         devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
@@ -185,8 +187,7 @@ class SplitfedRunner:
         self._checkpoint(r, new_state)
         ctx.update("running", rounds_done=r + 1, rounds_total=spec.rounds, accuracy=accuracy, loss=loss,
                    refused=self.refused, history=self.history,
-                   event=("round", f"round {r}: {len([p for p in record.participants if p.outcome == 'trained'])} "
-                                   f"trained, held-out accuracy {_pct(accuracy)}, loss {loss:.4f}"))
+                   event=("round", _round_line(record)))
         return new_state
 
     def _start_on(self, mec: str, start: SplitRoundStart, flat: torch.Tensor) -> bool:
@@ -347,6 +348,20 @@ class SplitfedRunner:
         self.history = list(getattr(progress, "history", []))
         self.ctx.update("queued", event=("resumed", f"a restarted coordinator resumes after round {version - 1}"))
         return version
+
+
+def _round_line(record: RoundRecord) -> str:
+    """A finished round for people: each participant's cut, measured peak training memory and loss, then the
+    aggregated model's held-out accuracy and loss."""
+    parts = []
+    for p in record.participants:
+        if p.outcome == "trained":
+            loss = f", loss {p.loss:.3f}" if p.loss is not None else ""
+            parts.append(f"{p.node} cut {p.cut} ({p.peak_bytes / 2**20:.2f} MiB peak{loss})")
+        elif p.outcome != "skipped":
+            parts.append(f"{p.node} {p.outcome}")
+    return (f"round {record.round}: {'; '.join(parts) or 'nobody trained'}; held-out accuracy "
+            f"{_pct(record.accuracy)}, loss {record.loss:.4f}; {record.round_s:.1f} s")
 
 
 def _pct(value: float | None) -> str:

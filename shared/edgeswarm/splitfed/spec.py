@@ -28,8 +28,8 @@ class SplitfedSpec(BaseModel):
     per round (the central manager selects ``ceil(gamma * K)`` candidates, the MECs' importance scheduler keeps K,
     exploring with ``epsilon``). ``lam`` weighs round time against label skew; ``solver`` is the central manager's
     (Bayesian optimisation or the exhaustive oracle). ``fixed_cut`` is the SplitFed baseline's cut (default 3: after
-    LeNet-5's first pooling, its third unit). ``memory_budget_bytes`` caps every device's training memory (0: the node's own
-    budget, from its ledger). ``wait_s`` is the longest a party waits for one tensor of its peer."""
+    LeNet-5's first pooling, its third unit). ``memory_budget_bytes`` caps every device's training memory (0: the
+    node's own budget, from its ledger). ``wait_s`` is the longest a party waits for one tensor of its peer."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
