@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from edgeswarm.data import open_dataset
 from edgeswarm.data.base import Dataset
 from edgeswarm.data.partition import device_view, partition_dataset
-from edgeswarm.values.federated import PartitionSpec
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import build_model
 from edgeswarm.splitfed.estimator import (
@@ -25,6 +24,7 @@ from edgeswarm.splitfed.estimator import (
     obtain_dis,
     oracle_distribution,
 )
+from edgeswarm.values.federated import PartitionSpec
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec
 

@@ -9,12 +9,12 @@ import pytest
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.spec import HmpSpec
-from edgeswarm.splitfed.spec import SplitfedSpec
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.zoo import build_model
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
+from edgeswarm.splitfed.spec import SplitfedSpec
 from edgeswarm.workloads import KINDS, parse_spec_text, workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
