@@ -3,12 +3,12 @@ U-split's tensors between a device and its MEC, and what comes back.
 
 Each round the coordinator enrols every candidate device the central manager picked (SplitEnrol, a request to its
 stage-worker: which MEC trains with it, which data partition is its own) and hands each MEC its candidates and their
-cuts (SplitRoundStart, a request to its mec-manager), then the global weights (SplitGlobal, a frame on the MEC's data
-topic, taken only from the coordinator the round named). The MEC picks who trains (Algorithm 2) and sends each its
-part of the model (SplitPartWeights: the first ``cut`` units and the tail). Per mini-batch the device and its MEC
-exchange SplitTensor frames: the cut activation, the MEC's output, the tail's gradient, the cut gradient. At the round's end
-the device sends its trained part (SplitDone), and the MEC the weighted sum of its devices' reassembled models
-(SplitUpdate) to the coordinator, which finishes FedAvg. Labels are in none of these but a vanilla split's
+cuts (SplitRoundStart, a request to its mec-manager), then the global weights (SplitGlobal, a frame on the MEC's
+data topic, taken only from the coordinator the round named). The MEC picks who trains (Algorithm 2) and sends each
+its part of the model (SplitPartWeights: the first ``cut`` units and the tail). Per mini-batch the device and its
+MEC exchange SplitTensor frames: the cut activation, the MEC's output, the tail's gradient, the cut gradient. At the
+round's end the device sends its trained part (SplitDone), and the MEC the weighted sum of its devices' reassembled
+models (SplitUpdate) to the coordinator, which finishes FedAvg. Labels are in none of these but a vanilla split's
 activation frame (the SplitFed baseline), which the U-split never sends.
 """
 
@@ -50,11 +50,12 @@ class SplitCandidate(BaseModel):
 
 
 class DeviceReport(BaseModel):
-    """One device's round as its MEC saw it: ``outcome`` (``skipped``: a candidate the MEC's importance scheduler
-    did not pick; ``lost``: its tensors stopped; ``refused``: its update held NaN or infinite values), its cut,
-    samples (full local set, the FedAvg weight), iterations run, mean loss and the sum of squared per-sample losses (Eq. 7's input: only scalars leave the
-    device), its measured peak training bytes and budget, the recomputation it used, and the MEC's estimate of its
-    label skew (``dis``, nats) and statistical utility (``stat``)."""
+    """One device's round as its MEC saw it: ``outcome`` (``skipped``: a candidate the MEC's importance scheduler did
+    not pick; ``lost``: its tensors stopped; ``refused``: its update held NaN or infinite values), its cut,
+    samples (full local set, the FedAvg weight), iterations run, mean loss and the sum of squared per-sample
+    losses (Eq. 7's input: only scalars leave the device), its measured peak training bytes and budget, the
+    recomputation it used, and the MEC's estimate of its label skew (``dis``, nats) and statistical utility
+    (``stat``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
