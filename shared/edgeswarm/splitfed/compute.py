@@ -21,7 +21,7 @@ from edgeswarm.data.partition import Partition, device_view, partition_dataset
 from edgeswarm.errors import ConfigError, MemoryBudgetError
 from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.sequence import layer_sequence
-from edgeswarm.models.zoo import build_model, without_weights
+from edgeswarm.models.zoo import build_model, example_input, without_weights
 from edgeswarm.planning.splitfed.cost import device_memory
 from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis, oracle_distribution
@@ -142,6 +142,13 @@ class DeviceData:
         return x.to(self.compute), y.to(self.compute)
 
 
+def input_bytes(model: ModelSpec, batch_size: int) -> int:
+    """Bytes of one mini-batch of ``model``'s input: the device holds it through the iteration, so the central
+    manager counts it in the device's memory (its ``overhead_bytes``)."""
+    x = example_input(model, 1)
+    return batch_size * x.numel() * x.element_size()
+
+
 def local_batches(active: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
     """One local epoch over the ``active`` sample ids: shuffled, in batches of ``batch_size`` (the last may be
     smaller)."""
@@ -189,10 +196,12 @@ class DevicePart:
         if training.recompute == "off" or training.mode == "local":
             return
         cost = model_cost(self.setup.model, training.batch_size, optimizer_states=1 if training.momentum else 0)
-        if training.recompute == "adaptive" and device_memory(cost, self.cut, self.point.tail) <= budget_bytes:
+        overhead = input_bytes(self.setup.model, training.batch_size)
+        if training.recompute == "adaptive" and \
+                device_memory(cost, self.cut, self.point.tail, overhead) <= budget_bytes:
             return  # it fits as the central manager planned it (the same memory model): nothing to recompute
         segs = device_segments(cost, self.cut, self.point.tail)
-        allowance = budget_bytes - self.static_bytes()
+        allowance = budget_bytes - self.static_bytes() - overhead
         plan = plan_recompute(segs, allowance, theta_mode=training.theta, policy=training.recompute)
         if plan.outcome == "infeasible":
             raise MemoryBudgetError(f"cut {self.cut} needs {plan.l_peak_bytes / 2**20:.1f} MiB of activations at "

@@ -44,7 +44,7 @@ from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
-from edgeswarm.splitfed.compute import partition_of
+from edgeswarm.splitfed.compute import input_bytes, partition_of
 from edgeswarm.splitfed.profile import model_cost
 from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
 from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
@@ -145,7 +145,8 @@ class SplitfedRunner:
             tail=self.training.tail if self.training.mode == "usplit" else 0, epochs=self.training.epochs,
             latency_model="vanilla" if self.training.mode == "vanilla" else "usplit", solver=spec.solver,
             seed=spec.seed + r, fixed_cut=spec.fixed_cut if spec.mode == "splitfed" else None,
-            local_only=spec.mode == "fedavg", previous_best=self.previous_best)
+            local_only=spec.mode == "fedavg", previous_best=self.previous_best,
+            overhead_bytes=input_bytes(spec.model, self.training.batch_size))
         ctx.update("planning")
         reply = request_plan(self.bus, SplitPlanRequest(model=self.cost, devices=split_devices,
                                                         mecs=gather.split_mecs(view, mecs, self.flops),

@@ -1,0 +1,63 @@
+"""U13: the device's memory under a budget that changes from round to round. Every budget of a trace either lets
+the device train its part with a measured peak within it (recomputing cheap layers when the plan needs to) or makes
+it leave before its first mini-batch with a reason that names a shallower cut; never an iteration over budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgeswarm.errors import MemoryBudgetError
+from edgeswarm.messages.splitfed import RoundSetup
+from edgeswarm.models.zoo import build_model
+from edgeswarm.planning.splitfed.cost import device_memory
+from edgeswarm.planning.splitfed.synthetic import budget_trace
+from edgeswarm.runtime.program import ComputeGate
+from edgeswarm.splitfed.compute import DevicePart, MecPart, input_bytes
+from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.weights import flatten
+from edgeswarm.values.federated import LocalTraining, PartitionSpec
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
+
+MODEL = ModelSpec(name="lenet5", config={"num_classes": 10})
+BATCH = 16
+CUT = 3
+
+
+# ``always`` recomputes whatever the budget, and needs room for the largest backward step (l_peak) beside the
+# weights: its trace sits higher.
+@pytest.mark.parametrize(("policy", "fraction"), [("adaptive", 0.25), ("always", 0.45)])
+def test_a_budget_trace_never_sees_an_iteration_over_budget(policy: str, fraction: float) -> None:
+    setup = RoundSetup(model=MODEL, dataset=DatasetSpec(kind="teacher", size=64, test_size=16),
+                       partition=PartitionSpec(devices=2),
+                       training=LocalTraining(batch_size=BATCH, recompute=policy))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    global_state = build_model(MODEL).state_dict()
+    need = device_memory(model_cost(MODEL, BATCH, 1), CUT, 1, input_bytes(MODEL, BATCH))
+    # The spec's trace (10.1): a round's fraction of the phone's memory, drifting every 50 iterations; scaled so
+    # the trace crosses what the cut needs.
+    rng = np.random.default_rng(0)
+    trace = [int(b) for b in budget_trace(int(need * 4), fraction, 300, rng)]
+    x = torch.randn(BATCH, 1, 32, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(2))
+    trained = left = 0
+    for budget in trace:
+        part = DevicePart(setup, CUT, compute=torch.device("cpu"), gate=ComputeGate())
+        part.load(flatten(global_state, part.layout))
+        try:
+            part.plan_memory(budget)
+        except MemoryBudgetError as exc:
+            assert "shallower cut" in str(exc)
+            left += 1
+            continue
+        mec = MecPart(setup, CUT, compute=torch.device("cpu"))
+        mec.load(global_state)
+        _, tail_gradient = part.tail_step(mec.forward(part.front_forward(x)), y)
+        part.front_backward(mec.backward(tail_gradient))
+        assert part.peak_bytes <= budget, (budget, part.peak_bytes, part.recompute_summary)
+        trained += 1
+    assert trained, (left, need, trace)
+    if policy == "adaptive":
+        assert left, (trained, need, trace)  # the trace dips below what the cut needs
