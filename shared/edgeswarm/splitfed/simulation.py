@@ -34,7 +34,7 @@ from edgeswarm.planning.splitfed.scheduling import fine_select
 from edgeswarm.planning.splitfed.statistics import dis as skew_of
 from edgeswarm.planning.splitfed.statistics import stat_from_sums
 from edgeswarm.planning.splitfed.synthetic import budget_fraction, paper_devices
-from edgeswarm.planning.splitfed.types import SplitDevice, SplitMec, SplitOptions, SplitPlanError
+from edgeswarm.planning.splitfed.types import SplitDevice, SplitOptions, SplitPlanError
 from edgeswarm.splitfed.compute import local_batches, output_weight
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis
 from edgeswarm.splitfed.profile import model_cost
