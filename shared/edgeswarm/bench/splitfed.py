@@ -41,7 +41,7 @@ from edgeswarm.planning.splitfed.types import (
 if TYPE_CHECKING:
     from edgeswarm.values.profiles import ModelSpec
 
-SECTIONS = ("planner", "memory", "accuracy")
+SECTIONS = ("planner", "memory", "accuracy", "cluster")
 MODELS = ("lenet5", "resnet18", "vgg16")
 METHODS = ("smartsplit", "fedavg", "splitfed")
 BATCH = 32
@@ -65,7 +65,7 @@ class SplitfedBenchConfig(BaseModel):
     instances: int = Field(default=50, ge=1, le=1000)
     models: list[str] = Field(default_factory=lambda: list(MODELS))
     participants: int = Field(default=10, ge=1, le=100)
-    epochs: int = Field(default=1, ge=1, le=20)
+    epochs: int = Field(default=5, ge=1, le=20)
     cap_bytes: int = Field(default=256 * MIB, ge=1)
     cap_model: str = "vgg16"
     rounds: int = Field(default=20, ge=1, le=500)
@@ -75,6 +75,8 @@ class SplitfedBenchConfig(BaseModel):
     devices: int = Field(default=100, ge=2, le=1000)
     mecs: int = Field(default=5, ge=1, le=100)
     memory_models: list[str] = Field(default_factory=lambda: list(MODELS))
+    cluster_rounds: int = Field(default=3, ge=1, le=50)
+    cluster_budget_bytes: int = Field(default=0, ge=0)
 
 
 class PlannerRow(BaseModel):
@@ -136,6 +138,23 @@ class AccuracyRow(BaseModel):
     seconds: float
 
 
+class ClusterRow(BaseModel):
+    """One round of a train-splitfed job on the local cluster (3 native devices, 1 edge server): the mode, the
+    measured and predicted round time (seconds), the bytes on the MEC's LAN and the WAN, held-out accuracy, the
+    largest device peak (bytes) among its trainers, their cuts, and why the job failed (``error``)."""
+
+    mode: str
+    round: int = 0
+    round_s: float = 0.0
+    predicted_s: float = 0.0
+    lan_bytes: int = 0
+    wan_bytes: int = 0
+    accuracy: float | None = None
+    peak_bytes: int = 0
+    cuts: list[int] = []
+    error: str | None = None
+
+
 class SplitfedReport(BaseModel):
     """Everything the bench measured."""
 
@@ -145,6 +164,7 @@ class SplitfedReport(BaseModel):
     cap: list[CapRow] = []
     memory: list[MemoryRow] = []
     accuracy: list[AccuracyRow] = []
+    cluster: list[ClusterRow] = []
     budget_note: str = ""
 
 
@@ -186,6 +206,8 @@ def run_splitfed_bench(config: SplitfedBenchConfig, log: Log = _quiet) -> Splitf
                         accuracy=result.accuracies[-1], accuracies=result.accuracies,
                         mean_participants=float(np.mean(result.participants)),
                         excluded_devices=result.excluded_devices, seconds=time.monotonic() - started))
+    if "cluster" in config.sections:
+        report.cluster = cluster_rows(config, log)
     return report
 
 
@@ -319,3 +341,76 @@ def mean_of(values: list[float]) -> float | None:
     """The mean, or None for no values (a method that could not plan on any seed)."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.mean(finite)) if finite else None
+
+
+# --- cluster ---------------------------------------------------------------------------------------------------
+
+CLUSTER_DEVICES = 3
+CLUSTER_MODES = ("smartsplit", "fedavg", "splitfed")
+
+
+def cluster_rows(config: SplitfedBenchConfig, log: Log = _quiet) -> list[ClusterRow]:
+    """Run each mode as a train-splitfed job of ``config.cluster_rounds`` rounds on one local cluster of
+    CLUSTER_DEVICES native devices and one native edge server (LeNet-5 on digits, 2 participants a round, a
+    Dirichlet 0.5 split), every device's budget ``config.cluster_budget_bytes``, and read each round's record
+    from the job state. A mode that fails is one row with its error."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from edgeswarm.devices.cluster import DeviceEntry, cluster_of
+    from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
+    from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
+    from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+    from edgeswarm.settings import Settings
+    from edgeswarm.splitfed.spec import SplitfedProgress
+    from edgeswarm.workloads.client import JobFollower, submit_job
+
+    spec = cluster_of(CLUSTER_DEVICES, "native")
+    spec = spec.model_copy(update={"edges": (DeviceEntry(id="edge-0", device_class="native"),)})
+    rows: list[ClusterRow] = []
+    with tempfile.TemporaryDirectory(prefix="bench-splitfed-") as tmp:
+        root = Path(tmp)
+        env = {"EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
+        log("cluster: starting 3 devices and an edge server")
+        with LocalCluster(spec, workdir=root / "cluster", extra_env=env,
+                          skip_services=("tensor-shard-worker",)) as local:
+            bus = client_bus(Settings(hub_url=local.hub_url), role="bench-splitfed", connect_timeout_s=30)
+            try:
+                watcher = ClusterWatcher(bus)
+                devices = [d.id for d in spec.devices]
+                missing = wait_for_service(watcher, STAGE_WORKER, devices, 300)
+                missing += wait_for_service(watcher, MEC_MANAGER, ["edge-0"], 300)
+                for s in HUB_SERVICES:
+                    missing += wait_for_service(watcher, s, [HUB_NODE], 300)
+                if missing:
+                    return [ClusterRow(mode=m, error=f"not online: {', '.join(missing)}") for m in CLUSTER_MODES]
+                for mode in CLUSTER_MODES:
+                    name = f"bench-sf-{mode}"
+                    job = {"kind": "train-splitfed", "name": name, "mode": mode, "rounds": config.cluster_rounds,
+                           "participants": 2,
+                           "partition": {"kind": "dirichlet", "devices": CLUSTER_DEVICES, "alpha": 0.5, "seed": 1},
+                           "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
+                           "memory_budget_bytes": config.cluster_budget_bytes}
+                    log(f"cluster: {mode}")
+                    follower = JobFollower(bus, name)
+                    submit_job(bus, json.dumps(job), submission=follower.submission)
+                    try:
+                        state = follower.wait(600)
+                    except EdgeswarmError as exc:
+                        rows.append(ClusterRow(mode=mode, error=str(exc)[:300]))
+                        continue
+                    progress = state.progress_as(SplitfedProgress)
+                    if not progress.history:
+                        rows.append(ClusterRow(mode=mode, error=f"{state.status}: {state.detail}"[:300]))
+                        continue
+                    for rec in progress.history:
+                        trained = [p for p in rec.participants if p.outcome == "trained"]
+                        rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s,
+                                               predicted_s=rec.predicted_s, lan_bytes=rec.lan_bytes,
+                                               wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
+                                               peak_bytes=max((p.peak_bytes for p in trained), default=0),
+                                               cuts=sorted({p.cut for p in trained})))
+            finally:
+                bus.stop()
+    return rows

@@ -22,13 +22,15 @@ def add_splitfed_parser(bench_sub: argparse._SubParsersAction) -> None:  # type:
     p = bench_sub.add_parser("splitfed", help="SmartSplit against FedAvg and SplitFed: planner quality, round "
                              "time, WAN bytes, participation, device memory and simulated accuracy")
     p.add_argument("--sections", default="planner,memory,accuracy",
-                   help="comma-separated: planner, memory, accuracy (default: all, a few minutes on 2 cores)")
+                   help="comma-separated: planner, memory, accuracy, cluster (default: the first three, about 15 "
+                   "minutes on 2 cores; cluster starts a local cluster of 3 devices and an edge server)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (the planner and simulation repeat per seed)")
     p.add_argument("--rounds", type=int, default=20, help="simulated rounds per method and setting")
     p.add_argument("--local-epochs", type=int, default=1, help="simulated local epochs per round")
     p.add_argument("--lr", type=float, default=0.05, help="the simulation's SGD learning rate (momentum 0.9)")
     p.add_argument("--settings", default="dirichlet-0.1,dirichlet-1.0,label-skew-2",
                    help="the simulation's data splits: dirichlet-0.1, dirichlet-1.0, label-skew-2, iid")
+    p.add_argument("--cluster-rounds", type=int, default=3, help="rounds of each mode's job on the cluster")
     p.add_argument("--instances", type=int, default=50, help="random instances of the BO quality check (U6)")
     p.add_argument("--quick", action="store_true",
                    help="a few seconds: 5 BO instances, LeNet-5 only, 2 simulated rounds on one setting")
@@ -60,7 +62,7 @@ def splitfed_config(args: argparse.Namespace) -> SplitfedBenchConfig:
     try:
         return SplitfedBenchConfig(**{"sections": sections, "seeds": seeds, "instances": args.instances,
                                       "rounds": args.rounds, "local_epochs": args.local_epochs, "lr": args.lr,
-                                      "settings": settings, **extra})
+                                      "settings": settings, "cluster_rounds": args.cluster_rounds, **extra})
     except ValidationError as exc:
         raise ConfigError(f"bad bench splitfed options: {exc}") from None
 
@@ -166,5 +168,17 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
                           f"{100 * float(sum(max(r.accuracies) for r in rows) / len(rows)):.1f}%",
                           f"{sum(r.mean_participants for r in rows) / len(rows):.1f}",
                           f"{sum(r.excluded_devices for r in rows) / len(rows):.0f}")
+        tables.append(t)
+    if report.cluster:
+        t = Table(title="train-splitfed jobs on a local cluster (3 native devices, 1 edge server, LeNet-5 on digits, "
+                  "2 participants a round)")
+        for col in ("mode", "round", "cuts", "round s", "predicted s", "LAN KiB", "WAN KiB", "accuracy",
+                    "device peak MiB", "error"):
+            t.add_column(col)
+        for r in report.cluster:
+            t.add_row(r.mode, str(r.round), ",".join(map(str, r.cuts)), f"{r.round_s:.2f}", f"{r.predicted_s:.2f}",
+                      f"{r.lan_bytes / 1024:.0f}", f"{r.wan_bytes / 1024:.0f}",
+                      "-" if r.accuracy is None else f"{100 * r.accuracy:.1f}%", f"{r.peak_bytes / MIB:.2f}",
+                      r.error or "")
         tables.append(t)
     return tables
