@@ -30,6 +30,7 @@ from edgeswarm.planning.splitfed.quality import BoQuality, bo_quality
 from edgeswarm.planning.splitfed.scheduling import fine_select
 from edgeswarm.planning.splitfed.synthetic import paper_devices
 from edgeswarm.planning.splitfed.types import (
+    DeviceCut,
     ModelCost,
     SplitDevice,
     SplitMec,
@@ -206,6 +207,7 @@ def run_splitfed_bench(config: SplitfedBenchConfig, log: Log = _quiet) -> Splitf
                         accuracy=result.accuracies[-1], accuracies=result.accuracies,
                         mean_participants=float(np.mean(result.participants)),
                         excluded_devices=result.excluded_devices, seconds=time.monotonic() - started))
+                    log(f"accuracy: {setting} {method} seed {seed}: {100 * result.accuracies[-1]:.1f}%")
     if "cluster" in config.sections:
         report.cluster = cluster_rows(config, log)
     return report
@@ -306,7 +308,7 @@ def cap_rows(cost: ModelCost, model: str, seed: int, config: SplitfedBenchConfig
     return rows
 
 
-def _fine(sel: SplitSelection, devices: list[SplitDevice], k: int, seed: int) -> list:
+def _fine(sel: SplitSelection, devices: list[SplitDevice], k: int, seed: int) -> list[DeviceCut]:
     return fine_select(sel.selected, devices, k, 0.0, np.random.default_rng(seed))
 
 

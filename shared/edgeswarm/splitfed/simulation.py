@@ -34,7 +34,7 @@ from edgeswarm.planning.splitfed.scheduling import fine_select
 from edgeswarm.planning.splitfed.statistics import dis as skew_of
 from edgeswarm.planning.splitfed.statistics import stat_from_sums
 from edgeswarm.planning.splitfed.synthetic import budget_fraction, paper_devices
-from edgeswarm.planning.splitfed.types import SplitDevice, SplitOptions, SplitPlanError
+from edgeswarm.planning.splitfed.types import SplitDevice, SplitOptions, SplitPlanError, SplitSelection
 from edgeswarm.splitfed.compute import local_batches, output_weight
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis
 from edgeswarm.splitfed.profile import model_cost
@@ -172,9 +172,9 @@ def simulate(config: SimulationConfig) -> SimulationResult:
                             excluded_devices=config.devices - len(ever))
 
 
-def devices_fitting(selection: object, devices: list[SplitDevice]) -> list[str]:
+def devices_fitting(selection: SplitSelection, devices: list[SplitDevice]) -> list[str]:
     """The devices some allowed cut fit this round (those the planner did not list as infeasible)."""
-    left = set(getattr(selection, "infeasible", []))
+    left = set(selection.infeasible)
     return [d.node for d in devices if d.available and d.node not in left]
 
 
