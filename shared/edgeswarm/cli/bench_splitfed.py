@@ -26,7 +26,7 @@ def add_splitfed_parser(bench_sub: argparse._SubParsersAction) -> None:  # type:
                    "minutes on 2 cores; cluster starts a local cluster of 3 devices and an edge server)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (the planner and simulation repeat per seed)")
     p.add_argument("--rounds", type=int, default=20, help="simulated rounds per method and setting")
-    p.add_argument("--local-epochs", type=int, default=1, help="simulated local epochs per round")
+    p.add_argument("--local-epochs", type=int, default=5, help="simulated local epochs per round (the spec's 5)")
     p.add_argument("--lr", type=float, default=0.05, help="the simulation's SGD learning rate (momentum 0.9)")
     p.add_argument("--settings", default="dirichlet-0.1,dirichlet-1.0,label-skew-2",
                    help="the simulation's data splits: dirichlet-0.1, dirichlet-1.0, label-skew-2, iid")
