@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     hmp.add_argument("--trace", default="out/hmp-trace.json", help="where the Chrome trace goes")
     hmp.add_argument("--json", default=None, metavar="PATH", help="also write every run as JSON")
 
+    from edgeswarm.cli.bench_splitfed import add_splitfed_parser
+
+    add_splitfed_parser(bench_sub)
+
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
@@ -271,6 +275,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_hmp
 
             return run_bench_hmp(args)
+        if args.command == "bench" and args.bench == "splitfed":
+            from edgeswarm.cli.bench_splitfed import run_bench_splitfed
+
+            return run_bench_splitfed(args)
         if args.command == "bench" and args.bench == "planner":
             from edgeswarm.cli.bench import run_bench_planner
 
