@@ -17,11 +17,12 @@ serving request) fails with NameError ("module is not installed as a submodule")
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -138,3 +139,51 @@ class WorkerProgram(Protocol):
     def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+class ClosableJob(Protocol):
+    """A job a program holds: it can be closed (its threads told to stop, its exchange closed)."""
+
+    def close(self) -> None: ...
+
+
+J = TypeVar("J", bound=ClosableJob)
+
+
+class JobTable(Generic[J]):
+    """The part of a worker program every kind writes the same way: its jobs by id behind a lock, ``job_of`` (a
+    body's ``job_id``), ``holds``, ``close`` (every job closed and its memory given back to the node's ledger under
+    ``ledger_name``) and ``refuse`` (counted as ``{refusal_counter}.{reason}``, logged at a bounded rate, answered
+    with StageFailed)."""
+
+    ledger_name: ClassVar[str] = ""
+    refusal_counter: ClassVar[str] = "requests_refused"
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        from edgeswarm.logs import RateLimitedLog
+
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._jobs: dict[str, J] = {}
+        self._refusals = RateLimitedLog(logging.getLogger(type(self).__module__))
+
+    def job_of(self, body: Message) -> str:
+        return str(getattr(body, "job_id", ""))
+
+    def holds(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._jobs
+
+    def close(self) -> None:
+        with self._lock:
+            jobs, self._jobs = dict(self._jobs), {}
+        for job_id, job in jobs.items():
+            job.close()
+            self.ctx.ledger.release(self.ledger_name, job_id)
+
+    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
+        from edgeswarm.messages.training import StageFailed
+
+        self.ctx.metrics.count(f"{self.refusal_counter}.{reason}")
+        self._refusals.warning(f"refuse.{reason}", "job %s: %s: %s", job_id, reason, detail)
+        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]

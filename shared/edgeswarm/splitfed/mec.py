@@ -39,11 +39,10 @@ from edgeswarm.messages.splitfed import (
     SplitTensor,
     SplitUpdate,
 )
-from edgeswarm.messages.training import StageFailed
 from edgeswarm.planning.splitfed.scheduling import pick
 from edgeswarm.planning.splitfed.statistics import dis, stat_from_sums
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, ExchangeTimeout, TensorExchange
-from edgeswarm.runtime.program import STAGE_WORKER, WorkerContext
+from edgeswarm.runtime.program import STAGE_WORKER, JobTable, WorkerContext
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.splitfed.compute import MecPart, Reassembly
 from edgeswarm.splitfed.mec_state import RoundCheckpoint
@@ -99,37 +98,19 @@ class _Round:
         self.exchange.close(timeout_s=1.0)
 
 
-class MecProgram:
+class MecProgram(JobTable[_Round]):
     """The MEC's half of every train-splitfed job on this mec-manager (see the module's docstring)."""
 
     handles: tuple[type[Message], ...] = (SplitRoundStart, SplitRelease)
     tensors: tuple[type[Message], ...] = (SplitGlobal, SplitTensor, SplitDone)
 
+    ledger_name = PROGRAM
+    refusal_counter = "splitfed_refused"
+
     def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
-        self._lock = threading.Lock()
-        self._rounds: dict[str, _Round] = {}
+        super().__init__(ctx)
         self._stats: dict[tuple[str, str], float] = {}  # (job, device) -> Stat: the Loss Cache's utility
         self._checkpoints = RoundCheckpoint(ctx.bus.settings.checkpoint_dir / "mec" / ctx.node)
-
-    def job_of(self, body: Message) -> str:
-        return str(getattr(body, "job_id", ""))
-
-    def holds(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._rounds
-
-    def close(self) -> None:
-        with self._lock:
-            rounds, self._rounds = list(self._rounds.values()), {}
-        for rnd in rounds:
-            rnd.close()
-            self.ctx.ledger.release(PROGRAM, rnd.start.job_id)
-
-    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
-        self.ctx.metrics.count(f"splitfed_refused.{reason}")
-        _limited.warning(f"refuse.{reason}", "splitfed job %s: %s: %s", job_id, reason, detail)
-        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -137,7 +118,7 @@ class MecProgram:
         body = msg.body
         if isinstance(body, SplitRelease):
             with self._lock:
-                rnd = self._rounds.pop(body.job_id, None)
+                rnd = self._jobs.pop(body.job_id, None)
             if rnd is not None:
                 rnd.close()
                 self.ctx.ledger.release(PROGRAM, body.job_id)
@@ -147,8 +128,8 @@ class MecProgram:
 
     def _start(self, msg: Inbound, body: SplitRoundStart) -> None:
         with self._lock:
-            old = self._rounds.get(body.job_id)
-            if old is None and len(self._rounds) >= MAX_JOBS:
+            old = self._jobs.get(body.job_id)
+            if old is None and len(self._jobs) >= MAX_JOBS:
                 self.refuse(msg, body.job_id, "busy", f"{self.ctx.node} serves {MAX_JOBS} split learning jobs")
                 return
             if old is not None:
@@ -156,7 +137,7 @@ class MecProgram:
             exchange: TensorExchange[TensorKey] = TensorExchange(
                 self.ctx.bus, STAGE_WORKER, wait_s=body.wait_s, name=f"splitfed {body.job_id} (MEC)",
                 scope_name="device round", compute=self.ctx.compute)
-            self._rounds[body.job_id] = _Round(start=body, exchange=exchange)
+            self._jobs[body.job_id] = _Round(start=body, exchange=exchange)
         ledger = self.ctx.ledger
         room = max(ledger.budget_bytes - ledger.reserved_bytes(exclude=(PROGRAM, body.job_id)), 0)
         self.ctx.bus.reply(msg, SplitEnrolled(job_id=body.job_id, round=body.round, node=self.ctx.node,
@@ -167,7 +148,7 @@ class MecProgram:
     def on_tensor(self, msg: Inbound) -> None:
         body = msg.body
         with self._lock:
-            rnd = self._rounds.get(self.job_of(body))
+            rnd = self._jobs.get(self.job_of(body))
         if rnd is None:
             self.ctx.metrics.count("data_refused.unknown_job")
             return

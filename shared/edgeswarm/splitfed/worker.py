@@ -33,9 +33,8 @@ from edgeswarm.messages.splitfed import (
     SplitRelease,
     SplitTensor,
 )
-from edgeswarm.messages.training import StageFailed
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, ExchangeTimeout, TensorExchange
-from edgeswarm.runtime.program import MEC_MANAGER, WorkerContext
+from edgeswarm.runtime.program import MEC_MANAGER, JobTable
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.splitfed.compute import DevicePart, local_batches
 from edgeswarm.wire import Message
@@ -77,35 +76,14 @@ class _Job:
         self.exchange.close(timeout_s=1.0)
 
 
-class DeviceProgram:
+class DeviceProgram(JobTable[_Job]):
     """The device's half of every train-splitfed job on this stage-worker (see the module's docstring)."""
 
     handles: tuple[type[Message], ...] = (SplitEnrol, SplitRelease)
     tensors: tuple[type[Message], ...] = (SplitPartWeights, SplitTensor)
 
-    def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
-        self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
-
-    def job_of(self, body: Message) -> str:
-        return str(getattr(body, "job_id", ""))
-
-    def holds(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._jobs
-
-    def close(self) -> None:
-        with self._lock:
-            jobs, self._jobs = list(self._jobs.values()), {}
-        for job in jobs:
-            job.close()
-            self.ctx.ledger.release(PROGRAM, job.enrol.job_id)
-
-    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
-        self.ctx.metrics.count(f"splitfed_refused.{reason}")
-        _limited.warning(f"refuse.{reason}", "splitfed job %s: %s: %s", job_id, reason, detail)
-        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+    ledger_name = PROGRAM
+    refusal_counter = "splitfed_refused"
 
     # --- requests -------------------------------------------------------------------------------------
 
