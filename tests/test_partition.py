@@ -91,7 +91,7 @@ def test_tiny_alpha_still_gives_every_device_a_sample() -> None:
     ({"kind": "dirichlet", "alpha": 1, "classes_per_device": 2}, "classes_per_device applies to kind 'label-skew'"),
     ({"kind": "shards"}, "'iid', 'dirichlet' or 'label-skew'"),
     ({"kind": "iid", "seed": -1}, "greater than or equal to 0"),
-    ({"kind": "iid", "devices": 3}, "Extra inputs"),
+    ({"kind": "iid", "clients": 3}, "Extra inputs"),
 ])
 def test_bad_specs_say_what_to_change(fields: dict[str, object], says: str) -> None:
     with pytest.raises(ValidationError, match=says):
