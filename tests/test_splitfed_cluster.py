@@ -207,3 +207,4 @@ def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: 
     assert outcomes[node] in ("lost", "failed"), outcomes
     assert sum(o == "trained" for o in outcomes.values()) == 1, outcomes
     assert first.accuracy is not None
+

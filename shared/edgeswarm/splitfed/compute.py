@@ -161,10 +161,11 @@ class DevicePart:
 
     def __init__(self, setup: RoundSetup, cut: int, *, compute: torch.device, gate: ComputeGate) -> None:
         self.setup, self.cut, self.compute, self.gate = setup, cut, compute, gate
-        self.point = point_of(setup, cut)
         self.roles = device_roles(setup)
-        self.layout = part_layout(setup, cut, self.roles)
+        # Tracing patches torch for every thread of the process: only with the gate held alone.
         with gate.building():
+            self.point = point_of(setup, cut)
+            self.layout = part_layout(setup, cut, self.roles)
             self.parts = build_parts(setup.model, self.point, self.roles, compute=compute)
         self.side = DeviceSide(self.parts["front"], self.parts.get("tail"), optimizer=optimizer_of(setup))
         self.recompute_summary = "none"
@@ -195,7 +196,8 @@ class DevicePart:
         training = self.setup.training
         if training.recompute == "off" or training.mode == "local":
             return
-        cost = model_cost(self.setup.model, training.batch_size, optimizer_states=1 if training.momentum else 0)
+        with self.gate.building():
+            cost = model_cost(self.setup.model, training.batch_size, optimizer_states=1 if training.momentum else 0)
         overhead = input_bytes(self.setup.model, training.batch_size)
         if training.recompute == "adaptive" and \
                 device_memory(cost, self.cut, self.point.tail, overhead) <= budget_bytes:
@@ -303,6 +305,7 @@ class Reassembly:
     the reassembled local models, and the label-distribution estimate (Algorithm 1)."""
 
     def __init__(self, setup: RoundSetup, *, compute: torch.device) -> None:
+        """Made with the worker's compute gate held alone (it traces the model)."""
         self.setup, self.compute = setup, compute
         self.layout = global_layout(setup.model)
         self._grads: torch.Tensor | None = None
@@ -311,6 +314,12 @@ class Reassembly:
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The round's global state from SplitGlobal's vector. Raises WeightsError."""
         return unflatten(flat, self.layout, device=self.compute)
+
+    def prepare(self, cuts: list[int]) -> None:
+        """Trace the device parts of ``cuts`` now (with the gate held alone), so the devices' threads later read
+        their layouts without tracing."""
+        for cut in cuts:
+            part_layout(self.setup, cut, device_roles(self.setup))
 
     def device_flat(self, state: dict[str, torch.Tensor], cut: int) -> torch.Tensor:
         """The device's part of ``state`` at ``cut``, as SplitPartWeights carries it."""

@@ -227,6 +227,8 @@ class MecProgram(JobTable[_Round]):
             chosen = pick(stats, min(quota, len(remaining)), start.epsilon, np.random.default_rng(start.seed)).chosen
             rnd.selected = [remaining[i] for i in sorted(chosen)]
             rnd.done_events = {c.node: threading.Event() for c in rnd.selected}
+            with self.ctx.gate.building():
+                rebuild.prepare([c.cut for c in rnd.selected])
             rnd.reports += [DeviceReport(node=c.node, outcome="skipped", cut=c.cut, samples=c.samples)
                             for c in remaining if c not in rnd.selected]
             threads = [threading.Thread(target=self._serve_safely, args=(rnd, c, global_state, rebuild),
@@ -277,7 +279,8 @@ class MecProgram(JobTable[_Round]):
         self._stats[(job, cand.node)] = stat
         skew = None
         if rnd.start.estimator != "off":
-            skew = dis(rebuild.label_distribution(global_state, local, cand.index, rnd.start.estimator))
+            with self.ctx.gate.computing():
+                skew = dis(rebuild.label_distribution(global_state, local, cand.index, rnd.start.estimator))
         return report.model_copy(update={"samples": cand.samples, "stat": stat, "dis": skew}), 0
 
     def _serve_safely(self, rnd: _Round, cand: SplitCandidate, global_state: dict[str, torch.Tensor],
