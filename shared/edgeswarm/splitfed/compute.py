@@ -34,7 +34,6 @@ from edgeswarm.splitfed.split import (
     ServerSide,
     SplitPoint,
     build_parts,
-    split_point,
 )
 from edgeswarm.splitfed.weights import Layout, flatten, layout_of, unflatten
 from edgeswarm.values.specs import OptimizerSpec
@@ -47,14 +46,18 @@ if TYPE_CHECKING:
 
 def point_of(setup: RoundSetup, cut: int) -> SplitPoint:
     """The split point of ``cut`` in ``setup``'s mode: the U-split keeps the tail on the device; the vanilla split
-    has none; local training is the cut that leaves the MEC nothing."""
+    has none; local training is the cut that leaves the MEC nothing. The model's unit count is traced once per model
+    (the first call must hold the compute gate alone); later calls trace nothing. Raises ConfigError for a cut the
+    model does not have."""
     training = setup.training
-    if training.mode == "usplit":
-        return split_point(setup.model, cut, training.tail)
-    if training.mode == "vanilla":
-        return split_point(setup.model, cut, 0)
     units = _unit_count(setup.model.model_dump_json())
-    return split_point(setup.model, units - training.tail, training.tail)
+    tail = 0 if training.mode == "vanilla" else training.tail
+    if training.mode == "local":
+        cut = units - tail
+    try:
+        return SplitPoint(units=units, cut=cut, tail=tail)
+    except ValueError as exc:
+        raise ConfigError(f"{setup.model.name} has {units} units: {exc}") from None
 
 
 def device_roles(setup: RoundSetup) -> tuple[Role, ...]:
