@@ -18,6 +18,7 @@ import torch
 
 from edgeswarm.data import open_dataset
 from edgeswarm.data.partition import Partition, device_view, partition_dataset
+from edgeswarm.devices.compute import to_host
 from edgeswarm.errors import ConfigError, MemoryBudgetError
 from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.sequence import layer_sequence
@@ -152,6 +153,14 @@ def input_bytes(model: ModelSpec, batch_size: int) -> int:
     return batch_size * x.numel() * x.element_size()
 
 
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` (a batch's per-sample losses, on the compute device) as a numpy array in host memory, where the
+    pruner and the round's report read it."""
+    host, ready = to_host(tensor)
+    ready()
+    return host.numpy()
+
+
 def local_batches(active: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
     """One local epoch over the ``active`` sample ids: shuffled, in batches of ``batch_size`` (the last may be
     smaller)."""
@@ -234,7 +243,7 @@ class DevicePart:
         """The tail's loss on this device's labels, its backward and update: per-sample losses and g_mid."""
         with self.gate.computing():
             step = self.side.tail_step(middle, y)
-        return step.losses.cpu().numpy(), step.g_mid
+        return host_array(step.losses), step.g_mid
 
     def front_backward(self, gradient: torch.Tensor) -> None:
         with self.gate.computing():
@@ -245,7 +254,7 @@ class DevicePart:
         with self.gate.computing():
             step = self.side.tail_step(self.side.front_forward(x), y)
             self.side.front_backward(step.g_mid)
-        return step.losses.cpu().numpy()
+        return host_array(step.losses)
 
     def prune(self, active: np.ndarray, losses: np.ndarray, index: int, round_index: int,
               epoch: int) -> tuple[np.ndarray, int]:
