@@ -287,7 +287,7 @@ def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: P
     """`edgeswarm bench recovery` on emulated Env D with a tiny model: the device dies mid-round under each mode,
     the job recovers without it, and the report has the detection, the recovery and the bytes moved."""
     out = edgeswarm("bench", "recovery", "--model", "mlp", "--config", "hidden=32", "--victims", "nano-2",
-                    "--rounds", "4", "--profile-dir", str(tmp_path / "profiles"), "--out", str(tmp_path / "rec.json"),
+                    "--rounds", "5", "--profile-dir", str(tmp_path / "profiles"), "--out", str(tmp_path / "rec.json"),
                     timeout=300)
     rows = json.loads((tmp_path / "rec.json").read_text())
     assert [(r["victim"], r["mode"], r["error"]) for r in rows] == [("nano-2", "light", None),

@@ -65,7 +65,7 @@ def fresh_id() -> str:
 
 
 def fresh_tag() -> str:
-    return f"{next(_ids):x}"
+    return f"{next(_ids):016x}"  # fixed width: a draw bounded by a length replays alike
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from edgeswarm.runtime.detection import Detection
 from edgeswarm.values.profiles import ModelSpec
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
-KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the round before
+KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the fastest round before
 
 
 class RecoveryRun(BaseModel):
@@ -83,7 +83,9 @@ class _Watch(JobObserver):
         self.reports.append(report)
         if report.round == self.kill_round - 1 and not self.fired:
             self.fired = True
-            threading.Timer(KILL_FRACTION * report.round_s, self.kill).start()
+            # The fastest round so far, not the last: one slow round (a loaded machine) put the kill after the
+            # job's end, and the run had no recovery to report.
+            threading.Timer(KILL_FRACTION * min(r.round_s for r in self.reports), self.kill).start()
 
     def kill(self) -> None:
         self.killed_at = time.time()
