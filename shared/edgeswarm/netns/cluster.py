@@ -1,0 +1,264 @@
+"""``edgeswarm up --netns``: a whole cluster on this machine as real hosts.
+
+Every node of the cluster file (the hub first, then the devices and edge servers) gets its own network namespace
+with its own address on a shared bridge, its own Mosquitto with the deployment's configuration (TLS, a password per
+member, the ACL generated from the topic tree), and its services started as ``edgeswarm service NAME`` with the
+environment ``compose.yaml`` gives them. Tensors for a node go to its own broker (principle 3), control traffic to
+the hub's. Links are shaped by the kernel from the same device-class and cluster files the in-process emulation
+reads; the bus's own shaping is not used here.
+
+Everything made is recorded first (``netns.state``) and removed by ``stop()``; a launcher that dies without
+stopping leaves its state file, and the next start removes what it names.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from edgeswarm.devices.cluster import ClusterSpec
+from edgeswarm.errors import ConfigError
+from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess
+from edgeswarm.netns import brokers, host, network
+from edgeswarm.netns.state import NetnsNode, NetnsState, allocation_lock, free_subnet, new_run_id
+from edgeswarm.roles import NodeRole, Role
+from edgeswarm.security.certs import CertsDir
+from edgeswarm.security.credentials import CredentialsDir
+from edgeswarm.service_registry import services_of
+
+log = logging.getLogger(__name__)
+
+
+class NetnsCluster:
+    """A cluster of namespaces. Use as a context manager or call ``start()`` and ``stop()``; the attributes that
+    ``LocalCluster`` has (``children``, ``hub_url``, ``client_env()``, ``restart()``) mean the same here."""
+
+    def __init__(self, spec: ClusterSpec, *, workdir: Path | None = None, heartbeat_interval_s: float | None = None,
+                 extra_env: dict[str, str] | None = None, skip_services: tuple[str, ...] = (),
+                 shape_links: bool = True) -> None:
+        self.spec = spec
+        self.skip_services = skip_services
+        self.shape_links = shape_links
+        self.secure = True
+        self._heartbeat = heartbeat_interval_s
+        self._extra_env = extra_env or {}
+        self.workdir = (workdir or Path(tempfile.mkdtemp(prefix="edgeswarm-netns-"))).resolve()
+        self.state: NetnsState | None = None
+        self.children: list[ChildProcess] = []
+        self.brokers: dict[str, subprocess.Popen[bytes]] = {}
+        # Every child is started from this one thread: a child that dies with its parent (PR_SET_PDEATHSIG) dies
+        # with the *thread* that forked it, and a restart asked for from a short-lived timer thread must not.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="netns-spawn")
+
+    # --- what callers read -------------------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[NetnsNode]:
+        if self.state is None:
+            raise RuntimeError("the cluster is not started")
+        return self.state.nodes
+
+    def node(self, name: str) -> NetnsNode:
+        if self.state is None:
+            raise RuntimeError("the cluster is not started")
+        try:
+            return self.state.node(name)
+        except KeyError:
+            raise ConfigError(f"no node {name!r} in this cluster; nodes: "
+                              f"{', '.join(n.node for n in self.state.nodes)}") from None
+
+    @property
+    def hub_url(self) -> str:
+        return self.node(HUB_NODE).broker_url
+
+    @property
+    def secrets(self) -> Path:
+        return self.workdir / "secrets"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        chosen = self._extra_env.get(CHECKPOINT_DIR_ENV)
+        return Path(chosen) if chosen else self.workdir / "checkpoints"
+
+    def identity_env(self, member: str) -> dict[str, str]:
+        return {"EDGESWARM_MQTT_USERNAME": member,
+                "EDGESWARM_MQTT_PASSWORD_FILE": str(CredentialsDir(self.secrets).password_file(member)),
+                "EDGESWARM_TLS_CA_FILE": str(CertsDir(self.secrets).ca_cert)}
+
+    def client_env(self) -> dict[str, str]:
+        """What a command line in the root namespace needs to reach this cluster, as the ``operator`` member."""
+        return {"EDGESWARM_HUB_URL": self.hub_url, **self.identity_env(OPERATOR)}
+
+    # --- start and stop ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check this machine can run it, remove what dead launchers left, then make the network, the brokers and
+        the services. If anything fails, whatever was made is removed before the error is raised."""
+        host.preflight()
+        network.clean_stale()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _roles(self) -> list[tuple[str, NodeRole]]:
+        return [(HUB_NODE, "hub"), *((d.id, "device") for d in self.spec.devices),
+                *((e.id, "edge") for e in self.spec.edges)]
+
+    def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with allocation_lock():
+            run_id = new_run_id()
+            subnet = free_subnet(network.addresses_in_use())
+            self.state = NetnsState(run_id=run_id, owner_pid=os.getpid(), subnet=subnet, bridge=f"es{run_id}br",
+                                    workdir=str(self.workdir), nodes=network.layout(run_id, subnet, self._roles()))
+            self.state.save()  # before anything exists, so that a crash from here on is cleaned up
+        network.create(self.state)
+        self._write_secrets()
+        for node in self.state.nodes:
+            self.start_broker(node.node)
+        if self.shape_links:
+            self._shape()
+        for node in self.state.nodes:
+            for service in services_of(node.role):
+                if node.role == "hub" or service not in self.skip_services:
+                    self._spawn(node, service)
+
+    def _write_secrets(self) -> None:
+        assert self.state is not None
+        members: dict[str, Role] = {n.node: n.role for n in self.state.nodes}
+        members[OPERATOR] = "client"
+        CredentialsDir(self.secrets).update(add=members)
+        certs = CertsDir(self.secrets)
+        certs.ensure_ca()
+        for node in self.state.nodes:
+            certs.issue_broker(node.node, [node.address])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service (devices first), wait, SIGKILL stragglers, then remove the namespaces (and every
+        process still in them: brokers, helpers), the bridge and the state file."""
+        for child in reversed(self.children):
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s on %s (pid %d) ignored SIGTERM; killing it", child.service, child.node, child.pid)
+                child.process.kill()
+                child.process.wait(5)
+        for proc in self.brokers.values():
+            brokers.stop(proc)
+        if self.state is not None:
+            network.destroy(self.state)
+        self._spawner.shutdown(wait=False)
+
+    def __enter__(self) -> NetnsCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    # --- brokers -----------------------------------------------------------------------------------------------
+
+    def start_broker(self, name: str) -> None:
+        """Start (or start again) ``name``'s broker with the deployment's configuration; its retained messages
+        persist in the node's folder across restarts."""
+        node = self.node(name)
+        certs, creds = CertsDir(self.secrets), CredentialsDir(self.secrets)
+        cert, key = certs.broker(name)
+        folder = self.workdir / "brokers" / name
+        (folder / "data").mkdir(parents=True, exist_ok=True)
+        conf = folder / "mosquitto.conf"
+        conf.write_text(brokers.deployment_config(cert=cert, key=key, ca=certs.ca_cert, passwd=creds.mosquitto_passwd,
+                                                  acl=creds.mosquitto_acl, data_dir=folder / "data"))
+        self.brokers[name] = self._spawner.submit(brokers.start, node, conf, folder / "mosquitto.log").result()
+
+    def stop_broker(self, name: str, *, kill: bool = False) -> None:
+        """Stop ``name``'s broker: SIGTERM (a clean restart: retained messages saved) or SIGKILL (a crash)."""
+        proc = self.brokers.get(self.node(name).node)
+        if proc is not None:
+            brokers.stop(proc, kill=kill)
+
+    def restart_broker(self, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
+        """Stop ``name``'s broker, wait ``down_s`` seconds, start it again; returns the seconds it was down."""
+        started = time.monotonic()
+        self.stop_broker(name, kill=kill)
+        time.sleep(down_s)
+        self.start_broker(name)
+        return time.monotonic() - started
+
+    # --- services ----------------------------------------------------------------------------------------------
+
+    def service_env(self, node: NetnsNode) -> dict[str, str]:
+        """``node``'s services' environment: what compose.yaml gives a node's containers, with the container paths
+        replaced by this cluster's folders."""
+        assert self.state is not None
+        entry = next((d for d in self.spec.nodes if d.id == node.node), None)
+        folder = self.workdir / "nodes" / node.node
+        env = dict(os.environ)
+        env.update({
+            "EDGESWARM_NODE_ID": node.node,
+            "EDGESWARM_HUB_URL": self.state.hub.broker_url,
+            "EDGESWARM_DATA_URL": node.broker_url,
+            "EDGESWARM_DATA_CONNECT_URL": node.broker_url,
+            "EDGESWARM_COMPUTE": "auto",
+            "EDGESWARM_DEVICE_CLASS": entry.device_class if entry else "native",
+            "EDGESWARM_HEALTH_DIR": str(folder / "health"),
+            "EDGESWARM_PROFILE_DIR": str(folder / "profiles"),
+            CHECKPOINT_DIR_ENV: str(self.checkpoint_dir),
+            "EDGESWARM_DIE_WITH_PARENT": str(os.getpid()),
+            **self.identity_env(node.node),
+            **(entry.budget_env() if entry else {}),
+        })
+        if self._heartbeat is not None:
+            env["EDGESWARM_HEARTBEAT_INTERVAL_S"] = str(self._heartbeat)
+        env.pop("EDGESWARM_LINKS", None)  # the kernel shapes these links, not the bus
+        env.update(self._extra_env)
+        return env
+
+    def _spawn(self, node: NetnsNode, service: str) -> ChildProcess:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{node.node}.{service}.log"
+        env = self.service_env(node)
+
+        def launch() -> subprocess.Popen[bytes]:
+            with open(log_path, "ab") as out:
+                return subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "edgeswarm", "service",
+                                         service], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+
+        child = ChildProcess(node.node, service, self._spawner.submit(launch).result(), log_path, env)
+        self.children.append(child)
+        log.debug("started %s on %s (pid %d) in %s", service, node.node, child.pid, node.netns)
+        return child
+
+    def restart(self, node: str, service: str) -> ChildProcess:
+        """Start ``service`` on ``node`` again after it died or was killed. Raises ConfigError when the cluster
+        never ran it, or it still runs."""
+        old = next((c for c in reversed(self.children) if (c.node, c.service) == (node, service)), None)
+        if old is None:
+            raise ConfigError(f"{service} on {node} is not a service of this cluster")
+        if old.alive():
+            raise ConfigError(f"{service} on {node} is still running (pid {old.pid})")
+        return self._spawn(self.node(node), service)
+
+    def failed_children(self) -> list[ChildProcess]:
+        return [c for c in self.children if not c.alive()]
+
+    # --- links -------------------------------------------------------------------------------------------------
+
+    def _shape(self) -> None:
+        """Shape every node's egress toward every other device and edge server as the cluster file says."""
+        # Filled in with the kernel shaper.
