@@ -419,8 +419,8 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     """Register ``chaos kill|stop|cont|slow`` under the subparsers ``sub``."""
     from edgeswarm.cli.common import add_hub_arg
 
-    chaos = sub.add_parser("chaos", help="fault injection on a local cluster: kill, stop, resume or slow a node's "
-                           "processes")
+    chaos = sub.add_parser("chaos", help="fault injection: kill, stop, resume or slow a node's processes; on a "
+                           "namespace cluster also cut, partition, restart a broker, pause")
     actions = chaos.add_subparsers(dest="chaos", required=True)
     helps = {
         "kill": "SIGKILL the node's service processes, as a device losing power",
@@ -476,6 +476,10 @@ def fetch_view(hub: str | None) -> ClusterView:
 
 def run_chaos(args: argparse.Namespace) -> int:
     """``edgeswarm chaos ...``: 0 done, 1 refused or nothing signalled, 2 usage (via ConfigError)."""
+    from edgeswarm.cli.chaos_net import ACTIONS, run_network_chaos
+
+    if args.chaos in ACTIONS:
+        return run_network_chaos(args)
     validate(args)
     view = fetch_view(args.hub)
     targets, notes = select_targets(view, args.node, args.service, hostname=socket.gethostname(),

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a cluster")
     up.add_argument("--local", action="store_true", help="the whole cluster on this machine, as separate processes")
+    up.add_argument("--netns", action="store_true",
+                    help="each node a real host on this machine: its own network namespace, address, TLS broker and "
+                         "kernel-shaped links (root, ip, tc and nft needed)")
     up.add_argument("--devices", default="4",
                     help="a number of emulated devices, a cluster file, or a bundled one's name "
                     "(asteroid-env-d-100mbps)")

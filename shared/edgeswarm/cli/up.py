@@ -12,6 +12,7 @@ from edgeswarm.cli.status import status_table
 from edgeswarm.devices.cluster import ClusterSpec, cluster_of, load_cluster
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.netns.cluster import NetnsCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices
 from edgeswarm.runtime.signals import stop_on_signals
 from edgeswarm.settings import Settings
@@ -27,22 +28,32 @@ def cluster_from_arg(devices: str, device_class: str | None) -> ClusterSpec:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    if not args.local:
-        raise ConfigError("only `edgeswarm up --local` is built in; on real devices run `docker compose up` "
-                          "on each node (see compose.yaml)")
+    if args.local == args.netns:
+        raise ConfigError("choose `edgeswarm up --local` (processes on this machine) or `edgeswarm up --netns` (each "
+                          "node in its own network namespace); on real devices run `docker compose up` on each node "
+                          "(see compose.yaml)")
     spec = cluster_from_arg(args.devices, args.device_class)
     if args.edges:
         spec = spec.with_edges(args.edges)
     stop = threading.Event()
     stop_on_signals(stop)
-    cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
-                           workdir=Path(args.workdir) if args.workdir else None, secure=args.secure)
+    workdir = Path(args.workdir) if args.workdir else None
+    cluster: LocalCluster | NetnsCluster
+    if args.netns:
+        cluster = NetnsCluster(spec, heartbeat_interval_s=args.heartbeat, workdir=workdir)
+    else:
+        cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
+                               workdir=workdir, secure=args.secure)
     try:
         cluster.start()
-        assert cluster.broker is not None
-        console.print(f"broker: {cluster.broker.kind} (pid {cluster.broker.pid}) at {cluster.hub_url}"
-                      + (" [MQTT 3.1.1 only: the envelope carries what MQTT 5 properties would]"
-                         if cluster.broker.kind == "amqtt" else ""))
+        if isinstance(cluster, NetnsCluster):
+            console.print(f"namespaces: {', '.join(f'{n.node} {n.address}' for n in cluster.nodes)} on bridge "
+                          f"{cluster.bridge}; a TLS Mosquitto per node, the hub's at {cluster.hub_url}")
+        else:
+            assert cluster.broker is not None
+            console.print(f"broker: {cluster.broker.kind} (pid {cluster.broker.pid}) at {cluster.hub_url}"
+                          + (" [MQTT 3.1.1 only: the envelope carries what MQTT 5 properties would]"
+                             if cluster.broker.kind == "amqtt" else ""))
         edges = f" and {len(spec.edges)} edge servers" if spec.edges else ""
         console.print(f"cluster {spec.name}: coordinator on node hub, {len(spec.devices)} emulated devices{edges}; "
                       f"logs in {cluster.workdir / 'logs'}, checkpoints in {cluster.checkpoint_dir}")
@@ -62,13 +73,14 @@ def run_up(args: argparse.Namespace) -> int:
                               f"{child.process.returncode}; see {child.log_path}[/red]")
                 cluster.children.remove(child)
     finally:
-        count = len(cluster.children) + (1 if cluster.broker else 0)
+        count = len(cluster.children) + (len(cluster.brokers) if isinstance(cluster, NetnsCluster) else
+                                         1 if cluster.broker else 0)
         cluster.stop()
         console.print(f"stopped {count} processes")
     return 0
 
 
-def _wait_ready(cluster: LocalCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
+def _wait_ready(cluster: LocalCluster | NetnsCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
     env = cluster.client_env()
     bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}))
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess
-from edgeswarm.netns import brokers, host, network
+from edgeswarm.netns import brokers, faults, host, network
 from edgeswarm.netns.state import NetnsNode, NetnsState, allocation_lock, free_subnet, new_run_id
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
@@ -73,6 +73,12 @@ class NetnsCluster:
         except KeyError:
             raise ConfigError(f"no node {name!r} in this cluster; nodes: "
                               f"{', '.join(n.node for n in self.state.nodes)}") from None
+
+    @property
+    def bridge(self) -> str:
+        if self.state is None:
+            raise RuntimeError("the cluster is not started")
+        return self.state.bridge
 
     @property
     def hub_url(self) -> str:
@@ -256,6 +262,30 @@ class NetnsCluster:
 
     def failed_children(self) -> list[ChildProcess]:
         return [c for c in self.children if not c.alive()]
+
+    # --- faults ------------------------------------------------------------------------------------------------
+
+    def cut(self, name: str) -> None:
+        """Cut ``name`` off the network (its link goes down, as a Wi-Fi link drops): its processes keep running."""
+        network.set_link(self.node(name), up=False)
+
+    def heal(self, name: str) -> None:
+        network.set_link(self.node(name), up=True)
+
+    def partition(self, groups: list[list[str]]) -> None:
+        """Split the cluster: no packet passes between nodes of different ``groups`` (each node drops what it would
+        send to the other side). The root namespace (command lines) still reaches every node."""
+        faults.partition(self.nodes, [[self.node(n) for n in group] for group in groups])
+
+    def heal_partition(self) -> None:
+        faults.heal_partition(self.nodes)
+
+    def pause(self, name: str) -> int:
+        """SIGSTOP every process of ``name`` (its services and its broker); returns how many."""
+        return faults.signal_node(self.node(name), signal.SIGSTOP)
+
+    def resume(self, name: str) -> int:
+        return faults.signal_node(self.node(name), signal.SIGCONT)
 
     # --- links -------------------------------------------------------------------------------------------------
 

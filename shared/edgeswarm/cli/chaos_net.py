@@ -1,0 +1,120 @@
+"""``edgeswarm chaos cut|heal|partition|heal-partition|restart-broker|pause|resume ...``: the faults of a real network,
+on a namespace cluster (``edgeswarm up --netns``) of this machine.
+
+The cluster is found by the state file its launcher wrote (``netns.state``): the only one running, or the one
+``--cluster RUN_ID`` names. Every action needs root, as the cluster does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+
+from edgeswarm.cli.console import console
+from edgeswarm.errors import ConfigError, EdgeswarmError
+from edgeswarm.netns import faults, host, network
+from edgeswarm.netns.state import NetnsState, owner_alive, saved_states
+
+ACTIONS = {
+    "cut": "cut NODE off the network (its link goes down, its processes keep running) until `chaos heal` or for "
+           "--for seconds",
+    "heal": "bring a cut NODE's link back",
+    "partition": "split the cluster into GROUPs (comma-separated nodes): nothing passes between groups, until "
+                 "`chaos heal-partition` or for --for seconds",
+    "heal-partition": "remove every partition",
+    "restart-broker": "restart NODE's broker (the hub's too): SIGTERM, or SIGKILL with --kill, then start it again",
+    "pause": "SIGSTOP every process of NODE, its broker included, until `chaos resume` or for --for seconds",
+    "resume": "SIGCONT every process of NODE",
+}
+
+
+class NetnsChaosRefused(EdgeswarmError):
+    """No namespace cluster to act on, or an unknown node. Exit status 1."""
+
+
+def add_network_actions(actions: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the network actions under ``edgeswarm chaos``."""
+    for name, text in ACTIONS.items():
+        p = actions.add_parser(name, help=text, description=text)
+        if name == "partition":
+            p.add_argument("groups", nargs="+", metavar="GROUP", help="nodes of one side, comma-separated")
+        elif name != "heal-partition":
+            p.add_argument("node", metavar="NODE", help="a node of the namespace cluster")
+        if name in ("cut", "partition", "pause"):
+            p.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
+                           help="undo it after this many seconds (the command waits); default: leave it")
+        if name == "restart-broker":
+            p.add_argument("--kill", action="store_true", help="SIGKILL, as a crash (retained messages since the "
+                                                               "last save are lost)")
+            p.add_argument("--down", dest="down_s", type=float, default=1.0, metavar="SECONDS",
+                           help="how long it stays down (default 1)")
+        p.add_argument("--cluster", default=None, metavar="RUN_ID",
+                       help="which namespace cluster (default: the only one running)")
+
+
+def find_cluster(run_id: str | None) -> NetnsState:
+    """The running namespace cluster ``run_id`` names, or the only one. Raises NetnsChaosRefused."""
+    running = [s for s in saved_states() if owner_alive(s)]
+    if run_id is not None:
+        running = [s for s in running if s.run_id == run_id]
+    if len(running) == 1:
+        return running[0]
+    if not running:
+        raise NetnsChaosRefused("no namespace cluster is running here" + (f" with id {run_id}" if run_id else "")
+                                + ": start one with `edgeswarm up --netns`")
+    raise NetnsChaosRefused(f"{len(running)} namespace clusters run here; name one with --cluster "
+                            f"({', '.join(s.run_id for s in running)})")
+
+
+def _node(state: NetnsState, name: str) -> str:
+    try:
+        return state.node(name).node
+    except KeyError:
+        raise NetnsChaosRefused(f"unknown node {name!r}; nodes: {', '.join(n.node for n in state.nodes)}") from None
+
+
+def run_network_chaos(args: argparse.Namespace) -> int:
+    """One network action; 0 done, 1 refused (NetnsChaosRefused or NetnsUnavailableError), 2 usage."""
+    for_s = getattr(args, "for_s", None)
+    if for_s is not None and not for_s > 0:
+        raise ConfigError(f"--for must be a positive number of seconds, not {for_s:g}")
+    host.preflight(("ip",))
+    state = find_cluster(args.cluster)
+    action = args.chaos
+    if action == "partition":
+        groups = [[_node(state, n) for n in g.split(",") if n] for g in args.groups]
+        if len(groups) < 2:
+            raise ConfigError("a partition needs at least two groups, e.g. `chaos partition hub,nano-0 nano-1`")
+        faults.partition(state.nodes, [[state.node(n) for n in g] for g in groups])
+        console.print(f"partitioned: {' | '.join(','.join(g) for g in groups)}")
+        if for_s:
+            time.sleep(for_s)
+            faults.heal_partition(state.nodes)
+            console.print(f"healed after {for_s:g} s")
+        return 0
+    if action == "heal-partition":
+        faults.heal_partition(state.nodes)
+        console.print("every partition removed")
+        return 0
+    node = state.node(_node(state, args.node))
+    if action in ("cut", "heal"):
+        network.set_link(node, up=action == "heal")
+        console.print(f"{node.node} ({node.address}) {'cut off' if action == 'cut' else 'back on the network'}")
+        if action == "cut" and for_s:
+            time.sleep(for_s)
+            network.set_link(node, up=True)
+            console.print(f"healed after {for_s:g} s")
+        return 0
+    if action == "restart-broker":
+        down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
+        console.print(f"the broker of {node.node} restarted ({'killed' if args.kill else 'stopped'}; unreachable "
+                      f"{down:.1f} s)")
+        return 0
+    count = faults.signal_node(node, signal.SIGSTOP if action == "pause" else signal.SIGCONT)
+    console.print(f"{'paused' if action == 'pause' else 'resumed'} {count} processes of {node.node}")
+    if action == "pause" and for_s:
+        time.sleep(for_s)
+        faults.signal_node(node, signal.SIGCONT)
+        console.print(f"resumed after {for_s:g} s")
+    return 0

@@ -1,0 +1,82 @@
+"""Faults that need no shaper: a partition as blackhole routes inside each node's namespace (packets to the other
+side are dropped where they would be sent, silently, as a dead switch port drops them), and signals to every
+process of a node."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from edgeswarm.netns import brokers, host, network
+from edgeswarm.netns.state import NetnsNode, NetnsState
+
+log = logging.getLogger(__name__)
+
+
+def partition(nodes: list[NetnsNode], groups: list[list[NetnsNode]]) -> None:
+    """Drop traffic between nodes of different ``groups``; a node in no group keeps every link. Idempotent."""
+    side = {n.node: i for i, group in enumerate(groups) for n in group}
+    for node in nodes:
+        if node.node not in side:
+            continue
+        for peer in nodes:
+            if peer.node in side and side[peer.node] != side[node.node]:
+                host.run(["ip", "route", "replace", "blackhole", f"{peer.address}/32"], ns=node.netns)
+
+
+def heal_partition(nodes: list[NetnsNode]) -> None:
+    """Remove every partition route (what is already gone is skipped)."""
+    for node in nodes:
+        out = host.run(["ip", "route", "show", "type", "blackhole"], ns=node.netns, check=False)
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "blackhole":
+                host.run(["ip", "route", "del", "blackhole", parts[1]], ns=node.netns, check=False)
+
+
+def signal_node(node: NetnsNode, sig: signal.Signals) -> int:
+    """Send ``sig`` to every process in ``node``'s namespace; returns how many got it."""
+    count = 0
+    for pid in network.pids_in(node.netns):
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, sig)
+            count += 1
+        except ProcessLookupError:
+            pass
+    return count
+
+
+def broker_pids(node: NetnsNode) -> list[int]:
+    """The Mosquitto processes in ``node``'s namespace."""
+    out = []
+    for pid in network.pids_in(node.netns):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "mosquitto":
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
+    """Stop ``name``'s broker (SIGTERM, or SIGKILL as a crash), wait ``down_s``, start it again from the
+    configuration the cluster wrote; returns the seconds it was unreachable. Works from any process (the new
+    broker is in its own session, and the cluster's stop removes it with the namespace)."""
+    node = state.node(name)
+    folder = Path(state.workdir) / "brokers" / name
+    started = time.monotonic()
+    for pid in broker_pids(node):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+    deadline = time.monotonic() + 5.0
+    while broker_pids(node) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(down_s)
+    brokers.start(node, folder / "mosquitto.conf", folder / "mosquitto.log")
+    return time.monotonic() - started

@@ -1,0 +1,256 @@
+"""The faults real networks have, on real hosts: one cluster of network namespaces (``NetnsCluster``: the hub and
+four devices, each with its own address, its own TLS broker and kernel-shaped links), and training and serving
+jobs submitted to the hub's coordinator while a node is cut off, a broker restarts, the cluster is partitioned or
+links lose packets. Each test asserts the outcome (final weights equal an uninterrupted run's, every request
+answered once, no second plan) and records the figures of its fault (time to detect, to recover, rounds replayed,
+requests answered) in the file ``EDGESWARM_FAULT_FIGURES`` names, when set.
+
+The cluster is shared by the tests in file order; a test that loses a node brings it back before it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.bus import Bus
+from edgeswarm.hpp.spec import TrainProgress
+from edgeswarm.messages.jobs import JobEvent, JobState
+from edgeswarm.netns import host
+from helpers import assert_same_weights, reference_weights, stored_weights, wait_until
+
+pytestmark = pytest.mark.alone  # timing-bound fault tests: not beside another file's cluster
+
+DEVICES = 4
+HEARTBEAT_S = 0.5  # failure timeout: three intervals, 1.5 s
+SHORT_CUT_S = 0.8  # shorter than the failure timeout
+LONG_CUT_S = 6.0  # well past it, and past the probe
+ROUNDS = 8
+JOB = {"model": {"name": "mlp", "config": {"hidden": 256, "layers": 3, "seed": 5}},
+       "data": {"kind": "teacher", "size": 1024, "test_size": 64}, "global_batch": 64, "micro_batches": 2,
+       "optimizer": {"name": "momentum", "lr": 0.05, "momentum": 0.9}, "rounds": ROUNDS, "checkpoint_interval": 2,
+       "recovery": "light"}
+# Rounds long enough to be interrupted in the middle.
+ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_METRICS_INTERVAL_S": "0.5", "EDGESWARM_KEEPALIVE_S": "2",
+       "EDGESWARM_LOG_LEVEL": "INFO"}
+
+
+def _unavailable() -> str | None:
+    try:
+        host.preflight()
+    except host.NetnsUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = [pytestmark, pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")]
+
+
+@dataclass
+class Net:
+    cluster: object  # NetnsCluster
+    bus: Bus
+    root: Path
+    figures: list[dict[str, object]] = field(default_factory=list)
+
+    def record(self, fault: str, **figures: object) -> None:
+        self.figures.append({"fault": fault, **figures})
+
+
+def _online(bus: Bus, nodes: list[str], service: str = "stage-worker") -> bool:
+    from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+
+    return set(nodes) <= set(nodes_running(ClusterWatcher(bus).view()[0], service))
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    from edgeswarm.devices.cluster import cluster_of
+    from edgeswarm.netns.cluster import NetnsCluster
+    from edgeswarm.runtime.client import client_bus
+    from edgeswarm.settings import Settings
+
+    root = tmp_path_factory.mktemp("netns")
+    cluster = NetnsCluster(cluster_of(DEVICES, "native"), workdir=root / "cluster", heartbeat_interval_s=HEARTBEAT_S,
+                           extra_env={**ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
+                                      "EDGESWARM_PROFILE_DIR": str(root / "profiles")},
+                           skip_services=())
+    cluster.start()
+    bus = None
+    try:
+        env = cluster.client_env()
+        bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}),
+                         connect_timeout_s=30)
+        devices = [d.id for d in cluster.spec.devices]
+        wait_until(lambda: _online(bus, devices) and _online(bus, ["hub"], "coordinator"), 240, interval_s=0.2,
+                   message="every service of the namespace cluster online")
+        result = Net(cluster, bus, root)
+        yield result
+    finally:
+        if bus is not None:
+            bus.stop()
+        cluster.stop()
+        out = os.environ.get("EDGESWARM_FAULT_FIGURES")
+        if out and "result" in locals():
+            Path(out).write_text(json.dumps(result.figures, indent=1))
+
+
+@dataclass
+class Run:
+    state: JobState
+    events: list[tuple[float, JobEvent]]
+    fault_at: float | None
+    job: object  # the parsed JobSpec
+
+    def first(self, kind: str) -> float | None:
+        return next((t for t, e in self.events if e.kind == kind), None)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for _, e in self.events]
+
+
+def train(net: Net, fault: Callable[[JobState], None] | None, *, at_round: int = 3, rounds: int = ROUNDS) -> Run:
+    """Submit a training job to the hub's coordinator; ``fault(state)`` runs on its own thread once the job has
+    done ``at_round - 1`` rounds (a fraction into round ``at_round``). Returns once the job finished."""
+    from edgeswarm.hpp.spec import parse_job
+    from edgeswarm.workloads.client import JobFollower, submit_job
+
+    name = f"ft-{uuid.uuid4().hex[:6]}"
+    spec = {**JOB, "name": name, "rounds": rounds}
+    events: list[tuple[float, JobEvent]] = []
+    fired: list[float] = []
+
+    def on_state(state: JobState) -> None:
+        done = state.progress_as(TrainProgress).round if state.status == "running" else 0
+        if fault is not None and not fired and done >= at_round - 1 and state.status == "running":
+            fired.append(time.monotonic())
+            threading.Thread(target=lambda: (time.sleep(0.2), fault(state)), daemon=True).start()
+
+    follower = JobFollower(net.bus, name, on_state=on_state, on_event=lambda e: events.append((time.monotonic(), e)))
+    submit_job(net.bus, json.dumps(spec), submission=follower.submission)
+    final = follower.wait(240)
+    assert final.status == "succeeded", (final.status, final.detail, [e.detail for _, e in events])
+    return Run(final, events, fired[0] + 0.2 if fired else None, parse_job(spec))
+
+
+def progress(run: Run) -> TrainProgress:
+    return run.state.progress_as(TrainProgress)
+
+
+def assert_uninterrupted(net: Net, run: Run) -> None:
+    stages = len(run.state.plan.stages)  # type: ignore[union-attr]
+    assert_same_weights(stored_weights(net.root / "checkpoints", run.state.job_id, stages, optimizer=True),
+                        reference_weights(run.job, ROUNDS, optimizer=True))
+
+
+def stage_device(state: JobState, last: bool = True) -> str:
+    stages = state.plan.stages  # type: ignore[union-attr]
+    return stages[-1 if last else 0].devices[-1]
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+def test_a_cut_shorter_than_the_failure_timeout_costs_no_replan(net: Net) -> None:
+    cut: list[str] = []
+
+    def short_cut(state: JobState) -> None:
+        cut.append(stage_device(state))
+        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+        time.sleep(SHORT_CUT_S)
+        net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+
+    run = train(net, short_cut)
+    assert cut and "device_lost" not in run.kinds(), run.kinds()
+    assert progress(run).reconfigurations == 0
+    assert_uninterrupted(net, run)
+    net.record("cut shorter than the failure timeout", cut_s=SHORT_CUT_S, replans=0)
+
+
+def test_a_node_cut_off_past_the_timeout_is_lost_and_rejoins_as_a_new_device_after(net: Net) -> None:
+    cut: list[str] = []
+
+    def long_cut(state: JobState) -> None:
+        cut.append(stage_device(state))
+        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+
+    try:
+        run = train(net, long_cut)
+        lost, recovered = run.first("device_lost"), run.first("recovered")
+        assert lost is not None and recovered is not None, run.kinds()
+        assert progress(run).reconfigurations == 1
+        assert cut[0] not in {d for s in run.state.plan.stages for d in s.devices}  # type: ignore[union-attr]
+        assert_uninterrupted(net, run)
+    finally:
+        if cut:
+            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+    healed = time.monotonic()
+    wait_until(lambda: _online(net.bus, [cut[0]]), 60, interval_s=0.1, message=f"{cut[0]} back online after the cut")
+    net.record("cut past the failure timeout", detect_s=round(lost - run.fault_at, 2),
+               recover_s=round(recovered - lost, 2), rejoin_s=round(time.monotonic() - healed, 2),
+               rounds_replayed=1)
+
+
+def test_a_node_broker_restart_mid_round_loses_nothing(net: Net) -> None:
+    restarted: list[str] = []
+
+    def restart(state: JobState) -> None:
+        restarted.append(stage_device(state))
+        net.cluster.restart_broker(restarted[0], down_s=0.5)  # type: ignore[attr-defined]
+
+    run = train(net, restart)
+    assert restarted
+    assert_uninterrupted(net, run)
+    replays = [e for _, e in run.events if e.kind == "recovered"]
+    net.record("a device's broker restarted", replans=progress(run).reconfigurations,
+               replays=len(replays))
+
+
+def test_the_hub_broker_restart_reconnects_everyone_and_the_job_goes_on(net: Net) -> None:
+    def restart(_state: JobState) -> None:
+        net.cluster.restart_broker("hub", down_s=1.0)  # type: ignore[attr-defined]
+
+    started = time.monotonic()
+    run = train(net, restart)
+    assert_uninterrupted(net, run)
+    devices = [d.id for d in net.cluster.spec.devices]  # type: ignore[attr-defined]
+    wait_until(lambda: _online(net.bus, devices) and _online(net.bus, ["hub"], "coordinator"), 30,
+               message="status right after the hub's broker restarted")
+    net.record("the hub's broker restarted", job_s=round(time.monotonic() - started, 2),
+               replans=progress(run).reconfigurations)
+
+
+def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net) -> None:
+    isolated: list[str] = []
+    coordinators: set[str] = set()
+
+    def partition(state: JobState) -> None:
+        isolated.append(stage_device(state, last=False))
+        others = [n.node for n in net.cluster.nodes if n.node != isolated[0]]  # type: ignore[attr-defined]
+        net.cluster.partition([others, isolated])  # type: ignore[attr-defined]
+
+    def watch(msg: object) -> None:
+        coordinators.add(msg.envelope.sender_instance)  # type: ignore[attr-defined]
+
+    from edgeswarm import topics
+
+    net.bus.subscribe(topics.job_state("+"), watch, schemas=(JobState,))
+    try:
+        run = train(net, partition)
+    finally:
+        net.cluster.heal_partition()  # type: ignore[attr-defined]
+    assert run.first("device_lost") is not None, run.kinds()
+    assert progress(run).reconfigurations == 1
+    assert_uninterrupted(net, run)
+    assert len(coordinators) == 1, coordinators
+    wait_until(lambda: _online(net.bus, [isolated[0]]), 60, message=f"{isolated[0]} back after the partition")
+    net.record("partition isolating a stage device", coordinators=len(coordinators), replans=1)
