@@ -416,6 +416,11 @@ def test_services_for_each_profile(profile: str) -> None:
                                    "/run/secrets/edgeswarm-ca": str(secrets / "tls" / "ca.crt")}
         in_secrets = {v for v in service.environment.values() if v.startswith("/run/secrets/")}
         assert in_secrets <= set(service.secrets), service.name
+        on_host = service.environment_on_host()
+        assert on_host["EDGESWARM_MQTT_PASSWORD_FILE"] == str(secrets / "passwords" / node)
+        assert on_host["EDGESWARM_TLS_CA_FILE"] == str(secrets / "tls" / "ca.crt")
+        assert {k: v for k, v in on_host.items() if v not in service.secrets.values()} == \
+            {k: v for k, v in service.environment.items() if v not in in_secrets}
         for volume in service.volumes:
             assert volume.named or Path(volume.source).is_absolute()
             if volume.target == DATASETS_MOUNT:

@@ -77,6 +77,11 @@ class ComposeService(BaseModel):
     secrets: dict[str, str]
     volumes: list[ComposeVolume]
 
+    def environment_on_host(self) -> dict[str, str]:
+        """``environment`` for the service run as a plain process on the host: a value naming one of its secrets'
+        paths inside the container (/run/secrets/...) names the host file compose would mount there instead."""
+        return {key: self.secrets.get(value, value) for key, value in self.environment.items()}
+
 
 # --- .env ------------------------------------------------------------------------------------------------------
 
