@@ -445,6 +445,9 @@ def add_chaos_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                            help="how long (the command waits)")
             p.add_argument("--period", dest="period_s", type=float, default=DEFAULT_PERIOD_S, metavar="SECONDS",
                            help=f"one stop/run cycle (default {DEFAULT_PERIOD_S:g})")
+    from edgeswarm.cli.chaos_net import add_network_actions
+
+    add_network_actions(actions)
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -14,7 +14,8 @@ import time
 from edgeswarm.cli.console import console
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.netns import faults, host, network
-from edgeswarm.netns.state import NetnsState, owner_alive, saved_states
+from edgeswarm.netns.clock import find_libfaketime, set_skew
+from edgeswarm.netns.state import NetnsState, clock_file, owner_alive, saved_states
 
 ACTIONS = {
     "cut": "cut NODE off the network (its link goes down, its processes keep running) until `chaos heal` or for "
@@ -26,6 +27,8 @@ ACTIONS = {
     "restart-broker": "restart NODE's broker (the hub's too): SIGTERM, or SIGKILL with --kill, then start it again",
     "pause": "SIGSTOP every process of NODE, its broker included, until `chaos resume` or for --for seconds",
     "resume": "SIGCONT every process of NODE",
+    "skew": "set NODE's wall clock SECONDS off the real time (negative: behind), for every process of the node, "
+            "live (libfaketime); 0 puts it right",
 }
 
 
@@ -44,6 +47,8 @@ def add_network_actions(actions: argparse._SubParsersAction) -> None:  # type: i
         if name in ("cut", "partition", "pause"):
             p.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
                            help="undo it after this many seconds (the command waits); default: leave it")
+        if name == "skew":
+            p.add_argument("seconds", type=float, metavar="SECONDS", help="the offset, e.g. 30 or -12.5")
         if name == "restart-broker":
             p.add_argument("--kill", action="store_true", help="SIGKILL, as a crash (retained messages since the "
                                                                "last save are lost)")
@@ -110,6 +115,15 @@ def run_network_chaos(args: argparse.Namespace) -> int:
         down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
         console.print(f"the broker of {node.node} restarted ({'killed' if args.kill else 'stopped'}; unreachable "
                       f"{down:.1f} s)")
+        return 0
+    if action == "skew":
+        path = clock_file(state.workdir, node.node)
+        find_libfaketime()  # raises, naming the package, where the cluster's services could not be skewed
+        if not path.exists():
+            raise NetnsChaosRefused(f"{node.node}'s services were started without a skewable clock ({path} is "
+                                    "missing): restart the cluster after installing faketime")
+        set_skew(path, args.seconds)
+        console.print(f"{node.node}'s clock is {args.seconds:+g} s off (its processes read it within a second)")
         return 0
     count = faults.signal_node(node, signal.SIGSTOP if action == "pause" else signal.SIGCONT)
     console.print(f"{'paused' if action == 'pause' else 'resumed'} {count} processes of {node.node}")

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from edgeswarm.cli.failures import settings_problem
 from edgeswarm.errors import ConfigError
 from edgeswarm.logs import configure_logging
+from edgeswarm.netns.clock import keep_sleep_working
 from edgeswarm.service_registry import service_class
 from edgeswarm.settings import Settings
 
@@ -31,6 +32,7 @@ def run_service(name: str) -> int:
     cls = service_class(name)
     settings = load_settings()
     configure_logging(settings.node_id, name, settings.log_level, settings.log_json)
+    keep_sleep_working()  # a node whose clock chaos can skew
     _die_with_parent()
     return cls(settings).run()
 

@@ -16,6 +16,10 @@ Monotonic time is left alone (FAKETIME_DONT_FAKE_MONOTONIC): timeouts, heartbeat
 keep real durations, as on a machine whose wall clock is merely wrong. Without that setting libfaketime shifts
 CLOCK_MONOTONIC too, and a skew changed live would make every monotonic deadline jump.
 
+Python's ``time.sleep`` is the one call that breaks under it (libfaketime's ``clock_nanosleep`` answers EINVAL when
+monotonic time is left real): ``keep_sleep_working()``, run first by ``edgeswarm service``, makes it a condition
+wait in a skewed process.
+
 Limits: a statically linked program, or one that reads the clock through the vDSO or raw system calls without libc
 (Go's runtime), is not skewed; a set-uid program ignores LD_PRELOAD.
 """
@@ -25,6 +29,8 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -125,3 +131,21 @@ def skewable_env(clock_file: Path, *, refresh_s: int = DEFAULT_REFRESH_S,
     else:
         env["FAKETIME_CACHE_DURATION"] = str(refresh_s)
     return env
+
+
+def _event_sleep(seconds: float) -> None:
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    threading.Event().wait(seconds)
+
+
+def keep_sleep_working() -> bool:
+    """In a process whose clock is skewed (``skewable_env``), make ``time.sleep`` a condition wait, and return True.
+
+    libfaketime 0.9.10's ``clock_nanosleep`` fails with EINVAL when the monotonic clock is left real: Python sleeps
+    on an absolute CLOCK_MONOTONIC deadline, which the library mistranslates. Condition waits, ``select`` and lock
+    timeouts are not affected (measured), so a sleep through ``threading.Event.wait`` lasts as long as asked."""
+    if "FAKETIME_TIMESTAMP_FILE" not in os.environ or LIBRARY_NAME not in os.environ.get("LD_PRELOAD", ""):
+        return False
+    time.sleep = _event_sleep
+    return True

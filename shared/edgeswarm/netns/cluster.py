@@ -23,11 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from edgeswarm.compose_env import services_for
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess
 from edgeswarm.netns import brokers, faults, host, network
-from edgeswarm.netns.state import NetnsNode, NetnsState, allocation_lock, free_subnet, new_run_id
+from edgeswarm.netns.clock import ClockSkewUnavailableError, skewable_env
+from edgeswarm.netns.state import NetnsNode, NetnsState, allocation_lock, clock_file, free_subnet, new_run_id
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
@@ -206,30 +208,36 @@ class NetnsCluster:
 
     # --- services ----------------------------------------------------------------------------------------------
 
-    def service_env(self, node: NetnsNode) -> dict[str, str]:
-        """``node``'s services' environment: what compose.yaml gives a node's containers, with the container paths
-        replaced by this cluster's folders."""
+    def service_env(self, node: NetnsNode, service: str) -> dict[str, str]:
+        """The environment compose.yaml gives ``service`` on ``node`` (its role's profile, interpolated with the
+        node's ``.env`` values), with the container's paths and its ``broker`` host name replaced by this cluster's
+        files, folders and the node's address. The test and benchmark settings (``extra_env``) come last."""
         assert self.state is not None
         entry = next((d for d in self.spec.nodes if d.id == node.node), None)
+        variables = {"EDGESWARM_NODE_ID": node.node, "EDGESWARM_HUB_URL": self.state.hub.broker_url,
+                     "EDGESWARM_DATA_URL": node.broker_url, "EDGESWARM_SECRETS": str(self.secrets),
+                     "EDGESWARM_DEVICE_CLASS": entry.device_class if entry else "native"}
+        if self._heartbeat is not None:
+            variables["EDGESWARM_HEARTBEAT_INTERVAL_S"] = str(self._heartbeat)
+        composed = {s.name: s for s in services_for(node.role, variables)}
+        if service not in composed:
+            raise ConfigError(f"compose.yaml runs no {service} in profile {node.role}")
         folder = self.workdir / "nodes" / node.node
         env = dict(os.environ)
+        env.pop("EDGESWARM_LINKS", None)  # the kernel shapes these links, not the bus
+        env.update(composed[service].environment_on_host())
         env.update({
-            "EDGESWARM_NODE_ID": node.node,
-            "EDGESWARM_HUB_URL": self.state.hub.broker_url,
-            "EDGESWARM_DATA_URL": node.broker_url,
             "EDGESWARM_DATA_CONNECT_URL": node.broker_url,
-            "EDGESWARM_COMPUTE": "auto",
-            "EDGESWARM_DEVICE_CLASS": entry.device_class if entry else "native",
             "EDGESWARM_HEALTH_DIR": str(folder / "health"),
             "EDGESWARM_PROFILE_DIR": str(folder / "profiles"),
             CHECKPOINT_DIR_ENV: str(self.checkpoint_dir),
             "EDGESWARM_DIE_WITH_PARENT": str(os.getpid()),
-            **self.identity_env(node.node),
             **(entry.budget_env() if entry else {}),
         })
-        if self._heartbeat is not None:
-            env["EDGESWARM_HEARTBEAT_INTERVAL_S"] = str(self._heartbeat)
-        env.pop("EDGESWARM_LINKS", None)  # the kernel shapes these links, not the bus
+        try:  # every service of the node reads one clock file: `edgeswarm chaos skew` moves it
+            env.update(skewable_env(clock_file(self.workdir, node.node)))
+        except ClockSkewUnavailableError:
+            pass  # no libfaketime here: the cluster runs, only `chaos skew` is refused
         env.update(self._extra_env)
         return env
 
@@ -237,7 +245,7 @@ class NetnsCluster:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{node.node}.{service}.log"
-        env = self.service_env(node)
+        env = self.service_env(node, service)
 
         def launch() -> subprocess.Popen[bytes]:
             with open(log_path, "ab") as out:

@@ -133,3 +133,8 @@ def free_subnet(addresses_in_use: list[str]) -> str:
         if not any(net.overlaps(u) for u in used):
             return str(net)
     raise RuntimeError(f"every /24 of {SUBNETS} is in use")
+
+
+def clock_file(workdir: Path | str, node: str) -> Path:
+    """The file whose offset every process of ``node`` adds to its wall clock (``netns.clock``)."""
+    return Path(workdir) / "nodes" / node / "clock"

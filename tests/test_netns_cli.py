@@ -1,0 +1,163 @@
+"""``edgeswarm up --netns`` and the network chaos commands, as a user runs them: the refusal where the machine
+cannot, one namespace cluster driven from the command line (status over TLS as ``operator``, cut and heal,
+partition, a broker restart, pause and resume, clock skew), everything removed on Ctrl-C, and what a launcher
+killed by SIGKILL left removed by the next start."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.compose_env import services_for
+from edgeswarm.netns import host, network
+from edgeswarm.netns.state import saved_states
+from helpers import wait_until
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+
+def _unavailable() -> str | None:
+    try:
+        host.preflight()
+    except host.NetnsUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+needs_netns = pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")
+
+
+def edgeswarm(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "edgeswarm", *args], env=env or ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_up_netns_refuses_clearly_without_the_tools() -> None:
+    bare = {**ENV, "PATH": str(Path(sys.executable).parent)}  # no ip, tc, nft or mosquitto
+    done = edgeswarm("up", "--netns", "--devices", "1", env=bare)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(r"ip, tc, nft, mosquitto not found on PATH \(apt-get install -y", done.stderr), done.stderr
+    both = edgeswarm("up", "--local", "--netns")
+    assert both.returncode == 2 and "choose `edgeswarm up --local`" in both.stderr, both.stderr
+
+
+def test_preflight_names_root() -> None:
+    if os.geteuid() == 0:
+        pytest.skip("runs as root here: the root check is the same line, proven by the message text below")
+    with pytest.raises(host.NetnsUnavailableError, match="network namespaces need root"):
+        host.preflight()
+
+
+@needs_netns
+def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_nothing(tmp_path: Path) -> None:
+    work = tmp_path / "cluster"
+    before = set(host.netns_names())
+    up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "2", "--device-class",
+                           "native", "--workdir", str(work), "--heartbeat", "0.5"], env=ENV, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        assert up.stdout is not None
+        for line in up.stdout:
+            lines.append(line)
+            if "cluster up" in line or up.poll() is not None:
+                break
+        text = "".join(lines)
+        assert "cluster up" in text, text
+        ours = [s for s in saved_states() if s.owner_pid == up.pid]
+        assert len(ours) == 1, text
+        state = ours[0]
+        client = {**ENV, **dict(line.removeprefix("export ").split("=", 1)
+                               for line in (work / "secrets" / "operator.env").read_text().splitlines())}
+        client = {k: v.strip("'") for k, v in client.items()}
+        status = edgeswarm("status", env=client)
+        assert status.returncode == 0 and "native-1" in status.stdout and state.hub.address in status.stdout, status
+
+        # The services run with compose's environment for their profile.
+        device = state.node("native-0")
+        composed = {s.name: s for s in services_for("device", {"EDGESWARM_NODE_ID": "native-0",
+                                                               "EDGESWARM_DATA_URL": device.broker_url,
+                                                               "EDGESWARM_HUB_URL": state.hub.broker_url,
+                                                               "EDGESWARM_SECRETS": str(work / "secrets")})}
+        worker_env = _environ(_pid_of(device.netns, "stage-worker"))
+        for key, value in composed["stage-worker"].environment_on_host().items():
+            if key not in ("EDGESWARM_DATA_CONNECT_URL", "EDGESWARM_HEALTH_DIR", "EDGESWARM_PROFILE_DIR",
+                           "EDGESWARM_CHECKPOINT_DIR", "EDGESWARM_HEARTBEAT_INTERVAL_S"):
+                assert worker_env.get(key) == value, key
+        assert worker_env["EDGESWARM_DATA_CONNECT_URL"] == device.broker_url
+
+        cut = edgeswarm("chaos", "cut", "native-0", "--for", "1")
+        assert cut.returncode == 0 and "native-0 (" in cut.stdout and "healed after 1 s" in cut.stdout, cut
+        part = edgeswarm("chaos", "partition", "hub,native-0", "native-1")
+        assert part.returncode == 0, part
+        routes = host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns)
+        assert state.hub.address in routes and device.address in routes
+        assert edgeswarm("chaos", "heal-partition").returncode == 0
+        assert not host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns).strip()
+        restart = edgeswarm("chaos", "restart-broker", "hub", "--down", "0.5")
+        assert restart.returncode == 0 and "the broker of hub restarted" in restart.stdout, restart
+        pause = edgeswarm("chaos", "pause", "native-1", "--for", "1")
+        assert pause.returncode == 0 and "resumed after 1 s" in pause.stdout, pause
+        unknown = edgeswarm("chaos", "cut", "nope")
+        assert unknown.returncode == 1 and "unknown node 'nope'; nodes: hub, native-0, native-1" in unknown.stderr
+        skew = edgeswarm("chaos", "skew", "native-1", "30")
+        if skew.returncode == 0:
+            pid = _pid_of(state.node("native-1").netns, "node-agent")
+            assert (work / "nodes" / "native-1" / "clock").read_text().strip().startswith("+30")
+            assert pid > 0
+        else:
+            assert "apt-get install -y faketime" in skew.stderr, skew.stderr
+        # After all of it the cluster is whole again: every device's services back online.
+        wait_until(lambda: edgeswarm("status", env=client).stdout.count("stage-worker") == 2, 60, interval_s=1.0,
+                   message="both stage-workers online after the faults")
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0 and "stopped" in out, out
+    assert set(host.netns_names()) <= before | {n for n in host.netns_names() if not n.startswith("es")}
+    assert not any(s.owner_pid == up.pid for s in saved_states())
+    assert not host.run(["ip", "link", "show", state.bridge], check=False).strip()
+
+
+@needs_netns
+def test_what_a_killed_launcher_left_is_removed_by_the_next_start(tmp_path: Path) -> None:
+    up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "1", "--device-class",
+                           "native", "--workdir", str(tmp_path / "w")], env=ENV, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        state = wait_until(lambda: next((s for s in saved_states() if s.owner_pid == up.pid), None), 60,
+                           message="the launcher's state file")
+        wait_until(lambda: all(n.netns in host.netns_names() for n in state.nodes) and
+                   network.pids_in(state.nodes[-1].netns), 60, message="the namespaces and their processes")
+    finally:
+        up.kill()
+        up.wait(10)
+    assert all(n.netns in host.netns_names() for n in state.nodes)  # left behind by the crash
+    removed = network.clean_stale()
+    assert state.run_id in removed
+    assert not any(n.netns in host.netns_names() for n in state.nodes)
+    assert not state.path().exists()
+    assert not host.run(["ip", "link", "show", state.bridge], check=False).strip()
+
+
+def _pid_of(netns: str, service: str) -> int:
+    for pid in network.pids_in(netns):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"service" in cmd and service.encode() in cmd:
+            return pid
+    raise AssertionError(f"no {service} in {netns}")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
