@@ -40,7 +40,8 @@ JOB = {"model": {"name": "mlp", "config": {"hidden": 256, "layers": 3, "seed": 5
        "optimizer": {"name": "momentum", "lr": 0.05, "momentum": 0.9}, "rounds": ROUNDS, "checkpoint_interval": 2,
        "recovery": "light"}
 # Rounds long enough to be interrupted in the middle.
-ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_METRICS_INTERVAL_S": "0.5", "EDGESWARM_KEEPALIVE_S": "2",
+# 6 MB of memory per device: the served model needs two stages or more.
+ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_MEMORY_BUDGET_BYTES": "6000000", "EDGESWARM_METRICS_INTERVAL_S": "0.5", "EDGESWARM_KEEPALIVE_S": "2",
        "EDGESWARM_LOG_LEVEL": "INFO"}
 
 
@@ -254,3 +255,113 @@ def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net
     assert len(coordinators) == 1, coordinators
     wait_until(lambda: _online(net.bus, [isolated[0]]), 60, message=f"{isolated[0]} back after the partition")
     net.record("partition isolating a stage device", coordinators=len(coordinators), replans=1)
+
+
+# --- serving ----------------------------------------------------------------------------------------------------
+
+SERVE_MODEL = {"name": "mlp", "config": {"image_size": 8, "hidden": 1024, "layers": 3}}  # 9 MB of weights
+REQUESTS = 80
+
+
+def serve_through(net: Net, fault: Callable[[str], None] | None, label: str) -> None:
+    """Serve SERVE_MODEL (two stages or more: the devices' memory budget), stream REQUESTS requests, run
+    ``fault(victim)`` on a stage's device after the 20th answer; every request must be answered once, correctly."""
+    import torch
+
+    from edgeswarm.models.zoo import build_model, example_input
+    from edgeswarm.pipeline_serve.client import infer_stream
+    from edgeswarm.pipeline_serve.spec import ServeProgress
+    from edgeswarm.planning.serve.types import ServePlan
+    from edgeswarm.values.profiles import ModelSpec
+    from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
+
+    name = f"sv-{uuid.uuid4().hex[:6]}"
+    follower = JobFollower(net.bus, name)
+    submit_job(net.bus, json.dumps({"kind": "serve-pipeline", "name": name, "model": SERVE_MODEL,
+                                    "micro_batch_size": 4, "window": 4}),
+               submission=follower.submission)
+    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 240,
+               message=f"job {name} serving")
+    assert follower.state is not None and follower.state.status == "running", follower.state
+    plan = follower.state.plan
+    assert isinstance(plan, ServePlan) and len(plan.stages) >= 2, plan
+    victim = plan.devices[-1]
+    spec = ModelSpec.model_validate(SERVE_MODEL)
+    inputs = [example_input(spec, 1 + k % 4, seed=k) for k in range(REQUESTS)]
+    twentieth = threading.Event()
+    answered = [0]
+    faulted: list[float] = []
+
+    def on_result(_r: object) -> None:
+        answered[0] += 1
+        if answered[0] == 20:
+            twentieth.set()
+
+    def inject() -> None:
+        if twentieth.wait(120) and fault is not None:
+            faulted.append(time.monotonic())
+            fault(victim)
+
+    injector = threading.Thread(target=inject, daemon=True)
+    injector.start()
+    late_before = net.bus.metrics.counter("late_replies")
+    started = time.monotonic()
+    report = infer_stream(net.bus, name, inputs, window=4, timeout_s=120, on_result=on_result)
+    injector.join(30)
+    reference = build_model(spec).eval()
+    with torch.no_grad():
+        for r in report.results:
+            assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
+            torch.testing.assert_close(r.outputs, reference(inputs[r.index]), rtol=1e-5, atol=1e-5)
+    assert len(report.results) == REQUESTS
+    wait_until(lambda: follower.state is not None
+               and follower.state.progress_as(ServeProgress).answered == REQUESTS, 15)
+    cancel_job(net.bus, name)
+    final = follower.wait(60)
+    figures = final.progress_as(ServeProgress)
+    assert figures.answered == REQUESTS and net.bus.metrics.counter("late_replies") == late_before
+    if fault is not None:
+        assert figures.reconfigurations >= 1 and victim not in final.plan.devices  # type: ignore[union-attr]
+    slowest = max(r.latency_s for r in report.results if r.latency_s is not None)
+    net.record(label, requests=REQUESTS, answered_once=figures.answered, reconfigurations=figures.reconfigurations,
+               slowest_request_s=round(slowest, 2), stream_s=round(time.monotonic() - started, 2))
+
+
+def bring_back(net: Net, node: str) -> None:
+    """Start every service of ``node`` again (after a SIGKILL) and wait until its stage-worker is online."""
+    for child in [c for c in net.cluster.children if c.node == node]:  # type: ignore[attr-defined]
+        if not child.alive() and not any(c.alive() for c in net.cluster.children  # type: ignore[attr-defined]
+                                         if (c.node, c.service) == (node, child.service)):
+            net.cluster.restart(node, child.service)  # type: ignore[attr-defined]
+    wait_until(lambda: _online(net.bus, [node]), 120, message=f"{node} back after the kill")
+
+
+def test_serving_survives_a_stage_node_killed_mid_stream(net: Net) -> None:
+    killed: list[str] = []
+
+    def kill(victim: str) -> None:
+        killed.append(victim)
+        for child in net.cluster.children:  # type: ignore[attr-defined]
+            if child.node == victim and child.alive():
+                os.kill(child.pid, signal.SIGKILL)
+
+    try:
+        serve_through(net, kill, "serving: a stage's node SIGKILLed mid-stream")
+    finally:
+        if killed:
+            bring_back(net, killed[0])
+
+
+def test_serving_survives_a_stage_node_cut_off_mid_stream(net: Net) -> None:
+    cut: list[str] = []
+
+    def cut_off(victim: str) -> None:
+        cut.append(victim)
+        net.cluster.cut(victim)  # type: ignore[attr-defined]
+
+    try:
+        serve_through(net, cut_off, "serving: a stage's node cut off mid-stream")
+    finally:
+        if cut:
+            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+    wait_until(lambda: _online(net.bus, [cut[0]]), 60, message=f"{cut[0]} back after the cut")

@@ -30,8 +30,14 @@ class JobOwners:
 def owners_of(state: JobState, writer_node: str) -> JobOwners:
     """The owners a job state written by the coordinator on ``writer_node`` declares. A plan without pipeline
     stages (tensor-parallel serving, split learning) gives no device a stage: only the coordinator writes."""
-    stages = tuple(tuple(s.devices) for s in getattr(state.plan, "stages", None) or ())
+    stages = tuple(tuple(_devices(s)) for s in getattr(state.plan, "stages", None) or ())
     return JobOwners(coordinator=writer_node, stages=stages)
+
+
+def _devices(stage: object) -> list[str]:
+    # A plan of a kind this service has not installed stays an opaque value: its stages are plain mappings.
+    devices = stage.get("devices") if isinstance(stage, dict) else getattr(stage, "devices", None)
+    return [d for d in devices if isinstance(d, str)] if isinstance(devices, (list, tuple)) else []
 
 
 def refusal(owners: JobOwners | None, sender: str, job_id: str, stage: str) -> str | None:
