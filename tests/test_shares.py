@@ -147,3 +147,42 @@ def test_a_queue_worker_takes_at_most_a_share_of_its_queue_from_one_sender() -> 
     finally:
         gate.set()
         worker.stop()
+
+
+def test_one_senders_qos0_flood_fills_only_half_of_an_inbox_shard() -> None:
+    """Heartbeats are QoS 0: a member flooding its own heartbeat topics used to fill the shard they share with
+    other nodes' heartbeats, which were then dropped (and their nodes turned suspect)."""
+    from edgeswarm.bus.bus import _sender_of
+    from edgeswarm.bus.inbox import Inbox
+    from edgeswarm.bus.mqtt import InboundMessage
+
+    gate = threading.Event()
+    handled: list[str] = []
+    dropped: list[str] = []
+
+    def handle(msg: InboundMessage) -> None:
+        gate.wait(10)
+        handled.append(msg.topic)
+
+    def message(topic: str, qos: int = 0) -> InboundMessage:
+        return InboundMessage(topic=topic, payload=b"", qos=qos, retain=False, dup=False, ack=lambda: None)
+
+    inbox = Inbox("share-test", 1, 16, handle, Metrics(), on_drop=lambda msg, _depth: dropped.append(msg.topic),
+                  sender_of=_sender_of)
+    try:
+        inbox.put(message("edgeswarm/node/other/node-agent/heartbeat"))  # taken by the worker, which waits
+        wait_until(lambda: inbox.depth == 0, 5, message="the first message being handled")
+        for i in range(40):  # many topics, one writer: its share is counted by node, not by topic
+            inbox.put(message(f"edgeswarm/node/mallory/svc-{i}/heartbeat"))
+        assert len(dropped) == 32 and inbox.depth == 8
+        for node in ("pi-1", "pi-2", "pi-3"):
+            inbox.put(message(f"edgeswarm/node/{node}/node-agent/heartbeat"))
+        inbox.put(message("edgeswarm/node/hub/planner/request/mallory", qos=1))  # QoS 1: the broker's window
+        assert len(dropped) == 32 and inbox.depth == 12, "the others' heartbeats still fit"
+        gate.set()
+        wait_until(lambda: len(handled) == 13, 10, message="everything queued handled")
+        inbox.put(message("edgeswarm/node/mallory/svc-0/heartbeat"))
+        wait_until(lambda: len(handled) == 14, 10, message="a handled message gives its place back")
+    finally:
+        gate.set()
+        inbox.stop()
