@@ -186,3 +186,16 @@ def test_one_senders_qos0_flood_fills_only_half_of_an_inbox_shard() -> None:
     finally:
         gate.set()
         inbox.stop()
+
+
+def test_queue_shares_leave_half_of_a_request_queue_and_its_bytes_to_the_others() -> None:
+    from edgeswarm.shares import QueueShares
+
+    shares = QueueShares(8, max_bytes=1000)
+    for _ in range(4):
+        assert shares.take("rogue", 10) is None
+    assert "rogue already holds 4 requests waiting, its share (4" in (shares.take("rogue", 10) or "")
+    assert shares.take("pi-1", 600) is not None, "more than half the bytes"
+    assert shares.take("pi-1", 500) is None and shares.take("pi-2", 10) is None
+    shares.release("rogue", 10)
+    assert shares.take("rogue", 10) is None

@@ -112,3 +112,30 @@ class SharedLimit:
         if self._total + amount > self.capacity:
             return Refusal("capacity", sender, amount, self._total, self.capacity)
         return None
+
+
+class QueueShares:
+    """Each caller's share of a request queue: at most ``capacity // parts`` of its ``capacity`` requests and, with
+    ``max_bytes``, ``max_bytes // parts`` of the bytes they hold (``parts`` 2: one caller leaves at least half)."""
+
+    def __init__(self, capacity: int, max_bytes: int | None = None, parts: int = 2) -> None:
+        self._requests = SharedLimit(capacity, default_share(capacity, parts))
+        self._bytes = None if max_bytes is None else SharedLimit(max_bytes, default_share(max_bytes, parts))
+
+    def take(self, caller: str, nbytes: int = 0) -> str | None:
+        """Take a place for one request of ``caller`` holding ``nbytes``: None when taken, else why not, in words."""
+        why = self._requests.take(caller, 1)
+        if why is not None:
+            return why.describe("requests waiting")
+        if self._bytes is not None:
+            full = self._bytes.take(caller, nbytes)
+            if full is not None:
+                self._requests.release(caller, 1)
+                return full.describe("bytes of requests waiting")
+        return None
+
+    def release(self, caller: str, nbytes: int = 0) -> None:
+        """Give back the place of one request of ``caller`` that held ``nbytes``."""
+        self._requests.release(caller, 1)
+        if self._bytes is not None:
+            self._bytes.release(caller, nbytes)
