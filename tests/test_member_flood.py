@@ -170,8 +170,8 @@ def test_a_job_saves_every_checkpoint_while_one_member_floods_the_store_and_the_
     rogue = make_bus(ROGUE, "stage-worker")
     cluster, plan = _cluster_and_plan()
     job = parse_job({"name": "guarded", "model": MLP.model_dump(), "data": DATA.model_dump(), "global_batch": 32,
-                     "micro_batches": 2, "optimizer": {"name": "momentum", "lr": 0.05, "momentum": 0.9}, "rounds": ROUNDS,
-                     "checkpoint_interval": 1})
+                     "micro_batches": 2, "optimizer": {"name": "momentum", "lr": 0.05, "momentum": 0.9},
+                     "rounds": ROUNDS, "checkpoint_interval": 1})
     refused: list[Inbound] = []
     inbox = topics.reply(ROGUE, "flood", "inbox")  # the store's answers to the flood, all collected here
     rogue.subscribe(inbox, refused.append, schemas=(m.CheckpointFailed,))

@@ -5,11 +5,11 @@ Every topic starts with ``edgeswarm/`` so ``mosquitto_sub -v -t 'edgeswarm/#'`` 
 Every topic names the node allowed to write it, or is written by one role only, so a broker ACL generated from
 this tree (``edgeswarm.security.acl``) lets a node write only what is its own, and every receiver checks that
 the envelope's ``sender_node`` is the node the topic names. Topics owned by a node (``status``, ``heartbeat``,
-``metrics``, a service's own ``events``, the profiler's reports) carry it at their ``{node}`` level; topics addressed *to* a service
-(``request``, ``data``, ``reply``) end with the sender's node: a request from node ``pi-1`` to the planner on
-``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic by its *address* (without
-the sender level: ``request(node, service)``); the bus appends its own node when it publishes and subscribes
-with ``/+``.
+``metrics``, a service's own ``events``, the profiler's reports) carry it at their ``{node}`` level; topics
+addressed *to* a service (``request``, ``data``, ``reply``) end with the sender's node: a request from node
+``pi-1`` to the planner on ``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic
+by its *address* (without the sender level: ``request(node, service)``); the bus appends its own node when it
+publishes and subscribes with ``/+``.
 
 ``topic_tree()`` is the whole tree. Who may send requests and tensors to each service is its entry in the service
 registry (``edgeswarm.service_registry``, plug-ins' included); the roles are ``edgeswarm.roles``.
