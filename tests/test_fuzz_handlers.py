@@ -429,7 +429,7 @@ def topic_for(draw: st.DrawFn, case: Case, node: str, service: str) -> str:
         "edgeswarm.job.state": [topics.job_state(draw(st.sampled_from(["j1", "job-1", "other"])))],
         "edgeswarm.job.event": [topics.job_events("j1")],
         "edgeswarm.cluster_view": [topics.CLUSTER_VIEW],
-        "edgeswarm.cluster_event": [topics.CLUSTER_EVENTS],
+        "edgeswarm.cluster_event": [topics.CLUSTER_EVENTS, topics.service_events(writer, service)],
         "edgeswarm.profile.progress": [topics.profile_progress(writer)],
         "edgeswarm.profile.report": [f"edgeswarm/node/{writer}/profiler/profile/{'ab' * 32}"],
     }.get(case.schema)

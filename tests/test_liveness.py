@@ -122,6 +122,8 @@ def test_a_duplicate_that_appears_later_is_reported_not_merged(broker: BrokerPro
     services.start("coordinator", "hub", broker.url)
     services.start("node-agent", "nano-4", broker.url)
     events = latest(make_bus("events", "cli"), topics.CLUSTER_EVENTS, m.ClusterEvent)
+    # The running instance reports on its own node's events topic; the coordinator on the cluster's.
+    own_events = latest(make_bus("own-events", "cli"), topics.service_events("nano-4", "node-agent"), m.ClusterEvent)
     watcher = ClusterWatcher(make_bus("watch", "cli"))
     wait_until(lambda: coordinator_says(watcher, "nano-4", "online"), 20, message="online in the coordinator's view")
     # A second live process on the same node id, as when two start at the same moment: it announces
@@ -137,7 +139,7 @@ def test_a_duplicate_that_appears_later_is_reported_not_merged(broker: BrokerPro
             node="nano-4", service="node-agent", instance=s.instance, seq=seq, interval_s=0.25, uptime_s=1.0,
             free_memory_bytes=1, inbox_depth=0), qos=0, retain=True, ttl_s=1)
         time.sleep(0.1)
-    wait_until(lambda: [e for e in events if e.body.kind == "duplicate_node" and e.envelope.sender_service ==
+    wait_until(lambda: [e for e in own_events if e.body.kind == "duplicate_node" and e.envelope.sender_service ==
                         "node-agent"], 5, message="the running instance reports the duplicate")
     wait_until(lambda: [e for e in events if e.body.kind == "duplicate_node" and e.envelope.sender_service ==
                         "coordinator"], 5, message="the coordinator reports the duplicate")

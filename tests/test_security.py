@@ -157,6 +157,8 @@ def test_a_device_cannot_submit_jobs_nor_write_what_is_not_its_own(cluster: Secu
     refused = [device.hub.publish(topics.status("tx2-0", "node-agent"), b"\x00" * 8, retain=True),
                device.hub.publish(topics.job_state("guarded"), b"\x00" * 8, retain=True),
                device.hub.publish(topics.CLUSTER_VIEW, b"\x00" * 8, retain=True),
+               device.hub.publish(topics.CLUSTER_EVENTS, b"\x00" * 8),  # the coordinator's alone
+               device.hub.publish(topics.service_events("tx2-0", "node-agent"), b"\x00" * 8),
                device.hub.publish(topics.from_sender(topics.request("tx2-0", "stage-worker"), "nano-1"), b"\x00")]
     device.publish(topics.status("tx2-0", "node-agent"), forged, retain=True)
     wait_until(lambda: all(device.hub.refusal(mid) for mid in refused), 10, message="the refusals")
@@ -300,7 +302,8 @@ def test_the_acl_follows_the_topic_tree() -> None:
     device = {(r.access, r.topic) for r in rules("pi-1", "device")}
     client = {(r.access, r.topic) for r in rules("alice", "client")}
     assert ("write", "edgeswarm/job/+/state") in hub and ("write", "edgeswarm/cluster/view") in hub
-    hub_only = ("edgeswarm/job/", "edgeswarm/cluster/view")
+    hub_only = ("edgeswarm/job/", "edgeswarm/cluster/view", "edgeswarm/cluster/events")
+    assert ("write", "edgeswarm/cluster/events") in hub and ("write", "edgeswarm/node/pi-1/+/events") in device
     assert not {t for a, t in device | client if a == "write" and t.startswith(hub_only)}
     assert ("write", "edgeswarm/node/+/+/request/hub") in hub  # the hub addresses every service
     assert ("write", "edgeswarm/node/+/stage-worker/data/pi-1") in device

@@ -157,14 +157,15 @@ def test_an_edge_node_writes_only_what_its_role_may_and_only_as_itself() -> None
     edge = {(r.access, r.topic) for r in rules("mec-0", "edge")}
     for topic in ("edgeswarm/node/mec-0/+/status", "edgeswarm/node/mec-0/+/heartbeat",
                   "edgeswarm/node/mec-0/profiler/progress", "edgeswarm/node/mec-0/profiler/profile/+",
-                  "edgeswarm/cluster/events",
+                  "edgeswarm/node/mec-0/+/events",  # its services report a duplicate of their own node
                   "edgeswarm/node/+/checkpoint-store/request/mec-0",  # an edge server saves what it holds
                   "edgeswarm/node/+/profiler/data/mec-0",  # its profiler measures its links to the others
                   "edgeswarm/node/+/coordinator/data/mec-0",
                   "edgeswarm/node/+/stage-worker/data/mec-0"):  # split learning's tensors back to its devices
         assert ("write", topic) in edge, topic
     for topic in ("edgeswarm/node/+/stage-worker/request/mec-0",
-                  "edgeswarm/node/+/coordinator/request/mec-0", "edgeswarm/job/+/state", "edgeswarm/cluster/view"):
+                  "edgeswarm/node/+/coordinator/request/mec-0", "edgeswarm/job/+/state", "edgeswarm/cluster/view",
+                  "edgeswarm/cluster/events"):
         assert ("write", topic) not in edge, topic
     assert ("read", "edgeswarm/node/mec-0/+/request/+") in edge
     assert not {t for a, t in edge if a == "read" and "/request/" in t and "mec-0" not in t}

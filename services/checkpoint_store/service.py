@@ -10,8 +10,12 @@ CheckpointList is answered with the stored versions.
 
 Disk work (writes and loads) runs on one worker thread fed by a bounded queue, so the request topic,
 and with it probes, stays responsive while a large checkpoint is written or sent; beyond ``MAX_QUEUED``
-waiting jobs a request is answered ``busy``, and so is a new upload beyond EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS
-open ones or beyond twice EDGESWARM_CHECKPOINT_MAX_BYTES of tensors and commit metadata held. Uploads idle for
+waiting jobs (``MAX_QUEUED_PER_SENDER`` of one sender node) a request is answered ``busy``, and so is a new upload
+beyond EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS open ones or beyond twice EDGESWARM_CHECKPOINT_MAX_BYTES of tensors and
+commit metadata held. Each limit is shared by per-sender shares (``edgeswarm.shares``): one sender node may hold
+EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS_PER_SENDER uploads and EDGESWARM_CHECKPOINT_MAX_BYTES of those bytes, so a
+member flooding the store with commits whose tensors never come is refused once its share is full while every
+other member's saves go on. Uploads idle for
 EDGESWARM_REASSEMBLY_TIMEOUT_S are discarded (and a waiting commit answered ``incomplete``). Every bad message is
 logged, counted and answered where it can be (failed uploads are logged rate-limited: anyone can cause them); the
 service goes on.
@@ -65,6 +69,8 @@ from edgeswarm.wire import Message
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 16
+# One sender node's share of the queue: a node queues a save per stage it holds, or loads them after a re-plan.
+MAX_QUEUED_PER_SENDER = 8
 EXPIRE_INTERVAL_S = 0.5
 MAX_JOBS_FOLLOWED = 4096  # job states remembered for who-may-write; the oldest are forgotten first
 OWNERS_WAIT_S = 2.0
@@ -93,9 +99,11 @@ class CheckpointStoreService(Service):
             log.warning("cannot look for leftover temporary files in %s: %s", self.store.directory, exc)
         self.uploads: UploadTracker[Inbound] = UploadTracker(
             max_upload_bytes=s.checkpoint_max_bytes, max_pending_bytes=2 * s.checkpoint_max_bytes,
-            timeout_s=s.reassembly_timeout_s, max_open_uploads=s.checkpoint_max_open_uploads)
+            timeout_s=s.reassembly_timeout_s, max_open_uploads=s.checkpoint_max_open_uploads,
+            max_sender_bytes=s.checkpoint_max_bytes, max_sender_uploads=s.checkpoint_max_open_uploads_per_sender)
         self._failure_log = RateLimitedLog(log, what="failed uploads")
-        self._jobs: QueueWorker[_Save | _Load] = QueueWorker("checkpoint-disk", MAX_QUEUED, self._work, self.metrics)
+        self._jobs: QueueWorker[_Save | _Load] = QueueWorker("checkpoint-disk", MAX_QUEUED, self._work, self.metrics,
+                                                          share=MAX_QUEUED_PER_SENDER)
         self.bus.subscribe(topics.data(self.node, self.name), self._on_tensor, schemas=(CheckpointTensor,),
                            plane="data")
         request = topics.request(self.node, self.name)
@@ -170,9 +178,10 @@ class CheckpointStoreService(Service):
     # --- the disk worker ----------------------------------------------------------------------------
 
     def _enqueue(self, job: _Save | _Load, msg: Inbound, transfer_id: str) -> None:
-        if not self._jobs.offer(job):
-            self._fail(msg, transfer_id, "busy", f"{MAX_QUEUED} checkpoint writes and loads are already queued on "
-                                                 f"{self.node}; try again shortly")
+        full = self._jobs.offer_from(msg.envelope.sender_node, job)
+        if full is not None:
+            self._fail(msg, transfer_id, "busy", f"checkpoint writes and loads queued on {self.node}: "
+                                                 f"{full.describe('of them')}; try again shortly")
 
     def _work(self, job: _Save | _Load) -> None:
         if isinstance(job, _Save):

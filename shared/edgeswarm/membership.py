@@ -12,7 +12,11 @@ The table is bounded: an instance silent (no status or heartbeat) for longer tha
 forgotten, whatever its state, and at most ``max_nodes`` nodes of at most ``max_instances_per_node``
 instances each are held. A newcomer beyond a cap is refused (counted in ``refused`` and logged, rate-limited)
 until retention frees room: without the caps, anyone who can publish a heartbeat could grow the table, and the
-view republished every second, without bound. Every time is passed in by the caller.
+view republished every second, without bound. The per-node cap is each writer's share: a node's status and
+heartbeat topics are its own (the bus drops another sender's as ``forged_sender``, the ACL of a secure cluster
+refuses them), so one member's fake instances fill only its own node's cap, never the others' room. Only a
+client that can write as any node (an anonymous cluster) can fill ``max_nodes``. Every time is passed in by the
+caller.
 """
 
 from __future__ import annotations

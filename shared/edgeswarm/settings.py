@@ -29,6 +29,7 @@ DEFAULT_RETENTION_S = 300.0
 DEFAULT_MAX_NODES = 128
 DEFAULT_MAX_INSTANCES_PER_NODE = 16
 DEFAULT_MAX_OPEN_UPLOADS = 64
+DEFAULT_MAX_OPEN_UPLOADS_PER_SENDER = 16
 
 
 class LinkSpec(BaseModel):
@@ -216,6 +217,10 @@ class Settings(BaseSettings):
     # a job saves one upload per stage at a time, so 64 leaves room for several jobs' saves together while a
     # flood of commits whose tensors never come holds at most some 70 MB of metadata.
     checkpoint_max_open_uploads: int = Field(default=DEFAULT_MAX_OPEN_UPLOADS, ge=1)
+    # One sender node's share of those uploads (of the bytes: one EDGESWARM_CHECKPOINT_MAX_BYTES, half the total),
+    # so a member that floods the store with commits whose tensors never come leaves the rest for the others'
+    # saves. 16: a node saves one upload per stage it holds, and holds far fewer stages.
+    checkpoint_max_open_uploads_per_sender: int = Field(default=DEFAULT_MAX_OPEN_UPLOADS_PER_SENDER, ge=1)
 
     # Membership (the coordinator's cluster view, and `edgeswarm status`): a service instance silent (no status
     # or heartbeat) for longer than the retention is forgotten, offline or not, so a departed node stays listed

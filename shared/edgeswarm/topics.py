@@ -5,11 +5,11 @@ Every topic starts with ``edgeswarm/`` so ``mosquitto_sub -v -t 'edgeswarm/#'`` 
 Every topic names the node allowed to write it, or is written by one role only, so a broker ACL generated from
 this tree (``edgeswarm.security.acl``) lets a node write only what is its own, and every receiver checks that
 the envelope's ``sender_node`` is the node the topic names. Topics owned by a node (``status``, ``heartbeat``,
-``metrics``, the profiler's reports) carry it at their ``{node}`` level; topics addressed *to* a service
-(``request``, ``data``, ``reply``) end with the sender's node: a request from node ``pi-1`` to the planner on
-``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic by its *address* (without
-the sender level: ``request(node, service)``); the bus appends its own node when it publishes and subscribes
-with ``/+``.
+``metrics``, a service's own ``events``, the profiler's reports) carry it at their ``{node}`` level; topics
+addressed *to* a service (``request``, ``data``, ``reply``) end with the sender's node: a request from node
+``pi-1`` to the planner on ``hub`` goes to ``edgeswarm/node/hub/planner/request/pi-1``. Code names such a topic
+by its *address* (without the sender level: ``request(node, service)``); the bus appends its own node when it
+publishes and subscribes with ``/+``.
 
 ``topic_tree()`` is the whole tree. Who may send requests and tensors to each service is its entry in the service
 registry (``edgeswarm.service_registry``, plug-ins' included); the roles are ``edgeswarm.roles``.
@@ -29,7 +29,7 @@ from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role  # noqa: F401
 ROOT = "edgeswarm"
 
 ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
-OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress")  # node topics written by the node itself
+OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress", "events")  # node topics written by the node itself
 
 
 def status(node: str, service: str) -> str:
@@ -42,6 +42,11 @@ def heartbeat(node: str, service: str) -> str:
 
 def metrics(node: str, service: str) -> str:
     return f"{ROOT}/node/{node}/{service}/metrics"
+
+
+def service_events(node: str, service: str) -> str:
+    """ClusterEvents a service reports about its own node (a second live instance with its node id)."""
+    return f"{ROOT}/node/{node}/{service}/events"
 
 
 def request(node: str, service: str) -> str:
@@ -122,6 +127,7 @@ def profile_report(node: str, model_fingerprint: str) -> str:
 
 CLUSTER_VIEW = f"{ROOT}/cluster/view"
 CLUSTER_EVENTS = f"{ROOT}/cluster/events"
+ALL_SERVICE_EVENTS = service_events("+", "+")
 ALL_STATUS = f"{ROOT}/node/+/+/status"
 ALL_HEARTBEATS = f"{ROOT}/node/+/+/heartbeat"
 ALL_PROFILE_PROGRESS = profile_progress("+")
@@ -251,10 +257,16 @@ def topic_tree() -> tuple[TopicSpec, ...]:
         TopicSpec(pattern=CLUSTER_VIEW, schemas="edgeswarm.cluster_view v1", retained=True, qos=1, broker="hub",
                   purpose="the coordinator's membership view: nodes, services, states, heartbeat ages",
                   writers=("hub",), bound="none", readers="all"),
-        # Any service reports a second live instance of itself (runtime.service), on any node.
+        # The coordinator's view of membership changes: about any node, so the hub's alone (a member that could
+        # write it could report any other node offline or duplicated).
         TopicSpec(pattern=CLUSTER_EVENTS, schemas="edgeswarm.cluster_event v1", retained=False, qos=1, broker="hub",
-                  purpose="membership changes: online, suspect, offline, duplicate node id",
-                  writers=NODE_ROLES, bound="none", readers="all"),
+                  purpose="the coordinator's membership changes: online, suspect, offline, duplicate node id",
+                  writers=("hub",), bound="none", readers="all"),
+        # What a service sees of its own node: a second live instance with its node id (runtime.service).
+        TopicSpec(pattern=service_events("{node}", "{service}"), schemas="edgeswarm.cluster_event v1",
+                  retained=False, qos=1, broker="hub",
+                  purpose="a service's report about its own node: another live instance claims its node id",
+                  writers=NODE_ROLES, bound="node", readers="all"),
         TopicSpec(pattern=job_state("{job}"), schemas="edgeswarm.job.state v1", retained=True, qos=1, broker="hub",
                   purpose="a job's latest state: kind, status, plan, and its kind's progress (rounds and loss; "
                           "requests answered, throughput, latency)",

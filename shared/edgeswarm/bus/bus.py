@@ -78,6 +78,12 @@ _REMEMBERED_TOPIC_CHARS = 256
 _remembered_writer = lru_cache(maxsize=4096)(_parse_writer)
 
 
+def _sender_of(topic: str) -> str:
+    """Whose share of the inbox a message on ``topic`` takes: the node the topic names as its writer, else the
+    topic (a role's topic: the cluster view, a job's state)."""
+    return _writer_of(topic)[0] or topic
+
+
 def check_writer(topic: str, envelope: Envelope, body: Message) -> None:
     """Raise WireError (``forged_sender``) unless ``envelope``'s sender is the node ``topic`` names as its writer,
     and on a node's own topics a body that names a node (a Status, a profile report) names that node too."""
@@ -213,7 +219,7 @@ class Bus:
                                         timeout_s=settings.reassembly_timeout_s)
         self._timeouts_counted = 0
         self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics,
-                            on_drop=self._on_dropped)
+                            on_drop=self._on_dropped, sender_of=_sender_of)
         self._pool: dict[str, MqttConnection] = {}
         self._conn_by_url: dict[str, MqttConnection] = {}  # URLs as given -> their pooled connection
         self._pool_lock = threading.Lock()

@@ -2,7 +2,9 @@
 
 Messages are sharded by topic onto worker threads, so messages on one topic are handled in the order
 they arrived while different topics proceed in parallel. ``put`` never blocks: when a shard is full,
-QoS 0 messages are dropped and counted. QoS 1 messages are bounded by the broker's send window
+QoS 0 messages are dropped and counted, and so are those of a sender that already has half a shard's QoS 0
+messages waiting (its share, ``edgeswarm.shares``: one member flooding heartbeats or metrics cannot crowd out the
+others' heartbeats and turn them suspect). QoS 1 messages are bounded by the broker's send window
 (MQTT 5 ReceiveMaximum, and acknowledgements wait until the handler has finished), so they only
 overflow the hard limit of twice the capacity if the broker ignores that window.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 from edgeswarm.bus.mqtt import InboundMessage
 from edgeswarm.metrics import Metrics
+from edgeswarm.shares import SharedLimit
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,10 @@ class _Shard:
     def __init__(self, name: str, capacity: int, handle: Callable[[InboundMessage], None], metrics: Metrics) -> None:
         self.capacity = capacity
         # SimpleQueue: C-level put/get with the cheapest wake-up of a waiting thread (every request pays it).
-        self._items: queue.SimpleQueue[InboundMessage | None] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[tuple[InboundMessage, str | None] | None] = queue.SimpleQueue()
+        # QoS 0 messages waiting, per sender. Only those: QoS 1 ones are bounded by the broker's send window, and
+        # the data plane's hot path pays nothing for the bookkeeping.
+        self._qos0 = SharedLimit(capacity, max(1, capacity // 2))
         self._handle = handle
         self._metrics = metrics
         self._stopped = False
@@ -35,12 +41,17 @@ class _Shard:
     def __len__(self) -> int:
         return self._items.qsize()
 
-    def put(self, msg: InboundMessage) -> bool:
+    def put(self, msg: InboundMessage, sender: str) -> bool:
         # Only network threads put (one per broker connection), so the bound holds to within one each.
         depth = self._items.qsize()
-        if (msg.qos == 0 and depth >= self.capacity) or depth >= 2 * self.capacity:
+        if msg.qos == 0:
+            if depth >= self.capacity or self._qos0.take(sender, 1) is not None:
+                return False
+            self._items.put((msg, sender))
+            return True
+        if depth >= 2 * self.capacity:
             return False
-        self._items.put(msg)
+        self._items.put((msg, None))
         return True
 
     def stop(self) -> None:
@@ -49,9 +60,12 @@ class _Shard:
 
     def _run(self) -> None:
         while True:
-            msg = self._items.get()
-            if msg is None:
+            item = self._items.get()
+            if item is None:
                 return
+            msg, sender = item
+            if sender is not None:
+                self._qos0.release(sender, 1)
             if self._stopped:  # shutting down: what is still queued is acknowledged, not handled
                 msg.ack()
                 continue
@@ -65,12 +79,15 @@ class _Shard:
 
 
 class Inbox:
-    """``workers`` shards, each drained by its own thread."""
+    """``workers`` shards, each drained by its own thread. ``sender_of`` names the sender of a message on a topic
+    (default: the topic itself), whose QoS 0 messages may fill at most half a shard."""
 
     def __init__(self, name: str, workers: int, capacity: int, handle: Callable[[InboundMessage], None],
-                 metrics: Metrics, on_drop: Callable[[InboundMessage, int], None]) -> None:
+                 metrics: Metrics, on_drop: Callable[[InboundMessage, int], None],
+                 sender_of: Callable[[str], str] | None = None) -> None:
         per_shard = max(16, capacity // workers)
         self._on_drop = on_drop
+        self._sender_of = sender_of or (lambda topic: topic)
         self._shard_of: dict[str, int] = {}  # topic -> its shard, remembered (only the network threads put)
         self._shards = [_Shard(f"{name}-worker-{i}", per_shard, handle, metrics) for i in range(workers)]
 
@@ -85,7 +102,7 @@ class Inbox:
                     self._shard_of.clear()
                 self._shard_of[msg.topic] = index
         shard = self._shards[index]
-        if not shard.put(msg):
+        if not shard.put(msg, self._sender_of(msg.topic) if msg.qos == 0 else ""):
             try:
                 self._on_drop(msg, len(shard))
             finally:

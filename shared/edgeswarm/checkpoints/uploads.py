@@ -6,8 +6,11 @@ and all ``count`` tensors are in; it *fails* when it is inconsistent (a tensor o
 with the rest of its upload), too large, over the memory budget, or idle for ``timeout_s`` seconds.
 Memory is bounded: one upload holds at most ``max_upload_bytes`` of tensor data; all incomplete uploads
 together hold at most ``max_pending_bytes`` of tensor data and commit metadata (a commit waiting for its
-tensors keeps its meta, up to about a megabyte); at most ``max_open_uploads`` are open at once. Beyond either
-limit a new tensor or commit is refused as ``busy``. The outcome of the last ``remember`` finished uploads is
+tensors keeps its meta, up to about a megabyte); at most ``max_open_uploads`` are open at once. Both limits are
+shared by per-sender shares (``edgeswarm.shares``): one sender node holds at most ``max_sender_bytes`` of those
+bytes and ``max_sender_uploads`` of those uploads, so a member that floods the store with commits whose tensors
+never come fills only its own share and the others' saves go on. Beyond a limit a new tensor or commit is refused
+as ``busy``. The outcome of the last ``remember`` finished uploads is
 kept so that a commit arriving after its upload failed still gets the reason.
 """
 
@@ -20,6 +23,7 @@ from typing import Generic, TypeVar
 
 from edgeswarm.messages.checkpoints import CheckpointCommit, CheckpointFailureReason, CheckpointTensor
 from edgeswarm.settings import DEFAULT_MAX_OPEN_UPLOADS
+from edgeswarm.shares import Refusal, SharedLimit
 from edgeswarm.values.checkpoints import MetaValue
 from edgeswarm.wire.tensor import WireTensor
 
@@ -87,10 +91,13 @@ class _Upload(Generic[T]):
 
 
 class UploadTracker(Generic[T]):
-    """Uploads in progress. Thread-safe; ``now`` is any monotonic clock in seconds, sizes are bytes."""
+    """Uploads in progress. Thread-safe; ``now`` is any monotonic clock in seconds, sizes are bytes.
+    ``max_sender_bytes`` and ``max_sender_uploads`` are one sender's shares of ``max_pending_bytes`` and
+    ``max_open_uploads`` (None: the whole limit, no share)."""
 
     def __init__(self, *, max_upload_bytes: int, max_pending_bytes: int, timeout_s: float,
-                 max_open_uploads: int = DEFAULT_MAX_OPEN_UPLOADS, remember: int = 1024) -> None:
+                 max_open_uploads: int = DEFAULT_MAX_OPEN_UPLOADS, remember: int = 1024,
+                 max_sender_bytes: int | None = None, max_sender_uploads: int | None = None) -> None:
         self.max_upload_bytes = max_upload_bytes
         self.max_pending_bytes = max_pending_bytes
         self.max_open_uploads = max_open_uploads
@@ -99,7 +106,11 @@ class UploadTracker(Generic[T]):
         self._uploads: dict[str, _Upload[T]] = {}
         self._finished: OrderedDict[str, tuple[CheckpointFailureReason | None, str]] = OrderedDict()
         self._lock = threading.Lock()
-        self.pending_bytes = 0  # tensor data and commit meta of the open uploads
+        # Tensor data and commit meta of the open uploads, and the uploads open, each charged to its sender.
+        self._bytes = SharedLimit(max_pending_bytes, max_sender_bytes or max_pending_bytes)
+        self._open = SharedLimit(max_open_uploads, max_sender_uploads or max_open_uploads)
+        self.max_sender_bytes = self._bytes.share
+        self.max_sender_uploads = self._open.share
         self.ignored = 0  # tensors or duplicate deliveries of uploads that are no longer open
         self.foreign = 0  # messages that named another sender's upload
 
@@ -107,6 +118,19 @@ class UploadTracker(Generic[T]):
     def open_uploads(self) -> int:
         with self._lock:
             return len(self._uploads)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of tensor data and commit metadata the open uploads hold."""
+        return self._bytes.total
+
+    def sender_bytes(self, sender: str) -> int:
+        """Bytes the open uploads of ``sender`` hold."""
+        return self._bytes.held(sender)
+
+    def sender_uploads(self, sender: str) -> int:
+        """How many uploads ``sender`` has open."""
+        return self._open.held(sender)
 
     # --- inputs -------------------------------------------------------------------------------------
 
@@ -122,7 +146,7 @@ class UploadTracker(Generic[T]):
                 self.foreign += 1
                 return []
             if up is None:
-                refusal = self._no_room(msg.transfer_id, value.nbytes)
+                refusal = self._open_upload(msg.transfer_id, sender, value.nbytes)
                 if refusal is not None:
                     return [self._refuse(msg.transfer_id, "busy", refusal, None)]
                 up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now, sender)
@@ -144,14 +168,12 @@ class UploadTracker(Generic[T]):
                 return self._fail(up, "too_large", (
                     f"{up.describe()} exceeds {self.max_upload_bytes} bytes (EDGESWARM_CHECKPOINT_MAX_BYTES) at "
                     f"tensor {msg.name!r}"))
-            if self.pending_bytes + value.nbytes > self.max_pending_bytes:
-                return self._fail(up, "busy", (
-                    f"{up.describe()}: the store holds {self.pending_bytes} bytes of incomplete uploads "
-                    f"(tensors and commit metadata; limit {self.max_pending_bytes}); try again when they are done"))
+            full = self._bytes.take(sender, value.nbytes)
+            if full is not None:
+                return self._fail(up, "busy", f"{up.describe()}: {self._bytes_full(full)}")
             up.tensors[msg.index] = (msg.name, value)
             up.names.add(msg.name)
             up.nbytes += value.nbytes
-            self.pending_bytes += value.nbytes
             up.touched = now
             return self._maybe_ready(up)
 
@@ -176,19 +198,16 @@ class UploadTracker(Generic[T]):
                 return []
             meta = meta_nbytes(msg.meta)
             if up is None:
-                refusal = self._no_room(msg.transfer_id, meta)
+                refusal = self._open_upload(msg.transfer_id, sender, meta)
                 if refusal is not None:
                     return [self._refuse(msg.transfer_id, "busy", refusal, token)]
                 up = _Upload(msg.transfer_id, msg.job_id, msg.stage, msg.version, msg.count, now, sender)
                 self._uploads[msg.transfer_id] = up
             up.commit, up.token = msg, token
-            if self.pending_bytes + meta > self.max_pending_bytes:
-                return self._fail(up, "busy", (
-                    f"{up.describe()}: the store holds {self.pending_bytes} bytes of incomplete uploads (tensors and "
-                    f"commit metadata; limit {self.max_pending_bytes}) and this commit's metadata adds {meta}; try "
-                    "again when they are done"))
+            full = self._bytes.take(sender, meta)
+            if full is not None:
+                return self._fail(up, "busy", f"{up.describe()}: this commit's metadata: {self._bytes_full(full)}")
             up.meta_bytes = meta
-            self.pending_bytes += meta
             if (msg.job_id, msg.stage, msg.version, msg.count) != up.key():
                 return self._fail(up, "bad_request", (
                     f"{up.describe()}: the commit says {msg.job_id}/{msg.stage} version {msg.version} with "
@@ -230,16 +249,27 @@ class UploadTracker(Generic[T]):
         self._close(up, reason, detail)
         return [FailedUpload(up.transfer_id, reason, detail, up.token)]
 
-    def _no_room(self, transfer_id: str, nbytes: int) -> str | None:
-        """Why a new upload whose first message brings ``nbytes`` cannot be opened now, or None."""
-        if len(self._uploads) >= self.max_open_uploads:
-            return (f"upload {transfer_id}: the store already has {len(self._uploads)} uploads open, its limit "
-                    f"(EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS = {self.max_open_uploads}); try again when they are done")
-        if self.pending_bytes + nbytes > self.max_pending_bytes:
-            return (f"upload {transfer_id}: the store already holds {self.pending_bytes} bytes of incomplete uploads "
-                    f"(tensors and commit metadata; limit {self.max_pending_bytes}) and this one brings {nbytes}; "
-                    "try again when they are done")
+    def _open_upload(self, transfer_id: str, sender: str, nbytes: int) -> str | None:
+        """Take a place for a new upload of ``sender`` whose first message brings ``nbytes``: None when taken (the
+        bytes are charged by the caller), else why it cannot be opened now."""
+        full = self._open.take(sender, 1)
+        if full is not None:
+            where = ("EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS_PER_SENDER" if full.kind == "share"
+                     else "EDGESWARM_CHECKPOINT_MAX_OPEN_UPLOADS")
+            return (f"upload {transfer_id}: {full.describe('uploads open')} ({where} = {full.limit}); try again when "
+                    "they are done")
+        room = self._bytes.refusal(sender, nbytes)
+        if room is not None:
+            self._open.release(sender, 1)
+            return f"upload {transfer_id}: {self._bytes_full(room)}"
         return None
+
+    @staticmethod
+    def _bytes_full(full: Refusal) -> str:
+        where = ("per sender: EDGESWARM_CHECKPOINT_MAX_BYTES" if full.kind == "share"
+                 else "in all: twice EDGESWARM_CHECKPOINT_MAX_BYTES")
+        return (f"{full.describe('bytes of incomplete uploads (tensors and commit metadata)')} ({where}); try again "
+                "when they are done")
 
     def _refuse(self, transfer_id: str, reason: CheckpointFailureReason, detail: str,
                 token: T | None) -> FailedUpload[T]:
@@ -248,8 +278,9 @@ class UploadTracker(Generic[T]):
         return FailedUpload(transfer_id, reason, detail, token)
 
     def _close(self, up: _Upload[T], reason: CheckpointFailureReason | None, detail: str) -> None:
-        self._uploads.pop(up.transfer_id, None)
-        self.pending_bytes -= up.nbytes + up.meta_bytes
+        if self._uploads.pop(up.transfer_id, None) is not None:
+            self._open.release(up.sender, 1)
+        self._bytes.release(up.sender, up.nbytes + up.meta_bytes)
         self._remember_outcome(up.transfer_id, reason, detail)
 
     def _remember_outcome(self, transfer_id: str, reason: CheckpointFailureReason | None, detail: str) -> None:

@@ -3,7 +3,8 @@
 The job measures every device's block latencies for its model (a ShardProfile request to each tensor-shard-worker;
 the links come from the profilers), asks the planner service for an HmpPlan and deploys each rank's shard
 (ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
-lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them (beyond: ``busy``). One request runs
+lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them and half that from one caller node
+(``edgeswarm.shares``; beyond: ``busy``). One request runs
 at a time, as passes: a prefill pass over the prompt, then, for a decoder, one pass per generated token (greedy:
 the most likely token, which the rank holding the last row reports; a model folder's end-of-sequence token ends it
 early). Each pass is a ShardPass frame to every rank
@@ -49,6 +50,7 @@ from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
@@ -136,6 +138,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
+        self._callers = QueueShares(spec.queue)  # one caller node holds at most half the queue
         self._plan: HmpPlan | None = None  # None while (re)deploying: the dispatcher waits
         self._epoch = 0
         self._accepting = False
@@ -244,6 +247,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             plan = self._plan
             requests = list(self._queue)
             self._queue.clear()
+            self._callers = QueueShares(self.spec.queue)
             self._fail_pass("the job stopped")
             self._changed.notify_all()
         for request in requests:
@@ -286,6 +290,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                     "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
             elif len(self._queue) >= self.spec.queue:
                 reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests waiting; send again later")
+            elif (share := self._callers.take(msg.envelope.sender_node)) is not None:
+                reason = ("busy", f"job {self.spec.name}: {share}; send again later")
             else:
                 reason = None
                 self._queue.append(request)
@@ -335,6 +341,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 if self._stopped:
                     return
                 request = self._queue.popleft()
+                self._callers.release(request.msg.envelope.sender_node)
             try:
                 self._serve(request)
             except _Stopped:

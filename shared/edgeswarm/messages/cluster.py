@@ -69,7 +69,8 @@ class ClusterView(Message):
 
 @schema("edgeswarm.cluster_event", 1)
 class ClusterEvent(Message):
-    """A change in membership, published on ``edgeswarm/cluster/events``."""
+    """A change in membership: the coordinator's on ``edgeswarm/cluster/events`` (hub only), a service's about its
+    own node on ``edgeswarm/node/{node}/{service}/events`` (``node`` is the writer's own)."""
 
     kind: Literal["service_online", "service_suspect", "service_offline", "duplicate_node"]
     node: Name

@@ -3,7 +3,8 @@
 The job profiles the online stage-workers for its model at its micro-batch size, asks the planner service for a
 ServePlan and deploys each stage (ServeAssign). From then on it takes InferRequest frames on the coordinator's
 data topic: each is checked (dtype, sample shape, rows) and queued, at most ``spec.queue`` of them and
-MAX_QUEUED_BYTES of inputs (a request beyond is answered ``busy``). A dispatcher batches queued requests into
+MAX_QUEUED_BYTES of inputs, one caller node at most half of each (``edgeswarm.shares``: one member flooding the job
+cannot crowd out the others' requests; a request beyond is answered ``busy``). A dispatcher batches queued requests into
 pipeline items of at most ``micro_batch_size`` samples and sends each to the first stage, with at most
 ``spec.window`` items in the pipeline: a full window holds requests in the queue, so memory never grows with the
 load. The last stage sends each item's
@@ -49,6 +50,7 @@ from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
@@ -73,6 +75,11 @@ class _Request:
     request_id: str
     inputs: torch.Tensor
     arrived: float  # monotonic seconds
+
+    @property
+    def caller(self) -> str:
+        """The node that sent it: whose share of the queue it takes."""
+        return self.msg.envelope.sender_node
 
 
 @dataclass
@@ -122,6 +129,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._queued_bytes = 0
+        self._callers = QueueShares(spec.queue, MAX_QUEUED_BYTES)  # each caller's share of the queue and its bytes
         self._inflight: OrderedDict[int, _Item] = OrderedDict()
         self._next_item = 0
         self._epoch = 0
@@ -205,6 +213,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
             self._queue.clear()
             self._queued_bytes = 0
+            self._callers = QueueShares(self.spec.queue, MAX_QUEUED_BYTES)
             self._inflight.clear()
             self._changed.notify_all()
         for request in requests:
@@ -305,6 +314,8 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             elif len(self._queue) >= self.spec.queue or self._queued_bytes + nbytes > MAX_QUEUED_BYTES:
                 reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests ({self._queued_bytes} "
                                   "bytes) waiting; send again later")
+            elif (share := self._callers.take(request.caller, nbytes)) is not None:
+                reason = ("busy", f"job {self.spec.name}: {share}; send again later")
             else:
                 reason = None
                 self._queued_bytes += nbytes
@@ -343,6 +354,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                 while self._queue and rows + self._queue[0].inputs.shape[0] <= self.spec.micro_batch_size:
                     request = self._queue.popleft()
                     self._queued_bytes -= _nbytes(request.inputs)
+                    self._callers.release(request.caller, _nbytes(request.inputs))
                     requests.append(request)
                     rows += int(request.inputs.shape[0])
                 item = _Item(requests, torch.cat([r.inputs for r in requests]))

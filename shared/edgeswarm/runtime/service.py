@@ -292,8 +292,9 @@ class Service:
         detail = (f"another live instance {instance} of {self.name} claims node id {self.node} "
                   f"(this one is {self.instance}); give one of them another EDGESWARM_NODE_ID")
         log.error("%s", detail)
-        self.bus.publish(topics.CLUSTER_EVENTS, ClusterEvent(kind="duplicate_node", node=self.node, service=self.name,
-                                                             instance=self.instance, detail=detail, at=time.time()))
+        self.bus.publish(topics.service_events(self.node, self.name), ClusterEvent(
+            kind="duplicate_node", node=self.node, service=self.name, instance=self.instance, detail=detail,
+            at=time.time()))
 
     # --- main loop ----------------------------------------------------------------------------------
 
