@@ -5,7 +5,9 @@ links lose packets. Each test asserts the outcome (final weights equal an uninte
 answered once, no second plan) and records the figures of its fault (time to detect, to recover, rounds replayed,
 requests answered) in the file ``EDGESWARM_FAULT_FIGURES`` names, when set.
 
-The cluster is shared by the tests in file order; a test that loses a node brings it back before it ends.
+The cluster is shared by the tests in file order; a test that loses a node brings it back before it ends. Serving
+goes first: a finished training job's stages stay resident on its devices (they give way to another program's
+reservation, but the serving planner plans against the budget left), and the served model needs two devices' room.
 """
 
 from __future__ import annotations
@@ -158,105 +160,6 @@ def stage_device(state: JobState, last: bool = True) -> str:
     return stages[-1 if last else 0].devices[-1]
 
 
-# --- training ---------------------------------------------------------------------------------------------------
-
-
-def test_a_cut_shorter_than_the_failure_timeout_costs_no_replan(net: Net) -> None:
-    cut: list[str] = []
-
-    def short_cut(state: JobState) -> None:
-        cut.append(stage_device(state))
-        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
-        time.sleep(SHORT_CUT_S)
-        net.cluster.heal(cut[0])  # type: ignore[attr-defined]
-
-    run = train(net, short_cut)
-    assert cut and "device_lost" not in run.kinds(), run.kinds()
-    assert progress(run).reconfigurations == 0
-    assert_uninterrupted(net, run)
-    net.record("cut shorter than the failure timeout", cut_s=SHORT_CUT_S, replans=0)
-
-
-def test_a_node_cut_off_past_the_timeout_is_lost_and_rejoins_as_a_new_device_after(net: Net) -> None:
-    cut: list[str] = []
-
-    def long_cut(state: JobState) -> None:
-        cut.append(stage_device(state))
-        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
-
-    try:
-        run = train(net, long_cut)
-        lost, recovered = run.first("device_lost"), run.first("recovered")
-        assert lost is not None and recovered is not None, run.kinds()
-        assert progress(run).reconfigurations == 1
-        assert cut[0] not in {d for s in run.state.plan.stages for d in s.devices}  # type: ignore[union-attr]
-        assert_uninterrupted(net, run)
-    finally:
-        if cut:
-            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
-    healed = time.monotonic()
-    wait_until(lambda: _online(net.bus, [cut[0]]), 60, interval_s=0.1, message=f"{cut[0]} back online after the cut")
-    net.record("cut past the failure timeout", detect_s=round(lost - run.fault_at, 2),
-               recover_s=round(recovered - lost, 2), rejoin_s=round(time.monotonic() - healed, 2),
-               rounds_replayed=1)
-
-
-def test_a_node_broker_restart_mid_round_loses_nothing(net: Net) -> None:
-    restarted: list[str] = []
-
-    def restart(state: JobState) -> None:
-        restarted.append(stage_device(state))
-        net.cluster.restart_broker(restarted[0], down_s=0.5)  # type: ignore[attr-defined]
-
-    run = train(net, restart)
-    assert restarted
-    assert_uninterrupted(net, run)
-    replays = [e for _, e in run.events if e.kind == "recovered"]
-    net.record("a device's broker restarted", replans=progress(run).reconfigurations,
-               replays=len(replays))
-
-
-def test_the_hub_broker_restart_reconnects_everyone_and_the_job_goes_on(net: Net) -> None:
-    def restart(_state: JobState) -> None:
-        net.cluster.restart_broker("hub", down_s=1.0)  # type: ignore[attr-defined]
-
-    started = time.monotonic()
-    run = train(net, restart)
-    assert_uninterrupted(net, run)
-    devices = [d.id for d in net.cluster.spec.devices]  # type: ignore[attr-defined]
-    wait_until(lambda: _online(net.bus, devices) and _online(net.bus, ["hub"], "coordinator"), 30,
-               message="status right after the hub's broker restarted")
-    net.record("the hub's broker restarted", job_s=round(time.monotonic() - started, 2),
-               replans=progress(run).reconfigurations)
-
-
-def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net) -> None:
-    isolated: list[str] = []
-    coordinators: set[str] = set()
-
-    def partition(state: JobState) -> None:
-        isolated.append(stage_device(state, last=False))
-        others = [n.node for n in net.cluster.nodes if n.node != isolated[0]]  # type: ignore[attr-defined]
-        net.cluster.partition([others, isolated])  # type: ignore[attr-defined]
-
-    def watch(msg: object) -> None:
-        coordinators.add(msg.envelope.sender_instance)  # type: ignore[attr-defined]
-
-    from edgeswarm import topics
-
-    net.bus.subscribe(topics.job_state("+"), watch, schemas=(JobState,))
-    try:
-        run = train(net, partition)
-    finally:
-        net.cluster.heal_partition()  # type: ignore[attr-defined]
-    assert run.first("device_lost") is not None, run.kinds()
-    assert progress(run).reconfigurations == 1
-    assert_uninterrupted(net, run)
-    assert len(coordinators) == 1, coordinators
-    wait_until(lambda: _online(net.bus, [isolated[0]]), 60, message=f"{isolated[0]} back after the partition")
-    net.record("partition isolating a stage device", coordinators=len(coordinators), replans=1)
-
-
 # --- serving ----------------------------------------------------------------------------------------------------
 
 SERVE_MODEL = {"name": "mlp", "config": {"image_size": 8, "hidden": 1024, "layers": 3}}  # 9 MB of weights
@@ -365,3 +268,102 @@ def test_serving_survives_a_stage_node_cut_off_mid_stream(net: Net) -> None:
         if cut:
             net.cluster.heal(cut[0])  # type: ignore[attr-defined]
     wait_until(lambda: _online(net.bus, [cut[0]]), 60, message=f"{cut[0]} back after the cut")
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+def test_a_cut_shorter_than_the_failure_timeout_costs_no_replan(net: Net) -> None:
+    cut: list[str] = []
+
+    def short_cut(state: JobState) -> None:
+        cut.append(stage_device(state))
+        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+        time.sleep(SHORT_CUT_S)
+        net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+
+    run = train(net, short_cut)
+    assert cut and "device_lost" not in run.kinds(), run.kinds()
+    assert progress(run).reconfigurations == 0
+    assert_uninterrupted(net, run)
+    net.record("cut shorter than the failure timeout", cut_s=SHORT_CUT_S, replans=0)
+
+
+def test_a_node_cut_off_past_the_timeout_is_lost_and_rejoins_as_a_new_device_after(net: Net) -> None:
+    cut: list[str] = []
+
+    def long_cut(state: JobState) -> None:
+        cut.append(stage_device(state))
+        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+
+    try:
+        run = train(net, long_cut)
+        lost, recovered = run.first("device_lost"), run.first("recovered")
+        assert lost is not None and recovered is not None, run.kinds()
+        assert progress(run).reconfigurations == 1
+        assert cut[0] not in {d for s in run.state.plan.stages for d in s.devices}  # type: ignore[union-attr]
+        assert_uninterrupted(net, run)
+    finally:
+        if cut:
+            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+    healed = time.monotonic()
+    wait_until(lambda: _online(net.bus, [cut[0]]), 60, interval_s=0.1, message=f"{cut[0]} back online after the cut")
+    net.record("cut past the failure timeout", detect_s=round(lost - run.fault_at, 2),
+               recover_s=round(recovered - lost, 2), rejoin_s=round(time.monotonic() - healed, 2),
+               rounds_replayed=1)
+
+
+def test_a_node_broker_restart_mid_round_loses_nothing(net: Net) -> None:
+    restarted: list[str] = []
+
+    def restart(state: JobState) -> None:
+        restarted.append(stage_device(state))
+        net.cluster.restart_broker(restarted[0], down_s=0.5)  # type: ignore[attr-defined]
+
+    run = train(net, restart)
+    assert restarted
+    assert_uninterrupted(net, run)
+    replays = [e for _, e in run.events if e.kind == "recovered"]
+    net.record("a device's broker restarted", replans=progress(run).reconfigurations,
+               replays=len(replays))
+
+
+def test_the_hub_broker_restart_reconnects_everyone_and_the_job_goes_on(net: Net) -> None:
+    def restart(_state: JobState) -> None:
+        net.cluster.restart_broker("hub", down_s=1.0)  # type: ignore[attr-defined]
+
+    started = time.monotonic()
+    run = train(net, restart)
+    assert_uninterrupted(net, run)
+    devices = [d.id for d in net.cluster.spec.devices]  # type: ignore[attr-defined]
+    wait_until(lambda: _online(net.bus, devices) and _online(net.bus, ["hub"], "coordinator"), 30,
+               message="status right after the hub's broker restarted")
+    net.record("the hub's broker restarted", job_s=round(time.monotonic() - started, 2),
+               replans=progress(run).reconfigurations)
+
+
+def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net) -> None:
+    isolated: list[str] = []
+    coordinators: set[str] = set()
+
+    def partition(state: JobState) -> None:
+        isolated.append(stage_device(state, last=False))
+        others = [n.node for n in net.cluster.nodes if n.node != isolated[0]]  # type: ignore[attr-defined]
+        net.cluster.partition([others, isolated])  # type: ignore[attr-defined]
+
+    def watch(msg: object) -> None:
+        coordinators.add(msg.envelope.sender_instance)  # type: ignore[attr-defined]
+
+    from edgeswarm import topics
+
+    net.bus.subscribe(topics.job_state("+"), watch, schemas=(JobState,))
+    try:
+        run = train(net, partition)
+    finally:
+        net.cluster.heal_partition()  # type: ignore[attr-defined]
+    assert run.first("device_lost") is not None, run.kinds()
+    assert progress(run).reconfigurations == 1
+    assert_uninterrupted(net, run)
+    assert len(coordinators) == 1, coordinators
+    wait_until(lambda: _online(net.bus, [isolated[0]]), 60, message=f"{isolated[0]} back after the partition")
+    net.record("partition isolating a stage device", coordinators=len(coordinators), replans=1)
