@@ -208,12 +208,17 @@ def _rate(p: Pair, port: int, seconds: float = 2.0) -> float:
     return statistics.median(rates)
 
 
-def _rtt(p: Pair, port: int, count: int = 25) -> float:
+def _rtts(p: Pair, port: int, count: int = 25) -> list[float]:
+    """Round trips (seconds) of 64-byte exchanges over one TCP connection from A to B."""
     server = _Server(p.ns_b, "echo", p.ip_b, str(port), "15")
     try:
-        return _client(p.ns_a, "ping", p.ip_b, str(port), str(count))["median_s"]
+        return _client(p.ns_a, "ping", p.ip_b, str(port), str(count))["rtts"]
     finally:
         server.stop()
+
+
+def _rtt(p: Pair, port: int, count: int = 25) -> float:
+    return statistics.median(_rtts(p, port, count))
 
 
 def _assert_rate(measured: float, configured: float) -> None:
@@ -248,6 +253,11 @@ def test_round_trip_is_twice_the_delay_and_a_live_change_restores(pair: Pair) ->
         assert abs(_rtt(pair, 5012) - 0.040) <= 0.002 + base
         a.set(pair.ip_b, LinkShape(delay_s=0.010))
         assert abs(_rtt(pair, 5013) - 0.020) <= 0.002 + base
+        a.set(pair.ip_b, LinkShape(delay_s=0.010, jitter_s=0.004))  # uniform in 6..14 ms one way
+        rtts = _rtts(pair, 5014, count=40)
+        assert abs(statistics.median(rtts) - 0.020) <= 0.002 + base
+        assert statistics.pstdev(rtts) > 0.001 and max(rtts) - min(rtts) > 0.004
+        assert min(rtts) >= 0.016 - 0.001  # never less than the least delay drawn (6 + 10 ms)
     finally:
         a.close()
         b.close()
@@ -280,6 +290,13 @@ def test_loss_drops_about_the_configured_fraction_and_tcp_still_completes(pair: 
             server.stop()
         # 5 percent of 4000 is 200 lost, sd about 14: the bound is more than 7 sd wide on each side.
         assert 100 <= sent - received <= 300, received
+        b.set(pair.ip_a, LinkShape())  # restored: nothing lost
+        server = _Server(pair.ns_b, "udp-count", pair.ip_b, "5032", "1.0")
+        try:
+            _client(pair.ns_a, "udp-send", pair.ip_b, "5032", str(sent))
+            assert server.result()["received"] == sent
+        finally:
+            server.stop()
         server = _Server(pair.ns_b, "sink", pair.ip_b, "5031", "15")
         try:
             _client(pair.ns_a, "send", pair.ip_b, "5031", "1.0")
