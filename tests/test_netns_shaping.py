@@ -52,13 +52,17 @@ def test_link_shape_from_link_spec() -> None:
 
 
 def test_nft_script_drops_blocked_both_ways_and_loses_on_arrival() -> None:
-    script = nft_script({"10.0.0.2": LinkShape(loss=0.05), "10.0.0.3": LinkShape(delay_s=0.01)}, ["10.0.0.4"])
+    script = nft_script("veth0", {"10.0.0.2": LinkShape(loss=0.05), "10.0.0.3": LinkShape(delay_s=0.01)},
+                        ["10.0.0.4"])
     assert script.startswith("table ip edgeswarm\ndelete table ip edgeswarm\n")  # replaced in one transaction
     assert "ip saddr 10.0.0.4 counter drop" in script and "ip daddr 10.0.0.4 counter drop" in script
+    assert 'hook egress device "veth0"' in script
     assert "ip saddr 10.0.0.2 numgen random mod 10000 < 500 counter drop" in script
     assert "10.0.0.3" not in script  # no loss, not blocked: no rule
     with pytest.raises(ValueError):
-        nft_script({"10.0.0.2; flush ruleset": LinkShape(loss=0.1)}, [])
+        nft_script("veth0", {"10.0.0.2; flush ruleset": LinkShape(loss=0.1)}, [])
+    with pytest.raises(ValueError):
+        nft_script('veth0" ; flush ruleset', {}, [])
 
 
 def test_tc_and_iptables_commands_follow_the_shapes() -> None:
@@ -317,8 +321,11 @@ def test_block_cuts_both_directions_and_unblock_heals(pair: Pair) -> None:
         a.apply({pair.ip_b: LinkShape(delay_s=0.002)})
         assert _client(pair.ns_a, "connect", pair.ip_b, "5041", "2")["connected"]
         a.block([pair.ip_b])
-        assert not _client(pair.ns_a, "connect", pair.ip_b, "5041", "1")["connected"]
+        # Both directions are cut, and as on a cut cable: connect() times out (no EPERM), a UDP send succeeds.
+        out = _client(pair.ns_a, "connect", pair.ip_b, "5041", "1")
+        assert not out["connected"] and "timed out" in out["error"]
         assert not _client(pair.ns_b, "connect", pair.ip_a, "5040", "1")["connected"]
+        assert _client(pair.ns_a, "udp-send", pair.ip_b, "5042", "20")["errors"] == 0
         a.unblock([pair.ip_b])
         assert _client(pair.ns_a, "connect", pair.ip_b, "5041", "2")["connected"]
         assert _client(pair.ns_b, "connect", pair.ip_a, "5040", "2")["connected"]

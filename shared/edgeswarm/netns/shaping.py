@@ -21,13 +21,16 @@ How each property is made, and why:
   (:func:`host.netem_available`), delay and jitter are a netem qdisc under the peer's HTB class instead (on this
   node's sending side), and no process is needed. Either way a link configured on both nodes has a round trip of
   twice the one-way delay.
-- **Partitions** (:meth:`NodeShaper.block`): nft drops of everything to the address (output hook) and from it
-  (prerouting hook), so one node alone can cut itself off from a peer in both directions.
+- **Partitions** (:meth:`NodeShaper.block`): nft drops of everything to the address (at the interface's egress
+  hook, table ``netdev edgeswarm``) and from it (prerouting hook), so one node alone can cut itself off from a
+  peer in both directions. The egress hook, not the output hook, because a drop there is not an error for the
+  sending socket (a connect() waits and times out, a UDP send succeeds), as on a cut cable.
 
-Everything made is named so a later process finds it: the nft table ``edgeswarm``, the iptables chain
-``EDGESWARM``, the HTB root ``1:``, and the delayer, which records itself in ``workdir``. The state (shapes,
-class and queue numbers, blocked peers) lives in ``workdir`` too, so ``edgeswarm chaos`` can change a link of a
-cluster another process started: build a ``NodeShaper`` on the same namespace and workdir and call :meth:`set`.
+Everything made is named so a later process finds it: the nft tables ``ip edgeswarm`` and ``netdev edgeswarm``,
+the iptables chain ``EDGESWARM``, the HTB root ``1:``, and the delayer, which records itself in ``workdir``. The
+state (shapes, class and queue numbers, blocked peers) lives in ``workdir`` too, so ``edgeswarm chaos`` can change
+a link of a cluster another process started: build a ``NodeShaper`` on the same namespace and workdir and call
+:meth:`NodeShaper.set`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +64,7 @@ QUEUE_TIME_S = 0.1  # a rate-limited class's FIFO holds this much of its rate
 MIN_QUEUE_BYTES = 4 * 65536
 DELAYER_START_S = 5.0
 DELAYER_STOP_S = 2.0
+_DEV = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 STATE_FILE = "shaper-state.json"
 DELAYER_CONFIG = "delayer.json"
 DELAYER_LOG = "delayer.log"
@@ -126,9 +131,13 @@ def _uses_class(shape: LinkShape, netem: bool) -> bool:
     return shape.rate_bps is not None or (netem and (shape.delay_s > 0 or shape.jitter_s > 0))
 
 
-def nft_script(peers: dict[str, LinkShape], blocked: Iterable[str]) -> str:
-    """The nft script that replaces table ``ip edgeswarm`` in one transaction: drops for blocked addresses in both
-    directions, then the random loss of packets arriving from each lossy peer."""
+def nft_script(dev: str, peers: dict[str, LinkShape], blocked: Iterable[str]) -> str:
+    """The nft script that replaces our two tables in one transaction: ``ip edgeswarm`` drops what arrives from
+    blocked addresses and the random loss of what arrives from each lossy peer; ``netdev edgeswarm`` drops what
+    this node sends to blocked addresses at ``dev``'s egress hook (there, unlike at the output hook, the drop is
+    not an error for the sending socket: connect() waits and UDP's send succeeds, as on a cut cable)."""
+    if not _DEV.fullmatch(dev):
+        raise ValueError(f"not an interface name: {dev!r}")
     blocked = sorted({_ip(b) for b in blocked})
     pre = [f"\t\tip saddr {b} counter drop" for b in blocked]
     out = [f"\t\tip daddr {b} counter drop" for b in blocked]
@@ -137,9 +146,12 @@ def nft_script(peers: dict[str, LinkShape], blocked: Iterable[str]) -> str:
         if threshold > 0:
             pre.append(f"\t\tip saddr {_ip(peer)} numgen random mod {LOSS_SCALE} < {threshold} counter drop")
     lines = [
-        f"table ip {TABLE}", f"delete table ip {TABLE}", f"table ip {TABLE} {{",
+        f"table ip {TABLE}", f"delete table ip {TABLE}", f"table netdev {TABLE}", f"delete table netdev {TABLE}",
+        f"table ip {TABLE} {{",
         "\tchain prerouting {", "\t\ttype filter hook prerouting priority -300; policy accept;", *pre, "\t}",
-        "\tchain output {", "\t\ttype filter hook output priority -300; policy accept;", *out, "\t}",
+        "}",
+        f"table netdev {TABLE} {{",
+        "\tchain egress {", f'\t\ttype filter hook egress device "{dev}" priority 0; policy accept;', *out, "\t}",
         "}",
     ]
     return "\n".join(lines) + "\n"
@@ -253,6 +265,7 @@ class NodeShaper:
             self.apply({**self.shapes, peer: shape})
             return
         netem = host.netem_available()
+        queued_before = iptables_rules(self.state.peers, netem)
         self.state.peers[peer] = old.model_copy(update={"shape": shape})
         if not netem and _uses_class(old.shape, netem) and _uses_class(shape, netem):
             if shape.rate_bps != old.shape.rate_bps:
@@ -260,7 +273,10 @@ class NodeShaper:
                     host.run(command, ns=self.ns)
         elif _uses_class(old.shape, netem) or _uses_class(shape, netem):
             self._build_tc()
-        self._build_filters()
+        if iptables_rules(self.state.peers, netem) == queued_before:
+            self._apply_nft()  # the queue rules stay: rebuilding them would let a few packets through undelayed
+        else:
+            self._build_filters()
         self._sync_delayer()
         self._save()
 
@@ -284,6 +300,7 @@ class NodeShaper:
         if self.ns in _namespaces():
             host.run(["tc", "qdisc", "del", "dev", self.dev, "root"], ns=self.ns, check=False)
             host.run(["nft", "delete", "table", "ip", TABLE], ns=self.ns, check=False)
+            host.run(["nft", "delete", "table", "netdev", TABLE], ns=self.ns, check=False)
             self._drop_chain()
         for name in (STATE_FILE, DELAYER_CONFIG):
             (self.workdir / name).unlink(missing_ok=True)
@@ -316,7 +333,7 @@ class NodeShaper:
         host.run(["iptables", "-w", "-t", "mangle", "-X", CHAIN], ns=self.ns, check=False)
 
     def _apply_nft(self) -> None:
-        host.run(["nft", "-f", "-"], ns=self.ns, stdin=nft_script(self.shapes, self.state.blocked))
+        host.run(["nft", "-f", "-"], ns=self.ns, stdin=nft_script(self.dev, self.shapes, self.state.blocked))
 
     # -- the delayer
 
