@@ -5,7 +5,9 @@ How each property is made, and why:
 
 - **Rate** (this node's sending toward a peer): an HTB class per peer on the node's interface, chosen by a u32
   filter on the destination address; its leaf is a byte FIFO holding about 100 ms of the rate (at least four 64 KB
-  GSO packets), so a saturated link queues like a real one instead of the interface's 1000-packet default.
+  GSO packets), so a saturated link queues like a real one instead of the interface's 1000-packet default. The
+  rate counts what a wire would carry (a 64 KB GSO packet counts with the headers of each of its segments), so a
+  TCP stream's payload rate is about 95 percent of it (measured: 47.9 Mbit/s of payload at 50 Mbit/s).
 - **Loss** (packets arriving from a peer): an nft rule ``ip saddr X numgen random mod 10000 < K drop`` in our own
   table (``ip edgeswarm``) at the prerouting hook. It drops on the receiving side on purpose: a packet dropped at
   the sender's output hook or qdisc is reported to the sending socket (TCP keeps the segment and sends it again at
