@@ -23,6 +23,19 @@ from helpers import wait_until
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
+def _faketime() -> bool:
+    from edgeswarm.netns.clock import ClockSkewUnavailableError, find_libfaketime
+
+    try:
+        find_libfaketime()
+    except ClockSkewUnavailableError:
+        return False
+    return True
+
+
+SKEWABLE = ("--skewable", "native-1") if _faketime() else ()
+
+
 def _unavailable() -> str | None:
     try:
         host.preflight()
@@ -43,7 +56,7 @@ def test_up_netns_refuses_clearly_without_the_tools() -> None:
     bare = {**ENV, "PATH": str(Path(sys.executable).parent)}  # no ip, tc, nft or mosquitto
     done = edgeswarm("up", "--netns", "--devices", "1", env=bare)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert re.search(r"ip, tc, nft, mosquitto not found on PATH \(apt-get install -y", done.stderr), done.stderr
+    assert re.search(r"ip, tc, nft, iptables, mosquitto not found on PATH \(apt-get install -y", done.stderr), done.stderr
     both = edgeswarm("up", "--local", "--netns")
     assert both.returncode == 2 and "choose `edgeswarm up --local`" in both.stderr, both.stderr
 
@@ -60,7 +73,7 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
     work = tmp_path / "cluster"
     before = set(host.netns_names())
     up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "2", "--device-class",
-                           "native", "--workdir", str(work), "--heartbeat", "0.5"], env=ENV, stdout=subprocess.PIPE,
+                           "native", "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
         lines: list[str] = []
@@ -107,13 +120,18 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
         assert pause.returncode == 0 and "resumed after 1 s" in pause.stdout, pause
         unknown = edgeswarm("chaos", "cut", "nope")
         assert unknown.returncode == 1 and "unknown node 'nope'; nodes: hub, native-0, native-1" in unknown.stderr
+        refused = edgeswarm("chaos", "skew", "native-0", "30")
+        assert refused.returncode == 1 and "--skewable native-0" in refused.stderr, refused
         skew = edgeswarm("chaos", "skew", "native-1", "30")
-        if skew.returncode == 0:
-            pid = _pid_of(state.node("native-1").netns, "node-agent")
+        if SKEWABLE:
+            assert skew.returncode == 0, skew
             assert (work / "nodes" / "native-1" / "clock").read_text().strip().startswith("+30")
-            assert pid > 0
-        else:
-            assert "apt-get install -y faketime" in skew.stderr, skew.stderr
+            # The node's own processes read the skewed clock: its node-agent's heartbeats are stamped 30 s ahead.
+            agent = _pid_of(state.node("native-1").netns, "node-agent")
+            assert _environ(agent)["FAKETIME_TIMESTAMP_FILE"].endswith("native-1/clock")
+            wait_until(lambda: _heartbeat_ahead(client, "native-1") > 25, 20, interval_s=0.5,
+                       message="native-1's heartbeats stamped 30 s ahead")
+            assert edgeswarm("chaos", "skew", "native-1", "0").returncode == 0
         # After all of it the cluster is whole again: every device's services back online.
         wait_until(lambda: edgeswarm("status", env=client).stdout.count("stage-worker") == 2, 60, interval_s=1.0,
                    message="both stage-workers online after the faults")
@@ -145,6 +163,25 @@ def test_what_a_killed_launcher_left_is_removed_by_the_next_start(tmp_path: Path
     assert not any(n.netns in host.netns_names() for n in state.nodes)
     assert not state.path().exists()
     assert not host.run(["ip", "link", "show", state.bridge], check=False).strip()
+
+
+def _heartbeat_ahead(client: dict[str, str], node: str) -> float:
+    """How far ahead of this machine's clock ``node``'s node-agent stamps its heartbeat (seconds)."""
+    from edgeswarm import topics
+    from edgeswarm.messages import Heartbeat
+    from edgeswarm.runtime.client import client_bus
+    from edgeswarm.settings import Settings
+
+    bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in client.items()
+                                 if k.startswith("EDGESWARM_")}))
+    got: list[float] = []
+    try:
+        bus.subscribe(topics.heartbeat(node, "node-agent"),
+                      lambda m: got.append(m.envelope.sent_at - time.time()), schemas=(Heartbeat,))
+        wait_until(lambda: len(got) >= 2, 10, message=f"{node}'s heartbeats")
+    finally:
+        bus.stop()
+    return got[-1]
 
 
 def _pid_of(netns: str, service: str) -> int:

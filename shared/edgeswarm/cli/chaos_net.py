@@ -15,6 +15,7 @@ from edgeswarm.cli.console import console
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.netns import faults, host, network
 from edgeswarm.netns.clock import find_libfaketime, set_skew
+from edgeswarm.netns.shaping import LinkShape
 from edgeswarm.netns.state import NetnsState, clock_file, owner_alive, saved_states
 
 ACTIONS = {
@@ -24,6 +25,8 @@ ACTIONS = {
     "partition": "split the cluster into GROUPs (comma-separated nodes): nothing passes between groups, until "
                  "`chaos heal-partition` or for --for seconds",
     "heal-partition": "remove every partition",
+    "link": "change the link between NODE and PEER in both directions (--loss percent, --delay ms, --rate Mbit/s) "
+            "for --for seconds, then put it back (default: leave it)",
     "restart-broker": "restart NODE's broker (the hub's too): SIGTERM, or SIGKILL with --kill, then start it again",
     "pause": "SIGSTOP every process of NODE, its broker included, until `chaos resume` or for --for seconds",
     "resume": "SIGCONT every process of NODE",
@@ -47,6 +50,13 @@ def add_network_actions(actions: argparse._SubParsersAction) -> None:  # type: i
         if name in ("cut", "partition", "pause"):
             p.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
                            help="undo it after this many seconds (the command waits); default: leave it")
+        if name == "link":
+            p.add_argument("peer", metavar="PEER", help="the node at the link's other end")
+            p.add_argument("--loss", type=float, default=0.0, metavar="PERCENT", help="packets lost, 0 to 100")
+            p.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way delay in milliseconds")
+            p.add_argument("--rate", type=float, default=None, metavar="MBIT", help="bandwidth in Mbit/s")
+            p.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
+                           help="put the link back after this many seconds (the command waits)")
         if name == "skew":
             p.add_argument("seconds", type=float, metavar="SECONDS", help="the offset, e.g. 30 or -12.5")
         if name == "restart-broker":
@@ -111,6 +121,21 @@ def run_network_chaos(args: argparse.Namespace) -> int:
             network.set_link(node, up=True)
             console.print(f"healed after {for_s:g} s")
         return 0
+    if action == "link":
+        if not 0 <= args.loss <= 100 or args.delay < 0 or (args.rate is not None and not args.rate > 0):
+            raise ConfigError("--loss is a percentage (0 to 100), --delay a non-negative number of milliseconds and "
+                              "--rate a positive number of Mbit/s")
+        peer = state.node(_node(state, args.peer))
+        shape = LinkShape(loss=args.loss / 100, delay_s=args.delay / 1000,
+                          rate_bps=args.rate * 1e6 / 8 if args.rate else None)
+        before = faults.set_link(state, node.node, peer.node, shape)
+        console.print(f"{node.node} <-> {peer.node}: loss {args.loss:g}%, delay {args.delay:g} ms"
+                      + (f", {args.rate:g} Mbit/s" if args.rate else ""))
+        if for_s:
+            time.sleep(for_s)
+            faults.restore_link(state, node.node, peer.node, before)
+            console.print(f"put back after {for_s:g} s")
+        return 0
     if action == "restart-broker":
         down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
         console.print(f"the broker of {node.node} restarted ({'killed' if args.kill else 'stopped'}; unreachable "
@@ -120,8 +145,8 @@ def run_network_chaos(args: argparse.Namespace) -> int:
         path = clock_file(state.workdir, node.node)
         find_libfaketime()  # raises, naming the package, where the cluster's services could not be skewed
         if not path.exists():
-            raise NetnsChaosRefused(f"{node.node}'s services were started without a skewable clock ({path} is "
-                                    "missing): restart the cluster after installing faketime")
+            raise NetnsChaosRefused(f"{node.node}'s services were started without a skewable clock: start the "
+                                    f"cluster with `edgeswarm up --netns --skewable {node.node}`")
         set_skew(path, args.seconds)
         console.print(f"{node.node}'s clock is {args.seconds:+g} s off (its processes read it within a second)")
         return 0

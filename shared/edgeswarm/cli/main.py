@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--local", action="store_true", help="the whole cluster on this machine, as separate processes")
     up.add_argument("--netns", action="store_true",
                     help="each node a real host on this machine: its own network namespace, address, TLS broker and "
-                         "kernel-shaped links (root, ip, tc and nft needed)")
+                         "kernel-shaped links (root, ip, tc, nft and iptables needed)")
+    up.add_argument("--skewable", action="append", default=[], metavar="NODE",
+                    help="with --netns: run NODE's processes with a wall clock `edgeswarm chaos skew` can move "
+                         "(libfaketime; it slows them: repeatable, only the nodes you will skew)")
     up.add_argument("--devices", default="4",
                     help="a number of emulated devices, a cluster file, or a bundled one's name "
                     "(asteroid-env-d-100mbps)")

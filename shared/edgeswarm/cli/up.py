@@ -28,6 +28,8 @@ def cluster_from_arg(devices: str, device_class: str | None) -> ClusterSpec:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.skewable and not args.netns:
+        raise ConfigError("--skewable needs --netns: only a namespace cluster's nodes get their own clock")
     if args.local == args.netns:
         raise ConfigError("choose `edgeswarm up --local` (processes on this machine) or `edgeswarm up --netns` (each "
                           "node in its own network namespace); on real devices run `docker compose up` on each node "
@@ -40,7 +42,8 @@ def run_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else None
     cluster: LocalCluster | NetnsCluster
     if args.netns:
-        cluster = NetnsCluster(spec, heartbeat_interval_s=args.heartbeat, workdir=workdir)
+        cluster = NetnsCluster(spec, heartbeat_interval_s=args.heartbeat, workdir=workdir,
+                               skewable=tuple(args.skewable))
     else:
         cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
                                workdir=workdir, secure=args.secure)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from edgeswarm.netns import brokers, host, network
+from edgeswarm.netns.shaping import LinkShape, NodeShaper
 from edgeswarm.netns.state import NetnsNode, NetnsState
 
 log = logging.getLogger(__name__)
@@ -80,3 +81,34 @@ def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0, kill: b
     time.sleep(down_s)
     brokers.start(node, folder / "mosquitto.conf", folder / "mosquitto.log")
     return time.monotonic() - started
+
+
+def shaper_of(state: NetnsState | None, name: str) -> NodeShaper:
+    """``name``'s kernel shaper, rebuilt from the state it keeps in the cluster's folder."""
+    if state is None:
+        raise RuntimeError("the cluster is not started")
+    node = state.node(name)
+    return NodeShaper(node.netns, network.INSIDE_DEV, Path(state.workdir) / "shaping" / name)
+
+
+def set_link(state: NetnsState | None, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
+    """Shape the link between nodes ``a`` and ``b`` as ``shape`` in both directions (each end shapes what it sends
+    and receives from the other). Returns each end's previous shape of it, by node (unshaped: a default shape)."""
+    if state is None:
+        raise RuntimeError("the cluster is not started")
+    before = {}
+    for here, there in ((a, b), (b, a)):
+        shaper = shaper_of(state, here)
+        peer = state.node(there).address
+        before[here] = shaper.shapes.get(peer, LinkShape())
+        shaper.set(peer, shape)
+    return before
+
+
+def restore_link(state: NetnsState | None, a: str, b: str, before: dict[str, LinkShape]) -> None:
+    """Put back what ``set_link`` returned."""
+    if state is None:
+        return
+    for here, there in ((a, b), (b, a)):
+        if here in before:
+            shaper_of(state, here).set(state.node(there).address, before[here])

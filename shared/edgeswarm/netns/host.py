@@ -15,7 +15,7 @@ from edgeswarm.errors import EdgeswarmError
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 20.0  # one ip/tc/nft call; they return in milliseconds unless the kernel is stuck
-TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables", "mosquitto": "mosquitto"}
+TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables", "iptables": "iptables", "mosquitto": "mosquitto"}
 
 
 class NetnsUnavailableError(EdgeswarmError):
@@ -27,7 +27,7 @@ class HostCommandError(EdgeswarmError):
     """An ``ip``/``tc``/``nft`` command failed; the message has the command and what it printed."""
 
 
-def preflight(tools: Sequence[str] = ("ip", "tc", "nft", "mosquitto")) -> None:
+def preflight(tools: Sequence[str] = ("ip", "tc", "nft", "iptables", "mosquitto")) -> None:
     """Raise NetnsUnavailableError unless this process is root and every one of ``tools`` is on PATH."""
     problems = []
     if os.geteuid() != 0:
