@@ -22,7 +22,7 @@ COMPOSE_SCHEMA_VERSION := 1.0.0
 COMPOSE_SCHEMA_SHA256 := ab1d329bae970c282601c81f1303b688736003c45252361cfbd5dc9d6af83ac8
 COMPOSE_SCHEMA := .edgeswarm/compose-spec/compose-spec.json
 
-.PHONY: venv run test clean compose-schema
+.PHONY: venv run run-netns test clean compose-schema
 
 # constraints.txt pins this environment exactly (the package itself asks for ranges); a change to either file
 # reinstalls.
@@ -51,6 +51,19 @@ $(COMPOSE_SCHEMA):
 	tar -xzOf $(@D)/$(COMPOSE_SCHEMA_PACKAGE)-$(COMPOSE_SCHEMA_VERSION).tgz \
 		package/src/compose-spec/schema/compose-spec.json > $@.tmp
 	mv $@.tmp $@
+
+# `make run-netns` (root): the same job on the same cluster file, every node in its own network namespace with its
+# own TLS broker and kernel-shaped links (docs/netns.md); the figures go to out/netns-*.
+run-netns: venv
+	@mkdir -p $(OUT)
+	@set -e; rm -rf $(OUT)/netns-cluster; \
+	$(ES) up --netns --devices asteroid-env-d-100mbps --workdir $(OUT)/netns-cluster & up=$$!; \
+	trap 'kill -INT $$up 2>/dev/null; wait $$up' EXIT; \
+	for i in $$(seq 120); do [ -f $(OUT)/netns-cluster/secrets/operator.env ] && break; sleep 1; done; \
+	. $(OUT)/netns-cluster/secrets/operator.env; \
+	$(ES) status --wait-devices 4 --timeout 180; \
+	$(ES) train examples/mobilenetv2-env-d.yaml --wait --compare dp,pp --compare-rounds 3 \
+		--json $(OUT)/netns-train.json --loss-png $(OUT)/netns-loss.png --timeline-png $(OUT)/netns-timeline.png
 
 test: venv
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25

@@ -175,6 +175,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_timeout_factor: float = Field(default=3.0, gt=1)
     keepalive_s: int = Field(default=10, ge=1)
+    # How long a worker waits for one tensor or unit state from a peer before it gives its round up as stalled
+    # (seconds; the coordinator then replays the round). Long enough for the slowest stage of a big model.
+    peer_wait_s: float = Field(default=120.0, gt=0, le=3600)
     metrics_interval_s: float = Field(default=10.0, gt=0)
 
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"

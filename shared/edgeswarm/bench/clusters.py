@@ -10,22 +10,28 @@ from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
+from edgeswarm.netns.cluster import NetnsCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
 from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
 from edgeswarm.settings import Settings
 
 
 @contextmanager
-def asteroid_cluster(env: str, profile_dir: Path) -> Iterator[tuple[LocalCluster, Bus]]:
-    """Asteroid's environment ``env`` (a, b, c or d) at 100 Mbps as a local cluster, with a client bus on it, once
-    every device's stage-worker and the hub's services are online; profiles are cached in ``profile_dir``. Raises
-    EdgeswarmError when the cluster does not come up within two minutes."""
+def asteroid_cluster(env: str, profile_dir: Path, *, netns: bool = False
+                     ) -> Iterator[tuple[LocalCluster | NetnsCluster, Bus]]:
+    """Asteroid's environment ``env`` (a, b, c or d) at 100 Mbps as a local cluster (with ``netns``: every node a
+    namespace with its own broker, the links shaped by the kernel), with a client bus on it, once every device's
+    stage-worker and the hub's services are online; profiles are cached in ``profile_dir``. Raises EdgeswarmError
+    when the cluster does not come up within two minutes."""
     spec = load_cluster(f"asteroid-env-{env}-100mbps")
     nodes = [d.id for d in spec.devices]
     # Pipelines only: no tensor-shard-worker competes for the host's cores.
-    with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
-                      skip_services=(TENSOR_SHARD_WORKER,)) as local:
-        bus = client_bus(Settings(hub_url=local.hub_url))
+    env_vars = {"EDGESWARM_PROFILE_DIR": str(profile_dir)}
+    cluster = (NetnsCluster(spec, extra_env=env_vars, skip_services=(TENSOR_SHARD_WORKER,)) if netns else
+               LocalCluster(spec, extra_env=env_vars, skip_services=(TENSOR_SHARD_WORKER,)))
+    with cluster as local:
+        client = local.client_env()
+        bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in client.items()}))
         try:
             watcher = ClusterWatcher(bus)
             watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)

@@ -114,13 +114,13 @@ def bench_job(env: str, strategy: Strategy, model: ModelSpec, *, global_batch: i
 
 def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, global_batch: int = 64,
                        micro_batches: int | None = 4, rounds: int = 4,
-                       strategies: tuple[Strategy, ...] = STRATEGIES, profile_dir: Path,
+                       strategies: tuple[Strategy, ...] = STRATEGIES, profile_dir: Path, netns: bool = False,
                        log: Callable[[str], None] = lambda _m: None) -> list[StrategyRun]:
     """Train ``model`` with every strategy on each of ``envs`` (a, b, c, d: Asteroid's environments at 100
     Mbps), one local cluster per environment; profiles are cached in ``profile_dir``."""
     rows: list[StrategyRun] = []
     for env in envs:
-        with asteroid_cluster(env, profile_dir) as (_local, bus):
+        with asteroid_cluster(env, profile_dir, netns=netns) as (_local, bus):
             for strategy in strategies:
                 job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
                                 rounds=rounds)

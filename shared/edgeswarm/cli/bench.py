@@ -159,9 +159,10 @@ def run_bench_training(args: argparse.Namespace) -> int:
     rows = run_training_bench(args.envs.split(","), model=model, global_batch=args.global_batch,
                               micro_batches=args.micro_batches or None, rounds=args.rounds,
                               strategies=tuple(args.strategies.split(",")), profile_dir=Path(args.profile_dir),
-                              log=lambda m: err_console.print(m, highlight=False))
-    t = Table(title=f"{model.name}, global batch {args.global_batch}: measured on emulated devices against the "
-                    "planner's prediction")
+                              netns=args.netns, log=lambda m: err_console.print(m, highlight=False))
+    t = Table(title=f"{model.name}, global batch {args.global_batch}: measured on emulated devices"
+                    + (" in network namespaces (kernel-shaped links)" if args.netns else "")
+                    + " against the planner's prediction")
     for col in ("env", "strategy", "stages", "M x B", "predicted (s)", "measured (s)", "measured / predicted",
                 "samples/s", "HPP speed-up", "compute / profile", "replayed (s)", "measured / replayed",
                 "overhead per micro-batch"):
@@ -289,12 +290,12 @@ def _run_bench_serving_measured(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="edgeswarm-bench-serving-") as tmp:
         rows = run_serving_bench(envs, model=model, micro_batch=args.micro_batch,
                                  requests=50 if args.quick else args.requests,
-                                 profile_dir=Path(args.profile_dir or tmp),
+                                 profile_dir=Path(args.profile_dir or tmp), netns=args.netns,
                                  log=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
     if args.json:
         Path(args.json).write_text(json.dumps([r.model_dump() | {"ratio": r.ratio} for r in rows], indent=2))
     table = Table(title=f"{model.name} served on Asteroid environments at 100 Mbps, micro-batch {args.micro_batch}: "
-                        "measured on the stage-workers")
+                        "measured on the stage-workers" + (" in network namespaces" if args.netns else ""))
     for col in ("env", "variant", "stages", "devices", "predicted samples/s", "measured samples/s",
                 "measured / predicted", "over single device", "p50 ms", "p99 ms"):
         table.add_column(col, justify="left" if col in ("env", "variant", "devices") else "right")

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--rounds", type=int, default=4, help="rounds per strategy (the first is not timed)")
     training.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
     training.add_argument("--out", default=None, help="also write the JSON report to this file")
+    training.add_argument("--netns", action="store_true", help="on a namespace cluster: every node its own host, "
+                          "broker and kernel-shaped links (root; see docs/netns.md)")
     recovery = bench_sub.add_parser("recovery", help="drop each device of emulated Env D mid-round: detection "
                                     "time, light against heavy recovery, throughput after")
     recovery.add_argument("--env", default="d", help="the Asteroid environment (at 100 Mbps)")
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(planned, greedy-joint, single device); --sim: the partition-placement paper's "
                                    "simulation grid against its published numbers")
     serving.add_argument("--sim", action="store_true", help="the simulation grid (simulated graphs, Keras-like models)")
+    serving.add_argument("--netns", action="store_true", help="on a namespace cluster (root; docs/netns.md)")
     serving.add_argument("--quick", action="store_true", help="--sim: fewer trials and node counts (seconds); "
                          "measured: environment d only, fewer requests")
     serving.add_argument("--trials", type=int, default=50, help="--sim: graphs per configuration (default 50)")

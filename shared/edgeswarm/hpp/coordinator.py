@@ -211,6 +211,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.joiner: Joiner | None = None
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
+        self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
@@ -302,7 +303,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                 self.replanned(report.plan)
                 self.seen.joined(report)
         if index < self.total:
-            done = self.driver.run_round(index)
+            done = self._run_round(index)
             result.rounds.append(done)
             self.seen.round_done(done)
             self.index = index = index + 1
@@ -312,6 +313,21 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             self.saved_version = index
             result.saved.append(saved)
             self.seen.saved(index, saved)
+
+    def _run_round(self, index: int) -> RoundReport:
+        """Round ``index``. Devices that all gave up waiting for a peer's tensors (reason ``timeout``) while none was
+        lost saw messages vanish (a node's broker restarted, a link dropped them for longer than TCP waits): the
+        round is replayed from the snapshots, up to MAX_STALLED_REPLAYS times in a row, as after a lost connection."""
+        assert self.driver is not None
+        try:
+            done = self.driver.run_round(index)
+        except StagesFailed as exc:
+            if not exc.transient or self._stalled_replays >= MAX_STALLED_REPLAYS:
+                raise
+            self._stalled_replays += 1
+            raise Disrupted(f"round {index} stalled: {exc}") from exc
+        self._stalled_replays = 0
+        return done
 
     def on_lost(self, disruption: Disrupted) -> Plan:
         """Replace the lost devices as ``job.recovery`` says (``none``: fail) and replay from the latest round
@@ -427,6 +443,7 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
                            saved_version=saved_version).loop()
 
 
+MAX_STALLED_REPLAYS = 3
 SAVE_RETRY_S = 60.0  # how long a checkpoint save is retried while the checkpoint store is away (restarting)
 SAVE_RETRY_PAUSE_S = 1.0
 

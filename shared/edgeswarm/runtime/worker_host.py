@@ -33,8 +33,6 @@ from edgeswarm.runtime.service import Service
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 120.0  # default longest wait for one tensor or unit state from a peer (seconds): WorkerContext.wait_s
-
 
 class WorkerService(Service):
     """A service that hosts worker programs (see the module docstring). Subclasses set ``name``."""
@@ -43,8 +41,8 @@ class WorkerService(Service):
 
     def peer_wait_s(self) -> float:
         """The longest wait for one tensor or unit state from a peer that the programs get (``WorkerContext.wait_s``,
-        seconds). Read when the service sets up, so a test may shorten it before."""
-        return WAIT_S
+        seconds): ``EDGESWARM_PEER_WAIT_S``."""
+        return self.settings.peer_wait_s
 
     def program_targets(self) -> list[str]:
         """The ``"module:Class"`` of every program this service hosts: one per job kind whose work runs here."""
