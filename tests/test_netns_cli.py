@@ -56,7 +56,8 @@ def test_up_netns_refuses_clearly_without_the_tools() -> None:
     bare = {**ENV, "PATH": str(Path(sys.executable).parent)}  # no ip, tc, nft or mosquitto
     done = edgeswarm("up", "--netns", "--devices", "1", env=bare)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert re.search(r"ip, tc, nft, iptables, mosquitto not found on PATH \(apt-get install -y", done.stderr), done.stderr
+    missing = r"ip, tc, nft, iptables, mosquitto not found on PATH \(apt-get install -y"
+    assert re.search(missing, done.stderr), done.stderr
     both = edgeswarm("up", "--local", "--netns")
     assert both.returncode == 2 and "choose `edgeswarm up --local`" in both.stderr, both.stderr
 
@@ -73,8 +74,8 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
     work = tmp_path / "cluster"
     before = set(host.netns_names())
     up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "2", "--device-class",
-                           "native", "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                           "native", "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines: list[str] = []
         assert up.stdout is not None

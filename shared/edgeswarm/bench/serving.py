@@ -99,7 +99,8 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
 
 def run_serving_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, micro_batch: int = 8,
                       requests: int = 200, window: int = 8, variants: tuple[str, ...] = tuple(VARIANTS),
-                      profile_dir: Path, netns: bool = False, log: Callable[[str], None] = lambda _m: None) -> list[ServeRun]:
+                      profile_dir: Path, netns: bool = False,
+                      log: Callable[[str], None] = lambda _m: None) -> list[ServeRun]:
     """Serve ``model`` in every variant on each of ``envs`` (a, b, c, d: Asteroid's environments at 100 Mbps),
     one local cluster per environment; profiles are cached in ``profile_dir``."""
     rows: list[ServeRun] = []

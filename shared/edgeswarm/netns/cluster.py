@@ -203,19 +203,11 @@ class NetnsCluster:
                                                   acl=creds.mosquitto_acl, data_dir=folder / "data"))
         self.brokers[name] = self._spawner.submit(brokers.start, node, conf, folder / "mosquitto.log").result()
 
-    def stop_broker(self, name: str, *, kill: bool = False) -> None:
-        """Stop ``name``'s broker: SIGTERM (a clean restart: retained messages saved) or SIGKILL (a crash)."""
-        proc = self.brokers.get(self.node(name).node)
-        if proc is not None:
-            brokers.stop(proc, kill=kill)
-
     def restart_broker(self, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
-        """Stop ``name``'s broker, wait ``down_s`` seconds, start it again; returns the seconds it was down."""
-        started = time.monotonic()
-        self.stop_broker(name, kill=kill)
-        time.sleep(down_s)
-        self.start_broker(name)
-        return time.monotonic() - started
+        """Stop ``name``'s broker (SIGTERM, or SIGKILL as a crash), wait ``down_s`` seconds, start it again; returns
+        the seconds it was unreachable."""
+        assert self.state is not None
+        return faults.restart_broker(self.state, self.node(name).node, down_s=down_s, kill=kill)
 
     # --- services ----------------------------------------------------------------------------------------------
 
@@ -258,8 +250,8 @@ class NetnsCluster:
 
         def launch() -> subprocess.Popen[bytes]:
             with open(log_path, "ab") as out:
-                return subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "edgeswarm", "service",
-                                         service], env=env, stdout=out, stderr=subprocess.STDOUT,
+                return subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "edgeswarm",
+                                         "service", service], env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
 
         child = ChildProcess(node.node, service, self._spawner.submit(launch).result(), log_path, env)

@@ -49,7 +49,8 @@ def run(cmd: Sequence[str], *, ns: str | None = None, stdin: str | None = None, 
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HostCommandError(f"{' '.join(full)}: {exc}") from None
     if check and done.returncode != 0:
-        raise HostCommandError(f"{' '.join(full)} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+        said = done.stderr.strip() or done.stdout.strip()
+        raise HostCommandError(f"{' '.join(full)} exited {done.returncode}: {said}")
     log.debug("%s -> %d", " ".join(full), done.returncode)
     return done.stdout
 
