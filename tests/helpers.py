@@ -161,3 +161,14 @@ def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str,
         if bus is not None:
             bus.stop()
         local.stop()
+
+
+def netns_unavailable() -> str | None:
+    """Why this machine cannot run a namespace cluster (not root, a tool missing), or None when it can."""
+    from edgeswarm.netns import host
+
+    try:
+        host.preflight()
+    except host.NetnsUnavailableError as exc:
+        return str(exc)
+    return None

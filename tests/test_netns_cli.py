@@ -18,7 +18,7 @@ import pytest
 from edgeswarm.compose_env import services_for
 from edgeswarm.netns import host, network
 from edgeswarm.netns.state import saved_states
-from helpers import wait_until
+from helpers import netns_unavailable, wait_until
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
@@ -36,15 +36,7 @@ def _faketime() -> bool:
 SKEWABLE = ("--skewable", "native-1") if _faketime() else ()
 
 
-def _unavailable() -> str | None:
-    try:
-        host.preflight()
-    except host.NetnsUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-needs_netns = pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")
+needs_netns = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 
 
 def edgeswarm(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

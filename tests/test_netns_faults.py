@@ -27,10 +27,8 @@ import pytest
 from edgeswarm.bus import Bus
 from edgeswarm.hpp.spec import TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
-from edgeswarm.netns import host
-from helpers import assert_same_weights, reference_weights, stored_weights, wait_until
-
-pytestmark = pytest.mark.alone  # timing-bound fault tests: not beside another file's cluster
+from edgeswarm.netns.cluster import NetnsCluster
+from helpers import assert_same_weights, netns_unavailable, reference_weights, stored_weights, wait_until
 
 DEVICES = 4
 HEARTBEAT_S = 0.5  # failure timeout: three intervals, 1.5 s
@@ -48,20 +46,13 @@ ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_MEMORY_BUDGET_BYTES": "120
        "EDGESWARM_LOG_LEVEL": "INFO"}
 
 
-def _unavailable() -> str | None:
-    try:
-        host.preflight()
-    except host.NetnsUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-pytestmark = [pytestmark, pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")]
+# Timing-bound fault tests: not beside another file's cluster.
+pytestmark = [pytest.mark.alone, pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")]
 
 
 @dataclass
 class Net:
-    cluster: object  # NetnsCluster
+    cluster: NetnsCluster
     bus: Bus
     root: Path
     figures: list[dict[str, object]] = field(default_factory=list)
@@ -79,7 +70,6 @@ def _online(bus: Bus, nodes: list[str], service: str = "stage-worker") -> bool:
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     from edgeswarm.devices.cluster import cluster_of
-    from edgeswarm.netns.cluster import NetnsCluster
     from edgeswarm.runtime.client import client_bus
     from edgeswarm.settings import Settings
 
@@ -233,10 +223,10 @@ def serve_through(net: Net, fault: Callable[[str], None] | None, label: str) -> 
 
 def bring_back(net: Net, node: str) -> None:
     """Start every service of ``node`` again (after a SIGKILL) and wait until its stage-worker is online."""
-    for child in [c for c in net.cluster.children if c.node == node]:  # type: ignore[attr-defined]
-        if not child.alive() and not any(c.alive() for c in net.cluster.children  # type: ignore[attr-defined]
+    for child in [c for c in net.cluster.children if c.node == node]:
+        if not child.alive() and not any(c.alive() for c in net.cluster.children
                                          if (c.node, c.service) == (node, child.service)):
-            net.cluster.restart(node, child.service)  # type: ignore[attr-defined]
+            net.cluster.restart(node, child.service)
     wait_until(lambda: _online(net.bus, [node]), 120, message=f"{node} back after the kill")
 
 
@@ -245,7 +235,7 @@ def test_serving_survives_a_stage_node_killed_mid_stream(net: Net) -> None:
 
     def kill(victim: str) -> None:
         killed.append(victim)
-        for child in net.cluster.children:  # type: ignore[attr-defined]
+        for child in net.cluster.children:
             if child.node == victim and child.alive():
                 os.kill(child.pid, signal.SIGKILL)
 
@@ -261,22 +251,22 @@ def test_serving_survives_a_stage_node_cut_off_mid_stream(net: Net) -> None:
 
     def cut_off(victim: str) -> None:
         cut.append(victim)
-        net.cluster.cut(victim)  # type: ignore[attr-defined]
+        net.cluster.cut(victim)
 
     try:
         serve_through(net, cut_off, "serving: a stage's node cut off mid-stream")
     finally:
         if cut:
-            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+            net.cluster.heal(cut[0])
     wait_until(lambda: _online(net.bus, [cut[0]]), 60, message=f"{cut[0]} back after the cut")
 
 
 def test_one_percent_loss_on_every_link_costs_no_request_and_no_weight(net: Net) -> None:
     from edgeswarm.netns.shaping import LinkShape
 
-    names = [n.node for n in net.cluster.nodes]  # type: ignore[attr-defined]
+    names = [n.node for n in net.cluster.nodes]
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
-    before = {pair: net.cluster.set_link(*pair, LinkShape(loss=0.01)) for pair in pairs}  # type: ignore[attr-defined]
+    before = {pair: net.cluster.set_link(*pair, LinkShape(loss=0.01)) for pair in pairs}
     try:
         started = time.monotonic()
         run = train(net, None)
@@ -286,7 +276,7 @@ def test_one_percent_loss_on_every_link_costs_no_request_and_no_weight(net: Net)
         serve_through(net, None, "1% loss on every link: serving")
     finally:
         for pair, shapes in before.items():
-            net.cluster.restore_link(*pair, shapes)  # type: ignore[attr-defined]
+            net.cluster.restore_link(*pair, shapes)
 
 
 # --- training ---------------------------------------------------------------------------------------------------
@@ -297,9 +287,9 @@ def test_a_cut_shorter_than_the_failure_timeout_costs_no_replan(net: Net) -> Non
 
     def short_cut(state: JobState) -> None:
         cut.append(stage_device(state))
-        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+        net.cluster.cut(cut[0])
         time.sleep(SHORT_CUT_S)
-        net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+        net.cluster.heal(cut[0])
 
     run = train(net, short_cut)
     assert cut and "device_lost" not in run.kinds(), run.kinds()
@@ -313,7 +303,7 @@ def test_a_node_cut_off_past_the_timeout_is_lost_and_rejoins_as_a_new_device_aft
 
     def long_cut(state: JobState) -> None:
         cut.append(stage_device(state))
-        net.cluster.cut(cut[0])  # type: ignore[attr-defined]
+        net.cluster.cut(cut[0])
 
     try:
         run = train(net, long_cut)
@@ -324,7 +314,7 @@ def test_a_node_cut_off_past_the_timeout_is_lost_and_rejoins_as_a_new_device_aft
         assert_uninterrupted(net, run)
     finally:
         if cut:
-            net.cluster.heal(cut[0])  # type: ignore[attr-defined]
+            net.cluster.heal(cut[0])
     healed = time.monotonic()
     wait_until(lambda: _online(net.bus, [cut[0]]), 60, interval_s=0.1, message=f"{cut[0]} back online after the cut")
     net.record("cut past the failure timeout", detect_s=round(lost - run.fault_at, 2),
@@ -336,7 +326,7 @@ def test_a_node_broker_restart_mid_round_loses_nothing(net: Net) -> None:
 
     def restart(state: JobState) -> None:
         restarted.append(stage_device(state))
-        net.cluster.restart_broker(restarted[0], down_s=0.5)  # type: ignore[attr-defined]
+        net.cluster.restart_broker(restarted[0], down_s=0.5)
 
     run = train(net, restart)
     assert restarted
@@ -348,12 +338,12 @@ def test_a_node_broker_restart_mid_round_loses_nothing(net: Net) -> None:
 
 def test_the_hub_broker_restart_reconnects_everyone_and_the_job_goes_on(net: Net) -> None:
     def restart(_state: JobState) -> None:
-        net.cluster.restart_broker("hub", down_s=1.0)  # type: ignore[attr-defined]
+        net.cluster.restart_broker("hub", down_s=1.0)
 
     started = time.monotonic()
     run = train(net, restart)
     assert_uninterrupted(net, run)
-    devices = [d.id for d in net.cluster.spec.devices]  # type: ignore[attr-defined]
+    devices = [d.id for d in net.cluster.spec.devices]
     wait_until(lambda: _online(net.bus, devices) and _online(net.bus, ["hub"], "coordinator"), 30,
                message="status right after the hub's broker restarted")
     net.record("the hub's broker restarted", job_s=round(time.monotonic() - started, 2),
@@ -366,11 +356,11 @@ def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net
 
     def partition(state: JobState) -> None:
         isolated.append(stage_device(state, last=False))
-        others = [n.node for n in net.cluster.nodes if n.node != isolated[0]]  # type: ignore[attr-defined]
-        net.cluster.partition([others, isolated])  # type: ignore[attr-defined]
+        others = [n.node for n in net.cluster.nodes if n.node != isolated[0]]
+        net.cluster.partition([others, isolated])
 
     def watch(msg: object) -> None:
-        coordinators.add(msg.envelope.sender_instance)  # type: ignore[attr-defined]
+        coordinators.add(msg.envelope.sender_instance)
 
     from edgeswarm import topics
 
@@ -378,7 +368,7 @@ def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net
     try:
         run = train(net, partition)
     finally:
-        net.cluster.heal_partition()  # type: ignore[attr-defined]
+        net.cluster.heal_partition()
     assert run.first("device_lost") is not None, run.kinds()
     assert progress(run).reconfigurations == 1
     assert_uninterrupted(net, run)

@@ -9,24 +9,15 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults
-from edgeswarm.netns import host
 from edgeswarm.values.profiles import ModelSpec
-from helpers import FAST_ENV, wait_until
+from helpers import FAST_ENV, netns_unavailable, wait_until
 
 BANDWIDTH_MBPS, LATENCY_MS = 50, 5
 TINY_MLP = ModelSpec(name="mlp", config={"hidden": 16, "layers": 1})
 
 
-def _unavailable() -> str | None:
-    try:
-        host.preflight()
-    except host.NetnsUnavailableError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.alone
-@pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")
+@pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_profiled_links_match_the_kernel_shaping(tmp_path: Path) -> None:
     from edgeswarm.netns.cluster import NetnsCluster
     from edgeswarm.profiling.gather import gather_cluster_profile

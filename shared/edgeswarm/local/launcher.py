@@ -63,6 +63,22 @@ class ChildProcess:
         return self.process.poll() is None
 
 
+def stop_children(children: list[ChildProcess], timeout_s: float) -> None:
+    """SIGTERM every child, the last started first (devices before the hub), wait up to ``timeout_s`` seconds in all,
+    then SIGKILL those that ignored it."""
+    for child in reversed(children):
+        if child.alive():
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s on %s (pid %d) ignored SIGTERM; killing it", child.service, child.node, child.pid)
+            child.process.kill()
+            child.process.wait(5)
+
+
 def service_command(service: str) -> list[str]:
     """The command line that runs ``service``: ``edgeswarm service NAME`` via this interpreter."""
     return [sys.executable, "-m", "edgeswarm", "service", service]
@@ -212,17 +228,7 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every child (devices first, coordinator last), wait, SIGKILL stragglers, stop the broker."""
-        for child in reversed(self.children):
-            if child.alive():
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s on %s (pid %d) ignored SIGTERM; killing it", child.service, child.node, child.pid)
-                child.process.kill()
-                child.process.wait(5)
+        stop_children(self.children, timeout_s)
         if self.broker is not None:
             self.broker.stop()
 

@@ -20,13 +20,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from edgeswarm.compose_env import services_for
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
-from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess
+from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess, stop_children
 from edgeswarm.netns import brokers, faults, host, network
 from edgeswarm.netns.clock import find_libfaketime, skewable_env
 from edgeswarm.netns.shaping import LinkShape, NodeShaper
@@ -162,17 +161,7 @@ class NetnsCluster:
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every service (devices first), wait, SIGKILL stragglers, then remove the namespaces (and every
         process still in them: brokers, helpers), the bridge and the state file."""
-        for child in reversed(self.children):
-            if child.alive():
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s on %s (pid %d) ignored SIGTERM; killing it", child.service, child.node, child.pid)
-                child.process.kill()
-                child.process.wait(5)
+        stop_children(self.children, timeout_s)
         for proc in self.brokers.values():
             brokers.stop(proc)
         if self.state is not None:
