@@ -46,8 +46,9 @@ ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_MEMORY_BUDGET_BYTES": "120
        "EDGESWARM_LOG_LEVEL": "INFO"}
 
 
-# Timing-bound fault tests: not beside another file's cluster.
-pytestmark = [pytest.mark.alone, pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")]
+# Not ``alone``: four minutes with the other worker idle would cost the suite as much. Nothing here measures speed;
+# the failure timeout (1.5 s) is followed by two 2 s probes, so only a stall of over 5 s under load reads as a loss.
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 
 
 @dataclass
