@@ -64,7 +64,6 @@ def test_preflight_names_root() -> None:
 @needs_netns
 def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_nothing(tmp_path: Path) -> None:
     work = tmp_path / "cluster"
-    before = set(host.netns_names())
     up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "2", "--device-class",
                            "native", "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -99,23 +98,29 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
                 assert worker_env.get(key) == value, key
         assert worker_env["EDGESWARM_DATA_CONNECT_URL"] == device.broker_url
 
-        cut = edgeswarm("chaos", "cut", "native-0", "--for", "1")
+        # --cluster: another test's namespace cluster may run beside this one
+        ours = ("--cluster", state.run_id)
+        cut = edgeswarm("chaos", "cut", "native-0", "--for", "1", *ours)
         assert cut.returncode == 0 and "native-0 (" in cut.stdout and "healed after 1 s" in cut.stdout, cut
-        part = edgeswarm("chaos", "partition", "hub,native-0", "native-1")
+        part = edgeswarm("chaos", "partition", "hub,native-0", "native-1", *ours)
         assert part.returncode == 0, part
         routes = host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns)
         assert state.hub.address in routes and device.address in routes
-        assert edgeswarm("chaos", "heal-partition").returncode == 0
+        assert edgeswarm("chaos", "heal-partition", *ours).returncode == 0
         assert not host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns).strip()
-        restart = edgeswarm("chaos", "restart-broker", "hub", "--down", "0.5")
+        restart = edgeswarm("chaos", "restart-broker", "hub", "--down", "0.5", *ours)
         assert restart.returncode == 0 and "the broker of hub restarted" in restart.stdout, restart
-        pause = edgeswarm("chaos", "pause", "native-1", "--for", "1")
+        link = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "5", "--delay", "3", "--for", "1", *ours)
+        assert link.returncode == 0 and "loss 5%, delay 3 ms" in link.stdout and "put back" in link.stdout, link
+        bad = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "150", *ours)
+        assert bad.returncode == 2 and "--loss is a percentage" in bad.stderr, bad
+        pause = edgeswarm("chaos", "pause", "native-1", "--for", "1", *ours)
         assert pause.returncode == 0 and "resumed after 1 s" in pause.stdout, pause
-        unknown = edgeswarm("chaos", "cut", "nope")
+        unknown = edgeswarm("chaos", "cut", "nope", *ours)
         assert unknown.returncode == 1 and "unknown node 'nope'; nodes: hub, native-0, native-1" in unknown.stderr
-        refused = edgeswarm("chaos", "skew", "native-0", "30")
+        refused = edgeswarm("chaos", "skew", "native-0", "30", *ours)
         assert refused.returncode == 1 and "--skewable native-0" in refused.stderr, refused
-        skew = edgeswarm("chaos", "skew", "native-1", "30")
+        skew = edgeswarm("chaos", "skew", "native-1", "30", *ours)
         if SKEWABLE:
             assert skew.returncode == 0, skew
             assert (work / "nodes" / "native-1" / "clock").read_text().strip().startswith("+30")
@@ -124,7 +129,7 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
             assert _environ(agent)["FAKETIME_TIMESTAMP_FILE"].endswith("native-1/clock")
             wait_until(lambda: _heartbeat_ahead(client, "native-1") > 25, 20, interval_s=0.5,
                        message="native-1's heartbeats stamped 30 s ahead")
-            assert edgeswarm("chaos", "skew", "native-1", "0").returncode == 0
+            assert edgeswarm("chaos", "skew", "native-1", "0", *ours).returncode == 0
         # After all of it the cluster is whole again: every device's services back online.
         wait_until(lambda: edgeswarm("status", env=client).stdout.count("stage-worker") == 2, 60, interval_s=1.0,
                    message="both stage-workers online after the faults")
@@ -132,7 +137,7 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0 and "stopped" in out, out
-    assert set(host.netns_names()) <= before | {n for n in host.netns_names() if not n.startswith("es")}
+    assert not {n.netns for n in state.nodes} & set(host.netns_names())
     assert not any(s.owner_pid == up.pid for s in saved_states())
     assert not host.run(["ip", "link", "show", state.bridge], check=False).strip()
 
@@ -191,3 +196,20 @@ def _pid_of(netns: str, service: str) -> int:
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_a_cluster_belongs_to_its_launcher_process_not_to_its_pid() -> None:
+    """What decides that a saved cluster is a dead launcher's (and is removed): its pid and that process's start
+    time, whatever the process is (a pytest-xdist worker has neither "pytest" nor "edgeswarm" in its command line)."""
+    from edgeswarm.netns.state import NetnsState, owner_alive, process_start_ticks
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        state = NetnsState(run_id="abcd", owner_pid=child.pid, owner_started=process_start_ticks(child.pid),
+                           subnet="10.123.7.0/24", bridge="esabcdbr", workdir="/nonexistent", nodes=[])
+        assert owner_alive(state)
+        assert not owner_alive(state.model_copy(update={"owner_started": (state.owner_started or 0) + 1}))
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not owner_alive(state)

@@ -34,7 +34,7 @@ DEVICES = 4
 HEARTBEAT_S = 0.5  # failure timeout: three intervals, 1.5 s
 SHORT_CUT_S = 0.8  # shorter than the failure timeout
 LONG_CUT_S = 6.0  # well past it, and past the probe
-ROUNDS = 8
+ROUNDS = 6
 JOB = {"model": {"name": "mlp", "config": {"hidden": 128, "layers": 3, "seed": 5}},
        "data": {"kind": "teacher", "size": 1024, "test_size": 64}, "global_batch": 64, "micro_batches": 2,
        "optimizer": {"name": "momentum", "lr": 0.05, "momentum": 0.9}, "rounds": ROUNDS, "checkpoint_interval": 2,
@@ -155,7 +155,7 @@ def stage_device(state: JobState, last: bool = True) -> str:
 # --- serving ----------------------------------------------------------------------------------------------------
 
 SERVE_MODEL = {"name": "mlp", "config": {"image_size": 8, "hidden": 1536, "layers": 3}}  # 20 MB of weights
-REQUESTS = 80
+REQUESTS = 60
 
 
 def serve_through(net: Net, fault: Callable[[str], None] | None, label: str) -> None:

@@ -159,9 +159,10 @@ def _mec_checkpoint(cluster: Cluster, job: str) -> dict[str, object]:
 
 def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster) -> None:
     # Dirichlet(0.1) over three devices leaves them very unequal shares: one finishes long before the other.
+    # wait_s: the devices wait for the restarted MEC, which imports torch again (over 10 s on a loaded CI machine).
     text = spec_text("sf-mec", rounds=2, gamma=1.0, partition={"kind": "dirichlet", "devices": DEVICES,
                                                                 "alpha": 0.1, "seed": 3},
-                     training={"epochs": 3, "batch_size": 16})
+                     training={"epochs": 3, "batch_size": 16}, wait_s=45)
     events: list[JobEvent] = []
     follower = JobFollower(cluster.bus, "sf-mec", on_event=events.append)
     submit_job(cluster.bus, text, submission=follower.submission)

@@ -82,5 +82,3 @@ def stop(proc: subprocess.Popen[bytes], *, kill: bool = False, timeout_s: float 
             proc.kill()
             proc.wait(timeout_s)
 
-
-__all__ = ["BROKER_PORT", "DEPLOY_CONF", "deployment_config", "start", "stop"]

@@ -29,7 +29,15 @@ from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, Chi
 from edgeswarm.netns import brokers, faults, host, network
 from edgeswarm.netns.clock import find_libfaketime, skewable_env
 from edgeswarm.netns.shaping import LinkShape, NodeShaper
-from edgeswarm.netns.state import NetnsNode, NetnsState, allocation_lock, clock_file, free_subnet, new_run_id
+from edgeswarm.netns.state import (
+    NetnsNode,
+    NetnsState,
+    allocation_lock,
+    clock_file,
+    free_subnet,
+    new_run_id,
+    process_start_ticks,
+)
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
@@ -65,25 +73,26 @@ class NetnsCluster:
     # --- what callers read -------------------------------------------------------------------------------------
 
     @property
-    def nodes(self) -> list[NetnsNode]:
+    def started(self) -> NetnsState:
+        """What the running cluster made. Raises RuntimeError before ``start()``."""
         if self.state is None:
             raise RuntimeError("the cluster is not started")
-        return self.state.nodes
+        return self.state
+
+    @property
+    def nodes(self) -> list[NetnsNode]:
+        return self.started.nodes
 
     def node(self, name: str) -> NetnsNode:
-        if self.state is None:
-            raise RuntimeError("the cluster is not started")
         try:
-            return self.state.node(name)
+            return self.started.node(name)
         except KeyError:
             raise ConfigError(f"no node {name!r} in this cluster; nodes: "
-                              f"{', '.join(n.node for n in self.state.nodes)}") from None
+                              f"{', '.join(n.node for n in self.nodes)}") from None
 
     @property
     def bridge(self) -> str:
-        if self.state is None:
-            raise RuntimeError("the cluster is not started")
-        return self.state.bridge
+        return self.started.bridge
 
     @property
     def hub_url(self) -> str:
@@ -134,7 +143,9 @@ class NetnsCluster:
         with allocation_lock():
             run_id = new_run_id()
             subnet = free_subnet(network.addresses_in_use())
-            self.state = NetnsState(run_id=run_id, owner_pid=os.getpid(), subnet=subnet, bridge=f"es{run_id}br",
+            me = os.getpid()
+            self.state = NetnsState(run_id=run_id, owner_pid=me, owner_started=process_start_ticks(me),
+                                    subnet=subnet, bridge=f"es{run_id}br",
                                     workdir=str(self.workdir), nodes=network.layout(run_id, subnet, self._roles()))
             self.state.save()  # before anything exists, so that a crash from here on is cleaned up
         network.create(self.state)
@@ -195,8 +206,7 @@ class NetnsCluster:
     def restart_broker(self, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
         """Stop ``name``'s broker (SIGTERM, or SIGKILL as a crash), wait ``down_s`` seconds, start it again; returns
         the seconds it was unreachable."""
-        assert self.state is not None
-        return faults.restart_broker(self.state, self.node(name).node, down_s=down_s, kill=kill)
+        return faults.restart_broker(self.started, self.node(name).node, down_s=down_s, kill=kill)
 
     # --- services ----------------------------------------------------------------------------------------------
 
@@ -289,7 +299,7 @@ class NetnsCluster:
 
     def shaper(self, name: str) -> NodeShaper:
         """The kernel shaper of ``name``'s links (its state in the node's folder, so any process can change it)."""
-        return faults.shaper_of(self.state, name) if self.state is not None else faults.shaper_of(None, name)
+        return faults.shaper_of(self.started, name)
 
     def _shape(self) -> None:
         """Shape every device's and edge server's links to the others as the cluster file says (rate, latency);
@@ -303,7 +313,7 @@ class NetnsCluster:
     def set_link(self, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
         """Give the link between ``a`` and ``b`` ``shape`` in both directions; returns the shapes it had (by node),
         for ``restore_link``."""
-        return faults.set_link(self.state, a, b, shape) if self.state is not None else {}
+        return faults.set_link(self.started, a, b, shape)
 
     def restore_link(self, a: str, b: str, before: dict[str, LinkShape]) -> None:
-        faults.restore_link(self.state, a, b, before)
+        faults.restore_link(self.started, a, b, before)

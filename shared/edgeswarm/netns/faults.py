@@ -83,19 +83,15 @@ def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0, kill: b
     return time.monotonic() - started
 
 
-def shaper_of(state: NetnsState | None, name: str) -> NodeShaper:
+def shaper_of(state: NetnsState, name: str) -> NodeShaper:
     """``name``'s kernel shaper, rebuilt from the state it keeps in the cluster's folder."""
-    if state is None:
-        raise RuntimeError("the cluster is not started")
     node = state.node(name)
     return NodeShaper(node.netns, network.INSIDE_DEV, Path(state.workdir) / "shaping" / name)
 
 
-def set_link(state: NetnsState | None, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
+def set_link(state: NetnsState, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
     """Shape the link between nodes ``a`` and ``b`` as ``shape`` in both directions (each end shapes what it sends
     and receives from the other). Returns each end's previous shape of it, by node (unshaped: a default shape)."""
-    if state is None:
-        raise RuntimeError("the cluster is not started")
     before = {}
     for here, there in ((a, b), (b, a)):
         shaper = shaper_of(state, here)
@@ -105,10 +101,8 @@ def set_link(state: NetnsState | None, a: str, b: str, shape: LinkShape) -> dict
     return before
 
 
-def restore_link(state: NetnsState | None, a: str, b: str, before: dict[str, LinkShape]) -> None:
+def restore_link(state: NetnsState, a: str, b: str, before: dict[str, LinkShape]) -> None:
     """Put back what ``set_link`` returned."""
-    if state is None:
-        return
     for here, there in ((a, b), (b, a)):
         if here in before:
             shaper_of(state, here).set(state.node(there).address, before[here])

@@ -11,7 +11,7 @@ import signal
 import time
 
 from edgeswarm.netns import host
-from edgeswarm.netns.state import STATE_DIR, NetnsNode, NetnsState, owner_alive, saved_states
+from edgeswarm.netns.state import FIRST_NODE_INDEX, NetnsNode, NetnsState, owner_alive, saved_states
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +95,11 @@ def set_link(node: NetnsNode, up: bool) -> None:
     host.run(["ip", "link", "set", node.veth, "up" if up else "down"])
 
 
-def link_is_up(node: NetnsNode) -> bool:
-    out = host.run(["ip", "-o", "link", "show", node.veth], check=False)
-    return "state UP" in out or ",UP" in out.split(">")[0] if out else False
-
-
 def layout(run_id: str, subnet: str, nodes: list[tuple[str, str]]) -> list[NetnsNode]:
     """Names and addresses for ``nodes`` (name, role), in order, on ``subnet``."""
     net = ipaddress.ip_network(subnet)
-    if len(nodes) + 10 > net.num_addresses - 2:
+    if len(nodes) + FIRST_NODE_INDEX > net.num_addresses - 2:
         raise ValueError(f"{len(nodes)} nodes do not fit in {subnet}")
-    return [NetnsNode(node=name, role=role, netns=f"es{run_id}-{name}", address=str(net[10 + i]),  # type: ignore[arg-type]
+    return [NetnsNode(node=name, role=role, netns=f"es{run_id}-{name}", address=str(net[FIRST_NODE_INDEX + i]),  # type: ignore[arg-type]
                       veth=f"es{run_id}h{i}") for i, (name, role) in enumerate(nodes)]
 
-
-__all__ = ["STATE_DIR", "addresses_in_use", "clean_stale", "create", "destroy", "kill_all_in", "layout", "pids_in",
-           "set_link"]

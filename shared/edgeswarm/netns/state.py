@@ -47,6 +47,7 @@ class NetnsState(BaseModel):
 
     run_id: str
     owner_pid: int
+    owner_started: int | None = None  # the owner's start time (``process_start_ticks``)
     subnet: str
     bridge: str
     workdir: str
@@ -102,14 +103,22 @@ def saved_states() -> list[NetnsState]:
     return out
 
 
-def owner_alive(state: NetnsState) -> bool:
-    """Whether the process that made ``state`` still runs (a recycled pid that is not an edgeswarm process is
-    not its owner)."""
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, /proc/PID/stat field 22), or None when it does not
+    exist: with the pid, what tells a process from a later one that reuses its pid."""
     try:
-        cmdline = Path(f"/proc/{state.owner_pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return b"edgeswarm" in cmdline or b"pytest" in cmdline
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from the last ")".
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[19])
+
+
+def owner_alive(state: NetnsState) -> bool:
+    """Whether the process that made ``state`` still runs (the same process: its pid and its start time)."""
+    started = process_start_ticks(state.owner_pid)
+    return started is not None and started == state.owner_started
 
 
 @contextlib.contextmanager
