@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from edgeswarm.devices.compute import resolve_compute, to_compute
+from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import MemoryBudgetError
 from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.splitfed.cost import device_memory
 from edgeswarm.planning.splitfed.synthetic import budget_trace
 from edgeswarm.runtime.program import ComputeGate
+from edgeswarm.settings import Settings
 from edgeswarm.splitfed.compute import DevicePart, MecPart, input_bytes
 from edgeswarm.splitfed.profile import model_cost
 from edgeswarm.splitfed.weights import flatten
@@ -21,6 +24,9 @@ from edgeswarm.values.federated import LocalTraining, PartitionSpec
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec
 
+# The one setting (EDGESWARM_COMPUTE) on this machine's native device: the device's parts and the MEC's compute there.
+_NATIVE = Settings(device_class="native")
+COMPUTE = resolve_compute(_NATIVE.compute, DeviceProfile.from_settings(_NATIVE))
 MODEL = ModelSpec(name="lenet5", config={"num_classes": 10})
 BATCH = 16
 CUT = 3
@@ -40,11 +46,11 @@ def test_a_budget_trace_never_sees_an_iteration_over_budget(policy: str, fractio
     # the trace crosses what the cut needs.
     rng = np.random.default_rng(0)
     trace = [int(b) for b in budget_trace(int(need * 4), fraction, 300, rng)]
-    x = torch.randn(BATCH, 1, 32, 32, generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(2))
+    x = to_compute(torch.randn(BATCH, 1, 32, 32, generator=torch.Generator().manual_seed(1)), COMPUTE)
+    y = to_compute(torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(2)), COMPUTE)
     trained = left = 0
     for budget in trace:
-        part = DevicePart(setup, CUT, compute=torch.device("cpu"), gate=ComputeGate())
+        part = DevicePart(setup, CUT, compute=COMPUTE, gate=ComputeGate())
         part.load(flatten(global_state, part.layout))
         try:
             part.plan_memory(budget)
@@ -52,7 +58,7 @@ def test_a_budget_trace_never_sees_an_iteration_over_budget(policy: str, fractio
             assert "shallower cut" in str(exc)
             left += 1
             continue
-        mec = MecPart(setup, CUT, compute=torch.device("cpu"))
+        mec = MecPart(setup, CUT, compute=COMPUTE)
         mec.load(global_state)
         _, tail_gradient = part.tail_step(mec.forward(part.front_forward(x)), y)
         part.front_backward(mec.backward(tail_gradient))
