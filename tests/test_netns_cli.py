@@ -167,11 +167,9 @@ def _heartbeat_ahead(client: dict[str, str], node: str) -> float:
     """How far ahead of this machine's clock ``node``'s node-agent stamps its heartbeat (seconds)."""
     from edgeswarm import topics
     from edgeswarm.messages import Heartbeat
-    from edgeswarm.runtime.client import client_bus
-    from edgeswarm.settings import Settings
+    from edgeswarm.runtime.client import client_bus, settings_from_env
 
-    bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in client.items()
-                                 if k.startswith("EDGESWARM_")}))
+    bus = client_bus(settings_from_env(client))
     got: list[float] = []
     try:
         bus.subscribe(topics.heartbeat(node, "node-agent"),

@@ -71,8 +71,7 @@ def _online(bus: Bus, nodes: list[str], service: str = "stage-worker") -> bool:
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     from edgeswarm.devices.cluster import cluster_of
-    from edgeswarm.runtime.client import client_bus
-    from edgeswarm.settings import Settings
+    from edgeswarm.runtime.client import client_bus, settings_from_env
 
     root = tmp_path_factory.mktemp("netns")
     cluster = NetnsCluster(cluster_of(DEVICES, "native"), workdir=root / "cluster", heartbeat_interval_s=HEARTBEAT_S,
@@ -83,8 +82,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     bus = None
     try:
         env = cluster.client_env()
-        bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}),
-                         connect_timeout_s=30)
+        bus = client_bus(settings_from_env(env), connect_timeout_s=30)
         devices = [d.id for d in cluster.spec.devices]
         wait_until(lambda: _online(bus, devices) and _online(bus, ["hub"], "coordinator"), 240, interval_s=0.2,
                    message="every service of the namespace cluster online")

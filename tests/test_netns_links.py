@@ -22,8 +22,7 @@ TINY_MLP = ModelSpec(name="mlp", config={"hidden": 16, "layers": 1})
 def test_profiled_links_match_the_kernel_shaping(tmp_path: Path) -> None:
     from edgeswarm.netns.cluster import NetnsCluster
     from edgeswarm.profiling.gather import gather_cluster_profile
-    from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running
-    from edgeswarm.settings import Settings
+    from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, settings_from_env
 
     spec = ClusterSpec(name="shaped", network=NetworkDefaults(bandwidth_mbps=BANDWIDTH_MBPS, latency_ms=LATENCY_MS),
                        devices=tuple(DeviceEntry(id=f"dev-{i}", device_class="native") for i in range(3)))
@@ -31,7 +30,7 @@ def test_profiled_links_match_the_kernel_shaping(tmp_path: Path) -> None:
     with NetnsCluster(spec, workdir=tmp_path / "cluster", skip_services=("tensor-shard-worker", "stage-worker"),
                       extra_env={**FAST_ENV, "EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles")}) as cluster:
         env = cluster.client_env()
-        bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}))
+        bus = client_bus(settings_from_env(env))
         try:
             watcher = ClusterWatcher(bus)
             wait_until(lambda: set(nodes) <= set(nodes_running(watcher.view()[0], "profiler")), 120,

@@ -11,9 +11,8 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.netns.cluster import NetnsCluster
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, settings_from_env, wait_for_service
 from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
-from edgeswarm.settings import Settings
 
 
 @contextmanager
@@ -31,7 +30,7 @@ def asteroid_cluster(env: str, profile_dir: Path, *, netns: bool = False
                LocalCluster(spec, extra_env=env_vars, skip_services=(TENSOR_SHARD_WORKER,)))
     with cluster as local:
         client = local.client_env()
-        bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in client.items()}))
+        bus = client_bus(settings_from_env(client))
         try:
             watcher = ClusterWatcher(bus)
             watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)

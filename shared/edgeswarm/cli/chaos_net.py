@@ -137,7 +137,7 @@ def run_network_chaos(args: argparse.Namespace) -> int:
             console.print(f"put back after {for_s:g} s")
         return 0
     if action == "restart-broker":
-        down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
+        _proc, down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
         console.print(f"the broker of {node.node} restarted ({'killed' if args.kill else 'stopped'}; unreachable "
                       f"{down:.1f} s)")
         return 0

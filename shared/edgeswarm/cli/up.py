@@ -13,9 +13,8 @@ from edgeswarm.devices.cluster import ClusterSpec, cluster_of, load_cluster
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.netns.cluster import NetnsCluster
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices, settings_from_env
 from edgeswarm.runtime.signals import stop_on_signals
-from edgeswarm.settings import Settings
 
 
 def cluster_from_arg(devices: str, device_class: str | None) -> ClusterSpec:
@@ -85,7 +84,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 def _wait_ready(cluster: LocalCluster | NetnsCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
     env = cluster.client_env()
-    bus = client_bus(Settings(**{k.removeprefix("EDGESWARM_").lower(): v for k, v in env.items()}))
+    bus = client_bus(settings_from_env(env))
     try:
         watcher = ClusterWatcher(bus)
         view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop)

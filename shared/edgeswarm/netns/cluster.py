@@ -206,7 +206,10 @@ class NetnsCluster:
     def restart_broker(self, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
         """Stop ``name``'s broker (SIGTERM, or SIGKILL as a crash), wait ``down_s`` seconds, start it again; returns
         the seconds it was unreachable."""
-        return faults.restart_broker(self.started, self.node(name).node, down_s=down_s, kill=kill)
+        node = self.node(name).node
+        # Kept, so that stop() ends and reaps it like the first one.
+        self.brokers[node], down = faults.restart_broker(self.started, node, down_s=down_s, kill=kill)
+        return down
 
     # --- services ----------------------------------------------------------------------------------------------
 

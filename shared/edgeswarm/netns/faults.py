@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -65,10 +66,11 @@ def broker_pids(node: NetnsNode) -> list[int]:
     return out
 
 
-def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0, kill: bool = False) -> float:
+def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0,
+                   kill: bool = False) -> tuple[subprocess.Popen[bytes], float]:
     """Stop ``name``'s broker (SIGTERM, or SIGKILL as a crash), wait ``down_s``, start it again from the
-    configuration the cluster wrote; returns the seconds it was unreachable. Works from any process (the new
-    broker is in its own session, and the cluster's stop removes it with the namespace)."""
+    configuration the cluster wrote; returns the new broker's process and the seconds it was unreachable. Works from
+    any process (the new broker is in its own session, and the cluster's stop removes it with the namespace)."""
     node = state.node(name)
     folder = Path(state.workdir) / "brokers" / name
     started = time.monotonic()
@@ -79,8 +81,8 @@ def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0, kill: b
     while broker_pids(node) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(down_s)
-    brokers.start(node, folder / "mosquitto.conf", folder / "mosquitto.log")
-    return time.monotonic() - started
+    proc = brokers.start(node, folder / "mosquitto.conf", folder / "mosquitto.log")
+    return proc, time.monotonic() - started
 
 
 def shaper_of(state: NetnsState, name: str) -> NodeShaper:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from edgeswarm.netns import host
+from edgeswarm.netns import host, network
 from edgeswarm.netns.delayer import DelayerConfig, QueueDelay
 from edgeswarm.settings import LinkSpec
 
@@ -387,7 +387,9 @@ class NodeShaper:
                                     f"{self.workdir / DELAYER_LOG}")
 
     def _stop_delayer(self) -> None:
-        candidates = [self.state.delayer_pid, *_delayers_of(self.ns)]
+        # Every process of the namespace, filtered: also a delayer whose pid a crash kept out of the state file (one
+        # whose namespace is gone stops by itself).
+        candidates = [self.state.delayer_pid, *network.pids_in(self.ns)]
         pids = {p for p in candidates if p is not None and _is_delayer(p, self.ns)}
         for pid in pids:
             try:
@@ -447,17 +449,6 @@ def _is_delayer(pid: int, ns: str) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _delayers_of(ns: str) -> list[int]:
-    """The delayers of namespace ``ns`` still running (found after a crash lost the state file)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            cmd = _cmdline(int(entry.name))
-            if DELAYER_MODULE in cmd and "--netns" in cmd and cmd[cmd.index("--netns") + 1:][:1] == [ns]:
-                found.append(int(entry.name))
-    return found
 
 
 def _chain_jumped(ns: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Literal
 
 from edgeswarm import topics
@@ -19,6 +20,13 @@ CLI_CONNECT_TIMEOUT_S = 5.0  # a command line gives up on an unreachable broker 
 
 
 CLI_NODE = "cli"
+
+
+def settings_from_env(env: Mapping[str, str]) -> Settings:
+    """The settings the ``EDGESWARM_*`` variables of ``env`` give (a cluster's ``client_env()``, say), as a process
+    started with them would read them; other variables are ignored."""
+    prefix = "EDGESWARM_"
+    return Settings(**{k.removeprefix(prefix).lower(): v for k, v in env.items() if k.startswith(prefix)})
 
 
 def client_bus(settings: Settings, role: str = "cli", connect_timeout_s: float = CLI_CONNECT_TIMEOUT_S) -> Bus:
