@@ -1,0 +1,1 @@
+"""Prometheus metrics for the whole cluster, exposed on the hub."""
