@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from edgeswarm.bus import Bus
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.metrics import Metrics
+from edgeswarm.tracing.schedule import ScheduleView
 
 
 class TraceCollector:
@@ -23,3 +25,7 @@ class TraceCollector:
     def chrome_trace_json(self, job_id: str) -> bytes:
         """Job ``job_id``'s spans as Chrome trace format (JSON bytes). Raises KeyError for a job it holds none of."""
         raise KeyError(job_id)
+
+    def round_schedule(self, state: JobState) -> ScheduleView | None:
+        """The latest round of job ``state`` whose spans are all in, planned beside measured; None when none is."""
+        return None
