@@ -124,6 +124,37 @@ def test_snapshot_builder_draws_nodes_jobs_plans_series_and_events() -> None:
     json.loads(snap.model_dump_json())  # what the server pushes
 
 
+def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts() -> None:
+    from edgeswarm.planning.hmp.shares import HmpShares
+    from edgeswarm.planning.hmp.types import HmpPlan, LatencySplit
+    from edgeswarm.planning.splitfed.types import DeviceCut, SplitSelection
+
+    hmp = HmpPlan.model_construct(shares=HmpShares(devices=["a", "b"], heads=[6, 2], columns=[300, 100]),
+                                  memory_bytes=[3 * MIB, MIB], left_out=["c"], epoch=1,
+                                  model=LatencySplit(total_s=0.02, compute_s=0.015, comm_s=0.01, exposed_s=0.005))
+    state = JobState(job_id="h", kind="serve-hmp", status="running", model="bert", submitted_at=1.0, updated_at=2.0,
+                     plan=hmp, progress={"answered": 3, "latency_p50_s": 0.05, "predicted_latency_s": 0.02,
+                                         "tpot_p50_s": 0.01})
+    drawn = build_snapshot(Observed(jobs={"h": state}), now=3.0).jobs[0].plan
+    assert drawn is not None and drawn.layout == "parallel" and drawn.epoch == 1
+    assert [(b.device, b.share) for b in drawn.groups[0].blocks] == [("a", 0.75), ("b", 0.25)]
+    assert "6 heads, 300 columns, 3.0 MiB" == drawn.groups[0].blocks[0].detail and "c" in drawn.groups[0].detail
+
+    split = SplitSelection(selected=[DeviceCut(node="d0", mec="edge-0", cut=2, round_s=1.5, memory_bytes=MIB)],
+                           objective=1.0, t_system_s=1.5, target_cut=2, count=1, evaluations=4, solver="bo")
+    state = JobState(job_id="s", kind="train-splitfed", status="running", model="mlp", submitted_at=1.0,
+                     updated_at=2.0, plan=split, progress={"rounds_done": 2, "history": [
+                         {"round": r, "participants": [], "loss": 1.0 - r / 10, "round_s": 1.8, "predicted_s": 1.5}
+                         for r in range(2)]})
+    card = build_snapshot(Observed(jobs={"s": state}), now=3.0).jobs[0]
+    assert card.plan is not None and [b.device for b in card.plan.groups[0].blocks] == ["d0", "edge-0"]
+    assert "cut 2" in card.plan.groups[0].detail
+    from edgeswarm.dashboard.snapshot import job_series
+
+    loss = next(s for s in job_series(state) if s.name == "loss")
+    assert [p.x for p in loss.points] == [1, 2]
+
+
 def test_a_plugin_kind_without_its_own_drawing_is_drawn_from_its_stage_devices() -> None:
     from edgeswarm.workloads.base import JobSummary, Workload
 

@@ -84,7 +84,7 @@ def node_card(node: NodeView, gauges: dict[str, float]) -> NodeCard:
         memory_used_bytes=max(0, node.memory_budget_bytes - node.free_memory_bytes),
         reserved_memory_bytes=node.reserved_memory_bytes,
         accelerator_utilization=util, accelerator_temperature_c=temp,
-        data_url=next((s.data_url for s in node.services if s.state == "online"), ""),
+        data_url=next((s.data_url for s in node.services if s.state != "offline" and s.data_url), ""),
         services=tuple(ServiceCard(service=s.service, state=s.state, heartbeat_age_s=s.heartbeat_age_s)
                        for s in sorted(node.services, key=lambda s: s.service)))
 

@@ -14,7 +14,15 @@ from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
-from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView, Series, SeriesPoint, finite
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 MIB = 1 << 20
 
@@ -84,7 +92,7 @@ class HmpWorkload(Workload):
         sh = plan.shares
         heads, cols = sum(sh.heads) or 1, sum(sh.columns) or 1
         blocks = tuple(PlanBlock(device=d, share=min(1.0, (h / heads + c / cols) / 2), detail=(
-            f"{h} heads, {c} columns, {plan.memory_bytes[i] / MIB:.1f} MiB" if i < len(plan.memory_bytes) else
+            f"{h} heads, {c} columns, {human_bytes(plan.memory_bytes[i])}" if i < len(plan.memory_bytes) else
             f"{h} heads, {c} columns")) for i, (d, h, c) in enumerate(zip(sh.devices, sh.heads, sh.columns,
                                                                            strict=False)))
         return PlanView(layout="parallel", epoch=plan.epoch, groups=(PlanGroup(

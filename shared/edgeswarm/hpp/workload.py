@@ -17,10 +17,17 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
-from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView, Series, SeriesPoint, finite
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 log = logging.getLogger(__name__)
-MIB = 1 << 20
 
 NOT_STARTED = frozenset({"queued", "profiling", "planning", "deploying"})  # nothing trained yet: start again
 
@@ -143,7 +150,7 @@ class TrainWorkload(Workload):
             groups.append(PlanGroup(label=f"stage {st.index}: units {st.start}-{st.end - 1}", detail=(
                 f"forward {st.forward_s * 1000:.1f} ms, backward {st.backward_s * 1000:.1f} ms per micro-batch"),
                 blocks=tuple(PlanBlock(device=d, share=min(1.0, share / total), detail=f"{share} samples, "
-                                       f"{mem / MIB:.1f} of {budget / MIB:.0f} MiB")
+                                       f"{human_bytes(mem)} of {human_bytes(budget)}")
                              for d, share, mem, budget in zip(st.devices, st.shares, st.memory_bytes,
                                                               st.memory_budget_bytes, strict=False))))
         return PlanView(layout="chain", groups=tuple(groups), epoch=plan.epoch, summary=(

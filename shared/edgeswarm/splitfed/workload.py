@@ -12,7 +12,15 @@ from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
-from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView, Series, SeriesPoint, finite
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 MIB = 1 << 20
 
@@ -69,7 +77,7 @@ class SplitfedWorkload(Workload):
         if not isinstance(plan, SplitSelection):
             return None
         groups = tuple(PlanGroup(label=f"{d.node} via {d.mec}", blocks=(
-            PlanBlock(device=d.node, detail=f"units 0-{d.cut - 1} and the last, {d.memory_bytes / MIB:.1f} MiB"),
+            PlanBlock(device=d.node, detail=f"units 0-{d.cut - 1} and the last, {human_bytes(d.memory_bytes)}"),
             PlanBlock(device=d.mec, detail=f"units {d.cut}- (server half)")),
             detail=f"cut {d.cut}, predicted {d.round_s:.2f} s") for d in plan.selected)
         return PlanView(layout="parallel", groups=groups, summary=(

@@ -85,3 +85,12 @@ def default_plan_view(stage_devices: list[list[str]], epoch: int = 0) -> PlanVie
 def finite(value: float | None) -> bool:
     """Whether ``value`` is a number to draw (not None, NaN or infinite: a diverged loss is NaN)."""
     return value is not None and math.isfinite(value)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a person reads them: "512 B", "7.5 KiB", "1.2 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

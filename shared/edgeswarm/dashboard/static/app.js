@@ -31,12 +31,17 @@ function replace(id, ...children) {
   el.replaceChildren(...children.flat().filter((c) => c));
 }
 
-const MIB = 1 << 20;
-function mib(b) { return (b / MIB).toFixed(b >= 100 * MIB ? 0 : 1) + " MiB"; }
+function bytes(b) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (b >= 1024 && i < units.length - 1) { b /= 1024; i += 1; }
+  return (i === 0 || b >= 100 ? b.toFixed(0) : b.toFixed(1)) + " " + units[i];
+}
 function secs(v) { return v === null || v === undefined ? "-" : v < 1 ? (v * 1000).toFixed(1) + " ms" : v.toFixed(2) + " s"; }
 function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
 function fmt(v, unit) {
   if (unit === "s") return secs(v);
+  if (!unit && Number.isInteger(v)) return String(v);
   const a = Math.abs(v);
   const text = a >= 1000 ? v.toFixed(0) : a >= 10 ? v.toFixed(1) : a >= 0.01 ? v.toFixed(3) : v.toPrecision(2);
   return unit ? text + " " + unit : text;
@@ -46,7 +51,7 @@ function cls(text) { return String(text).replace(/[^a-z0-9_-]/gi, "_"); }
 // --- nodes ---------------------------------------------------------------------------------------------------
 
 function memoryBar(n) {
-  const w = 220, budget = Math.max(n.memory_budget_bytes, 1);
+  const w = 250, budget = Math.max(n.memory_budget_bytes, 1);
   const used = Math.min(1, n.memory_used_bytes / budget), reserved = Math.min(1, n.reserved_memory_bytes / budget);
   const colour = (r) => (r >= 0.9 ? "#dc2626" : r >= 0.75 ? "#d97706" : "#1f9d55");
   return s("svg", { width: w, height: 34, class: "memory", "aria-label": "memory" },
@@ -55,7 +60,8 @@ function memoryBar(n) {
     s("rect", { x: 0, y: 14, width: w, height: 6, fill: "#eef0f3" }),
     s("rect", { x: 0, y: 14, width: w * reserved, height: 6, fill: "#7c3aed" }),
     s("line", { x1: w * 0.9, x2: w * 0.9, y1: 0, y2: 22, stroke: "#dc2626", "stroke-dasharray": "2,2" }),
-    s("text", { x: 0, y: 32 }, `used ${mib(n.memory_used_bytes)}, reserved ${mib(n.reserved_memory_bytes)} of ${mib(n.memory_budget_bytes)}`));
+    s("text", { x: 0, y: 32 }, `used ${bytes(n.memory_used_bytes)}, reserved ${bytes(n.reserved_memory_bytes)} / ${bytes(n.memory_budget_bytes)}`),
+    s("title", {}, "memory: used (top bar), reserved for jobs (bottom bar), against the node's budget; the dashed line is 90 %"));
 }
 
 function gauge(label, value, max, text) {
@@ -148,8 +154,8 @@ function chart(series) {
     s("line", { x1: l, x2: w, y1: hgt - b, y2: hgt - b, class: "axis" }),
     s("text", { x: 2, y: t + 8 }, fmt(y1, series.unit)),
     s("text", { x: 2, y: hgt - b }, fmt(y0, series.unit)),
-    s("text", { x: l, y: hgt - 4 }, `${series.x_label} ${fmt(x0)}`),
-    s("text", { x: w - 60, y: hgt - 4 }, fmt(x1)));
+    s("text", { x: l, y: hgt - 4 }, `${series.x_label} ${fmt(Math.round(x0 * 10) / 10)}`),
+    s("text", { x: w - 40, y: hgt - 4 }, fmt(Math.round(x1 * 10) / 10)));
   if (pts.length > 1)
     svg.appendChild(s("polyline", { points: pts.map((p) => `${X(p.x)},${Y(p.y)}`).join(" "), fill: "none", stroke: "#2563eb", "stroke-width": 1.5 }));
   for (const p of pts)
