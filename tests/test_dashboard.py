@@ -301,7 +301,7 @@ model: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}
 data: {kind: teacher, size: 256, test_size: 64}
 global_batch: 16
 micro_batches: 2
-rounds: 40
+rounds: 400
 checkpoint_interval: 2
 """
 SERVE = """kind: serve-pipeline
@@ -371,9 +371,11 @@ def test_the_page_shows_the_cluster_live_through_a_device_failure(live: tuple[An
     folders = shots(tmp_path)
     (root / "serve.yaml").write_text(SERVE)
     (root / "train.yaml").write_text(TRAIN)
+    # Training submitted first (it returns at once) so that it profiles and plans while serving deploys; it runs
+    # rounds until it is cancelled at the end.
+    edgeswarm("train", str(root / "train.yaml"), "--hub", local.hub_url)
     edgeswarm("serve", str(root / "serve.yaml"), "--hub", local.hub_url)
     edgeswarm("infer", "dash-serve", "--count", "8", "--show", "0", "--hub", local.hub_url)
-    edgeswarm("train", str(root / "train.yaml"), "--hub", local.hub_url)
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

@@ -45,7 +45,11 @@ class DashboardService(Service):
         check_exposure(settings.dashboard_host, self.token)
         super().__init__(settings)
         self.on_listening = on_listening
-        self.server: DashboardServer | None = None
+        # The address is taken before the service connects, so a port in use is said before anything else happens.
+        self.server = DashboardServer(settings.dashboard_host, settings.dashboard_port, self.token,
+                                      metrics=lambda: self.prometheus.exposition(), metrics_type=CONTENT_TYPE,
+                                      trace=lambda job: self.traces.chrome_trace_json(job))
+        self.server.bind()
 
     def setup(self) -> None:
         self.traces = TraceCollector(self.bus, self.metrics)
@@ -64,9 +68,6 @@ class DashboardService(Service):
         self.bus.subscribe(ALL_PROFILES, o.on_profile, schemas=(ProfileReport,))
         self._seq = 0
         self._built_at = 0.0
-        self.server = DashboardServer(self.settings.dashboard_host, self.settings.dashboard_port, self.token,
-                                      metrics=self.prometheus.exposition, metrics_type=CONTENT_TYPE,
-                                      trace=self.traces.chrome_trace_json)
         self.server.start()
         self._push()
         log.info("dashboard at %s%s", self.server.url,
@@ -78,7 +79,6 @@ class DashboardService(Service):
     def _push(self) -> None:
         """Build and push a snapshot when something changed (or ``REFRESH_S`` passed): the pages are throttled to
         one every push interval, however fast the cluster talks."""
-        assert self.server is not None
         now = time.monotonic()
         if not self.observer.changed.is_set() and now - self._built_at < REFRESH_S:
             return
@@ -95,5 +95,4 @@ class DashboardService(Service):
         self.server.publish(snapshot.model_dump_json().encode())
 
     def teardown(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        self.server.stop()

@@ -316,13 +316,22 @@ class DashboardServer:
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def bind(self) -> None:
+        """Take the address (and with port 0, a free port), answering nothing yet. Raises ConfigError when it
+        cannot: another program holds the port, or the host is not this machine's."""
+        if self._httpd is not None:
+            return
         try:
             self._httpd = _Server((self.host, self.port), _Handler, self)
         except OSError as exc:
             raise ConfigError(f"the dashboard cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; "
                               "choose another EDGESWARM_DASHBOARD_PORT (--port) or stop what holds it") from None
         self.port = self._httpd.server_address[1]
+
+    def start(self) -> None:
+        """Bind (unless done) and answer requests on a thread of its own."""
+        self.bind()
+        assert self._httpd is not None
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="dashboard-http", daemon=True)
         self._thread.start()

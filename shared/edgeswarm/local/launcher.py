@@ -111,10 +111,11 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
                  extra_env: dict[str, str] | None = None, secure: bool = False,
-                 skip_services: tuple[str, ...] = (), dashboard_port: int | None = None) -> None:
+                 skip_services: tuple[str, ...] = (), dashboard_port: int | None = 0) -> None:
         self.spec = spec
         # The hub's dashboard listens on 127.0.0.1 at this port (0: a free one, chosen at start, so clusters started
-        # side by side never collide); None: no dashboard (a cluster that only runs jobs saves its process).
+        # side by side never collide); None: no dashboard (a cluster that only runs jobs, or a test's, saves its
+        # process; ``hub_services`` then leaves it out).
         self.dashboard_port = dashboard_port
         self.skip_services = skip_services  # services not started on the devices and edges (what a run needs not)
         self.secure = secure
@@ -125,6 +126,11 @@ class LocalCluster:
         self._extra_env = extra_env or {}
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []
+
+    @property
+    def hub_services(self) -> tuple[str, ...]:
+        """The services this cluster runs on the hub: every hub service, the dashboard unless it was left out."""
+        return tuple(s for s in HUB_SERVICES if s != DASHBOARD or self.dashboard_port is not None)
 
     @property
     def dashboard_url(self) -> str | None:

@@ -112,7 +112,7 @@ function linkMatrix(links) {
 function planDrawing(plan, nodeStates) {
   const groups = plan.groups;
   const chain = plan.layout === "chain";
-  const bw = 150, bh = 34, gap = chain ? 40 : 16, pad = 18;
+  const bw = 180, bh = 34, gap = chain ? 40 : 16, pad = 18;
   const rows = Math.max(...groups.map((g) => g.blocks.length), 1);
   const width = chain ? groups.length * (bw + gap) : Math.max(...groups.map((g) => g.blocks.length)) * (bw + 10) + 10;
   const height = chain ? pad + rows * (bh + 6) + 6 : groups.length * (pad + bh + 8) + 4;
@@ -127,7 +127,7 @@ function planDrawing(plan, nodeStates) {
         s("rect", { x, y, width: bw, height: bh, rx: 4 }),
         s("rect", { x, y: y + bh - 4, width: bw * b.share, height: 4, fill: "#2563eb" }),
         s("text", { x: x + 5, y: y + 13 }, b.device + (b.share < 0.999 ? ` ${(b.share * 100).toFixed(0)}%` : "")),
-        s("text", { x: x + 5, y: y + 26, class: "muted" }, b.detail.slice(0, 28)),
+        s("text", { x: x + 5, y: y + 26, class: "muted" }, b.detail.slice(0, 34)),
         s("title", {}, `${b.device}: ${b.detail}`));
       svg.appendChild(block);
     });
