@@ -122,6 +122,10 @@ def test_snapshot_builder_draws_nodes_jobs_plans_series_and_events() -> None:
     assert {s.name: s.points[0].x for s in points} == {"loss": 3, "round time": 3}
     assert job_series(train_state("t", 3, 0.7, round_s=None)) == []  # the round's figures are not in yet
     json.loads(snap.model_dump_json())  # what the server pushes
+    schedule = ScheduleView(job_id="t", round=2, lanes=("stage 0: d0",), bars=(
+        ScheduleBar(lane="stage 0: d0", name="F0", cat="compute", start_s=0, dur_s=0.1, source="measured"),))
+    seen.schedules["t"] = schedule
+    assert next(j for j in build_snapshot(seen, now=1002.0).jobs if j.job_id == "t").schedule == schedule
 
 
 def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts() -> None:
@@ -420,6 +424,18 @@ def test_the_page_shows_the_cluster_live_through_a_device_failure(live: tuple[An
                                                         for b in g["blocks"]}
             assert "live" in page.inner_text("#freshness")
             screenshot(page, folders, "2-after-device-lost")
+            # A round planned beside measured (what the trace collector gives once a round's spans are in) is drawn:
+            # one bar per operation of each, on one lane per stage.
+            lanes = ["stage 0: native-0", "stage 1: native-1"]
+            bars = [{"lane": lane, "name": f"F{m}", "cat": "compute", "start_s": 0.01 * (m + i), "dur_s": 0.01,
+                     "source": source} for i, lane in enumerate(lanes) for m in range(2)
+                    for source in ("planned", "measured")]
+            train["schedule"] = {"job_id": "dash-train", "round": 3, "lanes": lanes, "bars": bars}
+            drawn = page.evaluate("(snap) => { render(snap); return [document.querySelectorAll("
+                                  "'svg.schedule rect.bar-planned').length, document.querySelectorAll("
+                                  "'svg.schedule rect.bar-measured').length]; }", recovered)
+            assert drawn == [4, 4]
+            screenshot(page, folders, "3-schedule-planned-beside-measured")
         finally:
             browser.close()
 
