@@ -127,6 +127,7 @@ def test_up_local_starts_a_cluster_status_shows_it_and_sigterm_stops_every_proce
     assert pids_alive(pids) == [], "every service process is gone"
     log = cluster.log.read_text()
     assert "broker: mosquitto" in log and f"stopped {services + 1} processes" in log
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/", log), log  # the hub's dashboard, on a free port
     broker_pid = int(re.search(r"broker: mosquitto \(pid (\d+)\)", log).group(1))
     assert pids_alive([broker_pid]) == []
 
@@ -187,7 +188,7 @@ def test_topics_lists_the_tree() -> None:
 
 def test_service_command_rejects_unknown_services_and_up_needs_local() -> None:
     result = edgeswarm("service", "bogus", check=False)
-    available = "available: checkpoint-store, coordinator, mec-manager, node-agent"
+    available = "available: checkpoint-store, coordinator, dashboard, mec-manager, node-agent"
     assert result.returncode == 2 and available in result.stderr
     result = edgeswarm("up", check=False)
     assert result.returncode == 2 and "docker compose up" in result.stderr

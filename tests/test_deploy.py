@@ -691,8 +691,10 @@ def test_compose_service_runs_with_compose_environment(service: str, compose: di
     fails once it has stopped."""
     assert service in app_services(compose)
     # This node's own broker is the test's, on loopback, and so is the hub: loopback is then a valid data URL.
-    env = in_test(compose_service_env(compose, service, shell(EDGESWARM_DATA_URL=deploy_broker.url)), deploy_broker,
-                  tmp_path)
+    # The dashboard listens on every interface of its container: here, on a free port of this machine.
+    env = in_test(compose_service_env(compose, service, shell(EDGESWARM_DATA_URL=deploy_broker.url,
+                                                              EDGESWARM_DASHBOARD_PORT=str(free_port()))),
+                  deploy_broker, tmp_path)
     node = env["EDGESWARM_NODE_ID"]
     assert node == DEPLOY_NODE
     healthcheck = compose["services"][service]["healthcheck"]["test"]

@@ -115,7 +115,7 @@ def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path)
     nodes = [d.id for d in spec.devices]
     env = {**FAST_ENV, "EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles")}
     seen: dict[str, float] = {}
-    with LocalCluster(spec, port=0, workdir=tmp_path / "cluster", extra_env=env) as cluster:
+    with LocalCluster(spec, port=0, workdir=tmp_path / "cluster", extra_env=env, dashboard_port=None) as cluster:
         bus = client_bus(Settings(hub_url=cluster.hub_url))
         try:
             watcher = ClusterWatcher(bus)

@@ -86,7 +86,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 def test_the_built_in_services_and_their_roles() -> None:
     assert list(BUILT_IN) == list(services())[:len(BUILT_IN)]
-    assert services_of("hub") == ("coordinator", "planner", "checkpoint-store")
+    assert services_of("hub") == ("coordinator", "planner", "checkpoint-store", "dashboard")
     assert services_of("device") == ("node-agent", "profiler", "stage-worker", "tensor-shard-worker")
     assert services_of("edge") == ("node-agent", "profiler", "mec-manager")  # a node like any other, no stage-worker
     assert services_of("client") == ()

@@ -75,6 +75,10 @@ BUILT_IN: dict[str, ServiceEntry] = {
     # Every node saves and loads state (stages on devices, the server halves an edge server holds).
     "checkpoint-store": ServiceEntry(_TARGET.format("checkpoint_store", "CheckpointStoreService"), ("hub",),
                                      request_writers=("hub", "device", "edge", "client")),
+    # The cluster on one live page, the hub's Prometheus metrics and the jobs' measured traces (edgeswarm.dashboard);
+    # command lines ask it for a job's trace.
+    "dashboard": ServiceEntry(_TARGET.format("dashboard", "DashboardService"), ("hub",),
+                              request_writers=("hub", "client"), data_writers=("hub",)),
     # Every node is a node: it advertises itself and is profiled (its compute and its links to the others).
     "node-agent": ServiceEntry(_TARGET.format("node_agent", "NodeAgentService"), ("device", "edge"),
                                request_writers=("hub", "client")),

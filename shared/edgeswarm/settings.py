@@ -246,6 +246,17 @@ class Settings(BaseSettings):
     # plan request (120 s timeout) room to wait behind another; a slow planner host should lower it.
     plan_time_budget_s: float = Field(default=30.0, gt=0)
 
+    # The dashboard service (edgeswarm.dashboard): where its page listens and the file holding the bearer token it
+    # asks of every request. A host beyond loopback without a token is refused at start: the page shows the whole
+    # cluster. ``dashboard_token_create`` makes a random token in that file when it does not exist yet (a container
+    # whose operator reads it from the log or the file). ``dashboard_push_interval_s``: the fewest seconds between
+    # two snapshots pushed to the open pages.
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = Field(default=8080, ge=0, le=65535)
+    dashboard_token_file: Path | None = None
+    dashboard_token_create: bool = False
+    dashboard_push_interval_s: float = Field(default=0.5, gt=0, le=60)
+
     # Each service rewrites a small stamp here on every heartbeat; `edgeswarm health SERVICE` (compose's healthcheck)
     # reads it, so a container whose service stopped heartbeating turns unhealthy.
     health_dir: Path = Field(default_factory=default_health_dir)
@@ -292,7 +303,7 @@ class Settings(BaseSettings):
             raise ValueError("expected a logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
         return value.upper()
 
-    @field_validator("data_url", "data_connect_url", mode="before")
+    @field_validator("data_url", "data_connect_url", "dashboard_token_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # `EDGESWARM_DATA_URL=` in an .env file means "not set"

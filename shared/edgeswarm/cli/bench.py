@@ -32,7 +32,7 @@ def run_bench_transport(args: argparse.Namespace) -> int:
     if hub is None:
         # No cluster given: bring up a private broker with one native node-agent as the receiver.
         spec = ClusterSpec(name="bench", devices=(DeviceEntry(id="bench-sink", device_class="native"),))
-        cluster = LocalCluster(spec, port=0)
+        cluster = LocalCluster(spec, port=0, dashboard_port=None)
         cluster.start()
         hub = cluster.hub_url
         err_console.print(f"no --hub given: started {cluster.broker.kind if cluster.broker else '?'} at {hub}")

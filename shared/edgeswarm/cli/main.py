@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval in seconds")
     up.add_argument("--workdir", default=None, help="where logs and broker files go (default: a temporary folder)")
     up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for every device")
+    up.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
+                    help="with --local: the dashboard's port on 127.0.0.1 (default 0: a free one; the URL is printed)")
     up.add_argument("--secure", action="store_true",
                     help="TLS, a password per node and the topic-tree ACL, as in a deployment (files in the workdir)")
 
@@ -176,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_splitfed_parser(bench_sub)
 
     from edgeswarm.cli.chaos import add_chaos_parser
+    from edgeswarm.cli.dashboard import add_dashboard_parser
     from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
     from edgeswarm.cli.plan import add_plan_parser
@@ -194,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_health_parser(sub)
     add_watch_parser(sub)
+    add_dashboard_parser(sub)
     return parser
 
 
@@ -240,6 +244,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.watch import run_watch
 
             return run_watch(args)
+        if args.command == "dashboard":
+            from edgeswarm.cli.dashboard import run_dashboard
+
+            return run_dashboard(args)
         if args.command == "service":
             from edgeswarm.cli.service import run_service
 

@@ -181,7 +181,7 @@ def profile_local_cluster(cluster_arg: str, spec: ModelSpec, batch_sizes: list[i
     """Start the cluster locally, profile every device and link over MQTT, and stop it."""
     cluster_spec = load_cluster(cluster_arg)
     nodes = [d.id for d in cluster_spec.devices]
-    with LocalCluster(cluster_spec) as local:
+    with LocalCluster(cluster_spec, dashboard_port=None) as local:
         err_console.print(f"started {cluster_arg} locally ({len(nodes)} devices, broker {local.hub_url}); profiling")
         return profile_at_hub(local.hub_url, spec, batch_sizes, method=method, timeout_s=timeout_s, nodes=nodes,
                               progress=_progress)

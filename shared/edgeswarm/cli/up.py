@@ -44,8 +44,10 @@ def run_up(args: argparse.Namespace) -> int:
         cluster = NetnsCluster(spec, heartbeat_interval_s=args.heartbeat, workdir=workdir,
                                skewable=tuple(args.skewable))
     else:
+        if not 0 <= args.dashboard_port <= 65535:
+            raise ConfigError(f"--dashboard-port takes 0 (a free port) to 65535, not {args.dashboard_port}")
         cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
-                               workdir=workdir, secure=args.secure)
+                               workdir=workdir, secure=args.secure, dashboard_port=args.dashboard_port)
     try:
         cluster.start()
         if isinstance(cluster, NetnsCluster):
@@ -68,6 +70,8 @@ def run_up(args: argparse.Namespace) -> int:
         _wait_ready(cluster, len(spec.nodes), args.ready_timeout, stop)
         hint = f". {cluster.secrets / 'operator.env'} && edgeswarm status" if cluster.secure else \
             f"edgeswarm status --hub {cluster.hub_url}"
+        if isinstance(cluster, LocalCluster) and cluster.dashboard_url:
+            console.print(f"dashboard: {cluster.dashboard_url}", markup=False, soft_wrap=True)
         console.print(f"[green]cluster up[/green]: `{hint}`; Ctrl-C stops it")
         while not stop.wait(1.0):
             for child in cluster.failed_children():

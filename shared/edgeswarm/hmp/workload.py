@@ -14,6 +14,15 @@ from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 MIB = 1 << 20
 
@@ -75,6 +84,33 @@ class HmpWorkload(Workload):
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, HmpPlan)
         return [[d] for d in plan.shares.devices]
+
+    def plan_view(self, state: JobState) -> PlanView | None:
+        plan = state.plan
+        if not isinstance(plan, HmpPlan):
+            return None
+        sh = plan.shares
+        heads, cols = sum(sh.heads) or 1, sum(sh.columns) or 1
+        blocks = tuple(PlanBlock(device=d, share=min(1.0, (h / heads + c / cols) / 2), detail=(
+            f"{h} heads, {c} columns, {human_bytes(plan.memory_bytes[i])}" if i < len(plan.memory_bytes) else
+            f"{h} heads, {c} columns")) for i, (d, h, c) in enumerate(zip(sh.devices, sh.heads, sh.columns,
+                                                                           strict=False)))
+        return PlanView(layout="parallel", epoch=plan.epoch, groups=(PlanGroup(
+            label=f"{sh.mode}: every layer", blocks=blocks,
+            detail="left out: " + ", ".join(plan.left_out) if plan.left_out else ""),),
+            summary=f"{sh.mode} over {len(sh.devices)} devices, predicted {plan.model.total_s * 1000:.1f} ms a pass")
+
+    def series(self, state: JobState) -> list[Series]:
+        p = state.progress_as(HmpProgress)
+        x = max(0.0, state.updated_at - state.submitted_at)
+        out = []
+        for name, unit, value, predicted in (
+                ("latency p50", "s", p.latency_p50_s, p.predicted_latency_s), ("TTFT p50", "s", p.ttft_p50_s, None),
+                ("TPOT p50", "s", p.tpot_p50_s, p.predicted_tpot_s), ("tokens/s", "tokens/s", p.tokens_per_s, None)):
+            if finite(value):
+                out.append(Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),),
+                                  predicted=predicted if finite(predicted) else None))
+        return out
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.hmp.coordinator import HmpRunner  # torch: only when a job actually runs

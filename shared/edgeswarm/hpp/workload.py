@@ -17,6 +17,15 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +139,34 @@ class TrainWorkload(Workload):
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, Plan)
         return [list(st.devices) for st in plan.stages]
+
+    def plan_view(self, state: JobState) -> PlanView | None:
+        plan = state.plan
+        if not isinstance(plan, Plan):
+            return None
+        groups = []
+        for st in plan.stages:
+            total = sum(st.shares) or 1
+            groups.append(PlanGroup(label=f"stage {st.index}: units {st.start}-{st.end - 1}", detail=(
+                f"forward {st.forward_s * 1000:.1f} ms, backward {st.backward_s * 1000:.1f} ms per micro-batch"),
+                blocks=tuple(PlanBlock(device=d, share=min(1.0, share / total), detail=f"{share} samples, "
+                                       f"{human_bytes(mem)} of {human_bytes(budget)}")
+                             for d, share, mem, budget in zip(st.devices, st.shares, st.memory_bytes,
+                                                              st.memory_budget_bytes, strict=False))))
+        return PlanView(layout="chain", groups=tuple(groups), epoch=plan.epoch, summary=(
+            f"{plan.strategy}: predicted {plan.round_latency_s:.3f} s a round, {plan.throughput_sps:.1f} samples/s"))
+
+    def series(self, state: JobState) -> list[Series]:
+        t = state.progress_as(TrainProgress)
+        if t.round_s is None or t.round < 1:
+            return []  # the latest round's figures are not in yet
+        out = []
+        for name, unit, value, predicted in (("loss", "", t.loss, None), ("accuracy", "", t.accuracy, None),
+                                             ("round time", "s", t.round_s, t.predicted_round_s)):
+            if finite(value):
+                out.append(Series(name=name, unit=unit, points=(SeriesPoint(x=t.round, y=value),),
+                                  predicted=predicted if finite(predicted) else None))
+        return out
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         assert isinstance(spec, JobSpec)

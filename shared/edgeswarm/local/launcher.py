@@ -29,7 +29,7 @@ from pathlib import Path
 
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
-from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, start_broker
+from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, free_port, start_broker
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
 HUB_SERVICES = services_of("hub")
+DASHBOARD = "dashboard"
 DEVICE_SERVICES = services_of("device")
 EDGE_SERVICES = services_of("edge")
 CHECKPOINT_DIR_ENV = "EDGESWARM_CHECKPOINT_DIR"
@@ -110,8 +111,12 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
                  extra_env: dict[str, str] | None = None, secure: bool = False,
-                 skip_services: tuple[str, ...] = ()) -> None:
+                 skip_services: tuple[str, ...] = (), dashboard_port: int | None = 0) -> None:
         self.spec = spec
+        # The hub's dashboard listens on 127.0.0.1 at this port (0: a free one, chosen at start, so clusters started
+        # side by side never collide); None: no dashboard (a cluster that only runs jobs, or a test's, saves its
+        # process; ``hub_services`` then leaves it out).
+        self.dashboard_port = dashboard_port
         self.skip_services = skip_services  # services not started on the devices and edges (what a run needs not)
         self.secure = secure
         self._broker_kind = broker
@@ -121,6 +126,18 @@ class LocalCluster:
         self._extra_env = extra_env or {}
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []
+
+    @property
+    def hub_services(self) -> tuple[str, ...]:
+        """The services this cluster runs on the hub: every hub service, the dashboard unless it was left out."""
+        return tuple(s for s in HUB_SERVICES if s != DASHBOARD or self.dashboard_port is not None)
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The dashboard's page, once started; None for a cluster without one."""
+        if self.dashboard_port is None or self.dashboard_port == 0:
+            return None
+        return f"http://127.0.0.1:{self.dashboard_port}/"
 
     @property
     def hub_url(self) -> str:
@@ -189,6 +206,13 @@ class LocalCluster:
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
                               mqtt_protocol=protocol, extra={**extra, **self.identity_env(HUB_NODE)})
         for service in HUB_SERVICES:
+            if service == DASHBOARD:
+                if self.dashboard_port is None:
+                    continue
+                self.dashboard_port = self.dashboard_port or free_port()
+                self._spawn(HUB_NODE, service, {**hub_env, "EDGESWARM_DASHBOARD_HOST": "127.0.0.1",
+                                                "EDGESWARM_DASHBOARD_PORT": str(self.dashboard_port)})
+                continue
             self._spawn(HUB_NODE, service, hub_env)
         roles: tuple[tuple[NodeRole, tuple[str, ...]], ...] = (("device", DEVICE_SERVICES), ("edge", EDGE_SERVICES))
         for role, services in roles:

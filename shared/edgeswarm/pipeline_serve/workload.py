@@ -13,6 +13,7 @@ from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
+from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView, Series, SeriesPoint, finite
 
 
 class ServePipelineWorkload(Workload):
@@ -49,6 +50,30 @@ class ServePipelineWorkload(Workload):
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, ServePlan)
         return [[st.device] for st in plan.stages]
+
+    def plan_view(self, state: JobState) -> PlanView | None:
+        plan = state.plan
+        if not isinstance(plan, ServePlan):
+            return None
+        return PlanView(layout="chain", epoch=plan.epoch, summary=(
+            f"{plan.method}: predicted {plan.throughput_per_s:.1f} samples/s, latency {plan.latency_s * 1000:.1f} ms"
+            + (f", bottleneck {plan.bottleneck}" if plan.bottleneck else "")), groups=tuple(
+            PlanGroup(label=f"stage {st.index}: units {st.start}-{st.end - 1}", blocks=(PlanBlock(
+                device=st.device, detail=f"{st.compute_s * 1000:.1f} ms a micro-batch"),))
+            for st in plan.stages))
+
+    def series(self, state: JobState) -> list[Series]:
+        p = state.progress_as(ServeProgress)
+        x = max(0.0, state.updated_at - state.submitted_at)
+        out = []
+        for name, unit, value, predicted in (
+                ("latency p50", "s", p.latency_p50_s, p.predicted_latency_s),
+                ("latency p99", "s", p.latency_p99_s, None),
+                ("throughput", "samples/s", p.throughput_per_s, p.predicted_throughput_per_s)):
+            if finite(value):
+                out.append(Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),),
+                                  predicted=predicted if finite(predicted) else None))
+        return out
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.pipeline_serve.coordinator import PipelineRunner  # torch: only when a job actually runs

@@ -12,6 +12,15 @@ from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
+from edgeswarm.workloads.views import (
+    PlanBlock,
+    PlanGroup,
+    PlanView,
+    Series,
+    SeriesPoint,
+    finite,
+    human_bytes,
+)
 
 MIB = 1 << 20
 
@@ -62,6 +71,30 @@ class SplitfedWorkload(Workload):
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, SplitSelection)
         return [[d.node] for d in plan.selected]
+
+    def plan_view(self, state: JobState) -> PlanView | None:
+        plan = state.plan
+        if not isinstance(plan, SplitSelection):
+            return None
+        groups = tuple(PlanGroup(label=f"{d.node} via {d.mec}", blocks=(
+            PlanBlock(device=d.node, detail=f"units 0-{d.cut - 1} and the last, {human_bytes(d.memory_bytes)}"),
+            PlanBlock(device=d.mec, detail=f"units {d.cut}- (server half)")),
+            detail=f"cut {d.cut}, predicted {d.round_s:.2f} s") for d in plan.selected)
+        return PlanView(layout="parallel", groups=groups, summary=(
+            f"{len(plan.selected)} participants ({plan.solver}), predicted {plan.t_system_s:.2f} s a round"
+            + (f"; no cut fits {', '.join(plan.infeasible)}" if plan.infeasible else "")))
+
+    def series(self, state: JobState) -> list[Series]:
+        p = state.progress_as(SplitfedProgress)
+        out = []
+        for name, unit, pick in (("loss", "", lambda r: r.loss), ("accuracy", "", lambda r: r.accuracy),
+                                 ("round time", "s", lambda r: r.round_s if r.round_s > 0 else None)):
+            points = tuple(SeriesPoint(x=r.round + 1, y=v) for r in p.history if finite(v := pick(r)))
+            if points:
+                last = p.history[-1]
+                out.append(Series(name=name, unit=unit, points=points,
+                                  predicted=last.predicted_s if name == "round time" and last.predicted_s else None))
+        return out
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.splitfed.coordinator import SplitfedRunner  # torch: only when a job actually runs

@@ -15,6 +15,7 @@ from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.wire import Message
+from edgeswarm.workloads.views import PlanView, Series, default_plan_view
 
 DataHandler = Callable[[Inbound], None]
 
@@ -123,6 +124,22 @@ class Workload(ABC):
 
     def stage_devices(self, plan: BaseModel) -> list[list[str]]:
         """The devices of each stage (or shard) of ``plan`` (this kind's ``plan_type``), for listings."""
+        return []
+
+    def plan_view(self, state: JobState) -> PlanView | None:
+        """The plan of ``state`` as the dashboard draws it (None: no plan yet). By default a chain of
+        ``stage_devices``, so a kind without its own drawing is still drawn."""
+        if state.plan is None:
+            return None
+        try:
+            stages = self.stage_devices(state.plan)
+        except (AssertionError, AttributeError, TypeError):
+            return None  # a plan of a kind not installed here (OpaqueValue): nothing to draw from
+        return default_plan_view(stages, int(getattr(state.plan, "epoch", 0) or 0))
+
+    def series(self, state: JobState) -> list[Series]:
+        """The figures ``state`` carries now, for the dashboard's charts. A kind whose progress holds only its latest
+        round gives that round's point: the dashboard keeps every point it has seen, by ``x``. None by default."""
         return []
 
     @abstractmethod

@@ -1,0 +1,1 @@
+"""The dashboard service: the cluster on one live page (edgeswarm.dashboard)."""

@@ -1,0 +1,159 @@
+"""What the dashboard hears on the bus, kept bounded, for the snapshot builder.
+
+The bus's handler threads call the ``on_*`` methods with validated messages; ``observed()`` hands the builder a
+consistent copy. Everything is bounded: jobs (``MAX_JOBS``, the oldest finished ones dropped first), events per job
+and of the cluster (``MAX_EVENTS``), links (``MAX_LINKS``), nodes with gauges and clocks (the cluster view's size
+bound). ``changed`` is set on every update, for the server to push a fresh snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from edgeswarm.bus import Inbound
+from edgeswarm.dashboard.model import MAX_EVENTS, TimedEvent
+from edgeswarm.dashboard.snapshot import Observed, job_series, merge_series
+from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
+from edgeswarm.messages.jobs import FINISHED
+from edgeswarm.tracing.schedule import ScheduleView
+from edgeswarm.values.profiles import LinkProfile
+
+MAX_JOBS = 64
+MAX_LINKS = 1024
+MAX_NODES = 256
+MAX_GAUGES = 64  # per node
+_CLOCK_SAMPLES = 16  # a node's latest heartbeat delays: the smallest is its clock offset (the network only adds)
+
+
+class Observer:
+    """The dashboard's bounded memory of the cluster (see the module docstring)."""
+
+    def __init__(self, hub_url: str) -> None:
+        self._lock = threading.Lock()
+        self._hub_url = hub_url
+        self._view: ClusterView | None = None
+        self._jobs: dict[str, JobState] = {}
+        self._job_events: dict[str, deque[TimedEvent]] = {}
+        self._series: dict[str, list] = {}  # type: ignore[type-arg]
+        self._cluster_events: deque[TimedEvent] = deque(maxlen=MAX_EVENTS)
+        self._links: dict[str, LinkProfile] = {}
+        self._gauges: dict[str, dict[str, float]] = {}
+        self._delays: dict[str, deque[float]] = {}
+        self._schedules: dict[str, ScheduleView] = {}
+        self.changed = threading.Event()
+
+    # --- bus handlers (any thread) ------------------------------------------------------------------------
+
+    def on_view(self, msg: Inbound) -> None:
+        assert isinstance(msg.body, ClusterView)
+        with self._lock:
+            self._view = msg.body
+        self.changed.set()
+
+    def on_cluster_event(self, msg: Inbound) -> None:
+        body = msg.body
+        assert isinstance(body, ClusterEvent)
+        with self._lock:
+            self._cluster_events.append(TimedEvent(at=body.at, kind=body.kind, detail=body.detail, node=body.node,
+                                                   service=body.service))
+        self.changed.set()
+
+    def on_job_state(self, msg: Inbound) -> None:
+        state = msg.body
+        assert isinstance(state, JobState)
+        fresh = job_series(state)
+        with self._lock:
+            old = self._jobs.get(state.job_id)
+            if old is not None and old.submission != state.submission:
+                # The same name submitted again: a new job, whose history starts empty.
+                self._job_events.pop(state.job_id, None)
+                self._series.pop(state.job_id, None)
+            self._jobs[state.job_id] = state
+            self._series[state.job_id] = merge_series(self._series.get(state.job_id, []), fresh)
+            self._evict()
+        self.changed.set()
+
+    def on_job_event(self, msg: Inbound) -> None:
+        event = msg.body
+        assert isinstance(event, JobEvent)
+        with self._lock:
+            held = self._jobs.get(event.job_id)
+            if held is not None and event.submission and held.submission and event.submission != held.submission:
+                self._job_events.pop(event.job_id, None)  # the first event of a new submission of that name
+            events = self._job_events.setdefault(event.job_id, deque(maxlen=MAX_EVENTS))
+            events.append(TimedEvent(at=msg.envelope.sent_at, kind=event.kind, detail=event.detail,
+                                     round=event.round))
+            if len(self._job_events) > 2 * MAX_JOBS:  # events of jobs whose state never came
+                for jid in [j for j in self._job_events if j not in self._jobs][:MAX_JOBS]:
+                    del self._job_events[jid]
+        self.changed.set()
+
+    def on_metrics(self, msg: Inbound) -> None:
+        report = msg.body
+        assert isinstance(report, MetricsReport)
+        gauges = dict(list(report.gauges.items())[:MAX_GAUGES])
+        with self._lock:
+            if report.node not in self._gauges and len(self._gauges) >= MAX_NODES:
+                return
+            self._gauges.setdefault(report.node, {}).update(gauges)
+            if len(self._gauges[report.node]) > MAX_GAUGES:
+                self._gauges[report.node] = dict(list(self._gauges[report.node].items())[-MAX_GAUGES:])
+        self.changed.set()
+
+    def on_heartbeat(self, msg: Inbound, now: float | None = None) -> None:
+        """A live (not retained) heartbeat: its delay from ``sent_at`` to now samples the node's clock offset."""
+        body = msg.body
+        assert isinstance(body, Heartbeat)
+        if msg.retained:
+            return  # a retained heartbeat was sent long ago: its delay says nothing about the clock
+        delay = (time.time() if now is None else now) - msg.envelope.sent_at
+        with self._lock:
+            if body.node not in self._delays and len(self._delays) >= MAX_NODES:
+                return
+            self._delays.setdefault(body.node, deque(maxlen=_CLOCK_SAMPLES)).append(delay)
+
+    def on_profile(self, msg: Inbound) -> None:
+        report = msg.body
+        assert isinstance(report, ProfileReport)
+        with self._lock:
+            for link in report.links:
+                key = f"{link.src}->{link.dst}"
+                if key in self._links or len(self._links) < MAX_LINKS:
+                    self._links[key] = link
+        self.changed.set()
+
+    def set_schedule(self, job_id: str, schedule: ScheduleView | None) -> None:
+        """The latest round's schedule of ``job_id`` (from the trace collector), None to drop it."""
+        with self._lock:
+            if schedule is None:
+                self._schedules.pop(job_id, None)
+            elif job_id in self._jobs:
+                self._schedules[job_id] = schedule
+
+    # --- for the builder -----------------------------------------------------------------------------------
+
+    def jobs(self) -> list[JobState]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def observed(self) -> Observed:
+        """A copy of everything, for ``build_snapshot``. A node's clock offset is its smallest recent delay
+        negated (a heartbeat cannot arrive before it was sent: a negative delay is its clock running ahead)."""
+        with self._lock:
+            return Observed(
+                hub_url=self._hub_url, view=self._view, jobs=dict(self._jobs),
+                job_events={k: list(v) for k, v in self._job_events.items()},
+                series={k: list(v) for k, v in self._series.items()}, cluster_events=list(self._cluster_events),
+                links=dict(self._links), gauges={k: dict(v) for k, v in self._gauges.items()},
+                clock_offsets={node: -min(d) for node, d in self._delays.items() if d},
+                schedules=dict(self._schedules))
+
+    def _evict(self) -> None:
+        # Called with the lock held: the oldest finished jobs go first, then the oldest of all.
+        while len(self._jobs) > MAX_JOBS:
+            finished = [s for s in self._jobs.values() if s.status in FINISHED]
+            victim = min(finished or self._jobs.values(), key=lambda s: s.updated_at).job_id
+            for table in (self._jobs, self._job_events, self._series, self._schedules):
+                table.pop(victim, None)  # type: ignore[attr-defined]
