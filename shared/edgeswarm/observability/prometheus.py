@@ -181,7 +181,8 @@ def _labelled(metric: MetricDef, source: Source, report: MetricsReport, internal
     values = source.label_values(internal)
     if values is None:
         return None
-    by_name = {"node": report.node, "service": report.service, **dict(zip(source.labels, values, strict=True)), **dict(source.fixed)}
+    by_name = {"node": report.node, "service": report.service, **dict(zip(source.labels, values, strict=True)),
+               **dict(source.fixed)}
     return tuple(by_name[label] for label in metric.labels)
 
 
