@@ -275,3 +275,24 @@ def test_exposition_of_what_real_publishers_send(make_bus) -> None:  # type: ign
     assert value("edgeswarm_job_loss", job="j1") == 0.25 and value("edgeswarm_job_active", job="j1") == 1
     assert value("edgeswarm_link_rtt_seconds", node="dev-1", peer="dev-2") == pytest.approx(0.004)
     assert value("edgeswarm_link_bandwidth_bytes_per_second", node="dev-1", peer="dev-2") == 1.25e6
+
+
+def test_a_family_that_fails_to_build_is_left_out_not_the_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from edgeswarm.observability import prometheus
+
+    collector = PrometheusCollector(SimpleNamespace(settings=SimpleNamespace(metrics_interval_s=1.0)))  # type: ignore[arg-type]
+    m = Metrics()
+    m.count("bytes_out", 9)
+    counters, gauges = m.snapshot()
+    report = MetricsReport(node="n", service="s", instance="i", uptime_s=1.0, counters=counters, gauges=gauges)
+    collector._on_report(SimpleNamespace(body=report, topic=topics.metrics("n", "s")))  # type: ignore[arg-type]
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug in one family")
+
+    monkeypatch.setattr(prometheus, "_from_view", broken)
+    families = {f.name: f for f in text_string_to_metric_families(collector.exposition().decode())}
+    assert "edgeswarm_node_up" not in families
+    assert [s.value for s in families["edgeswarm_bus_bytes"].samples] == [9.0]

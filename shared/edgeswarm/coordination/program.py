@@ -159,7 +159,9 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
                 self.step()
             except Disrupted as exc:
                 self.replanned(self.on_lost(exc))
-                record.recovered(self.bus.metrics, self.name, bool(exc.failures))
+                metrics = getattr(self.bus, "metrics", None)  # None: a program driven without a bus (its tests)
+                if metrics is not None:
+                    record.recovered(metrics, self.name, bool(exc.failures))
 
     def check(self) -> None:
         """Raise JobCancelled once the job is cancelled."""

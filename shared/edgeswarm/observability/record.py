@@ -39,8 +39,9 @@ def next_token(metrics: Metrics, job: str, seconds: float) -> None:
 
 
 def tokens_generated(metrics: Metrics, job: str, tokens: int) -> None:
-    """An answered request of ``job`` carried ``tokens`` generated tokens."""
-    metrics.count(c.GENERATION_TOKENS + job, tokens)
+    """An answered request of ``job`` carried ``tokens`` generated tokens (none: an encoder's, nothing counted)."""
+    if tokens > 0:
+        metrics.count(c.GENERATION_TOKENS + job, tokens)
 
 
 def round_done(metrics: Metrics, kind: str, job: str, round_s: float, samples: int) -> None:
