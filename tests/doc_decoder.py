@@ -402,6 +402,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     },
     ("edgeswarm.metrics", 1): {
         **_IDS, "uptime_s": "number", "counters": ("map", "int"), "gauges": ("map", "number"),
+        "histograms": ("map", ("record", {"bounds": ("list", "number"), "counts": ("list", "int"), "sum": "number",
+                                          "count": "int"})),
     },
     ("edgeswarm.probe", 1): {},
     ("edgeswarm.rejected", 1): {"reason": "str", "detail": "str"},

@@ -73,7 +73,9 @@ def samples() -> dict[type, Any]:
                                  free_memory_bytes=10, inbox_depth=2),
         m.MetricsReport: m.MetricsReport(node="n", service="s", instance="i", uptime_s=1.0,
                                          counters={"messages_in": 5, "rejected.checksum": 2**40},
-                                         gauges={"inbox_depth": 1.0, "reassembly_bytes": 0.5}),
+                                         gauges={"inbox_depth": 1.0, "reassembly_bytes": 0.5},
+                                         histograms={"serve_request_s.j": m.metrics.Histogram(
+                                             bounds=(0.1, 1.0), counts=(1, 3), sum=2.5, count=4)}),
         m.Probe: m.Probe(),
         m.RequestRejected: m.RequestRejected(reason="overflow", detail="the node-agent on n is overloaded"),
         m.ProbeReply: m.ProbeReply(node="n", service="s", instance="i", healthy=False, uptime_s=2.0,

@@ -1,7 +1,8 @@
 """The node agent: one per node. It advertises the node's device class, memory (with the bytes its memory ledger
 holds for the jobs of every program on the node: ``runtime.ledger``, read from the ledger's file and re-announced
 when it changes) and data-plane broker, and serves the data-plane sink and echo that link measurements and
-``edgeswarm bench transport`` use.
+``edgeswarm bench transport`` use. It samples the node's accelerator (``devices.accelerator``: use, temperature,
+power, where the device reports them) into its metrics' gauges, for the dashboard and Prometheus.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
+from edgeswarm.devices.accelerator import AcceleratorReading, AcceleratorSampler
 from edgeswarm.errors import InvalidMessageError, UnknownRouteError
 from edgeswarm.messages import BenchAck, BenchData, BenchEcho, BenchEchoReply, BenchStart
+from edgeswarm.observability import catalogue
 from edgeswarm.runtime.ledger import ledger_path, read_reserved
 from edgeswarm.runtime.service import Service
 
@@ -34,18 +37,33 @@ class _SinkRun:
 
 class NodeAgentService(Service):
     name = "node-agent"
+    accelerator: AcceleratorReading = AcceleratorReading()  # the latest sample (every field None until one)
 
     def reserved_memory_bytes(self) -> int:
         return read_reserved(ledger_path(self.settings.health_dir, self.node, self.settings.hub_url))[0]
 
     def setup(self) -> None:
         self.watch_reserved_memory()
+        # The node's discrete GPU, unless its settings keep it computing on the CPU (or Apple's GPU).
+        self._accelerator = AcceleratorSampler(nvidia=self.settings.compute in ("auto", "cuda"))
+        self.every(self.settings.metrics_interval_s, self._sample_accelerator, "accelerator")
         self._runs: OrderedDict[str, _SinkRun] = OrderedDict()
         self._runs_lock = threading.Lock()
         request = topics.request(self.node, self.name)
         self.bus.subscribe(request, self._on_bench_start, schemas=(BenchStart,))
         self.bus.subscribe(request, self._on_echo, schemas=(BenchEcho,))
         self.bus.subscribe(topics.data(self.node, self.name), self._on_bench_data, schemas=(BenchData,), plane="data")
+
+    def _sample_accelerator(self) -> None:
+        reading = self._accelerator.sample()
+        self.accelerator = reading
+        for name, value in ((catalogue.ACCELERATOR_UTILIZATION, reading.utilization),
+                            (catalogue.ACCELERATOR_TEMPERATURE, reading.temperature_c),
+                            (catalogue.ACCELERATOR_POWER, reading.power_w)):
+            if value is None:
+                self.metrics.forget_gauge(name)
+            else:
+                self.metrics.gauge(name, value)
 
     def _on_bench_start(self, msg: Inbound) -> None:
         body = msg.body

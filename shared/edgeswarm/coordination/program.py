@@ -47,6 +47,7 @@ from edgeswarm.coordination.planner_client import (
     request_plan,
 )
 from edgeswarm.errors import BusError, JobCancelled, JobError
+from edgeswarm.observability import record
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import Detection, FailureDetector
 from edgeswarm.values.profiles import ClusterProfile
@@ -158,6 +159,9 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
                 self.step()
             except Disrupted as exc:
                 self.replanned(self.on_lost(exc))
+                metrics = getattr(self.bus, "metrics", None)  # None: a program driven without a bus (its tests)
+                if metrics is not None:
+                    record.recovered(metrics, self.name, bool(exc.failures))
 
     def check(self) -> None:
         """Raise JobCancelled once the job is cancelled."""

@@ -46,6 +46,7 @@ from edgeswarm.messages.hmp import (
 )
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferErrorReason
+from edgeswarm.observability import record
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
@@ -329,6 +330,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
     def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
         with self._changed:
             self._stats.errors += 1
+        record.request_refused(self.bus.metrics, self.spec.name, reason)
         refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
 
     # --- requests through -------------------------------------------------------------------------
@@ -342,6 +344,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                     return
                 request = self._queue.popleft()
                 self._callers.release(request.msg.envelope.sender_node)
+            record.request_dispatched(self.bus.metrics, self.spec.name, time.monotonic() - request.arrived)
             try:
                 self._serve(request)
             except _Stopped:
@@ -369,6 +372,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 results = self._run_pass(plan, epoch, number, tokens, 0)
                 if ttft is None:
                     ttft = time.monotonic() - request.arrived
+                    if self.config.decoder:
+                        record.first_token(self.bus.metrics, self.spec.name, ttft, len(request.prompt))
                 prefill_split = _layer_split(results, self.config.layers)
                 if self.config.decoder:
                     if len(generated) < request.new_tokens:
@@ -377,7 +382,9 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                         started = time.perf_counter()
                         results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
                                                  + len(generated) - 1)
-                        decode_s += time.perf_counter() - started
+                        took = time.perf_counter() - started
+                        decode_s += took
+                        record.next_token(self.bus.metrics, self.spec.name, took)
                         generated.append(_top(results))
                 else:
                     hidden = _rows(results, len(tokens))
@@ -409,6 +416,9 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 self.bus.reply(request.msg, reply)
         except EdgeswarmError as exc:
             _limited.warning("answer", "job %s: could not answer %s: %s", self.spec.name, request.msg.sender, exc)
+        record.request_answered(self.bus.metrics, self.spec.name, now - request.arrived)
+        record.tokens_generated(self.bus.metrics, self.spec.name, len(generated))
+        record.replayed(self.bus.metrics, self.spec.name, int(recomputed))
         with self._changed:
             s = self._stats
             s.answered += 1

@@ -34,6 +34,7 @@ from edgeswarm.hpp.recovery import RecoveryReport, grow, recover
 from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.messages.planning import PlanReply, PlanRequest
 from edgeswarm.messages.training import CheckpointSource, StageSaved
+from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
@@ -44,6 +45,7 @@ from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 
 log = logging.getLogger(__name__)
+KIND = "train-hpp"  # the job kind (hpp.workload's) in the metrics this program records
 
 MAX_PROFILED_BATCH = 256
 
@@ -304,6 +306,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                 self.seen.joined(report)
         if index < self.total:
             done = self._run_round(index)
+            record.round_done(self.bus.metrics, KIND, job.name, done.round_s, job.global_batch)
             result.rounds.append(done)
             self.seen.round_done(done)
             self.index = index = index + 1
@@ -347,6 +350,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         result = self.result
         result.recoveries.append(report)
         result.rounds = [r for r in result.rounds if r.round < report.resume_round]
+        record.replayed(self.bus.metrics, self.job.name, self.index - report.resume_round)
         result.plan = report.plan
         self.index = report.resume_round
         self.saved_version = min(self.saved_version, self.index)

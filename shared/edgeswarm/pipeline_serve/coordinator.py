@@ -44,6 +44,7 @@ from edgeswarm.messages.serving import (
     ServeTensor,
     WeightsSource,
 )
+from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
@@ -246,6 +247,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             self._epoch, self._next_item = epoch, len(items)
             self._stats.replayed += len(items)
             self._stats.reconfigurations += 1
+        record.replayed(self.bus.metrics, self.spec.name, len(items))
         for k, item in enumerate(items):
             self._send(plan, epoch, k, item)
         with self._changed:
@@ -350,9 +352,10 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                     self._changed.wait(1.0)
                 if self._stopped:
                     return
-                requests, rows = [], 0
+                requests, rows, now = [], 0, time.monotonic()
                 while self._queue and rows + self._queue[0].inputs.shape[0] <= self.spec.micro_batch_size:
                     request = self._queue.popleft()
+                    record.request_dispatched(self.bus.metrics, self.spec.name, now - request.arrived)
                     self._queued_bytes -= _nbytes(request.inputs)
                     self._callers.release(request.caller, _nbytes(request.inputs))
                     requests.append(request)
@@ -398,6 +401,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
         start, now = 0, time.monotonic()
         for request in item.requests:
             rows = int(request.inputs.shape[0])
+            record.request_answered(self.bus.metrics, self.spec.name, now - request.arrived)
             reply = InferReply(job_id=self.spec.name, request_id=request.request_id, latency_s=now - request.arrived,
                                epoch=body.epoch, replayed=item.replayed)
             try:
@@ -416,6 +420,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
     def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
         with self._changed:
             self._stats.errors += 1
+        record.request_refused(self.bus.metrics, self.spec.name, reason)
         refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
 
     def _stalled(self) -> bool:

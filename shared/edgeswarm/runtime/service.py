@@ -237,7 +237,7 @@ class Service:
     def _publish_metrics(self) -> None:
         counters, gauges = self.metrics.snapshot()
         report = MetricsReport(node=self.node, service=self.name, instance=self.instance, uptime_s=self.uptime_s(),
-                               counters=counters, gauges=gauges)
+                               counters=counters, gauges=gauges, histograms=self.metrics.histograms())
         self.bus.publish(topics.metrics(self.node, self.name), report, qos=0,
                          ttl_s=3 * self.settings.metrics_interval_s)
 

@@ -38,6 +38,7 @@ from edgeswarm.messages.splitfed import (
     SplitUpdate,
 )
 from edgeswarm.models.zoo import build_model
+from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
+KIND = "train-splitfed"  # the job kind (splitfed.workload's) in the metrics this program records
 
 CLUSTER_SETTLE_S = 0.5
 CLUSTER_WAIT_S = 30.0
@@ -185,6 +187,8 @@ class SplitfedRunner:
         accuracy, loss = held_out(model, dataset, batch_size=256)
         record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
         self.history = (self.history + [record])[-MAX_ROUND_RECORDS:]
+        metrics_record.round_done(self.bus.metrics, KIND, spec.name, record.round_s,
+                                  sum(p.samples for p in record.participants))
         self._checkpoint(r, new_state)
         ctx.update("running", rounds_done=r + 1, rounds_total=spec.rounds, accuracy=accuracy, loss=loss,
                    refused=self.refused, history=self.history,
