@@ -30,6 +30,7 @@ from edgeswarm.dashboard.snapshot import Observed, build_snapshot, merge_series
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages import ClusterView, JobState
 from edgeswarm.messages.cluster import NodeView, ServiceView
+from edgeswarm.observability import catalogue
 from edgeswarm.observability.prometheus import CONTENT_TYPE
 from edgeswarm.tracing.schedule import ScheduleBar, ScheduleView
 from edgeswarm.workloads.views import Series, SeriesPoint
@@ -98,7 +99,7 @@ def test_snapshot_builder_draws_nodes_jobs_plans_series_and_events() -> None:
                                                                              state="offline")),
         jobs={"t": train_state("t", 3, 0.7), "s": serve_state("s")},
         job_events={"t": [TimedEvent(at=901.0, kind="device_lost", detail="d1 left", round=3)]},
-        gauges={"d0": {"accelerator_utilization_ratio": 0.5, "accelerator_temperature_celsius": 61.0}},
+        gauges={"d0": {catalogue.ACCELERATOR_UTILIZATION: 0.5, catalogue.ACCELERATOR_TEMPERATURE: 61.0}},
     )
     seen.series["t"] = merge_series([], [])
     snap = build_snapshot(seen, now=1001.0, seq=7)

@@ -224,7 +224,8 @@ def test_a_device_lost_with_its_backup_goes_back_to_the_last_checkpoint(broker, 
     assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
-# Twenty seconds in the suite (it runs alone: every second of it idles the other worker); EDGESWARM_SOAK_S=300 for the five-minute soak of spec 5.2's acceptance check.
+# Twenty seconds in the suite (it runs alone: every second of it idles the other worker);
+# EDGESWARM_SOAK_S=300 for the five-minute soak of spec 5.2's acceptance check.
 SOAK_S = float(os.environ.get("EDGESWARM_SOAK_S", "20"))
 HEARTBEAT_S = 1.0  # spec 5.2's default heartbeat period
 HEAVY_MLP = ModelSpec(name="mlp", config={"hidden": 2048, "layers": 3, "seed": 3})

@@ -24,6 +24,7 @@ from edgeswarm.dashboard.model import (
 )
 from edgeswarm.messages.cluster import ClusterView, NodeView
 from edgeswarm.messages.jobs import JobState
+from edgeswarm.observability import catalogue
 from edgeswarm.tracing.schedule import ScheduleView
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.workloads import installed_workload
@@ -32,8 +33,6 @@ from edgeswarm.workloads.views import MAX_POINTS, PlanView, Series
 log = logging.getLogger(__name__)
 
 # Gauges a node's MetricsReports may carry about its accelerator (any service of the node).
-UTILIZATION_GAUGE = "accelerator_utilization_ratio"
-TEMPERATURE_GAUGE = "accelerator_temperature_celsius"
 
 
 class Observed(BaseModel):
@@ -76,8 +75,8 @@ def merge_series(old: list[Series], new: list[Series]) -> list[Series]:
 def node_card(node: NodeView, gauges: dict[str, float]) -> NodeCard:
     """One node of the cluster view as the page shows it."""
     ages = [s.heartbeat_age_s for s in node.services if s.heartbeat_age_s is not None and s.state != "offline"]
-    util = gauges.get(UTILIZATION_GAUGE)
-    temp = gauges.get(TEMPERATURE_GAUGE)
+    util = gauges.get(catalogue.ACCELERATOR_UTILIZATION)
+    temp = gauges.get(catalogue.ACCELERATOR_TEMPERATURE)
     return NodeCard(
         node=node.node, state=node.state, device_class=node.device_class, compute=node.compute,
         heartbeat_age_s=min(ages) if ages else None, memory_budget_bytes=node.memory_budget_bytes,
