@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from edgeswarm.models.zoo import MODEL_NAMES, build_model
 from edgeswarm.state.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
-from helpers import FAST_ENV, native_cluster, stored_weights
+from helpers import FAST_ENV, native_cluster, stored_weights, wait_until
 
 DEVICES = 2
 ROUNDS = 2
@@ -98,3 +100,57 @@ def test_a_tiny_model_of_every_family_trains_through_the_coordinator_to_an_evalu
     # The stages' checkpoints together are exactly the model's state dict: no non-persistent buffer, nothing lacking.
     stored = stored_weights(cluster.checkpoints, name, len(final.plan.stages))
     assert set(stored) == set(build_model(ModelSpec(name=model, config=config)).state_dict())
+
+
+def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_every_stage_and_round(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A job's spans, collected on the hub (a trace collector standing in for the dashboard service) and written by
+    `edgeswarm trace JOB --out FILE`: a Chrome trace with exactly one forward and one backward span per micro-batch
+    per stage per round, and the last round measured beside the planned one."""
+    from edgeswarm import topics
+    from edgeswarm.metrics import Metrics
+    from edgeswarm.settings import Settings
+    from edgeswarm.tracing.collector import TraceCollector
+    from edgeswarm.wire import Sender
+
+    hub = Bus(Settings(hub_url=cluster.local.hub_url), Sender(node="hub", service="dashboard", instance="trace1"))
+    hub.start()
+    try:
+        collector = TraceCollector(hub, Metrics())
+        collector.start(topics.request("hub", "dashboard"))
+        name = f"trace-{uuid.uuid4().hex[:6]}"
+        model, config, data = FAMILIES["mlp"]
+        follower = JobFollower(cluster.bus, name)
+        submit_job(cluster.bus, job_text(name, model, config, data), submission=follower.submission)
+        final = follower.wait(300)
+        assert final.status == "succeeded", final.detail
+        # The last round's spans follow its RoundDone by up to a publishing interval (0.5 s).
+        view = wait_until(lambda: (v := collector.round_schedule(final)) is not None and v.round == ROUNDS - 1 and v,
+                          30, message="the last round's spans")
+        out = tmp_path / "trace.json"
+        result = subprocess.run([sys.executable, "-m", "edgeswarm", "trace", name, "--out", str(out), "--hub",
+                                 cluster.local.hub_url], capture_output=True, text=True, timeout=120)
+    finally:
+        hub.stop()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"of job {name} on 2 nodes" in result.stdout and "rounds 0-1" in result.stdout, result.stdout
+    trace = json.loads(out.read_text())
+    assert trace["displayTimeUnit"] == "ms"
+    events = trace["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert final.plan is not None
+    stages = len(final.plan.stages)
+    for kind in ("forward", "backward"):
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for e in spans:
+            if e["name"].split(" ")[0] == kind:
+                seen.setdefault(lanes[(e["pid"], e["tid"])], []).append((e["args"]["round"],
+                                                                          e["args"]["micro_batch"]))
+        assert sorted(seen) == [f"stage {p}" for p in range(stages)], seen
+        for lane, keys in seen.items():
+            assert sorted(keys) == [(r, mb) for r in range(ROUNDS) for mb in range(2)], (kind, lane, keys)
+    assert {e["name"].split(" ")[0] for e in spans} >= {"activation", "gradient", "wait", "step"}
+    assert {b.source for b in view.bars} == {"planned", "measured"}
+    assert {"stage 0", "link 0→1", "stage 1"} <= set(view.lanes)

@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.security import add_security_parsers
     from edgeswarm.cli.serve import add_serve_parsers
+    from edgeswarm.cli.trace import add_trace_parser
     from edgeswarm.cli.train import add_train_parser
     from edgeswarm.cli.watch import add_watch_parser
 
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_health_parser(sub)
     add_watch_parser(sub)
+    add_trace_parser(sub)
     return parser
 
 
@@ -304,6 +306,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.train import run_train
 
             return run_train(args)
+        if args.command == "trace":
+            from edgeswarm.cli.trace import run_trace
+
+            return run_trace(args)
         if args.command == "export":
             from edgeswarm.cli.export import run_export
 
