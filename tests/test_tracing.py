@@ -5,6 +5,8 @@ test_zoo_training.py, on that module's cluster."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -247,3 +249,11 @@ def test_round_schedule_is_the_latest_complete_round_beside_the_plan(collector_b
     assert view is not None and view.round == 1 and view.lanes == ("stage 0",)
     assert {b.source for b in view.bars} == {"measured"} and len(view.bars) == 2
     assert collector.round_schedule(state.model_copy(update={"job_id": "other"})) is None
+
+
+def test_trace_without_a_dashboard_says_how_to_start_one(broker: Any, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "edgeswarm", "trace", "j1", "--out", str(tmp_path / "t.json"),
+                             "--hub", broker.url, "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "is the dashboard service running? `edgeswarm up --local` starts it" in result.stderr
+    assert not (tmp_path / "t.json").exists()

@@ -20,6 +20,7 @@ MAX_NAME_CHARS = 64
 MAX_LANE_CHARS = 64
 # A span longer than a day is no span of a round or request: a clock that jumped, or a forged one.
 MAX_SPAN_S = 86_400.0
+MAX_INDEX = 1 << 40  # rounds, passes, items: as the exchange scopes (messages.collectives.MAX_SCOPE)
 
 
 class SpanRecord(BaseModel):
@@ -36,8 +37,8 @@ class SpanRecord(BaseModel):
     node: Name
     service: Name
     lane: str = Field(max_length=MAX_LANE_CHARS)
-    round: int | None = Field(default=None, ge=0, lt=2**31)
-    micro_batch: int | None = Field(default=None, ge=0, lt=2**31)
+    round: int | None = Field(default=None, ge=0, le=MAX_INDEX)
+    micro_batch: int | None = Field(default=None, ge=0, le=MAX_INDEX)
     start: float = Field(ge=0, allow_inf_nan=False)
     dur_s: float = Field(ge=0, le=MAX_SPAN_S, allow_inf_nan=False)
 

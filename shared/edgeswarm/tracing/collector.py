@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_JOBS = 32
 MAX_SPANS_PER_JOB = TraceReply.MAX_SPANS
+SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
 
 @dataclass
@@ -125,7 +126,8 @@ class TraceCollector:
     def round_schedule(self, state: JobState) -> ScheduleView | None:
         """The latest round of job ``state`` whose spans are all in, planned beside measured; None when none is."""
         try:
-            spans = self.spans(state.job_id)
+            # Spans of an earlier job of the same name are left out.
+            spans = [s for s in self.spans(state.job_id) if s.start >= state.submitted_at - SKEW_S]
         except KeyError:
             return None
         from edgeswarm.workloads import installed_workload  # the kinds sit above the tracing
