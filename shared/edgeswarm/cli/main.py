@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "temporary folder)")
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
+    spans = bench_sub.add_parser("spans", help="what recording one trace span costs a worker, against an empty block")
+    spans.add_argument("--spans", type=int, default=100_000, help="spans recorded per repeat")
+    spans.add_argument("--repeats", type=int, default=5, help="repeats, the fastest kept")
+
     collectives = bench_sub.add_parser("collectives", help="ring AllGather and ReduceScatter among 2 to 6 bus "
                                        "instances against the link and bare paho; the 1 KB message rate")
     collectives.add_argument("--peers", default="2,3,4,5,6", help="comma-separated peer counts, each 2 to 6")
@@ -278,6 +282,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_compute
 
             return run_bench_compute(args)
+        if args.command == "bench" and args.bench == "spans":
+            from edgeswarm.cli.bench import run_bench_spans
+
+            return run_bench_spans(args)
         if args.command == "bench" and args.bench == "collectives":
             from edgeswarm.cli.bench import run_bench_collectives
 
