@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from conftest import bus_settings
 from edgeswarm import topics
 from edgeswarm.bus import Bus
 from edgeswarm.messages import JobState
@@ -27,7 +28,6 @@ from edgeswarm.tracing.collector import TraceCollector
 from edgeswarm.tracing.schedule import complete_rounds, measured_bars, schedule_view, timeline_bars
 from edgeswarm.tracing.spans import RawSpan, SpanRecorder
 from edgeswarm.wire import Sender
-from conftest import bus_settings
 from helpers import wait_until
 
 

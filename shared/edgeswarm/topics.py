@@ -29,7 +29,8 @@ from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role  # noqa: F401
 ROOT = "edgeswarm"
 
 ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
-OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress", "events", "spans")  # node topics written by the node itself
+# Node topics written by the node itself.
+OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress", "events", "spans")
 
 
 def status(node: str, service: str) -> str:

@@ -40,7 +40,7 @@ def measure_span_cost(spans: int = 100_000, repeats: int = 5) -> SpanCost:
     best = {"baseline": float("inf"), "span": float("inf"), "add": float("inf"), "batch": float("inf")}
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        for i in range(spans):
+        for _i in range(spans):
             with nullcontext():
                 pass
         best["baseline"] = min(best["baseline"], time.perf_counter() - t0)

@@ -335,9 +335,10 @@ def run_bench_spans(args: argparse.Namespace) -> int:
     cost = measure_span_cost(args.spans, args.repeats)
     console.print(f"recording a span, best of {args.repeats} x {cost.spans} spans on this machine:")
     console.print(f"  empty nullcontext block (baseline) {cost.baseline_ns:8.0f} ns")
-    console.print(f"  with lane.span(...)                {cost.span_ns:8.0f} ns  ({cost.span_ns / cost.baseline_ns:.1f}x "
+    base = cost.baseline_ns
+    console.print(f"  with lane.span(...)                {cost.span_ns:8.0f} ns  ({cost.span_ns / base:.1f}x "
                   f"the baseline, +{cost.overhead_ns:.0f} ns)")
-    console.print(f"  lane.add(t0, t1) with its clocks   {cost.add_ns:8.0f} ns  ({cost.add_ns / cost.baseline_ns:.1f}x)")
+    console.print(f"  lane.add(t0, t1) with its clocks   {cost.add_ns:8.0f} ns  ({cost.add_ns / base:.1f}x)")
     console.print(f"  batches(): to a published record   {cost.batch_ns:8.0f} ns  (on the publishing thread)")
     return 0
 

@@ -29,7 +29,6 @@ from edgeswarm.devices.compute import to_host
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
-from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.messages.hmp import (
     ShardAssign,
     ShardFree,
@@ -40,6 +39,7 @@ from edgeswarm.messages.hmp import (
     ShardRelease,
     ShardResult,
 )
+from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.messages.training import StageFailed
 from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 from edgeswarm.tracing.spans import SpanRecorder
 
-
 # The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
 # its registration, by the workloads it hosts and by their coordinator programs that address it.
 STAGE_WORKER = "stage-worker"

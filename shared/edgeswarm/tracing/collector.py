@@ -25,7 +25,7 @@ from edgeswarm.tracing.schedule import ScheduleView, complete_rounds, measured_b
 
 log = logging.getLogger(__name__)
 
-MAX_JOBS = 32
+MAX_JOBS = 8  # with MAX_SPANS_PER_JOB, at most about 90 MB of spans (a SpanRecord takes about 1.1 KB)
 MAX_SPANS_PER_JOB = TraceReply.MAX_SPANS
 SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
