@@ -71,7 +71,15 @@ class TraceCollector:
         self.add(batch)
 
     def add(self, batch: SpanBatch) -> None:
-        """Keep ``batch``'s spans (validated already: every span is the batch's node, service and job)."""
+        """Keep ``batch``'s spans: those of the batch's own node, service and job (any other is dropped and counted:
+        a node speaks only for itself)."""
+        spans = [s for s in batch.spans
+                 if s.node == batch.node and s.service == batch.service and s.job_id == batch.job_id]
+        if len(spans) != len(batch.spans):
+            self.metrics.count("spans_rejected.foreign", len(batch.spans) - len(spans))
+            self._limited.warning("foreign", "dropped %d spans of other nodes, services or jobs in a span batch of "
+                                  "%s/%s job %s", len(batch.spans) - len(spans), batch.node, batch.service,
+                                  batch.job_id)
         with self._lock:
             job = self._jobs.get(batch.job_id)
             if job is None:
@@ -82,10 +90,10 @@ class TraceCollector:
                     log.debug("dropped the spans of job %s: %d jobs are kept", gone, self.max_jobs)
             else:
                 self._jobs.move_to_end(batch.job_id)
-            overflow = max(0, len(job.spans) + len(batch.spans) - self.max_spans_per_job)
+            overflow = max(0, len(job.spans) + len(spans) - self.max_spans_per_job)
             job.dropped += batch.dropped + overflow
-            job.spans.extend(batch.spans)
-        self.metrics.count("spans_received", len(batch.spans))
+            job.spans.extend(spans)
+        self.metrics.count("spans_received", len(spans))
 
     # --- out ------------------------------------------------------------------------------------------
 
