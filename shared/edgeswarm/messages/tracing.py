@@ -46,8 +46,8 @@ class SpanRecord(BaseModel):
 @schema("edgeswarm.spans", 1)
 class SpanBatch(Message):
     """Spans of one job recorded by ``service`` on ``node``, published on that node's own spans topic. Every span
-    names the batch's node, service and job (a collector drops one that names another). ``dropped`` counts the spans the recorder dropped (its buffer was full)
-    since its previous batch."""
+    names the batch's node, service and job (a collector drops one that names another). ``dropped`` counts the
+    spans the recorder dropped (its buffer was full) since its previous batch."""
 
     MAX_SPANS: ClassVar[int] = 1000
     MAX_BYTES = MIB
