@@ -23,7 +23,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.plan import plan_table
-from edgeswarm.errors import ConfigError
+from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.extras import require_extra
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
@@ -256,6 +256,8 @@ def _measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, st
             reply = fetch_trace(bus, final.job_id, timeout_s=5.0)
         except NoTraceError:
             return None, "no measured round: the dashboard service did not answer"
+        except EdgeswarmError as exc:  # refused (the ACL, say): the planned timeline is still worth drawing
+            return None, f"no measured round: {exc}"
         # Spans of an earlier job of the same name are left out.
         spans = [s for s in reply.spans if s.start >= final.submitted_at - SKEW_S]
         rounds = complete_rounds(spans, nodes)
