@@ -108,6 +108,7 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
     `edgeswarm trace JOB --out FILE`: a Chrome trace with exactly one forward and one backward span per micro-batch
     per stage per round, and the last round measured beside the planned one."""
     from edgeswarm import topics
+    from edgeswarm.cli.train import measured_round
     from edgeswarm.metrics import Metrics
     from edgeswarm.settings import Settings
     from edgeswarm.tracing.collector import TraceCollector
@@ -130,6 +131,8 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
         out = tmp_path / "trace.json"
         result = subprocess.run([sys.executable, "-m", "edgeswarm", "trace", name, "--out", str(out), "--hub",
                                  cluster.local.hub_url], capture_output=True, text=True, timeout=120)
+        # What `train --timeline-png` draws under the planned round: the last round as measured.
+        measured, note = measured_round(cluster.bus, final)
     finally:
         hub.stop()
     assert result.returncode == 0, result.stdout + result.stderr
@@ -152,5 +155,7 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
         for lane, keys in seen.items():
             assert sorted(keys) == [(r, mb) for r in range(ROUNDS) for mb in range(2)], (kind, lane, keys)
     assert {e["name"].split(" ")[0] for e in spans} >= {"activation", "gradient", "wait", "step"}
+    assert measured is not None and measured.round == ROUNDS - 1, note
+    assert sum(b.name == "forward" for b in measured.bars) == 2 * stages  # both micro-batches on every stage
     assert {b.source for b in view.bars} == {"planned", "measured"}
     assert {"stage 0", "link 0→1", "stage 1"} <= set(view.lanes)

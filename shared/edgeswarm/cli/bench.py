@@ -333,7 +333,7 @@ def run_bench_spans(args: argparse.Namespace) -> int:
     if args.spans < 1 or args.repeats < 1:
         raise ConfigError("--spans and --repeats must be at least 1")
     cost = measure_span_cost(args.spans, args.repeats)
-    console.print(f"recording a span, best of {args.repeats} x {cost.spans} spans on this machine:")
+    console.print(f"recording a span, CPU time per span, best of {args.repeats} x {cost.spans} spans on this machine:")
     console.print(f"  empty nullcontext block (baseline) {cost.baseline_ns:8.0f} ns")
     base = cost.baseline_ns
     console.print(f"  with lane.span(...)                {cost.span_ns:8.0f} ns  ({cost.span_ns / base:.1f}x "

@@ -233,7 +233,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if args.timeline_png and isinstance(final.plan, Plan):
         from edgeswarm.planning.hpp.render import render_plan_png
 
-        measured, note = _measured_round(bus, final)
+        measured, note = measured_round(bus, final)
         render_plan_png(final.plan, Path(args.timeline_png), measured=measured, measured_note=note)
         console.print(f"plan and schedule timeline written to {args.timeline_png}"
                       + (f", with round {measured.round} as measured" if measured is not None else f" ({note})"))
@@ -242,7 +242,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
 SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
 
-def _measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str]:
+def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str]:
     """The job's last round whose spans are all in, from the dashboard's trace collector, or None and why not."""
     from edgeswarm.cli.trace import NoTraceError, fetch_trace
     from edgeswarm.planning.hpp.render import MeasuredRound
