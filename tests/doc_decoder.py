@@ -388,6 +388,12 @@ _COMPARISON = ("record", {
 _CKPT_IDS = {"transfer_id": "str", "job_id": "str", "stage": "str"}
 _CKPT_STORED = {"nbytes": "int", "file_bytes": "int", "sha256": "str", "created_at": "number"}
 
+_SPAN = ("record", {
+    "name": "str", "cat": ("enum", {"compute", "transfer", "collective", "wait", "other"}), "job_id": "str",
+    "node": "str", "service": "str", "lane": "str", "round": "int?", "micro_batch": "int?", "start": "number",
+    "dur_s": "number",
+})
+
 #: (schema_name, schema_version) -> {field: spec}
 SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.status", 1): {
@@ -404,6 +410,13 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         **_IDS, "uptime_s": "number", "counters": ("map", "int"), "gauges": ("map", "number"),
         "histograms": ("map", ("record", {"bounds": ("list", "number"), "counts": ("list", "int"), "sum": "number",
                                           "count": "int"})),
+    },
+    ("edgeswarm.spans", 1): {
+        "node": "str", "service": "str", "job_id": "str", "spans": ("list", _SPAN), "dropped": "int",
+    },
+    ("edgeswarm.trace.request", 1): {"job_id": "str"},
+    ("edgeswarm.trace.reply", 1): {
+        "job_id": "str", "found": "bool", "spans": ("list", _SPAN), "dropped": "int", "jobs": ("list", "str"),
     },
     ("edgeswarm.probe", 1): {},
     ("edgeswarm.rejected", 1): {"reason": "str", "detail": "str"},
@@ -1036,7 +1049,8 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.serve.assign", "edgeswarm.serve.release", "edgeswarm.plan.hmp_request",
                               "edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release",
                               "edgeswarm.hmp.free", "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.enrol",
-                              "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release"})
+                              "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release",
+                              "edgeswarm.trace.request"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
                             "edgeswarm.bench.echo_reply",
                             "edgeswarm.profile.report", "edgeswarm.profile.failed", "edgeswarm.plan.reply",
@@ -1047,7 +1061,8 @@ _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edge
                             "edgeswarm.stage.state_sent", "edgeswarm.stage.held", "edgeswarm.plan.serve_reply",
                             "edgeswarm.serve.ready", "edgeswarm.infer.reply", "edgeswarm.infer.error",
                             "edgeswarm.plan.hmp_reply", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.ready",
-                            "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply", "edgeswarm.splitfed.enrolled"})
+                            "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply", "edgeswarm.splitfed.enrolled",
+                            "edgeswarm.trace.reply"})
 #: Section 5: the schemas on a service's data topic (tensors, and the requests that carry one).
 _DATA_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",
                            "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.collective.tensor",
@@ -1078,6 +1093,7 @@ def schemas_for_topic(topic: str) -> frozenset[str] | None:
             "status": frozenset({"edgeswarm.status"}),
             "heartbeat": frozenset({"edgeswarm.heartbeat"}),
             "metrics": frozenset({"edgeswarm.metrics"}),
+            "spans": frozenset({"edgeswarm.spans"}),
             "progress": frozenset({"edgeswarm.profile.progress"}),
         }.get(levels[4])
     if len(levels) == 6 and levels[1] == "node" and levels[3:5] == ["profiler", "profile"]:

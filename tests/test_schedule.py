@@ -365,3 +365,20 @@ def test_render_plan_png_writes_a_png_without_a_window(tmp_path: Path, micro_bat
     assert matplotlib.get_backend() == backend
     image = plt.imread(path)
     assert image.shape[0] > 300 and image.shape[1] > 1000
+
+
+def test_render_plan_png_draws_a_measured_round_under_the_planned_one(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from edgeswarm.planning.hpp.render import MeasuredRound
+    from edgeswarm.tracing.schedule import timeline_bars
+
+    plan = _three_stage_plan()
+    # The plan's own simulated round, stretched by half, stands in for a measured one.
+    bars = tuple(b.model_copy(update={"source": "measured", "start_s": 1.5 * b.start_s, "dur_s": 1.5 * b.dur_s})
+                 for b in timeline_bars(plan_timeline(plan)))
+    planned_only, both = tmp_path / "planned.png", tmp_path / "both.png"
+    render_plan_png(plan, planned_only, measured_note="no measured round: the dashboard service did not answer")
+    render_plan_png(plan, both, measured=MeasuredRound(round=3, bars=bars))
+    assert both.read_bytes().startswith(PNG_SIGNATURE)
+    assert plt.imread(both).shape[0] > plt.imread(planned_only).shape[0]  # a third panel below the planned one

@@ -76,6 +76,15 @@ def samples() -> dict[type, Any]:
                                          gauges={"inbox_depth": 1.0, "reassembly_bytes": 0.5},
                                          histograms={"serve_request_s.j": m.metrics.Histogram(
                                              bounds=(0.1, 1.0), counts=(1, 3), sum=2.5, count=4)}),
+        m.SpanBatch: m.SpanBatch(node="n", service="s", job_id="j1", dropped=3, spans=[
+            m.SpanRecord(name="forward", cat="compute", job_id="j1", node="n", service="s", lane="stage 0", round=2,
+                         micro_batch=1, start=now, dur_s=0.0125),
+            m.SpanRecord(name="step", cat="compute", job_id="j1", node="n", service="s", lane="stage 0", round=2,
+                         start=now + 1, dur_s=0.001)]),
+        m.TraceRequest: m.TraceRequest(job_id="j1"),
+        m.TraceReply: m.TraceReply(job_id="j1", found=True, dropped=0, jobs=[], spans=[
+            m.SpanRecord(name="activation", cat="transfer", job_id="j1", node="n", service="s", lane="link 0→1",
+                         round=0, micro_batch=0, start=now, dur_s=0.5)]),
         m.Probe: m.Probe(),
         m.RequestRejected: m.RequestRejected(reason="overflow", detail="the node-agent on n is overloaded"),
         m.ProbeReply: m.ProbeReply(node="n", service="s", instance="i", healthy=False, uptime_s=2.0,

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +27,7 @@ from edgeswarm.models.zoo import MODEL_NAMES, build_model
 from edgeswarm.state.layout import stage_entry
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
-from helpers import FAST_ENV, native_cluster, stored_weights
+from helpers import FAST_ENV, native_cluster, stored_weights, wait_until
 
 DEVICES = 2
 ROUNDS = 2
@@ -68,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("zoo-cluster")
     checkpoints = root / "checkpoints"
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(checkpoints), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "zoo-test") as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "zoo-test", dashboard=True) as (local, bus):
         yield Cluster(local, bus, checkpoints)
 
 
@@ -98,3 +101,59 @@ def test_a_tiny_model_of_every_family_trains_through_the_coordinator_to_an_evalu
     # The stages' checkpoints together are exactly the model's state dict: no non-persistent buffer, nothing lacking.
     stored = stored_weights(cluster.checkpoints, name, len(final.plan.stages))
     assert set(stored) == set(build_model(ModelSpec(name=model, config=config)).state_dict())
+
+
+def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_every_stage_and_round(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A job's spans, collected on the hub by its dashboard service and written by `edgeswarm trace JOB --out FILE`:
+    a Chrome trace with exactly one forward and one backward span per micro-batch per stage per round, and the last
+    round measured beside the planned one (what the dashboard draws and `train --timeline-png` too)."""
+    from edgeswarm.cli.train import measured_round
+    from edgeswarm.tracing.schedule import ScheduleView
+
+    name = f"trace-{uuid.uuid4().hex[:6]}"
+    model, config, data = FAMILIES["mlp"]
+    follower = JobFollower(cluster.bus, name)
+    submit_job(cluster.bus, job_text(name, model, config, data), submission=follower.submission)
+    final = follower.wait(300)
+    assert final.status == "succeeded", final.detail
+
+    def last_round() -> ScheduleView | None:
+        """The last round as the dashboard draws it, once its spans are in (they follow its RoundDone by up to a
+        publishing interval, 0.5 s)."""
+        measured, _note = measured_round(cluster.bus, final)
+        return measured if measured is not None and measured.round == ROUNDS - 1 else None
+
+    view = wait_until(last_round, 30, message="the last round's spans on the dashboard")
+    out = tmp_path / "trace.json"
+    result = subprocess.run([sys.executable, "-m", "edgeswarm", "trace", name, "--out", str(out), "--hub",
+                             cluster.local.hub_url], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"of job {name} on 2 nodes" in result.stdout and "rounds 0-1" in result.stdout, result.stdout
+    trace = json.loads(out.read_text())
+    assert trace["displayTimeUnit"] == "ms"
+    events = trace["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert final.plan is not None
+    stages = len(final.plan.stages)
+    for kind in ("forward", "backward"):
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for e in spans:
+            if e["name"].split(" ")[0] == kind:
+                seen.setdefault(lanes[(e["pid"], e["tid"])], []).append((e["args"]["round"],
+                                                                          e["args"]["micro_batch"]))
+        assert sorted(seen) == [f"stage {p}" for p in range(stages)], seen
+        for lane, keys in seen.items():
+            assert sorted(keys) == [(r, mb) for r in range(ROUNDS) for mb in range(2)], (kind, lane, keys)
+    assert {e["name"].split(" ")[0] for e in spans} >= {"activation", "gradient", "wait", "step"}
+    assert sum(b.name == "forward" and b.source == "measured" for b in view.bars) == 2 * stages  # both micro-batches
+    # The dashboard draws the same round planned beside measured, on one lane per stage and link.
+    assert cluster.local.dashboard_url is not None
+    with urllib.request.urlopen(cluster.local.dashboard_url + "api/snapshot", timeout=10) as reply:
+        snapshot = json.loads(reply.read())
+    drawn = next(j for j in snapshot["jobs"] if j["job_id"] == name)["schedule"]
+    assert drawn is not None and drawn["round"] == ROUNDS - 1, drawn
+    assert {b["source"] for b in drawn["bars"]} == {"planned", "measured"}
+    assert {"stage 0", "link 0→1", "stage 1"} <= set(drawn["lanes"])

@@ -23,7 +23,6 @@ from edgeswarm.dashboard.observer import Observer
 from edgeswarm.dashboard.server import DashboardServer
 from edgeswarm.dashboard.snapshot import build_snapshot
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
-from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.observability.prometheus import CONTENT_TYPE, PrometheusCollector
 from edgeswarm.runtime.service import Service
 from edgeswarm.settings import Settings
@@ -68,6 +67,7 @@ class DashboardService(Service):
         self.bus.subscribe(ALL_PROFILES, o.on_profile, schemas=(ProfileReport,))
         self._seq = 0
         self._built_at = 0.0
+        self._drawn: dict[str, int] = {}  # the span batches of each job its drawn schedule was made from
         self.server.start()
         self._push()
         log.info("dashboard at %s%s", self.server.url,
@@ -80,16 +80,22 @@ class DashboardService(Service):
         """Build and push a snapshot when something changed (or ``REFRESH_S`` passed): the pages are throttled to
         one every push interval, however fast the cluster talks."""
         now = time.monotonic()
-        if not self.observer.changed.is_set() and now - self._built_at < REFRESH_S:
+        # A job's schedule is drawn again when its spans moved, a finished job's too: its last round's spans come
+        # after the state that ends it.
+        arrivals = self.traces.arrivals()
+        moved = [s for s in self.observer.jobs() if arrivals.get(s.job_id, 0) != self._drawn.get(s.job_id, 0)]
+        if not moved and not self.observer.changed.is_set() and now - self._built_at < REFRESH_S:
             return
         self.observer.changed.clear()
         self._built_at = now
-        for state in self.observer.jobs():
-            if state.status not in FINISHED:
-                try:
-                    self.observer.set_schedule(state.job_id, self.traces.round_schedule(state))
-                except Exception:
-                    log.exception("the trace collector could not give job %s's schedule", state.job_id)
+        for state in moved:
+            self._drawn[state.job_id] = arrivals.get(state.job_id, 0)
+            try:
+                self.observer.set_schedule(state.job_id, self.traces.round_schedule(state))
+            except Exception:
+                log.exception("the trace collector could not give job %s's schedule", state.job_id)
+        for gone in set(self._drawn) - set(arrivals):
+            del self._drawn[gone]
         self._seq += 1
         snapshot = build_snapshot(self.observer.observed(), time.time(), self._seq)
         self.server.publish(snapshot.model_dump_json().encode())

@@ -29,7 +29,8 @@ from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role  # noqa: F401
 ROOT = "edgeswarm"
 
 ADDRESSED_LEAVES = ("request", "data")  # node topics addressed to a service: the sender's node follows
-OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress", "events")  # node topics written by the node itself
+# Node topics written by the node itself.
+OWNED_LEAVES = ("status", "heartbeat", "metrics", "progress", "events", "spans")
 
 
 def status(node: str, service: str) -> str:
@@ -42,6 +43,11 @@ def heartbeat(node: str, service: str) -> str:
 
 def metrics(node: str, service: str) -> str:
     return f"{ROOT}/node/{node}/{service}/metrics"
+
+
+def spans(node: str, service: str) -> str:
+    """Measured spans (``edgeswarm.spans``) a service's worker programs recorded on ``node``."""
+    return f"{ROOT}/node/{node}/{service}/spans"
 
 
 def service_events(node: str, service: str) -> str:
@@ -131,6 +137,7 @@ ALL_SERVICE_EVENTS = service_events("+", "+")
 ALL_STATUS = f"{ROOT}/node/+/+/status"
 ALL_HEARTBEATS = f"{ROOT}/node/+/+/heartbeat"
 ALL_PROFILE_PROGRESS = profile_progress("+")
+ALL_SPANS = spans("+", "+")
 
 
 Binding = Literal["node", "sender", "self", "none"]
@@ -232,6 +239,10 @@ def topic_tree() -> tuple[TopicSpec, ...]:
         TopicSpec(pattern=metrics("{node}", "{service}"), schemas="edgeswarm.metrics v1", retained=False, qos=0,
                   broker="hub", purpose="counters (messages, rejections by reason, errors, bytes) and gauges",
                   writers=ROLES, bound="node", readers="all"),
+        TopicSpec(pattern=spans("{node}", "{service}"), schemas="edgeswarm.spans v1", retained=False, qos=1,
+                  broker="hub", purpose="measured spans of a worker's jobs (forward, backward, transfers, collective "
+                  "steps, waits), one batch per job about every 0.5 s", writers=NODE_ROLES, bound="node",
+                  readers="all"),
         _request_spec("{service}", DEFAULT_REQUEST_WRITERS,
                       "requests to one service; replies go to reply_to (services not listed below: the hub only)"),
         *(_request_spec(name, entry.request_writers, f"requests to the {name}")

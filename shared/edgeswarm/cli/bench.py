@@ -326,6 +326,23 @@ def parse_size(text: str) -> int:
     return int(digits) * _UNITS[unit]
 
 
+def run_bench_spans(args: argparse.Namespace) -> int:
+    """``edgeswarm bench spans``: the cost of recording one span (``edgeswarm.bench.spans``)."""
+    from edgeswarm.bench.spans import measure_span_cost
+
+    if args.spans < 1 or args.repeats < 1:
+        raise ConfigError("--spans and --repeats must be at least 1")
+    cost = measure_span_cost(args.spans, args.repeats)
+    console.print(f"recording a span, CPU time per span, best of {args.repeats} x {cost.spans} spans on this machine:")
+    console.print(f"  empty nullcontext block (baseline) {cost.baseline_ns:8.0f} ns")
+    base = cost.baseline_ns
+    console.print(f"  with lane.span(...)                {cost.span_ns:8.0f} ns  ({cost.span_ns / base:.1f}x "
+                  f"the baseline, +{cost.overhead_ns:.0f} ns)")
+    console.print(f"  lane.add(t0, t1) with its clocks   {cost.add_ns:8.0f} ns  ({cost.add_ns / base:.1f}x)")
+    console.print(f"  batches(): to a published record   {cost.batch_ns:8.0f} ns  (on the publishing thread)")
+    return 0
+
+
 def run_bench_collectives(args: argparse.Namespace) -> int:
     """``edgeswarm bench collectives``: ring AllGather and ReduceScatter through the bus against the link and bare
     paho, and the 1 KB two-instance rate (``edgeswarm.bench.collectives``)."""

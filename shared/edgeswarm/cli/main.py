@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "temporary folder)")
     serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
+    spans = bench_sub.add_parser("spans", help="what recording one trace span costs a worker, against an empty block")
+    spans.add_argument("--spans", type=int, default=100_000, help="spans recorded per repeat")
+    spans.add_argument("--repeats", type=int, default=5, help="repeats, the fastest kept")
+
     collectives = bench_sub.add_parser("collectives", help="ring AllGather and ReduceScatter among 2 to 6 bus "
                                        "instances against the link and bare paho; the 1 KB message rate")
     collectives.add_argument("--peers", default="2,3,4,5,6", help="comma-separated peer counts, each 2 to 6")
@@ -185,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeswarm.cli.profile import add_profile_parser
     from edgeswarm.cli.security import add_security_parsers
     from edgeswarm.cli.serve import add_serve_parsers
+    from edgeswarm.cli.trace import add_trace_parser
     from edgeswarm.cli.train import add_train_parser
     from edgeswarm.cli.watch import add_watch_parser
 
@@ -198,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_parser(sub)
     add_watch_parser(sub)
     add_dashboard_parser(sub)
+    add_trace_parser(sub)
     return parser
 
 
@@ -284,6 +290,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.bench import run_bench_compute
 
             return run_bench_compute(args)
+        if args.command == "bench" and args.bench == "spans":
+            from edgeswarm.cli.bench import run_bench_spans
+
+            return run_bench_spans(args)
         if args.command == "bench" and args.bench == "collectives":
             from edgeswarm.cli.bench import run_bench_collectives
 
@@ -312,6 +322,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from edgeswarm.cli.train import run_train
 
             return run_train(args)
+        if args.command == "trace":
+            from edgeswarm.cli.trace import run_trace
+
+            return run_trace(args)
         if args.command == "export":
             from edgeswarm.cli.export import run_export
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.plan import plan_table
-from edgeswarm.errors import ConfigError
+from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.extras import require_extra
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
@@ -32,6 +33,7 @@ from edgeswarm.settings import Settings
 
 if TYPE_CHECKING:  # torch: imported only when a job starts from a file
     from edgeswarm.hpp.model_file import ModelFile
+    from edgeswarm.planning.hpp.render import MeasuredRound
 from edgeswarm.workloads import installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
 
@@ -106,7 +108,7 @@ def run_train(args: argparse.Namespace) -> int:
             console.print(f"job {job.name} submitted: {accepted.detail}; follow it with `edgeswarm jobs`")
             return 0
         final, follower = _follow(bus, job, text, args.timeout, verbose=True)
-        _report(job, final, follower, args)
+        _report(job, final, follower, args, bus)
         if final.status != "succeeded":
             return 1
         measured = {job.strategy: _measured_round_s(follower)}
@@ -201,7 +203,7 @@ def _measured_round_s(follower: JobFollower) -> float | None:
     return statistics.fmean(times[1:] if len(times) > 1 else times)
 
 
-def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse.Namespace) -> None:
+def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse.Namespace, bus: Bus) -> None:
     rounds = sorted(follower.rounds.items())
     if final.status != "succeeded":
         err_console.print(f"job {job.name} {final.status}: {escape(final.detail)}")
@@ -231,8 +233,40 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if args.timeline_png and isinstance(final.plan, Plan):
         from edgeswarm.planning.hpp.render import render_plan_png
 
-        render_plan_png(final.plan, Path(args.timeline_png))
-        console.print(f"plan and schedule timeline written to {args.timeline_png}")
+        measured, note = measured_round(bus, final)
+        render_plan_png(final.plan, Path(args.timeline_png), measured=measured, measured_note=note)
+        console.print(f"plan and schedule timeline written to {args.timeline_png}"
+                      + (f", with round {measured.round} as measured" if measured is not None else f" ({note})"))
+
+
+SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
+
+
+def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str]:
+    """The job's last round whose spans are all in, from the dashboard's trace collector, or None and why not."""
+    from edgeswarm.cli.trace import NoTraceError, fetch_trace
+    from edgeswarm.planning.hpp.render import MeasuredRound
+    from edgeswarm.tracing.schedule import complete_rounds, measured_bars
+
+    assert isinstance(final.plan, Plan)
+    nodes = [d for stage in final.plan.stages for d in stage.devices]
+    rounds: list[int] = []
+    for attempt in range(2):  # the last round's spans follow its end by up to a publishing interval
+        try:
+            reply = fetch_trace(bus, final.job_id, timeout_s=5.0)
+        except NoTraceError:
+            return None, "no measured round: the dashboard service did not answer"
+        except EdgeswarmError as exc:  # refused (the ACL, say): the planned timeline is still worth drawing
+            return None, f"no measured round: {exc}"
+        # Spans of an earlier job of the same name are left out.
+        spans = [s for s in reply.spans if s.start >= final.submitted_at - SKEW_S]
+        rounds = complete_rounds(spans, nodes)
+        if not reply.found or (rounds and rounds[-1] >= final.progress_as(TrainProgress).round - 1) or attempt:
+            break
+        time.sleep(1.0)
+    if not rounds:
+        return None, "no measured round: the dashboard holds no complete round of the job"
+    return MeasuredRound(round=rounds[-1], bars=tuple(measured_bars(spans, rounds[-1]))), ""
 
 
 def _print_comparison(final: JobState, measured: dict[str, float | None], global_batch: int) -> None:

@@ -39,6 +39,7 @@ from edgeswarm.messages.hmp import (
     ShardRelease,
     ShardResult,
 )
+from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.messages.training import StageFailed
 from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from edgeswarm.planning.hmp.types import BlockProfile
 
 log = logging.getLogger(__name__)
+# The rank recorder's phases as span categories (tracing.spans).
+_SPAN_CATS: dict[str, SpanCat] = {"compute": "compute", "sync": "collective", "wait": "wait", "comm": "transfer"}
 _limited = RateLimitedLog(log)
 
 MIB = 1 << 20
@@ -320,6 +323,7 @@ class ShardProgram:
                 job.exchange.forget(body.pass_id)
                 job.port.forget(body.pass_id)
             job.ran += 1
+            self._trace(job, body.pass_id)
             self.ctx.metrics.count("hmp_passes")
             result = ShardResult(job_id=spec.job_id, epoch=spec.epoch, pass_id=body.pass_id, rank=spec.rank,
                                  row_start=out.row_start, top=out.top, split=out.split,
@@ -331,6 +335,22 @@ class ShardProgram:
             except EdgeswarmError as exc:
                 _limited.log(logging.WARNING, "result", "hmp job %s: result of pass %d not sent: %s", spec.job_id,
                              body.pass_id, exc)
+
+    def _trace(self, job: _Job, pass_id: int) -> None:
+        """Hand the pass's spans (the rank's recorder: each layer's compute, each collective step and wait, the
+        communication threads' sends and receives) to the service's tracer: the pass is the span's round, the
+        layer part of its name; the rank's lane is "shard r", its communication threads' "shard r comm"."""
+        from edgeswarm.tracing.spans import RawSpan
+
+        spans = job.shard.rank.recorder.spans()
+        if not spans:
+            return
+        rank, job_id, add = job.spec.rank, job.spec.job_id, self.ctx.tracer.add
+        lane, comm_lane = f"shard {rank}", f"shard {rank} comm"
+        for s in spans:
+            name = s.name if s.layer < 0 else f"L{s.layer} {s.name}"
+            add(RawSpan(job_id, comm_lane if s.kind == "comm" else lane, name, _SPAN_CATS[s.kind], pass_id, None,
+                        s.start, s.end))
 
     def _cache_for(self, job: _Job, body: ShardPass) -> Any:
         """The KV cache pass ``body`` extends: a new one for a prefill (start 0), else the request's. None (the pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, TypeVar
@@ -25,6 +26,7 @@ import torch
 
 from edgeswarm.hpp.compute import StageCompute
 from edgeswarm.hpp.routing import Piece, pieces, routing_matrix
+from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.planning.hpp.schedule import stage_order
 
 T = TypeVar("T")
@@ -99,6 +101,10 @@ def _no_wait() -> float:
     return 0.0
 
 
+def _no_span(name: str, cat: SpanCat, micro_batch: int | None) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
 @dataclass
 class DeviceIO:
     """What the executor needs from the world beyond its stage.
@@ -108,7 +114,8 @@ class DeviceIO:
     receiver; the rows must not change after). ``compute(fn)``: runs a forward, backward or optimizer step (a
     device's emulated speed, a lock) and returns its result. ``after_forward()``: a check after each forward (the
     memory budget). ``step()``: the optimizer step after the group sum. ``blocked_s()``: the seconds this round's
-    receives have blocked so far (the wait figure; 0 where receives never block).
+    receives have blocked so far (the wait figure; 0 where receives never block). ``span(name, cat, mb)``: a
+    context manager that records its block as a span of the round (``tracing.spans``; by default nothing).
     """
 
     batch: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -117,6 +124,7 @@ class DeviceIO:
     after_forward: Callable[[], None] = _nothing
     step: Callable[[], None] = _nothing
     blocked_s: Callable[[], float] = _no_wait
+    span: Callable[[str, SpanCat, int | None], AbstractContextManager[object]] = _no_span
 
 
 @dataclass
@@ -156,14 +164,16 @@ def device_round(stage: StageCompute, at: Position, io: DeviceIO) -> Generator[R
             received = None
             if p > 0:
                 got = []
-                for pc in into:
-                    got.append((yield Recv("activation", mb, pc.sender, pc.rows)))
+                with io.span("wait activation", "wait", mb):
+                    for pc in into:
+                        got.append((yield Recv("activation", mb, pc.sender, pc.rows)))
                 received = torch.cat(got)
             x, labels = io.batch(mb)
             x = received if received is not None else x
             assert x is not None, "the first stage's batch gives its inputs"
             t0, c0 = time.perf_counter(), time.thread_time()
-            out = io.compute(partial(stage.forward, mb, x, labels))
+            with io.span("forward", "compute", mb):
+                out = io.compute(partial(stage.forward, mb, x, labels))
             times.forward_s[mb] = time.perf_counter() - t0
             times.compute_cpu_s += time.thread_time() - c0
             times.compute_s += times.forward_s[mb]
@@ -175,11 +185,13 @@ def device_round(stage: StageCompute, at: Position, io: DeviceIO) -> Generator[R
             grad = None
             if p < at.stages - 1:
                 got = []
-                for pc in out_of:
-                    got.append((yield Recv("gradient", mb, pc.receiver, pc.rows)))
+                with io.span("wait gradient", "wait", mb):
+                    for pc in out_of:
+                        got.append((yield Recv("gradient", mb, pc.receiver, pc.rows)))
                 grad = torch.cat(got)
             t0, c0 = time.perf_counter(), time.thread_time()
-            grad_in = io.compute(partial(stage.backward, mb, grad))
+            with io.span("backward", "compute", mb):
+                grad_in = io.compute(partial(stage.backward, mb, grad))
             times.backward_s[mb] = time.perf_counter() - t0
             times.compute_cpu_s += time.thread_time() - c0
             times.compute_s += times.backward_s[mb]
@@ -191,8 +203,11 @@ def device_round(stage: StageCompute, at: Position, io: DeviceIO) -> Generator[R
     times.overhead_s = max(0.0, loop - times.compute_s - times.wait_s)
     t0 = time.perf_counter()
     if at.group > 1:
-        stage.set_flat_gradients((yield GroupSum(stage.flat_gradients())))
-    io.step()
+        with io.span("allreduce", "collective", None):
+            summed = yield GroupSum(stage.flat_gradients())
+        stage.set_flat_gradients(summed)
+    with io.span("step", "compute", None):  # every device's last span of the round (tracing.schedule.ROUND_END)
+        io.step()
     times.allreduce_s = time.perf_counter() - t0
     return times
 

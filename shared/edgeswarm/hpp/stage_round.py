@@ -26,9 +26,11 @@ from edgeswarm.hpp.stage_jobs import StageJobs, TensorKey, _Stage
 from edgeswarm.hpp.stage_recovery import Fail, StageRecovery
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
+from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.messages.training import RoundDone, RoundStart, StageAbort, StageTensor
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, tensor_problem
 from edgeswarm.runtime.senders import count_stranger
+from edgeswarm.tracing.spans import Span
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
@@ -96,10 +98,14 @@ class StageRounds:
         st.exchange.put(TensorKey(body.round, body.kind, body.micro_batch, body.sender), msg.tensor.to_torch())
 
     def _send(self, st: _Stage, stage: int, rank: int, tensor: Any, **tags: Any) -> None:
-        """Queue ``tensor`` for rank ``rank`` of stage ``stage`` on that peer's outbox (it must not change after)."""
+        """Queue ``tensor`` for rank ``rank`` of stage ``stage`` on that peer's outbox (it must not change after);
+        its transfer is a span on the link's lane ("link p→p+1", the plan's comm step)."""
         spec = st.spec
         message = StageTensor(job_id=spec.job_id, epoch=spec.epoch, stage=stage, sender=spec.rank, **tags)
-        st.exchange.send(spec.groups[stage][rank], tags["round"], message, tensor)
+        low = min(stage, spec.stage)
+        span = self._ctx.tracer.lane(spec.job_id, f"link {low}→{low + 1}").span(
+            tags["kind"], "transfer", tags["round"], tags["micro_batch"])
+        st.exchange.send(spec.groups[stage][rank], tags["round"], message, tensor, span=span)
 
     def on_abort(self, msg: Inbound) -> None:
         body = msg.body
@@ -190,9 +196,14 @@ class StageRounds:
             send_slice, recv_slice = st.collectives.ring(st.ring, r, round_index)
             return ring_all_reduce(flat, r, even_bounds(flat.numel(), len(st.ring)), send_slice, recv_slice)
 
+        lane = self._ctx.tracer.lane(spec.job_id, f"stage {p}")
+
+        def span(name: str, cat: SpanCat, mb: int | None) -> Span:
+            return lane.span(name, cat, round_index, mb)
+
         exchange.blocked_s = 0.0
         io = DeviceIO(batch=batch, send=send, compute=compute, after_forward=partial(self._jobs.check_memory, st),
-                      step=step, blocked_s=lambda: exchange.blocked_s)
+                      step=step, blocked_s=lambda: exchange.blocked_s, span=span)
         at = Position(p, r, spec.shares, spec.micro_batches, spec.warmup)
         times = run_blocking(device_round(stage, at, io), recv, group_sum)
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
+from edgeswarm.tracing.schedule import ScheduleBar
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 from edgeswarm.workloads.views import (
@@ -167,6 +168,16 @@ class TrainWorkload(Workload):
                 out.append(Series(name=name, unit=unit, points=(SeriesPoint(x=t.round, y=value),),
                                   predicted=predicted if finite(predicted) else None))
         return out
+
+    def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
+        """The plan's simulated 1F1B round (``plan_timeline``): stages' forwards, backwards and AllReduce, links'
+        transfers."""
+        if not isinstance(state.plan, Plan):
+            return []
+        from edgeswarm.planning.hpp.schedule import plan_timeline
+        from edgeswarm.tracing.schedule import timeline_bars
+
+        return timeline_bars(plan_timeline(state.plan))
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         assert isinstance(spec, JobSpec)

@@ -63,6 +63,7 @@ from edgeswarm.messages.splitfed import (
     SplitTensor,
     SplitUpdate,
 )
+from edgeswarm.messages.tracing import SpanBatch, SpanRecord, TraceReply, TraceRequest
 from edgeswarm.messages.training import (
     CheckpointSource,
     HeldBackup,
@@ -152,6 +153,8 @@ __all__ = [
     "RoundDone",
     "RoundStart",
     "ServiceView",
+    "SpanBatch",
+    "SpanRecord",
     "SplitDone",
     "SplitEnrol",
     "SplitEnrolled",
@@ -178,5 +181,7 @@ __all__ = [
     "StageVersions",
     "StateEntry",
     "Status",
+    "TraceReply",
+    "TraceRequest",
     "UnitSource",
 ]

@@ -233,6 +233,9 @@ class ServeStageProgram:
         spec = stage.spec
         peer = spec.coordinator if stage.last else spec.devices[spec.stage + 1]
         item = 0
+        # Each item's forward on the stage's lane (its number as the span's micro-batch), its send on the link's.
+        lane = self.ctx.tracer.lane(spec.job_id, f"stage {spec.stage}")
+        link = lane.on(f"link {spec.stage}→{spec.stage + 1}")
         while not stage.stop.is_set():
             try:
                 x = stage.exchange.wait(ServeKey(spec.epoch, item))
@@ -247,10 +250,13 @@ class ServeStageProgram:
                 started = time.perf_counter()
                 with self.ctx.gate.computing():
                     out = forward(stage.module, x, self.ctx.device, self.ctx.compute)
-                stage.compute_s += time.perf_counter() - started
+                ended = time.perf_counter()
+                lane.add("forward", "compute", started, ended, micro_batch=item)
+                stage.compute_s += ended - started
                 stage.items += 1
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
-                                                                  stage=spec.stage + 1), out)
+                                                                  stage=spec.stage + 1), out,
+                                    span=link.span("activation", "transfer", micro_batch=item))
             except Exception as exc:  # noqa: BLE001 - the coordinator replays the item; the stage goes on
                 self.ctx.metrics.count("serve_items_failed")
                 _limited.log(logging.ERROR, "serve_compute", "serving job %s: item %d failed: %s", spec.job_id, item,

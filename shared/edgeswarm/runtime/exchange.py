@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -184,14 +185,16 @@ class TensorExchange(Generic[K]):
 
     # --- out ----------------------------------------------------------------------------------------
 
-    def send(self, peer: str, scope: Hashable, message: Message, tensor: torch.Tensor, *, qos: int = 1) -> None:
+    def send(self, peer: str, scope: Hashable, message: Message, tensor: torch.Tensor, *, qos: int = 1,
+             span: AbstractContextManager[object] | None = None) -> None:
         """Queue ``tensor`` with ``message`` for ``peer`` (a node) on that peer's outbox; returns at once. ``qos``
         is the MQTT QoS of its frames (0: it may be lost, and the scope needs a deadline and a retry of its own).
 
         The tensor is detached, moved to host memory and made contiguous here (an accelerator's tensor is copied
         once, at the wire, into pinned memory without blocking this thread; the outbox waits for the copy). Sends
         to one peer keep their order; one that fails fails ``scope``. Sending on a closed exchange is refused with
-        ExchangeAborted.
+        ExchangeAborted. ``span`` (a ``tracing.spans`` span, say) times the send on the outbox's thread: the wait for
+        the host copy and the transfer.
         """
         wire, ready = to_host(tensor)
         with self._outbox_lock:
@@ -202,8 +205,8 @@ class TensorExchange(Generic[K]):
                 outbox = self._outboxes[peer] = Outbox(peer, self.fail)
         # QoS 1 is the bus's default and is not named, so a bus that knows no QoS (a test's) still sends.
         options = {} if qos == 1 else {"qos": qos}
-        outbox.put(scope, partial(_send_when_ready, ready, partial(self._bus.send_tensor, **options), peer,
-                                  self._service, message, wire))
+        outbox.put(scope, partial(_send_when_ready, span or nullcontext(), ready,
+                                  partial(self._bus.send_tensor, **options), peer, self._service, message, wire))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Give every waiter up, send what is queued (each outbox waits at most ``timeout_s`` seconds), and end
@@ -223,9 +226,11 @@ class TensorExchange(Generic[K]):
         return f"{self.scope_name} {scope}"
 
 
-def _send_when_ready(ready: Callable[[], None], send: Callable[..., object], *args: object) -> object:
-    ready()  # the host copy's bytes are all there before the bus reads them
-    return send(*args)
+def _send_when_ready(span: AbstractContextManager[object], ready: Callable[[], None], send: Callable[..., object],
+                     *args: object) -> object:
+    with span:
+        ready()  # the host copy's bytes are all there before the bus reads them
+        return send(*args)
 
 
 class TensorView(Protocol):

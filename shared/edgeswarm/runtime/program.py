@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from edgeswarm.runtime.ledger import MemoryLedger
     from edgeswarm.wire import Message
 
+from edgeswarm.tracing.spans import SpanRecorder
 
 # The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
 # its registration, by the workloads it hosts and by their coordinator programs that address it.
@@ -95,7 +96,8 @@ class WorkerContext:
     ``edgeswarm.devices.compute``), as a torch device in ``compute``. Tensors leave it only at the wire.
     ``wait_s`` is the longest a program waits for one tensor or unit state from a peer before it gives up (seconds).
     ``ledger`` is the node's memory ledger (``runtime.ledger``), shared by every program and service on the node: a
-    program reserves a job's memory there before allocating it and releases it with the job."""
+    program reserves a job's memory there before allocating it and releases it with the job. ``tracer`` records
+    the spans of what the programs do (``tracing.spans``); the service publishes them (``runtime.worker_host``)."""
 
     bus: Bus
     node: str
@@ -106,6 +108,7 @@ class WorkerContext:
     compute_name: str = "cpu"
     wait_s: float = 120.0
     ledger: MemoryLedger = field(kw_only=True)
+    tracer: SpanRecorder = field(default_factory=SpanRecorder, kw_only=True)
 
     @property
     def compute(self) -> torch.device:

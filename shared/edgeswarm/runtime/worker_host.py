@@ -30,8 +30,11 @@ from edgeswarm.plugins import load_target
 from edgeswarm.runtime.ledger import MemoryLedger, ledger_path, node_ledger
 from edgeswarm.runtime.program import ComputeGate, WorkerContext, WorkerProgram
 from edgeswarm.runtime.service import Service
+from edgeswarm.tracing.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
+
+SPANS_INTERVAL_S = 0.5  # how often the programs' recorded spans are published
 
 
 class WorkerService(Service):
@@ -63,9 +66,10 @@ class WorkerService(Service):
     def setup(self) -> None:
         self.watch_reserved_memory()
         assert self.compute_name is not None  # resolved when the service was made (computes)
+        self.tracer = SpanRecorder(self.node, self.name)
         context = WorkerContext(bus=self.bus, node=self.node, service=self.name, device=self.device,
                                 metrics=self.metrics, gate=ComputeGate(), compute_name=self.compute_name,
-                                wait_s=self.peer_wait_s(), ledger=self.memory_ledger)
+                                wait_s=self.peer_wait_s(), ledger=self.memory_ledger, tracer=self.tracer)
         self._programs: list[WorkerProgram] = [self._make(target, context) for target in self.program_targets()]
         if not self._programs:
             log.info("%s hosts no worker program yet: no job kind names it as its worker service", self.name)
@@ -76,6 +80,20 @@ class WorkerService(Service):
             if program.tensors:
                 self.bus.subscribe(data, partial(self._route, program, program.on_tensor), schemas=program.tensors,
                                    plane="data")
+        self.every(SPANS_INTERVAL_S, self.publish_spans, "spans")
+
+    def publish_spans(self) -> None:
+        """Publish what the programs recorded since the last call: one SpanBatch per job (several for a job with
+        more spans than a batch holds) on this service's spans topic, QoS 1."""
+        tracer: SpanRecorder | None = getattr(self, "tracer", None)
+        if tracer is None or not len(tracer):
+            return
+        batches = tracer.batches()
+        self.metrics.gauge("spans_dropped", tracer.spans_dropped)
+        topic = topics.spans(self.node, self.name)
+        for batch in batches:
+            self.bus.publish(topic, batch, qos=1)
+        self.metrics.count("span_batches_out", len(batches))
 
     def _make(self, target: str, context: WorkerContext) -> WorkerProgram:
         """The program ``target`` names, made with ``context``. Raises ConfigError when it cannot be loaded or made,
@@ -90,6 +108,10 @@ class WorkerService(Service):
     def teardown(self) -> None:
         for program in getattr(self, "_programs", []):
             program.close()
+        try:
+            self.publish_spans()  # the last ones, while the bus is still up
+        except Exception as exc:  # noqa: BLE001 - stopping goes on without them
+            log.debug("the last spans were not published: %s", exc)
 
     @property
     def programs(self) -> tuple[WorkerProgram, ...]:

@@ -243,23 +243,32 @@ class DeviceProgram(JobTable[_Job]):
 
     def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
                    last: bool) -> np.ndarray:
-        """One mini-batch with the MEC (or alone, for local training); the per-sample losses."""
+        """One mini-batch with the MEC (or alone, for local training); the per-sample losses. Each part of it is a
+        span of the round (the step as its micro-batch) on the device's lane, its transfers on the link's."""
         enrol, mode = job.enrol, job.enrol.setup.training.mode
+        lane = self.ctx.tracer.lane(enrol.job_id, "device")
         if mode == "local":
-            return part.local_step(x, y)
+            with lane.span("local step", "compute", r, step):
+                return part.local_step(x, y)
+        link = lane.on("link device→mec")
         ex = job.exchange
-        activation = part.front_forward(x)
+        with lane.span("forward", "compute", r, step):
+            activation = part.front_forward(x)
         labels = [int(v) for v in y.tolist()] if mode == "vanilla" else None
         ex.send(enrol.mec, r, SplitTensor(job_id=enrol.job_id, round=r, step=step, kind="activation", last=last,
                                           labels=labels),
-                activation)
+                activation, span=link.span("activation", "transfer", r, step))
         if mode == "vanilla":
             losses = np.zeros(len(y))  # the MEC computes the loss; the device learns only its gradient
         else:
-            middle = ex.wait(TensorKey(r, step, "middle"))
-            losses, tail_gradient = part.tail_step(middle, y)
+            with lane.span("wait middle", "wait", r, step):
+                middle = ex.wait(TensorKey(r, step, "middle"))
+            with lane.span("tail", "compute", r, step):
+                losses, tail_gradient = part.tail_step(middle, y)
             ex.send(enrol.mec, r, SplitTensor(job_id=enrol.job_id, round=r, step=step, kind="tail_gradient"),
-                    tail_gradient)
-        cut_gradient = ex.wait(TensorKey(r, step, "cut_gradient"))
-        part.front_backward(cut_gradient)
+                    tail_gradient, span=link.span("tail gradient", "transfer", r, step))
+        with lane.span("wait cut gradient", "wait", r, step):
+            cut_gradient = ex.wait(TensorKey(r, step, "cut_gradient"))
+        with lane.span("backward", "compute", r, step):
+            part.front_backward(cut_gradient)
         return losses

@@ -14,6 +14,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.tracing.schedule import ScheduleBar
 from edgeswarm.wire import Message
 from edgeswarm.workloads.views import PlanView, Series, default_plan_view
 
@@ -124,6 +125,12 @@ class Workload(ABC):
 
     def stage_devices(self, plan: BaseModel) -> list[list[str]]:
         """The devices of each stage (or shard) of ``plan`` (this kind's ``plan_type``), for listings."""
+        return []
+
+    def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
+        """One round of ``state``'s plan as planned bars (``source`` "planned", times in seconds from the round's
+        start, lanes named as its workers name their spans' lanes), drawn beside the measured round. Empty by
+        default: the kind plans no schedule."""
         return []
 
     def plan_view(self, state: JobState) -> PlanView | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from edgeswarm.extras import missing_extra
 
@@ -20,6 +21,8 @@ except ModuleNotFoundError:  # matplotlib is the `plot` extra
 
 from edgeswarm.planning.hpp.schedule import Operation, Timeline, plan_timeline
 from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan
+from edgeswarm.tracing.chrome import lane_key
+from edgeswarm.tracing.schedule import ScheduleBar
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "AR": "#55a868"}
 _DPI = 110
@@ -31,13 +34,17 @@ _NAME_CHARS = 16
 _ROW_LABEL_DEVICES = 3
 
 
-def render_plan_png(plan: Plan, path: pathlib.Path, *, title: str = "") -> None:
+def render_plan_png(plan: Plan, path: pathlib.Path, *, title: str = "",
+                    measured: MeasuredRound | None = None, measured_note: str = "") -> None:
     """Write ``plan`` as a PNG at ``path`` (the parent folder must exist).
 
     Top panel: one box per stage with its units [start, end), warm-up K, per-micro-batch times, and per device its
-    share of every micro-batch and memory used over budget. Bottom panel: ``plan_timeline(plan)``, one row per step
+    share of every micro-batch and memory used over budget. Middle panel: ``plan_timeline(plan)``, one row per step
     (exec steps "stage p (devices)", comm steps "link p→p+1"), forward, backward and AllReduce bars, x axis in seconds.
-    Raises OSError when the file cannot be written and ScheduleError when the plan cannot be simulated.
+    With ``measured`` (a round's measured bars, ``tracing.schedule.measured_bars``), a bottom panel draws that round
+    as the workers recorded it, on the same time axis; without, ``measured_note`` (why there is none) is said under
+    the planned timeline. Raises OSError when the file cannot be written and ScheduleError when the plan cannot be
+    simulated.
     """
     timeline = plan_timeline(plan)
     stages = len(plan.stages)
@@ -45,22 +52,79 @@ def render_plan_png(plan: Plan, path: pathlib.Path, *, title: str = "") -> None:
     width_in = max(12.0, 2.7 * stages)
     map_in = 0.7 + 0.15 * (most_devices + 3)
     gantt_in = 1.3 + 0.42 * timeline.steps
-    fig = Figure(figsize=(width_in, map_in + gantt_in + 0.4), dpi=_DPI, layout="constrained")
+    lanes = sorted({b.lane for b in measured.bars}, key=lane_key) if measured is not None else []
+    measured_in = 1.4 + 0.42 * len(lanes) if lanes else 0.0
+    fig = Figure(figsize=(width_in, map_in + gantt_in + measured_in + 0.4), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     # Separate subfigures so the map spans the full width instead of aligning with the timeline's row labels.
-    map_fig, gantt_fig = fig.subfigures(2, 1, height_ratios=[map_in, gantt_in])
+    map_fig, gantt_fig = fig.subfigures(2, 1, height_ratios=[map_in, gantt_in + measured_in])
+    span = max(timeline.makespan_s, plan.round_latency_s, _measured_end(measured))
     _draw_stage_map(map_fig.subplots(), plan, width_in)
-    _draw_timeline(gantt_fig.subplots(), plan, timeline, width_in)
-    fig.suptitle(title or _default_title(plan, timeline), fontsize=11)
+    if measured is not None and lanes:
+        # One grid, one shared x axis: the measured round lines up under the planned one, second for second.
+        planned_ax, measured_ax = gantt_fig.subplots(2, 1, sharex=True, height_ratios=[gantt_in, measured_in])
+        _draw_timeline(planned_ax, plan, timeline, width_in, span_s=span)
+        _draw_measured(measured_ax, measured, lanes, plan.round_latency_s, span)
+    else:
+        _draw_timeline(gantt_fig.subplots(), plan, timeline, width_in, span_s=span, note=measured_note)
+    fig.suptitle(title or _default_title(plan, timeline, measured), fontsize=11)
     fig.savefig(path, format="png")
 
 
-def _default_title(plan: Plan, timeline: Timeline) -> str:
+@dataclass(frozen=True)
+class MeasuredRound:
+    """One round as measured: its ``round`` and its bars (``tracing.schedule.ScheduleBar``, times from the round's
+    start in seconds)."""
+
+    round: int
+    bars: tuple[ScheduleBar, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        return max((b.start_s + b.dur_s for b in self.bars), default=0.0)
+
+
+def _measured_end(measured: MeasuredRound | None) -> float:
+    return 0.0 if measured is None else measured.makespan_s
+
+
+_MEASURED_COLOURS = {"forward": _COLOURS["F"], "backward": _COLOURS["B"], "allreduce": _COLOURS["AR"],
+                     "step": _COLOURS["AR"]}
+_CAT_COLOURS = {"transfer": "#8172b3", "wait": "#c7c7c7", "collective": _COLOURS["AR"], "compute": "#937860",
+                "other": "#999999"}
+
+
+def _draw_measured(ax: Axes, measured: MeasuredRound, lanes: Sequence[str], predicted_s: float, span: float) -> None:
+    row = {lane: i for i, lane in enumerate(lanes)}
+    for bar in measured.bars:
+        colour = _MEASURED_COLOURS.get(bar.name, _CAT_COLOURS[bar.cat])
+        height = 0.45 if bar.cat in ("transfer", "wait") else 0.7
+        ax.broken_barh([(bar.start_s, bar.dur_s)], (row[bar.lane] - height / 2, height), facecolors=colour,
+                       edgecolors="white", linewidth=0.4, alpha=0.8 if bar.cat in ("transfer", "wait") else 1.0)
+    ax.axvline(predicted_s, color="#c44e52", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(lanes)), [_short(lane, 28) for lane in lanes])
+    ax.tick_params(axis="y", labelsize=7.5)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, span * 1.01 if span > 0 else 1.0)
+    ax.set_xlabel("time in the round (s)")
+    ax.grid(axis="x", linestyle=":", linewidth=0.5)
+    ax.set_title(f"measured: round {measured.round} as the workers recorded it ({measured.makespan_s:.3g} s)",
+                 fontsize=9, loc="left")
+    handles = [Patch(color=_COLOURS["F"], label="forward"), Patch(color=_COLOURS["B"], label="backward"),
+               Patch(color=_COLOURS["AR"], label="AllReduce / step"),
+               Patch(color=_CAT_COLOURS["transfer"], label="transfer"),
+               Patch(color=_CAT_COLOURS["wait"], label="waiting for a peer")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.35 / max(len(lanes), 1)), ncols=5,
+              fontsize=7.5, frameon=False)
+
+
+def _default_title(plan: Plan, timeline: Timeline, measured: MeasuredRound | None = None) -> str:
     o = plan.options
     return (
         f"{plan.strategy} plan, epoch {plan.epoch}: P={len(plan.stages)}, M={o.micro_batches} × B={o.micro_batch_size}"
         f" | predicted round {plan.round_latency_s:.3g} s ({plan.throughput_sps:.3g} samples/s),"
         f" simulated {timeline.makespan_s + plan.round_overhead_s:.3g} s"
+        + (f", measured {measured.makespan_s:.3g} s" if measured is not None and measured.bars else "")
     )
 
 
@@ -120,8 +184,9 @@ def _link_text(link: CommStepPlan) -> str:
     )
 
 
-def _draw_timeline(ax: Axes, plan: Plan, timeline: Timeline, width_in: float) -> None:
-    span = max(timeline.makespan_s, plan.round_latency_s)
+def _draw_timeline(ax: Axes, plan: Plan, timeline: Timeline, width_in: float, *, span_s: float = 0.0,
+                   note: str = "") -> None:
+    span = max(timeline.makespan_s, plan.round_latency_s, span_s)
     inches_per_s = width_in * _TIMELINE_AXES_FRACTION / span if span > 0 else 0.0
     by_step: dict[int, list[Operation]] = {s: [] for s in range(timeline.steps)}
     for op in timeline.operations:
@@ -146,7 +211,8 @@ def _draw_timeline(ax: Axes, plan: Plan, timeline: Timeline, width_in: float) ->
     ax.set_xlim(0, span * 1.01 if span > 0 else 1.0)
     ax.set_xlabel("time in the round (s)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
-    ax.set_title(f"1F1B schedule of one round (K = {list(timeline.warmups)})", fontsize=9, loc="left")
+    ax.set_title(f"planned: 1F1B schedule of one round (K = {list(timeline.warmups)})"
+                 + (f"; {note}" if note else ""), fontsize=9, loc="left")
     handles = [
         Patch(color=_COLOURS["F"], label="forward (micro-batch)"),
         Patch(color=_COLOURS["B"], label="backward (micro-batch)"),
