@@ -331,7 +331,7 @@ def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type
     return state if state and state["status"] == "running" and state["progress"]["round"] >= round_index else None
 
 
-FT_ROUNDS = 8
+FT_ROUNDS = 12
 FT_JOB = JOB.replace("rounds: 6", f"rounds: {FT_ROUNDS}\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
 # Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted.
 FT_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "150"}

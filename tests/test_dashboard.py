@@ -32,7 +32,7 @@ from edgeswarm.messages import ClusterView, JobState
 from edgeswarm.messages.cluster import NodeView, ServiceView
 from edgeswarm.observability import catalogue
 from edgeswarm.observability.prometheus import CONTENT_TYPE
-from edgeswarm.tracing.schedule import ScheduleBar, ScheduleView
+from edgeswarm.values.schedule import ScheduleBar, ScheduleView
 from edgeswarm.workloads.views import Series, SeriesPoint
 from helpers import FAST_ENV, native_cluster, wait_until
 

@@ -21,6 +21,7 @@ from edgeswarm.metrics import Metrics
 from edgeswarm.observability import catalogue, record
 from edgeswarm.observability.catalogue import CATALOGUE, MetricDef, Source, naming_problems
 from edgeswarm.observability.prometheus import PrometheusCollector
+from edgeswarm.observability.record import observe
 from helpers import REPO, wait_until
 
 # --- histograms --------------------------------------------------------------------------------------------------
@@ -29,26 +30,26 @@ from helpers import REPO, wait_until
 def test_histogram_buckets_are_cumulative_with_the_catalogues_bounds() -> None:
     m = Metrics()
     for value in (0.001, 0.0011, 0.3, 500.0):  # a value equal to a bound counts in that bound's bucket
-        m.observe(catalogue.REQUEST_DURATION + "j.1", value)
+        observe(m, catalogue.REQUEST_DURATION + "j.1", value)
     h = m.histograms()["serve_request_s.j.1"]
     assert h.bounds == catalogue.LATENCY_BUCKETS
     assert h.counts[0] == 1 and h.counts[h.bounds.index(0.0025)] == 2 and h.counts[h.bounds.index(0.5)] == 3
     assert h.counts[-1] == 3 and h.count == 4 and h.sum == pytest.approx(500.3021)
-    m.observe(catalogue.ROUND_DURATION + "train-hpp.j", 2.0)
+    observe(m, catalogue.ROUND_DURATION + "train-hpp.j", 2.0)
     assert m.histograms()["train_round_s.train-hpp.j"].bounds == catalogue.ROUND_BUCKETS
-    m.observe("not_catalogued", 1.0)
+    observe(m, "not_catalogued", 1.0)
     assert m.histograms()["not_catalogued"].bounds == catalogue.DEFAULT_BUCKETS
-    m.observe("x", math.nan)
-    m.observe("x", math.inf)
+    observe(m, "x", math.nan)
+    observe(m, "x", math.inf)
     assert "x" not in m.histograms() and m.counter("histogram_refused") == 2
 
 
 def test_histograms_beyond_the_cap_replace_the_least_recently_observed() -> None:
     m = Metrics()
     for i in range(MAX_HISTOGRAMS):
-        m.observe(f"{catalogue.TTFT}job{i}", 0.1)
-    m.observe(f"{catalogue.TTFT}job0", 0.1)  # job0 is now the freshest
-    m.observe(f"{catalogue.TTFT}new", 0.1)
+        observe(m, f"{catalogue.TTFT}job{i}", 0.1)
+    observe(m, f"{catalogue.TTFT}job0", 0.1)  # job0 is now the freshest
+    observe(m, f"{catalogue.TTFT}new", 0.1)
     names = set(m.histograms())
     assert len(names) == MAX_HISTOGRAMS and "serve_ttft_s.job0" in names and "serve_ttft_s.job1" not in names
     assert m.counter("histograms_evicted") == 1

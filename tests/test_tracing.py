@@ -23,10 +23,11 @@ from edgeswarm.messages import JobState
 from edgeswarm.messages.tracing import SpanBatch, SpanRecord, TraceReply, TraceRequest
 from edgeswarm.metrics import Metrics
 from edgeswarm.planning.hpp.schedule import simulate
-from edgeswarm.tracing.chrome import chrome_trace_bytes, lane_key
+from edgeswarm.tracing.chrome import chrome_trace_bytes
 from edgeswarm.tracing.collector import TraceCollector
 from edgeswarm.tracing.schedule import complete_rounds, measured_bars, schedule_view, timeline_bars
 from edgeswarm.tracing.spans import RawSpan, SpanRecorder
+from edgeswarm.values.schedule import lane_key
 from edgeswarm.wire import Sender
 from helpers import wait_until
 

@@ -109,7 +109,7 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
     a Chrome trace with exactly one forward and one backward span per micro-batch per stage per round, and the last
     round measured beside the planned one (what the dashboard draws and `train --timeline-png` too)."""
     from edgeswarm.cli.train import measured_round
-    from edgeswarm.tracing.schedule import ScheduleView
+    from edgeswarm.values.schedule import ScheduleView
 
     name = f"trace-{uuid.uuid4().hex[:6]}"
     model, config, data = FAMILIES["mlp"]

@@ -8,7 +8,6 @@ import threading
 from collections import OrderedDict, defaultdict
 
 from edgeswarm.messages.metrics import MAX_HISTOGRAMS, MAX_METRIC_NAME, Histogram
-from edgeswarm.observability.catalogue import buckets_for
 
 
 class _Series:
@@ -61,9 +60,10 @@ class Metrics:
         with self._lock:
             self._gauges.pop(name, None)
 
-    def observe(self, name: str, value: float) -> None:
-        """Add one observation ``value`` (in the histogram's unit, seconds for durations) to histogram ``name``.
-        A value that is not finite, or a name too long for a report, is counted under ``histogram_refused``."""
+    def observe(self, name: str, value: float, bounds: tuple[float, ...]) -> None:
+        """Add one observation ``value`` (in the histogram's unit, seconds for durations) to histogram ``name``,
+        whose bucket upper bounds are ``bounds`` (ascending; read when the histogram is first observed). A value that
+        is not finite, or a name too long for a report, is counted under ``histogram_refused``."""
         value = float(value)
         with self._lock:
             if not math.isfinite(value) or not 1 <= len(name) <= MAX_METRIC_NAME:
@@ -74,7 +74,7 @@ class Metrics:
                 if len(self._histograms) >= MAX_HISTOGRAMS:
                     self._histograms.popitem(last=False)
                     self._counters["histograms_evicted"] += 1
-                series = self._histograms[name] = _Series(buckets_for(name))
+                series = self._histograms[name] = _Series(bounds)
             else:
                 self._histograms.move_to_end(name)
             series.observe(value)

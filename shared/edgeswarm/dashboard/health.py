@@ -18,7 +18,7 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.messages.cluster import ClusterView
 from edgeswarm.messages.jobs import FINISHED, JobState
 from edgeswarm.settings import is_loopback, parse_broker_url
-from edgeswarm.tracing.schedule import ScheduleView
+from edgeswarm.values.schedule import ScheduleView
 
 CLOCK_SKEW_S = 2.0
 SLOW_RATIO = 1.5

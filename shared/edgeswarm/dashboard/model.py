@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.tracing.schedule import ScheduleView
+from edgeswarm.values.schedule import ScheduleView
 from edgeswarm.workloads.views import PlanView, Series
 
 MAX_EVENTS = 200  # per job and for the cluster: the page shows the latest

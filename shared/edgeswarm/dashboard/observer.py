@@ -17,8 +17,8 @@ from edgeswarm.dashboard.model import MAX_EVENTS, TimedEvent
 from edgeswarm.dashboard.snapshot import Observed, job_series, merge_series
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
 from edgeswarm.messages.jobs import FINISHED
-from edgeswarm.tracing.schedule import ScheduleView
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.schedule import ScheduleView
 
 MAX_JOBS = 64
 MAX_LINKS = 1024

@@ -25,8 +25,8 @@ from edgeswarm.dashboard.model import (
 from edgeswarm.messages.cluster import ClusterView, NodeView
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.observability import catalogue
-from edgeswarm.tracing.schedule import ScheduleView
 from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.values.schedule import ScheduleView
 from edgeswarm.workloads import installed_workload
 from edgeswarm.workloads.views import MAX_POINTS, PlanView, Series
 

@@ -15,7 +15,7 @@ from edgeswarm.messages.training import StageSaved
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
-from edgeswarm.tracing.schedule import ScheduleBar
+from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.checks import model_problems
 from edgeswarm.workloads.views import (

@@ -7,13 +7,25 @@ name from a closed list (never a caller's text).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from edgeswarm.metrics import Metrics
 from edgeswarm.observability import catalogue as c
 
 
+@lru_cache(maxsize=256)
+def _buckets(name: str) -> tuple[float, ...]:
+    return c.buckets_for(name)
+
+
+def observe(metrics: Metrics, name: str, value: float) -> None:
+    """Observe ``value`` in histogram ``name`` of ``metrics``, with the buckets the catalogue gives that name."""
+    metrics.observe(name, value, _buckets(name))
+
+
 def request_answered(metrics: Metrics, job: str, duration_s: float) -> None:
     """A serving request of ``job`` answered ``duration_s`` after it arrived."""
-    metrics.observe(c.REQUEST_DURATION + job, duration_s)
+    observe(metrics, c.REQUEST_DURATION + job, duration_s)
     metrics.count(f"{c.REQUESTS}answered.{job}")
 
 
@@ -24,18 +36,18 @@ def request_refused(metrics: Metrics, job: str, reason: str) -> None:
 
 def request_dispatched(metrics: Metrics, job: str, queued_s: float) -> None:
     """A request of ``job`` left the queue for the devices after waiting ``queued_s``."""
-    metrics.observe(c.REQUEST_QUEUE + job, queued_s)
+    observe(metrics, c.REQUEST_QUEUE + job, queued_s)
 
 
 def first_token(metrics: Metrics, job: str, ttft_s: float, prompt_tokens: int) -> None:
     """A generation request of ``job`` (``prompt_tokens`` long) had its first token ``ttft_s`` after it arrived."""
-    metrics.observe(c.TTFT + job, ttft_s)
+    observe(metrics, c.TTFT + job, ttft_s)
     metrics.count(c.PROMPT_TOKENS + job, prompt_tokens)
 
 
 def next_token(metrics: Metrics, job: str, seconds: float) -> None:
     """One decode pass of ``job`` produced the next token in ``seconds``."""
-    metrics.observe(c.ITL + job, seconds)
+    observe(metrics, c.ITL + job, seconds)
 
 
 def tokens_generated(metrics: Metrics, job: str, tokens: int) -> None:
@@ -46,7 +58,7 @@ def tokens_generated(metrics: Metrics, job: str, tokens: int) -> None:
 
 def round_done(metrics: Metrics, kind: str, job: str, round_s: float, samples: int) -> None:
     """A training round of ``job`` (of ``kind``) took ``round_s`` over ``samples`` samples."""
-    metrics.observe(f"{c.ROUND_DURATION}{kind}.{job}", round_s)
+    observe(metrics, f"{c.ROUND_DURATION}{kind}.{job}", round_s)
     metrics.count(f"{c.ROUNDS}{kind}.{job}")
     metrics.count(f"{c.SAMPLES}{kind}.{job}", samples)
 

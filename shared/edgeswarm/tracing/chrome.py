@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.messages.tracing import SpanRecord
+from edgeswarm.values.schedule import lane_key
 
 US_PER_S = 1e6
 
@@ -73,16 +74,3 @@ def chrome_trace_bytes(spans: Sequence[SpanRecord], *, job_id: str = "") -> byte
     """``chrome_trace(spans)`` as JSON bytes (unset fields left out)."""
     return json.dumps(chrome_trace(spans, job_id=job_id).model_dump(exclude_none=True),
                       separators=(",", ":")).encode()
-
-
-def lane_key(lane: str) -> tuple[tuple[int, ...], str]:
-    """A sort key by the numbers in a lane, then its text: "stage 0", "link 0→1", "stage 1", ..., "stage 10"."""
-    numbers: list[int] = []
-    digits = ""
-    for ch in lane + " ":
-        if ch.isdigit():
-            digits += ch
-        elif digits:
-            numbers.append(int(digits[:9]))
-            digits = ""
-    return tuple(numbers), lane

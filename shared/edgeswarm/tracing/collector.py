@@ -21,7 +21,8 @@ from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.tracing import SpanBatch, SpanRecord, TraceReply, TraceRequest
 from edgeswarm.metrics import Metrics
 from edgeswarm.tracing.chrome import chrome_trace_bytes
-from edgeswarm.tracing.schedule import ScheduleView, complete_rounds, measured_bars, schedule_view
+from edgeswarm.tracing.schedule import complete_rounds, measured_bars, schedule_view
+from edgeswarm.values.schedule import ScheduleView
 
 log = logging.getLogger(__name__)
 

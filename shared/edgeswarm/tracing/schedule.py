@@ -12,46 +12,16 @@ lane that several devices report in one round (a stage replicated for data paral
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING
 
 from edgeswarm.messages.tracing import SpanRecord
-from edgeswarm.tracing.chrome import lane_key
+from edgeswarm.values.schedule import ScheduleBar, ScheduleView, lane_key
 
 if TYPE_CHECKING:
     from edgeswarm.planning.hpp.schedule import Timeline
 
 # The span a device records last in each round (the optimizer step): its round is all in once this one is.
 ROUND_END = "step"
-
-
-class ScheduleBar(BaseModel):
-    """One operation on one lane: ``start_s`` from the round's start and ``dur_s`` (seconds)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    lane: str = Field(max_length=128)
-    name: str = Field(max_length=64)
-    cat: Literal["compute", "transfer", "collective", "wait", "other"]
-    start_s: float = Field(ge=0)
-    dur_s: float = Field(ge=0)
-    source: Literal["planned", "measured"]
-    micro_batch: int | None = None
-
-
-class ScheduleView(BaseModel):
-    """Round ``round`` of a job: its lanes (a stage's device, a shard) and the planned and measured bars on them.
-    ``measured_s`` is the measured round's span (first start to last end), ``planned_s`` the planned one's."""
-
-    model_config = ConfigDict(frozen=True)
-
-    job_id: str
-    round: int = Field(ge=0)
-    lanes: tuple[str, ...]
-    bars: tuple[ScheduleBar, ...]
-    measured_s: float = Field(default=0.0, ge=0)
-    planned_s: float = Field(default=0.0, ge=0)
 
 
 def complete_rounds(spans: Iterable[SpanRecord], nodes: Iterable[str] = ()) -> list[int]:

@@ -14,7 +14,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.runtime.program import STAGE_WORKER
-from edgeswarm.tracing.schedule import ScheduleBar
+from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.wire import Message
 from edgeswarm.workloads.views import PlanView, Series, default_plan_view
 

@@ -21,8 +21,7 @@ except ModuleNotFoundError:  # matplotlib is the `plot` extra
 
 from edgeswarm.planning.hpp.schedule import Operation, Timeline, plan_timeline
 from edgeswarm.planning.hpp.types import CommStepPlan, Plan, StagePlan
-from edgeswarm.tracing.chrome import lane_key
-from edgeswarm.tracing.schedule import ScheduleBar
+from edgeswarm.values.schedule import ScheduleBar, lane_key
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "AR": "#55a868"}
 _DPI = 110
