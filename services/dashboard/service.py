@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 # A snapshot is built at least this often even when nothing changed, so the page's ages and "last updated" move.
 REFRESH_S = 5.0
-ALL_PROFILES = f"{topics.ROOT}/node/+/profiler/profile/+"
 
 
 class DashboardService(Service):
@@ -64,7 +63,7 @@ class DashboardService(Service):
         self.bus.subscribe(topics.job_events("+"), o.on_job_event, schemas=(JobEvent,))
         self.bus.subscribe(topics.metrics("+", "+"), o.on_metrics, schemas=(MetricsReport,), qos=0)
         self.bus.subscribe(topics.ALL_HEARTBEATS, o.on_heartbeat, schemas=(Heartbeat,), qos=0)
-        self.bus.subscribe(ALL_PROFILES, o.on_profile, schemas=(ProfileReport,))
+        self.bus.subscribe(topics.ALL_PROFILE_REPORTS, o.on_profile, schemas=(ProfileReport,))
         self._seq = 0
         self._built_at = 0.0
         self._drawn: dict[str, int] = {}  # the span batches of each job its drawn schedule was made from

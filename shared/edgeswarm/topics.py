@@ -137,6 +137,7 @@ ALL_SERVICE_EVENTS = service_events("+", "+")
 ALL_STATUS = f"{ROOT}/node/+/+/status"
 ALL_HEARTBEATS = f"{ROOT}/node/+/+/heartbeat"
 ALL_PROFILE_PROGRESS = profile_progress("+")
+ALL_PROFILE_REPORTS = f"{ROOT}/node/+/profiler/profile/+"
 ALL_SPANS = spans("+", "+")
 
 

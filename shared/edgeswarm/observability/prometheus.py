@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 ALL_METRICS = topics.metrics("+", "+")
-ALL_PROFILES = f"{topics.ROOT}/node/+/profiler/profile/+"
 STALE_INTERVALS = 3.0  # a service's report this many report intervals old is gone (it publishes each with this TTL)
 MAX_REPORTS = 1024  # (node, service) pairs kept
 MAX_JOBS = 512
@@ -99,7 +98,7 @@ class PrometheusCollector:
         self.bus.subscribe(ALL_METRICS, self._on_report, schemas=(MetricsReport,), qos=0)
         self.bus.subscribe(topics.CLUSTER_VIEW, self._on_view, schemas=(ClusterView,))
         self.bus.subscribe(topics.ALL_JOB_STATES, self._on_job, schemas=(JobState,))
-        self.bus.subscribe(ALL_PROFILES, self._on_profile, schemas=(ProfileReport,))
+        self.bus.subscribe(topics.ALL_PROFILE_REPORTS, self._on_profile, schemas=(ProfileReport,))
 
     def exposition(self) -> bytes:
         """Every metric in the Prometheus text exposition format (``CONTENT_TYPE``)."""
