@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 
+from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.dashboard.model import MAX_EVENTS, TimedEvent
 from edgeswarm.dashboard.snapshot import Observed, job_series, merge_series
@@ -117,8 +118,10 @@ class Observer:
     def on_profile(self, msg: Inbound) -> None:
         report = msg.body
         assert isinstance(report, ProfileReport)
+        if topics.owner_of(msg.topic) != report.node:
+            return  # a report on another node's topic speaks for nobody
         with self._lock:
-            for link in report.links:
+            for link in report.own_links():
                 key = f"{link.src}->{link.dst}"
                 if key in self._links or len(self._links) < MAX_LINKS:
                     self._links[key] = link

@@ -70,6 +70,10 @@ class ProfileReport(Message):
     cache_hit: bool = False
     elapsed_s: float = Field(default=0.0, ge=0.0)
 
+    def own_links(self) -> list[LinkProfile]:
+        """The links this report may speak for: those from its own node to another (a node measures only its own)."""
+        return [link for link in self.links if link.src == self.node and link.dst != self.node]
+
 
 ProfileFailureReason = Literal["bad_request", "busy", "link", "error"]
 

@@ -140,13 +140,10 @@ class PrometheusCollector:
     def _on_profile(self, msg: Inbound) -> None:
         report = msg.body
         assert isinstance(report, ProfileReport)
-        parts = msg.topic.split("/")
-        if len(parts) != 6 or parts[2] != report.node:
+        if topics.owner_of(msg.topic) != report.node:
             return
-        for link in report.links:
-            if link.src == report.node and link.dst != report.node:
-                _put(self._lock, self._links, (link.src, link.dst), _Link(link.latency_s, link.bandwidth_bps),
-                     MAX_LINKS)
+        for link in report.own_links():
+            _put(self._lock, self._links, (link.src, link.dst), _Link(link.latency_s, link.bandwidth_bps), MAX_LINKS)
 
 
 def _put(lock: threading.Lock, table: OrderedDict, key: object, value: object, cap: int) -> None:  # type: ignore[type-arg]
