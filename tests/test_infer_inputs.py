@@ -35,3 +35,22 @@ def test_a_conversion_that_would_change_values_is_refused_with_what_to_do(tmp_pa
     np.savez(tmp_path / "two.npz", a=np.zeros(2), b=np.zeros(2))
     with pytest.raises(ConfigError, match="name the inputs x"):
         read_npz(str(tmp_path / "two.npz"))
+
+
+def test_integers_a_float_cannot_hold_exactly_are_refused() -> None:
+    # An int64 of 2^40 + 1 became float32 2^40 and was answered: the float32 mantissa holds integers to 2^24 only.
+    with pytest.raises(ConfigError, match="float32 inputs; int64 values would change"):
+        as_input_dtype(torch.tensor([[1, 2 ** 40 + 1]], dtype=torch.int64), torch.float32, "x.npz")
+    with pytest.raises(ConfigError, match="would change"):
+        as_input_dtype(torch.tensor([2 ** 24 + 1], dtype=torch.int32), torch.float32, "x.npz")
+    with pytest.raises(ConfigError, match="would change"):
+        as_input_dtype(torch.tensor([257], dtype=torch.int64), torch.bfloat16, "x.npz")
+    with pytest.raises(ConfigError, match="would change"):  # int64's top rounds to 2^63, outside int64
+        as_input_dtype(torch.tensor([2 ** 63 - 1], dtype=torch.int64), torch.float64, "x.npz")
+    # What a float holds exactly still goes through: pixels saved as uint8, large but representable integers.
+    pixels = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    assert torch.equal(as_input_dtype(pixels, torch.float32, "x.npz"), pixels.float())
+    big = torch.tensor([-(2 ** 24), 2 ** 24, 2 ** 40], dtype=torch.int64)
+    assert as_input_dtype(big, torch.float32, "x.npz").tolist() == [-(2.0 ** 24), 2.0 ** 24, 2.0 ** 40]
+    assert as_input_dtype(torch.tensor([True, False]), torch.float32, "x.npz").tolist() == [1.0, 0.0]
+    assert as_input_dtype(torch.zeros(0, 3, dtype=torch.int64), torch.float32, "x.npz").shape == (0, 3)

@@ -72,11 +72,16 @@ def run(cluster: Cluster, text: str, timeout_s: float = 240) -> tuple[JobState, 
 def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Cluster, tmp_path: Path) -> None:
     path = tmp_path / "job.json"
     path.write_text(spec_text("sf-cli", rounds=3))
+    record = tmp_path / "run.json"
     done = subprocess.run([sys.executable, "-m", "edgeswarm", "train", str(path), "--wait", "--hub",
-                           cluster.local.hub_url], capture_output=True, text=True, timeout=300)
+                           cluster.local.hub_url, "--json", str(record)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     for r in range(3):
         assert f"round {r}: " in done.stdout, done.stdout
+    # --json writes every kind's record: its final state and its progress after each round.
+    written = json.loads(record.read_text())
+    assert written["state"]["status"] == "succeeded" and written["state"]["kind"] == "train-splitfed"
+    assert [r["rounds_done"] for r in written["rounds"]] == [1, 2, 3], written["rounds"]
     assert "accuracy" in done.stdout and "MiB" in done.stdout, done.stdout
     out = tmp_path / "model.safetensors"
     exported = subprocess.run([sys.executable, "-m", "edgeswarm", "export", "sf-cli", "--out", str(out), "--hub",

@@ -101,6 +101,8 @@ class JobManager:
     def _on_submit(self, msg: Inbound) -> None:
         body = msg.body
         assert isinstance(body, JobSubmit)
+        if self._answer_again(msg, body):
+            return
         try:
             spec = parse_spec_text(body.spec, source="the submitted job spec")
             work = workload(spec.kind)  # type: ignore[attr-defined]
@@ -115,6 +117,14 @@ class JobManager:
             return
         name, kind = spec.name, work.kind  # type: ignore[attr-defined]  # an alias is stored as the kind it names
         with self._lock:
+            expires_at = msg.envelope.expires_at
+            if expires_at is not None and time.time() > expires_at:
+                # Its submitter stopped waiting and asked the job's state instead: taking it now would run a job
+                # the submitter was told was not accepted. (Its retry, with the same submission, is taken.)
+                _limited.warning("expired_submit", "not taking job %s from %s/%s: its submission expired %.1f s "
+                                 "ago while it waited here", name[:64], msg.envelope.sender_node,
+                                 msg.envelope.sender_service, time.time() - expires_at)
+                return
             current = self._states.get(name)
             if current is not None and current.status not in FINISHED:
                 self.bus.reply(msg, JobRejected(reason="duplicate", detail=(
@@ -132,6 +142,18 @@ class JobManager:
         self.bus.reply(msg, JobAccepted(job_id=name, detail=f"queued behind {queued} job(s)" if queued > 0 else
                                         "starting"))
         self._start(name)
+
+    def _answer_again(self, msg: Inbound, body: JobSubmit) -> bool:
+        """Answer a submission this coordinator already took (its submitter missed the reply and asked again: the
+        submission id is the key) as it was answered, without running the job twice. False for a new one."""
+        if not body.submission:
+            return False
+        with self._lock:
+            taken = next((s for s in self._states.values() if s.submission == body.submission), None)
+        if taken is None:
+            return False
+        self.bus.reply(msg, JobAccepted(job_id=taken.job_id, detail=f"already accepted ({taken.status})"))
+        return True
 
     def _on_cancel(self, msg: Inbound) -> None:
         body = msg.body

@@ -154,16 +154,32 @@ def read_npz(path: str) -> torch.Tensor:
     return samples
 
 
+def _exact_as(integers: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of ``integers`` (an integer or bool tensor) is exactly a value of the float ``dtype``."""
+    import torch
+
+    # Every float16/bfloat16/float32 value is a float64, and one rounded from an integer is integral: back to int64
+    # it compares exactly, once it is inside int64's range (2^63 itself, where int64's top rounds to, is not).
+    wide = integers.to(dtype).to(torch.float64)
+    if integers.numel() == 0:
+        return True
+    if not bool(torch.isfinite(wide).all()) or float(wide.abs().max()) >= 2.0 ** 63:
+        return False
+    return torch.equal(wide.to(torch.int64), integers.to(torch.int64))
+
+
 def as_input_dtype(samples: torch.Tensor, dtype: torch.dtype, source: str) -> torch.Tensor:
     """``samples`` in the model's input ``dtype`` when that loses nothing a user cares about: any float to the
-    model's float (NumPy's float64 default to float32, say), integers to a wider or equal integer, and integral
-    values of any dtype to an integer type that holds them (token ids saved as floats). Raises ConfigError when it
-    would change values."""
+    model's float (NumPy's float64 default to float32, say), integers to a float that holds each of them exactly,
+    integers to a wider or equal integer, and integral values of any dtype to an integer type that holds them (token
+    ids saved as floats). Raises ConfigError when it would change values (an int64 of 2^40 + 1 to float32, say)."""
     import torch
 
     if samples.dtype == dtype:
         return samples
-    if dtype.is_floating_point and (samples.dtype.is_floating_point or not samples.dtype.is_complex):
+    if dtype.is_floating_point and samples.dtype.is_floating_point:
+        return samples.to(dtype)
+    if dtype.is_floating_point and not samples.dtype.is_complex and _exact_as(samples, dtype):
         return samples.to(dtype)
     if not dtype.is_floating_point and not dtype.is_complex and samples.dtype != torch.bool:
         info = torch.iinfo(dtype)

@@ -220,8 +220,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if t.test_accuracy is not None:
         console.print(f"held-out accuracy of the saved model: {t.test_accuracy:.1%}")
     if args.json:
-        figures = [s.progress_as(TrainProgress).model_dump(mode="json", exclude={"predictions"}) for _, s in rounds]
-        Path(args.json).write_text(json.dumps({"state": final.model_dump(mode="json"), "rounds": figures}, indent=2))
+        write_run_json(Path(args.json), final, follower)
     if args.loss_png and rounds:
         from edgeswarm.hpp.curves import render_loss_png
 
@@ -351,7 +350,21 @@ def run_job_spec(args: argparse.Namespace, name: str, text: str) -> int:
     progress, figures = _progress_cells(final)
     console.print(f"job {name} {final.status}: {escape(progress)}; {escape(figures)}" +
                   (f" ({escape(final.detail)})" if final.detail else ""))
+    if args.json:
+        write_run_json(Path(args.json), final, follower)
     return 0 if final.status == "succeeded" else 1
+
+
+def write_run_json(path: Path, final: JobState, follower: JobFollower) -> None:
+    """Write a followed job's record to ``path``: ``state`` (its final state) and ``rounds`` (its kind's progress
+    after each round, in order; the per-strategy predictions left out, the final state has them). Raises
+    ConfigError when the file cannot be written."""
+    rounds = [s.progress.model_dump(mode="json", exclude={"predictions"}) for _, s in sorted(follower.rounds.items())]
+    try:
+        path.write_text(json.dumps({"state": final.model_dump(mode="json"), "rounds": rounds}, indent=2))
+    except OSError as exc:
+        raise ConfigError(f"cannot write --json {path}: {exc}") from None
+    console.print(f"the job's final state and rounds written to {path}")
 
 
 def run_cancel(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from edgeswarm.messages.jobs import (
 )
 from edgeswarm.wire import Message
 from edgeswarm.wire.schema import new_id
-from edgeswarm.workloads import installed_workload
+from edgeswarm.workloads import installed_workload, parse_spec_text
 
 COORDINATOR_NODE = "hub"
 
@@ -31,26 +31,78 @@ class JobRequestError(EdgeswarmError):
     """The coordinator refused the request, or did not answer; the message says why."""
 
 
+class _NoAnswer(JobRequestError):
+    """No reply came: the request may or may not have been handled."""
+
+
 def _ask(bus: Bus, message: Message, timeout_s: float, coordinator: str) -> JobAccepted:
     try:
         reply = bus.request(topics.request(coordinator, "coordinator"), message, timeout_s=timeout_s).body
     except NotAuthorizedError as exc:
         raise JobRequestError(f"{exc} (only the hub and client members may submit or cancel jobs)") from None
     except BusError as exc:
-        raise JobRequestError(f"the coordinator on {coordinator} did not answer: {exc}; is the cluster up "
-                              "(edgeswarm status)?") from None
+        raise _NoAnswer(f"the coordinator on {coordinator} did not answer: {exc}; is the cluster up "
+                        "(edgeswarm status)?") from None
     if isinstance(reply, JobRejected):
         raise JobRequestError(f"refused ({reply.reason}): {reply.detail}")
     assert isinstance(reply, JobAccepted)
     return reply
 
 
+SUBMIT_ATTEMPTS = 2
+STATE_SETTLE_S = 2.0  # how long a submitter whose requests went unanswered waits for the job's retained state
+
+
 def submit_job(bus: Bus, spec_text: str, *, submission: str = "", timeout_s: float = 10.0,
-               coordinator: str = COORDINATOR_NODE) -> JobAccepted:
+               coordinator: str = COORDINATOR_NODE, attempts: int = SUBMIT_ATTEMPTS) -> JobAccepted:
     """Submit the job spec ``spec_text`` (YAML or JSON) to the coordinator, tagged ``submission`` (see
-    JobFollower). Raises JobRequestError naming the invalid fields, a duplicate name, or a coordinator that did
-    not answer within ``timeout_s`` seconds."""
-    return _ask(bus, JobSubmit(spec=spec_text, submission=submission), timeout_s, coordinator)
+    JobFollower; a fresh id when empty). Raises JobRequestError naming the invalid fields or a duplicate name.
+
+    A submission is idempotent, its id the key: when no reply comes within ``timeout_s`` seconds the same
+    submission is sent again (``attempts`` in all; the coordinator answers one it already took as it did, and never
+    runs it twice). When none is answered, the job's retained state says whether the coordinator took it: then the
+    answer is JobAccepted all the same; otherwise JobRequestError says it was not accepted, which holds because the
+    coordinator drops a submission that reaches it after its expiry (the request's timeout)."""
+    submission = submission or new_id()
+    message = JobSubmit(spec=spec_text, submission=submission)
+    unanswered: _NoAnswer | None = None
+    for _ in range(max(1, attempts)):
+        try:
+            return _ask(bus, message, timeout_s, coordinator)
+        except _NoAnswer as exc:
+            unanswered = exc
+    state = submitted_state(bus, spec_text, submission, coordinator=coordinator)
+    if state is not None:
+        return JobAccepted(job_id=state.job_id, detail=f"accepted, though its reply was lost: the job is {state.status}")
+    raise JobRequestError(f"not accepted: the coordinator on {coordinator} answered none of {max(1, attempts)} "
+                          f"requests of {timeout_s:g} s, and no job of this submission exists (a request that arrives "
+                          "later expires unhandled, so nothing will start). Is the cluster up (`edgeswarm status`)? "
+                          "Then submit it again") from unanswered
+
+
+def submitted_state(bus: Bus, spec_text: str, submission: str, *, coordinator: str = COORDINATOR_NODE,
+                    settle_s: float = STATE_SETTLE_S) -> JobState | None:
+    """The state of the job that ``spec_text`` names, if the coordinator on ``coordinator`` took it as submission
+    ``submission``; None when no such state arrives within ``settle_s`` seconds (or the text names no job)."""
+    try:
+        job_id = str(parse_spec_text(spec_text).name)  # type: ignore[attr-defined]
+    except EdgeswarmError:
+        return None  # the coordinator refuses what does not parse: it took nothing
+    found: list[JobState] = []
+    seen = threading.Event()
+
+    def on_state(msg: Inbound) -> None:
+        body, env = msg.body, msg.envelope
+        assert isinstance(body, JobState)
+        # Only the coordinator writes job states (the ACL enforces it in a deployment; this holds without one).
+        if (env.sender_node, env.sender_service) == (coordinator, "coordinator") and body.job_id == job_id and \
+                body.submission == submission:
+            found.append(body)
+            seen.set()
+
+    bus.subscribe(topics.job_state(job_id), on_state, schemas=(JobState,))
+    seen.wait(settle_s)
+    return found[0] if found else None
 
 
 def cancel_job(bus: Bus, job_id: str, *, timeout_s: float = 10.0, coordinator: str = COORDINATOR_NODE) -> JobAccepted:
