@@ -13,8 +13,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,34 @@ def test_with_a_token_every_path_needs_it_and_answers_with_it(tmp_path: Path) ->
         server.stop()
 
 
+def test_refused_event_streams_never_starve_a_scrape_or_the_page(tmp_path: Path) -> None:
+    """40 clients each asking for the event stream: 16 get one, the rest are refused and their connections closed,
+    so the 41st's snapshot and a scrape of /metrics answer 200 (they answered 503 for up to 10 s while refused
+    clients idled on kept-alive connections). The browser's own /favicon.ico is answered too."""
+    server = DashboardServer("127.0.0.1", 0, None, metrics=lambda: b"edgeswarm_up 1\n", metrics_type=CONTENT_TYPE,
+                             trace=lambda job: b'{"traceEvents": []}')
+    server.start()
+    server.publish(b'{"seq": 1}')
+    clients: list[socket.socket] = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+            clients.append(sock)
+        statuses = [sock.recv(64).split(b" ", 2)[1] for sock in clients]
+        assert statuses.count(b"200") == 16 and statuses.count(b"503") == 24, statuses
+        # Each refusal's slot is freed as the server closes it: well within a second, not READ_TIMEOUT_S.
+        assert wait_until(lambda: _get(server.url, "/api/snapshot")[0] == 200, 3, interval_s=0.05), \
+            "refused event streams still hold the connection slots"
+        assert _get(server.url, "/metrics")[0] == 200
+        status, headers, body = _get(server.url, "/favicon.ico")
+        assert status == 200 and headers["content-type"] == "image/svg+xml" and body.startswith(b"<svg")
+    finally:
+        for sock in clients:
+            sock.close()
+        server.stop()
+
+
 def test_a_dashboard_beyond_loopback_without_a_token_is_refused_at_start(tmp_path: Path) -> None:
     for cmd, extra in ((["service", "dashboard"], {"EDGESWARM_DASHBOARD_HOST": "0.0.0.0"}),
                        (["dashboard", "--host", "0.0.0.0", "--port", "0"], {})):
@@ -386,6 +416,9 @@ def test_the_page_shows_the_cluster_live_through_a_device_failure(live: tuple[An
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []  # a page load, and everything drawn after it, has no console error
+            page.on("console", lambda m: errors.append(f"{m.text} at {m.location}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
             page.evaluate("window.__loadedOnce = 'yes'")  # gone if the page were ever reloaded
             for n in ["hub", *(f"native-{i}" for i in range(DEVICES))]:
@@ -429,6 +462,7 @@ def test_the_page_shows_the_cluster_live_through_a_device_failure(live: tuple[An
                                                         for b in g["blocks"]}
             assert "live" in page.inner_text("#freshness")
             screenshot(page, folders, "3-after-device-lost")
+            assert errors == [], errors
         finally:
             browser.close()
 
@@ -488,6 +522,13 @@ def test_edgeswarm_dashboard_with_a_token_against_the_cluster(live: tuple[Any, A
             return {n["node"] for n in json.loads(_get(url, "/api/snapshot", bearer)[2] or b"{}").get("nodes", [])}
 
         wait_until(lambda: {"hub", "native-0"} <= nodes(), 30, interval_s=0.3, message="the cluster in the snapshot")
+        # An observer is not a device: it announced nothing, so neither page nor the hub's metrics count it as a node
+        # (it had joined as node "dashboard", class native). Its heartbeats would have been in within a second.
+        time.sleep(1.0)
+        assert nodes() == {"hub", *(f"native-{i}" for i in range(DEVICES))}, nodes()
+        for page in (url, local.dashboard_url):
+            scraped = _get(page, "/metrics", bearer)[2].decode()
+            assert 'node="hub"' in scraped and 'node="dashboard"' not in scraped, page
     finally:
         proc.terminate()
         try:

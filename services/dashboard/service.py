@@ -37,11 +37,12 @@ REFRESH_S = 5.0
 class DashboardService(Service):
     name = "dashboard"
 
-    def __init__(self, settings: Settings, on_listening: Callable[[str], None] | None = None) -> None:
+    def __init__(self, settings: Settings, on_listening: Callable[[str], None] | None = None, *,
+                 member: bool = True) -> None:
         # Refused before it connects: a dashboard exposed without a token, or a token file it cannot read.
         self.token = read_token(settings.dashboard_token_file, create=settings.dashboard_token_create)
         check_exposure(settings.dashboard_host, self.token)
-        super().__init__(settings)
+        super().__init__(settings, member=member)
         self.on_listening = on_listening
         # The address is taken before the service connects, so a port in use is said before anything else happens.
         self.server = DashboardServer(settings.dashboard_host, settings.dashboard_port, self.token,
@@ -67,8 +68,8 @@ class DashboardService(Service):
         self._seq = 0
         self._built_at = 0.0
         self._drawn: dict[str, int] = {}  # the span batches of each job its drawn schedule was made from
+        self._push()  # before it listens: a page never gets the empty snapshot it could not draw
         self.server.start()
-        self._push()
         log.info("dashboard at %s%s", self.server.url,
                  f" (it asks for the token in {self.settings.dashboard_token_file})" if self.token else "")
         if self.on_listening is not None:

@@ -1,7 +1,9 @@
 """``edgeswarm dashboard --hub URL``: the dashboard service in this process, against any cluster; prints its URL.
 
-It runs as the node its broker identity names (EDGESWARM_MQTT_USERNAME), else as EDGESWARM_NODE_ID when set, else
-as node ``dashboard``: the hub's own dashboard runs as ``hub``, so the two never claim one node id.
+It is an observer, not a member: it announces nothing (no status, heartbeat or Last Will), so it never shows among
+the cluster's nodes, and a client identity (``edgeswarm credentials``) is enough to run it. Its messages (answers
+to trace requests) name the node its broker identity names (EDGESWARM_MQTT_USERNAME), else EDGESWARM_NODE_ID when
+set, else ``dashboard``.
 """
 
 from __future__ import annotations
@@ -72,4 +74,4 @@ def run_dashboard(args: argparse.Namespace) -> int:
         console.print(f"dashboard of {settings.hub_url} at {url}{note}; Ctrl-C stops it", markup=False,
                       soft_wrap=True)
 
-    return DashboardService(settings, on_listening=listening).run()
+    return DashboardService(settings, on_listening=listening, member=False).run()

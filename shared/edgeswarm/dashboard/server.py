@@ -9,12 +9,15 @@ Paths (all GET):
   never polls: the server pushes;
 * ``/api/snapshot``: the latest snapshot (JSON);
 * ``/metrics``: the cluster's metrics in the Prometheus text format;
-* ``/api/trace/JOB``: job JOB's measured spans as Chrome trace JSON (Perfetto opens it).
+* ``/api/trace/JOB``: job JOB's measured spans as Chrome trace JSON (Perfetto opens it);
+* ``/favicon.ico``: the page's icon (also ``/static/favicon.svg``), so a browser's own request for it is answered.
 
 With a token, every path needs it (``auth``): 401 otherwise; ``/?token=TOKEN`` sets an HttpOnly cookie and
 redirects to ``/``, so the page's own requests carry it. Limits: ``MAX_CONNECTIONS`` requests at once and
 ``MAX_STREAMS`` of them event streams (503 beyond), request heads of at most ``MAX_HEAD_BYTES``, no request bodies,
-``READ_TIMEOUT_S`` to send a request. A failing handler answers 500 with one line; no traceback reaches a client.
+``READ_TIMEOUT_S`` to send a request. Every error answer (401, 404, a refused event stream's 503, ...) closes its
+connection, so refused clients never keep holding the slots the others need (a scrape of ``/metrics`` among them).
+A failing handler answers 500 with one line; no traceback reaches a client.
 """
 
 from __future__ import annotations
@@ -207,6 +210,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         if path in ("/", "/index.html"):
             self._static("index.html", head)
+        elif path == "/favicon.ico":
+            self._static("favicon.svg", head)
         elif path.startswith("/static/"):
             self._static(path.removeprefix("/static/"), head)
         elif path == "/api/snapshot":
@@ -267,6 +272,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: HTTPStatus, body: bytes, content_type: str, head: bool,
               extra: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        if status >= 400:
+            self._closing()
         self.send_header("Content-Type", content_type)
         for key, value in (extra or {}).items():
             self.send_header(key, value)
@@ -278,8 +285,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _plain(self, status: HTTPStatus, text: str, head: bool) -> None:
         self._send(status, text.encode(), "text/plain; charset=utf-8", head)
 
+    def _closing(self) -> None:
+        # A kept-alive connection holds its slot while it idles for the next request (up to READ_TIMEOUT_S): one that
+        # was refused has nothing more to ask.
+        self.close_connection = True
+        self.send_header("Connection", "close")
+
     def _unauthorized(self, head: bool) -> None:
         self.send_response(HTTPStatus.UNAUTHORIZED)
+        self._closing()
         self.send_header("WWW-Authenticate", 'Bearer realm="edgeswarm dashboard"')
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         body = (b"this dashboard needs its token: open /?token=TOKEN once, or send 'Authorization: Bearer TOKEN' "

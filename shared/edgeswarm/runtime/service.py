@@ -56,15 +56,21 @@ class _Periodic:
 
 
 class Service:
-    """Subclass, set ``name``, register handlers in ``setup()`` and periodic work with ``every()``."""
+    """Subclass, set ``name``, register handlers in ``setup()`` and periodic work with ``every()``.
+
+    A service made with ``member=False`` is an observer (``edgeswarm dashboard --hub``, a page beside a cluster):
+    it connects, listens and runs its periodic work, but never announces itself (no status, heartbeat, Last Will,
+    metrics report or probe answers), so it appears nowhere among the cluster's nodes and needs no node's rights
+    on the brokers."""
 
     name: ClassVar[str] = ""
     # A service that computes (a worker, the profiler) resolves EDGESWARM_COMPUTE when it is made, so a device it
     # cannot use stops it before it connects; the others never import torch for it.
     computes: ClassVar[bool] = False
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, member: bool = True) -> None:
         self.settings = settings
+        self.member = member
         self.node = settings.node_id
         self.instance = uuid.uuid4().hex[:12]
         self.sender = Sender(node=self.node, service=self.name, instance=self.instance)
@@ -89,8 +95,9 @@ class Service:
         self._claimed_by: Status | None = None
         self._health_file = stamp_path(settings.health_dir, self.node, self.name)
         self._health_warned = False
-        self.bus = Bus(settings, self.sender, self.metrics, will=self.status_message("offline", "connection lost"),
-                       will_topic=topics.status(self.node, self.name))
+        self.bus = Bus(settings, self.sender, self.metrics,
+                       will=self.status_message("offline", "connection lost") if member else None,
+                       will_topic=topics.status(self.node, self.name) if member else None)
 
     # --- for subclasses -----------------------------------------------------------------------------
 
@@ -123,19 +130,22 @@ class Service:
         id and service, and BrokerUnavailableError if the hub cannot be reached.
         """
         check_identity(self.settings)
-        check_advertised_data_url(self.settings)
+        if self.member:  # an observer advertises no data plane
+            check_advertised_data_url(self.settings)
         if install_signals:
             stop_on_signals(self._stop)
         self.bus.start(timeout_s=self.settings.request_timeout_s)
         try:
-            self._refuse_duplicate()
-            self.bus.subscribe(topics.request(self.node, self.name), self._on_probe, schemas=(Probe,))
-            self.bus.subscribe(topics.heartbeat(self.node, self.name), self._on_own_topic, schemas=(Heartbeat,))
+            if self.member:
+                self._refuse_duplicate()
+                self.bus.subscribe(topics.request(self.node, self.name), self._on_probe, schemas=(Probe,))
+                self.bus.subscribe(topics.heartbeat(self.node, self.name), self._on_own_topic, schemas=(Heartbeat,))
             self.setup()
-            self.every(self.settings.heartbeat_interval_s, self._heartbeat, "heartbeat")
-            self.every(self.settings.metrics_interval_s, self._publish_metrics, "metrics")
-            self._announce()
-            self.bus.on_reconnect(self._announce)
+            if self.member:
+                self.every(self.settings.heartbeat_interval_s, self._heartbeat, "heartbeat")
+                self.every(self.settings.metrics_interval_s, self._publish_metrics, "metrics")
+                self._announce()
+                self.bus.on_reconnect(self._announce)
             creds = self.bus.credentials
             log.info("%s %s started as instance %s (device class %s%s, hub %s, data plane %s, %s)", self.name,
                      __version__, self.instance, self.device.device_class,

@@ -249,7 +249,12 @@ function freshness() {
 function connect() {
   const events = new EventSource("/api/events");
   events.addEventListener("open", () => { connected = true; freshness(); });
-  events.addEventListener("error", () => { connected = false; freshness(); });
+  events.addEventListener("error", () => {
+    connected = false;
+    freshness();
+    // A refused stream (503: the server's streams are all taken) is not retried by the browser itself.
+    if (events.readyState === EventSource.CLOSED) setTimeout(connect, 5000);
+  });
   events.addEventListener("snapshot", (e) => {
     connected = true;
     try { render(JSON.parse(e.data)); } catch (err) { console.error("cannot draw the snapshot", err); }
