@@ -114,6 +114,24 @@ def is_accelerator(compute: torch.device) -> bool:
     return compute.type in ("cuda", "mps")
 
 
+def use_device_threads(device: DeviceProfile) -> None:
+    """Make torch compute on the intra-op threads ``device`` computes with (``DeviceProfile.compute_threads``: one
+    for an emulated class), in the calling thread and in every thread that has not computed yet; a native device
+    keeps the host's default. The one place a process applies its device's thread count, for the rest of its life:
+    a worker computes as one device, and a count restored after one path would undo it for threads another path
+    started meanwhile.
+
+    Every path that computes or profiles as the device calls it on its own thread before it computes: torch keeps
+    the count per thread once a thread has computed, and a thread that has not yet takes the count last set (the
+    calling thread's count says nothing of that one, so it is set whatever the calling thread has)."""
+    threads = device.compute_threads
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def synchronize(compute: torch.device) -> None:
     """Wait until every kernel queued on ``compute`` has finished (nothing to wait for on the CPU): timings and
     host reads of an accelerator's results need it."""

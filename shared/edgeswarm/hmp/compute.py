@@ -71,12 +71,11 @@ def load_shard(source: TextModelSource, cfg: TextModelConfig, shares: HmpShares,
                compute: torch.device, *, device: DeviceProfile) -> Shard:
     """Rank ``rank``'s shard of ``source`` (with ``cfg``, its resolved shape) on ``compute``, computing as
     ``device``. Raises ConfigError (the folder cannot be read) or ValueError (the shares do not fit the model)."""
-    import torch
-
+    from edgeswarm.devices.compute import use_device_threads
     from edgeswarm.models.text.reference import init_weights
 
-    if device.compute_threads is not None:
-        torch.set_num_threads(device.compute_threads)
+    # The job's pass thread and the rank's communication threads start after this: they take the count set here.
+    use_device_threads(device)
     if source.path is not None:
         from edgeswarm.models.text.hf import ModelFolderError, open_model
 

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from edgeswarm.devices.compute import synchronized
+from edgeswarm.devices.compute import synchronized, use_device_threads
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.models.text.ops import HeadCache, attention, mlp_inner, norm, torch_dtype
 from edgeswarm.models.text.reference import init_weights, weight_shapes
@@ -45,10 +45,13 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
                    compute: torch.device, warmup: int = 3, repeats: int = 10, max_devices: int = 4,
                    column_points: int = MAX_COLUMN_POINTS, seed: int = 0) -> BlockProfile:
     """``node``'s BlockProfile of ``cfg`` at ``seq_len`` rows (seconds per block of one layer), timed through
-    ``device.run`` (its emulated slow-down) on ``compute``, with ``device``'s memory budget. The caller sets the
-    torch thread count the device computes with (``DeviceProfile.compute_threads``)."""
+    ``device.run`` (its emulated slow-down) on ``compute``, with ``device``'s memory budget. The calling thread
+    computes on the torch threads the device computes with from then on (``devices.compute.use_device_threads``)."""
     if warmup < 0 or repeats < 1:
         raise ValueError("at least one timed run and no negative warm-ups")
+    # Whoever calls, a profile on other threads than the device's passes would mislead the planner: on a loaded host
+    # a multi-threaded run stalls for scheduler slices that the emulated slow-down does not scale.
+    use_device_threads(device)
     names = {n for n in weight_shapes(cfg) if n.startswith(LAYER)}
     w = {k.removeprefix(LAYER): v.to(compute) for k, v in init_weights(cfg, seed, names=names).items()}
     dtype = torch_dtype(cfg)

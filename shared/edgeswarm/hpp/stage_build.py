@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from edgeswarm.bus import Inbound
+from edgeswarm.devices.compute import use_device_threads
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.hpp.held import HeldState
 from edgeswarm.hpp.stage_jobs import MIB, StageJobs, _Stage
@@ -121,7 +122,6 @@ class StageBuilder:
                       old.names, self._exchange(spec))
 
     def _build(self, spec: StageAssign) -> _Stage:
-        import torch
 
         from edgeswarm.data import open_dataset
         from edgeswarm.hpp.compute import StageCompute
@@ -141,8 +141,7 @@ class StageBuilder:
                 f"gradients, {spec.optimizer.name} state and buffers alone, but {node} "
                 f"({device.device_class}) has a memory budget of {device.memory_budget_bytes / MIB:.1f} MiB")
         self._jobs.make_room(spec, static)
-        if device.compute_threads is not None:
-            torch.set_num_threads(device.compute_threads)
+        use_device_threads(device)
         last = spec.stage == len(spec.groups) - 1
         compute = self._ctx.compute
         sequence = layer_sequence(build_model(spec.model))

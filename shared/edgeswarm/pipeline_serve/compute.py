@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from edgeswarm.devices.compute import synchronized
+from edgeswarm.devices.compute import synchronized, use_device_threads
 from edgeswarm.messages.serving import ServeAssign
 
 if TYPE_CHECKING:
@@ -29,16 +29,13 @@ class BuiltStage:
     in_shape: tuple[int, ...]
 
 
-def build_stage(spec: ServeAssign, threads: int | None) -> BuiltStage:
+def build_stage(spec: ServeAssign, device: DeviceProfile) -> BuiltStage:
     """Units [spec.start, spec.end) of ``spec.model`` from the model's seed, in evaluation mode, on the CPU; torch
-    computes on ``threads`` threads when given (an emulated device's)."""
-    import torch
-
+    computes on the threads ``device`` computes with from then on (``devices.compute.use_device_threads``)."""
     from edgeswarm.models.sequence import layer_sequence
     from edgeswarm.models.zoo import build_model, example_stage_input
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_device_threads(device)
     sequence = layer_sequence(build_model(spec.model))
     x = example_stage_input(spec.model, sequence, spec.start, 1)
     module = sequence.build_stage(spec.start, spec.end).eval()

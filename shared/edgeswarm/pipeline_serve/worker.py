@@ -190,7 +190,7 @@ class ServeStageProgram:
                 what=f"serving job {spec.job_id} (stage {spec.stage}, units [{spec.start}, {spec.end}))",
                 refusal=f"serving stage {spec.stage} (units [{spec.start}, {spec.end})) needs {static / MIB:.1f} MiB "
                         "for its weights and buffers")
-            built = build_stage(spec, self.ctx.device.compute_threads)
+            built = build_stage(spec, self.ctx.device)
         if spec.weights is not None:
             load_weights(self.ctx.bus, spec, built)
         module = built.module.to(self.ctx.compute)

@@ -73,7 +73,8 @@ def submit_job(bus: Bus, spec_text: str, *, submission: str = "", timeout_s: flo
             unanswered = exc
     state = submitted_state(bus, spec_text, submission, coordinator=coordinator)
     if state is not None:
-        return JobAccepted(job_id=state.job_id, detail=f"accepted, though its reply was lost: the job is {state.status}")
+        return JobAccepted(job_id=state.job_id,
+                           detail=f"accepted, though its reply was lost: the job is {state.status}")
     raise JobRequestError(f"not accepted: the coordinator on {coordinator} answered none of {max(1, attempts)} "
                           f"requests of {timeout_s:g} s, and no job of this submission exists (a request that arrives "
                           "later expires unhandled, so nothing will start). Is the cluster up (`edgeswarm status`)? "

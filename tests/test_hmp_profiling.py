@@ -1,0 +1,120 @@
+"""Galaxy's profiler on a tensor-shard-worker (spec 1.1) times the blocks as the device computes: on the torch threads
+the device computes with, from the worker's first profile on, so the planner's order of device classes holds on a
+loaded host. No absolute speed is asserted: only the order of classes whose slow-downs differ several-fold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from pydantic import PrivateAttr
+
+from edgeswarm import topics
+from edgeswarm.devices.catalogue import device_class
+from edgeswarm.devices.emulation import DeviceProfile
+from edgeswarm.hmp.worker import ShardProgram
+from edgeswarm.messages.hmp import ShardProfileReply, ShardProfileRequest
+from edgeswarm.metrics import Metrics
+from edgeswarm.runtime.ledger import MemoryLedger
+from edgeswarm.runtime.program import TENSOR_SHARD_WORKER, ComputeGate, WorkerContext
+from edgeswarm.values.text_model import TextModelSource
+
+T = TypeVar("T")
+
+# A multi-core host's default torch thread count, set before the profiles so that the test means the same on any host
+# (threads that have not computed yet take the count last set in the process).
+HOST_THREADS = 2
+# Fastest to slowest: slow-downs 1.5, 10 and 20.
+CLASSES = ("laptop", "jetson-nano", "rpi4")
+# Each busy loop ends by itself after this many seconds, should the test's own stop never come.
+BUSY_S = 60.0
+# One per core this process may run on (a few at most: enough to leave no core idle on a small host).
+BUSY_PROCESSES = min(len(os.sched_getaffinity(0)), 8)
+_BUSY_LOOP = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\nprint('busy', flush=True)\n"
+              "while time.monotonic() < end:\n    pass\n")
+
+
+class ObservedDevice(DeviceProfile):
+    """A device that records the torch threads the calling thread computes on in each of its runs."""
+
+    _threads: list[int] = PrivateAttr(default_factory=list)
+
+    def run(self, fn: Callable[[], T], **clocks: Any) -> T:
+        self._threads.append(torch.get_num_threads())
+        return super().run(fn, **clocks)
+
+    @property
+    def threads_seen(self) -> set[int]:
+        return set(self._threads)
+
+
+@contextmanager
+def busy_host() -> Iterator[None]:
+    """One busy-looping process per core for the block (each spinning when it starts), stopped by its PID after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(BUSY_S)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, text=True) for _ in range(BUSY_PROCESSES)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "busy"
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@contextmanager
+def host_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_workers_first_profile_runs_on_the_devices_threads_and_slower_classes_time_slower(
+        make_bus: Callable[..., Any]) -> None:
+    """A fresh worker of each class profiles a tiny model (its first profile, before any shard set its threads) while
+    every core is busy: each timed run computes on the one thread an emulated device computes with, and the classes
+    come out in the order of their slow-downs."""
+    client = make_bus("client", "coordinator")
+    devices: dict[str, ObservedDevice] = {}
+    programs: list[ShardProgram] = []
+    for name in CLASSES:
+        dc = device_class(name)
+        device = devices[name] = ObservedDevice(device_class=dc.name, emulated=dc.emulated,
+                                                compute_slowdown=dc.compute_slowdown,
+                                                memory_budget_bytes=dc.memory_budget_bytes)
+        bus = make_bus(name, TENSOR_SHARD_WORKER)
+        program = ShardProgram(WorkerContext(bus=bus, node=name, service=TENSOR_SHARD_WORKER, device=device,
+                                             metrics=Metrics(), gate=ComputeGate(),
+                                             ledger=MemoryLedger(name, dc.memory_budget_bytes)))
+        bus.subscribe(topics.request(name, TENSOR_SHARD_WORKER), program.on_request, schemas=program.handles)
+        programs.append(program)
+    request = ShardProfileRequest(model=TextModelSource(preset="bert-tiny"), seq_len=8)
+    layer_s: dict[str, float] = {}
+    try:
+        with host_threads(HOST_THREADS), busy_host():
+            for name in CLASSES:
+                reply = client.request(topics.request(name, TENSOR_SHARD_WORKER), request, timeout_s=60).body
+                assert isinstance(reply, ShardProfileReply), reply
+                p = reply.profile
+                assert p.node == name and p.device_class == name
+                layer_s[name] = sum(p.mha_s) + sum(p.mlp_s) + sum(p.con_s)
+    finally:
+        for program in programs:
+            program.close()
+    for name, device in devices.items():
+        assert device.threads_seen == {device.compute_threads} == {1}, \
+            f"{name} profiled on {device.threads_seen} torch threads"
+    laptop, nano, rpi4 = (layer_s[name] for name in CLASSES)
+    assert laptop < nano < rpi4, layer_s
