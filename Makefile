@@ -2,10 +2,11 @@
 # devices), then train MobileNetV2 on it through the coordinator (profile, plan, deploy, 30 rounds, checkpoints),
 # measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
 # out/timeline.png, stop.
-# `make test`: set up and run the test suite (needs Mosquitto: apt-get install -y mosquitto mosquitto-clients) on two
-# pytest-xdist workers, a test file to a worker (its module fixtures stay in one process); the 25 slowest tests are
-# listed at the end.
-# `make compose-schema`: fetch the Compose Specification's JSON schema for tests/test_deploy.py (CI always does).
+# `make test`: set up and run the test suite on two pytest-xdist workers, a test file to a worker (its module fixtures
+# stay in one process); the 25 slowest tests are listed at the end.
+# Both first check what they need from the operating system (deploy/system-packages.sh): as root they install the
+# missing Debian packages, otherwise they name the `sudo apt-get install` line and stop.
+# `make compose-schema`: fetch the Compose Specification's JSON schema for tests/test_deploy.py (`make test` does).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ COMPOSE_SCHEMA_VERSION := 1.0.0
 COMPOSE_SCHEMA_SHA256 := ab1d329bae970c282601c81f1303b688736003c45252361cfbd5dc9d6af83ac8
 COMPOSE_SCHEMA := .edgeswarm/compose-spec/compose-spec.json
 
-.PHONY: venv run run-netns test clean compose-schema
+.PHONY: venv run run-netns test clean compose-schema system-run system-test
 
 # constraints.txt pins this environment exactly (the package itself asks for ranges); a change to either file
 # reinstalls.
@@ -33,7 +34,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
-run: venv
+system-run:
+	@PYTHON=$(PYTHON) sh deploy/system-packages.sh run
+
+system-test:
+	@PYTHON=$(PYTHON) sh deploy/system-packages.sh test
+
+run: system-run venv
 	@mkdir -p $(OUT)
 	@set -e; \
 	$(ES) up --local --devices asteroid-env-d-100mbps --port $(PORT) --workdir $(OUT)/local-cluster & up=$$!; \
@@ -54,7 +61,7 @@ $(COMPOSE_SCHEMA):
 
 # `make run-netns` (root): the same job on the same cluster file, every node in its own network namespace with its
 # own TLS broker and kernel-shaped links (docs/netns.md); the figures go to out/netns-*.
-run-netns: venv
+run-netns: system-test venv
 	@mkdir -p $(OUT)
 	@set -e; rm -rf $(OUT)/netns-cluster; \
 	$(ES) up --netns --devices asteroid-env-d-100mbps --workdir $(OUT)/netns-cluster & up=$$!; \
@@ -65,7 +72,7 @@ run-netns: venv
 	$(ES) train examples/mobilenetv2-env-d.yaml --wait --compare dp,pp --compare-rounds 3 \
 		--json $(OUT)/netns-train.json --loss-png $(OUT)/netns-loss.png --timeline-png $(OUT)/netns-timeline.png
 
-test: venv
+test: system-test venv $(COMPOSE_SCHEMA)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:

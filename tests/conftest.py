@@ -23,10 +23,12 @@ from edgeswarm.wire import Sender
 from helpers import FAST_ENV
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # CI installs Mosquitto; a machine without it would only produce confusing connection errors.
-    if mosquitto_binary() is None:
-        raise pytest.UsageError("the test suite needs mosquitto on PATH (apt-get install -y mosquitto)")
+def pytest_configure(config: pytest.Config) -> None:
+    # Without Mosquitto every broker test would fail on connection errors. Checked in the main process before any
+    # xdist worker starts: raised in a worker, the message drowned in an INTERNALERROR and "no tests ran".
+    if not hasattr(config, "workerinput") and mosquitto_binary() is None:
+        raise pytest.UsageError("the test suite needs mosquitto on PATH: `make test` installs it as root, or "
+                                "sudo apt-get install -y mosquitto mosquitto-clients")
 
 
 @contextmanager
