@@ -116,11 +116,14 @@ def test_snapshot_builder_draws_nodes_jobs_plans_series_and_events() -> None:
     assert serve.plan is not None and serve.plan.layout == "chain"
     assert [[b.device for b in g.blocks] for g in serve.plan.groups] == [["d0"], ["d1"]]
     assert serve.plan.groups[0].label == "stage 0: units 0-1"
-    # The builder charts what the observer merged; the kind's hook gives the serving job's latency and prediction.
+    # The builder charts what the observer merged; the kind's hook gives the serving job's latency. No prediction is
+    # drawn beside it: the plan's 0.02 s is a micro-batch's compute, and its throughput the pipeline's capacity.
     from edgeswarm.dashboard.snapshot import job_series
 
-    latency = next(s for s in job_series(serve_state("s")) if s.name == "latency p50")
-    assert latency.points[0].y == 0.03 and latency.predicted == 0.02
+    charted = {s.name: s for s in job_series(serve_state("s"))}
+    assert charted["latency p50"].points[0].y == 0.03 and charted["throughput"].points[0].y == 150.0
+    assert all(s.predicted is None for s in charted.values())
+    assert "capacity 200.0 samples/s" in (serve.plan.summary or "")
     points = job_series(train_state("t", 3, 0.7))
     assert {s.name: s.points[0].x for s in points} == {"loss": 3, "round time": 3}
     assert job_series(train_state("t", 3, 0.7, round_s=None)) == []  # the round's figures are not in yet
@@ -146,6 +149,9 @@ def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts()
     assert drawn is not None and drawn.layout == "parallel" and drawn.epoch == 1
     assert [(b.device, b.share) for b in drawn.groups[0].blocks] == [("a", 0.75), ("b", 0.25)]
     assert "6 heads, 300 columns, 3.0 MiB" == drawn.groups[0].blocks[0].detail and "c" in drawn.groups[0].detail
+    from edgeswarm.dashboard.snapshot import job_series
+
+    assert [(s.name, s.predicted) for s in job_series(state)] == [("latency p50", None), ("TPOT p50", None)]
 
     split = SplitSelection(selected=[DeviceCut(node="d0", mec="edge-0", cut=2, round_s=1.5, memory_bytes=MIB)],
                            objective=1.0, t_system_s=1.5, target_cut=2, count=1, evaluations=4, solver="bo")
@@ -156,8 +162,6 @@ def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts()
     card = build_snapshot(Observed(jobs={"s": state}), now=3.0).jobs[0]
     assert card.plan is not None and [b.device for b in card.plan.groups[0].blocks] == ["d0", "edge-0"]
     assert "cut 2" in card.plan.groups[0].detail
-    from edgeswarm.dashboard.snapshot import job_series
-
     loss = next(s for s in job_series(state) if s.name == "loss")
     assert [p.x for p in loss.points] == [1, 2]
 

@@ -101,16 +101,14 @@ class HmpWorkload(Workload):
             summary=f"{sh.mode} over {len(sh.devices)} devices, predicted {plan.model.total_s * 1000:.1f} ms a pass")
 
     def series(self, state: JobState) -> list[Series]:
+        # Measured only: the plan prices a pass's compute and collectives, not a request's messages and queueing, so
+        # it is not a prediction of a request's latency.
         p = state.progress_as(HmpProgress)
         x = max(0.0, state.updated_at - state.submitted_at)
-        out = []
-        for name, unit, value, predicted in (
-                ("latency p50", "s", p.latency_p50_s, p.predicted_latency_s), ("TTFT p50", "s", p.ttft_p50_s, None),
-                ("TPOT p50", "s", p.tpot_p50_s, p.predicted_tpot_s), ("tokens/s", "tokens/s", p.tokens_per_s, None)):
-            if finite(value):
-                out.append(Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),),
-                                  predicted=predicted if finite(predicted) else None))
-        return out
+        return [Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),))
+                for name, unit, value in (("latency p50", "s", p.latency_p50_s), ("TTFT p50", "s", p.ttft_p50_s),
+                                          ("TPOT p50", "s", p.tpot_p50_s), ("tokens/s", "tokens/s", p.tokens_per_s))
+                if finite(value)]
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.hmp.coordinator import HmpRunner  # torch: only when a job actually runs

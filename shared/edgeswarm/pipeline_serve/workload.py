@@ -56,24 +56,21 @@ class ServePipelineWorkload(Workload):
         if not isinstance(plan, ServePlan):
             return None
         return PlanView(layout="chain", epoch=plan.epoch, summary=(
-            f"{plan.method}: predicted {plan.throughput_per_s:.1f} samples/s, latency {plan.latency_s * 1000:.1f} ms"
+            f"{plan.method}: capacity {plan.throughput_per_s:.1f} samples/s, compute {plan.latency_s * 1000:.1f} ms "
+            "a micro-batch"
             + (f", bottleneck {plan.bottleneck}" if plan.bottleneck else "")), groups=tuple(
             PlanGroup(label=f"stage {st.index}: units {st.start}-{st.end - 1}", blocks=(PlanBlock(
                 device=st.device, detail=f"{st.compute_s * 1000:.1f} ms a micro-batch"),))
             for st in plan.stages))
 
     def series(self, state: JobState) -> list[Series]:
+        # Measured only: the plan's latency is one micro-batch's compute (no messages, no queueing) and its throughput
+        # the pipeline's capacity, not the offered load's, so neither is a prediction of what is charted here.
         p = state.progress_as(ServeProgress)
         x = max(0.0, state.updated_at - state.submitted_at)
-        out = []
-        for name, unit, value, predicted in (
-                ("latency p50", "s", p.latency_p50_s, p.predicted_latency_s),
-                ("latency p99", "s", p.latency_p99_s, None),
-                ("throughput", "samples/s", p.throughput_per_s, p.predicted_throughput_per_s)):
-            if finite(value):
-                out.append(Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),),
-                                  predicted=predicted if finite(predicted) else None))
-        return out
+        return [Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),))
+                for name, unit, value in (("latency p50", "s", p.latency_p50_s), ("latency p99", "s", p.latency_p99_s),
+                                          ("throughput", "samples/s", p.throughput_per_s)) if finite(value)]
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         from edgeswarm.pipeline_serve.coordinator import PipelineRunner  # torch: only when a job actually runs
