@@ -132,3 +132,30 @@ def test_a_submission_that_expired_before_its_handler_ran_is_not_taken(make_bus)
         assert taken is not None and taken.job_id == "stale"
     finally:
         manager.stop()
+
+
+def test_the_job_threads_get_one_shutdown_grace_in_all(make_bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under load, `up`'s Ctrl-C killed a coordinator that waited 5 s for each job thread in turn; it now waits 5 s in
+    # all, which its SIGTERM grace holds. A fake clock: each join that times out moves it by what it waited.
+    import edgeswarm.services.coordinator.jobs as jobs_module
+    from edgeswarm.services.coordinator.jobs import JobManager
+
+    clock = [1000.0]
+    monkeypatch.setattr(jobs_module.time, "monotonic", lambda: clock[0])
+
+    class Stuck:
+        def __init__(self) -> None:
+            self.waited: list[float] = []
+
+        def join(self, timeout: float | None = None) -> None:
+            self.waited.append(timeout or 0.0)
+            clock[0] += timeout or 0.0
+
+    manager = JobManager(make_bus("hub", "coordinator"), "hub")
+    manager._queue.put(None)  # the real job thread ends first (on the queue's STOP), out of the count
+    manager._thread.join(5)
+    stuck = [Stuck() for _ in range(3)]
+    manager._thread = stuck[0]  # type: ignore[assignment]
+    manager._threads = stuck[1:]  # type: ignore[assignment]
+    manager.stop(timeout_s=5.0)
+    assert sum(w for s in stuck for w in s.waited) == pytest.approx(5.0)

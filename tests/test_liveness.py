@@ -255,3 +255,18 @@ def _probe_node(bus: Bus, node: str, service: str) -> bool:
         return bool(bus.request(topics.request(node, service), m.Probe(), timeout_s=2.0).body.healthy)
     except Exception:
         return False
+
+
+def test_waiting_for_a_cluster_waits_for_every_service_it_started(broker: BrokerProcess, services, make_bus) -> None:
+    # `edgeswarm up` said "cluster up" once every device's node-agent was online, while the hub's services could
+    # still be starting: a job submitted then was planned without them.
+    from edgeswarm.runtime.client import not_online
+
+    watcher = ClusterWatcher(make_bus("watch", "cli"))
+    start_online(services, broker, make_bus, "dev-1")
+    started = {("dev-1", "node-agent"), ("hub", "planner")}
+    view, _ = watcher.wait(settle_s=0.2, devices=1, timeout_s=1.0, services=started)
+    assert not_online(view, started) == [("hub", "planner")]
+    services.start("planner", "hub", broker.url)
+    view, _ = watcher.wait(settle_s=0.0, devices=1, timeout_s=30.0, services=started)
+    assert not_online(view, started) == []

@@ -85,16 +85,17 @@ class JobManager:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """End the job threads: the jobs in flight stop at once (a training round aborted on every device) but stay
-        unfinished in their retained state, for the next coordinator to take over."""
+        """End the job threads within ``timeout_s`` seconds in all: the jobs in flight stop at once (a training round
+        aborted on every device) but stay unfinished in their retained state, for the next coordinator to take
+        over."""
         self._stopping.set()
         with self._lock:
             for event in self._cancels.values():
                 event.set()
         self._queue.put(STOP)
-        self._thread.join(timeout_s)
-        for thread in list(self._threads):
-            thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s  # in all: a SIGTERM's grace has room for one wait, not one a job
+        for thread in [self._thread, *self._threads]:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # --- requests ----------------------------------------------------------------------------------
 

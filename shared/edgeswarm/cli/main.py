@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=1883, help="broker port on 127.0.0.1 (0: any free port)")
     up.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval in seconds")
     up.add_argument("--workdir", default=None, help="where logs and broker files go (default: a temporary folder)")
-    up.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for every device")
+    up.add_argument("--ready-timeout", type=float, default=60.0,
+                    help="seconds to wait for every service of every node to come online")
     up.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
                     help="with --local: the dashboard's port on 127.0.0.1 (default 0: a free one; the URL is printed)")
     up.add_argument("--secure", action="store_true",

@@ -13,7 +13,7 @@ from edgeswarm.devices.cluster import ClusterSpec, cluster_of, load_cluster
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.netns.cluster import NetnsCluster
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_devices, settings_from_env
+from edgeswarm.runtime.client import ClusterWatcher, client_bus, not_online, online_devices, settings_from_env
 from edgeswarm.runtime.signals import stop_on_signals
 
 
@@ -66,13 +66,18 @@ def run_up(args: argparse.Namespace) -> int:
             env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in cluster.client_env().items()))
             console.print(f"secure: TLS with the CA {cluster.secrets / 'tls' / 'ca.crt'}, a password per node, the ACL "
                           f"from the topic tree; command lines log in as `operator`: `. {env_file}`")
-        # Every node beside the hub runs a node-agent, which is what the wait counts.
-        _wait_ready(cluster, len(spec.nodes), args.ready_timeout, stop)
+        late = _wait_ready(cluster, len(spec.nodes), args.ready_timeout, stop)
         hint = f". {cluster.secrets / 'operator.env'} && edgeswarm status" if cluster.secure else \
             f"edgeswarm status --hub {cluster.hub_url}"
         if isinstance(cluster, LocalCluster) and cluster.dashboard_url:
             console.print(f"dashboard: {cluster.dashboard_url}", markup=False, soft_wrap=True)
-        console.print(f"[green]cluster up[/green]: `{hint}`; Ctrl-C stops it")
+        if late:
+            console.print(f"[yellow]cluster started, but not online after {args.ready_timeout:.0f} s: "
+                          f"{', '.join(f'{s} on {n}' for n, s in late)}[/yellow] (their logs are in "
+                          f"{cluster.workdir / 'logs'}); a job submitted now is planned without them. `{hint}`; "
+                          "Ctrl-C stops it")
+        else:
+            console.print(f"[green]cluster up[/green], every service online: `{hint}`; Ctrl-C stops it")
         while not stop.wait(1.0):
             for child in cluster.failed_children():
                 console.print(f"[red]{child.service} on {child.node} (pid {child.pid}) exited with code "
@@ -86,12 +91,18 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_ready(cluster: LocalCluster | NetnsCluster, devices: int, timeout_s: float, stop: threading.Event) -> None:
+def _wait_ready(cluster: LocalCluster | NetnsCluster, devices: int, timeout_s: float,
+                stop: threading.Event) -> list[tuple[str, str]]:
+    """Wait until every service the cluster started is online (every node beside the hub runs a node-agent, which
+    is what ``devices`` counts); the ``(node, service)`` pairs still not online at ``timeout_s``. Raises
+    EdgeswarmError when a device never came up or a service exited."""
     env = cluster.client_env()
     bus = client_bus(settings_from_env(env))
+    started = {(c.node, c.service) for c in cluster.children}
     try:
         watcher = ClusterWatcher(bus)
-        view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop)
+        view, source = watcher.wait(settle_s=0.5, devices=devices, timeout_s=timeout_s, cancel=stop,
+                                    services=started)
         if stop.is_set():
             raise KeyboardInterrupt
         console.print(status_table(view, source, cluster.hub_url))
@@ -100,5 +111,6 @@ def _wait_ready(cluster: LocalCluster | NetnsCluster, devices: int, timeout_s: f
             details = "; ".join(f"{c.service} on {c.node} exited ({c.log_path})" for c in failed)
             raise EdgeswarmError(f"only {online_devices(view)} of {devices} devices came online within "
                                  f"{timeout_s:.0f} s. {details}")
+        return not_online(view, started)
     finally:
         bus.stop()

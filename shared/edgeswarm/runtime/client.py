@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Literal
 
 from edgeswarm import topics
@@ -78,17 +78,26 @@ class ClusterWatcher:
             return self._table.view(now), "retained topics"
 
     def wait(self, settle_s: float = 1.0, devices: int = 0, timeout_s: float = 0.0,
-             cancel: threading.Event | None = None) -> tuple[ClusterView, ViewSource]:
-        """Wait ``settle_s`` for retained messages, then until ``devices`` nodes run an online node-agent,
-        ``timeout_s`` passes or ``cancel`` is set; returns the last view either way."""
+             cancel: threading.Event | None = None,
+             services: Collection[tuple[str, str]] = ()) -> tuple[ClusterView, ViewSource]:
+        """Wait ``settle_s`` for retained messages, then until ``devices`` nodes run an online node-agent and every
+        ``(node, service)`` of ``services`` is online, ``timeout_s`` passes or ``cancel`` is set; returns the last
+        view either way."""
         cancel = cancel or threading.Event()
         cancel.wait(settle_s)
         deadline = time.monotonic() + timeout_s
         view, source = self.view()
-        while online_devices(view) < devices and time.monotonic() < deadline and not cancel.is_set():
+        while (online_devices(view) < devices or not_online(view, services)) and time.monotonic() < deadline \
+                and not cancel.is_set():
             cancel.wait(0.2)
             view, source = self.view()
         return view, source
+
+
+def not_online(view: ClusterView, services: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``(node, service)`` pairs of ``services`` that ``view`` does not show online, sorted."""
+    online = {(n.node, s.service) for n in view.nodes for s in n.services if s.state == "online"}
+    return sorted(set(services) - online)
 
 
 def online_device_ids(view: ClusterView) -> list[str]:
