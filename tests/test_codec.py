@@ -351,3 +351,13 @@ def test_header_size_is_bounded() -> None:
     with pytest.raises(MalformedFrameError, match="does not fit"):
         decode(PREFIX.pack(b"ES", 1, 0, too_big) + bytes(too_big))
     assert struct.calcsize("<2sBBI") == 8
+
+
+def test_an_integer_past_64_bits_is_refused_with_what_to_do() -> None:
+    # msgpack carries -2**63 .. 2**64 - 1; a larger int escaped encode as a bare OverflowError.
+    body = m.Heartbeat(node="n1", service="svc", instance="inst1", seq=2 ** 64, interval_s=1.0, uptime_s=0.0,
+                       free_memory_bytes=0, inbox_depth=0)
+    with pytest.raises(InvalidMessageError, match=r"edgeswarm.heartbeat message holds an integer outside .*str type"):
+        encode(SENDER.envelope(body), body)
+    edge = body.model_copy(update={"seq": 2 ** 64 - 1})
+    assert decode(encode(SENDER.envelope(edge), edge)).body.seq == 2 ** 64 - 1  # type: ignore[attr-defined]

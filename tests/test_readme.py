@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 from edgeswarm.devices.catalogue import CATALOGUE
 from edgeswarm.settings import Settings
 from edgeswarm.topics import TOPIC_TREE
@@ -47,3 +49,18 @@ def test_the_wire_format_document_names_every_schema_and_field() -> None:
         assert f"`{cls.SCHEMA}`" in doc, f"docs/wire-format.md does not describe {cls.SCHEMA}"
         for field in cls.model_fields:
             assert f"`{field}`" in doc, f"docs/wire-format.md does not name {cls.SCHEMA}'s field {field}"
+
+
+def test_the_workload_guides_registry_entry_is_the_toys_whole_file_and_complete() -> None:
+    guide = (REPO / "docs" / "adding-a-workload.md").read_text()
+    section = guide.split("## 5. The registry entry", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    toy = (REPO / "tests" / "plugins" / "edgeswarm-toy" / "edgeswarm_toy" / "workload.py").read_text()
+    # tests/test_plugins.py installs that file and runs its jobs on a cluster: the guide's block runs as pasted.
+    assert toy.split('"""', 2)[2].lstrip("\n") == block, "the guide's ToyWorkload is not the toy's workload.py"
+    # Read, not imported (importing would register the toy's schemas in this process): nothing abstract is left.
+    from edgeswarm.workloads.base import Workload
+
+    cls = next(n for n in ast.parse(block).body if isinstance(n, ast.ClassDef) and n.name == "ToyWorkload")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert Workload.__abstractmethods__ <= methods and "model_name" in methods, methods

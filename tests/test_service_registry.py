@@ -59,6 +59,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
             ENTRY = ServiceEntry("toy_edge_plugin.service:ToyManager", ("edge",), request_writers=("hub", "device"),
                                  data_writers=("device",), data_purpose="activations from the devices")
+            DEFAULTS = ServiceEntry("toy_edge_plugin.service:ToyDefaults", ("device",))
             NOT_AN_ENTRY = "toy_edge_plugin.service:ToyManager"
             """))
         (package / "service.py").write_text(textwrap.dedent("""\
@@ -67,6 +68,10 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
             class ToyManager(WorkerService):
                 name = "toy-manager"
+
+
+            class ToyDefaults(WorkerService):
+                name = "toy-defaults"
             """))
         dist = site / f"{PLUGIN}-0.1.dist-info"
         dist.mkdir()
@@ -99,6 +104,28 @@ def test_the_built_in_services_and_their_roles() -> None:
     from edgeswarm.services import service_class as old_service_class
 
     assert SERVICES == services() and old_service_class is service_class
+
+
+def test_topics_lists_every_installed_service_with_its_topics(install_plugin, capsys,  # type: ignore[no-untyped-def]
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # A plug-in service whose request writers are the defaults has no request row of its own in the tree: its
+    # requests were listed nowhere.
+    import argparse
+
+    from edgeswarm.cli.status import run_topics
+
+    install_plugin(f"toy-defaults = {PLUGIN}:DEFAULTS")
+    assert "edgeswarm/node/{node}/toy-defaults/request/{sender}" not in {p.pattern for p in topics.topic_tree()}
+    capsys.readouterr()
+    from edgeswarm.cli.console import console
+
+    monkeypatch.setattr(console, "width", 400)  # a row a line
+    run_topics(argparse.Namespace(json=False))
+    listed = " ".join(capsys.readouterr().out.split())
+    for name in services():
+        assert f"│ {name} │" in listed, name
+    assert "edgeswarm/node/{node}/toy-defaults/request/{sender} │ hub: as {sender} only" in listed
+    assert "edgeswarm/node/{node}/toy-defaults/data/{sender} │ hub, device, edge, client: as {sender} only" in listed
 
 
 def test_an_entry_is_checked_where_it_is_made() -> None:

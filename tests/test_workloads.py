@@ -15,7 +15,8 @@ from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.zoo import build_model
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.splitfed.spec import SplitfedSpec
-from edgeswarm.workloads import KINDS, parse_spec_text, workload
+from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
+from edgeswarm.workloads.base import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -68,3 +69,27 @@ def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"
     assert set(KINDS) == {"train-hpp", "serve-pipeline", "serve-hmp", "train-splitfed"}
     assert workload("train") is workload("train-hpp")  # the old name of HPP training stays an alias
+
+
+class HalfWritten(Workload):
+    """A plug-in's kind that forgot ``describe``, ``summary`` and ``run``: it cannot be constructed."""
+
+    kind = "half-written"
+    spec_type = JobSpec
+    progress_type = TrainProgress
+
+
+def test_a_plugin_kind_that_cannot_be_made_is_named_with_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    import edgeswarm.workloads as registry
+    from edgeswarm.cli.train import _progress_cells
+
+    monkeypatch.setattr(registry, "kinds", lambda: {**registry.BUILTIN, "half-written": "test_workloads:HalfWritten"})
+    with pytest.raises(ConfigError, match=r"job kind 'half-written' comes from 'test_workloads:HalfWritten' \(entry "
+                                          r"point half-written of group edgeswarm.workloads\), which cannot be "
+                                          r"constructed: TypeError: Can't instantiate abstract class HalfWritten"):
+        workload("half-written")
+    # Everything that lists jobs goes on: the kind is "not installed here", the others are as they were.
+    assert installed_workload("half-written") is None and installed_workload("train-hpp") is not None
+    state = JobState(job_id="h", kind="half-written", status="running", model="m", submitted_at=1.0, updated_at=2.0,
+                     progress={"anything": 1})
+    assert _progress_cells(state) == ("(job kind half-written is not installed here)", "-")

@@ -213,6 +213,16 @@ def _data_spec(service: str, writers: tuple[Role, ...], purpose: str) -> TopicSp
                      readers="node")
 
 
+def service_topics(service: str) -> tuple[TopicSpec, TopicSpec]:
+    """The request and data topics of ``service`` (a name in ``edgeswarm.service_registry``) with their writers as
+    its registry entry says, whether they are the defaults or its own."""
+    from edgeswarm.service_registry import service_entry
+
+    entry = service_entry(service)
+    return (_request_spec(service, entry.request_writers, f"requests to the {service}"),
+            _data_spec(service, entry.data_writers, entry.data_purpose or f"tensors for the {service}"))
+
+
 def _node_roles(service: str) -> tuple[Role, ...]:
     """The roles whose nodes may run ``service``: its own, and the hub's, which may run any service beside its own
     (a hub that also computes)."""
@@ -246,8 +256,8 @@ def topic_tree() -> tuple[TopicSpec, ...]:
                   readers="all"),
         _request_spec("{service}", DEFAULT_REQUEST_WRITERS,
                       "requests to one service; replies go to reply_to (services not listed below: the hub only)"),
-        *(_request_spec(name, entry.request_writers, f"requests to the {name}")
-          for name, entry in registry.items() if entry.request_writers != DEFAULT_REQUEST_WRITERS),
+        *(service_topics(name)[0] for name, entry in registry.items()
+          if entry.request_writers != DEFAULT_REQUEST_WRITERS),
         TopicSpec(pattern=from_sender(request("{node}", "{service}"), "{node}"), schemas=_REQUEST_SCHEMAS,
                   retained=False, qos=1, broker="hub", purpose="a node's services addressing each other (a starting "
                   "service probes its own node id for a live twin)", writers=ROLES, bound="self", readers="node"),
@@ -257,8 +267,7 @@ def topic_tree() -> tuple[TopicSpec, ...]:
                   readers="node"),
         _data_spec("{service}", DEFAULT_DATA_WRITERS, "tensors for the service, chunked; published to the node's "
                    "advertised data_url (services not listed below: from the hub only)"),
-        *(_data_spec(name, entry.data_writers, entry.data_purpose or f"tensors for the {name}")
-          for name, entry in registry.items() if entry.data_writers != DEFAULT_DATA_WRITERS),
+        *(service_topics(name)[1] for name, entry in registry.items() if entry.data_writers != DEFAULT_DATA_WRITERS),
         TopicSpec(pattern=profile_progress("{node}"), schemas="edgeswarm.profile.progress v1", retained=False, qos=0,
                   broker="hub", purpose="how far the node's profiler is with a request: fraction done and what it "
                   "does", writers=profilers, bound="node", readers="all"),

@@ -13,7 +13,8 @@ from edgeswarm.cli.console import console
 from edgeswarm.messages import ClusterView
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.runtime.client import CLI_CONNECT_TIMEOUT_S, ClusterWatcher, ViewSource, client_bus, online_devices
-from edgeswarm.topics import topic_tree
+from edgeswarm.service_registry import services
+from edgeswarm.topics import service_topics, topic_tree
 
 _STATE_STYLE = {"online": "green", "suspect": "yellow", "offline": "red"}
 
@@ -80,5 +81,15 @@ def run_topics(args: argparse.Namespace) -> int:
         table.add_row(escape(t.pattern), t.schemas, "yes" if t.retained else "no", str(t.qos), t.broker,
                       escape(t.who_writes), "the node it names" if t.readers == "node" else "every member",
                       t.purpose)
+    console.print(table)
+    # Every installed service, plug-ins' included, with its own two topics: the tree above has a row of its own only
+    # for a service whose writers are not the defaults.
+    table = Table(title="installed services: the topics each is addressed on")
+    for col in ("service", "runs on", "requests", "requests written by", "tensors", "tensors written by"):
+        table.add_column(col, overflow="fold")
+    for name, entry in services().items():
+        requests, tensors = service_topics(name)
+        table.add_row(name, ", ".join(entry.roles), escape(requests.pattern), escape(requests.who_writes),
+                      escape(tensors.pattern), escape(tensors.who_writes))
     console.print(table)
     return 0

@@ -64,17 +64,23 @@ class Frame:
 
 
 def encode(envelope: Envelope, body: Message, tensor: TensorDescriptor | None = None, raw: Any = b"") -> bytes:
-    """Build one frame. ``raw`` is any bytes-like object (copied once, into the frame)."""
-    header = msgpack.packb(
-        {
-            # The envelope and the descriptor hold only plain values (str, int, float, None, a tuple of ints), so
-            # their field dicts are exactly what model_dump returns, at a tenth of its cost per frame.
-            "env": dict(envelope.__dict__),
-            "body": body.model_dump(),
-            "tensor": None if tensor is None else dict(tensor.__dict__),
-        },
-        use_bin_type=True,
-    )
+    """Build one frame. ``raw`` is any bytes-like object (copied once, into the frame). Raises MessageTooLargeError
+    past the schema's size cap, InvalidMessageError for an integer outside msgpack's 64 bits."""
+    try:
+        header = msgpack.packb(
+            {
+                # The envelope and the descriptor hold only plain values (str, int, float, None, a tuple of ints),
+                # so their field dicts are exactly what model_dump returns, at a tenth of its cost per frame.
+                "env": dict(envelope.__dict__),
+                "body": body.model_dump(),
+                "tensor": None if tensor is None else dict(tensor.__dict__),
+            },
+            use_bin_type=True,
+        )
+    except OverflowError:
+        raise InvalidMessageError(f"a {body.SCHEMA} message holds an integer outside -2**63 .. 2**64 - 1, which "
+                                  "msgpack cannot carry: give that field a str type (decimal digits) instead") \
+            from None
     if len(header) > min(MAX_HEADER_BYTES, body.MAX_BYTES):
         raise MessageTooLargeError(f"a {body.SCHEMA} message is {len(header)} bytes; its schema allows at most "
                                    f"{min(MAX_HEADER_BYTES, body.MAX_BYTES)}")

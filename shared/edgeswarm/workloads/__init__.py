@@ -77,7 +77,11 @@ def workload(kind: str) -> Workload:
             raise ConfigError(f"an installed plug-in registers job kind {kind!r} ({plugin}), which is edgeswarm's "
                               "own: rename the plug-in's kind")
         cls = load_target(registry[kind], f"job kind {kind!r}")
-        made = cls()
+        try:
+            made = cls()
+        except Exception as exc:  # noqa: BLE001 - a plug-in's class that cannot be made is the plug-in's fault
+            raise ConfigError(f"job kind {kind!r} comes from {registry[kind]!r} (entry point {kind} of group "
+                              f"{WORKLOAD_GROUP}), which cannot be constructed: {type(exc).__name__}: {exc}") from None
         if getattr(made, "kind", None) != kind:
             raise ConfigError(f"job kind {kind!r} is registered as {registry[kind]}, whose kind is "
                               f"{getattr(made, 'kind', None)!r}")
