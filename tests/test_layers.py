@@ -6,6 +6,7 @@ an import inside a function is a deliberate late dependency (torch only when a j
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "shared" / "edgeswarm"
@@ -97,3 +98,17 @@ def test_no_workload_package_imports_another() -> None:
         for path in (LIBRARY / package).rglob("*.py"):
             others = imported_layers(path, late=True) & (packages - {package})
             assert not others, f"{path.relative_to(LIBRARY)} imports the workload package(s) {sorted(others)}"
+
+
+def test_every_package_of_the_library_is_in_the_architecture_pages_layer_table() -> None:
+    page = (LIBRARY.parents[1] / "docs" / "architecture.md").read_text()
+    table = page.split("| layer | packages | what they hold |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    packages = [row.split(" | ")[1] for row in rows]
+    for _ in range(3):  # what a parenthesis says of a package (its kinds, its sub-packages) names no package
+        packages = [re.sub(r"\([^()]*\)", "", column) for column in packages]
+    named = {name for column in packages for name in re.findall(r"`([a-z_]+)`", column)}
+    on_disk = {p.name for p in LIBRARY.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | \
+        {p.stem for p in LIBRARY.glob("*.py") if not p.stem.startswith("__")}
+    assert on_disk - named == set(), f"docs/architecture.md's layer table leaves out {sorted(on_disk - named)}"
+    assert named - on_disk <= {"services"}, f"the table names packages that do not exist: {sorted(named - on_disk)}"
