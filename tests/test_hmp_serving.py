@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,18 @@ def test_serve_and_infer_on_the_command_line_generate_the_single_device_tokens(c
     listed = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", *hub], capture_output=True, text=True,
                             timeout=60)
     assert "hmp-cli" in listed.stdout and "TTFT" in listed.stdout, listed.stdout
+    # Every kind's plan view, device by device: this one's heads and columns, in `jobs --json` and `jobs JOB`.
+    shares = state.plan.shares
+    one = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", "hmp-cli", "--json", *hub], capture_output=True,
+                         text=True, timeout=60)
+    view = json.loads(one.stdout)[0]["plan_view"]
+    assert [b["device"] for b in view["groups"][0]["blocks"]] == shares.devices
+    assert all(b["detail"].startswith(f"{h} heads, {c} columns") for b, h, c in
+               zip(view["groups"][0]["blocks"], shares.heads, shares.columns, strict=True)), view
+    shown = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", "hmp-cli", *hub], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    for device, heads in zip(shares.devices, shares.heads, strict=True):
+        assert re.search(rf"{re.escape(device)} .* {heads} heads", shown.stdout), shown.stdout
     cancel_job(cluster.bus, "hmp-cli")
     wait_until(lambda: any(s.job_id == "hmp-cli" and s.status == "cancelled" for s in job_states(cluster.bus)), 60)
 

@@ -53,7 +53,10 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     q.add_argument("--window", type=int, default=8, help="requests in flight at once")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer")
     q.add_argument("--show", type=int, default=4, help="outputs to print (0: none)")
-    q.add_argument("--out", default=None, metavar="FILE", help="write every output to FILE (.npz, array y)")
+    q.add_argument("--out", default=None, metavar="FILE",
+                   help="write every output to FILE (.npz): array y, one row per sample (serve-pipeline), or an "
+                        "array y<N> per request N (serve-hmp: its generated token ids, or an encoder's hidden "
+                        "states)")
     q.add_argument("--json", default=None, metavar="FILE", help="write the figures and every answer to FILE")
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # torch: imported only when a job starts from a file
     from edgeswarm.planning.hpp.render import MeasuredRound
 from edgeswarm.workloads import installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
+from edgeswarm.workloads.views import PlanView
 
 STRATEGIES = ("hpp", "dp", "pp", "single")
 
@@ -58,9 +59,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--recovery", choices=("light", "heavy", "none"), default=None,
                    help="override the spec's recovery: how a lost device is replaced (none: the job fails)")
 
-    jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state")
+    jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state; or one job and its plan")
+    jobs.add_argument("job_id", nargs="?", default=None, help="show this job only, with its plan device by device")
     add_hub_arg(jobs)
-    jobs.add_argument("--json", action="store_true", help="print the states as JSON")
+    jobs.add_argument("--json", action="store_true", help="print the states as JSON, each with its plan view")
 
     cancel = sub.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id", help="the job's name")
@@ -292,11 +294,18 @@ def run_jobs(args: argparse.Namespace) -> int:
         states = job_states(bus)
     finally:
         bus.stop()
+    if args.job_id is not None:
+        states = [s for s in states if s.job_id == args.job_id]
+        if not states:
+            raise ConfigError(f"no job {args.job_id} on this cluster (`edgeswarm jobs` lists them)")
     if args.json:
-        # The whole plan is long; its devices per stage say where the job runs.
+        # The whole plan is long; its devices per stage say where the job runs, its view what each one does.
         console.print_json(json.dumps([{**s.model_dump(mode="json", exclude={"plan"}),
-                                         "stages": _stage_devices(s)}
+                                         "stages": _stage_devices(s), "plan_view": _plan_view_json(s)}
                                         for s in states]))
+        return 0
+    if args.job_id is not None:
+        _print_job(states[0])
         return 0
     if not states:
         console.print("no jobs")
@@ -308,6 +317,38 @@ def run_jobs(args: argparse.Namespace) -> int:
         table.add_row(s.job_id, s.kind, s.status, escape(s.model), *_progress_cells(s), escape(s.detail[:80]))
     console.print(table)
     return 0
+
+
+def _plan_view(state: JobState) -> PlanView | None:
+    """The job's plan as its kind draws it (the dashboard's), None without a plan or the kind installed here."""
+    work = installed_workload(state.kind)
+    return work.plan_view(state) if work is not None else None
+
+
+def _plan_view_json(state: JobState) -> dict[str, object] | None:
+    view = _plan_view(state)
+    return view.model_dump(mode="json") if view is not None else None
+
+
+def _print_job(state: JobState) -> None:
+    """One job: its state in a line, then its plan group by group, each device with its share of the work."""
+    progress, figures = _progress_cells(state)
+    console.print(f"job {escape(state.job_id)} ({state.kind}, model {escape(state.model)}): {state.status}; "
+                  f"{escape(progress)}; {escape(figures)}" + (f" ({escape(state.detail)})" if state.detail else ""))
+    view = _plan_view(state)
+    if view is None:
+        console.print("no plan yet")
+        return
+    table = Table(title=f"plan (epoch {view.epoch}): {view.summary}" if view.summary else f"plan (epoch {view.epoch})")
+    for col in ("group", "device", "share", "what it does"):
+        table.add_column(col)
+    for group in view.groups:
+        for i, block in enumerate(group.blocks):
+            table.add_row(escape(group.label) if i == 0 else "", escape(block.device), f"{block.share:.0%}",
+                          escape(block.detail))
+        if group.detail:
+            table.add_row("", "", "", escape(group.detail))
+    console.print(table)
 
 
 def _stage_devices(state: JobState) -> list[list[str]]:
