@@ -64,3 +64,14 @@ def test_the_workload_guides_registry_entry_is_the_toys_whole_file_and_complete(
     cls = next(n for n in ast.parse(block).body if isinstance(n, ast.ClassDef) and n.name == "ToyWorkload")
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     assert Workload.__abstractmethods__ <= methods and "model_name" in methods, methods
+
+
+def test_every_kinds_spec_is_documented_as_its_model_says() -> None:
+    from edgeswarm.workloads.reference import with_spec_references
+
+    assert with_spec_references(REFERENCE) == REFERENCE, (
+        "docs/reference.md's job-spec tables differ from the spec models: regenerate them as "
+        "edgeswarm.workloads.reference.with_spec_references says")
+    for kind in ("train-hpp", "serve-pipeline", "serve-hmp", "train-splitfed"):
+        assert f"### `{kind}`" in REFERENCE
+    assert "| `training.sample_pruning` | true or false | true |" in REFERENCE
