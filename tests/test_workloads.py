@@ -28,7 +28,7 @@ def test_every_example_parses_as_its_kind() -> None:
         kinds[path.name] = type(spec)
     assert kinds == {"lenet5-env-d.yaml": JobSpec, "mobilenetv2-env-d.yaml": JobSpec,
                      "serve-mobilenetv2.yaml": ServeSpec, "serve-hmp-gpt2.yaml": HmpSpec,
-                     "splitfed-digits.yaml": SplitfedSpec}
+                     "serve-hmp-minilm.yaml": HmpSpec, "splitfed-digits.yaml": SplitfedSpec}
 
 
 def test_a_spec_without_kind_is_training_and_an_unknown_kind_names_the_kinds() -> None:
