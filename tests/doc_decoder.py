@@ -214,7 +214,7 @@ _COMPUTE = ("record", {
     "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number", "compute": "str",
 })
 _LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number",
-                    "message_s": "number", "request_s": "number"})
+                    "message_s": "number", "request_s": "number", "hop_s": "number"})
 _CLUSTER = ("record", {
     "model": _MODEL_PROFILE, "devices": ("list", ("record", {"device": _DEVICE, "compute": _COMPUTE})),
     "links": ("list", _LINK),

@@ -1,26 +1,41 @@
 """``edgeswarm up --netns`` and the network chaos commands, as a user runs them: the refusal where the machine
 cannot, one namespace cluster driven from the command line (status over TLS as ``operator``, cut and heal,
-partition, a broker restart, pause and resume, clock skew), everything removed on Ctrl-C, and what a launcher
-killed by SIGKILL left removed by the next start."""
+partition, a broker restart, pause and resume, clock skew, link changes measured with sockets between the
+namespaces), everything removed on Ctrl-C, and what a launcher killed by SIGKILL left removed by the next start.
+
+The command-line cluster is shared by the tests in file order (a module fixture); the last one stops it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from edgeswarm.compose_env import services_for
 from edgeswarm.netns import host, network
-from edgeswarm.netns.state import saved_states
+from edgeswarm.netns.state import NetnsNode, NetnsState, saved_states
 from helpers import netns_unavailable, wait_until
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+PROBE = str(Path(__file__).with_name("netns_probe.py"))
+# The cluster file of the command-line cluster: the devices' link is shaped (rate and delay), the hub's is not.
+LINK_MBIT, LINK_DELAY_MS = 20, 2
+CLUSTER_FILE = f"""name: cli-netns
+network: {{bandwidth_mbps: {LINK_MBIT}, latency_ms: {LINK_DELAY_MS}}}
+devices:
+  - {{id: native-0, class: native}}
+  - {{id: native-1, class: native}}
+"""
 
 
 def _faketime() -> bool:
@@ -61,12 +76,39 @@ def test_preflight_names_root() -> None:
         host.preflight()
 
 
-@needs_netns
-def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_nothing(tmp_path: Path) -> None:
-    work = tmp_path / "cluster"
-    up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", "2", "--device-class",
-                           "native", "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV,
+@dataclass
+class CliCluster:
+    """A cluster started as ``edgeswarm up --netns`` with CLUSTER_FILE, and the operator's environment for it."""
+
+    up: subprocess.Popen[str]
+    state: NetnsState
+    client: dict[str, str]
+    work: Path
+    output: str = ""
+
+    def chaos(self, *args: str) -> subprocess.CompletedProcess[str]:
+        # --cluster: another test's namespace cluster may run beside this one
+        return edgeswarm("chaos", *args, "--cluster", self.state.run_id)
+
+    def stop(self) -> None:
+        """Ctrl-C, as a user stops it (idempotent); what it printed is kept in ``output``."""
+        if self.up.poll() is None:
+            self.up.send_signal(signal.SIGINT)
+            out, _ = self.up.communicate(timeout=60)
+            self.output += out
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster]:
+    if netns_unavailable() is not None:
+        pytest.skip(netns_unavailable() or "")
+    root = tmp_path_factory.mktemp("cli-netns")
+    (root / "cluster.yaml").write_text(CLUSTER_FILE)
+    work = root / "cluster"
+    up = subprocess.Popen([sys.executable, "-m", "edgeswarm", "up", "--netns", "--devices", str(root / "cluster.yaml"),
+                           "--workdir", str(work), "--heartbeat", "0.5", *SKEWABLE], env=ENV,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cluster: CliCluster | None = None
     try:
         lines: list[str] = []
         assert up.stdout is not None
@@ -78,67 +120,169 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault_and_leaves_no
         assert "cluster up" in text, text
         ours = [s for s in saved_states() if s.owner_pid == up.pid]
         assert len(ours) == 1, text
-        state = ours[0]
         client = {**ENV, **dict(line.removeprefix("export ").split("=", 1)
                                for line in (work / "secrets" / "operator.env").read_text().splitlines())}
         client = {k: v.strip("'") for k, v in client.items()}
-        status = edgeswarm("status", env=client)
-        assert status.returncode == 0 and "native-1" in status.stdout and state.hub.address in status.stdout, status
-
-        # The services run with compose's environment for their profile.
-        device = state.node("native-0")
-        composed = {s.name: s for s in services_for("device", {"EDGESWARM_NODE_ID": "native-0",
-                                                               "EDGESWARM_DATA_URL": device.broker_url,
-                                                               "EDGESWARM_HUB_URL": state.hub.broker_url,
-                                                               "EDGESWARM_SECRETS": str(work / "secrets")})}
-        worker_env = _environ(_pid_of(device.netns, "stage-worker"))
-        for key, value in composed["stage-worker"].environment_on_host().items():
-            if key not in ("EDGESWARM_DATA_CONNECT_URL", "EDGESWARM_HEALTH_DIR", "EDGESWARM_PROFILE_DIR",
-                           "EDGESWARM_CHECKPOINT_DIR", "EDGESWARM_HEARTBEAT_INTERVAL_S"):
-                assert worker_env.get(key) == value, key
-        assert worker_env["EDGESWARM_DATA_CONNECT_URL"] == device.broker_url
-
-        # --cluster: another test's namespace cluster may run beside this one
-        ours = ("--cluster", state.run_id)
-        cut = edgeswarm("chaos", "cut", "native-0", "--for", "1", *ours)
-        assert cut.returncode == 0 and "native-0 (" in cut.stdout and "healed after 1 s" in cut.stdout, cut
-        part = edgeswarm("chaos", "partition", "hub,native-0", "native-1", *ours)
-        assert part.returncode == 0, part
-        routes = host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns)
-        assert state.hub.address in routes and device.address in routes
-        assert edgeswarm("chaos", "heal-partition", *ours).returncode == 0
-        assert not host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns).strip()
-        restart = edgeswarm("chaos", "restart-broker", "hub", "--down", "0.5", *ours)
-        assert restart.returncode == 0 and "the broker of hub restarted" in restart.stdout, restart
-        link = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "5", "--delay", "3", "--for", "1", *ours)
-        assert link.returncode == 0 and "loss 5%, delay 3 ms" in link.stdout and "put back" in link.stdout, link
-        bad = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "150", *ours)
-        assert bad.returncode == 2 and "--loss is a percentage" in bad.stderr, bad
-        pause = edgeswarm("chaos", "pause", "native-1", "--for", "1", *ours)
-        assert pause.returncode == 0 and "resumed after 1 s" in pause.stdout, pause
-        unknown = edgeswarm("chaos", "cut", "nope", *ours)
-        assert unknown.returncode == 1 and "unknown node 'nope'; nodes: hub, native-0, native-1" in unknown.stderr
-        refused = edgeswarm("chaos", "skew", "native-0", "30", *ours)
-        assert refused.returncode == 1 and "--skewable native-0" in refused.stderr, refused
-        skew = edgeswarm("chaos", "skew", "native-1", "30", *ours)
-        if SKEWABLE:
-            assert skew.returncode == 0, skew
-            assert (work / "nodes" / "native-1" / "clock").read_text().strip().startswith("+30")
-            # The node's own processes read the skewed clock: its node-agent's heartbeats are stamped 30 s ahead.
-            agent = _pid_of(state.node("native-1").netns, "node-agent")
-            assert _environ(agent)["FAKETIME_TIMESTAMP_FILE"].endswith("native-1/clock")
-            wait_until(lambda: _heartbeat_ahead(client, "native-1") > 25, 20, interval_s=0.5,
-                       message="native-1's heartbeats stamped 30 s ahead")
-            assert edgeswarm("chaos", "skew", "native-1", "0", *ours).returncode == 0
-        # After all of it the cluster is whole again: every device's services back online.
-        wait_until(lambda: edgeswarm("status", env=client).stdout.count("stage-worker") == 2, 60, interval_s=1.0,
-                   message="both stage-workers online after the faults")
+        cluster = CliCluster(up, ours[0], client, work)
+        yield cluster
     finally:
-        up.send_signal(signal.SIGINT)
-        out, _ = up.communicate(timeout=60)
-    assert up.returncode == 0 and "stopped" in out, out
+        if cluster is not None:
+            cluster.stop()
+        elif up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.communicate(timeout=60)
+
+
+@needs_netns
+def test_a_cluster_from_the_command_line_takes_every_network_fault(cli: CliCluster) -> None:
+    state, client, work = cli.state, cli.client, cli.work
+    status = edgeswarm("status", env=client)
+    assert status.returncode == 0 and "native-1" in status.stdout and state.hub.address in status.stdout, status
+
+    # The services run with compose's environment for their profile.
+    device = state.node("native-0")
+    composed = {s.name: s for s in services_for("device", {"EDGESWARM_NODE_ID": "native-0",
+                                                           "EDGESWARM_DATA_URL": device.broker_url,
+                                                           "EDGESWARM_HUB_URL": state.hub.broker_url,
+                                                           "EDGESWARM_SECRETS": str(work / "secrets")})}
+    worker_env = _environ(_pid_of(device.netns, "stage-worker"))
+    for key, value in composed["stage-worker"].environment_on_host().items():
+        if key not in ("EDGESWARM_DATA_CONNECT_URL", "EDGESWARM_HEALTH_DIR", "EDGESWARM_PROFILE_DIR",
+                       "EDGESWARM_CHECKPOINT_DIR", "EDGESWARM_HEARTBEAT_INTERVAL_S"):
+            assert worker_env.get(key) == value, key
+    assert worker_env["EDGESWARM_DATA_CONNECT_URL"] == device.broker_url
+
+    # --cluster: another test's namespace cluster may run beside this one
+    ours = ("--cluster", state.run_id)
+    cut = edgeswarm("chaos", "cut", "native-0", "--for", "1", *ours)
+    assert cut.returncode == 0 and "native-0 (" in cut.stdout and "healed after 1 s" in cut.stdout, cut
+    part = edgeswarm("chaos", "partition", "hub,native-0", "native-1", *ours)
+    assert part.returncode == 0, part
+    routes = host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns)
+    assert state.hub.address in routes and device.address in routes
+    assert edgeswarm("chaos", "heal-partition", *ours).returncode == 0
+    assert not host.run(["ip", "route", "show", "type", "blackhole"], ns=state.node("native-1").netns).strip()
+    restart = edgeswarm("chaos", "restart-broker", "hub", "--down", "0.5", *ours)
+    assert restart.returncode == 0 and "the broker of hub restarted" in restart.stdout, restart
+    link = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "5", "--delay", "3", "--for", "1", *ours)
+    assert link.returncode == 0 and "loss 5%, delay 3 ms" in link.stdout and "put back" in link.stdout, link
+    bad = edgeswarm("chaos", "link", "native-0", "native-1", "--loss", "150", *ours)
+    assert bad.returncode == 2 and "--loss is a percentage" in bad.stderr, bad
+    pause = edgeswarm("chaos", "pause", "native-1", "--for", "1", *ours)
+    assert pause.returncode == 0 and "resumed after 1 s" in pause.stdout, pause
+    unknown = edgeswarm("chaos", "cut", "nope", *ours)
+    assert unknown.returncode == 1 and "unknown node 'nope'; nodes: hub, native-0, native-1" in unknown.stderr
+    refused = edgeswarm("chaos", "skew", "native-0", "30", *ours)
+    assert refused.returncode == 1 and "--skewable native-0" in refused.stderr, refused
+    skew = edgeswarm("chaos", "skew", "native-1", "30", *ours)
+    if SKEWABLE:
+        assert skew.returncode == 0, skew
+        assert (work / "nodes" / "native-1" / "clock").read_text().strip().startswith("+30")
+        # The node's own processes read the skewed clock: its node-agent's heartbeats are stamped 30 s ahead.
+        agent = _pid_of(state.node("native-1").netns, "node-agent")
+        assert _environ(agent)["FAKETIME_TIMESTAMP_FILE"].endswith("native-1/clock")
+        wait_until(lambda: _heartbeat_ahead(client, "native-1") > 25, 20, interval_s=0.5,
+                   message="native-1's heartbeats stamped 30 s ahead")
+        assert edgeswarm("chaos", "skew", "native-1", "0", *ours).returncode == 0
+    # After all of it the cluster is whole again: every device's services back online.
+    wait_until(lambda: edgeswarm("status", env=client).stdout.count("stage-worker") == 2, 60, interval_s=1.0,
+               message="both stage-workers online after the faults")
+
+
+def _probe(node: NetnsNode, *args: str) -> dict:
+    """tests/netns_probe.py run as a client in ``node``'s namespace; its JSON result."""
+    done = subprocess.run(["ip", "netns", "exec", node.netns, sys.executable, PROBE, *args], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _serving(node: NetnsNode, *args: str) -> subprocess.Popen[str]:
+    """tests/netns_probe.py as a server in ``node``'s namespace, once it listens (stopped by its caller, by PID)."""
+    proc = subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, PROBE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _round_trips(src: NetnsNode, dst: NetnsNode, port: int, count: int = 15) -> list[float]:
+    """Round trips (seconds) of 64-byte TCP exchanges from ``src`` to an echo on ``dst``."""
+    server = _serving(dst, "echo", dst.address, str(port), "15")
+    try:
+        return _probe(src, "ping", dst.address, str(port), str(count))["rtts"]
+    finally:
+        server.kill()
+        server.communicate(timeout=10)
+
+
+def _rate(src: NetnsNode, dst: NetnsNode, port: int, seconds: float = 1.5) -> float:
+    """The median rate (bytes/s) a TCP stream from ``src`` is received at on ``dst``."""
+    server = _serving(dst, "sink", dst.address, str(port), "15")
+    try:
+        _probe(src, "send", dst.address, str(port), str(seconds))
+        out, err = server.communicate(timeout=20)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate(timeout=10)
+    rates = json.loads(out.strip().splitlines()[-1])["rates"]
+    assert rates, err
+    return statistics.median(rates)
+
+
+@needs_netns
+def test_a_link_change_alters_only_what_it_names_and_outlives_the_chaos_command(cli: CliCluster) -> None:
+    from edgeswarm.netns import faults
+    from edgeswarm.netns.shaping import LinkShape
+
+    state = cli.state
+    zero, one, hub = state.node("native-0"), state.node("native-1"), state.hub
+    delay_s, rate_bps = LINK_DELAY_MS / 1000, LINK_MBIT * 1e6 / 8
+    filed = LinkShape(rate_bps=rate_bps, delay_s=delay_s)  # what the cluster file gives the devices' link
+    assert min(_round_trips(zero, one, 5101)) >= 2 * delay_s * 0.9
+
+    # 1% loss for a while, the rest of the link named nowhere: its rate and delay stay, in the kernel.
+    chaos = subprocess.Popen([sys.executable, "-m", "edgeswarm", "chaos", "link", "native-0", "native-1", "--loss",
+                              "1", "--for", "5", "--cluster", state.run_id], env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert chaos.stdout is not None
+        said = chaos.stdout.readline()
+        assert "loss 1%" in said, said + (chaos.stderr.read() if chaos.stderr else "")
+        during = {name: faults.shaper_of(state, name).shapes for name in ("native-0", "native-1")}
+        during_rtts = _round_trips(zero, one, 5102)
+        during_rate = _rate(zero, one, 5103)
+    finally:
+        out, err = chaos.communicate(timeout=60)
+    assert chaos.returncode == 0 and "put back after 5 s" in out, out + err
+    assert min(during_rtts) >= 2 * delay_s * 0.9, during_rtts  # the delay stayed (0 had it been dropped)
+    # The rate stayed: a stream is held to it (a dropped rate lets it run at the machine's speed, 100s of Mbit/s).
+    assert during_rate <= 1.15 * rate_bps, f"{during_rate * 8 / 1e6:.1f} Mbit/s on a {LINK_MBIT} Mbit/s link"
+    assert during["native-0"][one.address] == during["native-1"][zero.address] == filed.model_copy(
+        update={"loss": 0.01})
+    # --for put back exactly the shape before, at both ends.
+    assert faults.shaper_of(state, "native-0").shapes[one.address] == filed
+    assert faults.shaper_of(state, "native-1").shapes[zero.address] == filed
+
+    # The hub's link, delayed by a chaos command that then exits: the delay is the cluster's, at both ends, and
+    # stays (the hub's delay line used to be the chaos process's, and ended with it).
+    assert cli.chaos("link", "hub", "native-0", "--delay", "10").returncode == 0
+    time.sleep(1.5)  # a delay line checks on its owner every 0.5 s
+    hub_rtts = _round_trips(hub, zero, 5104)
+    assert min(hub_rtts) >= 2 * 0.010 * 0.9, hub_rtts
+    assert cli.chaos("link", "hub", "native-0", "--delay", "0").returncode == 0
+    assert min(_round_trips(hub, zero, 5105)) < 0.005
+    nothing = cli.chaos("link", "native-0", "native-1")
+    assert nothing.returncode == 2 and "name what to change" in nothing.stderr, nothing
+
+
+@needs_netns
+def test_ctrl_c_stops_the_cluster_and_leaves_nothing(cli: CliCluster) -> None:
+    cli.stop()
+    state = cli.state
+    assert cli.up.returncode == 0 and "stopped" in cli.output, cli.output
     assert not {n.netns for n in state.nodes} & set(host.netns_names())
-    assert not any(s.owner_pid == up.pid for s in saved_states())
+    assert not any(s.owner_pid == cli.up.pid for s in saved_states())
     assert not host.run(["ip", "link", "show", state.bridge], check=False).strip()
 
 

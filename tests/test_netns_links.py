@@ -1,6 +1,9 @@
 """The profiler's link measurements on kernel-shaped links: a namespace cluster whose cluster file gives every link
-50 Mbit/s and 5 ms one way, profiled like any cluster (``gather_cluster_profile``), each measured link within 15
-percent of the bandwidth and 2 ms of the latency ``tc`` and the delayer enforce."""
+50 Mbit/s and 5 ms one way, profiled like any cluster (``gather_cluster_profile``): each measured link's bandwidth
+within 15 percent under the rate ``tc`` enforces and never over it, its per-message seconds within 2 ms of the one-way
+delay (the median over the links within 1.5 ms) and its round trip within 4 ms of both directions' delay. The profiler
+prices links net of the brokers' processing (a per-hop cost it measures and subtracts), so only the kernel's part is
+left; ten runs in a row on the 2-core VM read 46.5 to 47.4 Mbit/s, 4.9 to 5.8 ms and 10.6 to 11.9 ms."""
 
 from __future__ import annotations
 
@@ -40,13 +43,13 @@ def test_profiled_links_match_the_kernel_shaping(tmp_path: Path) -> None:
             bus.stop()
     links = {(link.src, link.dst): link for link in profile.links}
     assert set(links) == {(a, b) for a in nodes for b in nodes if a != b}
+    rate_bps, one_way_s = BANDWIDTH_MBPS * 1e6 / 8, LATENCY_MS / 1000
     for link in links.values():
-        assert abs(link.bandwidth_bps / (BANDWIDTH_MBPS * 1e6 / 8) - 1) <= 0.15, link
-        assert abs(link.message_s - LATENCY_MS / 1000) <= 0.003, link
-    # message_s is the profiler's one-way figure: held to the kernel's delay within 2 ms, the median over the links
-    # (Python's and the brokers' time is in it too, which another test's cluster on this machine stretches on one
-    # link or another). latency_s is the round trip of a 64-byte message through the peer's broker and back: it
-    # holds both directions' delay, and on top the processing at two brokers and the peer, which is the machine's
-    # load, not the link's, so only the kernel's part is a bound.
-    assert abs(statistics.median(link.message_s for link in links.values()) - LATENCY_MS / 1000) <= 0.002, links
-    assert all(link.latency_s >= 2 * LATENCY_MS / 1000 * 0.95 for link in links.values()), links
+        # TCP's payload runs at about 95% of the HTB rate (which counts the headers): never over it.
+        assert 0.85 <= link.bandwidth_bps / rate_bps <= 1.0, link
+        assert abs(link.message_s - one_way_s) <= 0.002, link
+        assert abs(link.latency_s - 2 * one_way_s) <= 0.004, link
+    # message_s is the profiler's one-way figure, net of the processing at the brokers and services (what a ping to
+    # the profiler's own broker costs): held to the kernel's delay within 1.5 ms, the median over the links (the
+    # delay line's own wake-ups add about 0.3 ms a direction).
+    assert abs(statistics.median(link.message_s for link in links.values()) - one_way_s) <= 0.0015, links

@@ -9,6 +9,7 @@ import pytest
 from conftest import bus_settings
 from edgeswarm.errors import LinkMeasurementError
 from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.profiling.gather import compute_turns, link_turns
 from edgeswarm.services.profiler.service import ProfilerService
 from edgeswarm.settings import LinkSpec
 from helpers import running, wait_until
@@ -49,13 +50,37 @@ def test_a_link_measures_its_cost_per_message_and_per_request(broker: BrokerProc
     b = ProfilerService(bus_settings(broker.url, node_id="b", profile_dir=tmp_path / "b"))
     with running(b), running(a):
         wait_until(lambda: online(a, "b") and online(b, "a"), 15, message="both profilers online")
-        link = a.links.measure("b", pings=5, requests=3, min_bulk_bytes=64 * 1024, max_bulk_bytes=256 * 1024,
-                               target_s=0.05)
+        measured = a.links.measure_link("b", pings=5, requests=3, min_bulk_bytes=64 * 1024,
+                                        max_bulk_bytes=256 * 1024, target_s=0.05, bulks=3)
         quick = a.links.measure("b", pings=3, requests=0, min_bulk_bytes=64 * 1024, max_bulk_bytes=64 * 1024)
 
-    # Measured on the real broker: a message and a request through it take time, and the figures are finite
-    # (LinkProfile refuses anything else). A one-way message is half a ping's round trip, less its bytes.
-    assert 0 < link.message_s <= link.latency_s / 2
+    # Measured on the real broker: a message through it takes time (the per-hop cost, a ping to a's own profiler
+    # and back through the broker), and a request through it too; the figures are finite (LinkProfile refuses
+    # anything else). The link itself is priced net of the hops: a one-way message is half the round trip that is
+    # left, less its bytes; this link is not shaped, so little is left.
+    link = measured.profile
+    assert measured.hop_s > 0 and measured.gross_round_trip_s >= measured.hop_s
+    assert 0 <= link.latency_s <= measured.gross_round_trip_s and 0 <= link.message_s <= link.latency_s / 2
+    assert len(measured.bulk_rates) == 3 and link.bandwidth_bps == max(measured.bulk_rates)
     assert 0 < link.request_s < 60
-    assert quick.request_s == 0 and quick.message_s > 0
+    assert quick.request_s == 0 and quick.message_s >= 0
     assert a.metrics.counter("handler_errors") == 0 and b.metrics.counter("handler_errors") == 0
+
+
+def test_link_turns_give_each_host_one_measurement_at_a_time() -> None:
+    one_host = {"a": "vm", "b": "vm", "c": "vm"}
+    turns = link_turns(one_host)
+    assert [pair for turn in turns for pair in turn] == [("a", "b"), ("b", "c"), ("c", "a"), ("a", "c"), ("b", "a"),
+                                                         ("c", "b")]
+    assert all(len(turn) == 1 for turn in turns)  # co-located nodes: one link at a time
+    four = {"a": "1", "b": "2", "c": "3", "d": "4"}
+    turns = link_turns(four)
+    assert sorted(pair for turn in turns for pair in turn) == sorted((s, d) for s in four for d in four if s != d)
+    assert len(turns) == 6 and all(len(turn) == 2 for turn in turns)  # two disjoint pairs at once
+    mixed = {"a": "1", "b": "1", "c": "2", "d": "2", "e": "3"}
+    turns = link_turns(mixed)
+    assert sorted(pair for turn in turns for pair in turn) == sorted((s, d) for s in mixed for d in mixed if s != d)
+    for turn in turns:  # no host in two of a turn's measurements
+        hosts = [{mixed[src], mixed[dst]} for src, dst in turn]
+        assert sum(len(h) for h in hosts) == len(set().union(*hosts)), turn
+    assert link_turns({"solo": "x"}) == [] and compute_turns({"a": "1", "b": "1", "c": "2"}) == [["a", "c"], ["b"]]

@@ -25,8 +25,9 @@ ACTIONS = {
     "partition": "split the cluster into GROUPs (comma-separated nodes): nothing passes between groups, until "
                  "`chaos heal-partition` or for --for seconds",
     "heal-partition": "remove every partition",
-    "link": "change the link between NODE and PEER in both directions (--loss percent, --delay ms, --rate Mbit/s) "
-            "for --for seconds, then put it back (default: leave it)",
+    "link": "change the link between NODE and PEER in both directions: only what is named (--loss percent, --delay "
+            "ms, --rate Mbit/s), the rest stays; for --for seconds, then put back exactly as it was (default: "
+            "leave it)",
     "restart-broker": "restart NODE's broker (the hub's too): SIGTERM, or SIGKILL with --kill, then start it again",
     "pause": "SIGSTOP every process of NODE, its broker included, until `chaos resume` or for --for seconds",
     "resume": "SIGCONT every process of NODE",
@@ -52,9 +53,12 @@ def add_network_actions(actions: argparse._SubParsersAction) -> None:  # type: i
                            help="undo it after this many seconds (the command waits); default: leave it")
         if name == "link":
             p.add_argument("peer", metavar="PEER", help="the node at the link's other end")
-            p.add_argument("--loss", type=float, default=0.0, metavar="PERCENT", help="packets lost, 0 to 100")
-            p.add_argument("--delay", type=float, default=0.0, metavar="MS", help="one-way delay in milliseconds")
-            p.add_argument("--rate", type=float, default=None, metavar="MBIT", help="bandwidth in Mbit/s")
+            p.add_argument("--loss", type=float, default=None, metavar="PERCENT",
+                           help="packets lost, 0 to 100 (default: as it is)")
+            p.add_argument("--delay", type=float, default=None, metavar="MS",
+                           help="one-way delay in milliseconds, 0 for none (default: as it is)")
+            p.add_argument("--rate", type=float, default=None, metavar="MBIT",
+                           help="bandwidth in Mbit/s (default: as it is)")
             p.add_argument("--for", dest="for_s", type=float, default=None, metavar="SECONDS",
                            help="put the link back after this many seconds (the command waits)")
         if name == "skew":
@@ -122,20 +126,7 @@ def run_network_chaos(args: argparse.Namespace) -> int:
             console.print(f"healed after {for_s:g} s")
         return 0
     if action == "link":
-        if not 0 <= args.loss <= 100 or args.delay < 0 or (args.rate is not None and not args.rate > 0):
-            raise ConfigError("--loss is a percentage (0 to 100), --delay a non-negative number of milliseconds and "
-                              "--rate a positive number of Mbit/s")
-        peer = state.node(_node(state, args.peer))
-        shape = LinkShape(loss=args.loss / 100, delay_s=args.delay / 1000,
-                          rate_bps=args.rate * 1e6 / 8 if args.rate else None)
-        before = faults.set_link(state, node.node, peer.node, shape)
-        console.print(f"{node.node} <-> {peer.node}: loss {args.loss:g}%, delay {args.delay:g} ms"
-                      + (f", {args.rate:g} Mbit/s" if args.rate else ""))
-        if for_s:
-            time.sleep(for_s)
-            faults.restore_link(state, node.node, peer.node, before)
-            console.print(f"put back after {for_s:g} s")
-        return 0
+        return _change_link(state, node.node, _node(state, args.peer), args, for_s)
     if action == "restart-broker":
         _proc, down = faults.restart_broker(state, node.node, down_s=args.down_s, kill=args.kill)
         console.print(f"the broker of {node.node} restarted ({'killed' if args.kill else 'stopped'}; unreachable "
@@ -157,3 +148,40 @@ def run_network_chaos(args: argparse.Namespace) -> int:
         faults.signal_node(node, signal.SIGCONT)
         console.print(f"resumed after {for_s:g} s")
     return 0
+
+
+def _change_link(state: NetnsState, node: str, peer: str, args: argparse.Namespace, for_s: float | None) -> int:
+    """``chaos link``: only the properties named change, at both ends (the cluster file's rate stays under a
+    ``--loss``); ``--for`` puts back exactly the shapes before. 0 done."""
+    loss, delay, rate = args.loss, args.delay, args.rate
+    if loss is None and delay is None and rate is None:
+        raise ConfigError("name what to change: --loss PERCENT, --delay MS and/or --rate MBIT (the rest of the link "
+                          "stays as it is)")
+    if (loss is not None and not 0 <= loss <= 100) or (delay is not None and not 0 <= delay <= 60_000) or (
+            rate is not None and not rate > 0):
+        raise ConfigError("--loss is a percentage (0 to 100), --delay a non-negative number of milliseconds (at most "
+                          "60000) and --rate a positive number of Mbit/s")
+    changes: dict[str, float | None] = {}
+    said = []
+    if loss is not None:
+        changes["loss"] = loss / 100
+        said.append(f"loss {loss:g}%")
+    if delay is not None:
+        changes["delay_s"] = delay / 1000
+        said.append(f"delay {delay:g} ms")
+    if rate is not None:
+        changes["rate_bps"] = rate * 1e6 / 8
+        said.append(f"{rate:g} Mbit/s")
+    before = faults.change_link(state, node, peer, **changes)
+    now = LinkShape.model_validate({**before[node].model_dump(), **changes})
+    console.print(f"{node} <-> {peer}: {', '.join(said)} (the link from {node} now: {_shape_text(now)})")
+    if for_s:
+        time.sleep(for_s)
+        faults.restore_link(state, node, peer, before)
+        console.print(f"put back after {for_s:g} s")
+    return 0
+
+
+def _shape_text(shape: LinkShape) -> str:
+    rate = "unlimited" if shape.rate_bps is None else f"{shape.rate_bps * 8 / 1e6:g} Mbit/s"
+    return f"{rate}, delay {shape.delay_s * 1000:g} ms, loss {shape.loss * 100:g}%"

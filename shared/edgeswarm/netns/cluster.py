@@ -301,7 +301,8 @@ class NetnsCluster:
     # --- links -------------------------------------------------------------------------------------------------
 
     def shaper(self, name: str) -> NodeShaper:
-        """The kernel shaper of ``name``'s links (its state in the node's folder, so any process can change it)."""
+        """The kernel shaper of ``name``'s links (its state in the node's folder, so any process can change it; this
+        cluster's process owns it, whoever changes it)."""
         return faults.shaper_of(self.started, name)
 
     def _shape(self) -> None:
@@ -314,9 +315,14 @@ class NetnsCluster:
                                           for peer in nodes if peer is not node})
 
     def set_link(self, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
-        """Give the link between ``a`` and ``b`` ``shape`` in both directions; returns the shapes it had (by node),
-        for ``restore_link``."""
+        """Give the link between ``a`` and ``b`` ``shape`` in both directions (the whole shape: what it leaves at
+        its default is unshaped); returns the shapes it had (by node), for ``restore_link``."""
         return faults.set_link(self.started, a, b, shape)
+
+    def change_link(self, a: str, b: str, **changes: float | None) -> dict[str, LinkShape]:
+        """Change only the named ``LinkShape`` properties of the link between ``a`` and ``b`` (e.g. ``loss=0.01``;
+        its rate and delay stay); returns the shapes it had (by node), for ``restore_link``."""
+        return faults.change_link(self.started, a, b, **changes)
 
     def restore_link(self, a: str, b: str, before: dict[str, LinkShape]) -> None:
         faults.restore_link(self.started, a, b, before)

@@ -1,15 +1,18 @@
-"""Faults that need no shaper: a partition as blackhole routes inside each node's namespace (packets to the other
-side are dropped where they would be sent, silently, as a dead switch port drops them), and signals to every
-process of a node."""
+"""A namespace cluster's faults, from any process: a partition as blackhole routes inside each node's namespace
+(packets to the other side are dropped where they would be sent, silently, as a dead switch port drops them),
+signals to every process of a node, a broker restart, and link changes through the nodes' shapers (the shapes in
+force are kept in the cluster's folder, so a change names only what it changes)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from edgeswarm.netns import brokers, host, network
@@ -86,25 +89,56 @@ def restart_broker(state: NetnsState, name: str, *, down_s: float = 1.0,
 
 
 def shaper_of(state: NetnsState, name: str) -> NodeShaper:
-    """``name``'s kernel shaper, rebuilt from the state it keeps in the cluster's folder."""
+    """``name``'s kernel shaper, rebuilt from the state it keeps in the cluster's folder. The cluster's launcher
+    owns it, the hub's too, whichever process changes it: a delay line started by a short-lived ``edgeswarm chaos``
+    lives as long as the cluster, not as long as that command."""
     node = state.node(name)
-    return NodeShaper(node.netns, network.INSIDE_DEV, Path(state.workdir) / "shaping" / name)
+    return NodeShaper(node.netns, network.INSIDE_DEV, Path(state.workdir) / "shaping" / name, owner=state.owner_pid)
+
+
+@contextlib.contextmanager
+def links_lock(state: NetnsState) -> Iterator[None]:
+    """Held while a link's shapes are read and written back, so that two ``chaos link`` commands at once (another
+    process each) never write over each other's change."""
+    folder = Path(state.workdir) / "shaping"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def set_link(state: NetnsState, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:
     """Shape the link between nodes ``a`` and ``b`` as ``shape`` in both directions (each end shapes what it sends
-    and receives from the other). Returns each end's previous shape of it, by node (unshaped: a default shape)."""
+    and receives from the other), replacing the whole shape. Returns each end's previous shape of it, by node
+    (unshaped: a default shape)."""
+    return change_link(state, a, b, **shape.model_dump())
+
+
+def change_link(state: NetnsState, a: str, b: str, **changes: float | None) -> dict[str, LinkShape]:
+    """Change only the named properties of the link between nodes ``a`` and ``b`` (``LinkShape`` fields: ``rate_bps``
+    (None: unlimited), ``delay_s``, ``jitter_s``, ``loss``), at both ends; each end keeps the rest of what it had
+    (the cluster file's rate and delay, an earlier change). Returns each end's previous shape, by node, for
+    ``restore_link``. Raises ValueError for a property a link does not have or a value it cannot take."""
+    unknown = sorted(set(changes) - set(LinkShape.model_fields))
+    if unknown:
+        raise ValueError(f"a link has no {', '.join(unknown)}; it has {', '.join(LinkShape.model_fields)}")
     before = {}
-    for here, there in ((a, b), (b, a)):
-        shaper = shaper_of(state, here)
-        peer = state.node(there).address
-        before[here] = shaper.shapes.get(peer, LinkShape())
-        shaper.set(peer, shape)
+    with links_lock(state):
+        for here, there in ((a, b), (b, a)):
+            shaper = shaper_of(state, here)
+            peer = state.node(there).address
+            before[here] = shaper.shapes.get(peer, LinkShape())
+            # Validated as a whole (model_copy would not check the changed values).
+            shaper.set(peer, LinkShape.model_validate({**before[here].model_dump(), **changes}))
     return before
 
 
 def restore_link(state: NetnsState, a: str, b: str, before: dict[str, LinkShape]) -> None:
-    """Put back what ``set_link`` returned."""
-    for here, there in ((a, b), (b, a)):
-        if here in before:
-            shaper_of(state, here).set(state.node(there).address, before[here])
+    """Put back exactly what ``set_link`` or ``change_link`` returned, whatever changed the link meanwhile."""
+    with links_lock(state):
+        for here, there in ((a, b), (b, a)):
+            if here in before:
+                shaper_of(state, here).set(state.node(there).address, before[here])

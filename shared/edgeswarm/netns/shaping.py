@@ -31,7 +31,8 @@ How each property is made, and why:
 Everything made is named so a later process finds it: the nft tables ``ip edgeswarm`` and ``netdev edgeswarm``,
 the iptables chain ``EDGESWARM``, the HTB root ``1:``, and the delayer, which records itself in ``workdir``. The
 state (shapes, class and queue numbers, blocked peers) lives in ``workdir`` too, so ``edgeswarm chaos`` can change
-a link of a cluster another process started: build a ``NodeShaper`` on the same namespace and workdir and call
+a link of a cluster another process started: build a ``NodeShaper`` on the same namespace and workdir, with the
+cluster's process as ``owner`` (a delayer started from a short-lived command would otherwise end with it), and call
 :meth:`NodeShaper.set`.
 """
 
@@ -108,7 +109,7 @@ class ShaperState(BaseModel):
 
     ns: str
     dev: str
-    owner: int | None = None  # the process that applied the shapes; the delayer stops when it exits
+    owner: int | None = None  # whose exit stops the delayer: the cluster's process, or the first to apply shapes
     delayer_pid: int | None = None
     generation: int = 0
     peers: dict[str, PeerState] = Field(default_factory=dict)
@@ -206,9 +207,13 @@ def _class_commands(dev: str, classid: int, shape: LinkShape, verb: str) -> list
 class NodeShaper:
     """The shaped links of the node in namespace ``ns``, whose interface toward the others is ``dev``. State and
     the delayer's files live in ``workdir`` (one workdir per node). Building one loads what an earlier NodeShaper
-    on the same workdir applied, so any process can change or remove it."""
+    on the same workdir applied, so any process can change or remove it.
 
-    def __init__(self, ns: str, dev: str, workdir: Path) -> None:
+    ``owner`` is the pid whose exit ends this node's delayer, whichever process starts it: a cluster passes its own,
+    so a delay set by a command that exits right after (``edgeswarm chaos link``) stays. Without it the first
+    process to apply a shape owns the delayer (and a later one takes over once that process is gone)."""
+
+    def __init__(self, ns: str, dev: str, workdir: Path, *, owner: int | None = None) -> None:
         self.ns = ns
         self.dev = dev
         self.workdir = Path(workdir)
@@ -222,6 +227,8 @@ class NodeShaper:
                     self.state = loaded
             except (OSError, ValueError) as exc:
                 log.warning("ignoring unreadable shaper state %s: %s", state_path, exc)
+        if owner is not None:
+            self.state.owner = owner
 
     @property
     def shapes(self) -> dict[str, LinkShape]:

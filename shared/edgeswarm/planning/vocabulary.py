@@ -74,16 +74,16 @@ def link_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[n
 
 
 def message_matrix(links: Sequence[LinkProfile], nodes: Sequence[str]) -> np.ndarray:
-    """Per-message seconds (``message_s``) between ``nodes``, symmetric: a pair measured both ways uses the larger; 0
-    on the diagonal (no message crosses a device's own link) and for pairs without a measurement (``link_matrices``
-    reports those)."""
+    """Per-message seconds (``per_message_s``: the link's and a broker hop's) between ``nodes``, symmetric: a pair
+    measured both ways uses the larger; 0 on the diagonal (no message crosses a device's own link) and for pairs
+    without a measurement (``link_matrices`` reports those)."""
     index = {n: i for i, n in enumerate(nodes)}
     n = len(nodes)
     message = np.zeros((n, n))
     for link in links:
         if link.src in index and link.dst in index and link.src != link.dst:
             i, j = index[link.src], index[link.dst]
-            message[i, j] = message[j, i] = max(message[i, j], link.message_s)
+            message[i, j] = message[j, i] = max(message[i, j], link.per_message_s)
     return message
 
 

@@ -7,15 +7,17 @@ Two phases:
    a host (emulated devices of one machine) take turns, because co-located processes competing for the
    CPU would distort each other's timings. Sharing a host also means sharing its profile cache, so the
    host's native timings are measured once and the later devices only measure their speed ratio.
-2. links: every node measures its link to every other node, all at once (the compute part is a cache
-   hit now).
+2. links: every node measures its link to every other node (the compute part is a cache hit now), in
+   turns in which each host takes part in one measurement at most (``link_turns``): a node that sends or
+   receives another bulk transfer meanwhile, or shares its host's CPU with nodes that do, measures the CPU
+   and not the link (three nodes of one 2-core machine measuring at once read a 50 Mbit/s link as 23%
+   slower). Nodes of different hosts measure at the same time.
 
 A pair measured in both directions gets the slower bandwidth and the longer latency in both directions,
-and the smaller of its per-message seconds (both directions time the same round trip; the larger one
-overlapped a bulk transfer on the pair's link), so the result is symmetric; a link's per-request seconds
-stay its source node's own. A node that
-does not answer in time, answers with a failure, or profiled a different model makes the whole call fail
-with an error naming it.
+and the smaller of its per-message seconds (both directions time the same kind of round trip; the larger one
+was the more disturbed), so the result is symmetric; a link's per-request seconds stay its source node's own.
+A node that does not answer in time, answers with a failure, or profiled a different model makes the whole call
+fail with an error naming it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from edgeswarm import topics
@@ -156,7 +158,8 @@ def gather_cluster_profile(bus: Bus, spec: ModelSpec, nodes: Sequence[str], batc
     def request(peers: list[str]) -> ProfileRequest:
         return ProfileRequest(request_id=new_id(), model=spec, batch_sizes=sizes, method=method, peers=peers)
 
-    turns = host_turns(bus, nodes)
+    hosts = node_hosts(bus, nodes)
+    turns = compute_turns(hosts)
     offline = [f"{n} ({s.reason or 'no reason given'})" for n in nodes
                for s in [bus.peers.get(n, PROFILER)] if s is not None and s.state != "online"]
     if offline:
@@ -171,54 +174,92 @@ def gather_cluster_profile(bus: Bus, spec: ModelSpec, nodes: Sequence[str], batc
                             "everywhere")
     measured: list[LinkProfile] = []
     if links and len(nodes) > 1:
-        link_reports = request_profiles(bus, {n: request([p for p in nodes if p != n]) for n in nodes},
-                                        timeout_s=timeout_s, progress=progress)
-        measured = [link for r in link_reports.values() for link in r.links]
+        for pairs in link_turns(hosts):
+            link_reports = request_profiles(bus, {src: request([dst]) for src, dst in pairs}, timeout_s=timeout_s,
+                                            progress=progress)
+            measured.extend(link for r in link_reports.values() for link in r.links)
     first = reports[nodes[0]]
     return ClusterProfile(model=first.model, devices=[reports[n].entry for n in nodes],
                           links=symmetric_links(measured))
 
 
-def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list[str]]:
-    """``nodes`` in turns: turn k holds the k-th node of every host, so no two nodes of one host share a
-    turn. The host is the one in the node's profiler status (waited for up to ``wait_s`` seconds); a node
-    whose status is unknown counts as a host of its own."""
-    by_host: dict[str, list[str]] = {}
+def node_hosts(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> dict[str, str]:
+    """Each of ``nodes``' host: the one in its profiler's status (waited for up to ``wait_s`` seconds in all); a
+    node whose status is unknown counts as a host of its own."""
+    hosts: dict[str, str] = {}
     deadline = time.monotonic() + wait_s
     for node in nodes:
         try:
-            host = bus.peers.wait_for(node, PROFILER, timeout_s=max(0.0, deadline - time.monotonic())).host
+            hosts[node] = bus.peers.wait_for(node, PROFILER, timeout_s=max(0.0, deadline - time.monotonic())).host
         except UnknownNodeError:
-            host = f"unknown:{node}"
+            hosts[node] = f"unknown:{node}"
+    return hosts
+
+
+def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list[str]]:
+    """``compute_turns`` of ``nodes`` on the hosts their profilers' statuses name (``node_hosts``)."""
+    return compute_turns(node_hosts(bus, nodes, wait_s))
+
+
+def compute_turns(hosts: Mapping[str, str]) -> list[list[str]]:
+    """The nodes of ``hosts`` (node -> its host) in turns: turn k holds the k-th node of every host, so no two
+    nodes of one host share a turn."""
+    by_host: dict[str, list[str]] = {}
+    for node, host in hosts.items():
         by_host.setdefault(host, []).append(node)
-    depth = max(len(group) for group in by_host.values())
+    depth = max((len(group) for group in by_host.values()), default=0)
     return [[group[k] for group in by_host.values() if k < len(group)] for k in range(depth)]
 
 
+def link_turns(hosts: Mapping[str, str]) -> list[list[tuple[str, str]]]:
+    """Every ordered pair (source, destination) of the nodes of ``hosts`` (node -> its host), in turns in which no
+    host takes part in two measurements: its nodes share its CPU and its network, so a second transfer there would
+    be measured along with the link. Nodes of distinct hosts pair up in the same turn; nodes of one host measure one
+    link at a time. Pairs are taken in round-robin order (each node's next peer along), so the turns stay full."""
+    nodes = list(hosts)
+    pending = [(nodes[i], nodes[(i + step) % len(nodes)]) for step in range(1, len(nodes)) for i in range(len(nodes))]
+    turns: list[list[tuple[str, str]]] = []
+    while pending:
+        busy: set[str] = set()
+        turn: list[tuple[str, str]] = []
+        later: list[tuple[str, str]] = []
+        for src, dst in pending:
+            if hosts[src] in busy or hosts[dst] in busy:
+                later.append((src, dst))
+                continue
+            busy.update((hosts[src], hosts[dst]))
+            turn.append((src, dst))
+        turns.append(turn)
+        pending = later
+    return turns
+
+
 def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
-    """Both directions of every measured pair, each with the pair's slowest bandwidth, longest latency and smallest
-    per-message seconds, and its source's own per-request seconds (the other direction's when only that was
-    measured).
+    """Both directions of every measured pair, each with the pair's slowest bandwidth, longest latency, smallest
+    per-message and per-hop seconds, and its source's own per-request seconds (the other direction's when only that
+    was measured).
 
     Sorted by (src, dst). Self-links are dropped.
     """
-    pairs: dict[tuple[str, str], tuple[float, float, float]] = {}
+    pairs: dict[tuple[str, str], tuple[float, float, float, float]] = {}
     requests: dict[tuple[str, str], float] = {}  # (src, dst) -> src's own request round trip
     for link in links:
         if link.src == link.dst:
             continue
         key = (min(link.src, link.dst), max(link.src, link.dst))
-        # Both directions' per-message figures time the same round trip (a ping and its pong); the larger is the
-        # one that overlapped the pair's bulk transfer, so the smaller stands for the pair.
-        bw, lat, msg = pairs.get(key, (float("inf"), 0.0, float("inf")))
-        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s))
+        # Both directions' per-message figures time the same kind of round trip (a ping and its pong, both links);
+        # whatever else ran meanwhile only adds to one, so the smaller stands for the pair.
+        bw, lat, msg, hop = pairs.get(key, (float("inf"), 0.0, float("inf"), float("inf")))
+        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s),
+                      min(hop, link.hop_s))
         requests[(link.src, link.dst)] = link.request_s
     out = []
-    for (a, b), (bw, lat, msg) in pairs.items():
+    for (a, b), (bw, lat, msg, hop) in pairs.items():
         for src, dst in ((a, b), (b, a)):
             # request_s is the measuring node's own figure; a direction nobody measured takes the other's.
             req = requests.get((src, dst), requests.get((dst, src), 0.0))
-            out.append(LinkProfile(src=src, dst=dst, bandwidth_bps=bw, latency_s=lat, message_s=msg, request_s=req))
+            out.append(LinkProfile(src=src, dst=dst, bandwidth_bps=bw, latency_s=lat, message_s=msg, request_s=req,
+                                   hop_s=hop))
     return sorted(out, key=lambda link: (link.src, link.dst))
 
 

@@ -5,20 +5,31 @@ broker, chunked, at QoS 1, through this node's emulated link to the peer when on
 emulated device on a shaped 100 Mbps link measures about 12.5e6 bytes per second, and a real device
 measures its real network.
 
-- **Latency** (seconds): the median round trip of a small ``ping`` tensor that the peer's profiler
-  sends straight back as a ``pong`` over its own data path (both directions' links included).
-- **Bandwidth** (bytes per second): a 1 MiB warm-up transfer estimates the rate; then one bulk tensor
-  sized to take about ``target_s`` at that rate (clamped to [1 MiB, 16 MiB]; about 6 MB on 100 Mbps)
-  is sent and the peer confirms it with a tiny ``bulk_ack`` tensor. The rate is the bulk bytes over
-  the elapsed time minus one ping round trip (the confirmation's own travel).
-- **Per message** (``message_s``, seconds): what one tensor message costs beyond its bytes over the
-  bandwidth, one way: half the median ping round trip less the ping's own bytes (a ping and its pong are
-  two such messages, each received through its receiver's broker).
+Links are priced net of the brokers' processing: what a message costs at the brokers and in the services
+(encoding, the broker's routing, decoding, dispatch) is the platform's, the same on any link, and is measured
+on its own as the **per-hop cost** (``hop_s``, seconds): half the round trip of a ``ping`` this profiler sends to
+itself through its own data broker, no link crossed (two hops, as a ping and its pong to a peer are).
+
+- **Latency** (``latency_s``, seconds): the link's round trip, net of the hops: the median over the pings of a
+  small ``ping`` tensor's round trip to the peer's profiler (which sends it straight back as a ``pong`` over its
+  own data path: both directions' links) less the round trip of the ``ping`` to itself sent right after it.
+- **Bandwidth** (bytes per second): a 1 MiB warm-up transfer estimates the rate; then ``bulks`` bulk tensors,
+  each sized to take about ``target_s / bulks`` at that rate (at most 16 MiB in all, at least 1 MiB each), are
+  sent and the peer confirms each with a tiny ``bulk_ack`` tensor. A bulk's rate is its bytes over the elapsed
+  time minus one ping round trip (the confirmation's own travel, hops included); the link's is the best of them,
+  since whatever else runs on the hosts (another transfer, another program) only ever slows a transfer down.
+- **Per message** (``message_s``, seconds): what one tensor message costs on the link beyond its bytes over the
+  bandwidth, one way: half the net round trip less the ping's own bytes. The brokers' and services' share of a
+  message is the per-hop cost (``hop_s``, in the profile beside it: the planners price a message at both).
 - **Per request** (``request_s``, seconds): the median round trip of a small control request and its
   reply through the hub, from this node: a ``Probe`` to its own profiler, which crosses the hub broker
   both ways and is handled by a service's dispatch thread, as a coordinator's request to a device's
   worker is (a node may always address its own services; the ACL lets only the hub and clients ask
   another node's profiler). It is this node's figure, whichever peer the link goes to.
+
+A link is measured alone where it can be: ``profiling.gather`` gives each host one link measurement at a time,
+since a node that also sends or receives another bulk transfer (or a host whose CPU its other nodes are using)
+measures its CPU, not the link.
 
 The measuring side and the answering side are the same object: every profiler attaches a LinkProber
 to its data topic. Answers go out from a thread of their own through a short queue, and only to a peer
@@ -54,12 +65,27 @@ MAX_PING_BYTES = 64 * 1024  # a larger "ping" is refused: the echo must stay che
 DEFAULT_PINGS = 7
 DEFAULT_REQUESTS = 5
 DEFAULT_TARGET_S = 0.5
+DEFAULT_BULKS = 2
 MIN_BULK_BYTES = 1 * MIB
 MAX_BULK_BYTES = 16 * MIB
 PEER_WAIT_S = 2.0  # how long a peer's status may take to show up before the peer counts as unknown
 ANSWER_QUEUE = 16  # answers waiting to be sent; beyond it probes are dropped (their sender retries or times out)
 
 _limited = RateLimitedLog(log)
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """One link measurement: the profile the planner reads (net of the brokers' processing) and what it was derived
+    from. ``hop_s``: one message through this node's own data broker, no link (seconds: the sender's, the broker's
+    and the receiver's processing); ``gross_round_trip_s``: the median ping round trip to the peer, hops included;
+    ``bulk_rates``: each bulk transfer's rate (bytes per second) of ``bulk_bytes`` bytes."""
+
+    profile: LinkProfile
+    hop_s: float
+    gross_round_trip_s: float
+    bulk_rates: tuple[float, ...]
+    bulk_bytes: int
 
 
 @dataclass
@@ -94,34 +120,59 @@ class LinkProber:
 
     def measure(self, peer: str, *, pings: int = DEFAULT_PINGS, target_s: float = DEFAULT_TARGET_S,
                 min_bulk_bytes: int = MIN_BULK_BYTES, max_bulk_bytes: int = MAX_BULK_BYTES,
-                requests: int = DEFAULT_REQUESTS, timeout_s: float = 60.0) -> LinkProfile:
-        """The link from this node to ``peer``: bandwidth (bytes/s), round-trip latency (s), seconds per message
-        and this node's seconds per request round trip through the hub (``requests`` of them timed; 0 leaves
-        ``request_s`` at 0).
+                requests: int = DEFAULT_REQUESTS, timeout_s: float = 60.0, bulks: int = DEFAULT_BULKS) -> LinkProfile:
+        """The link from this node to ``peer``: bandwidth (bytes/s), round-trip latency (s) and seconds per
+        message, both net of the brokers' processing, and this node's seconds per request round trip through the
+        hub (``requests`` of them timed; 0 leaves ``request_s`` at 0). ``measure_link`` says how it was measured.
 
         Takes about ``target_s`` plus a few round trips. Raises LinkMeasurementError if the peer's
         profiler is unknown, offline or does not answer a probe or a request within ``timeout_s`` seconds.
         """
+        return self.measure_link(peer, pings=pings, target_s=target_s, min_bulk_bytes=min_bulk_bytes,
+                                 max_bulk_bytes=max_bulk_bytes, requests=requests, timeout_s=timeout_s,
+                                 bulks=bulks).profile
+
+    def measure_link(self, peer: str, *, pings: int = DEFAULT_PINGS, target_s: float = DEFAULT_TARGET_S,
+                     min_bulk_bytes: int = MIN_BULK_BYTES, max_bulk_bytes: int = MAX_BULK_BYTES,
+                     requests: int = DEFAULT_REQUESTS, timeout_s: float = 60.0,
+                     bulks: int = DEFAULT_BULKS) -> LinkMeasurement:
+        """``measure``, with the figures it was derived from (the per-hop cost among them). Same errors."""
         if peer == self.node:
             raise LinkMeasurementError(f"cannot measure a link from {peer} to itself")
         self._check_peer(peer, min(timeout_s, PEER_WAIT_S))
         ping = np.zeros(PING_BYTES, dtype=np.uint8)
-        self.round_trip(peer, "ping", ping, timeout_s)  # warm-up: connection, peer lookup, handler threads
-        rtts = [self.round_trip(peer, "ping", ping, timeout_s)[0] for _ in range(max(1, pings))]
-        rtt = statistics.median(rtts)
+        # Warm-up, both ways a ping goes: connections, peer lookups, handler threads.
+        self.round_trip(peer, "ping", ping, timeout_s)
+        self.round_trip(self.node, "ping", ping, timeout_s)
+        gross, own = [], []
+        for _ in range(max(1, pings)):
+            # Each ping to the peer is followed by one to this node itself, so the two see the same moment's load
+            # and their difference is the link's.
+            gross.append(self.round_trip(peer, "ping", ping, timeout_s)[0])
+            own.append(self.round_trip(self.node, "ping", ping, timeout_s)[0])
+        rtt = statistics.median(gross)
+        hop = statistics.median(own) / 2
+        net_rtt = max(0.0, statistics.median([g - o for g, o in zip(gross, own, strict=True)]))
         warm = self._rate(min_bulk_bytes, self.round_trip(peer, "bulk", _payload(min_bulk_bytes), timeout_s)[0], rtt)
-        size = int(min(max_bulk_bytes, max(min_bulk_bytes, warm * target_s)))
-        elapsed, received = self.round_trip(peer, "bulk", _payload(size), timeout_s)
-        if received != size:
-            raise LinkMeasurementError(f"{peer}'s profiler confirmed {received} bytes of a {size}-byte transfer")
-        bandwidth = self._rate(size, elapsed, rtt)
-        message = max(0.0, rtt - 2 * PING_BYTES / bandwidth) / 2
+        count = max(1, bulks)
+        size = int(max(min_bulk_bytes, min(max_bulk_bytes, warm * target_s) / count))
+        rates = []
+        for _ in range(count):
+            elapsed, received = self.round_trip(peer, "bulk", _payload(size), timeout_s)
+            if received != size:
+                raise LinkMeasurementError(f"{peer}'s profiler confirmed {received} bytes of a {size}-byte transfer")
+            rates.append(self._rate(size, elapsed, rtt))
+        bandwidth = max(rates)
+        message = max(0.0, net_rtt - 2 * PING_BYTES / bandwidth) / 2
         request = self.request_round_trip(requests, timeout_s) if requests > 0 else 0.0
-        log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps) from %d bytes in %.3f s; round trip %.2f ms (median of %d); "
-                 "%.2f ms per message, %.2f ms per request", self.node, peer, bandwidth, bandwidth * 8 / 1e6, size,
-                 elapsed, rtt * 1e3, len(rtts), message * 1e3, request * 1e3)
-        return LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=rtt, message_s=message,
-                           request_s=request)
+        log.info("link %s -> %s: %.3g bytes/s (%.1f Mbps), the best of %s from %d bytes each; round trip %.2f ms net "
+                 "of %.2f ms per hop (%.2f ms gross, medians of %d); %.2f ms per message, %.2f ms per request",
+                 self.node, peer, bandwidth, bandwidth * 8 / 1e6, "/".join(f"{r * 8 / 1e6:.1f}" for r in rates), size,
+                 net_rtt * 1e3, hop * 1e3, rtt * 1e3, len(gross), message * 1e3, request * 1e3)
+        profile = LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=net_rtt, message_s=message,
+                              request_s=request, hop_s=hop)
+        return LinkMeasurement(profile=profile, hop_s=hop, gross_round_trip_s=rtt, bulk_rates=tuple(rates),
+                               bulk_bytes=size)
 
     def request_round_trip(self, count: int, timeout_s: float) -> float:
         """Median seconds of ``count`` small requests (after one warm-up) from this node to its own service of this
@@ -153,7 +204,8 @@ class LinkProber:
 
     def round_trip(self, peer: str, kind: Literal["ping", "bulk"], value: np.ndarray,
                    timeout_s: float) -> tuple[float, int]:
-        """Send ``value`` to ``peer``'s profiler as a ``ping`` or ``bulk`` and wait for its answer.
+        """Send ``value`` to ``peer``'s profiler as a ``ping`` or ``bulk`` and wait for its answer (``peer`` may be
+        this node: through its own data broker, no link crossed).
 
         Returns (seconds from the start of sending to the answer's arrival, bytes the peer confirmed).
         """

@@ -145,12 +145,14 @@ class LinkProfile(BaseModel):
     """A measured link from ``src`` to ``dst``: bulk bandwidth (bytes per second) and round-trip
     latency (seconds) over the MQTT data path, and the fixed costs of a message on it.
 
-    ``message_s`` is what one tensor message (one chunk) adds beyond its bytes over the bandwidth: the
-    one-way seconds from the sender's publish to the receiver's handler through the receiver's data
-    broker (encoding, the brokers, the link's latency, decoding and dispatch). ``request_s`` is one
-    small control request of ``src``'s and its reply through the hub broker (seconds, the whole round
-    trip), what a coordinator pays per request it waits on from that node. Both default to 0, so
-    profiles measured before they existed still validate and price as they did.
+    ``latency_s`` and ``message_s`` are the link's own, net of the brokers' processing: ``message_s`` is what
+    one tensor message (one chunk) adds on the link beyond its bytes over the bandwidth, one way. ``hop_s`` is
+    what a message costs in the platform wherever it goes (the sender's encoding, one broker's routing, the
+    receiver's decoding and dispatch: seconds, measured with no link crossed), so a message is priced at
+    ``per_message_s``, the two together. ``request_s`` is one small control request of ``src``'s and its reply
+    through the hub broker (seconds, the whole round trip), what a coordinator pays per request it waits on from
+    that node. The three default to 0, so profiles measured before they existed still validate (a profile from
+    before ``hop_s`` has the hop inside its ``message_s``).
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
@@ -161,6 +163,12 @@ class LinkProfile(BaseModel):
     latency_s: float = Field(default=0.0, ge=0)
     message_s: float = Field(default=0.0, ge=0)
     request_s: float = Field(default=0.0, ge=0)
+    hop_s: float = Field(default=0.0, ge=0)
+
+    @property
+    def per_message_s(self) -> float:
+        """What one message costs beyond its bytes over the bandwidth, one way: the link's and the hop's (seconds)."""
+        return self.message_s + self.hop_s
 
 
 class DeviceProfileEntry(BaseModel):

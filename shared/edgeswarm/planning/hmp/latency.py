@@ -3,13 +3,14 @@
 A block's latency at a share between two measured points is interpolated linearly (with zero work at zero share,
 proportional beyond the last point). The overlap forms need the GEMM part of a block: a block's measured time is
 split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). One ring step
-costs tau = message_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor goes
-sender -> receiver's broker -> receiver, one broker hop per message, whose fixed cost ``message_s`` includes.
+costs tau = message_s + hop_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor goes
+sender -> receiver's broker -> receiver, one broker hop per message (``hop_s``) beside the link's own fixed cost.
 
 Decode steps (one row: fewer rows than devices) synchronise with direct collectives, as the runtime does
 (``hmp.layer.direct_syncs``): galaxy and megatron two direct AllReduces per layer, sp its K and V AllGathers direct.
 A direct round sends one row from every device to every other at once, D - 1 messages in parallel on separate
-links, so it costs one message on the slowest link of the mesh: message_s + latency_s + row bytes / bandwidth.
+links, so it costs one message on the slowest link of the mesh: message_s + hop_s + latency_s + row bytes /
+bandwidth.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def mesh_links(links: Sequence[LinkProfile], devices: Sequence[str]) -> list[Lin
 
 def step_s(ring: Sequence[LinkProfile], payload: float) -> float:
     """tau: one ring step of ``payload`` bytes, paced by the slowest link (seconds)."""
-    return max((lk.message_s + lk.latency_s + payload / lk.bandwidth_bps for lk in ring), default=0.0)
+    return max((lk.per_message_s + lk.latency_s + payload / lk.bandwidth_bps for lk in ring), default=0.0)
 
 
 def _ag_gemm(c: float, tau: float, d: int, overlap: bool) -> float:
@@ -164,7 +165,7 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     rows = equal_split(s, d)
     ring = ring_link(links, [p.node for p in profiles])
     fr = block_fractions(cfg, s, s)
-    msg_s = max((lk.message_s for lk in ring), default=0.0)
+    msg_s = max((lk.per_message_s for lk in ring), default=0.0)
     if mode in ("galaxy", "megatron"):
         mha = [mha_s(p, a) for p, a in zip(profiles, heads, strict=True)]
         mlp = [mlp_s(p, b) for p, b in zip(profiles, columns, strict=True)]
