@@ -24,7 +24,7 @@ import pytest
 from edgeswarm.compose_env import services_for
 from edgeswarm.netns import host, network
 from edgeswarm.netns.state import NetnsNode, NetnsState, saved_states
-from helpers import netns_unavailable, wait_until
+from helpers import REPO, netns_unavailable, wait_until
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 PROBE = str(Path(__file__).with_name("netns_probe.py"))
@@ -120,6 +120,9 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliCluster]:
         assert "cluster up" in text, text
         ours = [s for s in saved_states() if s.owner_pid == up.pid]
         assert len(ours) == 1, text
+        # What a user needs next, printed: the run id for --cluster, the exact line to source.
+        assert f"--cluster {ours[0].run_id}` picks this cluster" in text, text
+        assert f"`. {work / 'secrets' / 'operator.env'}`" in text, text
         client = {**ENV, **dict(line.removeprefix("export ").split("=", 1)
                                for line in (work / "secrets" / "operator.env").read_text().splitlines())}
         client = {k: v.strip("'") for k, v in client.items()}
@@ -138,6 +141,12 @@ def test_a_cluster_from_the_command_line_takes_every_network_fault(cli: CliClust
     state, client, work = cli.state, cli.client, cli.work
     status = edgeswarm("status", env=client)
     assert status.returncode == 0 and "native-1" in status.stdout and state.hub.address in status.stdout, status
+    # docs/netns.md's mosquitto_sub line, as written there, against the hub's TLS broker (one message is enough).
+    doc = (REPO / "docs" / "netns.md").read_text()
+    line = "hub=${EDGESWARM_HUB_URL" + doc.split("hub=${EDGESWARM_HUB_URL", 1)[1].split("-t 'edgeswarm/#'", 1)[0]
+    sub = subprocess.run(["bash", "-c", line + "-t 'edgeswarm/#' -C 1 -W 20"], env=client, capture_output=True,
+                         timeout=60)  # the payloads are msgpack: bytes
+    assert sub.returncode == 0 and sub.stdout.startswith(b"edgeswarm/"), sub
 
     # The services run with compose's environment for their profile.
     device = state.node("native-0")

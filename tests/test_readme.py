@@ -75,3 +75,11 @@ def test_every_kinds_spec_is_documented_as_its_model_says() -> None:
     for kind in ("train-hpp", "serve-pipeline", "serve-hmp", "train-splitfed"):
         assert f"### `{kind}`" in REFERENCE
     assert "| `training.sample_pruning` | true or false | true |" in REFERENCE
+
+
+def test_the_netns_page_names_every_package_up_netns_needs() -> None:
+    from edgeswarm.netns.host import TOOLS
+
+    page = (REPO / "docs" / "netns.md").read_text()
+    apt = " ".join(line for line in page.splitlines() if line.startswith("apt-get install -y"))
+    assert set(TOOLS.values()) | {"faketime"} <= set(apt.split()), apt

@@ -53,6 +53,8 @@ def run_up(args: argparse.Namespace) -> int:
         if isinstance(cluster, NetnsCluster):
             console.print(f"namespaces: {', '.join(f'{n.node} {n.address}' for n in cluster.nodes)} on bridge "
                           f"{cluster.bridge}; a TLS Mosquitto per node, the hub's at {cluster.hub_url}")
+            console.print(f"run id {cluster.run_id}: `edgeswarm chaos ACTION NODE --cluster {cluster.run_id}` "
+                          "picks this cluster where several run", markup=False, soft_wrap=True)
         else:
             assert cluster.broker is not None
             console.print(f"broker: {cluster.broker.kind} (pid {cluster.broker.pid}) at {cluster.hub_url}"
@@ -65,7 +67,8 @@ def run_up(args: argparse.Namespace) -> int:
             env_file = cluster.secrets / "operator.env"
             env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in cluster.client_env().items()))
             console.print(f"secure: TLS with the CA {cluster.secrets / 'tls' / 'ca.crt'}, a password per node, the ACL "
-                          f"from the topic tree; command lines log in as `operator`: `. {env_file}`")
+                          f"from the topic tree; command lines log in as `operator`: `. {env_file}`", markup=False,
+                          soft_wrap=True)
         late = _wait_ready(cluster, len(spec.nodes), args.ready_timeout, stop)
         hint = f". {cluster.secrets / 'operator.env'} && edgeswarm status" if cluster.secure else \
             f"edgeswarm status --hub {cluster.hub_url}"

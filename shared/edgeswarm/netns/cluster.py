@@ -25,7 +25,14 @@ from pathlib import Path
 from edgeswarm.compose_env import services_for
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
-from edgeswarm.local.launcher import CHECKPOINT_DIR_ENV, HUB_NODE, OPERATOR, ChildProcess, stop_children
+from edgeswarm.local.launcher import (
+    CHECKPOINT_DIR_ENV,
+    HUB_NODE,
+    OPERATOR,
+    STOP_GRACE_S,
+    ChildProcess,
+    stop_children,
+)
 from edgeswarm.netns import brokers, faults, host, network
 from edgeswarm.netns.clock import find_libfaketime, skewable_env
 from edgeswarm.netns.shaping import LinkShape, NodeShaper
@@ -93,6 +100,11 @@ class NetnsCluster:
     @property
     def bridge(self) -> str:
         return self.started.bridge
+
+    @property
+    def run_id(self) -> str:
+        """The id everything of this cluster is named with (``edgeswarm chaos --cluster``)."""
+        return self.started.run_id
 
     @property
     def hub_url(self) -> str:
@@ -169,7 +181,7 @@ class NetnsCluster:
         for node in self.state.nodes:
             certs.issue_broker(node.node, [node.address])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every service (devices first), wait, SIGKILL stragglers, then remove the namespaces (and every
         process still in them: brokers, helpers), the bridge and the state file."""
         stop_children(self.children, timeout_s)
