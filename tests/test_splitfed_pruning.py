@@ -1,13 +1,27 @@
-"""Sample pruning of already-learned samples (edgeswarm.splitfed.pruning; spec §5.4)."""
+"""Sample pruning of already-learned samples (edgeswarm.splitfed.pruning; spec §5.4), and a pruned round through
+the device's own round loop (edgeswarm.splitfed.worker)."""
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 
+from edgeswarm.data.partition import device_view
 from edgeswarm.errors import ConfigError
+from edgeswarm.messages.splitfed import RoundSetup, SplitEnrol
+from edgeswarm.models.zoo import build_model
+from edgeswarm.runtime.program import ComputeGate
+from edgeswarm.splitfed import worker
+from edgeswarm.splitfed.compute import DevicePart, MecPart, Reassembly, partition_of
 from edgeswarm.splitfed.pruning import PruningSpec, RoundPruner, expected_active_fraction, prune_step
+from edgeswarm.values.federated import LocalTraining, PartitionSpec
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
 
 SPEC = PruningSpec(seed=7)
 
@@ -83,3 +97,89 @@ def test_bad_inputs_are_refused() -> None:
         PruningSpec(prune_ratio=-0.1)
     with pytest.raises(ConfigError, match="epochs"):
         expected_active_fraction(0, SPEC)
+
+
+# --- a pruned round through the worker ---------------------------------------------------------------------------
+
+
+class _DeviceWithMecHere(worker.DeviceProgram):
+    """The stage-worker's device program with its MEC's replica in this process: the round loop (epochs, steps,
+    ``last``, pruning, the report) is the worker's own; each mini-batch runs the five U-split steps here instead of
+    over MQTT. Records each step's ``last`` flag (the MEC serves steps until that one)."""
+
+    def __init__(self, mec: MecPart) -> None:
+        super().__init__(SimpleNamespace(node="device-0"))  # type: ignore[arg-type]
+        self.mec = mec
+        self.lasts: list[bool] = []
+
+    def _iteration(self, job: object, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
+                   last: bool) -> np.ndarray:
+        assert step == len(self.lasts), "steps run 0, 1, 2, ... across the round's epochs"
+        self.lasts.append(last)
+        losses, g_mid = part.tail_step(self.mec.forward(part.front_forward(x)), y)
+        part.front_backward(self.mec.backward(g_mid))
+        return losses
+
+
+@pytest.mark.parametrize("partition", [PartitionSpec(kind="dirichlet", alpha=0.1, devices=2, seed=3),
+                                       PartitionSpec(kind="iid", devices=2, seed=3)], ids=["dirichlet-0.1", "iid"])
+def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_it(
+        partition: PartitionSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pruning may cost a round only the samples it drops, never anything else: the device's round (its U-split
+    # with the MEC, under a budget that makes it recompute) must equal plain whole-model SGD over the batches it
+    # trained, and each epoch must train exactly the samples the rule keeps from the losses of the epoch before.
+    model = ModelSpec(name="lenet5", config={"num_classes": 10})
+    training = LocalTraining(epochs=4, batch_size=16, lr=0.05, recompute="always")
+    setup = RoundSetup(model=model, dataset=DatasetSpec(kind="digits", size=240), partition=partition,
+                       training=training)
+    # Parts and reference on the CPU, bit for bit alike: a loss that differed in its last bit could change the rank
+    # that decides what is learned.
+    cpu, cut, index, r = torch.device("cpu"), 3, 0, 2
+    torch.manual_seed(0)
+    global_state = build_model(model).state_dict()
+    part = DevicePart(setup, cut, compute=cpu, gate=ComputeGate())
+    part.load(Reassembly(setup, compute=cpu).device_flat(global_state, cut))
+    part.plan_memory(6_000_000)
+    assert part.recompute_summary != "none"
+    mec = MecPart(setup, cut, compute=cpu)
+    mec.load(global_state)
+    epochs: list[list[np.ndarray]] = []  # each epoch's batches of sample ids, as the round loop drew them
+    batches_of = worker.local_batches
+
+    def recorded(active: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+        epochs.append(batches_of(active, batch_size, rng))
+        return epochs[-1]
+
+    monkeypatch.setattr(worker, "local_batches", recorded)
+    device = _DeviceWithMecHere(mec)
+    job = SimpleNamespace(enrol=SplitEnrol(job_id="j", round=r, mec="edge-0", index=index, setup=setup))
+    report = device._epochs(job, part, r, 6_000_000, threading.Event())  # type: ignore[arg-type]
+    trained = Reassembly(setup, compute=cpu).full_state(cut, part.flat(), mec.state())
+
+    dataset, split = partition_of(setup)
+    view = device_view(dataset, split, index)
+    reference = build_model(model)
+    reference.load_state_dict(global_state)
+    opt = torch.optim.SGD(reference.parameters(), lr=training.lr, momentum=training.momentum,
+                          weight_decay=training.weight_decay)
+    rule = PruningSpec(percentile=training.prune_percentile, prune_ratio=training.prune_ratio, seed=partition.seed)
+    active = np.arange(view.train_size)
+    latest = np.zeros(view.train_size)
+    assert len(epochs) == training.epochs
+    for e, batches in enumerate(epochs):
+        ids = np.concatenate(batches)
+        assert np.array_equal(np.sort(ids), active), f"epoch {e + 1} trains each active sample once"
+        for batch in batches:
+            x, y = view.batch(batch)
+            per_sample = torch.nn.functional.cross_entropy(reference(x), y, reduction="none")
+            latest[batch] = per_sample.detach().double().numpy()
+            opt.zero_grad()
+            per_sample.mean().backward()
+            opt.step()
+        if e + 1 < training.epochs:
+            active = prune_step(active, latest[active], rule, device=index, round_index=r, epoch=e + 1).active
+    assert report.pruned == view.train_size - len(active) > 0
+    assert report.samples == view.train_size and report.iterations == sum(len(b) for b in epochs)
+    assert device.lasts == [False] * (report.iterations - 1) + [True]
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -10,7 +10,17 @@ On a device, after each local epoch e >= 1 of a round (not after the last: nothi
   samples stay to limit forgetting. At least one sample always stays active.
 
 Pruning accumulates over the round's epochs and is forgotten at the next round: every sample trains again in its
-first epoch, which refreshes its loss. ``expected_active_fraction`` is what the planner uses for |D^i_active|.
+first epoch, which refreshes its loss. ``expected_active_fraction`` is the expected |D^i_active| share of spec
+4.2 (the planner's time model does not read it yet: it counts every sample in every epoch).
+
+What pruning may cost: only the samples it drops. It changes nothing but which samples an epoch trains (a pruned
+round through the worker is whole-model SGD over exactly the samples this rule keeps: tests/test_splitfed_pruning.py),
+so a round trains ``1 - expected_active_fraction`` fewer samples (8% over two epochs at the defaults) and early
+rounds may trail by what those steps are worth. The tolerance is spec 13 I3's for IID data: once trained, held-out
+accuracy with pruning is within 0.5 points of the same job without it, mean over seeds. Measured on digits (3
+devices, IID, lr 0.05, 2 epochs, 12 rounds, seeds 0-4, last 3 rounds): +0.2 points (-1.1 to +1.0 per seed). Under a
+strongly non-IID split a single short run cannot show it: with Dirichlet 0.1 over 3 devices, round 4's accuracy
+moves by up to 40 points when only the batch order changes, with no pruning at all.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ class SplitfedSpec(BaseModel):
     exploring with ``epsilon``). ``lam`` weighs round time against label skew; ``solver`` is the central manager's
     (Bayesian optimisation or the exhaustive oracle). ``fixed_cut`` is the SplitFed baseline's cut (default 3: after
     LeNet-5's first pooling, its third unit). ``memory_budget_bytes`` caps every device's training memory (0: the
-    node's own budget, from its ledger). ``wait_s`` is the longest a party waits for one tensor of its peer."""
+    node's own budget, from its ledger). ``wait_s`` is the longest a party waits for one tensor of its peer.
+    ``mode`` picks the method: SmartSplit (``smartsplit``, with sample pruning on unless ``training.sample_pruning``
+    is false; ``smartsplit-norecompute`` without the memory reducer and without pruning) or a baseline on the same
+    runtime (``fedavg``: whole-model local training; ``splitfed``: one fixed cut, labels sent to the server), which
+    prune nothing whatever ``training`` says."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
