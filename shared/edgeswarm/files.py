@@ -19,6 +19,21 @@ TEMP_SUFFIX = ".tmp"
 _HASH_CHUNK = 4 * 1024 * 1024
 
 
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file ``path`` (made, with its folder, when missing) for the block: another
+    process taking the same lock waits until the block ends. Raises OSError when the file cannot be opened."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a rename or unlink in ``folder`` durable (a no-op where directories cannot be opened)."""
     try:

@@ -6,7 +6,6 @@ force are kept in the cluster's folder, so a change names only what it changes).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -15,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from edgeswarm.files import locked
 from edgeswarm.netns import brokers, host, network
 from edgeswarm.netns.shaping import LinkShape, NodeShaper
 from edgeswarm.netns.state import NetnsNode, NetnsState
@@ -100,14 +100,8 @@ def shaper_of(state: NetnsState, name: str) -> NodeShaper:
 def links_lock(state: NetnsState) -> Iterator[None]:
     """Held while a link's shapes are read and written back, so that two ``chaos link`` commands at once (another
     process each) never write over each other's change."""
-    folder = Path(state.workdir) / "shaping"
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with locked(Path(state.workdir) / "shaping" / ".lock"):
+        yield
 
 
 def set_link(state: NetnsState, a: str, b: str, shape: LinkShape) -> dict[str, LinkShape]:

@@ -8,7 +8,6 @@ which also removes every namespace, empties it)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import os
 import secrets
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from edgeswarm.files import locked
 from edgeswarm.roles import NodeRole
 
 STATE_DIR = Path(os.environ.get("EDGESWARM_NETNS_STATE_DIR", "/run/edgeswarm-netns"))
@@ -125,13 +125,8 @@ def owner_alive(state: NetnsState) -> bool:
 def allocation_lock() -> Iterator[None]:
     """Held while a cluster picks its run id and subnet and records them, so two starting at once never take the
     same subnet."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(STATE_DIR / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with locked(STATE_DIR / ".lock"):
+        yield
 
 
 def free_subnet(addresses_in_use: list[str]) -> str:
