@@ -10,7 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -349,12 +349,15 @@ class _Training:
     ``train --wait`` (its report in run.json), waited for until the job has done ``at_round`` rounds."""
 
     def __init__(self, tmp_path: Path, up: list[Up], ft_env: dict[str, str], name: str, devices: int, at_round: int,
-                 *train_args: str, rounds: int = FT_ROUNDS) -> None:
+                 *train_args: str, rounds: int = FT_ROUNDS,
+                 before_job: Callable[[_Training], None] | None = None) -> None:
         self.tmp_path = tmp_path
         self.env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), **ft_env}
         self.cluster = Up(tmp_path, "--devices", str(devices), "--device-class", "jetson-nano", env=self.env)
         up.append(self.cluster)
         self.cluster.status(devices=devices)
+        if before_job is not None:
+            before_job(self)
         self.job_text = FT_JOB.replace("mlp-teacher", name).replace(f"rounds: {FT_ROUNDS}", f"rounds: {rounds}")
         (tmp_path / f"{name}.yaml").write_text(self.job_text)
         self.train = _Following(tmp_path, str(tmp_path / f"{name}.yaml"), self.cluster.url, *train_args, "--json",
@@ -418,10 +421,19 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
                                                                     ft_env: dict[str, str]) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
-    # Started at round 1 with 40 rounds to go: the late device's three services must start, be profiled and join
-    # while the job still runs, and beside another worker's browser test that took more than 16 rounds (36 s).
-    job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=40)
-    with _services("late-0", DEVICE_SERVICES, job.cluster.url, {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}):
+    # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
+    # its stage-worker at round 1 makes it appear. Only that one service must then start, and the device be profiled
+    # (its compute a cache hit: it is like the others), while the job runs: 20 rounds leave it over a minute. (With
+    # all its services started at round 1, beside another worker's browser test, joining took more than 16 rounds.)
+    with contextlib.ExitStack() as late:
+        def late_device(job: _Training) -> None:
+            env = {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
+            late.enter_context(_services("late-0", ("node-agent", "profiler"), job.cluster.url, env))
+            job.cluster.status(devices=3)  # its node-agent online
+
+        job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=20, before_job=late_device)
+        late.enter_context(_services("late-0", ("stage-worker",), job.cluster.url,
+                                     {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}))
         out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
     assert run["state"]["progress"]["reconfigurations"] == 1
