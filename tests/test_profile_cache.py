@@ -166,7 +166,7 @@ def test_batch_size_checks_and_compute_flops() -> None:
     assert compute_flops(model, compute) == pytest.approx(3 * 6e6 * 8 / (6 * 3e-4 * 8))
 
 
-def test_symmetric_links_take_the_slower_direction() -> None:
+def test_symmetric_links_take_the_slower_bandwidth_and_the_quieter_round_trip() -> None:
     links = symmetric_links([
         LinkProfile(src="a", dst="b", bandwidth_bps=10e6, latency_s=0.001),
         LinkProfile(src="b", dst="a", bandwidth_bps=12e6, latency_s=0.003),
@@ -174,4 +174,4 @@ def test_symmetric_links_take_the_slower_direction() -> None:
         LinkProfile(src="c", dst="c", bandwidth_bps=1e9, latency_s=0.0),
     ])
     assert [(link.src, link.dst, link.bandwidth_bps, link.latency_s) for link in links] == [
-        ("a", "b", 10e6, 0.003), ("a", "c", 5e6, 0.002), ("b", "a", 10e6, 0.003), ("c", "a", 5e6, 0.002)]
+        ("a", "b", 10e6, 0.001), ("a", "c", 5e6, 0.002), ("b", "a", 10e6, 0.001), ("c", "a", 5e6, 0.002)]

@@ -13,9 +13,9 @@ Two phases:
    and not the link (three nodes of one 2-core machine measuring at once read a 50 Mbit/s link as 23%
    slower). Nodes of different hosts measure at the same time.
 
-A pair measured in both directions gets the slower bandwidth and the longer latency in both directions,
-and the smaller of its per-message seconds (both directions time the same kind of round trip; the larger one
-was the more disturbed), so the result is symmetric; a link's per-request seconds stay its source node's own.
+A pair measured in both directions gets the slower bandwidth in both directions, and the smaller of its round
+trips and per-message seconds (both directions time the same round trip, a ping one way and its pong back; the
+larger one was the more disturbed), so the result is symmetric; a link's per-request seconds stay its source node's own.
 A node that does not answer in time, answers with a failure, or profiled a different model makes the whole call
 fail with an error naming it.
 """
@@ -235,7 +235,7 @@ def link_turns(hosts: Mapping[str, str]) -> list[list[tuple[str, str]]]:
 
 
 def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
-    """Both directions of every measured pair, each with the pair's slowest bandwidth, longest latency, smallest
+    """Both directions of every measured pair, each with the pair's slowest bandwidth, smallest round trip,
     per-message and per-hop seconds, and its source's own per-request seconds (the other direction's when only that
     was measured).
 
@@ -247,10 +247,10 @@ def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
         if link.src == link.dst:
             continue
         key = (min(link.src, link.dst), max(link.src, link.dst))
-        # Both directions' per-message figures time the same kind of round trip (a ping and its pong, both links);
-        # whatever else ran meanwhile only adds to one, so the smaller stands for the pair.
-        bw, lat, msg, hop = pairs.get(key, (float("inf"), 0.0, float("inf"), float("inf")))
-        pairs[key] = (min(bw, link.bandwidth_bps), max(lat, link.latency_s), min(msg, link.message_s),
+        # Both directions' round trips and per-message figures time the same round trip (a ping one way, its pong
+        # back); whatever else ran meanwhile only adds to one, so the smaller stands for the pair.
+        bw, lat, msg, hop = pairs.get(key, (float("inf"), float("inf"), float("inf"), float("inf")))
+        pairs[key] = (min(bw, link.bandwidth_bps), min(lat, link.latency_s), min(msg, link.message_s),
                       min(hop, link.hop_s))
         requests[(link.src, link.dst)] = link.request_s
     out = []
