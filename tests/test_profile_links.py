@@ -59,7 +59,7 @@ def test_a_link_measures_its_cost_per_message_and_per_request(broker: BrokerProc
     # anything else). The link itself is priced net of the hops: a one-way message is half the round trip that is
     # left, less its bytes; this link is not shaped, so little is left.
     link = measured.profile
-    assert measured.hop_s > 0 and measured.gross_round_trip_s >= measured.hop_s
+    assert measured.profile.hop_s > 0 and measured.gross_round_trip_s >= measured.profile.hop_s
     assert 0 <= link.latency_s <= measured.gross_round_trip_s and 0 <= link.message_s <= link.latency_s / 2
     assert len(measured.bulk_rates) == 3 and link.bandwidth_bps == max(measured.bulk_rates)
     assert 0 < link.request_s < 60

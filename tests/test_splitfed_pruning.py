@@ -12,10 +12,13 @@ import torch
 from pydantic import ValidationError
 
 from edgeswarm.data.partition import device_view
+from edgeswarm.devices.compute import resolve_compute
+from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.splitfed import RoundSetup, SplitEnrol
 from edgeswarm.models.zoo import build_model
 from edgeswarm.runtime.program import ComputeGate
+from edgeswarm.settings import Settings
 from edgeswarm.splitfed import worker
 from edgeswarm.splitfed.compute import DevicePart, MecPart, Reassembly, partition_of
 from edgeswarm.splitfed.pruning import PruningSpec, RoundPruner, expected_active_fraction, prune_step
@@ -132,16 +135,18 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
     training = LocalTraining(epochs=4, batch_size=16, lr=0.05, recompute="always")
     setup = RoundSetup(model=model, dataset=DatasetSpec(kind="digits", size=240), partition=partition,
                        training=training)
-    # Parts and reference on the CPU, bit for bit alike: a loss that differed in its last bit could change the rank
-    # that decides what is learned.
-    cpu, cut, index, r = torch.device("cpu"), 3, 0, 2
+    # Parts and reference on the one compute device the settings give (EDGESWARM_COMPUTE), computing alike: a loss
+    # that differed in its last bit could change the rank that decides what is learned.
+    settings = Settings()
+    compute = resolve_compute(settings.compute, DeviceProfile.from_settings(settings))
+    cut, index, r = 3, 0, 2
     torch.manual_seed(0)
     global_state = build_model(model).state_dict()
-    part = DevicePart(setup, cut, compute=cpu, gate=ComputeGate())
-    part.load(Reassembly(setup, compute=cpu).device_flat(global_state, cut))
+    part = DevicePart(setup, cut, compute=compute, gate=ComputeGate())
+    part.load(Reassembly(setup, compute=compute).device_flat(global_state, cut))
     part.plan_memory(6_000_000)
     assert part.recompute_summary != "none"
-    mec = MecPart(setup, cut, compute=cpu)
+    mec = MecPart(setup, cut, compute=compute)
     mec.load(global_state)
     epochs: list[list[np.ndarray]] = []  # each epoch's batches of sample ids, as the round loop drew them
     batches_of = worker.local_batches
@@ -154,11 +159,11 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
     device = _DeviceWithMecHere(mec)
     job = SimpleNamespace(enrol=SplitEnrol(job_id="j", round=r, mec="edge-0", index=index, setup=setup))
     report = device._epochs(job, part, r, 6_000_000, threading.Event())  # type: ignore[arg-type]
-    trained = Reassembly(setup, compute=cpu).full_state(cut, part.flat(), mec.state())
+    trained = Reassembly(setup, compute=compute).full_state(cut, part.flat(), mec.state())
 
     dataset, split = partition_of(setup)
     view = device_view(dataset, split, index)
-    reference = build_model(model)
+    reference = build_model(model).to(compute)
     reference.load_state_dict(global_state)
     opt = torch.optim.SGD(reference.parameters(), lr=training.lr, momentum=training.momentum,
                           weight_decay=training.weight_decay)
@@ -170,9 +175,9 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
         ids = np.concatenate(batches)
         assert np.array_equal(np.sort(ids), active), f"epoch {e + 1} trains each active sample once"
         for batch in batches:
-            x, y = view.batch(batch)
+            x, y = (t.to(compute) for t in view.batch(batch))
             per_sample = torch.nn.functional.cross_entropy(reference(x), y, reduction="none")
-            latest[batch] = per_sample.detach().double().numpy()
+            latest[batch] = per_sample.detach().double().cpu().numpy()  # the pruner reads host memory
             opt.zero_grad()
             per_sample.mean().backward()
             opt.step()

@@ -173,7 +173,7 @@ def _change_link(state: NetnsState, node: str, peer: str, args: argparse.Namespa
         changes["rate_bps"] = rate * 1e6 / 8
         said.append(f"{rate:g} Mbit/s")
     before = faults.change_link(state, node, peer, **changes)
-    now = LinkShape.model_validate({**before[node].model_dump(), **changes})
+    now = before[node].changed(**changes)
     console.print(f"{node} <-> {peer}: {', '.join(said)} (the link from {node} now: {_shape_text(now)})")
     if for_s:
         time.sleep(for_s)

@@ -163,9 +163,9 @@ def _exact_as(integers: torch.Tensor, dtype: torch.dtype) -> bool:
 
     # Every float16/bfloat16/float32 value is a float64, and one rounded from an integer is integral: back to int64
     # it compares exactly, once it is inside int64's range (2^63 itself, where int64's top rounds to, is not).
-    wide = integers.to(dtype).to(torch.float64)
     if integers.numel() == 0:
         return True
+    wide = integers.to(dtype).to(torch.float64)
     if not bool(torch.isfinite(wide).all()) or float(wide.abs().max()) >= 2.0 ** 63:
         return False
     return torch.equal(wide.to(torch.int64), integers.to(torch.int64))

@@ -86,6 +86,15 @@ class LinkShape(BaseModel):
     jitter_s: float = Field(default=0.0, ge=0, le=60)
     loss: float = Field(default=0.0, ge=0, le=1)
 
+    def changed(self, **changes: float | None) -> LinkShape:
+        """This shape with the named properties changed, the rest kept; validated as a whole (``model_copy`` would
+        not check the changed values). Raises ValueError for a property a link does not have or a value it cannot
+        take."""
+        unknown = sorted(set(changes) - set(LinkShape.model_fields))
+        if unknown:
+            raise ValueError(f"a link has no {', '.join(unknown)}; it has {', '.join(LinkShape.model_fields)}")
+        return LinkShape.model_validate({**self.model_dump(), **changes})
+
     @classmethod
     def from_link(cls, spec: LinkSpec) -> LinkShape:
         """The shape of an emulated link of a cluster or device-class file (no jitter, no loss)."""

@@ -196,11 +196,6 @@ def node_hosts(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> dict[str,
     return hosts
 
 
-def host_turns(bus: Bus, nodes: Sequence[str], wait_s: float = 2.0) -> list[list[str]]:
-    """``compute_turns`` of ``nodes`` on the hosts their profilers' statuses name (``node_hosts``)."""
-    return compute_turns(node_hosts(bus, nodes, wait_s))
-
-
 def compute_turns(hosts: Mapping[str, str]) -> list[list[str]]:
     """The nodes of ``hosts`` (node -> its host) in turns: turn k holds the k-th node of every host, so no two
     nodes of one host share a turn."""

@@ -76,13 +76,11 @@ _limited = RateLimitedLog(log)
 
 @dataclass(frozen=True)
 class LinkMeasurement:
-    """One link measurement: the profile the planner reads (net of the brokers' processing) and what it was derived
-    from. ``hop_s``: one message through this node's own data broker, no link (seconds: the sender's, the broker's
-    and the receiver's processing); ``gross_round_trip_s``: the median ping round trip to the peer, hops included;
-    ``bulk_rates``: each bulk transfer's rate (bytes per second) of ``bulk_bytes`` bytes."""
+    """One link measurement: the profile the planner reads (net of the brokers' processing, its ``hop_s`` beside)
+    and what it was derived from: ``gross_round_trip_s``, the median ping round trip to the peer, hops included;
+    ``bulk_rates``, each bulk transfer's rate (bytes per second) of ``bulk_bytes`` bytes."""
 
     profile: LinkProfile
-    hop_s: float
     gross_round_trip_s: float
     bulk_rates: tuple[float, ...]
     bulk_bytes: int
@@ -171,7 +169,7 @@ class LinkProber:
                  net_rtt * 1e3, hop * 1e3, rtt * 1e3, len(gross), message * 1e3, request * 1e3)
         profile = LinkProfile(src=self.node, dst=peer, bandwidth_bps=bandwidth, latency_s=net_rtt, message_s=message,
                               request_s=request, hop_s=hop)
-        return LinkMeasurement(profile=profile, hop_s=hop, gross_round_trip_s=rtt, bulk_rates=tuple(rates),
+        return LinkMeasurement(profile=profile, gross_round_trip_s=rtt, bulk_rates=tuple(rates),
                                bulk_bytes=size)
 
     def request_round_trip(self, count: int, timeout_s: float) -> float:
