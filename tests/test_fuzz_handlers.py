@@ -445,7 +445,7 @@ def topic_for(draw: st.DrawFn, case: Case, node: str, service: str) -> str:
 
 
 def inbound(topic: str, payload: bytes, retain: bool = False) -> InboundMessage:
-    return InboundMessage(topic=topic, payload=payload, qos=1, retain=retain, dup=False, ack=lambda: None)
+    return InboundMessage(topic=topic, payload=payload, qos=1, retain=retain)
 
 
 def decode_or_wire_error(payload: bytes) -> Any:

@@ -165,7 +165,7 @@ def test_one_senders_qos0_flood_fills_only_half_of_an_inbox_shard() -> None:
         handled.append(msg.topic)
 
     def message(topic: str, qos: int = 0) -> InboundMessage:
-        return InboundMessage(topic=topic, payload=b"", qos=qos, retain=False, dup=False, ack=lambda: None)
+        return InboundMessage(topic=topic, payload=b"", qos=qos)
 
     inbox = Inbox("share-test", 1, 16, handle, Metrics(), on_drop=lambda msg, _depth: dropped.append(msg.topic),
                   sender_of=_sender_of)

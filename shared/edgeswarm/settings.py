@@ -203,6 +203,13 @@ class Settings(BaseSettings):
     max_reassembly_bytes_per_sender: int = Field(default=2048 * MIB, ge=1)
     reassembly_timeout_s: float = Field(default=30.0, gt=0)
     inbox_capacity: int = Field(default=1024, ge=16)
+    # How long a full inbox shard may hold a broker connection's network thread (TCP backpressure) before the QoS 1
+    # message waiting for room is handed back for the broker to send again (seconds; at most half the keepalive,
+    # which nothing is sent during).
+    inbox_hold_s: float = Field(default=5.0, gt=0, le=600)
+    # How long a broker keeps a connection's session (subscriptions, unacknowledged QoS 1 messages) after it ends,
+    # so a reconnect within it gets again what was left unacknowledged (seconds, MQTT 5).
+    session_expiry_s: int = Field(default=120, ge=0, le=86400)
     workers: int = Field(default=4, ge=1)
     outbound_window_messages: int = Field(default=32, ge=1)
     publish_timeout_s: float = Field(default=30.0, gt=0)

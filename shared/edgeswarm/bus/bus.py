@@ -219,7 +219,8 @@ class Bus:
                                         timeout_s=settings.reassembly_timeout_s)
         self._timeouts_counted = 0
         self._inbox = Inbox(sender.service, settings.workers, settings.inbox_capacity, self._handle_raw, self.metrics,
-                            on_drop=self._on_dropped, sender_of=_sender_of)
+                            on_drop=self._on_dropped, sender_of=_sender_of,
+                            hold_s=min(settings.inbox_hold_s, settings.keepalive_s / 2), on_held=self._on_held)
         self._pool: dict[str, MqttConnection] = {}
         self._conn_by_url: dict[str, MqttConnection] = {}  # URLs as given -> their pooled connection
         self._pool_lock = threading.Lock()
@@ -548,7 +549,7 @@ class Bus:
             self._answer_rejected(topic, env, exc.reason, str(exc))
 
     def _on_dropped(self, msg: InboundMessage, depth: int) -> None:
-        """The inbox had no room for ``msg`` (runs on the network thread: only counts, logs and queues)."""
+        """The inbox had no room for QoS 0 ``msg`` (runs on the network thread: only counts, logs and queues)."""
         self.metrics.count("inbox_dropped")
         self._reject_log.warning("inbox_full", "inbox full (%d queued): dropped a QoS %d message on %s", depth,
                                  msg.qos, msg.topic[:256])
@@ -556,6 +557,13 @@ class Bus:
             self._queue_rejection(msg.topic, peek_envelope(msg.payload), "overflow",
                                   f"the {self.sender.service} on {self.sender.node} is overloaded ({depth} messages "
                                   "queued); try again later", rate_checked=True)
+
+    def _on_held(self, msg: InboundMessage, depth: int) -> None:
+        """A QoS 1 message found its shard full for the whole hold (runs on the network thread): its connection was
+        given back for the broker to send it again."""
+        self._reject_log.warning("inbox_held", "inbox full (%d queued) for %.1f s: a QoS 1 message on %s goes back "
+                                 "to the broker, which sends it again after reconnecting", depth,
+                                 min(self.settings.inbox_hold_s, self.settings.keepalive_s / 2), msg.topic[:256])
 
     def _answer_rejected(self, topic: str, env: dict[str, Any] | None, reason: str, detail: str) -> None:
         if self._is_request_to_me(topic):
@@ -612,6 +620,7 @@ class Bus:
             keepalive_s=s.keepalive_s,
             max_packet_bytes=s.max_packet_bytes,
             window_messages=s.outbound_window_messages,
+            session_expiry_s=s.session_expiry_s,
             on_message=self._enqueue,
             on_connected=on_connected,
             will=will,

@@ -3,9 +3,10 @@
 It speaks MQTT 5 and falls back to 3.1.1 when the broker refuses 5 (amqtt), logs in with the node's
 credentials and speaks TLS to ``mqtts://`` brokers, sets TCP_NODELAY on every socket it opens,
 resubscribes after each reconnect, refuses messages larger than the broker's maximum packet size before
-sending them, bounds the messages waiting for a PUBACK (a sender blocks instead of growing memory), and
-never blocks paho's network thread: inbound messages are handed to a callback that must only enqueue
-them, and QoS 1 messages are acknowledged when that work is done. No exception reaches paho's thread
+sending them, and bounds the messages waiting for a PUBACK (a sender blocks instead of growing memory).
+Inbound messages are handed to a callback that only enqueues them (waiting, boundedly, for room: TCP
+backpressure), and QoS 1 messages are acknowledged when their handler is done, on the connection they came
+on; MQTT 5 sessions outlive a connection, so a reconnect gets again what was left unacknowledged. No exception reaches paho's thread
 (it would end it silently); ``network_alive`` tells whether that thread still runs. A publish or
 subscription the broker refuses (its ACL) is logged and reported, not silently lost.
 """
@@ -73,16 +74,73 @@ def _guarded(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class InboundMessage:
-    """A message as it came off the socket. Call ``ack()`` exactly once when it has been handled."""
+class Session:
+    """One MQTT connection's life, from its CONNACK to its end: the packet ids of the QoS 1 messages it delivered
+    mean something only to it. ``resumed``: the broker kept the previous connection's session (MQTT 5 session
+    present), so it sends again whatever that connection left unacknowledged."""
 
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    dup: bool
-    ack: Callable[[], None]
+    __slots__ = ("_conn", "resumed", "given_back")
+
+    def __init__(self, conn: MqttConnection | None, resumed: bool) -> None:
+        self._conn = conn
+        self.resumed = resumed
+        self.given_back = False  # its messages were handed back for redelivery: none is acknowledged any more
+
+    @property
+    def current(self) -> bool:
+        return self._conn is not None and self._conn._session is self
+
+    def ack(self, mid: int, qos: int) -> None:
+        # A packet id of an ended session is another message's on the next one: never acknowledged there.
+        if qos > 0 and self.current and not self.given_back:
+            self._conn._client.ack(mid, qos)  # type: ignore[union-attr]
+
+
+_NO_SESSION = Session(None, False)
+
+
+class InboundMessage:
+    """A message as it came off the socket. Call ``ack()`` once when it has been handled, or ``redeliver()`` to
+    have the broker send it (and everything after it on its connection) again instead."""
+
+    __slots__ = ("topic", "payload", "qos", "retain", "dup", "_mid", "_session")
+
+    def __init__(self, topic: str, payload: bytes, qos: int, retain: bool = False, dup: bool = False, *,
+                 mid: int = 0, session: Session = _NO_SESSION) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.dup = dup
+        self._mid = mid
+        self._session: Session | None = session
+
+    def ack(self) -> None:
+        """Acknowledge to the broker (QoS 1) that this message was handled; only the first call counts."""
+        session, self._session = self._session, None
+        if session is not None:
+            session.ack(self._mid, self.qos)
+
+    def redeliver(self) -> bool:
+        """Leave this QoS 1 message unacknowledged and have the broker deliver it again: the connection it came on
+        ends cleanly (no Will) and reconnects to its kept session, whose unacknowledged messages the broker sends
+        again in their order. Runs on the network thread. False where the broker keeps no session to send them
+        from (MQTT 3.1.1 connections are clean): the message must then be handled."""
+        session = self._session
+        conn = session._conn if session is not None else None
+        if conn is None or self.qos == 0 or session is None or not conn._give_back(session):
+            return False
+        self._session = None
+        return True
+
+    @property
+    def superseded(self) -> bool:
+        """True when the broker sends this QoS 1 message again on a later connection that resumed its session:
+        handling this copy too would handle it twice."""
+        session = self._session
+        if session is None or self.qos == 0 or session._conn is None or session.current:
+            return False
+        return session._conn._session.resumed
 
 
 @dataclass(frozen=True)
@@ -155,7 +213,7 @@ class MqttConnection:
         keepalive_s: int = 10,
         max_packet_bytes: int = 16 * 1024 * 1024,
         window_messages: int = 32,
-        receive_maximum: int = 64,
+        session_expiry_s: int = 120,
         on_message: Callable[[InboundMessage], None] | None = None,
         on_connected: Callable[[], None] | None = None,
         will: Will | None = None,
@@ -176,7 +234,6 @@ class MqttConnection:
         self._keepalive = keepalive_s
         self._cap = max_packet_bytes
         self._window = window_messages
-        self._receive_maximum = receive_maximum
         self._on_message = on_message
         self._on_connected = on_connected
         self._will = will
@@ -190,6 +247,10 @@ class MqttConnection:
         self._refused: int | None = None
         self._socket_opened_at: float | None = None
         self._closing = False
+        self._session_expiry_s = session_expiry_s
+        self._restarting = False
+        self._session = _NO_SESSION
+        self._restart_lock = threading.Lock()
         self.protocol = "5" if protocol in ("auto", "5") else "3.1.1"
         self.broker_max_packet: int | None = None
         self.connects = 0
@@ -401,27 +462,68 @@ class MqttConnection:
         self._refused = None
         self._closing = False
         self._socket_opened_at = None
-        connect_props = None
-        if self.protocol == "5":
-            connect_props = Properties(PacketTypes.CONNECT)
-            connect_props.ReceiveMaximum = self._receive_maximum
-            connect_props.MaximumPacketSize = self._cap
-        kwargs = {"clean_start": True, "properties": connect_props} if self.protocol == "5" else {}
-        self._client.connect_async(self.address.host, self.address.port, self._keepalive, **kwargs)
+        self._connect_async()
         self._client.loop_start()
+
+    def _connect_async(self) -> None:
+        kwargs: dict[str, Any] = {}
+        if self.protocol == "5":
+            props = Properties(PacketTypes.CONNECT)
+            # The protocol's largest window: Mosquitto 2.0 keeps the messages beyond a client's window in a queue
+            # that later messages overtake (out of order on one topic), and after the first acknowledgement sends
+            # past the window anyway. The inbox holds the network thread instead when it is full (TCP backpressure).
+            props.ReceiveMaximum = 65535
+            props.MaximumPacketSize = self._cap
+            # The broker keeps the session (subscriptions, unacknowledged messages) this long after a connection
+            # ends, so a reconnect gets again what the last connection left unacknowledged.
+            props.SessionExpiryInterval = self._session_expiry_s
+            kwargs = {"clean_start": paho.MQTT_CLEAN_START_FIRST_ONLY, "properties": props}
+        self._client.connect_async(self.address.host, self.address.port, self._keepalive, **kwargs)
 
     def _wait(self, deadline: float) -> None:
         while time.monotonic() < deadline and not self._connected.is_set() and self._refused is None:
             self._connected.wait(0.02)
 
+    def _give_back(self, session: Session) -> bool:
+        """End the connection of ``session`` (on its network thread) without acknowledging what it delivered but not
+        yet handled, and reconnect to the kept session; False on MQTT 3.1.1, whose sessions here are clean."""
+        if self.protocol != "5":
+            return False
+        if not session.given_back:
+            session.given_back = True
+            if session.current and not self._closing:
+                # A clean DISCONNECT: the broker keeps the session and publishes no Will (this member is busy, not
+                # gone). paho's loop then ends; _handle_disconnect starts it again.
+                self._restarting = True
+                self._client.disconnect()
+        return True
+
+    def _restart(self) -> None:
+        """Reconnect after _give_back's DISCONNECT, from a thread of its own (paho's loop thread has ended)."""
+        with self._restart_lock:
+            self._client.loop_stop()
+            if self._closing:
+                return
+            self._restarting = False
+            self._connect_async()  # clean start only on the first connection: this one resumes the session
+            self._client.loop_start()
+
     def _stop_client(self) -> None:
         self._connected.clear()
         self._net_thread = None  # a thread ended on purpose is not a dead network loop
         try:
-            self._client.disconnect()
+            if self.protocol == "5":
+                # Ended on purpose, the session goes too: the broker would otherwise keep collecting messages for a
+                # subscriber that is not coming back.
+                props = Properties(PacketTypes.DISCONNECT)
+                props.SessionExpiryInterval = 0
+                self._client.disconnect(properties=props)
+            else:
+                self._client.disconnect()
         except Exception:  # already closed: nothing to undo
             pass
-        self._client.loop_stop()
+        with self._restart_lock:
+            self._client.loop_stop()
 
     @_guarded
     def _handle_connect(self, client: paho.Client, _userdata: object, _flags: object, reason_code: object,
@@ -434,6 +536,7 @@ class MqttConnection:
                 client.disconnect()  # stop paho retrying with a protocol the broker will never accept
             return
         self.broker_max_packet = getattr(properties, "MaximumPacketSize", None)
+        self._session = Session(self, bool(getattr(_flags, "session_present", False)) and self.connects > 0)
         self.connects += 1
         with self._sub_lock:
             subs = list(self._subscriptions.items())
@@ -449,30 +552,34 @@ class MqttConnection:
     def _handle_disconnect(self, _client: paho.Client, _userdata: object, _flags: object, reason_code: object,
                            _properties: object) -> None:
         self._connected.clear()
-        if not self._closing:
+        if self._restarting:
+            self._net_thread = None  # ended on purpose, started again at once
+            threading.Thread(target=self._restart, name="mqtt-restart", daemon=True).start()
+        elif not self._closing:
             log.warning("lost the connection to %s (%s); paho reconnects", self.url, reason_code)
 
-    def _handle_message(self, client: paho.Client, _userdata: object, msg: paho.MQTTMessage) -> None:
-        mid, qos = msg.mid, msg.qos
-        pending = [qos > 0]
-
-        def ack() -> None:
-            if pending[0]:  # list.pop/assignment is atomic under the GIL; acknowledge once
-                pending[0] = False
-                client.ack(mid, qos)
-
+    def _handle_message(self, _client: paho.Client, _userdata: object, msg: paho.MQTTMessage) -> None:
+        session = self._session
+        if session.given_back:
+            return  # read after its connection was given back: the broker sends it again, after the earlier ones
+        inbound: InboundMessage | None = None
         try:
+            # msg.topic decodes the topic as UTF-8 and raises on bytes that are not: a hostile publisher's topic must
+            # not end the network thread either.
+            inbound = InboundMessage(msg.topic, msg.payload, msg.qos, bool(msg.retain), bool(msg.dup), mid=msg.mid,
+                                     session=session)
             if self._on_message is not None:
-                # msg.topic decodes the topic as UTF-8 and raises on bytes that are not: a hostile publisher's
-                # topic must not end the network thread either.
-                self._on_message(InboundMessage(msg.topic, msg.payload, qos, bool(msg.retain), bool(msg.dup), ack))
+                self._on_message(inbound)
                 return
         except Exception:  # noqa: BLE001 - the last guard of the network thread
             self.callback_errors += 1
             _limited.log(logging.ERROR, "callback:_handle_message", "a message from %s could not be queued",
                          self.url, exc_info=True)
         try:
-            ack()
+            if inbound is not None:
+                inbound.ack()
+            elif msg.qos > 0:
+                session.ack(msg.mid, msg.qos)
         except Exception:  # noqa: BLE001 - the connection is going away; nothing to acknowledge on
             pass
 
