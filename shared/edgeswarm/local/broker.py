@@ -72,9 +72,11 @@ class BrokerSecurity:
 
 # How Mosquitto queues QoS 1 messages for a client (deploy/mosquitto/mosquitto.conf says the same). No in-flight
 # limit: 2.0 keeps what exceeds one in a queue that later messages overtake, which reorders a topic; the client's
-# inbox pushes back through TCP instead (edgeswarm.bus.inbox). No count limit on the queue of a disconnected
-# client's kept session, only its bytes: a member paused for a while gets every message of a burst again.
-QUEUE_OPTIONS = ("max_inflight_messages 0", "max_queued_messages 0", "max_queued_bytes 1073741824")
+# inbox pushes back through TCP instead (edgeswarm.bus.inbox). The queue of a disconnected client's kept session is
+# bounded by its bytes, its count far beyond any burst, so a member paused for a while gets every message again.
+# (Not `max_queued_messages 0`, no count limit: 2.0.11 then fails the connection of a client whose QoS 1 publish
+# its ACL refuses, "Bad socket read/write", instead of answering with the refusal.)
+QUEUE_OPTIONS = ("max_inflight_messages 0", "max_queued_messages 1000000", "max_queued_bytes 1073741824")
 
 
 def mosquitto_config(port: int, host: str = "127.0.0.1", *, max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES,

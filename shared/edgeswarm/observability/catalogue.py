@@ -140,8 +140,13 @@ CATALOGUE: tuple[MetricDef, ...] = (
             "schema, size, expired sender, ...).", _one("counter", "rejected.", "reason"), extra=("reason",)),
     _report("edgeswarm_handler_errors", "counter", "Handler calls that raised (the message was dropped).",
             _one("counter", "handler_errors")),
-    _report("edgeswarm_inbox_dropped_messages", "counter", "Messages dropped because the service's inbox was full.",
-            _one("counter", "inbox_dropped")),
+    _report("edgeswarm_inbox_dropped_messages", "counter", "QoS 0 messages dropped because the service's inbox was "
+            "full (QoS 1 ones wait instead).", _one("counter", "inbox_dropped")),
+    _report("edgeswarm_inbox_waits", "counter", "Times a full inbox held a broker connection's network thread for "
+            "room for a QoS 1 message (backpressure through TCP).", _one("counter", "inbox_held")),
+    _report("edgeswarm_inbox_redelivered_messages", "counter", "QoS 1 messages handed back to the broker after the "
+            "inbox stayed full for the whole hold: the connection resumed its session and the broker sent them "
+            "again.", _one("counter", "inbox_redelivered")),
     _report("edgeswarm_inbox_depth_messages", "gauge", "Messages waiting in the service's inbox.",
             _one("gauge", "inbox_depth")),
     _report("edgeswarm_reassembly_bytes", "gauge", "Bytes of chunked tensors the bus holds while they arrive.",
