@@ -113,10 +113,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contract]:
             with contract.lock:
                 contract.counters[(body.node, body.service)] = dict(body.counters)
 
-        bus.subscribe("edgeswarm/node/+/+/metrics", on_metrics, schemas=(MetricsReport,))
-        bus.subscribe("edgeswarm/node/+/+/request/+", sniff(contract.requests), schemas=handles)
+        # QoS 0: an onlooker that samples a few messages of each kind. At QoS 1 its inbox, full of every tensor of
+        # the cluster, would hold its connection back (no QoS 1 message is dropped) and the metrics behind them
+        # would come late.
+        bus.subscribe("edgeswarm/node/+/+/metrics", on_metrics, schemas=(MetricsReport,), qos=0)
+        bus.subscribe("edgeswarm/node/+/+/request/+", sniff(contract.requests), schemas=handles, qos=0)
         if tensors:
-            bus.subscribe("edgeswarm/node/+/+/data/+", sniff(contract.tensors), schemas=tensors, plane="data")
+            bus.subscribe("edgeswarm/node/+/+/data/+", sniff(contract.tensors), schemas=tensors, plane="data", qos=0)
         try:
             yield contract
         finally:

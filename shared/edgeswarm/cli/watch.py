@@ -81,7 +81,9 @@ def run_watch(args: argparse.Namespace) -> int:
     printed = 0
     deadline = time.monotonic() + args.timeout if args.timeout else None
     try:
-        bus.subscribe_raw(args.filter, on_message)
+        # QoS 0: an onlooker that cannot keep up misses messages rather than holding the broker back (a QoS 1
+        # subscriber's full inbox pushes back through TCP, docs/bus-rate.md).
+        bus.subscribe_raw(args.filter, on_message, qos=0)
         while not args.count or printed < args.count:
             wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
             if wait <= 0:
