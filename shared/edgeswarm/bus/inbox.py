@@ -96,7 +96,7 @@ class _Shard:
                 self._room.set()
             if sender is not None:
                 self._qos0.release(sender, 1)
-            if self.stopped:  # shutting down: what is still queued is not handled (QoS 1: the broker keeps it)
+            if self.stopped:  # shutting down: what is still queued is neither handled nor acknowledged
                 continue
             if msg.superseded:  # its connection gave its messages back, and the broker sends this one again
                 self._metrics.count("redelivery_skipped")

@@ -6,9 +6,9 @@ resubscribes after each reconnect, refuses messages larger than the broker's max
 sending them, and bounds the messages waiting for a PUBACK (a sender blocks instead of growing memory).
 Inbound messages are handed to a callback that only enqueues them (waiting, boundedly, for room: TCP
 backpressure), and QoS 1 messages are acknowledged when their handler is done, on the connection they came
-on; MQTT 5 sessions outlive a connection, so a reconnect gets again what was left unacknowledged. No exception reaches paho's thread
-(it would end it silently); ``network_alive`` tells whether that thread still runs. A publish or
-subscription the broker refuses (its ACL) is logged and reported, not silently lost.
+on; MQTT 5 sessions outlive a connection, so a reconnect gets again what was left unacknowledged. No
+exception reaches paho's thread (it would end it silently); ``network_alive`` tells whether that thread still
+runs. A publish or subscription the broker refuses (its ACL) is logged and reported, not silently lost.
 """
 
 from __future__ import annotations
@@ -127,18 +127,19 @@ class InboundMessage:
         again in their order. Runs on the network thread. False where the broker keeps no session to send them
         from (MQTT 3.1.1 connections are clean): the message must then be handled."""
         session = self._session
-        conn = session._conn if session is not None else None
-        if conn is None or self.qos == 0 or session is None or not conn._give_back(session):
+        if session is None or self.qos == 0 or session._conn is None or not session._conn._give_back(session):
             return False
         self._session = None
         return True
 
     @property
     def superseded(self) -> bool:
-        """True when the broker sends this QoS 1 message again on a later connection that resumed its session:
-        handling this copy too would handle it twice."""
+        """True when this QoS 1 message's connection was given back (``redeliver``) and a later one resumed the
+        session: the broker, which was up all along, sends this message again, so this copy is not handled. After
+        any other reconnect (a lost link, a restarted broker whose saved session may be older than what it had sent)
+        the copy is handled, and one the broker sends again is dropped as a duplicate by its envelope's id."""
         session = self._session
-        if session is None or self.qos == 0 or session._conn is None or session.current:
+        if session is None or self.qos == 0 or not session.given_back or session._conn is None or session.current:
             return False
         return session._conn._session.resumed
 
