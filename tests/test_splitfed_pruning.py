@@ -20,7 +20,7 @@ from edgeswarm.models.zoo import build_model
 from edgeswarm.runtime.program import ComputeGate
 from edgeswarm.settings import Settings
 from edgeswarm.splitfed import worker
-from edgeswarm.splitfed.compute import DevicePart, MecPart, Reassembly, partition_of
+from edgeswarm.splitfed.compute import DevicePart, MecPart, Reassembly, host_array, partition_of
 from edgeswarm.splitfed.pruning import PruningSpec, RoundPruner, expected_active_fraction, prune_step
 from edgeswarm.values.federated import LocalTraining, PartitionSpec
 from edgeswarm.values.profiles import ModelSpec
@@ -177,7 +177,7 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
         for batch in batches:
             x, y = (t.to(compute) for t in view.batch(batch))
             per_sample = torch.nn.functional.cross_entropy(reference(x), y, reduction="none")
-            latest[batch] = per_sample.detach().double().cpu().numpy()  # the pruner reads host memory
+            latest[batch] = host_array(per_sample.detach().double())  # as the device part hands losses to it
             opt.zero_grad()
             per_sample.mean().backward()
             opt.step()
