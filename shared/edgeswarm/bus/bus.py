@@ -562,8 +562,8 @@ class Bus:
         """A QoS 1 message found its shard full for the whole hold (runs on the network thread): its connection was
         given back for the broker to send it again."""
         self._reject_log.warning("inbox_held", "inbox full (%d queued) for %.1f s: a QoS 1 message on %s goes back "
-                                 "to the broker, which sends it again after reconnecting", depth,
-                                 min(self.settings.inbox_hold_s, self.settings.keepalive_s / 2), msg.topic[:256])
+                                 "to the broker, which sends it again after reconnecting", depth, self._inbox.hold_s,
+                                 msg.topic[:256])
 
     def _answer_rejected(self, topic: str, env: dict[str, Any] | None, reason: str, detail: str) -> None:
         if self._is_request_to_me(topic):

@@ -120,7 +120,7 @@ class Inbox:
                  on_held: Callable[[InboundMessage, int], None] | None = None) -> None:
         per_shard = max(16, capacity // workers)
         self._on_drop = on_drop
-        self._hold_s = hold_s
+        self.hold_s = hold_s  # seconds a QoS 1 message may hold the network thread before it is handed back
         self._on_held = on_held
         self._metrics = metrics
         self._sender_of = sender_of or (lambda topic: topic)
@@ -144,9 +144,9 @@ class Inbox:
             if not shard.put(msg, self._sender_of(msg.topic)):
                 self._on_drop(msg, len(shard))
             return
-        while not shard.put_held(msg, self._hold_s):
+        while not shard.put_held(msg, self.hold_s):
             if shard.stopped:
-                return  # not acknowledged: the broker keeps it for the session
+                return  # the service is stopping: neither handled nor acknowledged, like what is still queued
             if msg.redeliver():
                 self._metrics.count("inbox_redelivered")
                 if self._on_held is not None:
