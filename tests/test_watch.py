@@ -50,7 +50,8 @@ def test_watch_json_prints_a_live_services_status_and_heartbeats_decoded(broker:
     status = next(x for x in lines if x["schema"] == "edgeswarm.status")
     assert status["topic"] == f"{topics.ROOT}/node/{live_node}/node-agent/status" and status["retained"] is True
     assert status["fields"]["state"] == "online" and status["fields"]["node"] == live_node
-    assert status["fields"]["service"] == "node-agent" and status["fields"]["heartbeat_interval_s"] == float(FAST_ENV["EDGESWARM_HEARTBEAT_INTERVAL_S"])
+    assert status["fields"]["service"] == "node-agent"
+    assert status["fields"]["heartbeat_interval_s"] == float(FAST_ENV["EDGESWARM_HEARTBEAT_INTERVAL_S"])
     assert status["sender"] == f"{live_node}/node-agent" and status["error"] is None
     beats = [x for x in lines if x["schema"] == "edgeswarm.heartbeat"]
     assert len(beats) >= 2, lines
