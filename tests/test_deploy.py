@@ -714,7 +714,8 @@ def test_compose_service_runs_with_compose_environment(service: str, compose: di
     assert online is not None and online.state == "online"
     assert (online.node, online.service, online.device_class) == (node, service, "native")
     assert online.data_url == deploy_broker.url and "@" not in online.data_url, "no credentials advertised"
-    assert "user hub" in services.log_of(proc)
+    # The service logs how it connected just after it announces itself online: wait for the line, not the status.
+    wait_until(lambda: "user hub" in services.log_of(proc), 10, message=f"{service} to log its MQTT user")
     assert deploy_broker.files["edgeswarm-password"].read_text().strip() not in services.log_of(proc)
     wait_until(lambda: run_healthcheck(healthcheck, env).returncode == 0, 15, interval_s=0.5,
                message=f"{service}'s compose healthcheck to pass")

@@ -289,9 +289,20 @@ def test_data_plane_messages_from_a_stranger_are_dropped(cluster: Contract, kind
     finally:
         stranger.stop()
     sent = {t: sum(1 for c in samples if (c.node, c.service) == t) for t in targets}
-    wait_until(lambda: all((cluster.counter(*t, REFUSED_SENDER) or 0.0) >= before[t] + sent[t] for t in targets), 30,
-               message=f"{', '.join(f'{s} on {n}' for n, s in targets)} refusing a stranger's "
-                       f"{', '.join(sorted(type(c.body).__name__ for c in samples))}")
+    try:
+        wait_until(lambda: all((cluster.counter(*t, REFUSED_SENDER) or 0.0) >= before[t] + sent[t] for t in targets),
+                   30, message=f"{', '.join(f'{s} on {n}' for n, s in targets)} refusing a stranger's "
+                               f"{', '.join(sorted(type(c.body).__name__ for c in samples))}")
+    except pytest.fail.Exception as exc:
+        # What the receivers counted instead, and where the job was: a refusal counted under another name (the job
+        # gone from a receiver, say) tells a different story from messages that never arrived.
+        with cluster.lock:
+            counted = {f"{n}/{s}": {k: v for k, v in (cluster.counters.get((n, s)) or {}).items()
+                                    if any(w in k for w in ("drop", "refus", "reject", "duplicate", "inbox"))}
+                       for n, s in targets}
+        state = follower.state
+        pytest.fail(f"{exc}; job {name}: {state.status if state else None} ({state.detail if state else ''}); "
+                    f"the receivers counted {counted}")
     assert follower.state is not None and follower.state.status == "running", follower.state
     cancel(cluster, follower)
 
