@@ -1094,6 +1094,7 @@ def test_live_cluster_traffic_decodes() -> None:
     assert b"x" * 100 in echo_replies
 
     # MQTT 5 mirroring of the envelope on messages delivered live (retained copies age in the broker).
+    mirrored_kinds = set()
     for topic, frame, retained, props in decoded:
         env = frame.envelope
         if retained or env["sender_service"] == "docchk":  # retained copies age; ours went without properties
@@ -1101,12 +1102,22 @@ def test_live_cluster_traffic_decodes() -> None:
         assert getattr(props, "ResponseTopic", None) == env["reply_to"], topic
         corr = getattr(props, "CorrelationData", None)
         assert corr == (env["correlation_id"].encode() if env["correlation_id"] is not None else None), topic
+        # Version 2: the summary line on every frame but those that carry tensor bytes.
+        summary = dict(getattr(props, "UserProperty", None) or []).get("edgeswarm")
+        mirrored_kinds.add(frame.tensor is not None)
+        if frame.tensor is not None:
+            assert summary is None, topic
+        else:
+            assert summary == (f"msg_id={env['msg_id']} schema={env['schema_name']}/{env['schema_version']} "
+                               f"sender={env['sender_node']}/{env['sender_service']}/{env['sender_instance']}"), topic
         expiry = getattr(props, "MessageExpiryInterval", None)
         if env["expires_at"] is None:
             assert expiry is None, topic
         else:
             want = max(1, math.ceil(env["expires_at"] - env["sent_at"]))
             assert expiry is not None and want - 1 <= expiry <= want, (topic, expiry, want)
+
+    assert mirrored_kinds == {True, False}, "both tensor and control frames were checked"
 
     # The tensor arrives bit for bit.
     assert len({f.tensor.chunk for _, f, _, _ in by_schema["edgeswarm.bench.data"] if f.tensor.dtype == "float32"}) == 3

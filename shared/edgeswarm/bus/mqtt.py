@@ -157,7 +157,7 @@ class PublishOptions:
     """Envelope fields mirrored into MQTT 5 properties (ignored on 3.1.1, where the envelope alone carries them).
 
     ``envelope`` is the rest of the envelope in one line (message id, schema and sender) for MQTT 5
-    tools; it travels as the user property ``edgeswarm``.
+    tools; it travels as the user property ``edgeswarm`` (None on tensor frames: no user property).
     """
 
     expires_in_s: float | None = None
@@ -655,8 +655,8 @@ def publish_properties(options: PublishOptions | None) -> bytes:
 
     MessageExpiryInterval (whole seconds, at least 1), ResponseTopic and CorrelationData (the
     correlation id's UTF-8 bytes) carry the envelope fields MQTT 5 has a property for, and one user
-    property ``edgeswarm`` the rest. One property more would cost every receiving paho client about
-    10 microseconds to parse, so nothing else is sent.
+    property ``edgeswarm`` the rest when ``options.envelope`` is set. One property more would cost every
+    receiving paho client about 10 microseconds to parse, so nothing else is sent.
     """
     buf = bytearray()
     if options is not None:
