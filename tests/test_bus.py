@@ -249,6 +249,10 @@ def test_a_node_reaches_its_broker_by_one_address_and_advertises_another(tmp_pat
         assert done.wait(20)
         assert sorted(msg.body.run_id for msg in got) == ["neighbour", "peer"]
         assert all(np.array_equal(msg.tensor.array, value) for msg in got)
+        # A one-chunk tensor views the packet paho read, which nothing else holds: torch gets it without a copy.
+        assert all(msg.tensor.array.flags.writeable for msg in got)
+        as_torch = got[0].tensor.to_torch()
+        assert as_torch.data_ptr() == got[0].tensor.array.__array_interface__["data"][0]
     finally:
         node_broker.stop()
 

@@ -157,7 +157,9 @@ def test_pings_from_unknown_senders_do_not_hold_up_a_link_measurement(broker: Br
                                  np.zeros(64, dtype=np.uint8))
         wait_until(lambda: b.metrics.counter("link_probes_unknown_sender") >= 8, 10, message="the pings dropped")
         link = a.links.measure("b", timeout_s=30)  # each stranger's ping used to hold b's data thread 10 s
-    assert link.bandwidth_bps > 0 and link.latency_s > 0
+    # Both profilers share one broker on loopback: the link adds nothing to a ping's round trip beyond its own to
+    # the sender, so its latency, net of that, is a median of differences near zero (0 when negative).
+    assert link.bandwidth_bps > 0 and link.latency_s >= 0 and link.hop_s > 0
     assert b.metrics.counter("handler_errors") == 0
 
 
