@@ -344,14 +344,20 @@ def run_bench_spans(args: argparse.Namespace) -> int:
 
 
 def run_bench_collectives(args: argparse.Namespace) -> int:
-    """``edgeswarm bench collectives``: ring AllGather and ReduceScatter through the bus against the link and bare
-    paho, and the 1 KB two-instance rate (``edgeswarm.bench.collectives``)."""
-    from edgeswarm.bench.collectives import MAX_PEERS, MAX_SIZE, run_collectives_bench
+    """``edgeswarm bench collectives``: ring and direct collectives through the bus against the link and bare paho,
+    a decode step's AllReduce, the 1 KB two-instance rate and a bulk tensor (``edgeswarm.bench.collectives``), and
+    the bus's goals as measured."""
+    from edgeswarm.bench.collectives import MAX_PEERS, MAX_SIZE, OPS, run_collectives_bench
 
     if args.quick:
         args.peers, args.sizes = "2,4", "1KB,1MB"
         args.repeats = args.repeats or 5
         args.rate_messages = min(args.rate_messages, 5000)
+        args.decode_repeats = min(args.decode_repeats, 50)
+    ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    unknown = [o for o in ops if o not in OPS]
+    if not ops or unknown:
+        raise ConfigError(f"--ops: each is one of {', '.join(OPS)}, not {unknown or 'none'}")
     try:
         peers = tuple(int(p) for p in args.peers.split(",") if p.strip())
     except ValueError:
@@ -364,34 +370,56 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     if not sizes or bad_sizes:
         raise ConfigError(f"--sizes: each is a whole number of float32 elements (a multiple of 4 bytes) up to "
                           f"{MAX_SIZE // MB} MB, not {bad_sizes or 'none'}")
-    if args.repeats < 0 or args.rate_messages < 1:
-        raise ConfigError("--repeats must be 0 or more and --rate-messages at least 1")
-    report = run_collectives_bench(peers=peers, sizes=sizes, repeats=args.repeats or None,
-                                   rate_messages=args.rate_messages,
+    if args.repeats < 0 or args.rate_messages < 1 or args.decode_repeats < 0:
+        raise ConfigError("--repeats and --decode-repeats must be 0 or more and --rate-messages at least 1")
+    bulk = 0 if args.bulk.strip() == "0" else parse_size(args.bulk)
+    if bulk and (not 4 <= bulk <= MAX_SIZE or bulk % 4):
+        raise ConfigError(f"--bulk: a whole number of float32 elements up to {MAX_SIZE // MB} MB, or 0, not "
+                          f"{args.bulk}")
+    report = run_collectives_bench(peers=peers, sizes=sizes, ops=ops, repeats=args.repeats or None,  # type: ignore[arg-type]
+                                   rate_messages=args.rate_messages, decode_repeats=args.decode_repeats,
+                                   bulk_bytes=bulk,
                                    progress=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(report.model_dump_json(indent=2))
     for line in collectives_lines(report):
         console.print(line, highlight=False)
-    console.print(collectives_table(report))
+    if report.rows:
+        console.print(collectives_table(report))
+    for row in report.decode:
+        console.print(f"decode AllReduce, {row.peers} ranks x {row.hidden} {row.dtype} ({row.repeats} times): bus "
+                      f"median {row.bus_median_s * 1e3:.2f} ms, p99 {row.bus_p99_s * 1e3:.2f} ms; bare paho median "
+                      f"{row.paho_median_s * 1e3:.2f} ms, p99 {row.paho_p99_s * 1e3:.2f} ms; bus/paho "
+                      f"{row.over_paho:.2f}", highlight=False)
+    goals = Table(title="the bus's goals (issue 31), as measured in this run")
+    for col in ("goal", "target", "measured", "met"):
+        goals.add_column(col)
+    for goal in report.goals:
+        goals.add_row(goal.name, goal.target, goal.measured, "yes" if goal.met else "no")
+    console.print(goals)
     return 0
 
 
 def collectives_lines(report: CollectivesReport) -> list[str]:
-    """The rate and the link, one line each."""
+    """The link, the rate and the bulk transfer, one line each."""
+    from edgeswarm.bench.collectives import human_size
+
     r = report.rate
     return [f"{report.broker}, loopback bulk rate {report.loopback_mb_s:.0f} MB/s, chunks of "
             f"{report.chunk_bytes // KB} KiB, QoS 1",
             f"{r.payload_bytes // KB} KB one way between two instances: bus {r.bus_per_s:.0f} msg/s, bare paho "
-            f"{r.paho_per_s:.0f} msg/s, bus/paho {r.ratio:.2f} ({r.messages} messages)"]
+            f"{r.paho_per_s:.0f} msg/s, bus/paho {r.ratio:.2f} ({r.messages} messages)"] + (
+        [] if (b := report.bulk) is None else
+        [f"{human_size(b.size_bytes)} bulk between two instances: bus {b.bus_mb_s:.0f} MB/s, bare paho "
+         f"{b.paho_mb_s:.0f} MB/s, loopback TCP {b.loopback_mb_s:.0f} MB/s; bus/loopback {b.over_loopback:.2f}"])
 
 
 def collectives_table(report: CollectivesReport) -> Table:
     """The collective rows: median time per collective through the bus, against bare paho and the link."""
     from edgeswarm.bench.collectives import human_size
 
-    table = Table(title="ring collectives, float32, median per collective (bus: Bus + TensorExchange + "
+    table = Table(title="collectives, float32, median per collective (bus: Bus + TensorExchange + "
                         "CollectivePort; paho: the same frames and steps over bare paho)")
     for col in ("op", "peers", "vector", "msgs", "bus ms", "paho ms", "bus/paho", "link ms", "bus/link", "msg/s"):
         table.add_column(col, justify="left" if col == "op" else "right")

@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     spans.add_argument("--spans", type=int, default=100_000, help="spans recorded per repeat")
     spans.add_argument("--repeats", type=int, default=5, help="repeats, the fastest kept")
 
-    collectives = bench_sub.add_parser("collectives", help="ring AllGather and ReduceScatter among 2 to 6 bus "
-                                       "instances against the link and bare paho; the 1 KB message rate")
+    collectives = bench_sub.add_parser("collectives", help="ring and direct collectives among 2 to 6 bus instances "
+                                       "against the link and bare paho; a decode step's AllReduce; the 1 KB message "
+                                       "rate; a bulk tensor against loopback TCP")
     collectives.add_argument("--peers", default="2,3,4,5,6", help="comma-separated peer counts, each 2 to 6")
     collectives.add_argument("--sizes", default="1KB,64KB,1MB,16MB",
                              help="comma-separated vector sizes (B, KB, MB; float32, up to 64MB)")
@@ -147,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="collectives timed per cell, the median shown (0: by size, 30 to 3)")
     collectives.add_argument("--rate-messages", type=int, default=20000,
                              help="1 KB messages for the two-instance rate (default 20000)")
+    collectives.add_argument("--ops", default="all_gather,reduce_scatter,all_reduce,direct_all_gather,"
+                             "direct_all_reduce", help="comma-separated collectives")
+    collectives.add_argument("--decode-repeats", type=int, default=200,
+                             help="direct AllReduces of one decode step timed per dtype (0: none)")
+    collectives.add_argument("--bulk", default="64MB", help="the bulk tensor's size (0: none)")
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
