@@ -58,6 +58,23 @@ def test_bench_collectives_measures_every_cell_against_paho_and_the_link(tmp_pat
     assert "decode AllReduce, 4 ranks x 2048 bfloat16" in result.stdout and "bus/loopback" in result.stdout
 
 
+def test_bench_collectives_runs_a_process_per_rank_beside_the_one_process_figures(tmp_path: Path) -> None:
+    out = tmp_path / "coll.json"
+    result = edgeswarm("bench", "collectives", "--peers", "2", "--sizes", "12B", "--ops",
+                       "all_gather,direct_all_reduce", "--repeats", "2", "--rate-messages", "100",
+                       "--decode-repeats", "3", "--bulk", "0", "--processes", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["processes"] and report["bulk"] is None
+    for rows in (report["rows"], report["process_rows"]):
+        assert [(r["op"], r["peers"]) for r in rows] == [("all_gather", 2), ("direct_all_reduce", 2)]
+        assert all(r["bus_s"] > 0 and r["paho_s"] > 0 for r in rows)
+    assert [(d["dtype"], d["peers"]) for d in report["process_decode"]] == [("float32", 4), ("bfloat16", 4)]
+    assert sum("a process per rank" in g["name"] for g in report["goals"]) == 3
+    assert "a process per rank" in result.stdout
+    assert not [line for line in result.stderr.splitlines() if "Traceback" in line], result.stderr
+
+
 def test_schedule_counts_what_runtime_collectives_send() -> None:
     """The bare paho baseline replays ``schedule``: it must be the traffic the runtime's collectives really send."""
     from edgeswarm.runtime.collectives import weighted_bounds

@@ -20,7 +20,7 @@ from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids
 
 if TYPE_CHECKING:
-    from edgeswarm.bench.collectives import CollectivesReport
+    from edgeswarm.bench.collectives import CollectiveRow, CollectivesReport
     from edgeswarm.bench.hmp import HmpBenchConfig, HmpReport
 
 QUICK_PLAN = {KB: 500, 64 * KB: 100, MB: 20, 16 * MB: 2}
@@ -378,20 +378,22 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
                           f"{args.bulk}")
     report = run_collectives_bench(peers=peers, sizes=sizes, ops=ops, repeats=args.repeats or None,  # type: ignore[arg-type]
                                    rate_messages=args.rate_messages, decode_repeats=args.decode_repeats,
-                                   bulk_bytes=bulk,
+                                   bulk_bytes=bulk, processes=args.processes,
                                    progress=lambda m: err_console.print(f"[dim]{m}[/dim]", highlight=False))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(report.model_dump_json(indent=2))
     for line in collectives_lines(report):
         console.print(line, highlight=False)
-    if report.rows:
-        console.print(collectives_table(report))
-    for row in report.decode:
-        console.print(f"decode AllReduce, {row.peers} ranks x {row.hidden} {row.dtype} ({row.repeats} times): bus "
-                      f"median {row.bus_median_s * 1e3:.2f} ms, p99 {row.bus_p99_s * 1e3:.2f} ms; bare paho median "
-                      f"{row.paho_median_s * 1e3:.2f} ms, p99 {row.paho_p99_s * 1e3:.2f} ms; bus/paho "
-                      f"{row.over_paho:.2f}", highlight=False)
+    for how, rows, decode in (("all ranks in one process", report.rows, report.decode),
+                              ("a process per rank", report.process_rows, report.process_decode)):
+        if rows:
+            console.print(collectives_table(rows, how))
+        for row in decode:
+            console.print(f"decode AllReduce ({how}), {row.peers} ranks x {row.hidden} {row.dtype} ({row.repeats} "
+                          f"times): bus median {row.bus_median_s * 1e3:.2f} ms, p99 {row.bus_p99_s * 1e3:.2f} ms; "
+                          f"bare paho median {row.paho_median_s * 1e3:.2f} ms, p99 {row.paho_p99_s * 1e3:.2f} ms; "
+                          f"bus/paho {row.over_paho:.2f}", highlight=False)
     goals = Table(title="the bus's goals (issue 31), as measured in this run")
     for col in ("goal", "target", "measured", "met"):
         goals.add_column(col)
@@ -415,15 +417,15 @@ def collectives_lines(report: CollectivesReport) -> list[str]:
          f"{b.paho_mb_s:.0f} MB/s, loopback TCP {b.loopback_mb_s:.0f} MB/s; bus/loopback {b.over_loopback:.2f}"])
 
 
-def collectives_table(report: CollectivesReport) -> Table:
+def collectives_table(rows: list[CollectiveRow], how: str) -> Table:
     """The collective rows: median time per collective through the bus, against bare paho and the link."""
     from edgeswarm.bench.collectives import human_size
 
-    table = Table(title="collectives, float32, median per collective (bus: Bus + TensorExchange + "
-                        "CollectivePort; paho: the same frames and steps over bare paho)")
+    table = Table(title=f"collectives, {how}, median per collective (bus: Bus + TensorExchange + CollectivePort; "
+                        "paho: the same frames and steps over bare paho)")
     for col in ("op", "peers", "vector", "msgs", "bus ms", "paho ms", "bus/paho", "link ms", "bus/link", "msg/s"):
         table.add_column(col, justify="left" if col == "op" else "right")
-    for row in report.rows:
+    for row in rows:
         table.add_row(row.op, str(row.peers), human_size(row.size_bytes), str(row.messages), f"{row.bus_s * 1e3:.2f}",
                       f"{row.paho_s * 1e3:.2f}", f"{row.over_paho:.2f}", f"{row.link_s * 1e3:.3f}",
                       f"{row.over_link:.1f}", f"{row.messages_per_s:.0f}")

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--decode-repeats", type=int, default=200,
                              help="direct AllReduces of one decode step timed per dtype (0: none)")
     collectives.add_argument("--bulk", default="64MB", help="the bulk tensor's size (0: none)")
+    collectives.add_argument("--processes", action="store_true",
+                             help="also run the collectives and the decode AllReduce with a process per rank, as a "
+                             "real cluster has them")
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
