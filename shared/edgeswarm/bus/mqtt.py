@@ -137,6 +137,7 @@ def split_publish(packet: bytearray | bytes, qos: int) -> tuple[bytes, int, memo
 
 
 Deliver = Callable[[bytes, "bytes | memoryview", int, bool, bool, int], None]
+_PUBLISH, _PUBACK = 0x30, 0x40  # MQTT control packet types, the high nibble of the first byte
 _PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)  # "Success": read by on_publish, never changed
 _PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
 
@@ -159,9 +160,67 @@ class _Client(paho.Client):
       ReasonCode and Properties: the bus's on_publish gets shared ones.
     * The socket is read ahead, up to _READ_AHEAD bytes at a time, and every whole packet already read is handled
       before the network thread goes back to select().
+    * A QoS 1 PUBLISH or a PUBACK queued by another thread (a service's sending thread, an inbox worker's
+      acknowledgement) is written to a plain TCP socket by that thread at once when no other thread is writing,
+      instead of waking the network thread through its socket pair to write it: a thread hand-off and a select()
+      wake-up less per message. Anything else, anything on TLS (an SSL connection must not be read and written from
+      two threads at once), and whatever cannot be written whole at once goes the network thread's way.
     """
 
     deliver: Deliver | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._write_lock = threading.Lock()  # held by whichever thread writes queued packets to the socket
+
+    def _packet_write(self) -> MQTTErrorCode:
+        with self._write_lock:
+            return super()._packet_write()  # type: ignore[no-any-return]
+
+    def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
+                      info: paho.MQTTMessageInfo | None = None) -> MQTTErrorCode:
+        kind = command & 0xF0
+        thread = self._thread
+        if (not (kind == _PUBACK or (kind == _PUBLISH and qos == 1)) or thread is None
+                or thread is threading.current_thread() or type(self._sock) is not socket.socket):
+            return super()._packet_queue(command, packet, mid, qos, info)  # type: ignore[no-any-return]
+        self._out_packet.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
+                                 "packet": packet, "info": info})
+        if self._write_lock.acquire(blocking=False):
+            try:
+                if self._write_queued():
+                    return MQTTErrorCode.MQTT_ERR_SUCCESS
+            finally:
+                self._write_lock.release()
+        pair = self._sockpairW
+        if pair is not None:  # left for the network thread: wake it, as paho does
+            try:
+                pair.send(b"0")
+            except BlockingIOError:
+                pass
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _write_queued(self) -> bool:
+        """Write the queued packets from this thread while they are QoS 1 PUBLISHes and PUBACKs that go out whole;
+        True when nothing is left queued. Holds the write lock."""
+        sock, queued = self._sock, self._out_packet
+        while queued:
+            packet = queued[0]
+            kind = packet["command"] & 0xF0
+            if not (kind == _PUBACK or (kind == _PUBLISH and packet["qos"] == 1)) or type(sock) is not socket.socket:
+                return False
+            try:
+                sent = sock.send(memoryview(packet["packet"])[packet["pos"]:])
+            except OSError:  # full (BlockingIOError) or failing: the network thread retries, or sees the loss
+                return False
+            packet["pos"] += sent
+            packet["to_process"] -= sent
+            if packet["to_process"] > 0:
+                return False
+            queued.popleft()
+            with self._msgtime_mutex:
+                self._last_msg_out = time.monotonic()
+        return True
     _ahead: tuple[object, memoryview, int] | None = None  # (the socket it came from, bytes read ahead, next offset)
 
     def _sock_recv(self, bufsize: int) -> bytes:
