@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -178,3 +179,50 @@ def netns_unavailable() -> str | None:
     except host.NetnsUnavailableError as exc:
         return str(exc)
     return None
+
+
+class Ring:
+    """N ranks of a collective (``edgeswarm.runtime.collectives``) in threads over in-memory queues, one per ordered
+    pair of ranks (which also checks that both ends of a link agree on which steps carry a tensor). ``sent[r]`` counts
+    the elements rank r sent, ``steps[r]`` the steps it sent on, ``messages[r]`` each send's (to, elements)."""
+
+    def __init__(self, n: int, *, mesh: bool = False) -> None:
+        self.n = n
+        self.mesh = mesh  # direct collectives: any rank sends to any other
+        self.boxes: dict[tuple[int, int], queue.Queue[tuple[int, Any]]] = {
+            (s, d): queue.Queue() for s in range(n) for d in range(n)}
+        self.sent = [0] * n
+        self.steps: list[list[int]] = [[] for _ in range(n)]
+        self.messages: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def run(self, body: Callable[[int, Any, Any], Any]) -> list[Any]:
+        results: list[Any] = [None] * self.n
+        errors: list[BaseException] = []
+
+        def worker(rank: int) -> None:
+            def send(to: int, step: int, tensor: Any) -> None:
+                assert to == (rank + 1) % self.n or (self.mesh and to != rank), "a ring sends to its right neighbour"
+                self.sent[rank] += tensor.numel()
+                self.steps[rank].append(step)
+                self.messages[rank].append((to, tensor.numel()))
+                self.boxes[(rank, to)].put((step, tensor))
+
+            def recv(frm: int, step: int) -> Any:
+                assert frm == (rank - 1) % self.n or (self.mesh and frm != rank), "a ring receives from the left"
+                got_step, tensor = self.boxes[(frm, rank)].get(timeout=5)
+                assert got_step == step, (got_step, step)
+                return tensor
+
+            try:
+                results[rank] = body(rank, send, recv)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not errors, errors
+        assert all(box.empty() for box in self.boxes.values()), "every tensor sent was taken"
+        return [r for r in results if r is not None]

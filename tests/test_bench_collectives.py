@@ -16,7 +16,7 @@ from edgeswarm.cli.bench import parse_size
 from edgeswarm.cli.main import main
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import BrokerProcess
-from helpers import FAST_ENV
+from helpers import FAST_ENV, Ring
 
 ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
 
@@ -77,12 +77,20 @@ def test_bench_collectives_runs_a_process_per_rank_beside_the_one_process_figure
 
 def test_schedule_counts_what_runtime_collectives_send() -> None:
     """The bare paho baseline replays ``schedule``: it must be the traffic the runtime's collectives really send."""
-    from edgeswarm.runtime.collectives import weighted_bounds
+    import torch
 
+    from edgeswarm.runtime import collectives as c
+
+    run = {"all_gather": lambda v, r, b, s, g: c.ring_all_gather(v[b[r][0]:b[r][1]], r, b, s, g),
+           "reduce_scatter": c.ring_reduce_scatter, "all_reduce": c.ring_all_reduce,
+           "direct_all_gather": lambda v, r, b, s, g: c.direct_all_gather(v[b[r][0]:b[r][1]], r, b, s, g),
+           "direct_all_reduce": lambda v, r, b, s, g: c.direct_all_reduce(v, r, len(b), s, g)}
     for n in (2, 3, 5):
-        bounds = weighted_bounds(11, [1.0, 0.0, 2.0, 1.0, 3.0][:n])  # uneven, and rank 1 owns nothing
+        bounds = c.weighted_bounds(11, [1.0, 0.0, 2.0, 1.0, 3.0][:n])  # uneven, and rank 1 owns nothing
         for op in OPS:
-            sent = _traffic(op, n, bounds)
+            ring = Ring(n, mesh=op.startswith("direct"))
+            ring.run(lambda rank, send, recv: run[op](torch.ones(11), rank, bounds, send, recv))  # noqa: B023
+            sent = [[(to, elements * 4) for to, elements in ring.messages[r]] for r in range(n)]
             planned = schedule(op, n, bounds)
             for rank in range(n):
                 want = sorted((to, nbytes) for sends, _ in planned[rank] for to, nbytes in sends)
@@ -90,57 +98,6 @@ def test_schedule_counts_what_runtime_collectives_send() -> None:
                 received = sorted((frm, nbytes) for _, receives in planned[rank] for frm, nbytes in receives)
                 assert received == sorted((frm, nbytes) for frm in range(n) for to, nbytes in sent[frm]
                                           if to == rank), (op, n, rank)
-
-
-def _traffic(op: str, n: int, bounds: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """What each rank of ``op`` among ``n`` ranks sends, (to, bytes) per message, run on threads over in-memory
-    mailboxes with ``edgeswarm.runtime.collectives``."""
-    import threading
-
-    import torch
-
-    from edgeswarm.runtime import collectives as c
-
-    sent: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    mail: dict[tuple[int, int, int], torch.Tensor] = {}
-    changed = threading.Condition()
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        def send(to: int, step: int, t: torch.Tensor) -> None:
-            with changed:
-                sent[rank].append((to, t.numel() * 4))
-                mail[(rank, to, step)] = t
-                changed.notify_all()
-
-        def recv(frm: int, step: int) -> torch.Tensor:
-            with changed:
-                assert changed.wait_for(lambda: (frm, rank, step) in mail, 10)
-                return mail.pop((frm, rank, step))
-
-        vector = torch.ones(bounds[-1][1])
-        a, b = bounds[rank]
-        try:
-            if op == "all_gather":
-                c.ring_all_gather(vector[a:b], rank, bounds, send, recv)
-            elif op == "reduce_scatter":
-                c.ring_reduce_scatter(vector, rank, bounds, send, recv)
-            elif op == "all_reduce":
-                c.ring_all_reduce(vector, rank, bounds, send, recv)
-            elif op == "direct_all_gather":
-                c.direct_all_gather(vector[a:b], rank, bounds, send, recv)
-            else:
-                c.direct_all_reduce(vector, rank, n, send, recv)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not errors, errors
-    return sent
 
 
 @pytest.mark.parametrize(("args", "complaint"), [

@@ -6,7 +6,6 @@ also checks that both ends of a link agree on which steps carry a tensor)."""
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from edgeswarm.runtime.collectives import (
     ring_reduce_scatter,
     weighted_bounds,
 )
+from helpers import Ring
 
 SIZES = [1, 2, 3, 4, 5, 6]
 LAYOUTS = ["even", "uneven", "zeros", "lone"]
@@ -37,49 +37,6 @@ def _layouts(n: int, length: int) -> dict[str, Bounds]:
     lone[n // 2] = 1.0
     return {"even": even_bounds(length, n), "uneven": weighted_bounds(length, list(range(1, n + 1))),
             "zeros": weighted_bounds(length, zeros), "lone": weighted_bounds(length, lone)}
-
-
-class Ring:
-    """N ranks in threads; ``sent[r]`` counts the elements rank r sent, ``steps[r]`` the steps it sent on."""
-
-    def __init__(self, n: int, *, mesh: bool = False) -> None:
-        self.n = n
-        self.mesh = mesh  # direct collectives: any rank sends to any other
-        self.boxes: dict[tuple[int, int], queue.Queue[tuple[int, torch.Tensor]]] = {
-            (s, d): queue.Queue() for s in range(n) for d in range(n)}
-        self.sent = [0] * n
-        self.steps: list[list[int]] = [[] for _ in range(n)]
-
-    def run(self, body: Callable[[int, Any, Any], torch.Tensor]) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * self.n
-        errors: list[BaseException] = []
-
-        def worker(rank: int) -> None:
-            def send(to: int, step: int, tensor: torch.Tensor) -> None:
-                assert to == (rank + 1) % self.n or (self.mesh and to != rank), "a ring sends to its right neighbour"
-                self.sent[rank] += tensor.numel()
-                self.steps[rank].append(step)
-                self.boxes[(rank, to)].put((step, tensor))
-
-            def recv(frm: int, step: int) -> torch.Tensor:
-                assert frm == (rank - 1) % self.n or (self.mesh and frm != rank), "a ring receives from the left"
-                got_step, tensor = self.boxes[(frm, rank)].get(timeout=5)
-                assert got_step == step, (got_step, step)
-                return tensor
-
-            try:
-                results[rank] = body(rank, send, recv)
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(self.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        assert not errors, errors
-        assert all(box.empty() for box in self.boxes.values()), "every tensor sent was taken"
-        return [r for r in results if r is not None]
 
 
 def _vectors(n: int, length: int, dtype: torch.dtype, *, integral: bool) -> list[torch.Tensor]:
