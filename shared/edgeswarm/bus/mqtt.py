@@ -148,7 +148,8 @@ _READ_AHEAD = 65536
 
 
 class _Client(paho.Client):
-    """paho's client, with leaner reading of what the bus receives. Three changes, each measured (docs/bus-rate.md):
+    """paho's client, with leaner reading and writing of what the bus exchanges. Four changes, each measured
+    (docs/bus-rate.md):
 
     * PUBLISH (MQTT 5, QoS 0 or 1, acknowledged by the bus): paho's decoder copied the packet three times over while
       cutting it (struct.unpack of the rest after each field), built a Properties object nobody reads (11 us even
@@ -168,6 +169,7 @@ class _Client(paho.Client):
     """
 
     deliver: Deliver | None = None
+    _ahead: tuple[object, memoryview, int] | None = None  # (the socket it came from, bytes read ahead, next offset)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -221,7 +223,6 @@ class _Client(paho.Client):
             with self._msgtime_mutex:
                 self._last_msg_out = time.monotonic()
         return True
-    _ahead: tuple[object, memoryview, int] | None = None  # (the socket it came from, bytes read ahead, next offset)
 
     def _sock_recv(self, bufsize: int) -> bytes:
         ahead = self._ahead
