@@ -28,6 +28,7 @@ from edgeswarm.runtime.collectives import (
 )
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
+from edgeswarm.wire.tensor import expected_chunks
 
 SERVICE = "bench-coll"
 JOB = "bench"
@@ -97,10 +98,6 @@ def seeded_vector(elements: int, dtype: str, rank: int) -> torch.Tensor:
     return torch.randn(elements, generator=torch.Generator().manual_seed(rank)).to(getattr(torch, dtype))
 
 
-def frames(nbytes: int, chunk: int) -> int:
-    return 0 if nbytes == 0 else -(-nbytes // chunk)
-
-
 def run_collective(op: Op, port: CollectivePort, nodes: list[str], rank: int, scope: int, vector: torch.Tensor,
                    bounds: Bounds) -> torch.Tensor:
     """Rank ``rank``'s part of one ``op`` over ``port``: ``vector`` is its whole input (an AllGather sends its slice
@@ -136,7 +133,7 @@ def replay(peer: RawPeer, steps: list[Step], chunk: int, received: int, pieces: 
         for to, nbytes in sends:
             for piece in pieces(nbytes, chunk):
                 peer.publish(f"raw/{to}", piece)
-        received += sum(frames(nbytes, chunk) for _, nbytes in receives)
+        received += sum(expected_chunks(nbytes, chunk) for _, nbytes in receives)
         if not peer.wait_received(received, 60.0):
             raise EdgeswarmError(f"bare paho: rank {rank} missed step {index}")
     return received

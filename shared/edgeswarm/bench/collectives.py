@@ -55,7 +55,6 @@ from edgeswarm.bench.collective_steps import (
     announce,
     check_result,
     expected_result,
-    frames,
     replay,
     run_collective,
     schedule,
@@ -72,6 +71,7 @@ from edgeswarm.runtime.collective_exchange import CollectivePort
 from edgeswarm.runtime.collectives import Bounds, even_bounds
 from edgeswarm.runtime.exchange import TensorExchange
 from edgeswarm.settings import Settings
+from edgeswarm.wire.tensor import expected_chunks
 
 KB = 1024
 MB = 1024 * 1024
@@ -343,7 +343,7 @@ def _measure(timer: Timer, op: Op, size: int, repeats: int, chunk: int, loopback
     bus_s = statistics.median(timer.times(op, size // 4, "float32", repeats, "bus"))
     paho_s = statistics.median(timer.times(op, size // 4, "float32", repeats, "paho"))
     plan = schedule(op, n, even_bounds(size // 4, n))
-    count = sum(frames(nbytes, chunk) for steps in plan for sends, _ in steps for _, nbytes in sends)
+    count = sum(expected_chunks(nbytes, chunk) for steps in plan for sends, _ in steps for _, nbytes in sends)
     link_s = max(sum(nbytes for sends, _ in steps for _, nbytes in sends) for steps in plan) / loopback
     return CollectiveRow(op=op, peers=n, size_bytes=size, repeats=repeats, messages=count, bus_s=bus_s,
                          paho_s=paho_s, link_s=link_s)

@@ -142,6 +142,12 @@ _PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)  # "Success": read by on_publis
 _PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
 
 
+def _written_directly(command: int, qos: int) -> bool:
+    """Whether a queued packet may be written by the thread that queued it: a QoS 1 PUBLISH or a PUBACK."""
+    kind = command & 0xF0
+    return kind == _PUBACK or (kind == _PUBLISH and qos == 1)
+
+
 # Bytes the network thread asks the socket for at once: paho read each packet in three or more recv calls (its
 # first byte, then its length a byte at a time, then the rest), a system call and a select() wake-up each.
 _READ_AHEAD = 65536
@@ -181,10 +187,9 @@ class _Client(paho.Client):
 
     def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int,
                       info: paho.MQTTMessageInfo | None = None) -> MQTTErrorCode:
-        kind = command & 0xF0
         thread = self._thread
-        if (not (kind == _PUBACK or (kind == _PUBLISH and qos == 1)) or thread is None
-                or thread is threading.current_thread() or type(self._sock) is not socket.socket):
+        if (not _written_directly(command, qos) or thread is None or thread is threading.current_thread()
+                or type(self._sock) is not socket.socket):
             return super()._packet_queue(command, packet, mid, qos, info)  # type: ignore[no-any-return]
         self._out_packet.append({"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet),
                                  "packet": packet, "info": info})
@@ -208,8 +213,7 @@ class _Client(paho.Client):
         sock, queued = self._sock, self._out_packet
         while queued:
             packet = queued[0]
-            kind = packet["command"] & 0xF0
-            if not (kind == _PUBACK or (kind == _PUBLISH and packet["qos"] == 1)) or type(sock) is not socket.socket:
+            if not _written_directly(packet["command"], packet["qos"]) or type(sock) is not socket.socket:
                 return False
             try:
                 sent = sock.send(memoryview(packet["packet"])[packet["pos"]:])
