@@ -100,6 +100,51 @@ def test_a_slow_receiver_handles_every_qos1_message_of_a_fast_sender_once_in_ord
     assert rx.hub.connects >= 2
 
 
+def test_messages_handled_while_others_wait_are_acknowledged_together_and_none_before_its_handler(
+        make_bus, broker, monkeypatch) -> None:
+    """One worker stalls on the first of 50 messages while the rest queue behind it: each message is acknowledged to
+    the broker only after its handler ran, those handled while more waited in batches of up to ACK_BATCH (one write
+    each), and the last one as soon as the shard is empty."""
+    from edgeswarm.bus import inbox, mqtt
+
+    batches: list[list[int]] = []
+    handled: list[str] = []
+    early: list[int] = []  # acknowledgements counted before as many messages were handled
+    ack_all = mqtt._Client.ack_all
+
+    def recorded(client: mqtt._Client, mids: list[int]) -> None:
+        batches.append(list(mids))
+        if sum(len(b) for b in batches) > len(handled):
+            early.extend(mids)
+        ack_all(client, mids)
+
+    monkeypatch.setattr(mqtt._Client, "ack_all", recorded)
+    rx = make_bus("rx", "sink", workers=1, inbox_capacity=64)
+    release = threading.Event()
+
+    def handle(msg: Inbound) -> None:
+        if not handled:
+            release.wait(30)
+        handled.append(msg.envelope.msg_id)
+
+    rx.subscribe(TOPICS[0], handle, schemas=(RequestRejected,))
+    sent = list(frames(50))
+    sender = RawSender(broker)
+    try:
+        sender.send([(TOPICS[0], msg_id, payload) for _topic, msg_id, payload in sent])
+        wait_until(lambda: rx._inbox.depth >= len(sent) - 1, 30, message="49 messages queued behind the first")
+        assert batches == [], "nothing is acknowledged while its handler has not run"
+        release.set()
+        wait_until(lambda: sum(len(b) for b in batches) >= len(sent), 30, message="every message acknowledged")
+    finally:
+        release.set()
+        sender.close()
+    assert handled == [msg_id for _topic, msg_id, _payload in sent]
+    assert not early, f"{len(early)} acknowledged before their handler ran"
+    assert sum(len(b) for b in batches) == len(sent)
+    assert max(len(b) for b in batches) == inbox.ACK_BATCH, batches
+
+
 def test_a_receiver_paused_longer_than_the_hold_bound_loses_nothing(broker, tmp_path: Path) -> None:
     """SIGSTOP (`chaos pause`) for 5 s, beyond the hold bound (1 s) and the broker's keepalive (3 s): the broker drops
     the connection, keeps the session, and the resumed receiver gets every message, once and in order."""

@@ -28,6 +28,9 @@ from edgeswarm.shares import SharedLimit
 
 log = logging.getLogger(__name__)
 
+# Most messages a worker handles before it acknowledges them together (while more wait in its shard).
+ACK_BATCH = 16
+
 
 class _Shard:
     def __init__(self, name: str, capacity: int, handle: Callable[[InboundMessage], None], metrics: Metrics) -> None:
@@ -87,9 +90,16 @@ class _Shard:
         self._items.put(None)
 
     def _run(self) -> None:
+        handled: list[InboundMessage] = []  # handled, not yet acknowledged
         while True:
+            # Acknowledged in batches while more messages wait (one write for all), at once when none does: a
+            # message is never acknowledged before its handler ran, nor held back while the worker idles.
+            if handled and (len(handled) >= ACK_BATCH or self._items.empty()):
+                InboundMessage.ack_together(handled)
+                handled.clear()
             item = self._items.get()
             if item is None:
+                InboundMessage.ack_together(handled)
                 return
             msg, sender = item
             if self._waiting:
@@ -107,7 +117,7 @@ class _Shard:
                 self._metrics.count("handler_errors")
                 log.exception("unhandled error while handling a message on %s", msg.topic)
             finally:
-                msg.ack()
+                handled.append(msg)
 
 
 class Inbox:

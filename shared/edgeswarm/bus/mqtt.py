@@ -97,6 +97,11 @@ class Session:
         if qos > 0 and self.current and not self.given_back:
             self._conn._client.ack(mid, qos)  # type: ignore[union-attr]
 
+    def ack_all(self, mids: list[int]) -> None:
+        """Acknowledge the QoS 1 messages ``mids`` of this session in one write."""
+        if mids and self.current and not self.given_back:
+            self._conn._client.ack_all(mids)  # type: ignore[union-attr]
+
 
 _NO_SESSION = Session(None, False)
 
@@ -140,6 +145,7 @@ Deliver = Callable[[bytes, "bytes | memoryview", int, bool, bool, int], None]
 _PUBLISH, _PUBACK = 0x30, 0x40  # MQTT control packet types, the high nibble of the first byte
 _PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)  # "Success": read by on_publish, never changed
 _PUBACK_PROPERTIES = Properties(PacketTypes.PUBACK)
+_PUBACK_PACKET = struct.Struct("!BBH")  # a PUBACK that says success: type, remaining length 2, packet id
 
 
 def _written_directly(command: int, qos: int) -> bool:
@@ -255,6 +261,14 @@ class _Client(paho.Client):
         ahead = self._ahead
         return ahead is not None and ahead[0] is self._sock and ahead[2] < len(ahead[1])
 
+    def ack_all(self, mids: list[int]) -> None:
+        """PUBACKs for the QoS 1 messages ``mids``, queued (and so written) as one packet of packets."""
+        if len(mids) == 1:
+            self.ack(mids[0], 1)
+            return
+        packet = b"".join(_PUBACK_PACKET.pack(_PUBACK, 2, mid) for mid in mids)
+        self._packet_queue(_PUBACK, packet, mids[0], 1)
+
     def _handle_pubackcomp(self, cmd: Literal["PUBACK", "PUBCOMP"]) -> MQTTErrorCode:
         packet = self._in_packet["packet"]
         if cmd != "PUBACK" or len(packet) != 2:
@@ -312,6 +326,21 @@ class InboundMessage:
             return False
         self._session = None
         return True
+
+    @staticmethod
+    def ack_together(messages: list[InboundMessage]) -> None:
+        """``ack()`` each of ``messages``; the QoS 1 ones of one connection go out in one write."""
+        batches: dict[Session, list[int]] = {}
+        for msg in messages:
+            session, msg._session = msg._session, None
+            if session is None:
+                continue
+            if msg.qos == 1:
+                batches.setdefault(session, []).append(msg._mid)
+            else:
+                session.ack(msg._mid, msg.qos)
+        for session, mids in batches.items():
+            session.ack_all(mids)
 
     @property
     def superseded(self) -> bool:
