@@ -271,11 +271,18 @@ def test_train_refuses_an_invalid_job_with_the_field(tmp_path: Path) -> None:
     assert out.returncode == 2 and "global_batch" in out.stderr and "greater than or equal to 1" in out.stderr
 
 
-def test_bench_training_measures_every_strategy(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bench_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One profile cache for the benchmarks on emulated Env D with the same tiny model: only the first profiles its
+    devices' compute."""
+    return tmp_path_factory.mktemp("bench-profiles")
+
+
+def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: Path) -> None:
     """`edgeswarm bench training` on emulated Env D with a tiny model: every strategy trains on the stage-workers
     (PP may give a weightless unit a device of its own) and the report has its measured and predicted times."""
     out = edgeswarm("bench", "training", "--envs", "d", "--model", "mlp", "--config", "hidden=32", "--strategies",
-                    "hpp,pp", "--rounds", "2", "--global-batch", "32", "--profile-dir", str(tmp_path / "profiles"),
+                    "hpp,pp", "--rounds", "2", "--global-batch", "32", "--profile-dir", str(bench_profiles),
                     "--out", str(tmp_path / "bench.json"), timeout=300)
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["env"], r["strategy"], r["error"]) for r in rows] == [("d", "hpp", None), ("d", "pp", None)], out.stdout
@@ -285,11 +292,11 @@ def test_bench_training_measures_every_strategy(tmp_path: Path) -> None:
     assert rows[1]["stages"] == 4 and "measured / predicted" in out.stdout
 
 
-def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: Path) -> None:
+def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: Path, bench_profiles: Path) -> None:
     """`edgeswarm bench recovery` on emulated Env D with a tiny model: the device dies mid-round under each mode,
     the job recovers without it, and the report has the detection, the recovery and the bytes moved."""
     out = edgeswarm("bench", "recovery", "--model", "mlp", "--config", "hidden=32", "--victims", "nano-2",
-                    "--rounds", "5", "--profile-dir", str(tmp_path / "profiles"), "--out", str(tmp_path / "rec.json"),
+                    "--rounds", "5", "--profile-dir", str(bench_profiles), "--out", str(tmp_path / "rec.json"),
                     timeout=300)
     rows = json.loads((tmp_path / "rec.json").read_text())
     assert [(r["victim"], r["mode"], r["error"]) for r in rows] == [("nano-2", "light", None),
@@ -333,8 +340,9 @@ def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type
 
 FT_ROUNDS = 12
 FT_JOB = JOB.replace("rounds: 6", f"rounds: {FT_ROUNDS}\ncheckpoint_interval: 4").replace("hidden: 64", "hidden: 256")
-# Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted.
-FT_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "150"}
+# Emulated devices this much slower than the host, so that a round lasts long enough to be interrupted (about a
+# second with FT_JOB; 2.6 s at 150, which the suite could not afford).
+FT_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60"}
 
 
 @pytest.fixture(scope="module")
@@ -423,15 +431,16 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
     # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
     # its stage-worker at round 1 makes it appear. Only that one service must then start, and the device be profiled
-    # (its compute a cache hit: it is like the others), while the job runs: 20 rounds leave it over a minute. (With
-    # all its services started at round 1, beside another worker's browser test, joining took more than 16 rounds.)
+    # (its compute a cache hit: it is like the others), while the job runs: 30 rounds of about a second leave it half a
+    # minute (alone it joined at round 5). (With all its services started at round 1, beside another worker's browser
+    # test, joining once took more than 16 rounds of 2.6 s.)
     with contextlib.ExitStack() as late:
         def late_device(job: _Training) -> None:
             env = {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
             late.enter_context(_services("late-0", ("node-agent", "profiler"), job.cluster.url, env))
             job.cluster.status(devices=3)  # its node-agent online
 
-        job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=20, before_job=late_device)
+        job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=30, before_job=late_device)
         late.enter_context(_services("late-0", ("stage-worker",), job.cluster.url,
                                      {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}))
         out, run = job.finish()
