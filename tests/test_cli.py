@@ -17,6 +17,7 @@ import pytest
 
 from edgeswarm.local.broker import free_port
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.topics import TOPIC_TREE
 from helpers import FAST_ENV, wait_until
 
@@ -328,14 +329,35 @@ class _Following:
         return self.log.read_text()
 
 
-def _job_state(url: str, name: str) -> dict | None:  # type: ignore[type-arg]
-    states = json.loads(edgeswarm("jobs", "--hub", url, "--json").stdout)
-    return next((s for s in states if s["job_id"] == name), None)
+def _running_from(url: str, name: str, round_index: int, timeout_s: float) -> JobState:
+    """Job ``name``'s state once it runs with ``round_index`` rounds done, read from its retained state topic by a
+    client of the test's own (polling `edgeswarm jobs` would start a process, 0.9 s of CPU, every few tenths of a
+    second beside the cluster)."""
+    from edgeswarm import topics
+    from edgeswarm.bus import Inbound
+    from edgeswarm.hpp.spec import TrainProgress
+    from edgeswarm.runtime.client import client_bus
+    from edgeswarm.settings import Settings
 
+    seen: list[JobState] = []
 
-def _running_from(url: str, name: str, round_index: int) -> dict | None:  # type: ignore[type-arg]
-    state = _job_state(url, name)
-    return state if state and state["status"] == "running" and state["progress"]["round"] >= round_index else None
+    def on_state(msg: Inbound) -> None:
+        assert isinstance(msg.body, JobState)
+        seen.append(msg.body)
+
+    def reached() -> JobState | None:
+        state = seen[-1] if seen else None
+        if (state is not None and state.status == "running"
+                and state.progress_as(TrainProgress).round >= round_index):
+            return state
+        return None
+
+    bus = client_bus(Settings(hub_url=url))
+    try:
+        bus.subscribe(topics.job_state(name), on_state, schemas=(JobState,))
+        return wait_until(reached, timeout_s, interval_s=0.1, message=f"job {name} at round {round_index}")
+    finally:
+        bus.stop()
 
 
 FT_ROUNDS = 12
@@ -370,8 +392,7 @@ class _Training:
         (tmp_path / f"{name}.yaml").write_text(self.job_text)
         self.train = _Following(tmp_path, str(tmp_path / f"{name}.yaml"), self.cluster.url, *train_args, "--json",
                                 str(tmp_path / "run.json"))
-        self.state = wait_until(lambda: _running_from(self.cluster.url, name, at_round), 180, interval_s=0.2,
-                                message=f"round {at_round}")
+        self.state = _running_from(self.cluster.url, name, at_round, 180)
 
     def finish(self) -> tuple[str, dict]:  # type: ignore[type-arg]
         """`train --wait`'s output and its report, once it exited 0."""
@@ -395,7 +416,7 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
     (from the job's event topic), the job completes on the survivors, and its weights are those of a run without
     the failure."""
     job = _Training(tmp_path, up, ft_env, "chaos", 3, 3, "--recovery", "light", rounds=8)
-    victim = job.state["stages"][-1][-1]  # type: ignore[index]
+    victim = job.state.plan.stages[-1].devices[-1]  # type: ignore[union-attr]
     killed = edgeswarm("chaos", "kill", victim, "--hub", job.cluster.url)
     assert f"killed stage-worker on {victim}" in killed.stdout, killed.stdout
     out, run = job.finish()
