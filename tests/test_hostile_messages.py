@@ -45,7 +45,7 @@ def probe_ok(bus: Bus, node: str, service: str) -> m.ProbeReply:
 
 
 def status_of(bus: Bus, node: str, service: str) -> m.Status:
-    return bus.peers.wait_for(node, service, timeout_s=20)
+    return bus.peers.wait_for(node, service, timeout_s=60)  # a service process starting on a loaded host
 
 
 # --- 1. one message must not disable a service -----------------------------------------------------------

@@ -22,6 +22,9 @@ from edgeswarm.wire import Message
 
 GIB = 1024**3
 NODE = "hub"
+# How long a planner process may take to come online: it imports torch and scikit-learn, and the host may be busy
+# (20 s was once not enough beside another worker's cluster).
+STARTUP_S = 60.0
 
 
 def _cluster(budget: int = 4 * GIB):
@@ -38,7 +41,7 @@ def test_planner_answers_plans_replans_and_failures(broker, make_bus, services, 
     def ask(message, timeout_s: float = 20.0):
         return client.request(topic, message, timeout_s=timeout_s).body
 
-    client.peers.wait_for(NODE, "planner", timeout_s=20)
+    client.peers.wait_for(NODE, "planner", timeout_s=STARTUP_S)
     reply = ask(PlanRequest(cluster=cluster, global_batch=256, micro_batches=8, epoch=3))
     assert isinstance(reply, PlanReply)
     plan = reply.plan
@@ -90,7 +93,7 @@ def test_a_request_over_the_budget_is_refused_before_planning(broker, make_bus, 
     planning) is answered too_large from its estimate alone; the planner goes on answering probes and plans."""
     proc = services.start("planner", NODE, broker.url)
     client = make_bus("tester", "cli")
-    client.peers.wait_for(NODE, "planner", timeout_s=20)
+    client.peers.wait_for(NODE, "planner", timeout_s=STARTUP_S)
     big = synthetic_cluster(200, _devices(12), bandwidth_bps=12.5e6)
     assert estimate_plan(big, 256, compare=True).cells > work_cap(30.0)  # the default budget
 
@@ -112,7 +115,7 @@ def test_probes_are_answered_while_a_plan_runs_and_a_full_queue_is_busy(broker, 
     dropped) and the next is refused busy; the plan and every waiting request that is still wanted arrive."""
     proc = services.start("planner", NODE, broker.url, EDGESWARM_PLAN_TIME_BUDGET_S="600")
     client = make_bus("tester", "cli")
-    client.peers.wait_for(NODE, "planner", timeout_s=20)
+    client.peers.wait_for(NODE, "planner", timeout_s=STARTUP_S)
     big = PlanRequest(cluster=synthetic_cluster(120, _devices(12), bandwidth_bps=12.5e6), global_batch=256,
                       micro_batches=8)
     assert estimate_plan(big.cluster, 256, micro_batches=8).cells > 5_000_000  # a second or more on any machine

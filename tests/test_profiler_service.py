@@ -50,7 +50,7 @@ def test_a_request_gets_progress_a_retained_report_and_a_reply_then_a_cache_hit(
             progress.append(msg.body)
 
     client.subscribe(topics.ALL_PROFILE_PROGRESS, on_progress, schemas=(ProfileProgress,))
-    client.peers.wait_for(NODE, "profiler", timeout_s=20)
+    client.peers.wait_for(NODE, "profiler", timeout_s=60)
 
     first = client.request(topics.request(NODE, "profiler"), request("r1"), timeout_s=60).body
     assert isinstance(first, ProfileReport), first
