@@ -191,9 +191,12 @@ class Ring:
         self.mesh = mesh  # direct collectives: any rank sends to any other
         self.boxes: dict[tuple[int, int], queue.Queue[tuple[int, Any]]] = {
             (s, d): queue.Queue() for s in range(n) for d in range(n)}
-        self.sent = [0] * n
         self.steps: list[list[int]] = [[] for _ in range(n)]
         self.messages: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    @property
+    def sent(self) -> list[int]:
+        return [sum(elements for _to, elements in sends) for sends in self.messages]
 
     def run(self, body: Callable[[int, Any, Any], Any]) -> list[Any]:
         results: list[Any] = [None] * self.n
@@ -202,7 +205,6 @@ class Ring:
         def worker(rank: int) -> None:
             def send(to: int, step: int, tensor: Any) -> None:
                 assert to == (rank + 1) % self.n or (self.mesh and to != rank), "a ring sends to its right neighbour"
-                self.sent[rank] += tensor.numel()
                 self.steps[rank].append(step)
                 self.messages[rank].append((to, tensor.numel()))
                 self.boxes[(rank, to)].put((step, tensor))

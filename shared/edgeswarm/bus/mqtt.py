@@ -178,6 +178,8 @@ class _Client(paho.Client):
       instead of waking the network thread through its socket pair to write it: a thread hand-off and a select()
       wake-up less per message. Anything else, anything on TLS (an SSL connection must not be read and written from
       two threads at once), and whatever cannot be written whole at once goes the network thread's way.
+
+    Besides, ``ack_all`` queues the PUBACKs of several messages as one write (the inbox's acknowledgement batching).
     """
 
     deliver: Deliver | None = None
@@ -330,6 +332,9 @@ class InboundMessage:
     @staticmethod
     def ack_together(messages: list[InboundMessage]) -> None:
         """``ack()`` each of ``messages``; the QoS 1 ones of one connection go out in one write."""
+        if len(messages) == 1:  # the usual case when nothing queues: no grouping on the way
+            messages[0].ack()
+            return
         batches: dict[Session, list[int]] = {}
         for msg in messages:
             session, msg._session = msg._session, None
