@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ import pytest
 
 from edgeswarm.bus import Bus
 from edgeswarm.local.broker import BrokerProcess, mosquitto_binary, start_broker
+from edgeswarm.local.forkserver import ForkedProcess, ForkServer
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
 from helpers import FAST_ENV
@@ -107,25 +107,24 @@ def make_bus(broker: BrokerProcess) -> Iterator[Callable[..., Bus]]:
 
 
 class ServiceProcesses:
-    """Starts ``edgeswarm service NAME`` processes and stops every one of them by PID."""
+    """Starts ``edgeswarm service NAME`` processes (forked by this worker's fork server, as a local cluster's are)
+    and stops every one of them by PID."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, forks: ForkServer) -> None:
         self._tmp = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self._forks = forks
+        self.procs: list[ForkedProcess] = []
 
-    def start(self, service: str, node: str, hub_url: str, **env: str) -> subprocess.Popen[bytes]:
+    def start(self, service: str, node: str, hub_url: str, **env: str) -> ForkedProcess:
         full = dict(os.environ)
         full.update(FAST_ENV)
         full.update({"EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": hub_url})
         full.update(env)
-        log = open(self._tmp / f"{node}.{service}.{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", service], env=full,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
+        proc = self._forks.spawn(["service", service], full, self._tmp / f"{node}.{service}.{len(self.procs)}.log")
         self.procs.append(proc)
         return proc
 
-    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
+    def log_of(self, proc: ForkedProcess) -> str:
         index = self.procs.index(proc)
         found = list(self._tmp.glob(f"*.{index}.log"))
         return found[0].read_text(errors="replace") if found else ""
@@ -146,10 +145,20 @@ class ServiceProcesses:
                 proc.wait(5)
 
 
+@pytest.fixture(scope="session")
+def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This worker's fork server: edgeswarm and torch imported once for every service process a test starts."""
+    server = ForkServer(tmp_path_factory.mktemp("forkserver") / "forkserver.log")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture
-def services(tmp_path: Path) -> Iterator[ServiceProcesses]:
+def services(tmp_path: Path, forks: ForkServer) -> Iterator[ServiceProcesses]:
     """Service processes, all stopped (SIGTERM, then SIGKILL) after the test."""
-    procs = ServiceProcesses(tmp_path)
+    procs = ServiceProcesses(tmp_path, forks)
     try:
         yield procs
     finally:

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -45,6 +44,7 @@ from edgeswarm.errors import (
     CheckpointVersionError,
 )
 from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.local.forkserver import ForkedProcess
 from edgeswarm.state.units import checkpoint_tensors
 from edgeswarm.wire import WireTensor, encode
 from helpers import announce, wait_until
@@ -428,7 +428,7 @@ def test_upload_tracker_caps_the_uploads_open_at_once() -> None:
 
 
 def start_store(services: Any, broker: BrokerProcess, bus: Bus, directory: Path,
-                **env: str) -> subprocess.Popen[bytes]:
+                **env: str) -> ForkedProcess:
     proc = services.start(STORE, STORE_NODE, broker.url, EDGESWARM_CHECKPOINT_DIR=str(directory),
                           EDGESWARM_CHECKPOINT_KEEP="2", **env)
     wait_until(lambda: proc.poll() is not None or ((s := bus.peers.get(STORE_NODE, STORE)) is not None
@@ -438,7 +438,7 @@ def start_store(services: Any, broker: BrokerProcess, bus: Bus, directory: Path,
     return proc
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: ForkedProcess) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.local.broker import free_port
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.topics import TOPIC_TREE
@@ -428,11 +429,12 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
 
 
 @contextlib.contextmanager
-def _services(node: str, names: tuple[str, ...], url: str, env: dict[str, str]) -> Iterator[None]:
-    """``edgeswarm service NAME`` for each of ``names`` as ``node`` of the cluster at ``url``, stopped after."""
+def _services(forks: ForkServer, node: str, names: tuple[str, ...], url: str, env: dict[str, str],
+              logs: Path) -> Iterator[None]:
+    """``edgeswarm service NAME`` for each of ``names`` as ``node`` of the cluster at ``url`` (forked by ``forks``, as
+    the cluster's own services are, their output in ``logs``), stopped after."""
     full = {**ENV, **env, "EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": url}
-    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm", "service", s], env=full, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL) for s in names]
+    procs = [forks.spawn(["service", s], full, logs / f"{node}.{s}.log") for s in names]
     try:
         yield
     finally:
@@ -446,8 +448,8 @@ def _services(node: str, names: tuple[str, ...], url: str, env: dict[str, str]) 
                 p.wait(5)
 
 
-def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up,
-                                                                    ft_env: dict[str, str]) -> None:
+def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up, ft_env: dict[str, str],
+                                                                    forks: ForkServer) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
     # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
@@ -458,12 +460,12 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     with contextlib.ExitStack() as late:
         def late_device(job: _Training) -> None:
             env = {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
-            late.enter_context(_services("late-0", ("node-agent", "profiler"), job.cluster.url, env))
+            late.enter_context(_services(forks, "late-0", ("node-agent", "profiler"), job.cluster.url, env, tmp_path))
             job.cluster.status(devices=3)  # its node-agent online
 
         job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=30, before_job=late_device)
-        late.enter_context(_services("late-0", ("stage-worker",), job.cluster.url,
-                                     {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}))
+        late.enter_context(_services(forks, "late-0", ("stage-worker",), job.cluster.url,
+                                     {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}, tmp_path))
         out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
     assert run["state"]["progress"]["reconfigurations"] == 1
@@ -472,14 +474,15 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
 
 
 def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up,
-                                                                                   ft_env: dict[str, str]) -> None:
+                                                                                   ft_env: dict[str, str],
+                                                                                   forks: ForkServer) -> None:
     """The coordinator killed (SIGKILL, with `edgeswarm chaos`) while a job trains, and a new one started on the hub:
     it reads the job's retained state, the devices restore their snapshots, `train --wait` follows the job to its
     end, and the weights are those of a run without the restart."""
     job = _Training(tmp_path, up, ft_env, "handover", 2, 6)
     killed = edgeswarm("chaos", "kill", "hub", "--service", "coordinator", "--hub", job.cluster.url)
     assert "killed coordinator on hub" in killed.stdout, killed.stdout
-    with _services("hub", ("coordinator",), job.cluster.url, job.env):
+    with _services(forks, "hub", ("coordinator",), job.cluster.url, job.env, tmp_path):
         out, run = job.finish()
     assert re.search(r"resumed.*takes the job over at round \d+", out), out
     assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["checkpoint_version"] == FT_ROUNDS

@@ -4,8 +4,9 @@ Each node runs the services of its role (``edgeswarm.service_registry``): the hu
 the cluster spec the device role's, and every edge server (the spec's ``edges``) the edge role's.
 
 Every child is an ``edgeswarm service NAME`` process configured only through ``EDGESWARM_*``
-environment variables, exactly as a container would be. Children die with the launcher (Linux
-parent-death signal), and ``stop()`` ends each of them by PID. Logs, broker files and (unless
+environment variables, exactly as a container would be, forked by the cluster's fork server
+(``edgeswarm.local.forkserver``: edgeswarm and torch are imported once, not once per service). Children die with
+the launcher (Linux parent-death signal), and ``stop()`` ends each of them by PID. Logs, broker files and (unless
 ``EDGESWARM_CHECKPOINT_DIR`` is set) the checkpoint store's files go to the working folder.
 
 A local cluster binds only to 127.0.0.1 and is anonymous by default. ``secure=True`` runs it as a deployment
@@ -21,7 +22,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from pathlib import Path
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, free_port, start_broker
+from edgeswarm.local.forkserver import ForkedProcess, ForkServer
 from edgeswarm.roles import NodeRole, Role
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
@@ -52,7 +53,7 @@ class ChildProcess:
 
     node: str
     service: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     env: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -85,11 +86,6 @@ def stop_children(children: list[ChildProcess], timeout_s: float = STOP_GRACE_S)
                         child.node, child.pid, timeout_s)
             child.process.kill()
             child.process.wait(5)
-
-
-def service_command(service: str) -> list[str]:
-    """The command line that runs ``service``: ``edgeswarm service NAME`` via this interpreter."""
-    return [sys.executable, "-m", "edgeswarm", "service", service]
 
 
 def service_env(node: str, hub_url: str, *, device_class: str, links: dict[str, object] | None = None,
@@ -133,6 +129,7 @@ class LocalCluster:
         self._extra_env = extra_env or {}
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []
+        self._forks: ForkServer | None = None
 
     @property
     def hub_services(self) -> tuple[str, ...]:
@@ -208,6 +205,7 @@ class LocalCluster:
         security = self._secure_broker() if self.secure else None
         self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker",
                                    security=security)
+        self._forks = ForkServer(self.workdir / "logs" / "forkserver.log")
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
         extra = {CHECKPOINT_DIR_ENV: str(self.checkpoint_dir), **self._extra_env}
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
@@ -236,9 +234,9 @@ class LocalCluster:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{node}.{service}.log"
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(service_command(service), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+        if self._forks is None:
+            raise RuntimeError("the cluster is not started")
+        proc = self._forks.spawn(["service", service], env, log_path)
         self.children.append(ChildProcess(node, service, proc, log_path, env))
         log.debug("started %s on %s (pid %d)", service, node, proc.pid)
 
@@ -260,6 +258,9 @@ class LocalCluster:
     def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child (devices first, coordinator last), wait, SIGKILL stragglers, stop the broker."""
         stop_children(self.children, timeout_s)
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         if self.broker is not None:
             self.broker.stop()
 

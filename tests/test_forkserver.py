@@ -1,0 +1,97 @@
+"""The fork server a local cluster starts its services from: a child is the service its request names, with that
+request's environment and command line, and its end (status, signal) is reported; children die with the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.cli.chaos import read_cmdline
+from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.local.forkserver import ForkServer, ForkServerError
+from edgeswarm.runtime.client import ClusterWatcher, client_bus
+from edgeswarm.settings import Settings
+from helpers import wait_until
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    forks = ForkServer(tmp_path / "forkserver.log")
+    try:
+        yield forks
+    finally:
+        forks.close()
+
+
+def service_env(broker: BrokerProcess, node: str) -> dict[str, str]:
+    # Nothing of this process's environment: a child sees only what its request carries.
+    return {"PATH": os.environ.get("PATH", ""), "EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": broker.url,
+            "EDGESWARM_HEARTBEAT_INTERVAL_S": "0.25"}
+
+
+def test_a_child_is_the_service_its_request_names_with_that_environment(server: ForkServer, broker: BrokerProcess,
+                                                                         tmp_path: Path) -> None:
+    child = server.spawn(["service", "node-agent"], service_env(broker, "forked-a"), tmp_path / "a.log")
+    assert child.pid != server.pid
+    # What ps and chaos's pid check read: the service, not the server (the child writes it first thing).
+    wait_until(lambda: (read_cmdline(child.pid) or [])[-3:] == ["edgeswarm", "service", "node-agent"], 10,
+               message="the child's command line")
+    bus = client_bus(Settings(hub_url=broker.url))
+    try:
+        watcher = ClusterWatcher(bus)
+
+        def online_pid() -> int | None:
+            for node in watcher.view()[0].nodes:
+                for service in node.services:
+                    if node.node == "forked-a" and service.service == "node-agent" and service.state == "online":
+                        return service.pid
+            return None
+
+        wait_until(lambda: online_pid() is not None, 60, message="the forked node-agent online as forked-a")
+        assert online_pid() == child.pid
+    finally:
+        bus.stop()
+    assert child.poll() is None
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(30) == 0
+    log = (tmp_path / "a.log").read_text()
+    assert "[forked-a/node-agent]" in log and "stopped" in log
+
+
+def test_each_end_is_reported_with_its_status(server: ForkServer, tmp_path: Path) -> None:
+    version = server.spawn(["--version"], {}, tmp_path / "version.log")
+    assert version.wait(60) == 0
+    assert (tmp_path / "version.log").read_text().startswith("edgeswarm ")
+    unknown = server.spawn(["service", "nosuch"], {}, tmp_path / "unknown.log")
+    assert unknown.wait(60) == 2  # a usage error, as from the command line
+    assert "unknown service 'nosuch'" in (tmp_path / "unknown.log").read_text()
+    killed = server.spawn(["service", "node-agent"], {"EDGESWARM_HUB_URL": "mqtt://127.0.0.1:9"},
+                          tmp_path / "killed.log")
+    with pytest.raises(ForkServerError, match="cannot open its log"):
+        server.spawn(["--version"], {}, tmp_path / "no-such-folder" / "x.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        killed.wait(0.2)
+    killed.kill()
+    assert killed.wait(30) == -signal.SIGKILL
+    killed.kill()  # known to have ended: nothing is signalled (its pid may be another process's by now)
+
+
+def test_children_die_with_the_server(server: ForkServer, broker: BrokerProcess, tmp_path: Path) -> None:
+    child = server.spawn(["service", "node-agent"], service_env(broker, "forked-b"), tmp_path / "b.log")
+    wait_until(lambda: "started as instance" in (tmp_path / "b.log").read_text(errors="replace"), 60,
+               message="the forked node-agent started")
+    os.kill(server.pid, signal.SIGKILL)
+    child.wait(30)  # its parent-death signal is SIGTERM: it stops as on any SIGTERM
+    assert "stopped" in (tmp_path / "b.log").read_text()
+    with pytest.raises(ForkServerError, match="fork server"):
+        server.spawn(["--version"], {}, tmp_path / "late.log")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and read_cmdline(child.pid) is not None:
+        time.sleep(0.05)
+    assert read_cmdline(child.pid) is None
