@@ -126,10 +126,7 @@ def serve(launcher_pid: int) -> None:
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
     buffered = b""
     while True:
-        try:
-            readable, _, _ = select.select([stdin, wake_r], [], [])
-        except InterruptedError:
-            readable = []
+        readable, _, _ = select.select([stdin, wake_r], [], [])
         if wake_r in readable:
             while _drain(wake_r):
                 pass
