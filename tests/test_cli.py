@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -12,11 +11,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from edgeswarm.local.broker import free_port
-from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.topics import TOPIC_TREE
@@ -428,28 +427,8 @@ def test_a_device_killed_with_chaos_shows_in_train_wait_and_the_job_ends_as_if_u
     job.assert_uninterrupted_weights(run)
 
 
-@contextlib.contextmanager
-def _services(forks: ForkServer, node: str, names: tuple[str, ...], url: str, env: dict[str, str],
-              logs: Path) -> Iterator[None]:
-    """``edgeswarm service NAME`` for each of ``names`` as ``node`` of the cluster at ``url`` (forked by ``forks``, as
-    the cluster's own services are, their output in ``logs``), stopped after."""
-    full = {**ENV, **env, "EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": url}
-    procs = [forks.spawn(["service", s], full, logs / f"{node}.{s}.log") for s in names]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-
-
 def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Path, up, ft_env: dict[str, str],
-                                                                    forks: ForkServer) -> None:
+                                                                    services: Any) -> None:
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
     # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
@@ -457,16 +436,14 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     # (its compute a cache hit: it is like the others), while the job runs: 30 rounds of about a second leave it half a
     # minute (alone it joined at round 5). (With all its services started at round 1, beside another worker's browser
     # test, joining once took more than 16 rounds of 2.6 s.)
-    with contextlib.ExitStack() as late:
-        def late_device(job: _Training) -> None:
-            env = {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}
-            late.enter_context(_services(forks, "late-0", ("node-agent", "profiler"), job.cluster.url, env, tmp_path))
-            job.cluster.status(devices=3)  # its node-agent online
+    def late_device(job: _Training) -> None:
+        for name in ("node-agent", "profiler"):
+            services.start(name, "late-0", job.cluster.url, **job.env, EDGESWARM_DEVICE_CLASS="jetson-nano")
+        job.cluster.status(devices=3)  # its node-agent online
 
-        job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=30, before_job=late_device)
-        late.enter_context(_services(forks, "late-0", ("stage-worker",), job.cluster.url,
-                                     {**job.env, "EDGESWARM_DEVICE_CLASS": "jetson-nano"}, tmp_path))
-        out, run = job.finish()
+    job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=30, before_job=late_device)
+    services.start("stage-worker", "late-0", job.cluster.url, **job.env, EDGESWARM_DEVICE_CLASS="jetson-nano")
+    out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
     assert run["state"]["progress"]["reconfigurations"] == 1
     assert "late-0" in {d for s in run["state"]["plan"]["stages"] for d in s["devices"]}
@@ -475,15 +452,15 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
 
 def test_a_restarted_coordinator_takes_the_job_over_and_it_ends_as_if_uninterrupted(tmp_path: Path, up,
                                                                                    ft_env: dict[str, str],
-                                                                                   forks: ForkServer) -> None:
+                                                                                   services: Any) -> None:
     """The coordinator killed (SIGKILL, with `edgeswarm chaos`) while a job trains, and a new one started on the hub:
     it reads the job's retained state, the devices restore their snapshots, `train --wait` follows the job to its
     end, and the weights are those of a run without the restart."""
     job = _Training(tmp_path, up, ft_env, "handover", 2, 6)
     killed = edgeswarm("chaos", "kill", "hub", "--service", "coordinator", "--hub", job.cluster.url)
     assert "killed coordinator on hub" in killed.stdout, killed.stdout
-    with _services(forks, "hub", ("coordinator",), job.cluster.url, job.env, tmp_path):
-        out, run = job.finish()
+    services.start("coordinator", "hub", job.cluster.url, **job.env)
+    out, run = job.finish()
     assert re.search(r"resumed.*takes the job over at round \d+", out), out
     assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["checkpoint_version"] == FT_ROUNDS
     assert [r["round"] for r in run["rounds"]] == list(range(1, FT_ROUNDS + 1))
