@@ -120,7 +120,7 @@ class ServiceProcesses:
         full.update(FAST_ENV)
         full.update({"EDGESWARM_NODE_ID": node, "EDGESWARM_HUB_URL": hub_url})
         full.update(env)
-        proc = self._forks.spawn(["service", service], full, self._tmp / f"{node}.{service}.{len(self.procs)}.log")
+        proc = self._forks.spawn(service, full, self._tmp / f"{node}.{service}.{len(self.procs)}.log")
         self.procs.append(proc)
         return proc
 

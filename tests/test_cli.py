@@ -338,12 +338,13 @@ def _running_from(url: str, name: str, round_index: int, timeout_s: float) -> Jo
     from edgeswarm.hpp.spec import TrainProgress
     from edgeswarm.runtime.client import client_bus
     from edgeswarm.settings import Settings
+    from edgeswarm.workloads import typed_state
 
     seen: list[JobState] = []
 
     def on_state(msg: Inbound) -> None:
         assert isinstance(msg.body, JobState)
-        seen.append(msg.body)
+        seen.append(typed_state(msg.body))
 
     def reached() -> JobState | None:
         state = seen[-1] if seen else None

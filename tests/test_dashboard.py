@@ -35,6 +35,7 @@ from edgeswarm.messages.cluster import NodeView, ServiceView
 from edgeswarm.observability import catalogue
 from edgeswarm.observability.prometheus import CONTENT_TYPE
 from edgeswarm.values.schedule import ScheduleBar, ScheduleView
+from edgeswarm.workloads import typed_state
 from edgeswarm.workloads.views import Series, SeriesPoint
 from helpers import FAST_ENV, native_cluster, wait_until
 
@@ -63,9 +64,9 @@ def view(*nodes: NodeView) -> ClusterView:
 
 def train_state(job: str, round_: int, loss: float, *, round_s: float | None = 0.5, predicted: float | None = 0.4,
                 status: str = "running") -> JobState:
-    return JobState(job_id=job, kind="train-hpp", status=status, model="mlp", submitted_at=900.0, updated_at=950.0,
-                    progress={"round": round_, "total_rounds": 10, "loss": loss, "round_s": round_s,
-                              "predicted_round_s": predicted})
+    return typed_state(JobState(job_id=job, kind="train-hpp", status=status, model="mlp", submitted_at=900.0,
+                                updated_at=950.0, progress={"round": round_, "total_rounds": 10, "loss": loss,
+                                                            "round_s": round_s, "predicted_round_s": predicted}))
 
 
 def serve_state(job: str) -> JobState:
@@ -75,9 +76,10 @@ def serve_state(job: str) -> JobState:
                  "input_bytes": 64, "memory_bytes": 1000, "memory_budget_bytes": 10000},
                 {"index": 1, "start": 2, "end": 4, "device": "d1", "compute_s": 0.005, "transfer_in_s": 0.001,
                  "input_bytes": 64, "memory_bytes": 1000, "memory_budget_bytes": 10000}]}
-    return JobState(job_id=job, kind="serve-pipeline", status="running", model="mlp", submitted_at=900.0,
-                    updated_at=960.0, plan=plan, progress={"answered": 8, "latency_p50_s": 0.03,
-                                                           "predicted_latency_s": 0.02, "throughput_per_s": 150.0})
+    return typed_state(JobState(job_id=job, kind="serve-pipeline", status="running", model="mlp", submitted_at=900.0,
+                                updated_at=960.0, plan=plan, progress={"answered": 8, "latency_p50_s": 0.03,
+                                                                       "predicted_latency_s": 0.02,
+                                                                       "throughput_per_s": 150.0}))
 
 
 def test_merge_series_keeps_one_point_per_round_and_drops_rounds_run_again() -> None:
@@ -142,9 +144,9 @@ def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts()
     hmp = HmpPlan.model_construct(shares=HmpShares(devices=["a", "b"], heads=[6, 2], columns=[300, 100]),
                                   memory_bytes=[3 * MIB, MIB], left_out=["c"], epoch=1,
                                   model=LatencySplit(total_s=0.02, compute_s=0.015, comm_s=0.01, exposed_s=0.005))
-    state = JobState(job_id="h", kind="serve-hmp", status="running", model="bert", submitted_at=1.0, updated_at=2.0,
-                     plan=hmp, progress={"answered": 3, "latency_p50_s": 0.05, "predicted_latency_s": 0.02,
-                                         "tpot_p50_s": 0.01})
+    state = typed_state(JobState(job_id="h", kind="serve-hmp", status="running", model="bert", submitted_at=1.0,
+                                 updated_at=2.0, plan=hmp, progress={"answered": 3, "latency_p50_s": 0.05,
+                                                                     "predicted_latency_s": 0.02, "tpot_p50_s": 0.01}))
     drawn = build_snapshot(Observed(jobs={"h": state}), now=3.0).jobs[0].plan
     assert drawn is not None and drawn.layout == "parallel" and drawn.epoch == 1
     assert [(b.device, b.share) for b in drawn.groups[0].blocks] == [("a", 0.75), ("b", 0.25)]
@@ -155,10 +157,10 @@ def test_tensor_parallel_and_split_learning_plans_are_drawn_as_shares_and_cuts()
 
     split = SplitSelection(selected=[DeviceCut(node="d0", mec="edge-0", cut=2, round_s=1.5, memory_bytes=MIB)],
                            objective=1.0, t_system_s=1.5, target_cut=2, count=1, evaluations=4, solver="bo")
-    state = JobState(job_id="s", kind="train-splitfed", status="running", model="mlp", submitted_at=1.0,
-                     updated_at=2.0, plan=split, progress={"rounds_done": 2, "history": [
-                         {"round": r, "participants": [], "loss": 1.0 - r / 10, "round_s": 1.8, "predicted_s": 1.5}
-                         for r in range(2)]})
+    state = typed_state(JobState(job_id="s", kind="train-splitfed", status="running", model="mlp", submitted_at=1.0,
+                                 updated_at=2.0, plan=split, progress={"rounds_done": 2, "history": [
+                                     {"round": r, "participants": [], "loss": 1.0 - r / 10, "round_s": 1.8,
+                                      "predicted_s": 1.5} for r in range(2)]}))
     card = build_snapshot(Observed(jobs={"s": state}), now=3.0).jobs[0]
     assert card.plan is not None and [b.device for b in card.plan.groups[0].blocks] == ["d0", "edge-0"]
     assert "cut 2" in card.plan.groups[0].detail

@@ -48,6 +48,7 @@ from edgeswarm.settings import Settings
 from edgeswarm.wire import DTYPES, Message, decode, registered
 from edgeswarm.wire.codec import FRAME_VERSION, MAGIC, PREFIX
 from edgeswarm.wire.tensor import expected_chunks
+from edgeswarm.workloads import typed_state
 from test_wire_doc_decoder import plain, samples
 
 # Fixed, so that a run is reproducible: nothing in decoding depends on the send time being recent.
@@ -589,8 +590,10 @@ def test_codec_and_bus_take_any_frame(fuzz_bus: tuple[Bus, list[Inbound]], broke
     decoded = [decode_or_wire_error(frame) for frame in case.frames]
     if not case.mutated:  # the generator's valid frames really are valid: every one decodes to a sample
         assert all(frame is not None for frame in decoded)
-        assert any(decoded[0].body == sample.model_copy(update=_identity_fields(decoded[0].body))
-                   for sample in base_messages()[case.schema])
+        body = decoded[0].body
+        if isinstance(body, m.JobState):
+            body = typed_state(body)  # the plan and the progress are the kind's to parse, as every reader does
+        assert any(body == sample.model_copy(update=_identity_fields(body)) for sample in base_messages()[case.schema])
     delivered = len(got)
     for frame in case.frames:
         bus._handle_raw(inbound(topic, frame, case.retain))  # the inbox workers' path

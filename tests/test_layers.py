@@ -1,7 +1,9 @@
 """The library's packages form layers: no cycle between them, and the shared value types sit below everything.
 
-Only imports that run when a module is imported count (those at module level, outside ``if TYPE_CHECKING``);
-an import inside a function is a deliberate late dependency (torch only when a job runs, say)."""
+Between packages, only imports that run when a module is imported count (those at module level, outside
+``if TYPE_CHECKING``); an import inside a function is a deliberate late dependency (torch only when a job runs, say).
+Between modules, late imports count too: a module that imports another only inside a function still needs it, so no
+circle of modules may close that way either."""
 
 from __future__ import annotations
 
@@ -71,6 +73,54 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_package_imports_itself_back_through_another() -> None:
     found = cycle(layer_graph())
     assert found is None, "import cycle between packages: " + " -> ".join(found or [])
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(LIBRARY.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the library and the library modules it imports anywhere (in functions too), except under
+    ``if TYPE_CHECKING``. ``from a.b import c`` is an import of module ``a.b.c`` when there is one, else of ``a.b``."""
+    paths = {module_name(p): p for p in LIBRARY.rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(inner) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for stmt in node.body for inner in ast.walk(stmt)}
+        out: set[str | None] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
+                    node.module.startswith("edgeswarm."):
+                out.update(known(f"{node.module}.{alias.name}") for alias in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(known(alias.name) for alias in node.names if alias.name.startswith("edgeswarm."))
+        graph[name] = {m for m in out if m is not None and m != name}
+    return graph
+
+
+def test_no_module_imports_itself_back_through_others_not_even_late() -> None:
+    graph = module_graph()
+    assert "edgeswarm.messages.jobs" in graph and "edgeswarm.local.forkserver" in graph["edgeswarm.local.launcher"]
+    found = cycle(graph)
+    assert found is None, "import cycle between modules (late imports included): " + " -> ".join(found or [])
+
+
+def test_a_message_schema_does_not_depend_on_the_installed_kinds() -> None:
+    """The wire layer carries a job's plan and progress as data; the workload registry parses them."""
+    for path in (LIBRARY / "messages").rglob("*.py"):
+        assert "workloads" not in imported_layers(path, late=True), path.name
 
 
 def test_the_value_types_sit_below_everything() -> None:

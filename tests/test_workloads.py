@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from edgeswarm.errors import ConfigError
+from edgeswarm.errors import ConfigError, InvalidMessageError
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.hpp.spec import JobSpec, TrainProgress
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.jobs import JobState
+from edgeswarm.messages.jobs import JobState, OpaqueValue
 from edgeswarm.models.zoo import build_model
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.splitfed.spec import SplitfedSpec
-from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
+from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, typed_state, workload
 from edgeswarm.workloads.base import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -64,9 +64,16 @@ def test_a_job_state_is_common_fields_and_its_kinds_progress() -> None:
     assert state.progress_as(ServeProgress).answered == 3
     with pytest.raises(TypeError, match="not one with TrainProgress"):
         _ = state.progress_as(TrainProgress)
-    train = JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp", submitted_at=0.0,
-                                                  updated_at=0.0).model_dump_json())
+    wire = JobState.model_validate_json(state.model_dump_json())  # as any subscriber decodes it
+    assert isinstance(wire.progress, OpaqueValue)  # the message layer knows no kind's types
+    assert typed_state(wire).progress_as(ServeProgress).answered == 3
+    train = typed_state(JobState.model_validate_json(JobState(job_id="t", status="queued", model="mlp",
+                                                              submitted_at=0.0, updated_at=0.0).model_dump_json()))
     assert isinstance(train.progress, TrainProgress) and train.kind == "train"
+    broken = JobState(job_id="b", kind="serve-pipeline", status="running", model="mlp", submitted_at=0.0,
+                      updated_at=0.0, progress={"answered": "many"})
+    with pytest.raises(InvalidMessageError, match="serve-pipeline job b does not fit its kind:\n  answered"):
+        typed_state(broken)
     assert set(KINDS) == {"train-hpp", "serve-pipeline", "serve-hmp", "train-splitfed"}
     assert workload("train") is workload("train-hpp")  # the old name of HPP training stays an alias
 

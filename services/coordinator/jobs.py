@@ -37,7 +37,7 @@ from edgeswarm.messages.jobs import (
     JobState,
     JobSubmit,
 )
-from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
+from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, typed_state, workload
 from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ class JobManager:
                              "not by a coordinator on %s", msg.topic[:256], env.sender_node, env.sender_service,
                              self.node)
             return
+        state = typed_state(state)
         with self._lock:
             if state.job_id not in self._states:
                 self._states[state.job_id] = state
@@ -289,7 +290,7 @@ class JobManager:
             if progress:
                 own["progress"] = current.progress.model_copy(update=progress)
             state = current.model_copy(update={"status": status, "updated_at": time.time(), **own})
-            self._states[job_id] = JobState.model_validate(state.model_dump())
+            self._states[job_id] = typed_state(JobState.model_validate(state.model_dump()))
         self._publish(job_id, event)
         return self._states[job_id]
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from pydantic import ValidationError
 from rich.markup import escape
 
 from edgeswarm.cli.console import err_console
+from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
 
 # The hub URL comes from --hub as often as from the environment: a bad one names both.
 _FLAG_OF = {"hub_url": "--hub / EDGESWARM_HUB_URL"}
@@ -19,6 +21,24 @@ _MAX_SHOWN = 60
 
 # Exit status of a command whose reader went away (`edgeswarm watch | head`), as for a process killed by SIGPIPE.
 BROKEN_PIPE_STATUS = 141
+
+
+def exit_status(run: Callable[[], int]) -> int:
+    """``run()``'s exit status, a user's mistake reported as one ``error:`` line: 3 for a node name already online,
+    2 for a configuration mistake, 1 for any other edgeswarm error, 130 for an interrupt."""
+    try:
+        return run()
+    except DuplicateNodeError as exc:
+        report(str(exc))
+        return 3
+    except ConfigError as exc:
+        report(str(exc))
+        return 2
+    except EdgeswarmError as exc:
+        report(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def report(message: str) -> None:

@@ -18,7 +18,7 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.client import ask
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.messages.jobs import JobState
-from edgeswarm.models.text.hf import ModelFolderError
+from edgeswarm.models.text.hf import ModelFolderError, source_config
 from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence_embedding
 from edgeswarm.workloads import parse_spec_text
 
@@ -39,7 +39,7 @@ def _prompts(args: argparse.Namespace, state: JobState) -> list[list[int] | str]
     if args.npz is not None:
         ids = as_input_dtype(read_npz(args.npz), torch.int64, args.npz)
         return [row.reshape(-1).tolist() for row in ids.reshape(ids.shape[0], -1)]
-    vocab = spec.model.config().vocab
+    vocab = source_config(spec.model).vocab
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (spec.seq_len,), generator=g).tolist() for _ in range(args.count)]
 

@@ -11,8 +11,7 @@ from pydantic import ValidationError
 
 from edgeswarm import __version__
 from edgeswarm.cli.common import add_hub_arg
-from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, report, settings_problem
-from edgeswarm.errors import ConfigError, DuplicateNodeError, EdgeswarmError
+from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, exit_status, report, settings_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,129 +239,121 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "service":
+        from edgeswarm.cli.service import service_process
+
+        return service_process(args.name)
     from edgeswarm.logs import configure_cli_logging
 
-    configure_cli_logging(os.environ.get("EDGESWARM_LOG_LEVEL", "WARNING") if args.command != "service" else "INFO")
-    try:
-        if args.command == "up":
-            from edgeswarm.cli.up import run_up
+    configure_cli_logging(os.environ.get("EDGESWARM_LOG_LEVEL", "WARNING"))
+    return exit_status(lambda: _command(args))
 
-            return run_up(args)
-        if args.command == "status":
-            from edgeswarm.cli.status import run_status
 
-            return run_status(args)
-        if args.command == "topics":
-            from edgeswarm.cli.status import run_topics
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "up":
+        from edgeswarm.cli.up import run_up
 
-            return run_topics(args)
-        if args.command == "watch":
-            from edgeswarm.cli.watch import run_watch
+        return run_up(args)
+    if args.command == "status":
+        from edgeswarm.cli.status import run_status
 
-            return run_watch(args)
-        if args.command == "dashboard":
-            from edgeswarm.cli.dashboard import run_dashboard
+        return run_status(args)
+    if args.command == "topics":
+        from edgeswarm.cli.status import run_topics
 
-            return run_dashboard(args)
-        if args.command == "service":
-            from edgeswarm.cli.service import run_service
+        return run_topics(args)
+    if args.command == "watch":
+        from edgeswarm.cli.watch import run_watch
 
-            return run_service(args.name)
-        if args.command == "health":
-            from edgeswarm.cli.health import run_health
+        return run_watch(args)
+    if args.command == "dashboard":
+        from edgeswarm.cli.dashboard import run_dashboard
 
-            return run_health(args)
-        if args.command in ("credentials", "certs"):
-            from edgeswarm.cli.security import run_certs, run_credentials
+        return run_dashboard(args)
+    if args.command == "health":
+        from edgeswarm.cli.health import run_health
 
-            return run_credentials(args) if args.command == "credentials" else run_certs(args)
-        if args.command == "chaos":
-            from edgeswarm.cli.chaos import run_chaos
+        return run_health(args)
+    if args.command in ("credentials", "certs"):
+        from edgeswarm.cli.security import run_certs, run_credentials
 
-            return run_chaos(args)
-        if args.command in ("plan", "bench", "train"):
-            from edgeswarm.runtime.signals import terminate_as_interrupt
+        return run_credentials(args) if args.command == "credentials" else run_certs(args)
+    if args.command == "chaos":
+        from edgeswarm.cli.chaos import run_chaos
 
-            terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
-        if args.command == "bench" and args.bench == "training":
-            from edgeswarm.cli.bench import run_bench_training
+        return run_chaos(args)
+    if args.command in ("plan", "bench", "train"):
+        from edgeswarm.runtime.signals import terminate_as_interrupt
 
-            return run_bench_training(args)
-        if args.command == "bench" and args.bench == "recovery":
-            from edgeswarm.cli.bench import run_bench_recovery
+        terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
+    if args.command == "bench" and args.bench == "training":
+        from edgeswarm.cli.bench import run_bench_training
 
-            return run_bench_recovery(args)
-        if args.command == "bench" and args.bench == "serving":
-            from edgeswarm.cli.bench import run_bench_serving
+        return run_bench_training(args)
+    if args.command == "bench" and args.bench == "recovery":
+        from edgeswarm.cli.bench import run_bench_recovery
 
-            return run_bench_serving(args)
-        if args.command == "bench" and args.bench == "compute":
-            from edgeswarm.cli.bench import run_bench_compute
+        return run_bench_recovery(args)
+    if args.command == "bench" and args.bench == "serving":
+        from edgeswarm.cli.bench import run_bench_serving
 
-            return run_bench_compute(args)
-        if args.command == "bench" and args.bench == "spans":
-            from edgeswarm.cli.bench import run_bench_spans
+        return run_bench_serving(args)
+    if args.command == "bench" and args.bench == "compute":
+        from edgeswarm.cli.bench import run_bench_compute
 
-            return run_bench_spans(args)
-        if args.command == "bench" and args.bench == "collectives":
-            from edgeswarm.cli.bench import run_bench_collectives
+        return run_bench_compute(args)
+    if args.command == "bench" and args.bench == "spans":
+        from edgeswarm.cli.bench import run_bench_spans
 
-            return run_bench_collectives(args)
-        if args.command == "bench" and args.bench == "hmp":
-            from edgeswarm.cli.bench import run_bench_hmp
+        return run_bench_spans(args)
+    if args.command == "bench" and args.bench == "collectives":
+        from edgeswarm.cli.bench import run_bench_collectives
 
-            return run_bench_hmp(args)
-        if args.command == "bench" and args.bench == "splitfed":
-            from edgeswarm.cli.bench_splitfed import run_bench_splitfed
+        return run_bench_collectives(args)
+    if args.command == "bench" and args.bench == "hmp":
+        from edgeswarm.cli.bench import run_bench_hmp
 
-            return run_bench_splitfed(args)
-        if args.command == "bench" and args.bench == "planner":
-            from edgeswarm.cli.bench import run_bench_planner
+        return run_bench_hmp(args)
+    if args.command == "bench" and args.bench == "splitfed":
+        from edgeswarm.cli.bench_splitfed import run_bench_splitfed
 
-            return run_bench_planner(args)
-        if args.command == "bench":
-            from edgeswarm.cli.bench import run_bench_transport
+        return run_bench_splitfed(args)
+    if args.command == "bench" and args.bench == "planner":
+        from edgeswarm.cli.bench import run_bench_planner
 
-            return run_bench_transport(args)
-        if args.command == "plan":
-            from edgeswarm.cli.plan import run_plan
+        return run_bench_planner(args)
+    if args.command == "bench":
+        from edgeswarm.cli.bench import run_bench_transport
 
-            return run_plan(args)
-        if args.command == "train":
-            from edgeswarm.cli.train import run_train
+        return run_bench_transport(args)
+    if args.command == "plan":
+        from edgeswarm.cli.plan import run_plan
 
-            return run_train(args)
-        if args.command == "trace":
-            from edgeswarm.cli.trace import run_trace
+        return run_plan(args)
+    if args.command == "train":
+        from edgeswarm.cli.train import run_train
 
-            return run_trace(args)
-        if args.command == "export":
-            from edgeswarm.cli.export import run_export
+        return run_train(args)
+    if args.command == "trace":
+        from edgeswarm.cli.trace import run_trace
 
-            return run_export(args)
-        if args.command in ("serve", "infer"):
-            from edgeswarm.cli.serve import run_infer, run_serve
+        return run_trace(args)
+    if args.command == "export":
+        from edgeswarm.cli.export import run_export
 
-            return run_serve(args) if args.command == "serve" else run_infer(args)
-        if args.command in ("jobs", "cancel"):
-            from edgeswarm.cli.train import run_cancel, run_jobs
+        return run_export(args)
+    if args.command in ("serve", "infer"):
+        from edgeswarm.cli.serve import run_infer, run_serve
 
-            return run_jobs(args) if args.command == "jobs" else run_cancel(args)
-        if args.command == "profile":
-            from edgeswarm.cli.profile import run_profile
+        return run_serve(args) if args.command == "serve" else run_infer(args)
+    if args.command in ("jobs", "cancel"):
+        from edgeswarm.cli.train import run_cancel, run_jobs
 
-            return run_profile(args)
-    except DuplicateNodeError as exc:
-        report(str(exc))
-        return 3
-    except ConfigError as exc:
-        report(str(exc))
-        return 2
-    except EdgeswarmError as exc:
-        report(str(exc))
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return run_jobs(args) if args.command == "jobs" else run_cancel(args)
+    if args.command == "profile":
+        from edgeswarm.cli.profile import run_profile
+
+        return run_profile(args)
     return 2
 
 

@@ -9,9 +9,9 @@ import sys
 
 from pydantic import ValidationError
 
-from edgeswarm.cli.failures import settings_problem
+from edgeswarm.cli.failures import exit_status, settings_problem
 from edgeswarm.errors import ConfigError
-from edgeswarm.logs import configure_logging
+from edgeswarm.logs import configure_cli_logging, configure_logging
 from edgeswarm.netns.clock import keep_sleep_working
 from edgeswarm.service_registry import service_class
 from edgeswarm.settings import Settings
@@ -27,7 +27,14 @@ def load_settings() -> Settings:
         raise ConfigError(settings_problem(exc)) from None
 
 
-def run_service(name: str) -> int:
+def service_process(name: str) -> int:
+    """All of ``edgeswarm service NAME`` once its command line is read (what a fork server's child runs too): the
+    service until SIGTERM or SIGINT; returns the exit status, a configuration mistake reported in one line (2)."""
+    configure_cli_logging("INFO")  # until the service configures its own, with its node and name
+    return exit_status(lambda: _run_service(name))
+
+
+def _run_service(name: str) -> int:
     """Run service ``name`` until SIGTERM or SIGINT; returns the exit status."""
     cls = service_class(name)
     settings = load_settings()

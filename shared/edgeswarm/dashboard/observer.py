@@ -20,6 +20,7 @@ from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, J
 from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.schedule import ScheduleView
+from edgeswarm.workloads import typed_state
 
 MAX_JOBS = 64
 MAX_LINKS = 1024
@@ -62,8 +63,8 @@ class Observer:
         self.changed.set()
 
     def on_job_state(self, msg: Inbound) -> None:
-        state = msg.body
-        assert isinstance(state, JobState)
+        assert isinstance(msg.body, JobState)
+        state = typed_state(msg.body)
         fresh = job_series(state)
         with self._lock:
             old = self._jobs.get(state.job_id)

@@ -46,6 +46,7 @@ from edgeswarm.messages.hmp import (
 )
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferErrorReason
+from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
@@ -133,7 +134,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                          busy_pause_s=busy_pause_s)
         self.ctx = ctx
         self.spec = spec
-        self.config: TextModelConfig = spec.model.config()
+        self.config: TextModelConfig = source_config(spec.model)
         self.tokenizer: Any = None
         self.stop_tokens: frozenset[int] = frozenset()  # generation ends at these (the tokenizer's end of sequence)
         self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)

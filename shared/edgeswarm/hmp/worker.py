@@ -41,6 +41,7 @@ from edgeswarm.messages.hmp import (
 )
 from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.messages.training import StageFailed
+from edgeswarm.models.text.hf import source_config
 from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
 from edgeswarm.runtime.program import WorkerContext
@@ -145,7 +146,7 @@ class ShardProgram:
             with self._profiling:
                 profile = self._profiles.get(key)
                 if profile is None:
-                    cfg = body.model.config()
+                    cfg = source_config(body.model)
                     if body.seq_len > cfg.max_positions:
                         raise EdgeswarmError(f"{body.model.name} takes at most {cfg.max_positions} tokens, not "
                                              f"{body.seq_len}")
@@ -183,7 +184,7 @@ class ShardProgram:
         started = time.monotonic()
         self._release(spec.job_id)  # a newer assignment replaces the job's shard (and its memory)
         try:
-            cfg = spec.model.config()
+            cfg = source_config(spec.model)
             if not spec.shares.devices[spec.rank:spec.rank + 1]:
                 raise EdgeswarmError(f"rank {spec.rank} is not in a ring of {len(spec.shares.devices)}")
             if spec.shares.devices[spec.rank] != self.ctx.node:

@@ -11,6 +11,7 @@ from edgeswarm.hmp.spec import HmpProgress, HmpSpec
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.hmp import HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobEventKind, JobState
+from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
@@ -50,7 +51,7 @@ class HmpWorkload(Workload):
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         assert isinstance(spec, HmpSpec)
         try:
-            cfg = spec.model.config()
+            cfg = source_config(spec.model)
         except EdgeswarmError as exc:
             return [str(exc)]
         found = []

@@ -60,11 +60,11 @@ class ForkServerError(EdgeswarmError):
 
 
 class SpawnRequest(BaseModel):
-    """Start a child: ``edgeswarm ARGS...`` (``args``: the command line after ``edgeswarm``), ``env`` as its whole
-    environment, ``log_path`` the file its stdout and stderr are appended to."""
+    """Start a child: ``edgeswarm service SERVICE``, ``env`` as its whole environment, ``log_path`` the file its
+    stdout and stderr are appended to."""
 
     type: Literal["spawn"] = "spawn"
-    args: list[str] = Field(min_length=1)
+    service: str = Field(min_length=1, max_length=128)
     env: dict[str, str]
     log_path: str
 
@@ -97,7 +97,7 @@ def preload() -> None:
 
     import torch  # noqa: F401  # the heaviest import by far; stage-workers and profilers all need it
 
-    import edgeswarm.cli.main  # noqa: F401
+    import edgeswarm.cli.service  # noqa: F401
     from edgeswarm.service_registry import BUILT_IN
     from edgeswarm.workloads import BUILTIN
 
@@ -195,9 +195,10 @@ def _fork(request: SpawnRequest, stdin: int, stdout: int, wake: tuple[int, int])
 
 def _become(request: SpawnRequest, server: int, stdin: int, stdout: int, out: int,
             wake: tuple[int, int]) -> NoReturn:
-    """In the child: look like a fresh ``edgeswarm`` process, run the command line, exit with its status."""
+    """In the child: look like a fresh ``edgeswarm service`` process, run the service, exit with its status."""
     _die_with(server)
-    _retitle([sys.executable, "-m", "edgeswarm", *request.args])
+    args = ["service", request.service]
+    _retitle([sys.executable, "-m", "edgeswarm", *args])
     signal.set_wakeup_fd(-1)
     for fd in wake:
         os.close(fd)
@@ -215,12 +216,13 @@ def _become(request: SpawnRequest, server: int, stdin: int, stdout: int, out: in
     os.environ.clear()
     os.environ.update(env)
     _reseed()
-    import edgeswarm.cli.main
+    import edgeswarm
+    from edgeswarm.cli.service import service_process
 
     # As ``python -m edgeswarm`` sets it.
-    sys.argv = [str(Path(edgeswarm.cli.main.__file__).parent.parent / "__main__.py"), *request.args]
+    sys.argv = [str(Path(edgeswarm.__file__).parent / "__main__.py"), *args]
     try:
-        status = _exit_status(edgeswarm.cli.main.main(request.args))
+        status = _exit_status(service_process(request.service))
     except SystemExit as exc:
         status = _exit_status(exc.code)
     except BaseException:  # noqa: BLE001 - what the interpreter would do with it: print it, exit 1
@@ -363,10 +365,10 @@ class ForkServer:
     def pid(self) -> int:
         return self._process.pid
 
-    def spawn(self, args: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
-        """Fork a child running ``edgeswarm ARGS...`` with environment ``env``, its output appended to ``log_path``.
-        Raises ForkServerError when the server is gone or the fork failed."""
-        request = SpawnRequest(args=args, env=env, log_path=str(log_path))
+    def spawn(self, service: str, env: dict[str, str], log_path: Path) -> ForkedProcess:
+        """Fork a child running ``edgeswarm service SERVICE`` with environment ``env``, its output appended to
+        ``log_path``. Raises ForkServerError when the server is gone or the fork failed."""
+        request = SpawnRequest(service=service, env=env, log_path=str(log_path))
         with self._spawn_lock:
             try:
                 self._requests.write((request.model_dump_json() + "\n").encode())
@@ -381,7 +383,7 @@ class ForkServer:
         if reply is None:
             raise ForkServerError(f"the fork server (pid {self.pid}) exited; see {self.log_path}")
         if isinstance(reply, SpawnFailed):
-            raise ForkServerError(f"the fork server could not start edgeswarm {' '.join(args)}: {reply.error}")
+            raise ForkServerError(f"the fork server could not start the {service} service: {reply.error}")
         return reply
 
     def settle_orphan(self, child: ForkedProcess) -> None:

@@ -236,7 +236,7 @@ class LocalCluster:
         log_path = logs / f"{node}.{service}.log"
         if self._forks is None:
             raise RuntimeError("the cluster is not started")
-        proc = self._forks.spawn(["service", service], env, log_path)
+        proc = self._forks.spawn(service, env, log_path)
         self.children.append(ChildProcess(node, service, proc, log_path, env))
         log.debug("started %s on %s (pid %d)", service, node, proc.pid)
 

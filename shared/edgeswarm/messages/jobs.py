@@ -17,7 +17,8 @@ MAX_SPEC_CHARS = 65536
 DEFAULT_KIND = "train"  # a spec without ``kind`` (every spec before there were other kinds)
 P = TypeVar("P", bound=BaseModel)
 
-# A job kind is a name in the workload registry (``edgeswarm.workloads``), built in or from a plug-in.
+# A job kind is a name in the workload registry (``edgeswarm.workloads``), built in or from a plug-in; this layer
+# never looks it up.
 JobKind = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9-]*$")]
 JobStatus = Literal["queued", "profiling", "planning", "deploying", "running", "recovering", "succeeded", "failed",
                     "cancelled"]
@@ -65,23 +66,15 @@ class JobRejected(Message):
 
 
 class OpaqueValue(BaseModel):
-    """The plan or progress of a job whose kind is not installed here (a plug-in's, seen by a client without it):
-    kept as it came, shown as it is, never interpreted."""
+    """The plan or progress of a job as it came off the wire: a JSON object kept as it came, until the workload
+    registry's ``typed_state`` parses it with the kind's own types; for a kind not installed here (a plug-in's, seen
+    by a client without it) it stays so, shown as it is, never interpreted."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
 
-def _kind_part(kind: str, part: str, value: object) -> object:
-    """``value`` validated as the ``part`` ("plan" or "progress") type of job kind ``kind``; an OpaqueValue when
-    the kind is not installed here."""
-    from edgeswarm.workloads import installed_workload  # the registry imports workloads only when asked
-
-    work = installed_workload(kind)
-    cls = None if work is None else work.plan_type if part == "plan" else work.progress_type
-    if cls is None:
-        return value if isinstance(value, BaseModel) else OpaqueValue.model_validate(value)
-    return value if isinstance(value, cls) else cls.model_validate(
-        value.model_dump() if isinstance(value, BaseModel) else value)
+def _as_value(value: object) -> object:
+    return OpaqueValue.model_validate(value) if isinstance(value, dict) else value  # anything else: the field says why
 
 
 @schema("edgeswarm.job.state", 1)
@@ -107,22 +100,22 @@ class JobState(Message):
 
     @model_validator(mode="before")
     @classmethod
-    def _kind_types(cls, data: Any) -> Any:
-        # The plan and the progress are the kind's own types (its workload's ``plan_type`` and ``progress_type``):
-        # validated here by the workload registered for ``kind``, so no list of kinds is written in this module.
+    def _kept_as_data(cls, data: Any) -> Any:
+        # The plan and the progress are the kind's own types, which this layer does not know (a message schema must
+        # not depend on the plug-ins installed): from the wire they are kept as data (OpaqueValue), and the workload
+        # registry's ``typed_state`` parses them with the kind's types. A typed value given here is kept as it is.
         if not isinstance(data, dict):
             return data
-        kind = data.get("kind", DEFAULT_KIND)
-        if not isinstance(kind, str):
-            return data  # the field's own check says why
         out = dict(data)
         if out.get("plan") is not None:
-            out["plan"] = _kind_part(kind, "plan", out["plan"])
-        out["progress"] = _kind_part(kind, "progress", out.get("progress", {}))
+            out["plan"] = _as_value(out["plan"])
+        if "progress" in out:
+            out["progress"] = _as_value(out["progress"])
         return out
 
     def progress_as(self, cls: type[P]) -> P:
-        """The progress, as the kind's progress type ``cls``. Raises TypeError for a job of another kind."""
+        """The progress, as the kind's progress type ``cls`` (a state from the wire: once ``typed_state`` parsed it).
+        Raises TypeError for a job of another kind, or a state whose progress was not parsed."""
         if not isinstance(self.progress, cls):
             raise TypeError(f"job {self.job_id} is a {self.kind} job, not one with {cls.__name__}")
         return self.progress

@@ -39,6 +39,7 @@ from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ClusterView, JobState, MetricsReport, ProfileReport
 from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.observability.catalogue import CATALOGUE, MetricDef, Source
+from edgeswarm.workloads import installed_workload, typed_state
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -131,10 +132,10 @@ class PrometheusCollector:
             self._view = msg.body
 
     def _on_job(self, msg: Inbound) -> None:
-        state = msg.body
-        assert isinstance(state, JobState)
-        if topics.job_of(msg.topic) != state.job_id:
+        assert isinstance(msg.body, JobState)
+        if topics.job_of(msg.topic) != msg.body.job_id:
             return
+        state = typed_state(msg.body)
         _put(self._lock, self._jobs, state.job_id, state, MAX_JOBS)
 
     def _on_profile(self, msg: Inbound) -> None:
@@ -245,7 +246,6 @@ def _from_view(metric: MetricDef, view: ClusterView | None) -> Metric:
 
 
 def _rounds_done(state: JobState) -> int | None:
-    from edgeswarm.workloads import installed_workload  # the registry loads workloads only when asked
 
     work = installed_workload(state.kind)
     if work is None:

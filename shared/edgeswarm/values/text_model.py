@@ -37,8 +37,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.errors import ConfigError
-
 Family = Literal["bert", "gpt2", "opt", "llama"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -212,23 +210,3 @@ class TextModelSource(BaseModel):
     def name(self) -> str:
         """A short name for listings: the preset, or the folder's name."""
         return self.preset if self.preset is not None else Path(str(self.path)).name
-
-    def config(self) -> TextModelConfig:
-        """The model's shape with this source's overrides. Raises ConfigError when the folder cannot be read."""
-        if self.preset is not None:
-            base = PRESETS[self.preset]
-        else:
-            from edgeswarm.models.text.hf import load_config
-
-            try:
-                base = load_config(Path(str(self.path)))
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"model folder {self.path}: {exc}") from None
-        update: dict[str, object] = {}
-        if self.layers is not None:
-            if self.layers > base.layers:
-                raise ConfigError(f"model {self.name} has {base.layers} layers, not {self.layers}")
-            update["layers"] = self.layers
-        if self.dtype is not None:
-            update["dtype"] = self.dtype
-        return base.model_copy(update=update) if update else base

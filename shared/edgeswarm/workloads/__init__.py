@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from edgeswarm.errors import ConfigError
-from edgeswarm.messages.jobs import DEFAULT_KIND
+from edgeswarm.errors import ConfigError, InvalidMessageError
+from edgeswarm.messages.jobs import DEFAULT_KIND, JobState
 from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 
 if TYPE_CHECKING:
@@ -96,6 +96,26 @@ def installed_workload(kind: str) -> Workload | None:
         return workload(kind)
     except ConfigError:
         return None
+
+
+def typed_state(state: JobState) -> JobState:
+    """``state`` with its plan and progress parsed as its kind's own types (``plan_type``, ``progress_type``); as it
+    is for a kind not installed here, whose parts stay opaque. Every state read off the wire goes through this once.
+    Raises InvalidMessageError when they do not fit the kind's types: a broken or hostile writer's state, refused
+    as any message that does not validate."""
+    work = installed_workload(state.kind)
+    if work is None:
+        return state
+    update: dict[str, BaseModel] = {}
+    try:
+        if state.plan is not None and work.plan_type is not None and not isinstance(state.plan, work.plan_type):
+            update["plan"] = work.plan_type.model_validate(state.plan.model_dump())
+        if not isinstance(state.progress, work.progress_type):
+            update["progress"] = work.progress_type.model_validate(state.progress.model_dump())
+    except ValidationError as exc:
+        raise InvalidMessageError(f"the state of {state.kind} job {state.job_id} does not fit its kind:\n"
+                                  f"{field_errors(exc)}") from None
+    return state.model_copy(update=update) if update else state
 
 
 def worker_programs(service: str) -> list[str]:

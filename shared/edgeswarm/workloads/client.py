@@ -22,7 +22,7 @@ from edgeswarm.messages.jobs import (
 )
 from edgeswarm.wire import Message
 from edgeswarm.wire.schema import new_id
-from edgeswarm.workloads import installed_workload, parse_spec_text
+from edgeswarm.workloads import installed_workload, parse_spec_text, typed_state
 
 COORDINATOR_NODE = "hub"
 
@@ -93,8 +93,8 @@ def submitted_state(bus: Bus, spec_text: str, submission: str, *, coordinator: s
     seen = threading.Event()
 
     def on_state(msg: Inbound) -> None:
-        body, env = msg.body, msg.envelope
-        assert isinstance(body, JobState)
+        assert isinstance(msg.body, JobState)
+        body, env = typed_state(msg.body), msg.envelope
         # Only the coordinator writes job states (the ACL enforces it in a deployment; this holds without one).
         if (env.sender_node, env.sender_service) == (coordinator, "coordinator") and body.job_id == job_id and \
                 body.submission == submission:
@@ -120,8 +120,9 @@ def job_states(bus: Bus, *, settle_s: float = 1.0) -> list[JobState]:
         assert isinstance(msg.body, JobState)
         if topics.job_of(msg.topic) != msg.body.job_id:
             return  # a state filed under another job's topic speaks for nobody
+        state = typed_state(msg.body)
         with lock:
-            states[msg.body.job_id] = msg.body
+            states[state.job_id] = state
 
     bus.subscribe(topics.ALL_JOB_STATES, on_state, schemas=(JobState,))
     time.sleep(settle_s)
@@ -148,8 +149,8 @@ class JobFollower:
         bus.subscribe(topics.job_events(job_id), self._event, schemas=(JobEvent,))
 
     def _state(self, msg: Inbound) -> None:
-        state = msg.body
-        assert isinstance(state, JobState)
+        assert isinstance(msg.body, JobState)
+        state = typed_state(msg.body)
         if state.submission != self.submission or state.job_id != self.job_id:
             return  # an earlier job of the same name
         self.state = state

@@ -25,10 +25,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError, safe_open
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.models.text.ops import Weights, torch_dtype
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.models.text.slices import WeightSlice
-from edgeswarm.values.text_model import MAX_POSITIONS, DType, TextModelConfig
+from edgeswarm.values.text_model import MAX_POSITIONS, PRESETS, DType, TextModelConfig, TextModelSource
 
 log = logging.getLogger(__name__)
 
@@ -533,3 +534,23 @@ def load_model(folder: Path | str, names: Iterable[str] | None = None, dtype: DT
     """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""
     with ModelFolder(folder, dtype, device, layers) as model:
         return model.config, model.load(names)
+
+
+def source_config(source: TextModelSource) -> TextModelConfig:
+    """The shape of the model ``source`` names (a preset, or the config.json of its folder) with its overrides.
+    Raises ConfigError when the folder cannot be read or the source asks for more layers than the model has."""
+    if source.preset is not None:
+        base = PRESETS[source.preset]
+    else:
+        try:
+            base = load_config(Path(str(source.path)))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model folder {source.path}: {exc}") from None
+    update: dict[str, object] = {}
+    if source.layers is not None:
+        if source.layers > base.layers:
+            raise ConfigError(f"model {source.name} has {base.layers} layers, not {source.layers}")
+        update["layers"] = source.layers
+    if source.dtype is not None:
+        update["dtype"] = source.dtype
+    return base.model_copy(update=update) if update else base
