@@ -27,13 +27,13 @@ import pytest
 from edgeswarm.dashboard.auth import check_exposure, offered_token, read_token, session_cookie, token_matches
 from edgeswarm.dashboard.health import health_warnings
 from edgeswarm.dashboard.model import TimedEvent
+from edgeswarm.dashboard.prometheus import CONTENT_TYPE
 from edgeswarm.dashboard.server import DashboardServer
 from edgeswarm.dashboard.snapshot import Observed, build_snapshot, merge_series
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages import ClusterView, JobState
 from edgeswarm.messages.cluster import NodeView, ServiceView
 from edgeswarm.observability import catalogue
-from edgeswarm.observability.prometheus import CONTENT_TYPE
 from edgeswarm.values.schedule import ScheduleBar, ScheduleView
 from edgeswarm.workloads import typed_state
 from edgeswarm.workloads.views import Series, SeriesPoint

@@ -21,7 +21,8 @@ from edgeswarm.hmp.worker import ShardProgram
 from edgeswarm.messages.hmp import ShardProfileReply, ShardProfileRequest
 from edgeswarm.metrics import Metrics
 from edgeswarm.runtime.ledger import MemoryLedger
-from edgeswarm.runtime.program import TENSOR_SHARD_WORKER, ComputeGate, WorkerContext
+from edgeswarm.runtime.program import ComputeGate, WorkerContext
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.text_model import TextModelSource
 
 T = TypeVar("T")

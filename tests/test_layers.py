@@ -26,7 +26,9 @@ def imported_layers(path: Path, *, late: bool = False) -> set[str]:
     out = set()
     for node in ast.walk(tree) if late else tree.body:
         names: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "edgeswarm" and node.level == 0:
+            names = [f"edgeswarm.{alias.name}" for alias in node.names]  # from edgeswarm import topics
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -101,8 +103,8 @@ def module_graph() -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
-                    node.module.startswith("edgeswarm."):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                    (node.module == "edgeswarm" or (node.module or "").startswith("edgeswarm.")):
                 out.update(known(f"{node.module}.{alias.name}") for alias in node.names)
             elif isinstance(node, ast.Import):
                 out.update(known(alias.name) for alias in node.names if alias.name.startswith("edgeswarm."))
@@ -150,15 +152,36 @@ def test_no_workload_package_imports_another() -> None:
             assert not others, f"{path.relative_to(LIBRARY)} imports the workload package(s) {sorted(others)}"
 
 
-def test_every_package_of_the_library_is_in_the_architecture_pages_layer_table() -> None:
+def doc_layers() -> list[set[str]]:
+    """The packages of each row of docs/architecture.md's layer table, top row first."""
     page = (LIBRARY.parents[1] / "docs" / "architecture.md").read_text()
     table = page.split("| layer | packages | what they hold |", 1)[1].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")]
-    packages = [row.split(" | ")[1] for row in rows]
-    for _ in range(3):  # what a parenthesis says of a package (its kinds, its sub-packages) names no package
-        packages = [re.sub(r"\([^()]*\)", "", column) for column in packages]
-    named = {name for column in packages for name in re.findall(r"`([a-z_]+)`", column)}
+    layers = []
+    for row in rows:
+        column = row.split(" | ")[1]
+        for _ in range(3):  # what a parenthesis says of a package (its kinds, its sub-packages) names no package
+            column = re.sub(r"\([^()]*\)", "", column)
+        layers.append(set(re.findall(r"`([a-z_]+)`", column)))
+    return layers
+
+
+def test_every_package_of_the_library_is_in_the_architecture_pages_layer_table() -> None:
+    named = set().union(*doc_layers())
     on_disk = {p.name for p in LIBRARY.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | \
         {p.stem for p in LIBRARY.glob("*.py") if not p.stem.startswith("__")}
     assert on_disk - named == set(), f"docs/architecture.md's layer table leaves out {sorted(on_disk - named)}"
     assert named - on_disk <= {"services"}, f"the table names packages that do not exist: {sorted(named - on_disk)}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own_not_even_late() -> None:
+    """Each package imports only from its own row of the layer table or the rows below it."""
+    row = {package: i for i, layer in enumerate(doc_layers()) for package in layer}
+    assert row["cli"] < row["workloads"] < row["bus"] < row["values"]
+    upward = []
+    for importer, targets in module_graph().items():
+        if importer.count(".") == 0 or importer == "edgeswarm.__main__":
+            continue  # the package's own entry points
+        mine = importer.split(".")[1]
+        upward += [f"{importer} -> {t}" for t in sorted(targets) if "." in t and row[t.split(".")[1]] < row[mine]]
+    assert not upward, "imports from a higher layer: " + "; ".join(upward)

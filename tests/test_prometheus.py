@@ -14,13 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from edgeswarm import topics
+from edgeswarm.dashboard.prometheus import PrometheusCollector
 from edgeswarm.devices.accelerator import AcceleratorSampler, parse_smi, read_jetson
 from edgeswarm.messages import ClusterView, JobState, MetricsReport, NodeView, ProfileReport, ServiceView
 from edgeswarm.messages.metrics import MAX_BUCKETS, MAX_HISTOGRAMS, Histogram
 from edgeswarm.metrics import Metrics
 from edgeswarm.observability import catalogue, record
 from edgeswarm.observability.catalogue import CATALOGUE, MetricDef, Source, naming_problems
-from edgeswarm.observability.prometheus import PrometheusCollector
 from edgeswarm.observability.record import observe
 from helpers import REPO, wait_until
 
@@ -281,7 +281,7 @@ def test_exposition_of_what_real_publishers_send(make_bus) -> None:  # type: ign
 def test_a_family_that_fails_to_build_is_left_out_not_the_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from edgeswarm.observability import prometheus
+    from edgeswarm.dashboard import prometheus
 
     collector = PrometheusCollector(SimpleNamespace(settings=SimpleNamespace(metrics_interval_s=1.0)))  # type: ignore[arg-type]
     m = Metrics()

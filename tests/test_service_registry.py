@@ -19,7 +19,6 @@ from edgeswarm.messages.serving import ServeRelease
 from edgeswarm.messages.training import StageAbort
 from edgeswarm.runtime.program import WorkerContext
 from edgeswarm.runtime.reachability import compose_service_names
-from edgeswarm.runtime.worker_host import WorkerService
 from edgeswarm.security.acl import rules
 from edgeswarm.security.credentials import CredentialsDir
 from edgeswarm.service_registry import (
@@ -32,6 +31,7 @@ from edgeswarm.service_registry import (
     services_of,
 )
 from edgeswarm.settings import Settings
+from edgeswarm.workloads.worker_host import WorkerService
 from helpers import running, wait_until
 
 PLUGIN = "toy_edge_plugin"
@@ -63,7 +63,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
             NOT_AN_ENTRY = "toy_edge_plugin.service:ToyManager"
             """))
         (package / "service.py").write_text(textwrap.dedent("""\
-            from edgeswarm.runtime.worker_host import WorkerService
+            from edgeswarm.workloads.worker_host import WorkerService
 
 
             class ToyManager(WorkerService):

@@ -19,12 +19,12 @@ from pydantic import ValidationError
 from conftest import bus_settings
 from edgeswarm import topics
 from edgeswarm.bus import Bus
+from edgeswarm.dashboard.trace_collector import TraceCollector
 from edgeswarm.messages import JobState
 from edgeswarm.messages.tracing import SpanBatch, SpanRecord, TraceReply, TraceRequest
 from edgeswarm.metrics import Metrics
 from edgeswarm.planning.hpp.schedule import simulate
 from edgeswarm.tracing.chrome import chrome_trace_bytes
-from edgeswarm.tracing.collector import TraceCollector
 from edgeswarm.tracing.schedule import complete_rounds, measured_bars, schedule_view, timeline_bars
 from edgeswarm.tracing.spans import RawSpan, SpanRecorder
 from edgeswarm.values.schedule import lane_key

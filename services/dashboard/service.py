@@ -20,13 +20,13 @@ from collections.abc import Callable
 from edgeswarm import topics
 from edgeswarm.dashboard.auth import check_exposure, read_token
 from edgeswarm.dashboard.observer import Observer
+from edgeswarm.dashboard.prometheus import CONTENT_TYPE, PrometheusCollector
 from edgeswarm.dashboard.server import DashboardServer
 from edgeswarm.dashboard.snapshot import build_snapshot
+from edgeswarm.dashboard.trace_collector import TraceCollector
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
-from edgeswarm.observability.prometheus import CONTENT_TYPE, PrometheusCollector
 from edgeswarm.runtime.service import Service
 from edgeswarm.settings import Settings
-from edgeswarm.tracing.collector import TraceCollector
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ rest."""
 
 from __future__ import annotations
 
-from edgeswarm.runtime.program import MEC_MANAGER
-from edgeswarm.runtime.worker_host import WorkerService
+from edgeswarm.service_registry import MEC_MANAGER
+from edgeswarm.workloads.worker_host import WorkerService
 
 
 class MecManagerService(WorkerService):

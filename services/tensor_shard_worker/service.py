@@ -3,8 +3,8 @@ devices (Galaxy's ``serve-hmp``: ``edgeswarm.hmp.worker.ShardProgram``); the gen
 
 from __future__ import annotations
 
-from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
-from edgeswarm.runtime.worker_host import WorkerService
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
+from edgeswarm.workloads.worker_host import WorkerService
 
 
 class TensorShardWorkerService(WorkerService):

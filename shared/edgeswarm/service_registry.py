@@ -28,10 +28,17 @@ from typing import TYPE_CHECKING
 from edgeswarm.errors import ConfigError
 from edgeswarm.plugins import SERVICE_GROUP, discovered, load_target
 from edgeswarm.roles import NODE_ROLES, ROLES, NodeRole, Role
-from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER, TENSOR_SHARD_WORKER
 
 if TYPE_CHECKING:
     from edgeswarm.runtime.service import Service
+
+# The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
+# its registration below, by the workloads it hosts and by their coordinator programs that address it.
+STAGE_WORKER = "stage-worker"
+# The worker service that hosts tensor-parallel shards (Galaxy's serve-hmp): every device holds a share of every layer.
+TENSOR_SHARD_WORKER = "tensor-shard-worker"
+# The worker service of an edge server (an MEC): split learning's server halves (SmartSplit's train-splitfed).
+MEC_MANAGER = "mec-manager"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.netns.cluster import NetnsCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, settings_from_env, wait_for_service
-from edgeswarm.runtime.program import STAGE_WORKER, TENSOR_SHARD_WORKER
+from edgeswarm.service_registry import STAGE_WORKER, TENSOR_SHARD_WORKER
 
 
 @contextmanager

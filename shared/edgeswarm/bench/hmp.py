@@ -32,7 +32,7 @@ from edgeswarm.hmp.client import ask
 from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.settings import Settings
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job

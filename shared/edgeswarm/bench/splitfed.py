@@ -378,7 +378,7 @@ def cluster_rows(config: SplitfedBenchConfig, log: Log = _quiet) -> list[Cluster
     from edgeswarm.devices.cluster import DeviceEntry, cluster_of
     from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
     from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-    from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+    from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
     from edgeswarm.settings import Settings
     from edgeswarm.splitfed.spec import SplitfedProgress
     from edgeswarm.workloads.client import JobFollower, submit_job

@@ -50,8 +50,8 @@ from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
 from edgeswarm.runtime.ledger import unreserved
-from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile

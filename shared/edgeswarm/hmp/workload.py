@@ -13,7 +13,7 @@ from edgeswarm.messages.hmp import HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.plan import HmpPlan
-from edgeswarm.runtime.program import TENSOR_SHARD_WORKER
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.views import (
     PlanBlock,

@@ -40,7 +40,7 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import Detection, FailureDetector
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 

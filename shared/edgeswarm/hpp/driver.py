@@ -39,7 +39,7 @@ from edgeswarm.messages.training import (
 from edgeswarm.planning.hpp.migration import UnitTransfer, backup_map
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import RECONNECT_GRACE_S, Detection, FailureDetector
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.state.layout import save_layout
 from edgeswarm.wire import Message
 

@@ -49,8 +49,8 @@ from edgeswarm.pipeline_serve.spec import ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.ledger import unreserved
-from edgeswarm.runtime.program import STAGE_WORKER
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile

@@ -19,7 +19,7 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages import Heartbeat, Probe, Status
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.service_registry import STAGE_WORKER
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What a worker service runs: programs, one per workload, each holding its jobs by job id.
 
-A worker service (the stage-worker; any ``runtime.worker_host.WorkerService``) is a thin adapter: it subscribes its
+A worker service (the stage-worker; any ``workloads.worker_host.WorkerService``) is a thin adapter: it subscribes its
 request and data-plane topics, and hands each message to the ``WorkerProgram`` registered for the message's schema.
 A program holds any number of jobs at once, keyed by job id (a device may serve one model while it trains
 another); the messages of one job never touch another's state. Training is one program (``StageAssign`` and its
@@ -34,14 +34,6 @@ if TYPE_CHECKING:
     from edgeswarm.wire import Message
 
 from edgeswarm.tracing.spans import SpanRecorder
-
-# The worker service that hosts pipeline stages (training's and pipelined serving's): its one spelling, read by
-# its registration, by the workloads it hosts and by their coordinator programs that address it.
-STAGE_WORKER = "stage-worker"
-# The worker service that hosts tensor-parallel shards (Galaxy's serve-hmp): every device holds a share of every layer.
-TENSOR_SHARD_WORKER = "tensor-shard-worker"
-# The worker service of an edge server (an MEC): split learning's server halves (SmartSplit's train-splitfed).
-MEC_MANAGER = "mec-manager"
 
 
 class ComputeGate:
@@ -97,7 +89,7 @@ class WorkerContext:
     ``wait_s`` is the longest a program waits for one tensor or unit state from a peer before it gives up (seconds).
     ``ledger`` is the node's memory ledger (``runtime.ledger``), shared by every program and service on the node: a
     program reserves a job's memory there before allocating it and releases it with the job. ``tracer`` records
-    the spans of what the programs do (``tracing.spans``); the service publishes them (``runtime.worker_host``)."""
+    the spans of what the programs do (``tracing.spans``); the service publishes them (``workloads.worker_host``)."""
 
     bus: Bus
     node: str

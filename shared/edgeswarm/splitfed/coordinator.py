@@ -43,7 +43,7 @@ from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
-from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
 from edgeswarm.splitfed.compute import input_bytes, partition_of
 from edgeswarm.splitfed.profile import model_cost

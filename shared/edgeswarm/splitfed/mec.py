@@ -42,8 +42,9 @@ from edgeswarm.messages.splitfed import (
 from edgeswarm.planning.splitfed.scheduling import pick
 from edgeswarm.planning.splitfed.statistics import dis, stat_from_sums
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, ExchangeTimeout, TensorExchange
-from edgeswarm.runtime.program import STAGE_WORKER, JobTable, WorkerContext
+from edgeswarm.runtime.program import JobTable, WorkerContext
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.splitfed.compute import MecPart, Reassembly
 from edgeswarm.splitfed.mec_state import RoundCheckpoint
 from edgeswarm.splitfed.weights import flatten

@@ -34,8 +34,9 @@ from edgeswarm.messages.splitfed import (
     SplitTensor,
 )
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, ExchangeTimeout, TensorExchange
-from edgeswarm.runtime.program import MEC_MANAGER, JobTable
+from edgeswarm.runtime.program import JobTable
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.service_registry import MEC_MANAGER
 from edgeswarm.splitfed.compute import DevicePart, local_batches
 from edgeswarm.wire import Message
 

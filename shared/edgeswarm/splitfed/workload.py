@@ -9,7 +9,7 @@ from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.splitfed import SplitUpdate
 from edgeswarm.planning.splitfed.types import SplitSelection
-from edgeswarm.runtime.program import MEC_MANAGER, STAGE_WORKER
+from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.views import (

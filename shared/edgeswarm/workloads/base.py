@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
-from edgeswarm.runtime.program import STAGE_WORKER
+from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.wire import Message
 from edgeswarm.workloads.views import PlanView, Series, default_plan_view

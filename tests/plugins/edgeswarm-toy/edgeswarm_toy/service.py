@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgeswarm.runtime.worker_host import WorkerService
+from edgeswarm.workloads.worker_host import WorkerService
 from edgeswarm_toy.spec import WORKER
 
 
