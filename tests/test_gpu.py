@@ -118,7 +118,7 @@ def test_the_profiler_times_units_on_the_gpu_with_the_gpus_memory_budget(tmp_pat
 
 @pytest.mark.parametrize("model, start, end, batch", [("mobilenetv2", 0, 10, 32), ("resnet18", 0, None, 32)])
 def test_one_stage_on_the_gpu_against_the_cpu(model: str, start: int, end: int | None, batch: int) -> None:
-    from edgeswarm.bench.compute import stage_speed, summary
+    from edgeswarm.hpp.bench_compute import stage_speed, summary
 
     speed = stage_speed(ModelSpec(name=model), start, end, batch, torch.device("cuda", torch.cuda.current_device()),
                         repeats=5, warmup=3)

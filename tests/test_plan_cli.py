@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeswarm.bench.planner import candidate_count
+from edgeswarm.hpp.bench_planner import candidate_count
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.values.profiles import ClusterProfile
 from helpers import FAST_ENV

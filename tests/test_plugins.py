@@ -173,3 +173,17 @@ def test_the_toy_kind_passes_the_workload_contract(fresh: Path) -> None:
                  timeout=600, check=False, env={"EDGESWARM_CONTRACT_KINDS": "toy"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "passed" in result.stdout and "failed" not in result.stdout, result.stdout[-3000:]
+
+
+def test_the_toy_kind_adds_its_own_benchmark(fresh: Path, tmp_path: Path) -> None:
+    """``edgeswarm bench toy`` comes from the plug-in (its kind's ``benches``), runs on a cluster the command line
+    starts for it, and is offered only where the plug-in is installed."""
+    assert "toy jobs on a local cluster" in run(fresh, "-m", "edgeswarm", "bench", "--help").stdout
+    here = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "--help"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+    assert "toy" not in here and "splitfed" in here
+    out = tmp_path / "toy.json"
+    result = run(fresh, "-m", "edgeswarm", "bench", "toy", "--steps", "20", "--json", str(out), timeout=300)
+    figures = json.loads(out.read_text())
+    assert (figures["status"], figures["steps"], figures["doubled_sum"]) == ("succeeded", 20, 420), figures
+    assert figures["ms_per_step"] > 0 and "toy jobs on a local cluster" in result.stdout

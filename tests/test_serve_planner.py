@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from edgeswarm.bench.serving_sim import lb_ratio, run_config
 from edgeswarm.errors import InfeasiblePlanError
+from edgeswarm.pipeline_serve.bench_sim import lb_ratio, run_config
 from edgeswarm.planning.serve.bandwidth import PATH_LOSS_A, bandwidth_from_positions, random_bandwidths
 from edgeswarm.planning.serve.classes import bandwidth_classes, class_edges
 from edgeswarm.planning.serve.costs import serve_costs

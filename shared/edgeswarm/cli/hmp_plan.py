@@ -54,8 +54,8 @@ def _model(name: str, overrides: dict[str, Any]) -> TextModelConfig:
 def hmp_cluster(args: argparse.Namespace) -> HmpCluster:
     """The planner input the command line names: a saved HmpCluster (``--profiles``) or a cluster file's
     devices priced from their classes (``--cluster``)."""
-    from edgeswarm.cli.profile import parse_config
     from edgeswarm.devices.cluster import load_cluster
+    from edgeswarm.values.profiles import parse_config
 
     if args.profiles:
         try:

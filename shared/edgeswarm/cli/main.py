@@ -14,8 +14,9 @@ from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, exit_status, report, settings_problem
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+def build_parser(*, kind_benches: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand; with ``kind_benches``, ``bench`` offers the installed job kinds'
+    benchmarks too (finding them imports every kind, so only ``edgeswarm bench`` asks)."""
     parser = argparse.ArgumentParser(prog="edgeswarm", description="Heterogeneous edge devices training and "
                                      "serving DNNs together over MQTT.")
     parser.add_argument("--version", action="version", version=f"edgeswarm {__version__}")
@@ -69,70 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--json", action="store_true", help="print the report as JSON")
     transport.add_argument("--out", default=None, help="also write the JSON report to this file")
 
-    planner = bench_sub.add_parser("planner", help="planning time, and predicted speed-ups next to Asteroid's Table 4")
-    planner.add_argument("--time-only", action="store_true", help="only the planning-time part (seconds)")
-    planner.add_argument("--models", default=None, help="comma-separated Table 4 models (default: all four)")
-    planner.add_argument("--envs", default="a,b,c,d", help="comma-separated Asteroid environments")
-    planner.add_argument("--profiles", default="out/table4-profiles",
-                         help="folder of cluster profiles: read when present, written when measured")
-    planner.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-    planner.add_argument("--out", default=None, help="also write the JSON report to this file")
-
-    compute = bench_sub.add_parser("compute", help="one pipeline stage's training step on this machine's accelerator "
-                                   "against its CPU, in the same run")
-    compute.add_argument("--model", default="mobilenetv2", help="a zoo model")
-    compute.add_argument("--start", type=int, default=0, help="the stage's first unit")
-    compute.add_argument("--end", type=int, default=None, help="one past the stage's last unit (default: the last)")
-    compute.add_argument("--batch", type=int, default=32, help="samples per step")
-    compute.add_argument("--repeats", type=int, default=10, help="timed steps per device (the median is shown)")
-    compute.add_argument("--json", action="store_true", help="print the figures as JSON")
-
-    training = bench_sub.add_parser("training", help="hpp, dp, pp and single trained on emulated Asteroid "
-                                    "environments: measured samples/s against the planner's prediction")
-    training.add_argument("--envs", default="a,b,d", help="comma-separated Asteroid environments (at 100 Mbps)")
-    training.add_argument("--model", default="mobilenetv2", help="a zoo model")
-    training.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                          help="model config override (repeatable; default for mobilenetv2: image_size=32)")
-    training.add_argument("--strategies", default="hpp,dp,pp,single", help="comma-separated strategies")
-    training.add_argument("--global-batch", type=int, default=64)
-    training.add_argument("--micro-batches", type=int, default=4, help="M for every strategy (0: the planner picks)")
-    training.add_argument("--rounds", type=int, default=4, help="rounds per strategy (the first is not timed)")
-    training.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-    training.add_argument("--out", default=None, help="also write the JSON report to this file")
-    training.add_argument("--netns", action="store_true", help="on a namespace cluster: every node its own host, "
-                          "broker and kernel-shaped links (root; see docs/netns.md)")
-    recovery = bench_sub.add_parser("recovery", help="drop each device of emulated Env D mid-round: detection "
-                                    "time, light against heavy recovery, throughput after")
-    recovery.add_argument("--env", default="d", help="the Asteroid environment (at 100 Mbps)")
-    recovery.add_argument("--model", default="efficientnet-b1", help="a zoo model (AC-20: EfficientNet-B1)")
-    recovery.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                          help="model config (repeatable; default: image_size=32 num_classes=10)")
-    recovery.add_argument("--victims", default="", help="comma-separated devices to drop (default: each in turn)")
-    recovery.add_argument("--modes", default="light,heavy", help="comma-separated recovery modes")
-    recovery.add_argument("--rounds", type=int, default=9, help="rounds per run")
-    recovery.add_argument("--kill-round", type=int, default=3, help="the round during which the device dies")
-    recovery.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-    recovery.add_argument("--out", default=None, help="also write the JSON report to this file")
-
-    serving = bench_sub.add_parser("serving", help="pipelined serving measured on emulated Asteroid environments "
-                                   "(planned, greedy-joint, single device); --sim: the partition-placement paper's "
-                                   "simulation grid against its published numbers")
-    serving.add_argument("--sim", action="store_true", help="the simulation grid (simulated graphs, Keras-like models)")
-    serving.add_argument("--netns", action="store_true", help="on a namespace cluster (root; docs/netns.md)")
-    serving.add_argument("--quick", action="store_true", help="--sim: fewer trials and node counts (seconds); "
-                         "measured: environment d only, fewer requests")
-    serving.add_argument("--trials", type=int, default=50, help="--sim: graphs per configuration (default 50)")
-    serving.add_argument("--ratio-trials", type=int, default=1000, help="--sim: graphs per model for the LB ratio (R6)")
-    serving.add_argument("--kpath", choices=("exact", "colour"), default="exact", help="--sim: K_PATH back-end")
-    serving.add_argument("--seed", type=int, default=0)
-    serving.add_argument("--envs", default="a,b,c,d", help="measured: Asteroid environments at 100 Mbps")
-    serving.add_argument("--model", default="mobilenetv2", help="measured: zoo model (image_size 32, 10 classes)")
-    serving.add_argument("--micro-batch", type=int, default=8, help="measured: samples per request and micro-batch")
-    serving.add_argument("--requests", type=int, default=200, help="measured: requests per variant")
-    serving.add_argument("--profile-dir", default=None, help="measured: where profiles are cached (default: a "
-                         "temporary folder)")
-    serving.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-
     spans = bench_sub.add_parser("spans", help="what recording one trace span costs a worker, against an empty block")
     spans.add_argument("--spans", type=int, default=100_000, help="spans recorded per repeat")
     spans.add_argument("--repeats", type=int, default=5, help="repeats, the fastest kept")
@@ -158,37 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
-    hmp = bench_sub.add_parser("hmp", help="Galaxy's tensor-parallel serving against Megatron-TP, SP and Local on "
-                               "emulated Galaxy environments: speedups, bandwidth sweep, scaling, overlap, generation")
-    hmp.add_argument("--sections", default="envs,overlap,trace",
-                     help="comma-separated: envs, bandwidth, scaling, overlap, generation, trace (default: about 15 "
-                     "minutes on a 2-core VM; each further section 5 to 20)")
-    hmp.add_argument("--envs", default="a,f", help="Galaxy environments (a-f) at 125 Mbps")
-    hmp.add_argument("--models", default="distilbert,gpt2-large", help="comma-separated Transformer presets")
-    hmp.add_argument("--modes", default="galaxy,megatron,sp,local", help="comma-separated modes")
-    hmp.add_argument("--layers", type=int, default=1, help="layers kept of each model (the paper's shapes)")
-    hmp.add_argument("--seq-len", type=int, default=284, help="prompt tokens per request (the paper's 284)")
-    hmp.add_argument("--requests", type=int, default=3, help="measured requests per run, after one warm-up")
-    hmp.add_argument("--bandwidths", default="125,250,500,1000", help="the sweep's bandwidths, Mbps")
-    hmp.add_argument("--bandwidth-env", default="b", help="the sweep's environment")
-    hmp.add_argument("--bandwidth-model", default="distilbert", help="the sweep's model")
-    hmp.add_argument("--scaling-model", default="gpt2-large", help="the scaling runs' model (one layer)")
-    hmp.add_argument("--scaling-devices", type=int, default=4, help="scaling: 1 to this many Nano-M")
-    hmp.add_argument("--scaling-seq-len", type=int, default=384, help="strong scaling's tokens")
-    hmp.add_argument("--weak-tokens", type=int, default=96, help="weak scaling's tokens per device")
-    hmp.add_argument("--overlap-env", default="a", help="the environment of overlap on against off")
-    hmp.add_argument("--generation-envs", default="c,b,f",
-                     help="generation's environments at 1000 Mbps (c: 4 Nano-M, b: 3, f: Nano-L, -M, -S)")
-    hmp.add_argument("--generation-model", default="gpt2-large", help="the generation runs' model")
-    hmp.add_argument("--generation-layers", type=int, default=2, help="the generation runs' layers")
-    hmp.add_argument("--generation-prompt", type=int, default=32, help="the generation runs' prompt tokens")
-    hmp.add_argument("--generation-tokens", type=int, default=8, help="tokens generated per request")
-    hmp.add_argument("--trace", default="out/hmp-trace.json", help="where the Chrome trace goes")
-    hmp.add_argument("--json", default=None, metavar="PATH", help="also write every run as JSON")
+    if kind_benches:
+        from edgeswarm.cli.bench import add_kind_benches
 
-    from edgeswarm.cli.bench_splitfed import add_splitfed_parser
-
-    add_splitfed_parser(bench_sub)
+        add_kind_benches(bench_sub)
 
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.dashboard import add_dashboard_parser
@@ -238,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(kind_benches=argv[:1] == ["bench"]).parse_args(argv)
     if args.command == "service":
         from edgeswarm.cli.service import service_process
 
@@ -286,22 +197,6 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.runtime.signals import terminate_as_interrupt
 
         terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
-    if args.command == "bench" and args.bench == "training":
-        from edgeswarm.cli.bench import run_bench_training
-
-        return run_bench_training(args)
-    if args.command == "bench" and args.bench == "recovery":
-        from edgeswarm.cli.bench import run_bench_recovery
-
-        return run_bench_recovery(args)
-    if args.command == "bench" and args.bench == "serving":
-        from edgeswarm.cli.bench import run_bench_serving
-
-        return run_bench_serving(args)
-    if args.command == "bench" and args.bench == "compute":
-        from edgeswarm.cli.bench import run_bench_compute
-
-        return run_bench_compute(args)
     if args.command == "bench" and args.bench == "spans":
         from edgeswarm.cli.bench import run_bench_spans
 
@@ -310,18 +205,10 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.cli.bench import run_bench_collectives
 
         return run_bench_collectives(args)
-    if args.command == "bench" and args.bench == "hmp":
-        from edgeswarm.cli.bench import run_bench_hmp
+    if args.command == "bench" and getattr(args, "kind_bench", None) is not None:
+        from edgeswarm.cli.bench import run_kind_bench
 
-        return run_bench_hmp(args)
-    if args.command == "bench" and args.bench == "splitfed":
-        from edgeswarm.cli.bench_splitfed import run_bench_splitfed
-
-        return run_bench_splitfed(args)
-    if args.command == "bench" and args.bench == "planner":
-        from edgeswarm.cli.bench import run_bench_planner
-
-        return run_bench_planner(args)
+        return run_kind_bench(args)
     if args.command == "bench":
         from edgeswarm.cli.bench import run_bench_transport
 

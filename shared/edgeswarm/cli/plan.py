@@ -14,7 +14,7 @@ from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.cli.hmp_plan import add_hmp_arguments
-from edgeswarm.cli.profile import parse_batch_sizes, parse_config
+from edgeswarm.cli.profile import parse_batch_sizes
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
@@ -26,7 +26,7 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
-from edgeswarm.values.profiles import ClusterProfile, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, ModelSpec, parse_config
 from edgeswarm.workloads import KINDS, workload
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"

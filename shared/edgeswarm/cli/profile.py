@@ -19,7 +19,7 @@ from edgeswarm.planning.hpp.memory import memory_breakdown
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
 from edgeswarm.settings import Settings
-from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, ModelSpec, parse_config
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 
@@ -39,28 +39,6 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--no-cache", action="store_true", help="measure even if the profile cache has the figures")
     p.add_argument("--out", default=None, help="write the profile (a ClusterProfile, JSON) to this file")
     p.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
-
-
-def parse_config(items: list[str]) -> dict[str, int | float | str | bool]:
-    """``KEY=VALUE`` strings as a config dict: true/false, integers and numbers are typed, the rest strings."""
-    config: dict[str, int | float | str | bool] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--config {item!r} is not KEY=VALUE")
-        config[key.strip()] = _typed(raw.strip())
-    return config
-
-
-def _typed(raw: str) -> int | float | str | bool:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for convert in (int, float):
-        try:
-            return convert(raw)
-        except ValueError:
-            pass
-    return raw
 
 
 def parse_batch_sizes(text: str) -> list[int]:

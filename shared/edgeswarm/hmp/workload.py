@@ -37,6 +37,7 @@ class HmpWorkload(Workload):
     progress_type = HmpProgress
     plan_type = HmpPlan
     planner = "edgeswarm.hmp.planner:PLANNER"
+    benches = ("edgeswarm.hmp.bench:HmpBench",)
     plan_cli = "edgeswarm.cli.hmp_plan:run_hmp_plan"
     plan_profiles_zoo = False
     command = "serve"

@@ -112,6 +112,8 @@ class TrainWorkload(Workload):
     plan_type = Plan
     plan_cli = "edgeswarm.cli.plan:run_hpp_plan"
     planner = "edgeswarm.hpp.planner:PLANNER"
+    benches = ("edgeswarm.hpp.bench:TrainingBench", "edgeswarm.hpp.bench:RecoveryBench",
+               "edgeswarm.hpp.bench:PlannerBench", "edgeswarm.hpp.bench:ComputeBench")
     command = "train"
     exclusive = True
     example = ("name: {name}\nmodel: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\n"

@@ -65,6 +65,14 @@ class ChildProcess:
         return self.process.poll() is None
 
 
+def power_cut(children: list[ChildProcess], node: str) -> None:
+    """SIGKILL every live process of ``node`` among ``children``, as a power cut would: nothing is flushed, no
+    offline status is sent (the broker's Last Will says so)."""
+    for child in children:
+        if child.node == node and child.alive():
+            child.process.kill()
+
+
 # How long the services of a cluster have, in all, to finish a SIGTERM before they are killed: a service's own shutdown
 # is bounded by about 10 s (its programs stop within 5 s, its offline status is flushed within 4 s), and on a loaded
 # 2-core machine the interpreters' own exits add seconds.
@@ -254,6 +262,10 @@ class LocalCluster:
     def failed_children(self) -> list[ChildProcess]:
         """Children that have exited."""
         return [c for c in self.children if not c.alive()]
+
+    def power_cut(self, node: str) -> None:
+        """SIGKILL every process of ``node``."""
+        power_cut(self.children, node)
 
     def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child (devices first, coordinator last), wait, SIGKILL stragglers, stop the broker."""

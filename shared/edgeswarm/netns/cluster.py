@@ -31,6 +31,7 @@ from edgeswarm.local.launcher import (
     OPERATOR,
     STOP_GRACE_S,
     ChildProcess,
+    power_cut,
     stop_children,
 )
 from edgeswarm.netns import brokers, faults, host, network
@@ -285,6 +286,10 @@ class NetnsCluster:
 
     def failed_children(self) -> list[ChildProcess]:
         return [c for c in self.children if not c.alive()]
+
+    def power_cut(self, node: str) -> None:
+        """SIGKILL every process of ``node``."""
+        power_cut(self.children, node)
 
     # --- faults ------------------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ class ServePipelineWorkload(Workload):
     plan_type = ServePlan
     plan_cli = "edgeswarm.cli.plan:run_serve_plan"
     planner = "edgeswarm.pipeline_serve.planner:PLANNER"
+    benches = ("edgeswarm.pipeline_serve.bench:ServingBench",)
     command = "serve"
     exclusive = False
     example = ("kind: serve-pipeline\nname: {name}\n"

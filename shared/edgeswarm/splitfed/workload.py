@@ -34,6 +34,7 @@ class SplitfedWorkload(Workload):
     progress_type = SplitfedProgress
     plan_type = SplitSelection
     planner = "edgeswarm.splitfed.planner:PLANNER"
+    benches = ("edgeswarm.splitfed.bench:SplitfedBench",)
     command = "train"
     exclusive = False
     example = ("kind: train-splitfed\nname: {name}\nrounds: 2\nparticipants: 2\npartition: {devices: 4}\n"

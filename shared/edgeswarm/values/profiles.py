@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.values.limits import (
     MAX_BATCH_GRID,
     MAX_BATCH_SIZE,
@@ -198,3 +199,26 @@ class ClusterProfile(BaseModel):
         gone = set(nodes)
         return ClusterProfile(model=self.model, devices=[e for e in self.devices if e.device.node not in gone],
                               links=[lk for lk in self.links if not gone & {lk.src, lk.dst}])
+
+
+def parse_config(items: list[str]) -> dict[str, int | float | str | bool]:
+    """``KEY=VALUE`` strings (a model's ``--config`` options) as a ModelSpec config: true/false, integers and numbers
+    are typed, the rest strings. Raises ConfigError for one without ``=``."""
+    config: dict[str, int | float | str | bool] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--config {item!r} is not KEY=VALUE")
+        config[key.strip()] = _typed(raw.strip())
+    return config
+
+
+def _typed(raw: str) -> int | float | str | bool:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    return raw

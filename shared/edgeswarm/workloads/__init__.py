@@ -13,6 +13,7 @@ Adding a workload is one entry: a line in ``BUILTIN`` for edgeswarm's own, or an
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import lru_cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import Workload
+    from edgeswarm.workloads.bench import Bench
 
 # Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run. Kinds are
 # named for their algorithm.
@@ -116,6 +118,41 @@ def typed_state(state: JobState) -> JobState:
         raise InvalidMessageError(f"the state of {state.kind} job {state.job_id} does not fit its kind:\n"
                                   f"{field_errors(exc)}") from None
     return state.model_copy(update=update) if update else state
+
+
+def kind_benches(taken: Collection[str] = ()) -> tuple[list[Bench], list[str]]:
+    """Every installed kind's benchmarks (its ``benches``), in registry order, and one line for each that cannot be
+    offered: a kind or benchmark that does not load, or a name in ``taken`` or already another's."""
+    from edgeswarm.workloads.bench import Bench
+
+    found: list[Bench] = []
+    problems: list[str] = []
+    names = set(taken)
+    for kind in kinds():
+        try:
+            targets = workload(kind).benches
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        for target in targets:
+            try:
+                cls = load_target(target, f"a benchmark of job kind {kind!r}")
+                if not (isinstance(cls, type) and issubclass(cls, Bench)):
+                    raise ConfigError(f"a benchmark of job kind {kind!r}, {target!r}, is not a Bench subclass")
+                bench = cls()
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a plug-in's class that cannot be made is the plug-in's
+                problems.append(f"a benchmark of job kind {kind!r}, {target!r}, cannot be made: "
+                                f"{type(exc).__name__}: {exc}")
+                continue
+            if bench.name in names:
+                problems.append(f"job kind {kind!r} names a benchmark {bench.name!r}, a name already taken")
+                continue
+            names.add(bench.name)
+            found.append(bench)
+    return found, problems
 
 
 def worker_programs(service: str) -> list[str]:

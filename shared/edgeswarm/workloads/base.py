@@ -83,6 +83,9 @@ class Workload(ABC):
     # "module:function(args, bus, state) -> exit code": how `edgeswarm infer` asks a running job of a serving kind
     # (empty: the pipelined serving client, tensors of the model's input shape).
     infer_cli: ClassVar[str] = ""
+    # Its benchmarks, each ``edgeswarm bench NAME`` ("module:Class" of a ``workloads.bench.Bench``; imported only by
+    # ``edgeswarm bench``).
+    benches: ClassVar[tuple[str, ...]] = ()
     # False: ``plan_cli`` reads its own profiles and gets cluster None (no zoo model is profiled first).
     plan_profiles_zoo: ClassVar[bool] = True
     command: ClassVar[Literal["train", "serve"]] = "train"

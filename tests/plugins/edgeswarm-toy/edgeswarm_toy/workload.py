@@ -18,6 +18,7 @@ class ToyWorkload(Workload):
     planner = "edgeswarm_toy.planner:PLANNER"
     worker_service = WORKER
     worker_program = "edgeswarm_toy.worker:ToyProgram"
+    benches = ("edgeswarm_toy.bench:ToyBench",)
     command = "train"
     exclusive = False
     # Two minutes: the contract tests cancel it, and a loaded CI machine must never see it finish first.

@@ -1,37 +1,39 @@
-"""``edgeswarm bench recovery``: drop each device of an emulated Env D in turn, recover light and heavy, measure.
+"""What ``edgeswarm bench recovery`` measures (its command is ``hpp.bench``): drop each device of an emulated Env D in
+turn, recover light and heavy, measure.
 
-For every device and every recovery mode a fresh local cluster (Asteroid's Env D at 100 Mbps) trains the same
-job; after a few rounds the device loses power (SIGKILL of all its services) in the middle of a round. The
-report gives the detection time (last sign of life to the confirmed failure), the recovery time (confirmation to
-every stage ready again: detection excluded), the state moved, and the measured throughput after the recovery.
-Light against heavy in the same run gives the two figures of spec 5 (AC-19, AC-20): heavy recovery time over
-light, and light throughput after recovery over heavy.
+For every device and every recovery mode a fresh local cluster (Asteroid's Env D at 100 Mbps) trains the same job;
+after a few rounds the device loses power (SIGKILL of all its services) in the middle of a round. The report gives
+the detection time (last sign of life to the confirmed failure), the recovery time (confirmation to every stage
+ready again: detection excluded), the state moved, and the measured throughput after the recovery. Light against
+heavy in the same run gives the two figures of spec 5 (AC-19, AC-20): heavy recovery time over light, and light
+throughput after recovery over heavy.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
 from edgeswarm.hpp.driver import RoundReport
 from edgeswarm.hpp.recovery import RecoveryReport
 from edgeswarm.hpp.spec import JobSpec, parse_job
-from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.bench import StartCluster
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
 KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the fastest round before
@@ -111,13 +113,6 @@ def recovery_job(env: str, victim: str, mode: str, model: ModelSpec, *, global_b
                       "checkpoint_interval": 0, "recovery": mode})
 
 
-def _kill_node(local: LocalCluster, node: str) -> None:
-    """A power cut: SIGKILL every process of ``node``."""
-    for child in local.children:
-        if child.node == node and child.alive():
-            os.kill(child.pid, signal.SIGKILL)
-
-
 def summarize(env: str, victim: str, mode: str, watch: _Watch) -> RecoveryRun:
     """The figures of one run from what its observer saw."""
     if not watch.recoveries or watch.plan is None:
@@ -141,7 +136,7 @@ def summarize(env: str, victim: str, mode: str, watch: _Watch) -> RecoveryRun:
 
 def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, modes: tuple[str, ...] = ("light", "heavy"),
                        model: ModelSpec = DEFAULT_MODEL, global_batch: int = 64, micro_batches: int = 4,
-                       rounds: int = 9, kill_round: int = 3, profile_dir: Path,
+                       rounds: int = 9, kill_round: int = 3, profile_dir: Path, cluster: StartCluster,
                        log: Callable[[str], None] = lambda _m: None) -> list[RecoveryRun]:
     """Drop each device of ``env`` (all of them when ``victims`` is None) under every recovery mode, each on a
     fresh local cluster; profiles are cached in ``profile_dir``."""
@@ -153,8 +148,10 @@ def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, mode
             job = recovery_job(env, victim, mode, model, global_batch=global_batch, micro_batches=micro_batches,
                                rounds=rounds)
             log(f"env {env}: {mode} recovery from losing {victim} during round {kill_round}")
-            with asteroid_cluster(env, profile_dir) as (local, bus):
-                watch = _Watch(lambda v=victim, lc=local: _kill_node(lc, v), kill_round)
+            with cluster(load_cluster(f"asteroid-env-{env}-100mbps"),
+                         extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
+                         skip_services=(TENSOR_SHARD_WORKER,)) as (running, bus):
+                watch = _Watch(lambda v=victim, c=running: c.power_cut(v), kill_round)
                 try:
                     run_job(bus, job, store_node=None, observer=watch)
                     row = summarize(env, victim, mode, watch)

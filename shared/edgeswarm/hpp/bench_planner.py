@@ -1,10 +1,10 @@
-"""``edgeswarm bench planner``: how long planning takes, and the predicted speed-ups next to Asteroid's Table 4.
+"""What ``edgeswarm bench planner`` measures (its command is ``hpp.bench``): how long planning takes, and the predicted
+speed-ups next to Asteroid's Table 4.
 
-Planning time is measured on synthetic Env C-like profiles of L = 213 and L = 56 units on 6 devices (the
-sizes of the paper's Table 7, where a Jetson NX needed 480 s and 69 s). The speed-ups come from real
-profiles: every Table 4 model is profiled on every emulated Asteroid environment by the devices' own
-profiler services over MQTT (compute and links), then planned with HPP and the three baselines on the same
-cost model.
+Planning time is measured on synthetic Env C-like profiles of L = 213 and L = 56 units on 6 devices (the sizes of
+the paper's Table 7, where a Jetson NX needed 480 s and 69 s). The speed-ups come from real profiles: every Table 4
+model is profiled on every emulated Asteroid environment by the devices' own profiler services over MQTT (compute
+and links), then planned with HPP and the three baselines on the same cost model.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.planning.hpp.asteroid import plan_asteroid
 from edgeswarm.planning.hpp.compare import compare
 from edgeswarm.planning.hpp.types import PlanOptions
@@ -26,6 +26,9 @@ from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.bench import StartCluster
 
 GIB = 1024**3
 PAPER_PLANNING_S = {213: 480.0, 56: 69.0}
@@ -125,8 +128,9 @@ def planning_time(repeats: int = 3, sizes: tuple[int, ...] = (213, 56)) -> list[
 
 
 def gather_env_profiles(env: str, mbps: int, models: list[str], folder: Path, *, profile_dir: Path,
-                        log: Callable[[str], None]) -> dict[str, ClusterProfile]:
-    """Profiles of ``models`` on the emulated environment, read from ``folder`` or measured by starting it.
+                        cluster: StartCluster, log: Callable[[str], None]) -> dict[str, ClusterProfile]:
+    """Profiles of ``models`` on the emulated environment, read from ``folder`` or measured by starting it (with
+    ``cluster``).
 
     All devices share ``profile_dir``, so each model is timed on the host once and every device calibrates.
     """
@@ -141,30 +145,33 @@ def gather_env_profiles(env: str, mbps: int, models: list[str], folder: Path, *,
         return found
     spec = load_cluster(name)
     nodes = [d.id for d in spec.devices]
-    with LocalCluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as local:
+    with cluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}) as (running, _bus):
         links = None
         for model in todo:
             model_spec, _, batch_sizes = TABLE4_MODELS[model]
             log(f"profiling {model} on {name}")
-            cluster = profile_at_hub(local.hub_url, model_spec, batch_sizes, timeout_s=3600.0, nodes=nodes,
+            profile = profile_at_hub(running.hub_url, model_spec, batch_sizes, timeout_s=3600.0, nodes=nodes,
                                      links=links is None)
             if links is None:
-                links = cluster.links
+                links = profile.links
             else:
-                cluster = cluster.model_copy(update={"links": links})
-            write_json_atomic(folder / f"{name}-{model}.json", cluster.model_dump(mode="json"))
-            found[model] = cluster
+                profile = profile.model_copy(update={"links": links})
+            write_json_atomic(folder / f"{name}-{model}.json", profile.model_dump(mode="json"))
+            found[model] = profile
     return found
 
 
-def table4(folder: Path, *, profile_dir: Path, models: list[str] | None = None, envs: tuple[str, ...] = ENVS,
-           bandwidths: tuple[int, ...] = BANDWIDTHS, log: Callable[[str], None] = lambda _m: None) -> list[Table4Row]:
-    """Predicted speed-ups for every (model, env, bandwidth), each strategy at its best M."""
+def table4(folder: Path, *, profile_dir: Path, cluster: StartCluster, models: list[str] | None = None,
+           envs: tuple[str, ...] = ENVS, bandwidths: tuple[int, ...] = BANDWIDTHS,
+           log: Callable[[str], None] = lambda _m: None) -> list[Table4Row]:
+    """Predicted speed-ups for every (model, env, bandwidth), each strategy at its best M; the profiles not in
+    ``folder`` are measured on clusters started with ``cluster``."""
     models = models or list(TABLE4_MODELS)
     rows = []
     for env in envs:
         for mbps in bandwidths:
-            profiles = gather_env_profiles(env, mbps, models, folder, profile_dir=profile_dir, log=log)
+            profiles = gather_env_profiles(env, mbps, models, folder, profile_dir=profile_dir, cluster=cluster,
+                                           log=log)
             for model in models:
                 _, global_batch, _ = TABLE4_MODELS[model]
                 try:

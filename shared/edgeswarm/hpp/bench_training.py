@@ -1,15 +1,16 @@
-"""``edgeswarm bench training``: HPP and its baselines trained on emulated Asteroid environments, measured.
+"""What ``edgeswarm bench training`` measures (its command is ``hpp.bench``): HPP and its baselines trained on emulated
+Asteroid environments, measured.
 
-For each environment (a local cluster of emulated devices at 100 Mbps) every strategy trains the same job for a
-few rounds on the same runtime; the report gives measured samples/s, the measured/predicted round-time ratio,
-and the runtime's own overhead per micro-batch (time a worker spends outside compute, blocking waits and the
-AllReduce: reading data, slicing, queueing sends).
+For each environment (a local cluster of emulated devices at 100 Mbps) every strategy trains the same job for a few
+rounds on the same runtime; the report gives measured samples/s, the measured/predicted round-time ratio, and the
+runtime's own overhead per micro-batch (time a worker spends outside compute, blocking waits and the AllReduce:
+reading data, slicing, queueing sends).
 
-Emulated devices compute through ``DeviceProfile.run``, whose CPU-time scaling is exact only as far as the host
-runs the same kernels equally fast each time; so each run also reports how the devices' measured compute
-compares with their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the
-measured compute put in (``replayed_round_s``): measured against replayed is the runtime's and the network's
-share of any gap, compute_ratio the emulated devices' share.
+Emulated devices compute through ``DeviceProfile.run``, whose CPU-time scaling is exact only as far as the host runs
+the same kernels equally fast each time; so each run also reports how the devices' measured compute compares with
+their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the measured compute put in
+(``replayed_round_s``): measured against replayed is the runtime's and the network's share of any gap, compute_ratio
+the emulated devices' share.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.clusters import asteroid_cluster
+from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
 from edgeswarm.hpp.driver import RoundReport
@@ -28,7 +30,11 @@ from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.schedule import plan_timeline
 from edgeswarm.planning.hpp.types import Plan, Strategy
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.bench import StartCluster
 
 STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
@@ -114,13 +120,16 @@ def bench_job(env: str, strategy: Strategy, model: ModelSpec, *, global_batch: i
 
 def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, global_batch: int = 64,
                        micro_batches: int | None = 4, rounds: int = 4,
-                       strategies: tuple[Strategy, ...] = STRATEGIES, profile_dir: Path, netns: bool = False,
+                       strategies: tuple[Strategy, ...] = STRATEGIES, profile_dir: Path, cluster: StartCluster,
+                       netns: bool = False,
                        log: Callable[[str], None] = lambda _m: None) -> list[StrategyRun]:
     """Train ``model`` with every strategy on each of ``envs`` (a, b, c, d: Asteroid's environments at 100
-    Mbps), one local cluster per environment; profiles are cached in ``profile_dir``."""
+    Mbps), one cluster per environment (started with ``cluster``); profiles are cached in ``profile_dir``."""
     rows: list[StrategyRun] = []
     for env in envs:
-        with asteroid_cluster(env, profile_dir, netns=netns) as (_local, bus):
+        # Pipelines only: no tensor-shard-worker competes for the host's cores.
+        with cluster(load_cluster(f"asteroid-env-{env}-100mbps"), extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
+                     skip_services=(TENSOR_SHARD_WORKER,), netns=netns) as (_running, bus):
             for strategy in strategies:
                 job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
                                 rounds=rounds)

@@ -1,5 +1,5 @@
-"""``edgeswarm bench splitfed``: its arguments, checks and tables (the measurements live in
-``edgeswarm.bench.splitfed``). Kept apart from cli/bench.py so that building the parser imports nothing heavy."""
+"""The benchmark split learning adds to the command line, ``edgeswarm bench splitfed``: its arguments, checks and
+tables (the measurements live in ``splitfed.bench_splitfed``, imported when it runs)."""
 
 from __future__ import annotations
 
@@ -8,40 +8,59 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.workloads.bench import Bench, BenchTools
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from edgeswarm.bench.splitfed import SplitfedBenchConfig, SplitfedReport
+    from edgeswarm.splitfed.bench_splitfed import SplitfedBenchConfig, SplitfedReport
 
 MIB = 1 << 20
 
 
-def add_splitfed_parser(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``bench splitfed`` to the ``bench`` subcommands."""
-    p = bench_sub.add_parser("splitfed", help="SmartSplit against FedAvg and SplitFed: planner quality, round "
-                             "time, WAN bytes, participation, device memory and simulated accuracy")
-    p.add_argument("--sections", default="planner,memory,accuracy",
-                   help="comma-separated: planner, memory, accuracy, cluster (default: the first three, about 4 "
-                   "minutes on 2 cores; cluster starts a local cluster of 3 devices and an edge server)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (the planner and simulation repeat per seed)")
-    p.add_argument("--rounds", type=int, default=20, help="simulated rounds per method and setting")
-    p.add_argument("--local-epochs", type=int, default=5, help="simulated local epochs per round (the spec's 5)")
-    p.add_argument("--lr", type=float, default=0.05, help="the simulation's SGD learning rate (momentum 0.9)")
-    p.add_argument("--settings", default="dirichlet-0.1,dirichlet-1.0,label-skew-2",
-                   help="the simulation's data splits: dirichlet-0.1, dirichlet-1.0, label-skew-2, iid")
-    p.add_argument("--cluster-rounds", type=int, default=3, help="rounds of each mode's job on the cluster")
-    p.add_argument("--instances", type=int, default=50, help="random instances of the BO quality check (U6)")
-    p.add_argument("--quick", action="store_true",
-                   help="a few seconds: 5 BO instances, LeNet-5 only, 2 simulated rounds on one setting")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+class SplitfedBench(Bench):
+    name = "splitfed"
+    help = ("SmartSplit against FedAvg and SplitFed: planner quality, round time, WAN bytes, participation, device "
+            "memory and simulated accuracy")
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--sections", default="planner,memory,accuracy",
+                       help="comma-separated: planner, memory, accuracy, cluster (default: the first three, about 4 "
+                       "minutes on 2 cores; cluster starts a local cluster of 3 devices and an edge server)")
+        p.add_argument("--seeds", default="0",
+                       help="comma-separated seeds (the planner and simulation repeat per seed)")
+        p.add_argument("--rounds", type=int, default=20, help="simulated rounds per method and setting")
+        p.add_argument("--local-epochs", type=int, default=5, help="simulated local epochs per round (the spec's 5)")
+        p.add_argument("--lr", type=float, default=0.05, help="the simulation's SGD learning rate (momentum 0.9)")
+        p.add_argument("--settings", default="dirichlet-0.1,dirichlet-1.0,label-skew-2",
+                       help="the simulation's data splits: dirichlet-0.1, dirichlet-1.0, label-skew-2, iid")
+        p.add_argument("--cluster-rounds", type=int, default=3, help="rounds of each mode's job on the cluster")
+        p.add_argument("--instances", type=int, default=50, help="random instances of the BO quality check (U6)")
+        p.add_argument("--quick", action="store_true",
+                       help="a few seconds: 5 BO instances, LeNet-5 only, 2 simulated rounds on one setting")
+        p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+
+    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+        """Print the tables, and write the report as JSON with --json."""
+        from edgeswarm.splitfed.bench_splitfed import run_splitfed_bench
+
+        config = splitfed_config(args)
+        report = run_splitfed_bench(config, log=tools.log, cluster=tools.cluster)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(report.model_dump_json(indent=2))
+        for table in splitfed_tables(report):
+            tools.console.print(table)
+        if report.budget_note:
+            tools.console.print(report.budget_note, highlight=False)
+        return 0
 
 
 def splitfed_config(args: argparse.Namespace) -> SplitfedBenchConfig:
     """The configuration from the arguments. Raises ConfigError."""
     from pydantic import ValidationError
 
-    from edgeswarm.bench.splitfed import SECTIONS, SplitfedBenchConfig
+    from edgeswarm.splitfed.bench_splitfed import SECTIONS, SplitfedBenchConfig
     from edgeswarm.splitfed.simulation import SETTINGS
 
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -67,27 +86,8 @@ def splitfed_config(args: argparse.Namespace) -> SplitfedBenchConfig:
         raise ConfigError(f"bad bench splitfed options: {exc}") from None
 
 
-def run_bench_splitfed(args: argparse.Namespace) -> int:
-    """``edgeswarm bench splitfed``: print the tables, and write the report as JSON with --json."""
-    from rich.markup import escape
-
-    from edgeswarm.bench.splitfed import run_splitfed_bench
-    from edgeswarm.cli.console import console, err_console
-
-    config = splitfed_config(args)
-    report = run_splitfed_bench(config, log=lambda m: err_console.print(f"[dim]{escape(m)}[/dim]", highlight=False))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(report.model_dump_json(indent=2))
-    for table in splitfed_tables(report):
-        console.print(table)
-    if report.budget_note:
-        console.print(report.budget_note, highlight=False)
-    return 0
-
-
 def _mean(values: list[float | None]) -> float | None:
-    from edgeswarm.bench.splitfed import mean_of
+    from edgeswarm.splitfed.bench_splitfed import mean_of
 
     return mean_of([v for v in values if v is not None])
 
@@ -106,7 +106,7 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
     """The report's tables: U6, round time and WAN bytes (ratios against SmartSplit), I6, I1, accuracy."""
     from rich.table import Table
 
-    from edgeswarm.bench.splitfed import METHODS
+    from edgeswarm.splitfed.bench_splitfed import METHODS
 
     tables = []
     if report.quality:

@@ -1,11 +1,12 @@
-"""``edgeswarm bench serving``: pipelined serving on emulated Asteroid environments, measured on the stage-workers.
+"""What ``edgeswarm bench serving`` measures (its command is ``pipeline_serve.bench``): pipelined serving on emulated
+Asteroid environments, measured on the stage-workers.
 
-For each environment (a local cluster of emulated devices at 100 Mbps) the same model is served three ways, one
-job after the other, on the same runtime: as planned (``auto``: the best predicted of the paper's k-path placement,
-the greedy-joint placement and the exact search, compute counted), with the greedy-joint placement alone, and on
-the single best device (``max_stages: 1``). Each job gets a warm-up, then a stream of full micro-batches with
-enough requests in flight to fill its pipeline; the report gives measured samples per second against the plan's
-prediction, the per-request latency percentiles, and each variant's throughput over the single device's.
+For each environment (a local cluster of emulated devices at 100 Mbps) the same model is served three ways, one job
+after the other, on the same runtime: as planned (``auto``: the best predicted of the paper's k-path placement, the
+greedy-joint placement and the exact search, compute counted), with the greedy-joint placement alone, and on the
+single best device (``max_stages: 1``). Each job gets a warm-up, then a stream of full micro-batches with enough
+requests in flight to fill its pipeline; the report gives measured samples per second against the plan's prediction,
+the per-request latency percentiles, and each variant's throughput over the single device's.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.clusters import asteroid_cluster
 from edgeswarm.bus import Bus
+from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.bench import StartCluster
 
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
 VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}
@@ -99,13 +105,15 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
 
 def run_serving_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, micro_batch: int = 8,
                       requests: int = 200, window: int = 8, variants: tuple[str, ...] = tuple(VARIANTS),
-                      profile_dir: Path, netns: bool = False,
+                      profile_dir: Path, cluster: StartCluster, netns: bool = False,
                       log: Callable[[str], None] = lambda _m: None) -> list[ServeRun]:
     """Serve ``model`` in every variant on each of ``envs`` (a, b, c, d: Asteroid's environments at 100 Mbps),
-    one local cluster per environment; profiles are cached in ``profile_dir``."""
+    one cluster per environment started with ``cluster``; profiles are cached in ``profile_dir``."""
     rows: list[ServeRun] = []
     for env in envs:
-        with asteroid_cluster(env, profile_dir, netns=netns) as (_local, bus):
+        # Pipelines only: no tensor-shard-worker competes for the host's cores.
+        with cluster(load_cluster(f"asteroid-env-{env}-100mbps"), extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
+                     skip_services=(TENSOR_SHARD_WORKER,), netns=netns) as (_running, bus):
             for variant in variants:
                 log(f"env {env}: serving {model.name} ({variant})")
                 try:

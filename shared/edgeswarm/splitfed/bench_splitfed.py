@@ -1,5 +1,6 @@
-"""``edgeswarm bench splitfed``: SmartSplit against FedAvg and SplitFed (spec 10, acceptance checks U6, I1, I2, I5,
-I6 and the accuracy comparison), every figure measured or computed in the run that prints it.
+"""What ``edgeswarm bench splitfed`` measures (its command is ``splitfed.bench``): SmartSplit against FedAvg and
+SplitFed (spec 10, acceptance checks U6, I1, I2, I5, I6 and the accuracy comparison), every figure measured or
+computed in the run that prints it.
 
 Sections:
 
@@ -40,7 +41,9 @@ from edgeswarm.planning.splitfed.types import (
 )
 
 if TYPE_CHECKING:
+    from edgeswarm.bus import Bus
     from edgeswarm.values.profiles import ModelSpec
+    from edgeswarm.workloads.bench import StartCluster
 
 SECTIONS = ("planner", "memory", "accuracy", "cluster")
 MODELS = ("lenet5", "resnet18", "vgg16")
@@ -173,8 +176,10 @@ def _quiet(_: str) -> None:
     return None
 
 
-def run_splitfed_bench(config: SplitfedBenchConfig, log: Log = _quiet) -> SplitfedReport:
-    """Run the configured sections in order (see the module's docstring) and return every figure."""
+def run_splitfed_bench(config: SplitfedBenchConfig, log: Log = _quiet, cluster: StartCluster | None = None
+                       ) -> SplitfedReport:
+    """Run the configured sections in order (see the module's docstring) and return every figure. The ``cluster``
+    section starts its cluster with ``cluster`` (EdgeswarmError without one)."""
     report = SplitfedReport(config=config)
     if "planner" in config.sections:
         log("planner: BO quality")
@@ -204,7 +209,9 @@ def run_splitfed_bench(config: SplitfedBenchConfig, log: Log = _quiet) -> Splitf
         finally:
             torch.set_num_threads(threads)
     if "cluster" in config.sections:
-        report.cluster = cluster_rows(config, log)
+        if cluster is None:
+            raise EdgeswarmError("the cluster section needs a way to start a cluster (edgeswarm bench has one)")
+        report.cluster = cluster_rows(config, cluster, log)
     return report
 
 
@@ -366,68 +373,57 @@ CLUSTER_DEVICES = 3
 CLUSTER_MODES = ("smartsplit", "fedavg", "splitfed")
 
 
-def cluster_rows(config: SplitfedBenchConfig, log: Log = _quiet) -> list[ClusterRow]:
+def cluster_rows(config: SplitfedBenchConfig, cluster: StartCluster, log: Log = _quiet) -> list[ClusterRow]:
     """Run each mode as a train-splitfed job of ``config.cluster_rounds`` rounds on one local cluster of
     CLUSTER_DEVICES native devices and one native edge server (LeNet-5 on digits, 2 participants a round, a
     Dirichlet 0.5 split), every device's budget ``config.cluster_budget_bytes``, and read each round's record
     from the job state. A mode that fails is one row with its error."""
-    import json
     import tempfile
     from pathlib import Path
 
     from edgeswarm.devices.cluster import DeviceEntry, cluster_of
-    from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
-    from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-    from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
-    from edgeswarm.settings import Settings
-    from edgeswarm.splitfed.spec import SplitfedProgress
-    from edgeswarm.workloads.client import JobFollower, submit_job
 
     spec = cluster_of(CLUSTER_DEVICES, "native")
     spec = spec.model_copy(update={"edges": (DeviceEntry(id="edge-0", device_class="native"),)})
-    rows: list[ClusterRow] = []
     with tempfile.TemporaryDirectory(prefix="bench-splitfed-") as tmp:
         root = Path(tmp)
         env = {"EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
         log("cluster: starting 3 devices and an edge server")
-        with LocalCluster(spec, workdir=root / "cluster", extra_env=env,
-                          skip_services=("tensor-shard-worker",)) as local:
-            bus = client_bus(Settings(hub_url=local.hub_url), role="bench-splitfed", connect_timeout_s=30)
-            try:
-                watcher = ClusterWatcher(bus)
-                devices = [d.id for d in spec.devices]
-                missing = wait_for_service(watcher, STAGE_WORKER, devices, 300)
-                missing += wait_for_service(watcher, MEC_MANAGER, ["edge-0"], 300)
-                for s in HUB_SERVICES:
-                    missing += wait_for_service(watcher, s, [HUB_NODE], 300)
-                if missing:
-                    return [ClusterRow(mode=m, error=f"not online: {', '.join(missing)}") for m in CLUSTER_MODES]
-                for mode in CLUSTER_MODES:
-                    name = f"bench-sf-{mode}"
-                    job = {"kind": "train-splitfed", "name": name, "mode": mode, "rounds": config.cluster_rounds,
-                           "participants": 2,
-                           "partition": {"kind": "dirichlet", "devices": CLUSTER_DEVICES, "alpha": 0.5, "seed": 1},
-                           "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
-                           "memory_budget_bytes": config.cluster_budget_bytes}
-                    log(f"cluster: {mode}")
-                    follower = JobFollower(bus, name)
-                    submit_job(bus, json.dumps(job), submission=follower.submission)
-                    try:
-                        state = follower.wait(600)
-                    except EdgeswarmError as exc:
-                        rows.append(ClusterRow(mode=mode, error=str(exc)[:300]))
-                        continue
-                    progress = state.progress_as(SplitfedProgress)
-                    if not progress.history:
-                        rows.append(ClusterRow(mode=mode, error=f"{state.status}: {state.detail}"[:300]))
-                        continue
-                    for rec in progress.history:
-                        trained = [p for p in rec.participants if p.outcome == "trained"]
-                        rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s,
-                                               predicted_s=rec.predicted_s, lan_bytes=rec.lan_bytes,
-                                               wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
-                                               peak_bytes=max((p.peak_bytes for p in trained), default=0),
-                                               cuts=sorted({p.cut for p in trained})))
-            finally:
-                bus.stop()
+        try:
+            with cluster(spec, workdir=root / "cluster", extra_env=env, skip_services=("tensor-shard-worker",),
+                         timeout_s=300) as (_running, bus):
+                return [row for mode in CLUSTER_MODES for row in _cluster_mode(bus, mode, config, log)]
+        except EdgeswarmError as exc:  # the cluster did not come up
+            return [ClusterRow(mode=m, error=str(exc)[:300]) for m in CLUSTER_MODES]
+
+
+def _cluster_mode(bus: Bus, mode: str, config: SplitfedBenchConfig, log: Log) -> list[ClusterRow]:
+    """One train-splitfed job of ``mode`` on the cluster ``bus`` reaches: a row per round, or one with its error."""
+    import json
+
+    from edgeswarm.splitfed.spec import SplitfedProgress
+    from edgeswarm.workloads.client import JobFollower, submit_job
+
+    name = f"bench-sf-{mode}"
+    job = {"kind": "train-splitfed", "name": name, "mode": mode, "rounds": config.cluster_rounds, "participants": 2,
+           "partition": {"kind": "dirichlet", "devices": CLUSTER_DEVICES, "alpha": 0.5, "seed": 1},
+           "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
+           "memory_budget_bytes": config.cluster_budget_bytes}
+    log(f"cluster: {mode}")
+    follower = JobFollower(bus, name)
+    submit_job(bus, json.dumps(job), submission=follower.submission)
+    try:
+        state = follower.wait(600)
+    except EdgeswarmError as exc:
+        return [ClusterRow(mode=mode, error=str(exc)[:300])]
+    progress = state.progress_as(SplitfedProgress)
+    if not progress.history:
+        return [ClusterRow(mode=mode, error=f"{state.status}: {state.detail}"[:300])]
+    rows = []
+    for rec in progress.history:
+        trained = [p for p in rec.participants if p.outcome == "trained"]
+        rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s, predicted_s=rec.predicted_s,
+                               lan_bytes=rec.lan_bytes, wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
+                               peak_bytes=max((p.peak_bytes for p in trained), default=0),
+                               cuts=sorted({p.cut for p in trained})))
     return rows

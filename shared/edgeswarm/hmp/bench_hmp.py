@@ -1,16 +1,18 @@
-"""``edgeswarm bench hmp``: Galaxy's tensor-parallel serving against Megatron-TP, SP and Local, measured on the
-tensor-shard-workers of emulated Galaxy environments (spec section 5, acceptance checks C-L1 to C-L7).
+"""What ``edgeswarm bench hmp`` measures (its command is ``hmp.bench``): Galaxy's tensor-parallel serving against
+Megatron-TP, SP and Local, measured on the tensor-shard-workers of emulated Galaxy environments (spec section 5,
+acceptance checks C-L1 to C-L7).
 
-Every figure comes from serve-hmp jobs on a local cluster: the cluster file's devices (Nano-L, -M, -S: the
-compute of each phase stretched by its class's slow-down) and its links shaped in the bus at the bandwidth of the
-run. On one cluster the modes run one job after the other, each with a warm-up request and then ``requests``
-prefill-only requests (a decoder's ``max_new_tokens`` 0), one at a time; a job whose planning fails is recorded
-with its reason (OOM, infeasible). For each run the report keeps the median latency on the coordinator (arrival to
-answer), the plan's prediction, and the per-layer time split of the slowest rank (compute, sync, waiting).
-Sections: the environments (Env A-F at 125 Mbps), a bandwidth sweep on one environment, strong and weak scaling
-of one layer on 1-4 Nano-M at 1000 Mbps, overlap on against off, and generation (time per output token and the
-network's share of it) against equal-split TP. The paper's shapes are kept, with few layers (``layers``), as the
-paper's scaling runs load one: the planner's full-model memory verdicts are reported beside them.
+Every figure comes from serve-hmp jobs on a local cluster (started by the command line's ``StartCluster``): the
+cluster file's devices (Nano-L, -M, -S: the compute of each phase stretched by its class's slow-down) and its links
+shaped in the bus at the bandwidth of the run. On one cluster the modes run one job after the other, each with a
+warm-up request and then ``requests`` prefill-only requests (a decoder's ``max_new_tokens`` 0), one at a time; a job
+whose planning fails is recorded with its reason (OOM, infeasible). For each run the report keeps the median latency
+on the coordinator (arrival to answer), the plan's prediction, and the per-layer time split of the slowest rank
+(compute, sync, waiting). Sections: the environments (Env A-F at 125 Mbps), a bandwidth sweep on one environment,
+strong and weak scaling of one layer on 1-4 Nano-M at 1000 Mbps, overlap on against off, and generation (time per
+output token and the network's share of it) against equal-split TP. The paper's shapes are kept, with few layers
+(``layers``), as the paper's scaling runs load one: the planner's full-model memory verdicts are reported beside
+them.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import json
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -29,13 +31,12 @@ from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.client import ask
-from edgeswarm.local.launcher import HUB_NODE, HUB_SERVICES, LocalCluster
 from edgeswarm.planning.hmp.types import HmpPlan
-from edgeswarm.runtime.client import ClusterWatcher, client_bus, wait_for_service
-from edgeswarm.service_registry import TENSOR_SHARD_WORKER
-from edgeswarm.settings import Settings
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
+
+if TYPE_CHECKING:
+    from edgeswarm.workloads.bench import StartCluster
 
 MODES = ("galaxy", "megatron", "sp", "local")
 ENVS = ("a", "b", "c", "d", "e", "f")
@@ -129,26 +130,6 @@ def cluster_at(env: str, bandwidth_mbps: float, devices: int | None = None) -> C
     return ClusterSpec(name=f"{base.name.rsplit('-', 1)[0]}-{bandwidth_mbps:g}mbps",
                        description=base.description, devices=kept,
                        network=NetworkDefaults(bandwidth_mbps=bandwidth_mbps, latency_ms=LATENCY_MS))
-
-
-@contextmanager
-def hmp_cluster(spec: ClusterSpec, workdir: Path | None = None) -> Iterator[tuple[LocalCluster, Bus]]:
-    """``spec`` as a local cluster with a client bus on it, once every device's tensor-shard-worker and the hub's
-    services are online. Raises EdgeswarmError when it does not come up within two minutes."""
-    nodes = [d.id for d in spec.devices]
-    with LocalCluster(spec, workdir=workdir) as local:
-        bus = client_bus(Settings(hub_url=local.hub_url))
-        try:
-            watcher = ClusterWatcher(bus)
-            watcher.wait(settle_s=0.5, devices=len(nodes), timeout_s=120)
-            missing = [f"{TENSOR_SHARD_WORKER} on {n}" for n in
-                       wait_for_service(watcher, TENSOR_SHARD_WORKER, nodes, 120)]
-            missing += [f"{s} on {HUB_NODE}" for s in HUB_SERVICES if wait_for_service(watcher, s, [HUB_NODE], 120)]
-            if missing:
-                raise EdgeswarmError(f"{spec.name}: the cluster did not come up: {', '.join(missing)} not online")
-            yield local, bus
-        finally:
-            bus.stop()
 
 
 def prompts_of(model: str, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -292,10 +273,10 @@ class HmpReport(BaseModel):
 
 
 def _on_cluster(report: HmpReport, spec: ClusterSpec, env: str, bandwidth: float, jobs: list[dict[str, object]],
-                save: Callable[[], None], log: Log) -> None:
+                save: Callable[[], None], log: Log, cluster: StartCluster) -> None:
     log(f"starting {spec.name} ({len(spec.devices)} devices)")
     try:
-        with hmp_cluster(spec) as (_local, bus):
+        with cluster(spec) as (_running, bus):
             for job in jobs:
                 try:
                     run = serve_and_measure(bus, env=env, bandwidth_mbps=bandwidth, log=log, **job)  # type: ignore
@@ -318,10 +299,10 @@ def _on_cluster(report: HmpReport, spec: ClusterSpec, env: str, bandwidth: float
         save()
 
 
-def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, json_path: Path | None = None,
-                  log: Log = lambda _m: None) -> HmpReport:
-    """Run ``config``'s sections; the report is written to ``json_path`` after every run (a long run interrupted
-    keeps what it measured)."""
+def run_hmp_bench(config: HmpBenchConfig, cluster: StartCluster, *, trace_path: Path | None = None,
+                  json_path: Path | None = None, log: Log = lambda _m: None) -> HmpReport:
+    """Run ``config``'s sections, each cluster started with ``cluster``; the report is written to ``json_path`` after
+    every run (a long run interrupted keeps what it measured)."""
     report = HmpReport(config=config)
     c = config
 
@@ -342,15 +323,15 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
             jobs = [job("envs", m, c.layers, c.seq_len, mode) for m in c.models for mode in c.modes]
             if "overlap" in c.sections and env == c.overlap_env:
                 jobs += overlap_jobs  # against the envs section's Galaxy runs on the same cluster
-            _on_cluster(report, cluster_at(env, 125), env, 125, jobs, save, log)
+            _on_cluster(report, cluster_at(env, 125), env, 125, jobs, save, log, cluster)
     if "overlap" in c.sections and ("envs" not in c.sections or c.overlap_env not in c.envs):
         jobs = [job("envs", m, c.layers, c.seq_len, "galaxy") for m in c.models] + overlap_jobs
-        _on_cluster(report, cluster_at(c.overlap_env, 125), c.overlap_env, 125, jobs, save, log)
+        _on_cluster(report, cluster_at(c.overlap_env, 125), c.overlap_env, 125, jobs, save, log, cluster)
     if "bandwidth" in c.sections:
         for bw in c.bandwidths:
             jobs = [job("bandwidth", c.bandwidth_model, c.layers, c.seq_len, mode) for mode in c.modes
                     if mode != "local" or bw == c.bandwidths[0]]  # Local does not use the network
-            _on_cluster(report, cluster_at(c.bandwidth_env, bw), c.bandwidth_env, bw, jobs, save, log)
+            _on_cluster(report, cluster_at(c.bandwidth_env, bw), c.bandwidth_env, bw, jobs, save, log, cluster)
     if "scaling" in c.sections:
         # A cluster of n Nano-M at 1000 Mbps for each n (planner.exclude cannot narrow one cluster: the
         # coordinator removes the excluded devices before planning and the planner then refuses to exclude them).
@@ -358,7 +339,7 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
             mode = "local" if n == 1 else "galaxy"
             jobs = [job("strong", c.scaling_model, 1, c.scaling_seq_len, mode, prune=False),
                     job("weak", c.scaling_model, 1, c.weak_tokens * n, mode, prune=False)]
-            _on_cluster(report, cluster_at("c", 1000, n), "c", 1000, jobs, save, log)
+            _on_cluster(report, cluster_at("c", 1000, n), "c", 1000, jobs, save, log, cluster)
     if "generation" in c.sections:
         for env in c.generation_envs:
             jobs = [job("generation", c.generation_model, c.generation_layers, c.generation_prompt, mode,
@@ -366,9 +347,9 @@ def run_hmp_bench(config: HmpBenchConfig, *, trace_path: Path | None = None, jso
             # one-token passes: a decoding step's per-layer split without the KV cache's attention
             jobs += [job("token-pass", c.generation_model, c.generation_layers, 1, mode, prune=False)
                      for mode in ("galaxy", "megatron")]
-            _on_cluster(report, cluster_at(env, 1000), env, 1000, jobs, save, log)
+            _on_cluster(report, cluster_at(env, 1000), env, 1000, jobs, save, log, cluster)
     if "trace" in c.sections and trace_path is not None:
-        from edgeswarm.bench.hmp_trace import loopback_trace
+        from edgeswarm.hmp.bench_trace import loopback_trace
 
         report.trace_overlaps = loopback_trace(trace_path, model=c.scaling_model, seq_len=c.seq_len,
                                                bandwidth_mbps=125, devices=3)

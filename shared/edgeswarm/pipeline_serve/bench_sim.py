@@ -1,9 +1,9 @@
-"""``edgeswarm bench serving --sim``: the partition-placement paper's simulation grid (spec 5, 6.3, 8 R3-R7)
-on the pure-Python Keras layer graphs, against the reference numbers of spec 6.3.
+"""What ``edgeswarm bench serving --sim`` computes: the partition-placement paper's simulation grid (spec 5, 6.3, 8
+R3-R7) on the pure-Python Keras layer graphs, against the reference numbers of spec 6.3.
 
-Everything is seeded; times are seconds of bottleneck latency beta (Mbit over Mbit/s). Statuses other than
-OK (single partition, infeasible, no matching) are counted and kept out of the means, except in the
-"R-style" means, which record them as 0 like the reference code.
+Everything is seeded; times are seconds of bottleneck latency beta (Mbit over Mbit/s). Statuses other than OK
+(single partition, infeasible, no matching) are counted and kept out of the means, except in the "R-style" means,
+which record them as 0 like the reference code.
 """
 
 from __future__ import annotations

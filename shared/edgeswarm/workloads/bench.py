@@ -1,0 +1,80 @@
+"""A benchmark a job kind adds to the command line: ``edgeswarm bench NAME``, found through the kind's ``benches``.
+
+A kind's package holds its benchmarks (its ``bench`` module), built in or a plug-in's alike; the command line lists
+them beside its own (the transport, the collectives, span cost), builds their arguments and lends them what only
+the command line may hold: its consoles and a way to start a whole cluster on this machine (``BenchTools``). So a
+kind's benchmark never imports the command line or the launchers above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from edgeswarm.bus import Bus
+    from edgeswarm.devices.cluster import ClusterSpec
+
+
+class BenchCluster(Protocol):
+    """A cluster running on this machine for a benchmark (processes, or hosts in network namespaces)."""
+
+    @property
+    def hub_url(self) -> str: ...
+
+    def client_env(self) -> dict[str, str]:
+        """The environment of a client of this cluster (its hub URL and an operator's credentials)."""
+        ...
+
+    def power_cut(self, node: str) -> None:
+        """SIGKILL every process of ``node``, as a power cut would."""
+        ...
+
+
+class StartCluster(Protocol):
+    def __call__(self, spec: ClusterSpec, *, workdir: Path | None = None, extra_env: Mapping[str, str] | None = None,
+                 skip_services: Sequence[str] = (), netns: bool = False, timeout_s: float = 120.0
+                 ) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
+        """``spec`` started on this machine (with ``netns``: each node a network namespace, its links shaped by the
+        kernel) with a client bus on it, once every service it started is online (within ``timeout_s`` seconds, or
+        EdgeswarmError); both are stopped when the block ends. ``extra_env`` goes to every service;
+        ``skip_services`` are not started."""
+        ...
+
+
+@dataclass(frozen=True)
+class BenchTools:
+    """What the command line lends a benchmark: where its tables go, where its progress lines go, and clusters."""
+
+    console: Console
+    err_console: Console
+    cluster: StartCluster
+
+    def log(self, message: str) -> None:
+        """A progress line on stderr (dimmed), never read as markup."""
+        self.err_console.print(f"[dim]{escape(message)}[/dim]", highlight=False)
+
+
+class Bench(ABC):
+    """One ``edgeswarm bench NAME``: ``name`` (unique among every kind's benchmarks and the command line's own),
+    ``help`` (one line for ``edgeswarm bench --help``), its arguments and its run."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add this benchmark's options to its sub-command's parser (none by default)."""
+        return None
+
+    @abstractmethod
+    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+        """Run the benchmark with the parsed ``args``; returns the exit status. Raises ConfigError for a bad option
+        (the command line reports it in one line) and EdgeswarmError when what it measures cannot run."""
