@@ -1,4 +1,4 @@
-"""Clusters the benchmarks run on, the kinds' included (``workloads.bench.BenchTools.cluster``): a cluster spec
+"""Clusters the benchmarks run on, the kinds' included (``workloads.commands.CommandTools.cluster``): a cluster spec
 started on this machine, with a client bus on it once every service it started is online."""
 
 from __future__ import annotations

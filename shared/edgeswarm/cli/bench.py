@@ -1,6 +1,5 @@
-"""The command line's own benchmarks (``edgeswarm bench transport``, ``spans``, ``collectives``; measured in
-``edgeswarm.bench``) and the job kinds' (``add_kind_benches``: each kind's ``benches``, run with the consoles and
-local clusters lent as ``BenchTools``)."""
+"""The command line's own benchmarks: ``edgeswarm bench transport``, ``spans`` and ``collectives`` (measured in
+``edgeswarm.bench``). The job kinds' benchmarks come from their packages (``cli.kind_commands``)."""
 
 from __future__ import annotations
 
@@ -8,10 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.markup import escape
 from rich.table import Table
 
-from edgeswarm.bench.clusters import running_cluster
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
 from edgeswarm.bus import Bus
 from edgeswarm.cli.common import cli_settings, hub_url
@@ -20,8 +17,6 @@ from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_ids
-from edgeswarm.workloads import kind_benches
-from edgeswarm.workloads.bench import Bench, BenchTools
 
 if TYPE_CHECKING:
     from edgeswarm.bench.collectives import CollectiveRow, CollectivesReport
@@ -211,21 +206,3 @@ def collectives_table(rows: list[CollectiveRow], how: str) -> Table:
                       f"{row.paho_s * 1e3:.2f}", f"{row.over_paho:.2f}", f"{row.link_s * 1e3:.3f}",
                       f"{row.over_link:.1f}", f"{row.messages_per_s:.0f}")
     return table
-
-
-def add_kind_benches(bench_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add every installed job kind's benchmarks to the ``bench`` subcommands; one warning line for each that
-    cannot be offered (a plug-in's that does not load, a name already taken)."""
-    benches, problems = kind_benches(taken=set(bench_sub.choices))
-    for problem in problems:
-        err_console.print(f"[yellow]warning:[/yellow] {escape(problem)}", soft_wrap=True)
-    for bench in benches:
-        parser = bench_sub.add_parser(bench.name, help=bench.help)
-        bench.add_arguments(parser)
-        parser.set_defaults(kind_bench=bench)
-
-
-def run_kind_bench(args: argparse.Namespace) -> int:
-    """Run the job kind's benchmark ``args.kind_bench``, lending it the consoles and local clusters."""
-    bench: Bench = args.kind_bench
-    return bench.run(args, BenchTools(console=console, err_console=err_console, cluster=running_cluster))

@@ -14,9 +14,9 @@ from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, exit_status, report, settings_problem
 
 
-def build_parser(*, kind_benches: bool = False) -> argparse.ArgumentParser:
-    """The argument parser of every subcommand; with ``kind_benches``, ``bench`` offers the installed job kinds'
-    benchmarks too (finding them imports every kind, so only ``edgeswarm bench`` asks)."""
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand. The installed job kinds' verbs and benchmarks are added only when
+    ``argv`` (the command line to parse) may name one: finding them imports every kind."""
     parser = argparse.ArgumentParser(prog="edgeswarm", description="Heterogeneous edge devices training and "
                                      "serving DNNs together over MQTT.")
     parser.add_argument("--version", action="version", version=f"edgeswarm {__version__}")
@@ -95,14 +95,13 @@ def build_parser(*, kind_benches: bool = False) -> argparse.ArgumentParser:
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
-    if kind_benches:
-        from edgeswarm.cli.bench import add_kind_benches
+    if argv[:1] == ["bench"]:
+        from edgeswarm.cli.kind_commands import add_kind_commands
 
-        add_kind_benches(bench_sub)
+        add_kind_commands(bench_sub, "benches")
 
     from edgeswarm.cli.chaos import add_chaos_parser
     from edgeswarm.cli.dashboard import add_dashboard_parser
-    from edgeswarm.cli.export import add_export_parser
     from edgeswarm.cli.health import add_health_parser
     from edgeswarm.cli.plan import add_plan_parser
     from edgeswarm.cli.profile import add_profile_parser
@@ -116,13 +115,16 @@ def build_parser(*, kind_benches: bool = False) -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub)
     add_train_parser(sub)
-    add_export_parser(sub)
     add_serve_parsers(sub)
     add_chaos_parser(sub)
     add_health_parser(sub)
     add_watch_parser(sub)
     add_dashboard_parser(sub)
     add_trace_parser(sub)
+    if not argv or argv[0] not in sub.choices:  # --help, --version, or a verb of a kind
+        from edgeswarm.cli.kind_commands import add_kind_commands
+
+        add_kind_commands(sub, "commands")
     return parser
 
 
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(kind_benches=argv[:1] == ["bench"]).parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     if args.command == "service":
         from edgeswarm.cli.service import service_process
 
@@ -193,10 +195,15 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.cli.chaos import run_chaos
 
         return run_chaos(args)
-    if args.command in ("plan", "bench", "train"):
+    kind_command = getattr(args, "kind_command", None)
+    if args.command in ("plan", "bench", "train") or kind_command is not None:
         from edgeswarm.runtime.signals import terminate_as_interrupt
 
         terminate_as_interrupt()  # they may start a local cluster, which must not outlive them
+    if kind_command is not None:
+        from edgeswarm.cli.kind_commands import run_kind_command
+
+        return run_kind_command(args)
     if args.command == "bench" and args.bench == "spans":
         from edgeswarm.cli.bench import run_bench_spans
 
@@ -205,10 +212,6 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.cli.bench import run_bench_collectives
 
         return run_bench_collectives(args)
-    if args.command == "bench" and getattr(args, "kind_bench", None) is not None:
-        from edgeswarm.cli.bench import run_kind_bench
-
-        return run_kind_bench(args)
     if args.command == "bench":
         from edgeswarm.cli.bench import run_bench_transport
 
@@ -225,10 +228,6 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.cli.trace import run_trace
 
         return run_trace(args)
-    if args.command == "export":
-        from edgeswarm.cli.export import run_export
-
-        return run_export(args)
     if args.command in ("serve", "infer"):
         from edgeswarm.cli.serve import run_infer, run_serve
 

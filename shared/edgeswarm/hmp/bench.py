@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.workloads.bench import Bench, BenchTools
+from edgeswarm.workloads.commands import Bench, CommandTools
 
 if TYPE_CHECKING:
     from edgeswarm.hmp.bench_hmp import HmpBenchConfig, HmpReport
@@ -49,7 +49,7 @@ class HmpBench(Bench):
         p.add_argument("--trace", default="out/hmp-trace.json", help="where the Chrome trace goes")
         p.add_argument("--json", default=None, metavar="PATH", help="also write every run as JSON")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Galaxy against Megatron-TP, SP and Local measured on emulated Galaxy environments: tables, the goals'
         lines, and every run as JSON with --json."""
         from edgeswarm.hmp.bench_hmp import run_hmp_bench

@@ -36,7 +36,7 @@ from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 MODES = ("galaxy", "megatron", "sp", "local")
 ENVS = ("a", "b", "c", "d", "e", "f")

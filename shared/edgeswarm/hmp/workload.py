@@ -11,7 +11,6 @@ from edgeswarm.hmp.spec import HmpProgress, HmpSpec
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.hmp import HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobEventKind, JobState
-from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
@@ -52,6 +51,8 @@ class HmpWorkload(Workload):
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         assert isinstance(spec, HmpSpec)
         try:
+            from edgeswarm.models.text.hf import source_config  # torch and safetensors: only when checked
+
             cfg = source_config(spec.model)
         except EdgeswarmError as exc:
             return [str(exc)]

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.table import Table
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.workloads.bench import Bench, BenchTools
+from edgeswarm.workloads.commands import Bench, CommandTools
 
 
 class TrainingBench(Bench):
@@ -34,7 +34,7 @@ class TrainingBench(Bench):
         p.add_argument("--netns", action="store_true", help="on a namespace cluster: every node its own host, "
                        "broker and kernel-shaped links (root; see docs/netns.md)")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Every strategy trained on each environment; measured against predicted."""
         from edgeswarm.hpp.bench_training import DEFAULT_MODEL, run_training_bench
         from edgeswarm.values.profiles import ModelSpec, parse_config
@@ -90,7 +90,7 @@ class RecoveryBench(Bench):
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
         p.add_argument("--out", default=None, help="also write the JSON report to this file")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Each device dropped in turn, light against heavy recovery."""
         from edgeswarm.hpp.bench_recovery import DEFAULT_MODEL, run_recovery_bench
         from edgeswarm.values.profiles import ModelSpec, parse_config
@@ -136,7 +136,7 @@ class PlannerBench(Bench):
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
         p.add_argument("--out", default=None, help="also write the JSON report to this file")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Planning time, then (unless --time-only) the Table 4 speed-ups."""
         from edgeswarm.hpp.bench_planner import planning_time, table4
 
@@ -184,7 +184,7 @@ class ComputeBench(Bench):
         p.add_argument("--repeats", type=int, default=10, help="timed steps per device (the median is shown)")
         p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """One stage timed on the CPU and, where torch sees one, on the CUDA device."""
         import torch
 

@@ -28,7 +28,7 @@ from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 GIB = 1024**3
 PAPER_PLANNING_S = {213: 480.0, 56: 69.0}

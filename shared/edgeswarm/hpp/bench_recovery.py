@@ -33,7 +33,7 @@ from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
 KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the fastest round before

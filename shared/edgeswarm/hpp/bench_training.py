@@ -34,7 +34,7 @@ from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})

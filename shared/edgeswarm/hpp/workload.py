@@ -112,6 +112,7 @@ class TrainWorkload(Workload):
     plan_type = Plan
     plan_cli = "edgeswarm.cli.plan:run_hpp_plan"
     planner = "edgeswarm.hpp.planner:PLANNER"
+    commands = ("edgeswarm.hpp.cli:ExportCommand",)
     benches = ("edgeswarm.hpp.bench:TrainingBench", "edgeswarm.hpp.bench:RecoveryBench",
                "edgeswarm.hpp.bench:PlannerBench", "edgeswarm.hpp.bench:ComputeBench")
     command = "train"

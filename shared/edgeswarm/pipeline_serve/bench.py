@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.workloads.bench import Bench, BenchTools
+from edgeswarm.workloads.commands import Bench, CommandTools
 
 
 class ServingBench(Bench):
@@ -38,11 +38,11 @@ class ServingBench(Bench):
                        "temporary folder)")
         p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         return _simulated(args, tools) if args.sim else _measured(args, tools)
 
 
-def _simulated(args: argparse.Namespace, tools: BenchTools) -> int:
+def _simulated(args: argparse.Namespace, tools: CommandTools) -> int:
     """The partition-placement grid against the paper's reference numbers."""
     from edgeswarm.pipeline_serve.bench_sim import NODES, serving_report
 
@@ -92,7 +92,7 @@ def _simulated(args: argparse.Namespace, tools: BenchTools) -> int:
     return 0
 
 
-def _measured(args: argparse.Namespace, tools: BenchTools) -> int:
+def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
     """Each variant served on emulated Asteroid environments, measured on the stage-workers."""
     import tempfile
 

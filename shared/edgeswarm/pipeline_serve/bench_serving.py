@@ -30,7 +30,7 @@ from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
 VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.workloads.bench import Bench, BenchTools
+from edgeswarm.workloads.commands import Bench, CommandTools
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -40,7 +40,7 @@ class SplitfedBench(Bench):
                        help="a few seconds: 5 BO instances, LeNet-5 only, 2 simulated rounds on one setting")
         p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Print the tables, and write the report as JSON with --json."""
         from edgeswarm.splitfed.bench_splitfed import run_splitfed_bench
 

@@ -43,7 +43,7 @@ from edgeswarm.planning.splitfed.types import (
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus
     from edgeswarm.values.profiles import ModelSpec
-    from edgeswarm.workloads.bench import StartCluster
+    from edgeswarm.workloads.commands import StartCluster
 
 SECTIONS = ("planner", "memory", "accuracy", "cluster")
 MODELS = ("lenet5", "resnet18", "vgg16")

@@ -37,7 +37,9 @@ class SplitfedWorkload(Workload):
     benches = ("edgeswarm.splitfed.bench:SplitfedBench",)
     command = "train"
     exclusive = False
-    example = ("kind: train-splitfed\nname: {name}\nrounds: 2\nparticipants: 2\npartition: {devices: 4}\n"
+    # Rounds of a second or two each: the contract tests list, take over and cancel it while it runs, and on an idle
+    # machine 2 rounds were over before two `edgeswarm jobs` had listed it.
+    example = ("kind: train-splitfed\nname: {name}\nrounds: 40\nparticipants: 2\npartition: {devices: 4}\n"
                "training: {epochs: 1, batch_size: 64}\nwait_s: 20\n")
     data_schemas = (SplitUpdate,)
     worker_service = STAGE_WORKER

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from functools import lru_cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -27,7 +27,7 @@ from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import Workload
-    from edgeswarm.workloads.bench import Bench
+    from edgeswarm.workloads.commands import Command
 
 # Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run. Kinds are
 # named for their algorithm.
@@ -120,38 +120,42 @@ def typed_state(state: JobState) -> JobState:
     return state.model_copy(update=update) if update else state
 
 
-def kind_benches(taken: Collection[str] = ()) -> tuple[list[Bench], list[str]]:
-    """Every installed kind's benchmarks (its ``benches``), in registry order, and one line for each that cannot be
-    offered: a kind or benchmark that does not load, or a name in ``taken`` or already another's."""
-    from edgeswarm.workloads.bench import Bench
+def kind_commands(which: Literal["commands", "benches"], taken: Collection[str] = ()
+                  ) -> tuple[list[Command], list[str]]:
+    """Every installed kind's ``commands`` (its verbs) or ``benches`` (its benchmarks), in registry order, and one
+    line for each that cannot be offered: a kind or class that does not load, or a name in ``taken`` or already
+    another's."""
+    from edgeswarm.workloads.commands import Bench, Command
 
-    found: list[Bench] = []
+    base = Bench if which == "benches" else Command
+    found: list[Command] = []
     problems: list[str] = []
     names = set(taken)
     for kind in kinds():
         try:
-            targets = workload(kind).benches
+            targets = getattr(workload(kind), which)
         except ConfigError as exc:
             problems.append(str(exc))
             continue
+        what = f"a {'benchmark' if which == 'benches' else 'command'} of job kind {kind!r}"
         for target in targets:
             try:
-                cls = load_target(target, f"a benchmark of job kind {kind!r}")
-                if not (isinstance(cls, type) and issubclass(cls, Bench)):
-                    raise ConfigError(f"a benchmark of job kind {kind!r}, {target!r}, is not a Bench subclass")
-                bench = cls()
+                cls = load_target(target, what)
+                if not (isinstance(cls, type) and issubclass(cls, base)):
+                    raise ConfigError(f"{what}, {target!r}, is not a {base.__name__} subclass")
+                command = cls()
             except ConfigError as exc:
                 problems.append(str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - a plug-in's class that cannot be made is the plug-in's
-                problems.append(f"a benchmark of job kind {kind!r}, {target!r}, cannot be made: "
-                                f"{type(exc).__name__}: {exc}")
+                problems.append(f"{what}, {target!r}, cannot be made: {type(exc).__name__}: {exc}")
                 continue
-            if bench.name in names:
-                problems.append(f"job kind {kind!r} names a benchmark {bench.name!r}, a name already taken")
+            if command.name in names:
+                problems.append(f"job kind {kind!r} names {what.split(' of ')[0]} {command.name!r}, a name already "
+                                "taken")
                 continue
-            names.add(bench.name)
-            found.append(bench)
+            names.add(command.name)
+            found.append(command)
     return found, problems
 
 

@@ -83,8 +83,9 @@ class Workload(ABC):
     # "module:function(args, bus, state) -> exit code": how `edgeswarm infer` asks a running job of a serving kind
     # (empty: the pipelined serving client, tensors of the model's input shape).
     infer_cli: ClassVar[str] = ""
-    # Its benchmarks, each ``edgeswarm bench NAME`` ("module:Class" of a ``workloads.bench.Bench``; imported only by
-    # ``edgeswarm bench``).
+    # Its own verbs, each ``edgeswarm NAME`` ("module:Class" of a ``workloads.commands.Command``), and its benchmarks,
+    # each ``edgeswarm bench NAME`` (of a ``workloads.commands.Bench``); imported only by the command line.
+    commands: ClassVar[tuple[str, ...]] = ()
     benches: ClassVar[tuple[str, ...]] = ()
     # False: ``plan_cli`` reads its own profiles and gets cluster None (no zoo model is profiled first).
     plan_profiles_zoo: ClassVar[bool] = True

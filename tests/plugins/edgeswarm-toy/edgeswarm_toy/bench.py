@@ -13,8 +13,8 @@ from rich.table import Table
 
 from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.errors import ConfigError
-from edgeswarm.workloads.bench import Bench, BenchTools
 from edgeswarm.workloads.client import JobFollower, submit_job
+from edgeswarm.workloads.commands import Bench, CommandTools
 from edgeswarm_toy.spec import ToyProgress
 
 
@@ -27,7 +27,7 @@ class ToyBench(Bench):
         parser.add_argument("--steps", type=int, default=200, help="steps of the toy job (1 to 10000)")
         parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
 
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         if not 1 <= args.devices <= 8 or not 1 <= args.steps <= 10_000:
             raise ConfigError("--devices takes 1 to 8 and --steps 1 to 10000")
         tools.log(f"starting {args.devices} native devices")

@@ -1,16 +1,17 @@
-"""A benchmark a job kind adds to the command line: ``edgeswarm bench NAME``, found through the kind's ``benches``.
+"""Commands a job kind adds to the command line: its own verbs (``edgeswarm NAME``, the kind's ``commands``) and its
+benchmarks (``edgeswarm bench NAME``, its ``benches``).
 
-A kind's package holds its benchmarks (its ``bench`` module), built in or a plug-in's alike; the command line lists
-them beside its own (the transport, the collectives, span cost), builds their arguments and lends them what only
-the command line may hold: its consoles and a way to start a whole cluster on this machine (``BenchTools``). So a
-kind's benchmark never imports the command line or the launchers above it.
+A kind's package holds them (its ``cli`` and ``bench`` modules), built in or a plug-in's alike; the command line
+offers them beside its own, builds their arguments and lends them what only the command line may hold
+(``CommandTools``): its consoles, a client bus to the hub it names, and a way to start a whole cluster on this
+machine. So a kind's commands never import the command line or the launchers above it.
 """
 
 from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,30 +52,38 @@ class StartCluster(Protocol):
 
 
 @dataclass(frozen=True)
-class BenchTools:
-    """What the command line lends a benchmark: where its tables go, where its progress lines go, and clusters."""
+class CommandTools:
+    """What the command line lends a kind's command: where its tables go, where its progress lines go, a client bus
+    to the hub the command line names (``hub_bus(role)``: ``--hub`` or $EDGESWARM_HUB_URL, EDGESWARM_* credentials;
+    the caller stops it), and clusters."""
 
     console: Console
     err_console: Console
     cluster: StartCluster
+    hub_bus: Callable[[str], Bus]
 
     def log(self, message: str) -> None:
         """A progress line on stderr (dimmed), never read as markup."""
         self.err_console.print(f"[dim]{escape(message)}[/dim]", highlight=False)
 
 
-class Bench(ABC):
-    """One ``edgeswarm bench NAME``: ``name`` (unique among every kind's benchmarks and the command line's own),
-    ``help`` (one line for ``edgeswarm bench --help``), its arguments and its run."""
+class Command(ABC):
+    """One command: ``name`` (unique among the kinds' and the command line's own), ``help`` (one line for
+    ``--help``), its arguments and its run. ``hub``: the command line gives it ``--hub``, for ``tools.hub_bus``."""
 
     name: ClassVar[str]
     help: ClassVar[str]
+    hub: ClassVar[bool] = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        """Add this benchmark's options to its sub-command's parser (none by default)."""
+        """Add this command's options to its parser (none by default)."""
         return None
 
     @abstractmethod
-    def run(self, args: argparse.Namespace, tools: BenchTools) -> int:
-        """Run the benchmark with the parsed ``args``; returns the exit status. Raises ConfigError for a bad option
-        (the command line reports it in one line) and EdgeswarmError when what it measures cannot run."""
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
+        """Run with the parsed ``args``; returns the exit status. Raises ConfigError for a bad option (the command
+        line reports it in one line) and EdgeswarmError when what it does cannot be done."""
+
+
+class Bench(Command):
+    """A benchmark, offered as ``edgeswarm bench NAME``."""
