@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgeswarm.cli.serve import as_input_dtype, read_npz
 from edgeswarm.errors import ConfigError
+from edgeswarm.models.inputs import as_input_dtype, read_npz
 
 
 def test_numpy_defaults_become_the_models_dtype(tmp_path: Path) -> None:

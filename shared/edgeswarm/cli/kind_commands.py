@@ -10,6 +10,7 @@ from typing import Literal
 from rich.markup import escape
 
 from edgeswarm.bench.clusters import running_cluster
+from edgeswarm.bus import Bus
 from edgeswarm.cli.common import add_hub_arg, cli_settings
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.runtime.client import client_bus
@@ -31,12 +32,17 @@ def add_kind_commands(sub: argparse._SubParsersAction, which: Literal["commands"
         parser.set_defaults(kind_command=command)
 
 
-def run_kind_command(args: argparse.Namespace) -> int:
-    """Run the kind's command ``args.kind_command``, lending it the consoles, the hub's bus and local clusters."""
-    command: Command = args.kind_command
+def command_tools(args: argparse.Namespace) -> CommandTools:
+    """What the command line lends a kind's command run with ``args``: its consoles, a bus to the hub ``args.hub``
+    (or $EDGESWARM_HUB_URL) names, and local clusters."""
 
-    def hub_bus(role: str):  # type: ignore[no-untyped-def]
+    def hub_bus(role: str) -> Bus:
         return client_bus(cli_settings(getattr(args, "hub", None)), role=role)
 
-    return command.run(args, CommandTools(console=console, err_console=err_console, cluster=running_cluster,
-                                          hub_bus=hub_bus))
+    return CommandTools(console=console, err_console=err_console, cluster=running_cluster, hub_bus=hub_bus)
+
+
+def run_kind_command(args: argparse.Namespace) -> int:
+    """Run the kind's command ``args.kind_command`` with ``command_tools(args)``."""
+    command: Command = args.kind_command
+    return command.run(args, command_tools(args))

@@ -46,7 +46,7 @@ class HmpWorkload(Workload):
     data_schemas = (HmpRequest, ShardResult)
     worker_service = TENSOR_SHARD_WORKER
     worker_program = "edgeswarm.hmp.worker:ShardProgram"
-    infer_cli = "edgeswarm.cli.hmp_infer:run_hmp_infer"
+    infer_cli = "edgeswarm.hmp.cli:run_infer"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         assert isinstance(spec, HmpSpec)

@@ -24,6 +24,7 @@ class ServePipelineWorkload(Workload):
     progress_type = ServeProgress
     plan_type = ServePlan
     plan_cli = "edgeswarm.cli.plan:run_serve_plan"
+    infer_cli = "edgeswarm.pipeline_serve.cli:run_infer"
     planner = "edgeswarm.pipeline_serve.planner:PLANNER"
     benches = ("edgeswarm.pipeline_serve.bench:ServingBench",)
     command = "serve"

@@ -80,8 +80,8 @@ class Workload(ABC):
     plan_type: ClassVar[type[BaseModel] | None] = None
     planner: ClassVar[str] = ""
     plan_cli: ClassVar[str] = ""  # "module:function(args, cluster) -> exit code": its plan shown by `edgeswarm plan`
-    # "module:function(args, bus, state) -> exit code": how `edgeswarm infer` asks a running job of a serving kind
-    # (empty: the pipelined serving client, tensors of the model's input shape).
+    # "module:function(args, bus, state, tools) -> exit code": how `edgeswarm infer` asks a running job of a serving
+    # kind (``tools``: a ``workloads.commands.CommandTools``; empty: the kind takes no requests from the command line).
     infer_cli: ClassVar[str] = ""
     # Its own verbs, each ``edgeswarm NAME`` ("module:Class" of a ``workloads.commands.Command``), and its benchmarks,
     # each ``edgeswarm bench NAME`` (of a ``workloads.commands.Bench``); imported only by the command line.

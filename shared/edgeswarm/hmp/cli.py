@@ -1,5 +1,5 @@
-"""`edgeswarm infer` for serve-hmp jobs: token ids, text or an .npz of them in; each answer's tokens, timings and
-per-layer split out (the kind's ``Workload.infer_cli``)."""
+"""What Galaxy's serving adds to the command line: ``edgeswarm infer`` for serve-hmp jobs (the kind's
+``infer_cli``): token ids, text or an .npz of them in; each answer's tokens, timings and per-layer split out."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 from rich.markup import escape
 
 from edgeswarm.bus import Bus
-from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.serve import as_input_dtype, read_npz
 from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.client import ask
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.messages.jobs import JobState
+from edgeswarm.models.inputs import as_input_dtype, read_npz
 from edgeswarm.models.text.hf import ModelFolderError, source_config
 from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence_embedding
 from edgeswarm.workloads import parse_spec_text
+from edgeswarm.workloads.commands import CommandTools
 
 
 def _prompts(args: argparse.Namespace, state: JobState) -> list[list[int] | str]:
@@ -60,7 +60,7 @@ def _pooling(state: JobState) -> tuple[SentencePooling | None, str]:
     return pooling, ""
 
 
-def run_hmp_infer(args: argparse.Namespace, bus: Bus, state: JobState) -> int:
+def run_infer(args: argparse.Namespace, bus: Bus, state: JobState, tools: CommandTools) -> int:
     """``edgeswarm infer`` for a serve-hmp job: print each answer (generated tokens and text, or the hidden states'
     shape and, for a sentence-transformers folder, the sentence embedding its pooling makes of them), its latency,
     time to first token and per output token, and the per-layer time split."""
@@ -72,7 +72,7 @@ def run_hmp_infer(args: argparse.Namespace, bus: Bus, state: JobState) -> int:
     good = [a for a in answers if a.reply is not None]
     pooling, why_not = _pooling(state) if any(a.hidden is not None for a in good) else (None, "")
     if why_not:
-        err_console.print(why_not)
+        tools.err_console.print(why_not)
     embeddings = {a.index: sentence_embedding(pooling, a.hidden) for a in good
                   if pooling is not None and a.hidden is not None}
     for a in answers[:max(0, args.show)] if args.show else []:
@@ -89,17 +89,17 @@ def run_hmp_infer(args: argparse.Namespace, bus: Bus, state: JobState) -> int:
         timing = f"{r.latency_s * 1000:.1f} ms, TTFT {r.ttft_s * 1000:.1f} ms"
         if r.tpot_s is not None:
             timing += f", TPOT {r.tpot_s * 1000:.1f} ms"
-        console.print(f"request {a.index}: {what}; {timing}" + (" (recomputed after a device was lost)"
+        tools.console.print(f"request {a.index}: {what}; {timing}" + (" (recomputed after a device was lost)"
                                                                 if r.recomputed else ""))
         if r.split is not None:
-            console.print(f"  per layer: compute {r.split.compute_ms:.2f} ms, sync {r.split.sync_ms:.2f} ms, "
+            tools.console.print(f"  per layer: compute {r.split.compute_ms:.2f} ms, sync {r.split.sync_ms:.2f} ms, "
                           f"waiting {r.split.waiting_ms:.2f} ms")
     for a in answers:
         if a.reply is None:
-            err_console.print(f"request {a.index}: {a.reason}: {escape(a.error or '')}")
+            tools.err_console.print(f"request {a.index}: {a.reason}: {escape(a.error or '')}")
     if good:
         latencies = sorted(a.latency_s for a in good)
-        console.print(f"{len(good)}/{len(answers)} requests answered in {wall:.2f} s; latency median "
+        tools.console.print(f"{len(good)}/{len(answers)} requests answered in {wall:.2f} s; latency median "
                       f"{statistics.median(latencies) * 1000:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -118,5 +118,5 @@ def run_hmp_infer(args: argparse.Namespace, bus: Bus, state: JobState) -> int:
                      **{f"e{i}": e.numpy() for i, e in embeddings.items()})
         else:
             np.savez(args.out, **{f"y{a.index}": np.array(a.reply.tokens) for a in good if a.reply is not None})
-        console.print(f"outputs written to {args.out}")
+        tools.console.print(f"outputs written to {args.out}")
     return 0 if len(good) == len(answers) else 1
