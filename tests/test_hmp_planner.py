@@ -404,22 +404,27 @@ def _plan_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["plan", "--kind", "serve-hmp", *argv])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """``edgeswarm plan --kind serve-hmp`` as the command line runs it: the kind's plan_cli with its tools."""
+    from edgeswarm.cli.kind_commands import command_tools
+
+    return run_hmp_plan(args, None, command_tools(args))
+
+
 def test_plan_cli_prints_the_plan_and_the_comparison(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     base = ("--model", "opt-1.3b", "--config", "dtype=float16", "--cluster", "asteroid-env-d-100mbps")
-    assert run_hmp_plan(_plan_args(*base, "--compare"), None) == 0
+    assert _plan(_plan_args(*base, "--compare")) == 0
     out = capsys.readouterr().out
     for text in ("Galaxy", "Megatron-TP", "SP", "Local", "exposed comm", "speed-up"):
         assert text in out
-    assert run_hmp_plan(_plan_args(*base, "--json", "--exclude", "nano-2", "--save-profiles", str(tmp_path)),
-                        None) == 0
+    assert _plan(_plan_args(*base, "--json", "--exclude", "nano-2", "--save-profiles", str(tmp_path))) == 0
     plan = HmpPlan.model_validate_json(capsys.readouterr().out)
     assert "nano-2" not in plan.shares.devices and sum(plan.shares.heads) == 32
     saved = next(tmp_path.glob("*.json"))
-    assert run_hmp_plan(_plan_args("--model", "opt-1.3b", "--profiles", str(saved), "--hmp-mode", "megatron"),
-                        None) == 0
+    assert _plan(_plan_args("--model", "opt-1.3b", "--profiles", str(saved), "--hmp-mode", "megatron")) == 0
     assert "serve-hmp megatron plan" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="preset"):
-        run_hmp_plan(_plan_args("--model", "resnet18", "--cluster", "asteroid-env-d-100mbps"), None)
+        _plan(_plan_args("--model", "resnet18", "--cluster", "asteroid-env-d-100mbps"))
 
 
 def test_profiler_measures_one_layer_through_the_device() -> None:

@@ -185,3 +185,37 @@ def test_no_module_imports_from_a_layer_above_its_own_not_even_late() -> None:
         mine = importer.split(".")[1]
         upward += [f"{importer} -> {t}" for t in sorted(targets) if "." in t and row[t.split(".")[1]] < row[mine]]
     assert not upward, "imports from a higher layer: " + "; ".join(upward)
+
+
+def _workload_packages() -> set[str]:
+    from edgeswarm.workloads import BUILTIN
+
+    return {target.split(":")[0].split(".")[1] for target in BUILTIN.values()}
+
+
+def test_only_a_workload_package_imports_itself_the_command_line_and_services_included() -> None:
+    """The command line, the benchmarks, the services and every common layer reach a kind through the registry
+    (its hooks: commands, benches, plan_cli, infer_cli, train_cli), never by importing its package, not even late."""
+    packages = _workload_packages()
+    services = LIBRARY.parents[1] / "services"
+    for path in [*LIBRARY.rglob("*.py"), *services.rglob("*.py")]:
+        rel = path.relative_to(LIBRARY) if path.is_relative_to(LIBRARY) else None
+        own = rel.parts[0] if rel is not None and len(rel.parts) > 1 else None
+        reached = imported_layers(path, late=True) & (packages - {own})
+        assert not reached, f"{path} imports the workload package(s) {sorted(reached)}"
+
+
+def test_no_isinstance_on_a_kinds_spec_outside_its_package() -> None:
+    from edgeswarm.workloads import BUILTIN, workload
+
+    specs = {workload(kind).spec_type.__name__: target.split(":")[0].split(".")[1] for kind, target in BUILTIN.items()}
+    found = []
+    for path in LIBRARY.rglob("*.py"):
+        rel = path.relative_to(LIBRARY)
+        own = rel.parts[0] if len(rel.parts) > 1 else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                    and len(node.args) == 2:
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                found += [f"{rel}: isinstance on {name}" for name in named if name in specs and specs[name] != own]
+    assert not found, found

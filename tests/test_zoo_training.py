@@ -108,7 +108,7 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
     """A job's spans, collected on the hub by its dashboard service and written by `edgeswarm trace JOB --out FILE`:
     a Chrome trace with exactly one forward and one backward span per micro-batch per stage per round, and the last
     round measured beside the planned one (what the dashboard draws and `train --timeline-png` too)."""
-    from edgeswarm.cli.train import measured_round
+    from edgeswarm.hpp.cli import measured_round
     from edgeswarm.values.schedule import ScheduleView
 
     name = f"trace-{uuid.uuid4().hex[:6]}"

@@ -264,6 +264,9 @@ class Bus:
             conn.close()
         self._inbox.stop()
         self._rejections.stop()
+        # Joined, so nothing of this bus logs after stop() returned (a test's captured stream is closed by then).
+        if self._housekeeper is not None and self._housekeeper is not threading.current_thread():
+            self._housekeeper.join(timeout=5.0)
 
     @property
     def network_alive(self) -> bool:

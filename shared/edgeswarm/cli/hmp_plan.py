@@ -15,12 +15,13 @@ from typing import Any
 from pydantic import ValidationError
 from rich.table import Table
 
-from edgeswarm.cli.console import console, err_console
+from edgeswarm.cli.console import console
 from edgeswarm.errors import ConfigError
 from edgeswarm.planning.hmp.plan import compare, plan_hmp
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpComparison, HmpOptions, HmpPlan
 from edgeswarm.values.text_model import PRESETS, TextModelConfig
+from edgeswarm.workloads.commands import CommandTools
 
 DEFAULT_SEQ_LEN = 284  # the paper's mean QNLI length (spec 5.1)
 
@@ -80,15 +81,15 @@ def hmp_options(args: argparse.Namespace) -> HmpOptions:
         raise ConfigError(f"bad serve-hmp options: {exc}") from None
 
 
-def run_hmp_plan(args: argparse.Namespace, cluster: object = None) -> int:
-    """Print the serve-hmp plan (``--json``: as JSON) or, with ``--compare``, every parallelism's verdict.
-    ``cluster`` is unused: serve-hmp reads its own profiles (``hmp_cluster``)."""
+def run_hmp_plan(args: argparse.Namespace, cluster: object, tools: CommandTools) -> int:
+    """Print the serve-hmp plan (``--json``: as JSON) or, with ``--compare``, every parallelism's verdict (its kind's
+    ``plan_cli``). ``cluster`` is None: serve-hmp reads its own profiles (``hmp_cluster``)."""
     hmp = hmp_cluster(args)
     if getattr(args, "save_profiles", None):
         path = Path(args.save_profiles) / f"{hmp.model_name or 'model'}-hmp-{hmp.seq_len}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(hmp.model_dump_json(indent=2))
-        err_console.print(f"serve-hmp cluster profile written to {path}")
+        tools.err_console.print(f"serve-hmp cluster profile written to {path}")
     options = hmp_options(args)
     if args.compare:
         comparison = compare(hmp, options)

@@ -20,14 +20,13 @@ from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import DEFAULT_KIND
-from edgeswarm.planning.hpp.compare import Comparison, compare
-from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec, parse_config
 from edgeswarm.workloads import KINDS, workload
+from edgeswarm.workloads.commands import CommandTools
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
@@ -66,12 +65,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """``edgeswarm plan --kind KIND``: the kind's plan (its ``plan_cli``) for a cluster profiled on the fly, read
+    from saved profiles or found at a running hub."""
+    from edgeswarm.cli.kind_commands import command_tools
+
+    tools = command_tools(args)
     work = workload(args.kind)
     if not work.plan_cli:
         raise ConfigError(f"job kind {args.kind} has no offline planner: `edgeswarm plan` cannot show its plan")
     show = load_target(work.plan_cli, f"the offline planner of job kind {args.kind!r}")
     if not work.plan_profiles_zoo:
-        return int(show(args, None))
+        return int(show(args, None, tools))
     spec = ModelSpec(name=args.model, config=parse_config(args.config))
     if args.png:
         require_extra("plot")  # now, not after profiling a cluster
@@ -86,28 +90,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.save_profiles:
         path = save_profiles(Path(args.save_profiles), cluster)
         err_console.print(f"cluster profile written to {path}")
-    return int(show(args, cluster))
+    return int(show(args, cluster, tools))
 
 
-def run_hpp_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
-    """Print HPP training's plan for ``cluster`` beside single, DP and PP (and draw it with ``--png``)."""
-    spec = cluster.model.model
-    comparison = compare(cluster, args.global_batch, micro_batches=args.micro_batches, optimizer=args.optimizer)
-    if args.json:
-        print(comparison.model_dump_json(indent=2))
-    else:
-        print_comparison(comparison, cluster)
-    if args.png:
-        from edgeswarm.planning.hpp.render import render_plan_png
-
-        render_plan_png(comparison.hpp, Path(args.png), title=f"{spec.name} on {len(cluster.devices)} devices")
-        err_console.print(f"plan drawn to {args.png}")
-    return 0
-
-
-def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
+def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTools) -> int:
     """Print the serve-pipeline plan for ``cluster`` with the ``--serve-*``, ``--max-stages`` and ``--exclude``
-    options."""
+    options (its kind's ``plan_cli``)."""
     from pydantic import ValidationError
 
     from edgeswarm.planning.serve.plan import plan_serving
@@ -124,7 +112,7 @@ def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile) -> int:
         print(plan.model_dump_json(indent=2))
     else:
         names = [u.name for u in cluster.model.units]
-        console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
+        tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
                       f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, method {plan.method}")
         print_serve_plan(plan, names)
     return 0
@@ -196,45 +184,4 @@ def profile_running_cluster(hub: str, spec: ModelSpec, batch_sizes: list[int], m
 def _progress(node: str, fraction: float, message: str) -> None:
     err_console.print(f"  {node}: {fraction:4.0%} {message}", highlight=False)
 
-
-def print_comparison(c: Comparison, cluster: ClusterProfile) -> None:
-    """The HPP plan as a table, then its prediction next to every baseline's."""
-    plan = c.hpp
-    names = [u.name for u in cluster.model.units]
-    console.print(f"[bold]{cluster.model.model.name}[/bold]: {plan.units} units, {len(cluster.devices)} devices, "
-                  f"global batch {plan.options.global_batch} = {plan.options.micro_batches} micro-batches of "
-                  f"{plan.options.micro_batch_size}, optimizer {plan.options.optimizer}; "
-                  f"planned in {c.planning_s:.2f} s")
-    console.print(plan_table(plan, names))
-    console.print(f"predicted round latency [bold]{plan.round_latency_s:.3f} s[/bold], "
-                  f"[bold]{plan.throughput_sps:.1f} samples/s[/bold] (dominant step {plan.dominant_step})")
-    table = Table(title="against the baselines (same cost model)")
-    for col in ("strategy", "stages", "M x B", "round (s)", "samples/s", "HPP speed-up"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    table.add_row("hpp", str(len(plan.stages)), f"{plan.options.micro_batches} x {plan.options.micro_batch_size}",
-                  f"{plan.round_latency_s:.3f}", f"{plan.throughput_sps:.1f}", "1.00x")
-    for b in c.baselines:
-        if b.plan is None:
-            table.add_row(b.strategy, "-", "-", "does not fit", "-", "-")
-            continue
-        p = b.plan
-        table.add_row(b.strategy, str(len(p.stages)), f"{p.options.micro_batches} x {p.options.micro_batch_size}",
-                      f"{p.round_latency_s:.3f}", f"{p.throughput_sps:.1f}", f"{b.speedup:.2f}x")
-    console.print(table)
-
-
-def plan_table(plan: Plan, unit_names: list[str]) -> Table:
-    """One row per stage: units, devices with their micro-batch shares, memory used of budget."""
-    table = Table(title=f"{plan.strategy} plan, epoch {plan.epoch}")
-    for col in ("stage", "units", "layers", "devices (samples per micro-batch)", "K", "fwd+bwd (s)", "allreduce (s)",
-                "memory used / budget"):
-        table.add_column(col)
-    for s in plan.stages:
-        layers = f"{unit_names[s.start]} .. {unit_names[s.end - 1]}" if unit_names else "-"
-        devices = ", ".join(f"{d} ({y})" for d, y in zip(s.devices, s.shares, strict=True))
-        memory = ", ".join(f"{m / 2**20:.0f}/{b / 2**20:.0f} MiB" for m, b in
-                           zip(s.memory_bytes, s.memory_budget_bytes, strict=True))
-        table.add_row(str(s.index), f"[{s.start}, {s.end})", layers, devices, str(s.warmup),
-                      f"{s.forward_s + s.backward_s:.4f}", f"{s.allreduce_s:.3f}", memory)
-    return table
 

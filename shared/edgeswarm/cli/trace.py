@@ -1,7 +1,7 @@
 """``edgeswarm trace JOB --out trace.json``: a job's measured spans as Chrome trace format (Perfetto opens it).
 
 The spans come from the dashboard service on the hub (its trace collector holds every worker's spans, per job),
-asked with a TraceRequest; ``fetch_trace`` is how ``train --timeline-png`` asks it too.
+asked with a TraceRequest (``tracing.client.fetch_trace``, which HPP's ``train --timeline-png`` uses too).
 """
 
 from __future__ import annotations
@@ -9,24 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgeswarm import topics
-from edgeswarm.bus import Bus
 from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console
-from edgeswarm.errors import ConfigError, EdgeswarmError, RequestTimeoutError
-from edgeswarm.messages.tracing import TraceReply, TraceRequest
+from edgeswarm.errors import ConfigError
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.tracing.chrome import chrome_trace_bytes
-
-DASHBOARD_NODE = "hub"
-DASHBOARD = "dashboard"
-NOT_RUNNING = ("is the dashboard service running? `edgeswarm up --local` starts it (on a deployed hub: its "
-               "compose profile, or `edgeswarm service dashboard`)")
-
-
-class NoTraceError(EdgeswarmError):
-    """Nobody answered a trace request, or the answer holds no spans of the job."""
+from edgeswarm.tracing.client import NoTraceError, fetch_trace
 
 
 def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,19 +26,6 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--out", required=True, help="the JSON file to write (replaced if it exists)")
     add_hub_arg(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the dashboard's answer")
-
-
-def fetch_trace(bus: Bus, job_id: str, timeout_s: float = 10.0) -> TraceReply:
-    """The dashboard's spans of ``job_id``. Raises NoTraceError when nothing answers within ``timeout_s`` seconds
-    (saying how to start the dashboard), EdgeswarmError when the request is refused."""
-    try:
-        reply = bus.request(topics.request(DASHBOARD_NODE, DASHBOARD), TraceRequest(job_id=job_id),
-                            timeout_s=timeout_s)
-    except RequestTimeoutError:
-        raise NoTraceError(f"no answer to a trace request within {timeout_s:.0f} s: {NOT_RUNNING}") from None
-    if not isinstance(reply.body, TraceReply):
-        raise NoTraceError(f"the dashboard answered a trace request with {type(reply.body).__name__}")
-    return reply.body
 
 
 def run_trace(args: argparse.Namespace) -> int:

@@ -110,7 +110,8 @@ class TrainWorkload(Workload):
     spec_type: ClassVar[type[JobSpec]] = JobSpec
     progress_type = TrainProgress
     plan_type = Plan
-    plan_cli = "edgeswarm.cli.plan:run_hpp_plan"
+    plan_cli = "edgeswarm.hpp.cli:run_plan"
+    train_cli = "edgeswarm.hpp.cli:run_train"
     planner = "edgeswarm.hpp.planner:PLANNER"
     commands = ("edgeswarm.hpp.cli:ExportCommand",)
     benches = ("edgeswarm.hpp.bench:TrainingBench", "edgeswarm.hpp.bench:RecoveryBench",

@@ -79,7 +79,12 @@ class Workload(ABC):
     progress_type: ClassVar[type[BaseModel]]
     plan_type: ClassVar[type[BaseModel] | None] = None
     planner: ClassVar[str] = ""
-    plan_cli: ClassVar[str] = ""  # "module:function(args, cluster) -> exit code": its plan shown by `edgeswarm plan`
+    # "module:function(args, cluster, tools) -> exit code": its plan shown by `edgeswarm plan` (``tools``: a
+    # ``workloads.commands.CommandTools``).
+    plan_cli: ClassVar[str] = ""
+    # "module:function(args, spec, text, tools) -> exit code": how `edgeswarm train` runs a job of this kind (empty:
+    # submitted and, with --wait, followed to its end the common way).
+    train_cli: ClassVar[str] = ""
     # "module:function(args, bus, state, tools) -> exit code": how `edgeswarm infer` asks a running job of a serving
     # kind (``tools``: a ``workloads.commands.CommandTools``; empty: the kind takes no requests from the command line).
     infer_cli: ClassVar[str] = ""

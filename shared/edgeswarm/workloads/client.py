@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
-from edgeswarm.errors import BusError, EdgeswarmError, NotAuthorizedError
+from edgeswarm.errors import BusError, ConfigError, EdgeswarmError, NotAuthorizedError
 from edgeswarm.messages.jobs import (
     FINISHED,
     JobAccepted,
@@ -177,3 +179,14 @@ class JobFollower:
             raise JobRequestError(f"job {self.job_id} did not finish within {timeout_s:.0f} s ({where})")
         assert self.state is not None
         return self.state
+
+
+def write_run_json(path: Path, final: JobState, follower: JobFollower) -> None:
+    """Write a followed job's record to ``path``: ``state`` (its final state) and ``rounds`` (its kind's progress
+    after each round, in order; the per-strategy predictions left out, the final state has them). Raises
+    ConfigError when the file cannot be written."""
+    rounds = [s.progress.model_dump(mode="json", exclude={"predictions"}) for _, s in sorted(follower.rounds.items())]
+    try:
+        path.write_text(json.dumps({"state": final.model_dump(mode="json"), "rounds": rounds}, indent=2))
+    except OSError as exc:
+        raise ConfigError(f"cannot write --json {path}: {exc}") from None
