@@ -219,3 +219,15 @@ def test_no_isinstance_on_a_kinds_spec_outside_its_package() -> None:
                 named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
                 found += [f"{rel}: isinstance on {name}" for name in named if name in specs and specs[name] != own]
     assert not found, found
+
+
+def test_every_built_in_workload_package_has_the_role_files_each_saying_its_role() -> None:
+    """The same role, the same file name, in every workload package (docs/adding-a-workload.md); each module's
+    docstring opens with what it is."""
+    roles = {"spec", "planner", "coordinator", "worker", "compute", "workload", "bench"}
+    for package in _workload_packages():
+        files = {p.stem: p for p in (LIBRARY / package).glob("*.py")}
+        assert roles <= set(files), f"{package} lacks {sorted(roles - set(files))}"
+        for name, path in files.items():
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and doc.strip(), f"{package}/{name}.py has no docstring saying its role"

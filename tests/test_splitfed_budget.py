@@ -18,7 +18,7 @@ from edgeswarm.planning.splitfed.synthetic import budget_trace
 from edgeswarm.runtime.program import ComputeGate
 from edgeswarm.settings import Settings
 from edgeswarm.splitfed.compute import DevicePart, MecPart, input_bytes
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.weights import flatten
 from edgeswarm.values.federated import LocalTraining, PartitionSpec
 from edgeswarm.values.profiles import ModelSpec

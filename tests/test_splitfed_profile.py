@@ -6,7 +6,7 @@ import pytest
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import unit_count
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.values.profiles import ModelSpec
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import example_input
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.recompute import (
     RecomputeError,
     Segment,

@@ -247,7 +247,7 @@ def spec_of(model: str) -> ModelSpec:
 
 def profile(model: str) -> ModelCost:
     """The planner's ModelCost of ``spec_of(model)``, batch BATCH, momentum SGD."""
-    from edgeswarm.splitfed.profile import model_cost
+    from edgeswarm.splitfed.profiling import model_cost
 
     return model_cost(spec_of(model), BATCH, optimizer_states=1)
 

@@ -26,7 +26,7 @@ from edgeswarm.models.zoo import build_model, example_input, without_weights
 from edgeswarm.planning.splitfed.cost import device_memory
 from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis, oracle_distribution
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.pruning import PruningSpec, prune_step
 from edgeswarm.splitfed.split import (
     DeviceSide,

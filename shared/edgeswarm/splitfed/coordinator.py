@@ -46,7 +46,7 @@ from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
 from edgeswarm.splitfed.compute import input_bytes, partition_of
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
 from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry

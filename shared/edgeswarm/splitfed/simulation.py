@@ -37,7 +37,7 @@ from edgeswarm.planning.splitfed.synthetic import budget_fraction, paper_devices
 from edgeswarm.planning.splitfed.types import SplitDevice, SplitOptions, SplitPlanError, SplitSelection
 from edgeswarm.splitfed.compute import local_batches, output_weight
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis
-from edgeswarm.splitfed.profile import model_cost
+from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.pruning import PruningSpec, RoundPruner
 from edgeswarm.splitfed.weights import layout_of
 from edgeswarm.values.federated import PartitionSpec
