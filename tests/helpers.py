@@ -228,3 +228,23 @@ class Ring:
         assert not errors, errors
         assert all(box.empty() for box in self.boxes.values()), "every tensor sent was taken"
         return [r for r in results if r is not None]
+
+
+def venv_with_wheel(src: Path, tmp: Path, wheel_glob: str) -> tuple[Path, Path]:
+    """A fresh virtual environment in ``tmp / "venv"`` with the wheel built from ``src`` (matching ``wheel_glob``)
+    installed, its dependencies left out and nothing downloaded: (its python, its site-packages folder). The caller
+    makes the dependencies visible (a .pth file in that folder)."""
+    import subprocess
+    import sys
+    import venv
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True, timeout=120)
+    wheel = next((tmp / "dist").glob(wheel_glob))
+    venv.create(tmp / "venv", with_pip=False)
+    python = tmp / "venv" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+                    str(wheel)], check=True, capture_output=True, timeout=120)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return python, Path(site)

@@ -8,10 +8,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import textwrap
-import venv
 import zipfile
 from collections.abc import Iterator
 from email.parser import Parser
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, venv_with_wheel
 
 SOURCES = sorted(p for root in ("shared", "services") for p in (REPO / root).rglob("*.py")
                  if "__pycache__" not in p.parts)
@@ -176,18 +174,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     pytest.importorskip("setuptools", reason="building the wheel without a download needs setuptools here")
     tmp = tmp_path_factory.mktemp("install")
     src = _copy_source(tmp / "src")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True, timeout=120)
+    python, target_site = venv_with_wheel(src, tmp, "edgeswarm-*.whl")
     wheel = next((tmp / "dist").glob("edgeswarm-*.whl"))
-    env_dir = tmp / "venv"
-    venv.create(env_dir, with_pip=False)
-    python = env_dir / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True, timeout=120)
-    target_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-    (Path(target_site) / "deps.pth").write_text(f"{_visible_dependencies(tmp / 'deps')}\n")
-    return wheel, env_dir
+    (target_site / "deps.pth").write_text(f"{_visible_dependencies(tmp / 'deps')}\n")
+    return wheel, python.parent.parent
 
 
 def _run(env_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,14 +13,13 @@ import subprocess
 import sys
 import sysconfig
 import time
-import venv
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from edgeswarm.local.broker import free_port
-from helpers import FAST_ENV, REPO, wait_until
+from helpers import FAST_ENV, REPO, venv_with_wheel, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +33,9 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("setuptools", reason="building the plug-in's wheel without a download needs setuptools")
     tmp = tmp_path_factory.mktemp("plugin")
     src = shutil.copytree(PLUGIN, tmp / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True, timeout=120)
-    wheel = next((tmp / "dist").glob("edgeswarm_toy-*.whl"))
-    env_dir = tmp / "venv"
-    venv.create(env_dir, with_pip=False)
-    python = env_dir / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True, timeout=120)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    python, site = venv_with_wheel(src, tmp, "edgeswarm_toy-*.whl")
     here = sysconfig.get_paths()["purelib"]
-    (Path(site) / "edgeswarm-host.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    (site / "edgeswarm-host.pth").write_text(f"import site; site.addsitedir({here!r})\n")
     return python
 
 
