@@ -41,6 +41,7 @@ from edgeswarm.models.zoo import build_model
 from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
+from edgeswarm.profiling.compute import host_flops
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import FailureDetector
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
@@ -96,7 +97,7 @@ class SplitfedRunner:
         ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
                                                     f"{self.training.batch_size}"))
         self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
-        self.flops = gather.host_flops()
+        self.flops = host_flops()
         detector = FailureDetector(self.bus, MEC_MANAGER, timeout_factor=self.bus.settings.heartbeat_timeout_factor)
         used: set[tuple[str, str]] = set()
         try:

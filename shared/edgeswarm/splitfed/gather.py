@@ -1,38 +1,19 @@
-"""What the central manager is told about the devices and the MECs before a round: each one's speed, its link to
-its MEC, its memory budget now, its data and the MEC's estimates of its skew and utility.
+"""What the central manager is told about the devices and the MECs before a round: each one's speed, its link to its
+MEC, its memory budget now, its data and the MEC's estimates of its skew and utility.
 
-Speeds are the host's measured FLOP/s divided by the node's emulated slow-down (an emulated cluster shares the
-host); links are the device classes' links between a device and its MEC; budgets are the node's memory budget less
-what its ledger holds for other jobs (the view's reserved bytes), capped by the job's own cap."""
+Speeds are the host's measured FLOP/s (``profiling.compute.host_flops``, on the profiler's calibration step) divided
+by the node's emulated slow-down (an emulated cluster shares the host); links are the device classes' links between
+a device and its MEC; budgets are the node's memory budget less what its ledger holds for other jobs (the view's
+reserved bytes), capped by the job's own cap."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-
-import torch
 
 from edgeswarm.devices.catalogue import device_class, link_between
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.cluster import ClusterView, NodeView
 from edgeswarm.planning.splitfed.types import SplitDevice, SplitMec
-
-MATMUL_SIDE = 256
-
-
-def host_flops(repeats: int = 5) -> float:
-    """This host's float32 matrix-multiply speed in FLOP/s: the fastest of ``repeats`` timed 256x256 products, the
-    one least disturbed by other load."""
-    a = torch.randn(MATMUL_SIDE, MATMUL_SIDE, generator=torch.Generator().manual_seed(0))
-    b = torch.randn(MATMUL_SIDE, MATMUL_SIDE, generator=torch.Generator().manual_seed(1))
-    a @ b  # warm-up: the first product pays for allocation
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(8):
-            a @ b
-        best = min(best, (time.perf_counter() - started) / 8)
-    return 2.0 * MATMUL_SIDE ** 3 / max(best, 1e-9)
 
 
 def _slowdown(view: NodeView) -> float:
