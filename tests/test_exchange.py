@@ -112,7 +112,12 @@ def test_failing_a_scope_wakes_its_waiters_and_leaves_other_scopes_alone() -> No
     with pytest.raises(ExchangeFailed, match="wrong shape"):
         ex.wait(Key(0, "gradient", 0))
     assert torch.equal(ex.wait(Key(1, "activation", 0)), torch.ones(1))
-    # A tensor already there is still taken: the failure stops only waits that would block.
+    # A tensor that is already here does not hide the failure: a bad tensor that failed the scope may come before
+    # the good one of the same key (whether a wait blocked first must not decide the round).
+    ex.put(Key(0, "activation", 5), torch.ones(1))
+    with pytest.raises(ExchangeFailed, match="wrong shape"):
+        ex.wait(Key(0, "activation", 5))
+    ex.forget(0)  # the scope is over: a later one of the same scope starts clean
     ex.put(Key(0, "activation", 5), torch.ones(1))
     assert ex.wait(Key(0, "activation", 5)).numel() == 1
 

@@ -120,13 +120,17 @@ class TensorExchange(Generic[K]):
         deadline = started + limit
         scope = key.scope
         with self._changed:
-            while key not in self._inbox:
+            # A failed or aborted scope fails every wait, even one whose tensor is already here: a bad tensor that
+            # failed the round may come before the good one of the same key, and the good one must not hide it.
+            while True:
                 if scope in self._failed:
                     raise ExchangeFailed(self._failed[scope])
                 if scope in self._aborted:
                     raise ExchangeAborted(f"{self._scope_text(scope)} aborted: {self._aborted[scope]}")
                 if self._retired is not None:
                     raise ExchangeAborted(f"{self._scope_text(scope)} given up: {self._retired}")
+                if key in self._inbox:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ExchangeTimeout(f"no {key} within {limit:.0f} s")
