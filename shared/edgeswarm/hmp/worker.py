@@ -40,11 +40,10 @@ from edgeswarm.messages.hmp import (
     ShardResult,
 )
 from edgeswarm.messages.tracing import SpanCat
-from edgeswarm.messages.training import StageFailed
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
-from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.program import JobTable, WorkerContext
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.wire import Message
 
@@ -88,32 +87,19 @@ class _Job:
         self.caches.clear()
 
 
-class ShardProgram:
-    """The shards this worker holds, by job id (see the module's docstring)."""
+class ShardProgram(JobTable[_Job]):
+    """The shards this worker holds, by job id (see the module's docstring). A profile request names no job: it is
+    nobody's."""
 
     handles: tuple[type[Message], ...] = (ShardAssign, ShardRelease, ShardFree, ShardProfileRequest)
     tensors: tuple[type[Message], ...] = (ShardPass, CollectiveTensor)
+    ledger_name = PROGRAM
+    refusal_counter = "hmp_failed"
 
     def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
-        self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
+        super().__init__(ctx)
         self._profiles: dict[str, BlockProfile] = {}  # (model, sequence length) -> this device's block latencies
         self._profiling = threading.Lock()  # one profile at a time: two would time each other
-
-    def job_of(self, body: Message) -> str:
-        return str(getattr(body, "job_id", ""))  # a profile request names no job: it is nobody's
-
-    def holds(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._jobs
-
-    def close(self) -> None:
-        with self._lock:
-            jobs, self._jobs = list(self._jobs.values()), {}
-        for job in jobs:
-            job.close()
-            self.ctx.ledger.release(PROGRAM, job.spec.job_id)
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -164,11 +150,6 @@ class ShardProgram:
             self.refuse(msg, "", "error", f"profiling {body.model.name} failed: {type(exc).__name__}: {exc}")
             return
         self.ctx.bus.reply(msg, ShardProfileReply(profile=profile))
-
-    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
-        self.ctx.metrics.count(f"hmp_failed.{reason}")
-        log.warning("hmp job %s: %s: %s", job_id, reason, detail)
-        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
 
     def _release(self, job_id: str) -> None:
         with self._lock:
