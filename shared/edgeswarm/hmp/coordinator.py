@@ -290,9 +290,7 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             if not self._accepting:
                 reason: tuple[InferErrorReason, str] | None = (
                     "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
-            elif len(self._queue) >= self.spec.queue:
-                reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests waiting; send again later")
-            elif (share := self._callers.take(msg.envelope.sender_node)) is not None:
+            elif (share := self._callers.take(msg.envelope.sender_node)) is not None:  # the queue's and its share
                 reason = ("busy", f"job {self.spec.name}: {share}; send again later")
             else:
                 reason = None

@@ -129,7 +129,6 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
         self.weights: WeightsSource | None = None
         self._changed = threading.Condition()
         self._queue: deque[_Request] = deque()
-        self._queued_bytes = 0
         self._callers = QueueShares(spec.queue, MAX_QUEUED_BYTES)  # each caller's share of the queue and its bytes
         self._inflight: OrderedDict[int, _Item] = OrderedDict()
         self._next_item = 0
@@ -213,7 +212,6 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             plan = self._plan
             requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
             self._queue.clear()
-            self._queued_bytes = 0
             self._callers = QueueShares(self.spec.queue, MAX_QUEUED_BYTES)
             self._inflight.clear()
             self._changed.notify_all()
@@ -313,14 +311,10 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             if not self._accepting:
                 reason: tuple[InferErrorReason, str] | None = (
                     "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
-            elif len(self._queue) >= self.spec.queue or self._queued_bytes + nbytes > MAX_QUEUED_BYTES:
-                reason = ("busy", f"job {self.spec.name} has {len(self._queue)} requests ({self._queued_bytes} "
-                                  "bytes) waiting; send again later")
-            elif (share := self._callers.take(request.caller, nbytes)) is not None:
+            elif (share := self._callers.take(request.caller, nbytes)) is not None:  # the queue's and its share
                 reason = ("busy", f"job {self.spec.name}: {share}; send again later")
             else:
                 reason = None
-                self._queued_bytes += nbytes
                 self._queue.append(request)
                 self._changed.notify_all()
         if reason is not None:
@@ -356,7 +350,6 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                 while self._queue and rows + self._queue[0].inputs.shape[0] <= self.spec.micro_batch_size:
                     request = self._queue.popleft()
                     record.request_dispatched(self.bus.metrics, self.spec.name, now - request.arrived)
-                    self._queued_bytes -= _nbytes(request.inputs)
                     self._callers.release(request.caller, _nbytes(request.inputs))
                     requests.append(request)
                     rows += int(request.inputs.shape[0])
