@@ -43,7 +43,7 @@ from edgeswarm.messages.tracing import SpanCat
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.runtime.collective_exchange import CollectiveKey, CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
-from edgeswarm.runtime.program import JobTable, WorkerContext
+from edgeswarm.runtime.program import JobTable, WorkerContext, build_failure
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.wire import Message
 
@@ -183,18 +183,10 @@ class ShardProgram(JobTable[_Job]):
                                     refusal=f"{what} needs {need / MIB:.1f} MiB for its weights and KV cache")
             with self.ctx.gate.building():
                 shard = load_shard(spec.model, cfg, spec.shares, spec.rank, self.ctx.compute, device=self.ctx.device)
-        except MemoryBudgetError as exc:
-            self.ctx.ledger.release(PROGRAM, spec.job_id)
-            self.refuse(msg, spec.job_id, "memory", str(exc))
-            return
-        except EdgeswarmError as exc:
-            self.ctx.ledger.release(PROGRAM, spec.job_id)
-            self.refuse(msg, spec.job_id, "bad_request", str(exc))
-            return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
             self.ctx.ledger.release(PROGRAM, spec.job_id)
-            log.exception("making rank %d of hmp job %s failed", spec.rank, spec.job_id)
-            self.refuse(msg, spec.job_id, "error", f"making the shard failed: {type(exc).__name__}: {exc}")
+            self.refuse(msg, spec.job_id, *build_failure(exc, f"making rank {spec.rank} of hmp job {spec.job_id}",
+                                                         log))
             return
         exchange: TensorExchange[CollectiveKey] = TensorExchange(
             self.ctx.bus, self.ctx.service, wait_s=spec.deadline_s, name=f"hmp job {spec.job_id} rank {spec.rank}",

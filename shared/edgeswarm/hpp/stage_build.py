@@ -18,12 +18,13 @@ from typing import Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.devices.compute import use_device_threads
-from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.errors import MemoryBudgetError
 from edgeswarm.hpp.held import HeldState
 from edgeswarm.hpp.stage_jobs import MIB, StageJobs, _Stage
 from edgeswarm.hpp.stage_recovery import Fail, StageRecovery
 from edgeswarm.messages.training import StageAssign, StageReady
-from edgeswarm.runtime.exchange import ExchangeTimeout, TensorExchange
+from edgeswarm.runtime.exchange import TensorExchange
+from edgeswarm.runtime.program import build_failure
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,9 @@ class StageBuilder:
                     st = self._build(spec)
             restored = (self._recovery.restore(st) if spec.restore else
                         self._recovery.restore_checkpoint(st) if spec.checkpoint is not None else 0)
-        except EdgeswarmError as exc:
-            jobs.unreserve(spec.job_id)
-            self._fail(msg, spec.job_id, "memory" if isinstance(exc, MemoryBudgetError) else
-                       "timeout" if isinstance(exc, ExchangeTimeout) else "bad_request", str(exc))
-            return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
             jobs.unreserve(spec.job_id)
-            log.exception("building stage %d of job %s failed", spec.stage, spec.job_id)
-            self._fail(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
+            self._fail(msg, spec.job_id, *build_failure(exc, f"building stage {spec.stage} of job {spec.job_id}", log))
             return
         with jobs.ready:
             replaced = jobs.stages.get(spec.job_id)

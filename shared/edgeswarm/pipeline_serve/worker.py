@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
-from edgeswarm.messages.training import StageFailed
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
-from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.program import JobTable, build_failure
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.wire import Message
 
@@ -90,30 +89,13 @@ class _Stage:
                      self.exchange.blocked_s)
 
 
-class ServeStageProgram:
+class ServeStageProgram(JobTable[_Stage]):
     """The serving stages this worker holds, by job id (see the module's docstring)."""
 
     handles: tuple[type[Message], ...] = (ServeAssign, ServeRelease)
     tensors: tuple[type[Message], ...] = (ServeTensor,)
-
-    def __init__(self, ctx: WorkerContext) -> None:
-        self.ctx = ctx
-        self._lock = threading.Lock()
-        self._stages: dict[str, _Stage] = {}
-
-    def job_of(self, body: Message) -> str:
-        return str(getattr(body, "job_id", ""))
-
-    def holds(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._stages
-
-    def close(self) -> None:
-        with self._lock:
-            stages, self._stages = list(self._stages.values()), {}
-        for stage in stages:
-            stage.close()
-            self.ctx.ledger.release(PROGRAM, stage.spec.job_id)
+    ledger_name = PROGRAM
+    refusal_counter = "serve_failed"
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -121,7 +103,7 @@ class ServeStageProgram:
         body = msg.body
         if isinstance(body, ServeRelease):
             with self._lock:
-                stage = self._stages.pop(body.job_id, None)
+                stage = self._jobs.pop(body.job_id, None)
             if stage is not None:
                 log.info("serving job %s: released stage %d", body.job_id, stage.spec.stage)
                 stage.close()
@@ -131,35 +113,22 @@ class ServeStageProgram:
         # Building (and loading weights from the store) runs apart from the request topic's thread.
         threading.Thread(target=self._assign, args=(msg, body), name="serve-assign", daemon=True).start()
 
-    def refuse(self, msg: Inbound, job_id: str, reason: str, detail: str) -> None:
-        self.ctx.metrics.count(f"serve_failed.{reason}")
-        log.warning("serving job %s: %s: %s", job_id, reason, detail)
-        self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
-
     def _assign(self, msg: Inbound, spec: ServeAssign) -> None:
         started = time.monotonic()
         with self._lock:
-            old = self._stages.get(spec.job_id)
+            old = self._jobs.get(spec.job_id)
         if old is not None:
             old.exchange.retire(f"serving job {spec.job_id} re-planned to epoch {spec.epoch}")
         try:
             stage = self._build(spec)
-        except MemoryBudgetError as exc:
-            self._unreserve(spec.job_id)
-            self.refuse(msg, spec.job_id, "memory", str(exc))
-            return
-        except EdgeswarmError as exc:
-            self._unreserve(spec.job_id)
-            self.refuse(msg, spec.job_id, "bad_request", str(exc))
-            return
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
             self._unreserve(spec.job_id)
-            log.exception("building serving stage %d of job %s failed", spec.stage, spec.job_id)
-            self.refuse(msg, spec.job_id, "error", f"building the stage failed: {type(exc).__name__}: {exc}")
+            self.refuse(msg, spec.job_id, *build_failure(exc, f"building serving stage {spec.stage} of job "
+                                                              f"{spec.job_id}", log))
             return
         with self._lock:
-            old = self._stages.get(spec.job_id)
-            self._stages[spec.job_id] = stage
+            old = self._jobs.get(spec.job_id)
+            self._jobs[spec.job_id] = stage
         if old is not None:
             old.close()
         stage.thread = threading.Thread(target=self._serve, args=(stage,), name=f"serve-{spec.job_id}", daemon=True)
@@ -204,7 +173,7 @@ class ServeStageProgram:
         """After an assignment of ``job_id`` failed: its reservation goes back to what the stage still held for the
         job needs, or goes."""
         with self._lock:
-            stage = self._stages.get(job_id)
+            stage = self._jobs.get(job_id)
         self.ctx.ledger.release(PROGRAM, job_id)
         if stage is not None:
             self.ctx.ledger.grow(PROGRAM, job_id, stage.static_bytes)
@@ -215,7 +184,7 @@ class ServeStageProgram:
         body = msg.body
         assert isinstance(body, ServeTensor)
         with self._lock:
-            stage = self._stages.get(body.job_id)
+            stage = self._jobs.get(body.job_id)
         why = _refusal(stage, body, msg)
         if why is not None:
             self.ctx.metrics.count("serve_items_dropped")

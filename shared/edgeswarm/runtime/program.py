@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from edgeswarm.bus import Bus, Inbound
     from edgeswarm.devices.emulation import DeviceProfile
+    from edgeswarm.messages.training import StageFailureReason
     from edgeswarm.metrics import Metrics
     from edgeswarm.runtime.ledger import MemoryLedger
     from edgeswarm.wire import Message
@@ -182,3 +183,21 @@ class JobTable(Generic[J]):
         self.ctx.metrics.count(f"{self.refusal_counter}.{reason}")
         self._refusals.warning(f"refuse.{reason}", "job %s: %s: %s", job_id, reason, detail)
         self.ctx.bus.reply(msg, StageFailed(job_id=job_id, reason=reason, detail=detail[:4096]))  # type: ignore[arg-type]
+
+
+def build_failure(exc: Exception, what: str, logger: logging.Logger) -> tuple[StageFailureReason, str]:
+    """The reason and detail a worker program answers (StageFailed) when ``what`` (building a job's stage or shard,
+    in words) failed with ``exc``: ``memory`` for a MemoryBudgetError, ``timeout`` for an ExchangeTimeout (a peer's
+    state that never came), ``bad_request`` for any other EdgeswarmError, each with its message; ``error`` for
+    anything else, a bug, logged with its traceback on ``logger``."""
+    from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+    from edgeswarm.runtime.exchange import ExchangeTimeout
+
+    if isinstance(exc, MemoryBudgetError):
+        return "memory", str(exc)
+    if isinstance(exc, ExchangeTimeout):
+        return "timeout", str(exc)
+    if isinstance(exc, EdgeswarmError):
+        return "bad_request", str(exc)
+    logger.exception("%s failed", what)
+    return "error", f"{what} failed: {type(exc).__name__}: {exc}"
