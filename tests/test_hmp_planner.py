@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeswarm.cli.hmp_plan import run_hmp_plan
 from edgeswarm.cli.plan import add_plan_parser
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults, load_cluster
 from edgeswarm.errors import ConfigError, InfeasiblePlanError, PlanningError
+from edgeswarm.hmp.cli import run_plan as run_hmp_plan
 from edgeswarm.hmp.planner import PLANNER
 from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.planning.deadline import Deadline

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.hmp_plan import add_hmp_arguments
 from edgeswarm.cli.profile import parse_batch_sizes
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
@@ -25,14 +25,15 @@ from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec, parse_config
-from edgeswarm.workloads import KINDS, workload
+from edgeswarm.workloads import KINDS, installed_workload, workload
 from edgeswarm.workloads.commands import CommandTools
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
 
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``edgeswarm plan``."""
+def add_plan_parser(sub: argparse._SubParsersAction, *, kind_options: bool = True) -> None:  # type: ignore[type-arg]
+    """Register ``edgeswarm plan``; with ``kind_options``, every installed kind's own options too (its
+    ``plan_arguments``: finding them imports every kind)."""
     p = sub.add_parser("plan", help="plan HPP training of a model on a cluster and compare with single, DP and PP")
     p.add_argument("--model", required=True, help="zoo model name (see `edgeswarm profile --help`)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="model config entry")
@@ -61,7 +62,20 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
                    help="serve-pipeline: search (auto: the best predicted of all)")
     p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
-    add_hmp_arguments(p)
+    if kind_options:
+        add_kind_plan_arguments(p)
+
+
+def add_kind_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """Each installed kind's ``plan_arguments`` on ``p``; a warning line for a plug-in's that cannot be added."""
+    for kind in KINDS:
+        work = installed_workload(kind)
+        if work is None or not work.plan_arguments:
+            continue
+        try:
+            load_target(work.plan_arguments, f"the plan options of job kind {kind!r}")(p)
+        except (ConfigError, argparse.ArgumentError) as exc:
+            err_console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}", soft_wrap=True)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -113,7 +127,8 @@ def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: Com
     else:
         names = [u.name for u in cluster.model.units]
         tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
-                      f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, method {plan.method}")
+                            f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, "
+                            f"method {plan.method}")
         print_serve_plan(plan, names)
     return 0
 

@@ -37,7 +37,8 @@ class HmpWorkload(Workload):
     plan_type = HmpPlan
     planner = "edgeswarm.hmp.planner:PLANNER"
     benches = ("edgeswarm.hmp.bench:HmpBench",)
-    plan_cli = "edgeswarm.cli.hmp_plan:run_hmp_plan"
+    plan_cli = "edgeswarm.hmp.cli:run_plan"
+    plan_arguments = "edgeswarm.hmp.cli:add_plan_arguments"
     plan_profiles_zoo = False
     command = "serve"
     exclusive = False

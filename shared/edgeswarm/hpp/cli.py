@@ -151,7 +151,7 @@ def _upload_initial(bus: Bus, job: JobSpec, initial: ModelFile, tools: CommandTo
     assert job.init is not None
     upload_initial(bus, "hub", job, initial)
     tools.console.print(f"uploaded {job.init.file} ({initial.file_bytes} bytes, sha256 {initial.sha256[:16]}...) as "
-                  f"version 0 of job {job.name}")
+                        f"version 0 of job {job.name}")
     job = job.model_copy(update={"init": job.init.model_copy(update={"sha256": initial.sha256})})
     return job, job.model_dump_json()
 
@@ -212,9 +212,9 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
     if rounds and measured is not None and t.predicted_round_s:
         first, last = rounds[0][1].progress_as(TrainProgress), rounds[-1][1].progress_as(TrainProgress)
         tools.console.print(f"job {job.name} {final.status}: {len(rounds)} rounds, loss {first.loss:.4f} -> "
-                      f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
-                      f"{measured:.3f} s per round against {t.predicted_round_s:.3f} s predicted "
-                      f"({measured / t.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
+                            f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
+                            f"{measured:.3f} s per round against {t.predicted_round_s:.3f} s predicted "
+                            f"({measured / t.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
     if t.checkpoint_version is not None:
         tools.console.print(f"final model in the checkpoint store as job {job.name} version {t.checkpoint_version}")
     if t.test_accuracy is not None:
@@ -236,7 +236,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
         measured, note = measured_round(bus, final)
         render_plan_png(final.plan, Path(args.timeline_png), measured=measured, measured_note=note)
         tools.console.print(f"plan and schedule timeline written to {args.timeline_png}"
-                      + (f", with round {measured.round} as measured" if measured is not None else f" ({note})"))
+                            + (f", with round {measured.round} as measured" if measured is not None else f" ({note})"))
 
 
 def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str]:
@@ -306,12 +306,12 @@ def print_comparison(c: Comparison, cluster: ClusterProfile, tools: CommandTools
     plan = c.hpp
     names = [u.name for u in cluster.model.units]
     tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: {plan.units} units, {len(cluster.devices)} devices, "
-                  f"global batch {plan.options.global_batch} = {plan.options.micro_batches} micro-batches of "
-                  f"{plan.options.micro_batch_size}, optimizer {plan.options.optimizer}; "
-                  f"planned in {c.planning_s:.2f} s")
+                        f"global batch {plan.options.global_batch} = {plan.options.micro_batches} micro-batches of "
+                        f"{plan.options.micro_batch_size}, optimizer {plan.options.optimizer}; "
+                        f"planned in {c.planning_s:.2f} s")
     tools.console.print(plan_table(plan, names))
     tools.console.print(f"predicted round latency [bold]{plan.round_latency_s:.3f} s[/bold], "
-                  f"[bold]{plan.throughput_sps:.1f} samples/s[/bold] (dominant step {plan.dominant_step})")
+                        f"[bold]{plan.throughput_sps:.1f} samples/s[/bold] (dominant step {plan.dominant_step})")
     table = Table(title="against the baselines (same cost model)")
     for col in ("strategy", "stages", "M x B", "round (s)", "samples/s", "HPP speed-up"):
         table.add_column(col, justify="left" if col == "strategy" else "right")

@@ -75,10 +75,10 @@ def _simulated(args: argparse.Namespace, tools: CommandTools) -> int:
         worst = min(r["random_over_kpath"] for r in r4["per_config"])
         gap = max(abs(r["kpath_vs_greedy"]) for r in r4["per_config"])
         tools.console.print(f"R4 at {r4['nodes']} nodes: random/k-path >= {worst:.1f}x per config, matched means "
-                      f"{r4['random_over_kpath_matched']:.1f}x (paper 7.9x); k-path vs greedy matched "
-                      f"{r4['kpath_vs_greedy_matched']:+.1%} (paper -3.6%), worst config {gap:.1%}; published-style "
-                      f"random {r4['published_style']['random_vs_kpath']:+.0%} (paper +983%), greedy "
-                      f"{r4['published_style']['greedy_vs_kpath']:+.0%} (paper +33%)")
+                            f"{r4['random_over_kpath_matched']:.1f}x (paper 7.9x); k-path vs greedy matched "
+                            f"{r4['kpath_vs_greedy_matched']:+.1%} (paper -3.6%), worst config {gap:.1%}; "
+                            f"published-style random {r4['published_style']['random_vs_kpath']:+.0%} (paper +983%), "
+                            f"greedy {r4['published_style']['greedy_vs_kpath']:+.0%} (paper +33%)")
     r6 = report["r6"]
     tools.console.print("R6 LB ratio (50 nodes, 64 MB): " + ", ".join(
         f"{m} {f(v)} (paper {r6['reference'].get(m, '-')})" for m, v in r6["per_model"].items())
@@ -86,8 +86,8 @@ def _simulated(args: argparse.Namespace, tools: CommandTools) -> int:
     flagged = [r for r in report["r7"] if r["flag"]]
     over = [r for r in report["r7"] if r["normative_over_capacity"]]
     tools.console.print(f"R7: normative over capacity in {len(over)} configs (must be 0); reference over capacity in "
-                  f"{sum(r['reference_over_capacity'] for r in report['r7'])}; {len(flagged)} configs differ by "
-                  f"more than 25%: " + ", ".join(f"{r['model']} {r['cap_mb']} MB {r['nodes']} nodes "
+                        f"{sum(r['reference_over_capacity'] for r in report['r7'])}; {len(flagged)} configs differ by "
+                        f"more than 25%: " + ", ".join(f"{r['model']} {r['cap_mb']} MB {r['nodes']} nodes "
                                                  f"{r['difference']:+.0%}" for r in flagged))
     return 0
 

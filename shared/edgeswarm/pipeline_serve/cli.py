@@ -55,7 +55,7 @@ def _print_report(args: argparse.Namespace, report: StreamReport, tools: Command
         out = r.outputs.float()
         summary = (f"class {out.argmax(-1).tolist()}" if out.dim() == 2 else f"shape {list(out.shape)}")
         tools.console.print(f"request {r.index}: {summary}, {r.latency_s * 1000:.1f} ms"
-                      + (" (replayed)" if r.replayed else ""))
+                            + (" (replayed)" if r.replayed else ""))
     errors: dict[str, int] = {}
     for r in report.results:
         if r.outputs is None:
@@ -65,8 +65,8 @@ def _print_report(args: argparse.Namespace, report: StreamReport, tools: Command
     if latency is not None:
         p50, p99 = latency
         tools.console.print(f"{len(answered)}/{len(report.results)} requests answered, {report.samples} samples in "
-                      f"{report.wall_s:.2f} s: [bold]{report.samples / report.wall_s:.1f} samples/s[/bold]; latency "
-                      f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+                            f"{report.wall_s:.2f} s: [bold]{report.samples / report.wall_s:.1f} samples/s[/bold]; "
+                            f"latency p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
     if args.out and answered:
         import numpy as np
         import torch

@@ -82,6 +82,8 @@ class Workload(ABC):
     # "module:function(args, cluster, tools) -> exit code": its plan shown by `edgeswarm plan` (``tools``: a
     # ``workloads.commands.CommandTools``).
     plan_cli: ClassVar[str] = ""
+    # "module:function(parser)": the options its plan_cli reads, added to `edgeswarm plan`'s (empty: none of its own).
+    plan_arguments: ClassVar[str] = ""
     # "module:function(args, spec, text, tools) -> exit code": how `edgeswarm train` runs a job of this kind (empty:
     # submitted and, with --wait, followed to its end the common way).
     train_cli: ClassVar[str] = ""
