@@ -97,6 +97,13 @@ class FailureDetector:
         with self._lock:
             return {n: d for n, d in self._failed.items() if n in self._watched}
 
+    def instance(self, node: str) -> str | None:
+        """The instance of ``node``'s service last heard from (a heartbeat or an online status), None before any: a
+        new one is a restart, even one too quick for the failure to be confirmed in between."""
+        with self._lock:
+            peer = self._peers.get(node)
+            return None if peer is None else peer.instance
+
     def failed(self, node: str) -> bool:
         with self._lock:
             return node in self._failed

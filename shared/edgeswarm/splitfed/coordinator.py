@@ -226,19 +226,27 @@ class SplitfedRunner:
                                                                      default=1.0)
         got: dict[str, tuple[SplitUpdate, PartialSum | None]] = {}
         lost_at: dict[str, float] = {}
+        instances: dict[str, str | None] = {m: detector.instance(m) for m in mecs}
         pending = set(mecs)
         while pending - set(got):
             self._check()
             now = time.monotonic()
             for m in sorted(pending - set(got)):
+                current = detector.instance(m)
+                if instances[m] is None:
+                    instances[m] = current  # the first instance heard is the one the round started on
+                # A restart can be quicker than the failure detector's confirmation (a forked service is back in
+                # milliseconds): a new instance is one too.
+                restarted = current is not None and current != instances[m]
                 if detector.failed(m):
                     lost_at.setdefault(m, now)
                     if now - lost_at[m] > self.spec.wait_s:
                         log.warning("job %s round %d: %s is lost; the round goes on without its devices",
                                     self.spec.name, r, m)
                         pending.discard(m)
-                elif m in lost_at:
-                    del lost_at[m]
+                elif m in lost_at or restarted:
+                    lost_at.pop(m, None)
+                    instances[m] = current
                     self.ctx.update("running", event=("mec_restarted", f"round {r}: {m} came back; it resumes the "
                                                                        "round from its checkpoint"))
                     if self._start_on(m, starts[m], flat):
