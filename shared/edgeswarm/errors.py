@@ -139,10 +139,6 @@ class NotAuthorizedError(BusError):
     """The broker refused to let this client publish or subscribe (its ACL), or to connect (credentials)."""
 
 
-class NetworkLoopDeadError(BusError):
-    """A broker connection's network thread is gone: nothing is received any more."""
-
-
 class UnknownNodeError(BusError):
     """A message was addressed to a node that has never advertised a status."""
 

@@ -11,22 +11,19 @@ import argparse
 from pathlib import Path
 
 from rich.markup import escape
-from rich.table import Table
 
-from edgeswarm.cli.console import console, err_console
+from edgeswarm.cli.console import err_console
 from edgeswarm.cli.profile import parse_batch_sizes
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import ConfigError, ProfileError
 from edgeswarm.extras import require_extra
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import DEFAULT_KIND
-from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec, parse_config
 from edgeswarm.workloads import KINDS, installed_workload, workload
-from edgeswarm.workloads.commands import CommandTools
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
@@ -56,11 +53,6 @@ def add_plan_parser(sub: argparse._SubParsersAction, *, kind_options: bool = Tru
     p.add_argument("--kind", default=DEFAULT_KIND, metavar="KIND",
                    help=f"the job kind to plan ({', '.join(KINDS)}; default {DEFAULT_KIND}: HPP training; "
                         "serve-pipeline: throughput-optimal pipelined inference)")
-    p.add_argument("--serve-micro-batch", type=int, default=1,
-                   help="serve-pipeline: samples per micro-batch (default 1)")
-    p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
-    p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
-                   help="serve-pipeline: search (auto: the best predicted of all)")
     p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
     if kind_options:
         add_kind_plan_arguments(p)
@@ -105,50 +97,6 @@ def run_plan(args: argparse.Namespace) -> int:
         path = save_profiles(Path(args.save_profiles), cluster)
         err_console.print(f"cluster profile written to {path}")
     return int(show(args, cluster, tools))
-
-
-def run_serve_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTools) -> int:
-    """Print the serve-pipeline plan for ``cluster`` with the ``--serve-*``, ``--max-stages`` and ``--exclude``
-    options (its kind's ``plan_cli``)."""
-    from pydantic import ValidationError
-
-    from edgeswarm.planning.serve.plan import plan_serving
-    from edgeswarm.planning.serve.types import ServeOptions
-
-    try:
-        options = ServeOptions(micro_batch_size=args.serve_micro_batch, max_stages=args.max_stages,
-                               method=args.serve_method,
-                               exclude=[x for x in args.exclude.split(",") if x.strip()])
-    except ValidationError as exc:
-        raise ConfigError(f"bad serve-pipeline options: {exc}") from exc
-    plan = plan_serving(cluster, options)
-    if args.json:
-        print(plan.model_dump_json(indent=2))
-    else:
-        names = [u.name for u in cluster.model.units]
-        tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
-                            f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, "
-                            f"method {plan.method}")
-        print_serve_plan(plan, names)
-    return 0
-
-
-def print_serve_plan(plan: ServePlan, names: list[str] | None = None) -> None:
-    """The serve-pipeline plan as a table (with the units' names when given), then its predicted throughput,
-    latency and bottleneck."""
-    table = Table(title=f"serve-pipeline plan, epoch {plan.epoch}")
-    for col in ("stage", "units", "layers", "device", "compute (s)", "transfer in (s)", "input (bytes)",
-                "memory used / budget"):
-        table.add_column(col)
-    for s in plan.stages:
-        layers = f"{names[s.start]} .. {names[s.end - 1]}" if names else "-"
-        table.add_row(str(s.index), f"[{s.start}, {s.end})", layers, s.device,
-                      f"{s.compute_s:.4f}", f"{s.transfer_in_s:.4f}", str(s.input_bytes),
-                      f"{s.memory_bytes / 2**20:.0f}/{s.memory_budget_bytes / 2**20:.0f} MiB")
-    console.print(table)
-    console.print(f"predicted throughput [bold]{plan.throughput_per_s:.1f} samples/s[/bold], latency "
-                  f"[bold]{plan.latency_s:.4f} s[/bold] per micro-batch, bottleneck {plan.bottleneck_s:.4f} s "
-                  f"({plan.bottleneck})")
 
 
 def load_profiles(path: Path, spec: ModelSpec) -> ClusterProfile:

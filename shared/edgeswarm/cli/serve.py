@@ -10,11 +10,9 @@ from rich.markup import escape
 
 from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.console import console, err_console
-from edgeswarm.cli.plan import print_serve_plan
-from edgeswarm.cli.train import job_bus, read_spec, submit_printing_events
+from edgeswarm.cli.train import job_bus, print_job, read_spec, submit_printing_events
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import FINISHED
-from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobRequestError, job_states
 
@@ -83,8 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
             where = f"{state.status}: {escape(state.detail)}" if state else "no state seen"
             err_console.print(f"job {name} is not serving ({where})")
             return 1
-        if isinstance(state.plan, ServePlan):
-            print_serve_plan(state.plan)
+        print_job(state)
         console.print(f"job {name} is serving: `edgeswarm infer {name}` asks it, `edgeswarm cancel {name}` stops it")
         return 0
     finally:

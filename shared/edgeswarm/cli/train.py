@@ -107,7 +107,7 @@ def run_jobs(args: argparse.Namespace) -> int:
                                         for s in states]))
         return 0
     if args.job_id is not None:
-        _print_job(states[0])
+        print_job(states[0])
         return 0
     if not states:
         console.print("no jobs")
@@ -132,7 +132,7 @@ def _plan_view_json(state: JobState) -> dict[str, object] | None:
     return view.model_dump(mode="json") if view is not None else None
 
 
-def _print_job(state: JobState) -> None:
+def print_job(state: JobState) -> None:
     """One job: its state in a line, then its plan group by group, each device with its share of the work."""
     progress, figures = _progress_cells(state)
     console.print(f"job {escape(state.job_id)} ({state.kind}, model {escape(state.model)}): {state.status}; "

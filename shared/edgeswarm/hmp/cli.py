@@ -208,13 +208,13 @@ def run_plan(args: argparse.Namespace, cluster: object, tools: CommandTools) -> 
     if args.compare:
         comparison = compare(hmp, options)
         if args.json:
-            print(comparison.model_dump_json(indent=2))
+            tools.console.out(comparison.model_dump_json(indent=2), highlight=False)
         else:
             print_comparison(comparison, hmp, tools)
         return 0
     plan = plan_hmp(hmp, options)
     if args.json:
-        print(plan.model_dump_json(indent=2))
+        tools.console.out(plan.model_dump_json(indent=2), highlight=False)
     else:
         print_plan(plan, hmp, tools)
     return 0

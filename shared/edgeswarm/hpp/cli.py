@@ -290,7 +290,7 @@ def run_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTo
     spec = cluster.model.model
     comparison = compare(cluster, args.global_batch, micro_batches=args.micro_batches, optimizer=args.optimizer)
     if args.json:
-        print(comparison.model_dump_json(indent=2))
+        tools.console.out(comparison.model_dump_json(indent=2), highlight=False)
     else:
         print_comparison(comparison, cluster, tools)
     if args.png:

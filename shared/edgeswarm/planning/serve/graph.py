@@ -8,7 +8,6 @@ element counts (numel, batch dimension excluded), parameter counts, bytes. Trans
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -235,7 +234,3 @@ def linearise(g: LayerGraph, mode: MemoryMode = "reference", transfer: TransferM
 def mib(x: float) -> float:
     """Bytes to MiB (the spec's MB = 2**20 bytes)."""
     return x / 2**20
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)
