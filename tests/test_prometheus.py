@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from edgeswarm import topics
+from edgeswarm.dashboard.observer import Observer
 from edgeswarm.dashboard.prometheus import PrometheusCollector
 from edgeswarm.devices.accelerator import AcceleratorSampler, parse_smi, read_jetson
 from edgeswarm.messages import ClusterView, JobState, MetricsReport, NodeView, ProfileReport, ServiceView
@@ -184,8 +185,9 @@ def test_exposition_of_what_real_publishers_send(make_bus) -> None:  # type: ign
     )
 
     hub = make_bus("hub", "dashboard", metrics_interval_s=5.0)
-    collector = PrometheusCollector(hub)
-    collector.start()
+    observer = Observer(hub.hub.url)  # the one store the dashboard's page and its /metrics both read
+    observer.subscribe(hub)
+    collector = PrometheusCollector(observer, stale_after_s=15.0)
     assert text_string_to_metric_families(collector.exposition().decode())  # empty state still exposes
 
     # A coordinator: its cluster view and a job's state (retained), and its metrics as its service publishes them.
@@ -283,12 +285,13 @@ def test_a_family_that_fails_to_build_is_left_out_not_the_exposition(monkeypatch
 
     from edgeswarm.dashboard import prometheus
 
-    collector = PrometheusCollector(SimpleNamespace(settings=SimpleNamespace(metrics_interval_s=1.0)))  # type: ignore[arg-type]
+    observer = Observer("mqtt://127.0.0.1:1883")
+    collector = PrometheusCollector(observer, stale_after_s=3.0)
     m = Metrics()
     m.count("bytes_out", 9)
     counters, gauges = m.snapshot()
     report = MetricsReport(node="n", service="s", instance="i", uptime_s=1.0, counters=counters, gauges=gauges)
-    collector._on_report(SimpleNamespace(body=report, topic=topics.metrics("n", "s")))  # type: ignore[arg-type]
+    observer.on_metrics(SimpleNamespace(body=report, topic=topics.metrics("n", "s")))  # type: ignore[arg-type]
 
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in one family")

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from edgeswarm import topics
 from edgeswarm.dashboard.auth import check_exposure, read_token
 from edgeswarm.dashboard.observer import Observer
-from edgeswarm.dashboard.prometheus import CONTENT_TYPE, PrometheusCollector
+from edgeswarm.dashboard.prometheus import CONTENT_TYPE, STALE_INTERVALS, PrometheusCollector
 from edgeswarm.dashboard.server import DashboardServer
 from edgeswarm.dashboard.snapshot import build_snapshot
 from edgeswarm.dashboard.trace_collector import TraceCollector
-from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
 from edgeswarm.runtime.service import Service
 from edgeswarm.settings import Settings
 
@@ -53,18 +52,9 @@ class DashboardService(Service):
     def setup(self) -> None:
         self.traces = TraceCollector(self.bus, self.metrics)
         self.traces.start(topics.request(self.node, self.name))
-        self.prometheus = PrometheusCollector(self.bus)
-        self.prometheus.start()
         self.observer = Observer(self.bus.hub.url)
-        o = self.observer
-        self.bus.subscribe(topics.CLUSTER_VIEW, o.on_view, schemas=(ClusterView,))
-        self.bus.subscribe(topics.CLUSTER_EVENTS, o.on_cluster_event, schemas=(ClusterEvent,))
-        self.bus.subscribe(topics.ALL_SERVICE_EVENTS, o.on_cluster_event, schemas=(ClusterEvent,))
-        self.bus.subscribe(topics.job_state("+"), o.on_job_state, schemas=(JobState,))
-        self.bus.subscribe(topics.job_events("+"), o.on_job_event, schemas=(JobEvent,))
-        self.bus.subscribe(topics.metrics("+", "+"), o.on_metrics, schemas=(MetricsReport,), qos=0)
-        self.bus.subscribe(topics.ALL_HEARTBEATS, o.on_heartbeat, schemas=(Heartbeat,), qos=0)
-        self.bus.subscribe(topics.ALL_PROFILE_REPORTS, o.on_profile, schemas=(ProfileReport,))
+        self.observer.subscribe(self.bus)
+        self.prometheus = PrometheusCollector(self.observer, STALE_INTERVALS * self.settings.metrics_interval_s)
         self._seq = 0
         self._built_at = 0.0
         self._drawn: dict[str, int] = {}  # the span batches of each job its drawn schedule was made from

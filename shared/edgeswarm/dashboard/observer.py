@@ -1,30 +1,37 @@
-"""What the dashboard hears on the bus, kept bounded, for the snapshot builder.
+"""What the dashboard hears on the bus, kept bounded: one store for the snapshot builder and the Prometheus collector.
 
-The bus's handler threads call the ``on_*`` methods with validated messages; ``observed()`` hands the builder a
-consistent copy. Everything is bounded: jobs (``MAX_JOBS``, the oldest finished ones dropped first), events per job
-and of the cluster (``MAX_EVENTS``), links (``MAX_LINKS``), nodes with gauges and clocks (the cluster view's size
+``subscribe`` puts the ``on_*`` methods on the bus's topics; the handler threads call them with validated messages.
+``observed()`` hands the snapshot builder a consistent copy, ``metrics_inputs()`` the Prometheus collector its
+(the fresh metrics reports, the view, the job states, the links). Everything is bounded: jobs (``MAX_JOBS``, the
+oldest finished ones dropped first), events per job and of the cluster (``MAX_EVENTS``), links (``MAX_LINKS``),
+metrics reports (``MAX_REPORTS``, the newest per node and service), nodes with clocks (the cluster view's size
 bound). ``changed`` is set on every update, for the server to push a fresh snapshot.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from edgeswarm import topics
-from edgeswarm.bus import Inbound
+from edgeswarm.bus import Bus, Inbound
 from edgeswarm.dashboard.model import MAX_EVENTS, TimedEvent
 from edgeswarm.dashboard.snapshot import Observed, job_series, merge_series
+from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ClusterEvent, ClusterView, Heartbeat, JobEvent, JobState, MetricsReport, ProfileReport
 from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.schedule import ScheduleView
 from edgeswarm.workloads import typed_state
 
+_limited = RateLimitedLog(logging.getLogger(__name__))
+
 MAX_JOBS = 64
 MAX_LINKS = 1024
 MAX_NODES = 256
+MAX_REPORTS = 1024  # (node, service) pairs
 MAX_GAUGES = 64  # per node
 _CLOCK_SAMPLES = 16  # a node's latest heartbeat delays: the smallest is its clock offset (the network only adds)
 
@@ -41,10 +48,22 @@ class Observer:
         self._series: dict[str, list] = {}  # type: ignore[type-arg]
         self._cluster_events: deque[TimedEvent] = deque(maxlen=MAX_EVENTS)
         self._links: dict[str, LinkProfile] = {}
-        self._gauges: dict[str, dict[str, float]] = {}
+        self._reports: OrderedDict[tuple[str, str], tuple[float, MetricsReport]] = OrderedDict()
         self._delays: dict[str, deque[float]] = {}
         self._schedules: dict[str, ScheduleView] = {}
         self.changed = threading.Event()
+
+    def subscribe(self, bus: Bus) -> None:
+        """Hear the cluster: its view and events, the jobs' states and events, every service's metrics reports and
+        heartbeats, and the profilers' reports (their links)."""
+        bus.subscribe(topics.CLUSTER_VIEW, self.on_view, schemas=(ClusterView,))
+        bus.subscribe(topics.CLUSTER_EVENTS, self.on_cluster_event, schemas=(ClusterEvent,))
+        bus.subscribe(topics.ALL_SERVICE_EVENTS, self.on_cluster_event, schemas=(ClusterEvent,))
+        bus.subscribe(topics.job_state("+"), self.on_job_state, schemas=(JobState,))
+        bus.subscribe(topics.job_events("+"), self.on_job_event, schemas=(JobEvent,))
+        bus.subscribe(topics.metrics("+", "+"), self.on_metrics, schemas=(MetricsReport,), qos=0)
+        bus.subscribe(topics.ALL_HEARTBEATS, self.on_heartbeat, schemas=(Heartbeat,), qos=0)
+        bus.subscribe(topics.ALL_PROFILE_REPORTS, self.on_profile, schemas=(ProfileReport,))
 
     # --- bus handlers (any thread) ------------------------------------------------------------------------
 
@@ -64,6 +83,8 @@ class Observer:
 
     def on_job_state(self, msg: Inbound) -> None:
         assert isinstance(msg.body, JobState)
+        if topics.job_of(msg.topic) != msg.body.job_id:
+            return  # a state filed under another job's topic speaks for nobody
         state = typed_state(msg.body)
         fresh = job_series(state)
         with self._lock:
@@ -95,13 +116,17 @@ class Observer:
     def on_metrics(self, msg: Inbound) -> None:
         report = msg.body
         assert isinstance(report, MetricsReport)
-        gauges = dict(list(report.gauges.items())[:MAX_GAUGES])
+        parts = msg.topic.split("/")
+        if len(parts) != 5 or (parts[2], parts[3]) != (report.node, report.service):
+            _limited.warning("report-topic", "dropped a metrics report of %s/%s on %s: not its own topic",
+                             report.node, report.service, msg.topic[:256])
+            return
         with self._lock:
-            if report.node not in self._gauges and len(self._gauges) >= MAX_NODES:
-                return
-            self._gauges.setdefault(report.node, {}).update(gauges)
-            if len(self._gauges[report.node]) > MAX_GAUGES:
-                self._gauges[report.node] = dict(list(self._gauges[report.node].items())[-MAX_GAUGES:])
+            key = (report.node, report.service)
+            self._reports[key] = (time.monotonic(), report)
+            self._reports.move_to_end(key)
+            while len(self._reports) > MAX_REPORTS:
+                self._reports.popitem(last=False)
         self.changed.set()
 
     def on_heartbeat(self, msg: Inbound, now: float | None = None) -> None:
@@ -142,6 +167,16 @@ class Observer:
         with self._lock:
             return list(self._jobs.values())
 
+    def metrics_inputs(self, stale_after_s: float
+                       ) -> tuple[list[MetricsReport], ClusterView | None, list[JobState], list[LinkProfile]]:
+        """What the Prometheus collector builds its families from: the metrics reports heard within
+        ``stale_after_s`` seconds (older ones are of services that stopped), the cluster view, the job states and
+        the links."""
+        now = time.monotonic()
+        with self._lock:
+            return ([r for at, r in self._reports.values() if now - at <= stale_after_s], self._view,
+                    list(self._jobs.values()), list(self._links.values()))
+
     def observed(self) -> Observed:
         """A copy of everything, for ``build_snapshot``. A node's clock offset is its smallest recent delay
         negated (a heartbeat cannot arrive before it was sent: a negative delay is its clock running ahead)."""
@@ -150,9 +185,21 @@ class Observer:
                 hub_url=self._hub_url, view=self._view, jobs=dict(self._jobs),
                 job_events={k: list(v) for k, v in self._job_events.items()},
                 series={k: list(v) for k, v in self._series.items()}, cluster_events=list(self._cluster_events),
-                links=dict(self._links), gauges={k: dict(v) for k, v in self._gauges.items()},
+                links=dict(self._links), gauges=self._gauges(),
                 clock_offsets={node: -min(d) for node, d in self._delays.items() if d},
                 schedules=dict(self._schedules))
+
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        # Called with the lock held: each node's gauges, the newest report's value of each, at most MAX_GAUGES.
+        out: dict[str, dict[str, float]] = {}
+        for _, report in self._reports.values():
+            if report.node not in out and len(out) >= MAX_NODES:
+                continue
+            gauges = out.setdefault(report.node, {})
+            for name, value in report.gauges.items():
+                if name in gauges or len(gauges) < MAX_GAUGES:
+                    gauges[name] = value
+        return out
 
     def _evict(self) -> None:
         # Called with the lock held: the oldest finished jobs go first, then the oldest of all.

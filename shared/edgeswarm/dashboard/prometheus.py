@@ -1,26 +1,22 @@
 """Prometheus metrics for the whole cluster, exposed on the hub.
 
-The collector listens to what the services already publish: every service's MetricsReport (its bus's counters,
-what its programs measured: ``observability.record``), the coordinator's retained cluster view, the jobs' retained
-states and the profilers' retained reports (their measured links). It keeps the newest of each (per node and
-service; per job; per link), forgets metrics reports that stopped coming (3 report intervals), and turns them into
-the families ``observability.catalogue`` lists, on its own CollectorRegistry. Instance ids are never labels: a
-restarted service continues its series (Prometheus sees its counters reset).
+The collector reads what the dashboard's Observer keeps of what the services already publish: every service's
+MetricsReport (its bus's counters, what its programs measured: ``observability.record``), the coordinator's retained
+cluster view, the jobs' retained states and the profilers' retained reports (their measured links), the newest of
+each (per node and service; per job; per link). It leaves out metrics reports that stopped coming (3 report
+intervals) and turns the rest into the families ``observability.catalogue`` lists, on its own CollectorRegistry.
+Instance ids are never labels: a restarted service continues its series (Prometheus sees its counters reset).
 
 Everything it reads was validated by the bus's schemas; what the schemas cannot say (a counter below zero, a gauge
-that is not finite, a report whose node is not its topic's) is dropped, and a family that fails to build is left
-out of the exposition rather than failing it.
+that is not finite; a report whose node is not its topic's, which the Observer drops) is left out, and a family that
+fails to build is left out of the exposition rather than failing it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -34,12 +30,13 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from edgeswarm import topics
-from edgeswarm.bus import Bus, Inbound
+from edgeswarm.dashboard.observer import Observer
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages import ClusterView, JobState, MetricsReport, ProfileReport
+from edgeswarm.messages import ClusterView, JobState, MetricsReport
 from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.observability.catalogue import CATALOGUE, MetricDef, Source
-from edgeswarm.workloads import installed_workload, typed_state
+from edgeswarm.values.profiles import LinkProfile
+from edgeswarm.workloads import installed_workload
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -53,12 +50,6 @@ MAX_JOBS = 512
 MAX_LINKS = 4096
 
 LabelValues = tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Link:
-    rtt_s: float
-    bandwidth_bps: float
 
 
 class _Families(Collector):
@@ -81,86 +72,29 @@ class _Families(Collector):
 
 
 class PrometheusCollector:
-    """The cluster's metrics as Prometheus families, from what the services publish on the hub."""
+    """The cluster's metrics as Prometheus families, from what the dashboard's Observer heard (``observer``): the
+    metrics reports of the last ``stale_after_s`` seconds, the cluster view, the job states and the links."""
 
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.stale_after_s = STALE_INTERVALS * bus.settings.metrics_interval_s
-        self._lock = threading.Lock()
-        self._reports: OrderedDict[tuple[str, str], tuple[float, MetricsReport]] = OrderedDict()
-        self._view: ClusterView | None = None
-        self._jobs: OrderedDict[str, JobState] = OrderedDict()
-        self._links: OrderedDict[tuple[str, str], _Link] = OrderedDict()
+    def __init__(self, observer: Observer, stale_after_s: float) -> None:
+        self.observer = observer
+        self.stale_after_s = stale_after_s
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Families(self))
-
-    def start(self) -> None:
-        """Subscribe to what the metrics are made of."""
-        self.bus.subscribe(ALL_METRICS, self._on_report, schemas=(MetricsReport,), qos=0)
-        self.bus.subscribe(topics.CLUSTER_VIEW, self._on_view, schemas=(ClusterView,))
-        self.bus.subscribe(topics.ALL_JOB_STATES, self._on_job, schemas=(JobState,))
-        self.bus.subscribe(topics.ALL_PROFILE_REPORTS, self._on_profile, schemas=(ProfileReport,))
 
     def exposition(self) -> bytes:
         """Every metric in the Prometheus text exposition format (``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
 
-    def snapshot(self) -> tuple[list[MetricsReport], ClusterView | None, list[JobState], dict[tuple[str, str], _Link]]:
-        """The fresh metrics reports (stale ones forgotten), the cluster view, the job states and the links."""
-        now = time.monotonic()
-        with self._lock:
-            for key in [k for k, (at, _) in self._reports.items() if now - at > self.stale_after_s]:
-                del self._reports[key]
-            return ([r for _, r in self._reports.values()], self._view, list(self._jobs.values()),
-                    dict(self._links))
-
-    # --- handlers (bus threads) ---------------------------------------------------------------------
-
-    def _on_report(self, msg: Inbound) -> None:
-        report = msg.body
-        assert isinstance(report, MetricsReport)
-        parts = msg.topic.split("/")
-        if len(parts) != 5 or (parts[2], parts[3]) != (report.node, report.service):
-            _limited.warning("report-topic", "dropped a metrics report of %s/%s on %s: not its own topic",
-                             report.node, report.service, msg.topic)
-            return
-        _put(self._lock, self._reports, (report.node, report.service), (time.monotonic(), report), MAX_REPORTS)
-
-    def _on_view(self, msg: Inbound) -> None:
-        assert isinstance(msg.body, ClusterView)
-        with self._lock:
-            self._view = msg.body
-
-    def _on_job(self, msg: Inbound) -> None:
-        assert isinstance(msg.body, JobState)
-        if topics.job_of(msg.topic) != msg.body.job_id:
-            return
-        state = typed_state(msg.body)
-        _put(self._lock, self._jobs, state.job_id, state, MAX_JOBS)
-
-    def _on_profile(self, msg: Inbound) -> None:
-        report = msg.body
-        assert isinstance(report, ProfileReport)
-        if topics.owner_of(msg.topic) != report.node:
-            return
-        for link in report.own_links():
-            _put(self._lock, self._links, (link.src, link.dst), _Link(link.latency_s, link.bandwidth_bps), MAX_LINKS)
-
-
-def _put(lock: threading.Lock, table: OrderedDict, key: object, value: object, cap: int) -> None:  # type: ignore[type-arg]
-    """``table[key] = value`` as the newest entry, the oldest dropped beyond ``cap``."""
-    with lock:
-        table[key] = value
-        table.move_to_end(key)
-        while len(table) > cap:
-            table.popitem(last=False)
+    def snapshot(self) -> tuple[list[MetricsReport], ClusterView | None, list[JobState], list[LinkProfile]]:
+        """The fresh metrics reports (stale ones left out), the cluster view, the job states and the links."""
+        return self.observer.metrics_inputs(self.stale_after_s)
 
 
 # --- building the families ------------------------------------------------------------------------------
 
 
 def _family(metric: MetricDef, reports: list[MetricsReport], view: ClusterView | None, jobs: list[JobState],
-            links: dict[tuple[str, str], _Link]) -> Metric | None:
+            links: list[LinkProfile]) -> Metric | None:
     kind = metric.sources[0].kind
     if kind in ("counter", "gauge", "histogram", "uptime"):
         return _from_reports(metric, reports)
@@ -275,10 +209,10 @@ def _from_jobs(metric: MetricDef, jobs: list[JobState]) -> Metric:
     return gauge
 
 
-def _from_links(metric: MetricDef, links: dict[tuple[str, str], _Link]) -> Metric:
+def _from_links(metric: MetricDef, links: list[LinkProfile]) -> Metric:
     gauge = GaugeMetricFamily(metric.name, metric.help, labels=["node", "peer"])
-    for (src, dst), link in sorted(links.items()):
-        value = link.rtt_s if metric.name == "edgeswarm_link_rtt_seconds" else link.bandwidth_bps
+    for link in sorted(links, key=lambda link: (link.src, link.dst)):
+        value = link.latency_s if metric.name == "edgeswarm_link_rtt_seconds" else link.bandwidth_bps
         if math.isfinite(value):
-            gauge.add_metric([src, dst], value)
+            gauge.add_metric([link.src, link.dst], value)
     return gauge
