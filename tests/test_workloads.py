@@ -3,6 +3,7 @@ is the common fields plus its kind's progress."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from edgeswarm.messages.jobs import JobState, OpaqueValue
 from edgeswarm.models.zoo import build_model
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.splitfed.spec import SplitfedSpec
+from edgeswarm.splitfed.workload import SplitfedWorkload
 from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, typed_state, workload
 from edgeswarm.workloads.base import Workload
+from edgeswarm.workloads.commands import Bench, CommandTools
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -100,3 +103,43 @@ def test_a_plugin_kind_that_cannot_be_made_is_named_with_its_entry_point(monkeyp
     state = JobState(job_id="h", kind="half-written", status="running", model="m", submitted_at=1.0, updated_at=2.0,
                      progress={"anything": 1})
     assert _progress_cells(state) == ("(job kind half-written is not installed here)", "-")
+
+
+class NotABench:
+    """Named as a benchmark by a plug-in by mistake."""
+
+
+class TakenName(Bench):
+    name = "splitfed"  # the built-in split learning kind's
+    help = "a plug-in's benchmark under a name already taken"
+
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
+        return 0
+
+
+class OwnBench(TakenName):
+    name = "clash-own"
+
+
+class ClashingBenches(SplitfedWorkload):
+    kind = "bench-clash"
+    benches = ("test_workloads:NotABench", "test_workloads:TakenName", "test_workloads:OwnBench",
+               "test_workloads:NoSuchBench")
+
+
+def test_a_kinds_benchmarks_that_cannot_be_offered_are_each_named_and_the_rest_are(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import edgeswarm.workloads as registry
+    from edgeswarm.workloads import kind_commands
+
+    clash = {"bench-clash": "test_workloads:ClashingBenches"}
+    monkeypatch.setattr(registry, "kinds", lambda: {**registry.BUILTIN, **clash})
+    benches, problems = kind_commands("benches", taken={"transport"})
+    names = [b.name for b in benches]
+    assert {"training", "serving", "hmp", "splitfed", "clash-own"} <= set(names) and names.count("splitfed") == 1
+    text = "\n".join(problems)
+    assert "'test_workloads:NotABench', is not a Bench subclass" in text
+    assert "names a benchmark 'splitfed', a name already taken" in text
+    assert "'test_workloads:NoSuchBench', which cannot be loaded" in text
+    commands, problems = kind_commands("commands")
+    assert [c.name for c in commands] == ["export"] and not problems
