@@ -1,6 +1,7 @@
-"""The job kinds' own commands on the command line: their verbs (``edgeswarm NAME``) and benchmarks (``edgeswarm
-bench NAME``), found through the workload registry (``Workload.commands``, ``Workload.benches``), a plug-in's
-included, and run with what the command line lends them (``workloads.commands.CommandTools``)."""
+"""The job kinds' own parts of the command line: their verbs (``edgeswarm NAME``), benchmarks (``edgeswarm bench
+NAME``) and options of ``plan`` and ``train``, found through the workload registry (``Workload.commands``,
+``benches``, ``plan_arguments``, ``train_arguments``), a plug-in's included, and run with what the command line lends
+them (``workloads.commands.CommandTools``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Literal
 
 from rich.markup import escape
 
-from edgeswarm.bench.clusters import running_cluster
 from edgeswarm.bus import Bus
 from edgeswarm.cli.common import add_hub_arg, cli_settings
 from edgeswarm.cli.console import console, err_console
+from edgeswarm.errors import ConfigError
+from edgeswarm.plugins import load_target
 from edgeswarm.runtime.client import client_bus
-from edgeswarm.workloads import kind_commands
+from edgeswarm.workloads import KINDS, installed_workload, kind_commands
 from edgeswarm.workloads.commands import Command, CommandTools
 
 
@@ -32,9 +34,25 @@ def add_kind_commands(sub: argparse._SubParsersAction, which: Literal["commands"
         parser.set_defaults(kind_command=command)
 
 
+def add_kind_arguments(parser: argparse.ArgumentParser, hook: Literal["plan_arguments", "train_arguments"]) -> None:
+    """Each installed kind's options for a command (its ``plan_arguments`` or ``train_arguments``) on ``parser``; a
+    warning line for a plug-in's that cannot be added (one that does not load, an option another kind has)."""
+    for kind in KINDS:
+        work = installed_workload(kind)
+        target = getattr(work, hook, "") if work is not None else ""
+        if not target:
+            continue
+        try:
+            load_target(target, f"the {hook.split('_')[0]} options of job kind {kind!r}")(parser)
+        except (ConfigError, argparse.ArgumentError) as exc:
+            err_console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}", soft_wrap=True)
+
+
 def command_tools(args: argparse.Namespace) -> CommandTools:
     """What the command line lends a kind's command run with ``args``: its consoles, a bus to the hub ``args.hub``
     (or $EDGESWARM_HUB_URL) names, and local clusters."""
+
+    from edgeswarm.bench.clusters import running_cluster  # the launchers: only for a command that runs
 
     def hub_bus(role: str) -> Bus:
         return client_bus(cli_settings(getattr(args, "hub", None)), role=role)

@@ -114,7 +114,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_security_parsers(sub)
     add_profile_parser(sub)
     add_plan_parser(sub, kind_options=argv[:1] == ["plan"])
-    add_train_parser(sub)
+    add_train_parser(sub, kind_options=argv[:1] == ["train"])
     add_serve_parsers(sub)
     add_chaos_parser(sub)
     add_health_parser(sub)

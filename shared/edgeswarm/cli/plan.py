@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.markup import escape
-
 from edgeswarm.cli.console import err_console
 from edgeswarm.cli.profile import parse_batch_sizes
 from edgeswarm.devices.cluster import load_cluster
@@ -23,7 +21,7 @@ from edgeswarm.plugins import load_target
 from edgeswarm.profiling.cache import write_json_atomic
 from edgeswarm.profiling.gather import profile_at_hub
 from edgeswarm.values.profiles import ClusterProfile, ModelSpec, parse_config
-from edgeswarm.workloads import KINDS, installed_workload, workload
+from edgeswarm.workloads import KINDS, workload
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128"
 
@@ -55,19 +53,9 @@ def add_plan_parser(sub: argparse._SubParsersAction, *, kind_options: bool = Tru
                         "serve-pipeline: throughput-optimal pipelined inference)")
     p.add_argument("--exclude", default="", help="serve-pipeline, serve-hmp: comma-separated devices not to use")
     if kind_options:
-        add_kind_plan_arguments(p)
+        from edgeswarm.cli.kind_commands import add_kind_arguments
 
-
-def add_kind_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """Each installed kind's ``plan_arguments`` on ``p``; a warning line for a plug-in's that cannot be added."""
-    for kind in KINDS:
-        work = installed_workload(kind)
-        if work is None or not work.plan_arguments:
-            continue
-        try:
-            load_target(work.plan_arguments, f"the plan options of job kind {kind!r}")(p)
-        except (ConfigError, argparse.ArgumentError) as exc:
-            err_console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}", soft_wrap=True)
+        add_kind_arguments(p, "plan_arguments")
 
 
 def run_plan(args: argparse.Namespace) -> int:

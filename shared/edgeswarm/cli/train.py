@@ -32,23 +32,19 @@ from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, subm
 from edgeswarm.workloads.views import PlanView
 
 
-def add_train_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``edgeswarm train``, ``edgeswarm jobs`` and ``edgeswarm cancel``."""
+def add_train_parser(sub: argparse._SubParsersAction, *, kind_options: bool = True) -> None:  # type: ignore[type-arg]
+    """Register ``edgeswarm train``, ``edgeswarm jobs`` and ``edgeswarm cancel``; with ``kind_options``, every
+    installed kind's own ``train`` options too (its ``train_arguments``: finding them imports every kind)."""
     p = sub.add_parser("train", help="submit a training job (YAML or JSON spec) to the cluster's coordinator")
     p.add_argument("job", help="the job spec file")
     add_hub_arg(p)
     p.add_argument("--wait", action="store_true", help="follow the job to its end with a progress bar")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits for the job (and each compare)")
     p.add_argument("--json", default=None, metavar="FILE", help="with --wait: write the final state and rounds to FILE")
-    p.add_argument("--loss-png", default=None, metavar="FILE", help="with --wait: write the loss curve to FILE")
-    p.add_argument("--timeline-png", default=None, metavar="FILE",
-                   help="with --wait: write the plan and its schedule timeline to FILE")
-    p.add_argument("--compare", default="", metavar="STRATEGIES",
-                   help="with --wait: then run the job under these strategies too (comma-separated: dp,pp,single) "
-                        "and print predicted against measured for each")
-    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of each --compare run")
-    p.add_argument("--recovery", choices=("light", "heavy", "none"), default=None,
-                   help="override the spec's recovery: how a lost device is replaced (none: the job fails)")
+    if kind_options:
+        from edgeswarm.cli.kind_commands import add_kind_arguments
+
+        add_kind_arguments(p, "train_arguments")
 
     jobs = sub.add_parser("jobs", help="every job the coordinator knows, with its state; or one job and its plan")
     jobs.add_argument("job_id", nargs="?", default=None, help="show this job only, with its plan device by device")

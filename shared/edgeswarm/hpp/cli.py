@@ -81,6 +81,20 @@ class ExportCommand(Command):
         return 0
 
 
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """HPP's options of ``edgeswarm train`` (the kind's ``train_arguments``; ``--wait``, ``--timeout`` and ``--json``
+    are every kind's)."""
+    p.add_argument("--loss-png", default=None, metavar="FILE", help="with --wait: write the loss curve to FILE")
+    p.add_argument("--timeline-png", default=None, metavar="FILE",
+                   help="with --wait: write the plan and its schedule timeline to FILE")
+    p.add_argument("--compare", default="", metavar="STRATEGIES",
+                   help="with --wait: then run the job under these strategies too (comma-separated: dp,pp,single) "
+                        "and print predicted against measured for each")
+    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of each --compare run")
+    p.add_argument("--recovery", choices=("light", "heavy", "none"), default=None,
+                   help="override the spec's recovery: how a lost device is replaced (none: the job fails)")
+
+
 def run_train(args: argparse.Namespace, job: BaseModel, text: str, tools: CommandTools) -> int:
     """``edgeswarm train`` for an HPP job (the kind's ``train_cli``): its initial weights uploaded first, then with
     ``--wait`` followed with a progress bar to its end (the loss curve, the plan's timeline beside a measured round,

@@ -112,6 +112,7 @@ class TrainWorkload(Workload):
     plan_type = Plan
     plan_cli = "edgeswarm.hpp.cli:run_plan"
     train_cli = "edgeswarm.hpp.cli:run_train"
+    train_arguments = "edgeswarm.hpp.cli:add_train_arguments"
     planner = "edgeswarm.hpp.planner:PLANNER"
     commands = ("edgeswarm.hpp.cli:ExportCommand",)
     benches = ("edgeswarm.hpp.bench:TrainingBench", "edgeswarm.hpp.bench:RecoveryBench",

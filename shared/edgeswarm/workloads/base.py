@@ -85,8 +85,9 @@ class Workload(ABC):
     # "module:function(parser)": the options its plan_cli reads, added to `edgeswarm plan`'s (empty: none of its own).
     plan_arguments: ClassVar[str] = ""
     # "module:function(args, spec, text, tools) -> exit code": how `edgeswarm train` runs a job of this kind (empty:
-    # submitted and, with --wait, followed to its end the common way).
+    # submitted and, with --wait, followed to its end the common way), and "module:function(parser)", its options.
     train_cli: ClassVar[str] = ""
+    train_arguments: ClassVar[str] = ""
     # "module:function(args, bus, state, tools) -> exit code": how `edgeswarm infer` asks a running job of a serving
     # kind (``tools``: a ``workloads.commands.CommandTools``; empty: the kind takes no requests from the command line).
     infer_cli: ClassVar[str] = ""
