@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -29,11 +28,8 @@ from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.runtime.detection import Detection
-from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
-
-if TYPE_CHECKING:
-    from edgeswarm.workloads.commands import StartCluster
+from edgeswarm.workloads.commands import StartCluster, pipeline_cluster
 
 DEFAULT_MODEL = ModelSpec(name="efficientnet-b1", config={"image_size": 32, "num_classes": 10})  # AC-20's model
 KILL_FRACTION = 0.4  # how far into the round the device dies, as a fraction of the fastest round before
@@ -148,9 +144,7 @@ def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, mode
             job = recovery_job(env, victim, mode, model, global_batch=global_batch, micro_batches=micro_batches,
                                rounds=rounds)
             log(f"env {env}: {mode} recovery from losing {victim} during round {kill_round}")
-            with cluster(load_cluster(f"asteroid-env-{env}-100mbps"),
-                         extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
-                         skip_services=(TENSOR_SHARD_WORKER,)) as (running, bus):
+            with pipeline_cluster(cluster, spec, profile_dir) as (running, bus):
                 watch = _Watch(lambda v=victim, c=running: c.power_cut(v), kill_round)
                 try:
                     run_job(bus, job, store_node=None, observer=watch)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -30,11 +29,8 @@ from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.schedule import plan_timeline
 from edgeswarm.planning.hpp.types import Plan, Strategy
-from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
-
-if TYPE_CHECKING:
-    from edgeswarm.workloads.commands import StartCluster
+from edgeswarm.workloads.commands import StartCluster, pipeline_cluster
 
 STRATEGIES: tuple[Strategy, ...] = ("hpp", "dp", "pp", "single")
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
@@ -127,9 +123,8 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
     Mbps), one cluster per environment (started with ``cluster``); profiles are cached in ``profile_dir``."""
     rows: list[StrategyRun] = []
     for env in envs:
-        # Pipelines only: no tensor-shard-worker competes for the host's cores.
-        with cluster(load_cluster(f"asteroid-env-{env}-100mbps"), extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
-                     skip_services=(TENSOR_SHARD_WORKER,), netns=netns) as (_running, bus):
+        with pipeline_cluster(cluster, load_cluster(f"asteroid-env-{env}-100mbps"), profile_dir,
+                              netns=netns) as (_running, bus):
             for strategy in strategies:
                 job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
                                 rounds=rounds)

@@ -222,7 +222,7 @@ def _become(request: SpawnRequest, server: int, stdin: int, stdout: int, out: in
     # As ``python -m edgeswarm`` sets it.
     sys.argv = [str(Path(edgeswarm.__file__).parent / "__main__.py"), *args]
     try:
-        status = _exit_status(service_process(request.service))
+        status = service_process(request.service)
     except SystemExit as exc:
         status = _exit_status(exc.code)
     except BaseException:  # noqa: BLE001 - what the interpreter would do with it: print it, exit 1

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -25,12 +24,9 @@ from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.planning.serve.types import ServePlan
-from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-
-if TYPE_CHECKING:
-    from edgeswarm.workloads.commands import StartCluster
+from edgeswarm.workloads.commands import StartCluster, pipeline_cluster
 
 DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_classes": 10})
 VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "greedy"}, "single": {"max_stages": 1}}
@@ -111,9 +107,8 @@ def run_serving_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, micr
     one cluster per environment started with ``cluster``; profiles are cached in ``profile_dir``."""
     rows: list[ServeRun] = []
     for env in envs:
-        # Pipelines only: no tensor-shard-worker competes for the host's cores.
-        with cluster(load_cluster(f"asteroid-env-{env}-100mbps"), extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)},
-                     skip_services=(TENSOR_SHARD_WORKER,), netns=netns) as (_running, bus):
+        with pipeline_cluster(cluster, load_cluster(f"asteroid-env-{env}-100mbps"), profile_dir,
+                              netns=netns) as (_running, bus):
             for variant in variants:
                 log(f"env {env}: serving {model.name} ({variant})")
                 try:

@@ -51,6 +51,17 @@ class StartCluster(Protocol):
         ...
 
 
+def pipeline_cluster(cluster: StartCluster, spec: ClusterSpec, profile_dir: Path, *, netns: bool = False
+                     ) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
+    """``spec`` started with ``cluster`` for pipelines only (no tensor-shard-worker competes for the host's cores),
+    its devices sharing the profile cache ``profile_dir``: what the training, recovery and serving benchmarks run
+    on."""
+    from edgeswarm.service_registry import TENSOR_SHARD_WORKER
+
+    return cluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}, skip_services=(TENSOR_SHARD_WORKER,),
+                   netns=netns)
+
+
 @dataclass(frozen=True)
 class CommandTools:
     """What the command line lends a kind's command: where its tables go, where its progress lines go, a client bus
