@@ -116,8 +116,7 @@ class Observer:
     def on_metrics(self, msg: Inbound) -> None:
         report = msg.body
         assert isinstance(report, MetricsReport)
-        parts = msg.topic.split("/")
-        if len(parts) != 5 or (parts[2], parts[3]) != (report.node, report.service):
+        if msg.topic != topics.metrics(report.node, report.service):
             _limited.warning("report-topic", "dropped a metrics report of %s/%s on %s: not its own topic",
                              report.node, report.service, msg.topic[:256])
             return
