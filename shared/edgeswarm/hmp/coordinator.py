@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
-from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
-from edgeswarm.coordination.serving import refuse_request, release
 from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.hmp.gather import hmp_cluster, profile_shards
 from edgeswarm.hmp.spec import HmpSpec
@@ -49,14 +47,13 @@ from edgeswarm.messages.serving import InferErrorReason
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
 from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
-from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
-from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
+from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
-PUBLISH_EVERY_S = 1.0
 RECENT = 1024  # requests the latency percentiles are measured over
 RETRIES = 1  # a request whose pass failed with no device lost is run again this many times
 REPLAN_WAIT_S = 300.0  # how long a request waits for the job to re-plan after a device of its pass was lost
@@ -77,12 +73,9 @@ class PassFailed(EdgeswarmError):
 
 
 @dataclass
-class _Request:
-    msg: Inbound
-    request_id: str
+class _Request(QueuedRequest):
     prompt: list[int]
     new_tokens: int
-    arrived: float
 
 
 @dataclass
@@ -96,10 +89,8 @@ class _Pass:
 @dataclass
 class _Stats:
     answered: int = 0
-    errors: int = 0
     recomputed: int = 0
     tokens: int = 0
-    reconfigurations: int = 0
     decode_s: float = 0.0  # seconds of decode passes
     decoded: int = 0  # tokens the decode passes generated
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -119,57 +110,42 @@ def describe_plan(plan: HmpPlan) -> str:
     return line + (f"; left out: {', '.join(plan.left_out)}" if plan.left_out else "")
 
 
-class HmpRunner(CoordinatorProgram[HmpPlan]):
-    """One serve-hmp job on the coordinator (see the module's docstring); ``run`` returns only by raising."""
+class HmpRunner(ServingProgram[HmpPlan, _Request]):
+    """One serve-hmp job on the coordinator (see the module's docstring), on the serving skeleton."""
 
     ready = ShardReady
+    release = ShardRelease
     part = "shard"
     plan_noun = "tensor-parallel plan"
     too_large_advice = "In the job file: exclude devices (planner.exclude)"
 
     def __init__(self, ctx: JobContext, spec: HmpSpec, *, worker_service: str = TENSOR_SHARD_WORKER,
                  planner_node: str = PLANNER_NODE, busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
-        super().__init__(ctx.bus, name=spec.name, worker_service=worker_service, cancel=ctx.cancel,
-                         timeout_s=ctx.timeout_s, exclude=spec.planner.exclude, planner_node=planner_node,
+        super().__init__(ctx, spec, worker_service=worker_service, planner_node=planner_node,
                          busy_pause_s=busy_pause_s)
-        self.ctx = ctx
-        self.spec = spec
+        self.spec: HmpSpec = spec
         self.config: TextModelConfig = source_config(spec.model)
         self.tokenizer: Any = None
         self.stop_tokens: frozenset[int] = frozenset()  # generation ends at these (the tokenizer's end of sequence)
         self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)
-        self._changed = threading.Condition()
-        self._queue: deque[_Request] = deque()
-        self._callers = QueueShares(spec.queue)  # one caller node holds at most half the queue
-        self._plan: HmpPlan | None = None  # None while (re)deploying: the dispatcher waits
-        self._epoch = 0
-        self._accepting = False
-        self._stopped = False
         self._next_pass = 0
         self._next_request = 0
         self._pass: _Pass | None = None
         self._stats = _Stats()
-        self._dispatcher: threading.Thread | None = None
 
-    # --- the job: the skeleton's hooks ----------------------------------------------------------------
+    # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
-    def run(self) -> None:
-        self.ctx.on_data(self.on_data)
-        super().run()
-
-    def profile(self, nodes: list[str]) -> ClusterProfile:
+    def measure(self, nodes: list[str]) -> ClusterProfile:
         self.ctx.update("profiling", event=("profiling", f"measuring {self.spec.model.name}'s blocks at "
                                                          f"{self.spec.seq_len} tokens on {', '.join(nodes)}"))
         cluster, self.device_profiles = profile_shards(self.bus, self.spec, nodes, self.worker_service,
                                                        timeout_s=self.ctx.timeout_s)
-        # Plan on the room beside the jobs the devices already hold (the node's memory ledger, in their status).
-        return unreserved(cluster, self.watcher.view()[0]) if self.watcher is not None else cluster
+        return cluster
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
-        if epoch == 0:
-            self.ctx.update("planning")
         spec = self.spec
-        # The excluded devices are out of the cluster already (the skeleton's ``nodes``).
+        # The excluded devices are out of the cluster already (the skeleton's ``nodes``), the lost ones too: their
+        # profiles are left out with them.
         options = HmpOptions(mode=spec.mode, overlap=spec.overlap,
                              shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens,
                              direct_syncs=spec.decode_syncs == "direct")
@@ -180,8 +156,12 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         assert isinstance(reply, HmpPlanReply)
         return reply.plan
 
-    def on_planned(self, plan: HmpPlan) -> None:
-        self.ctx.update("deploying", plan=plan, **self._predictions(plan), event=("planned", describe_plan(plan)))
+    def describe(self, plan: HmpPlan) -> str:
+        return describe_plan(plan)
+
+    def plan_fields(self, plan: HmpPlan) -> dict[str, Any]:
+        return {"predicted_latency_s": plan.model.total_s,
+                "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None}
 
     def assignments(self, plan: HmpPlan) -> dict[str, Message]:
         spec = self.spec
@@ -195,77 +175,14 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             self.tokenizer = _tokenizer(self.spec.model.path)
             if self.tokenizer is not None:
                 self.stop_tokens = frozenset(self.tokenizer.special.eos)
-        with self._changed:
-            self._plan, self._epoch, self._accepting = plan, plan.epoch, True
-            self._changed.notify_all()
-        self.ctx.update("running", event=("serving", f"serving on {topics.data(self.ctx.node, 'coordinator')}/"
-                                                     f"{{sender}}: {plan.shares.mode} over "
-                                                     f"{', '.join(plan.shares.devices)}"))
-        self._dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{self.spec.name}", daemon=True)
-        self._dispatcher.start()
+        super().on_ready(plan)
 
-    def step(self) -> None:
-        """Publish the progress every PUBLISH_EVERY_S; a shard device lost disrupts the job."""
-        if self.ctx.cancel.wait(PUBLISH_EVERY_S):
-            return  # the skeleton's check raises JobCancelled
-        self.ctx.update("running", **self.progress())
-        assert self.detector is not None
-        lost = self.detector.failures()
-        if lost:
-            raise Disrupted("; ".join(d.detail for d in lost.values()), lost)
-
-    def on_lost(self, disruption: Disrupted) -> HmpPlan:
-        """Re-plan over the devices left and deploy the new plan as a new epoch; the request under way rebuilds its
-        cache there."""
-        assert self.cluster is not None
-        lost = sorted(disruption.failures)
-        started = time.monotonic()
-        self.cluster = self.cluster.without(*lost)
-        for node in lost:
-            self.device_profiles.pop(node, None)
-        with self._changed:
-            old, self._plan = self._plan, None  # the dispatcher waits
-            epoch = self._epoch + 1
-            self._fail_pass(f"{', '.join(lost)} lost")
-        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost "
-                                                            f"({disruption}); re-planning over the others"))
-        plan = self.request_plan(self.cluster, epoch)
-        try:
-            self.deploy(plan)
-        finally:
-            self._release([d for d in (old.devices if old else []) if d not in plan.devices and d not in lost])
-        with self._changed:
-            self._plan, self._epoch = plan, epoch
-            self._stats.reconfigurations += 1
-            self._changed.notify_all()
-        self.ctx.update("running", plan=plan, **self._predictions(plan), **self.progress(),
-                        event=("recovered", f"plan epoch {epoch} after {time.monotonic() - started:.2f} s: "
-                                            f"{describe_plan(plan)}"))
-        return plan
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped, self._accepting = True, False
-            plan = self._plan
-            requests = list(self._queue)
-            self._queue.clear()
-            self._callers = QueueShares(self.spec.queue)
-            self._fail_pass("the job stopped")
-            self._changed.notify_all()
-        for request in requests:
-            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
-        if self._dispatcher is not None:
-            self._dispatcher.join(10.0)
-        self.ctx.update(self.ctx.state().status, **self.progress())
-        self._release(plan.devices if plan else [])
-
-    def _release(self, devices: list[str]) -> None:
-        release(self.bus, devices, self.worker_service, ShardRelease(job_id=self.spec.name),
-                f"shard of job {self.spec.name}")
-
-    def _predictions(self, plan: HmpPlan) -> dict[str, Any]:
-        return {"predicted_latency_s": plan.model.total_s,
-                "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None}
+    def interrupt(self, reason: str) -> None:
+        """Wake the pass under way: it fails (the request rebuilds its cache on the new plan, or is refused)."""
+        current = self._pass
+        if current is not None:
+            current.done.set()
+            log.info("job %s: pass %d given up: %s", self.spec.name, current.pass_id, reason)
 
     # --- requests in ------------------------------------------------------------------------------
 
@@ -279,25 +196,14 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
     def _on_request(self, msg: Inbound, body: HmpRequest) -> None:
         prompt, problem = self._prompt(msg, body)
         if problem is not None:
-            self._refuse(msg, body.request_id, *problem)
+            self.refuse(msg, body.request_id, *problem)
             return
         assert prompt is not None
         asked = self.spec.max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
         new = asked if self.config.decoder else 0
         new = min(new, self.spec.max_tokens - len(prompt))
-        request = _Request(msg, body.request_id, prompt, new, time.monotonic())
-        with self._changed:
-            if not self._accepting:
-                reason: tuple[InferErrorReason, str] | None = (
-                    "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
-            elif (share := self._callers.take(msg.envelope.sender_node)) is not None:  # the queue's and its share
-                reason = ("busy", f"job {self.spec.name}: {share}; send again later")
-            else:
-                reason = None
-                self._queue.append(request)
-                self._changed.notify_all()
-        if reason is not None:
-            self._refuse(msg, body.request_id, *reason)
+        self.admit(_Request(msg=msg, request_id=body.request_id, arrived=time.monotonic(), prompt=prompt,
+                            new_tokens=new))
 
     def _prompt(self, msg: Inbound, body: HmpRequest) -> tuple[list[int] | None, tuple[InferErrorReason, str] | None]:
         """The request's prompt token ids, or why it is refused."""
@@ -326,15 +232,9 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
             return None, ("bad_shape", f"token ids must be in [0, {self.config.vocab}) for {self.spec.model.name}")
         return ids, None
 
-    def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
-        with self._changed:
-            self._stats.errors += 1
-        record.request_refused(self.bus.metrics, self.spec.name, reason)
-        refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
-
     # --- requests through -------------------------------------------------------------------------
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         while True:
             with self._changed:
                 while not self._stopped and (self._plan is None or not self._queue):
@@ -342,18 +242,18 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
                 if self._stopped:
                     return
                 request = self._queue.popleft()
-                self._callers.release(request.msg.envelope.sender_node)
+                self._callers.release(request.caller)
             record.request_dispatched(self.bus.metrics, self.spec.name, time.monotonic() - request.arrived)
             try:
                 self._serve(request)
             except _Stopped:
-                self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
+                self.refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
                 return
             except EdgeswarmError as exc:
-                self._refuse(request.msg, request.request_id, "failed", str(exc))
+                self.refuse(request.msg, request.request_id, "failed", str(exc))
             except Exception as exc:  # noqa: BLE001 - one request must not end the job's serving
                 log.exception("job %s: request %s failed", self.spec.name, request.request_id)
-                self._refuse(request.msg, request.request_id, "failed", f"{type(exc).__name__}: {exc}")
+                self.refuse(request.msg, request.request_id, "failed", f"{type(exc).__name__}: {exc}")
 
     def _serve(self, request: _Request) -> None:
         """Run ``request`` to its answer: prefill, then one pass per token, rebuilding its cache after a loss."""
@@ -499,13 +399,6 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         predicted = plan.model.total_s * max(1.0, tokens / max(1, self.spec.seq_len))
         return 10.0 * predicted + 3 * self.spec.deadline_s + 5.0
 
-    def _fail_pass(self, reason: str) -> None:
-        """Wake the pass under way (the caller holds ``_changed``): it fails."""
-        current = self._pass
-        if current is not None:
-            current.done.set()
-            log.info("job %s: pass %d given up: %s", self.spec.name, current.pass_id, reason)
-
     def _free(self, plan: HmpPlan, epoch: int, request: int) -> None:
         for device in plan.shares.devices:
             try:
@@ -539,8 +432,8 @@ class HmpRunner(CoordinatorProgram[HmpPlan]):
         """The progress fields of the job's state now (see HmpProgress)."""
         with self._changed:
             s = self._stats
-            return {"answered": s.answered, "errors": s.errors, "recomputed": s.recomputed,
-                    "queued": len(self._queue), "tokens": s.tokens, "reconfigurations": s.reconfigurations,
+            return {"answered": s.answered, "errors": self._errors, "recomputed": s.recomputed,
+                    "queued": len(self._queue), "tokens": s.tokens, "reconfigurations": self._reconfigurations,
                     "latency_p50_s": percentile(sorted(s.latencies), 0.5),
                     "latency_p99_s": percentile(sorted(s.latencies), 0.99),
                     "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),

@@ -20,17 +20,13 @@ what it still holds with InferError ``not_serving`` and releases its stages.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
-from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
-from edgeswarm.coordination.serving import refuse_request, release
 from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
@@ -48,14 +44,13 @@ from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
-from edgeswarm.shares import QueueShares
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
+from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
 
 if TYPE_CHECKING:
     import torch
@@ -64,23 +59,14 @@ log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 STALL_S = 30.0  # an item in flight this long with no device confirmed lost: re-deploy and replay anyway
-PUBLISH_EVERY_S = 1.0  # how often the job's state is published while it serves
 RECENT = 2048  # answers the latency percentiles and the throughput are measured over
 THROUGHPUT_WINDOW_S = 10.0
 MAX_QUEUED_BYTES = 256 << 20  # inputs waiting for the window, whatever the spec's queue says: beyond, ``busy``
 
 
 @dataclass
-class _Request:
-    msg: Inbound  # its envelope says where to answer
-    request_id: str
+class _Request(QueuedRequest):
     inputs: torch.Tensor
-    arrived: float  # monotonic seconds
-
-    @property
-    def caller(self) -> str:
-        """The node that sent it: whose share of the queue it takes."""
-        return self.msg.envelope.sender_node
 
 
 @dataclass
@@ -98,18 +84,16 @@ class _Item:
 class _Stats:
     answered: int = 0
     samples: int = 0
-    errors: int = 0
     replayed: int = 0
-    reconfigurations: int = 0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     done_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (monotonic, rows)
 
 
-class PipelineRunner(CoordinatorProgram[ServePlan]):
-    """One serving job on the coordinator (see the module's docstring), on the coordinator skeleton: ``run``
-    returns only by raising. ``_plan`` is the plan items go to, None while the job (re)deploys."""
+class PipelineRunner(ServingProgram[ServePlan, _Request]):
+    """One serving job on the coordinator (see the module's docstring), on the serving skeleton."""
 
     ready = ServeReady
+    release = ServeRelease
     part = "stage"
     plan_noun = "serving plan"
     too_large_advice = "In the job file: use a smaller micro_batch_size, or exclude devices (planner.exclude)"
@@ -118,43 +102,25 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                  planner_node: str = PLANNER_NODE, busy_pause_s: float = PLANNER_BUSY_PAUSE_S) -> None:
         from edgeswarm.models.zoo import example_input
 
-        super().__init__(ctx.bus, name=spec.name, worker_service=worker_service, cancel=ctx.cancel,
-                         timeout_s=ctx.timeout_s, exclude=spec.planner.exclude, planner_node=planner_node,
-                         busy_pause_s=busy_pause_s)
-        self.ctx = ctx
-        self.spec = spec
+        super().__init__(ctx, spec, worker_service=worker_service, planner_node=planner_node,
+                         busy_pause_s=busy_pause_s, queue_bytes=MAX_QUEUED_BYTES)
+        self.spec: ServeSpec = spec
         sample = example_input(spec.model, 1)
         self.input_dtype = str(sample.dtype).removeprefix("torch.")
         self.input_shape = tuple(sample.shape[1:])
         self.weights: WeightsSource | None = None
-        self._changed = threading.Condition()
-        self._queue: deque[_Request] = deque()
-        self._callers = QueueShares(spec.queue, MAX_QUEUED_BYTES)  # each caller's share of the queue and its bytes
         self._inflight: OrderedDict[int, _Item] = OrderedDict()
         self._next_item = 0
-        self._epoch = 0
-        self._plan: ServePlan | None = None  # None while (re)deploying: the dispatcher waits
-        self._accepting = False
-        self._stopped = False
         self._stats = _Stats()
-        self._dispatcher: threading.Thread | None = None
 
-    # --- the job: the skeleton's hooks ----------------------------------------------------------------
+    # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
-    def run(self) -> None:
-        self.ctx.on_data(self.on_data)
-        super().run()
-
-    def profile(self, nodes: list[str]) -> ClusterProfile:
+    def measure(self, nodes: list[str]) -> ClusterProfile:
         self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
-        cluster = profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
-                                  timeout_s=self.ctx.timeout_s)
-        # Plan on the room beside the jobs the devices already hold (the node's memory ledger, in their status).
-        return unreserved(cluster, self.watcher.view()[0]) if self.watcher is not None else cluster
+        return profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
+                               timeout_s=self.ctx.timeout_s)
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
-        if epoch == 0:
-            self.ctx.update("planning")
         return ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
 
     def plan_from(self, reply: Message) -> ServePlan:
@@ -163,11 +129,16 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
 
     def on_planned(self, plan: ServePlan) -> None:
         self.weights = self._weights_source()
-        self.ctx.update("deploying", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
-                        predicted_latency_s=plan.latency_s, weights=_describe(self.weights),
-                        event=("planned", f"{len(plan.stages)} stages on {', '.join(plan.devices)}: "
-                                          f"{plan.throughput_per_s:.1f} samples/s and {plan.latency_s * 1000:.1f} ms "
-                                          f"per micro-batch predicted ({plan.method})"))
+        super().on_planned(plan)
+
+    def describe(self, plan: ServePlan) -> str:
+        return (f"{len(plan.stages)} stages on {', '.join(plan.devices)}: {plan.throughput_per_s:.1f} samples/s and "
+                f"{plan.latency_s * 1000:.1f} ms per micro-batch of {self.spec.micro_batch_size} predicted "
+                f"({plan.method}), window {self.spec.window}")
+
+    def plan_fields(self, plan: ServePlan) -> dict[str, Any]:
+        return {"predicted_throughput_per_s": plan.throughput_per_s, "predicted_latency_s": plan.latency_s,
+                "weights": _describe(self.weights)}
 
     def assignments(self, plan: ServePlan) -> dict[str, Message]:
         spec = self.spec
@@ -176,93 +147,36 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                                       micro_batch_size=spec.micro_batch_size, weights=self.weights)
                 for s in plan.stages}
 
-    def on_ready(self, plan: ServePlan) -> None:
+    def stalled(self) -> str | None:
+        """Whether the oldest item in flight has waited past STALL_S (beyond the plan's latency) for its outputs."""
         with self._changed:
-            self._plan, self._accepting = plan, True
-            self._changed.notify_all()
-        self.ctx.update("running", event=("serving", f"serving on {topics.data(self.ctx.node, 'coordinator')}/"
-                                                     f"{{sender}}: micro-batches of {self.spec.micro_batch_size}, "
-                                                     f"window {self.spec.window}"))
-        self._dispatcher = threading.Thread(target=self._dispatch, name=f"dispatch-{self.spec.name}", daemon=True)
-        self._dispatcher.start()
+            if self._plan is None or not self._inflight:
+                return None
+            oldest = next(iter(self._inflight.values()))
+            waited = time.monotonic() - min(r.arrived for r in oldest.requests)
+            stalled = waited > STALL_S + self._plan.latency_s
+        return f"an item took longer than {STALL_S:.0f} s" if stalled else None
 
-    def step(self) -> None:
-        """Publish the progress every PUBLISH_EVERY_S; a stage device lost or a stalled pipeline disrupts the job."""
-        if self.ctx.cancel.wait(PUBLISH_EVERY_S):
-            return  # the skeleton's check raises JobCancelled
-        self.ctx.update("running", **self.progress())
-        assert self.detector is not None
-        lost = self.detector.failures()
-        stalled = self._stalled()
-        if stalled and not lost:
-            lost = self.detector.confirm(self._plan.devices if self._plan else [])
-        if lost or stalled:
-            raise Disrupted("; ".join(d.detail for d in lost.values()) or
-                            f"an item took longer than {STALL_S:.0f} s", lost)
-
-    def on_lost(self, disruption: Disrupted) -> ServePlan:
-        """Re-plan over the devices left, deploy the new plan as a new epoch and replay every unanswered item."""
-        assert self.cluster is not None
-        self.cluster = self.cluster.without(*disruption.failures)
-        return self._replan(self.cluster, sorted(disruption.failures), detail=str(disruption))
-
-    def stop(self) -> None:
+    def replay(self, plan: ServePlan, epoch: int) -> str:
+        """Send every unanswered item again, in the order it was first sent, numbered afresh in epoch ``epoch``."""
         with self._changed:
-            self._stopped, self._accepting = True, False
-            plan = self._plan
-            requests = list(self._queue) + [r for item in self._inflight.values() for r in item.requests]
-            self._queue.clear()
-            self._callers = QueueShares(self.spec.queue, MAX_QUEUED_BYTES)
-            self._inflight.clear()
-            self._changed.notify_all()
-        for request in requests:
-            self._refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
-        self.ctx.update(self.ctx.state().status, **self.progress())  # the final figures stay in the state
-        self._release(plan.devices if plan else [])
-        if self._dispatcher is not None:
-            self._dispatcher.join(5.0)
-
-    # --- re-planning ---------------------------------------------------------------------------------
-
-    def _replan(self, cluster: ClusterProfile, lost: list[str], *, detail: str) -> ServePlan:
-        started = time.monotonic()
-        with self._changed:
-            old, self._plan = self._plan, None  # the dispatcher waits
-            epoch = self._epoch + 1
-        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost ({detail}); "
-                                                            f"re-planning over the others"))
-        plan = self.request_plan(cluster, epoch)
-        try:
-            self.deploy(plan)
-        finally:
-            self._release([d for d in (old.devices if old else []) if d not in plan.devices and d not in lost])
-        with self._changed:
-            # Every unanswered item again, in the order it was first sent, numbered afresh in the new epoch.
             items = list(self._inflight.values())
             self._inflight = OrderedDict((k, item) for k, item in enumerate(items))
             for item in items:
                 item.replayed = True
             self._epoch, self._next_item = epoch, len(items)
             self._stats.replayed += len(items)
-            self._stats.reconfigurations += 1
         record.replayed(self.bus.metrics, self.spec.name, len(items))
         for k, item in enumerate(items):
             self._send(plan, epoch, k, item)
-        with self._changed:
-            self._plan = plan
-            self._changed.notify_all()
-        self.ctx.update("running", plan=plan, predicted_throughput_per_s=plan.throughput_per_s,
-                        predicted_latency_s=plan.latency_s, **self.progress(),
-                        event=("recovered", f"plan epoch {epoch}: {len(plan.stages)} stages on "
-                                            f"{', '.join(plan.devices)}, {plan.throughput_per_s:.1f} samples/s "
-                                            f"predicted; {len(items)} items replayed after "
-                                            f"{time.monotonic() - started:.2f} s"))
-        return plan
+        return f"{len(items)} items replayed"
 
-    def _release(self, devices: list[str]) -> None:
-        """Tell ``devices`` to drop the job's stage (no answer expected)."""
-        release(self.bus, devices, self.worker_service, ServeRelease(job_id=self.spec.name),
-                f"stage of job {self.spec.name}")
+    def held(self) -> list[_Request]:
+        requests = [r for item in self._inflight.values() for r in item.requests]
+        self._inflight.clear()
+        return requests
+
+    # --- the checkpoint the weights come from ------------------------------------------------------
 
     def _weights_source(self) -> WeightsSource | None:
         """The checkpoint the spec's weights name, with the unit range of each of its stages."""
@@ -302,23 +216,12 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
     def _on_request(self, msg: Inbound, body: InferRequest) -> None:
         problem = self._request_problem(msg)
         if problem is not None:
-            self._refuse(msg, body.request_id, *problem)
+            self.refuse(msg, body.request_id, *problem)
             return
         assert msg.tensor is not None
-        request = _Request(msg, body.request_id, msg.tensor.to_torch(), time.monotonic())
-        nbytes = _nbytes(request.inputs)
-        with self._changed:
-            if not self._accepting:
-                reason: tuple[InferErrorReason, str] | None = (
-                    "not_serving", f"job {self.spec.name} is not serving yet (or any more): see edgeswarm jobs")
-            elif (share := self._callers.take(request.caller, nbytes)) is not None:  # the queue's and its share
-                reason = ("busy", f"job {self.spec.name}: {share}; send again later")
-            else:
-                reason = None
-                self._queue.append(request)
-                self._changed.notify_all()
-        if reason is not None:
-            self._refuse(msg, body.request_id, *reason)
+        request = _Request(msg=msg, request_id=body.request_id, arrived=time.monotonic(),
+                           inputs=msg.tensor.to_torch())
+        self.admit(request, _nbytes(request.inputs))
 
     def _request_problem(self, msg: Inbound) -> tuple[InferErrorReason, str] | None:
         tensor = msg.tensor
@@ -335,7 +238,7 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
                                  f"micro_batch_size), not {shape[0]}: split it")
         return None
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         """Batch queued requests into items and send them to the first stage while the window has room."""
         import torch
 
@@ -410,21 +313,6 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             stats.latencies.extend(now - r.arrived for r in item.requests)
             stats.done_at.append((now, item.rows))
 
-    def _refuse(self, msg: Inbound, request_id: str, reason: InferErrorReason, detail: str) -> None:
-        with self._changed:
-            self._stats.errors += 1
-        record.request_refused(self.bus.metrics, self.spec.name, reason)
-        refuse_request(self.bus, msg, self.spec.name, request_id, reason, detail)
-
-    def _stalled(self) -> bool:
-        """Whether the oldest item in flight has waited past STALL_S (beyond the plan's latency) for its outputs."""
-        with self._changed:
-            if self._plan is None or not self._inflight:
-                return False
-            oldest = next(iter(self._inflight.values()))
-            waited = time.monotonic() - min(r.arrived for r in oldest.requests)
-            return waited > STALL_S + self._plan.latency_s
-
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""
         with self._changed:
@@ -433,9 +321,9 @@ class PipelineRunner(CoordinatorProgram[ServePlan]):
             now = time.monotonic()
             recent = [(t, rows) for t, rows in s.done_at if now - t <= THROUGHPUT_WINDOW_S]
             span = (now - recent[0][0]) if len(recent) > 1 else 0.0
-            return {"answered": s.answered, "samples": s.samples, "errors": s.errors, "replayed": s.replayed,
+            return {"answered": s.answered, "samples": s.samples, "errors": self._errors, "replayed": s.replayed,
                     "in_flight": len(self._inflight), "queued": len(self._queue),
-                    "reconfigurations": s.reconfigurations,
+                    "reconfigurations": self._reconfigurations,
                     "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
                     "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99)}
 
