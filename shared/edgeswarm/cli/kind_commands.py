@@ -1,7 +1,7 @@
 """The job kinds' own parts of the command line: their verbs (``edgeswarm NAME``), benchmarks (``edgeswarm bench
-NAME``) and options of ``plan`` and ``train``, found through the workload registry (``Workload.commands``,
-``benches``, ``plan_arguments``, ``train_arguments``), a plug-in's included, and run with what the command line lends
-them (``workloads.commands.CommandTools``)."""
+NAME``) and options of ``plan``, ``train`` and ``infer``, found through the workload registry (``Workload.commands``,
+``benches``, ``plan_arguments``, ``train_arguments``, ``infer_arguments``), a plug-in's included, and run with what
+the command line lends them (``workloads.commands.CommandTools``)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,11 @@ def add_kind_commands(sub: argparse._SubParsersAction, which: Literal["commands"
         parser.set_defaults(kind_command=command)
 
 
-def add_kind_arguments(parser: argparse.ArgumentParser, hook: Literal["plan_arguments", "train_arguments"]) -> None:
-    """Each installed kind's options for a command (its ``plan_arguments`` or ``train_arguments``) on ``parser``; a
-    warning line for a plug-in's that cannot be added (one that does not load, an option another kind has)."""
+def add_kind_arguments(parser: argparse.ArgumentParser,
+                       hook: Literal["plan_arguments", "train_arguments", "infer_arguments"]) -> None:
+    """Each installed kind's options for a command (its ``plan_arguments``, ``train_arguments`` or
+    ``infer_arguments``) on ``parser``; a warning line for a plug-in's that cannot be added (one that does not load,
+    an option another kind has)."""
     for kind in KINDS:
         work = installed_workload(kind)
         target = getattr(work, hook, "") if work is not None else ""

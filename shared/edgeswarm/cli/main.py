@@ -115,7 +115,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_plan_parser(sub, kind_options=argv[:1] == ["plan"])
     add_train_parser(sub, kind_options=argv[:1] == ["train"])
-    add_serve_parsers(sub)
+    add_serve_parsers(sub, kind_options=argv[:1] == ["infer"])
     add_chaos_parser(sub)
     add_health_parser(sub)
     add_watch_parser(sub)

@@ -17,8 +17,9 @@ from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, work
 from edgeswarm.workloads.client import JobRequestError, job_states
 
 
-def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``edgeswarm serve`` and ``edgeswarm infer``."""
+def add_serve_parsers(sub: argparse._SubParsersAction, *, kind_options: bool = True) -> None:  # type: ignore[type-arg]
+    """Register ``edgeswarm serve`` and ``edgeswarm infer``; with ``kind_options``, every installed kind's own
+    ``infer`` options too (its ``infer_arguments``: finding them imports every kind)."""
     p = sub.add_parser("serve", help="serve a model over the cluster's devices: as a pipeline (serve-pipeline) or "
                                       "split by heads, columns and rows (serve-hmp)")
     p.add_argument("spec", help="the serving job spec file (YAML or JSON, kind: serve-pipeline or serve-hmp)")
@@ -26,6 +27,8 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the pipeline to be serving")
     p.add_argument("--no-wait", action="store_true", help="submit and return at once")
 
+    # The options every serving kind's infer_cli reads; a kind's own (its input sources beyond these two included)
+    # come from its infer_arguments, and that kind checks them against these.
     q = sub.add_parser("infer", help="send inputs to a serving job and print its outputs, latency and throughput")
     q.add_argument("job", help="the serving job's name")
     add_hub_arg(q)
@@ -33,14 +36,8 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     source.add_argument("--npz", default=None, metavar="FILE",
                         help="inputs from FILE: array x (or its only array), [samples, ...], split into requests "
                              "(a text model: token ids, one request per row)")
-    source.add_argument("--count", type=int, default=8, help="requests of generated inputs (default 8)")
-    source.add_argument("--text", action="append", default=None, metavar="TEXT",
-                        help="a text model with a tokenizer: one request of TEXT (repeatable)")
-    source.add_argument("--tokens", action="append", default=None, metavar="IDS",
-                        help="a text model: one request of these comma-separated token ids (repeatable)")
-    q.add_argument("--max-new-tokens", type=int, default=None,
-                   help="a text decoder: tokens to generate per request (default: the job's max_new_tokens)")
-    q.add_argument("--rows", type=int, default=1, help="samples per request (at most the job's micro-batch size)")
+    # None when not given, so that a kind's own input sources can refuse it; the kinds make it 8.
+    source.add_argument("--count", type=int, default=None, help="requests of generated inputs (default 8)")
     q.add_argument("--window", type=int, default=8, help="requests in flight at once")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer")
     q.add_argument("--show", type=int, default=4, help="outputs to print (0: none)")
@@ -49,6 +46,10 @@ def add_serve_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                         "array y<N> per request N (serve-hmp: its generated token ids, or an encoder's hidden "
                         "states)")
     q.add_argument("--json", default=None, metavar="FILE", help="write the figures and every answer to FILE")
+    if kind_options:
+        from edgeswarm.cli.kind_commands import add_kind_arguments
+
+        add_kind_arguments(q, "infer_arguments")
 
 
 def serving_kinds() -> list[str]:
@@ -89,12 +90,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_infer(args: argparse.Namespace) -> int:
-    """``edgeswarm infer JOB``: the running serving job's kind asks it (its ``infer_cli``)."""
+    """``edgeswarm infer JOB``: the running serving job's kind asks it (its ``infer_cli``, which reads and checks the
+    options its ``infer_arguments`` added)."""
     from edgeswarm.cli.kind_commands import command_tools
     from edgeswarm.plugins import load_target
 
-    if args.rows < 1 or args.window < 1 or (args.npz is None and args.count < 1) or (args.max_new_tokens or 0) < 0:
-        raise ConfigError("--rows, --window and --count must be at least 1, --max-new-tokens at least 0")
+    if args.window < 1 or (args.count is not None and args.count < 1):  # a kind checks its own options
+        raise ConfigError("--window and --count must be at least 1")
     bus = job_bus(args)
     try:
         state = next((s for s in job_states(bus) if s.job_id == args.job), None)

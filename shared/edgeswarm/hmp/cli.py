@@ -1,10 +1,10 @@
 """What Galaxy's serving adds to the command line: ``edgeswarm infer`` for serve-hmp jobs (the kind's
-``infer_cli``): token ids, text or an .npz of them in; each answer's tokens, timings and per-layer split out. And
-``edgeswarm plan --kind serve-hmp`` (``plan_cli``, its options ``plan_arguments``): Galaxy's plan of a Transformer
-preset on a cluster, and with ``--compare`` Galaxy beside Megatron-TP, SP and Local (predicted latency, memory,
-out-of-memory verdicts). The plan's block profiles come from ``--profiles FILE`` (a saved HmpCluster JSON) or, for a
-cluster file or bundled name given with ``--cluster``, from each device class's speed and budget
-(``planning.hmp.synthetic``): nothing is started."""
+``infer_cli``, its options ``infer_arguments``): token ids, text or an .npz of them in; each answer's tokens, timings
+and per-layer split out. And ``edgeswarm plan --kind serve-hmp`` (``plan_cli``, its options ``plan_arguments``):
+Galaxy's plan of a Transformer preset on a cluster, and with ``--compare`` Galaxy beside Megatron-TP, SP and Local
+(predicted latency, memory, out-of-memory verdicts). The plan's block profiles come from ``--profiles FILE`` (a saved
+HmpCluster JSON) or, for a cluster file or bundled name given with ``--cluster``, from each device class's speed and
+budget (``planning.hmp.synthetic``): nothing is started."""
 
 from __future__ import annotations
 
@@ -34,6 +34,33 @@ from edgeswarm.values.text_model import PRESETS, TextModelConfig
 from edgeswarm.workloads import parse_spec_text
 from edgeswarm.workloads.commands import CommandTools
 
+DEFAULT_COUNT = 8  # prompts generated when no input is given (the help of --count says so)
+
+
+def add_infer_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve-hmp`` options of ``edgeswarm infer`` (its kind's ``infer_arguments``; the job, the inputs
+    ``--npz`` and ``--count``, ``--window``, ``--timeout``, ``--show``, ``--out`` and ``--json`` are shared): two
+    more input sources, each taking the place of ``--npz`` and ``--count`` (``run_infer`` refuses both at once), and
+    the tokens to generate."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--text", action="append", default=None, metavar="TEXT",
+                        help="a text model with a tokenizer: one request of TEXT (repeatable)")
+    source.add_argument("--tokens", action="append", default=None, metavar="IDS",
+                        help="a text model: one request of these comma-separated token ids (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="a text decoder: tokens to generate per request (default: the job's max_new_tokens)")
+
+
+def _check_infer_arguments(args: argparse.Namespace) -> None:
+    """Refuse two input sources at once (--text or --tokens with --npz or --count: the shared ones are declared
+    apart from this kind's, so argparse cannot) and a negative --max-new-tokens."""
+    own = "--text" if args.text else "--tokens" if args.tokens else None
+    shared = "--npz" if args.npz is not None else "--count" if args.count is not None else None
+    if own and shared:
+        raise ConfigError(f"{own} and {shared} are two sources of inputs: give one")
+    if (args.max_new_tokens or 0) < 0:
+        raise ConfigError("--max-new-tokens must be at least 0")
+
 
 def _prompts(args: argparse.Namespace, state: JobState) -> list[list[int] | str]:
     """The prompts ``edgeswarm infer`` sends: --text, --tokens, the rows of --npz, or --count generated ones."""
@@ -53,7 +80,8 @@ def _prompts(args: argparse.Namespace, state: JobState) -> list[list[int] | str]
         return [row.reshape(-1).tolist() for row in ids.reshape(ids.shape[0], -1)]
     vocab = source_config(spec.model).vocab
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (spec.seq_len,), generator=g).tolist() for _ in range(args.count)]
+    count = DEFAULT_COUNT if args.count is None else args.count
+    return [torch.randint(0, vocab, (spec.seq_len,), generator=g).tolist() for _ in range(count)]
 
 
 def _pooling(state: JobState) -> tuple[SentencePooling | None, str]:
@@ -76,6 +104,7 @@ def run_infer(args: argparse.Namespace, bus: Bus, state: JobState, tools: Comman
     """``edgeswarm infer`` for a serve-hmp job: print each answer (generated tokens and text, or the hidden states'
     shape and, for a sentence-transformers folder, the sentence embedding its pooling makes of them), its latency,
     time to first token and per output token, and the per-layer time split."""
+    _check_infer_arguments(args)
     prompts = _prompts(args, state)
     started = time.monotonic()
     answers = ask(bus, args.job, prompts, max_new_tokens=args.max_new_tokens, window=args.window,

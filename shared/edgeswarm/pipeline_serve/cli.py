@@ -1,7 +1,8 @@
-"""What pipelined serving adds to the command line: ``edgeswarm infer`` for its jobs (the kind's ``infer_cli``), a
-stream of tensors in (an .npz of samples, or generated ones), each answer's class or shape, the latency percentiles
-and samples per second out; and ``edgeswarm plan --kind serve-pipeline`` (``plan_cli``, its options
-``plan_arguments``): the partition and placement for a profiled cluster, with the predicted throughput."""
+"""What pipelined serving adds to the command line: ``edgeswarm infer`` for its jobs (the kind's ``infer_cli``, its
+options ``infer_arguments``), a stream of tensors in (an .npz of samples, or generated ones), each answer's class or
+shape, the latency percentiles and samples per second out; and ``edgeswarm plan --kind serve-pipeline``
+(``plan_cli``, its options ``plan_arguments``): the partition and placement for a profiled cluster, with the
+predicted throughput."""
 
 from __future__ import annotations
 
@@ -28,13 +29,25 @@ if TYPE_CHECKING:
     from edgeswarm.pipeline_serve.client import StreamReport
 
 
+DEFAULT_COUNT = 8  # requests of generated inputs when neither --npz nor --count is given (their help says so)
+
+
+def add_infer_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve-pipeline`` options of ``edgeswarm infer`` (its kind's ``infer_arguments``; the job, the inputs
+    ``--npz`` and ``--count``, ``--window``, ``--timeout``, ``--show``, ``--out`` and ``--json`` are shared)."""
+    p.add_argument("--rows", type=int, default=1, help="samples per request (at most the job's micro-batch size)")
+
+
 def run_infer(args: argparse.Namespace, bus: Bus, state: JobState, tools: CommandTools) -> int:
     """``edgeswarm infer`` for a serve-pipeline job: every request answered or failed, then the report."""
     from edgeswarm.pipeline_serve.client import infer_stream
 
-    if args.text or args.tokens:
+    # --text and --tokens are a text kind's options: absent from the command line when no such kind is installed.
+    if getattr(args, "text", None) or getattr(args, "tokens", None):
         raise ConfigError(f"job {args.job} is a {state.kind} job: it takes tensors (--npz or --count), not "
                           "--text or --tokens")
+    if args.rows < 1:
+        raise ConfigError("--rows must be at least 1")
     report = infer_stream(bus, args.job, _inputs(args, state), window=args.window, timeout_s=args.timeout)
     _print_report(args, report, tools)
     return 0 if report.results and all(r.outputs is not None for r in report.results) else 1
@@ -47,7 +60,8 @@ def _inputs(args: argparse.Namespace, state: JobState) -> list[torch.Tensor]:
 
     spec = parse_spec_text(state.spec, source=f"the spec of job {state.job_id}")
     if args.npz is None:
-        return [example_input(spec.model, args.rows, seed=i) for i in range(args.count)]  # type: ignore[attr-defined]
+        count = DEFAULT_COUNT if args.count is None else args.count
+        return [example_input(spec.model, args.rows, seed=i) for i in range(count)]  # type: ignore[attr-defined]
     samples = as_input_dtype(read_npz(args.npz), example_input(spec.model, 1).dtype, args.npz)  # type: ignore[attr-defined]
     return list(samples.split(args.rows))
 

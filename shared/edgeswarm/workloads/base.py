@@ -91,6 +91,9 @@ class Workload(ABC):
     # "module:function(args, bus, state, tools) -> exit code": how `edgeswarm infer` asks a running job of a serving
     # kind (``tools``: a ``workloads.commands.CommandTools``; empty: the kind takes no requests from the command line).
     infer_cli: ClassVar[str] = ""
+    # "module:function(parser)": the options its infer_cli reads beyond those every serving kind's does, added to
+    # `edgeswarm infer`'s (empty: none of its own).
+    infer_arguments: ClassVar[str] = ""
     # Its own verbs, each ``edgeswarm NAME`` ("module:Class" of a ``workloads.commands.Command``), and its benchmarks,
     # each ``edgeswarm bench NAME`` (of a ``workloads.commands.Bench``); imported only by the command line.
     commands: ClassVar[tuple[str, ...]] = ()
