@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -162,39 +162,19 @@ def _run(argv: Sequence[str] | None) -> int:
     return exit_status(lambda: _command(args))
 
 
+# Each verb's runner, imported only when it runs (``edgeswarm status`` must not pay for torch).
+_RUNNERS = {"up": "up:run_up", "status": "status:run_status", "topics": "status:run_topics",
+            "watch": "watch:run_watch", "dashboard": "dashboard:run_dashboard", "health": "health:run_health",
+            "credentials": "security:run_credentials", "certs": "security:run_certs", "chaos": "chaos:run_chaos",
+            "plan": "plan:run_plan", "train": "train:run_train", "trace": "trace:run_trace",
+            "serve": "serve:run_serve", "infer": "serve:run_infer", "jobs": "train:run_jobs",
+            "cancel": "train:run_cancel", "profile": "profile:run_profile"}
+_BENCHES = {"spans": "bench:run_bench_spans", "collectives": "bench:run_bench_collectives"}
+
+
 def _command(args: argparse.Namespace) -> int:
-    if args.command == "up":
-        from edgeswarm.cli.up import run_up
+    from importlib import import_module
 
-        return run_up(args)
-    if args.command == "status":
-        from edgeswarm.cli.status import run_status
-
-        return run_status(args)
-    if args.command == "topics":
-        from edgeswarm.cli.status import run_topics
-
-        return run_topics(args)
-    if args.command == "watch":
-        from edgeswarm.cli.watch import run_watch
-
-        return run_watch(args)
-    if args.command == "dashboard":
-        from edgeswarm.cli.dashboard import run_dashboard
-
-        return run_dashboard(args)
-    if args.command == "health":
-        from edgeswarm.cli.health import run_health
-
-        return run_health(args)
-    if args.command in ("credentials", "certs"):
-        from edgeswarm.cli.security import run_certs, run_credentials
-
-        return run_credentials(args) if args.command == "credentials" else run_certs(args)
-    if args.command == "chaos":
-        from edgeswarm.cli.chaos import run_chaos
-
-        return run_chaos(args)
     kind_command = getattr(args, "kind_command", None)
     if args.command in ("plan", "bench", "train") or kind_command is not None:
         from edgeswarm.runtime.signals import terminate_as_interrupt
@@ -204,43 +184,15 @@ def _command(args: argparse.Namespace) -> int:
         from edgeswarm.cli.kind_commands import run_kind_command
 
         return run_kind_command(args)
-    if args.command == "bench" and args.bench == "spans":
-        from edgeswarm.cli.bench import run_bench_spans
-
-        return run_bench_spans(args)
-    if args.command == "bench" and args.bench == "collectives":
-        from edgeswarm.cli.bench import run_bench_collectives
-
-        return run_bench_collectives(args)
     if args.command == "bench":
-        from edgeswarm.cli.bench import run_bench_transport
-
-        return run_bench_transport(args)
-    if args.command == "plan":
-        from edgeswarm.cli.plan import run_plan
-
-        return run_plan(args)
-    if args.command == "train":
-        from edgeswarm.cli.train import run_train
-
-        return run_train(args)
-    if args.command == "trace":
-        from edgeswarm.cli.trace import run_trace
-
-        return run_trace(args)
-    if args.command in ("serve", "infer"):
-        from edgeswarm.cli.serve import run_infer, run_serve
-
-        return run_serve(args) if args.command == "serve" else run_infer(args)
-    if args.command in ("jobs", "cancel"):
-        from edgeswarm.cli.train import run_cancel, run_jobs
-
-        return run_jobs(args) if args.command == "jobs" else run_cancel(args)
-    if args.command == "profile":
-        from edgeswarm.cli.profile import run_profile
-
-        return run_profile(args)
-    return 2
+        target = _BENCHES.get(args.bench, "bench:run_bench_transport")
+    elif args.command in _RUNNERS:
+        target = _RUNNERS[args.command]
+    else:
+        return 2
+    module, _, function = target.partition(":")
+    run: Callable[[argparse.Namespace], int] = getattr(import_module(f"edgeswarm.cli.{module}"), function)
+    return run(args)
 
 
 if __name__ == "__main__":
