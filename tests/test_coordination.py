@@ -1,10 +1,12 @@
 """The coordinator side written once (issue 20.2): the request fan-out, the planner client with its busy retry
-(which serving's coordinator now has too) and the skeleton's loop, over the real broker where messages cross it."""
+(which serving's coordinator now has too) and the skeleton's loop (either shape's, its recoveries counted), over the
+real broker where messages cross it."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,11 +14,13 @@ from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.coordination.planner_client import request_plan
-from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
+from edgeswarm.coordination.program import CoordinatorProgram, Disrupted, RoundProgram
 from edgeswarm.errors import JobCancelled, JobError, RequestRejectedError, RequestTimeoutError
 from edgeswarm.messages import RequestRejected
 from edgeswarm.messages.planning import PlanFailed, ServePlanReply, ServePlanRequest
 from edgeswarm.messages.training import StageHeld, StageInventory
+from edgeswarm.metrics import Metrics
+from edgeswarm.observability.catalogue import RECOVERIES
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.types import ServeOptions, ServePlan
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
@@ -204,6 +208,47 @@ def test_the_loop_replans_on_every_disruption_and_stops_on_anything_else() -> No
     cancel.set()
     with pytest.raises(JobCancelled, match="job j was cancelled"):
         _Steps(["ok"], cancel).loop()
+
+
+class _Rounds(RoundProgram):
+    """Rounds that follow a script: "ok", "stall" (a disruption, no device lost) or "lost" (a device lost); the
+    program gets over a disruption when ``gets_over``."""
+
+    def __init__(self, script: list[str], gets_over: bool = True) -> None:
+        super().__init__(SimpleNamespace(metrics=Metrics()), name="r", worker_service=WORKER)  # type: ignore[arg-type]
+        self.script = script
+        self.gets_over = gets_over
+        self.lost: list[str] = []
+
+    def on_start(self) -> None:
+        raise AssertionError("not called")
+
+    def done(self) -> bool:
+        return not self.script
+
+    def step(self) -> None:
+        what = self.script.pop(0)
+        if what == "stall":
+            raise Disrupted("the round stalled")
+        if what == "lost":
+            raise Disrupted("b is gone", {"b": Detection("b", "probe", 0.0, 1.0, "b is gone")})
+
+    def on_lost(self, disruption: Disrupted) -> None:
+        if not self.gets_over:
+            super().on_lost(disruption)
+        self.lost.append(str(disruption))
+
+
+def test_a_round_program_gets_over_disruptions_and_counts_them_as_recoveries() -> None:
+    program = _Rounds(["ok", "stall", "lost", "ok", "lost"])
+    program.loop()
+    metrics = program.bus.metrics
+    assert program.lost == ["the round stalled", "b is gone", "b is gone"]
+    assert metrics.counter(f"{RECOVERIES}disrupted.r") == 1 and metrics.counter(f"{RECOVERIES}device_lost.r") == 2
+    gives_up = _Rounds(["ok", "lost", "ok"], gets_over=False)
+    with pytest.raises(Disrupted, match="b is gone"):
+        gives_up.loop()
+    assert gives_up.script == ["ok"] and gives_up.bus.metrics.total(RECOVERIES) == 0
 
 
 def test_the_skeleton_sits_below_every_workload() -> None:

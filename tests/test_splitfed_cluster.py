@@ -1,8 +1,8 @@
 """train-splitfed on a real local cluster (three devices, one edge server, every message over Mosquitto): the
 command line follows the rounds and the model exports; no label reaches the MEC on the wire (and the vanilla
 baseline's do, so the check can fail); an update with NaN values is refused and counted while the job goes on; a
-restarted MEC resumes its round from its checkpoint; a device killed mid-round is left out and the round
-completes."""
+restarted MEC resumes its round from its checkpoint, counted as a recovery; a device killed mid-round is left out and
+the round completes."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from edgeswarm.bus import Bus
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
 from edgeswarm.bus.inbound import RawInbound
 from edgeswarm.data import open_dataset
 from edgeswarm.evaluation import held_out
 from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.messages import MetricsReport
 from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.models.zoo import build_model
+from edgeswarm.observability.catalogue import RECOVERIES
 from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
 from edgeswarm.wire.observe import Observer
@@ -188,6 +191,16 @@ def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster)
     assert sorted(p.outcome for p in first.participants if p.outcome != "skipped") == ["trained", "trained"], first
     log = next(c for c in reversed(cluster.local.children) if (c.node, c.service) == (MEC, "mec-manager")).log_path
     assert "already finished" in log.read_text()
+    # The restart counts as a recovery, as every coordinator program's does (edgeswarm_recoveries_total).
+    counted: list[int] = []
+
+    def on_report(msg: Inbound) -> None:
+        assert isinstance(msg.body, MetricsReport)
+        counters = msg.body.counters
+        counted.append(sum(v for k, v in counters.items() if k.startswith(RECOVERIES) and k.endswith(".sf-mec")))
+
+    cluster.bus.subscribe(topics.metrics("+", "coordinator"), on_report, schemas=(MetricsReport,), qos=0)
+    wait_until(lambda: counted and counted[-1] >= 1, 10, message="a recovery of sf-mec in the coordinator's metrics")
 
 
 def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: Cluster) -> None:

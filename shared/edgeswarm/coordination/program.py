@@ -1,32 +1,35 @@
-"""The job skeleton every coordinator program runs on: profile, plan, deploy to every device, run while watching
-liveness, re-plan on loss.
+"""The job skeleton every coordinator program runs on, in two shapes: ``CoordinatorProgram`` profiles, plans,
+deploys to every device and runs while watching liveness, re-planning on loss; ``RoundProgram`` runs rounds that
+each plan themselves (splitfed picks every round's participants and cuts).
 
-Like Flower's ``Server.fit`` calling a strategy's hooks, ``CoordinatorProgram.run`` is the one driver and a
-workload fills in small hooks (the order they are called in):
+Like Flower's ``Server.fit`` calling a strategy's hooks, ``run`` is the one driver of both and a workload fills in
+small hooks (the order they are called in):
 
 ==========================  ========================================================================================
-``nodes(online)``           which of the nodes whose worker service is online the job may use (default: all but
-                            ``exclude``)
+``on_start()``              RoundProgram: the job starts (resume, profile)
+``nodes(online)``           CoordinatorProgram (its start, to ``on_ready``): which of the nodes whose worker service
+                            is online the job may use (default: all but ``exclude``)
 ``profile(nodes)``          the job's cluster profile on them (and its ``profiling`` event)
 ``take_over(cluster)``      a job an earlier coordinator left running: bring its devices under this one and return
                             its plan (default None: plan and deploy afresh)
 ``plan_request(c, epoch)``  what to ask the planner service for the cluster profile ``c``; ``plan_from(reply)``
-                            the plan in its answer (asked through ``planner_client.request_plan``, busy retry and
-                            all)
+                            the plan in its answer (asked through ``ask_planner``)
 ``on_planned(plan)``        the first plan is known (publish it)
 ``deploy(plan)``            put the plan on its devices: by default ``fan_out`` of ``assignments(plan)``, every
                             reply an instance of ``ready``
 ``on_ready(plan)``          every device holds its part (deployed afresh or taken over): start working
 ``done()`` / ``step()``     the job's loop: one step (a round; one beat of a serving loop) until done; a step
                             raises ``Disrupted`` when devices are lost (the failure detector, ``self.detector``,
-                            watches the plan's devices)
-``on_lost(disruption)``     re-plan and deploy again, returning the new plan (its devices are watched from then
-                            on), or raise to fail the job
-``stop()``                  the job leaves its loop, however it leaves it (only once ``on_ready`` ran)
+                            watches the plan's devices, or those a round gives it)
+``on_lost(disruption)``     CoordinatorProgram: re-plan and deploy again, returning the new plan (its devices are
+                            watched from then on); RoundProgram: get over it before the next round. Either may raise
+                            to fail the job (the default)
+``stop()``                  the job leaves its loop, however it leaves it (only once its start ran)
 ==========================  ========================================================================================
 
-The skeleton checks for cancellation between phases and before every step (``check``), and closes the failure
-detector it made when the job ends.
+The skeleton checks for cancellation between phases and before every step (``check``), counts every disruption
+got over as a recovery (``count_recovery``, which a step may call too), and closes the failure detector it made
+when the job ends.
 """
 
 from __future__ import annotations
@@ -81,16 +84,12 @@ class Disrupted(JobError):
         self.failures: dict[str, Detection] = failures or {}
 
 
-class CoordinatorProgram(ABC, Generic[PlanT]):
-    """One job on the coordinator (see the module's docstring for the hooks). ``name`` names the job in errors,
+class JobProgram(ABC):
+    """One job on the coordinator, of either shape (see the module's docstring). ``name`` names the job in errors,
     ``worker_service`` is the service that hosts its work on the devices (its kind's ``Workload.worker_service``),
-    ``exclude`` the nodes it must not use. ``detector`` is a failure detector to use (None: one of its own, closed
-    when the job ends); ``timeout_s`` bounds each request to the devices."""
+    ``exclude`` the nodes it must not use. ``detector`` is a failure detector of ``worker_service`` to use (None: one
+    of its own, closed when the job ends); ``timeout_s`` bounds each request to the devices."""
 
-    #: The reply to an assignment that says a device holds its part (for the default ``deploy``).
-    ready: type[Message] = Message
-    #: What the job deploys on each device, for errors ("stage on a: ...").
-    part: str = "part"
     #: What the planner is asked for, and how to make a request smaller when it is too much work.
     plan_noun: str = "plan"
     too_large_advice: str = TOO_LARGE_ADVICE
@@ -111,8 +110,6 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
         self.busy_pause_s = busy_pause_s
         self.watcher: ClusterWatcher | None = None
         self.online: list[str] = []  # the nodes whose worker service was online when the job started
-        self.cluster: ClusterProfile | None = None  # the profile the job plans on (hooks narrow it on losses)
-        self.plan: PlanT | None = None  # the plan deployed
 
     # --- the driver -------------------------------------------------------------------------------
 
@@ -124,25 +121,14 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
                                     cancel=self.cancel)
         self.check()
         self.online = nodes_running(view, self.worker_service)
-        nodes = self.nodes(self.online)
-        if not nodes:
-            raise JobError(f"job {self.name}: no {self.worker_service} is online; start a cluster "
-                           "(edgeswarm up --local)")
-        self.cluster = self.profile(nodes)
+        self.on_start()
         self.check()
         own_detector = self.detector is None
         if self.detector is None:
             self.detector = FailureDetector(self.bus, self.worker_service,
                                             timeout_factor=self.bus.settings.heartbeat_timeout_factor)
         try:
-            plan = self.take_over(self.cluster)
-            if plan is None:
-                plan = self.request_plan(self.cluster, 0)
-                self.on_planned(plan)
-                self.check()
-                self.deploy(plan)
-            self.replanned(plan)
-            self.on_ready(plan)
+            self._begin()
             try:
                 self.loop()
             finally:
@@ -151,22 +137,94 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
             if own_detector:
                 self.detector.close()
 
+    @abstractmethod
+    def on_start(self) -> None:
+        """The job starts, before the failure detector runs (``online``: the nodes whose worker service is online):
+        a RoundProgram resumes and profiles; a CoordinatorProgram profiles (``nodes``, ``profile``)."""
+
+    def _begin(self) -> None:  # noqa: B027 (a RoundProgram has nothing to do here)
+        """The shape's start once the failure detector runs."""
+
     def loop(self) -> None:
-        """Step until ``done``; every disruption goes to ``on_lost``, whose plan the job goes on with."""
+        """Step until ``done``; every disruption goes to ``on_lost`` and, got over, counts as a recovery."""
         while not self.done():
             self.check()
             try:
                 self.step()
             except Disrupted as exc:
-                self.replanned(self.on_lost(exc))
-                metrics = getattr(self.bus, "metrics", None)  # None: a program driven without a bus (its tests)
-                if metrics is not None:
-                    record.recovered(metrics, self.name, bool(exc.failures))
+                self._recover(exc)
+                self.count_recovery(bool(exc.failures))
+
+    @abstractmethod
+    def _recover(self, disruption: Disrupted) -> None:
+        """Go on after ``disruption`` (the shape's ``on_lost``), or raise."""
+
+    def count_recovery(self, device_lost: bool) -> None:
+        """Count that the job goes on after a disruption (``device_lost``: a device was confirmed gone)."""
+        metrics = getattr(self.bus, "metrics", None)  # None: a program driven without a bus (its tests)
+        if metrics is not None:
+            record.recovered(metrics, self.name, device_lost)
 
     def check(self) -> None:
         """Raise JobCancelled once the job is cancelled."""
         if self.cancel.is_set():
             raise JobCancelled(f"job {self.name} was cancelled")
+
+    def ask_planner(self, request: Message, what: str | None = None) -> Message:
+        """The planner service's reply to ``request`` (``planner_client.request_plan``: never a PlanFailed); errors
+        name ``what`` (default: the job)."""
+        return request_plan(self.bus, request, what=what or f"job {self.name}", planner_node=self.planner_node,
+                            timeout_s=self.plan_timeout_s, busy_pause_s=self.busy_pause_s, plan_noun=self.plan_noun,
+                            too_large_advice=self.too_large_advice)
+
+    def fan_out(self, messages: Mapping[str, Message], *, targets: Mapping[str, str] | None = None,
+                watch: Watch | None = None, stop_on_reconnect: bool = True) -> FanOut:
+        """``fan_out`` of ``messages`` to this job's worker service, waiting at most ``timeout_s`` seconds."""
+        return fan_out(self.bus, messages, self.worker_service, timeout_s=self.timeout_s, targets=targets,
+                       watch=watch, stop_on_reconnect=stop_on_reconnect)
+
+    def done(self) -> bool:
+        """Whether the job has finished its work (the default: never; it runs until cancelled)."""
+        return False
+
+    @abstractmethod
+    def step(self) -> None:
+        """One step of the job's work. Raises Disrupted when devices are lost (or the step cannot go on)."""
+
+    def stop(self) -> None:  # noqa: B027 (a hook a program may leave out)
+        """The job leaves its loop (done, cancelled or failed): release what it holds."""
+
+
+class CoordinatorProgram(JobProgram, Generic[PlanT]):
+    """A job planned and deployed once, re-planned on loss (see the module's docstring)."""
+
+    #: The reply to an assignment that says a device holds its part (for the default ``deploy``).
+    ready: type[Message] = Message
+    #: What the job deploys on each device, for errors ("stage on a: ...").
+    part: str = "part"
+    cluster: ClusterProfile | None = None  # the profile the job plans on (hooks narrow it on losses)
+    plan: PlanT | None = None  # the plan deployed
+
+    def on_start(self) -> None:
+        nodes = self.nodes(self.online)
+        if not nodes:
+            raise JobError(f"job {self.name}: no {self.worker_service} is online; start a cluster "
+                           "(edgeswarm up --local)")
+        self.cluster = self.profile(nodes)
+
+    def _begin(self) -> None:
+        assert self.cluster is not None
+        plan = self.take_over(self.cluster)
+        if plan is None:
+            plan = self.request_plan(self.cluster, 0)
+            self.on_planned(plan)
+            self.check()
+            self.deploy(plan)
+        self.replanned(plan)
+        self.on_ready(plan)
+
+    def _recover(self, disruption: Disrupted) -> None:
+        self.replanned(self.on_lost(disruption))
 
     def replanned(self, plan: PlanT) -> None:
         """The job runs on ``plan`` from now on: the failure detector watches its devices."""
@@ -175,19 +233,8 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
             self.detector.watch(plan.devices)
 
     def request_plan(self, cluster: ClusterProfile, epoch: int) -> PlanT:
-        """Ask the planner service for the plan of ``plan_request(cluster, epoch)`` (asked again while the planner
-        is busy) and return ``plan_from`` its reply. Raises JobError saying what to do when there is none."""
-        reply = request_plan(self.bus, self.plan_request(cluster, epoch), what=f"job {self.name}",
-                             planner_node=self.planner_node, timeout_s=self.plan_timeout_s,
-                             busy_pause_s=self.busy_pause_s, plan_noun=self.plan_noun,
-                             too_large_advice=self.too_large_advice)
-        return self.plan_from(reply)
-
-    def fan_out(self, messages: Mapping[str, Message], *, targets: Mapping[str, str] | None = None,
-                watch: Watch | None = None, stop_on_reconnect: bool = True) -> FanOut:
-        """``fan_out`` of ``messages`` to this job's worker service, waiting at most ``timeout_s`` seconds."""
-        return fan_out(self.bus, messages, self.worker_service, timeout_s=self.timeout_s, targets=targets,
-                       watch=watch, stop_on_reconnect=stop_on_reconnect)
+        """``plan_from`` the planner's reply to ``plan_request(cluster, epoch)``."""
+        return self.plan_from(self.ask_planner(self.plan_request(cluster, epoch)))
 
     # --- the hooks --------------------------------------------------------------------------------
 
@@ -234,21 +281,21 @@ class CoordinatorProgram(ABC, Generic[PlanT]):
     def on_ready(self, plan: PlanT) -> None:
         """Every device of ``plan`` holds its part, deployed afresh or taken over; the job's loop starts next."""
 
-    def done(self) -> bool:
-        """Whether the job has finished its work (the default: never; it runs until cancelled)."""
-        return False
-
-    @abstractmethod
-    def step(self) -> None:
-        """One step of the job's work. Raises Disrupted when devices are lost (or the step cannot go on)."""
-
     def on_lost(self, disruption: Disrupted) -> PlanT:
         """Re-plan and deploy after ``disruption``; returns the plan the job goes on with. The default gives up:
         it raises the disruption."""
         raise disruption
 
-    def stop(self) -> None:
-        """The job leaves its loop (done, cancelled or failed): release what it holds."""
+
+class RoundProgram(JobProgram):
+    """A job of rounds that each plan themselves (see the module's docstring): a ``step`` is a round."""
+
+    def _recover(self, disruption: Disrupted) -> None:
+        self.on_lost(disruption)
+
+    def on_lost(self, disruption: Disrupted) -> None:
+        """Get over ``disruption`` before the next round. The default gives up: it raises the disruption."""
+        raise disruption
 
 
 def _describe(answer: Message | BusError) -> str:

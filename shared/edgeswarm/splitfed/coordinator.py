@@ -22,8 +22,8 @@ from edgeswarm.aggregation import FedAvg, PartialSum, UpdateRejectedError
 from edgeswarm.bus import Inbound
 from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
 from edgeswarm.coordination.fanout import fan_out
-from edgeswarm.coordination.planner_client import request_plan
-from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobCancelled, JobError
+from edgeswarm.coordination.program import RoundProgram
+from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobError
 from edgeswarm.evaluation import held_out
 from edgeswarm.messages.splitfed import (
     RoundSetup,
@@ -42,8 +42,7 @@ from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.profiling.compute import host_flops
-from edgeswarm.runtime.client import ClusterWatcher, nodes_running
-from edgeswarm.runtime.detection import FailureDetector
+from edgeswarm.runtime.client import nodes_running
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
 from edgeswarm.splitfed.compute import input_bytes, partition_of
@@ -53,82 +52,60 @@ from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
 
 if TYPE_CHECKING:
-    from edgeswarm.data.base import Dataset
-    from edgeswarm.messages.cluster import ClusterView
     from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
 KIND = "train-splitfed"  # the job kind (splitfed.workload's) in the metrics this program records
 
-CLUSTER_SETTLE_S = 0.5
-CLUSTER_WAIT_S = 30.0
 ENROL_TIMEOUT_S = 30.0
 POLL_S = 0.1
 TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the cloud server (spec 10.4, 12.14)
 
 
-class SplitfedRunner:
-    """One train-splitfed job on the coordinator (see the module's docstring)."""
+class SplitfedRunner(RoundProgram):
+    """One train-splitfed job on the coordinator (see the module's docstring): a round program whose failure detector
+    watches the MECs."""
+
+    plan_noun = "selection"
 
     def __init__(self, ctx: JobContext, spec: SplitfedSpec) -> None:
-        self.ctx, self.spec, self.bus = ctx, spec, ctx.bus
+        super().__init__(ctx.bus, name=spec.name, worker_service=MEC_MANAGER, cancel=ctx.cancel,
+                         timeout_s=ENROL_TIMEOUT_S)
+        self.ctx, self.spec = ctx, spec
         self.training = spec.local_training()
+        self.setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=self.training)
         self.updates: queue.Queue[Inbound] = queue.Queue()
         self.estimates: dict[str, gather.Estimates] = {}
         self.previous_best: tuple[int, int] | None = None
         self.history: list[RoundRecord] = []
         self.refused = 0
+        self.used: set[tuple[str, str]] = set()  # the (node, service) the job asked for, released when it ends
 
-    # --- the job --------------------------------------------------------------------------------------
+    # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
-    def run(self) -> None:
-        spec, ctx = self.spec, self.ctx
-        ctx.on_data(self._on_data)
-        watcher = ClusterWatcher(self.bus)
-        watcher.wait(settle_s=CLUSTER_SETTLE_S, devices=1, timeout_s=CLUSTER_WAIT_S, cancel=ctx.cancel)
-        self._check()
+    def on_start(self) -> None:
+        spec = self.spec
+        self.ctx.on_data(self._on_data)
         torch.manual_seed(spec.seed)
-        model = build_model(spec.model)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.layout = layout_of(state)
-        setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=self.training)
-        dataset, self.partition = partition_of(setup)
-        start = self._resume(state)
-        ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
-                                                    f"{self.training.batch_size}"))
+        self.model = build_model(spec.model)
+        self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.layout = layout_of(self.state)
+        self.dataset, self.partition = partition_of(self.setup)
+        self.round = self._resume(self.state)  # the next round to run
+        self.ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
+                                                         f"{self.training.batch_size}"))
         self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
         self.flops = host_flops()
-        detector = FailureDetector(self.bus, MEC_MANAGER, timeout_factor=self.bus.settings.heartbeat_timeout_factor)
-        used: set[tuple[str, str]] = set()
-        try:
-            for r in range(start, spec.rounds):
-                self._check()
-                view, _ = watcher.view()
-                state = self._round(r, state, view, detector, used, model, dataset)
-            ctx.update("running", event=("finished", f"{spec.rounds} rounds; held-out accuracy "
-                                                     f"{_pct(self.history[-1].accuracy if self.history else None)}"))
-        finally:
-            detector.close()
-            for node, service in sorted(used):
-                try:
-                    self.bus.publish(topics.request(node, service), SplitRelease(job_id=spec.name), qos=1)
-                except BusError as exc:
-                    log.warning("job %s: could not release %s/%s: %s", spec.name, node, service, exc)
 
-    def _check(self) -> None:
-        if self.ctx.cancel.is_set():
-            raise JobCancelled(f"job {self.spec.name} was cancelled")
+    def done(self) -> bool:
+        return self.round >= self.spec.rounds
 
-    def _on_data(self, msg: Inbound) -> None:
-        if isinstance(msg.body, SplitUpdate):
-            self.updates.put(msg)
-
-    # --- one round ------------------------------------------------------------------------------------
-
-    def _round(self, r: int, state: dict[str, torch.Tensor], view: ClusterView, detector: FailureDetector,
-               used: set[tuple[str, str]], model: torch.nn.Module, dataset: Dataset) -> dict[str, torch.Tensor]:
-        spec, ctx = self.spec, self.ctx
+    def step(self) -> None:
+        """Run round ``self.round`` over the cluster as it is now (see the module's docstring)."""
+        spec, ctx, r, setup = self.spec, self.ctx, self.round, self.setup
         started = time.monotonic()
+        assert self.watcher is not None
+        view, _ = self.watcher.view()
         devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
         devices = devices[:spec.partition.devices]  # a device's partition is its index among these
         mecs = sorted(nodes_running(view, MEC_MANAGER))
@@ -151,20 +128,18 @@ class SplitfedRunner:
             local_only=spec.mode == "fedavg", previous_best=self.previous_best,
             overhead_bytes=input_bytes(spec.model, self.training.batch_size))
         ctx.update("planning")
-        reply = request_plan(self.bus, SplitPlanRequest(model=self.cost, devices=split_devices,
-                                                        mecs=gather.split_mecs(view, mecs, self.flops),
-                                                        options=options, round=r),
-                             what=f"job {spec.name} round {r}", plan_noun="selection")
+        reply = self.ask_planner(SplitPlanRequest(model=self.cost, devices=split_devices,
+                                                  mecs=gather.split_mecs(view, mecs, self.flops), options=options,
+                                                  round=r), what=f"job {spec.name} round {r}")
         assert isinstance(reply, SplitPlanReply)
         selection = reply.selection
         self.previous_best = (selection.target_cut, selection.count)
-        setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=self.training)
         # Enrol the candidates: each takes its MEC's part and tensors for this round and no one else's.
         enrols = {c.node: SplitEnrol(job_id=spec.name, round=r, mec=c.mec, index=index[c.node], setup=setup,
                                      budget_bytes=spec.memory_budget_bytes, wait_s=spec.wait_s)
                   for c in selection.selected}
         fan = fan_out(self.bus, enrols, STAGE_WORKER, timeout_s=ENROL_TIMEOUT_S)
-        used.update((n, STAGE_WORKER) for n in enrols)
+        self.used.update((n, STAGE_WORKER) for n in enrols)
         enrolled = [c for c in selection.selected if isinstance(fan.replies.get(c.node), SplitEnrolled)]
         left_out = sorted(set(enrols) - {c.node for c in enrolled})
         by_mec: dict[str, list[SplitCandidate]] = {}
@@ -177,28 +152,45 @@ class SplitfedRunner:
                                      quota=k, epsilon=spec.epsilon if spec.mode == "smartsplit" else 1.0,
                                      seed=spec.seed * 7919 + r, estimator=spec.estimator, wait_s=spec.wait_s)
                   for m, k in zip(names, shares, strict=True) if k > 0}
-        used.update((m, MEC_MANAGER) for m in starts)
-        flat = flatten(state, self.layout)
+        self.used.update((m, MEC_MANAGER) for m in starts)
+        flat = flatten(self.state, self.layout)
         running = [m for m in starts if self._start_on(m, starts[m], flat)]
         ctx.update("running", plan=selection, event=("round_started", _describe(r, selection, running)))
-        updates = self._collect(r, {m: starts[m] for m in running}, flat, detector, selection)
+        updates = self._collect(r, {m: starts[m] for m in running}, flat, selection)
         wan = self.layout.numel * 4 * (len(running) + self.restarts)
-        new_state, record = self._aggregate(r, state, updates, selection, started, wan, left_out)
-        model.load_state_dict(new_state)
-        accuracy, loss = held_out(model, dataset, batch_size=256)
+        self.state, record = self._aggregate(r, self.state, updates, selection, started, wan, left_out)
+        self.model.load_state_dict(self.state)
+        accuracy, loss = held_out(self.model, self.dataset, batch_size=256)
         record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
         self.history = (self.history + [record])[-MAX_ROUND_RECORDS:]
         metrics_record.round_done(self.bus.metrics, KIND, spec.name, record.round_s,
                                   sum(p.samples for p in record.participants))
-        self._checkpoint(r, new_state)
+        self._checkpoint(r, self.state)
         ctx.update("running", rounds_done=r + 1, rounds_total=spec.rounds, accuracy=accuracy, loss=loss,
                    refused=self.refused, history=self.history,
                    event=("round", _round_line(record)))
-        return new_state
+        self.round += 1
+
+    def stop(self) -> None:
+        """Say the job finished when every round ran, and release what it asked of every stage-worker and MEC."""
+        if self.done():
+            accuracy = _pct(self.history[-1].accuracy if self.history else None)
+            self.ctx.update("running", event=("finished", f"{self.spec.rounds} rounds; held-out accuracy {accuracy}"))
+        for node, service in sorted(self.used):
+            try:
+                self.bus.publish(topics.request(node, service), SplitRelease(job_id=self.name), qos=1)
+            except BusError as exc:
+                log.warning("job %s: could not release %s/%s: %s", self.name, node, service, exc)
+
+    def _on_data(self, msg: Inbound) -> None:
+        if isinstance(msg.body, SplitUpdate):
+            self.updates.put(msg)
+
+    # --- one round ------------------------------------------------------------------------------------
 
     def _start_on(self, mec: str, start: SplitRoundStart, flat: torch.Tensor) -> bool:
         """Start the round on ``mec``: its candidates, then the global weights. Whether it took the round."""
-        fan = fan_out(self.bus, {mec: start}, MEC_MANAGER, timeout_s=ENROL_TIMEOUT_S)
+        fan = self.fan_out({mec: start})
         if not isinstance(fan.replies.get(mec), SplitEnrolled):
             log.warning("job %s round %d: %s did not take the round: %s", self.spec.name, start.round, mec,
                         fan.failures.get(mec) or fan.replies.get(mec))
@@ -211,13 +203,15 @@ class SplitfedRunner:
             return False
         return True
 
-    def _collect(self, r: int, starts: dict[str, SplitRoundStart], flat: torch.Tensor, detector: FailureDetector,
+    def _collect(self, r: int, starts: dict[str, SplitRoundStart], flat: torch.Tensor,
                  selection: SplitSelection) -> dict[str, tuple[SplitUpdate, PartialSum | None]]:
         """Every running MEC's update of round ``r`` with its weighted sum (None when none of its devices trained).
         An MEC the failure detector confirms lost is given ``wait_s`` to come back, and then the round again (it
         resumes from its own checkpoint); one that does not is left out, and so is an update with NaN or infinite
-        values (counted)."""
+        values (counted). Either way the MEC counts as a recovery."""
         mecs = list(starts)
+        detector = self.detector
+        assert detector is not None
         detector.watch(mecs)
         self.restarts = 0
         # An MEC answers even when its devices fail (each wait is bounded by wait_s): this bound is for an MEC that
@@ -229,7 +223,7 @@ class SplitfedRunner:
         instances: dict[str, str | None] = {m: detector.instance(m) for m in mecs}
         pending = set(mecs)
         while pending - set(got):
-            self._check()
+            self.check()
             now = time.monotonic()
             for m in sorted(pending - set(got)):
                 current = detector.instance(m)
@@ -244,13 +238,15 @@ class SplitfedRunner:
                         log.warning("job %s round %d: %s is lost; the round goes on without its devices",
                                     self.spec.name, r, m)
                         pending.discard(m)
+                        self.count_recovery(device_lost=True)
                 elif m in lost_at or restarted:
-                    lost_at.pop(m, None)
+                    confirmed = lost_at.pop(m, None) is not None
                     instances[m] = current
                     self.ctx.update("running", event=("mec_restarted", f"round {r}: {m} came back; it resumes the "
                                                                        "round from its checkpoint"))
                     if self._start_on(m, starts[m], flat):
                         self.restarts += 1
+                        self.count_recovery(device_lost=confirmed)
             if now > give_up:
                 log.warning("job %s round %d: no update from %s in time", self.spec.name, r,
                             ", ".join(sorted(pending - set(got))))
