@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +56,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("serving-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles"), "EDGESWARM_MEMORY_BUDGET_BYTES": str(BUDGET)}
-    with native_cluster(DEVICES, root / "cluster", env, "serving-test") as (local, bus):
+    # The dashboard collects the stages' spans for `edgeswarm explain`.
+    with native_cluster(DEVICES, root / "cluster", env, "serving-test", dashboard=True) as (local, bus):
         yield Cluster(local, bus, root)
 
 
@@ -170,6 +172,21 @@ def test_the_cli_serves_infers_lists_and_cancels(cluster: Cluster, tmp_path: Pat
     assert generated.returncode == 0 and "5/5 requests answered" in generated.stdout
     listed = cli("jobs")
     assert name in listed.stdout and "serve-pipeline" in listed.stdout and "answered" in listed.stdout
+
+    def explained() -> dict[str, Any] | None:
+        """`edgeswarm explain` once every stage's spans are in (they follow the answers by up to 0.5 s)."""
+        result = cli("explain", name, "--json", str(tmp_path / "explain.json"))
+        if result.returncode != 0:
+            return None
+        data: dict[str, Any] = json.loads((tmp_path / "explain.json").read_text())
+        seen = {o["lane"] for o in data["operations"] if o["measured_each_s"] is not None}
+        return data if {"stage 0", "stage 1"} <= seen else None
+
+    data = wait_until(explained, 30, message="the stages' spans for edgeswarm explain")
+    assert data["unit"] == "item" and len(data["units"]) >= 2 and data["predicted_s"] > 0
+    ops = {(o["lane"], o["name"]): o for o in data["operations"]}
+    assert ops[("stage 0", "forward")]["planned_each_s"] > 0 and ops[("stage 1", "forward")]["measured_s"] > 0
+    assert ops[("link 0→1", "activation")]["planned_each_s"] is not None
     cancelled = cli("cancel", name)
     assert cancelled.returncode == 0, cancelled.stderr
     wrong = cli("infer", "no-such-job", "--count", "1")

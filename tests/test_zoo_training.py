@@ -157,3 +157,20 @@ def test_edgeswarm_trace_writes_one_forward_and_backward_per_micro_batch_of_ever
     assert drawn is not None and drawn["round"] == ROUNDS - 1, drawn
     assert {b["source"] for b in drawn["bars"]} == {"planned", "measured"}
     assert {"stage 0", "link 0→1", "stage 1"} <= set(drawn["lanes"])
+    # `edgeswarm explain JOB`: the planned operations beside the measured ones, round 1 (round 0 warms up).
+    out = tmp_path / "explain.json"
+    result = subprocess.run([sys.executable, "-m", "edgeswarm", "explain", name, "--json", str(out), "--hub",
+                             cluster.local.hub_url], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"job {name} (train-hpp), 1 round measured: predicted" in result.stdout, result.stdout
+    explained = json.loads(out.read_text())
+    assert explained["units"] == [ROUNDS - 1] and explained["spans_s"] > 0
+    ops = {(o["lane"], o["name"]): o for o in explained["operations"]}
+    for p in range(stages):
+        for kind in ("forward", "backward"):
+            op = ops[(f"stage {p}", kind)]
+            assert op["planned_each_s"] > 0 and op["measured_each_s"] > 0 and op["measured_s"] > 0, op
+    assert ops[("link 0→1", "activation")]["planned_each_s"] is not None
+    assert ops[("job", "outside spans")]["planned_s"] == 0.0
+    gaps = [abs(o["measured_s"] - o["planned_s"]) for o in explained["operations"]]
+    assert gaps == sorted(gaps, reverse=True)

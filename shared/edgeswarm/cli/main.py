@@ -167,6 +167,7 @@ _RUNNERS = {"up": "up:run_up", "status": "status:run_status", "topics": "status:
             "watch": "watch:run_watch", "dashboard": "dashboard:run_dashboard", "health": "health:run_health",
             "credentials": "security:run_credentials", "certs": "security:run_certs", "chaos": "chaos:run_chaos",
             "plan": "plan:run_plan", "train": "train:run_train", "trace": "trace:run_trace",
+            "explain": "trace:run_explain",
             "serve": "serve:run_serve", "infer": "serve:run_infer", "jobs": "train:run_jobs",
             "cancel": "train:run_cancel", "profile": "profile:run_profile"}
 _BENCHES = {"spans": "bench:run_bench_spans", "collectives": "bench:run_bench_collectives"}

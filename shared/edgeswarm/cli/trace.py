@@ -1,4 +1,5 @@
-"""``edgeswarm trace JOB --out trace.json``: a job's measured spans as Chrome trace format (Perfetto opens it).
+"""``edgeswarm trace JOB --out trace.json``: a job's measured spans as Chrome trace format (Perfetto opens it); and
+``edgeswarm explain JOB``: its planned operations beside those spans, the largest gap first (``tracing.explain``).
 
 The spans come from the dashboard service on the hub (its trace collector holds every worker's spans, per job),
 asked with a TraceRequest (``tracing.client.fetch_trace``, which HPP's ``train --timeline-png`` uses too).
@@ -7,15 +8,22 @@ asked with a TraceRequest (``tracing.client.fetch_trace``, which HPP's ``train -
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
 
 from edgeswarm.cli.common import add_hub_arg, hub_url
 from edgeswarm.cli.console import console
 from edgeswarm.errors import ConfigError
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.tracing.chrome import chrome_trace_bytes
-from edgeswarm.tracing.client import NoTraceError, fetch_trace
+from edgeswarm.tracing.client import NoTraceError, fetch_trace, submission_spans
+from edgeswarm.tracing.explain import Explanation, explain
+from edgeswarm.tracing.schedule import complete_rounds
 
 
 def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,6 +32,13 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                                      "trace format, for Perfetto or chrome://tracing")
     p.add_argument("job", help="the job's name")
     p.add_argument("--out", required=True, help="the JSON file to write (replaced if it exists)")
+    add_hub_arg(p)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the dashboard's answer")
+    p = sub.add_parser("explain", help="a job's planned operations (compute, transfers, collectives) beside its "
+                                       "measured spans, per round or item, the largest gap first")
+    p.add_argument("job", help="the job's name")
+    p.add_argument("--top", type=int, default=15, help="operations shown (default 15; 0: all)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the whole explanation as JSON")
     add_hub_arg(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the dashboard's answer")
 
@@ -54,3 +69,74 @@ def run_trace(args: argparse.Namespace) -> int:
                   f"{round_text}{dropped}; open it at https://ui.perfetto.dev", markup=False, highlight=False,
                   soft_wrap=True)  # one line however long the path: scripts read it
     return 0
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from edgeswarm.workloads import installed_workload
+    from edgeswarm.workloads.client import job_states
+
+    if args.top < 0:
+        raise ConfigError("--top is a count of operations (0: all)")
+    bus = client_bus(Settings(hub_url=hub_url(args.hub) or "mqtt://127.0.0.1:1883"), role="trace")
+    try:
+        state = next((s for s in job_states(bus) if s.job_id == args.job), None)
+        if state is None:
+            raise ConfigError(f"no job {args.job} on this cluster (`edgeswarm jobs` lists them)")
+        reply = fetch_trace(bus, args.job, args.timeout)
+    finally:
+        bus.stop()
+    work = installed_workload(state.kind)
+    if work is None:
+        raise ConfigError(f"job {args.job} is of kind {state.kind}, which is not installed here")
+    spans = submission_spans(reply.spans, state.submitted_at)
+    if not spans:
+        raise NoTraceError(f"the dashboard holds no spans of job {args.job}: spans are kept from when the dashboard "
+                           "started, for its most recent jobs")
+    unit = work.schedule_unit
+    if unit == "round":
+        nodes = [n for group in work.stage_devices(state.plan) for n in group] if state.plan is not None else []
+        units = complete_rounds(spans, nodes)
+        units = units[1:] if len(units) > 1 else units  # the first round builds and warms up: not steady state
+    else:
+        units = sorted({s.micro_batch for s in spans if s.micro_batch is not None})
+    predicted, reported = work.unit_seconds(state)
+    result = explain(args.job, work.planned_schedule(state), spans, unit, units, predicted_s=predicted,
+                     reported_s=reported)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.model_dump(mode="json"), indent=2))
+    _print_explanation(result, state, args.top)
+    return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.2f}"
+
+
+def _print_explanation(result: Explanation, state: JobState, top: int) -> None:
+    unit = result.unit
+    if not result.units:
+        console.print(f"job {result.job_id}: no complete {unit} measured yet")
+        return
+    count = len(result.units)
+    head = f"job {result.job_id} ({state.kind}), {count} {unit}{'s' if count > 1 else ''} measured: "
+    if result.predicted_s and result.reported_s:
+        head += (f"predicted {result.predicted_s * 1000:.1f} ms a {unit}, measured {result.reported_s * 1000:.1f} ms "
+                 f"({result.reported_s / result.predicted_s:.2f}x); ")
+    head += f"the spans cover {result.spans_s * 1000:.1f} ms a {unit}"
+    if result.planned_s:
+        head += f", the planned schedule {result.planned_s * 1000:.1f} ms"
+    console.print(escape(head), highlight=False)
+    table = Table(title=f"per {unit}, the largest gap first (ms)")
+    for col in ("lane", "operation", "planned", "measured", "gap", "measured / planned", "one planned",
+                "one measured"):
+        table.add_column(col, justify="left" if col in ("lane", "operation") else "right")
+    rows = result.operations[:top] if top else result.operations
+    for op in rows:
+        table.add_row(escape(op.lane), escape(op.name), _ms(op.planned_s if op.planned_each_s is not None else None),
+                      _ms(op.measured_s), f"{op.gap_s * 1000:+.2f}", f"{op.ratio:.2f}x" if op.ratio else "-",
+                      _ms(op.planned_each_s), _ms(op.measured_each_s))
+    console.print(table)
+    if len(rows) < len(result.operations):
+        console.print(f"{len(result.operations) - len(rows)} more operations: --top 0 shows all")
+    if not any(op.planned_each_s is not None for op in result.operations):
+        console.print(f"kind {state.kind} plans no per-operation schedule: measured spans only")

@@ -21,6 +21,7 @@ from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.tracing import SpanBatch, SpanRecord, TraceReply, TraceRequest
 from edgeswarm.metrics import Metrics
 from edgeswarm.tracing.chrome import chrome_trace_bytes
+from edgeswarm.tracing.client import submission_spans
 from edgeswarm.tracing.schedule import complete_rounds, measured_bars, schedule_view
 from edgeswarm.values.schedule import ScheduleView
 
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 
 MAX_JOBS = 8  # with MAX_SPANS_PER_JOB, at most about 90 MB of spans (a SpanRecord takes about 1.1 KB)
 MAX_SPANS_PER_JOB = TraceReply.MAX_SPANS
-SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
 
 @dataclass
@@ -142,8 +142,7 @@ class TraceCollector:
     def round_schedule(self, state: JobState) -> ScheduleView | None:
         """The latest round of job ``state`` whose spans are all in, planned beside measured; None when none is."""
         try:
-            # Spans of an earlier job of the same name are left out.
-            spans = [s for s in self.spans(state.job_id) if s.start >= state.submitted_at - SKEW_S]
+            spans = submission_spans(self.spans(state.job_id), state.submitted_at)
         except KeyError:
             return None
         from edgeswarm.workloads import installed_workload  # the kinds sit above the tracing

@@ -39,7 +39,6 @@ if TYPE_CHECKING:  # torch: imported only when a job starts from a file
 
 STORE_NODE = "hub"
 STRATEGIES = ("hpp", "dp", "pp", "single")
-SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
 
 class ExportCommand(Command):
@@ -256,7 +255,7 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
 def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str]:
     """The job's last round whose spans are all in, from the dashboard's trace collector, or None and why not."""
     from edgeswarm.planning.hpp.render import MeasuredRound
-    from edgeswarm.tracing.client import NoTraceError, fetch_trace
+    from edgeswarm.tracing.client import NoTraceError, fetch_trace, submission_spans
     from edgeswarm.tracing.schedule import complete_rounds, measured_bars
 
     assert isinstance(final.plan, Plan)
@@ -269,8 +268,7 @@ def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str
             return None, "no measured round: the dashboard service did not answer"
         except EdgeswarmError as exc:  # refused (the ACL, say): the planned timeline is still worth drawing
             return None, f"no measured round: {exc}"
-        # Spans of an earlier job of the same name are left out.
-        spans = [s for s in reply.spans if s.start >= final.submitted_at - SKEW_S]
+        spans = submission_spans(reply.spans, final.submitted_at)
         rounds = complete_rounds(spans, nodes)
         if not reply.found or (rounds and rounds[-1] >= final.progress_as(TrainProgress).round - 1) or attempt:
             break

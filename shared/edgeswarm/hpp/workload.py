@@ -184,6 +184,10 @@ class TrainWorkload(Workload):
 
         return timeline_bars(plan_timeline(state.plan))
 
+    def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
+        progress = state.progress_as(TrainProgress)
+        return progress.predicted_round_s, progress.round_s
+
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         assert isinstance(spec, JobSpec)
         previous, resume = ctx.previous, None

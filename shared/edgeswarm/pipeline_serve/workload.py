@@ -9,6 +9,7 @@ from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferRequest, ServeTensor
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.workloads.checks import model_problems
 from edgeswarm.workloads.serving import ServingWorkload
 from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView
@@ -32,6 +33,7 @@ class ServePipelineWorkload(ServingWorkload):
     data_schemas = (InferRequest, ServeTensor)
     worker_program = "edgeswarm.pipeline_serve.worker:ServeStageProgram"
     request_type = InferRequest
+    schedule_unit = "item"
     program = "edgeswarm.pipeline_serve.coordinator:PipelineRunner"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
@@ -46,6 +48,28 @@ class ServePipelineWorkload(ServingWorkload):
         assert isinstance(progress, ServeProgress)
         return [("latency p50", "s", progress.latency_p50_s), ("latency p99", "s", progress.latency_p99_s),
                 ("throughput", "samples/s", progress.throughput_per_s)]
+
+    def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
+        """One micro-batch through the pipeline as planned: each stage's forward, then the activation's transfer to
+        the next stage."""
+        plan = state.plan
+        if not isinstance(plan, ServePlan):
+            return []
+        bars, t = [], 0.0
+        for st in plan.stages:
+            if st.index > 0:
+                bars.append(ScheduleBar(lane=f"link {st.index - 1}→{st.index}", name="activation", cat="transfer",
+                                        start_s=t, dur_s=st.transfer_in_s, source="planned"))
+                t += st.transfer_in_s
+            bars.append(ScheduleBar(lane=f"stage {st.index}", name="forward", cat="compute", start_s=t,
+                                    dur_s=st.compute_s, source="planned"))
+            t += st.compute_s
+        return bars
+
+    def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
+        plan = state.plan
+        return (plan.latency_s if isinstance(plan, ServePlan) else None,
+                state.progress_as(ServeProgress).latency_p50_s)
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, ServePlan)

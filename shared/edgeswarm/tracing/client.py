@@ -3,15 +3,18 @@ measured round)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from edgeswarm import topics
 from edgeswarm.bus import Bus
 from edgeswarm.errors import EdgeswarmError, RequestTimeoutError
-from edgeswarm.messages.tracing import TraceReply, TraceRequest
+from edgeswarm.messages.tracing import SpanRecord, TraceReply, TraceRequest
 
 DASHBOARD_NODE = "hub"
 DASHBOARD = "dashboard"
 NOT_RUNNING = ("is the dashboard service running? `edgeswarm up --local` starts it (on a deployed hub: its "
                "compose profile, or `edgeswarm service dashboard`)")
+SKEW_S = 2.0  # how far a device's clock may be behind the hub's when spans are matched to a submission
 
 
 class NoTraceError(EdgeswarmError):
@@ -29,3 +32,9 @@ def fetch_trace(bus: Bus, job_id: str, timeout_s: float = 10.0) -> TraceReply:
     if not isinstance(reply.body, TraceReply):
         raise NoTraceError(f"the dashboard answered a trace request with {type(reply.body).__name__}")
     return reply.body
+
+
+def submission_spans(spans: Iterable[SpanRecord], submitted_at: float) -> list[SpanRecord]:
+    """The ``spans`` of the job submitted at ``submitted_at`` (Unix seconds): an earlier job of the same name's are
+    left out."""
+    return [s for s in spans if s.start >= submitted_at - SKEW_S]

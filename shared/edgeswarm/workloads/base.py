@@ -114,6 +114,9 @@ class Workload(ABC):
     # The programs a kind runs on services other than its worker service, by service name ("module:Class" each): a
     # kind whose work has two halves on two kinds of node (split learning's device half and its edge server's).
     other_programs: ClassVar[dict[str, str]] = {}
+    # What one unit of ``planned_schedule`` is, and how its spans are grouped: by round, or by item (a serving
+    # pipeline's micro-batch, the spans' ``micro_batch``).
+    schedule_unit: ClassVar[Literal["round", "item"]] = "round"
 
     def programs(self) -> dict[str, str]:
         """Every program of this kind by the service that hosts it: ``worker_program`` on ``worker_service`` and the
@@ -147,6 +150,11 @@ class Workload(ABC):
         start, lanes named as its workers name their spans' lanes), drawn beside the measured round. Empty by
         default: the kind plans no schedule."""
         return []
+
+    def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
+        """The job's own predicted and measured seconds per ``schedule_unit`` (a round; a serving item), None where
+        it has none yet: ``edgeswarm explain`` sets them beside the planned schedule and the spans."""
+        return None, None
 
     def plan_view(self, state: JobState) -> PlanView | None:
         """The plan of ``state`` as the dashboard draws it (None: no plan yet). By default a chain of

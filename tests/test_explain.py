@@ -1,0 +1,99 @@
+"""``tracing.explain``: planned operations lined up with measured spans, per round or item, the largest gap first."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgeswarm.messages.tracing import SpanRecord
+from edgeswarm.tracing.explain import OUTSIDE, explain
+from edgeswarm.values.schedule import ScheduleBar
+
+T0 = 1_700_000_000.0
+
+
+def bar(lane: str, name: str, start: float, dur: float, mb: int | None = None) -> ScheduleBar:
+    cat = "transfer" if lane.startswith("link") else "compute"
+    return ScheduleBar(lane=lane, name=name, cat=cat, start_s=start, dur_s=dur, source="planned", micro_batch=mb)
+
+
+def span(lane: str, name: str, start: float, dur: float, *, node: str = "a", rnd: int | None = None,
+         mb: int | None = None, cat: str | None = None) -> SpanRecord:
+    return SpanRecord(name=name, cat=cat or ("transfer" if lane.startswith("link") else "compute"), job_id="j",
+                      node=node, service="stage-worker", lane=lane, round=rnd, micro_batch=mb, start=T0 + start,
+                      dur_s=dur)
+
+
+# Two stages, two micro-batches: forward 10 ms and backward 20 ms a micro-batch on each stage, 5 ms activations.
+PLANNED = [bar("stage 0", "forward", 0.000, 0.010, 0), bar("stage 0", "forward", 0.010, 0.010, 1),
+           bar("link 0→1", "activation", 0.010, 0.005, 0), bar("stage 1", "forward", 0.015, 0.010, 0),
+           bar("stage 1", "backward", 0.025, 0.020, 0), bar("stage 1", "forward", 0.035, 0.010, 1),
+           bar("stage 1", "backward", 0.045, 0.020, 1), bar("stage 0", "backward", 0.065, 0.020, 0),
+           bar("stage 0", "backward", 0.085, 0.020, 1)]
+
+
+def round_spans(r: int, backward_1: float) -> list[SpanRecord]:
+    """Round ``r`` as measured: as planned, but stage 1's backward takes ``backward_1`` s and stage 0 waits for
+    its gradient."""
+    base = 10.0 * r
+    out = []
+    for mb in (0, 1):
+        out += [span("stage 0", "forward", base + 0.01 * mb, 0.010, rnd=r, mb=mb, node="a"),
+                span("link 0→1", "activation", base + 0.01 + 0.01 * mb, 0.005, rnd=r, mb=mb, node="a"),
+                span("stage 1", "forward", base + 0.02 + 0.01 * mb, 0.010, rnd=r, mb=mb, node="b"),
+                span("stage 1", "backward", base + 0.04 + backward_1 * mb, backward_1, rnd=r, mb=mb, node="b"),
+                span("stage 0", "wait gradient", base + 0.02, 0.02, rnd=r, mb=mb, node="a", cat="wait"),
+                span("stage 0", "backward", base + 0.2 + 0.02 * mb, 0.020, rnd=r, mb=mb, node="a")]
+    return out
+
+
+def test_the_slow_operation_comes_first_with_its_gap_per_round_and_per_occurrence() -> None:
+    spans = round_spans(1, 0.060) + round_spans(2, 0.060)
+    result = explain("j", PLANNED, spans, "round", [1, 2], predicted_s=0.105, reported_s=0.3)
+    first = result.operations[0]
+    assert (first.lane, first.name) == ("stage 1", "backward")
+    assert first.planned_s == pytest.approx(0.040) and first.measured_s == pytest.approx(0.120)
+    assert first.planned_each_s == pytest.approx(0.020) and first.measured_each_s == pytest.approx(0.060)
+    assert first.gap_s == pytest.approx(0.080) and first.ratio == pytest.approx(3.0)
+    by = {(op.lane, op.name): op for op in result.operations}
+    # As planned: no gap. Not planned (a wait): measured only.
+    assert by[("stage 0", "forward")].gap_s == pytest.approx(0.0)
+    assert by[("link 0→1", "activation")].measured_s == pytest.approx(0.010)
+    wait = by[("stage 0", "wait gradient")]
+    assert wait.planned_each_s is None and wait.ratio is None and wait.measured_s == pytest.approx(0.04)
+    # What the job measured beyond its spans: the round's messages, aggregation and checkpoint.
+    outside = by[("job", OUTSIDE)]
+    assert result.spans_s == pytest.approx(0.24, abs=1e-6) and outside.measured_s == pytest.approx(0.3 - 0.24, abs=1e-6)
+    assert result.units == [1, 2] and result.planned_s == pytest.approx(0.105)
+    assert [op.name for op in result.operations[:3]] == ["backward", OUTSIDE, "wait gradient"]
+    assert [abs(op.gap_s) for op in result.operations] == sorted((abs(op.gap_s) for op in result.operations),
+                                                                 reverse=True)
+
+
+def test_a_replicated_stage_counts_its_busiest_device_and_units_without_spans_are_left_out() -> None:
+    spans = [span("stage 0", "forward", 0.0, 0.010, rnd=1, node="a"),
+             span("stage 0", "forward", 0.0, 0.030, rnd=1, node="b"),
+             span("stage 0", "forward", 1.0, 0.010, rnd=7, node="a")]  # a round not asked for
+    result = explain("j", [bar("stage 0", "forward", 0.0, 0.010)], spans, "round", [1, 2])
+    assert result.units == [1]
+    (op,) = result.operations
+    assert op.measured_s == pytest.approx(0.030) and op.measured_each_s == pytest.approx(0.020)
+
+
+def test_serving_items_are_grouped_by_micro_batch_and_an_operation_that_never_ran_counts_as_zero() -> None:
+    planned = [bar("stage 0", "forward", 0.0, 0.002), bar("link 0→1", "activation", 0.002, 0.001),
+               bar("stage 1", "forward", 0.003, 0.002)]
+    spans = [span("stage 0", "forward", 0.0, 0.004, mb=0), span("stage 0", "forward", 1.0, 0.004, mb=1),
+             span("stage 1", "forward", 0.01, 0.002, mb=0, node="b"),
+             span("stage 1", "forward", 1.01, 0.002, mb=1, node="b")]
+    result = explain("s", planned, spans, "item", [0, 1], predicted_s=0.005, reported_s=0.030)
+    by = {(op.lane, op.name): op for op in result.operations}
+    assert result.units == [0, 1] and by[("stage 0", "forward")].ratio == pytest.approx(2.0)
+    assert by[("link 0→1", "activation")].measured_s == 0.0  # planned, never measured
+    assert by[("link 0→1", "activation")].measured_each_s is None
+    assert by[("job", OUTSIDE)].measured_s == pytest.approx(0.030 - 0.012, abs=1e-6)
+
+
+def test_no_spans_gives_an_empty_explanation_without_an_outside_row() -> None:
+    result = explain("j", PLANNED, [], "round", [1], reported_s=0.2)
+    assert result.units == [] and result.spans_s == 0.0
+    assert all(op.name != OUTSIDE and op.measured_s == 0.0 for op in result.operations)
