@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from edgeswarm.errors import BatchSizeError, ConfigError, ModelTraceError, StageRangeError
 from edgeswarm.models import sequence
-from edgeswarm.models.sequence import LayerSequence, layer_sequence, run_chain
+from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import (
     MODEL_NAMES,
     build_model,
@@ -52,7 +52,10 @@ def random_partitions(length: int, rng: random.Random, count: int = 3) -> list[l
 
 
 def chain(seq: LayerSequence, bounds: list[int], x: torch.Tensor) -> torch.Tensor:
-    return run_chain([seq.build_stage(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], x)
+    """The stages ``bounds`` cut ``seq`` into, run one after the other on ``x``: what a pipeline computes."""
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        x = seq.build_stage(a, b)(x)
+    return x
 
 
 def test_the_zoo_has_every_model() -> None:

@@ -11,6 +11,7 @@ import pytest
 from edgeswarm.errors import EdgeswarmError, ScheduleError
 from edgeswarm.planning.hpp.render import render_plan_png
 from edgeswarm.planning.hpp.schedule import (
+    Operation,
     Timeline,
     analytic_latency,
     plan_timeline,
@@ -30,6 +31,11 @@ UNIFORM_EF = [1.0, 0.3, 1.0, 0.3, 1.0, 0.3, 1.0]
 UNIFORM_EB = [2.0, 0.3, 2.0, 0.3, 2.0, 0.3, 2.0]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def step_operations(timeline: Timeline, step: int) -> list[Operation]:
+    """The operations of ``step`` in chronological order."""
+    return [op for op in timeline.operations if op.step == step]
 
 
 # --- AC-1: warm-up counts and the strict order ------------------------------------------------------
@@ -170,7 +176,7 @@ def test_comm_ties_send_the_backward_first() -> None:
     # Hand-traced: at t=5 the link holds F2 (waiting since 3) and B0 (arrived at 5); Appendix A starts B0 first.
     # Sending F2 first would finish at 11; the rule as written gives 12.
     timeline = simulate([1.0, 2.0, 1.0], [1.0, 1.0, 1.0], 3)
-    link = [(op.kind, op.micro_batch, op.start_s, op.end_s) for op in timeline.step_operations(1)]
+    link = [(op.kind, op.micro_batch, op.start_s, op.end_s) for op in step_operations(timeline, 1)]
     assert link == [
         ("F", 0, 1.0, 3.0), ("F", 1, 3.0, 5.0), ("B", 0, 5.0, 6.0), ("F", 2, 6.0, 8.0), ("B", 1, 8.0, 9.0),
         ("B", 2, 10.0, 11.0),
@@ -188,7 +194,7 @@ def test_simulate_single_stage() -> None:
 def test_simulate_allreduce_runs_after_the_last_backward() -> None:
     timeline = simulate(WORKED_EF, WORKED_EB, 5, allreduce_s=[0, 0, 0.8, 0, 0])
     (allreduce,) = [op for op in timeline.operations if op.kind == "AR"]
-    last_backward = max(op.end_s for op in timeline.step_operations(2) if op.kind == "B")
+    last_backward = max(op.end_s for op in step_operations(timeline, 2) if op.kind == "B")
     assert allreduce.step == 2 and allreduce.micro_batch is None
     assert allreduce.start_s == last_backward and allreduce.duration_s == pytest.approx(0.8)
     assert timeline.makespan_s == pytest.approx(27.5)  # hidden behind stage 0's drain, as in the analytic model
@@ -283,7 +289,7 @@ def _check_timeline(timeline: Timeline, forward: list[float], backward: list[flo
     steps, m = timeline.steps, timeline.micro_batches
     ends: dict[tuple[int, str, int], float] = {}
     for step in range(steps):
-        ops = [op for op in timeline.step_operations(step) if op.kind != "AR"]
+        ops = [op for op in step_operations(timeline, step) if op.kind != "AR"]
         assert sorted((op.kind, op.micro_batch) for op in ops) == sorted(
             [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
         )

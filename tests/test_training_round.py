@@ -12,9 +12,9 @@ import torch
 from edgeswarm.errors import PlanningError
 from edgeswarm.hpp.compute import StageCompute, StageError
 from edgeswarm.hpp.routing import pieces, route_ids, routing_matrix, stage_sample_ids
-from edgeswarm.hpp.simulation import StageLayout, build_replicas, run_round
 from edgeswarm.models.zoo import build_model
 from edgeswarm.values.profiles import ModelSpec
+from hpp_simulation import StageLayout, build_replicas, run_round
 
 MLP = ModelSpec(name="mlp", config={"hidden": 64, "layers": 2, "seed": 3})
 
@@ -119,12 +119,12 @@ def test_stage_refuses_out_of_order_work() -> None:
 def test_a_planned_job_trains_in_process_and_beats_chance(forced: bool) -> None:
     """A plan's layout on three unequal devices (the planner's own, from a real profile, or one with a two-device
     data-parallel front stage) trains the teacher task: the loss falls and held-out accuracy beats chance."""
-    from edgeswarm.hpp.simulation import layout_of, train_in_process
     from edgeswarm.hpp.spec import parse_job
     from edgeswarm.planning.hpp.asteroid import plan_asteroid
     from edgeswarm.planning.hpp.types import PlanOptions
     from edgeswarm.profiling.compute import profile_model
     from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile
+    from hpp_simulation import layout_of, train_in_process
 
     spec = ModelSpec(name="lenet5", config={"in_channels": 1, "image_size": 16, "width": 0.5})
     model, compute = profile_model(spec, [1, 8, 32], repeats=1, warmup=0)

@@ -2,5 +2,5 @@
 of devices with data parallelism inside it (spec ``asteroid-hpp-training.md``).
 
 Its role files are every workload package's (docs/adding-a-workload.md): ``spec``, ``planner``, ``coordinator``,
-``worker``, ``compute``, ``workload``, ``cli`` and ``bench``; ``simulation`` runs a round in one process.
+``worker``, ``compute``, ``workload``, ``cli`` and ``bench``.
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,16 +98,6 @@ def parse_job_text(text: str, *, source: str = "the job spec") -> JobSpec:
     """A JobSpec from the text of a YAML or JSON spec (YAML parses JSON too). Raises ConfigError for bad
     syntax or an invalid spec, listing every invalid field and why."""
     return parse_job(spec_data(text, source=source), source=source)
-
-
-def load_job(path: Path) -> JobSpec:
-    """Read a job spec from a YAML or JSON file. Raises ConfigError for a missing file, bad syntax or an
-    invalid spec."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the job spec {path}: {exc}") from None
-    return parse_job_text(text, source=str(path))
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import fx, nn
 
 from edgeswarm.errors import ModelTraceError, StageRangeError
@@ -295,10 +294,3 @@ def _check_single_crossing(name: str, source: fx.Node, sink: fx.Node, groups: li
         k = bad[0]
         raise ModelTraceError(f"{crossing[k]} values cross the cut before unit {k} of {name} "
                               f"(after node {outputs[k - 1].name}); a stage boundary must carry exactly one tensor")
-
-
-def run_chain(stages: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """Run ``stages`` one after the other on ``x``: what a pipeline computes, in one process."""
-    for stage in stages:
-        x = stage(x)
-    return x

@@ -62,10 +62,6 @@ class Timeline:
     def stages(self) -> int:
         return (self.steps + 1) // 2
 
-    def step_operations(self, step: int) -> list[Operation]:
-        """The operations of ``step`` in chronological order."""
-        return [op for op in self.operations if op.step == step]
-
 
 def warmup_counts(stages: int, micro_batches: int) -> list[int]:
     """K_p^eff = min(2(P - p) - 1, M) for p = 0..P-1 (spec 3.2, ambiguity A4).

@@ -1,10 +1,11 @@
-"""One HPP round in one process: every device of every stage a separate replica, the messages direct calls.
+"""One HPP round in one process, for the tests: every device of every stage a separate replica, the messages
+direct calls.
 
 This is the semantic reference the distributed runtime is checked against, and a way to run a plan's exact
 arithmetic without MQTT: each device follows its strict 1F1B order with K_p warm-up forwards, activations
 and gradients move by the routing of spec 6.1, each data-parallel group sums its gradients, and every
 replica steps its own optimizer. The per-device part is the executor the stage-workers run
-(``training.executor``); only the transport here is direct.
+(``edgeswarm.hpp.executor``); only the transport here is direct.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run_round(replicas: list[list[StageCompute]], layout: list[StageLayout], inp
               step: Callable[[StageCompute], None] | None = None) -> RoundResult:
     """Train one round on the mini-batch (``inputs``/``labels``: M*B samples in micro-batch order).
 
-    Every device runs the shared executor (``training.executor.device_round``); its sends land in a mailbox here
+    Every device runs the shared executor (``hpp.executor.device_round``); its sends land in a mailbox here
     and a device resumes when what it waits for is there. ``step`` is called on every replica after its group's
     gradient sum (e.g. an optimizer step). Raises EdgeswarmError if the schedules deadlock (which the warm-up
     counts rule out).
