@@ -21,7 +21,7 @@ from edgeswarm.splitfed.recompute import (
     is_expensive,
     op_names,
 )
-from edgeswarm.splitfed.split import build_part, split_point
+from edgeswarm.splitfed.split import build_parts, split_point
 from edgeswarm.values.profiles import ModelSpec
 
 STRATEGIES = ("none", "speed", "memory")
@@ -73,7 +73,7 @@ def test_a_four_unit_segment_recomputes_as_the_paper_says() -> None:
 def test_each_strategy_on_a_vgg_front_gives_the_same_gradients_within_its_bound() -> None:
     spec = ModelSpec(name="vgg11", config={"width": 0.25})
     batch, cut = 4, 15
-    front = build_part(spec, split_point(spec, cut), "front")  # training mode: BatchNorm updates its statistics
+    front = build_parts(spec, split_point(spec, cut), ("front",))["front"]  # training: BatchNorm updates its statistics
     cost = model_cost(spec, batch).units[:cut]
     segments = find_segments([u.expensive for u in cost])
     assert segments == find_segments([is_expensive(op_names(u)) for u in front.units])

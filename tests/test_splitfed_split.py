@@ -4,13 +4,15 @@ the vanilla split too; the parts reassemble into the global model's keys; the by
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Mapping
 
 import pytest
 import torch
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import build_model, example_input, example_target
-from edgeswarm.splitfed.memory import front_segments, measure_device_memory
+from edgeswarm.splitfed.memory import measure_device_memory
+from edgeswarm.splitfed.recompute import find_segments, is_expensive, op_names
 from edgeswarm.splitfed.split import (
     SPLITFED_OPTIMIZER,
     DeviceSide,
@@ -19,13 +21,10 @@ from edgeswarm.splitfed.split import (
     SplitPart,
     SplitPoint,
     SplitProtocolError,
-    build_part,
     build_parts,
     bytes_per_iteration,
     cut_numel,
-    reassemble,
     run_usplit_iteration,
-    run_vanilla_iteration,
     split_loss,
     split_point,
 )
@@ -33,6 +32,29 @@ from edgeswarm.values.profiles import ModelSpec
 
 BATCH = 2
 MODELS = [ModelSpec(name="lenet5"), ModelSpec(name="resnet18", config={"width": 0.25, "image_size": 16})]
+
+
+def reassemble(states: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One full-model state dict from the state dicts of disjoint parts (front, middle, tail of one device)."""
+    out: dict[str, torch.Tensor] = {}
+    for state in states:
+        for key, value in state.items():
+            assert key not in out, f"{key!r} is in two parts: the parts overlap"
+            out[key] = value
+    return out
+
+
+def run_vanilla_iteration(device: DeviceSide, server: ServerSide, x: torch.Tensor, labels: torch.Tensor) -> float:
+    """One vanilla-split iteration in one process; returns the batch's mean loss."""
+    step = server.step(device.front_forward(x), labels)
+    device.front_backward(step.g_j)
+    return step.loss
+
+
+def front_segments(spec: ModelSpec, point: SplitPoint) -> int:
+    """How many recomputation segments the device's front has at ``point`` (the length a plan must have)."""
+    front = build_parts(spec, point, ("front",))["front"]
+    return len(find_segments([is_expensive(op_names(u)) for u in front.units]))
 
 
 def _central_step(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -77,7 +99,7 @@ def test_parts_built_apart_reassemble_into_the_global_model_and_load_its_state()
     global_state = build_model(spec).state_dict()
     # Built apart, as the device and the MEC do: the device never allocates the middle.
     device_parts = build_parts(spec, point, ("front", "tail"))
-    middle = build_part(spec, point, "middle")
+    middle = build_parts(spec, point, ("middle",))["middle"]
     assert not set(device_parts["front"].keys()) & set(middle.keys())
     whole = reassemble([device_parts["front"].state_dict(), middle.state_dict(), device_parts["tail"].state_dict()])
     assert list(whole) == sorted(whole, key=list(global_state).index)
@@ -87,13 +109,11 @@ def test_parts_built_apart_reassemble_into_the_global_model_and_load_its_state()
 
     # From a global state (another round's weights): built without weights, then loaded.
     shifted = {k: v + 1 if v.is_floating_point() else v for k, v in global_state.items()}
-    loaded = build_part(spec, point, "middle", state=shifted)
+    loaded = build_parts(spec, point, ("middle",), state=shifted)["middle"]
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, shifted[key])
     with pytest.raises(ConfigError):
-        build_part(spec, point, "middle", state={})
-    with pytest.raises(ConfigError):
-        reassemble([middle.state_dict(), middle.state_dict()])
+        build_parts(spec, point, ("middle",), state={})["middle"]
 
 
 def test_local_cut_leaves_the_middle_empty_and_sends_nothing() -> None:
@@ -101,7 +121,7 @@ def test_local_cut_leaves_the_middle_empty_and_sends_nothing() -> None:
     units = split_point(spec, 1).units
     point = split_point(spec, units - 1)
     assert not point.offloaded
-    middle = build_part(spec, point, "middle")
+    middle = build_parts(spec, point, ("middle",))["middle"]
     assert isinstance(middle, SplitPart) and len(middle) == 0
     x = torch.ones(2, 3)
     assert middle(x) is x

@@ -63,10 +63,6 @@ class LabelDistribution(BaseModel):
             raise ValueError(f"probabilities must sum to 1, not {math.fsum(p)}")
         return p
 
-    def as_array(self) -> np.ndarray:
-        """The probabilities as a float64 array of shape (C,)."""
-        return np.asarray(self.probabilities, dtype=np.float64)
-
 
 @dataclass(frozen=True)
 class AuxiliarySet:
@@ -190,18 +186,6 @@ def oracle_distribution(histogram: Sequence[int] | np.ndarray) -> LabelDistribut
     if h.size == 0 or not np.isfinite(h).all() or (h < 0).any() or h.sum() <= 0:
         raise ConfigError(f"a label histogram needs non-negative counts with a positive total, not {h.tolist()[:10]}")
     return LabelDistribution(probabilities=_renormalised(h / h.sum()), mode="oracle")
-
-
-def kl_divergence(p: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray) -> float:
-    """``D_KL(p ‖ q) = Σ_c p_c ln(p_c / q_c)`` in nats, with 0·ln(0/q) = 0; +inf where p_c > 0 = q_c. Raises
-    ConfigError for arrays of different lengths."""
-    a, b = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ConfigError(f"distributions of {a.shape} and {b.shape} classes cannot be compared")
-    held = a > 0
-    if (b[held] <= 0).any():
-        return math.inf
-    return float(np.sum(a[held] * np.log(a[held] / b[held])))
 
 
 def _renormalised(p: np.ndarray) -> tuple[float, ...]:

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import torch
 
 from edgeswarm.models.zoo import example_input, example_target
-from edgeswarm.splitfed.recompute import find_segments, is_expensive, op_names
 from edgeswarm.splitfed.split import (
     DeviceMemory,
     DeviceSide,
@@ -21,12 +20,6 @@ from edgeswarm.splitfed.split import (
     run_usplit_iteration,
 )
 from edgeswarm.values.profiles import ModelSpec
-
-
-def front_segments(spec: ModelSpec, point: SplitPoint) -> int:
-    """How many recomputation segments the device's front has at ``point`` (the length a plan must have)."""
-    front = build_parts(spec, point, ("front",))["front"]
-    return len(find_segments([is_expensive(op_names(u)) for u in front.units]))
 
 
 def measure_device_memory(spec: ModelSpec, point: SplitPoint, batch_size: int, *,

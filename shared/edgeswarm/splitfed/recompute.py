@@ -184,11 +184,6 @@ class RecomputeStats:
     extra_forwards: list[int] = field(default_factory=list)
     vjp_forwards: int = 0
 
-    @property
-    def total_extra_forwards(self) -> int:
-        """Extra layer forwards over all segments."""
-        return sum(self.extra_forwards)
-
 
 class _RngState:
     """The generator states a recomputation must replay: the CPU's, and the CUDA device's when computing there."""

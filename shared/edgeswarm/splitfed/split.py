@@ -181,18 +181,6 @@ def _has_volatile_buffers(units: Sequence[nn.Module]) -> bool:
     return False
 
 
-def build_part(spec: ModelSpec, point: SplitPoint, role: Role, *, state: Mapping[str, torch.Tensor] | None = None,
-               compute: torch.device | None = None) -> SplitPart:
-    """The ``role`` part of zoo model ``spec`` split at ``point``, in training mode, on ``compute`` (None: where it
-    was built, the CPU).
-
-    Without ``state`` the part has the zoo's seeded initial weights (those of ``build_model(spec)``). With a
-    full-model ``state`` (the round's global model) the part is built without weights and its share of ``state`` is
-    loaded: no other part's weight is ever allocated. Raises ConfigError for a bad spec, a point that does not
-    belong to it, or a state that lacks the part's keys."""
-    return build_parts(spec, point, (role,), state=state, compute=compute)[role]
-
-
 def _check_point(spec: ModelSpec, point: SplitPoint, units: int) -> None:
     if units != point.units:
         raise ConfigError(f"the split point is for {point.units} units, but {spec.name} has {units}")
@@ -201,8 +189,14 @@ def _check_point(spec: ModelSpec, point: SplitPoint, units: int) -> None:
 def build_parts(spec: ModelSpec, point: SplitPoint, roles: Sequence[Role], *,
                 state: Mapping[str, torch.Tensor] | None = None,
                 compute: torch.device | None = None) -> dict[Role, SplitPart]:
-    """``build_part`` for several roles of one side (the device's front and tail, say) from one trace of the
-    model. An empty range (the middle at j = V-h) gives an empty part, an identity."""
+    """The ``roles`` parts of zoo model ``spec`` split at ``point`` (several roles of one side, the device's front
+    and tail say, from one trace of the model), in training mode, on ``compute`` (None: where they were built, the
+    CPU). An empty range (the middle at j = V-h) gives an empty part, an identity.
+
+    Without ``state`` the parts have the zoo's seeded initial weights (those of ``build_model(spec)``). With a
+    full-model ``state`` (the round's global model) the parts are built without weights and their share of
+    ``state`` is loaded: no other part's weight is ever allocated. Raises ConfigError for a bad spec, a point that
+    does not belong to it, or a state that lacks the parts' keys."""
     if state is not None:
         with without_weights():
             seq = layer_sequence(build_model(spec))
@@ -227,18 +221,6 @@ def build_parts(spec: ModelSpec, point: SplitPoint, roles: Sequence[Role], *,
         if compute is not None:
             part.to(compute)
         part.train()
-    return out
-
-
-def reassemble(states: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One full-model state dict from the state dicts of disjoint parts (front, middle, tail of one device).
-    Raises ConfigError when two parts hold the same key."""
-    out: dict[str, torch.Tensor] = {}
-    for state in states:
-        for key, value in state.items():
-            if key in out:
-                raise ConfigError(f"{key!r} is in two parts: the parts overlap")
-            out[key] = value
     return out
 
 
@@ -461,13 +443,6 @@ def run_usplit_iteration(device: DeviceSide, mec: MecSide, x: torch.Tensor, labe
     a_mid = mec.forward(a_j)
     step = device.tail_step(a_mid, labels)
     device.front_backward(mec.backward(step.g_mid))
-    return step.loss
-
-
-def run_vanilla_iteration(device: DeviceSide, server: ServerSide, x: torch.Tensor, labels: torch.Tensor) -> float:
-    """One vanilla-split iteration in one process; returns the batch's mean loss."""
-    step = server.step(device.front_forward(x), labels)
-    device.front_backward(step.g_j)
     return step.loss
 
 

@@ -123,8 +123,3 @@ def plan_recompute(segs: Sequence[Segment], allowance_bytes: float, theta_mode: 
         extra_forwards=sum(extra_forwards(len(s.units), r) for s, r in zip(segs, chosen, strict=True)),
         extra_flops=sum(extra_flops(s, r) for s, r in zip(segs, chosen, strict=True)),
     )
-
-
-def recompute_seconds(plan: RecomputePlan, speed_flops: float, iterations: int) -> float:
-    """T_recompute (spec 6.3): the plan's extra forward FLOPs per iteration / device speed x iterations."""
-    return plan.extra_flops / speed_flops * iterations

@@ -1,6 +1,5 @@
-"""Synthetic inputs for the planner: the paper's device mix (spec 10.1), its memory-budget trace, random
-instances for the BO quality check (U6) and a small chain model. Everything is drawn from a generator the caller
-seeds."""
+"""Synthetic inputs for the planner: the paper's device mix (spec 10.1), its memory-budget trace and random
+instances for the BO quality check (U6). Everything is drawn from a generator the caller seeds."""
 
 from __future__ import annotations
 
@@ -83,24 +82,6 @@ def paper_devices(rng: np.random.Generator, per_type: int = 20, mecs: int = 5, c
         for k, p in enumerate(phones)
     ]
     return devices, [SplitMec(node=f"mec{m}", speed_flops=MEC_FLOPS) for m in range(mecs)]
-
-
-def chain_model(units: int = 10, batch_size: int = 32, classes: int = 10, scale: float = 1.0,
-                name: str = "chain") -> ModelCost:
-    """A VGG-like chain: early units have large activations and few parameters, late ones the reverse; every
-    third unit is cheap (an activation or pooling). ``scale`` multiplies every byte and FLOP count."""
-    out = []
-    for u in range(units):
-        depth = u / max(1, units - 1)
-        act = int(scale * batch_size * 4 * 200_000 * (1 - depth) ** 2 + batch_size * 4 * 1000)
-        params = int(scale * 4 * 2_000_000 * depth ** 2 + 4 * 1000)
-        flops = scale * batch_size * 2e8 * (1.2 - depth)
-        cheap = u % 3 == 2
-        out.append(UnitCost(name=f"u{u}", flops_fwd=flops * (0.05 if cheap else 1.0),
-                            flops_bwd=2 * flops * (0.05 if cheap else 1.0), out_bytes=act,
-                            param_bytes=0 if cheap else params, act_bytes=act, backward_bytes=2 * act,
-                            expensive=not cheap))
-    return ModelCost(name=name, batch_size=batch_size, units=out, optimizer_states=1, classes=classes)
 
 
 def random_instance(rng: np.random.Generator, devices: int = 100, units: int = 10, mecs: int = 5,
