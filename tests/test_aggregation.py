@@ -11,15 +11,38 @@ from edgeswarm.aggregation import (
     FedAvg,
     NonFiniteUpdateError,
     PartialSum,
+    State,
     UpdateMismatchError,
     UpdateRejectedError,
-    fedavg,
-    finish,
-    partial_sum,
 )
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import build_model
 from edgeswarm.values.profiles import ModelSpec
+
+
+def fedavg(updates: list[tuple[State, float]], reference: State) -> dict[str, torch.Tensor]:
+    """Flat FedAvg of ``updates`` ((state, n_i) pairs) of the model ``reference``, as a server aggregating its
+    devices runs it."""
+    agg = FedAvg(reference)
+    for k, (state, weight) in enumerate(updates):
+        agg.add(state, weight, who=f"update {k}")
+    return agg.result()
+
+
+def partial_sum(updates: list[tuple[State, float]], reference: State) -> PartialSum:
+    """The PartialSum of ``updates`` an edge server sends (no updates give an empty partial)."""
+    agg = FedAvg(reference)
+    for k, (state, weight) in enumerate(updates):
+        agg.add(state, weight, who=f"update {k}")
+    return agg.partial()
+
+
+def finish(partials: list[PartialSum], reference: State) -> dict[str, torch.Tensor]:
+    """The server's step of hierarchical FedAvg: the weighted mean of the edge servers' ``partials``."""
+    agg = FedAvg(reference)
+    for k, partial in enumerate(partials):
+        agg.merge(partial, who=f"partial sum {k}")
+    return agg.result()
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

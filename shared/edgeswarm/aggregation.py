@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -201,59 +201,3 @@ class FedAvg:
             s = self._partial.sums[name]
             out[name] = (s / self._partial.weight).to(ref.dtype) if ref.is_floating_point() else s.clone()
         return out
-
-
-def fedavg(updates: Sequence[tuple[State, float]], reference: State, *,
-           compute: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """FedAvg of ``updates`` ((state, n_i) pairs) of the model ``reference``. Raises UpdateRejectedError for the
-    first update that cannot enter (callers that leave bad updates out use FedAvg.add one by one) and ConfigError
-    for no updates."""
-    agg = FedAvg(reference, compute=compute)
-    for k, (state, weight) in enumerate(updates):
-        agg.add(state, weight, who=f"update {k}")
-    return agg.result()
-
-
-def partial_sum(updates: Sequence[tuple[State, float]], reference: State, *,
-                compute: torch.device | None = None) -> PartialSum:
-    """The PartialSum of ``updates`` an edge server sends (raises like ``fedavg``; no updates give an empty
-    partial)."""
-    agg = FedAvg(reference, compute=compute)
-    for k, (state, weight) in enumerate(updates):
-        agg.add(state, weight, who=f"update {k}")
-    return agg.partial()
-
-
-def finish(partials: Sequence[PartialSum], reference: State, *,
-           compute: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The server's step of hierarchical FedAvg: the weighted mean of the edge servers' ``partials``, equal to flat
-    FedAvg over all their updates. Raises UpdateRejectedError for a bad partial, ConfigError when all are empty."""
-    agg = FedAvg(reference, compute=compute)
-    for k, partial in enumerate(partials):
-        agg.merge(partial, who=f"partial sum {k}")
-    return agg.result()
-
-
-def weighted_mean(states: Sequence[State], weights: Sequence[float]) -> dict[str, torch.Tensor]:
-    """The mean of ``states`` weighted by ``weights``, tensor by tensor, with the first state as the reference
-    (FedAvg's rules above). Raises ConfigError for no states, weights that are negative, all zero or not one per
-    state, or states whose names, shapes or dtypes differ. Zero weights are allowed (they leave the state out)."""
-    if not states:
-        raise ConfigError("nothing to average: no states")
-    if len(weights) != len(states):
-        raise ConfigError(f"{len(weights)} weights for {len(states)} states: give one weight per state")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"weights must be non-negative and not all zero, not {list(weights)}")
-    names = list(states[0])
-    agg = FedAvg(states[0])
-    for k, (state, weight) in enumerate(zip(states, weights, strict=True)):
-        if list(state) != names:
-            raise ConfigError(f"state {k} holds {sorted(state)}, state 0 holds {sorted(names)}: they must match")
-        for name in names:
-            t, first = state[name], states[0][name]
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise ConfigError(f"{name}: state {k} has {tuple(t.shape)} {t.dtype}, state 0 has "
-                                  f"{tuple(first.shape)} {first.dtype}")
-        if weight > 0:
-            agg.add(state, weight, who=f"state {k}")
-    return agg.result()
