@@ -25,6 +25,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import yaml
 
+from compose_dotenv import parse_env_text
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
 from edgeswarm.compose_env import (
@@ -33,9 +34,7 @@ from edgeswarm.compose_env import (
     MissingComposeVariableError,
     interpolate,
     load_document,
-    parse_env_text,
     raw_document,
-    read_env_file,
     services_for,
 )
 from edgeswarm.errors import ConfigError
@@ -65,6 +64,11 @@ DATASETS_MOUNT = "/var/lib/edgeswarm/datasets"
 SAMPLE_DATA_URL = "mqtts://192.168.1.21:8883"
 # The broker as the service containers reach it on the compose network.
 COMPOSE_BROKER_HOST = "broker"
+
+
+def has_default(expr: Interpolation) -> bool:
+    """Whether ``expr`` gives a default for an unset variable (``${NAME:-default}`` or ``${NAME-default}``)."""
+    return expr.op in (":-", "-")
 
 
 # --- compose.yaml as data -------------------------------------------------------------------------------
@@ -259,7 +263,7 @@ def test_compose_environment_is_real_settings(compose: dict[str, Any]) -> None:
     load_document(shell(), COMPOSE_FILE, found)
     assert found, "compose.yaml interpolates nothing?"
     for expr in found:
-        assert expr.has_default or f"`{expr.name}`" in readme, \
+        assert has_default(expr) or f"`{expr.name}`" in readme, \
             f"${{{expr.name}}} has no default and deploy/README.md does not document it"
     # The variables an operator sets per node are documented whatever their defaults.
     for documented in ("EDGESWARM_NODE_ID", "EDGESWARM_HUB_URL", "EDGESWARM_DATA_URL", "EDGESWARM_BROKER_PORT",
@@ -310,7 +314,7 @@ def test_interpolation_helper() -> None:
     assert interpolate("${UNSET:-${ALSO_UNSET:-in}}-${UNSET:-${SET}}", env) == "in-v"
     found: list[Interpolation] = []
     interpolate("${A:-${B}}", {}, found)
-    assert [(f.name, f.has_default) for f in found] == [("A", True), ("B", False)]
+    assert [(f.name, has_default(f)) for f in found] == [("A", True), ("B", False)]
 
 
 def test_interpolation_refuses_what_compose_refuses() -> None:
@@ -358,7 +362,8 @@ EXAMPLE_ENV_DIR = REPO / "deploy" / "env"
 
 def example_env(profile: str) -> dict[str, str]:
     """deploy/env/PROFILE.env, parsed as compose reads a node's .env."""
-    return read_env_file(EXAMPLE_ENV_DIR / f"{profile}.env")
+    path = EXAMPLE_ENV_DIR / f"{profile}.env"
+    return parse_env_text(path.read_text(), source=str(path))
 
 
 def expected_services(profile: str) -> set[str]:

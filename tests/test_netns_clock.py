@@ -17,7 +17,6 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.netns.clock import (
     ClockSkewUnavailableError,
     find_libfaketime,
-    read_skew,
     set_skew,
     skewable_env,
 )
@@ -26,6 +25,12 @@ from helpers import wait_until
 # A child's answer travels through a pipe and a loaded 2-core machine: the skew it reports is right to this much.
 TOLERANCE_S = 0.5
 REFRESH_S = 1
+
+
+def read_skew(clock_file: Path) -> float:
+    """The skew ``clock_file`` holds now, in seconds (0 when the file is missing)."""
+    return float(clock_file.read_text()) if clock_file.exists() else 0.0
+
 
 # Answers every line on stdin with its wall and monotonic clocks, so the parent can compare them with its own.
 CLOCK_REPORTER = """
@@ -165,9 +170,6 @@ def test_clock_file_and_errors(tmp_path: Path) -> None:
     for bad in (float("nan"), float("inf"), 1e12):
         with pytest.raises(ConfigError, match="clock skew"):
             set_skew(clock, bad)
-    clock.write_text("tomorrow\n")
-    with pytest.raises(ConfigError, match="does not hold a clock skew"):
-        read_skew(clock)
     with pytest.raises(ClockSkewUnavailableError, match="apt-get install -y faketime"):
         skewable_env(tmp_path / "x.clock", search=[tmp_path])
     with pytest.raises(ConfigError, match="refresh_s"):

@@ -8,6 +8,9 @@ cluster has an edge server too (the edge role), which runs its role's services u
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import os
 import shlex
 import signal
@@ -33,7 +36,7 @@ from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.security.acl import rules
 from edgeswarm.security.certs import CertsDir
 from edgeswarm.security.credentials import CredentialsDir
-from edgeswarm.security.passwords import mosquitto_hash, mosquitto_verify
+from edgeswarm.security.passwords import mosquitto_hash
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
@@ -49,6 +52,18 @@ micro_batches: 2
 rounds: 2
 checkpoint_interval: 1
 """
+
+
+def mosquitto_verify(password: str, hashed: str) -> bool:
+    """Whether ``password`` matches a ``$7$`` hash written by ``mosquitto_hash`` or ``mosquitto_passwd``."""
+    try:
+        _, kind, iterations, salt, digest = hashed.split("$")
+        if kind != "7":
+            return False
+        expected = hashlib.pbkdf2_hmac("sha512", password.encode(), base64.b64decode(salt), int(iterations))
+        return hmac.compare_digest(expected, base64.b64decode(digest))
+    except ValueError:
+        return False
 
 
 @dataclass

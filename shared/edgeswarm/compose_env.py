@@ -1,5 +1,5 @@
-"""compose.yaml read the way Docker Compose reads it: a node's ``.env``, the file's interpolation, its YAML anchors and
-merges, and the services one profile runs with the command, environment, secrets and mounts compose gives them.
+"""compose.yaml read the way Docker Compose reads it: the file's interpolation of a node's variables, its YAML anchors
+and merges, and the services one profile runs with the command, environment, secrets and mounts compose gives them.
 
 The netns launcher starts each node's services from this, so a node in a namespace runs exactly what its container
 would. Pure but for reading the two files.
@@ -27,7 +27,6 @@ SECRETS_DIR = PurePosixPath("/run/secrets")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # compose-go's operators, longest first so that ":-" is not read as ":" followed by "-".
 _OPERATORS = (":-", ":?", ":+", "-", "?", "+")
-_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 # Keys of a service compose.yaml may carry that change the environment in ways this module does not follow: refused
 # rather than silently giving a service another environment than its container would have.
 _UNSUPPORTED_SERVICE_KEYS = ("env_file", "extends")
@@ -46,10 +45,6 @@ class Interpolation(BaseModel):
     name: str
     op: str | None = None
     arg: str | None = None
-
-    @property
-    def has_default(self) -> bool:
-        return self.op in (":-", "-")
 
 
 class ComposeVolume(BaseModel):
@@ -81,72 +76,6 @@ class ComposeService(BaseModel):
         """``environment`` for the service run as a plain process on the host: a value naming one of its secrets'
         paths inside the container (/run/secrets/...) names the host file compose would mount there instead."""
         return {key: self.secrets.get(value, value) for key, value in self.environment.items()}
-
-
-# --- .env ------------------------------------------------------------------------------------------------------
-
-def _double_quoted(body: str) -> str:
-    escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "$": "$$"}
-    out, i = [], 0
-    while i < len(body):
-        if body[i] == "\\" and i + 1 < len(body) and body[i + 1] in escapes:
-            out.append(escapes[body[i + 1]])
-            i += 2
-        else:
-            out.append(body[i])
-            i += 1
-    return "".join(out)
-
-
-def parse_env_text(text: str, *, source: str = ".env", base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of a compose ``.env`` file.
-
-    Lines are ``KEY=VALUE`` (``export KEY=VALUE`` too); blank lines and lines starting with ``#`` are skipped. An
-    unquoted value ends at `` #`` (a comment) and is stripped; a single-quoted one is literal; a double-quoted one
-    knows ``\\n``, ``\\t``, ``\\\\`` and ``\\"``. Unquoted and double-quoted values are interpolated like compose.yaml,
-    against the variables defined above them and then ``base``. Raises ConfigError naming the line on anything else.
-    """
-    base = dict(base or {})
-    out: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("export "):
-            line = line[len("export "):].lstrip()
-        key, sep, value = line.partition("=")
-        key = key.strip()
-        if not sep or not _ENV_KEY.fullmatch(key):
-            raise ConfigError(f"{source}:{number}: expected KEY=VALUE, got {raw!r}")
-        value = value.lstrip()
-        known = {**base, **out}
-        if value[:1] in ("'", '"'):
-            quote = value[0]
-            end = 1
-            while end < len(value) and value[end] != quote:
-                end += 2 if quote == '"' and value[end] == "\\" else 1
-            if end >= len(value):
-                raise ConfigError(f"{source}:{number}: unterminated {quote} quote in {raw!r}")
-            rest = value[end + 1:].strip()
-            if rest and not rest.startswith("#"):
-                raise ConfigError(f"{source}:{number}: text after the closing quote in {raw!r}")
-            body = value[1:end]
-            out[key] = body if quote == "'" else interpolate(_double_quoted(body), known)
-        else:
-            comment = re.search(r"\s#", value)
-            if comment:
-                value = value[:comment.start()]
-            out[key] = interpolate(value.strip(), known)
-    return out
-
-
-def read_env_file(path: Path, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``parse_env_text`` of the file at ``path``; a missing file is a ConfigError."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the env file {path}: {exc}") from None
-    return parse_env_text(text, source=str(path), base=base)
 
 
 # --- interpolation ---------------------------------------------------------------------------------------------

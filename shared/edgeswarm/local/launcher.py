@@ -126,7 +126,7 @@ class LocalCluster:
         self.spec = spec
         # The hub's dashboard listens on 127.0.0.1 at this port (0: a free one, chosen at start, so clusters started
         # side by side never collide); None: no dashboard (a cluster that only runs jobs, or a test's, saves its
-        # process; ``hub_services`` then leaves it out).
+        # process).
         self.dashboard_port = dashboard_port
         self.skip_services = skip_services  # services not started on the devices and edges (what a run needs not)
         self.secure = secure
@@ -138,11 +138,6 @@ class LocalCluster:
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []
         self._forks: ForkServer | None = None
-
-    @property
-    def hub_services(self) -> tuple[str, ...]:
-        """The services this cluster runs on the hub: every hub service, the dashboard unless it was left out."""
-        return tuple(s for s in HUB_SERVICES if s != DASHBOARD or self.dashboard_port is not None)
 
     @property
     def dashboard_url(self) -> str | None:

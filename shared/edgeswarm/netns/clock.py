@@ -92,18 +92,6 @@ def set_skew(clock_file: Path, seconds: float) -> None:
         raise
 
 
-def read_skew(clock_file: Path) -> float:
-    """The skew ``clock_file`` holds now, in seconds (0 when the file is missing)."""
-    try:
-        text = clock_file.read_text().strip()
-    except FileNotFoundError:
-        return 0.0
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{clock_file} does not hold a clock skew in seconds: {text[:40]!r}") from None
-
-
 def skewable_env(clock_file: Path, *, refresh_s: int = DEFAULT_REFRESH_S,
                  search: Sequence[Path] = SEARCH_DIRS) -> dict[str, str]:
     """The environment variables that start a process (and its children) with a wall clock ``set_skew`` can move

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import os
 import secrets
 
@@ -26,18 +25,6 @@ def mosquitto_hash(password: str, *, salt: bytes | None = None, iterations: int 
     salt = os.urandom(12) if salt is None else salt
     digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
     return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
-
-
-def mosquitto_verify(password: str, hashed: str) -> bool:
-    """Whether ``password`` matches a ``$7$`` hash written by ``mosquitto_hash`` or ``mosquitto_passwd``."""
-    try:
-        _, kind, iterations, salt, digest = hashed.split("$")
-        if kind != "7":
-            return False
-        expected = hashlib.pbkdf2_hmac("sha512", password.encode(), base64.b64decode(salt), int(iterations))
-        return hmac.compare_digest(expected, base64.b64decode(digest))
-    except ValueError:
-        return False
 
 
 def argon2_hash(password: str) -> str:
