@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -62,6 +63,15 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
 
         return checkpoint_tensors(model, opt)
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def load_model(folder: Path | str, names: Any = None, dtype: Any = None, device: Any = None,
+               layers: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""
+    from edgeswarm.models.text.hf import ModelFolder
+
+    with ModelFolder(folder, dtype, device, layers) as model:
+        return model.config, model.load(names)
 
 
 def stored_weights(store_dir: Path, job_id: str, stages: int, *, optimizer: bool = False) -> dict:  # type: ignore[type-arg]
@@ -179,6 +189,21 @@ def netns_unavailable() -> str | None:
     except host.NetnsUnavailableError as exc:
         return str(exc)
     return None
+
+
+def weighted_bounds(length: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges covering ``length`` elements, range i about ``length * weights[i] /
+    sum(weights)`` long (boundaries at the cumulative shares rounded down; a weight of 0 gives an empty range): the
+    uneven slices a collective's tests cut a vector into."""
+    total = sum(weights)
+    bounds: list[tuple[int, int]] = []
+    start, running = 0, 0.0
+    for i, w in enumerate(weights):
+        running += w
+        end = length if i == len(weights) - 1 else min(length, max(start, math.floor(length * running / total)))
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 class Ring:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgeswarm.hmp.layer import HmpRank, assemble, last_row_rank
+from edgeswarm.hmp.layer import HmpRank, RankOutput, last_row_rank
 from edgeswarm.hmp.loopback import Loopback
-from edgeswarm.hmp.sharding import rank_slices, shard_shapes, shard_weights
+from edgeswarm.hmp.sharding import rank_slices, read_shard, shard_shapes
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import Recorder, chrome_events, write_chrome_trace
 from edgeswarm.models.text import reference as ref
@@ -37,6 +37,15 @@ def one_layer(name: str) -> TextModelConfig:
 def close(got: torch.Tensor, want: torch.Tensor, scale: float = 1.0) -> None:
     err = (got - want).abs().max().item()
     assert err <= 1e-4 * scale * want.abs().max().item() + 1e-5 * scale, err
+
+
+def assemble(outputs: list[RankOutput]) -> torch.Tensor:
+    """All rows [s, h] from every rank's output (overlapping rows, megatron's, are taken once)."""
+    s = outputs[0].rows
+    full = outputs[0].hidden.new_zeros((s, outputs[0].hidden.shape[1]))
+    for o in outputs:
+        full[o.start:o.start + o.hidden.shape[0]] = o.hidden.to(full.device)
+    return full
 
 
 def tokens_of(cfg: TextModelConfig, s: int, seed: int = 0) -> torch.Tensor:
@@ -63,7 +72,7 @@ def test_a_rank_holds_its_heads_kv_groups_and_columns_and_whole_row_parallel_bia
     assert gs["layers.0.q.bias"] == (48,) and gs["layers.0.up.bias"] == (192,)
     assert gs["layers.0.o.bias"] == (64,) and gs["layers.0.down.bias"] == (64,)  # whole: added once, after the sum
     w = ref.init_weights(gpt, 3)
-    shard = shard_weights(gpt, g, 1, w)
+    shard = read_shard(gpt, g, 1, lambda s: s.cut(w[s.name]))
     assert torch.equal(shard["layers.1.v.weight"], w["layers.1.v.weight"][16:64])
     assert torch.equal(shard["layers.1.o.weight"], w["layers.1.o.weight"][:, 16:64])
     sp = HmpShares(mode="sp", devices=["a", "b"], heads=[0, 0], columns=[0, 0])

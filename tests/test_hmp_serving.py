@@ -31,14 +31,13 @@ from edgeswarm.messages.hmp import HmpRequest
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError
 from edgeswarm.models.text import reference
-from edgeswarm.models.text.hf import load_model
 from edgeswarm.models.text.pooling import pooling_for, sentence_embedding
 from edgeswarm.models.text.tokenizer import load_tokenizer, minilm_folder
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
-from helpers import FAST_ENV, REPO, native_cluster, wait_until
+from helpers import FAST_ENV, REPO, load_model, native_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 

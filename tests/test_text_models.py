@@ -25,6 +25,7 @@ from edgeswarm.models.text.hf import (
 from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence_embedding
 from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.models.text.tokenizer import load_tokenizer, minilm_folder
+from helpers import load_model
 
 SENTENCES = [
     "The cat sits on the mat.",
@@ -60,7 +61,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm: Path, transformer
 
     st = SentenceTransformer(str(minilm), device="cpu")
     expected = st.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
-    cfg, w = hf.load_model(minilm)
+    cfg, w = load_model(minilm)
     assert (cfg.family, cfg.layers, cfg.hidden, cfg.heads) == ("bert", 6, 384, 12)
     tok = load_tokenizer(minilm)
     pooling = pooling_for(minilm)
@@ -196,7 +197,7 @@ PROMPT = [5, 17, 42, 8, 63, 21, 9]
 def test_decoder_logits_and_greedy_generation_equal_transformers(transformers: ModuleType, tmp_path: Path,
                                                                  kind: str) -> None:
     model = _saved(transformers, kind, tmp_path)
-    cfg, w = hf.load_model(tmp_path)
+    cfg, w = load_model(tmp_path)
     assert cfg.family == kind and cfg.dtype == "float32"
     if kind == "llama":
         assert (cfg.heads, cfg.n_kv) == (8, 2)
@@ -217,7 +218,7 @@ def test_decoder_logits_and_greedy_generation_equal_transformers(transformers: M
 @pytest.mark.parametrize("kind", ["bert", "distilbert"])
 def test_encoder_hidden_states_equal_transformers(transformers: ModuleType, tmp_path: Path, kind: str) -> None:
     model = _saved(transformers, kind, tmp_path)
-    cfg, w = hf.load_model(tmp_path)
+    cfg, w = load_model(tmp_path)
     ids = torch.tensor(PROMPT)
     types = torch.tensor([0, 0, 0, 1, 1, 1, 1])
     with torch.inference_mode():
@@ -236,8 +237,8 @@ def test_a_sharded_checkpoint_with_an_index_loads_the_same(transformers: ModuleT
     _saved(transformers, "llama", tmp_path / "many", max_shard_size="40KB")
     assert (tmp_path / "many" / hf.INDEX_FILE).is_file()
     assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
-    _, one = hf.load_model(tmp_path / "one")
-    cfg, many = hf.load_model(tmp_path / "many")
+    _, one = load_model(tmp_path / "one")
+    cfg, many = load_model(tmp_path / "many")
     assert set(one) == set(many) == set(reference.weight_shapes(cfg)) | {"lm_head.weight"}
     assert all(torch.equal(one[n], many[n]) for n in one)
 
@@ -272,10 +273,9 @@ def test_reading_a_slice_equals_slicing_the_whole_tensor(transformers: ModuleTyp
         if kind == "gpt2":
             bias = model.get_slice("layers.0.k.bias", 0, 4, 20)
             assert torch.equal(bias, model.get("layers.0.k.bias")[4:20])
-        got = model.load_slices([WeightSlice(name="layers.0.q.weight", rows=(0, hd)),
-                                 WeightSlice(name="final_norm.weight")])
-        assert torch.equal(got["layers.0.q.weight"], model.get("layers.0.q.weight")[:hd])
-        assert torch.equal(got["final_norm.weight"], model.get("final_norm.weight"))
+        rows = model.read_slice(WeightSlice(name="layers.0.q.weight", rows=(0, hd)))
+        assert torch.equal(rows, model.get("layers.0.q.weight")[:hd])
+        assert torch.equal(model.read_slice(WeightSlice(name="final_norm.weight")), model.get("final_norm.weight"))
         with pytest.raises(IndexError, match="outside dimension 0"):
             model.get_slice("layers.0.q.weight", 0, 0, 10_000)
         with pytest.raises(IndexError, match="cannot slice dimension 1"):
@@ -286,7 +286,7 @@ def test_reading_a_slice_equals_slicing_the_whole_tensor(transformers: ModuleTyp
 
 def test_keeping_the_first_layers(transformers: ModuleType, tmp_path: Path) -> None:
     _saved(transformers, "opt", tmp_path)
-    cfg, w = hf.load_model(tmp_path, layers=1)
+    cfg, w = load_model(tmp_path, layers=1)
     assert cfg.layers == 1 and hf.load_config(tmp_path).layers == 2
     assert set(w) == set(reference.weight_shapes(cfg)) | {"lm_head.weight"}
     assert reference.forward(cfg, w, torch.tensor(PROMPT)).shape == (len(PROMPT), 64)
@@ -315,7 +315,7 @@ def _edit_config(folder: Path, **changes: Any) -> None:
 
 def test_loader_errors_say_what_is_wrong(transformers: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(MissingModelFileError, match="does not exist"):
-        hf.load_model(tmp_path / "absent")
+        load_model(tmp_path / "absent")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(MissingModelFileError, match="config.json is missing"):
@@ -332,7 +332,7 @@ def test_loader_errors_say_what_is_wrong(transformers: ModuleType, tmp_path: Pat
     t5 = variant("t5")
     _edit_config(t5, model_type="t5")
     with pytest.raises(UnsupportedModelError, match="model_type 't5' is not supported; supported: bert"):
-        hf.load_model(t5)
+        load_model(t5)
 
     post_ln = variant("post_ln")
     _edit_config(post_ln, do_layer_norm_before=False)
@@ -393,8 +393,8 @@ def test_prefixed_and_legacy_names_read_the_same(transformers: ModuleType, tmp_p
                v for k, v in tensors.items()}
     renamed["cls.predictions.bias"] = torch.zeros(96)
     save_file(renamed, str(tmp_path / "old" / "model.safetensors"))
-    _, plain = hf.load_model(tmp_path / "plain")
-    _, old = hf.load_model(tmp_path / "old", device="cpu")
+    _, plain = load_model(tmp_path / "plain")
+    _, old = load_model(tmp_path / "old", device="cpu")
     assert set(plain) == set(old) and all(torch.equal(plain[n], old[n]) for n in plain)
 
 
@@ -445,7 +445,7 @@ def test_tokenizer_special_tokens_from_the_folder(tmp_path: Path) -> None:
     assert t.decode(enc.ids, skip_special_tokens=False) == "<s> hello edge world"
     assert len(t.encode("hello " * 20).ids) == 8
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2]}))
-    assert load_tokenizer(tmp_path).special.eos_id == 3
+    assert load_tokenizer(tmp_path).special.eos == (3, 2)
 
 
 def test_pooling_modes_and_folders(tmp_path: Path) -> None:

@@ -110,15 +110,6 @@ class RankOutput(BaseModel):
     last: bool
 
 
-def assemble(outputs: list[RankOutput]) -> torch.Tensor:
-    """All rows [s, h] from every rank's output (overlapping rows, megatron's, are taken once)."""
-    s = outputs[0].rows
-    full = outputs[0].hidden.new_zeros((s, outputs[0].hidden.shape[1]))
-    for o in outputs:
-        full[o.start:o.start + o.hidden.shape[0]] = o.hidden.to(full.device)
-    return full
-
-
 class RequestCache:
     """One request's KV cache on one rank (one ``HeadCache`` per layer) and the number of positions it covers;
     ``free`` drops the tensors at once (the request ended or its client left)."""
@@ -144,7 +135,7 @@ class RequestCache:
 
 class HmpRank:
     """Rank ``rank`` of ``shares`` computing ``cfg`` on torch device ``device``. ``weights``: its shard
-    (``sharding.shard_weights``) or the whole model's dict (cut here); moved to ``device`` in ``cfg``'s dtype.
+    (``sharding.read_shard``) or the whole model's dict (cut here); moved to ``device`` in ``cfg``'s dtype.
     Holds two communication threads: ``close`` them. Not thread-safe: one pass at a time."""
 
     def __init__(self, cfg: TextModelConfig, shares: HmpShares, rank: int, weights: Weights,

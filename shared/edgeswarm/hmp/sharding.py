@@ -77,11 +77,6 @@ def shard_shapes(cfg: TextModelConfig, shares: HmpShares, rank: int) -> dict[str
     return {s.name: s.shape(full[s.name]) for s in rank_slices(cfg, shares, rank)}
 
 
-def shard_weights(cfg: TextModelConfig, shares: HmpShares, rank: int, full: Weights) -> Weights:
-    """Rank ``rank``'s shard cut from a whole weight dict (contiguous copies, so the whole can be dropped)."""
-    return read_shard(cfg, shares, rank, lambda s: s.cut(full[s.name]))
-
-
 def read_shard(cfg: TextModelConfig, shares: HmpShares, rank: int,
                read: Callable[[WeightSlice], torch.Tensor]) -> Weights:
     """Rank ``rank``'s shard from ``read(slice)``, which returns that part of one weight (a loader reads only it

@@ -508,15 +508,6 @@ class ModelFolder:
             return self.get_slice(part.name, 1, *part.columns)
         return self.get(part.name)
 
-    def load_slices(self, slices: Iterable[WeightSlice]) -> Weights:
-        """The tensors ``slices`` describe, keyed by canonical name (one slice per name)."""
-        out: Weights = {}
-        for s in slices:
-            if s.name in out:
-                raise ValueError(f"{s.name} is asked for twice")
-            out[s.name] = self.read_slice(s)
-        return out
-
     def __call__(self, names: Iterable[str]) -> Weights:
         """``load(names)``, so a folder serves where a ``names -> weights`` callable is expected."""
         return self.load(names)
@@ -527,13 +518,6 @@ def open_model(folder: Path | str, dtype: DType | None = None, device: torch.dev
     """The model folder opened for lazy reads (config, names, shapes checked; no weight read yet); the arguments
     as ``ModelFolder``'s."""
     return ModelFolder(folder, dtype, device, layers)
-
-
-def load_model(folder: Path | str, names: Iterable[str] | None = None, dtype: DType | None = None,
-               device: torch.device | str | None = None, layers: int | None = None) -> tuple[TextModelConfig, Weights]:
-    """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""
-    with ModelFolder(folder, dtype, device, layers) as model:
-        return model.config, model.load(names)
 
 
 def source_config(source: TextModelSource) -> TextModelConfig:

@@ -37,17 +37,13 @@ class Encoded(BaseModel):
 
 class SpecialTokens(BaseModel):
     """The ids of a model's special tokens, None where the folder names none. ``eos`` lists every id that ends a
-    generation (Llama 3 names several); ``eos_id`` is the first."""
+    generation (Llama 3 names several)."""
 
     model_config = ConfigDict(frozen=True)
 
     bos: int | None = None
     eos: tuple[int, ...] = ()
     pad: int | None = None
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.eos[0] if self.eos else None
 
 
 def _json(path: Path) -> dict[str, Any]:
