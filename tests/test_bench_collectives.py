@@ -16,7 +16,7 @@ from edgeswarm.cli.bench import parse_size
 from edgeswarm.cli.main import main
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import BrokerProcess
-from helpers import FAST_ENV, Ring
+from helpers import FAST_ENV, Ring, weighted_bounds
 
 ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
 
@@ -86,7 +86,7 @@ def test_schedule_counts_what_runtime_collectives_send() -> None:
            "direct_all_gather": lambda v, r, b, s, g: c.direct_all_gather(v[b[r][0]:b[r][1]], r, b, s, g),
            "direct_all_reduce": lambda v, r, b, s, g: c.direct_all_reduce(v, r, len(b), s, g)}
     for n in (2, 3, 5):
-        bounds = c.weighted_bounds(11, [1.0, 0.0, 2.0, 1.0, 3.0][:n])  # uneven, and rank 1 owns nothing
+        bounds = weighted_bounds(11, [1.0, 0.0, 2.0, 1.0, 3.0][:n])  # uneven, and rank 1 owns nothing
         for op in OPS:
             ring = Ring(n, mesh=op.startswith("direct"))
             ring.run(lambda rank, send, recv: run[op](torch.ones(11), rank, bounds, send, recv))  # noqa: B023

@@ -74,7 +74,7 @@ def test_node_state_and_resources_come_from_its_best_service() -> None:
     assert [n.node for n in view.nodes] == ["a", "b"]
     assert view.node("a").state == "suspect"
     assert view.node("a").device_class == "jetson-nano"
-    assert view.online_nodes() == []
+    assert [n.node for n in view.nodes if n.state == "online"] == []
 
 
 def test_events_report_each_change_once() -> None:

@@ -225,11 +225,6 @@ class DeviceDataset(Dataset):
         self._global = arr.astype(np.int64)
         self._global.setflags(write=False)
 
-    @property
-    def global_ids(self) -> np.ndarray:
-        """The global training ids of this device's samples, in local-id order (read-only)."""
-        return self._global
-
     def _map(self, ids: np.ndarray, split: Split) -> np.ndarray:
         return self._global[ids] if split == "train" else ids
 

@@ -62,10 +62,6 @@ class ClusterView(Message):
         """The node called ``node_id``, or None."""
         return next((n for n in self.nodes if n.node == node_id), None)
 
-    def online_nodes(self) -> list[str]:
-        """Ids of the nodes in state ``online``."""
-        return [n.node for n in self.nodes if n.state == "online"]
-
 
 @schema("edgeswarm.cluster_event", 1)
 class ClusterEvent(Message):

@@ -14,7 +14,6 @@ This module is pure data: the bus imports it (through ``Metrics``), so it import
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,10 +24,6 @@ MetricType = Literal["counter", "gauge", "histogram", "info"]
 # cluster view (one series per node); the retained job states (one per job); the profiles' measured links.
 SourceKind = Literal["counter", "gauge", "histogram", "uptime", "cluster", "job", "link"]
 
-# Labels whose values the cluster bounds (its nodes, services, jobs, kinds, stages, the reasons a closed list names).
-LABELS = frozenset({"node", "service", "job", "kind", "stage", "peer", "reason", "direction"})
-# Metadata labels only an ``_info`` family may carry.
-INFO_LABELS = frozenset({"device_class", "compute", "version"})
 REPORT_LABELS = ("node", "service")  # every family made of MetricsReports carries these
 
 # Bucket upper bounds (seconds; +Inf is implicit). Latencies of one request span a LAN round trip to a long
@@ -232,53 +227,6 @@ CATALOGUE: tuple[MetricDef, ...] = (
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in CATALOGUE}
-
-_SNAKE = re.compile(r"^edgeswarm_[a-z][a-z0-9_]*[a-z0-9]$")
-_UNIT_SUFFIX = {"seconds": "_seconds", "bytes": "_bytes", "ratio": "_ratio", "celsius": "_celsius",
-                "watts": "_watts", "bytes_per_second": "_bytes_per_second"}
-
-
-def naming_problems(metric: MetricDef) -> list[str]:
-    """What in ``metric`` breaks the naming rules (empty: none): the prefix, snake case, the unit as the suffix,
-    ``_total`` only from the counter type, bounded labels, buckets ascending."""
-    problems = []
-    name = metric.name
-    if not _SNAKE.match(name) or name.count(PREFIX) != 1 or "__" in name:
-        problems.append("not one edgeswarm_ prefix and snake case")
-    if name.endswith(("_total", "_info", "_count", "_sum", "_bucket", "_created")):
-        problems.append("ends in a suffix the type adds")
-    if metric.unit:
-        suffix = _UNIT_SUFFIX.get(metric.unit)
-        if suffix is None:
-            problems.append(f"unit {metric.unit!r} is not a base unit")
-        elif not name.endswith(suffix):
-            problems.append(f"unit {metric.unit} but the name does not end in {suffix}")
-    elif any(name.endswith(s) for s in _UNIT_SUFFIX.values()):
-        problems.append("names a unit its unit field does not")
-    if any(t in name for t in ("_milliseconds", "_ms", "_kb", "_mb", "_percent", "_perc")):
-        problems.append("not in a base unit")
-    allowed = LABELS | (INFO_LABELS if metric.type == "info" else frozenset())
-    if not set(metric.labels) <= allowed or len(set(metric.labels)) != len(metric.labels):
-        problems.append(f"labels {sorted(set(metric.labels) - allowed)} are not bounded ones (or repeat)")
-    if metric.type == "histogram":
-        b = metric.buckets
-        if not b or any(x >= y for x, y in zip(b, b[1:], strict=False)):
-            problems.append("a histogram needs ascending buckets")
-    elif metric.buckets:
-        problems.append("buckets on a family that is not a histogram")
-    for source in metric.sources:
-        fixed = tuple(k for k, _ in source.fixed)
-        if source.kind in ("counter", "gauge", "histogram", "uptime"):
-            carried = REPORT_LABELS + source.labels + fixed
-            if sorted(carried) != sorted(metric.labels):
-                problems.append(f"source {source.name} carries labels {carried}, not {metric.labels}")
-            if source.labels and not source.is_prefix:
-                problems.append(f"source {source.name} has labels but is not a prefix")
-            if source.kind != {"counter": "counter", "gauge": "gauge", "histogram": "histogram",
-                               "info": "gauge"}[metric.type] and source.kind != "uptime":
-                problems.append(f"a {metric.type} made of {source.kind}s")
-    return problems
-
 
 def buckets_for(internal: str) -> tuple[float, ...]:
     """Bucket bounds of the histogram whose source ``internal`` is (DEFAULT_BUCKETS for a name the catalogue does

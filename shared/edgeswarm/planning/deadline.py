@@ -32,11 +32,6 @@ class Deadline:
         """The deadline ``seconds`` from now on ``clock``."""
         return cls(clock() + seconds, clock=clock, budget_s=seconds)
 
-    @property
-    def remaining_s(self) -> float:
-        """Seconds left (negative once passed)."""
-        return self.at - self._clock()
-
     def check(self, where: str) -> None:
         """Raise PlanningDeadlineError naming ``where`` the planner stopped if the deadline has passed."""
         if self._clock() <= self.at:

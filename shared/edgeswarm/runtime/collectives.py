@@ -7,7 +7,7 @@ and raises when it gives up). ``edgeswarm.runtime.collective_exchange`` binds th
 binds them to in-memory queues.
 
 Slices. A flat vector of ``length`` elements is cut into N contiguous slices, ``bounds[j] = (start, end)`` owned
-by rank j (``even_bounds`` or ``weighted_bounds``); slices may differ in size and a rank may own zero elements.
+by rank j (``even_bounds``, or any other cut); slices may differ in size and a rank may own zero elements.
 
 Ring. Rank r sends only to its right neighbour r + 1 and receives only from its left neighbour r - 1 (mod N).
 
@@ -45,7 +45,6 @@ received tensor of the wrong length or dtype; the transport's own errors pass th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,29 +67,6 @@ def even_bounds(length: int, parts: int) -> Bounds:
     start = 0
     for i in range(parts):
         end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def weighted_bounds(length: int, weights: Sequence[float]) -> Bounds:
-    """Contiguous [start, end) ranges covering ``length`` elements, range i about ``length * weights[i] /
-    sum(weights)`` long (the boundaries are the cumulative shares rounded down, so each size is within one element
-    of its share and a weight of 0 gives an empty range). Weights must be finite, non-negative, not all zero."""
-    if not weights:
-        raise ValueError("a ring needs at least one weight")
-    if length < 0:
-        raise ValueError(f"a vector cannot have {length} elements")
-    if any(not math.isfinite(w) or w < 0 for w in weights):
-        raise ValueError(f"weights must be finite and non-negative, not {list(weights)}")
-    total = math.fsum(weights)
-    if total <= 0:
-        raise ValueError("at least one weight must be positive")
-    bounds: Bounds = []
-    start, running = 0, 0.0
-    for i, w in enumerate(weights):
-        running += w
-        end = length if i == len(weights) - 1 else min(length, max(start, math.floor(length * running / total)))
         bounds.append((start, end))
         start = end
     return bounds

@@ -64,10 +64,6 @@ class LayerGraph:
     def index(self, name: str) -> int:
         return self.by_name[name]
 
-    @property
-    def total_params(self) -> int:
-        return sum(ly.params for ly in self.layers)
-
 
 def topological_order(g: LayerGraph) -> list[int]:
     """Kahn's order; ties by layer position, so it is deterministic. Raises ModelError on a cycle."""
