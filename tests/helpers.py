@@ -65,6 +65,15 @@ def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # 
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def parse_job_text(text: str, *, source: str = "the job spec") -> Any:
+    """A train-hpp JobSpec from the text of a YAML or JSON spec (YAML parses JSON too). Raises ConfigError for bad
+    syntax or an invalid spec."""
+    from edgeswarm.hpp.spec import parse_job
+    from edgeswarm.workloads import spec_data
+
+    return parse_job(spec_data(text, source=source), source=source)
+
+
 def load_model(folder: Path | str, names: Any = None, dtype: Any = None, device: Any = None,
                layers: int | None = None) -> tuple[Any, dict[str, Any]]:
     """The config and the weights ``names`` (all when None) of a model folder, ready for ``reference.forward``."""

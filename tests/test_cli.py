@@ -402,8 +402,7 @@ class _Training:
         return out, json.loads((self.tmp_path / "run.json").read_text())
 
     def assert_uninterrupted_weights(self, run: dict) -> None:  # type: ignore[type-arg]
-        from edgeswarm.hpp.spec import parse_job_text
-        from helpers import assert_same_weights, reference_weights, stored_weights
+        from helpers import assert_same_weights, parse_job_text, reference_weights, stored_weights
 
         job = parse_job_text(self.job_text)
         stages = len(run["state"]["plan"]["stages"])

@@ -980,7 +980,7 @@ def test_docker_compose_config(profile: str, tmp_path: Path) -> None:
 
 
 def test_the_walkthrough_job_reads_the_mounted_data_sets() -> None:
-    from edgeswarm.hpp.spec import parse_job_text
+    from helpers import parse_job_text
 
     readme = DEPLOY_README.read_text()
     opening = "cat > cifar10-jetsons.yaml <<'EOF'\n"

@@ -29,7 +29,7 @@ from edgeswarm.data.base import round_sample_ids
 from edgeswarm.devices.cluster import cluster_of
 from edgeswarm.errors import ConfigError
 from edgeswarm.hpp.model_file import read_model_file, specs_of, state_problems, write_model_file
-from edgeswarm.hpp.spec import make_optimizer, parse_job_text
+from edgeswarm.hpp.spec import make_optimizer
 from edgeswarm.local.broker import free_port
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import build_model, example_input
@@ -37,7 +37,7 @@ from edgeswarm.runtime.client import client_bus
 from edgeswarm.settings import Settings
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, submit_job
-from helpers import FAST_ENV, assert_same_weights, stored_weights, wait_until
+from helpers import FAST_ENV, assert_same_weights, parse_job_text, stored_weights, wait_until
 
 MODEL = ModelSpec(name="mlp", config={"hidden": 16, "layers": 2})
 JOB = """name: {name}

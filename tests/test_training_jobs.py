@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from edgeswarm.errors import ConfigError
-from edgeswarm.hpp.spec import make_optimizer, parse_job, parse_job_text
+from edgeswarm.hpp.spec import make_optimizer, parse_job
 from edgeswarm.values.specs import OptimizerSpec
+from helpers import parse_job_text
 
 GOOD = {
     "name": "mnv2-envd",

@@ -29,7 +29,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from edgeswarm import topics
 from edgeswarm.dashboard.observer import Observer
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages import ClusterView, JobState, MetricsReport
@@ -43,7 +42,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
-ALL_METRICS = topics.metrics("+", "+")
 STALE_INTERVALS = 3.0  # a service's report this many report intervals old is gone (it publishes each with this TTL)
 MAX_REPORTS = 1024  # (node, service) pairs kept
 MAX_JOBS = 512

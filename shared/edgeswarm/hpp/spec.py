@@ -21,7 +21,7 @@ from edgeswarm.values.limits import MAX_GLOBAL_BATCH
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from edgeswarm.wire.schema import NAME_PATTERN
-from edgeswarm.workloads import field_errors, spec_data
+from edgeswarm.workloads import field_errors
 
 if TYPE_CHECKING:  # torch is imported only to build an optimizer: messages carry these specs
     import torch
@@ -92,12 +92,6 @@ def parse_job(data: Any, *, source: str = "the job spec") -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{source} is invalid:\n{field_errors(exc)}") from None
-
-
-def parse_job_text(text: str, *, source: str = "the job spec") -> JobSpec:
-    """A JobSpec from the text of a YAML or JSON spec (YAML parses JSON too). Raises ConfigError for bad
-    syntax or an invalid spec, listing every invalid field and why."""
-    return parse_job(spec_data(text, source=source), source=source)
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 SpanCat = Literal["compute", "transfer", "collective", "wait", "other"]
-SPAN_CATS: tuple[SpanCat, ...] = ("compute", "transfer", "collective", "wait", "other")
 MAX_NAME_CHARS = 64
 MAX_LANE_CHARS = 64
 # A span longer than a day is no span of a round or request: a clock that jumped, or a forged one.

@@ -226,7 +226,6 @@ CATALOGUE: tuple[MetricDef, ...] = (
               sources=_one("link", "LinkProfile.bandwidth_bps")),
 )
 
-BY_NAME: dict[str, MetricDef] = {m.name: m for m in CATALOGUE}
 
 def buckets_for(internal: str) -> tuple[float, ...]:
     """Bucket bounds of the histogram whose source ``internal`` is (DEFAULT_BUCKETS for a name the catalogue does

@@ -14,12 +14,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.values.limits import MAX_DEVICES, MAX_MEMORY_BYTES, MAX_UNITS
+from edgeswarm.values.limits import MAX_MEMORY_BYTES, MAX_UNITS
 from edgeswarm.wire.schema import Name
 
 # The paper's scale is 100 devices under 5 MECs; a central manager may plan for a few hundred.
 MAX_SPLIT_DEVICES = 1024
-MAX_MECS = MAX_DEVICES
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]
