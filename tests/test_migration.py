@@ -10,9 +10,7 @@ from edgeswarm.planning.hpp.migration import (
     UnitTransfer,
     UnrecoverableError,
     backup_map,
-    links_of,
     local_restores,
-    moved_bytes,
     plan_migration,
     unit_holders,
 )
@@ -20,6 +18,21 @@ from edgeswarm.planning.hpp.types import CommStepPlan, Plan, PlanOptions, StageP
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+def links_of(transfers: list[UnitTransfer]) -> dict[tuple[str, str], int]:
+    """Bytes per (src, dst) link, sorted by link. Each link sends its units back to back while different
+    links run concurrently. Local restores (src == dst) use no link and are left out."""
+    links: dict[tuple[str, str], int] = {}
+    for t in transfers:
+        if t.src != t.dst:
+            links[(t.src, t.dst)] = links.get((t.src, t.dst), 0) + t.nbytes
+    return dict(sorted(links.items()))
+
+
+def moved_bytes(transfers: list[UnitTransfer]) -> int:
+    """Total bytes sent over links (local restores, src == dst, move nothing)."""
+    return sum(t.nbytes for t in transfers if t.src != t.dst)
 
 
 def make_plan(stages: list[tuple[list[str], int, int]], *, budget: dict[str, int] | None = None,

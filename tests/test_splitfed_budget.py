@@ -14,7 +14,6 @@ from edgeswarm.errors import MemoryBudgetError
 from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.zoo import build_model
 from edgeswarm.planning.splitfed.cost import device_memory
-from edgeswarm.planning.splitfed.synthetic import budget_trace
 from edgeswarm.runtime.program import ComputeGate
 from edgeswarm.settings import Settings
 from edgeswarm.splitfed.compute import DevicePart, MecPart, input_bytes
@@ -30,6 +29,23 @@ COMPUTE = resolve_compute(_NATIVE.compute, DeviceProfile.from_settings(_NATIVE))
 MODEL = ModelSpec(name="lenet5", config={"num_classes": 10})
 BATCH = 16
 CUT = 3
+# Spec 10.1's trace: every TRACE_EVERY iterations the round's fraction u of the phone's memory is multiplied by a
+# factor drawn from TRACE_STEP and clipped to TRACE_CLIP.
+TRACE_STEP = (0.9, 1.1)
+TRACE_CLIP = (0.05, 0.5)
+TRACE_EVERY = 50
+
+
+def budget_trace(ram_bytes: int, fraction: float, iterations: int, rng: np.random.Generator) -> list[int]:
+    """The budget (bytes) of each block of 50 iterations of a round that starts at ``fraction`` of RAM: each
+    block multiplies u by U[0.9, 1.1], clipped to [0.05, 0.5]; the first block keeps the round's u."""
+    blocks = max(1, -(-iterations // TRACE_EVERY))
+    u = fraction
+    out = [int(ram_bytes * u)]
+    for _ in range(blocks - 1):
+        u = float(np.clip(u * rng.uniform(*TRACE_STEP), *TRACE_CLIP))
+        out.append(int(ram_bytes * u))
+    return out
 
 
 # ``always`` recomputes whatever the budget, and needs room for the largest backward step (l_peak) beside the
@@ -67,3 +83,10 @@ def test_a_budget_trace_never_sees_an_iteration_over_budget(policy: str, fractio
     assert trained, (left, need, trace)
     if policy == "adaptive":
         assert left, (trained, need, trace)  # the trace dips below what the cut needs
+
+
+def test_budget_trace_stays_within_the_clip() -> None:
+    rng = np.random.default_rng(0)
+    trace = budget_trace(8 * 2**30, 0.3, 1000, rng)
+    assert len(trace) == 20 and trace[0] == int(8 * 2**30 * 0.3)
+    assert all(0.05 * 8 * 2**30 - 1 <= b <= 0.5 * 8 * 2**30 for b in trace)

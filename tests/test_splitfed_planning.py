@@ -31,7 +31,7 @@ from edgeswarm.planning.splitfed.recompute import (
 from edgeswarm.planning.splitfed.scheduling import fine_select, pick, quotas
 from edgeswarm.planning.splitfed.solvers import bayesian, exhaustive, global_oracle, grid
 from edgeswarm.planning.splitfed.statistics import dis, stat, stat_from_sums
-from edgeswarm.planning.splitfed.synthetic import budget_trace, paper_devices, random_instance
+from edgeswarm.planning.splitfed.synthetic import paper_devices, random_instance
 from edgeswarm.planning.splitfed.types import (
     ModelCost,
     SplitDevice,
@@ -377,13 +377,6 @@ def test_plan_round_rejects_impossible_options() -> None:
         plan_round(model, gone, mecs, SplitOptions())
     with pytest.raises(SplitPlanError, match="MECs"):
         plan_round(model, devs, mecs[:1], SplitOptions())
-
-
-def test_budget_trace_stays_within_the_clip() -> None:
-    rng = np.random.default_rng(0)
-    trace = budget_trace(8 * 2**30, 0.3, 1000, rng)
-    assert len(trace) == 20 and trace[0] == int(8 * 2**30 * 0.3)
-    assert all(0.05 * 8 * 2**30 - 1 <= b <= 0.5 * 8 * 2**30 for b in trace)
 
 
 def test_planning_with_recompute_admits_tighter_budgets_at_a_time_cost() -> None:

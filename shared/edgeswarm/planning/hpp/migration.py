@@ -3,16 +3,16 @@
 ``backup_map`` says which device keeps the backup of every single-device stage (a ring over the stages).
 After a failure, a join or a plain re-cut, ``plan_migration`` lists the unit transfers that turn the old
 plan's placement into the new one: only units whose owner changed are sent, each from the holder with the
-least bytes queued so far, and ``links_of`` groups them per (src, dst) link so that every link sends its
-units back to back while different links run concurrently. ``local_restores`` lists the units a device
-already holds as a backup and only has to load locally.
+least bytes queued so far, so that every (src, dst) link sends its units back to back while different links
+run concurrently. ``local_restores`` lists the units a device already holds as a backup and only has to load
+locally.
 
 Sizes are in bytes; units are indices into the model's unit sequence (``Plan.units``). No torch, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Set
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,9 +24,7 @@ __all__ = [
     "UnitTransfer",
     "UnrecoverableError",
     "backup_map",
-    "links_of",
     "local_restores",
-    "moved_bytes",
     "plan_migration",
     "unit_holders",
 ]
@@ -207,21 +205,6 @@ def local_restores(old: Plan, new: Plan, failed: Set[str], backups: dict[str, st
                     restores.append(UnitTransfer(unit=unit, src=holder, dst=holder, nbytes=unit_bytes[unit],
                                                  from_backup_of=of))
     return sorted(restores, key=lambda t: (t.unit, t.dst))
-
-
-def links_of(transfers: Iterable[UnitTransfer]) -> dict[tuple[str, str], int]:
-    """Bytes per (src, dst) link, sorted by link. Each link sends its units back to back while different
-    links run concurrently. Local restores (src == dst) use no link and are left out."""
-    links: dict[tuple[str, str], int] = {}
-    for t in transfers:
-        if t.src != t.dst:
-            links[(t.src, t.dst)] = links.get((t.src, t.dst), 0) + t.nbytes
-    return dict(sorted(links.items()))
-
-
-def moved_bytes(transfers: Iterable[UnitTransfer]) -> int:
-    """Total bytes sent over links (local restores, src == dst, move nothing)."""
-    return sum(t.nbytes for t in transfers if t.src != t.dst)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------

@@ -225,8 +225,3 @@ def linearise(g: LayerGraph, mode: MemoryMode = "reference", transfer: TransferM
     return Linearised(names=tuple(g.layers[p].name for p in points),
                       memories=tuple(segment_memories(g, points, mode, dtype_bytes)),
                       transfers=tuple(transfer_sizes(g, points, transfer)))
-
-
-def mib(x: float) -> float:
-    """Bytes to MiB (the spec's MB = 2**20 bytes)."""
-    return x / 2**20

@@ -1,4 +1,4 @@
-"""Synthetic inputs for the planner: the paper's device mix (spec 10.1), its memory-budget trace and random
+"""Synthetic inputs for the planner: the paper's device mix (spec 10.1) with its memory budgets, and random
 instances for the BO quality check (U6). Everything is drawn from a generator the caller seeds."""
 
 from __future__ import annotations
@@ -34,26 +34,11 @@ PHONES = (
 FLOPS_PER_GHZ = 2e9     # effective training FLOP/s per big-core GHz of a phone (simulation constant)
 MEC_FLOPS = 1e13        # an RTX 3090's effective training throughput
 BUDGET_RANGE = (0.1, 0.4)
-TRACE_STEP = (0.9, 1.1)
-TRACE_CLIP = (0.05, 0.5)
-TRACE_EVERY = 50        # iterations between budget changes
 
 
 def budget_fraction(rng: np.random.Generator) -> float:
     """u of a round: U[0.1, 0.4]; the budget is RAM x u."""
     return float(rng.uniform(*BUDGET_RANGE))
-
-
-def budget_trace(ram_bytes: int, fraction: float, iterations: int, rng: np.random.Generator) -> list[int]:
-    """The budget (bytes) of each block of 50 iterations of a round that starts at ``fraction`` of RAM: each
-    block multiplies u by U[0.9, 1.1], clipped to [0.05, 0.5]; the first block keeps the round's u."""
-    blocks = max(1, -(-iterations // TRACE_EVERY))
-    u = fraction
-    out = [int(ram_bytes * u)]
-    for _ in range(blocks - 1):
-        u = float(np.clip(u * rng.uniform(*TRACE_STEP), *TRACE_CLIP))
-        out.append(int(ram_bytes * u))
-    return out
 
 
 def label_skews(devices: int, classes: int, concentration: float, samples: np.ndarray,
