@@ -38,7 +38,8 @@ def _train(units: list[nn.Module], plan: list[str], x: torch.Tensor) -> tuple[Un
     torch.manual_seed(1)  # dropout masks: the recomputation must replay them
     out = chain.forward(x)
     held = chain.held_bytes()
-    chain.ledger.reset_peak()
+    chain.ledger.peak_bytes = 0  # the backward's own peak, from what the forward left held
+    chain.ledger.sample()
     chain.backward(torch.ones_like(out))
     grads = [p.grad.clone() for u in units for p in u.parameters()]
     return chain, held, grads

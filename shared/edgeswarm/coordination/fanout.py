@@ -35,11 +35,6 @@ class FanOut:
     failures: dict[str, BusError] = field(default_factory=dict)
     interrupted: bool = False
 
-    @property
-    def complete(self) -> bool:
-        """Whether every request was answered."""
-        return not self.failures and not self.interrupted
-
 
 def fan_out(bus: Bus, messages: Mapping[str, Message], service: str, *, timeout_s: float,
             targets: Mapping[str, str] | None = None, watch: Watch | None = None,

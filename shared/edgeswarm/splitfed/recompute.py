@@ -170,11 +170,6 @@ class ActivationLedger:
         self.peak_bytes = max(self.peak_bytes, now)
         return now
 
-    def reset_peak(self) -> None:
-        """Start a new peak from what is held now."""
-        self.peak_bytes = 0
-        self.sample()
-
 
 @dataclass
 class RecomputeStats:
