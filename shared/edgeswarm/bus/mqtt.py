@@ -68,7 +68,6 @@ def _guarded(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except Exception:  # noqa: BLE001 - the last guard of the network thread
-            self.callback_errors += 1
             _limited.log(logging.ERROR, f"callback:{method.__name__}", "%s on %s failed", method.__name__,
                          self.url, exc_info=True)
             return None
@@ -445,7 +444,6 @@ class MqttConnection:
         self._refusals: OrderedDict[int, str] = OrderedDict()
         self._refused_subscriptions: dict[int, str] = {}
         self._net_thread: threading.Thread | None = None
-        self.callback_errors = 0
         self._protocol_setting = protocol
         self._keepalive = keepalive_s
         self._cap = max_packet_bytes
@@ -792,7 +790,6 @@ class MqttConnection:
                 self._on_message(inbound)
                 return
         except Exception:  # noqa: BLE001 - the last guard of the network thread
-            self.callback_errors += 1
             _limited.log(logging.ERROR, "callback:_handle_message", "a message from %s could not be queued",
                          self.url, exc_info=True)
         try:
