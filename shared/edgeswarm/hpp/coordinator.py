@@ -20,7 +20,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
 from edgeswarm.coordination.planner_client import request_plan as ask_planner
 from edgeswarm.coordination.program import CoordinatorProgram, Disrupted
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import EdgeswarmError, PlanningError
 from edgeswarm.hpp.driver import (
     ConnectionInterrupted,
     DeviceLost,
@@ -30,12 +30,13 @@ from edgeswarm.hpp.driver import (
     RoundReport,
     StagesFailed,
 )
-from edgeswarm.hpp.recovery import RecoveryReport, grow, recover
+from edgeswarm.hpp.recovery import RecoveryReport, full_plan, grow, move_to, recover
 from edgeswarm.hpp.spec import JobSpec
 from edgeswarm.messages.planning import PlanReply, PlanRequest
 from edgeswarm.messages.training import CheckpointSource, StageSaved
 from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
+from edgeswarm.planning.hpp.refit import ComputeFit, Rebalancer, predicted_compute_s, reprice, scaled
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
@@ -89,6 +90,10 @@ class JobObserver:
 
     def recovered(self, report: RecoveryReport) -> None:
         """The job runs again on ``report.plan`` from round ``report.resume_round``."""
+
+    def rebalanced(self, report: RecoveryReport, detail: str) -> None:
+        """The job moved to a plan made on the devices' measured speeds (``detail`` says which moved and the
+        predicted gain)."""
 
     def joined(self, report: RecoveryReport) -> None:
         """Devices ``report.joined`` were added: the job goes on with ``report.plan`` from ``report.resume_round``."""
@@ -214,6 +219,12 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
+        # The closed loop (planning.hpp.refit): each device's measured compute against the job's profile.
+        self.fit = ComputeFit()
+        self.rebalancer = Rebalancer()
+        self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
+        # (plan epoch, the scales, the refitted profile, the running plan and the best plan priced on it)
+        self._priced: tuple[int, dict[str, float], ClusterProfile, Plan, Plan] | None = None
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
@@ -226,6 +237,10 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         program.driver, program.cluster, program.result, program.joiner = driver, cluster, result, joiner
         program.plan, program.index, program.saved_version = driver.plan, start, saved_version
         return program
+
+    def replanned(self, plan: Plan) -> None:
+        super().replanned(plan)
+        self.rebalancer.new_plan()
 
     def check(self) -> None:
         if self._check is not None:
@@ -296,16 +311,19 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         the next round, and a checkpoint when one is due."""
         assert self.driver is not None and self.result is not None and self.cluster is not None
         job, index, result = self.job, self.index, self.result
-        if self.joiner is not None and 0 < index < self.total and index % job.backup_interval == 0:
-            grown = self.joiner(self.driver, self.cluster, index)
-            if grown is not None:
-                self.driver, report, self.cluster = grown
-                result.recoveries.append(report)
-                result.plan = report.plan
-                self.replanned(report.plan)
-                self.seen.joined(report)
+        snapshots = 0 < index < self.total and index % job.backup_interval == 0
+        grown = self.joiner(self.driver, self.cluster, index) if self.joiner is not None and snapshots else None
+        if grown is not None:
+            self.driver, report, self.cluster = grown
+            result.recoveries.append(report)
+            result.plan = report.plan
+            self.replanned(report.plan)
+            self.seen.joined(report)
+        elif snapshots and self.bus.settings.rebalance:
+            self._rebalance(index)
         if index < self.total:
             done = self._run_round(index)
+            self._refit(done)
             record.round_done(self.bus.metrics, KIND, job.name, done.round_s, job.global_batch)
             result.rounds.append(done)
             self.seen.round_done(done)
@@ -316,6 +334,50 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             self.saved_version = index
             result.saved.append(saved)
             self.seen.saved(index, saved)
+
+    def _refit(self, done: RoundReport) -> None:
+        """Feed the round's measured compute (one micro-batch's forward and backward per device) to the fit."""
+        assert self.driver is not None and self.cluster is not None
+        plan = self.driver.plan
+        if self._predicted[0] != plan.epoch:
+            self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
+        self.fit.add(self._predicted[1], {node: (sum(r.forward_s) + sum(r.backward_s)) / len(r.forward_s)
+                                          for node, r in done.devices.items() if r.forward_s})
+        self.rebalancer.round_done()
+
+    def _rebalance(self, index: int) -> None:
+        """At the start of round ``index`` (snapshots held): re-plan on the refitted profile when the rebalancer
+        says it pays (see planning.hpp.refit), moving only the units whose owner changes."""
+        assert self.driver is not None and self.cluster is not None and self.result is not None
+        moved = self.fit.moved()
+        if not moved:
+            return
+        started = time.monotonic()
+        scales = self.fit.scales()
+        old = self.driver.plan
+        cached = self._priced
+        if cached is not None and cached[0] == old.epoch and _close(cached[1], scales):
+            refit, current, best = cached[2:]
+        else:  # the full planner takes a while: only when the fit moved since it last ran
+            refit = scaled(self.cluster, scales)
+            try:
+                current, best = reprice(old, refit), full_plan(old, refit)
+            except PlanningError as exc:
+                log.info("job %s: no plan on the refitted profile: %s", self.job.name, exc)
+                return
+            self._priced = (old.epoch, scales, refit, current, best)
+        if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
+            return
+        self.driver, report = move_to(self.driver, best, refit, index, "rebalance", started=started)
+        speeds = ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(moved.items()))
+        detail = (f"compute measured against the profile: {speeds}; the running plan would take "
+                  f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
+                  f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")
+        log.info("job %s: re-planned on measured speeds: %s", self.job.name, detail)
+        self.result.recoveries.append(report)
+        self.result.plan = report.plan
+        self.replanned(report.plan)
+        self.seen.rebalanced(report, detail)
 
     def _run_round(self, index: int) -> RoundReport:
         """Round ``index``. Devices that all gave up waiting for a peer's tensors (reason ``timeout``) while none was
@@ -402,6 +464,11 @@ def _checkpoint(store_node: str | None, saved_version: int, job: JobSpec) -> tup
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
 #: report and the profile of every device now usable, or None when nothing changes.
+def _close(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) -> bool:
+    """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's."""
+    return a.keys() == b.keys() and all(abs(b[n] / a[n] - 1.0) <= tolerance for n in a)
+
+
 Joiner = Callable[[JobDriver, ClusterProfile, int], tuple[JobDriver, RecoveryReport, ClusterProfile] | None]
 
 

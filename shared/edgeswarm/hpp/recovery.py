@@ -47,7 +47,7 @@ from edgeswarm.values.profiles import OPTIMIZER_STATE_FACTOR, ClusterProfile
 
 log = logging.getLogger(__name__)
 
-RecoveryMode = Literal["light", "heavy", "replay", "join", "checkpoint"]
+RecoveryMode = Literal["light", "heavy", "replay", "join", "checkpoint", "rebalance"]
 MAX_ATTEMPTS = 3  # recoveries in a row when devices keep failing while the job recovers
 
 
@@ -157,7 +157,7 @@ def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrup
                                  f"version {version} cannot be read: {exc}", units=[],
                                  devices=sorted(failures)) from exc
     t0 = time.monotonic()
-    new = _full_plan(old, remaining)
+    new = full_plan(old, remaining)
     replan_s = time.monotonic() - t0
     t0 = time.monotonic()
     successor = _successor(driver, new)
@@ -175,7 +175,7 @@ def _from_checkpoint(driver: JobDriver, failures: dict[str, Detection], interrup
     return successor, report
 
 
-def _full_plan(old: Plan, cluster: ClusterProfile) -> Plan:
+def full_plan(old: Plan, cluster: ClusterProfile) -> Plan:
     """The full planner on ``cluster`` for ``old``'s strategy, global batch, M and optimizer; epoch plus one."""
     new = plan_best(old.strategy, cluster, old.options.global_batch, micro_batches=old.options.micro_batches,
                     optimizer=old.options.optimizer)
@@ -226,7 +226,7 @@ def _recover_once(driver: JobDriver, failures: dict[str, Detection], interrupted
         _wait_gathered(driver, gathered_at, resume, old.units)
         gather_s = time.monotonic() - t0
         t0 = time.monotonic()
-        new = _full_plan(old, remaining)
+        new = full_plan(old, remaining)
         replan_s = time.monotonic() - t0
         transfers = [UnitTransfer(unit=u, src=gathered_at, dst=d, nbytes=sizes[u])
                      for s in new.stages for d in s.devices if d != gathered_at for u in range(s.start, s.end)]
@@ -272,27 +272,38 @@ def grow(driver: JobDriver, joined: list[str], cluster: ClusterProfile, round_in
     """Add the devices ``joined`` to the job of ``driver`` at the start of round ``round_index`` (every device of
     the plan holds its snapshot of that round start). ``cluster`` profiles the plan's devices and the joined ones.
     The full planner runs on all of them; when its plan is not predicted at least ``min_gain`` (a fraction)
-    faster than the current one, nothing changes and None is returned. Otherwise every device of the new plan
-    restores its units at that round start, only the units whose owner changed moving, and the new driver and
-    the report (mode ``join``) are returned. Raises JobError from a device, DeviceLost if one fails meanwhile."""
+    faster than the current one, nothing changes and None is returned. Otherwise ``move_to`` the new plan (mode
+    ``join``). Raises JobError from a device, DeviceLost if one fails meanwhile."""
     started = time.monotonic()
     old = driver.plan
-    new = _full_plan(old, cluster)
-    replan_s = time.monotonic() - started
+    new = full_plan(old, cluster)
     if new.round_latency_s > old.round_latency_s * (1 - min_gain):
         log.info("job %s: %s joined, but the best plan with them (%.3f s per round) is no faster than the current "
                  "one (%.3f s): keeping it", driver.job.name, ", ".join(joined), new.round_latency_s,
                  old.round_latency_s)
         return None
+    return move_to(driver, new, cluster, round_index, "join", joined=joined, started=started)
+
+
+def move_to(driver: JobDriver, new: Plan, cluster: ClusterProfile, round_index: int, mode: RecoveryMode, *,
+            joined: list[str] | None = None, started: float | None = None) -> tuple[JobDriver, RecoveryReport]:
+    """Put the job of ``driver`` on plan ``new`` at the start of round ``round_index`` (every device of the old plan
+    holds its snapshot of that round start; ``cluster`` profiles every device of both): every device of the new
+    plan restores its units there, only the units whose owner changed moving. Returns the new driver and the report
+    (``mode``: ``join`` for devices that appeared, ``rebalance`` for a re-plan on measured speeds; ``started`` is
+    when the decision began, monotonic seconds). Raises JobError from a device, DeviceLost if one fails meanwhile."""
+    started = time.monotonic() if started is None else started
+    old = driver.plan
+    replan_s = time.monotonic() - started
     transfers = plan_migration(old, new, set(), backup_map(old), unit_state_bytes(cluster, driver.job.optimizer.name))
     t0 = time.monotonic()
     successor = _successor(driver, new)
     successor.deploy(round_index, transfers)
     report = RecoveryReport(
-        mode="join", failed=[], joined=sorted(joined), interrupted_round=round_index, resume_round=round_index,
+        mode=mode, failed=[], joined=sorted(joined or []), interrupted_round=round_index, resume_round=round_index,
         epoch=new.epoch, replan_s=replan_s, restore_s=time.monotonic() - t0, recovery_s=time.monotonic() - started,
         moved_bytes=sum(s.nbytes for s in successor.sent), moved_state_bytes=sum(t.nbytes for t in transfers),
         transfers=len(transfers), plan=new)
-    log.info("job %s: %s joined at round %d: %d stages, %d bytes moved, %.2f s", driver.job.name,
-             ", ".join(joined), round_index, len(new.stages), report.moved_bytes, report.recovery_s)
+    log.info("job %s: plan epoch %d (%s) at round %d: %d stages, %d bytes moved, %.2f s", driver.job.name, new.epoch,
+             mode, round_index, len(new.stages), report.moved_bytes, report.recovery_s)
     return successor, report

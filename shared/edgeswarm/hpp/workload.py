@@ -82,6 +82,9 @@ class _Publisher(JobObserver):
     def joined(self, report: RecoveryReport) -> None:
         self._replanned(report, "joined", f"{', '.join(report.joined)} joined")
 
+    def rebalanced(self, report: RecoveryReport, detail: str) -> None:
+        self._replanned(report, "rebalanced", f"re-planned on measured speeds ({detail})")
+
     def _replanned(self, report: RecoveryReport, kind: JobEventKind, what: str) -> None:
         plan = report.plan
         stages = " | ".join(",".join(s.devices) for s in plan.stages)

@@ -1,0 +1,123 @@
+"""HPP's closed loop (``planning.hpp.refit``): a wrong profile is corrected from measured rounds, and noise never
+makes it re-plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeswarm.planning.hpp.compare import plan_best
+from edgeswarm.planning.hpp.refit import ComputeFit, Rebalancer, predicted_compute_s, reprice, scaled
+from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
+from edgeswarm.values.profiles import ClusterProfile
+
+GIB = 1 << 30
+GLOBAL_BATCH, MICRO_BATCHES = 64, 4
+
+
+def profiled() -> ClusterProfile:
+    """Four devices as their profiles say: one fast, three alike."""
+    devs = [SyntheticDevice("a", 1.0, 6 * GIB), SyntheticDevice("b", 2.0, 6 * GIB),
+            SyntheticDevice("c", 2.0, 6 * GIB), SyntheticDevice("d", 2.0, 6 * GIB)]
+    return synthetic_cluster(24, devs, bandwidth_bps=125e6)
+
+
+def best(cluster: ClusterProfile) -> Plan:
+    return plan_best("hpp", cluster, GLOBAL_BATCH, micro_batches=MICRO_BATCHES)
+
+
+def layout(plan: Plan) -> list[tuple[int, int, list[str]]]:
+    return [(s.start, s.end, s.devices) for s in plan.stages]
+
+
+def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noise: float,
+             seed: int = 0) -> tuple[Plan, list[int], ComputeFit]:
+    """The coordinator's loop in miniature: plan on ``profile``; each round every device measures what ``truth``
+    says its part takes (times seeded noise of +-``noise``), the fit and the rebalancer see it, and a re-plan
+    takes the best plan on the refitted profile. Returns the final plan, the rounds that re-planned and the fit."""
+    rng = np.random.default_rng(seed)
+    plan = best(profile)
+    fit, rebalancer, replans = ComputeFit(), Rebalancer(), []
+    for r in range(rounds):
+        true = predicted_compute_s(plan, truth)
+        fit.add(predicted_compute_s(plan, profile),
+                {n: s * (1 + rng.uniform(-noise, noise)) for n, s in true.items()})
+        rebalancer.round_done()
+        if not fit.moved():
+            continue
+        refit = scaled(profile, fit.scales())
+        candidate = best(refit)
+        if rebalancer.check(reprice(plan, refit).round_latency_s, candidate.round_latency_s, now=float(r)):
+            plan, _ = candidate.model_copy(update={"epoch": plan.epoch + 1}), replans.append(r)
+            rebalancer.new_plan()
+    return plan, replans, fit
+
+
+def test_a_device_three_times_slower_than_profiled_is_refitted_and_the_job_replans_to_the_right_plan() -> None:
+    profile = profiled()
+    truth = scaled(profile, {"a": 3.0})  # the fastest device runs 3x slower than its profile says
+    right = best(truth)
+    assert layout(best(profile)) != layout(right)  # the wrong profile does pick another plan
+    wrong = best(profile)
+    plan, replans, fit = run_loop(profile, truth, rounds=10, noise=0.05)
+    assert len(replans) == 1 and replans[0] < 10, replans
+    # The plan the right profile gives (up to the noise of the fit: a cut a unit away, or one of b, c and d, which
+    # are alike, for another): as fast on the true cluster, and faster than the wrong one.
+    on_truth = reprice(plan, truth).round_latency_s
+    assert on_truth == pytest.approx(right.round_latency_s, rel=0.03)
+    assert on_truth < 0.9 * reprice(wrong, truth).round_latency_s
+    assert [len(s.devices) for s in plan.stages] == [len(s.devices) for s in right.stages]
+    assert fit.scales()["a"] == pytest.approx(3.0, rel=0.06) and set(fit.moved()) == {"a"}
+    # Now the prediction comes true: the plan priced on the refitted profile is within 10% of the truth.
+    refitted = reprice(plan, scaled(profile, fit.scales())).round_latency_s
+    assert refitted == pytest.approx(reprice(plan, truth).round_latency_s, rel=0.10)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_never_replans(seed: int) -> None:
+    """Every device within +-10% of its profile, round after round for 50 rounds: no re-plan (no flapping)."""
+    profile = profiled()
+    plan, replans, _ = run_loop(profile, profile, rounds=50, noise=0.10, seed=seed)
+    assert replans == [] and plan.epoch == 0
+
+
+def test_a_cluster_uniformly_slower_than_profiled_keeps_its_plan() -> None:
+    profile = profiled()
+    truth = scaled(profile, {n: 1.6 for n in "abcd"})
+    plan, replans, fit = run_loop(profile, truth, rounds=20, noise=0.02)
+    assert replans == [] and set(fit.moved()) == set("abcd")  # every scale moved, alike: nothing to gain
+
+
+def test_one_outlier_round_does_not_swing_the_fit() -> None:
+    fit = ComputeFit()
+    for r in range(5):
+        fit.add({"a": 0.1}, {"a": 10.0 if r == 2 else 0.1})  # one round 100x (a GC pause, a swap)
+    assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}
+    fit.add({"a": 0.1, "b": 0.0}, {"a": 1e9, "b": 1.0})  # no prediction for b: not fitted; a is clipped
+    assert "b" not in fit.scales() and fit.scales()["a"] <= 64.0
+
+
+def test_the_rebalancer_waits_for_confirmation_and_caps_replans_per_hour() -> None:
+    r = Rebalancer(margin=0.1, confirm=2, min_rounds=1, max_per_hour=2)
+    r.round_done()
+    assert not r.check(1.0, 0.5, now=0.0)  # the first check of a gain: not confirmed yet
+    assert r.check(1.0, 0.5, now=1.0)
+    r.new_plan()
+    r.round_done()
+    assert not r.check(1.0, 0.95, now=2.0) and not r.check(1.0, 0.5, now=3.0)  # 5% is noise; the streak restarts
+    assert r.check(1.0, 0.5, now=4.0)
+    r.new_plan()
+    r.round_done()
+    r.check(1.0, 0.5, now=5.0)
+    assert not r.check(1.0, 0.5, now=6.0)  # the third within the hour
+    assert r.check(1.0, 0.5, now=3602.0)  # the first one's hour has passed
+
+
+def test_repricing_a_plan_on_its_own_profile_gives_its_prediction_and_keeps_its_shares() -> None:
+    profile = profiled()
+    plan = best(profile)
+    assert reprice(plan, profile).round_latency_s == pytest.approx(plan.round_latency_s, rel=1e-9)
+    slower = reprice(plan, scaled(profile, {"b": 2.0}))
+    assert [s.shares for s in slower.stages] == [s.shares for s in plan.stages]
+    assert slower.round_latency_s > plan.round_latency_s
