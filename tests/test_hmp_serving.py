@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +58,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("hmp-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=()) as (local, bus):
+    # The dashboard collects the shards' spans for `edgeswarm explain`.
+    with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=(), dashboard=True) as (local,
+                                                                                                      bus):
         watcher = ClusterWatcher(bus)
         wait_until(lambda: len(nodes_running(watcher.view()[0], SHARD_WORKER)) == DEVICES, 120,
                    message="every tensor-shard-worker online")
@@ -124,6 +127,21 @@ def test_serve_and_infer_on_the_command_line_generate_the_single_device_tokens(c
     listed = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", *hub], capture_output=True, text=True,
                             timeout=60)
     assert "hmp-cli" in listed.stdout and "TTFT" in listed.stdout, listed.stdout
+    # `edgeswarm explain`: each prefill (the plan prices one) as planned and measured, shard by shard.
+
+    def explained() -> dict[str, Any] | None:
+        result = subprocess.run([sys.executable, "-m", "edgeswarm", "explain", "hmp-cli", "--json",
+                                 str(tmp_path / "explain.json"), *hub], capture_output=True, text=True, timeout=60)
+        data = json.loads((tmp_path / "explain.json").read_text()) if result.returncode == 0 else None
+        return data if data is not None and len(data["units"]) == 2 else None  # both requests' prefills
+
+    data = wait_until(explained, 30, message="both prefills' spans for edgeswarm explain")
+    ops = {(o["lane"], o["name"]): o for o in data["operations"]}
+    for rank in range(DEVICES):
+        for name in ("prefill", "compute", "exposed communication"):
+            assert ops[(f"shard {rank}", name)]["planned_each_s"] > 0, (rank, name, ops)
+        assert ops[(f"shard {rank}", "prefill")]["measured_s"] > ops[(f"shard {rank}", "compute")]["measured_s"] > 0
+    assert not any(lane.endswith("comm") for lane, _ in ops) and data["predicted_s"] > 0
     # Every kind's plan view, device by device: this one's heads and columns, in `jobs --json` and `jobs JOB`.
     shares = state.plan.shares
     one = subprocess.run([sys.executable, "-m", "edgeswarm", "jobs", "hmp-cli", "--json", *hub], capture_output=True,

@@ -50,7 +50,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("splitfed-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "splitfed-test", edges=1) as (local, bus):
+    # The dashboard collects the devices' spans for `edgeswarm explain`.
+    with native_cluster(DEVICES, root / "cluster", env, "splitfed-test", edges=1, dashboard=True) as (local, bus):
         yield Cluster(local, bus, root)
 
 
@@ -86,6 +87,20 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
     assert written["state"]["status"] == "succeeded" and written["state"]["kind"] == "train-splitfed"
     assert [r["rounds_done"] for r in written["rounds"]] == [1, 2, 3], written["rounds"]
     assert "accuracy" in done.stdout and "MiB" in done.stdout, done.stdout
+    # `edgeswarm explain`: the planner prices no operation of a split round, so the devices' measured spans (their
+    # halves' forward, tail and backward, the waits for the MEC) and the round's predicted and measured seconds.
+
+    def explained() -> dict[str, object] | None:
+        result = subprocess.run([sys.executable, "-m", "edgeswarm", "explain", "sf-cli", "--json",
+                                 str(tmp_path / "explain.json"), "--hub", cluster.local.hub_url],
+                                capture_output=True, text=True, timeout=60)
+        data = json.loads((tmp_path / "explain.json").read_text()) if result.returncode == 0 else None
+        return data if data is not None and data["units"] else None
+
+    data = wait_until(explained, 30, message="a complete round's spans for edgeswarm explain")
+    assert data["unit"] == "round" and data["predicted_s"] and data["reported_s"], data  # type: ignore[index]
+    names = {o["name"] for o in data["operations"]}  # type: ignore[index,union-attr]
+    assert {"forward", "backward"} <= names, names
     out = tmp_path / "model.safetensors"
     exported = subprocess.run([sys.executable, "-m", "edgeswarm", "export", "sf-cli", "--out", str(out), "--hub",
                                cluster.local.hub_url], capture_output=True, text=True, timeout=120)

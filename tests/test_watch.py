@@ -22,7 +22,8 @@ from edgeswarm.wire import Sender, encode, tensor_frames
 from edgeswarm.wire.observe import Observer
 from helpers import FAST_ENV, announce, wait_until
 
-ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200"}
+# PYTHONFAULTHANDLER: a watch that hangs prints every thread's stack when it is sent SIGABRT.
+ENV = {**os.environ, **FAST_ENV, "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}
 
 
 def watch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -86,13 +87,21 @@ class _Watching:
             self.lines.append(json.loads(line))
 
     def stop(self) -> tuple[int, str]:
-        """Ctrl-C it; its exit status and stderr."""
+        """Ctrl-C it; its exit status and stderr. One that does not stop fails the test with every thread's stack
+        (faulthandler, on SIGABRT), so a hang says where it hangs."""
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(15)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(5)
+            finally:
+                if self.proc.poll() is None:
+                    self.proc.kill()
+            assert self.proc.stderr is not None
+            raise AssertionError("edgeswarm watch did not stop within 15 s of Ctrl-C; its threads:\n"
+                                 + self.proc.stderr.read()[-8000:]) from None
         self._reader.join(5)
         assert self.proc.stderr is not None
         return self.proc.returncode, self.proc.stderr.read()

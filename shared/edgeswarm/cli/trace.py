@@ -23,7 +23,6 @@ from edgeswarm.settings import Settings
 from edgeswarm.tracing.chrome import chrome_trace_bytes
 from edgeswarm.tracing.client import NoTraceError, fetch_trace, submission_spans
 from edgeswarm.tracing.explain import Explanation, explain
-from edgeswarm.tracing.schedule import complete_rounds
 
 
 def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -92,16 +91,10 @@ def run_explain(args: argparse.Namespace) -> int:
     if not spans:
         raise NoTraceError(f"the dashboard holds no spans of job {args.job}: spans are kept from when the dashboard "
                            "started, for its most recent jobs")
-    unit = work.schedule_unit
-    if unit == "round":
-        nodes = [n for group in work.stage_devices(state.plan) for n in group] if state.plan is not None else []
-        units = complete_rounds(spans, nodes)
-        units = units[1:] if len(units) > 1 else units  # the first round builds and warms up: not steady state
-    else:
-        units = sorted({s.micro_batch for s in spans if s.micro_batch is not None})
+    spans, units = work.explained_spans(state, spans)
     predicted, reported = work.unit_seconds(state)
-    result = explain(args.job, work.planned_schedule(state), spans, unit, units, predicted_s=predicted,
-                     reported_s=reported)
+    result = explain(args.job, work.planned_schedule(state), spans, work.schedule_unit, units,
+                     predicted_s=predicted, reported_s=reported)
     if args.json:
         Path(args.json).write_text(json.dumps(result.model_dump(mode="json"), indent=2))
     _print_explanation(result, state, args.top)

@@ -11,6 +11,8 @@ from edgeswarm.planning.hmp.shares import MAX_SHARDS, Mode
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.wire.schema import NAME_PATTERN, Name
 
+PREFILL = "prefill"  # the span a shard records over a whole pass from token 0 ("decode" over the others)
+
 
 class HmpPlannerSpec(BaseModel):
     """How the planner may split the job: devices it must leave out, whether it may leave out devices that do not

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm.devices.compute import to_host
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.hmp.spec import PREFILL
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.hmp import (
@@ -277,6 +278,7 @@ class ShardProgram(JobTable[_Job]):
                                      deadline_s=spec.deadline_s)
 
             job.running = (body.request, body.pass_id)
+            started = time.perf_counter()
             try:
                 with self.ctx.gate.computing():
                     out = run_pass(job.shard, tokens, body.start, cache, ring)
@@ -297,7 +299,7 @@ class ShardProgram(JobTable[_Job]):
                 job.exchange.forget(body.pass_id)
                 job.port.forget(body.pass_id)
             job.ran += 1
-            self._trace(job, body.pass_id)
+            self._trace(job, body, started, time.perf_counter())
             self.ctx.metrics.count("hmp_passes")
             result = ShardResult(job_id=spec.job_id, epoch=spec.epoch, pass_id=body.pass_id, rank=spec.rank,
                                  row_start=out.row_start, top=out.top, split=out.split,
@@ -310,21 +312,21 @@ class ShardProgram(JobTable[_Job]):
                 _limited.log(logging.WARNING, "result", "hmp job %s: result of pass %d not sent: %s", spec.job_id,
                              body.pass_id, exc)
 
-    def _trace(self, job: _Job, pass_id: int) -> None:
+    def _trace(self, job: _Job, body: ShardPass, started: float, ended: float) -> None:
         """Hand the pass's spans (the rank's recorder: each layer's compute, each collective step and wait, the
         communication threads' sends and receives) to the service's tracer: the pass is the span's round, the
-        layer part of its name; the rank's lane is "shard r", its communication threads' "shard r comm"."""
+        layer part of its name; the rank's lane is "shard r", its communication threads' "shard r comm". The whole
+        pass is one more span on the rank's lane, "prefill" (from token 0) or "decode", from ``started`` to
+        ``ended`` (perf_counter seconds)."""
         from edgeswarm.tracing.spans import RawSpan
 
-        spans = job.shard.rank.recorder.spans()
-        if not spans:
-            return
-        rank, job_id, add = job.spec.rank, job.spec.job_id, self.ctx.tracer.add
+        rank, job_id, add, pass_id = job.spec.rank, job.spec.job_id, self.ctx.tracer.add, body.pass_id
         lane, comm_lane = f"shard {rank}", f"shard {rank} comm"
-        for s in spans:
+        for s in job.shard.rank.recorder.spans():
             name = s.name if s.layer < 0 else f"L{s.layer} {s.name}"
             add(RawSpan(job_id, comm_lane if s.kind == "comm" else lane, name, _SPAN_CATS[s.kind], pass_id, None,
                         s.start, s.end))
+        add(RawSpan(job_id, lane, PREFILL if body.start == 0 else "decode", "other", pass_id, None, started, ended))
 
     def _cache_for(self, job: _Job, body: ShardPass) -> Any:
         """The KV cache pass ``body`` extends: a new one for a prefill (start 0), else the request's. None (the pass

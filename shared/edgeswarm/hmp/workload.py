@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.hmp.spec import HmpProgress, HmpSpec
+from edgeswarm.hmp.spec import PREFILL, HmpProgress, HmpSpec
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.hmp import HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobState
+from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.planning.hmp.plan import HmpPlan
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
+from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.workloads.serving import ServingWorkload
 from edgeswarm.workloads.views import PlanBlock, PlanGroup, PlanView, human_bytes
+
+# How a shard's spans line up with the plan's split of a pass: computing, and the rest of the layers' time, which is
+# the communication not hidden behind computing (collective bookkeeping and waiting for a peer's tensor).
+_EXPOSED = "exposed communication"
+_PLANNED_AS = {"compute": "compute", "collective": _EXPOSED, "wait": _EXPOSED}
 
 MIB = 1 << 20
 
@@ -74,6 +81,36 @@ class HmpWorkload(ServingWorkload):
         assert isinstance(progress, HmpProgress)
         return [("latency p50", "s", progress.latency_p50_s), ("TTFT p50", "s", progress.ttft_p50_s),
                 ("TPOT p50", "s", progress.tpot_p50_s), ("decode", "tokens/s", progress.tokens_per_s)]
+
+    def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
+        """One prefill of ``seq_len`` tokens as planned, on every shard: the pass, its compute and its exposed
+        communication."""
+        plan = state.plan
+        if not isinstance(plan, HmpPlan):
+            return []
+        m = plan.model
+        return [bar for rank in range(len(plan.shares.devices)) for bar in (
+            ScheduleBar(lane=f"shard {rank}", name=PREFILL, cat="other", start_s=0.0, dur_s=m.total_s,
+                        source="planned"),
+            ScheduleBar(lane=f"shard {rank}", name="compute", cat="compute", start_s=0.0, dur_s=m.compute_s,
+                        source="planned"),
+            ScheduleBar(lane=f"shard {rank}", name=_EXPOSED, cat="wait", start_s=m.compute_s, dur_s=m.exposed_s,
+                        source="planned"))]
+
+    def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
+        """The prefill passes (the plan prices a prefill; a decode pass is a token's), each layer's spans summed
+        into compute and exposed communication; the transfers, which overlap them, left out. Every prefill whose
+        pass span is in counts: it is recorded when the pass has ended."""
+        prefills = sorted({s.round for s in spans if s.name == PREFILL and s.round is not None})
+        wanted = set(prefills)
+        kept = [s if s.name == PREFILL else s.model_copy(update={"name": _PLANNED_AS[s.cat]})
+                for s in spans if s.round in wanted and (s.name == PREFILL or s.cat in _PLANNED_AS)]
+        return kept, prefills
+
+    def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
+        plan = state.plan
+        return (plan.model.total_s if isinstance(plan, HmpPlan) else None,
+                state.progress_as(HmpProgress).ttft_p50_s)
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, HmpPlan)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.splitfed import SplitUpdate
+from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
@@ -70,6 +71,18 @@ class SplitfedWorkload(Workload):
                               f"accuracy {100 * p.accuracy:.1f}%" if p.accuracy is not None else "",
                               f"loss {p.loss:.4f}" if p.loss is not None else "",
                               f"device peak {peak / MIB:.1f} MiB" if peak else ""))
+
+    def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
+        """The spans as recorded; the rounds the coordinator finished (each round has its own participants), but
+        the first (the devices build their halves in it)."""
+        done = state.progress_as(SplitfedProgress).rounds_done
+        rounds = sorted({s.round for s in spans if s.round is not None and s.round < done})
+        return spans, rounds[1:] if len(rounds) > 1 else rounds
+
+    def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
+        """The last round's predicted and measured seconds (the planner's selection prices each round afresh)."""
+        history = state.progress_as(SplitfedProgress).history
+        return (history[-1].predicted_s, history[-1].round_s) if history else (None, None)
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, SplitSelection)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobEventKind, JobState
+from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.wire import Message
@@ -150,6 +151,19 @@ class Workload(ABC):
         start, lanes named as its workers name their spans' lanes), drawn beside the measured round. Empty by
         default: the kind plans no schedule."""
         return []
+
+    def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
+        """What ``edgeswarm explain`` lines up with ``planned_schedule``: ``spans`` (the job's, as its workers
+        recorded them) named as the plan names its operations, and the units measured to the end (round or item
+        numbers). By default the spans as they are and, by round, every round all of the plan's devices finished
+        but the first (it builds and warms up); by item, every item."""
+        if self.schedule_unit == "item":
+            return spans, sorted({s.micro_batch for s in spans if s.micro_batch is not None})
+        from edgeswarm.tracing.schedule import complete_rounds
+
+        nodes = [n for group in self.stage_devices(state.plan) for n in group] if state.plan is not None else []
+        rounds = complete_rounds(spans, nodes)
+        return spans, rounds[1:] if len(rounds) > 1 else rounds
 
     def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
         """The job's own predicted and measured seconds per ``schedule_unit`` (a round; a serving item), None where
