@@ -373,6 +373,10 @@ def test_auto_picks_the_fastest_that_fits() -> None:
     auto = plan_hmp(c, HmpOptions(mode="auto"))
     feasible = [v.plan for v in compare(c, HmpOptions()).verdicts if v.plan is not None]
     assert auto.model.total_s == min(p.model.total_s for p in feasible)
+    # A job that names no mode is planned this way: never slower than a baseline it could run (issue 33, item 3).
+    from edgeswarm.hmp.spec import HmpSpec
+
+    assert HmpSpec.model_validate({"kind": "serve-hmp", "name": "j", "model": {"preset": "gpt2-tiny"}}).mode == "auto"
 
 
 def test_planner_entry_answers_a_request() -> None:

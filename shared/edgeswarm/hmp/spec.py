@@ -30,21 +30,23 @@ class HmpPlannerSpec(BaseModel):
 class HmpSpec(BaseModel):
     """A tensor-parallel serving job. ``mode`` is Galaxy's hybrid parallelism (``galaxy``) or a baseline on the same
     runtime (``megatron``: equal tensor parallelism with AllReduce; ``sp``: sequence parallelism, every device holds
-    every weight; ``local``: one device); ``overlap`` tiles Galaxy's collectives with its GEMMs. ``seq_len`` is
-    the prompt length it is profiled and planned for; ``max_tokens`` bounds a request's prompt and generated tokens
-    together, ``max_new_tokens`` is a decoder's default number of generated tokens. At most ``queue`` requests
-    wait; beyond, a request is answered ``busy``. The ring's slices go at ``qos`` (0: a slice not there within
-    ``deadline_s`` seconds is asked for again once; a request whose pass fails is run again once). A decode step
-    (one row) synchronises with ``direct`` collectives, one round of messages from every device to every other, or
-    ``ring`` ones, one hop after another: direct wins where each message's latency is its cost (separate
-    devices), ring where the devices share the cores that move the messages (an emulated cluster on one host)."""
+    every weight; ``local``: one device), or ``auto`` (the default): whichever of them the planner predicts fastest
+    on the cluster, so a job is never planned slower than a baseline it could run; ``overlap`` tiles Galaxy's
+    collectives with its GEMMs. ``seq_len`` is the prompt length it is profiled and planned for; ``max_tokens``
+    bounds a request's prompt and generated tokens together, ``max_new_tokens`` is a decoder's default number of
+    generated tokens. At most ``queue`` requests wait; beyond, a request is answered ``busy``. The ring's slices go
+    at ``qos`` (0: a slice not there within ``deadline_s`` seconds is asked for again once; a request whose pass
+    fails is run again once). A decode step (one row) synchronises with ``direct`` collectives, one round of
+    messages from every device to every other, or ``ring`` ones, one hop after another: direct wins where each
+    message's latency is its cost (separate devices), ring where the devices share the cores that move the messages
+    (an emulated cluster on one host)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["serve-hmp"]
     name: str = Field(pattern=NAME_PATTERN)
     model: TextModelSource
-    mode: Mode = "galaxy"
+    mode: Literal["auto"] | Mode = "auto"
     overlap: bool = True
     seq_len: int = Field(default=128, ge=1, le=1 << 16)
     max_tokens: int = Field(default=512, ge=1, le=1 << 17)

@@ -74,7 +74,8 @@ class HmpWorkload(ServingWorkload):
 
     def describe(self, spec: Any) -> str:
         assert isinstance(spec, HmpSpec)
-        return (f"serve {spec.model.name} split by {spec.mode}{' with tile overlap' if spec.overlap else ''}, "
+        split = "the parallelism predicted fastest" if spec.mode == "auto" else spec.mode
+        return (f"serve {spec.model.name} split by {split}{' with tile overlap' if spec.overlap else ''}, "
                 f"planned for {spec.seq_len} tokens, at most {spec.max_tokens} per request")
 
     def measured(self, progress: Any) -> list[tuple[str, str, float | None]]:
