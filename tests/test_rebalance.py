@@ -9,7 +9,7 @@ from pathlib import Path
 
 from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile, ModelSpec
 from helpers import assert_same_weights, reference_weights, stored_weights
-from test_recovery import GLOBAL_BATCH, NODES, ROUNDS, _job
+from test_recovery import GLOBAL_BATCH, NODES, ROUNDS, _job, train
 
 # Wide enough that computing, not the runtime's per-call overheads, is most of a micro-batch's time: the profile
 # then prices the devices right, but for the one it is wrong about.
@@ -34,11 +34,9 @@ def profiled(batch_sizes: list[int]) -> ClusterProfile:
 
 def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around_it(
         broker, make_bus, services, tmp_path: Path) -> None:
-    from edgeswarm.hpp.coordinator import JobObserver, JobResult, profile_batch_sizes, train_rounds
-    from edgeswarm.hpp.driver import JobDriver
+    from edgeswarm.hpp.coordinator import JobObserver, profile_batch_sizes
     from edgeswarm.planning.hpp.compare import plan_best
     from edgeswarm.planning.hpp.refit import predicted_compute_s
-    from edgeswarm.runtime.detection import FailureDetector
 
     store_dir = tmp_path / "checkpoints"
     services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
@@ -58,14 +56,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
         def rebalanced(self, report, detail: str) -> None:
             events.append(detail)
 
-    detector = FailureDetector(client, probe_timeout_s=1.0)
-    try:
-        driver = JobDriver(client, job, plan, loss_terms=GLOBAL_BATCH, timeout_s=60, detector=detector)
-        driver.deploy()
-        result = JobResult(plan)
-        train_rounds(driver, job, ROUNDS, cluster, "hub", result, Observer(), lambda: None)
-    finally:
-        detector.close()
+    result = train(client, job, plan, cluster, Observer())
     assert len(result.recoveries) == 1 and len(events) == 1, (result.recoveries, events)
     report = result.recoveries[0]
     assert report.mode == "rebalance" and report.resume_round < ROUNDS and not report.failed

@@ -84,9 +84,7 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
          recovery: str = "light", chaos_for=None, checkpoint_interval: int = 0):
     """Train the job on a, b, c, d with the checkpoint store on hub. ``victim`` gets ``sig`` during round 3;
     otherwise ``chaos_for(processes)`` (keyed by node, the store as "store") says what happens."""
-    from edgeswarm.hpp.coordinator import JobObserver, JobResult, train_rounds
-    from edgeswarm.hpp.driver import JobDriver
-    from edgeswarm.runtime.detection import FailureDetector
+    from edgeswarm.hpp.coordinator import JobObserver
 
     store_dir = tmp_path / "checkpoints"
     store = services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
@@ -112,18 +110,31 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
         def recovered(self, report) -> None:
             seen.append(f"recovered at round {report.resume_round}")
 
+    try:
+        result = train(client, job, plan, cluster, Observer())
+    finally:
+        if chaos:
+            chaos.release()
+    # Weights and momentum buffers: the checkpoints hold both.
+    return result, stored_weights(store_dir, job.name, len(result.plan.stages), optimizer=True), seen
+
+
+def train(client, job, plan, cluster, observer):  # type: ignore[no-untyped-def]
+    """Deploy ``plan`` of ``job`` and train ROUNDS rounds on the coordinator skeleton, as the coordinator would,
+    with the checkpoint store on hub; the JobResult."""
+    from edgeswarm.hpp.coordinator import JobResult, train_rounds
+    from edgeswarm.hpp.driver import JobDriver
+    from edgeswarm.runtime.detection import FailureDetector
+
     detector = FailureDetector(client, probe_timeout_s=1.0)
     try:
         driver = JobDriver(client, job, plan, loss_terms=GLOBAL_BATCH, timeout_s=60, detector=detector)
         driver.deploy()
         result = JobResult(plan)
-        train_rounds(driver, job, ROUNDS, cluster, "hub", result, Observer(), lambda: None)
+        train_rounds(driver, job, ROUNDS, cluster, "hub", result, observer, lambda: None)
+        return result
     finally:
         detector.close()
-        if chaos:
-            chaos.release()
-    # Weights and momentum buffers: the checkpoints hold both.
-    return result, stored_weights(store_dir, job.name, len(result.plan.stages), optimizer=True), seen
 
 
 @pytest.mark.parametrize("victim, new_stages", [("d", [["a"], ["b", "c"]]), ("c", [["a"], ["b"], ["d"]])],
