@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import queue
+import signal
 import time
 from typing import Any
 
@@ -64,6 +65,9 @@ def check_filter(topic_filter: str) -> None:
 
 def run_watch(args: argparse.Namespace) -> int:
     check_filter(args.filter)
+    # A shell starts a background command with SIGINT ignored, and Python keeps an inherited SIG_IGN: a watch started
+    # with `&` (or by a script) would then never stop on Ctrl-C or `kill -INT`, its only way to end without --count.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.count < 0 or args.timeout < 0:
         raise ConfigError("--count and --timeout take 0 (never) or a positive number")
     hub = hub_url(args.hub)
