@@ -96,7 +96,10 @@ def run_explain(args: argparse.Namespace) -> int:
     result = explain(args.job, work.planned_schedule(state), spans, work.schedule_unit, units,
                      predicted_s=predicted, reported_s=reported)
     if args.json:
-        Path(args.json).write_text(json.dumps(result.model_dump(mode="json"), indent=2))
+        try:
+            Path(args.json).write_text(json.dumps(result.model_dump(mode="json"), indent=2))
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json}: cannot write it ({exc.strerror or exc})") from None
     _print_explanation(result, state, args.top)
     return 0
 
