@@ -111,9 +111,9 @@ class Rebalancer:
     confirm: int = 3
     min_rounds: int = 3
     max_per_hour: int = 4
-    _rounds: int = 0
-    _streak: int = 0
-    _done: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    _rounds: int = field(default=0, init=False)  # rounds run on the running plan
+    _streak: int = field(default=0, init=False)  # checks in a row that saw the gain
+    _done: deque[float] = field(default_factory=lambda: deque(maxlen=64), init=False)  # when it re-planned
 
     def round_done(self) -> None:
         """One more round ran on the running plan."""
