@@ -119,8 +119,8 @@ def _run(broker, make_bus, services, tmp_path: Path, victim: str | None, sig: in
     return result, stored_weights(store_dir, job.name, len(result.plan.stages), optimizer=True), seen
 
 
-def train(client, job, plan, cluster, observer):  # type: ignore[no-untyped-def]
-    """Deploy ``plan`` of ``job`` and train ROUNDS rounds on the coordinator skeleton, as the coordinator would,
+def train(client, job, plan, cluster, observer, rounds: int = ROUNDS):  # type: ignore[no-untyped-def]
+    """Deploy ``plan`` of ``job`` and train ``rounds`` rounds on the coordinator skeleton, as the coordinator would,
     with the checkpoint store on hub; the JobResult."""
     from edgeswarm.hpp.coordinator import JobResult, train_rounds
     from edgeswarm.hpp.driver import JobDriver
@@ -131,7 +131,7 @@ def train(client, job, plan, cluster, observer):  # type: ignore[no-untyped-def]
         driver = JobDriver(client, job, plan, loss_terms=GLOBAL_BATCH, timeout_s=60, detector=detector)
         driver.deploy()
         result = JobResult(plan)
-        train_rounds(driver, job, ROUNDS, cluster, "hub", result, observer, lambda: None)
+        train_rounds(driver, job, rounds, cluster, "hub", result, observer, lambda: None)
         return result
     finally:
         detector.close()
