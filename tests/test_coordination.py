@@ -166,6 +166,17 @@ def test_serving_asks_the_planner_again_while_it_is_busy(make_bus) -> None:
     assert plan.epoch == 1 and planner.asked == 2 and updates == []  # a re-plan publishes no "planning" status
 
 
+def scripted_step(what: str) -> None:
+    """One step as a script says: "ok" does nothing, "lost" is a disruption with device b confirmed lost, "stall"
+    one with no device lost, "fail" another error."""
+    if what == "lost":
+        raise Disrupted("b is gone", {"b": Detection("b", "probe", 0.0, 1.0, "b is gone")})
+    if what == "stall":
+        raise Disrupted("the round stalled")
+    if what == "fail":
+        raise JobError("a step failed")
+
+
 class _Steps(CoordinatorProgram[ServePlan]):
     """A program whose steps follow a script: "ok", "lost" (a disruption) or "fail" (another error)."""
 
@@ -187,11 +198,7 @@ class _Steps(CoordinatorProgram[ServePlan]):
         return not self.script
 
     def step(self) -> None:
-        what = self.script.pop(0)
-        if what == "lost":
-            raise Disrupted("b is gone", {"b": Detection("b", "probe", 0.0, 1.0, "b is gone")})
-        if what == "fail":
-            raise JobError("a step failed")
+        scripted_step(self.script.pop(0))
 
     def on_lost(self, disruption: Disrupted) -> ServePlan:
         self.lost.append(disruption.failures)
@@ -227,11 +234,7 @@ class _Rounds(RoundProgram):
         return not self.script
 
     def step(self) -> None:
-        what = self.script.pop(0)
-        if what == "stall":
-            raise Disrupted("the round stalled")
-        if what == "lost":
-            raise Disrupted("b is gone", {"b": Detection("b", "probe", 0.0, 1.0, "b is gone")})
+        scripted_step(self.script.pop(0))
 
     def on_lost(self, disruption: Disrupted) -> None:
         if not self.gets_over:
