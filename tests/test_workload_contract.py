@@ -113,16 +113,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contract]:
             with contract.lock:
                 contract.counters[(body.node, body.service)] = dict(body.counters)
 
-        # QoS 0: an onlooker that samples a few messages of each kind. At QoS 1 its inbox, full of every tensor of
-        # the cluster, would hold its connection back (no QoS 1 message is dropped) and the metrics behind them
-        # would come late.
-        bus.subscribe("edgeswarm/node/+/+/metrics", on_metrics, schemas=(MetricsReport,), qos=0)
+        # The sniffer samples a few messages of each kind at QoS 0: at QoS 1 its inbox, full of every tensor of the
+        # cluster, would hold its connection back. The metrics have a connection of their own, at QoS 1: behind
+        # that flood, at QoS 0, the broker may drop a service's reports (in CI a refusal went unseen for 30 s).
+        metrics = client_bus(Settings(hub_url=local.hub_url), role="metrics-onlooker", connect_timeout_s=30)
+        metrics.subscribe("edgeswarm/node/+/+/metrics", on_metrics, schemas=(MetricsReport,), qos=1)
         bus.subscribe("edgeswarm/node/+/+/request/+", sniff(contract.requests), schemas=handles, qos=0)
         if tensors:
             bus.subscribe("edgeswarm/node/+/+/data/+", sniff(contract.tensors), schemas=tensors, plane="data", qos=0)
         try:
             yield contract
         finally:
+            metrics.stop()
             if contract.coordinator is not None:
                 contract.coordinator.terminate()
                 try:
