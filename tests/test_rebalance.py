@@ -1,11 +1,14 @@
 """The coordinator's closed loop on real stage-workers: a job planned on a profile that is wrong about one device
 (it computes 3x slower than profiled) refits that device's speed from its measured rounds and re-plans itself at a
 snapshot round, moving only the units whose owner changes; training goes on as if nothing happened (the final
-weights equal those of the same rounds trained without a re-plan)."""
+weights equal those of the same rounds trained without a re-plan). What it measured is saved, so the next job on
+the same devices starts from the plan the measured speeds call for."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile, ModelSpec
 from helpers import assert_same_weights, reference_weights, stored_weights
@@ -34,17 +37,21 @@ def profiled(batch_sizes: list[int]) -> ClusterProfile:
 
 
 def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around_it(
-        broker, make_bus, services, tmp_path: Path) -> None:
-    from edgeswarm.hpp.coordinator import JobObserver, profile_batch_sizes
+        broker, make_bus, services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgeswarm.hpp import coordinator
+    from edgeswarm.hpp.coordinator import HppCoordinator, JobObserver, profile_batch_sizes
     from edgeswarm.planning.hpp.compare import plan_best
-    from edgeswarm.planning.hpp.refit import predicted_compute_s
+    from edgeswarm.planning.hpp.refit import predicted_compute_s, scaled
+    from edgeswarm.profiling.cache import ProfileCache
+    from edgeswarm.profiling.refits import saved_scales
 
     store_dir = tmp_path / "checkpoints"
     services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
     for node in NODES:  # "a" computes 3x slower than the others, which its profile does not say
         services.start("stage-worker", node, broker.url,
                        EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (3 if node == "a" else 1)))
-    client = make_bus("coordinator-test", "cli", hub_url=broker.url, rebalance=True)
+    profiles = tmp_path / "profiles"
+    client = make_bus("coordinator-test", "cli", hub_url=broker.url, rebalance=True, profile_dir=profiles)
     for node in NODES:
         client.peers.wait_for(node, "stage-worker", timeout_s=30)
     client.peers.wait_for("hub", "checkpoint-store", timeout_s=30)
@@ -53,9 +60,14 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     plan = plan_best("hpp", cluster, GLOBAL_BATCH, micro_batches=4, optimizer="momentum")
     events: list[str] = []
 
+    refits: list[str] = []
+
     class Observer(JobObserver):
         def rebalanced(self, report, detail: str) -> None:
             events.append(detail)
+
+        def refitted(self, detail: str) -> None:
+            refits.append(detail)
 
     result = train(client, job, plan, cluster, Observer(), rounds=ROUNDS)
     # A busy machine skews a one-off profile from unit to unit, which one scale per device cannot fit: the loop may
@@ -75,3 +87,20 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     weights = stored_weights(store_dir, job.name, len(result.plan.stages), optimizer=True)
     assert_same_weights(weights, reference_weights(_job("ref", spec=MODEL, rounds=ROUNDS), ROUNDS, optimizer=True))
 
+
+    # The speeds it measured are saved (measured over profiled), a's the slowest: a job that profiles the same
+    # devices starts on a plan that gives a less of the work, as the re-plan did. (Each scale also carries the
+    # runtime's per-call costs, which a device with a small share measures mostly; so only their order is asserted.)
+    saved = saved_scales(ProfileCache(profiles), cluster)
+    assert set(saved) == set(NODES), saved
+    assert max(saved, key=lambda n: saved[n]) == "a", saved
+    assert refits and refits[-1].startswith("saved the measured compute speeds"), refits
+    nxt = plan_best("hpp", scaled(cluster, saved), GLOBAL_BATCH, micro_batches=4, optimizer="momentum")
+    assert predicted_compute_s(nxt, cluster).get("a", 0.0) < before["a"], (plan.stages, nxt.stages)
+    # The next job's coordinator plans on that: the devices profile as before (the same fingerprints), and it scales
+    # each profile by what was saved, and says so.
+    monkeypatch.setattr(coordinator, "profile_cluster", lambda *args, **kwargs: cluster)
+    nxt_job = HppCoordinator(client, _job("next", spec=MODEL, rounds=1), loss_terms=GLOBAL_BATCH, total=1,
+                             store_node=None, observer=Observer())
+    assert nxt_job.profile(list(NODES)) == scaled(cluster, saved)
+    assert refits[-1].startswith("starts from the compute speeds earlier jobs measured: a "), refits

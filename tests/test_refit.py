@@ -121,3 +121,26 @@ def test_repricing_a_plan_on_its_own_profile_gives_its_prediction_and_keeps_its_
     slower = reprice(plan, scaled(profile, {"b": 2.0}))
     assert [s.shares for s in slower.stages] == [s.shares for s in plan.stages]
     assert slower.round_latency_s > plan.round_latency_s
+
+
+def test_measured_speeds_are_saved_for_the_next_job_and_only_for_the_same_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from edgeswarm.profiling.cache import ProfileCache
+    from edgeswarm.profiling.refits import MIN_ROUNDS, save_scales, saved_scales
+
+    profile, cache = profiled(), ProfileCache(tmp_path)
+    # a was measured 3x slower over enough rounds; b's one round is too few to save; c's fit is past the bound.
+    saved = save_scales(cache, profile, {"a": 3.0, "b": 1.5, "c": 500.0},
+                        {"a": MIN_ROUNDS, "b": MIN_ROUNDS - 1, "c": 5})
+    assert saved == ["a", "c"]
+    assert saved_scales(cache, profile) == {"a": 3.0, "c": 64.0}
+    # The next job on the same devices starts from the measured speeds, so from the plan they call for.
+    assert layout(best(scaled(profile, saved_scales(cache, profile)))) == layout(
+        best(scaled(profile, {"a": 3.0, "c": 64.0})))
+    # Another device under a's name (its fingerprint changed), or another model, starts from its profile.
+    entry = profile.devices[0]
+    other = entry.model_copy(update={"compute": entry.compute.model_copy(update={"device_fingerprint": "new-board"})})
+    assert saved_scales(cache, profile.model_copy(update={"devices": [other, *profile.devices[1:]]})) == {"c": 64.0}
+    assert cache.refit("another-model", "a", entry.compute.device_fingerprint) is None
+    # A damaged file is a miss, not an error.
+    cache.refit_path(entry.compute.model_fingerprint, "a").write_text("{not json")
+    assert saved_scales(cache, profile) == {"c": 64.0}

@@ -38,7 +38,9 @@ from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.refit import ComputeFit, Rebalancer, predicted_compute_s, reprice, scaled
 from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.profiling.refits import save_scales, saved_scales
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import Detection, FailureDetector
 from edgeswarm.service_registry import STAGE_WORKER
@@ -94,6 +96,9 @@ class JobObserver:
     def rebalanced(self, report: RecoveryReport, detail: str) -> None:
         """The job moved to a plan made on the devices' measured speeds (``detail`` says which moved and the
         predicted gain)."""
+
+    def refitted(self, detail: str) -> None:
+        """The job started from, or saved, the devices' measured compute speeds (``detail`` says which)."""
 
     def joined(self, report: RecoveryReport) -> None:
         """Devices ``report.joined`` were added: the job goes on with ``report.plan`` from ``report.resume_round``."""
@@ -221,6 +226,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
         # The closed loop (planning.hpp.refit): each device's measured compute against the job's profile.
         self.fit = ComputeFit()
+        self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
         # (plan epoch, the scales, the refitted profile, the running plan and the best plan priced on it)
@@ -260,10 +266,27 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         return nodes
 
     def profile(self, nodes: list[str]) -> ClusterProfile:
+        """The devices' profiles, each scaled by what earlier jobs measured of it (with the closed loop on)."""
         if self.resume is None:
             self.seen.profiling(nodes)
-        return profile_cluster(self.bus, self.job.model, profile_batch_sizes(self.job), nodes=nodes,
-                               timeout_s=self.timeout_s, progress=self.seen.profile_progress)
+        cluster = profile_cluster(self.bus, self.job.model, profile_batch_sizes(self.job), nodes=nodes,
+                                  timeout_s=self.timeout_s, progress=self.seen.profile_progress)
+        if not self.bus.settings.rebalance:
+            return cluster
+        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster)
+        if self.base_scales:
+            self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {_speeds(self.base_scales)}")
+        return scaled(cluster, self.base_scales)
+
+    def stop(self) -> None:
+        """Save what the job measured of each device's speed (with the closed loop on), for the next job."""
+        if not self.bus.settings.rebalance or self.cluster is None or not self.fit.ratios:
+            return
+        scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
+        saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds())
+        if saved:
+            self.seen.refitted(f"saved the measured compute speeds for the next job: "
+                               f"{_speeds({n: scales[n] for n in saved})}")
 
     def take_over(self, cluster: ClusterProfile) -> Plan | None:
         if self.resume is None:
@@ -369,8 +392,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
             return
         self.driver, report = move_to(self.driver, best, refit, index, "rebalance", started=started)
-        speeds = ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(moved.items()))
-        detail = (f"compute measured against the profile: {speeds}; the running plan would take "
+        detail = (f"compute measured against the profile: {_speeds(moved)}; the running plan would take "
                   f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
                   f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")
         log.info("job %s: re-planned on measured speeds: %s", self.job.name, detail)
@@ -464,6 +486,11 @@ def _checkpoint(store_node: str | None, saved_version: int, job: JobSpec) -> tup
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
 #: report and the profile of every device now usable, or None when nothing changes.
+def _speeds(scales: dict[str, float]) -> str:
+    """``scales`` for people: "a 3.10x, b 1.02x" (measured over profiled)."""
+    return ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(scales.items()))
+
+
 def _close(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) -> bool:
     """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's."""
     return a.keys() == b.keys() and all(abs(b[n] / a[n] - 1.0) <= tolerance for n in a)
@@ -510,8 +537,12 @@ def train_rounds(driver: JobDriver, job: JobSpec, total: int, cluster: ClusterPr
     version saved); a lost device is replaced (``job.recovery``) and the rounds since the resume point run again.
     At round starts that have snapshots (every ``job.backup_interval``-th), ``joiner`` may add devices that
     appeared."""
-    HppCoordinator.running(driver, job, total, cluster, store_node, result, seen, check, joiner, start=start,
-                           saved_version=saved_version).loop()
+    program = HppCoordinator.running(driver, job, total, cluster, store_node, result, seen, check, joiner,
+                                     start=start, saved_version=saved_version)
+    try:
+        program.loop()
+    finally:
+        program.stop()
 
 
 MAX_STALLED_REPLAYS = 3

@@ -82,6 +82,9 @@ class _Publisher(JobObserver):
     def joined(self, report: RecoveryReport) -> None:
         self._replanned(report, "joined", f"{', '.join(report.joined)} joined")
 
+    def refitted(self, detail: str) -> None:
+        self.ctx.update(self.ctx.state().status, event=("refit", detail))
+
     def rebalanced(self, report: RecoveryReport, detail: str) -> None:
         self._replanned(report, "rebalanced", f"re-planned on measured speeds ({detail})")
 

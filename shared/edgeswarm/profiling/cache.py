@@ -4,8 +4,9 @@ Layout under the cache directory (``EDGESWARM_PROFILE_DIR``)::
 
     models/{model_fingerprint}.json                                 a ModelProfile
     compute/{model_fingerprint}/{device_fingerprint}.{method}.json  a ComputeProfile
+    refits/{model_fingerprint}/{node}.json                          a ComputeRefit (what jobs measured)
 
-Each file is a JSON object ``{"format": 1, "kind": "model" | "compute", "profile": {...}}``. Writes are
+Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit", "profile": {...}}``. Writes are
 atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
 concurrent writers leave one whole file. A file that does not parse, does not validate, or whose
 fingerprints do not match its name is ignored with a warning and counts as a miss: the caller measures
@@ -23,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edgeswarm.files import write_atomically
-from edgeswarm.values.profiles import ComputeProfile, ModelProfile
+from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class ProfileCache:
             raise ValueError(f"method must be 'measured' or 'calibrated', not {method!r}")
         return (self.directory / "compute" / _checked(model_fingerprint, "model")
                 / f"{_checked(device_fingerprint, 'device')}.{method}.json")
+
+    def refit_path(self, model_fingerprint: str, node: str) -> Path:
+        return self.directory / "refits" / _checked(model_fingerprint, "model") / f"{_checked(node, 'node')}.json"
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -93,6 +97,15 @@ class ProfileCache:
             return None
         return restrict(profile, wanted)
 
+    def refit(self, model_fingerprint: str, node: str, device_fingerprint: str) -> ComputeRefit | None:
+        """What jobs measured of ``node``'s compute on this model, or None (none saved, corrupt, or saved for another
+        device under the same node name)."""
+        refit = self._load(self.refit_path(model_fingerprint, node), "refit", ComputeRefit)
+        if refit is None or (refit.model_fingerprint, refit.node, refit.device_fingerprint) != (
+                model_fingerprint, node, device_fingerprint):
+            return None
+        return refit
+
     def _load(self, path: Path, kind: str, cls: type[Any]) -> Any:
         try:
             raw = path.read_text()
@@ -123,6 +136,13 @@ class ProfileCache:
         """Store ``profile`` under its (model, device) fingerprints and method; returns the file written."""
         path = self.compute_path(profile.model_fingerprint, profile.device_fingerprint, profile.method)
         write_json_atomic(path, {"format": FORMAT, "kind": "compute", "profile": profile.model_dump(mode="json")})
+        return path
+
+
+    def put_refit(self, refit: ComputeRefit) -> Path:
+        """Store ``refit`` under its model fingerprint and node; returns the file written."""
+        path = self.refit_path(refit.model_fingerprint, refit.node)
+        write_json_atomic(path, {"format": FORMAT, "kind": "refit", "profile": refit.model_dump(mode="json")})
         return path
 
 

@@ -43,6 +43,11 @@ Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 TimingRow = Annotated[list[Seconds], Field(min_length=1, max_length=MAX_BATCH_GRID)]
 
 # Optimizer state per parameter byte (spec section 2.2: k_opt).
+# How far a measured compute speed may stray from its profile (measured over profiled): a tiny model's compute can
+# run tens of times its profile (per-call overheads), and no fit may go further.
+MIN_SCALE = 1 / 64
+MAX_SCALE = 64.0
+
 OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
@@ -127,6 +132,20 @@ class ComputeProfile(BaseModel):
         ):
             raise ValueError("forward_s and backward_s must be [unit][batch size] with one column per batch size")
         return self
+
+
+class ComputeRefit(BaseModel):
+    """One device's compute speed as jobs measured it: ``scale`` is its measured compute time over what its profile
+    (of model ``model_fingerprint`` on device ``device_fingerprint``) says, fitted over ``rounds`` rounds; a job
+    that profiles the same pair starts from the profile times ``scale`` (profiling.refits)."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    model_fingerprint: Identifier
+    node: Name
+    device_fingerprint: Identifier
+    scale: float = Field(ge=MIN_SCALE, le=MAX_SCALE)
+    rounds: int = Field(ge=1, le=1_000_000)
 
 
 class DeviceInfo(BaseModel):

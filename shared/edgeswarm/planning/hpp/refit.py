@@ -25,10 +25,9 @@ from statistics import median
 
 from edgeswarm.planning.hpp.costmodel import CostModel, round_latency
 from edgeswarm.planning.hpp.types import Plan, chain_steps
-from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile
 
-MIN_SCALE = 1 / 64
-MAX_SCALE = 64.0  # a tiny model's compute can run tens of times its profile (per-call overheads)
+SLIVER = 0.25  # a device's share of the compute below which its measured time says nothing of its speed
 
 
 def predicted_compute_s(plan: Plan, cluster: ClusterProfile) -> dict[str, float]:
@@ -87,15 +86,23 @@ class ComputeFit:
 
     def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
         """One round: ``measured`` seconds of one micro-batch's forward and backward per device, beside the
-        ``predicted`` ones. A device with no prediction or no positive figure is skipped."""
+        ``predicted`` ones. A device with no prediction or no positive figure is skipped, and so is one predicted
+        less than SLIVER of the busiest device's compute: what it measures is mostly the runtime's per-call costs
+        around its few units (a unit profiled at 0 s still takes milliseconds), not its speed; its scale stays
+        what earlier rounds fitted."""
+        floor = SLIVER * max(predicted.values(), default=0.0)
         for node, seconds in measured.items():
             expected = predicted.get(node, 0.0)
-            if expected > 0 and seconds > 0 and math.isfinite(seconds):
+            if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
                 self.ratios.setdefault(node, deque(maxlen=self.window)).append(seconds / expected)
 
     def scales(self) -> dict[str, float]:
         """Each device's fitted scale: measured compute over profiled."""
         return {node: min(MAX_SCALE, max(MIN_SCALE, median(r))) for node, r in self.ratios.items() if r}
+
+    def rounds(self) -> dict[str, int]:
+        """How many measured rounds each device's scale is fitted from (at most ``window``)."""
+        return {node: len(r) for node, r in self.ratios.items()}
 
     def moved(self, tolerance: float = 0.15) -> dict[str, float]:
         """The scales that moved from 1 by more than ``tolerance`` (a fraction either way)."""

@@ -1,0 +1,56 @@
+"""The closed loop's memory: each device's compute speed as jobs measured it, kept in the profile cache so that the
+next job on the same model and devices starts from what was measured rather than from the profile alone.
+
+A device's profile is measured once, alone; a job then measures what the device really takes beside the bus's
+threads and its neighbours' load, and fits a scale (measured over profiled; planning.hpp.refit). ``saved_scales``
+reads the scales saved for a cluster's devices (a device whose fingerprint changed under the same name has none);
+``save_scales`` writes a job's. Nothing here reads an emulation setting: the scales come from measured rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit
+
+log = logging.getLogger(__name__)
+
+MIN_ROUNDS = 3  # a scale fitted from fewer measured rounds is not saved: one slow first round is no speed
+
+
+def saved_scales(cache: ProfileCache, cluster: ClusterProfile) -> dict[str, float]:
+    """Each device of ``cluster`` with a saved scale for its model and device fingerprints: node -> scale."""
+    out: dict[str, float] = {}
+    for entry in cluster.devices:
+        try:
+            refit = cache.refit(entry.compute.model_fingerprint, entry.device.node, entry.compute.device_fingerprint)
+        except ValueError as exc:  # a node name that is no file name: nothing can have been saved for it
+            log.debug("no saved refit for %s: %s", entry.device.node, exc)
+            continue
+        if refit is not None:
+            out[entry.device.node] = refit.scale
+    return out
+
+
+def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, float],
+                rounds: dict[str, int]) -> list[str]:
+    """Save each device's ``scales`` (measured over ``cluster``'s unscaled profile) fitted from ``rounds`` measured
+    rounds, for the devices with at least MIN_ROUNDS; returns the nodes saved. A write that fails is logged and
+    skipped: the job that measured it goes on."""
+    saved: list[str] = []
+    for entry in cluster.devices:
+        node = entry.device.node
+        scale, seen = scales.get(node), rounds.get(node, 0)
+        if scale is None or seen < MIN_ROUNDS:
+            continue
+        try:
+            cache.put_refit(ComputeRefit(model_fingerprint=entry.compute.model_fingerprint, node=node,
+                                         device_fingerprint=entry.compute.device_fingerprint,
+                                         scale=min(MAX_SCALE, max(MIN_SCALE, scale)), rounds=seen))
+        except (OSError, ValueError) as exc:
+            log.warning("could not save the measured speed of %s (%s): the next job starts from its profile",
+                        node, exc)
+            continue
+        saved.append(node)
+    return saved
