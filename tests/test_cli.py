@@ -235,7 +235,9 @@ def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
     text = out.stdout + out.stderr
     assert "hpp plan" in out.stdout and "final model in the checkpoint store" in out.stdout, text
     assert re.search(r"\n\S*\s*dp\s.*\d+\.\d+x", out.stdout), text  # the measured comparison row
+    assert "the last refitted prediction" in out.stdout and "measured / refitted" in out.stdout, text
     run = json.loads((tmp_path / "run.json").read_text())
+    assert run["state"]["progress"]["refitted_round_s"] > 0
     assert run["state"]["status"] == "succeeded" and run["state"]["progress"]["checkpoint_version"] == 6
     assert 0.0 <= run["state"]["progress"]["test_accuracy"] <= 1.0
     assert "held-out accuracy of the saved model" in out.stdout
@@ -289,8 +291,9 @@ def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: 
     assert [(r["env"], r["strategy"], r["error"]) for r in rows] == [("d", "hpp", None), ("d", "pp", None)], out.stdout
     for r in rows:
         assert r["measured_round_s"] > 0 and r["predicted_round_s"] > 0 and r["replayed_round_s"] > 0
+        assert r["refitted_round_s"] > 0  # the coordinator's closed loop priced the plan on the measured compute
         assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
-    assert rows[1]["stages"] == 4 and "measured / predicted" in out.stdout
+    assert rows[1]["stages"] == 4 and all(w in out.stdout for w in ("predicted", "refitted", "replayed"))
 
 
 def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: Path, bench_profiles: Path) -> None:

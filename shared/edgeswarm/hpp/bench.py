@@ -50,18 +50,19 @@ class TrainingBench(Bench):
                         + (" in network namespaces (kernel-shaped links)" if args.netns else "")
                         + " against the planner's prediction")
         for col in ("env", "strategy", "stages", "M x B", "predicted (s)", "measured (s)", "measured / predicted",
-                    "samples/s", "HPP speed-up", "compute / profile", "replayed (s)", "measured / replayed",
-                    "overhead per micro-batch"):
+                    "measured / refitted", "samples/s", "HPP speed-up", "compute / profile", "replayed (s)",
+                    "measured / replayed", "overhead per micro-batch"):
             t.add_column(col, justify="left" if col in ("env", "strategy") else "right")
         hpp = {r.env: r.measured_sps for r in rows if r.strategy == "hpp" and r.measured_sps}
         for r in rows:
             if r.error is not None:
-                t.add_row(r.env.upper(), r.strategy, "-", "-", "-", "failed", *["-"] * 6, r.error[:40])
+                t.add_row(r.env.upper(), r.strategy, "-", "-", "-", "failed", *["-"] * 7, r.error[:40])
                 continue
             assert r.measured_round_s and r.measured_sps and r.replayed_round_s and r.ratio
             speedup = hpp.get(r.env)
             t.add_row(r.env.upper(), r.strategy, str(r.stages), f"{r.micro_batches} x {r.micro_batch_size}",
                       f"{r.predicted_round_s:.3f}", f"{r.measured_round_s:.3f}", f"{r.ratio:.2f}x",
+                      f"{r.measured_round_s / r.refitted_round_s:.2f}x" if r.refitted_round_s else "-",
                       f"{r.measured_sps:.1f}", f"{speedup / r.measured_sps:.2f}x" if speedup else "-",
                       f"{r.compute_ratio:.2f}x", f"{r.replayed_round_s:.3f}",
                       f"{r.measured_round_s / r.replayed_round_s:.2f}x",

@@ -10,7 +10,8 @@ Emulated devices compute through ``DeviceProfile.run``, whose CPU-time scaling i
 the same kernels equally fast each time; so each run also reports how the devices' measured compute compares with
 their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the measured compute put in
 (``replayed_round_s``): measured against replayed is the runtime's and the network's share of any gap, compute_ratio
-the emulated devices' share.
+the emulated devices' share. ``refitted_round_s`` is the coordinator's own closed loop: the plan priced on each
+device's compute as fitted from the rounds (planning.hpp.refit), after the last round.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class StrategyRun(BaseModel):
     overhead_per_micro_batch_s: float | None = None
     compute_ratio: float | None = None
     replayed_round_s: float | None = None
+    refitted_round_s: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     error: str | None = None
@@ -70,6 +72,10 @@ class _Collect(JobObserver):
         self.plan: Plan | None = None
         self.comparison: Comparison | None = None
         self.reports: list[RoundReport] = []
+        self.refitted: list[float] = []
+
+    def refitted_round(self, seconds: float) -> None:
+        self.refitted.append(seconds)
 
     def planned(self, plan: Plan, comparison: Comparison | None, total_rounds: int) -> None:
         self.plan, self.comparison = plan, comparison
@@ -78,9 +84,11 @@ class _Collect(JobObserver):
         self.reports.append(report)
 
 
-def summarize(env: str, strategy: Strategy, plan: Plan, reports: list[RoundReport]) -> StrategyRun:
+def summarize(env: str, strategy: Strategy, plan: Plan, reports: list[RoundReport],
+              refitted: list[float] | None = None) -> StrategyRun:
     """The figures of one run from its plan and round reports (the first round, which warms every device up,
-    is left out of the times when there are others)."""
+    is left out of the times when there are others), and the coordinator's refitted predictions of its rounds (the
+    last is the one the closed loop converged to)."""
     timed = reports[1:] if len(reports) > 1 else reports
     measured = statistics.fmean(r.round_s for r in timed)
     m = plan.options.micro_batches
@@ -100,6 +108,7 @@ def summarize(env: str, strategy: Strategy, plan: Plan, reports: list[RoundRepor
                        measured_sps=plan.options.global_batch / measured, overhead_per_micro_batch_s=overhead,
                        compute_ratio=max(ratios),
                        replayed_round_s=plan_timeline(replayed).makespan_s + plan.round_overhead_s,
+                       refitted_round_s=refitted[-1] if refitted else None,
                        first_loss=reports[0].loss,
                        last_loss=reports[-1].loss)
 
@@ -137,7 +146,7 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
                     rows.append(StrategyRun(env=env, strategy=strategy, error=str(exc)))
                     continue
                 assert seen.plan is not None
-                row = summarize(env, strategy, seen.plan, seen.reports)
+                row = summarize(env, strategy, seen.plan, seen.reports, seen.refitted)
                 log(f"env {env}: {strategy}: {row.measured_round_s:.3f} s per round measured, "
                     f"{row.predicted_round_s:.3f} s predicted, {row.replayed_round_s:.3f} s replayed with the "
                     f"measured compute ({row.compute_ratio or 0:.2f}x planned), "

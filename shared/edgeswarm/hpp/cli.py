@@ -123,6 +123,7 @@ def run_train(args: argparse.Namespace, job: BaseModel, text: str, tools: Comman
         if final.status != "succeeded":
             return 1
         measured = {job.strategy: _measured_round_s(follower)}
+        refitted = {job.strategy: final.progress_as(TrainProgress).refitted_round_s}
         for strategy in compare:
             variant = job.model_copy(update={"name": f"{job.name}-{strategy}", "strategy": strategy,
                                              "rounds": args.compare_rounds, "epochs": None, "checkpoint_interval": 0})
@@ -132,10 +133,11 @@ def run_train(args: argparse.Namespace, job: BaseModel, text: str, tools: Comman
                 variant, variant_text = _upload_initial(bus, variant, initial, tools)
             state, run = _follow(bus, variant, variant_text, args.timeout, tools, verbose=False)
             measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
+            refitted[strategy] = state.progress_as(TrainProgress).refitted_round_s
             if state.status != "succeeded":
                 tools.err_console.print(f"  {strategy}: {state.status}: {escape(state.detail)}")
         if compare:
-            _print_comparison(final, measured, job.global_batch, tools)
+            _print_comparison(final, measured, refitted, job.global_batch, tools)
         return 0
     finally:
         bus.stop()
@@ -188,7 +190,8 @@ def _follow(bus: Bus, job: JobSpec, text: str, timeout_s: float, tools: CommandT
                 t.samples_per_s is not None:
             progress.update(task, completed=t.round, total=t.total_rounds or None, description=(
                 f"loss {t.loss:.4f}  accuracy {t.accuracy:.1%}  {t.samples_per_s:.1f} samples/s  "
-                f"round {t.round_s:.3f} s = {t.round_s / t.predicted_round_s:.2f}x predicted"))
+                f"round {t.round_s:.3f} s = {t.round_s / t.predicted_round_s:.2f}x predicted"
+                + (f", {t.round_s / t.refitted_round_s:.2f}x refitted" if t.refitted_round_s else "")))
 
     def on_event(event: JobEvent) -> None:
         if verbose and event.kind != "round":
@@ -227,7 +230,10 @@ def _report(job: JobSpec, final: JobState, follower: JobFollower, args: argparse
         tools.console.print(f"job {job.name} {final.status}: {len(rounds)} rounds, loss {first.loss:.4f} -> "
                             f"{last.loss:.4f}, accuracy {first.accuracy:.1%} -> {last.accuracy:.1%}; measured "
                             f"{measured:.3f} s per round against {t.predicted_round_s:.3f} s predicted "
-                            f"({measured / t.predicted_round_s:.2f}x), {job.global_batch / measured:.1f} samples/s")
+                            f"({measured / t.predicted_round_s:.2f}x"
+                            + (f"; {measured / t.refitted_round_s:.2f}x the last refitted prediction, "
+                               f"{t.refitted_round_s:.3f} s" if t.refitted_round_s else "")
+                            + f"), {job.global_batch / measured:.1f} samples/s")
     if t.checkpoint_version is not None:
         tools.console.print(f"final model in the checkpoint store as job {job.name} version {t.checkpoint_version}")
     if t.test_accuracy is not None:
@@ -278,20 +284,24 @@ def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str
     return MeasuredRound(round=rounds[-1], bars=tuple(measured_bars(spans, rounds[-1]))), ""
 
 
-def _print_comparison(final: JobState, measured: dict[str, float | None], global_batch: int,
-                      tools: CommandTools) -> None:
+def _print_comparison(final: JobState, measured: dict[str, float | None], refitted: dict[str, float | None],
+                      global_batch: int, tools: CommandTools) -> None:
+    """Each strategy's measured round beside the planner's prediction and the last refitted one (its plan priced on
+    each device's compute as the job measured it)."""
     table = Table(title="strategies on this cluster: predicted by the planner, measured on the stage-workers")
-    for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted", "measured samples/s",
-                "HPP speed-up (measured)"):
+    for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted",
+                "measured / refitted", "measured samples/s", "HPP speed-up (measured)"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     predicted = {p.strategy: p for p in final.progress_as(TrainProgress).predictions}
     hpp = measured.get("hpp")
     for strategy, seconds in measured.items():
         p = predicted.get(strategy)
         pred = p.round_s if p is not None else None
+        again = refitted.get(strategy)
         table.add_row(strategy, f"{pred:.3f}" if pred else (p.error or "-") if p else "-",
                       f"{seconds:.3f}" if seconds else "failed",
                       f"{seconds / pred:.2f}x" if seconds and pred else "-",
+                      f"{seconds / again:.2f}x" if seconds and again else "-",
                       f"{global_batch / seconds:.1f}" if seconds else "-",
                       f"{seconds / hpp:.2f}x" if seconds and hpp else "-")
     tools.console.print(table)

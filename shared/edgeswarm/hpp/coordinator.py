@@ -97,6 +97,9 @@ class JobObserver:
         """The job moved to a plan made on the devices' measured speeds (``detail`` says which moved and the
         predicted gain)."""
 
+    def refitted_round(self, seconds: float) -> None:
+        """After a round (before ``round_done``): the running plan's round as the refitted profile prices it."""
+
     def refitted(self, detail: str) -> None:
         """The job started from, or saved, the devices' measured compute speeds (``detail`` says which)."""
 
@@ -359,7 +362,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             self.seen.saved(index, saved)
 
     def _refit(self, done: RoundReport) -> None:
-        """Feed the round's measured compute (one micro-batch's forward and backward per device) to the fit."""
+        """Feed the round's measured compute (one micro-batch's forward and backward per device) to the fit, and
+        report the running plan's round as the refitted profile prices it."""
         assert self.driver is not None and self.cluster is not None
         plan = self.driver.plan
         if self._predicted[0] != plan.epoch:
@@ -367,6 +371,10 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.fit.add(self._predicted[1], {node: (sum(r.forward_s) + sum(r.backward_s)) / len(r.forward_s)
                                           for node, r in done.devices.items() if r.forward_s})
         self.rebalancer.round_done()
+        try:
+            self.seen.refitted_round(reprice(plan, scaled(self.cluster, self.fit.scales())).round_latency_s)
+        except PlanningError as exc:  # a device of the plan gone from the profile: nothing to price it on
+            log.debug("job %s: no refitted prediction: %s", self.job.name, exc)
 
     def _rebalance(self, index: int) -> None:
         """At the start of round ``index`` (snapshots held): re-plan on the refitted profile when the rebalancer

@@ -120,7 +120,9 @@ class StrategyPrediction(BaseModel):
 class TrainProgress(BaseModel):
     """How far a training job is. ``round`` counts the rounds done out of ``total_rounds``; ``loss`` and
     ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
-    ``predicted_round_s``; ``samples_per_s`` is the global batch over ``round_s``. ``test_accuracy`` is the final
+    ``predicted_round_s``, and ``refitted_round_s``, what the running plan takes as the closed loop's refitted
+    profile prices it (planning.hpp.refit: each device's compute as measured so far); ``samples_per_s`` is the global
+    batch over ``round_s``. ``test_accuracy`` is the final
     model's, loaded back from the checkpoint store, on the held-out split. ``reconfigurations`` counts re-plans
     after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery
     ``round`` goes back to the round the job resumed from: those rounds run again."""
@@ -135,6 +137,7 @@ class TrainProgress(BaseModel):
     accuracy: float | None = None
     round_s: float | None = None
     predicted_round_s: float | None = None
+    refitted_round_s: float | None = None
     samples_per_s: float | None = None
     checkpoint_version: int | None = None
     test_accuracy: float | None = None

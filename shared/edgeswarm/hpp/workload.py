@@ -51,6 +51,7 @@ class _Publisher(JobObserver):
     def __init__(self, ctx: JobContext, spec: JobSpec) -> None:
         self.ctx = ctx
         self.spec = spec
+        self._refitted_round_s: float | None = None
 
     def profiling(self, nodes: list[str]) -> None:
         self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
@@ -64,9 +65,13 @@ class _Publisher(JobObserver):
     def deployed(self) -> None:
         self.ctx.update("running", event=("deployed", "every stage-worker holds its stage"))
 
+    def refitted_round(self, seconds: float) -> None:
+        self._refitted_round_s = seconds  # published with the round's figures, in one state
+
     def round_done(self, report: RoundReport) -> None:
         self.ctx.update("running", round=report.round + 1, loss=report.loss, accuracy=report.accuracy,
                         round_s=report.round_s, samples_per_s=self.spec.global_batch / report.round_s,
+                        refitted_round_s=self._refitted_round_s,
                         event=("round", f"loss {report.loss:.4f}, accuracy {report.accuracy:.1%}, "
                                         f"{report.round_s:.3f} s"))
 
@@ -174,7 +179,8 @@ class TrainWorkload(Workload):
             return []  # the latest round's figures are not in yet
         out = []
         for name, unit, value, predicted in (("loss", "", t.loss, None), ("accuracy", "", t.accuracy, None),
-                                             ("round time", "s", t.round_s, t.predicted_round_s)):
+                                             ("round time", "s", t.round_s, t.predicted_round_s),
+                                             ("refitted round time", "s", t.refitted_round_s, None)):
             if finite(value):
                 out.append(Series(name=name, unit=unit, points=(SeriesPoint(x=t.round, y=value),),
                                   predicted=predicted if finite(predicted) else None))
