@@ -144,3 +144,36 @@ def test_measured_speeds_are_saved_for_the_next_job_and_only_for_the_same_device
     # A damaged file is a miss, not an error.
     cache.refit_path(entry.compute.model_fingerprint, "a").write_text("{not json")
     assert saved_scales(cache, profile) == {"c": 64.0}
+
+
+def test_a_robust_line_through_predicted_and_measured_times() -> None:
+    from edgeswarm.stats import affine_fit
+
+    assert affine_fit([], []) is None
+    # Too little spread to tell a slope from a fixed cost: a slope of 1 and the median gap.
+    assert affine_fit([1.0, 1.05, 1.1], [3.0, 3.1, 3.05]) == pytest.approx((1.0, 2.0))
+    # Twice as slow as predicted, plus 0.5 s a round: found exactly, and one wild round moves neither.
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    ys = [2 * x + 0.5 for x in xs]
+    assert affine_fit(xs, ys) == pytest.approx((2.0, 0.5))
+    assert affine_fit(xs, [*ys[:-1], 100.0]) == pytest.approx((2.0, 0.5))
+    # Faster than predicted never gives a negative fixed cost; a slope past its bounds is clipped.
+    assert affine_fit([1.0, 1.0], [0.5, 0.5]) == (1.0, 0.0)
+    assert affine_fit([1.0, 2.0, 3.0], [1.0, 101.0, 201.0])[0] == 16.0
+
+
+def test_splitfed_rounds_are_refitted_from_the_rounds_measured_before() -> None:
+    from edgeswarm.splitfed.coordinator import REFIT_WINDOW, refitted_s
+    from edgeswarm.splitfed.spec import RoundRecord
+
+    def record(r: int, predicted: float, measured: float) -> RoundRecord:
+        return RoundRecord(round=r, participants=[], predicted_s=predicted, round_s=measured)
+
+    assert refitted_s([], 1.0) is None
+    assert refitted_s([record(0, 1.0, 30.0)], 1.0) is None  # round 0 builds and warms up: left out
+    # Each round costs 2 s more than the planner's model says (its request, the enrolment, the aggregation).
+    history = [record(0, 1.0, 30.0)] + [record(r, 1.0 + r % 3, 3.0 + r % 3) for r in range(1, 12)]
+    assert refitted_s(history, 4.0) == pytest.approx(6.0)
+    # Only the last REFIT_WINDOW rounds count: a cluster that became twice as slow is followed.
+    slower = history + [record(r, 1.0 + r % 3, 2 * (3.0 + r % 3)) for r in range(12, 12 + REFIT_WINDOW)]
+    assert refitted_s(slower, 4.0) == pytest.approx(12.0)

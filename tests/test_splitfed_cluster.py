@@ -122,6 +122,11 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
         trained = [p for p in record.participants if p.outcome == "trained"]
         assert len(trained) == 2, record
         assert all(1 <= p.cut < 12 and p.peak_bytes > 0 and p.loss is not None for p in trained), record
+    # The closed loop corrects the planner's round time from the rounds measured before (round 0, the warm-up, left
+    # out): nothing to go on for rounds 0 and 1; round 2 adds round 1's fixed per-round cost.
+    first, second, third = progress.history
+    assert first.refitted_s is None and second.refitted_s is None, progress.history
+    assert third.refitted_s is not None and third.refitted_s >= third.predicted_s, progress.history
 
 
 def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:

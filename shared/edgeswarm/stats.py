@@ -1,4 +1,5 @@
-"""Latency percentiles, one definition for the coordinator's progress, the CLI and the benchmark."""
+"""Latency percentiles and a robust line through predicted and measured seconds: one definition for the coordinator's
+progress, the closed loops, the CLI and the benchmark."""
 
 from __future__ import annotations
 
@@ -10,3 +11,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     return values[min(len(values) - 1, max(0, round(q * len(values)) - 1))]
+
+
+def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 1.2,
+               slope_bounds: tuple[float, float] = (0.25, 16.0)) -> tuple[float, float] | None:
+    """A robust ``y = slope * x + intercept`` through the pairs (predicted seconds ``xs``, measured ``ys``): the
+    Theil-Sen slope (the median of the pairwise slopes) when the xs spread by at least ``min_spread`` (largest over
+    smallest), clipped to ``slope_bounds``, else a slope of 1; the intercept is the median of ``y - slope * x``, at
+    least 0 (a fixed cost is never negative). One outlier pair moves neither. None without a pair."""
+    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if x > 0 and y >= 0]
+    if not pairs:
+        return None
+    slope = 1.0
+    low, high = min(x for x, _ in pairs), max(x for x, _ in pairs)
+    if len(pairs) >= 3 and high >= min_spread * low:
+        slopes = sorted((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pairs) for x2, y2 in pairs[i + 1:]
+                        if x2 != x1)
+        slope = min(slope_bounds[1], max(slope_bounds[0], slopes[len(slopes) // 2]))
+    rests = sorted(y - slope * x for x, y in pairs)
+    return slope, max(0.0, rests[len(rests) // 2])

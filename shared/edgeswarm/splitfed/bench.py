@@ -180,11 +180,12 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
     if report.cluster:
         t = Table(title="train-splitfed jobs on a local cluster (3 native devices, 1 edge server, LeNet-5 on digits, "
                   "2 participants a round)")
-        for col in ("mode", "round", "cuts", "round s", "predicted s", "LAN KiB", "WAN KiB", "accuracy",
-                    "device peak MiB", "error"):
+        for col in ("mode", "round", "cuts", "round s", "predicted s", "refitted s", "LAN KiB", "WAN KiB",
+                    "accuracy", "device peak MiB", "error"):
             t.add_column(col)
         for r in report.cluster:
             t.add_row(r.mode, str(r.round), ",".join(map(str, r.cuts)), f"{r.round_s:.2f}", f"{r.predicted_s:.2f}",
+                      "-" if r.refitted_s is None else f"{r.refitted_s:.2f}",
                       f"{r.lan_bytes / 1024:.0f}", f"{r.wan_bytes / 1024:.0f}",
                       "-" if r.accuracy is None else f"{100 * r.accuracy:.1f}%", f"{r.peak_bytes / MIB:.2f}",
                       r.error or "")

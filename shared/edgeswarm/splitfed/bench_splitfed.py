@@ -144,13 +144,15 @@ class AccuracyRow(BaseModel):
 
 class ClusterRow(BaseModel):
     """One round of a train-splitfed job on the local cluster (3 native devices, 1 edge server): the mode, the
-    measured and predicted round time (seconds), the bytes on the MEC's LAN and the WAN, held-out accuracy, the
-    largest device peak (bytes) among its trainers, their cuts, and why the job failed (``error``)."""
+    measured, predicted and refitted round time (seconds; see RoundRecord), the bytes on the MEC's LAN and the WAN,
+    held-out accuracy, the largest device peak (bytes) among its trainers, their cuts, and why the job failed
+    (``error``)."""
 
     mode: str
     round: int = 0
     round_s: float = 0.0
     predicted_s: float = 0.0
+    refitted_s: float | None = None
     lan_bytes: int = 0
     wan_bytes: int = 0
     accuracy: float | None = None
@@ -423,6 +425,7 @@ def _cluster_mode(bus: Bus, mode: str, config: SplitfedBenchConfig, log: Log) ->
     for rec in progress.history:
         trained = [p for p in rec.participants if p.outcome == "trained"]
         rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s, predicted_s=rec.predicted_s,
+                               refitted_s=rec.refitted_s,
                                lan_bytes=rec.lan_bytes, wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
                                peak_bytes=max((p.peak_bytes for p in trained), default=0),
                                cuts=sorted({p.cut for p in trained})))

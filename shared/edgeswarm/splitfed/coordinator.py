@@ -50,6 +50,7 @@ from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
 from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
+from edgeswarm.stats import affine_fit
 
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import JobContext
@@ -307,6 +308,7 @@ class SplitfedRunner(RoundProgram):
                 wan += update.lan_bytes
         lost_mecs = sorted(set(mec_of.values()) - set(updates))
         record = RoundRecord(round=r, participants=participants, predicted_s=selection.t_system_s,
+                             refitted_s=refitted_s(self.history, selection.t_system_s),
                              round_s=time.monotonic() - started,
                              lan_bytes=sum(u.lan_bytes for u, _ in updates.values()), wan_bytes=wan,
                              refused=sum(u.refused for u, _ in updates.values()),
@@ -358,6 +360,20 @@ class SplitfedRunner(RoundProgram):
         self.history = list(getattr(progress, "history", []))
         self.ctx.update("queued", event=("resumed", f"a restarted coordinator resumes after round {version - 1}"))
         return version
+
+
+REFIT_WINDOW = 8  # the rounds the closed loop fits on: recent enough to follow a cluster that changes
+
+
+def refitted_s(history: list[RoundRecord], predicted_s: float) -> float | None:
+    """A round the planner predicts at ``predicted_s`` seconds, as the measured rounds of ``history`` say it takes:
+    a robust line (``stats.affine_fit``) through the last REFIT_WINDOW rounds' predicted and measured times, whose
+    intercept is the fixed per-round cost the planner's model leaves out (the planner's request, enrolment, the
+    round start and the aggregation) and whose slope is how much slower than estimated the devices and links ran.
+    Round 0 is left out (its devices build and warm up); None before a round is measured."""
+    past = [h for h in history if h.round > 0 and h.predicted_s > 0 and h.round_s > 0][-REFIT_WINDOW:]
+    fit = affine_fit([h.predicted_s for h in past], [h.round_s for h in past])
+    return None if fit is None else fit[0] * predicted_s + fit[1]
 
 
 def _round_line(record: RoundRecord) -> str:

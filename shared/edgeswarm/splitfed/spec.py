@@ -96,7 +96,9 @@ class ParticipantRecord(BaseModel):
 
 class RoundRecord(BaseModel):
     """One finished round: its participants, held-out accuracy and loss of the aggregated model, the predicted and
-    measured round time (seconds), the bytes the U-split moved on the MECs' LANs and the bytes that crossed the WAN
+    measured round time (seconds) and ``refitted_s``, the prediction as the closed loop corrected it from the rounds
+    before (``splitfed.coordinator.refitted_s``: the fixed per-round costs and the devices' real speed; None until
+    rounds are measured), the bytes the U-split moved on the MECs' LANs and the bytes that crossed the WAN
     (models between the coordinator and the MECs or the devices), updates refused, devices left out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -106,6 +108,7 @@ class RoundRecord(BaseModel):
     accuracy: float | None = None
     loss: float | None = None
     predicted_s: float = Field(default=0.0, ge=0.0)
+    refitted_s: float | None = Field(default=None, ge=0.0)
     round_s: float = Field(default=0.0, ge=0.0)
     lan_bytes: int = Field(default=0, ge=0)
     wan_bytes: int = Field(default=0, ge=0)

@@ -104,7 +104,8 @@ class SplitfedWorkload(Workload):
         p = state.progress_as(SplitfedProgress)
         out = []
         for name, unit, pick in (("loss", "", lambda r: r.loss), ("accuracy", "", lambda r: r.accuracy),
-                                 ("round time", "s", lambda r: r.round_s if r.round_s > 0 else None)):
+                                 ("round time", "s", lambda r: r.round_s if r.round_s > 0 else None),
+                                 ("refitted round time", "s", lambda r: r.refitted_s)):
             points = tuple(SeriesPoint(x=r.round + 1, y=v) for r in p.history if finite(v := pick(r)))
             if points:
                 last = p.history[-1]
