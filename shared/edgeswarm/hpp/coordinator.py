@@ -164,9 +164,10 @@ class Resume:
 def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
             cancel: threading.Event | None = None, timeout_s: float = 600.0,
             detector: FailureDetector | None = None, resume: Resume | None = None,
-            worker_service: str = STAGE_WORKER) -> JobResult:
+            worker_service: str = STAGE_WORKER, closed_loop: bool | None = None) -> JobResult:
     """Train ``job`` on the devices whose ``worker_service`` (the stage-worker) is online on ``bus``'s cluster;
-    returns what happened.
+    returns what happened. ``closed_loop`` (default: the bus's ``rebalance`` setting) lets the job start from the
+    devices' saved measured speeds, re-plan on them and save its own (planning.hpp.refit, profiling.refits).
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
@@ -186,7 +187,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     program = HppCoordinator(bus, job, loss_terms=job.global_batch * terms_per_sample,
                              total=job.total_rounds(dataset.train_size), store_node=store_node,
                              observer=observer or JobObserver(), cancel=cancel, timeout_s=timeout_s, detector=detector,
-                             resume=resume, worker_service=worker_service)
+                             resume=resume, worker_service=worker_service, closed_loop=closed_loop)
     program.run()
     result = program.result
     assert result is not None
@@ -209,7 +210,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
     def __init__(self, bus: Bus, job: JobSpec, *, loss_terms: int, total: int, store_node: str | None,
                  observer: JobObserver, cancel: threading.Event | None = None, timeout_s: float = 600.0,
                  detector: FailureDetector | None = None, resume: Resume | None = None,
-                 check: Callable[[], None] | None = None, worker_service: str = STAGE_WORKER) -> None:
+                 check: Callable[[], None] | None = None, worker_service: str = STAGE_WORKER,
+                 closed_loop: bool | None = None) -> None:
         super().__init__(bus, name=job.name, worker_service=worker_service, cancel=cancel, timeout_s=timeout_s,
                          detector=detector)
         self.job = job
@@ -227,7 +229,9 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
-        # The closed loop (planning.hpp.refit): each device's measured compute against the job's profile.
+        # The closed loop (planning.hpp.refit): each device's measured compute against the job's profile. The fit
+        # and its refitted prediction always run; re-plans and the saved speeds only with ``closed_loop``.
+        self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
         self.fit = ComputeFit()
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
@@ -274,7 +278,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             self.seen.profiling(nodes)
         cluster = profile_cluster(self.bus, self.job.model, profile_batch_sizes(self.job), nodes=nodes,
                                   timeout_s=self.timeout_s, progress=self.seen.profile_progress)
-        if not self.bus.settings.rebalance:
+        if not self.closed_loop:
             return cluster
         self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster)
         if self.base_scales:
@@ -283,7 +287,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
 
     def stop(self) -> None:
         """Save what the job measured of each device's speed (with the closed loop on), for the next job."""
-        if not self.bus.settings.rebalance or self.cluster is None or not self.fit.ratios:
+        if not self.closed_loop or self.cluster is None or not self.fit.ratios:
             return
         scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
         saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds())
@@ -345,7 +349,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             result.plan = report.plan
             self.replanned(report.plan)
             self.seen.joined(report)
-        elif snapshots and self.bus.settings.rebalance:
+        elif snapshots and self.closed_loop:
             self._rebalance(index)
         if index < self.total:
             done = self._run_round(index)
