@@ -347,7 +347,8 @@ _SPLITFED_PROGRESS = {
     "kind": ("enum", {"train-splitfed"}), "rounds_done": "int", "rounds_total": "int", "accuracy": "number?",
     "loss": "number?", "refused": "int",
     "history": ("list", ("record", {
-        "round": "int", "accuracy": "number?", "loss": "number?", "predicted_s": "number", "round_s": "number",
+        "round": "int", "accuracy": "number?", "loss": "number?", "predicted_s": "number",
+        "refitted_s": "number?", "round_s": "number",
         "lan_bytes": "int", "wan_bytes": "int", "refused": "int", "left_out": ("list", "str"),
         "participants": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "outcome": "str",
                                              "peak_bytes": "int", "loss": "number?", "samples": "int",
@@ -363,6 +364,7 @@ _PROGRESS = ("tagged", "kind", {
     "train": {
         "kind": ("enum", {"train"}), "strategy": _STRATEGY, "round": "int", "total_rounds": "int",
         "loss": "number?", "accuracy": "number?", "round_s": "number?", "predicted_round_s": "number?",
+        "refitted_round_s": "number?",
         "samples_per_s": "number?", "checkpoint_version": "int?", "test_accuracy": "number?",
         "predictions": ("list", ("record", {"strategy": _STRATEGY, "round_s": "number?", "samples_per_s": "number?",
                                             "error": "str?"})),
@@ -522,7 +524,8 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.serve.ready", 1): {"job_id": "str", "epoch": "int", "stage": "int", "parameters": "int",
                                    "memory_bytes": "int", "load_s": "number"},
     ("edgeswarm.serve.release", 1): {"job_id": "str"},
-    ("edgeswarm.serve.tensor", 1): {"job_id": "str", "epoch": "int", "item": "int", "stage": "int"},
+    ("edgeswarm.serve.tensor", 1): {"job_id": "str", "epoch": "int", "item": "int", "stage": "int",
+                                    "compute_s": ("list", "number")},
     ("edgeswarm.infer.request", 1): {"job_id": "str", "request_id": "str"},
     ("edgeswarm.infer.reply", 1): {"job_id": "str", "request_id": "str", "latency_s": "number", "epoch": "int",
                                    "replayed": "bool"},

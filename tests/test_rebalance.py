@@ -41,7 +41,8 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     from edgeswarm.hpp import coordinator
     from edgeswarm.hpp.coordinator import HppCoordinator, JobObserver, profile_batch_sizes
     from edgeswarm.planning.hpp.compare import plan_best
-    from edgeswarm.planning.hpp.refit import predicted_compute_s, scaled
+    from edgeswarm.planning.hpp.refit import predicted_compute_s
+    from edgeswarm.planning.refit import scaled
     from edgeswarm.profiling.cache import ProfileCache
     from edgeswarm.profiling.refits import saved_scales
 

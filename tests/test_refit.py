@@ -1,5 +1,5 @@
-"""HPP's closed loop (``planning.hpp.refit``): a wrong profile is corrected from measured rounds, and noise never
-makes it re-plan."""
+"""The closed loops (``planning.refit``, ``planning.hpp.refit``): a wrong profile is corrected from measured rounds,
+and noise never makes it re-plan."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from edgeswarm.planning.hpp.compare import plan_best
-from edgeswarm.planning.hpp.refit import ComputeFit, Rebalancer, predicted_compute_s, reprice, scaled
+from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.planning.refit import ComputeFit, Rebalancer, scaled
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.values.profiles import ClusterProfile
 

@@ -179,9 +179,9 @@ class Settings(BaseSettings):
     # (seconds; the coordinator then replays the round). Long enough for the slowest stage of a big model.
     peer_wait_s: float = Field(default=120.0, gt=0, le=3600)
     metrics_interval_s: float = Field(default=10.0, gt=0)
-    # The coordinator's closed loop (planning.hpp.refit): a training job re-plans at a snapshot round when its
-    # devices' measured compute says another plan is predicted more than 15% faster, and saves what it measured of
-    # each device (profiling.refits) for the next job on the same model.
+    # The coordinator's closed loop (planning.refit): a training job re-plans at a snapshot round, and a serving
+    # pipeline between two items, when its devices' measured compute says another plan is predicted more than 15%
+    # faster; a training job saves what it measured of each device (profiling.refits) for the next job.
     rebalance: bool = True
 
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"

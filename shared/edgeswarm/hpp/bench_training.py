@@ -11,7 +11,7 @@ the same kernels equally fast each time; so each run also reports how the device
 their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the measured compute put in
 (``replayed_round_s``): measured against replayed is the runtime's and the network's share of any gap, compute_ratio
 the emulated devices' share. ``refitted_round_s`` is the coordinator's own closed loop: the plan priced on each
-device's compute as fitted from the rounds (planning.hpp.refit), after the last round.
+device's compute as fitted from the rounds (planning.refit), after the last round.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ from edgeswarm.messages.planning import PlanReply, PlanRequest
 from edgeswarm.messages.training import CheckpointSource, StageSaved
 from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
-from edgeswarm.planning.hpp.refit import ComputeFit, Rebalancer, predicted_compute_s, reprice, scaled
+from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
+from edgeswarm.planning.refit import ComputeFit, Rebalancer, same_fit, scaled, speeds
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.profiling.refits import save_scales, saved_scales
@@ -167,7 +168,7 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
             worker_service: str = STAGE_WORKER, closed_loop: bool | None = None) -> JobResult:
     """Train ``job`` on the devices whose ``worker_service`` (the stage-worker) is online on ``bus``'s cluster;
     returns what happened. ``closed_loop`` (default: the bus's ``rebalance`` setting) lets the job start from the
-    devices' saved measured speeds, re-plan on them and save its own (planning.hpp.refit, profiling.refits).
+    devices' saved measured speeds, re-plan on them and save its own (planning.refit, profiling.refits).
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
@@ -229,7 +230,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
-        # The closed loop (planning.hpp.refit): each device's measured compute against the job's profile. The fit
+        # The closed loop (planning.refit): each device's measured compute against the job's profile. The fit
         # and its refitted prediction always run; re-plans and the saved speeds only with ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
         self.fit = ComputeFit()
@@ -282,7 +283,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             return cluster
         self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster)
         if self.base_scales:
-            self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {_speeds(self.base_scales)}")
+            self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {speeds(self.base_scales)}")
         return scaled(cluster, self.base_scales)
 
     def stop(self) -> None:
@@ -293,7 +294,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds())
         if saved:
             self.seen.refitted(f"saved the measured compute speeds for the next job: "
-                               f"{_speeds({n: scales[n] for n in saved})}")
+                               f"{speeds({n: scales[n] for n in saved})}")
 
     def take_over(self, cluster: ClusterProfile) -> Plan | None:
         if self.resume is None:
@@ -382,7 +383,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
 
     def _rebalance(self, index: int) -> None:
         """At the start of round ``index`` (snapshots held): re-plan on the refitted profile when the rebalancer
-        says it pays (see planning.hpp.refit), moving only the units whose owner changes."""
+        says it pays (see planning.refit), moving only the units whose owner changes."""
         assert self.driver is not None and self.cluster is not None and self.result is not None
         moved = self.fit.moved()
         if not moved:
@@ -391,7 +392,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         scales = self.fit.scales()
         old = self.driver.plan
         cached = self._priced
-        if cached is not None and cached[0] == old.epoch and _close(cached[1], scales):
+        if cached is not None and cached[0] == old.epoch and same_fit(cached[1], scales):
             refit, current, best = cached[2:]
         else:  # the full planner takes a while: only when the fit moved since it last ran
             refit = scaled(self.cluster, scales)
@@ -404,7 +405,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
             return
         self.driver, report = move_to(self.driver, best, refit, index, "rebalance", started=started)
-        detail = (f"compute measured against the profile: {_speeds(moved)}; the running plan would take "
+        detail = (f"compute measured against the profile: {speeds(moved)}; the running plan would take "
                   f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
                   f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")
         log.info("job %s: re-planned on measured speeds: %s", self.job.name, detail)
@@ -498,16 +499,6 @@ def _checkpoint(store_node: str | None, saved_version: int, job: JobSpec) -> tup
 
 #: A job's way to add devices that appeared: given the driver and the round about to start, the new driver, the
 #: report and the profile of every device now usable, or None when nothing changes.
-def _speeds(scales: dict[str, float]) -> str:
-    """``scales`` for people: "a 3.10x, b 1.02x" (measured over profiled)."""
-    return ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(scales.items()))
-
-
-def _close(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) -> bool:
-    """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's."""
-    return a.keys() == b.keys() and all(abs(b[n] / a[n] - 1.0) <= tolerance for n in a)
-
-
 Joiner = Callable[[JobDriver, ClusterProfile, int], tuple[JobDriver, RecoveryReport, ClusterProfile] | None]
 
 

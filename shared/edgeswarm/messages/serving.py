@@ -10,7 +10,7 @@ the answer is an InferReply frame with the outputs, or an InferError, on that re
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,7 @@ from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_ITEM = 1 << 40  # pipeline item numbers per epoch: far beyond any stream, small enough for every decoder
+MAX_STAGE_S = 3600.0  # one stage's forward of one item, at most (seconds)
 
 
 class WeightsSource(BaseModel):
@@ -78,12 +79,16 @@ class ServeRelease(Message):
 @schema("edgeswarm.serve.tensor", 1)
 class ServeTensor(Message):
     """Frames of pipeline item ``item`` (numbered from 0 in each plan epoch) of ``job_id``, entering stage
-    ``stage``; ``stage`` equal to the number of stages marks the outputs on their way back to the coordinator."""
+    ``stage``; ``stage`` equal to the number of stages marks the outputs on their way back to the coordinator.
+    ``compute_s`` are the seconds each stage before took for the item's forward, in stage order (the closed loop's
+    measurement: planning.refit)."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
     item: int = Field(ge=0, le=MAX_ITEM)
     stage: int = Field(ge=0, le=MAX_DEVICES)
+    compute_s: list[Annotated[float, Field(ge=0, le=MAX_STAGE_S, allow_inf_nan=False)]] = Field(
+        default_factory=list, max_length=MAX_DEVICES)
 
 
 @schema("edgeswarm.infer.request", 1)

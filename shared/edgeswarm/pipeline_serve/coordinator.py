@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
-from edgeswarm.errors import EdgeswarmError, JobError
+from edgeswarm.errors import EdgeswarmError, JobError, PlanningError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
 from edgeswarm.messages.serving import (
@@ -42,6 +42,9 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
+from edgeswarm.planning.refit import ComputeFit, Rebalancer, same_fit, scaled, speeds
+from edgeswarm.planning.serve.plan import plan_serving
+from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.runtime.senders import count_stranger, stranger
@@ -112,6 +115,13 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         self._inflight: OrderedDict[int, _Item] = OrderedDict()
         self._next_item = 0
         self._stats = _Stats()
+        # The closed loop (planning.refit): each stage device's measured forward of a full micro-batch against its
+        # profile, under ``_changed``; re-plans only with the rebalance setting on.
+        self.closed_loop = self.bus.settings.rebalance
+        self.fit = ComputeFit()
+        self.rebalancer = Rebalancer()
+        self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
+        self._priced: tuple[int, dict[str, float], ServePlan, ServePlan] | None = None  # (epoch, scales, now, best)
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -121,7 +131,42 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                                timeout_s=self.ctx.timeout_s)
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
+        if self.closed_loop:  # a re-plan after a loss prices the devices as they were measured
+            with self._changed:
+                cluster = scaled(cluster, self.fit.scales())
         return ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
+
+    def replanned(self, plan: ServePlan) -> None:
+        super().replanned(plan)
+        with self._changed:
+            self.rebalancer.new_plan()
+
+    def rebalance(self) -> tuple[ServePlan, str] | None:
+        """The best plan on the refitted profile, when the rebalancer says moving to it pays (planning.refit)."""
+        if not self.closed_loop or self.cluster is None:
+            return None
+        with self._changed:
+            plan, scales, moved = self._plan, self.fit.scales(), self.fit.moved()
+        if plan is None or not moved:
+            return None
+        cached = self._priced
+        if cached is not None and cached[0] == plan.epoch and same_fit(cached[1], scales):
+            current, best = cached[2:]
+        else:  # the planner's searches take a while: only when the fit moved since they last ran
+            refit = scaled(self.cluster, scales)
+            try:
+                current, best = reprice(plan, refit), plan_serving(refit, self.spec.options())
+            except (PlanningError, KeyError) as exc:
+                log.info("job %s: no plan on the refitted profile: %s", self.spec.name, exc)
+                return None
+            self._priced = (plan.epoch, scales, current, best)
+        with self._changed:
+            go = self.rebalancer.check(current.bottleneck_s, best.bottleneck_s, time.monotonic())
+        if not go:
+            return None
+        return best, (f"compute measured against the profile: {speeds(moved)}; the running plan would serve "
+                      f"{current.throughput_per_s:.1f} samples/s, the new one {best.throughput_per_s:.1f} "
+                      f"({current.bottleneck_s / best.bottleneck_s - 1:.0%} more)")
 
     def plan_from(self, reply: Message) -> ServePlan:
         assert isinstance(reply, ServePlanReply)
@@ -293,6 +338,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                              body.stage, msg.sender)
             return
         assert item is not None and tensor is not None
+        if plan is not None and item.rows == self.spec.micro_batch_size and len(body.compute_s) == len(plan.stages):
+            self._refit(plan, body.compute_s)
         outputs = tensor.to_torch()
         start, now = 0, time.monotonic()
         for request in item.requests:
@@ -312,6 +359,18 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             stats.samples += item.rows
             stats.latencies.extend(now - r.arrived for r in item.requests)
             stats.done_at.append((now, item.rows))
+
+    def _refit(self, plan: ServePlan, measured: list[float]) -> None:
+        """One full micro-batch's forward on each stage (seconds, in stage order) into the fit."""
+        assert self.cluster is not None
+        with self._changed:
+            if self._predicted[0] != plan.epoch:
+                try:
+                    self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
+                except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
+                    self._predicted = (plan.epoch, {})
+            self.fit.add(self._predicted[1], {s.device: t for s, t in zip(plan.stages, measured, strict=True)})
+            self.rebalancer.round_done()
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages.serving import ServeAssign, ServeReady, ServeRelease, ServeTensor
+from edgeswarm.messages.serving import MAX_STAGE_S, ServeAssign, ServeReady, ServeRelease, ServeTensor
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.program import JobTable, build_failure
 from edgeswarm.runtime.senders import count_stranger, stranger
@@ -70,6 +70,8 @@ class _Stage:
     thread: threading.Thread | None = None
     items: int = 0
     compute_s: float = 0.0  # seconds in the forward pass (the device's emulated time included)
+    # Each waiting item's forward seconds on the stages before (ServeTensor.compute_s), passed on with its outputs.
+    upstream: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def last(self) -> bool:
@@ -193,6 +195,8 @@ class ServeStageProgram(JobTable[_Stage]):
             _limited.log(logging.ERROR, "serve_item", "dropped %s", why)
             return
         assert stage is not None and msg.tensor is not None
+        if len(stage.upstream) < 2 * MAX_PENDING:  # items are taken in order: more waiting is no item of ours
+            stage.upstream[body.item] = body.compute_s
         stage.exchange.put(ServeKey(body.epoch, body.item), msg.tensor.to_torch())
 
     def _serve(self, stage: _Stage) -> None:
@@ -223,8 +227,9 @@ class ServeStageProgram(JobTable[_Stage]):
                 lane.add("forward", "compute", started, ended, micro_batch=item)
                 stage.compute_s += ended - started
                 stage.items += 1
+                times = [*stage.upstream.pop(item, [])[:spec.stage], min(ended - started, MAX_STAGE_S)]
                 stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
-                                                                  stage=spec.stage + 1), out,
+                                                                  stage=spec.stage + 1, compute_s=times), out,
                                     span=link.span("activation", "transfer", micro_batch=item))
             except Exception as exc:  # noqa: BLE001 - the coordinator replays the item; the stage goes on
                 self.ctx.metrics.count("serve_items_failed")

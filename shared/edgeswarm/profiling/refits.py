@@ -2,7 +2,7 @@
 next job on the same model and devices starts from what was measured rather than from the profile alone.
 
 A device's profile is measured once, alone; a job then measures what the device really takes beside the bus's
-threads and its neighbours' load, and fits a scale (measured over profiled; planning.hpp.refit). ``saved_scales``
+threads and its neighbours' load, and fits a scale (measured over profiled; planning.refit). ``saved_scales``
 reads the scales saved for a cluster's devices (a device whose fingerprint changed under the same name has none);
 ``save_scales`` writes a job's. Nothing here reads an emulation setting: the scales come from measured rounds.
 """

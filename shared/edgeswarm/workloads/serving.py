@@ -186,20 +186,38 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
             lost = self.detector.confirm(devices)
         if lost or stalled:
             raise Disrupted("; ".join(d.detail for d in lost.values()) or str(stalled), lost)
+        better = self.rebalance()
+        if better is not None:
+            plan, detail = better
+            self.replanned(self._move(plan.model_copy(update={"epoch": self._epoch + 1}), [], "the plan changes",
+                                      ("rebalanced", f"re-planned on measured speeds ({detail})")))
+
+    def rebalance(self) -> tuple[PlanT, str] | None:
+        """Between two steps: a plan to move to on the devices' measured speeds, and why in words (which speeds moved,
+        the predicted gain); None (the default): the job keeps its plan."""
+        return None
 
     def on_lost(self, disruption: Disrupted) -> PlanT:
         """Re-plan over the devices left, deploy the new plan as a new epoch and ``replay`` onto it."""
         assert self.cluster is not None
         lost = sorted(disruption.failures)
-        started = time.monotonic()
         self.cluster = self.cluster.without(*lost)
+        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost ({disruption}); "
+                                                            "re-planning over the others"))
+        return self._move(None, lost, f"{', '.join(lost)} lost", ("recovered", ""))
+
+    def _move(self, plan: PlanT | None, lost: list[str], why: str, event: tuple[JobEventKind, str]) -> PlanT:
+        """Stop dispatching, deploy ``plan`` (None: the planner's over ``cluster``) as the next epoch, release the
+        devices it leaves out (but the ``lost``), ``replay`` onto it and go on; ``event`` (kind, what happened) is
+        published with the new plan."""
+        assert self.cluster is not None
+        started = time.monotonic()
         with self._changed:
             old, self._plan = self._plan, None  # the dispatcher waits
             epoch = self._epoch + 1
-            self.interrupt(f"{', '.join(lost)} lost")
-        self.ctx.update("recovering", event=("device_lost", f"{', '.join(lost) or 'no device'} lost ({disruption}); "
-                                                            "re-planning over the others"))
-        plan = self.request_plan(self.cluster, epoch)
+            self.interrupt(why)
+        if plan is None:
+            plan = self.request_plan(self.cluster, epoch)
         try:
             self.deploy(plan)
         finally:
@@ -209,9 +227,11 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
             self._plan, self._epoch = plan, epoch
             self._reconfigurations += 1
             self._changed.notify_all()
+        kind, what = event
         self.ctx.update("running", plan=plan, **self.plan_fields(plan), **self.progress(),
-                        event=("recovered", f"plan epoch {epoch} after {time.monotonic() - started:.2f} s: "
-                                            f"{self.describe(plan)}" + (f"; {carried}" if carried else "")))
+                        event=(kind, (f"{what}: " if what else "") + f"plan epoch {epoch} after "
+                                     f"{time.monotonic() - started:.2f} s: {self.describe(plan)}"
+                                     + (f"; {carried}" if carried else "")))
         return plan
 
     def stop(self) -> None:

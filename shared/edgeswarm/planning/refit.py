@@ -1,0 +1,119 @@
+"""The closed loop's fit, shared by every kind that re-plans on measured speeds (HPP training, pipelined serving).
+
+A profile is measured once, alone; the devices then compute beside the bus's threads, other jobs, thermal limits
+or a neighbour's load, so a device may run at a different speed than profiled. Each unit of work (a training round,
+a served micro-batch) a job knows what every device of its plan took for its part and what the profile predicted
+for it: their ratio is the device's ``scale``. ``ComputeFit`` keeps each device's ratios of the last units and fits
+its scale as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the
+cluster profile with every device's times multiplied by its scale: the refitted profile. ``Rebalancer`` decides when
+to re-plan on it: only when the best plan on the refitted profile is predicted faster than the running plan re-priced
+on it by more than ``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a plan and at most
+``max_per_hour`` times an hour. A cluster that is uniformly slower than profiled (every scale alike) re-plans to the
+same layout: nothing to gain, so nothing happens.
+
+Pure functions and small state over typed data; the fitted scales come from measurement only (nothing here reads
+the emulation's settings).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile
+
+SLIVER = 0.25  # a device's share of the compute below which its measured time says nothing of its speed
+
+
+def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
+    """``cluster`` with each device's forward and backward times multiplied by its scale (1 where none)."""
+    entries = []
+    for entry in cluster.devices:
+        f = scales.get(entry.device.node, 1.0)
+        if f == 1.0:
+            entries.append(entry)
+            continue
+        c = entry.compute
+        entries.append(entry.model_copy(update={"compute": c.model_copy(update={
+            "forward_s": [[t * f for t in row] for row in c.forward_s],
+            "backward_s": [[t * f for t in row] for row in c.backward_s]})}))
+    return cluster.model_copy(update={"devices": entries})
+
+
+
+@dataclass
+class ComputeFit:
+    """Each device's measured over predicted compute, its last ``window`` rounds: ``add`` one round, ``scales``
+    the fit (the median, clipped to [MIN_SCALE, MAX_SCALE])."""
+
+    window: int = 5
+    ratios: dict[str, deque[float]] = field(default_factory=dict)
+
+    def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
+        """One round: ``measured`` seconds of one micro-batch's forward and backward per device, beside the
+        ``predicted`` ones. A device with no prediction or no positive figure is skipped, and so is one predicted
+        less than SLIVER of the busiest device's compute: what it measures is mostly the runtime's per-call costs
+        around its few units (a unit profiled at 0 s still takes milliseconds), not its speed; its scale stays
+        what earlier rounds fitted."""
+        floor = SLIVER * max(predicted.values(), default=0.0)
+        for node, seconds in measured.items():
+            expected = predicted.get(node, 0.0)
+            if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
+                self.ratios.setdefault(node, deque(maxlen=self.window)).append(seconds / expected)
+
+    def scales(self) -> dict[str, float]:
+        """Each device's fitted scale: measured compute over profiled."""
+        return {node: min(MAX_SCALE, max(MIN_SCALE, median(r))) for node, r in self.ratios.items() if r}
+
+    def rounds(self) -> dict[str, int]:
+        """How many measured rounds each device's scale is fitted from (at most ``window``)."""
+        return {node: len(r) for node, r in self.ratios.items()}
+
+    def moved(self, tolerance: float = 0.15) -> dict[str, float]:
+        """The scales that moved from 1 by more than ``tolerance`` (a fraction either way)."""
+        return {n: s for n, s in self.scales().items() if abs(math.log(s)) > math.log1p(tolerance)}
+
+
+@dataclass
+class Rebalancer:
+    """When to re-plan on a refitted profile (see the module's docstring): ``check`` once a round, with the running
+    plan's and the best plan's predicted round on it (seconds) and the time now (seconds, monotonic)."""
+
+    margin: float = 0.15
+    confirm: int = 3
+    min_rounds: int = 3
+    max_per_hour: int = 4
+    _rounds: int = field(default=0, init=False)  # rounds run on the running plan
+    _streak: int = field(default=0, init=False)  # checks in a row that saw the gain
+    _done: deque[float] = field(default_factory=lambda: deque(maxlen=64), init=False)  # when it re-planned
+
+    def round_done(self) -> None:
+        """One more round ran on the running plan."""
+        self._rounds += 1
+
+    def new_plan(self) -> None:
+        """The job runs on another plan from now on (re-planned, recovered, grown): its rounds count afresh."""
+        self._rounds = self._streak = 0
+
+    def check(self, current_s: float, best_s: float, now: float) -> bool:
+        """Whether to re-plan now (counted against the hourly cap when True)."""
+        gain = 1.0 - best_s / current_s if current_s > 0 else 0.0
+        self._streak = self._streak + 1 if gain > self.margin else 0
+        recent = sum(1 for t in self._done if now - t < 3600.0)
+        if self._rounds < self.min_rounds or self._streak < self.confirm or recent >= self.max_per_hour:
+            return False
+        self._done.append(now)
+        return True
+
+
+def same_fit(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) -> bool:
+    """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's: a
+    plan priced on one needs no pricing again on the other."""
+    return a.keys() == b.keys() and all(abs(b[n] / a[n] - 1.0) <= tolerance for n in a)
+
+
+def speeds(scales: dict[str, float]) -> str:
+    """``scales`` for people: "a 3.10x, b 1.02x" (measured over profiled)."""
+    return ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(scales.items()))

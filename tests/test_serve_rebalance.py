@@ -1,0 +1,103 @@
+"""Pipelined serving's closed loop on real stage-workers: a stream served on a plan made from profiles that are wrong
+about one device (its stage-worker computes 3x slower than its profiler measured) refits that device's speed from
+the stages' measured forwards, re-plans itself between two items and goes on: every request is answered once, with
+the outputs of the model run in one process."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from edgeswarm.messages.jobs import JobEvent
+from edgeswarm.models.zoo import build_model, example_input
+from edgeswarm.pipeline_serve.client import infer_stream
+from edgeswarm.pipeline_serve.spec import ServeProgress
+from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
+from helpers import wait_until
+
+NODES = ("a", "b", "c")
+SLOWDOWN = 10.0  # every device's profiler and stage-worker: computing, not messaging, is most of an item's time
+# Units of milliseconds each: the runtime's per-item costs (and a busy host's scheduling) are a small part of them.
+MODEL = {"name": "mlp", "config": {"in_channels": 3, "image_size": 32, "hidden": 1024, "layers": 4, "seed": 1}}
+MICRO_BATCH = 32
+
+
+def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves_off_it(
+        broker, make_bus, services, tmp_path: Path) -> None:
+    services.start("planner", "hub", broker.url)
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true")
+    for node in NODES:  # a's profiler measures it as fast as the others; its stage-worker runs 3x slower
+        profiles = str(tmp_path / f"profiles-{node}")
+        services.start("node-agent", node, broker.url)
+        services.start("profiler", node, broker.url, EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN),
+                       EDGESWARM_PROFILE_DIR=profiles)
+        services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
+                       EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (3 if node == "a" else 1)))
+    bus = make_bus("test", "cli")
+    for node in NODES:
+        for service in ("node-agent", "profiler", "stage-worker"):
+            bus.peers.wait_for(node, service, timeout_s=30)
+    for service in ("planner", "coordinator"):
+        bus.peers.wait_for("hub", service, timeout_s=30)
+    events: list[JobEvent] = []
+    name = "rebalance"
+    follower = JobFollower(bus, name, on_event=events.append)
+    spec = {"kind": "serve-pipeline", "name": name, "model": MODEL, "micro_batch_size": MICRO_BATCH, "window": 4}
+    submit_job(bus, json.dumps(spec), submission=follower.submission)
+
+    def of(kind: str) -> list[str]:
+        return [e.detail for e in list(events) if e.kind == kind]
+
+    try:
+        wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 120,
+                   message="the job serving")
+        assert follower.state is not None and follower.state.status == "running", follower.state
+        first = follower.state.plan
+        assert isinstance(first, ServePlan) and "a" in first.devices, first
+        model = ModelSpec.model_validate(MODEL)
+        inputs = [example_input(model, MICRO_BATCH, seed=k) for k in range(16)]
+        deadline, answers = time.monotonic() + 90, []
+        while not of("rebalanced") and time.monotonic() < deadline:  # bounded: about 90 s of items at most
+            answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
+        moved = of("rebalanced")
+        assert moved, [(e.kind, e.detail) for e in events]
+        assert "compute measured against the profile: a " in moved[0] and "more)" in moved[0], moved
+        # The new plan gives a less of the forward than the one it replaced, as the profile prices it.
+        wait_until(lambda: isinstance(follower.state.plan, ServePlan) and follower.state.plan.epoch > first.epoch,
+                   10, message="the new plan in the job's state")
+        new = follower.state.plan
+        assert isinstance(new, ServePlan)
+        unit_s = _unit_seconds(model)
+        assert _share(new, "a", unit_s) < _share(first, "a", unit_s), (moved, first.stages, new.stages)
+        # The stream goes on on the new plan; every request was answered, right, once.
+        answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
+        net = build_model(model).eval()
+        with torch.no_grad():
+            for report in answers:
+                for r in report.results:
+                    assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
+                    torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
+        sent = sum(len(report.results) for report in answers)
+        wait_until(lambda: follower.state.progress_as(ServeProgress).answered == sent, 10,
+                   message="every request counted once")
+    finally:
+        cancel_job(bus, name)
+        follower.wait(60)
+
+
+def _unit_seconds(model: ModelSpec) -> list[float]:
+    """Each unit's forward of a micro-batch on this host: what the units cost, relative to each other."""
+    from edgeswarm.profiling.compute import profile_model
+
+    _, compute = profile_model(model, [MICRO_BATCH], repeats=3, warmup=1)
+    return [row[0] for row in compute.forward_s]
+
+
+def _share(plan: ServePlan, device: str, unit_s: list[float]) -> float:
+    """The fraction of the model's forward ``device`` computes in ``plan``."""
+    return sum(sum(unit_s[s.start:s.end]) for s in plan.stages if s.device == device) / sum(unit_s)
