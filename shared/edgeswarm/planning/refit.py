@@ -24,7 +24,7 @@ from statistics import median
 
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile
 
-SLIVER = 0.25  # a device's share of the compute below which its measured time says nothing of its speed
+SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
 
 
 def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
