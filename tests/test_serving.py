@@ -102,6 +102,8 @@ def test_pipelined_outputs_equal_a_single_process(cluster: Cluster, model: dict[
     final = stop(cluster, name, follower)
     figures = final.progress_as(ServeProgress)
     assert figures.errors == 0 and figures.samples == sum(int(x.shape[0]) for x in inputs)
+    # The full items carried each stage's measured forward: the plan is priced on them too (the closed loop's fit).
+    assert figures.refitted_throughput_per_s is not None and figures.refitted_throughput_per_s > 0, figures
     # A cancelled job answers no more: the caller hears so at once.
     with pytest.raises(InferRefusedError) as refused:
         infer(cluster.bus, name, inputs[0], timeout_s=10)

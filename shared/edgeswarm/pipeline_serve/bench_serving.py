@@ -23,6 +23,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.pipeline_serve.client import infer_stream
+from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
@@ -33,8 +34,9 @@ VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "g
 
 
 class ServeRun(BaseModel):
-    """One variant served on one environment: its plan's shape and prediction, the measured samples per second
-    over the stream, and the clients' per-request latency percentiles (seconds). ``error`` says why it did not
+    """One variant served on one environment: its plan's shape and prediction, the coordinator's refitted prediction
+    after the stream (the plan priced on each stage's measured forward), the measured samples per second over the
+    stream, and the clients' per-request latency percentiles (seconds). ``error`` says why it did not
     run."""
 
     env: str
@@ -43,6 +45,7 @@ class ServeRun(BaseModel):
     devices: list[str] = []
     bottleneck: str = ""
     predicted_per_s: float | None = None
+    refitted_per_s: float | None = None
     measured_per_s: float | None = None
     p50_s: float | None = None
     p99_s: float | None = None
@@ -86,8 +89,11 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
             return ServeRun(env=env, variant=variant, error=f"{len(failed)} requests failed: {failed[0].error}")
         latency = report.latency_s()
         assert latency is not None  # every request was answered
+        time.sleep(1.5)  # the job's state after the stream: its progress is published every second
+        final = follower.state
+        refitted = final.progress_as(ServeProgress).refitted_throughput_per_s if final is not None else None
         row = ServeRun(env=env, variant=variant, stages=len(plan.stages), devices=plan.devices,
-                       bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s,
+                       bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s, refitted_per_s=refitted,
                        measured_per_s=report.samples / report.wall_s, p50_s=latency[0], p99_s=latency[1],
                        requests=len(report.results), replayed=sum(r.replayed for r in report.results))
         log(f"env {env}: {variant}: {row.stages} stages on {', '.join(row.devices)}: {row.measured_per_s:.1f} "

@@ -121,7 +121,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         self.fit = ComputeFit()
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
-        self._priced: tuple[int, dict[str, float], ServePlan, ServePlan] | None = None  # (epoch, scales, now, best)
+        # (plan epoch, the scales, the running plan and the best plan (None: not searched) priced on them)
+        self._priced: tuple[int, dict[str, float], ServePlan, ServePlan | None] | None = None
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -141,25 +142,38 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             self.rebalancer.new_plan()
 
-    def rebalance(self) -> tuple[ServePlan, str] | None:
-        """The best plan on the refitted profile, when the rebalancer says moving to it pays (planning.refit)."""
-        if not self.closed_loop or self.cluster is None:
-            return None
+    def _refitted(self, best: bool) -> tuple[ServePlan, ServePlan | None] | None:
+        """The running plan priced on the refitted profile and, with ``best``, the best plan on it; None before the
+        fit has any device, or when they cannot be priced. Cached while the fit stays put (the planner's searches
+        take a while)."""
         with self._changed:
-            plan, scales, moved = self._plan, self.fit.scales(), self.fit.moved()
-        if plan is None or not moved:
+            plan, scales = self._plan, self.fit.scales()
+        if plan is None or not scales or self.cluster is None:
             return None
         cached = self._priced
-        if cached is not None and cached[0] == plan.epoch and same_fit(cached[1], scales):
-            current, best = cached[2:]
-        else:  # the planner's searches take a while: only when the fit moved since they last ran
-            refit = scaled(self.cluster, scales)
-            try:
-                current, best = reprice(plan, refit), plan_serving(refit, self.spec.options())
-            except (PlanningError, KeyError) as exc:
-                log.info("job %s: no plan on the refitted profile: %s", self.spec.name, exc)
-                return None
-            self._priced = (plan.epoch, scales, current, best)
+        if cached is not None and cached[0] == plan.epoch and same_fit(cached[1], scales) and (
+                cached[3] is not None or not best):
+            return cached[2], cached[3]
+        refit = scaled(self.cluster, scales)
+        try:
+            current = reprice(plan, refit)
+            better = plan_serving(refit, self.spec.options()) if best else None
+        except (PlanningError, KeyError) as exc:
+            log.info("job %s: no plan on the refitted profile: %s", self.spec.name, exc)
+            return None
+        self._priced = (plan.epoch, scales, current, better)
+        return current, better
+
+    def rebalance(self) -> tuple[ServePlan, str] | None:
+        """The best plan on the refitted profile, when the rebalancer says moving to it pays (planning.refit)."""
+        if not self.closed_loop:
+            return None
+        with self._changed:
+            moved = self.fit.moved()
+        priced = self._refitted(best=True) if moved else None
+        if priced is None or priced[1] is None:
+            return None
+        current, best = priced
         with self._changed:
             go = self.rebalancer.check(current.bottleneck_s, best.bottleneck_s, time.monotonic())
         if not go:
@@ -374,6 +388,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""
+        priced = self._refitted(best=False)
         with self._changed:
             s = self._stats
             latencies = sorted(s.latencies)
@@ -384,7 +399,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                     "in_flight": len(self._inflight), "queued": len(self._queue),
                     "reconfigurations": self._reconfigurations,
                     "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
-                    "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99)}
+                    "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99),
+                    "refitted_throughput_per_s": priced[0].throughput_per_s if priced is not None else None}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -48,7 +48,9 @@ class ServeProgress(BaseModel):
     pipeline items were sent through again after a device was lost (each still answered once); ``in_flight`` items
     are in the pipeline and ``queued`` requests wait for room in its window. ``throughput_per_s`` (samples per
     second) and the latency percentiles (seconds from a request's arrival to its answer) are measured over the
-    recent requests, beside the plan's predictions. ``weights`` says where the weights came from."""
+    recent requests, beside the plan's predictions and ``refitted_throughput_per_s``, the running plan's throughput
+    priced on each stage device's forward as measured so far (the closed loop's fit). ``weights`` says where the
+    weights came from."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -64,5 +66,6 @@ class ServeProgress(BaseModel):
     latency_p99_s: float | None = None
     predicted_throughput_per_s: float | None = None
     predicted_latency_s: float | None = None
+    refitted_throughput_per_s: float | None = None
     reconfigurations: int = Field(default=0, ge=0)
     weights: str = Field(default="", max_length=256)

@@ -55,11 +55,12 @@ def pipeline_cluster(cluster: StartCluster, spec: ClusterSpec, profile_dir: Path
                      ) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
     """``spec`` started with ``cluster`` for pipelines only (no tensor-shard-worker competes for the host's cores),
     its devices sharing the profile cache ``profile_dir``: what the training, recovery and serving benchmarks run
-    on."""
+    on. Its coordinator keeps every job on the plan its profiles give (no closed-loop re-plan, no saved speeds):
+    the benchmarks compare plans as planned, with the loop's refitted predictions beside."""
     from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 
-    return cluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir)}, skip_services=(TENSOR_SHARD_WORKER,),
-                   netns=netns)
+    return cluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir), "EDGESWARM_REBALANCE": "false"},
+                   skip_services=(TENSOR_SHARD_WORKER,), netns=netns)
 
 
 @dataclass(frozen=True)
