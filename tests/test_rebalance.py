@@ -102,7 +102,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     # to unit, and a device with a small share measures mostly the runtime's per-call costs.)
     saved = saved_scales(ProfileCache(profiles), cluster)
     assert refits and refits[-1].startswith("saved the measured compute speeds for the next job: "), refits
-    listed = dict(part.rsplit(" ", 1) for part in refits[-1].split(": ", 1)[1].split(", "))
+    listed = dict(part.rsplit(" ", 1) for part in refits[-1].split(": ", 1)[1].split(" (")[0].split(", "))
     assert saved and set(saved) == set(listed), (saved, refits)
     assert all(abs(saved[n] - float(listed[n].rstrip("x"))) <= 0.0051 for n in saved), (saved, refits)
     # The next job's coordinator plans on that: the devices profile as before (the same fingerprints), and it scales

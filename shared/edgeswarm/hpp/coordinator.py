@@ -293,8 +293,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
         saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds())
         if saved:
-            self.seen.refitted(f"saved the measured compute speeds for the next job: "
-                               f"{speeds({n: scales[n] for n in saved})}")
+            self.seen.refitted(f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
+                               f"measured {speeds({n: scales[n] for n in saved})})")
 
     def take_over(self, cluster: ClusterProfile) -> Plan | None:
         if self.resume is None:

@@ -4,12 +4,14 @@ next job on the same model and devices starts from what was measured rather than
 A device's profile is measured once, alone; a job then measures what the device really takes beside the bus's
 threads and its neighbours' load, and fits a scale (measured over profiled; planning.refit). ``saved_scales``
 reads the scales saved for a cluster's devices (a device whose fingerprint changed under the same name has none);
-``save_scales`` writes a job's. Nothing here reads an emulation setting: the scales come from measured rounds.
+``save_scales`` blends a job's into them. Nothing here reads an emulation setting: the scales come from measured
+rounds.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit
@@ -17,6 +19,7 @@ from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, Comp
 log = logging.getLogger(__name__)
 
 MIN_ROUNDS = 3  # a scale fitted from fewer measured rounds is not saved: one slow first round is no speed
+HISTORY_ROUNDS = 10  # the most rounds the saved history weighs: a device that changed is followed within some jobs
 
 
 def saved_scales(cache: ProfileCache, cluster: ClusterProfile) -> dict[str, float]:
@@ -34,23 +37,30 @@ def saved_scales(cache: ProfileCache, cluster: ClusterProfile) -> dict[str, floa
 
 
 def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, float],
-                rounds: dict[str, int]) -> list[str]:
+                rounds: dict[str, int]) -> dict[str, float]:
     """Save each device's ``scales`` (measured over ``cluster``'s unscaled profile) fitted from ``rounds`` measured
-    rounds, for the devices with at least MIN_ROUNDS; returns the nodes saved. A write that fails is logged and
-    skipped: the job that measured it goes on."""
-    saved: list[str] = []
+    rounds, for the devices with at least MIN_ROUNDS, blended with what was saved before: their geometric mean
+    weighted by rounds, the history's weight capped at HISTORY_ROUNDS (one job's plan shapes its fit: a device given
+    a stage of its own measures that stage's per-call costs too, so no single job overwrites the history). Returns
+    each node saved with its saved scale. A write that fails is logged and skipped: the job that measured it goes
+    on."""
+    saved: dict[str, float] = {}
     for entry in cluster.devices:
         node = entry.device.node
         scale, seen = scales.get(node), rounds.get(node, 0)
         if scale is None or seen < MIN_ROUNDS:
             continue
+        model_fp, device_fp = entry.compute.model_fingerprint, entry.compute.device_fingerprint
         try:
-            cache.put_refit(ComputeRefit(model_fingerprint=entry.compute.model_fingerprint, node=node,
-                                         device_fingerprint=entry.compute.device_fingerprint,
-                                         scale=min(MAX_SCALE, max(MIN_SCALE, scale)), rounds=seen))
+            before = cache.refit(model_fp, node, device_fp)
+            weight = 0 if before is None else min(before.rounds, HISTORY_ROUNDS)
+            logged = (weight * math.log(before.scale) if before is not None else 0.0) + seen * math.log(scale)
+            blended = min(MAX_SCALE, max(MIN_SCALE, math.exp(logged / (weight + seen))))
+            cache.put_refit(ComputeRefit(model_fingerprint=model_fp, node=node, device_fingerprint=device_fp,
+                                         scale=blended, rounds=min(weight + seen, HISTORY_ROUNDS)))
         except (OSError, ValueError) as exc:
             log.warning("could not save the measured speed of %s (%s): the next job starts from its profile",
                         node, exc)
             continue
-        saved.append(node)
+        saved[node] = blended
     return saved
