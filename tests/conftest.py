@@ -6,6 +6,7 @@ Everything a test starts is stopped by PID when the test ends; every wait is bou
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import subprocess
 import uuid
@@ -72,6 +73,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # start or stop while an ``alone`` test runs.
     with _gate(item):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _cli_log_handlers() -> Iterator[None]:
+    """A command run in-process (``main([...])``) points the root logger at the test's captured stderr, which pytest
+    closes when the test ends: a later record from a thread still running (a module's cluster going down) would hit
+    the closed file. Drop the plain stderr handlers a test added."""
+    root = logging.getLogger()
+    before = set(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
 
 
 @pytest.fixture
