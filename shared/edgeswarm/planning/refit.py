@@ -42,7 +42,6 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
     return cluster.model_copy(update={"devices": entries})
 
 
-
 @dataclass
 class ComputeFit:
     """Each device's measured over predicted compute, its last ``window`` rounds: ``add`` one round, ``scales``
