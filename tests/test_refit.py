@@ -9,7 +9,7 @@ import pytest
 from edgeswarm.planning.hpp.compare import plan_best
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.planning.refit import ComputeFit, Rebalancer, scaled
+from edgeswarm.planning.refit import ComputeFit, Rebalancer, RefitPricing, scaled
 from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
 from edgeswarm.values.profiles import ClusterProfile
 
@@ -40,6 +40,8 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
     rng = np.random.default_rng(seed)
     plan = best(profile)
     fit, rebalancer, replans = ComputeFit(), Rebalancer(), []
+    pricing: RefitPricing[Plan] = RefitPricing(reprice, lambda old, refit: best(refit).model_copy(
+        update={"epoch": old.epoch + 1}))
     for r in range(rounds):
         true = predicted_compute_s(plan, truth)
         fit.add(predicted_compute_s(plan, profile),
@@ -47,10 +49,10 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
         rebalancer.round_done()
         if not fit.moved():
             continue
-        refit = scaled(profile, fit.scales())
-        candidate = best(refit)
-        if rebalancer.check(reprice(plan, refit).round_latency_s, candidate.round_latency_s, now=float(r)):
-            plan, _ = candidate.model_copy(update={"epoch": plan.epoch + 1}), replans.append(r)
+        priced = pricing.priced(plan, profile, fit.scales(), best=True)
+        assert priced.best is not None
+        if rebalancer.check(priced.current.round_latency_s, priced.best.round_latency_s, now=float(r)):
+            plan, _ = priced.best, replans.append(r)
             rebalancer.new_plan()
     return plan, replans, fit
 
@@ -113,6 +115,27 @@ def test_the_rebalancer_waits_for_confirmation_and_caps_replans_per_hour() -> No
     r.check(1.0, 0.5, now=5.0)
     assert not r.check(1.0, 0.5, now=6.0)  # the third within the hour
     assert r.check(1.0, 0.5, now=3602.0)  # the first one's hour has passed
+
+
+def test_the_planner_searches_again_only_when_the_fit_or_the_plan_moved() -> None:
+    profile = profiled()
+    searched: list[dict[str, float]] = []
+
+    def search(old: Plan, refit: ClusterProfile) -> Plan:
+        searched.append({d.device.node: d.compute.forward_s[0][-1] for d in refit.devices})
+        return best(refit)
+
+    pricing: RefitPricing[Plan] = RefitPricing(reprice, search)
+    plan = best(profile)
+    first = pricing.priced(plan, profile, {"a": 2.0}, best=False)
+    assert first.best is None and searched == []  # only the running plan repriced
+    assert first.current.round_latency_s > plan.round_latency_s
+    assert pricing.priced(plan, profile, {"a": 2.0}, best=True).best is not None and len(searched) == 1
+    assert pricing.priced(plan, profile, {"a": 2.04}, best=True).current is not None and len(searched) == 1  # noise
+    pricing.priced(plan, profile, {"a": 2.5}, best=True)  # the fit moved
+    pricing.priced(plan.model_copy(update={"epoch": 1}), profile, {"a": 2.5}, best=True)  # another plan
+    assert len(searched) == 3
+    assert searched[0]["a"] == pytest.approx(2.0 * profile.devices[0].compute.forward_s[0][-1])
 
 
 def test_repricing_a_plan_on_its_own_profile_gives_its_prediction_and_keeps_its_shares() -> None:

@@ -38,7 +38,7 @@ from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.planning.refit import ComputeFit, Rebalancer, same_fit, scaled, speeds
+from edgeswarm.planning.refit import ComputeFit, Rebalancer, RefitPricing, scaled, speeds
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.profiling.refits import save_scales, saved_scales
@@ -237,8 +237,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
-        # (plan epoch, the scales, the refitted profile, the running plan and the best plan priced on it)
-        self._priced: tuple[int, dict[str, float], ClusterProfile, Plan, Plan] | None = None
+        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, full_plan)
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
@@ -377,7 +376,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                                           for node, r in done.devices.items() if r.forward_s})
         self.rebalancer.round_done()
         try:
-            self.seen.refitted_round(reprice(plan, scaled(self.cluster, self.fit.scales())).round_latency_s)
+            self.seen.refitted_round(self.pricing.priced(plan, self.cluster, self.fit.scales(), best=False)
+                                     .current.round_latency_s)
         except PlanningError as exc:  # a device of the plan gone from the profile: nothing to price it on
             log.debug("job %s: no refitted prediction: %s", self.job.name, exc)
 
@@ -389,22 +389,16 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not moved:
             return
         started = time.monotonic()
-        scales = self.fit.scales()
-        old = self.driver.plan
-        cached = self._priced
-        if cached is not None and cached[0] == old.epoch and same_fit(cached[1], scales):
-            refit, current, best = cached[2:]
-        else:  # the full planner takes a while: only when the fit moved since it last ran
-            refit = scaled(self.cluster, scales)
-            try:
-                current, best = reprice(old, refit), full_plan(old, refit)
-            except PlanningError as exc:
-                log.info("job %s: no plan on the refitted profile: %s", self.job.name, exc)
-                return
-            self._priced = (old.epoch, scales, refit, current, best)
+        try:
+            priced = self.pricing.priced(self.driver.plan, self.cluster, self.fit.scales(), best=True)
+        except PlanningError as exc:
+            log.info("job %s: no plan on the refitted profile: %s", self.job.name, exc)
+            return
+        current, best = priced.current, priced.best
+        assert best is not None
         if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
             return
-        self.driver, report = move_to(self.driver, best, refit, index, "rebalance", started=started)
+        self.driver, report = move_to(self.driver, best, priced.profile, index, "rebalance", started=started)
         detail = (f"compute measured against the profile: {speeds(moved)}; the running plan would take "
                   f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
                   f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")

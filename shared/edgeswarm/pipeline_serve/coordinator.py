@@ -42,7 +42,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import ComputeFit, Rebalancer, same_fit, scaled, speeds
+from edgeswarm.planning.refit import ComputeFit, Priced, Rebalancer, RefitPricing, scaled, speeds
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
@@ -121,8 +121,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         self.fit = ComputeFit()
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
-        # (plan epoch, the scales, the running plan and the best plan (None: not searched) priced on them)
-        self._priced: tuple[int, dict[str, float], ServePlan, ServePlan | None] | None = None
+        self.pricing: RefitPricing[ServePlan] = RefitPricing(
+            reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()))
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -142,27 +142,18 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             self.rebalancer.new_plan()
 
-    def _refitted(self, best: bool) -> tuple[ServePlan, ServePlan | None] | None:
+    def _refitted(self, best: bool) -> Priced[ServePlan] | None:
         """The running plan priced on the refitted profile and, with ``best``, the best plan on it; None before the
-        fit has any device, or when they cannot be priced. Cached while the fit stays put (the planner's searches
-        take a while)."""
+        fit has any device, or when they cannot be priced."""
         with self._changed:
             plan, scales = self._plan, self.fit.scales()
         if plan is None or not scales or self.cluster is None:
             return None
-        cached = self._priced
-        if cached is not None and cached[0] == plan.epoch and same_fit(cached[1], scales) and (
-                cached[3] is not None or not best):
-            return cached[2], cached[3]
-        refit = scaled(self.cluster, scales)
         try:
-            current = reprice(plan, refit)
-            better = plan_serving(refit, self.spec.options()) if best else None
+            return self.pricing.priced(plan, self.cluster, scales, best)
         except (PlanningError, KeyError) as exc:
             log.info("job %s: no plan on the refitted profile: %s", self.spec.name, exc)
             return None
-        self._priced = (plan.epoch, scales, current, better)
-        return current, better
 
     def rebalance(self) -> tuple[ServePlan, str] | None:
         """The best plan on the refitted profile, when the rebalancer says moving to it pays (planning.refit)."""
@@ -171,9 +162,9 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             moved = self.fit.moved()
         priced = self._refitted(best=True) if moved else None
-        if priced is None or priced[1] is None:
+        if priced is None or priced.best is None:
             return None
-        current, best = priced
+        current, best = priced.current, priced.best
         with self._changed:
             go = self.rebalancer.check(current.bottleneck_s, best.bottleneck_s, time.monotonic())
         if not go:
@@ -400,7 +391,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                     "reconfigurations": self._reconfigurations,
                     "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
                     "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99),
-                    "refitted_throughput_per_s": priced[0].throughput_per_s if priced is not None else None}
+                    "refitted_throughput_per_s": priced.current.throughput_per_s if priced is not None else None}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
+from typing import Generic, Protocol, TypeVar
 
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile
 
@@ -111,6 +113,46 @@ def same_fit(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) 
     """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's: a
     plan priced on one needs no pricing again on the other."""
     return a.keys() == b.keys() and all(abs(b[n] / a[n] - 1.0) <= tolerance for n in a)
+
+
+class _Epoched(Protocol):
+    @property
+    def epoch(self) -> int: ...
+
+
+PlanT = TypeVar("PlanT", bound=_Epoched)
+
+
+@dataclass
+class Priced(Generic[PlanT]):
+    """A running plan on a refitted profile: the profile, the plan priced on it and (when searched) the best plan."""
+
+    profile: ClusterProfile
+    current: PlanT
+    best: PlanT | None
+
+
+@dataclass
+class RefitPricing(Generic[PlanT]):
+    """A kind's running plan priced on the refitted profile (``reprice``: its layout kept, its compute priced anew)
+    and the best plan on it (``search``), both kept while the plan's epoch stays and the fit stays within
+    ``same_fit``: the planner's searches take a while, and every round asks."""
+
+    reprice: Callable[[PlanT, ClusterProfile], PlanT]
+    search: Callable[[PlanT, ClusterProfile], PlanT]
+    _last: tuple[int, dict[str, float], Priced[PlanT]] | None = field(default=None, init=False)
+
+    def priced(self, plan: PlanT, cluster: ClusterProfile, scales: dict[str, float], best: bool) -> Priced[PlanT]:
+        """``plan`` on ``cluster`` scaled by ``scales`` and, with ``best``, the best plan there. Raises what
+        ``reprice`` and ``search`` raise (the plan's devices not in ``cluster``, no plan fits)."""
+        last = self._last
+        if last is not None and last[0] == plan.epoch and same_fit(last[1], scales) and (
+                last[2].best is not None or not best):
+            return last[2]
+        profile = scaled(cluster, scales)
+        out = Priced(profile, self.reprice(plan, profile), self.search(plan, profile) if best else None)
+        self._last = (plan.epoch, dict(scales), out)
+        return out
 
 
 def speeds(scales: dict[str, float]) -> str:
