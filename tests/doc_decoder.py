@@ -211,7 +211,8 @@ _DEVICE = ("record", {
 _COMPUTE = ("record", {
     "model_fingerprint": "str", "device_fingerprint": "str", "batch_sizes": ("list", "int"),
     "forward_s": ("list", ("list", "number")), "backward_s": ("list", ("list", "number")),
-    "method": ("enum", {"measured", "calibrated"}), "speed_ratio": "number", "compute": "str",
+    "inference_s": ("optional", ("list", ("list", "number"))), "method": ("enum", {"measured", "calibrated"}),
+    "speed_ratio": "number", "compute": "str",
 })
 _LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number",
                     "message_s": "number", "request_s": "number", "hop_s": "number"})

@@ -34,7 +34,8 @@ def compute_profile(batch_sizes: list[int] | None = None, *, device: str = DFP, 
     return ComputeProfile(
         model_fingerprint=MFP, device_fingerprint=device, batch_sizes=sizes, method=method,  # type: ignore[arg-type]
         forward_s=[[1e-4 * (u + 1) * b for b in sizes] for u in range(units)],
-        backward_s=[[2e-4 * (u + 1) * b for b in sizes] for u in range(units)])
+        backward_s=[[2e-4 * (u + 1) * b for b in sizes] for u in range(units)],
+        inference_s=[[0.7e-4 * (u + 1) * b for b in sizes] for u in range(units)])
 
 
 def test_round_trip_by_fingerprints(tmp_path: Path) -> None:
@@ -61,10 +62,23 @@ def test_a_subset_of_the_cached_grid_hits_and_a_superset_misses(tmp_path: Path) 
     cache.put_compute(compute_profile([1, 2, 4, 8]))
     hit = cache.compute(MFP, DFP, "measured", [2, 8])
     assert hit is not None and hit.batch_sizes == [2, 8]
-    assert hit.forward_s[1] == [2e-4 * 2, 2e-4 * 8]
+    assert hit.forward_s[1] == [2e-4 * 2, 2e-4 * 8] and hit.inference_s == [[0.7e-4 * (u + 1) * b for b in (2, 8)]
+                                                                            for u in range(3)]
     assert cache.compute(MFP, DFP, "measured", [1, 2, 4, 8]) == compute_profile([1, 2, 4, 8])
     assert cache.compute(MFP, DFP, "measured", [1, 16]) is None
     assert restrict(compute_profile([1, 2]), [1, 2]) == compute_profile([1, 2])
+
+
+def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Serving plans on the served forward: a cached profile without one would plan it on training's forward."""
+    cache = ProfileCache(tmp_path)
+    cache.put_compute(compute_profile().model_copy(update={"inference_s": None}))
+    with caplog.at_level(logging.INFO, logger="edgeswarm.profiling.cache"):
+        assert cache.compute(MFP, DFP, "measured") is None
+    assert "predates inference timings" in caplog.text
+    with pytest.raises(ValueError, match="inference_s"):  # the served forward has the shape of the others
+        ComputeProfile.model_validate({**compute_profile().model_dump(), "inference_s": [[1.0]]})
 
 
 @pytest.mark.parametrize("content", [

@@ -97,7 +97,8 @@ def test_times_are_positive_and_grow_with_the_batch(lenet_profile: tuple, one_th
     _, compute = lenet_profile
     assert compute.batch_sizes == [1, 64]
     assert len(compute.forward_s) == len(compute.backward_s) == 12
-    assert all(t > 0 for row in (*compute.forward_s, *compute.backward_s) for t in row)
+    assert compute.inference_s is not None and len(compute.inference_s) == 12
+    assert all(t > 0 for row in (*compute.forward_s, *compute.backward_s, *compute.inference_s) for t in row)
     _, wide = profile_model(WIDE_LENET, [1, 64], repeats=3)
     # The convolutions do 64x the work at batch 64; a wide margin covers fixed per-call costs.
     for i in CONV_UNITS:
@@ -147,13 +148,31 @@ def test_a_sleeping_runner_slows_the_measured_times_by_its_factor(one_thread: No
     assert 2.5 < statistics.median(ratios) < 15.0
 
 
+def test_the_served_forward_is_timed_in_eval_mode_without_autograd_and_training_resumes() -> None:
+    from edgeswarm.profiling import compute
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((self.training, torch.is_inference_mode_enabled()))
+            return x * 2
+
+    probe = Probe().train()
+    x = torch.ones(2, 3, requires_grad=True)
+    assert compute._inference_time(probe, x, slow(1.0), repeats=3, warmup=1) > 0
+    assert seen == [(False, True)] * 4 and probe.training  # one warm-up and three timed, then back to training
+
+
 def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
     _, native = lenet_profile
     scaled = calibrated_profile(native, 2.5, "device-abc")
     assert scaled.method == "calibrated" and scaled.speed_ratio == 2.5
     assert scaled.device_fingerprint == "device-abc" and scaled.model_fingerprint == native.model_fingerprint
     assert scaled.batch_sizes == native.batch_sizes
-    for mine, theirs in ((scaled.forward_s, native.forward_s), (scaled.backward_s, native.backward_s)):
+    assert scaled.inference_s is not None and native.inference_s is not None
+    for mine, theirs in ((scaled.forward_s, native.forward_s), (scaled.backward_s, native.backward_s),
+                         (scaled.inference_s, native.inference_s)):
         for row, base in zip(mine, theirs, strict=True):
             assert row == pytest.approx([2.5 * t for t in base], rel=1e-12)
     for bad in (0.0, -1.0, float("nan"), float("inf")):

@@ -358,3 +358,16 @@ def test_plan_serving_on_a_real_zoo_model_profile() -> None:
     assert plan.model_fingerprint == model.fingerprint
     assert plan.bottleneck_s == pytest.approx(recomputed_beta(plan))
     assert plan.bottleneck_s <= plan_serving(cl, ServeOptions(micro_batch_size=8, method="kpath")).bottleneck_s
+
+
+def test_serving_is_priced_on_the_served_forward_where_the_profile_has_one() -> None:
+    """A served stage runs without autograd: the plan prices it on ``inference_s``, training's forward only for a
+    profile from before it."""
+    devs = [SyntheticDevice("a", 1.0, GIB), SyntheticDevice("b", 2.0, GIB)]
+    training = cluster(devs, units=12, bandwidth_bps=1e12)
+    served = training.model_copy(update={"devices": [e.model_copy(update={"compute": e.compute.model_copy(update={
+        "inference_s": [[t / 2 for t in row] for row in e.compute.forward_s]})}) for e in training.devices]})
+    options = ServeOptions(micro_batch_size=8)
+    before, after = plan_serving(training, options), plan_serving(served, options)
+    assert after.latency_s == pytest.approx(before.latency_s / 2, rel=1e-3)  # the transfers stay
+    assert [(s.start, s.end, s.device) for s in after.stages] == [(s.start, s.end, s.device) for s in before.stages]

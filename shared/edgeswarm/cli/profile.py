@@ -106,12 +106,14 @@ def summary_line(result: DeviceProfileResult) -> str:
     b = compute.batch_sizes[-1]
     fwd = sum(row[-1] for row in compute.forward_s)
     bwd = sum(row[-1] for row in compute.backward_s)
+    served = "" if compute.inference_s is None else (
+        f" (served, without autograd: forward {sum(row[-1] for row in compute.inference_s) * 1e3:.2f} ms)")
     weights = sum(u.weight_bytes for u in model.units)
     flops = sum(u.flops_per_sample for u in model.units)
     ratio = f", speed ratio {compute.speed_ratio:.2f}" if compute.method == "calibrated" else ""
     return (f"{model.model.name}: {len(model.units)} units, {weights / 1e6:.2f} MB of weights, "
             f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
-            f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training on {device.node} as "
+            f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training{served} on {device.node} as "
             f"{device.device_class} (computing on {compute.compute}){ratio}; "
             f"memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
 

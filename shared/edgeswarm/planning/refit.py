@@ -30,7 +30,8 @@ SLIVER = 0.1  # a device's share of the compute below which its measured time sa
 
 
 def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
-    """``cluster`` with each device's forward and backward times multiplied by its scale (1 where none)."""
+    """``cluster`` with each device's forward, backward and served-forward times multiplied by its scale (1 where
+    none)."""
     entries = []
     for entry in cluster.devices:
         f = scales.get(entry.device.node, 1.0)
@@ -40,7 +41,8 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
         c = entry.compute
         entries.append(entry.model_copy(update={"compute": c.model_copy(update={
             "forward_s": [[t * f for t in row] for row in c.forward_s],
-            "backward_s": [[t * f for t in row] for row in c.backward_s]})}))
+            "backward_s": [[t * f for t in row] for row in c.backward_s],
+            "inference_s": None if c.inference_s is None else [[t * f for t in row] for row in c.inference_s]})}))
     return cluster.model_copy(update={"devices": entries})
 
 

@@ -25,16 +25,19 @@ MESSAGE_BYTES = 1024 * 1024
 
 
 def unit_times(compute: ComputeProfile, node: str, fingerprint: str, units: int, batches: Sequence[float], *,
-               backward: bool = False) -> np.ndarray:
+               backward: bool = False, inference: bool = False) -> np.ndarray:
     """Seconds of every unit (columns) at each batch size of ``batches`` (rows): the profiled times interpolated
     piecewise-linearly over the batch grid with t(0) = 0, never extrapolated (the Asteroid cost model's rule).
+    The training forward, or with ``backward`` the backward, or with ``inference`` the served forward (the
+    training forward for a profile without one).
 
     Raises ProfileError when the profile is of another model (``fingerprint``), has another number of units, or
     stops short of the largest batch size asked."""
     if compute.model_fingerprint != fingerprint:
         raise ProfileError(f"device {node} was profiled for model {compute.model_fingerprint}, not {fingerprint}: "
                            "re-profile it for this model")
-    rows = compute.backward_s if backward else compute.forward_s
+    rows = (compute.backward_s if backward else
+            compute.inference_s if inference and compute.inference_s is not None else compute.forward_s)
     if len(rows) != units:
         raise ProfileError(f"device {node}'s profile has {len(rows)} units but the model has {units}")
     grid = compute.batch_sizes

@@ -88,6 +88,9 @@ class ProfileCache:
             log.warning("ignoring cached profile %s: it holds %s on %s (%s), not what its name says", path,
                         profile.model_fingerprint, profile.device_fingerprint, profile.method)
             return None
+        if profile.inference_s is None:
+            log.info("cached profile %s predates inference timings: measuring again", path)
+            return None
         if batch_sizes is None:
             return profile
         wanted = sorted(set(batch_sizes))
@@ -155,6 +158,8 @@ def restrict(profile: ComputeProfile, batch_sizes: list[int]) -> ComputeProfile:
         "batch_sizes": list(batch_sizes),
         "forward_s": [[row[k] for k in columns] for row in profile.forward_s],
         "backward_s": [[row[k] for k in columns] for row in profile.backward_s],
+        "inference_s": None if profile.inference_s is None else [[row[k] for k in columns]
+                                                                 for row in profile.inference_s],
     })
 
 

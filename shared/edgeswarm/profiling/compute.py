@@ -1,7 +1,8 @@
 """The compute profiler core: per-unit sizes, FLOPs, saved activations and forward/backward times of a model.
 
-Units are those of edgeswarm.models.sequence. Everything runs in training mode, the way a stage worker trains:
-forward times include autograd recording, backward times cover the input gradient and the weight gradients. Units
+Units are those of edgeswarm.models.sequence. Forward and backward run in training mode, the way a stage worker
+trains: forward times include autograd recording, backward times cover the input gradient and the weight gradients.
+A third time, the inference forward, runs each unit as a served stage does (eval mode, under inference_mode). Units
 are timed on the device the worker computes on (``compute``: the CPU, or CUDA, synchronised around every timed
 call and warmed up first so the first use of kernels and the allocator is not counted); sizes are measured on the
 CPU, so a model's profile is the same on every device. Times are medians in seconds on a grid of batch sizes and
@@ -228,8 +229,9 @@ def profile_model(
     Times: for each batch size b of ``batch_sizes`` (sorted, duplicates dropped), unit l runs on the recorded
     output of unit l-1 at batch b. Forward = median seconds of ``repeats`` training forwards (autograd on)
     after ``warmup`` untimed ones; backward = median seconds of torch.autograd.backward(out, grad_out) with a
-    random grad_out, the input requiring grad. Each timed call goes through ``runner`` when given (for example
-    DeviceProfile.run, whose sleeps then count): method "measured".
+    random grad_out, the input requiring grad; inference = median seconds of the forward in eval mode under
+    torch.inference_mode. Each timed call goes through ``runner`` when given (for example DeviceProfile.run, whose
+    sleeps then count): method "measured".
 
     ``compute`` is the torch device units are timed on (default the CPU); on an accelerator every timed call is
     synchronised and at least ACCELERATOR_WARMUP untimed runs come first. Sizes are always measured on the CPU.
@@ -269,12 +271,15 @@ def profile_model(
     stages = [stage.to(on) for stage in stages]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
+    inference_s: list[list[float]] = [[] for _ in stages]
     gen = torch.Generator().manual_seed(0)  # on the CPU: the same gradients whatever device times them
     for b in grid:
         x = example_input(spec, b).to(on)
         for i, stage in enumerate(stages):
             try:
-                fwd, bwd, x = _time_unit(stage, _stage_input(x), runner, repeats, warmup, gen, accelerated)
+                x_in = _stage_input(x)
+                fwd, bwd, x = _time_unit(stage, x_in, runner, repeats, warmup, gen, accelerated)
+                inference_s[i].append(_inference_time(stage, x_in, runner, repeats, warmup, accelerated))
             except Exception as exc:
                 message = f"unit {i} ({names[i]}) of {spec.name} failed at batch size {b}: {exc}"
                 raise UnitProfilingError(message) from exc
@@ -291,7 +296,8 @@ def profile_model(
                                  input_bytes_per_sample=_nbytes(example_input(spec, 1)), units=units)
     timings = ComputeProfile(model_fingerprint=fingerprint,
                              device_fingerprint=device_fingerprint or host_fingerprint(on),
-                             batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, method="measured",
+                             batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, inference_s=inference_s,
+                             method="measured",
                              compute=describe(on))
     log.info("profiled %s in %.1f s", spec.name, time.perf_counter() - started)
     return model_profile, timings
@@ -318,6 +324,17 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
         if r >= warmup:
             times.append(elapsed)
     return fwd, statistics.median(times), recorded
+
+
+def _inference_time(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
+                    accelerated: torch.device | None = None) -> float:
+    """Median seconds of one unit's forward on ``x`` as a served stage runs it: eval mode, under inference_mode."""
+    stage.eval()
+    try:
+        with torch.inference_mode():
+            return _median_time(lambda: stage(x), runner, repeats, warmup, accelerated)
+    finally:
+        stage.train()
 
 
 def size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
@@ -429,6 +446,7 @@ def calibrated_profile(native: ComputeProfile, ratio: float, device_fingerprint:
         batch_sizes=list(native.batch_sizes),
         forward_s=[[t * ratio for t in row] for row in native.forward_s],
         backward_s=[[t * ratio for t in row] for row in native.backward_s],
+        inference_s=None if native.inference_s is None else [[t * ratio for t in row] for row in native.inference_s],
         method="calibrated",
         speed_ratio=native.speed_ratio * ratio,
         compute=native.compute,

@@ -105,7 +105,9 @@ class ComputeProfile(BaseModel):
     """Per-unit forward and backward times of one model on one device, on a grid of batch sizes.
 
     ``forward_s[l][k]`` and ``backward_s[l][k]`` are the median seconds unit l takes at batch size
-    ``batch_sizes[k]`` (ascending). Backward covers the input gradient and the weight gradients.
+    ``batch_sizes[k]`` (ascending), in training mode. Backward covers the input gradient and the weight gradients.
+    ``inference_s[l][k]`` is the forward as a served stage runs it (eval mode, no autograd): training's forward
+    records autograd and took 1.3-1.7x longer on this project's models; None in profiles from before it.
     ``method`` says how the times were obtained: "measured" (every unit timed on the device) or
     "calibrated" (the host's timings scaled by the device's measured speed ratio, ``speed_ratio``).
     ``compute`` is the torch device the units were timed on ("cpu", "cuda:0 (NVIDIA ...)").
@@ -118,6 +120,7 @@ class ComputeProfile(BaseModel):
     batch_sizes: list[Annotated[int, Field(le=MAX_BATCH_SIZE)]] = Field(min_length=1, max_length=MAX_BATCH_GRID)
     forward_s: list[TimingRow] = Field(max_length=MAX_UNITS)
     backward_s: list[TimingRow] = Field(max_length=MAX_UNITS)
+    inference_s: list[TimingRow] | None = Field(default=None, max_length=MAX_UNITS)
     method: Literal["measured", "calibrated"] = "measured"
     speed_ratio: float = Field(default=1.0, gt=0)
     compute: str = Field(default="cpu", max_length=128)
@@ -127,10 +130,12 @@ class ComputeProfile(BaseModel):
         if self.batch_sizes != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
             raise ValueError("batch_sizes must be ascending, distinct and at least 1")
         k = len(self.batch_sizes)
-        if len(self.forward_s) != len(self.backward_s) or any(
-            len(row) != k for row in (*self.forward_s, *self.backward_s)
+        inference = self.inference_s if self.inference_s is not None else self.forward_s
+        if len({len(self.forward_s), len(self.backward_s), len(inference)}) != 1 or any(
+            len(row) != k for row in (*self.forward_s, *self.backward_s, *inference)
         ):
-            raise ValueError("forward_s and backward_s must be [unit][batch size] with one column per batch size")
+            raise ValueError("forward_s, backward_s and inference_s must be [unit][batch size] with one column per "
+                             "batch size")
         return self
 
 

@@ -1,9 +1,9 @@
 """A ClusterProfile as arrays for pipelined inference at one micro-batch size.
 
-Per device: forward seconds of any unit range at micro-batch b (prefix sums of per-unit times, interpolated
-piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the Asteroid cost
-model's rule); per unit range: inference memory = weights + buffers + the largest live activation (a unit's
-input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction), latency (s) and the fixed
+Per device: served-forward seconds (eval mode, no autograd) of any unit range at micro-batch b (prefix sums of
+per-unit times, interpolated piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the
+Asteroid cost model's rule); per unit range: inference memory = weights + buffers + the largest live activation (a
+unit's input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction), latency (s) and the fixed
 seconds per message (``message_s``: every micro-batch crosses a stage boundary as one tensor, one message per 1 MiB
 chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured before it existed).
 """
@@ -21,8 +21,10 @@ from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
 def forward_prefix(compute: ComputeProfile, units: int, batch: int, node: str, fingerprint: str) -> np.ndarray:
-    """Cumulative forward seconds of units [0, l) at ``batch`` samples, l = 0..units."""
-    return np.concatenate(([0.0], np.cumsum(unit_times(compute, node, fingerprint, units, [batch])[0])))
+    """Cumulative served-forward seconds (``ComputeProfile.inference_s``) of units [0, l) at ``batch`` samples,
+    l = 0..units."""
+    return np.concatenate(([0.0], np.cumsum(unit_times(compute, node, fingerprint, units, [batch],
+                                                       inference=True)[0])))
 
 
 @dataclass(frozen=True)
