@@ -75,6 +75,21 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_home_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Whatever a test or a service it starts caches or keeps by default (profiles, saved speeds, checkpoints) goes to
+    a temporary folder, never the home directory's."""
+    base = tmp_path_factory.mktemp("xdg")
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "XDG_DATA_HOME")}
+    os.environ["XDG_CACHE_HOME"], os.environ["XDG_DATA_HOME"] = str(base / "cache"), str(base / "data")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def _cli_log_handlers() -> Iterator[None]:
     """A command run in-process (``main([...])``) points the root logger at the test's captured stderr, which pytest

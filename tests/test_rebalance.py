@@ -100,7 +100,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     # The speeds it measured are saved (measured over profiled) for the devices it fitted, as its last refit event
     # says. (What the scales are is not asserted: under load this test's one-off profile is itself skewed from unit
     # to unit, and a device with a small share measures mostly the runtime's per-call costs.)
-    saved = saved_scales(ProfileCache(profiles), cluster)
+    saved = saved_scales(ProfileCache(profiles), cluster, "train")
     assert refits and refits[-1].startswith("saved the measured compute speeds for the next job: "), refits
     listed = dict(part.rsplit(" ", 1) for part in refits[-1].split(": ", 1)[1].split(" (")[0].split(", "))
     assert saved and set(saved) == set(listed), (saved, refits)

@@ -154,20 +154,25 @@ def test_measured_speeds_are_saved_for_the_next_job_and_only_for_the_same_device
     profile, cache = profiled(), ProfileCache(tmp_path)
     # a was measured 3x slower over enough rounds; b's two rounds are too few to save; c's fit is past the bound.
     saved = save_scales(cache, profile, {"a": 3.0, "b": 1.5, "c": 500.0},
-                        {"a": MIN_ROUNDS, "b": MIN_ROUNDS - 1, "c": 5})
+                        {"a": MIN_ROUNDS, "b": MIN_ROUNDS - 1, "c": 5}, "train")
     assert saved == pytest.approx({"a": 3.0, "c": 64.0})
-    assert saved_scales(cache, profile) == pytest.approx({"a": 3.0, "c": 64.0})
+    assert saved_scales(cache, profile, "train") == pytest.approx({"a": 3.0, "c": 64.0})
     # The next job on the same devices starts from the measured speeds, so from the plan they call for.
-    assert layout(best(scaled(profile, saved_scales(cache, profile)))) == layout(
+    assert layout(best(scaled(profile, saved_scales(cache, profile, "train")))) == layout(
         best(scaled(profile, {"a": 3.0, "c": 64.0})))
+    # Serving's speeds are kept apart (a served forward runs at its own speed), each blended with its own history.
+    assert saved_scales(cache, profile, "serve") == {}
+    assert save_scales(cache, profile, {"a": 1.2}, {"a": MIN_ROUNDS}, "serve") == pytest.approx({"a": 1.2})
+    assert saved_scales(cache, profile, "train")["a"] == pytest.approx(3.0)
     # Another device under a's name (its fingerprint changed), or another model, starts from its profile.
     entry = profile.devices[0]
     other = entry.model_copy(update={"compute": entry.compute.model_copy(update={"device_fingerprint": "new-board"})})
-    assert saved_scales(cache, profile.model_copy(update={"devices": [other, *profile.devices[1:]]})) == {"c": 64.0}
-    assert cache.refit("another-model", "a", entry.compute.device_fingerprint) is None
+    assert saved_scales(cache, profile.model_copy(update={"devices": [other, *profile.devices[1:]]}),
+                        "train") == {"c": 64.0}
+    assert cache.refit("another-model", "a", entry.compute.device_fingerprint, "train") is None
     # A damaged file is a miss, not an error.
-    cache.refit_path(entry.compute.model_fingerprint, "a").write_text("{not json")
-    assert saved_scales(cache, profile) == {"c": 64.0}
+    cache.refit_path(entry.compute.model_fingerprint, "a", "train").write_text("{not json")
+    assert saved_scales(cache, profile, "train") == {"c": 64.0}
 
 
 def test_a_robust_line_through_predicted_and_measured_times() -> None:
@@ -208,12 +213,12 @@ def test_a_job_s_measured_speeds_are_blended_with_the_history_weighted_by_rounds
     from edgeswarm.profiling.refits import HISTORY_ROUNDS, save_scales, saved_scales
 
     profile, cache = profiled(), ProfileCache(tmp_path)
-    save_scales(cache, profile, {"a": 2.0}, {"a": 5})
+    save_scales(cache, profile, {"a": 2.0}, {"a": 5}, "train")
     # A job of as many rounds that measured 8x: the geometric mean, 4x. One plan's fit does not overwrite the rest.
-    assert save_scales(cache, profile, {"a": 8.0}, {"a": 5}) == {"a": pytest.approx(4.0)}
+    assert save_scales(cache, profile, {"a": 8.0}, {"a": 5}, "train") == {"a": pytest.approx(4.0)}
     # The history weighs at most HISTORY_ROUNDS rounds: a device that really changed is followed within some jobs.
     for _ in range(8):
-        save_scales(cache, profile, {"a": 1.0}, {"a": 5})
-    assert saved_scales(cache, profile)["a"] < 1.1
+        save_scales(cache, profile, {"a": 1.0}, {"a": 5}, "train")
+    assert saved_scales(cache, profile, "train")["a"] < 1.1
     assert cache.refit(profile.devices[0].compute.model_fingerprint, "a",
-                       profile.devices[0].compute.device_fingerprint).rounds == HISTORY_ROUNDS
+                       profile.devices[0].compute.device_fingerprint, "train").rounds == HISTORY_ROUNDS

@@ -1,7 +1,8 @@
 """Pipelined serving's closed loop on real stage-workers: a stream served on a plan made from profiles that are wrong
 about one device (its stage-worker computes 3x slower than its profiler measured) refits that device's speed from
 the stages' measured forwards, re-plans itself between two items and goes on: every request is answered once, with
-the outputs of the model run in one process."""
+the outputs of the model run in one process. What it measured is saved when it stops, and the next serving job on
+the same devices starts from it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ MICRO_BATCH = 32
 def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves_off_it(
         broker, make_bus, services, tmp_path: Path) -> None:
     services.start("planner", "hub", broker.url)
-    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true")
+    saved = tmp_path / "profiles-hub"
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", EDGESWARM_PROFILE_DIR=str(saved))
     for node in NODES:  # a's profiler measures it as fast as the others; its stage-worker runs 3x slower
         profiles = str(tmp_path / f"profiles-{node}")
         services.start("node-agent", node, broker.url)
@@ -88,6 +90,24 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
     finally:
         cancel_job(bus, name)
         follower.wait(60)
+    # Stopped, it saved each stage device's measured speed (a's measured 3x its profile, where a computed), kept
+    # apart from training's; the next job plans from it.
+    kept = of("refit")
+    assert kept and kept[-1].startswith("saved the measured compute speeds for the next job: "), kept
+    files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/*/*.json")}
+    assert "a.serve.json" in files and files["a.serve.json"]["work"] == "serve", files
+    assert files["a.serve.json"]["scale"] > 1.5, files
+    events.clear()
+    nxt = JobFollower(bus, "next", on_event=events.append)
+    submit_job(bus, json.dumps({**spec, "name": "next"}), submission=nxt.submission)
+    try:
+        wait_until(lambda: nxt.state is not None and nxt.state.status in ("running", "failed"), 120,
+                   message="the next job serving")
+        assert any(d.startswith("starts from the compute speeds earlier jobs measured: a ") for d in of("refit")), \
+            [(e.kind, e.detail) for e in events]
+    finally:
+        cancel_job(bus, "next")
+        nxt.wait(60)
 
 
 def _unit_seconds(model: ModelSpec) -> list[float]:

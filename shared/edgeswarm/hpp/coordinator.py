@@ -280,7 +280,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                                   timeout_s=self.timeout_s, progress=self.seen.profile_progress)
         if not self.closed_loop:
             return cluster
-        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster)
+        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster, "train")
         if self.base_scales:
             self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {speeds(self.base_scales)}")
         return scaled(cluster, self.base_scales)
@@ -290,7 +290,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not self.closed_loop or self.cluster is None or not self.fit.ratios:
             return
         scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
-        saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds())
+        saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds(),
+                            "train")
         if saved:
             self.seen.refitted(f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
                                f"measured {speeds({n: scales[n] for n in saved})})")

@@ -46,7 +46,9 @@ from edgeswarm.planning.refit import ComputeFit, Priced, Rebalancer, RefitPricin
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.profiling.refits import save_scales, saved_scales
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.stats import percentile
@@ -119,6 +121,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         # profile, under ``_changed``; re-plans only with the rebalance setting on.
         self.closed_loop = self.bus.settings.rebalance
         self.fit = ComputeFit()
+        self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``measure``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
         self.pricing: RefitPricing[ServePlan] = RefitPricing(
@@ -127,9 +130,30 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
     def measure(self, nodes: list[str]) -> ClusterProfile:
+        """The devices' profiles, each scaled by what earlier serving jobs measured of it (with the closed loop on)."""
         self.ctx.update("profiling", event=("profiling", f"profiling {self.spec.model.name} on {', '.join(nodes)}"))
-        return profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
-                               timeout_s=self.ctx.timeout_s)
+        cluster = profile_cluster(self.bus, self.spec.model, [self.spec.micro_batch_size], nodes=nodes,
+                                  timeout_s=self.ctx.timeout_s)
+        if not self.closed_loop:
+            return cluster
+        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster, "serve")
+        if self.base_scales:
+            self.ctx.update("profiling", event=("refit", "starts from the compute speeds earlier jobs measured: "
+                                                         f"{speeds(self.base_scales)}"))
+        return scaled(cluster, self.base_scales)
+
+    def stop(self) -> None:
+        """Stop serving, and save what the job measured of each stage device's speed (with the closed loop on)."""
+        with self._changed:
+            fitted, rounds = self.fit.scales(), self.fit.rounds()
+        if self.closed_loop and self.cluster is not None and fitted:
+            scales = {n: self.base_scales.get(n, 1.0) * s for n, s in fitted.items()}
+            saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, rounds, "serve")
+            if saved:
+                self.ctx.update(self.ctx.state().status, event=(
+                    "refit", f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
+                             f"measured {speeds({n: scales[n] for n in saved})})"))
+        super().stop()
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
         if self.closed_loop:  # a re-plan after a loss prices the devices as they were measured

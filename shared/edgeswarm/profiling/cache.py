@@ -4,7 +4,7 @@ Layout under the cache directory (``EDGESWARM_PROFILE_DIR``)::
 
     models/{model_fingerprint}.json                                 a ModelProfile
     compute/{model_fingerprint}/{device_fingerprint}.{method}.json  a ComputeProfile
-    refits/{model_fingerprint}/{node}.json                          a ComputeRefit (what jobs measured)
+    refits/{model_fingerprint}/{node}.{work}.json                   a ComputeRefit (what jobs measured)
 
 Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit", "profile": {...}}``. Writes are
 atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edgeswarm.files import write_atomically
-from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, ModelProfile
+from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, ModelProfile, Work
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ class ProfileCache:
         return (self.directory / "compute" / _checked(model_fingerprint, "model")
                 / f"{_checked(device_fingerprint, 'device')}.{method}.json")
 
-    def refit_path(self, model_fingerprint: str, node: str) -> Path:
-        return self.directory / "refits" / _checked(model_fingerprint, "model") / f"{_checked(node, 'node')}.json"
+    def refit_path(self, model_fingerprint: str, node: str, work: Work) -> Path:
+        return (self.directory / "refits" / _checked(model_fingerprint, "model")
+                / f"{_checked(node, 'node')}.{_checked(work, 'work')}.json")
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -100,12 +101,12 @@ class ProfileCache:
             return None
         return restrict(profile, wanted)
 
-    def refit(self, model_fingerprint: str, node: str, device_fingerprint: str) -> ComputeRefit | None:
-        """What jobs measured of ``node``'s compute on this model, or None (none saved, corrupt, or saved for another
-        device under the same node name)."""
-        refit = self._load(self.refit_path(model_fingerprint, node), "refit", ComputeRefit)
-        if refit is None or (refit.model_fingerprint, refit.node, refit.device_fingerprint) != (
-                model_fingerprint, node, device_fingerprint):
+    def refit(self, model_fingerprint: str, node: str, device_fingerprint: str, work: Work) -> ComputeRefit | None:
+        """What jobs of ``work`` measured of ``node``'s compute on this model, or None (none saved, corrupt, or saved
+        for another device under the same node name)."""
+        refit = self._load(self.refit_path(model_fingerprint, node, work), "refit", ComputeRefit)
+        if refit is None or (refit.model_fingerprint, refit.node, refit.device_fingerprint, refit.work) != (
+                model_fingerprint, node, device_fingerprint, work):
             return None
         return refit
 
@@ -144,7 +145,7 @@ class ProfileCache:
 
     def put_refit(self, refit: ComputeRefit) -> Path:
         """Store ``refit`` under its model fingerprint and node; returns the file written."""
-        path = self.refit_path(refit.model_fingerprint, refit.node)
+        path = self.refit_path(refit.model_fingerprint, refit.node, refit.work)
         write_json_atomic(path, {"format": FORMAT, "kind": "refit", "profile": refit.model_dump(mode="json")})
         return path
 

@@ -14,7 +14,7 @@ import logging
 import math
 
 from edgeswarm.profiling.cache import ProfileCache
-from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit, Work
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +22,14 @@ MIN_ROUNDS = 3  # a scale fitted from fewer measured rounds is not saved: one sl
 HISTORY_ROUNDS = 10  # the most rounds the saved history weighs: a device that changed is followed within some jobs
 
 
-def saved_scales(cache: ProfileCache, cluster: ClusterProfile) -> dict[str, float]:
-    """Each device of ``cluster`` with a saved scale for its model and device fingerprints: node -> scale."""
+def saved_scales(cache: ProfileCache, cluster: ClusterProfile, work: Work) -> dict[str, float]:
+    """Each device of ``cluster`` with a scale saved by jobs of ``work`` for its model and device fingerprints:
+    node -> scale."""
     out: dict[str, float] = {}
     for entry in cluster.devices:
         try:
-            refit = cache.refit(entry.compute.model_fingerprint, entry.device.node, entry.compute.device_fingerprint)
+            refit = cache.refit(entry.compute.model_fingerprint, entry.device.node, entry.compute.device_fingerprint,
+                                work)
         except ValueError as exc:  # a node name that is no file name: nothing can have been saved for it
             log.debug("no saved refit for %s: %s", entry.device.node, exc)
             continue
@@ -37,13 +39,13 @@ def saved_scales(cache: ProfileCache, cluster: ClusterProfile) -> dict[str, floa
 
 
 def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, float],
-                rounds: dict[str, int]) -> dict[str, float]:
+                rounds: dict[str, int], work: Work) -> dict[str, float]:
     """Save each device's ``scales`` (measured over ``cluster``'s unscaled profile) fitted from ``rounds`` measured
-    rounds, for the devices with at least MIN_ROUNDS, blended with what was saved before: their geometric mean
-    weighted by rounds, the history's weight capped at HISTORY_ROUNDS (one job's plan shapes its fit: a device given
-    a stage of its own measures that stage's per-call costs too, so no single job overwrites the history). Returns
-    each node saved with its saved scale. A write that fails is logged and skipped: the job that measured it goes
-    on."""
+    rounds (training rounds or served items: ``work``), for the devices with at least MIN_ROUNDS, blended with what
+    was saved before: their geometric mean weighted by rounds, the history's weight capped at HISTORY_ROUNDS (one
+    job's plan shapes its fit: a device given a stage of its own measures that stage's per-call costs too, so no
+    single job overwrites the history). Returns each node saved with its saved scale. A write that fails is logged
+    and skipped: the job that measured it goes on."""
     saved: dict[str, float] = {}
     for entry in cluster.devices:
         node = entry.device.node
@@ -52,12 +54,12 @@ def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, 
             continue
         model_fp, device_fp = entry.compute.model_fingerprint, entry.compute.device_fingerprint
         try:
-            before = cache.refit(model_fp, node, device_fp)
+            before = cache.refit(model_fp, node, device_fp, work)
             weight = 0 if before is None else min(before.rounds, HISTORY_ROUNDS)
             logged = (weight * math.log(before.scale) if before is not None else 0.0) + seen * math.log(scale)
             blended = min(MAX_SCALE, max(MIN_SCALE, math.exp(logged / (weight + seen))))
             cache.put_refit(ComputeRefit(model_fingerprint=model_fp, node=node, device_fingerprint=device_fp,
-                                         scale=blended, rounds=min(weight + seen, HISTORY_ROUNDS)))
+                                         scale=blended, rounds=min(weight + seen, HISTORY_ROUNDS), work=work))
         except (OSError, ValueError) as exc:
             log.warning("could not save the measured speed of %s (%s): the next job starts from its profile",
                         node, exc)

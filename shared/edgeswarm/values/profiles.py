@@ -139,10 +139,15 @@ class ComputeProfile(BaseModel):
         return self
 
 
+Work = Literal["train", "serve"]  # what a job measured of a device: training's forward and backward, or serving's
+
+
 class ComputeRefit(BaseModel):
     """One device's compute speed as jobs measured it: ``scale`` is its measured compute time over what its profile
-    (of model ``model_fingerprint`` on device ``device_fingerprint``) says, fitted over ``rounds`` rounds; a job
-    that profiles the same pair starts from the profile times ``scale`` (profiling.refits)."""
+    (of model ``model_fingerprint`` on device ``device_fingerprint``) says, fitted over ``rounds`` rounds of
+    ``work`` (training rounds measure the forward and backward, serving items the served forward: a device's two
+    speeds differ); a job of that work that profiles the same pair starts from the profile times ``scale``
+    (profiling.refits)."""
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
@@ -151,6 +156,7 @@ class ComputeRefit(BaseModel):
     device_fingerprint: Identifier
     scale: float = Field(ge=MIN_SCALE, le=MAX_SCALE)
     rounds: int = Field(ge=1, le=1_000_000)
+    work: Work = "train"
 
 
 class DeviceInfo(BaseModel):
