@@ -487,6 +487,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "forward_s": ("list", "number"), "backward_s": ("list", "number"),
         "allreduce_s": "number",
         "peak_live": "int", "peak_activation_bytes": "int", "static_bytes": "int", "snapshot_s": "number",
+        "arrivals": ("list", ("record", {"src": "str", "bytes": "int", "chunks": "int", "seconds": "number"})),
     },
     ("edgeswarm.stage.failed", 1): {
         "job_id": "str",

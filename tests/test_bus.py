@@ -280,6 +280,9 @@ def test_a_shaped_link_carries_every_byte_at_no_more_than_its_rate(make_bus) -> 
     assert time.monotonic() - start >= (sent - burst) / rate
     assert shaped._links["rx"].bytes_sent == sent  # noqa: SLF001 - the link the bus keeps for rx
     assert np.array_equal(got[0].tensor.array, value)
+    # Two chunks of 1 MiB: the receiver says how the second came after the first (what a link is fitted from).
+    arrival = got[0].tensor.arrival
+    assert arrival is not None and (arrival.nbytes, arrival.chunks) == (MIB, 1) and arrival.seconds > 0
 
 
 def test_envelope_fields_are_mirrored_into_mqtt5_properties(broker: BrokerProcess, make_bus) -> None:

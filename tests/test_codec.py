@@ -262,6 +262,21 @@ def test_incomplete_transfers_time_out_and_are_freed() -> None:
     assert reasm.add(decode(frames[-1])) is None, "a late chunk of a freed transfer does not restart it"
 
 
+def test_a_tensor_of_several_chunks_says_how_its_chunks_after_the_first_arrived() -> None:
+    """Bytes after the first chunk over the time they took on the receiver's clock: the path's rate, which the
+    closed loop fits a link from; a tensor of one chunk says nothing of it."""
+    now = [100.0]
+    reasm = Reassembler(max_pending_bytes=1 << 20, timeout_s=5, clock=lambda: now[0])
+    frames = frames_of(np.arange(2500, dtype=np.float32), 4000)  # 10,000 bytes: chunks of 4000, 4000 and 2000
+    for f in frames:
+        done = reasm.add(decode(f))
+        now[0] += 0.5
+    assert done is not None and done.arrival is not None
+    assert (done.arrival.nbytes, done.arrival.chunks, done.arrival.seconds) == (6000, 2, pytest.approx(1.0))
+    whole = Reassembler().add(decode(frames_of(np.arange(10, dtype=np.float32), 4000)[0]))
+    assert whole is not None and whole.arrival is None
+
+
 def _lying_first_chunk(sender: Sender, nbytes: int, chunk_size: int, chunk: bytes = b"x") -> bytes:
     """The first chunk frame of a transfer whose header claims ``nbytes`` bytes in chunks of ``chunk_size``."""
     from edgeswarm.wire.tensor import TensorDescriptor

@@ -112,3 +112,31 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
                              store_node=None, observer=Observer())
     assert nxt_job.profile(list(NODES)) == scaled(cluster, saved)
     assert refits[-1].startswith("starts from the compute speeds earlier jobs measured: "), refits
+
+
+def test_each_device_reports_how_its_peers_tensors_of_several_chunks_arrived(broker, make_bus, services) -> None:
+    """What the closed loop fits a link from: a round's report says, per peer, the bytes after each tensor's first
+    chunk, those chunks and the seconds they took, for the activations and gradients that peer sent it."""
+    from edgeswarm.hpp.driver import JobDriver
+    from test_recovery import M, _cluster_and_plan
+
+    chunk = 1024  # the smallest chunk: this test's tensors of a few KiB travel as several
+    for node in NODES:
+        services.start("stage-worker", node, broker.url, EDGESWARM_CHUNK_BYTES=str(chunk))
+    client = make_bus("coordinator-test", "cli", hub_url=broker.url)
+    for node in NODES:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    cluster, plan = _cluster_and_plan()  # a | b, c | d
+    driver = JobDriver(client, _job("arrivals", rounds=1), plan, loss_terms=GLOBAL_BATCH, timeout_s=60)
+    driver.deploy()
+    report = driver.run_round(0)
+    cut = plan.stages[0].end
+    row_bytes = cluster.model.units[cut - 1].output_bytes_per_sample
+    for node, rows in zip(plan.stages[1].devices, plan.stages[1].shares, strict=True):
+        size = rows * row_bytes  # one micro-batch's activation from a to this device, and its gradient back
+        expected = (M * (size - chunk), M * (-(-size // chunk) - 1))
+        got = {s.src: s for s in report.devices[node].arrivals}
+        assert (got["a"].bytes, got["a"].chunks) == expected, (node, got)
+        back = {s.src: s for s in report.devices["a"].arrivals}[node]
+        assert (back.bytes, back.chunks) == expected, (node, report.devices["a"].arrivals)
+        assert got["a"].seconds > 0 and back.seconds > 0

@@ -38,7 +38,15 @@ from edgeswarm.observability import record
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
-from edgeswarm.planning.refit import ComputeFit, Rebalancer, RefitPricing, scaled, speeds
+from edgeswarm.planning.refit import (
+    ComputeFit,
+    Rebalancer,
+    RefitPricing,
+    link_fit_inputs,
+    moved_text,
+    scaled,
+    speeds,
+)
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.profiling.refits import save_scales, saved_scales
@@ -234,6 +242,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         # and its refitted prediction always run; re-plans and the saved speeds only with ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
         self.fit = ComputeFit()
+        self.link_fit = ComputeFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
@@ -373,25 +382,30 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         plan = self.driver.plan
         if self._predicted[0] != plan.epoch:
             self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
+        self.link_fit.add(*link_fit_inputs(self.cluster, {node: r.arrivals for node, r in done.devices.items()}))
         self.fit.add(self._predicted[1], {node: (sum(r.forward_s) + sum(r.backward_s)) / len(r.forward_s)
                                           for node, r in done.devices.items() if r.forward_s})
         self.rebalancer.round_done()
         try:
-            self.seen.refitted_round(self.pricing.priced(plan, self.cluster, self.fit.scales(), best=False)
+            self.seen.refitted_round(self.pricing.priced(plan, self.cluster, self._scales(), best=False)
                                      .current.round_latency_s)
         except PlanningError as exc:  # a device of the plan gone from the profile: nothing to price it on
             log.debug("job %s: no refitted prediction: %s", self.job.name, exc)
+
+    def _scales(self) -> dict[str, float]:
+        """The fit now: each device's compute scale and each link's (planning.refit.scaled's keys)."""
+        return self.fit.scales() | self.link_fit.scales()
 
     def _rebalance(self, index: int) -> None:
         """At the start of round ``index`` (snapshots held): re-plan on the refitted profile when the rebalancer
         says it pays (see planning.refit), moving only the units whose owner changes."""
         assert self.driver is not None and self.cluster is not None and self.result is not None
-        moved = self.fit.moved()
+        moved = self.fit.moved() | self.link_fit.moved()
         if not moved:
             return
         started = time.monotonic()
         try:
-            priced = self.pricing.priced(self.driver.plan, self.cluster, self.fit.scales(), best=True)
+            priced = self.pricing.priced(self.driver.plan, self.cluster, self._scales(), best=True)
         except PlanningError as exc:
             log.info("job %s: no plan on the refitted profile: %s", self.job.name, exc)
             return
@@ -400,7 +414,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
             return
         self.driver, report = move_to(self.driver, best, priced.profile, index, "rebalance", started=started)
-        detail = (f"compute measured against the profile: {speeds(moved)}; the running plan would take "
+        detail = (f"{moved_text(moved)}; the running plan would take "
                   f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
                   f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")
         log.info("job %s: re-planned on measured speeds: %s", self.job.name, detail)

@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.limits import MAX_LINK_SAMPLES
+from edgeswarm.values.profiles import LinkSample, ModelSpec
 from edgeswarm.values.specs import DatasetSpec, OptimizerSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
@@ -157,7 +158,8 @@ class RoundDone(Message):
     and backward (``forward_s``, ``backward_s``, in micro-batch order); its peak live micro-batches, the most
     activation bytes it held for backward at once, and the bytes of its weights, gradients, optimizer state and
     buffers; ``snapshot_s`` is the time taken to snapshot the stage's state after the step (its backup is sent in
-    the background)."""
+    the background); ``arrivals``: how the peers' activations and gradients of several chunks arrived, per peer
+    (the closed loop fits the links from them)."""
 
     MAX_BYTES = 256 * 1024
 
@@ -180,6 +182,7 @@ class RoundDone(Message):
     peak_activation_bytes: int = Field(default=0, ge=0)
     static_bytes: int = Field(default=0, ge=0)
     snapshot_s: float = Field(default=0.0, ge=0)
+    arrivals: list[LinkSample] = Field(default_factory=list, max_length=MAX_LINK_SAMPLES)
 
 
 StageFailureReason = Literal["bad_request", "not_assigned", "timeout", "memory", "aborted", "error"]

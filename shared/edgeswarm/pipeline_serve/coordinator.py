@@ -42,7 +42,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import ComputeFit, Priced, Rebalancer, RefitPricing, scaled, speeds
+from edgeswarm.planning.refit import ComputeFit, Priced, Rebalancer, RefitPricing, moved_text, scaled, speeds
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
@@ -193,7 +193,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             go = self.rebalancer.check(current.bottleneck_s, best.bottleneck_s, time.monotonic())
         if not go:
             return None
-        return best, (f"compute measured against the profile: {speeds(moved)}; the running plan would serve "
+        return best, (f"{moved_text(moved)}; the running plan would serve "
                       f"{current.throughput_per_s:.1f} samples/s, the new one {best.throughput_per_s:.1f} "
                       f"({current.bottleneck_s / best.bottleneck_s - 1:.0%} more)")
 

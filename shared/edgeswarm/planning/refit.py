@@ -1,11 +1,14 @@
 """The closed loop's fit, shared by every kind that re-plans on measured speeds (HPP training, pipelined serving).
 
 A profile is measured once, alone; the devices then compute beside the bus's threads, other jobs, thermal limits
-or a neighbour's load, so a device may run at a different speed than profiled. Each unit of work (a training round,
-a served micro-batch) a job knows what every device of its plan took for its part and what the profile predicted
-for it: their ratio is the device's ``scale``. ``ComputeFit`` keeps each device's ratios of the last units and fits
-its scale as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the
-cluster profile with every device's times multiplied by its scale: the refitted profile. ``Rebalancer`` decides when
+or a neighbour's load, so a device may run at a different speed than profiled, and a link may carry less than its
+probe did. Each unit of work (a training round, a served micro-batch) a job knows what every device of its plan took
+for its part and what the profile predicted for it: their ratio is the device's ``scale``; and what its tensors of
+several chunks took to arrive from each peer (``LinkSample``) beside what the link's profile prices them at: the
+link's scale, keyed ``link_key(a, b)``. ``ComputeFit`` keeps each key's ratios of the last units and fits its scale
+as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the cluster profile
+with every device's times multiplied by its scale and every fitted link's bandwidth divided by its scale (its
+per-message costs multiplied): the refitted profile. ``Rebalancer`` decides when
 to re-plan on it: only when the best plan on the refitted profile is predicted faster than the running plan re-priced
 on it by more than ``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a plan and at most
 ``max_per_hour`` times an hour. A cluster that is uniformly slower than profiled (every scale alike) re-plans to the
@@ -24,14 +27,53 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Generic, Protocol, TypeVar
 
-from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkProfile, LinkSample
 
 SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
+MIN_LINK_S = 0.005  # a link's predicted arrivals in a round below which what it measures is mostly timing noise
+LINK = "<->"  # joins a link's two nodes in its key (no node name holds it)
+
+
+def link_key(a: str, b: str) -> str:
+    """The fit's key of the link between nodes ``a`` and ``b``, either way ("a<->b", sorted): the planners price a
+    pair by its slower direction, so both directions' samples fit one scale."""
+    return LINK.join(sorted((a, b)))
+
+
+def link_seconds(link: LinkProfile, sample: LinkSample) -> float:
+    """What ``link``'s profile prices ``sample``'s arrivals at: its bytes over the bandwidth and a message's fixed
+    cost per chunk (seconds)."""
+    return sample.bytes / link.bandwidth_bps + sample.chunks * link.per_message_s
+
+
+def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample]]) -> tuple[dict[str, float],
+                                                                                              dict[str, float]]:
+    """One round's predicted and measured seconds per link key, from what each device received (``received``:
+    receiving node -> its samples), each pair priced on its slower profiled direction; samples from or to nodes
+    without a profiled link between them are left out, and so are links predicted under MIN_LINK_S in all."""
+    links: dict[str, LinkProfile] = {}
+    for link in cluster.links:
+        key = link_key(link.src, link.dst)
+        known = links.get(key)
+        if known is None or link.bandwidth_bps < known.bandwidth_bps:
+            links[key] = link
+    predicted: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    for node, samples in received.items():
+        for sample in samples:
+            key = link_key(sample.src, node)
+            if key not in links or sample.src == node:
+                continue
+            predicted[key] = predicted.get(key, 0.0) + link_seconds(links[key], sample)
+            measured[key] = measured.get(key, 0.0) + sample.seconds
+    kept = [k for k, s in predicted.items() if s >= MIN_LINK_S]
+    return {k: predicted[k] for k in kept}, {k: measured[k] for k in kept}
 
 
 def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
-    """``cluster`` with each device's forward, backward and served-forward times multiplied by its scale (1 where
-    none)."""
+    """``cluster`` with each device's forward, backward and served-forward times multiplied by its scale (``scales``
+    keyed by node; 1 where none), and each link's bandwidth divided by its scale and its per-message costs multiplied
+    by it (keyed ``link_key``)."""
     entries = []
     for entry in cluster.devices:
         f = scales.get(entry.device.node, 1.0)
@@ -43,24 +85,31 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
             "forward_s": [[t * f for t in row] for row in c.forward_s],
             "backward_s": [[t * f for t in row] for row in c.backward_s],
             "inference_s": None if c.inference_s is None else [[t * f for t in row] for row in c.inference_s]})}))
-    return cluster.model_copy(update={"devices": entries})
+    links = []
+    for link in cluster.links:
+        f = scales.get(link_key(link.src, link.dst), 1.0)
+        links.append(link if f == 1.0 else link.model_copy(update={
+            "bandwidth_bps": link.bandwidth_bps / f, "message_s": link.message_s * f, "hop_s": link.hop_s * f}))
+    return cluster.model_copy(update={"devices": entries, "links": links})
 
 
 @dataclass
 class ComputeFit:
-    """Each device's measured over predicted compute, its last ``window`` rounds: ``add`` one round, ``scales``
-    the fit (the median, clipped to [MIN_SCALE, MAX_SCALE])."""
+    """Each key's (a device's compute, or a link's transfers) measured over predicted seconds, its last ``window``
+    rounds: ``add`` one round, ``scales`` the fit (the median, clipped to [MIN_SCALE, MAX_SCALE]). ``sliver``: see
+    ``add``."""
 
     window: int = 5
+    sliver: float = SLIVER
     ratios: dict[str, deque[float]] = field(default_factory=dict)
 
     def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
-        """One round: ``measured`` seconds of one micro-batch's forward and backward per device, beside the
-        ``predicted`` ones. A device with no prediction or no positive figure is skipped, and so is one predicted
-        less than SLIVER of the busiest device's compute: what it measures is mostly the runtime's per-call costs
-        around its few units (a unit profiled at 0 s still takes milliseconds), not its speed; its scale stays
-        what earlier rounds fitted."""
-        floor = SLIVER * max(predicted.values(), default=0.0)
+        """One round: ``measured`` seconds per key (a device's forward and backward of one micro-batch, say), beside
+        the ``predicted`` ones. A key with no prediction or no positive figure is skipped, and so is one predicted
+        less than ``sliver`` of the busiest key's: for a device, what it measures is then mostly the runtime's
+        per-call costs around its few units (a unit profiled at 0 s still takes milliseconds), not its speed; its
+        scale stays what earlier rounds fitted."""
+        floor = self.sliver * max(predicted.values(), default=0.0)
         for node, seconds in measured.items():
             expected = predicted.get(node, 0.0)
             if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
@@ -160,3 +209,13 @@ class RefitPricing(Generic[PlanT]):
 def speeds(scales: dict[str, float]) -> str:
     """``scales`` for people: "a 3.10x, b 1.02x" (measured over profiled)."""
     return ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(scales.items()))
+
+
+def moved_text(moved: dict[str, float]) -> str:
+    """What a re-plan's event says moved: "compute measured against the profile: a 3.10x; links: a<->b 5.00x"
+    (measured over profiled; either part left out when nothing of it moved)."""
+    compute = {k: v for k, v in moved.items() if LINK not in k}
+    links = {k: v for k, v in moved.items() if LINK in k}
+    parts = ([f"compute measured against the profile: {speeds(compute)}"] if compute else []) + (
+        [f"links measured against the profile: {speeds(links)}"] if links else [])
+    return "; ".join(parts)

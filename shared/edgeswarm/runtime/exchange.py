@@ -33,12 +33,15 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from edgeswarm.devices.compute import to_compute, to_host
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.runtime.outbox import Outbox
+from edgeswarm.values.limits import MAX_LINK_SAMPLES
+from edgeswarm.values.profiles import LinkSample
 
 if TYPE_CHECKING:
     import torch
 
     from edgeswarm.bus import Bus
     from edgeswarm.wire import Message
+    from edgeswarm.wire.tensor import Arrival
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class TensorExchange(Generic[K]):
         self.name = name
         self.scope_name = scope_name
         self.blocked_s = 0.0  # seconds waits have blocked, summed; the owner resets it (per round, say)
+        self._arrivals: dict[str, tuple[int, int, float]] = {}  # peer node -> bytes, chunks, seconds (``arrived``)
         self._bus = bus
         self._service = service
         self._changed = threading.Condition()
@@ -106,6 +110,23 @@ class TensorExchange(Generic[K]):
                 return
             self._inbox[key] = value
             self._changed.notify_all()
+
+    def arrived(self, sender: str, arrival: Arrival | None) -> None:
+        """Count how a tensor of several chunks from peer node ``sender`` arrived (``WireTensor.arrival``; None for
+        one of one chunk, which says nothing of the link), for ``take_arrivals``."""
+        if arrival is None or arrival.chunks < 1:
+            return
+        with self._changed:
+            if sender not in self._arrivals and len(self._arrivals) >= MAX_LINK_SAMPLES:
+                return
+            nbytes, chunks, seconds = self._arrivals.get(sender, (0, 0, 0.0))
+            self._arrivals[sender] = (nbytes + arrival.nbytes, chunks + arrival.chunks, seconds + arrival.seconds)
+
+    def take_arrivals(self) -> list[LinkSample]:
+        """What arrived from each peer since the last call (``arrived``), and start counting afresh."""
+        with self._changed:
+            taken, self._arrivals = self._arrivals, {}
+        return [LinkSample(src=peer, bytes=b, chunks=c, seconds=s) for peer, (b, c, s) in sorted(taken.items())]
 
     def wait(self, key: K, *, rows: int | None = None, timeout_s: float | None = None) -> torch.Tensor:
         """Take the tensor held for ``key``, on the exchange's compute device, waiting at most ``timeout_s`` seconds

@@ -59,3 +59,5 @@ MAX_SAMPLE_BYTES = 1 << 32
 MAX_UNIT_BYTES = 1 << 40
 # A device's memory budget: 1 PiB, far beyond any one device, and small enough for the same int64 arithmetic.
 MAX_MEMORY_BYTES = 1 << 50
+# Peers whose arrivals one device reports a round (LinkSample): a job's plan names a few of them.
+MAX_LINK_SAMPLES = 64

@@ -202,6 +202,20 @@ class LinkProfile(BaseModel):
         return self.message_s + self.hop_s
 
 
+class LinkSample(BaseModel):
+    """What a device received from ``src`` in tensors of several chunks, summed over a round: the bytes after each
+    tensor's first chunk, those chunks, and the seconds from each first chunk to its last (the receiver's clock, so
+    no clocks need agree). Priced on a link profile, that time is ``bytes / bandwidth + chunks * per_message_s``:
+    the closed loop fits the link from the two."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    src: Name
+    bytes: int = Field(ge=0, le=1 << 50)
+    chunks: int = Field(ge=0, le=1 << 40)
+    seconds: float = Field(ge=0, le=1e6)
+
+
 class DeviceProfileEntry(BaseModel):
     """A device and its compute profile for the cluster's model."""
 

@@ -22,7 +22,15 @@ import numpy as np
 from edgeswarm.errors import ReassemblyError
 from edgeswarm.wire.codec import Frame, encode
 from edgeswarm.wire.schema import Envelope, Message
-from edgeswarm.wire.tensor import TensorDescriptor, WireTensor, expected_chunks, raw_bytes, storage_dtype, to_wire_array
+from edgeswarm.wire.tensor import (
+    Arrival,
+    TensorDescriptor,
+    WireTensor,
+    expected_chunks,
+    raw_bytes,
+    storage_dtype,
+    to_wire_array,
+)
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
@@ -61,6 +69,8 @@ class _Partial:
     desc: TensorDescriptor
     sender: str  # the sender node: whose budget the transfer counts against
     deadline: float
+    first_at: float  # when its first chunk arrived (the reassembler's clock)
+    first_bytes: int  # that chunk's payload
     received: set[int] = field(default_factory=set)
     # Until half the tensor has arrived its chunks are kept as they came (views of their payloads); only then is
     # the whole buffer allocated, so a header can never reserve more than twice the bytes actually sent.
@@ -119,7 +129,7 @@ class Reassembler:
                 return frame.whole_tensor()
             part = self._partial.get(key)
             if part is None:
-                part = self._open(key, frame.envelope.sender_node, desc, now)
+                part = self._open(key, frame.envelope.sender_node, desc, now, len(frame.raw))
             elif _shape_of(part.desc) != _shape_of(desc):
                 self._drop(key)
                 raise ReassemblyError(
@@ -142,7 +152,8 @@ class Reassembler:
             self._mark_done(key)
         assert part.buffer is not None  # every byte arrived, so more than half did and the buffer exists
         arr = part.buffer.view(storage_dtype(desc.dtype)).reshape(desc.shape)
-        return WireTensor(desc.dtype, arr)
+        return WireTensor(desc.dtype, arr, Arrival(desc.nbytes - part.first_bytes, desc.n_chunks - 1,
+                                                   max(0.0, now - part.first_at)))
 
     def sweep(self) -> int:
         """Free transfers whose timeout has passed; returns how many were freed."""
@@ -161,12 +172,13 @@ class Reassembler:
 
     # --- internals (lock held) ----------------------------------------------------------------------
 
-    def _open(self, key: tuple[str, str], sender: str, desc: TensorDescriptor, now: float) -> _Partial:
+    def _open(self, key: tuple[str, str], sender: str, desc: TensorDescriptor, now: float,
+              first_bytes: int) -> _Partial:
         held, transfers = self._senders.get(sender, (0, 0))
         if transfers >= self._max_sender_transfers:
             raise ReassemblyError(f"{sender} already has {transfers} incomplete tensor transfers open, the most one "
                                   "sender may have; the new one is refused")
-        part = _Partial(desc, sender, now + self._timeout)
+        part = _Partial(desc, sender, now + self._timeout, now, first_bytes)
         self._partial[key] = part
         self._senders[sender] = (held, transfers + 1)
         return part

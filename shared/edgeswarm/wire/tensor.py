@@ -115,15 +115,28 @@ def check_descriptor(desc: TensorDescriptor, raw_len: int, max_tensor_bytes: int
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """How a tensor of several chunks arrived: ``chunks`` chunks of ``nbytes`` bytes in all came in ``seconds``
+    after its first chunk (receiver's clock). The rate its path delivered it at, whatever the sender's clock says:
+    a link's bandwidth and per-message cost are fitted from it."""
+
+    nbytes: int
+    chunks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class WireTensor:
     """A tensor decoded from the wire.
 
     ``array`` is the storage array with the tensor's shape: a zero-copy view of the received bytes
     (read-only when it views an immutable payload). For bfloat16 it holds the uint16 bit patterns.
+    ``arrival`` says how its chunks after the first arrived (None for a tensor of one chunk).
     """
 
     dtype: str
     array: np.ndarray
+    arrival: Arrival | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -89,21 +89,11 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
             warmup=k,
             forward_s=float(c.forward_s[0]),
             backward_s=float(c.backward_s[0]),
-            allreduce_s=allreduce_s(cm.weight_bytes(start, end), len(group), cm.group_bandwidth(group),
-                                    cm.group_message(group)),
+            allreduce_s=stage_allreduce_s(cm, start, end, group),
             memory_bytes=[cm.memory_bytes(start, end, y, k) for y in shares],
             memory_budget_bytes=[cm.devices[d].memory_budget_bytes for d in group],
         ))
-    comms = []
-    for p in range(p_total - 1):
-        _, end, group = layout[p]
-        after = layout[p + 1][2]
-        bw = cm.min_bandwidth(group, after)
-        nbytes = int(cm.options.micro_batch_size * cm.cut_bytes[end - 1])
-        count = comm_messages(nbytes, len(group), len(after))
-        one_way = nbytes / bw + count * cm.max_message(group, after)
-        comms.append(CommStepPlan(after=p, bytes_per_microbatch=nbytes, bandwidth_bps=bw, messages=count,
-                                  forward_s=one_way, backward_s=one_way))
+    comms = [comm_step(cm, p, layout[p][1], layout[p][2], layout[p + 1][2]) for p in range(p_total - 1)]
     ef, eb, ta = chain_steps(stages, comms)
     latency, dm = round_latency(ef, eb, m, ta)
     overhead = cm.round_overhead_s([d for _, _, group in layout for d in group])
@@ -114,6 +104,22 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
                 options=cm.options, stages=stages, comm_steps=comms, dominant_step=dm,
                 round_latency_s=latency, round_overhead_s=overhead,
                 throughput_sps=cm.options.global_batch / latency)
+
+
+def stage_allreduce_s(cm: CostModel, start: int, end: int, group: Sequence[int]) -> float:
+    """Seconds of the AllReduce of units [start, end)'s gradients over ``group`` (planning-order indices)."""
+    return allreduce_s(cm.weight_bytes(start, end), len(group), cm.group_bandwidth(group), cm.group_message(group))
+
+
+def comm_step(cm: CostModel, after: int, end: int, group: Sequence[int], then: Sequence[int]) -> CommStepPlan:
+    """The link step after stage ``after`` (ending at unit ``end``, on ``group``) to the next one (on ``then``): one
+    micro-batch's cut tensor over the slowest link between the groups, in the messages it is sent as."""
+    bw = cm.min_bandwidth(group, then)
+    nbytes = int(cm.options.micro_batch_size * cm.cut_bytes[end - 1])
+    count = comm_messages(nbytes, len(group), len(then))
+    one_way = nbytes / bw + count * cm.max_message(group, then)
+    return CommStepPlan(after=after, bytes_per_microbatch=nbytes, bandwidth_bps=bw, messages=count,
+                        forward_s=one_way, backward_s=one_way)
 
 
 def _memory_report(cm: CostModel, start: int, end: int, group: Sequence[int], k: int) -> str:

@@ -1,10 +1,12 @@
 """HPP's side of the closed loop (planning.refit holds the fit and the rebalancer every kind shares): what a plan
 predicts for each device's share of a micro-batch (``predicted_compute_s``, the fit's denominator) and what a running
-plan takes on a refitted profile (``reprice``: its layout and shares kept, its compute priced anew).
+plan takes on a refitted profile (``reprice``: its layout and shares kept, its compute, transfers and AllReduces
+priced anew).
 """
 
 from __future__ import annotations
 
+from edgeswarm.planning.hpp.assemble import comm_step, stage_allreduce_s
 from edgeswarm.planning.hpp.costmodel import CostModel, round_latency
 from edgeswarm.planning.hpp.types import Plan, chain_steps
 from edgeswarm.values.profiles import ClusterProfile
@@ -24,20 +26,24 @@ def predicted_compute_s(plan: Plan, cluster: ClusterProfile) -> dict[str, float]
 
 
 def reprice(plan: Plan, cluster: ClusterProfile) -> Plan:
-    """``plan`` as it stands (each stage's units, devices and shares of a micro-batch, its transfers and AllReduces)
-    with its compute priced on ``cluster``: what the running plan takes if its devices compute as ``cluster`` says."""
+    """``plan`` as it stands (each stage's units, devices and shares of a micro-batch) priced on ``cluster``: what
+    the running plan takes if its devices compute and its links carry as ``cluster`` says."""
     cm = CostModel(cluster, plan.options)
     index = {d.node: i for i, d in enumerate(cm.devices)}
+    groups = [[index[node] for node in s.devices] for s in plan.stages]
     stages = []
-    for s in plan.stages:
-        held = [(index[node], share) for node, share in zip(s.devices, s.shares, strict=True)]
+    for s, group in zip(plan.stages, groups, strict=True):
+        held = list(zip(group, s.shares, strict=True))
         stages.append(s.model_copy(update={
             "forward_s": max(float(cm.fwd[i, y, s.end] - cm.fwd[i, y, s.start]) for i, y in held),
-            "backward_s": max(float(cm.bwd[i, y, s.end] - cm.bwd[i, y, s.start]) for i, y in held)}))
-    ef, eb, ta = chain_steps(stages, plan.comm_steps)
+            "backward_s": max(float(cm.bwd[i, y, s.end] - cm.bwd[i, y, s.start]) for i, y in held),
+            "allreduce_s": stage_allreduce_s(cm, s.start, s.end, group)}))
+    comms = [comm_step(cm, p, plan.stages[p].end, groups[p], groups[p + 1]) for p in range(len(groups) - 1)]
+    ef, eb, ta = chain_steps(stages, comms)
     latency, dominant = round_latency(ef, eb, plan.options.micro_batches, ta)
     latency += plan.round_overhead_s
-    return plan.model_copy(update={"stages": stages, "round_latency_s": latency, "dominant_step": dominant,
+    return plan.model_copy(update={"stages": stages, "comm_steps": comms, "round_latency_s": latency,
+                                   "dominant_step": dominant,
                                    "throughput_sps": plan.options.global_batch / latency})
 
 
