@@ -10,9 +10,9 @@ from edgeswarm.planning.hpp.compare import plan_best
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.refit import (
-    ComputeFit,
     Rebalancer,
     RefitPricing,
+    ScaleFit,
     link_fit_inputs,
     link_key,
     link_seconds,
@@ -61,14 +61,14 @@ def arrivals(plan: Plan, truth: ClusterProfile, noise: float, rng: np.random.Gen
 
 
 def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noise: float,
-             seed: int = 0) -> tuple[Plan, list[int], ComputeFit]:
+             seed: int = 0) -> tuple[Plan, list[int], ScaleFit]:
     """The coordinator's loop in miniature: plan on ``profile``; each round every device measures what ``truth``
     says its part and its peers' tensors take (times seeded noise of +-``noise``), the fits and the rebalancer see
     it, and a re-plan takes the best plan on the refitted profile. Returns the final plan, the rounds that
     re-planned and the fit (devices' and links' scales together)."""
     rng = np.random.default_rng(seed)
     plan = best(profile)
-    fit, links, rebalancer, replans = ComputeFit(), ComputeFit(sliver=0.0), Rebalancer(), []
+    fit, links, rebalancer, replans = ScaleFit(), ScaleFit(sliver=0.0), Rebalancer(), []
     pricing: RefitPricing[Plan] = RefitPricing(reprice, lambda old, refit: best(refit).model_copy(
         update={"epoch": old.epoch + 1}))
     for r in range(rounds):
@@ -159,7 +159,7 @@ def test_a_cluster_uniformly_slower_than_profiled_keeps_its_plan() -> None:
 
 
 def test_one_outlier_round_does_not_swing_the_fit() -> None:
-    fit = ComputeFit()
+    fit = ScaleFit()
     for r in range(5):
         fit.add({"a": 0.1}, {"a": 10.0 if r == 2 else 0.1})  # one round 100x (a GC pause, a swap)
     assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}

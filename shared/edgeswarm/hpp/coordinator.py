@@ -39,9 +39,9 @@ from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.refit import (
-    ComputeFit,
     Rebalancer,
     RefitPricing,
+    ScaleFit,
     link_fit_inputs,
     moved_text,
     scaled,
@@ -241,8 +241,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         # The closed loop (planning.refit): each device's measured compute against the job's profile. The fit
         # and its refitted prediction always run; re-plans and the saved speeds only with ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
-        self.fit = ComputeFit()
-        self.link_fit = ComputeFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
+        self.fit = ScaleFit()
+        self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)

@@ -42,7 +42,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import ComputeFit, Priced, Rebalancer, RefitPricing, moved_text, scaled, speeds
+from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text, scaled, speeds
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
@@ -120,7 +120,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         # The closed loop (planning.refit): each stage device's measured forward of a full micro-batch against its
         # profile, under ``_changed``; re-plans only with the rebalance setting on.
         self.closed_loop = self.bus.settings.rebalance
-        self.fit = ComputeFit()
+        self.fit = ScaleFit()
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``measure``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)

@@ -5,7 +5,7 @@ or a neighbour's load, so a device may run at a different speed than profiled, a
 probe did. Each unit of work (a training round, a served micro-batch) a job knows what every device of its plan took
 for its part and what the profile predicted for it: their ratio is the device's ``scale``; and what its tensors of
 several chunks took to arrive from each peer (``LinkSample``) beside what the link's profile prices them at: the
-link's scale, keyed ``link_key(a, b)``. ``ComputeFit`` keeps each key's ratios of the last units and fits its scale
+link's scale, keyed ``link_key(a, b)``. ``ScaleFit`` keeps each key's ratios of the last units and fits its scale
 as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the cluster profile
 with every device's times multiplied by its scale and every fitted link's bandwidth divided by its scale (its
 per-message costs multiplied): the refitted profile. ``Rebalancer`` decides when
@@ -94,7 +94,7 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
 
 
 @dataclass
-class ComputeFit:
+class ScaleFit:
     """Each key's (a device's compute, or a link's transfers) measured over predicted seconds, its last ``window``
     rounds: ``add`` one round, ``scales`` the fit (the median, clipped to [MIN_SCALE, MAX_SCALE]). ``sliver``: see
     ``add``."""
