@@ -140,3 +140,7 @@ def test_each_device_reports_how_its_peers_tensors_of_several_chunks_arrived(bro
         back = {s.src: s for s in report.devices["a"].arrivals}[node]
         assert (back.bytes, back.chunks) == expected, (node, report.devices["a"].arrivals)
         assert got["a"].seconds > 0 and back.seconds > 0
+    # The group's AllReduce slices count too: b and c, one ring, each got the other's.
+    b, c = plan.stages[1].devices
+    assert {s.src: s for s in report.devices[b].arrivals}[c].bytes > 0, report.devices[b].arrivals
+    assert {s.src: s for s in report.devices[c].arrivals}[b].bytes > 0, report.devices[c].arrivals

@@ -158,8 +158,8 @@ class RoundDone(Message):
     and backward (``forward_s``, ``backward_s``, in micro-batch order); its peak live micro-batches, the most
     activation bytes it held for backward at once, and the bytes of its weights, gradients, optimizer state and
     buffers; ``snapshot_s`` is the time taken to snapshot the stage's state after the step (its backup is sent in
-    the background); ``arrivals``: how the peers' activations and gradients of several chunks arrived, per peer
-    (the closed loop fits the links from them)."""
+    the background); ``arrivals``: how the peers' activations, gradients and AllReduce slices of several chunks
+    arrived, per peer (the closed loop fits the links from them)."""
 
     MAX_BYTES = 256 * 1024
 
