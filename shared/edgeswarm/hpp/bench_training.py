@@ -10,8 +10,8 @@ Emulated devices compute through ``DeviceProfile.run``, whose CPU-time scaling i
 the same kernels equally fast each time; so each run also reports how the devices' measured compute compares with
 their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the measured compute put in
 (``replayed_round_s``): measured against replayed is the runtime's and the network's share of any gap, compute_ratio
-the emulated devices' share. ``refitted_round_s`` is the coordinator's own closed loop: the plan priced on each
-device's compute as fitted from the rounds (planning.refit), after the last round.
+the emulated devices' share. ``refitted_round_s`` is the coordinator's own closed loop: the last round as the fit of
+the rounds before it predicted it (planning.refit: compute, links and a message's cost fitted from measurement).
 """
 
 from __future__ import annotations
