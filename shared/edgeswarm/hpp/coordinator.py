@@ -242,8 +242,9 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
-        # The closed loop (planning.refit): each device's measured compute against the job's profile. The fit
-        # and its refitted prediction always run; re-plans and the saved speeds only with ``closed_loop``.
+        # The closed loop (planning.refit): each device's measured compute, each link's arrivals and what a round
+        # takes beyond them against the job's profile. The fits and the refitted prediction always run; re-plans and
+        # the saved speeds only with ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
         self.fit = ScaleFit()
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
