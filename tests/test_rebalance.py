@@ -52,7 +52,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     from edgeswarm.planning.hpp.refit import predicted_compute_s
     from edgeswarm.planning.refit import scaled
     from edgeswarm.profiling.cache import ProfileCache
-    from edgeswarm.profiling.refits import saved_message_s, saved_scales
+    from edgeswarm.profiling.refits import saved_scales
 
     job = _job("rebalance", spec=MODEL, rounds=ROUNDS)
     cluster = profiled(profile_batch_sizes(job))  # before the services start, which would slow it
@@ -101,9 +101,8 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     # says. (What the scales are is not asserted: under load this test's one-off profile is itself skewed from unit
     # to unit, and a device with a small share measures mostly the runtime's per-call costs.)
     saved = saved_scales(ProfileCache(profiles), cluster, "train")
-    said = [r for r in refits if r.startswith("saved the measured compute speeds for the next job: ")]
-    assert said, refits
-    listed = dict(part.rsplit(" ", 1) for part in said[-1].split(": ", 1)[1].split(" (")[0].split(", "))
+    assert refits and refits[-1].startswith("saved the measured compute speeds for the next job: "), refits
+    listed = dict(part.rsplit(" ", 1) for part in refits[-1].split(": ", 1)[1].split(" (")[0].split(", "))
     assert saved and set(saved) == set(listed), (saved, refits)
     assert all(abs(saved[n] - float(listed[n].rstrip("x"))) <= 0.0051 for n in saved), (saved, refits)
     # The next job's coordinator plans on that: the devices profile as before (the same fingerprints), and it scales
@@ -111,9 +110,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     monkeypatch.setattr(coordinator, "profile_cluster", lambda *args, **kwargs: cluster)
     nxt_job = HppCoordinator(client, _job("next", spec=MODEL, rounds=1), loss_terms=GLOBAL_BATCH, total=1,
                              store_node=None, observer=Observer())
-    # With what the rounds took beyond compute, as a message's cost on these four devices, when one was saved.
-    message_s = saved_message_s(ProfileCache(profiles), cluster, "train")
-    assert nxt_job.profile(list(NODES)) == scaled(cluster, saved, message_s)
+    assert nxt_job.profile(list(NODES)) == scaled(cluster, saved)
     assert refits[-1].startswith("starts from the compute speeds earlier jobs measured: "), refits
 
 

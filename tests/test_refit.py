@@ -325,31 +325,3 @@ def test_a_job_s_measured_speeds_are_blended_with_the_history_weighted_by_rounds
     assert saved_scales(cache, profile, "train")["a"] < 1.1
     assert cache.refit(profile.devices[0].compute.model_fingerprint, "a",
                        profile.devices[0].compute.device_fingerprint, "train").rounds == HISTORY_ROUNDS
-
-
-def test_a_cluster_s_message_cost_is_saved_for_the_next_job_on_exactly_its_devices(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from edgeswarm.profiling.cache import ProfileCache
-    from edgeswarm.profiling.refits import HISTORY_ROUNDS, MIN_ROUNDS, save_message_s, saved_message_s
-
-    profile, cache = profiled(), ProfileCache(tmp_path)
-    assert saved_message_s(cache, profile, "train") == 0.0
-    assert save_message_s(cache, profile, 0.02, MIN_ROUNDS - 1, "train") is None  # too few rounds to say
-    assert save_message_s(cache, profile, 0.02, 5, "train") == pytest.approx(0.02)
-    assert save_message_s(cache, profile, 0.04, 5, "train") == pytest.approx(0.03)  # blended, weighted by rounds
-    assert saved_message_s(cache, profile, "train") == pytest.approx(0.03)
-    assert saved_message_s(cache, profile, "serve") == 0.0  # serving keeps its own
-    # Another cluster (a device fewer, or one board changed under the same name) starts from its link profiles.
-    fewer = profile.model_copy(update={"devices": profile.devices[1:]})
-    entry = profile.devices[0]
-    other = entry.model_copy(update={"compute": entry.compute.model_copy(update={"device_fingerprint": "new-board"})})
-    changed = profile.model_copy(update={"devices": [other, *profile.devices[1:]]})
-    assert saved_message_s(cache, fewer, "train") == 0.0 and saved_message_s(cache, changed, "train") == 0.0
-    for _ in range(8):
-        save_message_s(cache, profile, 0.0, 5, "train")
-    assert saved_message_s(cache, profile, "train") < 0.002  # the history weighs at most HISTORY_ROUNDS
-    refit = cache.message_refit(profile.model.fingerprint, [(e.device.node, e.compute.device_fingerprint)
-                                                            for e in profile.devices], "train")
-    assert refit is not None and refit.rounds == HISTORY_ROUNDS
-    # Priced in: every link's message costs that much more.
-    assert all(x.hop_s == pytest.approx(y.hop_s + 0.01) for x, y in zip(scaled(profile, {}, 0.01).links,
-                                                                         profile.links, strict=True))

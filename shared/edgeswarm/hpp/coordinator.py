@@ -52,7 +52,7 @@ from edgeswarm.planning.refit import (
 )
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.profiling.refits import save_message_s, save_scales, saved_message_s, saved_scales
+from edgeswarm.profiling.refits import save_scales, saved_scales
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import Detection, FailureDetector
 from edgeswarm.service_registry import STAGE_WORKER
@@ -114,8 +114,7 @@ class JobObserver:
         before it prices it (the round's out-of-sample prediction)."""
 
     def refitted(self, detail: str) -> None:
-        """The job started from, or saved, the devices' measured compute speeds or the cluster's measured message
-        cost (``detail`` says which)."""
+        """The job started from, or saved, the devices' measured compute speeds (``detail`` says which)."""
 
     def joined(self, report: RecoveryReport) -> None:
         """Devices ``report.joined`` were added: the job goes on with ``report.plan`` from ``report.resume_round``."""
@@ -251,7 +250,6 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
         self.message_fit = MessageFit()  # what the round takes beyond both, as seconds more a message
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
-        self.base_message_s = 0.0  # and the message cost they measured on these devices
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
         self.pricing: RefitPricing[Plan] = RefitPricing(reprice, full_plan)
@@ -297,32 +295,21 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                                   timeout_s=self.timeout_s, progress=self.seen.profile_progress)
         if not self.closed_loop:
             return cluster
-        cache = ProfileCache(self.bus.settings.profile_dir)
-        self.base_scales = saved_scales(cache, cluster, "train")
-        self.base_message_s = saved_message_s(cache, cluster, "train")
-        parts = ([f"the compute speeds earlier jobs measured: {speeds(self.base_scales)}"] if self.base_scales
-                 else []) + ([f"a message {self.base_message_s * 1000:.1f} ms dearer than its link's profile, as "
-                              "earlier jobs on these devices measured"] if self.base_message_s > 0 else [])
-        if parts:
-            self.seen.refitted("starts from " + "; and ".join(parts))
-        return scaled(cluster, self.base_scales, self.base_message_s)
+        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster, "train")
+        if self.base_scales:
+            self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {speeds(self.base_scales)}")
+        return scaled(cluster, self.base_scales)
 
     def stop(self) -> None:
-        """Save what the job measured of each device's speed and of a message's cost on these devices (with the
-        closed loop on), for the next job."""
+        """Save what the job measured of each device's speed (with the closed loop on), for the next job."""
         if not self.closed_loop or self.cluster is None or not self.fit.ratios:
             return
-        cache = ProfileCache(self.bus.settings.profile_dir)
         scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
-        saved = save_scales(cache, self.cluster, scales, self.fit.rounds(), "train")
+        saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds(),
+                            "train")
         if saved:
             self.seen.refitted(f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
                                f"measured {speeds({n: scales[n] for n in saved})})")
-        message_s = self.base_message_s + self.message_fit.value()
-        kept = save_message_s(cache, self.cluster, message_s, len(self.message_fit.values), "train")
-        if kept is not None:
-            self.seen.refitted(f"saved the measured message cost for the next job on these devices: "
-                               f"{kept * 1000:.1f} ms more a message (this job measured {message_s * 1000:.1f} ms)")
 
     def take_over(self, cluster: ClusterProfile) -> Plan | None:
         if self.resume is None:

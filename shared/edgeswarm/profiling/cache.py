@@ -5,18 +5,16 @@ Layout under the cache directory (``EDGESWARM_PROFILE_DIR``)::
     models/{model_fingerprint}.json                                 a ModelProfile
     compute/{model_fingerprint}/{device_fingerprint}.{method}.json  a ComputeProfile
     refits/{model_fingerprint}/{node}.{work}.json                   a ComputeRefit (what jobs measured)
-    refits/{model_fingerprint}/messages/{cluster}.{work}.json       a MessageRefit (a cluster's message cost)
 
-Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit" | "message_refit", "profile":
-{...}}``. Writes are atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file
-and concurrent writers leave one whole file. A file that does not parse, does not validate, or whose
+Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit", "profile": {...}}``. Writes are
+atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
+concurrent writers leave one whole file. A file that does not parse, does not validate, or whose
 fingerprints do not match its name is ignored with a warning and counts as a miss: the caller measures
 again and overwrites it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -26,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edgeswarm.files import write_atomically
-from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, MessageRefit, ModelProfile, Work
+from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, ModelProfile, Work
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +60,6 @@ class ProfileCache:
     def refit_path(self, model_fingerprint: str, node: str, work: Work) -> Path:
         return (self.directory / "refits" / _checked(model_fingerprint, "model")
                 / f"{_checked(node, 'node')}.{_checked(work, 'work')}.json")
-
-    def message_refit_path(self, model_fingerprint: str, devices: list[tuple[str, str]], work: Work) -> Path:
-        """The file of ``devices`` (node, device fingerprint pairs)' message cost: named by a digest of the pairs."""
-        digest = hashlib.sha256(json.dumps(sorted(devices)).encode()).hexdigest()[:32]
-        return (self.directory / "refits" / _checked(model_fingerprint, "model") / "messages"
-                / f"{digest}.{_checked(work, 'work')}.json")
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -118,14 +110,6 @@ class ProfileCache:
             return None
         return refit
 
-    def message_refit(self, model_fingerprint: str, devices: list[tuple[str, str]], work: Work) -> MessageRefit | None:
-        """What jobs of ``work`` measured a message to cost on exactly ``devices``, or None."""
-        refit = self._load(self.message_refit_path(model_fingerprint, devices, work), "message_refit", MessageRefit)
-        if refit is None or (refit.model_fingerprint, sorted(refit.devices), refit.work) != (
-                model_fingerprint, sorted(devices), work):
-            return None
-        return refit
-
     def _load(self, path: Path, kind: str, cls: type[Any]) -> Any:
         try:
             raw = path.read_text()
@@ -158,12 +142,6 @@ class ProfileCache:
         write_json_atomic(path, {"format": FORMAT, "kind": "compute", "profile": profile.model_dump(mode="json")})
         return path
 
-
-    def put_message_refit(self, refit: MessageRefit) -> Path:
-        """Store ``refit`` under its model fingerprint, devices and work; returns the file written."""
-        path = self.message_refit_path(refit.model_fingerprint, list(refit.devices), refit.work)
-        write_json_atomic(path, {"format": FORMAT, "kind": "message_refit", "profile": refit.model_dump(mode="json")})
-        return path
 
     def put_refit(self, refit: ComputeRefit) -> Path:
         """Store ``refit`` under its model fingerprint and node; returns the file written."""

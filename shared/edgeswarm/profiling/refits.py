@@ -4,9 +4,8 @@ next job on the same model and devices starts from what was measured rather than
 A device's profile is measured once, alone; a job then measures what the device really takes beside the bus's
 threads and its neighbours' load, and fits a scale (measured over profiled; planning.refit). ``saved_scales``
 reads the scales saved for a cluster's devices (a device whose fingerprint changed under the same name has none);
-``save_scales`` blends a job's into them. A cluster's fitted message cost (what its rounds took beyond compute and
-links, planning.refit.MessageFit) is kept the same way for exactly its devices (``saved_message_s``,
-``save_message_s``). Nothing here reads an emulation setting: the scales come from measured rounds.
+``save_scales`` blends a job's into them. Nothing here reads an emulation setting: the scales come from measured
+rounds.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import logging
 import math
 
 from edgeswarm.profiling.cache import ProfileCache
-from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit, MessageRefit, Work
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit, Work
 
 log = logging.getLogger(__name__)
 
@@ -67,42 +66,3 @@ def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, 
             continue
         saved[node] = blended
     return saved
-
-
-def _devices(cluster: ClusterProfile) -> list[tuple[str, str]]:
-    return sorted((e.device.node, e.compute.device_fingerprint) for e in cluster.devices)
-
-
-def saved_message_s(cache: ProfileCache, cluster: ClusterProfile, work: Work) -> float:
-    """The seconds more a message that jobs of ``work`` measured on exactly ``cluster``'s devices (the same nodes
-    on the same device fingerprints) for its model; 0 when none was saved."""
-    try:
-        refit = cache.message_refit(cluster.model.fingerprint, _devices(cluster), work)
-    except ValueError as exc:  # a fingerprint that is no file name: nothing can have been saved for it
-        log.debug("no saved message cost: %s", exc)
-        return 0.0
-    return refit.message_s if refit is not None else 0.0
-
-
-def save_message_s(cache: ProfileCache, cluster: ClusterProfile, message_s: float, rounds: int,
-                   work: Work) -> float | None:
-    """Save ``message_s`` (seconds more a message than ``cluster``'s link profiles say, fitted from ``rounds``
-    rounds) for ``cluster``'s devices, blended with what was saved before as ``save_scales`` blends (an average
-    weighted by rounds, the history at most HISTORY_ROUNDS); None when there are fewer than MIN_ROUNDS rounds or the
-    write fails (logged)."""
-    if rounds < MIN_ROUNDS or not math.isfinite(message_s):
-        return None
-    devices = _devices(cluster)
-    try:
-        before = cache.message_refit(cluster.model.fingerprint, devices, work)
-        weight = 0 if before is None else min(before.rounds, HISTORY_ROUNDS)
-        blended = ((weight * before.message_s if before is not None else 0.0) + rounds * message_s) / (weight + rounds)
-        blended = min(1.0, max(0.0, blended))
-        cache.put_message_refit(MessageRefit(model_fingerprint=cluster.model.fingerprint, devices=devices,
-                                             message_s=blended, rounds=min(weight + rounds, HISTORY_ROUNDS),
-                                             work=work))
-    except (OSError, ValueError) as exc:
-        log.warning("could not save the measured message cost (%s): the next job starts from the link profiles",
-                    exc)
-        return None
-    return blended

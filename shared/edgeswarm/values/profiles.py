@@ -159,21 +159,6 @@ class ComputeRefit(BaseModel):
     work: Work = "train"
 
 
-class MessageRefit(BaseModel):
-    """What jobs of ``work`` on model ``model_fingerprint`` measured a message to cost beyond the link profiles, on
-    the cluster of exactly ``devices`` (each node with its device fingerprint, sorted): ``message_s`` seconds more a
-    message, fitted over ``rounds`` rounds (planning.refit.MessageFit). The runtime's share of a round on those
-    devices, which the next job on them starts from (profiling.refits)."""
-
-    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
-
-    model_fingerprint: Identifier
-    devices: list[tuple[Name, Identifier]] = Field(min_length=1, max_length=MAX_DEVICES)
-    message_s: float = Field(ge=0, le=1.0)
-    rounds: int = Field(ge=1, le=1_000_000)
-    work: Work = "train"
-
-
 class DeviceInfo(BaseModel):
     """One device as the planner sees it. ``memory_budget_bytes`` is u_d; ``compute_flops`` is the
     measured training speed (forward+backward FLOPs per second on the profiled model)."""
