@@ -11,7 +11,7 @@ the same kernels equally fast each time; so each run also reports how the device
 their profiles (``compute_ratio``) and the round time the plan's own schedule gives with the measured compute put in
 (``replayed_round_s``): measured against replayed is the runtime's and the network's share of any gap, compute_ratio
 the emulated devices' share. ``refitted_round_s`` is the coordinator's own closed loop: the last round as the fit of
-the rounds before it predicted it (planning.refit: compute, links and a message's cost fitted from measurement).
+the rounds before it predicted it (planning.refit: each device's compute and each link fitted from measurement).
 """
 
 from __future__ import annotations

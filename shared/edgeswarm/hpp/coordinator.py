@@ -39,13 +39,10 @@ from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.refit import (
-    MESSAGE_MOVED_S,
-    MessageFit,
     Rebalancer,
     RefitPricing,
     ScaleFit,
     link_fit_inputs,
-    message_cost_s,
     moved_text,
     scaled,
     speeds,
@@ -242,13 +239,12 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.index = 0  # the next round to run
         self.saved_version = 0  # the last checkpoint version saved
         self._stalled_replays = 0  # replays in a row of a round whose devices timed out waiting for each other
-        # The closed loop (planning.refit): each device's measured compute, each link's arrivals and what a round
-        # takes beyond them against the job's profile. The fits and the refitted prediction always run; re-plans and
-        # the saved speeds only with ``closed_loop``.
+        # The closed loop (planning.refit): each device's measured compute and each link's arrivals against the
+        # job's profile. The fits and the refitted prediction always run; re-plans and the saved speeds only with
+        # ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
         self.fit = ScaleFit()
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
-        self.message_fit = MessageFit()  # what the round takes beyond both, as seconds more a message
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
@@ -384,13 +380,12 @@ class HppCoordinator(CoordinatorProgram[Plan]):
     def _refit(self, done: RoundReport) -> None:
         """Report the running plan's round as the fit of the rounds before it predicts it (out of sample: the round
         is not in its own prediction), then feed the round to the fits: each device's compute (one micro-batch's
-        forward and backward), each link's arrivals, and what the round took beyond both, as seconds more a
-        message."""
+        forward and backward) and each link's arrivals."""
         assert self.driver is not None and self.cluster is not None
         plan = self.driver.plan
         try:
-            self.seen.refitted_round(self.pricing.priced(plan, self.cluster, self._scales(), best=False,
-                                                         message_s=self.message_fit.value()).current.round_latency_s)
+            self.seen.refitted_round(self.pricing.priced(plan, self.cluster, self._scales(), best=False)
+                                     .current.round_latency_s)
         except PlanningError as exc:  # a device of the plan gone from the profile: nothing to price it on
             log.debug("job %s: no refitted prediction: %s", self.job.name, exc)
             return
@@ -400,9 +395,6 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.fit.add(self._predicted[1], {node: (sum(r.forward_s) + sum(r.backward_s)) / len(r.forward_s)
                                           for node, r in done.devices.items() if r.forward_s})
         self.rebalancer.round_done()
-        scales = self._scales()
-        self.message_fit.add(message_cost_s(
-            lambda m: reprice(plan, scaled(self.cluster, scales, m)).round_latency_s, done.round_s))
 
     def _scales(self) -> dict[str, float]:
         """The fit now: each device's compute scale and each link's (planning.refit.scaled's keys)."""
@@ -413,13 +405,11 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         says it pays (see planning.refit), moving only the units whose owner changes."""
         assert self.driver is not None and self.cluster is not None and self.result is not None
         moved = self.fit.moved() | self.link_fit.moved()
-        message_s = self.message_fit.value()
-        if not moved and message_s < MESSAGE_MOVED_S:
+        if not moved:
             return
         started = time.monotonic()
         try:
-            priced = self.pricing.priced(self.driver.plan, self.cluster, self._scales(), best=True,
-                                         message_s=message_s)
+            priced = self.pricing.priced(self.driver.plan, self.cluster, self._scales(), best=True)
         except PlanningError as exc:
             log.info("job %s: no plan on the refitted profile: %s", self.job.name, exc)
             return
@@ -428,7 +418,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         if not self.rebalancer.check(current.round_latency_s, best.round_latency_s, started):
             return
         self.driver, report = move_to(self.driver, best, priced.profile, index, "rebalance", started=started)
-        detail = (f"{moved_text(moved, message_s)}; the running plan would take "
+        detail = (f"{moved_text(moved)}; the running plan would take "
                   f"{current.round_latency_s:.3f} s a round, the new one {best.round_latency_s:.3f} s "
                   f"({1 - best.round_latency_s / current.round_latency_s:.0%} faster)")
         log.info("job %s: re-planned on measured speeds: %s", self.job.name, detail)

@@ -121,8 +121,7 @@ class TrainProgress(BaseModel):
     """How far a training job is. ``round`` counts the rounds done out of ``total_rounds``; ``loss`` and
     ``accuracy`` are the last round's over its mini-batch; ``round_s`` its wall time, against the plan's
     ``predicted_round_s``, and ``refitted_round_s``, what the closed loop predicted for that round from the rounds
-    before it (planning.refit: each device's compute and each link as measured, and what rounds took beyond them
-    as seconds more a message); ``samples_per_s`` is the global
+    before it (planning.refit: each device's compute and each link as measured); ``samples_per_s`` is the global
     batch over ``round_s``. ``test_accuracy`` is the final
     model's, loaded back from the checkpoint store, on the held-out split. ``reconfigurations`` counts re-plans
     after a device left or joined, and ``predictions`` are every strategy's predicted figures. After a recovery

@@ -8,14 +8,11 @@ several chunks took to arrive from each peer (``LinkSample``) beside what the li
 link's scale, keyed ``link_key(a, b)``. ``ScaleFit`` keeps each key's ratios of the last units and fits its scale
 as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the cluster profile
 with every device's times multiplied by its scale and every fitted link's bandwidth divided by its scale (its
-per-message costs multiplied): the refitted profile. What the round still takes beyond the running plan priced on
-it (single-chunk transfers say nothing of a link, waits, the runtime's handling of each message) is fitted as one
-more coefficient, seconds added to every message's fixed cost (``message_cost_s``, ``MessageFit``): the running
-plan priced with it takes the measured round, and every other plan pays it per message it sends. ``Rebalancer``
-decides when to re-plan on it: only when the best plan on the refitted profile is predicted faster than the running
-plan re-priced on it by more than ``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a
-plan and at most ``max_per_hour`` times an hour. A cluster that is uniformly slower than profiled (every scale alike)
-re-plans to the same layout: nothing to gain, so nothing happens.
+per-message costs multiplied): the refitted profile. ``Rebalancer`` decides when to re-plan on it: only when the
+best plan on the refitted profile is predicted faster than the running plan re-priced on it by more than
+``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a plan and at most ``max_per_hour``
+times an hour. A cluster that is uniformly slower than profiled (every scale alike) re-plans to the same layout:
+nothing to gain, so nothing happens.
 
 Pure functions and small state over typed data; the fitted scales come from measurement only (nothing here reads
 the emulation's settings).
@@ -33,8 +30,6 @@ from typing import Generic, Protocol, TypeVar
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkProfile, LinkSample
 
 SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
-MAX_MESSAGE_S = 0.5  # the most a message may cost beyond its profile: past it, the round's extra is not messages'
-MESSAGE_MOVED_S = 0.001  # a fitted cost a message beyond its profile from which other plans may be priced anew
 MIN_LINK_S = 0.005  # a link's predicted arrivals in a round below which what it measures is mostly timing noise
 LINK = "<->"  # joins a link's two nodes in its key (no node name holds it)
 
@@ -75,10 +70,10 @@ def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample
     return {k: predicted[k] for k in kept}, {k: measured[k] for k in kept}
 
 
-def scaled(cluster: ClusterProfile, scales: dict[str, float], message_s: float = 0.0) -> ClusterProfile:
+def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
     """``cluster`` with each device's forward, backward and served-forward times multiplied by its scale (``scales``
-    keyed by node; 1 where none), each link's bandwidth divided by its scale and its per-message costs multiplied by
-    it (keyed ``link_key``), and ``message_s`` seconds added to every link's per-message cost."""
+    keyed by node; 1 where none), and each link's bandwidth divided by its scale and its per-message costs multiplied
+    by it (keyed ``link_key``)."""
     entries = []
     for entry in cluster.devices:
         f = scales.get(entry.device.node, 1.0)
@@ -93,9 +88,8 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float], message_s: float =
     links = []
     for link in cluster.links:
         f = scales.get(link_key(link.src, link.dst), 1.0)
-        links.append(link if f == 1.0 and message_s == 0.0 else link.model_copy(update={
-            "bandwidth_bps": link.bandwidth_bps / f, "message_s": link.message_s * f,
-            "hop_s": link.hop_s * f + message_s}))
+        links.append(link if f == 1.0 else link.model_copy(update={
+            "bandwidth_bps": link.bandwidth_bps / f, "message_s": link.message_s * f, "hop_s": link.hop_s * f}))
     return cluster.model_copy(update={"devices": entries, "links": links})
 
 
@@ -166,48 +160,6 @@ class Rebalancer:
         return True
 
 
-def message_cost_s(price: Callable[[float], float], measured_s: float, *, upper: float = MAX_MESSAGE_S,
-                   tolerance_s: float = 1e-5) -> float | None:
-    """The seconds ``m`` to add to every message's fixed cost for the running plan to take the ``measured_s`` round
-    it took: ``price(m)`` is its round priced so (seconds, rising with ``m``). 0 when it is priced at the round or
-    longer without any; None when even ``upper`` falls short, or the plan sends no message to price (what is missing
-    is then not the messages')."""
-    base, most = price(0.0), price(upper)
-    if most <= base or most < measured_s:
-        return None
-    if base >= measured_s:
-        return 0.0
-    low, high = 0.0, upper
-    while high - low > tolerance_s:
-        mid = (low + high) / 2
-        if price(mid) < measured_s:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-@dataclass
-class MessageFit:
-    """The fitted seconds a message costs beyond its profile: the median of the last ``window`` rounds'
-    ``message_cost_s`` (one outlier round cannot swing it); 0 before any."""
-
-    window: int = 5
-    values: deque[float] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.values = deque(maxlen=self.window)
-
-    def add(self, seconds: float | None) -> None:
-        """One round's ``message_cost_s`` (None: the round said nothing of messages, and is left out)."""
-        if seconds is not None and math.isfinite(seconds):
-            self.values.append(seconds)
-
-    def value(self) -> float:
-        """The fitted seconds a message costs beyond its profile."""
-        return median(self.values) if self.values else 0.0
-
-
 def same_fit(a: dict[str, float], b: dict[str, float], tolerance: float = 0.05) -> bool:
     """Whether two fits hold the same devices with every scale within ``tolerance`` (a fraction) of the other's: a
     plan priced on one needs no pricing again on the other."""
@@ -239,20 +191,18 @@ class RefitPricing(Generic[PlanT]):
 
     reprice: Callable[[PlanT, ClusterProfile], PlanT]
     search: Callable[[PlanT, ClusterProfile], PlanT]
-    _last: tuple[int, dict[str, float], float, Priced[PlanT]] | None = field(default=None, init=False)
+    _last: tuple[int, dict[str, float], Priced[PlanT]] | None = field(default=None, init=False)
 
-    def priced(self, plan: PlanT, cluster: ClusterProfile, scales: dict[str, float], best: bool,
-               message_s: float = 0.0) -> Priced[PlanT]:
-        """``plan`` on ``cluster`` scaled by ``scales`` (and ``message_s`` more a message) and, with ``best``, the
-        best plan there. Raises what ``reprice`` and ``search`` raise (the plan's devices not in ``cluster``, no plan
-        fits)."""
+    def priced(self, plan: PlanT, cluster: ClusterProfile, scales: dict[str, float], best: bool) -> Priced[PlanT]:
+        """``plan`` on ``cluster`` scaled by ``scales`` and, with ``best``, the best plan there. Raises what
+        ``reprice`` and ``search`` raise (the plan's devices not in ``cluster``, no plan fits)."""
         last = self._last
         if last is not None and last[0] == plan.epoch and same_fit(last[1], scales) and (
-                abs(last[2] - message_s) <= max(1e-4, 0.05 * message_s)) and (last[3].best is not None or not best):
-            return last[3]
-        profile = scaled(cluster, scales, message_s)
+                last[2].best is not None or not best):
+            return last[2]
+        profile = scaled(cluster, scales)
         out = Priced(profile, self.reprice(plan, profile), self.search(plan, profile) if best else None)
-        self._last = (plan.epoch, dict(scales), message_s, out)
+        self._last = (plan.epoch, dict(scales), out)
         return out
 
 
@@ -261,13 +211,11 @@ def speeds(scales: dict[str, float]) -> str:
     return ", ".join(f"{node} {scale:.2f}x" for node, scale in sorted(scales.items()))
 
 
-def moved_text(moved: dict[str, float], message_s: float = 0.0) -> str:
+def moved_text(moved: dict[str, float]) -> str:
     """What a re-plan's event says moved: "compute measured against the profile: a 3.10x; links measured against
-    the profile: a<->b 5.00x; each message 4.2 ms more than profiled" (measured over profiled; a part left out when
-    nothing of it moved)."""
+    the profile: a<->b 5.00x" (measured over profiled; either part left out when nothing of it moved)."""
     compute = {k: v for k, v in moved.items() if LINK not in k}
     links = {k: v for k, v in moved.items() if LINK in k}
     parts = ([f"compute measured against the profile: {speeds(compute)}"] if compute else []) + (
-        [f"links measured against the profile: {speeds(links)}"] if links else []) + (
-        [f"each message {message_s * 1000:.1f} ms more than profiled"] if message_s >= MESSAGE_MOVED_S else [])
+        [f"links measured against the profile: {speeds(links)}"] if links else [])
     return "; ".join(parts)
