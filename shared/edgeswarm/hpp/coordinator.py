@@ -248,7 +248,9 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
-        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, full_plan)
+        # The best plan is searched with the planner's formula, then priced as the running one is (reprice).
+        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, lambda old, profile: reprice(full_plan(old, profile),
+                                                                                              profile))
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,
