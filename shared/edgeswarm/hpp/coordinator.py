@@ -45,11 +45,10 @@ from edgeswarm.planning.refit import (
     link_fit_inputs,
     moved_text,
     scaled,
-    speeds,
 )
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.profiling.refits import save_scales, saved_scales
+from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.runtime.detection import Detection, FailureDetector
 from edgeswarm.service_registry import STAGE_WORKER
@@ -293,21 +292,19 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                                   timeout_s=self.timeout_s, progress=self.seen.profile_progress)
         if not self.closed_loop:
             return cluster
-        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster, "train")
-        if self.base_scales:
-            self.seen.refitted(f"starts from the compute speeds earlier jobs measured: {speeds(self.base_scales)}")
+        self.base_scales, said = started_from(ProfileCache(self.bus.settings.profile_dir), cluster, "train")
+        if said:
+            self.seen.refitted(said)
         return scaled(cluster, self.base_scales)
 
     def stop(self) -> None:
         """Save what the job measured of each device's speed (with the closed loop on), for the next job."""
         if not self.closed_loop or self.cluster is None or not self.fit.ratios:
             return
-        scales = {n: self.base_scales.get(n, 1.0) * s for n, s in self.fit.scales().items()}
-        saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, self.fit.rounds(),
-                            "train")
-        if saved:
-            self.seen.refitted(f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
-                               f"measured {speeds({n: scales[n] for n in saved})})")
+        said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales,
+                             self.fit.scales(), self.fit.rounds(), "train")
+        if said:
+            self.seen.refitted(said)
 
     def take_over(self, cluster: ClusterProfile) -> Plan | None:
         if self.resume is None:

@@ -42,13 +42,13 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text, scaled, speeds
+from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text, scaled
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.profiling.refits import save_scales, saved_scales
+from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.stats import percentile
@@ -136,10 +136,9 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                                   timeout_s=self.ctx.timeout_s)
         if not self.closed_loop:
             return cluster
-        self.base_scales = saved_scales(ProfileCache(self.bus.settings.profile_dir), cluster, "serve")
-        if self.base_scales:
-            self.ctx.update("profiling", event=("refit", "starts from the compute speeds earlier jobs measured: "
-                                                         f"{speeds(self.base_scales)}"))
+        self.base_scales, said = started_from(ProfileCache(self.bus.settings.profile_dir), cluster, "serve")
+        if said:
+            self.ctx.update("profiling", event=("refit", said))
         return scaled(cluster, self.base_scales)
 
     def stop(self) -> None:
@@ -147,12 +146,10 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             fitted, rounds = self.fit.scales(), self.fit.rounds()
         if self.closed_loop and self.cluster is not None and fitted:
-            scales = {n: self.base_scales.get(n, 1.0) * s for n, s in fitted.items()}
-            saved = save_scales(ProfileCache(self.bus.settings.profile_dir), self.cluster, scales, rounds, "serve")
-            if saved:
-                self.ctx.update(self.ctx.state().status, event=(
-                    "refit", f"saved the measured compute speeds for the next job: {speeds(saved)} (this job "
-                             f"measured {speeds({n: scales[n] for n in saved})})"))
+            said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales, fitted,
+                                 rounds, "serve")
+            if said:
+                self.ctx.update(self.ctx.state().status, event=("refit", said))
         super().stop()
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:

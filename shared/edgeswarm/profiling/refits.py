@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 
+from edgeswarm.planning.refit import speeds
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit, Work
 
@@ -66,3 +67,23 @@ def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, 
             continue
         saved[node] = blended
     return saved
+
+
+def started_from(cache: ProfileCache, cluster: ClusterProfile, work: Work) -> tuple[dict[str, float], str | None]:
+    """The scales jobs of ``work`` saved for ``cluster``'s devices (``saved_scales``; the job plans on ``cluster``
+    scaled by them) and what the job's refit event says of them (None when none was saved)."""
+    scales = saved_scales(cache, cluster, work)
+    return scales, (f"starts from the compute speeds earlier jobs measured: {speeds(scales)}" if scales else None)
+
+
+def save_measured(cache: ProfileCache, cluster: ClusterProfile, base: dict[str, float], fitted: dict[str, float],
+                  rounds: dict[str, int], work: Work) -> str | None:
+    """Save what a job of ``work`` measured of each device (``save_scales``): its ``fitted`` scale over ``cluster``,
+    which started from the ``base`` scales (``started_from``), so base times fitted over the profile. What the job's
+    refit event says; None when nothing was saved."""
+    scales = {n: base.get(n, 1.0) * s for n, s in fitted.items()}
+    saved = save_scales(cache, cluster, scales, rounds, work)
+    if not saved:
+        return None
+    return (f"saved the measured compute speeds for the next job: {speeds(saved)} (this job measured "
+            f"{speeds({n: scales[n] for n in saved})})")
