@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Generic, Protocol, TypeVar
 
-from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkProfile, LinkSample
+from edgeswarm.planning.vocabulary import link_matrices, message_matrix
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkSample
 
 SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
 MIN_LINK_S = 0.005  # a link's predicted arrivals in a round below which what it measures is mostly timing noise
@@ -40,31 +41,27 @@ def link_key(a: str, b: str) -> str:
     return LINK.join(sorted((a, b)))
 
 
-def link_seconds(link: LinkProfile, sample: LinkSample) -> float:
-    """What ``link``'s profile prices ``sample``'s arrivals at: its bytes over the bandwidth and a message's fixed
-    cost per chunk (seconds)."""
-    return sample.bytes / link.bandwidth_bps + sample.chunks * link.per_message_s
-
-
 def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample]]) -> tuple[dict[str, float],
                                                                                               dict[str, float]]:
     """One round's predicted and measured seconds per link key, from what each device received (``received``:
-    receiving node -> its samples), each pair priced on its slower profiled direction; samples from or to nodes
-    without a profiled link between them are left out, and so are links predicted under MIN_LINK_S in all."""
-    links: dict[str, LinkProfile] = {}
-    for link in cluster.links:
-        key = link_key(link.src, link.dst)
-        known = links.get(key)
-        if known is None or link.bandwidth_bps < known.bandwidth_bps:
-            links[key] = link
+    receiving node -> its samples). A sample is priced as the planners price the pair (``vocabulary``: the slower
+    direction's bandwidth, the larger per-message cost): its bytes over the bandwidth and a message's fixed cost per
+    chunk. Samples from or to nodes outside ``cluster`` are left out, and so are links predicted under MIN_LINK_S
+    in all. Raises ProfileError when a pair of the cluster's devices has no link measurement."""
+    nodes = [entry.device.node for entry in cluster.devices]
+    index = {node: i for i, node in enumerate(nodes)}
+    bandwidth, _ = link_matrices(cluster.links, nodes)
+    message = message_matrix(cluster.links, nodes)
     predicted: dict[str, float] = {}
     measured: dict[str, float] = {}
     for node, samples in received.items():
         for sample in samples:
-            key = link_key(sample.src, node)
-            if key not in links or sample.src == node:
+            i, j = index.get(sample.src), index.get(node)
+            if i is None or j is None or i == j:
                 continue
-            predicted[key] = predicted.get(key, 0.0) + link_seconds(links[key], sample)
+            key = link_key(sample.src, node)
+            seconds = sample.bytes / float(bandwidth[i, j]) + sample.chunks * float(message[i, j])
+            predicted[key] = predicted.get(key, 0.0) + seconds
             measured[key] = measured.get(key, 0.0) + sample.seconds
     kept = [k for k, s in predicted.items() if s >= MIN_LINK_S]
     return {k: predicted[k] for k in kept}, {k: measured[k] for k in kept}
