@@ -218,3 +218,21 @@ def test_a_profile_not_in_the_cache_is_timed_on_the_device_asked_for(tmp_path, m
         run_device_profile(ModelSpec(name="lenet5"), DeviceProfile.from_settings(Settings(node_id="gpu-0")), [1],
                            cache=ProfileCache(tmp_path), method=method, node="gpu-0", compute=torch.device("cuda"))
     assert asked == [torch.device("cuda")]
+
+
+def test_the_exchange_counts_a_peers_arrivals_by_round_even_when_they_come_before_the_round_began(make_bus) -> None:
+    """A peer may send a round's first tensor before this device has begun that round: its arrival still counts for
+    that round, and a replayed round's leftovers count for none."""
+    from edgeswarm.values.profiles import LinkSample
+    from edgeswarm.wire.tensor import Arrival
+
+    exchange: TensorExchange = TensorExchange(make_bus("w1", "stage-worker"), "stage-worker", wait_s=1.0)
+    exchange.arrived(3, "a", Arrival(nbytes=1000, chunks=2, seconds=0.01))  # round 3's, early
+    exchange.arrived(2, "a", Arrival(nbytes=50, chunks=1, seconds=0.5))  # a replayed round 2's, late
+    exchange.arrived(3, "b", None)  # one chunk: says nothing of the link
+    exchange.arrived(3, "a", Arrival(nbytes=3000, chunks=3, seconds=0.02))
+    exchange.arrived(3, "c", Arrival(nbytes=10, chunks=1, seconds=0.001))
+    assert exchange.take_arrivals(3) == [LinkSample(src="a", bytes=4000, chunks=5, seconds=0.03),
+                                         LinkSample(src="c", bytes=10, chunks=1, seconds=0.001)]
+    assert exchange.take_arrivals(2) == []  # forgotten with round 3's take
+    exchange.close(timeout_s=1.0)

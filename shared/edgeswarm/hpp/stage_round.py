@@ -95,7 +95,7 @@ class StageRounds:
             st.exchange.fail(body.round, f"dropped {problem}")
             return
         assert msg.tensor is not None
-        st.exchange.arrived(msg.envelope.sender_node, msg.tensor.arrival)
+        st.exchange.arrived(body.round, msg.envelope.sender_node, msg.tensor.arrival)
         st.exchange.put(TensorKey(body.round, body.kind, body.micro_batch, body.sender), msg.tensor.to_torch())
 
     def _send(self, st: _Stage, stage: int, rank: int, tensor: Any, **tags: Any) -> None:
@@ -203,7 +203,6 @@ class StageRounds:
             return lane.span(name, cat, round_index, mb)
 
         exchange.blocked_s = 0.0
-        exchange.take_arrivals()  # what came before the round began (a replayed round's) is not this round's
         io = DeviceIO(batch=batch, send=send, compute=compute, after_forward=partial(self._jobs.check_memory, st),
                       step=step, blocked_s=lambda: exchange.blocked_s, span=span)
         at = Position(p, r, spec.shares, spec.micro_batches, spec.warmup)
@@ -217,7 +216,8 @@ class StageRounds:
                          compute_cpu_s=times.compute_cpu_s, wait_s=times.wait_s, overhead_s=times.overhead_s,
                          forward_s=times.forward_s, backward_s=times.backward_s, allreduce_s=times.allreduce_s,
                          peak_live=stage.peak_live, peak_activation_bytes=stage.peak_held_bytes,
-                         static_bytes=st.static_bytes, snapshot_s=snapshot, arrivals=exchange.take_arrivals())
+                         static_bytes=st.static_bytes, snapshot_s=snapshot,
+                         arrivals=exchange.take_arrivals(round_index))
         stage.end_round()
         return done
 

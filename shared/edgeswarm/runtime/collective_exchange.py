@@ -206,7 +206,7 @@ class CollectivePort:
                        f"{msg.sender}: expected a 1-D {self.dtype} tensor, got {got}")
             self.exchange.fail(body.scope, f"dropped {problem}")
             return Refusal("tensor", problem)
-        self.exchange.arrived(msg.envelope.sender_node, view.arrival)
+        self.exchange.arrived(body.scope, msg.envelope.sender_node, view.arrival)
         self.exchange.put(CollectiveKey(body.scope, body.collective, body.step, body.sender), view.to_torch())
         return None
 

@@ -87,7 +87,8 @@ class TensorExchange(Generic[K]):
         self.name = name
         self.scope_name = scope_name
         self.blocked_s = 0.0  # seconds waits have blocked, summed; the owner resets it (per round, say)
-        self._arrivals: dict[str, tuple[int, int, float]] = {}  # peer node -> bytes, chunks, seconds (``arrived``)
+        # (scope, peer node) -> bytes, chunks, seconds (``arrived``)
+        self._arrivals: dict[tuple[Hashable, str], tuple[int, int, float]] = {}
         self._bus = bus
         self._service = service
         self._changed = threading.Condition()
@@ -111,22 +112,26 @@ class TensorExchange(Generic[K]):
             self._inbox[key] = value
             self._changed.notify_all()
 
-    def arrived(self, sender: str, arrival: Arrival | None) -> None:
-        """Count how a tensor of several chunks from peer node ``sender`` arrived (``WireTensor.arrival``; None for
-        one of one chunk, which says nothing of the link), for ``take_arrivals``."""
+    def arrived(self, scope: Hashable, sender: str, arrival: Arrival | None) -> None:
+        """Count how a tensor of ``scope`` (a round, say) and of several chunks from peer node ``sender`` arrived
+        (``WireTensor.arrival``; None for one of one chunk, which says nothing of the link), for ``take_arrivals``.
+        Counted by scope because a peer may send a round's first tensor before this device has begun the round."""
         if arrival is None or arrival.chunks < 1:
             return
+        key = (scope, sender)
         with self._changed:
-            if sender not in self._arrivals and len(self._arrivals) >= MAX_LINK_SAMPLES:
+            if key not in self._arrivals and len(self._arrivals) >= MAX_LINK_SAMPLES:
                 return
-            nbytes, chunks, seconds = self._arrivals.get(sender, (0, 0, 0.0))
-            self._arrivals[sender] = (nbytes + arrival.nbytes, chunks + arrival.chunks, seconds + arrival.seconds)
+            nbytes, chunks, seconds = self._arrivals.get(key, (0, 0, 0.0))
+            self._arrivals[key] = (nbytes + arrival.nbytes, chunks + arrival.chunks, seconds + arrival.seconds)
 
-    def take_arrivals(self) -> list[LinkSample]:
-        """What arrived from each peer since the last call (``arrived``), and start counting afresh."""
+    def take_arrivals(self, scope: Hashable) -> list[LinkSample]:
+        """What arrived from each peer for ``scope`` (``arrived``). Forgets every scope's counts: those of any
+        other scope are a replayed or abandoned one's."""
         with self._changed:
             taken, self._arrivals = self._arrivals, {}
-        return [LinkSample(src=peer, bytes=b, chunks=c, seconds=s) for peer, (b, c, s) in sorted(taken.items())]
+        return [LinkSample(src=peer, bytes=b, chunks=c, seconds=s)
+                for (of, peer), (b, c, s) in sorted(taken.items(), key=lambda item: item[0][1]) if of == scope]
 
     def wait(self, key: K, *, rows: int | None = None, timeout_s: float | None = None) -> torch.Tensor:
         """Take the tensor held for ``key``, on the exchange's compute device, waiting at most ``timeout_s`` seconds
