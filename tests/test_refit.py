@@ -206,14 +206,20 @@ def test_the_planner_searches_again_only_when_the_fit_or_the_plan_moved() -> Non
 
 
 def test_repricing_a_plan_on_its_own_profile_gives_its_simulated_round_and_keeps_its_shares() -> None:
-    """The running plan's round is the event simulation of its own 1F1B schedule (the measured rounds follow it;
-    Eqs. 4-6, which the planner searches with, can give a deep pipeline less)."""
+    """The running plan's round is the event simulation of its own 1F1B schedule, as the planner states it (the
+    measured rounds follow it; Eqs. 4-6, which the planner searches with, can give a deep pipeline less)."""
+    from edgeswarm.planning.hpp.costmodel import round_latency
     from edgeswarm.planning.hpp.schedule import plan_timeline
+    from edgeswarm.planning.hpp.types import chain_steps
 
     profile = profiled()
     plan = best(profile)
-    assert reprice(plan, profile).round_latency_s == pytest.approx(
-        plan_timeline(plan).makespan_s + plan.round_overhead_s, rel=1e-9)
+    simulated = plan_timeline(plan).makespan_s + plan.round_overhead_s
+    assert plan.round_latency_s == pytest.approx(simulated, rel=1e-9)
+    assert reprice(plan, profile).round_latency_s == pytest.approx(simulated, rel=1e-9)
+    ef, eb, ta = chain_steps(plan.stages, plan.comm_steps)
+    formula, _ = round_latency(ef, eb, plan.options.micro_batches, ta)
+    assert simulated >= formula + plan.round_overhead_s - 1e-12  # the formula never exceeds the schedule (AC5)
     assert reprice(plan, profile).stages == plan.stages and reprice(plan, profile).comm_steps == plan.comm_steps
     slower = reprice(plan, scaled(profile, {"b": 2.0}))
     assert [s.shares for s in slower.stages] == [s.shares for s in plan.stages]

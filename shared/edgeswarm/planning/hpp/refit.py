@@ -6,10 +6,9 @@ priced anew, its round the event simulation of its own 1F1B schedule).
 
 from __future__ import annotations
 
-from edgeswarm.planning.hpp.assemble import comm_step, stage_allreduce_s
-from edgeswarm.planning.hpp.costmodel import CostModel, round_latency
-from edgeswarm.planning.hpp.schedule import simulate
-from edgeswarm.planning.hpp.types import Plan, chain_steps
+from edgeswarm.planning.hpp.assemble import comm_step, scheduled_round, stage_allreduce_s
+from edgeswarm.planning.hpp.costmodel import CostModel
+from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.values.profiles import ClusterProfile
 
 
@@ -28,10 +27,8 @@ def predicted_compute_s(plan: Plan, cluster: ClusterProfile) -> dict[str, float]
 
 def reprice(plan: Plan, cluster: ClusterProfile) -> Plan:
     """``plan`` as it stands (each stage's units, devices and shares of a micro-batch) priced on ``cluster``: what
-    the running plan takes if its devices compute and its links carry as ``cluster`` says. Its round is the event
-    simulation of its 1F1B schedule with its warm-ups (Appendix A) plus its per-round overhead, not Eqs. 4-6: on a
-    four-stage plan the formula gave 23% less than the simulation, and the measured round came within 1% of the
-    simulation (docs/benchmarks.md). The planner's search keeps the formula."""
+    the running plan takes if its devices compute and its links carry as ``cluster`` says. Its round is simulated
+    as every plan's is (``scheduled_round``), with its per-round overhead kept."""
     cm = CostModel(cluster, plan.options)
     index = {d.node: i for i, d in enumerate(cm.devices)}
     groups = [[index[node] for node in s.devices] for s in plan.stages]
@@ -43,10 +40,7 @@ def reprice(plan: Plan, cluster: ClusterProfile) -> Plan:
             "backward_s": max(float(cm.bwd[i, y, s.end] - cm.bwd[i, y, s.start]) for i, y in held),
             "allreduce_s": stage_allreduce_s(cm, s.start, s.end, group)}))
     comms = [comm_step(cm, p, plan.stages[p].end, groups[p], groups[p + 1]) for p in range(len(groups) - 1)]
-    ef, eb, ta = chain_steps(stages, comms)
-    m = plan.options.micro_batches
-    _, dominant = round_latency(ef, eb, m, ta)
-    latency = simulate(ef, eb, m, [s.warmup for s in stages], ta).makespan_s + plan.round_overhead_s
+    latency, dominant = scheduled_round(stages, comms, plan.options.micro_batches, plan.round_overhead_s)
     return plan.model_copy(update={"stages": stages, "comm_steps": comms, "round_latency_s": latency,
                                    "dominant_step": dominant,
                                    "throughput_sps": plan.options.global_batch / latency})

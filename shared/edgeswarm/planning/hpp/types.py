@@ -86,8 +86,8 @@ class CommStepPlan(BaseModel):
 class Plan(BaseModel):
     """A training plan and its prediction. ``epoch`` versions a job's plans (a re-plan increments it).
 
-    ``round_latency_s`` is the schedule's round (Eqs. 4-6) plus ``round_overhead_s``, the coordinator's requests of
-    a round (a round trip through the hub), which the schedule's steps do not hold."""
+    ``round_latency_s`` is the simulated 1F1B round (Appendix A) plus ``round_overhead_s``, the coordinator's
+    requests of a round (a round trip through the hub), which the schedule's steps do not hold."""
 
     model_config = ConfigDict(frozen=True)
 
