@@ -24,7 +24,7 @@ from rich.table import Table
 from edgeswarm.bus import Bus
 from edgeswarm.errors import ConfigError, EdgeswarmError
 from edgeswarm.extras import require_extra
-from edgeswarm.hpp.spec import JobSpec, TrainProgress
+from edgeswarm.hpp.spec import JobSpec, StrategyPrediction, TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.planning.hpp.compare import Comparison, compare
 from edgeswarm.planning.hpp.types import Plan
@@ -124,6 +124,7 @@ def run_train(args: argparse.Namespace, job: BaseModel, text: str, tools: Comman
             return 1
         measured = {job.strategy: _measured_round_s(follower)}
         refitted = {job.strategy: final.progress_as(TrainProgress).refitted_round_s}
+        predicted = {job.strategy: _own_prediction(final)}
         for strategy in compare:
             variant = job.model_copy(update={"name": f"{job.name}-{strategy}", "strategy": strategy,
                                              "rounds": args.compare_rounds, "epochs": None, "checkpoint_interval": 0})
@@ -134,10 +135,11 @@ def run_train(args: argparse.Namespace, job: BaseModel, text: str, tools: Comman
             state, run = _follow(bus, variant, variant_text, args.timeout, tools, verbose=False)
             measured[strategy] = _measured_round_s(run) if state.status == "succeeded" else None
             refitted[strategy] = state.progress_as(TrainProgress).refitted_round_s
+            predicted[strategy] = _own_prediction(state)
             if state.status != "succeeded":
                 tools.err_console.print(f"  {strategy}: {state.status}: {escape(state.detail)}")
         if compare:
-            _print_comparison(final, measured, refitted, job.global_batch, tools)
+            _print_comparison(predicted, measured, refitted, job.global_batch, tools)
         return 0
     finally:
         bus.stop()
@@ -284,15 +286,22 @@ def measured_round(bus: Bus, final: JobState) -> tuple[MeasuredRound | None, str
     return MeasuredRound(round=rounds[-1], bars=tuple(measured_bars(spans, rounds[-1]))), ""
 
 
-def _print_comparison(final: JobState, measured: dict[str, float | None], refitted: dict[str, float | None],
-                      global_batch: int, tools: CommandTools) -> None:
-    """Each strategy's measured round beside the planner's prediction and the last refitted one (its plan priced on
-    each device's compute as the job measured it)."""
+def _own_prediction(state: JobState) -> StrategyPrediction | None:
+    """What the planner predicted for the plan the job ran (its own strategy's entry in its comparison). Not the
+    first job's comparison: each job plans on the speeds saved by the jobs before it, and a baseline's layout can
+    move with them (PP balances compute alone, so a small change of speed can move a cut to a tensor 20x larger)."""
+    progress = state.progress_as(TrainProgress)
+    return next((p for p in progress.predictions if p.strategy == progress.strategy), None)
+
+
+def _print_comparison(predicted: dict[str, StrategyPrediction | None], measured: dict[str, float | None],
+                      refitted: dict[str, float | None], global_batch: int, tools: CommandTools) -> None:
+    """Each strategy's measured round beside what the planner predicted for the plan its job ran and the last
+    refitted prediction (that plan priced on each device's compute as the job measured it)."""
     table = Table(title="strategies on this cluster: predicted by the planner, measured on the stage-workers")
     for col in ("strategy", "predicted round (s)", "measured round (s)", "measured / predicted",
                 "measured / refitted", "measured samples/s", "HPP speed-up (measured)"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
-    predicted = {p.strategy: p for p in final.progress_as(TrainProgress).predictions}
     hpp = measured.get("hpp")
     for strategy, seconds in measured.items():
         p = predicted.get(strategy)
