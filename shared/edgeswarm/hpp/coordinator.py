@@ -247,9 +247,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
-        # The best plan is searched with the planner's formula, then priced as the running one is (reprice).
-        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, lambda old, profile: reprice(full_plan(old, profile),
-                                                                                              profile))
+        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, full_plan)
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.messages.jobs import JobState
 from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.types import ServePlan
@@ -61,6 +62,18 @@ class ServeRun(BaseModel):
         return self.measured_per_s / self.predicted_per_s
 
 
+def _state_after(follower: JobFollower, answered: int, *, timeout_s: float) -> JobState | None:
+    """The job's first state that counts ``answered`` requests answered (its progress is published about every
+    second), or its last state after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = follower.state
+        if state is not None and state.progress_as(ServeProgress).answered >= answered:
+            return state
+        time.sleep(0.1)
+    return follower.state
+
+
 def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_batch: int, requests: int,
                    window: int, log: Callable[[str], None]) -> ServeRun:
     from edgeswarm.models.zoo import example_input
@@ -89,8 +102,7 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
             return ServeRun(env=env, variant=variant, error=f"{len(failed)} requests failed: {failed[0].error}")
         latency = report.latency_s()
         assert latency is not None  # every request was answered
-        time.sleep(1.5)  # the job's state after the stream: its progress is published every second
-        final = follower.state
+        final = _state_after(follower, 2 * window + len(report.results), timeout_s=10.0)
         refitted = final.progress_as(ServeProgress).refitted_throughput_per_s if final is not None else None
         row = ServeRun(env=env, variant=variant, stages=len(plan.stages), devices=plan.devices,
                        bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s, refitted_per_s=refitted,
