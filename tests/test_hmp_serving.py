@@ -138,8 +138,10 @@ def test_serve_and_infer_on_the_command_line_generate_the_single_device_tokens(c
     data = wait_until(explained, 30, message="both prefills' spans for edgeswarm explain")
     ops = {(o["lane"], o["name"]): o for o in data["operations"]}
     for rank in range(DEVICES):
-        for name in ("prefill", "compute", "exposed communication"):
+        for name in ("prefill", "compute"):
             assert ops[(f"shard {rank}", name)]["planned_each_s"] > 0, (rank, name, ops)
+        # A rank the others wait for may have all its communication hidden behind its compute: planned 0 s.
+        assert ops[(f"shard {rank}", "exposed communication")]["planned_each_s"] >= 0, (rank, ops)
         assert ops[(f"shard {rank}", "prefill")]["measured_s"] > ops[(f"shard {rank}", "compute")]["measured_s"] > 0
     assert not any(lane.endswith("comm") for lane, _ in ops) and data["predicted_s"] > 0
     # Every kind's plan view, device by device: this one's heads and columns, in `jobs --json` and `jobs JOB`.

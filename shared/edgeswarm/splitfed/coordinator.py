@@ -53,6 +53,7 @@ from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, st
 from edgeswarm.stats import affine_fit
 
 if TYPE_CHECKING:
+    from edgeswarm.messages.cluster import ClusterView
     from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
@@ -101,12 +102,22 @@ class SplitfedRunner(RoundProgram):
     def done(self) -> bool:
         return self.round >= self.spec.rounds
 
+    def _view_with_a_mec(self) -> ClusterView:
+        """The cluster view once a mec-manager is online in it, or after ``wait_s`` seconds without one: a restarted
+        edge server imports torch before it says it is online, and a round should wait for it, not fail."""
+        assert self.watcher is not None
+        deadline = time.monotonic() + self.spec.wait_s
+        view, _ = self.watcher.view()
+        while not nodes_running(view, MEC_MANAGER) and time.monotonic() < deadline and not self.ctx.cancel.is_set():
+            self.ctx.cancel.wait(0.2)
+            view, _ = self.watcher.view()
+        return view
+
     def step(self) -> None:
         """Run round ``self.round`` over the cluster as it is now (see the module's docstring)."""
         spec, ctx, r, setup = self.spec, self.ctx, self.round, self.setup
         started = time.monotonic()
-        assert self.watcher is not None
-        view, _ = self.watcher.view()
+        view = self._view_with_a_mec()
         devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
         devices = devices[:spec.partition.devices]  # a device's partition is its index among these
         mecs = sorted(nodes_running(view, MEC_MANAGER))
