@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from edgeswarm.planning.serve.types import ServePlan
 from test_plan_cli import _saved, edgeswarm
 
@@ -24,6 +26,31 @@ def test_serve_plan_from_saved_profiles_prints_table_and_json(tmp_path: Path) ->
     plan.validate_stages(30)
     assert plan.micro_batch_size == 4 and "nano-1" not in plan.devices
     assert plan.bottleneck_s == max(max(s.compute_s for s in plan.stages), max(s.transfer_in_s for s in plan.stages))
+
+
+def test_serve_plan_predicts_latency_and_throughput_at_an_offered_load(tmp_path: Path) -> None:
+    """``--offered-load``: below capacity every sample is served and a request waits longer than unloaded; above it
+    the plan is saturated. The JSON holds the plan and the prediction."""
+    from edgeswarm.planning.serve.load import LoadPrediction, at_offered_load
+
+    _saved(tmp_path / "profiles")
+    base = ("plan", "--kind", "serve-pipeline", "--model", "synthetic-cnn", "--profiles", str(tmp_path / "profiles"),
+            "--serve-micro-batch", "4")
+    plan = ServePlan.model_validate_json(edgeswarm(*base, "--json").stdout)
+    half = plan.throughput_per_s / 2
+    js = edgeswarm(*base, "--json", "--offered-load", str(half))
+    assert js.returncode == 0, js.stderr
+    both = json.loads(js.stdout)
+    assert ServePlan.model_validate(both["plan"]) == plan
+    load = LoadPrediction.model_validate(both["at_offered_load"])
+    assert load == at_offered_load(plan, half) and load.latency_s is not None
+    assert load.throughput_per_s == half and load.latency_s > plan.latency_s and load.utilisation == pytest.approx(0.5)
+    text = edgeswarm(*base, "--offered-load", str(half)).stdout
+    assert f"at {half:g} samples/s offered: serves all of it" in text and "50% busy" in text, text
+    over = edgeswarm(*base, "--offered-load", str(3 * plan.throughput_per_s)).stdout
+    assert "saturated" in over and f"{plan.throughput_per_s:.1f} samples/s" in over, over
+    bad = edgeswarm(*base, "--offered-load", "-1")
+    assert bad.returncode != 0 and "--offered-load" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_serve_plan_explains_a_bad_option(tmp_path: Path) -> None:

@@ -116,18 +116,21 @@ def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
     table = Table(title=f"{model.name} served on Asteroid environments at 100 Mbps, micro-batch {args.micro_batch}: "
                         "measured on the stage-workers" + (" in network namespaces" if args.netns else ""))
     for col in ("env", "variant", "stages", "devices", "predicted samples/s", "measured samples/s",
-                "measured / predicted", "measured / refitted", "over single device", "p50 ms", "p99 ms"):
+                "measured / predicted", "measured / refitted", "over single device", "p50 ms",
+                "p50 ms predicted", "p99 ms"):
         table.add_column(col, justify="left" if col in ("env", "variant", "devices") else "right")
     single = {r.env: r.measured_per_s for r in rows if r.variant == "single" and r.measured_per_s}
     for r in rows:
         if r.error:
-            table.add_row(r.env, r.variant, "-", escape(r.error[:60]), *["-"] * 7)
+            table.add_row(r.env, r.variant, "-", escape(r.error[:60]), *["-"] * 8)
             continue
         base = single.get(r.env)
         table.add_row(r.env, r.variant, str(r.stages), ",".join(r.devices), f"{r.predicted_per_s:.1f}",
                       f"{r.measured_per_s:.1f}", f"{r.ratio:.2f}x" if r.ratio else "-",
                       f"{r.measured_per_s / r.refitted_per_s:.2f}x" if r.measured_per_s and r.refitted_per_s else "-",
                       f"{r.measured_per_s / base:.2f}x" if base and r.measured_per_s else "-",
-                      f"{(r.p50_s or 0) * 1000:.0f}", f"{(r.p99_s or 0) * 1000:.0f}")
+                      f"{(r.p50_s or 0) * 1000:.0f}",
+                      f"{r.predicted_p50_s * 1000:.0f}" if r.predicted_p50_s is not None else "-",
+                      f"{(r.p99_s or 0) * 1000:.0f}")
     tools.console.print(table)
     return 0 if all(r.error is None for r in rows) else 1

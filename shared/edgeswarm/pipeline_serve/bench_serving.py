@@ -25,6 +25,7 @@ from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.pipeline_serve.spec import ServeProgress
+from edgeswarm.planning.serve.load import at_outstanding
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
@@ -37,8 +38,8 @@ VARIANTS: dict[str, dict[str, object]] = {"planned": {}, "greedy": {"method": "g
 class ServeRun(BaseModel):
     """One variant served on one environment: its plan's shape and prediction, the coordinator's refitted prediction
     after the stream (the plan priced on each stage's measured forward), the measured samples per second over the
-    stream, and the clients' per-request latency percentiles (seconds). ``error`` says why it did not
-    run."""
+    stream, and the clients' per-request latency percentiles (seconds) beside the plan's median latency predicted
+    for the stream's load (``planning.serve.load.at_outstanding``). ``error`` says why it did not run."""
 
     env: str
     variant: str
@@ -49,6 +50,7 @@ class ServeRun(BaseModel):
     refitted_per_s: float | None = None
     measured_per_s: float | None = None
     p50_s: float | None = None
+    predicted_p50_s: float | None = None
     p99_s: float | None = None
     requests: int = 0
     replayed: int = 0
@@ -95,7 +97,9 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
     try:
         inputs = [example_input(model, micro_batch, seed=k) for k in range(16)]
         infer_stream(bus, name, [inputs[k % 16] for k in range(2 * window)], window=window)  # warm-up
-        report = infer_stream(bus, name, [inputs[k % 16] for k in range(requests)], window=2 * window,
+        # The client keeps twice the job's window outstanding, so requests also queue at the coordinator.
+        outstanding = 2 * window
+        report = infer_stream(bus, name, [inputs[k % 16] for k in range(requests)], window=outstanding,
                               timeout_s=300)
         failed = [r for r in report.results if r.outputs is None]
         if failed:
@@ -107,10 +111,12 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
         row = ServeRun(env=env, variant=variant, stages=len(plan.stages), devices=plan.devices,
                        bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s, refitted_per_s=refitted,
                        measured_per_s=report.samples / report.wall_s, p50_s=latency[0], p99_s=latency[1],
+                       predicted_p50_s=at_outstanding(plan, outstanding, window).latency_s,
                        requests=len(report.results), replayed=sum(r.replayed for r in report.results))
         log(f"env {env}: {variant}: {row.stages} stages on {', '.join(row.devices)}: {row.measured_per_s:.1f} "
             f"samples/s measured, {row.predicted_per_s:.1f} predicted ({row.ratio or 0:.2f}x); p50 "
-            f"{row.p50_s * 1000:.0f} ms, p99 {row.p99_s * 1000:.0f} ms")
+            f"{row.p50_s * 1000:.0f} ms ({(row.predicted_p50_s or 0) * 1000:.0f} predicted), p99 "
+            f"{row.p99_s * 1000:.0f} ms")
         return row
     finally:
         cancel_job(bus, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.inputs import as_input_dtype, read_npz
+from edgeswarm.planning.serve.load import LoadPrediction, at_offered_load
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads import parse_spec_text
@@ -112,6 +114,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stages", type=int, default=None, help="serve-pipeline: at most this many stages")
     p.add_argument("--serve-method", choices=("auto", "kpath", "greedy", "optimal"), default="auto",
                    help="serve-pipeline: search (auto: the best predicted of all)")
+    p.add_argument("--offered-load", type=float, default=None, metavar="SAMPLES_PER_S",
+                   help="serve-pipeline: also predict the throughput and a request's latency when clients offer "
+                        "this many samples a second at random")
 
 
 def run_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTools) -> int:
@@ -128,16 +133,32 @@ def run_plan(args: argparse.Namespace, cluster: ClusterProfile, tools: CommandTo
                                exclude=[x for x in args.exclude.split(",") if x.strip()])
     except ValidationError as exc:
         raise ConfigError(f"bad serve-pipeline options: {exc}") from exc
+    if args.offered_load is not None and not (0 < args.offered_load < math.inf):
+        raise ConfigError(f"--offered-load is a positive number of samples a second, not {args.offered_load}")
     plan = plan_serving(cluster, options)
+    load = None if args.offered_load is None else at_offered_load(plan, args.offered_load)
     if args.json:
-        tools.console.out(plan.model_dump_json(indent=2), highlight=False)
+        # With a load, the plan and its prediction at that load; without one, the plan alone (as before).
+        text = plan.model_dump_json(indent=2) if load is None else json.dumps(
+            {"plan": plan.model_dump(mode="json"), "at_offered_load": load.model_dump(mode="json")}, indent=2)
+        tools.console.out(text, highlight=False)
     else:
         names = [u.name for u in cluster.model.units]
         tools.console.print(f"[bold]{cluster.model.model.name}[/bold]: serve-pipeline, {len(names)} units, "
                             f"{len(cluster.devices)} devices, micro-batch {plan.micro_batch_size}, "
                             f"method {plan.method}")
         print_plan(plan, tools, names)
+        if load is not None:
+            tools.console.print(_load_text(args.offered_load, load))
     return 0
+
+
+def _load_text(offered_per_s: float, load: LoadPrediction) -> str:
+    if load.saturated:
+        return (f"at {offered_per_s:g} samples/s offered: [bold]saturated[/bold], it serves its capacity of "
+                f"{load.throughput_per_s:.1f} samples/s and the queue grows without bound")
+    return (f"at {offered_per_s:g} samples/s offered: serves all of it, a request's latency "
+            f"[bold]{load.latency_s:.4f} s[/bold] on average (bottleneck {load.utilisation:.0%} busy)")
 
 
 def print_plan(plan: ServePlan, tools: CommandTools, names: list[str] | None = None) -> None:
