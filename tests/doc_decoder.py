@@ -374,7 +374,9 @@ _PROGRESS = ("tagged", "kind", {
         "kind": ("enum", {"serve-pipeline"}), "answered": "int", "samples": "int", "errors": "int", "replayed": "int",
         "in_flight": "int", "queued": "int", "throughput_per_s": "number?", "latency_p50_s": "number?",
         "latency_p99_s": "number?", "predicted_throughput_per_s": "number?", "predicted_latency_s": "number?",
-        "refitted_throughput_per_s": "number?",
+        "refitted_throughput_per_s": "number?", "offered_per_s": "number?",
+        "at_load": ("optional", ("record", {"throughput_per_s": "number", "latency_s": "number?",
+                                            "utilisation": "number"})),
         "reconfigurations": "int", "weights": "str"},
     "serve-hmp": {
         "kind": ("enum", {"serve-hmp"}), "answered": "int", "errors": "int", "recomputed": "int", "queued": "int",

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from edgeswarm.planning.serve.load import at_offered_load, at_outstanding
+from edgeswarm.planning.serve.load import at_measured_load, at_offered_load, at_outstanding
 from edgeswarm.planning.serve.types import ServePlan, ServeStagePlan
 
 MICRO_BATCH = 4
@@ -107,3 +107,13 @@ def test_the_closed_loop_prediction_is_what_a_simulated_client_with_requests_out
     assert predicted.latency_s == pytest.approx(latency, rel=0.02)
     with pytest.raises(ValueError):
         at_outstanding(PLAN, 0, window)
+
+
+def test_a_running_job_s_load_is_open_below_capacity_and_closed_at_it() -> None:
+    """What a running job predicts at the load it measures: below capacity the arrivals' queueing, whatever it holds;
+    at capacity the requests it holds as a closed loop (at least one)."""
+    below = PLAN.throughput_per_s / 2
+    assert at_measured_load(PLAN, below, 30, 8) == at_offered_load(PLAN, below)
+    at = PLAN.throughput_per_s * 1.5
+    assert at_measured_load(PLAN, at, 16, 8) == at_outstanding(PLAN, 16, 8)
+    assert at_measured_load(PLAN, at, 0, 8) == at_outstanding(PLAN, 1, 8)

@@ -31,6 +31,8 @@ from edgeswarm.messages.serving import InferError, InferRequest
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.pipeline_serve.client import InferRefusedError, infer, infer_stream
 from edgeswarm.pipeline_serve.spec import ServeProgress
+from edgeswarm.pipeline_serve.workload import ServePipelineWorkload
+from edgeswarm.planning.serve.load import at_measured_load
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
@@ -104,6 +106,12 @@ def test_pipelined_outputs_equal_a_single_process(cluster: Cluster, model: dict[
     assert figures.errors == 0 and figures.samples == sum(int(x.shape[0]) for x in inputs)
     # The full items carried each stage's measured forward: the plan is priced on them too (the closed loop's fit).
     assert figures.refitted_throughput_per_s is not None and figures.refitted_throughput_per_s > 0, figures
+    # The load it measured, and the plan's prediction at that load beside the measured figures on the dashboard.
+    assert figures.offered_per_s is not None and figures.offered_per_s > 0 and figures.at_load is not None, figures
+    assert isinstance(final.plan, ServePlan)  # nothing held once every request is answered; the spec's window is 8
+    assert figures.at_load == at_measured_load(final.plan, figures.offered_per_s, 0, 8), figures
+    charted = {s.name: s.predicted for s in ServePipelineWorkload().series(final)}
+    assert charted["throughput"] == figures.at_load.throughput_per_s, charted
     # A cancelled job answers no more: the caller hears so at once.
     with pytest.raises(InferRefusedError) as refused:
         infer(cluster.bus, name, inputs[0], timeout_s=10)

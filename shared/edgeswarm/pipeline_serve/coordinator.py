@@ -43,6 +43,7 @@ from edgeswarm.messages.serving import (
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
 from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text, scaled
+from edgeswarm.planning.serve.load import at_measured_load
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
 from edgeswarm.planning.serve.types import ServePlan
@@ -92,6 +93,15 @@ class _Stats:
     replayed: int = 0
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     done_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (monotonic, rows)
+    arrived_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (monotonic, rows)
+
+
+def _rate(events: deque[tuple[float, int]], now: float) -> float | None:
+    """Rows a second over the (monotonic time, rows) events of the last THROUGHPUT_WINDOW_S seconds (the first one
+    opens the span); None for fewer than two."""
+    recent = [(t, rows) for t, rows in events if now - t <= THROUGHPUT_WINDOW_S]
+    span = (now - recent[0][0]) if len(recent) > 1 else 0.0
+    return sum(rows for _, rows in recent[1:]) / span if span > 0 else None
 
 
 class PipelineRunner(ServingProgram[ServePlan, _Request]):
@@ -292,6 +302,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         assert msg.tensor is not None
         request = _Request(msg=msg, request_id=body.request_id, arrived=time.monotonic(),
                            inputs=msg.tensor.to_torch())
+        with self._changed:
+            self._stats.arrived_at.append((request.arrived, int(request.inputs.shape[0])))
         self.admit(request, _nbytes(request.inputs))
 
     def _request_problem(self, msg: Inbound) -> tuple[InferErrorReason, str] | None:
@@ -405,12 +417,17 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             s = self._stats
             latencies = sorted(s.latencies)
             now = time.monotonic()
-            recent = [(t, rows) for t, rows in s.done_at if now - t <= THROUGHPUT_WINDOW_S]
-            span = (now - recent[0][0]) if len(recent) > 1 else 0.0
+            offered = _rate(s.arrived_at, now)
+            plan = self._plan
+            # Requests the coordinator holds: the pipeline's items and the queue's requests (a request is one item
+            # when, as usual, it fills a micro-batch).
+            held = len(self._inflight) + len(self._queue)
+            at_load = (at_measured_load(plan, offered, held, self.spec.window)
+                       if plan is not None and offered else None)
             return {"answered": s.answered, "samples": s.samples, "errors": self._errors, "replayed": s.replayed,
                     "in_flight": len(self._inflight), "queued": len(self._queue),
                     "reconfigurations": self._reconfigurations,
-                    "throughput_per_s": sum(rows for _, rows in recent[1:]) / span if span > 0 else None,
+                    "throughput_per_s": _rate(s.done_at, now), "offered_per_s": offered, "at_load": at_load,
                     "latency_p50_s": percentile(latencies, 0.50), "latency_p99_s": percentile(latencies, 0.99),
                     "refitted_throughput_per_s": priced.current.throughput_per_s if priced is not None else None}
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgeswarm.planning.serve.load import LoadPrediction
 from edgeswarm.planning.serve.types import ServeOptions
 from edgeswarm.values.limits import MAX_BATCH_SIZE
 from edgeswarm.values.profiles import ModelSpec
@@ -49,8 +50,10 @@ class ServeProgress(BaseModel):
     are in the pipeline and ``queued`` requests wait for room in its window. ``throughput_per_s`` (samples per
     second) and the latency percentiles (seconds from a request's arrival to its answer) are measured over the
     recent requests, beside the plan's predictions and ``refitted_throughput_per_s``, the running plan's throughput
-    priced on each stage device's forward as measured so far (the closed loop's fit). ``weights`` says where the
-    weights came from."""
+    priced on each stage device's forward as measured so far (the closed loop's fit). ``offered_per_s``: samples a
+    second that arrived over the recent requests; ``at_load``: what the plan predicts at that load and the requests
+    the coordinator holds (``planning.serve.load.at_measured_load``), the measured latency's and throughput's
+    counterparts. ``weights`` says where the weights came from."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -67,5 +70,7 @@ class ServeProgress(BaseModel):
     predicted_throughput_per_s: float | None = None
     predicted_latency_s: float | None = None
     refitted_throughput_per_s: float | None = None
+    offered_per_s: float | None = Field(default=None, ge=0)
+    at_load: LoadPrediction | None = None
     reconfigurations: int = Field(default=0, ge=0)
     weights: str = Field(default="", max_length=256)

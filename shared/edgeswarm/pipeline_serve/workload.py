@@ -49,6 +49,16 @@ class ServePipelineWorkload(ServingWorkload):
         return [("latency p50", "s", progress.latency_p50_s), ("latency p99", "s", progress.latency_p99_s),
                 ("throughput", "samples/s", progress.throughput_per_s)]
 
+    def predicted_at_load(self, progress: Any) -> dict[str, float]:
+        assert isinstance(progress, ServeProgress)
+        load = progress.at_load
+        if load is None:
+            return {}
+        out = {"throughput": load.throughput_per_s}
+        if load.latency_s is not None:
+            out["latency p50"] = load.latency_s
+        return out
+
     def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
         """One micro-batch through the pipeline as planned: each stage's forward, then the activation's transfer to
         the next stage."""

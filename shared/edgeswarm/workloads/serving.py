@@ -307,12 +307,18 @@ class ServingWorkload(Workload):
             (f"{name} {value * 1000:.1f} ms" if unit == "s" else f"{value:.1f} {unit}")
             for name, unit, value in self.measured(p) if value is not None)))
 
+    def predicted_at_load(self, progress: Any) -> dict[str, float]:
+        """The plan's prediction of ``measured``'s figures (by name) at the load the job measures, where the kind
+        has one. None by default: a plan that prices compute and collectives alone predicts none of them."""
+        return {}
+
     def series(self, state: JobState) -> list[Series]:
-        # Measured only: a serving plan prices compute (and collectives), not a request's messages and queueing, so
-        # it predicts none of what is charted here.
         x = max(0.0, state.updated_at - state.submitted_at)
-        return [Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),))
-                for name, unit, value in self.measured(state.progress_as(self.progress_type)) if finite(value)]
+        progress = state.progress_as(self.progress_type)
+        predicted = self.predicted_at_load(progress)
+        return [Series(name=name, unit=unit, x_label="s", points=(SeriesPoint(x=x, y=value),),
+                       predicted=predicted.get(name))
+                for name, unit, value in self.measured(progress) if finite(value)]
 
     def run(self, ctx: JobContext, spec: Any) -> tuple[JobEventKind, str] | None:
         if ctx.previous is not None:

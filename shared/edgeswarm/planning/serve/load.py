@@ -72,3 +72,12 @@ def at_outstanding(plan: ServePlan, outstanding: int, window: int) -> LoadPredic
     items_per_s = min(inside / unloaded, 1.0 / plan.bottleneck_s)
     return LoadPrediction(throughput_per_s=items_per_s * plan.micro_batch_size, latency_s=outstanding / items_per_s,
                           utilisation=min(1.0, items_per_s * plan.bottleneck_s))
+
+
+def at_measured_load(plan: ServePlan, offered_per_s: float, outstanding: int, window: int) -> LoadPrediction:
+    """What ``plan`` predicts at the load a running job measures: ``offered_per_s`` samples a second arriving (> 0)
+    and ``outstanding`` requests at the coordinator (in the pipeline or queued). Below capacity, the open loop's
+    prediction; at or above it, the clients keeping it busy are taken as a closed loop of ``outstanding`` requests
+    (at least one), ``window`` of them in the pipeline."""
+    load = at_offered_load(plan, offered_per_s)
+    return at_outstanding(plan, max(1, outstanding), window) if load.saturated else load
