@@ -7,6 +7,7 @@ the round completes."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -186,10 +187,11 @@ def _mec_checkpoint(cluster: Cluster, job: str) -> dict[str, object]:
 
 
 def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster) -> None:
-    # Dirichlet(0.1) over three devices leaves them very unequal shares: one finishes long before the other.
+    # Dirichlet(0.1) with seed 7 leaves the three devices 769, 181 and 488 samples: any two differ by 1.6x or
+    # more, so one finishes well before the other.
     # wait_s: the devices wait for the restarted MEC, which imports torch again (over 10 s on a loaded CI machine).
     text = spec_text("sf-mec", rounds=2, gamma=1.0, partition={"kind": "dirichlet", "devices": DEVICES,
-                                                                "alpha": 0.1, "seed": 3},
+                                                                "alpha": 0.1, "seed": 7},
                      training={"epochs": 3, "batch_size": 16}, wait_s=45)
     events: list[JobEvent] = []
     follower = JobFollower(cluster.bus, "sf-mec", on_event=events.append)
@@ -200,10 +202,15 @@ def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster)
         return meta.get("round") == 0 and any(r["outcome"] == "trained" for r in meta.get("reports", []))
 
     wait_until(one_finished, 180, interval_s=0.02, message="the MEC's first finished device of round 0")
+    # Frozen at once, so it dies mid-round: a moment later it could have taken the other report too, and then
+    # nothing would be left to resume.
     mec = next(c for c in reversed(cluster.local.children) if (c.node, c.service) == (MEC, "mec-manager"))
+    mec.process.send_signal(signal.SIGSTOP)
+    reports = _mec_checkpoint(cluster, "sf-mec").get("reports", [])
     mec.process.kill()
     mec.process.wait(10)
     cluster.local.restart(MEC, "mec-manager")
+    assert sum(r["outcome"] == "trained" for r in reports) == 1, reports  # one participant of two
     final = follower.wait(300)
     assert final.status == "succeeded", final.detail
     assert any(e.kind == "mec_restarted" for e in events), [e.kind for e in events]

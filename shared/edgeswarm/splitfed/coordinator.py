@@ -254,11 +254,9 @@ class SplitfedRunner(RoundProgram):
                 elif m in lost_at or restarted:
                     confirmed = lost_at.pop(m, None) is not None
                     instances[m] = current
-                    self.ctx.update("running", event=("mec_restarted", f"round {r}: {m} came back; it resumes the "
-                                                                       "round from its checkpoint"))
                     if self._start_on(m, starts[m], flat):
                         self.restarts += 1
-                        self.count_recovery(device_lost=confirmed)
+                        self._came_back(r, m, confirmed=confirmed)
             if now > give_up:
                 log.warning("job %s round %d: no update from %s in time", self.spec.name, r,
                             ", ".join(sorted(pending - set(got))))
@@ -272,6 +270,10 @@ class SplitfedRunner(RoundProgram):
             if body.round != r or body.mec not in mecs or msg.envelope.sender_node != body.mec or body.mec in got:
                 log.info("job %s: dropped an update of round %d from %s", self.spec.name, body.round, msg.sender)
                 continue
+            if instances[body.mec] not in (None, msg.envelope.sender_instance):
+                # Restarted and finished the round from its checkpoint before the detector heard the new instance.
+                instances[body.mec] = msg.envelope.sender_instance
+                self._came_back(r, body.mec, confirmed=lost_at.pop(body.mec, None) is not None)
             partial = None
             if body.count > 0:
                 try:
@@ -285,6 +287,13 @@ class SplitfedRunner(RoundProgram):
             self.refused += body.refused
             got[body.mec] = (body, partial)
         return got
+
+    def _came_back(self, r: int, mec: str, *, confirmed: bool) -> None:
+        """``mec`` runs again as a new instance in round ``r``: an event, and a recovery counted (a lost device when
+        its failure was ``confirmed``)."""
+        self.ctx.update("running", event=("mec_restarted", f"round {r}: {mec} came back; it resumes the round "
+                                                           "from its checkpoint"))
+        self.count_recovery(device_lost=confirmed)
 
     def _aggregate(self, r: int, state: dict[str, torch.Tensor],
                    updates: dict[str, tuple[SplitUpdate, PartialSum | None]], selection: SplitSelection,
