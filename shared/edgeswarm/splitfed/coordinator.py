@@ -94,6 +94,7 @@ class SplitfedRunner(RoundProgram):
         self.layout = layout_of(self.state)
         self.dataset, self.partition = partition_of(self.setup)
         self.round = self._resume(self.state)  # the next round to run
+        self.had_mec = self.round > 0  # a resumed job's earlier rounds had one
         self.ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
                                                          f"{self.training.batch_size}"))
         self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
@@ -103,10 +104,11 @@ class SplitfedRunner(RoundProgram):
         return self.round >= self.spec.rounds
 
     def _view_with_a_mec(self) -> ClusterView:
-        """The cluster view once a mec-manager is online in it, or after ``wait_s`` seconds without one: a restarted
-        edge server imports torch before it says it is online, and a round should wait for it, not fail."""
+        """The cluster view; once an earlier round of the job had a mec-manager, the view once one is online again,
+        or after ``wait_s`` seconds without one: a restarted edge server imports torch before it says it is online,
+        and a round should wait for it, not fail. (A job that never had one fails at once, naming what to start.)"""
         assert self.watcher is not None
-        deadline = time.monotonic() + self.spec.wait_s
+        deadline = time.monotonic() + (self.spec.wait_s if self.had_mec else 0.0)
         view, _ = self.watcher.view()
         while not nodes_running(view, MEC_MANAGER) and time.monotonic() < deadline and not self.ctx.cancel.is_set():
             self.ctx.cancel.wait(0.2)
@@ -121,6 +123,7 @@ class SplitfedRunner(RoundProgram):
         devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
         devices = devices[:spec.partition.devices]  # a device's partition is its index among these
         mecs = sorted(nodes_running(view, MEC_MANAGER))
+        self.had_mec = self.had_mec or bool(mecs)
         if not mecs:
             raise JobError(f"job {spec.name}: no mec-manager is online; start an edge server "
                            "(edgeswarm up --local --edges 1)")
