@@ -251,6 +251,15 @@ def test_train_jobs_and_cancel_on_a_local_cluster(tmp_path: Path, up) -> None:
     for png in ("loss.png", "timeline.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
+    # Split learning on a cluster without an edge server fails at once (not after the job's wait), naming the fix.
+    (tmp_path / "sf.yaml").write_text("kind: train-splitfed\nname: sf-no-mec\nmodel: {name: lenet5}\n"
+                                      "data: {kind: digits}\npartition: {kind: iid, devices: 3}\nparticipants: 2\n"
+                                      "wait_s: 600\n")
+    # (Had it waited the job's 600 s for one, the command's 300 s timeout would fail the test.)
+    failed = edgeswarm("train", str(tmp_path / "sf.yaml"), "--hub", cluster.url, "--wait", check=False, timeout=300)
+    assert failed.returncode == 1 and "no mec-manager is online" in failed.stdout + failed.stderr, failed
+    assert "--edges 1" in failed.stdout + failed.stderr, failed
+
     (tmp_path / "long.yaml").write_text(JOB.replace("mlp-teacher", "long").replace("rounds: 6", "rounds: 100000"))
     out = edgeswarm("train", str(tmp_path / "long.yaml"), "--hub", cluster.url)
     assert "job long submitted" in out.stdout
