@@ -1,5 +1,5 @@
 """Pipelined serving's closed loop on real stage-workers: a stream served on a plan made from profiles that are wrong
-about one device (its stage-worker computes 3x slower than its profiler measured) refits that device's speed from
+about one device (its stage-worker computes 8x slower than its profiler measured) refits that device's speed from
 the stages' measured forwards, re-plans itself between two items and goes on: every request is answered once, with
 the outputs of the model run in one process. What it measured is saved when it stops, and the next serving job on
 the same devices starts from it."""
@@ -36,13 +36,15 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
     services.start("planner", "hub", broker.url)
     saved = tmp_path / "profiles-hub"
     services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", EDGESWARM_PROFILE_DIR=str(saved))
-    for node in NODES:  # a's profiler measures it as fast as the others; its stage-worker runs 3x slower
+    # a's profiler measures it as fast as the others; its stage-worker runs 8x slower: well beyond what a busy CI
+    # machine makes the others look (up to 4x seen at 30x emulation)
+    for node in NODES:
         profiles = str(tmp_path / f"profiles-{node}")
         services.start("node-agent", node, broker.url)
         services.start("profiler", node, broker.url, EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN),
                        EDGESWARM_PROFILE_DIR=profiles)
         services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
-                       EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (3 if node == "a" else 1)))
+                       EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (8 if node == "a" else 1)))
     bus = make_bus("test", "cli")
     for node in NODES:
         for service in ("node-agent", "profiler", "stage-worker"):
@@ -93,7 +95,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
     finally:
         cancel_job(bus, name)
         follower.wait(60)
-    # Stopped, it saved each stage device's measured speed (a's measured 3x its profile, where a computed), kept
+    # Stopped, it saved each stage device's measured speed (a's measured 8x its profile, where a computed), kept
     # apart from training's; the next job plans from it.
     kept = of("refit")
     assert kept and kept[-1].startswith("saved the measured compute speeds for the next job: "), kept
