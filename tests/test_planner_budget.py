@@ -22,6 +22,7 @@ from edgeswarm.planning.hpp import asteroid
 from edgeswarm.planning.hpp.baselines import plan_pp, plan_single
 from edgeswarm.planning.hpp.budget import (
     PRICING_CELLS,
+    SIMULATION_CELLS,
     TABLE_ROW_CELLS,
     estimate_plan,
     estimate_replan,
@@ -146,8 +147,10 @@ def test_search_estimate_matches_hand_counts() -> None:
     assert table_cells(2, 1, 1) == 2 * 3 + 2 * 2 * TABLE_ROW_CELLS
     assert strategy_cells("hpp", 3, 3, 4) == table_cells(3, 3, 4) + 31
     assert strategy_cells("pp", 3, 3, 4) == table_cells(3, 3, 4) + 3 * 4**2
-    # Light re-plan, 2 stages of 10 units: 10 x 2 fitting rounds of 4 pricings, (1 + 10 x 2) layouts of 2 stages.
-    assert light_replan_cells(10, 3, 2, 8) == table_cells(10, 3, 8) + (80 + 42) * PRICING_CELLS
+    # Light re-plan, 2 stages of 10 units: 10 x 2 fitting rounds of 4 pricings, (1 + 10 x 2) layouts of 2 stages,
+    # each layout's round simulated over its 4 micro-batches on its 2 stages.
+    assert light_replan_cells(10, 3, 2, 8, 4) == (table_cells(10, 3, 8) + (80 + 42) * PRICING_CELLS
+                                                  + 21 * 2 * 4 * SIMULATION_CELLS)
 
 
 def test_search_estimate_equals_what_the_search_prices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,7 +187,7 @@ def test_estimate_grows_as_the_search_does() -> None:
     assert heavy.cells == strategy_cells("hpp", 30, 3, 32)
     light = estimate_replan(plan, cluster, "d0", heavy=False)
     stages = sum(1 for s in plan.stages if s.devices != ["d0"])
-    assert light.cells == light_replan_cells(30, 3, stages, 32)
+    assert light.cells == light_replan_cells(30, 3, stages, 32, 8)
 
 
 def test_budget_refuses_the_issue_request_and_says_what_to_change() -> None:

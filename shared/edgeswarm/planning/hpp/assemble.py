@@ -108,10 +108,11 @@ def assemble_plan(cm: CostModel, layout: Layout, strategy: Strategy, *, model_fi
 def scheduled_round(stages: Sequence[StagePlan], comms: Sequence[CommStepPlan], micro_batches: int,
                     overhead_s: float) -> tuple[float, int]:
     """A plan's round in seconds and its dominant step: the event simulation of its 1F1B schedule with each stage's
-    warm-up (Appendix A) plus ``overhead_s``, the round's fixed cost. The planner's search ranks layouts by Eqs. 4-6,
+    warm-up (Appendix A) plus ``overhead_s``, the round's fixed cost. Asteroid's search ranks layouts by Eqs. 4-6,
     which are quick over arrays, but a plan states the simulated round: on four stages the formula gave 23% less
-    than the simulation, and the measured round came within 1% of the simulation (docs/benchmarks.md). The
-    dominant step is the formula's (Eq. 6)."""
+    than the simulation, and the measured round came within 1% of the simulation (docs/benchmarks.md). (The light
+    re-plan's hill-climb compares assembled plans, so it ranks by this; budget.SIMULATION_CELLS counts its cost.)
+    The dominant step is the formula's (Eq. 6)."""
     ef, eb, ta = chain_steps(stages, comms)
     _, dominant = round_latency(ef, eb, micro_batches, ta)
     timeline = simulate(ef, eb, micro_batches, [s.warmup for s in stages], ta)

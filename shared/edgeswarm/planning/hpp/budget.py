@@ -15,7 +15,8 @@ size B, which micro-batch counts M and which strategies are planned), never on t
   N x B scan of micro-batch sizes; ``pp`` one table and min(L, N) x (L + 1)^2 cells;
 - a light re-plan (edgeswarm.planning.hpp.replan) one table and, at worst, L x P memory-fitting rounds of P + 2
   single-range pricings plus L hill-climbing moves of 2(P - 1) layouts of P stages each, where one pricing
-  costs ``PRICING_CELLS`` (it is Python overhead, not array work).
+  costs ``PRICING_CELLS`` (it is Python overhead, not array work), and each layout's round is event-simulated
+  (``assemble.scheduled_round``: ``SIMULATION_CELLS`` for each of its M micro-batches on each of its P stages).
 
 ``plan_best`` plans every micro-batch count M of ``micro_batch_choices`` (up to 7) unless M is given, and
 ``compare`` does that for HPP and each baseline, so a request without M costs up to 7 times as much.
@@ -33,6 +34,10 @@ TABLE_ROW_CELLS = 8
 # One single-range Alg. 1 pricing (stage_costs for one unit range, or one stage of assemble_plan): 76 to 193 us
 # measured (1 to 12 devices), dominated by Python and numpy call overhead; 700 cells is about 210 us.
 PRICING_CELLS = 700
+
+# One micro-batch through one stage of a plan's event-simulated round (schedule.simulate, as assemble_plan runs it):
+# 9 to 17 us measured (2 to 6 stages, 4 to 16 micro-batches), Python overhead; 50 cells is 15 us.
+SIMULATION_CELLS = 50
 
 
 def triangular(n: int) -> int:
@@ -74,11 +79,14 @@ def strategy_cells(strategy: Strategy, units: int, devices: int, micro_batch_siz
     return table + min(units, devices) * (units + 1) ** 2
 
 
-def light_replan_cells(units: int, devices: int, stages: int, micro_batch_size: int) -> int:
+def light_replan_cells(units: int, devices: int, stages: int, micro_batch_size: int, micro_batches: int) -> int:
     """Cells of a light re-plan at worst: the survivors' cost model, L x P memory-fitting rounds of P + 2
-    pricings and L hill-climbing moves of 2(P - 1) layouts of P stages, for P ``stages`` left."""
-    pricings = units * stages * (stages + 2) + (1 + units * 2 * max(stages - 1, 0)) * stages
-    return table_cells(units, devices, micro_batch_size) + pricings * PRICING_CELLS
+    pricings and L hill-climbing moves of 2(P - 1) layouts of P stages, each layout's round simulated over its M
+    ``micro_batches``, for P ``stages`` left."""
+    layouts = 1 + units * 2 * max(stages - 1, 0)
+    pricings = units * stages * (stages + 2) + layouts * stages
+    return (table_cells(units, devices, micro_batch_size) + pricings * PRICING_CELLS
+            + layouts * stages * micro_batches * SIMULATION_CELLS)
 
 
 def estimate_plan(cluster: ClusterProfile, global_batch: int, *, micro_batches: int | None = None,
@@ -116,6 +124,6 @@ def estimate_replan(plan: Plan, cluster: ClusterProfile, failed: str, *, heavy: 
                              f"plan fewer units or devices: the search grows about as L^2 x N^4 ({units} units on "
                              f"{survivors} devices here)"))
     stages = sum(1 for s in plan.stages if any(d != failed for d in s.devices))
-    cells = light_replan_cells(units, survivors, stages, b)
+    cells = light_replan_cells(units, survivors, stages, b, plan.options.micro_batches)
     return WorkEstimate(cells, f"a light re-plan of {units} units in {stages} stages on {survivors} devices",
                         ("plan with fewer stages or units",))
