@@ -130,8 +130,8 @@ class TensorExchange(Generic[K]):
         other scope are a replayed or abandoned one's."""
         with self._changed:
             taken, self._arrivals = self._arrivals, {}
-        return [LinkSample(src=peer, bytes=b, chunks=c, seconds=s)
-                for (of, peer), (b, c, s) in sorted(taken.items(), key=lambda item: item[0][1]) if of == scope]
+        mine = sorted((peer, totals) for (of, peer), totals in taken.items() if of == scope)
+        return [LinkSample(src=peer, bytes=b, chunks=c, seconds=s) for peer, (b, c, s) in mine]
 
     def wait(self, key: K, *, rows: int | None = None, timeout_s: float | None = None) -> torch.Tensor:
         """Take the tensor held for ``key``, on the exchange's compute device, waiting at most ``timeout_s`` seconds
