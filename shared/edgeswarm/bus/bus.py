@@ -27,7 +27,7 @@ from edgeswarm.bus.inbound import Handler, Inbound, RawHandler, RawInbound
 from edgeswarm.bus.inbox import Inbox
 from edgeswarm.bus.mqtt import InboundMessage, MqttConnection, PublishOptions, TopicRouter, Will
 from edgeswarm.bus.peers import PeerDirectory
-from edgeswarm.bus.shaping import ShapedLink
+from edgeswarm.bus.shaping import LINK_BURST_BYTES, ShapedLink
 from edgeswarm.errors import (
     ExpiredMessageError,
     NotAuthorizedError,
@@ -213,7 +213,8 @@ class Bus:
         self._rejections: QueueWorker[_Rejection] = QueueWorker("bus-rejections", _REJECTION_QUEUE,
                                                                 self._answer_rejection, self.metrics)
         self._reconnect_hooks: list[Callable[[], None]] = []
-        self._links = {peer: ShapedLink(peer, spec) for peer, spec in settings.links.items()}
+        self._links = {peer: ShapedLink(peer, spec, burst_bytes=min(LINK_BURST_BYTES, settings.chunk_bytes))
+                       for peer, spec in settings.links.items()}
         self.credentials = settings.credentials()
         self._reassembler = Reassembler(max_pending_bytes=settings.max_reassembly_bytes,
                                         max_sender_bytes=settings.max_reassembly_bytes_per_sender,

@@ -18,6 +18,8 @@ from edgeswarm.settings import LinkSpec
 
 log = logging.getLogger(__name__)
 
+LINK_BURST_BYTES = 64 * 1024  # what an idle emulated link sends at once, at most
+
 
 class TokenBucket:
     """Paces bytes at ``rate_bps`` bytes per second with at most ``burst_bytes`` of credit.
@@ -82,9 +84,11 @@ class DelayLine:
 
 
 class ShapedLink:
-    """One emulated outgoing link. ``transmit`` blocks while the link is busy, then delivers after the latency."""
+    """One emulated outgoing link. ``transmit`` blocks while the link is busy, then delivers after the latency.
+    ``burst_bytes`` is what an idle link lets go at once; the bus gives it at most one chunk, so that a tensor's
+    chunks after its first take their time on the link, which is what the closed loop's link fit measures."""
 
-    def __init__(self, peer: str, spec: LinkSpec, burst_bytes: int = 64 * 1024) -> None:
+    def __init__(self, peer: str, spec: LinkSpec, burst_bytes: int = LINK_BURST_BYTES) -> None:
         self.peer = peer
         self.spec = spec
         self._bucket = TokenBucket(spec.bandwidth_bps, burst_bytes)
