@@ -3,7 +3,7 @@
 snapshot round, moving only the units whose owner changes; training goes on as if nothing happened (the final
 weights equal those of the same rounds trained without a re-plan). What it measured is saved, so the next job on
 the same devices starts from the measured speeds. Likewise a link five times slower than profiled is fitted from how
-its tensors arrive, and the job re-plans off it."""
+its tensors arrive, and the job re-plans off it; that too is saved for the next job."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     # says. (What the scales are is not asserted: under load this test's one-off profile is itself skewed from unit
     # to unit, and a device with a small share measures mostly the runtime's per-call costs.)
     saved = saved_scales(ProfileCache(profiles), cluster, "train")
-    assert refits and refits[-1].startswith("saved the measured compute speeds for the next job: "), refits
+    assert refits and refits[-1].startswith("saved the measured speeds for the next job: "), refits
     listed = dict(part.rsplit(" ", 1) for part in refits[-1].split(": ", 1)[1].split(" (")[0].split(", "))
     assert saved and set(saved) == set(listed), (saved, refits)
     assert all(abs(saved[n] - float(listed[n].rstrip("x"))) <= 0.0051 for n in saved), (saved, refits)
@@ -112,7 +112,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
     nxt_job = HppCoordinator(client, _job("next", spec=MODEL, rounds=1), loss_terms=GLOBAL_BATCH, total=1,
                              store_node=None, observer=Observer())
     assert nxt_job.profile(list(NODES)) == scaled(cluster, saved)
-    assert refits[-1].startswith("starts from the compute speeds earlier jobs measured: "), refits
+    assert refits[-1].startswith("starts from the speeds earlier jobs measured: "), refits
 
 
 def test_each_device_reports_how_its_peers_tensors_of_several_chunks_arrived(broker, make_bus, services) -> None:
@@ -159,6 +159,8 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
     from edgeswarm.planning.hpp.compare import plan_best
     from edgeswarm.planning.hpp.refit import reprice
     from edgeswarm.planning.refit import link_key, scaled
+    from edgeswarm.profiling.cache import ProfileCache
+    from edgeswarm.profiling.refits import saved_scales
 
     job = _job("slow-link", spec=MODEL, rounds=ROUNDS)
     cluster = profiled(profile_batch_sizes(job))
@@ -204,3 +206,7 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
     assert reprice(new, truth).round_latency_s < 0.85 * reprice(plan, truth).round_latency_s, (plan.stages,
                                                                                                new.stages)
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
+    # What it measured of the link is saved, so the next job over these devices prices it so from the start.
+    assert saved_scales(ProfileCache(tmp_path / "p"), cluster, "train").get(slow, 1.0) > 3.5
+    # What it measured of the link is saved, so the next job over these devices prices it so from the start.
+    assert saved_scales(ProfileCache(tmp_path / "p"), cluster, "train").get(slow, 1.0) > 3.5

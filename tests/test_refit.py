@@ -3,6 +3,8 @@ and noise never makes it re-plan."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -252,6 +254,31 @@ def test_measured_speeds_are_saved_for_the_next_job_and_only_for_the_same_device
     # A damaged file is a miss, not an error.
     cache.refit_path(entry.compute.model_fingerprint, "a", "train").write_text("{not json")
     assert saved_scales(cache, profile, "train") == {"c": 64.0}
+
+
+def test_measured_links_are_saved_for_the_next_job_over_the_same_two_nodes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from edgeswarm.profiling.cache import ProfileCache
+    from edgeswarm.profiling.refits import MIN_ROUNDS, save_measured, saved_scales
+
+    profile, cache = slow_links(profiled()), ProfileCache(tmp_path)
+    # The job started from a<->b at 2x and measured it 2.5x slower again; b<->c's fit stands on too few rounds, and
+    # a link to a node outside the cluster is no link of its.
+    said = save_measured(cache, profile, {"a<->b": 2.0}, {"a<->b": 2.5, "b<->c": 3.0, "a<->z": 4.0},
+                         {"a<->b": MIN_ROUNDS, "b<->c": MIN_ROUNDS - 1, "a<->z": MIN_ROUNDS}, "train")
+    assert saved_scales(cache, profile, "train") == pytest.approx({"a<->b": 5.0})
+    assert said == "saved the measured speeds for the next job: a<->b 5.00x (this job measured a<->b 5.00x)"
+    # A link is the network's, not a model's or a work's: serving's jobs over a and b price it so too; the next job
+    # plans on it, so off the slow link.
+    assert saved_scales(cache, profile, "serve") == pytest.approx({"a<->b": 5.0})
+    truth = scaled(profile, {"a<->b": 5.0})
+    assert layout(best(scaled(profile, saved_scales(cache, profile, "train")))) == layout(best(truth))
+    # A second job's fit is blended with the first's, weighted by rounds.
+    save_measured(cache, profile, {}, {"a<->b": 1.25}, {"a<->b": MIN_ROUNDS}, "train")
+    assert saved_scales(cache, profile, "train")["a<->b"] == pytest.approx(math.exp(
+        (3 * math.log(5.0) + 3 * math.log(1.25)) / 6))
+    # A damaged file is a miss, not an error.
+    cache.link_refit_path("a", "b").write_text("{not json")
+    assert saved_scales(cache, profile, "train") == {}
 
 
 def test_a_robust_line_through_predicted_and_measured_times() -> None:

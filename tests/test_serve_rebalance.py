@@ -98,7 +98,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
     # Stopped, it saved each stage device's measured speed (a's measured 8x its profile, where a computed), kept
     # apart from training's; the next job plans from it.
     kept = of("refit")
-    assert kept and kept[-1].startswith("saved the measured compute speeds for the next job: "), kept
+    assert kept and kept[-1].startswith("saved the measured speeds for the next job: "), kept
     files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/*/*.json")}
     assert "a.serve.json" in files and files["a.serve.json"]["work"] == "serve", files
     assert files["a.serve.json"]["scale"] > 1.5, files
@@ -108,7 +108,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
     try:
         wait_until(lambda: nxt.state is not None and nxt.state.status in ("running", "failed"), 120,
                    message="the next job serving")
-        assert any(d.startswith("starts from the compute speeds earlier jobs measured: a ") for d in of("refit")), \
+        assert any(d.startswith("starts from the speeds earlier jobs measured: a ") for d in of("refit")), \
             [(e.kind, e.detail) for e in events]
     finally:
         cancel_job(bus, "next")

@@ -181,7 +181,7 @@ class Settings(BaseSettings):
     metrics_interval_s: float = Field(default=10.0, gt=0)
     # The coordinator's closed loop (planning.refit): a training job re-plans at a snapshot round, and a serving
     # pipeline between two items, when its devices' measured compute says another plan is predicted more than 15%
-    # faster; a training job saves what it measured of each device (profiling.refits) for the next job.
+    # faster; a training job saves what it measured of each device and link (profiling.refits) for the next job.
     rebalance: bool = True
 
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"

@@ -110,7 +110,7 @@ class JobObserver:
         before it prices it (the round's out-of-sample prediction)."""
 
     def refitted(self, detail: str) -> None:
-        """The job started from, or saved, the devices' measured compute speeds (``detail`` says which)."""
+        """The job started from, or saved, the devices' and links' measured speeds (``detail`` says which)."""
 
     def joined(self, report: RecoveryReport) -> None:
         """Devices ``report.joined`` were added: the job goes on with ``report.plan`` from ``report.resume_round``."""
@@ -296,11 +296,12 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         return scaled(cluster, self.base_scales)
 
     def stop(self) -> None:
-        """Save what the job measured of each device's speed (with the closed loop on), for the next job."""
-        if not self.closed_loop or self.cluster is None or not self.fit.ratios:
+        """Save what the job measured of each device's speed and each link's (with the closed loop on), for the next
+        job."""
+        if not self.closed_loop or self.cluster is None or not (self.fit.ratios or self.link_fit.ratios):
             return
         said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales,
-                             self.fit.scales(), self.fit.rounds(), "train")
+                             self._scales(), self.fit.rounds() | self.link_fit.rounds(), "train")
         if said:
             self.seen.refitted(said)
 

@@ -5,9 +5,10 @@ Layout under the cache directory (``EDGESWARM_PROFILE_DIR``)::
     models/{model_fingerprint}.json                                 a ModelProfile
     compute/{model_fingerprint}/{device_fingerprint}.{method}.json  a ComputeProfile
     refits/{model_fingerprint}/{node}.{work}.json                   a ComputeRefit (what jobs measured)
+    links/{a}/{b}.json                                              a LinkRefit (what jobs measured)
 
-Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit", "profile": {...}}``. Writes are
-atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
+Each file is a JSON object ``{"format": 1, "kind": "model" | "compute" | "refit" | "link", "profile": {...}}``.
+Writes are atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
 concurrent writers leave one whole file. A file that does not parse, does not validate, or whose
 fingerprints do not match its name is ignored with a warning and counts as a miss: the caller measures
 again and overwrites it.
@@ -24,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edgeswarm.files import write_atomically
-from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, ModelProfile, Work
+from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, LinkRefit, ModelProfile, Work
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class ProfileCache:
     def refit_path(self, model_fingerprint: str, node: str, work: Work) -> Path:
         return (self.directory / "refits" / _checked(model_fingerprint, "model")
                 / f"{_checked(node, 'node')}.{_checked(work, 'work')}.json")
+
+    def link_refit_path(self, a: str, b: str) -> Path:
+        return self.directory / "links" / _checked(a, "node") / f"{_checked(b, 'node')}.json"
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -110,6 +114,11 @@ class ProfileCache:
             return None
         return refit
 
+    def link_refit(self, a: str, b: str) -> LinkRefit | None:
+        """What jobs measured of the link between nodes ``a`` and ``b`` (``a`` sorts first), or None."""
+        refit = self._load(self.link_refit_path(a, b), "link", LinkRefit)
+        return refit if refit is not None and (refit.a, refit.b) == (a, b) else None
+
     def _load(self, path: Path, kind: str, cls: type[Any]) -> Any:
         try:
             raw = path.read_text()
@@ -142,11 +151,16 @@ class ProfileCache:
         write_json_atomic(path, {"format": FORMAT, "kind": "compute", "profile": profile.model_dump(mode="json")})
         return path
 
-
     def put_refit(self, refit: ComputeRefit) -> Path:
         """Store ``refit`` under its model fingerprint and node; returns the file written."""
         path = self.refit_path(refit.model_fingerprint, refit.node, refit.work)
         write_json_atomic(path, {"format": FORMAT, "kind": "refit", "profile": refit.model_dump(mode="json")})
+        return path
+
+    def put_link_refit(self, refit: LinkRefit) -> Path:
+        """Store ``refit`` under its two nodes; returns the file written."""
+        path = self.link_refit_path(refit.a, refit.b)
+        write_json_atomic(path, {"format": FORMAT, "kind": "link", "profile": refit.model_dump(mode="json")})
         return path
 
 

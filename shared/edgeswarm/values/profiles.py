@@ -159,6 +159,26 @@ class ComputeRefit(BaseModel):
     work: Work = "train"
 
 
+class LinkRefit(BaseModel):
+    """A link's transfers as jobs measured them: ``scale`` is the time a tensor's chunks after its first took to
+    arrive between nodes ``a`` and ``b`` (either way; ``a`` sorts first) over what the link's probed bandwidth and
+    per-message cost price them at, fitted over ``rounds`` rounds; a job over both nodes prices the link at its
+    probe's figures times ``scale`` (profiling.refits)."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    a: Name
+    b: Name
+    scale: float = Field(ge=MIN_SCALE, le=MAX_SCALE)
+    rounds: int = Field(ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LinkRefit:
+        if not self.a < self.b:
+            raise ValueError(f"a link refit's nodes go in order, a before b: not {self.a!r}, {self.b!r}")
+        return self
+
+
 class DeviceInfo(BaseModel):
     """One device as the planner sees it. ``memory_budget_bytes`` is u_d; ``compute_flops`` is the
     measured training speed (forward+backward FLOPs per second on the profiled model)."""
