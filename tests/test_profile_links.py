@@ -84,3 +84,11 @@ def test_link_turns_give_each_host_one_measurement_at_a_time() -> None:
         hosts = [{mixed[src], mixed[dst]} for src, dst in turn]
         assert sum(len(h) for h in hosts) == len(set().union(*hosts)), turn
     assert link_turns({"solo": "x"}) == [] and compute_turns({"a": "1", "b": "1", "c": "2"}) == [["a", "c"], ["b"]]
+
+
+def test_link_turns_of_chosen_pairs_measure_only_those() -> None:
+    """Split learning measures each device's link to its MEC, not every pair of its nodes."""
+    hosts = {"d0": "1", "d1": "2", "d2": "3", "mec": "4"}
+    turns = link_turns(hosts, [("d0", "mec"), ("d1", "mec"), ("d2", "mec")])
+    assert turns == [[("d0", "mec")], [("d1", "mec")], [("d2", "mec")]]  # the MEC's host takes one at a time
+    assert link_turns(hosts, []) == []

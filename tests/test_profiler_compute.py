@@ -260,19 +260,3 @@ def test_fingerprints_are_stable_and_tell_devices_apart() -> None:
     c = a.model_copy(update={"device_class": "nano"})
     assert device_fingerprint(a) == device_fingerprint(same_but_memory)
     assert len({host, device_fingerprint(a), device_fingerprint(b), device_fingerprint(c)}) == 4
-
-
-
-def test_the_calibration_steps_flop_count_is_torchs_and_gives_the_hosts_speed() -> None:
-    """``host_flops`` (split learning's host speed) divides CALIBRATION_FLOPS by the step's time: that count is what
-    torch's own FLOP counter counts for the step ``measure_speed_ratio`` times."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from edgeswarm.profiling.compute import CALIBRATION_FLOPS, _calibration_workload, host_flops
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        _calibration_workload()()
-    assert counter.get_total_flops() == CALIBRATION_FLOPS
-    speed = host_flops(repeats=1)
-    assert speed > 0 and speed != float("inf")

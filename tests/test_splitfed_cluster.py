@@ -145,6 +145,34 @@ def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:
     return seen, lock
 
 
+def test_the_central_manager_plans_on_speeds_and_links_the_nodes_profilers_measured(cluster: Cluster) -> None:
+    """What a round's selection is planned on comes from each node's profiler (its units timed at the job's batch
+    size, each device's link to its MEC probed), never from a device's class: only the links a round needs."""
+    import math
+
+    from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+    from edgeswarm.splitfed import gather
+    from edgeswarm.splitfed.profiling import model_cost
+
+    spec = parse_spec_text(spec_text("sf-measure"))
+    assert isinstance(spec, SplitfedSpec)
+    cost = model_cost(spec.model, spec.training.batch_size)
+    view, _ = ClusterWatcher(cluster.bus).wait(settle_s=0.5, devices=DEVICES + 1, timeout_s=30)
+    devices = nodes_running(view, "stage-worker")
+    mec_of = gather.assign_mecs(devices, [MEC])
+    measured = gather.Measured()
+    nodes, pairs = measured.missing(devices, [MEC], mec_of)
+    gather.measure(cluster.bus, spec.model, cost, measured, nodes, pairs, timeout_s=120)
+    assert sorted(measured.speeds) == sorted([*devices, MEC])
+    assert all(0 < s < math.inf for s in measured.speeds.values()), measured.speeds
+    assert sorted(measured.links) == sorted((d, MEC) for d in devices), measured.links
+    assert all(0 < b < math.inf for b in measured.links.values()), measured.links
+    assert measured.missing(devices, [MEC], mec_of) == ([], [])
+    planned = gather.split_devices(view, devices, mec_of, {}, {}, measured, 0)
+    assert [(d.speed_flops, d.link_bytes_s) for d in planned] == [
+        (measured.speeds[d], measured.links[(d, MEC)]) for d in devices]
+
+
 def test_no_label_reaches_the_mec_on_the_wire_and_the_vanilla_baseline_would_show_it(cluster: Cluster) -> None:
     seen, lock = _mec_traffic(cluster)
     final, _ = run(cluster, spec_text("sf-labels", rounds=1))

@@ -40,3 +40,33 @@ def test_bad_arguments_are_refused() -> None:
         model_cost(ModelSpec(name="lenet5"), 0)
     with pytest.raises(ConfigError):
         model_cost(ModelSpec(name="lenet5"), 2, optimizer_states=3)
+
+
+def test_a_nodes_speed_is_its_measured_seconds_for_the_models_flops_never_its_class() -> None:
+    """What the central manager plans a device with: an iteration's FLOPs over the seconds the device's own
+    profiler measured for the model's units at the job's batch size."""
+    from edgeswarm.errors import ProfileError
+    from edgeswarm.splitfed.gather import Measured, training_flops_per_s
+    from edgeswarm.values.profiles import ComputeProfile, DeviceInfo, DeviceProfileEntry
+
+    cost = model_cost(ModelSpec(name="lenet5"), 8)
+    units = len(cost.units)
+
+    def entry(seconds_per_unit: float, batch_sizes: list[int]) -> DeviceProfileEntry:
+        rows = [[seconds_per_unit * b / 8 for b in batch_sizes] for _ in range(units)]
+        compute = ComputeProfile(model_fingerprint="m", device_fingerprint="d", batch_sizes=batch_sizes,
+                                 forward_s=rows, backward_s=[[2 * t for t in row] for row in rows])
+        return DeviceProfileEntry(device=DeviceInfo(node="pi", fingerprint="d", memory_budget_bytes=1 << 30),
+                                  compute=compute)
+
+    flops = sum(u.flops_fwd + u.flops_bwd for u in cost.units)
+    assert training_flops_per_s(cost, entry(0.001, [4, 8])) == pytest.approx(flops / (units * 0.003))
+    # Three times the seconds, a third of the speed.
+    assert training_flops_per_s(cost, entry(0.003, [8])) == pytest.approx(flops / (units * 0.009))
+    with pytest.raises(ProfileError, match="batch sizes"):
+        training_flops_per_s(cost, entry(0.001, [4]))
+    # A round asks only for what was not measured yet: a new device, a new MEC, a device under another MEC.
+    measured = Measured(speeds={"d0": 1.0, "d1": 1.0, "m0": 1.0}, links={("d0", "m0"): 1.0, ("d1", "m0"): 1.0})
+    assert measured.missing(["d0", "d1"], ["m0"], {"d0": "m0", "d1": "m0"}) == ([], [])
+    assert measured.missing(["d0", "d1", "d2"], ["m0", "m1"], {"d0": "m0", "d1": "m1", "d2": "m0"}) == (
+        ["d2", "m1"], [("d1", "m1"), ("d2", "m0")])

@@ -375,15 +375,10 @@ def size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
 
 # The calibration step's shape: a batch of 32 16x16 maps of 32 channels, a 3x3 convolution to 64, a Linear to 256.
 _BATCH, _IN, _OUT, _SIDE, _KERNEL, _FEATURES = 32, 32, 64, 16, 3, 256
-_CONV_FLOPS = 2 * _BATCH * _IN * _OUT * _KERNEL * _KERNEL * _SIDE * _SIDE
-_LINEAR_FLOPS = 2 * _BATCH * _OUT * _SIDE * _SIDE * _FEATURES
-# Forward both; backward the convolution's weight gradient (its input needs none) and the Linear's input and weight
-# gradients: 1.41 GFLOP, torch's own FlopCounterMode count of the step.
-CALIBRATION_FLOPS = 2 * _CONV_FLOPS + 3 * _LINEAR_FLOPS
 
 
 def _calibration_workload() -> Callable[[], None]:
-    """A fixed training step: 3x3 convolution + ReLU + Linear, forward and backward, CALIBRATION_FLOPS (tens of
+    """A fixed training step: 3x3 convolution + ReLU + Linear, forward and backward (1.41 GFLOP: tens of
     milliseconds on a laptop-class CPU)."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(0)
@@ -421,17 +416,6 @@ def measure_speed_ratio(runner: Runner[Any], *, repeats: int = 5) -> float:
     log.info("speed ratio %.3f (fastest of %d runs each: %.4f s native, %.4f s through the device)", ratio, repeats,
              min(native), min(through))
     return ratio
-
-
-def host_flops(*, repeats: int = 3) -> float:
-    """This process's speed on the calibration workload (the training step ``measure_speed_ratio`` times), in FLOP/s:
-    CALIBRATION_FLOPS over the fastest of ``repeats`` runs, the one least disturbed by other load. Raises
-    ConfigError for repeats below 1."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be an integer >= 1, not {repeats!r}")
-    work = _calibration_workload()
-    work()  # the first step pays for allocation
-    return CALIBRATION_FLOPS / max(min(_timed(work, None) for _ in range(repeats)), 1e-9)
 
 
 def calibrated_profile(native: ComputeProfile, ratio: float, device_fingerprint: str) -> ComputeProfile:

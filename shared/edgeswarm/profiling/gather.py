@@ -142,9 +142,11 @@ def _timeout_message(bus: Bus, nodes: list[str], timeout_s: float) -> str:
 
 def gather_cluster_profile(bus: Bus, spec: ModelSpec, nodes: Sequence[str], batch_sizes: Sequence[int], *,
                            method: ProfileMethod = "calibrated", timeout_s: float = 600.0, links: bool = True,
+                           link_pairs: Sequence[tuple[str, str]] | None = None,
                            progress: GatherProgress | None = None) -> ClusterProfile:
     """The ClusterProfile of ``spec`` on ``nodes``: every node's timings and memory budget, and (with
-    ``links``) the measured link between every pair of them.
+    ``links``) the measured link between every pair of them, or only between the (source, destination) pairs of
+    ``link_pairs`` (nodes of ``nodes``), measured from the source.
 
     ``timeout_s`` bounds each turn of the compute phase and the link phase (seconds). Raises
     ProfileTimeoutError naming the nodes that did not answer, ProfilerError for a failed or inconsistent
@@ -174,7 +176,7 @@ def gather_cluster_profile(bus: Bus, spec: ModelSpec, nodes: Sequence[str], batc
                             "everywhere")
     measured: list[LinkProfile] = []
     if links and len(nodes) > 1:
-        for pairs in link_turns(hosts):
+        for pairs in link_turns(hosts, link_pairs):
             link_reports = request_profiles(bus, {src: request([dst]) for src, dst in pairs}, timeout_s=timeout_s,
                                             progress=progress)
             measured.extend(link for r in link_reports.values() for link in r.links)
@@ -206,13 +208,16 @@ def compute_turns(hosts: Mapping[str, str]) -> list[list[str]]:
     return [[group[k] for group in by_host.values() if k < len(group)] for k in range(depth)]
 
 
-def link_turns(hosts: Mapping[str, str]) -> list[list[tuple[str, str]]]:
-    """Every ordered pair (source, destination) of the nodes of ``hosts`` (node -> its host), in turns in which no
-    host takes part in two measurements: its nodes share its CPU and its network, so a second transfer there would
-    be measured along with the link. Nodes of distinct hosts pair up in the same turn; nodes of one host measure one
-    link at a time. Pairs are taken in round-robin order (each node's next peer along), so the turns stay full."""
+def link_turns(hosts: Mapping[str, str],
+               pairs: Sequence[tuple[str, str]] | None = None) -> list[list[tuple[str, str]]]:
+    """Every ordered pair (source, destination) of the nodes of ``hosts`` (node -> its host), or ``pairs`` when
+    given, in turns in which no host takes part in two measurements: its nodes share its CPU and its network, so a
+    second transfer there would be measured along with the link. Nodes of distinct hosts pair up in the same turn;
+    nodes of one host measure one link at a time. Pairs are taken in round-robin order (each node's next peer
+    along), so the turns stay full."""
     nodes = list(hosts)
-    pending = [(nodes[i], nodes[(i + step) % len(nodes)]) for step in range(1, len(nodes)) for i in range(len(nodes))]
+    pending = list(pairs) if pairs is not None else [
+        (nodes[i], nodes[(i + step) % len(nodes)]) for step in range(1, len(nodes)) for i in range(len(nodes))]
     turns: list[list[tuple[str, str]]] = []
     while pending:
         busy: set[str] = set()
@@ -260,7 +265,8 @@ def symmetric_links(links: Sequence[LinkProfile]) -> list[LinkProfile]:
 
 def profile_cluster(bus: Bus, spec: ModelSpec, batch_sizes: Sequence[int], *, method: str = "calibrated",
                     timeout_s: float = 600.0, nodes: Sequence[str] | None = None, links: bool = True,
-                    ready_timeout_s: float = 120.0, progress: GatherProgress | None = None) -> ClusterProfile:
+                    link_pairs: Sequence[tuple[str, str]] | None = None, ready_timeout_s: float = 120.0,
+                    progress: GatherProgress | None = None) -> ClusterProfile:
     """``gather_cluster_profile`` over ``bus`` once the profilers of ``nodes`` (default: every online device)
     are online (waiting up to ``ready_timeout_s``). Raises ProfilerError naming the devices whose profiler did
     not come up."""
@@ -272,7 +278,7 @@ def profile_cluster(bus: Bus, spec: ModelSpec, batch_sizes: Sequence[int], *, me
         raise ProfilerError(f"no profiler online after {ready_timeout_s:.0f} s on: "
                             f"{', '.join(missing) or 'any device'}")
     return gather_cluster_profile(bus, spec, chosen, batch_sizes, method=method, timeout_s=timeout_s,
-                                  links=links, progress=progress)
+                                  links=links, link_pairs=link_pairs, progress=progress)
 
 
 def profile_at_hub(hub: str, spec: ModelSpec, batch_sizes: Sequence[int], **kwargs: Any) -> ClusterProfile:

@@ -23,7 +23,7 @@ from edgeswarm.bus import Inbound
 from edgeswarm.checkpoints.client import list_checkpoints, save_checkpoint
 from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.coordination.program import RoundProgram
-from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobError
+from edgeswarm.errors import BusError, CheckpointError, EdgeswarmError, JobError, ProfileError, ProfilerError
 from edgeswarm.evaluation import held_out
 from edgeswarm.messages.splitfed import (
     RoundSetup,
@@ -41,7 +41,6 @@ from edgeswarm.models.zoo import build_model
 from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
-from edgeswarm.profiling.compute import host_flops
 from edgeswarm.runtime.client import nodes_running
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
@@ -60,6 +59,7 @@ log = logging.getLogger(__name__)
 KIND = "train-splitfed"  # the job kind (splitfed.workload's) in the metrics this program records
 
 ENROL_TIMEOUT_S = 30.0
+PROFILE_TIMEOUT_S = 300.0  # for the profilers of a round's new nodes to come up, and for each turn of profiling
 POLL_S = 0.1
 TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the cloud server (spec 10.4, 12.14)
 
@@ -98,7 +98,7 @@ class SplitfedRunner(RoundProgram):
         self.ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
                                                          f"{self.training.batch_size}"))
         self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
-        self.flops = host_flops()
+        self.measured = gather.Measured()
 
     def done(self) -> bool:
         return self.round >= self.spec.rounds
@@ -133,7 +133,8 @@ class SplitfedRunner(RoundProgram):
         index = {d: i for i, d in enumerate(devices)}
         mec_of = gather.assign_mecs(devices, mecs)
         samples = {d: int(self.partition.sizes()[index[d]]) for d in devices}
-        split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self.flops,
+        self._measure(devices, mecs, mec_of)
+        split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self.measured,
                                              spec.memory_budget_bytes)
         options = SplitOptions(
             participants=spec.participants, gamma=spec.gamma if spec.mode == "smartsplit" else 1.0, lam=spec.lam,
@@ -144,7 +145,7 @@ class SplitfedRunner(RoundProgram):
             overhead_bytes=input_bytes(spec.model, self.training.batch_size))
         ctx.update("planning")
         reply = self.ask_planner(SplitPlanRequest(model=self.cost, devices=split_devices,
-                                                  mecs=gather.split_mecs(view, mecs, self.flops), options=options,
+                                                  mecs=gather.split_mecs(mecs, self.measured), options=options,
                                                   round=r), what=f"job {spec.name} round {r}")
         assert isinstance(reply, SplitPlanReply)
         selection = reply.selection
@@ -337,6 +338,20 @@ class SplitfedRunner(RoundProgram):
                              refused=sum(u.refused for u, _ in updates.values()),
                              left_out=sorted(set(left_out) | {d for d, m in mec_of.items() if m in lost_mecs}))
         return new_state, record
+
+    def _measure(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> None:
+        """Profile the round's nodes and device-to-MEC links not measured yet. A node that cannot be measured now is
+        left out of the round (the next round tries again)."""
+        nodes, pairs = self.measured.missing(devices, mecs, mec_of)
+        if not nodes and not pairs:
+            return
+        what = ([f"the speed of {', '.join(nodes)}"] if nodes else []) + (
+            [f"the links {', '.join(f'{d}->{m}' for d, m in pairs)}"] if pairs else [])
+        self.ctx.update("profiling", event=("profiling", f"round {self.round}: measuring {' and '.join(what)}"))
+        try:
+            gather.measure(self.bus, self.spec.model, self.cost, self.measured, nodes, pairs, PROFILE_TIMEOUT_S)
+        except (ProfilerError, ProfileError) as exc:
+            log.warning("job %s round %d: left out what could not be measured: %s", self.spec.name, self.round, exc)
 
     # --- checkpoints ----------------------------------------------------------------------------------
 

@@ -1,34 +1,23 @@
 """What the central manager is told about the devices and the MECs before a round: each one's speed, its link to its
 MEC, its memory budget now, its data and the MEC's estimates of its skew and utility.
 
-Speeds are the host's measured FLOP/s (``profiling.compute.host_flops``, on the profiler's calibration step) divided
-by the node's emulated slow-down (an emulated cluster shares the host); links are the device classes' links between
-a device and its MEC; budgets are the node's memory budget less what its ledger holds for other jobs (the view's
-reserved bytes), capped by the job's own cap."""
+Speeds and links are measured, never read from a device's class (an emulated device is measured like a real one):
+each node's profiler times the model's units at the job's batch size (``profiling.gather``), and a node's speed is
+a training iteration's FLOPs over those seconds; each device's profiler measures its link to its MEC. ``measure``
+asks for what a round needs and was not measured yet (a new device, a new MEC, a device moved to another MEC).
+Budgets are the node's memory budget less what its ledger holds for other jobs (the view's reserved bytes), capped
+by the job's own cap."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from edgeswarm.devices.catalogue import device_class, link_between
-from edgeswarm.errors import ConfigError
+from edgeswarm.bus import Bus
+from edgeswarm.errors import ProfileError
 from edgeswarm.messages.cluster import ClusterView, NodeView
-from edgeswarm.planning.splitfed.types import SplitDevice, SplitMec
-
-
-def _slowdown(view: NodeView) -> float:
-    try:
-        return device_class(view.device_class).compute_slowdown
-    except ConfigError:
-        return 1.0  # a class this build does not know: taken at the host's speed
-
-
-def _link_bytes_s(device: NodeView, mec: NodeView) -> float:
-    try:
-        link = link_between(device_class(device.device_class), device_class(mec.device_class))
-    except ConfigError:
-        return 1e9 / 8
-    return link.bandwidth_bps / 8
+from edgeswarm.planning.splitfed.types import ModelCost, SplitDevice, SplitMec
+from edgeswarm.profiling.gather import profile_cluster
+from edgeswarm.values.profiles import DeviceProfileEntry, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -39,6 +28,48 @@ class Estimates:
     stat: float
 
 
+@dataclass
+class Measured:
+    """What the profilers measured of a job's parties: each node's training speed (FLOP/s) and each device's link to
+    its MEC ((device, MEC) -> bytes per second)."""
+
+    speeds: dict[str, float] = field(default_factory=dict)
+    links: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def missing(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> tuple[list[str],
+                                                                                           list[tuple[str, str]]]:
+        """The nodes of a round with no speed yet, and its (device, MEC) pairs with no link."""
+        return ([n for n in [*devices, *mecs] if n not in self.speeds],
+                [(d, mec_of[d]) for d in devices if (d, mec_of[d]) not in self.links])
+
+
+def training_flops_per_s(cost: ModelCost, entry: DeviceProfileEntry) -> float:
+    """A node's training speed: the FLOPs of one forward and backward of every unit at ``cost``'s batch size over
+    the seconds its profile measured for them. Raises ProfileError when the profile is of another model's units or
+    lacks that batch size."""
+    compute = entry.compute
+    if len(compute.forward_s) != len(cost.units) or cost.batch_size not in compute.batch_sizes:
+        raise ProfileError(f"the profile of {entry.device.node} has {len(compute.forward_s)} units at batch sizes "
+                           f"{compute.batch_sizes}, not {cost.name}'s {len(cost.units)} at {cost.batch_size}")
+    k = compute.batch_sizes.index(cost.batch_size)
+    seconds = sum(f[k] + b[k] for f, b in zip(compute.forward_s, compute.backward_s, strict=True))
+    return sum(u.flops_fwd + u.flops_bwd for u in cost.units) / max(seconds, 1e-9)
+
+
+def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, nodes: list[str],
+            pairs: list[tuple[str, str]], timeout_s: float) -> None:
+    """Profile ``nodes`` (their speeds) and ``pairs`` ((device, MEC): the device's link to it) into ``measured``,
+    waiting at most ``timeout_s`` seconds for the profilers to come up and for each turn. Raises what
+    ``profiling.gather.profile_cluster`` raises (ProfilerError naming a node whose profiler failed or is
+    missing) and ProfileError."""
+    chosen = sorted(set(nodes) | {n for pair in pairs for n in pair})
+    cluster = profile_cluster(bus, spec, [cost.batch_size], nodes=chosen, links=bool(pairs), link_pairs=pairs,
+                              timeout_s=timeout_s, ready_timeout_s=timeout_s)
+    measured.speeds.update({e.device.node: training_flops_per_s(cost, e) for e in cluster.devices})
+    wanted = set(pairs)
+    measured.links.update({(x.src, x.dst): x.bandwidth_bps for x in cluster.links if (x.src, x.dst) in wanted})
+
+
 def budget_bytes(view: NodeView, cap: int) -> int:
     """The training memory ``view``'s node has for a new job now: its budget less what its ledger holds, at most
     ``cap`` bytes when ``cap`` is set."""
@@ -47,24 +78,24 @@ def budget_bytes(view: NodeView, cap: int) -> int:
 
 
 def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str], samples: dict[str, int],
-                  estimates: dict[str, Estimates], flops: float, cap: int) -> list[SplitDevice]:
-    """The central manager's view of ``devices`` (online nodes of ``view``), each under ``mec_of[device]``."""
+                  estimates: dict[str, Estimates], measured: Measured, cap: int) -> list[SplitDevice]:
+    """The central manager's view of ``devices`` (online nodes of ``view``, each measured), each under
+    ``mec_of[device]``."""
     out = []
     for node in devices:
-        nv, mv = view.node(node), view.node(mec_of[node])
-        if nv is None or mv is None:
+        nv, link = view.node(node), measured.links.get((node, mec_of[node]))
+        if nv is None or link is None or node not in measured.speeds:
             continue
         est = estimates.get(node)
-        out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=flops / _slowdown(nv),
-                               link_bytes_s=_link_bytes_s(nv, mv), budget_bytes=budget_bytes(nv, cap),
-                               samples=samples.get(node, 0), dis=est.dis if est else 0.0,
-                               stat=est.stat if est else float(samples.get(node, 0))))
+        out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=measured.speeds[node], link_bytes_s=link,
+                               budget_bytes=budget_bytes(nv, cap), samples=samples.get(node, 0),
+                               dis=est.dis if est else 0.0, stat=est.stat if est else float(samples.get(node, 0))))
     return out
 
 
-def split_mecs(view: ClusterView, mecs: list[str], flops: float) -> list[SplitMec]:
-    """The central manager's view of the edge servers ``mecs``."""
-    return [SplitMec(node=m, speed_flops=flops / _slowdown(nv)) for m in mecs if (nv := view.node(m)) is not None]
+def split_mecs(mecs: list[str], measured: Measured) -> list[SplitMec]:
+    """The central manager's view of the edge servers ``mecs`` (each measured)."""
+    return [SplitMec(node=m, speed_flops=measured.speeds[m]) for m in mecs if m in measured.speeds]
 
 
 def assign_mecs(devices: list[str], mecs: list[str]) -> dict[str, str]:
