@@ -92,3 +92,17 @@ def test_children_die_with_the_server(server: ForkServer, broker: BrokerProcess,
     while time.monotonic() < deadline and read_cmdline(child.pid) is not None:
         time.sleep(0.05)
     assert read_cmdline(child.pid) is None
+
+
+def test_the_server_loads_openmp_with_sleeping_waits_for_processes_sharing_the_cores(server: ForkServer) -> None:
+    """OpenMP reads its wait policy once, when torch loads it in the server, and every child inherits it: threads
+    that sleep at a barrier instead of spinning, since the children share this host's cores (a local cluster's
+    services, with every service started through the launcher's environment)."""
+    from edgeswarm.devices.compute import sharing_cores
+    from edgeswarm.local.launcher import service_env as local_service_env
+
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # a policy set for the whole run stays
+    environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+    assert f"OMP_WAIT_POLICY={policy}".encode() in environ, environ
+    assert local_service_env("n", "mqtt://127.0.0.1:1", device_class="native")["OMP_WAIT_POLICY"] == policy
+    assert sharing_cores({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}  # a user's choice stays

@@ -41,6 +41,7 @@ from typing import IO, Literal, NoReturn
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import EdgeswarmError
 
 log = logging.getLogger(__name__)
@@ -354,7 +355,7 @@ class ForkServer:
         with open(log_path, "ab") as err:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "edgeswarm.local.forkserver", str(os.getpid()), " " * TITLE_ROOM],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=sharing_cores(os.environ))
         assert self._process.stdin is not None and self._process.stdout is not None
         self._requests: IO[bytes] = self._process.stdin
         self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgeswarm.devices.cluster import ClusterSpec
+from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.broker import BrokerProcess, BrokerSecurity, free_port, start_broker
 from edgeswarm.local.forkserver import ForkedProcess, ForkServer
@@ -99,8 +100,9 @@ def stop_children(children: list[ChildProcess], timeout_s: float = STOP_GRACE_S)
 def service_env(node: str, hub_url: str, *, device_class: str, links: dict[str, object] | None = None,
                 heartbeat_interval_s: float | None = None, mqtt_protocol: str = "auto",
                 extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one service process: ours plus its ``EDGESWARM_*`` settings."""
-    env = dict(os.environ)
+    """The environment of one service process: ours (for a process sharing this host's cores) plus its
+    ``EDGESWARM_*`` settings."""
+    env = sharing_cores(os.environ)
     env.update({
         "EDGESWARM_NODE_ID": node,
         "EDGESWARM_HUB_URL": hub_url,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from edgeswarm.compose_env import services_for
 from edgeswarm.devices.cluster import ClusterSpec
+from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import ConfigError
 from edgeswarm.local.launcher import (
     CHECKPOINT_DIR_ENV,
@@ -241,7 +242,7 @@ class NetnsCluster:
         if service not in composed:
             raise ConfigError(f"compose.yaml runs no {service} in profile {node.role}")
         folder = self.workdir / "nodes" / node.node
-        env = dict(os.environ)
+        env = sharing_cores(os.environ)  # the nodes' namespaces share this host's cores
         env.pop("EDGESWARM_LINKS", None)  # the kernel shapes these links, not the bus
         env.update(composed[service].environment_on_host())
         env.update({
