@@ -80,11 +80,11 @@ def budget_bytes(view: NodeView, cap: int) -> int:
 def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str], samples: dict[str, int],
                   estimates: dict[str, Estimates], measured: Measured, cap: int) -> list[SplitDevice]:
     """The central manager's view of ``devices`` (online nodes of ``view``, each measured), each under
-    ``mec_of[device]``."""
+    ``mec_of[device]`` (measured too)."""
     out = []
     for node in devices:
         nv, link = view.node(node), measured.links.get((node, mec_of[node]))
-        if nv is None or link is None or node not in measured.speeds:
+        if nv is None or link is None or node not in measured.speeds or mec_of[node] not in measured.speeds:
             continue
         est = estimates.get(node)
         out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=measured.speeds[node], link_bytes_s=link,
