@@ -260,3 +260,40 @@ def test_fingerprints_are_stable_and_tell_devices_apart() -> None:
     c = a.model_copy(update={"device_class": "nano"})
     assert device_fingerprint(a) == device_fingerprint(same_but_memory)
     assert len({host, device_fingerprint(a), device_fingerprint(b), device_fingerprint(c)}) == 4
+
+
+def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch size's column is scaled by what the model's units take in a row (one stage, as a worker builds it)
+    over the sum of their timings alone: forward, backward and served forward each by their own factor, clipped."""
+    import torch
+
+    from edgeswarm.profiling import compute
+    from edgeswarm.values.profiles import ModelSpec
+
+    spec = ModelSpec(name="lenet5")
+    real_time_unit = compute._time_unit
+    calls: list[int] = []
+
+    def time_unit(stage, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return 0.001, 0.002, real_time_unit(stage, x, None, 1, 0, torch.Generator())[2]
+
+    def factors(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(int(x.shape[0]))
+        assert len(list(chain.parameters())) == len(list(compute.build_model(spec).parameters()))  # the whole model
+        return (2.0, 1.0, 0.5)
+
+    monkeypatch.setattr(compute, "_time_unit", time_unit)
+    monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
+    monkeypatch.setattr(compute, "_chain_factors", factors)
+    _, scaled = compute.profile_model(spec, [2, 4], repeats=1, warmup=0)
+    assert calls == [2, 4]
+    assert {t for row in scaled.forward_s for t in row} == {0.002}
+    assert {t for row in scaled.backward_s for t in row} == {0.002}
+    assert {t for row in scaled.inference_s or [] for t in row} == {0.0002}
+    # What the factors are: a ratio of the chain to the units' sum, within CHAIN_BOUNDS.
+    monkeypatch.undo()
+    chain = compute.layer_sequence(compute.build_model(spec).train()).build_stage(0, 12)
+    high = compute.CHAIN_BOUNDS[1]
+    tiny = [[1e-12] for _ in range(12)]
+    assert compute._chain_factors(chain, compute.example_input(spec, 2), None, 1, 0, torch.Generator(), None,
+                                  [tiny, tiny, tiny]) == (high, high, high)

@@ -274,6 +274,7 @@ def profile_model(
              repeats)
     sizes = size_pass(spec, stages, names, step)
     stages = [stage.to(on) for stage in stages]
+    whole = seq.build_stage(0, len(seq)).to(on)  # every unit in one stage, as a worker builds its stage
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
     inference_s: list[list[float]] = [[] for _ in stages]
@@ -292,7 +293,7 @@ def profile_model(
             backward_s[i].append(bwd)
             step(f"unit {i + 1}/{len(stages)} ({names[i]}) at batch size {b}")
         try:
-            factors = _chain_factors(stages, example_input(spec, b).to(on), runner, repeats, warmup, gen, accelerated,
+            factors = _chain_factors(whole, example_input(spec, b).to(on), runner, repeats, warmup, gen, accelerated,
                                      [forward_s, backward_s, inference_s])
         except Exception as exc:
             raise UnitProfilingError(f"{spec.name}'s units in a row failed at batch size {b}: {exc}") from exc
@@ -339,15 +340,15 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
     return fwd, statistics.median(times), recorded
 
 
-def _chain_factors(stages: list[nn.Module], x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
+def _chain_factors(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
                    gen: torch.Generator, accelerated: torch.device | None,
                    tables: list[list[list[float]]]) -> tuple[float, float, float]:
-    """The whole model's forward, backward and inference forward, every unit in a row on ``x``, over the sums of its
-    units' last timed column in ``tables`` (forward, backward, inference), each clipped to CHAIN_BOUNDS. A unit
-    timed alone in a loop keeps its weights and activations in the caches; run in a row, as a stage runs its units,
-    the units evict each other's (MobileNetV2's served forward at batch 8 took 1.15x the sum of its units on this
-    VM's CPU). Scaling every unit by the chain's factor keeps the units' proportions, where the cuts are chosen."""
-    chain = nn.Sequential(*stages)
+    """The forward, backward and inference forward of ``chain`` (every unit of the model in one stage) on ``x``,
+    over the sums of its units' last timed column in ``tables`` (forward, backward, inference), each clipped to
+    CHAIN_BOUNDS. A unit timed alone in a loop keeps its weights and activations in the caches; run in a row, as a
+    stage runs its units, the units evict each other's (MobileNetV2 at batch 8, one thread: forward 1.12x, backward
+    1.09x, served forward 1.14x the sums of its units on this VM's CPU). Scaling every unit by the chain's factor
+    keeps the units' proportions, where the cuts are chosen."""
     x_in = _stage_input(x)
     fwd, bwd, _ = _time_unit(chain, x_in, runner, repeats, warmup, gen, accelerated)
     inference = _inference_time(chain, x_in, runner, repeats, warmup, accelerated)
