@@ -24,8 +24,9 @@ DATA = DatasetSpec(kind="teacher", size=1024, test_size=64)
 NODES = ["a", "b", "c", "d"]
 ROUNDS = 8
 GLOBAL_BATCH, M, LR, MOMENTUM = 128, 4, 0.05, 0.9
-# Slow the workers down so a round lasts long enough to be interrupted in the middle.
-WORKER_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "40"}
+# Slow the workers down so a round lasts long enough to be interrupted in the middle (at 40, before the cluster's
+# OpenMP threads slept at barriers, a spinning barrier counted in the emulated CPU time and rounds were as long).
+WORKER_ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "200"}
 
 
 def _cluster_and_plan(spec: ModelSpec = MLP):
