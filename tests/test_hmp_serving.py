@@ -266,10 +266,10 @@ def test_a_device_killed_mid_generation_costs_a_rebuilt_cache_and_the_answer_is_
     assert state is not None and isinstance(state.plan, HmpPlan)
     victim = state.plan.shares.devices[1]
     prompt = prompts("llama-tiny", 1)[0]
-    new = 100
+    new = 110  # nearly what the job's max_tokens (120) leaves after the prompt: about a second of decoding here
 
     def kill() -> None:
-        time.sleep(1.0)
+        time.sleep(0.3)  # into the decoding: the prompt's prefill takes milliseconds
         for child in cluster.local.children:
             if child.node == victim and child.alive():
                 os.kill(child.pid, signal.SIGKILL)
