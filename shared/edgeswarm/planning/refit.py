@@ -41,6 +41,12 @@ def link_key(a: str, b: str) -> str:
     return LINK.join(sorted((a, b)))
 
 
+def link_nodes(key: str) -> tuple[str, str] | None:
+    """The two nodes of a ``link_key``; None for a device's key (a node name)."""
+    a, sep, b = key.partition(LINK)
+    return (a, b) if sep else None
+
+
 def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample]]) -> tuple[dict[str, float],
                                                                                               dict[str, float]]:
     """One round's predicted and measured seconds per link key, from what each device received (``received``:

@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 
-from edgeswarm.planning.refit import LINK, link_key, speeds
+from edgeswarm.planning.refit import link_key, link_nodes, speeds
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, ComputeRefit, LinkRefit, Work
 
@@ -72,8 +72,9 @@ def save_scales(cache: ProfileCache, cluster: ClusterProfile, scales: dict[str, 
         if seen < MIN_ROUNDS:
             continue
         try:
-            if LINK in key:
-                a, b = key.split(LINK)
+            pair = link_nodes(key)
+            if pair is not None:
+                a, b = pair
                 if a not in devices or b not in devices:
                     continue
                 blended, total = _blended(cache.link_refit(a, b), scale, seen)
