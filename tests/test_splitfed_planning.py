@@ -40,6 +40,7 @@ from edgeswarm.planning.splitfed.types import (
     SplitPlanError,
     UnitCost,
 )
+from edgeswarm.planning.vocabulary import messages
 
 MB = 10**6
 
@@ -152,6 +153,33 @@ def test_round_time_counts_epochs_sync_and_mec_sharing() -> None:
     sync = 2 * costs.device_params[1] / 5e6
     t_iter = (costs.device_flops[1] / 2e9 + costs.mec_flops[1] / 1e11 + costs.transfer_bytes[1] / 5e6)
     assert t1 == pytest.approx(iters * t_iter + sync)
+
+
+def test_every_message_on_the_device_link_is_priced() -> None:
+    model = chain_model(units=6, batch_size=8)
+    free = SplitDevice(node="d", mec="m", speed_flops=2e9, link_bytes_s=5e6, budget_bytes=10**10, samples=20)
+    dev = free.model_copy(update={"link_message_s": 0.004})
+    mec = SplitMec(node="m", speed_flops=1e11)
+    iters = 3 * 3
+    out = [messages(u.out_bytes) for u in model.units]  # one message per 1 MiB chunk of a tensor
+    for mode, per_iteration in (("usplit", 2 * out[1] + 2 * out[4]), ("vanilla", 2 * out[1])):
+        opts = SplitOptions(epochs=3, latency_model=mode, tail=1 if mode == "usplit" else 0)
+        costs = cut_costs(model, opts)
+        # Cut 2: a split iteration sends the cut's activations and gets their gradient (and, under U-split, gets the
+        # middle's output and sends its gradient); the round's part goes down and comes back once. Local training
+        # (the last cut) sends only the part.
+        part = messages(costs.device_params[1])
+        assert round_time(model, dev, mec, 2, opts) - round_time(model, free, mec, 2, opts) == pytest.approx(
+            (iters * per_iteration + 2 * part) * 0.004)
+        last = costs.cuts
+        assert round_time(model, dev, mec, last, opts) - round_time(model, free, mec, last, opts) == pytest.approx(
+            2 * messages(costs.device_params[-1]) * 0.004)
+        table = cost_table(model, [dev], [mec], opts)
+        assert table.times(np.array([0]), np.array([2]), np.array([1]))[0] == pytest.approx(
+            round_time(model, dev, mec, 2, opts))
+    # The paper's Eq. 4 prices bytes only.
+    paper = SplitOptions(latency_model="paper")
+    assert round_time(model, dev, mec, 2, paper) == round_time(model, free, mec, 2, paper)
 
 
 # --- U5: objective, decode and the three solvers -------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from edgeswarm.errors import ConfigError
 from edgeswarm.models.zoo import unit_count
 from edgeswarm.splitfed.profiling import model_cost
-from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.profiles import LinkProfile, ModelSpec
 
 
 @pytest.mark.parametrize("name", ["lenet5", "mlp", "vgg16", "resnet18"])
@@ -66,7 +66,8 @@ def test_a_nodes_speed_is_its_measured_seconds_for_the_models_flops_never_its_cl
     with pytest.raises(ProfileError, match="batch sizes"):
         training_flops_per_s(cost, entry(0.001, [4]))
     # A round asks only for what was not measured yet: a new device, a new MEC, a device under another MEC.
-    measured = Measured(speeds={"d0": 1.0, "d1": 1.0, "m0": 1.0}, links={("d0", "m0"): 1.0, ("d1", "m0"): 1.0})
+    links = {(d, "m0"): LinkProfile(src=d, dst="m0", bandwidth_bps=1.0) for d in ("d0", "d1")}
+    measured = Measured(speeds={"d0": 1.0, "d1": 1.0, "m0": 1.0}, links=links)
     assert measured.missing(["d0", "d1"], ["m0"], {"d0": "m0", "d1": "m0"}) == ([], [])
     assert measured.missing(["d0", "d1", "d2"], ["m0", "m1"], {"d0": "m0", "d1": "m1", "d2": "m0"}) == (
         ["d2", "m1"], [("d1", "m1"), ("d2", "m0")])

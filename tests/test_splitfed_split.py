@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.messages.splitfed import RoundSetup
 from edgeswarm.models.zoo import build_model, example_input, example_target
+from edgeswarm.splitfed.compute import trains_alone
 from edgeswarm.splitfed.memory import measure_device_memory
 from edgeswarm.splitfed.recompute import find_segments, is_expensive, op_names
 from edgeswarm.splitfed.split import (
@@ -28,7 +30,9 @@ from edgeswarm.splitfed.split import (
     split_loss,
     split_point,
 )
+from edgeswarm.values.federated import LocalTraining, PartitionSpec
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.specs import DatasetSpec
 
 BATCH = 2
 MODELS = [ModelSpec(name="lenet5"), ModelSpec(name="resnet18", config={"width": 0.25, "image_size": 16})]
@@ -128,6 +132,15 @@ def test_local_cut_leaves_the_middle_empty_and_sends_nothing() -> None:
     assert bytes_per_iteration(spec, point, 8).total == 0
     with pytest.raises(ConfigError):
         split_point(spec, units)
+    # That cut trains on the device alone under the U-split (no tensor through an identity middle); the vanilla
+    # split's server always computes the loss.
+    setup = RoundSetup(model=spec, dataset=DatasetSpec(kind="digits", size=64),
+                       partition=PartitionSpec(kind="iid", devices=2, seed=0),
+                       training=LocalTraining(epochs=1, batch_size=8, lr=0.05))
+    assert trains_alone(setup, point)
+    assert not trains_alone(setup, split_point(spec, units - 2))
+    vanilla = setup.model_copy(update={"training": setup.training.model_copy(update={"mode": "vanilla"})})
+    assert not trains_alone(vanilla, SplitPoint(units=units, cut=units, tail=0))
 
 
 def test_bytes_per_iteration_follow_u11() -> None:

@@ -26,7 +26,7 @@ class SplitfedBench(Bench):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--sections", default="planner,memory,accuracy",
                        help="comma-separated: planner, memory, accuracy, cluster (default: the first three, about 4 "
-                       "minutes on 2 cores; cluster starts a local cluster of 3 devices and an edge server)")
+                       "minutes on 2 cores; cluster starts a local cluster of 3 emulated phones and an edge server)")
         p.add_argument("--seeds", default="0",
                        help="comma-separated seeds (the planner and simulation repeat per seed)")
         p.add_argument("--rounds", type=int, default=20, help="simulated rounds per method and setting")
@@ -178,8 +178,8 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
                           f"{sum(r.excluded_devices for r in rows) / len(rows):.0f}")
         tables.append(t)
     if report.cluster:
-        t = Table(title="train-splitfed jobs on a local cluster (3 native devices, 1 edge server, LeNet-5 on digits, "
-                  "2 participants a round)")
+        t = Table(title="train-splitfed jobs on a local cluster (3 emulated phones, 1 edge server, LeNet-5 on "
+                  "digits, 2 participants a round)")
         for col in ("mode", "round", "cuts", "round s", "predicted s", "refitted s", "LAN KiB", "WAN KiB",
                     "accuracy", "device peak MiB", "error"):
             t.add_column(col)

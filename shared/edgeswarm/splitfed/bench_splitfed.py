@@ -371,26 +371,33 @@ def mean_of(values: list[float]) -> float | None:
 
 # --- cluster ---------------------------------------------------------------------------------------------------
 
-CLUSTER_DEVICES = 3
+# SmartSplit's phones (its Table I: the slowest, a middle one and the fastest) on their emulated Wi-Fi links, and an
+# edge server. Emulated classes compute on one thread each, slowed as their class says; native devices on one host
+# would share its cores with each other and the edge server while each was profiled alone, so no prediction could
+# hold for them (3 native devices on 2 cores: local steps 2x their profile).
+CLUSTER_CLASSES = ("redmi-2", "honor-8", "pixel-6")
+CLUSTER_DEVICES = len(CLUSTER_CLASSES)
 CLUSTER_MODES = ("smartsplit", "fedavg", "splitfed")
 
 
 def cluster_rows(config: SplitfedBenchConfig, cluster: StartCluster, log: Log = _quiet) -> list[ClusterRow]:
-    """Run each mode as a train-splitfed job of ``config.cluster_rounds`` rounds on one local cluster of
-    CLUSTER_DEVICES native devices and one native edge server (LeNet-5 on digits, 2 participants a round, a
-    Dirichlet 0.5 split), every device's budget ``config.cluster_budget_bytes``, and read each round's record
-    from the job state. A mode that fails is one row with its error."""
+    """Run each mode as a train-splitfed job of ``config.cluster_rounds`` rounds on one local cluster of the
+    CLUSTER_CLASSES phones and an edge server (LeNet-5 on digits, 2 participants a round, a Dirichlet 0.5 split),
+    every device's budget ``config.cluster_budget_bytes``, and read each round's record from the job state. A mode
+    that fails is one row with its error."""
     import tempfile
     from pathlib import Path
 
-    from edgeswarm.devices.cluster import DeviceEntry, cluster_of
+    from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
 
-    spec = cluster_of(CLUSTER_DEVICES, "native")
-    spec = spec.model_copy(update={"edges": (DeviceEntry(id="edge-0", device_class="native"),)})
+    spec = ClusterSpec(name="smartsplit-phones", description="SmartSplit's phones and an edge server",
+                       devices=tuple(DeviceEntry(id=f"{c}-{i}", device_class=c)
+                                     for i, c in enumerate(CLUSTER_CLASSES)),
+                       edges=(DeviceEntry(id="edge-0", device_class="edge-server"),))
     with tempfile.TemporaryDirectory(prefix="bench-splitfed-") as tmp:
         root = Path(tmp)
         env = {"EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-        log("cluster: starting 3 devices and an edge server")
+        log(f"cluster: starting {', '.join(CLUSTER_CLASSES)} and an edge server")
         try:
             with cluster(spec, workdir=root / "cluster", extra_env=env, skip_services=("tensor-shard-worker",),
                          timeout_s=300) as (_running, bus):

@@ -3,8 +3,9 @@ MEC, its memory budget now, its data and the MEC's estimates of its skew and uti
 
 Speeds and links are measured, never read from a device's class (an emulated device is measured like a real one):
 each node's profiler times the model's units at the job's batch size (``profiling.gather``), and a node's speed is
-a training iteration's FLOPs over those seconds; each device's profiler measures its link to its MEC. ``measure``
-asks for what a round needs and was not measured yet (a new device, a new MEC, a device moved to another MEC).
+a training iteration's FLOPs over those seconds; each device's profiler measures its link to its MEC (its bandwidth
+and what a message costs on it). ``measure`` asks for what a round needs and was not measured yet (a new device, a
+new MEC, a device moved to another MEC).
 Budgets are the node's memory budget less what its ledger holds for other jobs (the view's reserved bytes), capped
 by the job's own cap."""
 
@@ -17,7 +18,7 @@ from edgeswarm.errors import ProfileError
 from edgeswarm.messages.cluster import ClusterView, NodeView
 from edgeswarm.planning.splitfed.types import ModelCost, SplitDevice, SplitMec
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.values.profiles import DeviceProfileEntry, ModelSpec
+from edgeswarm.values.profiles import DeviceProfileEntry, LinkProfile, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,10 @@ class Estimates:
 @dataclass
 class Measured:
     """What the profilers measured of a job's parties: each node's training speed (FLOP/s) and each device's link to
-    its MEC ((device, MEC) -> bytes per second)."""
+    its MEC ((device, MEC) -> its profile)."""
 
     speeds: dict[str, float] = field(default_factory=dict)
-    links: dict[tuple[str, str], float] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkProfile] = field(default_factory=dict)
 
     def missing(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> tuple[list[str],
                                                                                            list[tuple[str, str]]]:
@@ -67,7 +68,7 @@ def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, node
                               timeout_s=timeout_s, ready_timeout_s=timeout_s)
     measured.speeds.update({e.device.node: training_flops_per_s(cost, e) for e in cluster.devices})
     wanted = set(pairs)
-    measured.links.update({(x.src, x.dst): x.bandwidth_bps for x in cluster.links if (x.src, x.dst) in wanted})
+    measured.links.update({(x.src, x.dst): x for x in cluster.links if (x.src, x.dst) in wanted})
 
 
 def budget_bytes(view: NodeView, cap: int) -> int:
@@ -87,7 +88,8 @@ def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str],
         if nv is None or link is None or node not in measured.speeds or mec_of[node] not in measured.speeds:
             continue
         est = estimates.get(node)
-        out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=measured.speeds[node], link_bytes_s=link,
+        out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=measured.speeds[node],
+                               link_bytes_s=link.bandwidth_bps, link_message_s=link.per_message_s,
                                budget_bytes=budget_bytes(nv, cap), samples=samples.get(node, 0),
                                dis=est.dis if est else 0.0, stat=est.stat if est else float(samples.get(node, 0))))
     return out

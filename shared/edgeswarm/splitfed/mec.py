@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from edgeswarm.aggregation import FedAvg, UpdateRejectedError
+from edgeswarm.devices.compute import use_device_threads
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.splitfed import (
@@ -45,7 +47,7 @@ from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, Exchange
 from edgeswarm.runtime.program import JobTable, WorkerContext
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
-from edgeswarm.splitfed.compute import MecPart, Reassembly
+from edgeswarm.splitfed.compute import MecPart, Reassembly, point_of, trains_alone
 from edgeswarm.splitfed.mec_state import RoundCheckpoint
 from edgeswarm.splitfed.weights import flatten
 from edgeswarm.wire import Message
@@ -319,7 +321,9 @@ class MecProgram(JobTable[_Round]):
         rnd.lan_bytes += self.ctx.bus.send_tensor(device, STAGE_WORKER,
                                                   SplitPartWeights(job_id=job, round=r, cut=cand.cut), part_flat)
         done = rnd.done_events[device]
-        if training.mode == "local":
+        with self.ctx.gate.building():  # the first split point of a model traces it
+            alone = trains_alone(start.setup, point_of(start.setup, cand.cut))
+        if alone:
             batches = -(-max(cand.samples, 1) // training.batch_size) * training.epochs
             if not done.wait(start.wait_s * (batches + 1)):
                 raise ExchangeTimeout(f"{device} did not finish its local training in time")
@@ -327,6 +331,8 @@ class MecProgram(JobTable[_Round]):
         with self.ctx.gate.building():
             part = MecPart(start.setup, cand.cut, compute=self.ctx.compute)
         part.load(global_state)
+        use_device_threads(self.ctx.device)  # this thread computes as the edge server: its threads, its speed
+        run = self.ctx.device.run
         step = 0
         while not rnd.stop.is_set():
             activation = ex.wait(TensorKey(r, device, step, "activation"))
@@ -335,14 +341,15 @@ class MecProgram(JobTable[_Round]):
                     labels = rnd.labels.pop((device, step), None)
                     if labels is None or len(labels) != activation.shape[0]:
                         raise ExchangeFailed(f"{device}'s step {step} came without its labels")
-                    cut_gradient = part.vanilla_step(activation, torch.tensor(labels, device=activation.device))
+                    cut_gradient = run(partial(part.vanilla_step, activation,
+                                               torch.tensor(labels, device=activation.device)))
                 else:
-                    middle = part.forward(activation)
+                    middle = run(partial(part.forward, activation))
             if training.mode != "vanilla":
                 ex.send(device, (r, device), SplitTensor(job_id=job, round=r, step=step, kind="middle"), middle)
                 tail_gradient = ex.wait(TensorKey(r, device, step, "tail_gradient"))
                 with self.ctx.gate.computing():
-                    cut_gradient = part.backward(tail_gradient)
+                    cut_gradient = run(partial(part.backward, tail_gradient))
             ex.send(device, (r, device), SplitTensor(job_id=job, round=r, step=step, kind="cut_gradient"),
                     cut_gradient)
             rnd.lan_bytes += 2 * activation.numel() * activation.element_size()

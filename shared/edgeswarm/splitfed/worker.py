@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from edgeswarm.devices.compute import use_device_threads
 from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.splitfed import (
@@ -179,7 +180,9 @@ class DeviceProgram(JobTable[_Job]):
         report = DeviceReport(node=self.ctx.node, outcome="failed", cut=part_msg.cut)
         weights = torch.zeros(0)
         try:
-            part = DevicePart(enrol.setup, part_msg.cut, compute=self.ctx.compute, gate=self.ctx.gate)
+            use_device_threads(self.ctx.device)  # this round's thread computes as the device: its threads, its speed
+            part = DevicePart(enrol.setup, part_msg.cut, compute=self.ctx.compute, gate=self.ctx.gate,
+                              run=self.ctx.device.run)
             budget = self._budget(enrol)
             self.ctx.ledger.reserve(PROGRAM, enrol.job_id, part.static_bytes(), what=f"split learning job "
                                     f"{enrol.job_id}'s device part (cut {part_msg.cut})")
@@ -244,11 +247,12 @@ class DeviceProgram(JobTable[_Job]):
 
     def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
                    last: bool) -> np.ndarray:
-        """One mini-batch with the MEC (or alone, for local training); the per-sample losses. Each part of it is a
-        span of the round (the step as its micro-batch) on the device's lane, its transfers on the link's."""
+        """One mini-batch with the MEC (or alone, at a cut that leaves the MEC nothing); the per-sample losses. Each
+        part of it is a span of the round (the step as its micro-batch) on the device's lane, its transfers on the
+        link's."""
         enrol, mode = job.enrol, job.enrol.setup.training.mode
         lane = self.ctx.tracer.lane(enrol.job_id, "device")
-        if mode == "local":
+        if part.alone:
             with lane.span("local step", "compute", r, step):
                 return part.local_step(x, y)
         link = lane.on("link device→mec")

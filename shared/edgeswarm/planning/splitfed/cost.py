@@ -6,9 +6,13 @@ j+1..V-h on the MEC; ``j = V-h`` offloads nothing (local training). Three latenc
 
 - ``usplit`` (default): forward and backward of every unit, four transfers per iteration (activations and
   gradients at the cut and before the tail), E epochs of ceil(|D|/B) iterations, and the device part's
-  parameters downloaded and uploaded once per round.
-- ``vanilla`` (the SplitFed baseline): no tail, two transfers at the cut plus the labels, same round structure.
-- ``paper``: Eq. 4 read literally, one iteration with one transfer of O(j), no tail, no round structure.
+  parameters downloaded and uploaded once per round. Each transfer is also priced at the device's
+  ``link_message_s`` per message it takes (``vocabulary.messages``: one per 1 MiB chunk): for a small model the
+  messages, not the bytes, are most of a split iteration's time on the wire.
+- ``vanilla`` (the SplitFed baseline): no tail, two transfers at the cut (the labels travel with the
+  activations), same round structure.
+- ``paper``: Eq. 4 read literally, one iteration with one transfer of O(j), no tail, no round structure, no
+  per-message cost.
 
 Units: bytes, FLOPs, FLOP/s, bytes per second, seconds.
 """
@@ -23,6 +27,7 @@ import numpy as np
 
 from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
 from edgeswarm.planning.splitfed.types import ModelCost, SplitOptions, SplitPlanError, UnitCost
+from edgeswarm.planning.vocabulary import messages
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,15 +55,17 @@ def effective_tail(model: ModelCost, options: SplitOptions) -> int:
 @dataclass(frozen=True)
 class CutCosts:
     """The per-cut quantities of one model, index ``j - 1`` for cut ``j`` in 1..V-h: device memory (bytes),
-    device and MEC FLOPs per iteration, bytes crossing per iteration, device-side parameter bytes, and under
-    cost-aware recomputation (theta = l_peak) the device memory M_persist + l_peak and the extra forward FLOPs
-    per iteration."""
+    device and MEC FLOPs per iteration, bytes and messages crossing per iteration, device-side parameter bytes and
+    the messages of their download and upload in a round, and under cost-aware recomputation (theta = l_peak) the
+    device memory M_persist + l_peak and the extra forward FLOPs per iteration."""
 
     memory: np.ndarray
     device_flops: np.ndarray
     mec_flops: np.ndarray
     transfer_bytes: np.ndarray
+    transfer_messages: np.ndarray
     device_params: np.ndarray
+    sync_messages: np.ndarray
     lean_memory: np.ndarray
     recompute_flops: np.ndarray
 
@@ -98,6 +105,20 @@ def iteration_bytes(model: ModelCost, cut: int, tail: int, latency_model: Latenc
     return 2 * (o_cut + (units[v - tail - 1].out_bytes if tail else 0))
 
 
+def iteration_messages(model: ModelCost, cut: int, tail: int, latency_model: LatencyModel) -> int:
+    """Messages crossing the device-MEC link in one iteration, as ``iteration_bytes``'s transfers are sent: U-split
+    the activations and the cut's gradient (O(j) each) and the middle's output and its gradient (O(V-h) each);
+    vanilla O(j) twice; the paper's Eq. 4 none (it prices bytes only); 0 at j = V-h."""
+    units = model.units
+    v = len(units)
+    if cut >= v - tail or latency_model == "paper":
+        return 0
+    at_cut = 2 * messages(units[cut - 1].out_bytes)
+    if latency_model == "vanilla" or not tail:
+        return at_cut
+    return at_cut + 2 * messages(units[v - tail - 1].out_bytes)
+
+
 def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
     """Every cut's memory, FLOPs, transfer and device parameters under ``options`` (tail, buffers, overhead,
     latency model)."""
@@ -112,6 +133,7 @@ def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
     front_flops = np.cumsum(flops)[:n_cuts]
     middle_total = float(flops[:n_cuts].sum())
     lean = [lean_memory(model, j, tail, options.overhead_bytes, options.comm_buffers) for j in range(1, n_cuts + 1)]
+    device_params = np.cumsum(params)[:n_cuts] + tail_params
     return CutCosts(
         memory=np.array([device_memory(model, j, tail, options.overhead_bytes, options.comm_buffers)
                          for j in range(1, n_cuts + 1)], dtype=np.float64),
@@ -119,7 +141,11 @@ def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
         mec_flops=middle_total - front_flops,
         transfer_bytes=np.array([iteration_bytes(model, j, tail, options.latency_model)
                                  for j in range(1, n_cuts + 1)], dtype=np.float64),
-        device_params=np.cumsum(params)[:n_cuts] + tail_params,
+        transfer_messages=np.array([iteration_messages(model, j, tail, options.latency_model)
+                                    for j in range(1, n_cuts + 1)], dtype=np.float64),
+        device_params=device_params,
+        sync_messages=(np.zeros(n_cuts) if options.latency_model == "paper"
+                       else 2.0 * np.array([messages(int(p)) for p in device_params], dtype=np.float64)),
         lean_memory=np.array([m for m, _ in lean], dtype=np.float64),
         recompute_flops=np.array([f for _, f in lean], dtype=np.float64),
     )
@@ -148,13 +174,14 @@ def iterations(samples: int, batch_size: int, epochs: int) -> int:
 
 
 def iteration_time(costs: CutCosts, cut: int, speed_flops: float, link_bytes_s: float,
-                   mec_speed_flops: float, sharing: int = 1) -> float:
+                   mec_speed_flops: float, sharing: int = 1, message_s: float = 0.0) -> float:
     """t_iter(i, j) seconds (spec 4.2, Eq. 3-4 without memory-IO terms): device FLOPs / device speed, MEC FLOPs /
-    (MEC speed / ``sharing``, the devices the MEC trains for at once), transferred bytes / link rate."""
+    (MEC speed / ``sharing``, the devices the MEC trains for at once), transferred bytes / link rate and the
+    iteration's messages at ``message_s`` seconds each."""
     k = cut - 1
     return float(costs.device_flops[k] / speed_flops
                  + costs.mec_flops[k] * max(1, sharing) / mec_speed_flops
-                 + costs.transfer_bytes[k] / link_bytes_s)
+                 + costs.transfer_bytes[k] / link_bytes_s + costs.transfer_messages[k] * message_s)
 
 
 @dataclass(frozen=True)
@@ -217,6 +244,7 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
         allowed[options.fixed_cut - 1] = True
     speed = np.array([d.speed_flops for d in devices], dtype=np.float64)[:, None]
     link = np.array([d.link_bytes_s for d in devices], dtype=np.float64)[:, None]
+    message = np.array([d.link_message_s for d in devices], dtype=np.float64)[:, None]
     budget = np.array([d.budget_bytes for d in devices], dtype=np.float64)[:, None]
     available = np.array([d.available for d in devices], dtype=bool)[:, None]
     if options.latency_model == "paper":
@@ -225,8 +253,9 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
     else:
         iters = np.array([iterations(d.samples, model.batch_size, options.epochs) for d in devices],
                          dtype=np.float64)[:, None]
-        sync = 2.0 * costs.device_params[None, :] / link
-    fixed = iters * (costs.device_flops[None, :] / speed + costs.transfer_bytes[None, :] / link) + sync
+        sync = 2.0 * costs.device_params[None, :] / link + costs.sync_messages[None, :] * message
+    fixed = iters * (costs.device_flops[None, :] / speed + costs.transfer_bytes[None, :] / link
+                     + costs.transfer_messages[None, :] * message) + sync
     memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
     fits = memory <= budget
     if options.plan_with_recompute:
@@ -262,14 +291,16 @@ def feasible_cuts(model: ModelCost, device: SplitDevice, options: SplitOptions) 
 
 def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, options: SplitOptions,
                sharing: int = 1, recompute_s: float = 0.0) -> float:
-    """T_i(j) seconds (spec 4.2): E ceil(|D|/B) t_iter + 2 P_dev(j) / r + T_recompute; under ``paper`` Eq. 4
-    literally (one iteration's t_iter)."""
+    """T_i(j) seconds (spec 4.2): E ceil(|D|/B) t_iter + 2 P_dev(j) / r (and their messages) + T_recompute;
+    under ``paper`` Eq. 4 literally (one iteration's t_iter)."""
     costs = cut_costs(model, options)
-    t = iteration_time(costs, cut, device.speed_flops, device.link_bytes_s, mec.speed_flops, sharing)
+    t = iteration_time(costs, cut, device.speed_flops, device.link_bytes_s, mec.speed_flops, sharing,
+                       device.link_message_s)
     if options.latency_model == "paper":
         return t
     its = iterations(device.samples, model.batch_size, options.epochs)
-    return its * t + 2.0 * float(costs.device_params[cut - 1]) / device.link_bytes_s + recompute_s
+    return (its * t + 2.0 * float(costs.device_params[cut - 1]) / device.link_bytes_s
+            + float(costs.sync_messages[cut - 1]) * device.link_message_s + recompute_s)
 
 
 def skew_scale(classes: int, normalise: bool) -> float:

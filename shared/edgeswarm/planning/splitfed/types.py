@@ -65,9 +65,11 @@ class ModelCost(BaseModel):
 
 
 class SplitDevice(BaseModel):
-    """One device as the central manager sees it: its MEC, speed, link rate to that MEC, memory budget for
-    training now, local data set size and the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and
-    statistical utility (``stat``, Eq. 7)."""
+    """One device as the central manager sees it: its MEC, speed, link rate to that MEC and what one message on that
+    link costs beyond its bytes (``link_message_s``, seconds one way: the link's and the platform's per-message cost,
+    ``LinkProfile.per_message_s``; 0 prices bytes only, as the paper does), memory budget for training now, local
+    data set size and the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and statistical utility
+    (``stat``, Eq. 7)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -75,6 +77,7 @@ class SplitDevice(BaseModel):
     mec: Name
     speed_flops: Positive
     link_bytes_s: Positive
+    link_message_s: NonNegative = 0.0
     budget_bytes: Bytes
     samples: int = Field(ge=0, le=1 << 31)
     dis: NonNegative = 0.0
