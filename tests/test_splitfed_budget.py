@@ -4,6 +4,8 @@ it leave before its first mini-batch with a reason that names a shallower cut; n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,34 @@ def test_budget_trace_stays_within_the_clip() -> None:
     trace = budget_trace(8 * 2**30, 0.3, 1000, rng)
     assert len(trace) == 20 and trace[0] == int(8 * 2**30 * 0.3)
     assert all(0.05 * 8 * 2**30 - 1 <= b <= 0.5 * 8 * 2**30 for b in trace)
+
+
+def test_every_compute_of_the_device_part_runs_as_the_device() -> None:
+    # An emulated device's slow-down applies to what its part computes (``run`` is DeviceProfile.run in the worker):
+    # each forward, tail step and backward of a split step, and each local step, once.
+    setup = RoundSetup(model=MODEL, dataset=DatasetSpec(kind="teacher", size=64, test_size=16),
+                       partition=PartitionSpec(devices=2), training=LocalTraining(batch_size=BATCH))
+    torch.manual_seed(0)
+    global_state = build_model(MODEL).state_dict()
+    calls: list[str] = []
+
+    def run(fn: Callable[[], object]) -> object:
+        calls.append(getattr(fn, "func", fn).__name__)
+        return fn()
+
+    part = DevicePart(setup, CUT, compute=COMPUTE, gate=ComputeGate(), run=run)
+    part.load(flatten(global_state, part.layout))
+    mec = MecPart(setup, CUT, compute=COMPUTE)
+    mec.load(global_state)
+    x = to_compute(torch.randn(BATCH, 1, 32, 32, generator=torch.Generator().manual_seed(1)), COMPUTE)
+    y = to_compute(torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(2)), COMPUTE)
+    _, g_mid = part.tail_step(mec.forward(part.front_forward(x)), y)
+    part.front_backward(mec.backward(g_mid))
+    assert calls == ["front_forward", "tail_step", "front_backward"]
+    assert not part.alone
+    last = len(model_cost(MODEL, BATCH, 1).units) - 1  # the U-split's cut that leaves the MEC nothing
+    alone = DevicePart(setup, last, compute=COMPUTE, gate=ComputeGate(), run=run)
+    alone.load(flatten(global_state, alone.layout))
+    assert alone.alone
+    alone.local_step(x, y)
+    assert calls[3:] == ["step"]
