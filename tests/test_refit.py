@@ -292,8 +292,10 @@ def test_a_robust_line_through_predicted_and_measured_times() -> None:
     ys = [2 * x + 0.5 for x in xs]
     assert affine_fit(xs, ys) == pytest.approx((2.0, 0.5))
     assert affine_fit(xs, [*ys[:-1], 100.0]) == pytest.approx((2.0, 0.5))
-    # Faster than predicted never gives a negative fixed cost; a slope past its bounds is clipped.
-    assert affine_fit([1.0, 1.0], [0.5, 0.5]) == (1.0, 0.0)
+    # Faster than predicted never gives a negative fixed cost: without the spread to fit a line, it is a slope
+    # (one wild round aside); a slope past its bounds is clipped.
+    assert affine_fit([1.0, 1.0], [0.5, 0.5]) == (0.5, 0.0)
+    assert affine_fit([1.0, 1.0, 1.1, 1.1], [0.7, 0.75, 0.77, 9.0]) == pytest.approx((0.75, 0.0))
     assert affine_fit([1.0, 2.0, 3.0], [1.0, 101.0, 201.0])[0] == 16.0
 
 

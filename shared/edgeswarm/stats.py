@@ -18,7 +18,9 @@ def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 
     """A robust ``y = slope * x + intercept`` through the pairs (predicted seconds ``xs``, measured ``ys``): the
     Theil-Sen slope (the median of the pairwise slopes) when the xs spread by at least ``min_spread`` (largest over
     smallest), clipped to ``slope_bounds``, else a slope of 1; the intercept is the median of ``y - slope * x``, at
-    least 0 (a fixed cost is never negative). One outlier pair moves neither. None without a pair."""
+    least 0 (a fixed cost is never negative). Without the spread, times measured below their predictions are a
+    slope (the median of ``y / x``, clipped) and no fixed cost, since a negative fixed cost is none. One outlier pair
+    moves neither. None without a pair."""
     pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if x > 0 and y >= 0]
     if not pairs:
         return None
@@ -29,4 +31,8 @@ def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 
                         if x2 != x1)
         slope = min(slope_bounds[1], max(slope_bounds[0], slopes[len(slopes) // 2]))
     rests = sorted(y - slope * x for x, y in pairs)
-    return slope, max(0.0, rests[len(rests) // 2])
+    intercept = rests[len(rests) // 2]
+    if intercept < 0 and slope == 1.0:
+        ratios = sorted(y / x for x, y in pairs)
+        return min(slope_bounds[1], max(slope_bounds[0], ratios[len(ratios) // 2])), 0.0
+    return slope, max(0.0, intercept)
