@@ -290,6 +290,15 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     assert {t for row in scaled.forward_s for t in row} == {0.002}
     assert {t for row in scaled.backward_s for t in row} == {0.002}
     assert {t for row in scaled.inference_s or [] for t in row} == {0.0002}
+    # A model whose units in a row do not fit (only one unit's activations at a time did) keeps its units' timings.
+
+    def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(compute, "_chain_factors", out_of_memory)
+    _, alone = compute.profile_model(spec, [2], repeats=1, warmup=0)
+    assert {t for row in alone.forward_s for t in row} == {0.001}
+    assert {t for row in alone.inference_s or [] for t in row} == {0.0004}
     # What the factors are: a ratio of the chain to the units' sum, within CHAIN_BOUNDS.
     monkeypatch.undo()
     chain = compute.layer_sequence(compute.build_model(spec).train()).build_stage(0, 12)
