@@ -309,8 +309,8 @@ _MODEL_COST = ("record", {
                                   "expensive": "bool"})),
 })
 _SPLIT_DEVICE = ("record", {
-    "node": "str", "mec": "str", "speed_flops": "number", "link_bytes_s": "number", "budget_bytes": "int",
-    "samples": "int", "dis": "number", "stat": "number", "available": "bool",
+    "node": "str", "mec": "str", "speed_flops": "number", "link_bytes_s": "number", "link_message_s": "number",
+    "budget_bytes": "int", "samples": "int", "dis": "number", "stat": "number", "available": "bool",
 })
 _SPLIT_MEC = ("record", {"node": "str", "speed_flops": "number"})
 _SPLIT_OPTIONS = ("record", {

@@ -7,10 +7,12 @@ its tensors arrive, and the job re-plans off it; that too is saved for the next 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from edgeswarm.bus import Bus
 from edgeswarm.values.profiles import ClusterProfile, DeviceInfo, DeviceProfileEntry, LinkProfile, ModelSpec
 from helpers import assert_same_weights, reference_weights, stored_weights
 from test_recovery import GLOBAL_BATCH, NODES, _job, train
@@ -45,6 +47,20 @@ def profiled(batch_sizes: list[int]) -> ClusterProfile:
     return ClusterProfile(model=model, devices=entries, links=links)
 
 
+def start_workers(broker, make_bus, services, store_dir: Path, profiles: Path,  # type: ignore[no-untyped-def]
+                  env: Callable[[str], dict[str, str]]) -> Bus:
+    """A checkpoint store and a stage-worker on each of NODES (with ``env(node)``), and a client that re-balances
+    with its profile cache in ``profiles``, once every service is up."""
+    services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
+    for node in NODES:
+        services.start("stage-worker", node, broker.url, **env(node))
+    client = make_bus("coordinator-test", "cli", hub_url=broker.url, rebalance=True, profile_dir=profiles)
+    for node in NODES:
+        client.peers.wait_for(node, "stage-worker", timeout_s=30)
+    client.peers.wait_for("hub", "checkpoint-store", timeout_s=30)
+    return client
+
+
 def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around_it(
         broker, make_bus, services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from edgeswarm.hpp import coordinator
@@ -57,16 +73,10 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_replans_around
 
     job = _job("rebalance", spec=MODEL, rounds=ROUNDS)
     cluster = profiled(profile_batch_sizes(job))  # before the services start, which would slow it
-    store_dir = tmp_path / "checkpoints"
-    services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(store_dir))
-    for node in NODES:  # "a" computes 3x slower than the others, which its profile does not say
-        services.start("stage-worker", node, broker.url,
-                       EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (3 if node == "a" else 1)))
-    profiles = tmp_path / "profiles"
-    client = make_bus("coordinator-test", "cli", hub_url=broker.url, rebalance=True, profile_dir=profiles)
-    for node in NODES:
-        client.peers.wait_for(node, "stage-worker", timeout_s=30)
-    client.peers.wait_for("hub", "checkpoint-store", timeout_s=30)
+    store_dir, profiles = tmp_path / "checkpoints", tmp_path / "profiles"
+    # "a" computes 3x slower than the others, which its profile does not say.
+    client = start_workers(broker, make_bus, services, store_dir, profiles,
+                           lambda node: {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN * (3 if node == "a" else 1))})
     plan = plan_best("hpp", cluster, GLOBAL_BATCH, micro_batches=4, optimizer="momentum")
     events: list[str] = []
 
@@ -181,16 +191,14 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
     assert pair is not None
     a, b = pair
     chunk = 16 * 1024  # the cut tensors (about 100 KB) travel as several chunks: what a link is fitted from
-    for node in NODES:
+
+    def env(node: str) -> dict[str, str]:
         links = {peer: {"bandwidth_bps": 2.5e6 if {node, peer} == {a, b} else 12.5e6, "latency_s": 0.0}
                  for peer in NODES if peer != node}
-        services.start("stage-worker", node, broker.url, EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN),
-                       EDGESWARM_CHUNK_BYTES=str(chunk), EDGESWARM_LINKS=json.dumps(links))
-    services.start("checkpoint-store", "hub", broker.url, EDGESWARM_CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
-    client = make_bus("coordinator-test", "cli", hub_url=broker.url, rebalance=True, profile_dir=tmp_path / "p")
-    for node in NODES:
-        client.peers.wait_for(node, "stage-worker", timeout_s=30)
-    client.peers.wait_for("hub", "checkpoint-store", timeout_s=30)
+        return {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN), "EDGESWARM_CHUNK_BYTES": str(chunk),
+                "EDGESWARM_LINKS": json.dumps(links)}
+
+    client = start_workers(broker, make_bus, services, tmp_path / "checkpoints", tmp_path / "p", env)
     events: list[str] = []
 
     class Observer(JobObserver):
