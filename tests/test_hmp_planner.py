@@ -516,3 +516,22 @@ def test_galaxy_cluster_files_in_paper_mode(env: str, galaxy_heads: list[int], m
     galaxy = cmp.of("galaxy").plan
     assert galaxy is not None and galaxy.shares.heads == galaxy_heads
     assert cmp.of("megatron").feasible is mlm and not cmp.of("sp").feasible and not cmp.of("local").feasible
+
+
+def test_a_decoders_logits_are_priced_on_the_rank_holding_the_last_row() -> None:
+    # The lm_head runs once a pass on the rank that answers for the prompt's last row (the last of the equal row
+    # split), and once every generated token on the rank holding its one row (the first): its seconds are added to
+    # the model's prediction, not to a layer's.
+    cfg = PRESETS["gpt2-large"].model_copy(update={"dtype": "float16"})
+    cluster = synthetic_cluster(load_cluster("asteroid-env-a-1000mbps"), cfg, 284)
+    plain = plan_galaxy(cluster, HmpOptions(prune=False))
+    heads = {p.node: 0.01 * (i + 1) for i, p in enumerate(cluster.devices)}
+    with_head = cluster.model_copy(update={"devices": [p.model_copy(update={"head_s": heads[p.node]})
+                                                       for p in cluster.devices]})
+    plan = plan_galaxy(with_head, HmpOptions(prune=False))
+    assert plan.shares == plain.shares and plan.layer == plain.layer
+    first, last = plan.shares.devices[0], plan.shares.devices[-1]
+    assert plan.model.total_s == pytest.approx(plain.model.total_s + heads[last])
+    assert plan.model.compute_s == pytest.approx(plain.model.compute_s + heads[last])
+    assert plain.decode is not None and plan.decode is not None
+    assert plan.decode.per_token_s == pytest.approx(plain.decode.per_token_s + heads[first])

@@ -23,6 +23,7 @@ from edgeswarm.metrics import Metrics
 from edgeswarm.runtime.ledger import MemoryLedger
 from edgeswarm.runtime.program import ComputeGate, WorkerContext
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
+from edgeswarm.settings import Settings
 from edgeswarm.values.text_model import TextModelSource
 
 T = TypeVar("T")
@@ -119,3 +120,13 @@ def test_a_workers_first_profile_runs_on_the_devices_threads_and_slower_classes_
             f"{name} profiled on {device.threads_seen} torch threads"
     laptop, nano, rpi4 = (layer_s[name] for name in CLASSES)
     assert laptop < nano < rpi4, layer_s
+
+
+def test_a_decoders_profile_times_its_logits_and_an_encoders_has_none() -> None:
+    from edgeswarm.hmp.profiling import profile_blocks
+    from edgeswarm.values.text_model import PRESETS
+
+    device = DeviceProfile.from_settings(Settings(device_class="native"))
+    kw: dict[str, Any] = {"node": "d", "device": device, "compute": torch.device("cpu"), "warmup": 0, "repeats": 1}
+    assert profile_blocks(PRESETS["gpt2-tiny"], 8, **kw).head_s > 0
+    assert profile_blocks(PRESETS["bert-tiny"], 8, **kw).head_s == 0

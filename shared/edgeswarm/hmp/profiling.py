@@ -4,7 +4,8 @@ sequence length, on grids of heads, columns and rows, as that device computes (i
 Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
 then the median of ``repeats`` timed ones per point. The grids are capped (``profile_grids``: at most 16 head
 counts, ``column_points`` column counts, the rows of up to ``max_devices`` slices) so a paper-sized model profiles
-in bounded time. Decoders also get one row against a KV cache of ``seq_len`` tokens (the generation prediction).
+in bounded time. Decoders also get one row against a KV cache of ``seq_len`` tokens (the generation prediction) and
+one row's logits over the vocabulary (``head_s``, from a HEAD_ROWS slice of it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from edgeswarm.planning.hmp.types import BlockProfile
 from edgeswarm.values.text_model import TextModelConfig
 
 LAYER = "layers.0."
+# Vocabulary rows of the lm_head timed: its logits are a matrix-vector product, as slow per row of the vocabulary
+# whatever the vocabulary's size (each row is read once), so a slice is timed and scaled (a 128k-token vocabulary in
+# full would be a gigabyte to allocate for the timing).
+HEAD_ROWS = 8192
 
 
 def _median_s(fn: Callable[[], object], device: DeviceProfile, compute: torch.device, warmup: int,
@@ -100,6 +105,12 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
         con_t = [time_it(partial(con, r)) for r in rows]
         mha_d = [time_it(partial(mha, k, row, True)) for k in heads] if cfg.decoder else []
         mlp_d = [time_it(partial(mlp, c, row)) for c in columns] if cfg.decoder else []
+        head = 0.0
+        if cfg.decoder:
+            sliced = min(cfg.vocab, HEAD_ROWS)
+            head_w = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
+            head = time_it(partial(F.linear, row, head_w)) * cfg.vocab / sliced
+            del head_w
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
-                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, compute=str(compute))
+                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, compute=str(compute))

@@ -215,6 +215,13 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     return Prediction(layer, cm, dec)
 
 
+def head_s(profiles: Sequence[BlockProfile], rows: int) -> float:
+    """A pass's logits (seconds): the lm_head of its last row, on the rank that holds that row. Every mode splits or
+    answers rows as the equal split does (the first ranks one more), so that is the last rank holding any of
+    ``rows``. 0 for an encoder (its profiles measure none)."""
+    return profiles[min(rows, len(profiles)) - 1].head_s
+
+
 def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float], prefill: Sequence[float],
                   share: float, seq_len: int) -> float:
     if measured:
@@ -249,7 +256,7 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         rounds = 2 if direct_syncs else (2 if mode == "sp" else 4) * (d - 1)
         net = rounds * step_s(mesh, row)
     per_layer = compute + net
-    total = cfg.layers * per_layer
+    total = cfg.layers * per_layer + head_s(profiles, 1)  # every token's logits, from its one row
     return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=cfg.layers * net,
                             network_share=net / per_layer if per_layer > 0 else 0.0)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
-from edgeswarm.planning.hmp.latency import capacity, check_profiles, predict
+from edgeswarm.planning.hmp.latency import capacity, check_profiles, head_s, predict
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.types import (
     BlockProfile,
@@ -66,6 +66,8 @@ def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile
     layers = cfg.layers
     model = pred.layer.model_copy(update={k: getattr(pred.layer, k) * layers
                                           for k in ("total_s", "compute_s", "comm_s", "exposed_s")})
+    head = head_s(profiles, cluster.seq_len)  # a decoder's logits of the prompt's last row, once a pass
+    model = model.model_copy(update={"total_s": model.total_s + head, "compute_s": model.compute_s + head})
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,

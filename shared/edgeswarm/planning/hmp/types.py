@@ -40,7 +40,9 @@ class BlockProfile(BaseModel):
 
     ``heads``/``columns``/``rows`` are ascending grids; ``mha_s``/``mlp_s``/``con_s`` the median seconds at each.
     ``mha_decode_s``/``mlp_decode_s`` (optional, same grids, may be empty): one new row against a KV cache of
-    ``seq_len`` tokens, for the generation prediction. ``compute`` names the torch device it was timed on."""
+    ``seq_len`` tokens, for the generation prediction. ``head_s``: a decoder's logits of one row over its whole
+    vocabulary (the ``lm_head``, which the rank holding a pass's last row computes once a pass; 0 for an encoder or a
+    profile from before it). ``compute`` names the torch device it was timed on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -56,6 +58,7 @@ class BlockProfile(BaseModel):
     con_s: Times
     mha_decode_s: Times = Field(default_factory=list)
     mlp_decode_s: Times = Field(default_factory=list)
+    head_s: float = Field(default=0.0, ge=0)
     compute: str = Field(default="cpu", max_length=128)
     method: Literal["measured", "synthetic"] = "measured"
 
