@@ -264,19 +264,23 @@ def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster)
     wait_until(lambda: counted and counted[-1] >= 1, 10, message="a recovery of sf-mec in the coordinator's metrics")
 
 
-def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: Cluster) -> None:
-    # The SplitFed baseline's fixed cut: the devices exchange every step's tensors with the MEC (SmartSplit may give
-    # fast native devices the cut that leaves the MEC nothing, and they would train alone).
-    text = spec_text("sf-kill", rounds=2, mode="splitfed", wait_s=4, training={"epochs": 4, "batch_size": 8},
+# The SplitFed baseline's fixed cut: the devices exchange every step's tensors with the MEC, whose wait for the next
+# one ends when they stop. FedAvg: each device trains alone and sends nothing until its round's end, so the MEC
+# learns of its death from its stage-worker's Last Will (its epochs long enough to be killed while training).
+@pytest.mark.parametrize(("mode", "epochs"), [("splitfed", 4), ("fedavg", 20)])
+def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: Cluster, mode: str,
+                                                                       epochs: int) -> None:
+    name = f"sf-kill-{mode}"
+    text = spec_text(name, rounds=2, mode=mode, wait_s=4, training={"epochs": epochs, "batch_size": 8},
                      memory_budget_bytes=0)
     events: list[JobEvent] = []
-    follower = JobFollower(cluster.bus, "sf-kill", on_event=events.append)
+    follower = JobFollower(cluster.bus, name, on_event=events.append)
     submit_job(cluster.bus, text, submission=follower.submission)
     wait_until(lambda: any(e.kind == "round_started" for e in events), 120, message="round 0 started")
     state = follower.state
     assert state is not None and isinstance(state.plan, SplitSelection)
     node = state.plan.selected[0].node
-    time.sleep(1.0)  # mid-round: the devices are exchanging tensors with the MEC
+    time.sleep(1.0)  # mid-round: the devices are training
     victim = next(c for c in cluster.local.children if (c.node, c.service) == (node, "stage-worker") and c.alive())
     victim.process.kill()
     victim.process.wait(10)
@@ -286,6 +290,8 @@ def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: 
         cluster.local.restart(node, "stage-worker")
     assert final.status == "succeeded", final.detail
     first = final.progress_as(SplitfedProgress).history[0]
+    # Noticed as soon as the device stopped, not when the round's bound (``wait_s`` per local step) ran out.
+    assert first.round_s < 60, first
     outcomes = {p.node: p.outcome for p in first.participants}
     assert outcomes[node] in ("lost", "failed"), outcomes
     assert sum(o == "trained" for o in outcomes.values()) == 1, outcomes

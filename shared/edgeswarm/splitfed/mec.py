@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -60,6 +61,7 @@ _limited = RateLimitedLog(log)
 
 PROGRAM = "splitfed-mec"
 MAX_JOBS = 16
+ALONE_POLL_S = 0.2  # how often the wait for a device training alone looks at its status (seconds)
 
 
 class TensorKey(NamedTuple):
@@ -311,6 +313,25 @@ class MecProgram(JobTable[_Round]):
             rnd.reports.append(report)
             self._checkpoints.save(rnd.start.job_id, rnd.start.round, rnd.reports, rnd.total.partial())
 
+    def _await_alone(self, rnd: _Round, device: str, done: threading.Event, bound_s: float) -> None:
+        """Wait for ``device``, training alone, to send its SplitDone. It sends nothing before then, so its liveness
+        is its stage-worker's status: a Last Will (offline) or a new instance ends the wait at once, as a tensor
+        that stopped coming ends a split device's within ``wait_s``; so do the round's end and ``bound_s``
+        seconds. Raises ExchangeFailed, ExchangeAborted or ExchangeTimeout."""
+        peers = self.ctx.bus.peers
+        first = peers.get(device, STAGE_WORKER)
+        deadline = time.monotonic() + bound_s
+        while not done.wait(ALONE_POLL_S):
+            if rnd.stop.is_set():
+                raise ExchangeAborted(f"the round ended while {device} trained alone")
+            status = peers.get(device, STAGE_WORKER)
+            if status is not None and (status.state == "offline" or
+                                       (first is not None and status.instance != first.instance)):
+                raise ExchangeFailed(f"{device}'s stage-worker went away during its local training "
+                                     f"({status.reason or status.state})")
+            if time.monotonic() > deadline:
+                raise ExchangeTimeout(f"{device} did not finish its local training in time")
+
     def _serve(self, rnd: _Round, cand: SplitCandidate, global_state: dict[str, torch.Tensor],
                rebuild: Reassembly) -> dict[str, torch.Tensor]:
         """Send ``cand`` its part and serve its mini-batches until its last one and its SplitDone; the trained
@@ -325,8 +346,7 @@ class MecProgram(JobTable[_Round]):
             alone = trains_alone(start.setup, point_of(start.setup, cand.cut))
         if alone:
             batches = -(-max(cand.samples, 1) // training.batch_size) * training.epochs
-            if not done.wait(start.wait_s * (batches + 1)):
-                raise ExchangeTimeout(f"{device} did not finish its local training in time")
+            self._await_alone(rnd, device, done, start.wait_s * (batches + 1))
             return {}
         with self.ctx.gate.building():
             part = MecPart(start.setup, cand.cut, compute=self.ctx.compute)
