@@ -16,6 +16,7 @@ from pydantic import PrivateAttr
 
 from edgeswarm import topics
 from edgeswarm.devices.catalogue import device_class
+from edgeswarm.devices.compute import resolve_compute
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.hmp.worker import ShardProgram
 from edgeswarm.messages.hmp import ShardProfileReply, ShardProfileRequest
@@ -126,7 +127,10 @@ def test_a_decoders_profile_times_its_logits_and_an_encoders_has_none() -> None:
     from edgeswarm.hmp.profiling import profile_blocks
     from edgeswarm.values.text_model import PRESETS
 
-    device = DeviceProfile.from_settings(Settings(device_class="native"))
-    kw: dict[str, Any] = {"node": "d", "device": device, "compute": torch.device("cpu"), "warmup": 0, "repeats": 1}
+    settings = Settings(device_class="native")
+    device = DeviceProfile.from_settings(settings)
+    # The one setting (EDGESWARM_COMPUTE) on this machine's native device, as a worker computes.
+    compute = resolve_compute(settings.compute, device)
+    kw: dict[str, Any] = {"node": "d", "device": device, "compute": compute, "warmup": 0, "repeats": 1}
     assert profile_blocks(PRESETS["gpt2-tiny"], 8, **kw).head_s > 0
     assert profile_blocks(PRESETS["bert-tiny"], 8, **kw).head_s == 0

@@ -26,13 +26,14 @@ def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 
         return None
     slope = 1.0
     low, high = min(x for x, _ in pairs), max(x for x, _ in pairs)
-    if len(pairs) >= 3 and high >= min_spread * low:
+    spread = len(pairs) >= 3 and high >= min_spread * low
+    if spread:
         slopes = sorted((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pairs) for x2, y2 in pairs[i + 1:]
                         if x2 != x1)
         slope = min(slope_bounds[1], max(slope_bounds[0], slopes[len(slopes) // 2]))
     rests = sorted(y - slope * x for x, y in pairs)
     intercept = rests[len(rests) // 2]
-    if intercept < 0 and slope == 1.0:
+    if intercept < 0 and not spread:
         ratios = sorted(y / x for x, y in pairs)
         return min(slope_bounds[1], max(slope_bounds[0], ratios[len(ratios) // 2])), 0.0
     return slope, max(0.0, intercept)

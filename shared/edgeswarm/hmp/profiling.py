@@ -110,7 +110,6 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             sliced = min(cfg.vocab, HEAD_ROWS)
             head_w = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
             head = time_it(partial(F.linear, row, head_w)) * cfg.vocab / sliced
-            del head_w
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
                         con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, compute=str(compute))

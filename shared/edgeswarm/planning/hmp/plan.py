@@ -63,11 +63,10 @@ def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile
     pred = predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links,
                    overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache,
                    direct_syncs=options.direct_syncs)
-    layers = cfg.layers
-    model = pred.layer.model_copy(update={k: getattr(pred.layer, k) * layers
-                                          for k in ("total_s", "compute_s", "comm_s", "exposed_s")})
+    totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
     head = head_s(profiles, cluster.seq_len)  # a decoder's logits of the prompt's last row, once a pass
-    model = model.model_copy(update={"total_s": model.total_s + head, "compute_s": model.compute_s + head})
+    totals["total_s"] += head
+    totals["compute_s"] += head
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,
@@ -77,8 +76,8 @@ def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile
         capacity=list(problem.capacity),
         memory_bytes=[int(problem.memory(d, heads[d], columns[d])) for d in range(len(profiles))],
         memory_budget_bytes=[p.memory_budget_bytes for p in profiles],
-        layer=pred.layer, model=model, comm=pred.comm, decode=pred.decode, shift=options.shift,
-        paper=options.paper, left_out=left_out)
+        layer=pred.layer, model=pred.layer.model_copy(update=totals), comm=pred.comm, decode=pred.decode,
+        shift=options.shift, paper=options.paper, left_out=left_out)
 
 
 def _usable(cluster: HmpCluster, options: HmpOptions) -> list[BlockProfile]:

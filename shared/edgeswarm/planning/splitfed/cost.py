@@ -89,34 +89,38 @@ def device_memory(model: ModelCost, cut: int, tail: int, overhead_bytes: int = 0
     return front + back + crossing + overhead_bytes
 
 
-def iteration_bytes(model: ModelCost, cut: int, tail: int, latency_model: LatencyModel) -> int:
-    """Bytes crossing the device-MEC link in one iteration (U11): U-split 2 x (O(j) + O(V-h)) (activations up,
-    gradients down, at the cut and before the tail), vanilla 2 x O(j) plus the batch's labels, the paper's Eq. 4
-    one O(j); 0 at j = V-h."""
+def iteration_tensors(model: ModelCost, cut: int, tail: int, latency_model: LatencyModel) -> list[int]:
+    """Bytes of each tensor crossing the device-MEC link in one iteration (U11): U-split the activations up and their
+    gradient down at the cut (O(j) each) and, with a tail, the middle's output down and its gradient up (O(V-h)
+    each); vanilla O(j) up and down (the labels travel with the activations); the paper's Eq. 4 one O(j); none at
+    j = V-h."""
     units = model.units
     v = len(units)
     if cut >= v - tail:
-        return 0
+        return []
     o_cut = units[cut - 1].out_bytes
     if latency_model == "paper":
-        return o_cut
-    if latency_model == "vanilla":
-        return 2 * o_cut + LABEL_BYTES * model.batch_size
-    return 2 * (o_cut + (units[v - tail - 1].out_bytes if tail else 0))
+        return [o_cut]
+    if latency_model == "vanilla" or not tail:
+        return [o_cut, o_cut]
+    o_tail = units[v - tail - 1].out_bytes
+    return [o_cut, o_tail, o_tail, o_cut]
+
+
+def iteration_bytes(model: ModelCost, cut: int, tail: int, latency_model: LatencyModel) -> int:
+    """Bytes crossing the device-MEC link in one iteration: ``iteration_tensors``, and under the vanilla split the
+    batch's labels."""
+    tensors = iteration_tensors(model, cut, tail, latency_model)
+    labels = LABEL_BYTES * model.batch_size if latency_model == "vanilla" and tensors else 0
+    return sum(tensors) + labels
 
 
 def iteration_messages(model: ModelCost, cut: int, tail: int, latency_model: LatencyModel) -> int:
-    """Messages crossing the device-MEC link in one iteration, as ``iteration_bytes``'s transfers are sent: U-split
-    the activations and the cut's gradient (O(j) each) and the middle's output and its gradient (O(V-h) each);
-    vanilla O(j) twice; the paper's Eq. 4 none (it prices bytes only); 0 at j = V-h."""
-    units = model.units
-    v = len(units)
-    if cut >= v - tail or latency_model == "paper":
+    """Messages crossing the device-MEC link in one iteration: ``iteration_tensors``, each sent as
+    ``vocabulary.messages``; none for the paper's Eq. 4, which prices bytes only."""
+    if latency_model == "paper":
         return 0
-    at_cut = 2 * messages(units[cut - 1].out_bytes)
-    if latency_model == "vanilla" or not tail:
-        return at_cut
-    return at_cut + 2 * messages(units[v - tail - 1].out_bytes)
+    return sum(messages(t) for t in iteration_tensors(model, cut, tail, latency_model))
 
 
 def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
@@ -144,8 +148,7 @@ def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
         transfer_messages=np.array([iteration_messages(model, j, tail, options.latency_model)
                                     for j in range(1, n_cuts + 1)], dtype=np.float64),
         device_params=device_params,
-        sync_messages=(np.zeros(n_cuts) if options.latency_model == "paper"
-                       else 2.0 * np.array([messages(int(p)) for p in device_params], dtype=np.float64)),
+        sync_messages=2.0 * np.array([messages(int(p)) for p in device_params], dtype=np.float64),
         lean_memory=np.array([m for m, _ in lean], dtype=np.float64),
         recompute_flops=np.array([f for _, f in lean], dtype=np.float64),
     )
