@@ -374,3 +374,23 @@ def test_a_partition_isolating_a_stage_device_drives_one_plan_at_a_time(net: Net
     assert len(coordinators) == 1, coordinators
     wait_until(lambda: _online(net.bus, [isolated[0]]), 60, message=f"{isolated[0]} back after the partition")
     net.record("partition isolating a stage device", coordinators=len(coordinators), replans=1)
+
+
+def test_a_coordinator_in_a_commands_own_process_trains_when_it_logs_in_as_the_hub(net: Net) -> None:
+    """What ``edgeswarm bench training --netns`` does: the job's coordinator runs in the command's process, in the root
+    namespace. On a secure cluster only the hub may address the stage-workers, so the command's bus logs in as the
+    hub member (``running_cluster(as_hub=True)``); as the operator, a client, its probes were refused and every
+    device read as lost."""
+    from edgeswarm.hpp.coordinator import run_job
+    from edgeswarm.hpp.spec import parse_job
+    from edgeswarm.runtime.client import client_bus, settings_from_env
+
+    bus = client_bus(settings_from_env({**net.cluster.client_env(), **net.cluster.identity_env("hub")}),
+                     connect_timeout_s=30)
+    try:
+        job = parse_job({**JOB, "name": f"inproc-{uuid.uuid4().hex[:6]}", "rounds": 2, "checkpoint_interval": 0})
+        result = run_job(bus, job, store_node=None, closed_loop=False, timeout_s=120)
+    finally:
+        bus.stop()
+    assert len(result.rounds) == 2 and not result.recoveries, (result.rounds, result.recoveries)
+    assert all(r.loss is not None and r.loss == r.loss for r in result.rounds)

@@ -11,24 +11,28 @@ from pathlib import Path
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.local.launcher import LocalCluster
+from edgeswarm.local.launcher import HUB_NODE, LocalCluster
 from edgeswarm.netns.cluster import NetnsCluster
 from edgeswarm.runtime.client import ClusterWatcher, client_bus, settings_from_env, wait_for_service
 
 
 @contextmanager
 def running_cluster(spec: ClusterSpec, *, workdir: Path | None = None, extra_env: Mapping[str, str] | None = None,
-                    skip_services: Sequence[str] = (), netns: bool = False, timeout_s: float = 120.0
-                    ) -> Iterator[tuple[LocalCluster | NetnsCluster, Bus]]:
+                    skip_services: Sequence[str] = (), netns: bool = False, timeout_s: float = 120.0,
+                    as_hub: bool = False) -> Iterator[tuple[LocalCluster | NetnsCluster, Bus]]:
     """``spec`` as a local cluster (with ``netns``: every node a namespace with its own broker, the links shaped by
-    the kernel) with a client bus on it, once every service it started is online. Raises EdgeswarmError when they
-    are not all online within ``timeout_s`` seconds."""
+    the kernel) with a client bus on it, once every service it started is online; with ``as_hub`` the bus logs in as
+    the hub member rather than the operator. Raises EdgeswarmError when they are not all online within
+    ``timeout_s`` seconds."""
     env = dict(extra_env or {})
     skip = tuple(skip_services)
     cluster = (NetnsCluster(spec, workdir=workdir, extra_env=env, skip_services=skip) if netns else
                LocalCluster(spec, workdir=workdir, extra_env=env, skip_services=skip))
     with cluster as running:
-        bus = client_bus(settings_from_env(running.client_env()))
+        env = running.client_env()
+        if as_hub:
+            env.update(running.identity_env(HUB_NODE))
+        bus = client_bus(settings_from_env(env))
         try:
             watcher = ClusterWatcher(bus)
             started: dict[str, list[str]] = {}

@@ -71,7 +71,7 @@ class TrainingBench(Bench):
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
-        return 0
+        return 1 if any(r.error is not None for r in rows) else 0  # the table says which, and why
 
 
 class RecoveryBench(Bench):

@@ -144,7 +144,7 @@ def run_recovery_bench(env: str = "d", *, victims: list[str] | None = None, mode
             job = recovery_job(env, victim, mode, model, global_batch=global_batch, micro_batches=micro_batches,
                                rounds=rounds)
             log(f"env {env}: {mode} recovery from losing {victim} during round {kill_round}")
-            with pipeline_cluster(cluster, spec, profile_dir) as (running, bus):
+            with pipeline_cluster(cluster, spec, profile_dir, as_hub=True) as (running, bus):
                 watch = _Watch(lambda v=victim, c=running: c.power_cut(v), kill_round)
                 try:
                     # Each mode starts from the same plan, and only the loss re-plans it.

@@ -133,7 +133,7 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
     rows: list[StrategyRun] = []
     for env in envs:
         with pipeline_cluster(cluster, load_cluster(f"asteroid-env-{env}-100mbps"), profile_dir,
-                              netns=netns) as (_running, bus):
+                              netns=netns, as_hub=True) as (_running, bus):
             for strategy in strategies:
                 job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
                                 rounds=rounds)

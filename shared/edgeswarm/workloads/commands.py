@@ -42,25 +42,28 @@ class BenchCluster(Protocol):
 
 class StartCluster(Protocol):
     def __call__(self, spec: ClusterSpec, *, workdir: Path | None = None, extra_env: Mapping[str, str] | None = None,
-                 skip_services: Sequence[str] = (), netns: bool = False, timeout_s: float = 120.0
-                 ) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
+                 skip_services: Sequence[str] = (), netns: bool = False, timeout_s: float = 120.0,
+                 as_hub: bool = False) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
         """``spec`` started on this machine (with ``netns``: each node a network namespace, its links shaped by the
         kernel) with a client bus on it, once every service it started is online (within ``timeout_s`` seconds, or
         EdgeswarmError); both are stopped when the block ends. ``extra_env`` goes to every service;
-        ``skip_services`` are not started."""
+        ``skip_services`` are not started. The bus logs in as the operator, a client, unless ``as_hub``: then as the
+        hub member, for a benchmark that runs a job's coordinator in its own process (on a secure cluster, only the
+        hub may address the workers)."""
         ...
 
 
-def pipeline_cluster(cluster: StartCluster, spec: ClusterSpec, profile_dir: Path, *, netns: bool = False
-                     ) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
+def pipeline_cluster(cluster: StartCluster, spec: ClusterSpec, profile_dir: Path, *, netns: bool = False,
+                     as_hub: bool = False) -> AbstractContextManager[tuple[BenchCluster, Bus]]:
     """``spec`` started with ``cluster`` for pipelines only (no tensor-shard-worker competes for the host's cores),
     its devices sharing the profile cache ``profile_dir``: what the training, recovery and serving benchmarks run
     on. Its coordinator keeps every job on the plan its profiles give (no closed-loop re-plan, no saved speeds):
-    the benchmarks compare plans as planned, with the loop's refitted predictions beside."""
+    the benchmarks compare plans as planned, with the loop's refitted predictions beside. ``as_hub``: see
+    ``StartCluster``."""
     from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 
     return cluster(spec, extra_env={"EDGESWARM_PROFILE_DIR": str(profile_dir), "EDGESWARM_REBALANCE": "false"},
-                   skip_services=(TENSOR_SHARD_WORKER,), netns=netns)
+                   skip_services=(TENSOR_SHARD_WORKER,), netns=netns, as_hub=as_hub)
 
 
 @dataclass(frozen=True)
