@@ -383,7 +383,8 @@ _PROGRESS = ("tagged", "kind", {
         "kind": ("enum", {"serve-hmp"}), "answered": "int", "errors": "int", "recomputed": "int", "queued": "int",
         "tokens": "int", "reconfigurations": "int", "latency_p50_s": "number?", "latency_p99_s": "number?",
         "ttft_p50_s": "number?", "tpot_p50_s": "number?", "tokens_per_s": "number?",
-        "split": ("optional", _LAYER_SPLIT), "predicted_latency_s": "number?", "predicted_tpot_s": "number?"},
+        "split": ("optional", _LAYER_SPLIT), "predicted_latency_s": "number?", "predicted_tpot_s": "number?",
+        "refitted_latency_s": "number?"},
     "train-splitfed": _SPLITFED_PROGRESS,
 })
 _COMPARISON = ("record", {

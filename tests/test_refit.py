@@ -71,8 +71,8 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
     plan = best(profile)
     fit, links, rebalancer, replans = ScaleFit(), ScaleFit(sliver=0.0), Rebalancer(), []
     # As the coordinator: the best plan searched with the planner's formula, priced as the running one is.
-    pricing: RefitPricing[Plan] = RefitPricing(reprice, lambda old, refit: reprice(best(refit).model_copy(
-        update={"epoch": old.epoch + 1}), refit))
+    pricing: RefitPricing[Plan, ClusterProfile] = RefitPricing(reprice, lambda old, refit: reprice(
+        best(refit).model_copy(update={"epoch": old.epoch + 1}), refit), scaled)
     for r in range(rounds):
         true = predicted_compute_s(plan, truth)
         fit.add(predicted_compute_s(plan, profile),
@@ -194,7 +194,7 @@ def test_the_planner_searches_again_only_when_the_fit_or_the_plan_moved() -> Non
         searched.append({d.device.node: d.compute.forward_s[0][-1] for d in refit.devices})
         return best(refit)
 
-    pricing: RefitPricing[Plan] = RefitPricing(reprice, search)
+    pricing: RefitPricing[Plan, ClusterProfile] = RefitPricing(reprice, search, scaled)
     plan = best(profile)
     first = pricing.priced(plan, profile, {"a": 2.0}, best=False)
     assert first.best is None and searched == []  # only the running plan repriced

@@ -149,7 +149,8 @@ def hmp_tables(report: HmpReport) -> list[Table]:
         t = Table(title=f"{title}: {c.layers} layer(s) of each model, {c.seq_len} tokens, prefill, median of "
                         f"{c.requests} requests on the coordinator; speedup = mode's latency / Galaxy's")
         for col in ("env", "Mbps", "model", "mode", "devices", "heads", "predicted ms", "measured ms",
-                    "meas / pred", "layer: compute / sync / wait ms", "Galaxy speedup", "full model (planner)"):
+                    "meas / pred", "meas / refitted", "layer: compute / sync / wait ms", "Galaxy speedup",
+                    "full model (planner)"):
             t.add_column(col, justify="left" if col in ("env", "model", "mode", "devices", "heads",
                                                           "full model (planner)") else "right")
         for r in rows:
@@ -159,14 +160,14 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                                                                  else "infeasible")
             if r.error:
                 t.add_row(r.env.upper(), f"{r.bandwidth_mbps:g}", r.model, r.mode, "-", "-", "-",
-                          escape(r.error[:60]), "-", "-", "-", full)
+                          escape(r.error[:60]), "-", "-", "-", "-", full)
                 continue
             up = ups.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
             up_all = ups_all.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
             label = r.mode + ("" if r.mode != "galaxy" else " (all devices)" if not r.prune else " (planned)")
             t.add_row(r.env.upper(), f"{r.bandwidth_mbps:g}", r.model, label, str(len(r.devices)),
                       "/".join(map(str, r.heads)), _ms(r.predicted_s), _ms(r.latency_s), _x(r.ratio),
-                      f"{r.compute_ms or 0:.0f} / {r.sync_ms or 0:.0f} / {r.waiting_ms or 0:.0f}",
+                      _x(r.refitted_ratio), f"{r.compute_ms or 0:.0f} / {r.sync_ms or 0:.0f} / {r.waiting_ms or 0:.0f}",
                       "" if r.mode == "galaxy" else _x(up) if up == up_all else f"{_x(up)} ({_x(up_all)} all)",
                       full)
         tables.append(t)

@@ -31,6 +31,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.client import ask
+from edgeswarm.hmp.spec import HmpProgress
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
@@ -77,6 +78,7 @@ class HmpRun(BaseModel):
     link_mbps: float | None = None
     predicted_tpot_s: float | None = None
     predicted_network_share: float | None = None
+    refitted_s: float | None = None
     latency_s: float | None = None
     latencies_s: list[float] = []
     compute_ms: float | None = None
@@ -94,6 +96,13 @@ class HmpRun(BaseModel):
         if self.latency_s is None or not self.predicted_s:
             return None
         return self.latency_s / self.predicted_s
+
+    @property
+    def refitted_ratio(self) -> float | None:
+        """Measured over the closed loop's refitted latency (the plan priced on each rank's measured arithmetic)."""
+        if self.latency_s is None or not self.refitted_s:
+            return None
+        return self.latency_s / self.refitted_s
 
     @property
     def layer_ratio(self) -> float | None:
@@ -157,6 +166,18 @@ def _link_mbps(plan: HmpPlan, hidden: int, dtype_bytes: int) -> float | None:
     return rows * hidden * dtype_bytes * 8 / left / 1e6
 
 
+def _progress_after(follower: JobFollower, answered: int, wait_s: float = 3.0) -> HmpProgress | None:
+    """The job's progress once it counts ``answered`` requests (it is published every second or so); the latest
+    within ``wait_s`` seconds otherwise, None when it has none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = follower.state
+        progress = state.progress if state is not None and isinstance(state.progress, HmpProgress) else None
+        if (progress is not None and progress.answered >= answered) or time.monotonic() >= deadline:
+            return progress
+        time.sleep(0.1)
+
+
 def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float, model: str, layers: int,
                       seq_len: int, mode: str, overlap: bool = True, prune: bool = True, exclude: tuple[str, ...] = (),
                       requests: int = 3, new_tokens: int = 0, log: Log = lambda _m: None) -> HmpRun:
@@ -201,7 +222,9 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
                                                    f"{failed[0].error}"})
         measured = [a.reply for a in answers[1:] if a.reply is not None]
         splits = [r.split for r in measured if r.split is not None]
+        progress = _progress_after(follower, len(answers))
         row = row.model_copy(update={
+            "refitted_s": progress.refitted_latency_s if progress is not None else None,
             "requests": len(measured), "latencies_s": [r.latency_s for r in measured],
             "latency_s": _median([r.latency_s for r in measured]),
             "compute_ms": _median([s.compute_ms for s in splits]), "sync_ms": _median([s.sync_ms for s in splits]),
@@ -276,7 +299,8 @@ def _on_cluster(report: HmpReport, spec: ClusterSpec, env: str, bandwidth: float
                 save: Callable[[], None], log: Log, cluster: StartCluster) -> None:
     log(f"starting {spec.name} ({len(spec.devices)} devices)")
     try:
-        with cluster(spec) as (_running, bus):
+        # Every mode served on the plan its profiles give (no closed-loop re-plan), the loop's refitted latency beside.
+        with cluster(spec, extra_env={"EDGESWARM_REBALANCE": "false"}) as (_running, bus):
             for job in jobs:
                 try:
                     run = serve_and_measure(bus, env=env, bandwidth_mbps=bandwidth, log=log, **job)  # type: ignore

@@ -13,6 +13,11 @@ new KV cache (a slice lost twice), and when the failure detector confirms a devi
 survivors, deploys the new plan as a new epoch and rebuilds the request's cache there from its tokens so far (a
 prefill over the prompt and the tokens generated), so every request is answered once. A cancelled job answers what
 it still holds with InferError ``not_serving`` and releases its shards.
+
+With the rebalance setting on, the job closes the loop (planning.refit, planning.hmp.refit): every prefill pass's
+ranks report their own arithmetic's seconds, which the fit sets against what the plan's block profiles predict for
+each rank; when the plan the planner finds on the refitted profiles is predicted faster than the running plan
+priced on them by more than the rebalancer's margin, the job moves to it between two requests.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferErrorReason
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
-from edgeswarm.planning.hmp.types import HmpOptions, HmpPlan
+from edgeswarm.planning.hmp.plan import plan_hmp
+from edgeswarm.planning.hmp.refit import rank_compute_s, reprice, scaled_cluster
+from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan
+from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.stats import percentile
@@ -132,6 +140,15 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         self._next_request = 0
         self._pass: _Pass | None = None
         self._stats = _Stats()
+        # The closed loop: each rank's measured arithmetic in a prefill pass against its block profile, under
+        # ``_changed``; re-plans only with the rebalance setting on.
+        self.closed_loop = self.bus.settings.rebalance
+        self.fit = ScaleFit()
+        self.rebalancer = Rebalancer()
+        self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
+        self.pricing: RefitPricing[HmpPlan, HmpCluster] = RefitPricing(
+            lambda plan, profile: reprice(plan, profile, self.options()),
+            lambda _plan, profile: plan_hmp(profile, self.options()), scaled_cluster)
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -142,15 +159,76 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                                                        timeout_s=self.ctx.timeout_s)
         return cluster
 
-    def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
+    def options(self) -> HmpOptions:
+        """What the job's plans are asked for (its mode, the planner's settings, the KV cache it needs)."""
         spec = self.spec
+        return HmpOptions(mode=spec.mode, overlap=spec.overlap, shift=spec.planner.shift, prune=spec.planner.prune,
+                          max_tokens=spec.max_tokens, direct_syncs=spec.decode_syncs == "direct")
+
+    def profiles(self, cluster: ClusterProfile) -> HmpCluster:
+        """The planner's input over ``cluster``'s devices, as profiled."""
+        return hmp_cluster(self.spec, self.config, cluster, self.device_profiles)
+
+    def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
         # The excluded devices are out of the cluster already (the skeleton's ``nodes``), the lost ones too: their
-        # profiles are left out with them.
-        options = HmpOptions(mode=spec.mode, overlap=spec.overlap,
-                             shift=spec.planner.shift, prune=spec.planner.prune, max_tokens=spec.max_tokens,
-                             direct_syncs=spec.decode_syncs == "direct")
-        return HmpPlanRequest(cluster=hmp_cluster(spec, self.config, cluster, self.device_profiles),
-                              options=options, epoch=epoch)
+        # profiles are left out with them. With the closed loop on, a re-plan after a loss prices the devices as
+        # they were measured.
+        profiles = self.profiles(cluster)
+        if self.closed_loop:
+            with self._changed:
+                profiles = scaled_cluster(profiles, self.fit.scales())
+        return HmpPlanRequest(cluster=profiles, options=self.options(), epoch=epoch)
+
+    def replanned(self, plan: HmpPlan) -> None:
+        super().replanned(plan)
+        with self._changed:
+            self.rebalancer.new_plan()
+
+    def _refitted(self, best: bool) -> Priced[HmpPlan, HmpCluster] | None:
+        """The running plan priced on the refitted profiles and, with ``best``, the best plan on them; None before
+        the fit has any device, or when they cannot be priced."""
+        with self._changed:
+            plan, scales = self._plan, self.fit.scales()
+        if plan is None or not scales or self.cluster is None:
+            return None
+        try:
+            return self.pricing.priced(plan, self.profiles(self.cluster), scales, best)
+        except (EdgeswarmError, KeyError) as exc:
+            log.info("job %s: no plan on the refitted profiles: %s", self.spec.name, exc)
+            return None
+
+    def rebalance(self) -> tuple[HmpPlan, str] | None:
+        """The best plan on the refitted profiles, when the rebalancer says moving to it pays (planning.refit)."""
+        if not self.closed_loop:
+            return None
+        with self._changed:
+            moved = self.fit.moved()
+        priced = self._refitted(best=True) if moved else None
+        if priced is None or priced.best is None:
+            return None
+        current, best = priced.current, priced.best
+        with self._changed:
+            go = self.rebalancer.check(current.model.total_s, best.model.total_s, time.monotonic())
+        if not go:
+            return None
+        return best, (f"{moved_text(moved)}; a prefill of {self.spec.seq_len} tokens would take "
+                      f"{current.model.total_s * 1000:.1f} ms on the running plan, {best.model.total_s * 1000:.1f} ms "
+                      f"on the new one ({current.model.total_s / best.model.total_s:.2f}x faster)")
+
+    def _refit(self, plan: HmpPlan, tokens: int, results: dict[int, tuple[ShardResult, Any]]) -> None:
+        """One prefill pass of ``tokens`` tokens: each rank's measured arithmetic (seconds) into the fit."""
+        if self.cluster is None:
+            return
+        with self._changed:
+            if self._predicted[:2] != (plan.epoch, tokens):
+                try:
+                    self._predicted = (plan.epoch, tokens, rank_compute_s(self.profiles(self.cluster), plan, tokens))
+                except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
+                    self._predicted = (plan.epoch, tokens, {})
+            devices = plan.devices
+            self.fit.add(self._predicted[2], {devices[rank]: result.split.compute_s
+                                              for rank, (result, _) in results.items() if rank < len(devices)})
+            self.rebalancer.round_done()
 
     def plan_from(self, reply: Message) -> HmpPlan:
         assert isinstance(reply, HmpPlanReply)
@@ -269,6 +347,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             tokens = request.prompt + generated
             try:
                 results = self._run_pass(plan, epoch, number, tokens, 0)
+                self._refit(plan, len(tokens), results)
                 if ttft is None:
                     ttft = time.monotonic() - request.arrived
                     if self.config.decoder:
@@ -430,6 +509,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see HmpProgress)."""
+        priced = self._refitted(best=False)
         with self._changed:
             s = self._stats
             return {"answered": s.answered, "errors": self._errors, "recomputed": s.recomputed,
@@ -438,7 +518,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                     "latency_p99_s": percentile(sorted(s.latencies), 0.99),
                     "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),
                     "tokens_per_s": s.decoded / s.decode_s if s.decode_s > 0 else None,
-                    "split": s.split}
+                    "split": s.split,
+                    "refitted_latency_s": priced.current.model.total_s if priced is not None else None}
 
 
 class _Stopped(EdgeswarmError):

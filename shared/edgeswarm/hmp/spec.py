@@ -64,7 +64,8 @@ class HmpProgress(BaseModel):
     ``tokens`` generated. Latencies are over the recent requests, in seconds: ``latency`` from arrival to answer,
     ``ttft`` to the first token, ``tpot`` per further token; ``tokens_per_s`` generated tokens per second of
     decoding. ``split`` is the measured per-layer time split of the latest prefill (slowest device), beside the
-    plan's predictions."""
+    plan's predictions and ``refitted_latency_s``: the running plan's prefill priced on each device's arithmetic as
+    measured so far (the closed loop's fit)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -83,3 +84,4 @@ class HmpProgress(BaseModel):
     split: LayerSplit | None = None
     predicted_latency_s: float | None = None
     predicted_tpot_s: float | None = None
+    refitted_latency_s: float | None = None

@@ -247,7 +247,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
-        self.pricing: RefitPricing[Plan] = RefitPricing(reprice, full_plan)
+        self.pricing: RefitPricing[Plan, ClusterProfile] = RefitPricing(reprice, full_plan, scaled)
 
     @classmethod
     def running(cls, driver: JobDriver, job: JobSpec, total: int, cluster: ClusterProfile, store_node: str | None,

@@ -134,8 +134,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``measure``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
-        self.pricing: RefitPricing[ServePlan] = RefitPricing(
-            reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()))
+        self.pricing: RefitPricing[ServePlan, ClusterProfile] = RefitPricing(
+            reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()), scaled)
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -173,7 +173,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             self.rebalancer.new_plan()
 
-    def _refitted(self, best: bool) -> Priced[ServePlan] | None:
+    def _refitted(self, best: bool) -> Priced[ServePlan, ClusterProfile] | None:
         """The running plan priced on the refitted profile and, with ``best``, the best plan on it; None before the
         fit has any device, or when they cannot be priced."""
         with self._changed:

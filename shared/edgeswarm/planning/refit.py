@@ -175,35 +175,39 @@ class _Epoched(Protocol):
 
 
 PlanT = TypeVar("PlanT", bound=_Epoched)
+ProfileT = TypeVar("ProfileT")
 
 
 @dataclass
-class Priced(Generic[PlanT]):
+class Priced(Generic[PlanT, ProfileT]):
     """A running plan on a refitted profile: the profile, the plan priced on it and (when searched) the best plan."""
 
-    profile: ClusterProfile
+    profile: ProfileT
     current: PlanT
     best: PlanT | None
 
 
 @dataclass
-class RefitPricing(Generic[PlanT]):
+class RefitPricing(Generic[PlanT, ProfileT]):
     """A kind's running plan priced on the refitted profile (``reprice``: its layout kept, its compute priced anew)
     and the best plan on it (``search``), both kept while the plan's epoch stays and the fit stays within
-    ``same_fit``: the planner's searches take a while, and every round asks."""
+    ``same_fit``: the planner's searches take a while, and every round asks. ``scale`` makes the refitted profile
+    from the kind's profile and the fit's scales (``scaled`` for a ClusterProfile)."""
 
-    reprice: Callable[[PlanT, ClusterProfile], PlanT]
-    search: Callable[[PlanT, ClusterProfile], PlanT]
-    _last: tuple[int, dict[str, float], Priced[PlanT]] | None = field(default=None, init=False)
+    reprice: Callable[[PlanT, ProfileT], PlanT]
+    search: Callable[[PlanT, ProfileT], PlanT]
+    scale: Callable[[ProfileT, dict[str, float]], ProfileT]
+    _last: tuple[int, dict[str, float], Priced[PlanT, ProfileT]] | None = field(default=None, init=False)
 
-    def priced(self, plan: PlanT, cluster: ClusterProfile, scales: dict[str, float], best: bool) -> Priced[PlanT]:
+    def priced(self, plan: PlanT, cluster: ProfileT, scales: dict[str, float], best: bool
+               ) -> Priced[PlanT, ProfileT]:
         """``plan`` on ``cluster`` scaled by ``scales`` and, with ``best``, the best plan there. Raises what
         ``reprice`` and ``search`` raise (the plan's devices not in ``cluster``, no plan fits)."""
         last = self._last
         if last is not None and last[0] == plan.epoch and same_fit(last[1], scales) and (
                 last[2].best is not None or not best):
             return last[2]
-        profile = scaled(cluster, scales)
+        profile = self.scale(cluster, scales)
         out = Priced(profile, self.reprice(plan, profile), self.search(plan, profile) if best else None)
         self._last = (plan.epoch, dict(scales), out)
         return out

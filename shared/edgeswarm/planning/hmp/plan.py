@@ -57,8 +57,10 @@ def memory_problem(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockP
         margin=float(options.margin_bytes))
 
 
-def _plan_of(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile], heads: list[int],
-             columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str]) -> HmpPlan:
+def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile], heads: list[int],
+                columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str]) -> HmpPlan:
+    """The plan of ``mode`` over ``profiles`` (ring order, a subset of ``cluster``'s) with these head and column
+    shares, and its prediction; ``problem`` is ``memory_problem`` over the same profiles."""
     cfg = cluster.model
     pred = predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links,
                    overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache,
@@ -117,7 +119,7 @@ def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
             first_error = first_error or exc
             break  # fewer devices hold less: no smaller subset fits either
         left = _left_out(cluster, subset)
-        plan = _plan_of(cluster, "galaxy", subset, heads, columns, problem, options, left)
+        plan = priced_plan(cluster, "galaxy", subset, heads, columns, problem, options, left)
         if best is None or plan.model.total_s < best.model.total_s:
             best = plan
     if best is None:
@@ -136,7 +138,7 @@ def plan_megatron(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     if why:
         raise HmpPlanError(why + ": use galaxy, which shifts work off it")
     left = _left_out(cluster, kept)
-    return _plan_of(cluster, "megatron", kept, heads, columns, problem, options, left)
+    return priced_plan(cluster, "megatron", kept, heads, columns, problem, options, left)
 
 
 def plan_sp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
@@ -150,7 +152,7 @@ def plan_sp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     if why:
         raise HmpPlanError(why + ": use galaxy or megatron, which shard the weights")
     left = _left_out(cluster, kept)
-    return _plan_of(cluster, "sp", kept, heads, columns, problem, options, left)
+    return priced_plan(cluster, "sp", kept, heads, columns, problem, options, left)
 
 
 def plan_local(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
@@ -168,7 +170,7 @@ def plan_local(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     one = kept[best]
     single = memory_problem(cfg, cluster.seq_len, [one], options)
     left = _left_out(cluster, [one])
-    return _plan_of(cluster, "local", [one], [cfg.heads], [cfg.ffn], single, options, left)
+    return priced_plan(cluster, "local", [one], [cfg.heads], [cfg.ffn], single, options, left)
 
 
 PLANNERS = {"galaxy": plan_galaxy, "megatron": plan_megatron, "sp": plan_sp, "local": plan_local}

@@ -1,0 +1,123 @@
+"""serve-hmp's closed loop on real tensor-shard-workers: a job planned on profiles that one device stops living up to
+(its worker is stopped four fifths of every 100 ms once the job serves, as a throttled or shared device would be)
+fits that device's speed from the ranks' measured arithmetic, re-plans itself between two requests to give it less of
+every layer, says so in a ``rebalanced`` event, and answers every request once with the hidden states of the model
+computed whole on one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from edgeswarm.hmp.client import Answer, ask
+from edgeswarm.hmp.spec import HmpProgress
+from edgeswarm.messages.jobs import JobEvent
+from edgeswarm.models.text import reference
+from edgeswarm.models.text.hf import source_config
+from edgeswarm.planning.hmp.types import HmpPlan
+from edgeswarm.values.text_model import TextModelSource
+from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
+from helpers import wait_until
+
+NODES = ("a", "b", "c")
+SLOW = "b"
+# Two of DistilBERT's layers at 32 tokens: milliseconds of arithmetic per rank and pass on a native device, so what a
+# rank measures is its speed rather than the runtime's per-call costs.
+MODEL = {"preset": "distilbert", "layers": 2, "seed": 3}
+SEQ = 32
+
+
+def _throttle(pid: int, stop: threading.Event, until: float) -> None:
+    """Stop ``pid`` 80 ms of every 100 ms until ``stop`` is set or ``until`` (monotonic) passes; left running."""
+    try:
+        while not stop.is_set() and time.monotonic() < until:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.08)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.02)
+    except ProcessLookupError:
+        return
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_of_every_layer(
+        broker, make_bus, services, tmp_path: Path) -> None:
+    services.start("planner", "hub", broker.url)
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true")
+    workers = {}
+    for node in NODES:
+        services.start("node-agent", node, broker.url)
+        services.start("profiler", node, broker.url, EDGESWARM_PROFILE_DIR=str(tmp_path / f"profiles-{node}"))
+        workers[node] = services.start("tensor-shard-worker", node, broker.url)
+    bus = make_bus("test", "cli")
+    for node in NODES:
+        for service in ("node-agent", "profiler", "tensor-shard-worker"):
+            bus.peers.wait_for(node, service, timeout_s=30)
+    for service in ("planner", "coordinator"):
+        bus.peers.wait_for("hub", service, timeout_s=30)
+    events: list[JobEvent] = []
+    name = "hmp-rebalance"
+    follower = JobFollower(bus, name, on_event=events.append)
+    spec = {"kind": "serve-hmp", "name": name, "model": MODEL, "mode": "galaxy", "seq_len": SEQ,
+            "planner": {"prune": False}}
+    submit_job(bus, json.dumps(spec), submission=follower.submission)
+    g = torch.Generator().manual_seed(7)
+    cfg = source_config(TextModelSource.model_validate(MODEL))
+    prompts = [torch.randint(0, cfg.vocab, (SEQ,), generator=g).tolist() for _ in range(4)]
+    stop = threading.Event()
+    throttle = threading.Thread(target=_throttle, args=(workers[SLOW].pid, stop, time.monotonic() + 150),
+                                daemon=True)
+
+    def of(kind: str) -> list[str]:
+        return [e.detail for e in list(events) if e.kind == kind]
+
+    try:
+        wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 180,
+                   message="the job serving")
+        assert follower.state is not None and follower.state.status == "running", follower.state
+        first = follower.state.plan
+        assert isinstance(first, HmpPlan) and SLOW in first.devices, first
+        throttle.start()
+        answers: list[tuple[list[int], Answer]] = []
+        deadline = time.monotonic() + 120
+        while not of("rebalanced") and time.monotonic() < deadline:  # bounded: about 2 minutes of requests at most
+            answers += zip(prompts, ask(bus, name, list(prompts), window=1, timeout_s=60), strict=True)
+        stop.set()
+        throttle.join(5)
+        moved = of("rebalanced")
+        assert moved, ([(e.kind, e.detail) for e in events], first.shares, follower.state.progress)
+        assert "compute measured against the profile: " in moved[0] and f"{SLOW} " in moved[0], moved
+        assert "faster)" in moved[0], moved
+        wait_until(lambda: isinstance(follower.state.plan, HmpPlan) and follower.state.plan.epoch > first.epoch, 10,
+                   message="the new plan in the job's state")
+        new = follower.state.plan
+        assert isinstance(new, HmpPlan)
+        i, j = first.devices.index(SLOW), new.devices.index(SLOW) if SLOW in new.devices else None
+        assert j is None or (new.shares.heads[j] + new.shares.columns[j] / cfg.ffn * cfg.heads
+                             < first.shares.heads[i] + first.shares.columns[i] / cfg.ffn * cfg.heads), (first.shares,
+                                                                                                      new.shares)
+        # Every request was answered, once, with the single-device hidden states, before and after the move.
+        answers += zip(prompts, ask(bus, name, list(prompts), window=1, timeout_s=60), strict=True)
+        w = reference.init_weights(cfg, MODEL["seed"])  # type: ignore[arg-type]
+        with torch.inference_mode():
+            for prompt, answer in answers:
+                assert answer.reply is not None and answer.hidden is not None, (answer.reason, answer.error)
+                torch.testing.assert_close(answer.hidden, reference.forward(cfg, w, torch.tensor(prompt)),
+                                           rtol=1e-4, atol=1e-4)
+        wait_until(lambda: follower.state.progress_as(HmpProgress).answered == len(answers), 10,
+                   message="every request counted once")
+        assert follower.state.progress_as(HmpProgress).refitted_latency_s is not None
+    finally:
+        stop.set()
+        cancel_job(bus, name)
+        follower.wait(60)
