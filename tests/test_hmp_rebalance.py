@@ -2,7 +2,7 @@
 (its worker is stopped four fifths of every 100 ms once the job serves, as a throttled or shared device would be)
 fits that device's speed from the ranks' measured arithmetic, re-plans itself between two requests to give it less of
 every layer, says so in a ``rebalanced`` event, and answers every request once with the hidden states of the model
-computed whole on one device."""
+computed whole on one device. Stopped, it saves each device's measured speed, and the next job starts from it."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def _throttle(pid: int, stop: threading.Event, until: float) -> None:
 def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_of_every_layer(
         broker, make_bus, services, tmp_path: Path) -> None:
     services.start("planner", "hub", broker.url)
-    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true")
+    saved = tmp_path / "profiles-hub"
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", EDGESWARM_PROFILE_DIR=str(saved))
     workers = {}
     for node in NODES:
         services.start("node-agent", node, broker.url)
@@ -92,8 +93,6 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         deadline = time.monotonic() + 120
         while not of("rebalanced") and time.monotonic() < deadline:  # bounded: about 2 minutes of requests at most
             answers += zip(prompts, ask(bus, name, list(prompts), window=1, timeout_s=60), strict=True)
-        stop.set()
-        throttle.join(5)
         moved = of("rebalanced")
         assert moved, ([(e.kind, e.detail) for e in events], first.shares, follower.state.progress)
         assert "compute measured against the profile: " in moved[0] and f"{SLOW} " in moved[0], moved
@@ -106,7 +105,8 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         assert j is None or (new.shares.heads[j] + new.shares.columns[j] / cfg.ffn * cfg.heads
                              < first.shares.heads[i] + first.shares.columns[i] / cfg.ffn * cfg.heads), (first.shares,
                                                                                                       new.shares)
-        # Every request was answered, once, with the single-device hidden states, before and after the move.
+        # Every request was answered, once, with the single-device hidden states, before and after the move (b still
+        # throttled).
         answers += zip(prompts, ask(bus, name, list(prompts), window=1, timeout_s=60), strict=True)
         w = reference.init_weights(cfg, MODEL["seed"])  # type: ignore[arg-type]
         with torch.inference_mode():
@@ -118,6 +118,28 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
                    message="every request counted once")
         assert follower.state.progress_as(HmpProgress).refitted_latency_s is not None
     finally:
-        stop.set()
         cancel_job(bus, name)
         follower.wait(60)
+        stop.set()
+        throttle.join(5)
+    # Stopped, it saved each device's measured speed under the served model (b's several times its profile); the
+    # next job on the same model starts from it.
+    kept = of("refit")
+    assert kept and kept[-1].startswith("saved the measured speeds for the next job: "), kept
+    files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/hmp-*/*.json")}
+    assert files[f"{SLOW}.serve.json"]["scale"] > 2.0, files
+    events.clear()
+    nxt = JobFollower(bus, "hmp-next", on_event=events.append)
+    submit_job(bus, json.dumps({**spec, "name": "hmp-next"}), submission=nxt.submission)
+    try:
+        wait_until(lambda: nxt.state is not None and nxt.state.status in ("running", "failed"), 180,
+                   message="the next job serving")
+        assert any(d.startswith("starts from the speeds earlier jobs measured: ") and f"{SLOW} " in d
+                   for d in of("refit")), [(e.kind, e.detail) for e in events]
+        plan = nxt.state.plan
+        assert isinstance(plan, HmpPlan) and SLOW in plan.devices
+        i = plan.devices.index(SLOW)
+        assert plan.shares.heads[i] < max(plan.shares.heads), plan.shares  # planned on b's measured speed
+    finally:
+        cancel_job(bus, "hmp-next")
+        nxt.wait(60)

@@ -17,11 +17,14 @@ it still holds with InferError ``not_serving`` and releases its shards.
 With the rebalance setting on, the job closes the loop (planning.refit, planning.hmp.refit): every prefill pass's
 ranks report their own arithmetic's seconds, which the fit sets against what the plan's block profiles predict for
 each rank; when the plan the planner finds on the refitted profiles is predicted faster than the running plan
-priced on them by more than the rebalancer's margin, the job moves to it between two requests.
+priced on them by more than the rebalancer's margin, the job moves to it between two requests. When the job stops,
+each device's scale is saved in the profile cache under the served model and sequence length (``fit_key``), and the
+next job serving them starts from it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -55,6 +58,8 @@ from edgeswarm.planning.hmp.plan import plan_hmp
 from edgeswarm.planning.hmp.refit import rank_compute_s, reprice, scaled_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan
 from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text
+from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.stats import percentile
@@ -107,6 +112,21 @@ class _Stats:
     split: LayerSplit | None = None
 
 
+def fit_key(spec: HmpSpec) -> str:
+    """The profile cache's model key of what a serve-hmp job measures of each device: its blocks of the served model
+    at its sequence length (every mode computes the same blocks)."""
+    named = spec.model.model_dump_json() + f"|{spec.seq_len}"
+    return "hmp-" + hashlib.sha256(named.encode()).hexdigest()[:24]
+
+
+def _keyed(cluster: ClusterProfile, key: str) -> ClusterProfile:
+    """``cluster`` with every device's profile named by ``key``: the refits it saves and reads are the served
+    Transformer's, not the links' probe model's that the profilers measured."""
+    return cluster.model_copy(update={"devices": [
+        e.model_copy(update={"compute": e.compute.model_copy(update={"model_fingerprint": key})})
+        for e in cluster.devices]})
+
+
 def describe_plan(plan: HmpPlan) -> str:
     """One line on ``plan`` for the job's events."""
     s = plan.shares
@@ -144,6 +164,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         # ``_changed``; re-plans only with the rebalance setting on.
         self.closed_loop = self.bus.settings.rebalance
         self.fit = ScaleFit()
+        self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
         self.rebalancer = Rebalancer()
         self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
         self.pricing: RefitPricing[HmpPlan, HmpCluster] = RefitPricing(
@@ -157,7 +178,23 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                                                          f"{self.spec.seq_len} tokens on {', '.join(nodes)}"))
         cluster, self.device_profiles = profile_shards(self.bus, self.spec, nodes, self.worker_service,
                                                        timeout_s=self.ctx.timeout_s)
+        if self.closed_loop:
+            self.base_scales, said = started_from(ProfileCache(self.bus.settings.profile_dir),
+                                                  _keyed(cluster, fit_key(self.spec)), "serve")
+            if said:
+                self.ctx.update("profiling", event=("refit", said))
         return cluster
+
+    def stop(self) -> None:
+        """Stop serving, and save what the job measured of each device's speed (with the closed loop on)."""
+        with self._changed:
+            fitted, rounds = self.fit.scales(), self.fit.rounds()
+        if self.closed_loop and self.cluster is not None and fitted:
+            said = save_measured(ProfileCache(self.bus.settings.profile_dir), _keyed(self.cluster, fit_key(self.spec)),
+                                 self.base_scales, fitted, rounds, "serve")
+            if said:
+                self.ctx.update(self.ctx.state().status, event=("refit", said))
+        super().stop()
 
     def options(self) -> HmpOptions:
         """What the job's plans are asked for (its mode, the planner's settings, the KV cache it needs)."""
@@ -166,8 +203,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                           max_tokens=spec.max_tokens, direct_syncs=spec.decode_syncs == "direct")
 
     def profiles(self, cluster: ClusterProfile) -> HmpCluster:
-        """The planner's input over ``cluster``'s devices, as profiled."""
-        return hmp_cluster(self.spec, self.config, cluster, self.device_profiles)
+        """The planner's input over ``cluster``'s devices, as profiled and scaled by what earlier jobs measured."""
+        return scaled_cluster(hmp_cluster(self.spec, self.config, cluster, self.device_profiles), self.base_scales)
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
         # The excluded devices are out of the cluster already (the skeleton's ``nodes``), the lost ones too: their
