@@ -48,6 +48,8 @@ class HmpBench(Bench):
         p.add_argument("--generation-tokens", type=int, default=8, help="tokens generated per request")
         p.add_argument("--trace", default="out/hmp-trace.json", help="where the Chrome trace goes")
         p.add_argument("--json", default=None, metavar="PATH", help="also write every run as JSON")
+        p.add_argument("--netns", action="store_true", help="every cluster in network namespaces, its links shaped by "
+                       "the kernel (root; docs/netns.md)")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Galaxy against Megatron-TP, SP and Local measured on emulated Galaxy environments: tables, the goals'
@@ -112,7 +114,7 @@ def hmp_config(args: argparse.Namespace) -> HmpBenchConfig:
                               overlap_env=args.overlap_env, generation_envs=generation_envs,
                               generation_model=args.generation_model,
                               generation_layers=args.generation_layers, generation_prompt=args.generation_prompt,
-                              generation_tokens=args.generation_tokens)
+                              generation_tokens=args.generation_tokens, netns=args.netns)
     except ValidationError as exc:
         raise ConfigError(f"bad bench hmp options: {exc}") from None
 

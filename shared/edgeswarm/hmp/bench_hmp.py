@@ -22,6 +22,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -283,6 +284,7 @@ class HmpBenchConfig(BaseModel):
     generation_layers: int = 2
     generation_prompt: int = 32
     generation_tokens: int = 8
+    netns: bool = False  # every cluster in network namespaces, its links shaped by the kernel
 
 
 class HmpReport(BaseModel):
@@ -329,6 +331,8 @@ def run_hmp_bench(config: HmpBenchConfig, cluster: StartCluster, *, trace_path: 
     every run (a long run interrupted keeps what it measured)."""
     report = HmpReport(config=config)
     c = config
+    if c.netns:
+        cluster = partial(cluster, netns=True)
 
     def save() -> None:
         if json_path is not None:

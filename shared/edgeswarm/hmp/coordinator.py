@@ -57,7 +57,7 @@ from edgeswarm.observability import record
 from edgeswarm.planning.hmp.plan import plan_hmp
 from edgeswarm.planning.hmp.refit import rank_compute_s, reprice, scaled_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan
-from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text
+from edgeswarm.planning.refit import ClosedLoop, RefitPricing
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.senders import count_stranger, stranger
@@ -160,16 +160,14 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         self._next_request = 0
         self._pass: _Pass | None = None
         self._stats = _Stats()
-        # The closed loop: each rank's measured arithmetic in a prefill pass against its block profile, under
-        # ``_changed``; re-plans only with the rebalance setting on.
-        self.closed_loop = self.bus.settings.rebalance
-        self.fit = ScaleFit()
-        self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
-        self.rebalancer = Rebalancer()
-        self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
-        self.pricing: RefitPricing[HmpPlan, HmpCluster] = RefitPricing(
+        # The closed loop: each rank's measured arithmetic in a prefill pass against its block profile; re-plans only
+        # with the rebalance setting on.
+        self.refit_loop = ClosedLoop(RefitPricing(
             lambda plan, profile: reprice(plan, profile, self.options()),
-            lambda _plan, profile: plan_hmp(profile, self.options()), scaled_cluster)
+            lambda _plan, profile: plan_hmp(profile, self.options()), scaled_cluster),
+            cost=lambda plan: plan.model.total_s)
+        self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
+        self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -187,11 +185,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
 
     def stop(self) -> None:
         """Stop serving, and save what the job measured of each device's speed (with the closed loop on)."""
-        with self._changed:
-            fitted, rounds = self.fit.scales(), self.fit.rounds()
+        fitted = self.refit_loop.scales()
         if self.closed_loop and self.cluster is not None and fitted:
             said = save_measured(ProfileCache(self.bus.settings.profile_dir), _keyed(self.cluster, fit_key(self.spec)),
-                                 self.base_scales, fitted, rounds, "serve")
+                                 self.base_scales, fitted, self.refit_loop.rounds(), "serve")
             if said:
                 self.ctx.update(self.ctx.state().status, event=("refit", said))
         super().stop()
@@ -212,45 +209,16 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         # they were measured.
         profiles = self.profiles(cluster)
         if self.closed_loop:
-            with self._changed:
-                profiles = scaled_cluster(profiles, self.fit.scales())
+            profiles = scaled_cluster(profiles, self.refit_loop.scales())
         return HmpPlanRequest(cluster=profiles, options=self.options(), epoch=epoch)
 
-    def replanned(self, plan: HmpPlan) -> None:
-        super().replanned(plan)
-        with self._changed:
-            self.rebalancer.new_plan()
+    def refit_profile(self, cluster: ClusterProfile) -> HmpCluster:
+        return self.profiles(cluster)
 
-    def _refitted(self, best: bool) -> Priced[HmpPlan, HmpCluster] | None:
-        """The running plan priced on the refitted profiles and, with ``best``, the best plan on them; None before
-        the fit has any device, or when they cannot be priced."""
-        with self._changed:
-            plan, scales = self._plan, self.fit.scales()
-        if plan is None or not scales or self.cluster is None:
-            return None
-        try:
-            return self.pricing.priced(plan, self.profiles(self.cluster), scales, best)
-        except (EdgeswarmError, KeyError) as exc:
-            log.info("job %s: no plan on the refitted profiles: %s", self.spec.name, exc)
-            return None
-
-    def rebalance(self) -> tuple[HmpPlan, str] | None:
-        """The best plan on the refitted profiles, when the rebalancer says moving to it pays (planning.refit)."""
-        if not self.closed_loop:
-            return None
-        with self._changed:
-            moved = self.fit.moved()
-        priced = self._refitted(best=True) if moved else None
-        if priced is None or priced.best is None:
-            return None
-        current, best = priced.current, priced.best
-        with self._changed:
-            go = self.rebalancer.check(current.model.total_s, best.model.total_s, time.monotonic())
-        if not go:
-            return None
-        return best, (f"{moved_text(moved)}; a prefill of {self.spec.seq_len} tokens would take "
-                      f"{current.model.total_s * 1000:.1f} ms on the running plan, {best.model.total_s * 1000:.1f} ms "
-                      f"on the new one ({current.model.total_s / best.model.total_s:.2f}x faster)")
+    def gain(self, current: HmpPlan, best: HmpPlan) -> str:
+        return (f"a prefill of {self.spec.seq_len} tokens would take {current.model.total_s * 1000:.1f} ms on the "
+                f"running plan, {best.model.total_s * 1000:.1f} ms on the new one "
+                f"({current.model.total_s / best.model.total_s:.2f}x faster)")
 
     def _refit(self, plan: HmpPlan, tokens: int, results: dict[int, tuple[ShardResult, Any]]) -> None:
         """One prefill pass of ``tokens`` tokens: each rank's measured arithmetic (seconds) into the fit."""
@@ -262,10 +230,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                     self._predicted = (plan.epoch, tokens, rank_compute_s(self.profiles(self.cluster), plan, tokens))
                 except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
                     self._predicted = (plan.epoch, tokens, {})
-            devices = plan.devices
-            self.fit.add(self._predicted[2], {devices[rank]: result.split.compute_s
-                                              for rank, (result, _) in results.items() if rank < len(devices)})
-            self.rebalancer.round_done()
+            predicted = self._predicted[2]
+        devices = plan.devices
+        self.refit_loop.add(predicted, {devices[rank]: result.split.compute_s
+                                  for rank, (result, _) in results.items() if rank < len(devices)})
 
     def plan_from(self, reply: Message) -> HmpPlan:
         assert isinstance(reply, HmpPlanReply)
@@ -546,7 +514,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see HmpProgress)."""
-        priced = self._refitted(best=False)
+        priced = self.refitted()
         with self._changed:
             s = self._stats
             return {"answered": s.answered, "errors": self._errors, "recomputed": s.recomputed,

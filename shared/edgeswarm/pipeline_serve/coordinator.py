@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
-from edgeswarm.errors import EdgeswarmError, JobError, PlanningError
+from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
 from edgeswarm.messages.serving import (
@@ -42,7 +42,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import Priced, Rebalancer, RefitPricing, ScaleFit, moved_text, scaled
+from edgeswarm.planning.refit import ClosedLoop, RefitPricing, scaled
 from edgeswarm.planning.serve.load import at_measured_load
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
@@ -128,14 +128,12 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         self._next_item = 0
         self._stats = _Stats()
         # The closed loop (planning.refit): each stage device's measured forward of a full micro-batch against its
-        # profile, under ``_changed``; re-plans only with the rebalance setting on.
-        self.closed_loop = self.bus.settings.rebalance
-        self.fit = ScaleFit()
+        # profile; re-plans only with the rebalance setting on.
+        self.refit_loop = ClosedLoop(RefitPricing(
+            reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()), scaled),
+            cost=lambda plan: plan.bottleneck_s)
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``measure``)
-        self.rebalancer = Rebalancer()
         self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
-        self.pricing: RefitPricing[ServePlan, ClusterProfile] = RefitPricing(
-            reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()), scaled)
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -153,56 +151,22 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
 
     def stop(self) -> None:
         """Stop serving, and save what the job measured of each stage device's speed (with the closed loop on)."""
-        with self._changed:
-            fitted, rounds = self.fit.scales(), self.fit.rounds()
+        fitted = self.refit_loop.scales()
         if self.closed_loop and self.cluster is not None and fitted:
             said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales, fitted,
-                                 rounds, "serve")
+                                 self.refit_loop.rounds(), "serve")
             if said:
                 self.ctx.update(self.ctx.state().status, event=("refit", said))
         super().stop()
 
     def plan_request(self, cluster: ClusterProfile, epoch: int) -> Message:
         if self.closed_loop:  # a re-plan after a loss prices the devices as they were measured
-            with self._changed:
-                cluster = scaled(cluster, self.fit.scales())
+            cluster = scaled(cluster, self.refit_loop.scales())
         return ServePlanRequest(cluster=cluster, options=self.spec.options(), epoch=epoch)
 
-    def replanned(self, plan: ServePlan) -> None:
-        super().replanned(plan)
-        with self._changed:
-            self.rebalancer.new_plan()
-
-    def _refitted(self, best: bool) -> Priced[ServePlan, ClusterProfile] | None:
-        """The running plan priced on the refitted profile and, with ``best``, the best plan on it; None before the
-        fit has any device, or when they cannot be priced."""
-        with self._changed:
-            plan, scales = self._plan, self.fit.scales()
-        if plan is None or not scales or self.cluster is None:
-            return None
-        try:
-            return self.pricing.priced(plan, self.cluster, scales, best)
-        except (PlanningError, KeyError) as exc:
-            log.info("job %s: no plan on the refitted profile: %s", self.spec.name, exc)
-            return None
-
-    def rebalance(self) -> tuple[ServePlan, str] | None:
-        """The best plan on the refitted profile, when the rebalancer says moving to it pays (planning.refit)."""
-        if not self.closed_loop:
-            return None
-        with self._changed:
-            moved = self.fit.moved()
-        priced = self._refitted(best=True) if moved else None
-        if priced is None or priced.best is None:
-            return None
-        current, best = priced.current, priced.best
-        with self._changed:
-            go = self.rebalancer.check(current.bottleneck_s, best.bottleneck_s, time.monotonic())
-        if not go:
-            return None
-        return best, (f"{moved_text(moved)}; the running plan would serve "
-                      f"{current.throughput_per_s:.1f} samples/s, the new one {best.throughput_per_s:.1f} "
-                      f"({current.bottleneck_s / best.bottleneck_s - 1:.0%} more)")
+    def gain(self, current: ServePlan, best: ServePlan) -> str:
+        return (f"the running plan would serve {current.throughput_per_s:.1f} samples/s, the new one "
+                f"{best.throughput_per_s:.1f} ({current.bottleneck_s / best.bottleneck_s - 1:.0%} more)")
 
     def plan_from(self, reply: Message) -> ServePlan:
         assert isinstance(reply, ServePlanReply)
@@ -407,12 +371,12 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                     self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
                 except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
                     self._predicted = (plan.epoch, {})
-            self.fit.add(self._predicted[1], {s.device: t for s, t in zip(plan.stages, measured, strict=True)})
-            self.rebalancer.round_done()
+            predicted = self._predicted[1]
+        self.refit_loop.add(predicted, {s.device: t for s, t in zip(plan.stages, measured, strict=True)})
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""
-        priced = self._refitted(best=False)
+        priced = self.refitted()
         with self._changed:
             s = self._stats
             latencies = sorted(s.latencies)

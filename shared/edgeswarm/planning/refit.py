@@ -21,6 +21,7 @@ the emulation's settings).
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,6 +212,57 @@ class RefitPricing(Generic[PlanT, ProfileT]):
         out = Priced(profile, self.reprice(plan, profile), self.search(plan, profile) if best else None)
         self._last = (plan.epoch, dict(scales), out)
         return out
+
+
+@dataclass
+class ClosedLoop(Generic[PlanT, ProfileT]):
+    """One serving job's closed loop, safe to share between its threads: the fit of each measured unit (``add``), the
+    rebalancer, and its plans priced on the refitted profile (``priced``); ``better`` says when to move and where.
+    ``cost``: the seconds of a plan the rebalancer compares (lower is better: a pipeline's bottleneck, a prefill)."""
+
+    pricing: RefitPricing[PlanT, ProfileT]
+    cost: Callable[[PlanT], float]
+    fit: ScaleFit = field(default_factory=ScaleFit)
+    rebalancer: Rebalancer = field(default_factory=Rebalancer)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
+        """One unit of work measured (``ScaleFit.add``), and counted on the running plan."""
+        with self._lock:
+            self.fit.add(predicted, measured)
+            self.rebalancer.round_done()
+
+    def scales(self) -> dict[str, float]:
+        with self._lock:
+            return self.fit.scales()
+
+    def rounds(self) -> dict[str, int]:
+        with self._lock:
+            return self.fit.rounds()
+
+    def new_plan(self) -> None:
+        with self._lock:
+            self.rebalancer.new_plan()
+
+    def priced(self, plan: PlanT, profile: ProfileT, best: bool) -> Priced[PlanT, ProfileT] | None:
+        """``plan`` on ``profile`` refitted (``RefitPricing.priced``); None before the fit has any key. Raises what
+        the pricing raises."""
+        scales = self.scales()
+        return self.pricing.priced(plan, profile, scales, best) if scales else None
+
+    def better(self, plan: PlanT, profile: ProfileT, now: float
+               ) -> tuple[Priced[PlanT, ProfileT], dict[str, float]] | None:
+        """When the rebalancer says moving off ``plan`` pays (``now``: seconds, monotonic): the plans priced on the
+        refitted ``profile`` (its ``best`` is where to go) and the scales that moved; None otherwise. Raises what the
+        pricing raises."""
+        with self._lock:
+            moved = self.fit.moved()
+        priced = self.priced(plan, profile, best=True) if moved else None
+        if priced is None or priced.best is None:
+            return None
+        with self._lock:
+            go = self.rebalancer.check(self.cost(priced.current), self.cost(priced.best), now)
+        return (priced, moved) if go else None
 
 
 def speeds(scales: dict[str, float]) -> str:

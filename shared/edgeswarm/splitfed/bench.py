@@ -39,6 +39,8 @@ class SplitfedBench(Bench):
         p.add_argument("--quick", action="store_true",
                        help="a few seconds: 5 BO instances, LeNet-5 only, 2 simulated rounds on one setting")
         p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+        p.add_argument("--netns", action="store_true", help="the cluster section in network namespaces, its links "
+                       "shaped by the kernel (root; docs/netns.md)")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Print the tables, and write the report as JSON with --json."""
@@ -81,7 +83,8 @@ def splitfed_config(args: argparse.Namespace) -> SplitfedBenchConfig:
     try:
         return SplitfedBenchConfig(**{"sections": sections, "seeds": seeds, "instances": args.instances,
                                       "rounds": args.rounds, "local_epochs": args.local_epochs, "lr": args.lr,
-                                      "settings": settings, "cluster_rounds": args.cluster_rounds, **extra})
+                                      "settings": settings, "cluster_rounds": args.cluster_rounds,
+                                      "netns": args.netns, **extra})
     except ValidationError as exc:
         raise ConfigError(f"bad bench splitfed options: {exc}") from None
 
@@ -178,8 +181,9 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
                           f"{sum(r.excluded_devices for r in rows) / len(rows):.0f}")
         tables.append(t)
     if report.cluster:
-        t = Table(title="train-splitfed jobs on a local cluster (3 emulated phones, 1 edge server, LeNet-5 on "
-                  "digits, 2 participants a round)")
+        where = "in network namespaces (kernel-shaped links)" if report.config.netns else "on a local cluster"
+        t = Table(title=f"train-splitfed jobs {where} (3 emulated phones, 1 edge server, LeNet-5 on digits, 2 "
+                  "participants a round)")
         for col in ("mode", "round", "cuts", "round s", "predicted s", "refitted s", "LAN KiB", "WAN KiB",
                     "accuracy", "device peak MiB", "error"):
             t.add_column(col)

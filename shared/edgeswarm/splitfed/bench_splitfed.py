@@ -81,6 +81,7 @@ class SplitfedBenchConfig(BaseModel):
     memory_models: list[str] = Field(default_factory=lambda: list(MODELS))
     cluster_rounds: int = Field(default=3, ge=1, le=50)
     cluster_budget_bytes: int = Field(default=0, ge=0)
+    netns: bool = False  # the cluster section in network namespaces, its links shaped by the kernel
 
 
 class PlannerRow(BaseModel):
@@ -400,7 +401,7 @@ def cluster_rows(config: SplitfedBenchConfig, cluster: StartCluster, log: Log = 
         log(f"cluster: starting {', '.join(CLUSTER_CLASSES)} and an edge server")
         try:
             with cluster(spec, workdir=root / "cluster", extra_env=env, skip_services=("tensor-shard-worker",),
-                         timeout_s=300) as (_running, bus):
+                         netns=config.netns, timeout_s=300) as (_running, bus):
                 return [row for mode in CLUSTER_MODES for row in _cluster_mode(bus, mode, config, log)]
         except EdgeswarmError as exc:  # the cluster did not come up
             return [ClusterRow(mode=m, error=str(exc)[:300]) for m in CLUSTER_MODES]

@@ -28,6 +28,7 @@ from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.serving import InferError, InferErrorReason
 from edgeswarm.observability import record
+from edgeswarm.planning.refit import ClosedLoop, Priced, moved_text
 from edgeswarm.plugins import load_target
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.shares import QueueShares
@@ -78,7 +79,12 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
     line), ``plan_fields`` (the progress fields a plan sets), ``on_data`` (its requests and its devices' results,
     admitted with ``admit``), ``dispatch`` (its dispatcher thread: requests through the plan, from ``_queue`` while
     ``_plan`` is set, until ``_stopped``) and ``progress``; and where it needs them ``stalled``, ``interrupt``,
-    ``replay`` and ``held``. ``_changed`` guards the queue, the plan and the counters."""
+    ``replay`` and ``held``. ``_changed`` guards the queue, the plan and the counters.
+
+    A kind that closes the loop (planning.refit) sets ``refit_loop`` (a ``ClosedLoop``) and feeds it each measured
+    unit; with the rebalance setting on (``closed_loop``), the skeleton moves the job to the loop's better plan between
+    two requests (``rebalance``), and ``refitted`` is the running plan priced on the fit. It gives ``refit_profile``
+    (what its plans are priced on) and ``gain`` (the predicted gain, in words)."""
 
     #: Told to each device to drop the job's part: ``release(job_id=...)``, no answer expected.
     release: ClassVar[type[Message]]
@@ -101,6 +107,8 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
         self._errors = 0  # requests refused
         self._reconfigurations = 0
         self._dispatcher: threading.Thread | None = None
+        self.closed_loop = ctx.bus.settings.rebalance
+        self.refit_loop: ClosedLoop[PlanT, Any] | None = None
 
     # --- what a kind gives ----------------------------------------------------------------------------
 
@@ -192,10 +200,50 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
             self.replanned(self._move(plan.model_copy(update={"epoch": self._epoch + 1}), [], "the plan changes",
                                       ("rebalanced", f"re-planned on measured speeds ({detail})")))
 
+    def refit_profile(self, cluster: ClusterProfile) -> Any:
+        """The profile the closed loop prices plans on over ``cluster`` (the kind's planner input, before any fit)."""
+        return cluster
+
+    def gain(self, current: PlanT, best: PlanT) -> str:
+        """What moving from ``current`` to ``best`` (both priced on the refitted profile) gains, in words."""
+        return ""
+
+    def _priced(self, best: bool, now: float | None = None) -> Any:
+        """``refit_loop.priced`` (``now`` None) or its ``better`` (``now``: monotonic seconds) on the running plan; None
+        without a loop, a plan or a price (a pricing failure is logged: the job goes on as planned)."""
+        with self._changed:
+            plan = self._plan
+        if self.refit_loop is None or plan is None or self.cluster is None:
+            return None
+        try:
+            profile = self.refit_profile(self.cluster)
+            loop = self.refit_loop
+            return loop.priced(plan, profile, best) if now is None else loop.better(plan, profile, now)
+        except (EdgeswarmError, KeyError) as exc:
+            log.info("job %s: no plan on the refitted profile: %s", self.name, exc)
+            return None
+
+    def refitted(self) -> Priced[PlanT, Any] | None:
+        """The running plan priced on the devices' measured speeds; None before the loop has any."""
+        priced: Priced[PlanT, Any] | None = self._priced(best=False)
+        return priced
+
     def rebalance(self) -> tuple[PlanT, str] | None:
         """Between two steps: a plan to move to on the devices' measured speeds, and why in words (which speeds moved,
-        the predicted gain); None (the default): the job keeps its plan."""
-        return None
+        the predicted gain); None: the job keeps its plan (always, without a loop or with the rebalance setting off)."""
+        if not self.closed_loop:
+            return None
+        found: tuple[Priced[PlanT, Any], dict[str, float]] | None = self._priced(True, time.monotonic())
+        if found is None:
+            return None
+        priced, moved = found
+        assert priced.best is not None
+        return priced.best, f"{moved_text(moved)}; {self.gain(priced.current, priced.best)}"
+
+    def replanned(self, plan: PlanT) -> None:
+        super().replanned(plan)
+        if self.refit_loop is not None:
+            self.refit_loop.new_plan()
 
     def on_lost(self, disruption: Disrupted) -> PlanT:
         """Re-plan over the devices left, deploy the new plan as a new epoch and ``replay`` onto it."""
