@@ -6,7 +6,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,17 @@ FAST_ENV = {
     "EDGESWARM_KEEPALIVE_S": "2",
     "EDGESWARM_LOG_LEVEL": "INFO",
 }
+
+
+def wait_for_peers(bus: Any, nodes: Iterable[str], services: Iterable[str],
+                   hub_services: Iterable[str] = ("planner", "coordinator"), timeout_s: float = 30.0) -> None:
+    """Wait until ``bus`` sees each of ``services`` online on every one of ``nodes``, and ``hub_services`` on the hub
+    (``timeout_s`` seconds for each)."""
+    for node in nodes:
+        for service in services:
+            bus.peers.wait_for(node, service, timeout_s=timeout_s)
+    for service in hub_services:
+        bus.peers.wait_for("hub", service, timeout_s=timeout_s)
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.05,

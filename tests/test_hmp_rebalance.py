@@ -23,7 +23,7 @@ from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_until
+from helpers import wait_for_peers, wait_until
 
 NODES = ("a", "b", "c")
 SLOW = "b"
@@ -61,11 +61,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         services.start("profiler", node, broker.url, EDGESWARM_PROFILE_DIR=str(tmp_path / f"profiles-{node}"))
         workers[node] = services.start("tensor-shard-worker", node, broker.url)
     bus = make_bus("test", "cli")
-    for node in NODES:
-        for service in ("node-agent", "profiler", "tensor-shard-worker"):
-            bus.peers.wait_for(node, service, timeout_s=30)
-    for service in ("planner", "coordinator"):
-        bus.peers.wait_for("hub", service, timeout_s=30)
+    wait_for_peers(bus, NODES, ("node-agent", "profiler", "tensor-shard-worker"))
     events: list[JobEvent] = []
     name = "hmp-rebalance"
     follower = JobFollower(bus, name, on_event=events.append)

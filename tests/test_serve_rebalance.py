@@ -19,7 +19,7 @@ from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_until
+from helpers import wait_for_peers, wait_until
 
 NODES = ("a", "b", "c")
 # Every device's profiler and stage-worker: computing, not messaging, is most of an item's time. 30x rather than 10x:
@@ -49,11 +49,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
         services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
                        EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (8 if node == "a" else 1)))
     bus = make_bus("test", "cli")
-    for node in NODES:
-        for service in ("node-agent", "profiler", "stage-worker"):
-            bus.peers.wait_for(node, service, timeout_s=30)
-    for service in ("planner", "coordinator"):
-        bus.peers.wait_for("hub", service, timeout_s=30)
+    wait_for_peers(bus, NODES, ("node-agent", "profiler", "stage-worker"))
     events: list[JobEvent] = []
     name = "rebalance"
     follower = JobFollower(bus, name, on_event=events.append)
