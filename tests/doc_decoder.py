@@ -343,7 +343,8 @@ _ROUND_SETUP = ("record", {
 _DEVICE_REPORT = ("record", {
     "node": "str", "outcome": ("enum", {"trained", "failed", "lost", "refused", "skipped"}), "cut": "int",
     "samples": "int", "iterations": "int", "loss": "number?", "loss_sq_sum": "number", "peak_bytes": "int",
-    "budget_bytes": "int", "recompute": "str", "pruned": "int", "dis": "number?", "stat": "number?", "detail": "str",
+    "budget_bytes": "int", "recompute": "str", "pruned": "int", "compute_s": "number", "dis": "number?",
+    "stat": "number?", "detail": "str",
 })
 _SPLITFED_PROGRESS = {
     "kind": ("enum", {"train-splitfed"}), "rounds_done": "int", "rounds_total": "int", "accuracy": "number?",
@@ -354,7 +355,8 @@ _SPLITFED_PROGRESS = {
         "lan_bytes": "int", "wan_bytes": "int", "refused": "int", "left_out": ("list", "str"),
         "participants": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "outcome": "str",
                                              "peak_bytes": "int", "loss": "number?", "samples": "int",
-                                             "recompute": "str"}))})),
+                                             "recompute": "str", "iterations": "int",
+                                             "compute_s": "number"}))})),
 }
 
 _ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS,

@@ -10,6 +10,7 @@ that cross the wire, the device's own data partition, its memory plan under its 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -193,7 +194,8 @@ class DevicePart:
         """``run`` runs each compute as the device computes (``DeviceProfile.run``: its emulated slow-down; None:
         as it is)."""
         self.setup, self.cut, self.compute, self.gate = setup, cut, compute, gate
-        self._run: Callable[[Callable[[], Any]], Any] = run or _direct
+        self._device_run: Callable[[Callable[[], Any]], Any] = run or _direct
+        self.compute_s = 0.0  # seconds its computes took, as the device computes them (the closed loop's measure)
         self.roles = device_roles(setup)
         # Tracing patches torch for every thread of the process: only with the gate held alone.
         with gate.building():
@@ -251,6 +253,13 @@ class DevicePart:
             self.side.front_chain.set_plan(front)
             counts = {r: front.count(r) for r in ("speed", "memory") if r in front}
             self.recompute_summary = ", ".join(f"{n} {r}-centric" for r, n in counts.items()) or "none"
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return self._device_run(fn)  # type: ignore[no-any-return]
+        finally:
+            self.compute_s += time.perf_counter() - started
 
     def partition_data(self, index: int) -> DeviceData:
         """This device's own samples (partition ``index``)."""

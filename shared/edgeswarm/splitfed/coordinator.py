@@ -6,6 +6,12 @@ the candidates with their devices, start the round on each MEC with its candidat
 every MEC's weighted sum (a lost MEC is left out), finish FedAvg, evaluate the model on the held-out split, checkpoint
 it to the checkpoint store as the whole model (so ``edgeswarm export`` reads it like any trained model) and publish
 the round. A restarted coordinator resumes from the last checkpointed round.
+
+The central manager plans every round afresh; with the rebalance setting on, it plans on the devices' speeds as the
+rounds measured them (planning.refit's fit): each trained device reports the seconds its own computes took
+(``DeviceReport.compute_s``), set against what its profiled speed gives for its cut and iterations; a device whose
+fitted scale moved more than 15% from 1 is planned at its profiled speed over that scale, and a ``refit`` event says
+when the speeds the rounds plan on change.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from edgeswarm.messages.splitfed import (
 )
 from edgeswarm.models.zoo import build_model
 from edgeswarm.observability import record as metrics_record
+from edgeswarm.planning.refit import ScaleFit, same_fit, speeds
+from edgeswarm.planning.splitfed.cost import device_compute_s
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.runtime.client import nodes_running
@@ -62,6 +70,8 @@ ENROL_TIMEOUT_S = 30.0
 PROFILE_TIMEOUT_S = 300.0  # for the profilers of a round's new nodes to come up, and for each turn of profiling
 POLL_S = 0.1
 TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the cloud server (spec 10.4, 12.14)
+# A device's round predicted to compute less than this says more of the runtime's per-call costs than of its speed.
+MIN_FIT_S = 0.05
 
 
 class SplitfedRunner(RoundProgram):
@@ -82,6 +92,10 @@ class SplitfedRunner(RoundProgram):
         self.history: list[RoundRecord] = []
         self.refused = 0
         self.used: set[tuple[str, str]] = set()  # the (node, service) the job asked for, released when it ends
+        # The closed loop: each device's measured compute over what its profiled speed predicts, and the scales the
+        # rounds plan on (those that moved; ``_planned_speeds``).
+        self.fit = ScaleFit(sliver=0.0)
+        self.applied: dict[str, float] = {}
 
     # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
@@ -134,7 +148,7 @@ class SplitfedRunner(RoundProgram):
         mec_of = gather.assign_mecs(devices, mecs)
         samples = {d: int(self.partition.sizes()[index[d]]) for d in devices}
         self._measure(devices, mecs, mec_of)
-        split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self.measured,
+        split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self._planned_speeds(),
                                              spec.memory_budget_bytes)
         options = SplitOptions(
             participants=spec.participants, gamma=spec.gamma if spec.mode == "smartsplit" else 1.0, lam=spec.lam,
@@ -175,6 +189,7 @@ class SplitfedRunner(RoundProgram):
         updates = self._collect(r, {m: starts[m] for m in running}, flat, selection)
         wan = self.layout.numel * 4 * (len(running) + self.restarts)
         self.state, record = self._aggregate(r, self.state, updates, selection, started, wan, left_out)
+        self._learn(record, options)
         self.model.load_state_dict(self.state)
         accuracy, loss = held_out(self.model, self.dataset, batch_size=256)
         record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
@@ -319,7 +334,8 @@ class SplitfedRunner(RoundProgram):
             for rep in update.reports:
                 participants.append(ParticipantRecord(node=rep.node, mec=update.mec, cut=rep.cut,
                                                       outcome=rep.outcome, peak_bytes=rep.peak_bytes, loss=rep.loss,
-                                                      samples=rep.samples, recompute=rep.recompute))
+                                                      samples=rep.samples, recompute=rep.recompute,
+                                                      iterations=rep.iterations, compute_s=rep.compute_s))
                 if rep.dis is not None or rep.stat is not None:
                     old = self.estimates.get(rep.node)
                     self.estimates[rep.node] = gather.Estimates(
@@ -338,6 +354,34 @@ class SplitfedRunner(RoundProgram):
                              refused=sum(u.refused for u, _ in updates.values()),
                              left_out=sorted(set(left_out) | {d for d, m in mec_of.items() if m in lost_mecs}))
         return new_state, record
+
+    def _learn(self, record: RoundRecord, options: SplitOptions) -> None:
+        """Each device that trained in ``record``: its measured compute over what its profiled speed predicts for its
+        cut and iterations, into the fit (a device that recomputed, or whose round computes too little, is left
+        out)."""
+        predicted, measured = {}, {}
+        for p in record.participants:
+            speed = self.measured.speeds.get(p.node)
+            if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
+                continue
+            seconds = device_compute_s(self.cost, options, p.cut, p.iterations, speed)
+            if seconds >= MIN_FIT_S:
+                predicted[p.node], measured[p.node] = seconds, p.compute_s
+        self.fit.add(predicted, measured)
+
+    def _planned_speeds(self) -> gather.Measured:
+        """What the round plans on: the profiled speeds, each device's over its fitted scale where that moved (with
+        the rebalance setting on); a ``refit`` event when they change."""
+        if not self.bus.settings.rebalance:
+            return self.measured
+        moved = self.fit.moved()
+        if moved.keys() != self.applied.keys() or not same_fit(self.applied, moved):
+            self.applied = moved
+            said = (f"round {self.round} plans on the devices' speeds as measured: {speeds(moved)} (measured compute "
+                    "over profiled)" if moved else f"round {self.round} plans on the profiled speeds again")
+            self.ctx.update("running", event=("refit", said))
+        return gather.Measured(speeds={n: s / self.applied.get(n, 1.0) for n, s in self.measured.speeds.items()},
+                               links=self.measured.links)
 
     def _measure(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> None:
         """Profile the round's nodes and device-to-MEC links not measured yet. A node that cannot be measured now is

@@ -80,7 +80,8 @@ class SplitfedSpec(BaseModel):
 
 
 class ParticipantRecord(BaseModel):
-    """One device in one round: its MEC, cut, outcome, measured peak training memory (bytes), mean loss."""
+    """One device in one round: its MEC, cut, outcome, measured peak training memory (bytes), mean loss, the
+    iterations it trained and the seconds its own computes took."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -92,6 +93,8 @@ class ParticipantRecord(BaseModel):
     loss: float | None = None
     samples: int = Field(default=0, ge=0)
     recompute: str = Field(default="", max_length=256)
+    iterations: int = Field(default=0, ge=0)
+    compute_s: float = Field(default=0.0, ge=0.0)
 
 
 class RoundRecord(BaseModel):

@@ -243,7 +243,7 @@ class DeviceProgram(JobTable[_Job]):
                             iterations=iterations, loss=None if vanilla or not finite else mean,
                             loss_sq_sum=squares if finite else 0.0, detail="" if finite else "its losses diverged",
                             peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
-                            pruned=pruned)
+                            pruned=pruned, compute_s=part.compute_s)
 
     def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
                    last: bool) -> np.ndarray:

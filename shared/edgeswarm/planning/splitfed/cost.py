@@ -306,6 +306,13 @@ def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, o
             + float(costs.sync_messages[cut - 1]) * device.link_message_s + recompute_s)
 
 
+def device_compute_s(model: ModelCost, options: SplitOptions, cut: int, iterations: int, speed_flops: float) -> float:
+    """Seconds a device of ``speed_flops`` FLOP/s computes in ``iterations`` iterations at ``cut`` (its forward,
+    backward and update, as ``cost_table`` prices them; no recomputation): the closed loop's prediction of what the
+    device reports (``DeviceReport.compute_s``)."""
+    return iterations * float(cut_costs(model, options).device_flops[cut - 1]) / speed_flops
+
+
 def skew_scale(classes: int, normalise: bool) -> float:
     """The divisor of Dis in the objective: ln C when normalising (maps Dis to [0, 1]), else 1."""
     return math.log(classes) if normalise else 1.0

@@ -1,0 +1,81 @@
+"""SmartSplit's closed loop: each trained device reports the seconds its own computes took, the coordinator sets them
+against what the device's profiled speed predicts for its cut and iterations, and the next rounds' central manager
+plans on the measured speed of a device that runs slower than its profiler measured it (here 8x: its stage-worker
+computes at eight times its profiler's emulated slow-down), saying so in a ``refit`` event."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edgeswarm.messages.jobs import JobEvent
+from edgeswarm.planning.splitfed.cost import cost_table, cut_costs, device_compute_s, iterations
+from edgeswarm.planning.splitfed.types import SplitDevice, SplitMec, SplitOptions
+from edgeswarm.splitfed.profiling import model_cost
+from edgeswarm.splitfed.spec import SplitfedProgress
+from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.workloads.client import JobFollower, submit_job
+from helpers import wait_for_peers
+
+NODES = ("a", "b", "c")
+MEC = "edge-0"
+SLOW = "b"
+SLOWDOWN = 20.0
+
+
+def test_a_devices_compute_is_what_the_cost_table_prices_for_its_cut() -> None:
+    cost = model_cost(ModelSpec(name="lenet5"), 32, optimizer_states=1)
+    options = SplitOptions(participants=1, epochs=2)
+    device = SplitDevice(node="d", mec="m", speed_flops=2e9, link_bytes_s=1e12, budget_bytes=1 << 40, samples=100)
+    fast = SplitDevice(**{**device.model_dump(), "speed_flops": 4e9})
+    table = cost_table(cost, [device, fast], [SplitMec(node="m", speed_flops=1e15)], options)
+    costs, its = cut_costs(cost, options), iterations(100, 32, 2)
+    for cut in range(1, costs.cuts + 1):
+        seconds = device_compute_s(cost, options, cut, its, device.speed_flops)
+        # The rest of a cut's fixed time is its transfers and weight sync, the same at any speed.
+        assert table.fixed_s[0, cut - 1] - table.fixed_s[1, cut - 1] == pytest.approx(seconds / 2)
+        assert device_compute_s(cost, options, cut, its, fast.speed_flops) == pytest.approx(seconds / 2)
+
+
+def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broker, make_bus, services,
+                                                                          tmp_path: Path) -> None:
+    env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    services.start("planner", "hub", broker.url)
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", **env)
+    services.start("checkpoint-store", "hub", broker.url, **env)
+    for node in (*NODES, MEC):
+        profiles = str(tmp_path / f"profiles-{node}")
+        services.start("node-agent", node, broker.url)
+        services.start("profiler", node, broker.url, EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN),
+                       EDGESWARM_PROFILE_DIR=profiles)
+        if node == MEC:
+            services.start("mec-manager", node, broker.url, **env)
+        else:
+            services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
+                           EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (8 if node == SLOW else 1)))
+    bus = make_bus("test", "cli")
+    wait_for_peers(bus, NODES, ("node-agent", "profiler", "stage-worker"))
+    wait_for_peers(bus, [MEC], ("node-agent", "profiler", "mec-manager"), hub_services=("checkpoint-store",))
+    events: list[JobEvent] = []
+    name = "sf-refit"
+    follower = JobFollower(bus, name, on_event=events.append)
+    spec = {"kind": "train-splitfed", "name": name, "mode": "fedavg", "rounds": 2, "participants": 3,
+            "partition": {"kind": "iid", "devices": 3, "seed": 1},
+            "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0}
+    submit_job(bus, json.dumps(spec), submission=follower.submission)
+    final = follower.wait(300)
+    assert final.status == "succeeded", (final.status, final.detail, [(e.kind, e.detail) for e in events])
+    history = final.progress_as(SplitfedProgress).history
+    assert len(history) == 2
+    # Every device that trained said what its computes took, over the iterations it ran.
+    trained = [p for p in history[0].participants if p.outcome == "trained"]
+    assert {p.node for p in trained} == set(NODES)
+    assert all(p.compute_s > 0 and p.iterations > 0 for p in trained), trained
+    refits = [e.detail for e in events if e.kind == "refit"]
+    assert refits and refits[0].startswith("round 1 plans on the devices' speeds as measured: "), refits
+    scale = float(refits[0].split(f"{SLOW} ", 1)[1].split("x", 1)[0])
+    assert scale > 3.0, refits  # its measured compute over profiled: about 8
+    # The second round was planned on it: the slow device's round, and so the round, predicted the longer.
+    assert history[1].predicted_s > 2.0 * history[0].predicted_s, (history[0].predicted_s, history[1].predicted_s)
