@@ -1,7 +1,8 @@
 """SmartSplit's closed loop: each trained device reports the seconds its own computes took, the coordinator sets them
 against what the device's profiled speed predicts for its cut and iterations, and the next rounds' central manager
-plans on the measured speed of a device that runs slower than its profiler measured it (here 8x: its stage-worker
-computes at eight times its profiler's emulated slow-down), saying so in a ``refit`` event."""
+plans on the measured speed of a device that runs slower than its profiler measured it (here 4x: its stage-worker
+computes at four times its profiler's emulated slow-down) once two rounds measured it, saying so in a ``refit``
+event."""
 
 from __future__ import annotations
 
@@ -54,28 +55,28 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
             services.start("mec-manager", node, broker.url, **env)
         else:
             services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
-                           EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (8 if node == SLOW else 1)))
+                           EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (4 if node == SLOW else 1)))
     bus = make_bus("test", "cli")
     wait_for_peers(bus, NODES, ("node-agent", "profiler", "stage-worker"))
     wait_for_peers(bus, [MEC], ("node-agent", "profiler", "mec-manager"), hub_services=("checkpoint-store",))
     events: list[JobEvent] = []
     name = "sf-refit"
     follower = JobFollower(bus, name, on_event=events.append)
-    spec = {"kind": "train-splitfed", "name": name, "mode": "fedavg", "rounds": 2, "participants": 3,
+    spec = {"kind": "train-splitfed", "name": name, "mode": "fedavg", "rounds": 3, "participants": 3,
             "partition": {"kind": "iid", "devices": 3, "seed": 1},
             "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0}
     submit_job(bus, json.dumps(spec), submission=follower.submission)
     final = follower.wait(300)
     assert final.status == "succeeded", (final.status, final.detail, [(e.kind, e.detail) for e in events])
     history = final.progress_as(SplitfedProgress).history
-    assert len(history) == 2
+    assert len(history) == 3
     # Every device that trained said what its computes took, over the iterations it ran.
     trained = [p for p in history[0].participants if p.outcome == "trained"]
     assert {p.node for p in trained} == set(NODES)
     assert all(p.compute_s > 0 and p.iterations > 0 for p in trained), trained
     refits = [e.detail for e in events if e.kind == "refit"]
-    assert refits and refits[0].startswith("round 1 plans on the devices' speeds as measured: "), refits
+    assert refits and refits[0].startswith("round 2 plans on the devices' speeds as measured: "), refits
     scale = float(refits[0].split(f"{SLOW} ", 1)[1].split("x", 1)[0])
-    assert scale > 3.0, refits  # its measured compute over profiled: about 8
-    # The second round was planned on it: the slow device's round, and so the round, predicted the longer.
-    assert history[1].predicted_s > 2.0 * history[0].predicted_s, (history[0].predicted_s, history[1].predicted_s)
+    assert scale > 2.0, refits  # its measured compute over profiled: about 4, the others' about 1 to 2
+    # The third round was planned on it: the slow device's round, and so the round, predicted the longer.
+    assert history[2].predicted_s > 1.5 * history[1].predicted_s, [h.predicted_s for h in history]

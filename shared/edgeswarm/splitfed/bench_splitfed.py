@@ -420,7 +420,8 @@ def _cluster_mode(bus: Bus, mode: str, config: SplitfedBenchConfig, log: Log) ->
            "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
            "memory_budget_bytes": config.cluster_budget_bytes}
     log(f"cluster: {mode}")
-    follower = JobFollower(bus, name)
+    follower = JobFollower(bus, name, on_event=lambda e: log(f"cluster: {mode}: {e.detail}") if e.kind == "refit"
+                           else None)
     submit_job(bus, json.dumps(job), submission=follower.submission)
     try:
         state = follower.wait(600)

@@ -10,8 +10,8 @@ the round. A restarted coordinator resumes from the last checkpointed round.
 The central manager plans every round afresh; with the rebalance setting on, it plans on the devices' speeds as the
 rounds measured them (planning.refit's fit): each trained device reports the seconds its own computes took
 (``DeviceReport.compute_s``), set against what its profiled speed gives for its cut and iterations; a device whose
-fitted scale moved more than 15% from 1 is planned at its profiled speed over that scale, and a ``refit`` event says
-when the speeds the rounds plan on change.
+fitted scale (from two rounds or more) moved more than 15% from 1 is planned at its profiled speed over that scale,
+and a ``refit`` event says when the speeds the rounds plan on change.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ POLL_S = 0.1
 TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the cloud server (spec 10.4, 12.14)
 # A device's round predicted to compute less than this says more of the runtime's per-call costs than of its speed.
 MIN_FIT_S = 0.05
+# Rounds a device's scale is fitted from before the rounds plan on it: its first round also builds its part.
+MIN_FIT_ROUNDS = 2
 
 
 class SplitfedRunner(RoundProgram):
@@ -370,11 +372,12 @@ class SplitfedRunner(RoundProgram):
         self.fit.add(predicted, measured)
 
     def _planned_speeds(self) -> gather.Measured:
-        """What the round plans on: the profiled speeds, each device's over its fitted scale where that moved (with
-        the rebalance setting on); a ``refit`` event when they change."""
+        """What the round plans on: the profiled speeds, each device's over its fitted scale where that moved and
+        MIN_FIT_ROUNDS rounds measured it (with the rebalance setting on); a ``refit`` event when they change."""
         if not self.bus.settings.rebalance:
             return self.measured
-        moved = self.fit.moved()
+        rounds = self.fit.rounds()
+        moved = {n: s for n, s in self.fit.moved().items() if rounds.get(n, 0) >= MIN_FIT_ROUNDS}
         if moved.keys() != self.applied.keys() or not same_fit(self.applied, moved):
             self.applied = moved
             said = (f"round {self.round} plans on the devices' speeds as measured: {speeds(moved)} (measured compute "
