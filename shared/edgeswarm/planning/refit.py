@@ -1,4 +1,5 @@
-"""The closed loop's fit, shared by every kind that re-plans on measured speeds (HPP training, pipelined serving).
+"""The closed loop's fit, shared by every kind that plans on measured speeds (HPP training, pipelined and
+tensor-parallel serving, split learning's rounds).
 
 A profile is measured once, alone; the devices then compute beside the bus's threads, other jobs, thermal limits
 or a neighbour's load, so a device may run at a different speed than profiled, and a link may carry less than its
@@ -12,7 +13,9 @@ per-message costs multiplied): the refitted profile. ``Rebalancer`` decides when
 best plan on the refitted profile is predicted faster than the running plan re-priced on it by more than
 ``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a plan and at most ``max_per_hour``
 times an hour. A cluster that is uniformly slower than profiled (every scale alike) re-plans to the same layout:
-nothing to gain, so nothing happens.
+nothing to gain, so nothing happens. ``RefitPricing`` keeps a kind's plans priced on the refitted profile (whatever
+the kind's profile type), and ``ClosedLoop`` ties the fit, the rebalancer and the pricing together for a serving
+job's threads.
 
 Pure functions and small state over typed data; the fitted scales come from measurement only (nothing here reads
 the emulation's settings).
