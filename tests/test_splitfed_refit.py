@@ -2,7 +2,7 @@
 against what the device's profiled speed predicts for its cut and iterations, and the next rounds' central manager
 plans on the measured speed of a device that runs slower than its profiler measured it (here 4x: its stage-worker
 computes at four times its profiler's emulated slow-down) once two rounds measured it, saying so in a ``refit``
-event."""
+event; the job saves it, and the next job's first round is planned on it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
                                                                           tmp_path: Path) -> None:
     env = {"EDGESWARM_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     services.start("planner", "hub", broker.url)
-    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", **env)
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true",
+                   EDGESWARM_PROFILE_DIR=str(tmp_path / "profiles-hub"), **env)
     services.start("checkpoint-store", "hub", broker.url, **env)
     for node in (*NODES, MEC):
         profiles = str(tmp_path / f"profiles-{node}")
@@ -80,3 +81,15 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
     assert scale > 2.0, refits  # its measured compute over profiled: about 4, the others' about 1 to 2
     # The third round was planned on it: the slow device's round, and so the round, predicted the longer.
     assert history[2].predicted_s > 1.5 * history[1].predicted_s, [h.predicted_s for h in history]
+    # Stopped, the job saved what it measured; the next job's first round is planned on it.
+    saved = [e.detail for e in events if e.kind == "refit" and e.detail.startswith("saved the measured speeds")]
+    assert saved and f"{SLOW} " in saved[0], refits
+    events.clear()
+    nxt = JobFollower(bus, "sf-next", on_event=events.append)
+    submit_job(bus, json.dumps({**spec, "name": "sf-next", "rounds": 1}), submission=nxt.submission)
+    final = nxt.wait(300)
+    assert final.status == "succeeded", (final.status, final.detail, [(e.kind, e.detail) for e in events])
+    assert any(e.kind == "refit" and e.detail.startswith("starts from the speeds earlier jobs measured: ")
+               and f"{SLOW} " in e.detail for e in events), [(e.kind, e.detail) for e in events]
+    first = final.progress_as(SplitfedProgress).history[0]
+    assert first.predicted_s > 1.5 * history[0].predicted_s, (first.predicted_s, history[0].predicted_s)

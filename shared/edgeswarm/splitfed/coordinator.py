@@ -11,7 +11,8 @@ The central manager plans every round afresh; with the rebalance setting on, it 
 rounds measured them (planning.refit's fit): each trained device reports the seconds its own computes took
 (``DeviceReport.compute_s``), set against what its profiled speed gives for its cut and iterations; a device whose
 fitted scale (from two rounds or more) moved more than 15% from 1 is planned at its profiled speed over that scale,
-and a ``refit`` event says when the speeds the rounds plan on change.
+and a ``refit`` event says when the speeds the rounds plan on change. When the job stops, each device's scale is
+saved in the profile cache (work ``split``), and the next job that profiles the device starts from it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from edgeswarm.planning.refit import ScaleFit, same_fit, speeds
 from edgeswarm.planning.splitfed.cost import device_compute_s
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
+from edgeswarm.profiling.cache import ProfileCache
+from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.client import nodes_running
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
@@ -98,6 +101,8 @@ class SplitfedRunner(RoundProgram):
         # rounds plan on (those that moved; ``_planned_speeds``).
         self.fit = ScaleFit(sliver=0.0)
         self.applied: dict[str, float] = {}
+        self.base: dict[str, float] = {}  # what earlier jobs measured of each device, applied to its profiled speed
+        self.measured = gather.Measured()
 
     # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
@@ -114,7 +119,6 @@ class SplitfedRunner(RoundProgram):
         self.ctx.update("profiling", event=("profiling", f"measuring {spec.model.name}'s units at batch "
                                                          f"{self.training.batch_size}"))
         self.cost = model_cost(spec.model, self.training.batch_size, optimizer_states=1)
-        self.measured = gather.Measured()
 
     def done(self) -> bool:
         return self.round >= self.spec.rounds
@@ -209,6 +213,7 @@ class SplitfedRunner(RoundProgram):
         if self.done():
             accuracy = _pct(self.history[-1].accuracy if self.history else None)
             self.ctx.update("running", event=("finished", f"{self.spec.rounds} rounds; held-out accuracy {accuracy}"))
+        self._save_speeds()
         for node, service in sorted(self.used):
             try:
                 self.bus.publish(topics.request(node, service), SplitRelease(job_id=self.name), qos=1)
@@ -366,14 +371,15 @@ class SplitfedRunner(RoundProgram):
             speed = self.measured.speeds.get(p.node)
             if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
                 continue
-            seconds = device_compute_s(self.cost, options, p.cut, p.iterations, speed)
+            seconds = device_compute_s(self.cost, options, p.cut, p.iterations, speed / self.base.get(p.node, 1.0))
             if seconds >= MIN_FIT_S:
                 predicted[p.node], measured[p.node] = seconds, p.compute_s
         self.fit.add(predicted, measured)
 
     def _planned_speeds(self) -> gather.Measured:
-        """What the round plans on: the profiled speeds, each device's over its fitted scale where that moved and
-        MIN_FIT_ROUNDS rounds measured it (with the rebalance setting on); a ``refit`` event when they change."""
+        """What the round plans on: the profiled speeds over what earlier jobs measured and, where it moved and
+        MIN_FIT_ROUNDS rounds measured it, each device's fitted scale (with the rebalance setting on); a ``refit``
+        event when the fitted ones change."""
         if not self.bus.settings.rebalance:
             return self.measured
         rounds = self.fit.rounds()
@@ -383,8 +389,31 @@ class SplitfedRunner(RoundProgram):
             said = (f"round {self.round} plans on the devices' speeds as measured: {speeds(moved)} (measured compute "
                     "over profiled)" if moved else f"round {self.round} plans on the profiled speeds again")
             self.ctx.update("running", event=("refit", said))
-        return gather.Measured(speeds={n: s / self.applied.get(n, 1.0) for n, s in self.measured.speeds.items()},
-                               links=self.measured.links)
+        return gather.Measured(speeds={n: s / (self.base.get(n, 1.0) * self.applied.get(n, 1.0))
+                                       for n, s in self.measured.speeds.items()}, links=self.measured.links)
+
+    def _started_from(self, nodes: list[str]) -> None:
+        """The speeds earlier jobs saved for the newly measured ``nodes`` (with the rebalance setting on)."""
+        cluster = self.measured.cluster(nodes)
+        if not self.bus.settings.rebalance or cluster is None:
+            return
+        scales, _ = started_from(ProfileCache(self.bus.settings.profile_dir), cluster, "split")
+        saved = {n: s for n, s in scales.items() if n in nodes}  # devices only: a link's saved scale is training's
+        if saved:
+            self.base.update(saved)
+            self.ctx.update("profiling", event=("refit", f"starts from the speeds earlier jobs measured: "
+                                                         f"{speeds(saved)}"))
+
+    def _save_speeds(self) -> None:
+        """Save each device's fitted scale over its profile for the next job (with the rebalance setting on)."""
+        fitted = self.fit.scales()
+        cluster = self.measured.cluster(sorted(fitted))
+        if not self.bus.settings.rebalance or cluster is None:
+            return
+        said = save_measured(ProfileCache(self.bus.settings.profile_dir), cluster, self.base, fitted,
+                             self.fit.rounds(), "split")
+        if said:
+            self.ctx.update(self.ctx.state().status, event=("refit", said))
 
     def _measure(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> None:
         """Profile the round's nodes and device-to-MEC links not measured yet. A node that cannot be measured now is
@@ -397,6 +426,7 @@ class SplitfedRunner(RoundProgram):
         self.ctx.update("profiling", event=("profiling", f"round {self.round}: measuring {' and '.join(what)}"))
         try:
             gather.measure(self.bus, self.spec.model, self.cost, self.measured, nodes, pairs, PROFILE_TIMEOUT_S)
+            self._started_from(nodes)
         except (ProfilerError, ProfileError) as exc:
             log.warning("job %s round %d: left out what could not be measured: %s", self.spec.name, self.round, exc)
 

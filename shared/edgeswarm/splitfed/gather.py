@@ -18,7 +18,7 @@ from edgeswarm.errors import ProfileError
 from edgeswarm.messages.cluster import ClusterView, NodeView
 from edgeswarm.planning.splitfed.types import ModelCost, SplitDevice, SplitMec
 from edgeswarm.profiling.gather import profile_cluster
-from edgeswarm.values.profiles import DeviceProfileEntry, LinkProfile, ModelSpec
+from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, LinkProfile, ModelProfile, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,19 @@ class Estimates:
 
 @dataclass
 class Measured:
-    """What the profilers measured of a job's parties: each node's training speed (FLOP/s) and each device's link to
-    its MEC ((device, MEC) -> its profile)."""
+    """What the profilers measured of a job's parties: each node's training speed (FLOP/s), each device's link to
+    its MEC ((device, MEC) -> its profile), and each node's profile (``cluster``: what its measured speed is saved
+    against)."""
 
     speeds: dict[str, float] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkProfile] = field(default_factory=dict)
+    profiles: dict[str, DeviceProfileEntry] = field(default_factory=dict)
+    model: ModelProfile | None = None
+
+    def cluster(self, nodes: list[str]) -> ClusterProfile | None:
+        """The profiles of ``nodes`` measured so far, as a cluster profile (no links); None before any."""
+        entries = [self.profiles[n] for n in nodes if n in self.profiles]
+        return ClusterProfile(model=self.model, devices=entries) if self.model is not None and entries else None
 
     def missing(self, devices: list[str], mecs: list[str], mec_of: dict[str, str]) -> tuple[list[str],
                                                                                            list[tuple[str, str]]]:
@@ -67,6 +75,8 @@ def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, node
     cluster = profile_cluster(bus, spec, [cost.batch_size], nodes=chosen, links=bool(pairs), link_pairs=pairs,
                               timeout_s=timeout_s, ready_timeout_s=timeout_s)
     measured.speeds.update({e.device.node: training_flops_per_s(cost, e) for e in cluster.devices})
+    measured.profiles.update({e.device.node: e for e in cluster.devices})
+    measured.model = cluster.model
     wanted = set(pairs)
     measured.links.update({(x.src, x.dst): x for x in cluster.links if (x.src, x.dst) in wanted})
 

@@ -139,7 +139,9 @@ class ComputeProfile(BaseModel):
         return self
 
 
-Work = Literal["train", "serve"]  # what a job measured of a device: training's forward and backward, or serving's
+# What a job measured of a device: training's forward and backward, serving's forward, or split learning's part
+# against its FLOP count at the profiled rate (each its own ratio: a device's speeds at them differ).
+Work = Literal["train", "serve", "split"]
 
 
 class ComputeRefit(BaseModel):
