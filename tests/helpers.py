@@ -27,6 +27,16 @@ FAST_ENV = {
 }
 
 
+def wait_serving(follower: Any, timeout_s: float, message: str = "the job serving") -> Any:
+    """Wait until the job ``follower`` follows serves or fails (at most ``timeout_s`` seconds), and assert it serves;
+    its state."""
+    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), timeout_s,
+               message=message)
+    state = follower.state
+    assert state is not None and state.status == "running", state
+    return state
+
+
 def wait_for_peers(bus: Any, nodes: Iterable[str], services: Iterable[str],
                    hub_services: Iterable[str] = ("planner", "coordinator"), timeout_s: float = 30.0) -> None:
     """Wait until ``bus`` sees each of ``services`` online on every one of ``nodes``, and ``hub_services`` on the hub

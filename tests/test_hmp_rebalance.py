@@ -23,7 +23,7 @@ from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_for_peers, wait_until
+from helpers import wait_for_peers, wait_serving, wait_until
 
 NODES = ("a", "b", "c")
 SLOW = "b"
@@ -79,10 +79,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         return [e.detail for e in list(events) if e.kind == kind]
 
     try:
-        wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 180,
-                   message="the job serving")
-        assert follower.state is not None and follower.state.status == "running", follower.state
-        first = follower.state.plan
+        first = wait_serving(follower, 180).plan
         assert isinstance(first, HmpPlan) and SLOW in first.devices, first
         throttle.start()
         answers: list[tuple[list[int], Answer]] = []
@@ -128,11 +125,9 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
     nxt = JobFollower(bus, "hmp-next", on_event=events.append)
     submit_job(bus, json.dumps({**spec, "name": "hmp-next"}), submission=nxt.submission)
     try:
-        wait_until(lambda: nxt.state is not None and nxt.state.status in ("running", "failed"), 180,
-                   message="the next job serving")
+        plan = wait_serving(nxt, 180, message="the next job serving").plan
         assert any(d.startswith("starts from the speeds earlier jobs measured: ") and f"{SLOW} " in d
                    for d in of("refit")), [(e.kind, e.detail) for e in events]
-        plan = nxt.state.plan
         assert isinstance(plan, HmpPlan) and SLOW in plan.devices
         i = plan.devices.index(SLOW)
         assert plan.shares.heads[i] < max(plan.shares.heads), plan.shares  # planned on b's measured speed

@@ -38,7 +38,7 @@ from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.runtime.client import ClusterWatcher, nodes_running
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, job_states, submit_job
-from helpers import FAST_ENV, REPO, load_model, native_cluster, wait_until
+from helpers import FAST_ENV, REPO, load_model, native_cluster, wait_serving, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +76,7 @@ def start(cluster: Cluster, text: str) -> JobFollower:
     name = next(line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("name: "))
     follower = JobFollower(cluster.bus, name)
     submit_job(cluster.bus, text, submission=follower.submission)
-    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 180,
-               message=f"job {name} serving")
-    assert follower.state is not None and follower.state.status == "running", follower.state.detail
+    wait_serving(follower, 180, message=f"job {name} serving")
     return follower
 
 

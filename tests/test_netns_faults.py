@@ -28,7 +28,7 @@ from edgeswarm.bus import Bus
 from edgeswarm.hpp.spec import TrainProgress
 from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.netns.cluster import NetnsCluster
-from helpers import assert_same_weights, netns_unavailable, reference_weights, stored_weights, wait_until
+from helpers import assert_same_weights, netns_unavailable, reference_weights, stored_weights, wait_serving, wait_until
 
 DEVICES = 4
 HEARTBEAT_S = 0.5  # failure timeout: three intervals, 1.5 s
@@ -173,9 +173,7 @@ def serve_through(net: Net, fault: Callable[[str], None] | None, label: str) -> 
     submit_job(net.bus, json.dumps({"kind": "serve-pipeline", "name": name, "model": SERVE_MODEL,
                                     "micro_batch_size": 4, "window": 4}),
                submission=follower.submission)
-    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 240,
-               message=f"job {name} serving")
-    assert follower.state is not None and follower.state.status == "running", follower.state
+    wait_serving(follower, 240, message=f"job {name} serving")
     plan = follower.state.plan
     assert isinstance(plan, ServePlan) and len(plan.stages) >= 2, plan
     victim = plan.devices[-1]

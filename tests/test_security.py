@@ -40,7 +40,7 @@ from edgeswarm.security.passwords import mosquitto_hash
 from edgeswarm.settings import Settings
 from edgeswarm.wire import Sender
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
-from helpers import FAST_ENV, announce, wait_until
+from helpers import FAST_ENV, announce, wait_serving, wait_until
 
 DEVICES = ("tx2-0", "nano-1")
 EDGE = "edge-0"  # `up --local --edges 1`
@@ -254,8 +254,7 @@ def test_a_client_serves_a_trained_models_checkpoint_over_tls(cluster: SecureClu
     submit_job(operator, "kind: serve-pipeline\nname: serve-trained\nmodel: {name: mlp, config: {hidden: 16, "
                          "layers: 2}}\nweights: {job: to-serve}\nmicro_batch_size: 4\n",
                submission=served.submission)
-    wait_until(lambda: served.state is not None and served.state.status in ("running", "failed"), 240)
-    assert served.state is not None and served.state.status == "running", served.state
+    wait_serving(served, 240)
     assert served.state.progress_as(ServeProgress).weights == "job to-serve version 2"
     spec = ModelSpec(name="mlp", config={"hidden": 16, "layers": 2})
     model = build_model(spec).eval()

@@ -19,7 +19,7 @@ from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_for_peers, wait_until
+from helpers import wait_for_peers, wait_serving, wait_until
 
 NODES = ("a", "b", "c")
 # Every device's profiler and stage-worker: computing, not messaging, is most of an item's time. 30x rather than 10x:
@@ -60,10 +60,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
         return [e.detail for e in list(events) if e.kind == kind]
 
     try:
-        wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 120,
-                   message="the job serving")
-        assert follower.state is not None and follower.state.status == "running", follower.state
-        first = follower.state.plan
+        first = wait_serving(follower, 120).plan
         assert isinstance(first, ServePlan) and "a" in first.devices, first
         model = ModelSpec.model_validate(MODEL)
         inputs = [example_input(model, MICRO_BATCH, seed=k) for k in range(16)]

@@ -36,7 +36,7 @@ from edgeswarm.planning.serve.load import at_measured_load
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, cancel_job, submit_job
-from helpers import FAST_ENV, native_cluster, wait_until
+from helpers import FAST_ENV, native_cluster, wait_serving, wait_until
 
 DEVICES = 3
 BUDGET = 2_000_000  # bytes per device: every model below needs two stages or more
@@ -69,9 +69,7 @@ def serve(cluster: Cluster, model: dict[str, object], **fields: object) -> tuple
     spec = {"kind": "serve-pipeline", "name": name, "model": model, "micro_batch_size": 4, **fields}
     follower = JobFollower(cluster.bus, name)
     submit_job(cluster.bus, json.dumps(spec), submission=follower.submission)
-    wait_until(lambda: follower.state is not None and follower.state.status in ("running", "failed"), 300,
-               message=f"job {name} serving")
-    assert follower.state is not None and follower.state.status == "running", follower.state
+    wait_serving(follower, 300, message=f"job {name} serving")
     return name, follower
 
 
