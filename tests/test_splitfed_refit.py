@@ -34,10 +34,10 @@ def test_a_devices_compute_is_what_the_cost_table_prices_for_its_cut() -> None:
     table = cost_table(cost, [device, fast], [SplitMec(node="m", speed_flops=1e15)], options)
     costs, its = cut_costs(cost, options), iterations(100, 32, 2)
     for cut in range(1, costs.cuts + 1):
-        seconds = device_compute_s(cost, options, cut, its, device.speed_flops)
+        seconds = device_compute_s(costs, cut, its, device.speed_flops)
         # The rest of a cut's fixed time is its transfers and weight sync, the same at any speed.
         assert table.fixed_s[0, cut - 1] - table.fixed_s[1, cut - 1] == pytest.approx(seconds / 2)
-        assert device_compute_s(cost, options, cut, its, fast.speed_flops) == pytest.approx(seconds / 2)
+        assert device_compute_s(costs, cut, its, fast.speed_flops) == pytest.approx(seconds / 2)
 
 
 def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broker, make_bus, services,

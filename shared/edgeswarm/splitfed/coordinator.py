@@ -47,7 +47,7 @@ from edgeswarm.messages.splitfed import (
 from edgeswarm.models.zoo import build_model
 from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.refit import ScaleFit, same_fit, speeds
-from edgeswarm.planning.splitfed.cost import device_compute_s
+from edgeswarm.planning.splitfed.cost import cut_costs, device_compute_s
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.profiling.cache import ProfileCache
@@ -367,11 +367,12 @@ class SplitfedRunner(RoundProgram):
         cut and iterations, into the fit (a device that recomputed, or whose round computes too little, is left
         out)."""
         predicted, measured = {}, {}
+        costs = cut_costs(self.cost, options)
         for p in record.participants:
             speed = self.measured.speeds.get(p.node)
             if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
                 continue
-            seconds = device_compute_s(self.cost, options, p.cut, p.iterations, speed / self.base.get(p.node, 1.0))
+            seconds = device_compute_s(costs, p.cut, p.iterations, speed / self.base.get(p.node, 1.0))
             if seconds >= MIN_FIT_S:
                 predicted[p.node], measured[p.node] = seconds, p.compute_s
         self.fit.add(predicted, measured)

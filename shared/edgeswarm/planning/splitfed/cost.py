@@ -306,11 +306,11 @@ def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, o
             + float(costs.sync_messages[cut - 1]) * device.link_message_s + recompute_s)
 
 
-def device_compute_s(model: ModelCost, options: SplitOptions, cut: int, iterations: int, speed_flops: float) -> float:
+def device_compute_s(costs: CutCosts, cut: int, iterations: int, speed_flops: float) -> float:
     """Seconds a device of ``speed_flops`` FLOP/s computes in ``iterations`` iterations at ``cut`` (its forward,
-    backward and update, as ``cost_table`` prices them; no recomputation): the closed loop's prediction of what the
-    device reports (``DeviceReport.compute_s``)."""
-    return iterations * float(cut_costs(model, options).device_flops[cut - 1]) / speed_flops
+    backward and update, as ``cost_table`` prices them from ``costs``; no recomputation): the closed loop's
+    prediction of what the device reports (``DeviceReport.compute_s``)."""
+    return iterations * float(costs.device_flops[cut - 1]) / speed_flops
 
 
 def skew_scale(classes: int, normalise: bool) -> float:
