@@ -390,6 +390,22 @@ def test_planner_entry_answers_a_request() -> None:
     assert "gpt2-tiny" in PLANNER.describe(req, reply, 0.01)
 
 
+@pytest.mark.parametrize("field", ["mha_s", "head_s"])
+def test_a_profile_time_no_device_measures_is_refused_before_its_sums_overflow(field: str) -> None:
+    """A block profile's times are at most MAX_PROFILED_S: a finite 1e300 seconds of lm_head once made a decode step's
+    prediction infinite, and the planner service failed on it instead of refusing it."""
+    from pydantic import ValidationError
+
+    from edgeswarm.planning.hmp.types import MAX_PROFILED_S, BlockProfile
+
+    good = synthetic_profile("a", PRESETS["gpt2-tiny"], 8, slowdown=1.0, budget_bytes=10**9)
+    huge = [1e300] * len(good.mha_s) if field == "mha_s" else 1e300
+    with pytest.raises(ValidationError, match="less than or equal"):
+        BlockProfile.model_validate({**good.model_dump(), field: huge})
+    edge = [MAX_PROFILED_S] * len(good.mha_s) if field == "mha_s" else MAX_PROFILED_S
+    assert getattr(BlockProfile.model_validate({**good.model_dump(), field: edge}), field) == edge
+
+
 def test_profiles_at_another_length_are_refused() -> None:
     c = _cluster("LM", "gpt2-tiny", seq=16)
     with pytest.raises(PlanningError, match="deployment sequence length"):

@@ -22,9 +22,11 @@ from edgeswarm.wire.schema import Name
 MAX_GRID = 64
 MAX_SEQ = 1 << 17
 MAX_LINKS = MAX_SHARDS * (MAX_SHARDS - 1)
+MAX_PROFILED_S = 1e6  # a block's measured seconds: beyond, a profile is not a measurement (and sums of it overflow)
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+ProfiledSeconds = Annotated[float, Field(ge=0.0, le=MAX_PROFILED_S, allow_inf_nan=False)]
 Grid = Annotated[list[Annotated[int, Field(ge=1, le=1 << 20)]], Field(min_length=1, max_length=MAX_GRID)]
-Times = Annotated[list[Seconds], Field(max_length=MAX_GRID)]
+Times = Annotated[list[ProfiledSeconds], Field(max_length=MAX_GRID)]
 
 HmpMode = Literal["galaxy", "megatron", "sp", "local"]
 ShiftMode = Literal["paper", "water"]
@@ -58,7 +60,7 @@ class BlockProfile(BaseModel):
     con_s: Times
     mha_decode_s: Times = Field(default_factory=list)
     mlp_decode_s: Times = Field(default_factory=list)
-    head_s: float = Field(default=0.0, ge=0)
+    head_s: ProfiledSeconds = 0.0
     compute: str = Field(default="cpu", max_length=128)
     method: Literal["measured", "synthetic"] = "measured"
 
