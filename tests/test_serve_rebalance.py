@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from edgeswarm.bus import Bus
 from edgeswarm.messages.jobs import JobEvent
 from edgeswarm.models.zoo import build_model, example_input
 from edgeswarm.pipeline_serve.client import infer_stream
@@ -34,22 +36,32 @@ MODEL = {"name": "mlp", "config": {"in_channels": 1, "image_size": 32, "hidden":
 MICRO_BATCH = 32
 
 
-def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves_off_it(
-        broker, make_bus, services, tmp_path: Path) -> None:
+def start_cluster(broker, make_bus, services, tmp_path: Path,  # type: ignore[no-untyped-def]
+                  profiler: Callable[[str], dict[str, str]], worker: Callable[[str], dict[str, str]]) -> Bus:
+    """A planner and a re-balancing coordinator (its profile cache in tmp_path/profiles-hub) on the hub, and a
+    node-agent, a profiler (its environment ``profiler(node)``) and a stage-worker (``worker(node)``) on each of
+    NODES; a client bus once every one is up."""
     services.start("planner", "hub", broker.url)
-    saved = tmp_path / "profiles-hub"
-    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", EDGESWARM_PROFILE_DIR=str(saved))
-    # a's profiler measures it as fast as the others; its stage-worker runs 8x slower: well beyond what a busy CI
-    # machine makes the others look (up to 4x seen at 30x emulation)
+    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true",
+                   EDGESWARM_PROFILE_DIR=str(tmp_path / "profiles-hub"))
     for node in NODES:
         profiles = str(tmp_path / f"profiles-{node}")
         services.start("node-agent", node, broker.url)
-        services.start("profiler", node, broker.url, EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN),
-                       EDGESWARM_PROFILE_DIR=profiles)
-        services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles,
-                       EDGESWARM_COMPUTE_SLOWDOWN=str(SLOWDOWN * (8 if node == "a" else 1)))
+        services.start("profiler", node, broker.url, EDGESWARM_PROFILE_DIR=profiles, **profiler(node))
+        services.start("stage-worker", node, broker.url, EDGESWARM_PROFILE_DIR=profiles, **worker(node))
     bus = make_bus("test", "cli")
     wait_for_peers(bus, NODES, ("node-agent", "profiler", "stage-worker"))
+    return bus
+
+
+def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves_off_it(
+        broker, make_bus, services, tmp_path: Path) -> None:
+    saved = tmp_path / "profiles-hub"
+    # a's profiler measures it as fast as the others; its stage-worker runs 8x slower: well beyond what a busy CI
+    # machine makes the others look (up to 4x seen at 30x emulation)
+    bus = start_cluster(broker, make_bus, services, tmp_path,
+                        lambda node: {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN)},
+                        lambda node: {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN * (8 if node == "a" else 1))})
     events: list[JobEvent] = []
     name = "rebalance"
     follower = JobFollower(bus, name, on_event=events.append)
@@ -122,3 +134,64 @@ def _unit_seconds(model: ModelSpec) -> list[float]:
 def _share(plan: ServePlan, device: str, unit_s: list[float]) -> float:
     """The fraction of the model's forward ``device`` computes in ``plan``."""
     return sum(sum(unit_s[s.start:s.end]) for s in plan.stages if s.device == device) / sum(unit_s)
+
+
+def test_links_slower_than_their_profile_are_refitted_and_the_stream_moves_off_them(
+        broker, make_bus, services, tmp_path: Path) -> None:
+    """The profilers' links carry what their probes measure; the stage-workers' links to and from a carry a fifth of
+    it. Every pipeline over the three devices crosses a link of a's, so once the loop has fitted those from how the
+    items' tensors arrive, the stream moves to b and c alone."""
+    model = ModelSpec.model_validate(MODEL)
+    slowdown = 100.0  # a layer's forward then tens of milliseconds: the runtime's per-chunk costs are a small part
+    layer_s = slowdown * max(_unit_seconds(model))
+    cut = MICRO_BATCH * model_profile_cut_bytes(model)
+    # As profiled, a cut tensor crosses in 0.75 of a layer's forward: the best plan gives each device a layer. At a
+    # fifth of that, a link of a's takes 3.75 layers, and b and c alone (two layers on one) serve 1.9x faster.
+    fast = cut / (0.75 * layer_s)
+
+    def links(node: str, slow: bool) -> dict[str, str]:
+        rates = {peer: fast / 5 if slow and "a" in (node, peer) else fast for peer in NODES if peer != node}
+        return {"EDGESWARM_COMPUTE_SLOWDOWN": str(slowdown), "EDGESWARM_CHUNK_BYTES": str(16 * 1024),
+                "EDGESWARM_LINKS": json.dumps({p: {"bandwidth_bps": r, "latency_s": 0.0} for p, r in rates.items()})}
+
+    bus = start_cluster(broker, make_bus, services, tmp_path, lambda node: links(node, False),
+                        lambda node: links(node, True))
+    events: list[JobEvent] = []
+    name = "slow-links"
+    follower = JobFollower(bus, name, on_event=events.append)
+    submit_job(bus, json.dumps({"kind": "serve-pipeline", "name": name, "model": MODEL,
+                                "micro_batch_size": MICRO_BATCH, "window": 4}), submission=follower.submission)
+
+    def plan() -> ServePlan:
+        state = follower.state.plan
+        assert isinstance(state, ServePlan)
+        return state
+
+    try:
+        wait_serving(follower, 120)
+        first = plan()
+        assert len(first.stages) == 3, first.stages
+        inputs = [example_input(model, MICRO_BATCH, seed=k) for k in range(8)]
+        deadline, answers = time.monotonic() + 120, []
+        while "a" in plan().devices and time.monotonic() < deadline:  # bounded: at most two moves, 120 s of items
+            answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
+        moved = [e.detail for e in list(events) if e.kind == "rebalanced"]
+        assert "a" not in plan().devices, ([(e.kind, e.detail) for e in events], first.stages, plan().stages)
+        assert 1 <= len(moved) <= 2, moved
+        assert all("links measured against the profile: a<->" in m for m in moved), moved
+        net = build_model(model).eval()
+        with torch.no_grad():
+            for report in answers:
+                for r in report.results:
+                    assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
+                    torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
+    finally:
+        cancel_job(bus, name)
+        follower.wait(60)
+    kept = [e.detail for e in list(events) if e.kind == "refit"]
+    assert kept and "a<->" in kept[-1], kept  # the slow links saved for the next job
+
+
+def model_profile_cut_bytes(model: ModelSpec) -> int:
+    """Bytes per sample of the tensor a cut between two of the model's layers carries (the hidden width's)."""
+    return 4 * int(model.config["hidden"])

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.values.limits import MAX_BATCH_SIZE, MAX_DEVICES, MAX_EPOCH, MAX_UNITS
-from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.profiles import LinkSample, ModelSpec
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_ITEM = 1 << 40  # pipeline item numbers per epoch: far beyond any stream, small enough for every decoder
@@ -80,8 +80,9 @@ class ServeRelease(Message):
 class ServeTensor(Message):
     """Frames of pipeline item ``item`` (numbered from 0 in each plan epoch) of ``job_id``, entering stage
     ``stage``; ``stage`` equal to the number of stages marks the outputs on their way back to the coordinator.
-    ``compute_s`` are the seconds each stage before took for the item's forward, in stage order (the closed loop's
-    measurement: planning.refit)."""
+    ``compute_s`` are the seconds each stage before took for the item's forward, in stage order, and ``arrivals``
+    how the item's tensors of several chunks reached each stage before (at most one a stage, from the node that sent
+    it: the coordinator or the stage before); both the closed loop's measurements (planning.refit)."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
@@ -89,6 +90,7 @@ class ServeTensor(Message):
     stage: int = Field(ge=0, le=MAX_DEVICES)
     compute_s: list[Annotated[float, Field(ge=0, le=MAX_STAGE_S, allow_inf_nan=False)]] = Field(
         default_factory=list, max_length=MAX_DEVICES)
+    arrivals: list[LinkSample] = Field(default_factory=list, max_length=MAX_DEVICES)
 
 
 @schema("edgeswarm.infer.request", 1)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm.bus import Inbound
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
-from edgeswarm.errors import EdgeswarmError, JobError
+from edgeswarm.errors import EdgeswarmError, JobError, ProfileError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.planning import ServePlanReply, ServePlanRequest
 from edgeswarm.messages.serving import (
@@ -42,7 +42,7 @@ from edgeswarm.messages.serving import (
 )
 from edgeswarm.observability import record
 from edgeswarm.pipeline_serve.spec import ServeSpec
-from edgeswarm.planning.refit import ClosedLoop, RefitPricing, scaled
+from edgeswarm.planning.refit import ClosedLoop, RefitPricing, link_fit_inputs, scaled
 from edgeswarm.planning.serve.load import at_measured_load
 from edgeswarm.planning.serve.plan import plan_serving
 from edgeswarm.planning.serve.refit import predicted_compute_s, reprice
@@ -53,7 +53,7 @@ from edgeswarm.profiling.refits import save_measured, started_from
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.stats import percentile
-from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.values.profiles import ClusterProfile, LinkSample
 from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
 from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
@@ -341,7 +341,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             return
         assert item is not None and tensor is not None
         if plan is not None and item.rows == self.spec.micro_batch_size and len(body.compute_s) == len(plan.stages):
-            self._refit(plan, body.compute_s)
+            self._refit(plan, body)
         outputs = tensor.to_torch()
         start, now = 0, time.monotonic()
         for request in item.requests:
@@ -362,8 +362,10 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             stats.latencies.extend(now - r.arrived for r in item.requests)
             stats.done_at.append((now, item.rows))
 
-    def _refit(self, plan: ServePlan, measured: list[float]) -> None:
-        """One full micro-batch's forward on each stage (seconds, in stage order) into the fit."""
+    def _refit(self, plan: ServePlan, body: ServeTensor) -> None:
+        """One full micro-batch's measurements into the fit: each stage's forward (seconds, in stage order) and how
+        its input arrived from the stage before (a sample whose sender is not that stage's is no link of the plan's:
+        left out)."""
         assert self.cluster is not None
         with self._changed:
             if self._predicted[0] != plan.epoch:
@@ -372,7 +374,17 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
                 except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
                     self._predicted = (plan.epoch, {})
             predicted = self._predicted[1]
-        self.refit_loop.add(predicted, {s.device: t for s, t in zip(plan.stages, measured, strict=True)})
+        senders = {before.device: after.device for before, after in zip(plan.stages, plan.stages[1:], strict=False)}
+        received: dict[str, list[LinkSample]] = {}
+        for sample in body.arrivals:
+            if sample.src in senders:
+                received.setdefault(senders[sample.src], []).append(sample)
+        try:
+            links = link_fit_inputs(self.cluster, received)
+        except ProfileError:  # a pair of the plan's devices with no link measurement: nothing to compare with
+            links = None
+        self.refit_loop.add(predicted, {s.device: t for s, t in zip(plan.stages, body.compute_s, strict=True)},
+                            links)
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""

@@ -30,6 +30,7 @@ from edgeswarm.messages.serving import MAX_STAGE_S, ServeAssign, ServeReady, Ser
 from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeTimeout, TensorExchange, tensor_problem
 from edgeswarm.runtime.program import JobTable, build_failure
 from edgeswarm.runtime.senders import count_stranger, stranger
+from edgeswarm.values.profiles import LinkSample
 from edgeswarm.wire import Message
 
 if TYPE_CHECKING:
@@ -70,8 +71,9 @@ class _Stage:
     thread: threading.Thread | None = None
     items: int = 0
     compute_s: float = 0.0  # seconds in the forward pass (the device's emulated time included)
-    # Each waiting item's forward seconds on the stages before (ServeTensor.compute_s), passed on with its outputs.
-    upstream: dict[int, list[float]] = field(default_factory=dict)
+    # Each waiting item's measurements on the stages before (ServeTensor.compute_s and .arrivals, this stage's
+    # arrival among them), passed on with its outputs.
+    upstream: dict[int, tuple[list[float], list[LinkSample]]] = field(default_factory=dict)
 
     @property
     def last(self) -> bool:
@@ -196,7 +198,11 @@ class ServeStageProgram(JobTable[_Stage]):
             return
         assert stage is not None and msg.tensor is not None
         if len(stage.upstream) < 2 * MAX_PENDING:  # items are taken in order: more waiting is no item of ours
-            stage.upstream[body.item] = body.compute_s
+            arrival = msg.tensor.arrival
+            mine = [] if arrival is None or arrival.chunks < 1 else [LinkSample(
+                src=msg.envelope.sender_node, bytes=arrival.nbytes, chunks=arrival.chunks, seconds=arrival.seconds)]
+            stage.upstream[body.item] = (body.compute_s[:stage.spec.stage],
+                                         [*body.arrivals[:stage.spec.stage], *mine])
         stage.exchange.put(ServeKey(body.epoch, body.item), msg.tensor.to_torch())
 
     def _serve(self, stage: _Stage) -> None:
@@ -227,9 +233,10 @@ class ServeStageProgram(JobTable[_Stage]):
                 lane.add("forward", "compute", started, ended, micro_batch=item)
                 stage.compute_s += ended - started
                 stage.items += 1
-                times = [*stage.upstream.pop(item, [])[:spec.stage], min(ended - started, MAX_STAGE_S)]
-                stage.exchange.send(peer, spec.epoch, ServeTensor(job_id=spec.job_id, epoch=spec.epoch, item=item,
-                                                                  stage=spec.stage + 1, compute_s=times), out,
+                times, arrivals = stage.upstream.pop(item, ([], []))
+                stage.exchange.send(peer, spec.epoch, ServeTensor(
+                    job_id=spec.job_id, epoch=spec.epoch, item=item, stage=spec.stage + 1,
+                    compute_s=[*times, min(ended - started, MAX_STAGE_S)], arrivals=arrivals), out,
                                     span=link.span("activation", "transfer", micro_batch=item))
             except Exception as exc:  # noqa: BLE001 - the coordinator replays the item; the stage goes on
                 self.ctx.metrics.count("serve_items_failed")

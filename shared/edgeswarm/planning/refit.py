@@ -219,29 +219,37 @@ class RefitPricing(Generic[PlanT, ProfileT]):
 
 @dataclass
 class ClosedLoop(Generic[PlanT, ProfileT]):
-    """One serving job's closed loop, safe to share between its threads: the fit of each measured unit (``add``), the
-    rebalancer, and its plans priced on the refitted profile (``priced``); ``better`` says when to move and where.
-    ``cost``: the seconds of a plan the rebalancer compares (lower is better: a pipeline's bottleneck, a prefill)."""
+    """One serving job's closed loop, safe to share between its threads: the fits of each measured unit (``add``:
+    the devices' compute and, where measured, the links'), the rebalancer, and its plans priced on the refitted
+    profile (``priced``); ``better`` says when to move and where. ``cost``: the seconds of a plan the rebalancer
+    compares (lower is better: a pipeline's bottleneck, a prefill)."""
 
     pricing: RefitPricing[PlanT, ProfileT]
     cost: Callable[[PlanT], float]
     fit: ScaleFit = field(default_factory=ScaleFit)
+    # Keyed link_key. No sliver: a link carries what its tensors carry, whatever the busiest link's share.
+    link_fit: ScaleFit = field(default_factory=lambda: ScaleFit(sliver=0.0))
     rebalancer: Rebalancer = field(default_factory=Rebalancer)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
-    def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
-        """One unit of work measured (``ScaleFit.add``), and counted on the running plan."""
+    def add(self, predicted: dict[str, float], measured: dict[str, float],
+            links: tuple[dict[str, float], dict[str, float]] | None = None) -> None:
+        """One unit of work measured (``ScaleFit.add``): each device's compute and, with ``links``, each link's
+        predicted and measured seconds (``link_fit_inputs``); counted on the running plan."""
         with self._lock:
             self.fit.add(predicted, measured)
+            if links is not None:
+                self.link_fit.add(*links)
             self.rebalancer.round_done()
 
     def scales(self) -> dict[str, float]:
+        """Each device's fitted compute scale and each link's (``scaled``'s keys)."""
         with self._lock:
-            return self.fit.scales()
+            return self.fit.scales() | self.link_fit.scales()
 
     def rounds(self) -> dict[str, int]:
         with self._lock:
-            return self.fit.rounds()
+            return self.fit.rounds() | self.link_fit.rounds()
 
     def new_plan(self) -> None:
         with self._lock:
@@ -259,7 +267,7 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
         refitted ``profile`` (its ``best`` is where to go) and the scales that moved; None otherwise. Raises what the
         pricing raises."""
         with self._lock:
-            moved = self.fit.moved()
+            moved = self.fit.moved() | self.link_fit.moved()
         priced = self.priced(plan, profile, best=True) if moved else None
         if priced is None or priced.best is None:
             return None
