@@ -14,6 +14,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 import edgeswarm.messages as m
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
+from edgeswarm.bus.shaping import LINK_BURST_BYTES
 from edgeswarm.errors import (
     PayloadTooLargeError,
     PublishTimeoutError,
@@ -268,7 +269,6 @@ def test_a_shaped_link_carries_every_byte_at_no_more_than_its_rate(make_bus) -> 
     # through the sender's emulated link, which cannot have let it out faster than its rate (a sleep is never
     # shorter than asked, so this lower bound holds however loaded the machine is).
     rate = 100e6 / 8
-    burst = 64 * 1024
     rx = make_bus("rx", "sink")
     got, done = open_sink(rx, "rx", "sink", 1)
     announce(rx)
@@ -277,7 +277,7 @@ def test_a_shaped_link_carries_every_byte_at_no_more_than_its_rate(make_bus) -> 
     start = time.monotonic()
     sent = shaped.send_tensor("rx", "sink", m.BenchData(run_id="link", seq=0), value)
     wait_until(lambda: got, 30, interval_s=0.002, message="tensor")
-    assert time.monotonic() - start >= (sent - burst) / rate
+    assert time.monotonic() - start >= (sent - LINK_BURST_BYTES) / rate
     assert shaped._links["rx"].bytes_sent == sent  # noqa: SLF001 - the link the bus keeps for rx
     assert np.array_equal(got[0].tensor.array, value)
     # Two chunks of 1 MiB: the receiver says how the second came after the first (what a link is fitted from).

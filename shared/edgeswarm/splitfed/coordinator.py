@@ -138,7 +138,6 @@ class SplitfedRunner(RoundProgram):
     def step(self) -> None:
         """Run round ``self.round`` over the cluster as it is now (see the module's docstring)."""
         spec, ctx, r, setup = self.spec, self.ctx, self.round, self.setup
-        started = time.monotonic()
         view = self._view_with_a_mec()
         devices = [d for d in sorted(nodes_running(view, STAGE_WORKER)) if d not in spec.exclude]
         devices = devices[:spec.partition.devices]  # a device's partition is its index among these
@@ -154,6 +153,7 @@ class SplitfedRunner(RoundProgram):
         mec_of = gather.assign_mecs(devices, mecs)
         samples = {d: int(self.partition.sizes()[index[d]]) for d in devices}
         self._measure(devices, mecs, mec_of)
+        started = time.monotonic()
         split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self._planned_speeds(),
                                              spec.memory_budget_bytes)
         options = SplitOptions(
@@ -425,9 +425,12 @@ class SplitfedRunner(RoundProgram):
         what = ([f"the speed of {', '.join(nodes)}"] if nodes else []) + (
             [f"the links {', '.join(f'{d}->{m}' for d, m in pairs)}"] if pairs else [])
         self.ctx.update("profiling", event=("profiling", f"round {self.round}: measuring {' and '.join(what)}"))
+        started = time.monotonic()
         try:
             gather.measure(self.bus, self.spec.model, self.cost, self.measured, nodes, pairs, PROFILE_TIMEOUT_S)
             self._started_from(nodes)
+            self.ctx.update("profiling", event=("profiling", f"round {self.round}: measured in "
+                                                             f"{time.monotonic() - started:.1f} s"))
         except (ProfilerError, ProfileError) as exc:
             log.warning("job %s round %d: left out what could not be measured: %s", self.spec.name, self.round, exc)
 

@@ -99,10 +99,12 @@ class ParticipantRecord(BaseModel):
 
 class RoundRecord(BaseModel):
     """One finished round: its participants, held-out accuracy and loss of the aggregated model, the predicted and
-    measured round time (seconds) and ``refitted_s``, the prediction as the closed loop corrected it from the rounds
-    before (``splitfed.coordinator.refitted_s``: the fixed per-round costs and the devices' real speed; None until
-    rounds are measured), the bytes the U-split moved on the MECs' LANs and the bytes that crossed the WAN
-    (models between the coordinator and the MECs or the devices), updates refused, devices left out."""
+    measured round time (seconds, from its plan to its aggregated model: profiling a node first seen is the job's
+    setup, announced by its own ``profiling`` event, not the round's work) and ``refitted_s``, the prediction as the
+    closed loop corrected it from the rounds before (``splitfed.coordinator.refitted_s``: the fixed per-round costs
+    and the devices' real speed; None until rounds are measured), the bytes the U-split moved on the MECs' LANs and
+    the bytes that crossed the WAN (models between the coordinator and the MECs or the devices), updates refused,
+    devices left out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
