@@ -408,10 +408,19 @@ def test_config_translation_of_each_family(tmp_path: Path) -> None:
     assert hf.config_from_hf(llama, dtype="float32").dtype == "float32"
     mistral = hf.config_from_hf({**llama, "model_type": "mistral", "sliding_window": 4096})
     assert mistral.family == "llama" and mistral.max_positions == 4096
-    with pytest.raises(UnsupportedModelError, match="rotary scaling 'llama3'"):
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    llama3 = hf.config_from_hf({**llama, "rope_scaling": scaling})
+    assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 32.0
+    with pytest.raises(hf.ModelFolderError, match="needs factor, low_freq_factor"):
         hf.config_from_hf({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 32.0}})
-    with pytest.raises(UnsupportedModelError, match="attention or MLP biases"):
+    with pytest.raises(UnsupportedModelError, match="rotary scaling 'yarn'"):
+        hf.config_from_hf({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="attention_bias or mlp_bias"):
         hf.config_from_hf({**llama, "attention_bias": True})
+    qwen3 = hf.config_from_hf({**llama, "model_type": "qwen3", "head_dim": 24})
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (24, True, False)
+    assert hf.config_from_hf({**llama, "model_type": "qwen2"}).qkv_bias
     with pytest.raises(hf.ModelFolderError, match="no 'intermediate_size'"):
         hf.config_from_hf({k: v for k, v in llama.items() if k != "intermediate_size"})
     with pytest.raises(hf.ModelFolderError, match="not a multiple of heads"):

@@ -54,7 +54,16 @@ from pydantic import BaseModel, ConfigDict
 from edgeswarm.hmp.sharding import check_shares, rank_slices, read_shard, shard_shapes
 from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import OUTSIDE, Recorder
-from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, rotary, torch_dtype
+from edgeswarm.models.text.ops import (
+    HeadCache,
+    Weights,
+    attention,
+    embed,
+    mlp_inner,
+    norm,
+    positioned,
+    torch_dtype,
+)
 from edgeswarm.models.text.slices import WeightSlice
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.runtime.collectives import (
@@ -185,7 +194,7 @@ class HmpRank:
             p = f"layers.{i}."
             q, k, v = (self.w.pop(p + n + ".weight") for n in ("q", "k", "v"))
             bias = None
-            if self.cfg.bias:
+            if self.cfg.attention_biased:
                 bias = torch.cat([self.w.pop(p + n + ".bias") for n in ("q", "k", "v")])
             self.qkv.append((torch.cat([q, k, v]), bias, q.shape[0], k.shape[0]))
             if self.cfg.gated:
@@ -361,7 +370,8 @@ class HmpRank:
                 qkv = self._ag_gemm(own, bounds, gemm, ring, base + 0, "qkv")
             q, k, v = self._split_qkv(i, qkv)
             with rec.phase("compute", "attention"):
-                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None)
+                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None, self.w,
+                                f"layers.{i}.")
             g = self._gemm_rs(att, bounds, lambda t, i=i: self._o(i, t), ring, base + 1, "o")
             with rec.phase("compute", "residual"):
                 u = resid + g + self._bias(i, "o")  # o's bias once, on the owned rows, after the reduction
@@ -408,7 +418,8 @@ class HmpRank:
             with rec.phase("compute", "qkv"):
                 q, k, v = self._split_qkv(i, self._qkv(i, hin))
             with rec.phase("compute", "attention"):
-                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None)
+                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None, self.w,
+                                f"layers.{i}.")
             with rec.phase("compute", "o"):
                 c = self._o(i, att)
             g = self._all_reduce(c, bounds, ring, base + 1, direct)
@@ -446,11 +457,9 @@ class HmpRank:
             hin = self._norm(x, f"layers.{i}.attn_norm") if cfg.pre_ln else x
             with rec.phase("compute", "qkv"):
                 q, k, v = self._split_qkv(i, self._qkv(i, hin))
-                qh = q.view(b - a, cfg.heads, hd).transpose(0, 1)
-                if cfg.rotary:
-                    qh = rotary(cfg, qh, start + a)
-                    kr = rotary(cfg, k.view(b - a, cfg.n_kv, hd).transpose(0, 1), start + a)
-                    k = kr.transpose(0, 1).reshape(b - a, cfg.n_kv * hd)
+                # Keys travel to the other ranks normalised and rotated at their own positions.
+                qh, kr = positioned(cfg, q, k, start + a, self.w, f"layers.{i}.")
+                k = kr.transpose(0, 1).reshape(b - a, cfg.n_kv * hd)
             keys = self._sp_gather(k, bounds, ring, base + 0, direct)
             values = self._sp_gather(v, bounds, ring, base + 1, direct)
             with rec.phase("compute", "attention"):

@@ -86,7 +86,7 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             cache = HeadCache()
             cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
             start = seq_len
-        att = attention(cfg, lin(inp, "q", k * hd), lin(inp, "k", kv), lin(inp, "v", kv), start, cache)
+        att = attention(cfg, lin(inp, "q", k * hd), lin(inp, "k", kv), lin(inp, "v", kv), start, cache, w)
         return lin(att, "o", cols_of=k * hd)
 
     def mlp(c: int, inp: torch.Tensor) -> torch.Tensor:

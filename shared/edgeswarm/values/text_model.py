@@ -13,10 +13,12 @@ name                           shape                   present
                                                        ``position_offset``, OPT's 2)
 ``embed.types``                [type_vocab, h]         bert
 ``embed.norm.weight|bias``     [h]                     bert (LayerNorm after the embedding sum)
-``layers.{i}.q.weight|bias``   [H*hd, h] | [H*hd]      always (bias when ``bias``)
-``layers.{i}.k.weight|bias``   [K*hd, h] | [K*hd]      always
-``layers.{i}.v.weight|bias``   [K*hd, h] | [K*hd]      always
-``layers.{i}.o.weight|bias``   [h, H*hd] | [h]         always
+``layers.{i}.q.weight|bias``   [H*hd, h] | [H*hd]      always (bias when ``bias`` or ``qkv_bias``)
+``layers.{i}.k.weight|bias``   [K*hd, h] | [K*hd]      always (likewise)
+``layers.{i}.v.weight|bias``   [K*hd, h] | [K*hd]      always (likewise)
+``layers.{i}.q_norm.weight``   [hd]                    ``qk_norm`` (Qwen3: RMSNorm of each query head)
+``layers.{i}.k_norm.weight``   [hd]                    ``qk_norm`` (of each key head)
+``layers.{i}.o.weight|bias``   [h, H*hd] | [h]         always (bias when ``bias``)
 ``layers.{i}.attn_norm.*``     [h]                     always: pre-LN: before attention; post-LN (bert): after
                                                        the attention's residual add (``.bias`` not for RMSNorm)
 ``layers.{i}.mlp_norm.*``      [h]                     likewise around the MLP
@@ -27,7 +29,8 @@ name                           shape                   present
 ``lm_head.weight``             [vocab, h]              decoders (the same tensor as ``embed.tokens`` when tied)
 =============================  ======================  =====================================================
 
-Head ``j`` of a layer is rows [j*hd, (j+1)*hd) of ``q``; query head ``j`` reads KV head ``j // (H // K)``.
+Head ``j`` of a layer is rows [j*hd, (j+1)*hd) of ``q``; query head ``j`` reads KV head ``j // (H // K)``. ``hd`` is
+``hidden / heads`` unless ``head_size`` says otherwise (Qwen3: 128 at hidden 1024 and 16 heads).
 """
 
 from __future__ import annotations
@@ -47,11 +50,36 @@ MAX_VOCAB = 1 << 20
 MAX_POSITIONS = 1 << 17
 
 
+class RopeScaling(BaseModel):
+    """Llama 3's rotary scaling (``rope_type: llama3``): the frequencies whose wavelength is longer than
+    ``original_max_positions / low_freq_factor`` are divided by ``factor``, those shorter than ``original_max_positions
+    / high_freq_factor`` kept, and those between blended smoothly, so a model trained on ``original_max_positions``
+    reads longer contexts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0, le=1e4)
+    low_freq_factor: float = Field(gt=0, le=1e4)
+    high_freq_factor: float = Field(gt=0, le=1e4)
+    original_max_positions: int = Field(ge=1, le=MAX_POSITIONS)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor "
+                             f"{self.low_freq_factor}")
+        return self
+
+
 class TextModelConfig(BaseModel):
     """One Transformer's shape. ``family`` fixes the block structure: bert is post-LN, bidirectional, with token
     types; gpt2 and opt are pre-LN causal decoders with learned positions (opt: ReLU, positions offset by 2);
     llama is a pre-LN causal decoder with RMSNorm, SwiGLU, rotary positions and grouped-query attention
-    (``kv_heads`` < ``heads``). ``dtype`` is what weights and activations are held in."""
+    (``kv_heads`` < ``heads``); Mistral, SmolLM2 and Qwen2/2.5/3 are llama with ``qkv_bias`` (Qwen2: biases on q, k
+    and v only), ``qk_norm`` (Qwen3: each query and key head RMS-normalised before the rotation) and ``head_size``
+    (a head dimension other than ``hidden / heads``); ``rope_scaling`` is Llama 3's. ``dtype`` is what weights and
+    activations are held in."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -69,13 +97,19 @@ class TextModelConfig(BaseModel):
     bias: bool = True
     position_offset: int = Field(default=0, ge=0, le=16)
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True
     dtype: DType = "float32"
+    head_size: int = Field(default=0, ge=0, le=MAX_WIDTH)  # 0: hidden / heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> TextModelConfig:
-        if self.hidden % self.heads:
+        if not self.head_size and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if (self.qk_norm or self.rope_scaling is not None) and self.family != "llama":
+            raise ValueError("qk_norm and rope_scaling belong to the llama family")
         if self.heads % self.n_kv:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.family == "llama" and self.head_dim % 2:
@@ -94,7 +128,12 @@ class TextModelConfig(BaseModel):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def attention_biased(self) -> bool:
+        """Whether q, k and v have biases."""
+        return self.bias or self.qkv_bias
 
     @property
     def pre_ln(self) -> bool:
@@ -127,10 +166,10 @@ class TextModelConfig(BaseModel):
     def attention_params(self) -> int:
         """Parameters of one attention block (projections and their biases), the paper's M_att in elements."""
         h, hd = self.hidden, self.head_dim
-        q = self.heads * hd * h + (self.heads * hd if self.bias else 0)
-        kv = 2 * (self.n_kv * hd * h + (self.n_kv * hd if self.bias else 0))
+        q = self.heads * hd * h + (self.heads * hd if self.attention_biased else 0)
+        kv = 2 * (self.n_kv * hd * h + (self.n_kv * hd if self.attention_biased else 0))
         o = h * self.heads * hd + (h if self.bias else 0)
-        return q + kv + o
+        return q + kv + o + (2 * hd if self.qk_norm else 0)
 
     def mlp_params(self) -> int:
         """Parameters of one MLP block (M_mlp in elements)."""
@@ -172,8 +211,22 @@ PRESETS: dict[str, TextModelConfig] = {
     "gpt2-large": _gpt2(36, 1280, 20),
     "opt-1.3b": _opt(24, 2048, 32),
     "opt-2.7b": _opt(32, 2560, 32),
-    "llama-3.2-1b": _llama(16, 2048, 32, 8, 8192).model_copy(update={"vocab": 128256, "rope_theta": 500000.0,
-                                                                      "tie_embeddings": True}),
+    "qwen2-tiny": _llama(2, 64, 8, 2, 176).model_copy(update={"vocab": 512, "max_positions": 128, "qkv_bias": True,
+                                                              "tie_embeddings": True}),
+    "qwen3-tiny": _llama(2, 64, 4, 2, 176).model_copy(update={"vocab": 512, "max_positions": 128, "head_size": 24,
+                                                              "qk_norm": True, "tie_embeddings": True}),
+    "llama-3.2-1b": _llama(16, 2048, 32, 8, 8192).model_copy(update={
+        "vocab": 128256, "rope_theta": 500000.0, "tie_embeddings": True, "max_positions": 131072,
+        "rope_scaling": RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_positions=8192)}),
+    "qwen2.5-0.5b": _llama(24, 896, 14, 2, 4864).model_copy(update={
+        "vocab": 151936, "rope_theta": 1000000.0, "tie_embeddings": True, "qkv_bias": True, "norm_eps": 1e-6,
+        "max_positions": 32768}),
+    "qwen3-0.6b": _llama(28, 1024, 16, 8, 3072).model_copy(update={
+        "vocab": 151936, "rope_theta": 1000000.0, "tie_embeddings": True, "head_size": 128, "qk_norm": True,
+        "norm_eps": 1e-6, "max_positions": 40960}),
+    "smollm2-135m": _llama(30, 576, 9, 3, 1536).model_copy(update={
+        "vocab": 49152, "rope_theta": 100000.0, "tie_embeddings": True, "max_positions": 8192}),
 }
 
 

@@ -2,7 +2,8 @@
 layout, read lazily so a shard reads only its rows or columns; nothing is downloaded.
 
 Families: ``bert`` (BERT, MiniLM and other ``BertModel`` checkpoints), ``distilbert`` (read as the bert family
-without token types), ``gpt2``, ``opt`` (pre-LN ones) and ``llama`` (also ``mistral`` style). A folder holds
+without token types), ``gpt2``, ``opt`` (pre-LN ones) and ``llama`` (Llama 2 and 3.x with Llama 3's rotary scaling,
+SmolLM2, ``mistral``, ``qwen2`` (Qwen2 and 2.5) and ``qwen3``, all read as the llama family). A folder holds
 ``model.safetensors`` or a sharded set named by ``model.safetensors.index.json``.
 
 The translation to the canonical layout is per tensor: a canonical tensor is a stored tensor, transposed for
@@ -29,7 +30,14 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.models.text.ops import Weights, torch_dtype
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.models.text.slices import WeightSlice
-from edgeswarm.values.text_model import MAX_POSITIONS, PRESETS, DType, TextModelConfig, TextModelSource
+from edgeswarm.values.text_model import (
+    MAX_POSITIONS,
+    PRESETS,
+    DType,
+    RopeScaling,
+    TextModelConfig,
+    TextModelSource,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,7 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20  # a config.json or index larger than this is not one
-SUPPORTED = ("bert", "distilbert", "gpt2", "opt", "llama", "mistral")
+SUPPORTED = ("bert", "distilbert", "gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelFolderError(ValueError):
@@ -114,15 +122,26 @@ def _stored_dtype(raw: dict[str, Any]) -> DType:
     return stored if stored in ("float32", "bfloat16", "float16") else "float32"
 
 
-def _rope_theta(raw: dict[str, Any], path: Path) -> float:
-    # transformers 5 moved the rotary settings into ``rope_parameters``; older files have rope_theta/rope_scaling.
+def _rope(raw: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
+    """The rotary base and scaling of a config.json: transformers 5 writes them in ``rope_parameters``, older files
+    in ``rope_theta`` and ``rope_scaling``."""
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
+    both = {**scaling, **params}
+    kind = both.get("rope_type") or both.get("type") or "default"
+    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
         raise UnsupportedModelError(f"{path}: rotary scaling {kind!r} is not supported, only plain rotary positions "
-                                    "(rope_type 'default')")
-    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+                                    "(rope_type 'default') and Llama 3's ('llama3')")
+    try:
+        return theta, RopeScaling(factor=both["factor"], low_freq_factor=both["low_freq_factor"],
+                                  high_freq_factor=both["high_freq_factor"],
+                                  original_max_positions=both["original_max_position_embeddings"])
+    except (KeyError, ValueError) as exc:
+        raise ModelFolderError(f"{path}: Llama 3 rotary scaling needs factor, low_freq_factor, high_freq_factor and "
+                               f"original_max_position_embeddings: {exc}") from exc
 
 
 def config_from_hf(raw: dict[str, Any], path: Path | str = CONFIG_FILE, dtype: DType | None = None) -> TextModelConfig:
@@ -184,24 +203,27 @@ def config_from_hf(raw: dict[str, Any], path: Path | str = CONFIG_FILE, dtype: D
             position_offset=2, type_vocab=0, norm_eps=1e-5,
             activation=_activation(raw.get("activation_function", "relu"), path), bias=raw.get("enable_bias", True),
             tie_embeddings=raw.get("tie_word_embeddings", True))
-    elif kind in ("llama", "mistral"):
+    elif kind in ("llama", "mistral", "qwen2", "qwen3"):
         hidden = _need(raw, path, "hidden_size")
         heads = _need(raw, path, "num_attention_heads")
-        if raw.get("head_dim") not in (None, hidden // heads):
-            raise UnsupportedModelError(f"{path}: head_dim {raw['head_dim']} differs from hidden_size / "
-                                        f"num_attention_heads = {hidden // heads}")
+        head_dim = raw.get("head_dim")  # when given, Qwen3's is not hidden / heads
         if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise UnsupportedModelError(f"{path}: attention or MLP biases in a Llama-style model are not supported")
+            # Qwen2's q, k and v biases are its architecture's, not this flag's (which would add o's too).
+            raise UnsupportedModelError(f"{path}: attention_bias or mlp_bias in a {kind} model is not supported")
         positions = raw.get("max_position_embeddings", 4096)
-        if kind == "mistral" and raw.get("sliding_window"):
+        window = raw.get("sliding_window") if kind == "mistral" or raw.get("use_sliding_window") else None
+        if window:
             # Within the window sliding-window attention is full attention, so cap the sequence there.
-            positions = min(positions, int(raw["sliding_window"]))
+            positions = min(positions, int(window))
+        theta, scaling = _rope(raw, path)
         fields = dict(
             family="llama", layers=_need(raw, path, "num_hidden_layers"), hidden=hidden, heads=heads,
             kv_heads=raw.get("num_key_value_heads") or heads, ffn=_need(raw, path, "intermediate_size"),
             vocab=_need(raw, path, "vocab_size"), max_positions=min(positions, MAX_POSITIONS), type_vocab=0,
             norm_eps=raw.get("rms_norm_eps", 1e-6), activation=_activation(raw.get("hidden_act", "silu"), path),
-            bias=False, rope_theta=_rope_theta(raw, path), tie_embeddings=raw.get("tie_word_embeddings", False))
+            bias=False, rope_theta=theta, rope_scaling=scaling, tie_embeddings=raw.get("tie_word_embeddings", False),
+            head_size=head_dim if head_dim and (head_dim != hidden // heads or hidden % heads) else 0,
+            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")
     else:
         raise UnsupportedModelError(f"{path}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if fields["activation"] == "silu" and fields["family"] != "llama":
@@ -260,7 +282,8 @@ def _layer_sources(family: str, raw: dict[str, Any], cfg: TextModelConfig, i: in
     else:
         p = f"layers.{i}."
         pairs = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-                 "attn_norm": "input_layernorm", "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj",
+                 "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+                 "up": "mlp.up_proj", "gate": "mlp.gate_proj", "down": "mlp.down_proj",
                  "mlp_norm": "post_attention_layernorm"}
     return {f"{name}.{part}": s(key=f"{p}{stored}.{part}") for name, stored in pairs.items()
             for part in ("weight", "bias")}
@@ -286,7 +309,8 @@ def _global_sources(family: str) -> dict[str, _Source]:
 
 # The prefixes a model class puts before the base model's names (BertModel: none; BertForMaskedLM: "bert.").
 _PREFIXES = {"bert": ("", "bert."), "distilbert": ("", "distilbert."), "gpt2": ("", "transformer."),
-             "opt": ("model.decoder.", "decoder.", ""), "llama": ("model.", ""), "mistral": ("model.", "")}
+             "opt": ("model.decoder.", "decoder.", ""), "llama": ("model.", ""), "mistral": ("model.", ""),
+             "qwen2": ("model.", ""), "qwen3": ("model.", "")}
 # Names older checkpoints use for the same tensor.
 _LEGACY_SUFFIXES = (("LayerNorm.weight", "LayerNorm.gamma"), ("LayerNorm.bias", "LayerNorm.beta"))
 

@@ -39,9 +39,14 @@ def embed(cfg: TextModelConfig, w: Weights, tokens: torch.Tensor, start: int = 0
 def norm(cfg: TextModelConfig, x: torch.Tensor, w: Weights, prefix: str) -> torch.Tensor:
     """LayerNorm (or RMSNorm for llama) of the rows of ``x`` with the weights under ``prefix``."""
     if cfg.rms_norm:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + cfg.norm_eps)).to(x.dtype) * w[f"{prefix}.weight"]
+        return rms_norm(cfg, x, w[f"{prefix}.weight"])
     return F.layer_norm(x, (x.shape[-1],), w[f"{prefix}.weight"], w.get(f"{prefix}.bias"), cfg.norm_eps)
+
+
+def rms_norm(cfg: TextModelConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (computed in float32, as the published models do)."""
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + cfg.norm_eps)).to(x.dtype) * weight
 
 
 def activation(cfg: TextModelConfig, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +70,27 @@ def mlp_inner(cfg: TextModelConfig, x: torch.Tensor, up_w: torch.Tensor, up_b: t
     return activation(cfg, up)
 
 
+def inverse_frequencies(cfg: TextModelConfig, hd: int, device: torch.device) -> torch.Tensor:
+    """The rotation's frequency of each pair of a head's dimensions [hd / 2] (radians per position), with Llama 3's
+    scaling when the model has it (``RopeScaling``)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv
+    wavelength = 2 * math.pi / inv
+    long = scaling.original_max_positions / scaling.low_freq_factor  # longer wavelengths: divided by the factor
+    short = scaling.original_max_positions / scaling.high_freq_factor  # shorter ones: kept
+    blend = ((scaling.original_max_positions / wavelength - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor))
+    between = (1 - blend) * inv / scaling.factor + blend * inv
+    return torch.where(wavelength > long, inv / scaling.factor, torch.where(wavelength < short, inv, between))
+
+
 def rotary(cfg: TextModelConfig, x: torch.Tensor, start: int) -> torch.Tensor:
     """Rotary positions on ``x`` [heads, s, hd] at positions ``start`` .. (the half-split convention of Llama's
     published weights)."""
     hd = x.shape[-1]
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    inv = inverse_frequencies(cfg, hd, x.device)
     pos = torch.arange(start, start + x.shape[-2], device=x.device, dtype=torch.float32)
     angles = torch.outer(pos, inv)
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
@@ -98,19 +119,33 @@ class HeadCache:
         return 0 if self.k is None or self.v is None else 2 * self.k.numel() * self.k.element_size()
 
 
+def positioned(cfg: TextModelConfig, q: torch.Tensor, k: torch.Tensor, start: int, w: Weights, prefix: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` [s, a*hd] and keys ``k`` [s, b*hd] as heads [a, s, hd] and [b, s, hd], each head RMS-normalised
+    first when the model has per-head norms (``qk_norm``: ``{prefix}q_norm.weight`` in ``w``), then rotated to
+    positions ``start`` .. when it has rotary positions."""
+    s, hd = q.shape[0], cfg.head_dim
+    qh = q.view(s, q.shape[1] // hd, hd).transpose(0, 1)  # the head counts given: a rank may hold no rows
+    kh = k.view(s, k.shape[1] // hd, hd).transpose(0, 1)
+    if cfg.qk_norm:
+        qh = rms_norm(cfg, qh, w[prefix + "q_norm.weight"])
+        kh = rms_norm(cfg, kh, w[prefix + "k_norm.weight"])
+    if cfg.rotary:
+        qh, kh = rotary(cfg, qh, start), rotary(cfg, kh, start)
+    return qh, kh
+
+
 def attention(cfg: TextModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-              cache: HeadCache | None = None) -> torch.Tensor:
+              cache: HeadCache | None = None, w: Weights | None = None, prefix: str = "") -> torch.Tensor:
     """Self-attention [s, heads*hd] of the query heads in ``q`` [s, a*hd] over the KV heads in ``k``, ``v``
     [s, a/group*hd] (whole groups: query head j reads KV head j // group), for positions ``start`` .. Keys and
-    values of earlier positions come from ``cache``, which is extended with these."""
+    values of earlier positions come from ``cache``, which is extended with these. ``w`` holds the layer's per-head
+    norms under ``prefix`` (``positioned``) for a model that has them."""
     s, hd = q.shape[0], cfg.head_dim
     if q.shape[1] == 0:
         return q
-    qh = q.view(s, -1, hd).transpose(0, 1)
-    kh = k.view(s, -1, hd).transpose(0, 1)
+    qh, kh = positioned(cfg, q, k, start, w or {}, prefix)
     vh = v.view(s, -1, hd).transpose(0, 1)
-    if cfg.rotary:
-        qh, kh = rotary(cfg, qh, start), rotary(cfg, kh, start)
     if cache is not None:
         kh, vh = cache.extend(kh, vh)
     if cfg.group > 1:

@@ -30,8 +30,11 @@ def weight_shapes(cfg: TextModelConfig) -> dict[str, tuple[int, ...]]:
         for name, out, inp in (("q", qd, h), ("k", kvd, h), ("v", kvd, h), ("o", h, qd), ("up", f, h),
                                ("down", h, f)):
             shapes[p + name + ".weight"] = (out, inp)
-            if cfg.bias:
+            if cfg.bias or (cfg.qkv_bias and name in ("q", "k", "v")):
                 shapes[p + name + ".bias"] = (out,)
+        if cfg.qk_norm:
+            shapes[p + "q_norm.weight"] = (hd,)
+            shapes[p + "k_norm.weight"] = (hd,)
         if cfg.gated:
             shapes[p + "gate.weight"] = (f, h)
         for n in ("attn_norm", "mlp_norm"):
@@ -101,7 +104,7 @@ def layer(cfg: TextModelConfig, w: Weights, i: int, x: torch.Tensor, start: int,
         return F.linear(t, w[p + name + ".weight"], w.get(p + name + ".bias"))
 
     a = norm(cfg, x, w, p + "attn_norm") if cfg.pre_ln else x
-    att = attention(cfg, lin(a, "q"), lin(a, "k"), lin(a, "v"), start, cache)
+    att = attention(cfg, lin(a, "q"), lin(a, "k"), lin(a, "v"), start, cache, w, p)
     u = x + lin(att, "o")
     if not cfg.pre_ln:
         u = norm(cfg, u, w, p + "attn_norm")
