@@ -258,6 +258,10 @@ _TEXT_MODEL_CONFIG = ("record", {
     "kv_heads": "int", "ffn": "int", "vocab": "int", "max_positions": "int", "type_vocab": "int",
     "norm_eps": "number", "activation": ("enum", {"gelu", "gelu_tanh", "relu", "silu"}), "bias": "bool",
     "position_offset": "int", "rope_theta": "number", "tie_embeddings": "bool", "dtype": _TEXT_DTYPE,
+    "rope_scaling": ("optional", ("record", {"kind": ("enum", {"llama3"}), "factor": "number",
+                                             "low_freq_factor": "number", "high_freq_factor": "number",
+                                             "original_max_positions": "int"})),
+    "head_size": "int", "qkv_bias": "bool", "qk_norm": "bool",
 })
 _BLOCK_PROFILE = ("record", {
     "node": "str", "device_class": "str", "memory_budget_bytes": "int", "seq_len": "int",
@@ -395,6 +399,8 @@ _COMPARISON = ("record", {
                                       "speedup": "number?"})),
 })
 
+_SAMPLING = {"temperature": "number", "top_k": "int", "top_p": "number", "min_p": "number",
+             "repetition_penalty": "number", "presence_penalty": "number", "frequency_penalty": "number", "seed": "int"}
 _CKPT_IDS = {"transfer_id": "str", "job_id": "str", "stage": "str"}
 _CKPT_STORED = {"nbytes": "int", "file_bytes": "int", "sha256": "str", "created_at": "number"}
 
@@ -615,12 +621,14 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
                                  "memory_bytes": "int", "load_s": "number"},
     ("edgeswarm.hmp.release", 1): {"job_id": "str"},
     ("edgeswarm.hmp.free", 1): {"job_id": "str", "epoch": "int", "requests": ("list", "int")},
-    ("edgeswarm.hmp.pass", 1): {"job_id": "str", "epoch": "int", "pass_id": "int", "request": "int", "start": "int"},
+    ("edgeswarm.hmp.pass", 1): {"job_id": "str", "epoch": "int", "pass_id": "int", "request": "int", "start": "int",
+                                "sampling": ("optional", ("record", _SAMPLING))},
     ("edgeswarm.hmp.result", 1): {
         "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int", "top": ("list", "int"),
         "split": ("record", {"compute_s": "number", "sync_s": "number", "waiting_s": "number"}), "cache_bytes": "int",
     },
-    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int?"},
+    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int?",
+                                   "sampling": ("optional", ("record", _SAMPLING)), "stop": ("list", "str")},
     ("edgeswarm.hmp.reply", 1): {
         "job_id": "str", "request_id": "str", "prompt_tokens": ("list", "int"), "tokens": ("list", "int"),
         "text": "str", "latency_s": "number", "ttft_s": "number", "tpot_s": "number?",

@@ -10,7 +10,9 @@ import torch
 from edgeswarm.hmp.layer import HmpRank, RankOutput, RequestCache
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.models.text.ops import Weights
+from edgeswarm.models.text.sampling import next_token
 from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import TextModelConfig
 
 
@@ -77,10 +79,11 @@ def run_pass(cfg: TextModelConfig, shares: HmpShares, weights: Weights, tokens: 
 
 
 def generate(cfg: TextModelConfig, shares: HmpShares, weights: Weights, prompt: list[int],
-             new_tokens: int, loop: Loopback | None = None) -> tuple[list[int], list[RequestCache], list[int]]:
-    """Greedy generation on every rank with each rank's sharded KV cache (the prefill on scope 0, decode step k on
-    scope k of ``loop``): the tokens, the caches and the cache bytes each rank held at the end (before it was
-    freed)."""
+             new_tokens: int, loop: Loopback | None = None, sampling: Sampling | None = None
+             ) -> tuple[list[int], list[RequestCache], list[int]]:
+    """Generation on every rank with each rank's sharded KV cache (the prefill on scope 0, decode step k on scope k
+    of ``loop``), greedy or as ``sampling`` says (the rank holding the last row chooses, as a worker does): the
+    tokens, the caches and the cache bytes each rank held at the end (before it was freed)."""
     n = len(shares.devices)
     loop = loop or Loopback(n)
     ranks = [HmpRank(cfg, shares, r, weights) for r in range(n)]
@@ -97,7 +100,7 @@ def generate(cfg: TextModelConfig, shares: HmpShares, weights: Weights, prompt: 
             out = ranks[r].forward(ids, loop.ring(r, step), cache=caches[r])
             logits = ranks[r].next_logits(out)
             if logits is not None:
-                produced.append(int(logits.argmax()))
+                produced.append(next_token(logits, caches[r].tokens, sampling, caches[r].length))
                 answered.append(r)
             barrier.wait()
             token = produced[-1]

@@ -34,8 +34,8 @@ def transformers() -> ModuleType:
 
 
 def _config(t: ModuleType, family: str) -> tuple[Any, type]:
-    common: dict[str, Any] = dict(vocab_size=96, num_hidden_layers=2, intermediate_size=112, max_position_embeddings=256,
-                                  rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+    common: dict[str, Any] = dict(vocab_size=96, num_hidden_layers=2, intermediate_size=112,
+                                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
     if family == "llama3":
         # The original context of 64 puts one of head_dim 8's four frequencies in the band the scaling blends.
         return t.LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,

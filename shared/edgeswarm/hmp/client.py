@@ -15,6 +15,7 @@ from edgeswarm.bus import Bus, Expectation
 from edgeswarm.messages.hmp import HmpReply, HmpRequest
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.wire.schema import new_id
 
 if TYPE_CHECKING:
@@ -36,34 +37,36 @@ class Answer:
     error: str | None = None
 
 
-def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int | None,
-          coordinator: str) -> Expectation:
+def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int | None, coordinator: str,
+          sampling: Sampling | None, stop: list[str]) -> Expectation:
     import torch
 
     exp = bus.expect()
+    body = HmpRequest(job_id=job_id, request_id=new_id(), text=prompt if isinstance(prompt, str) else None,
+                      max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
     if isinstance(prompt, str):
-        body = HmpRequest(job_id=job_id, request_id=new_id(), text=prompt, max_new_tokens=max_new_tokens)
         tensor = torch.empty(0, dtype=torch.int64)
     else:
-        body = HmpRequest(job_id=job_id, request_id=new_id(), max_new_tokens=max_new_tokens)
         tensor = torch.tensor(prompt, dtype=torch.int64)
     bus.send_tensor(coordinator, "coordinator", body, tensor, expectation=exp)
     return exp
 
 
 def ask(bus: Bus, job_id: str, prompts: list[list[int] | str], *, max_new_tokens: int | None = None, window: int = 4,
-        timeout_s: float = 120.0, coordinator: str = COORDINATOR_NODE) -> list[Answer]:
+        timeout_s: float = 120.0, coordinator: str = COORDINATOR_NODE, sampling: Sampling | None = None,
+        stop: list[str] | None = None) -> list[Answer]:
     """Send every prompt (token ids, or text for a model with a tokenizer) to serve-hmp job ``job_id``, at most
     ``window`` unanswered at once, and return the answers in prompt order; a request not answered within
     ``timeout_s`` seconds is an answer with reason ``timeout``. ``max_new_tokens``: what a decoder generates (None:
-    the job's default)."""
+    the job's default); ``sampling``: how (None: greedily); ``stop``: strings that end the generated text."""
     answers: dict[int, Answer] = {}
     pending: list[tuple[int, Expectation, float]] = []
     todo = list(enumerate(prompts))
     while todo or pending:
         while todo and len(pending) < window:
             index, prompt = todo.pop(0)
-            pending.append((index, _send(bus, job_id, prompt, max_new_tokens, coordinator), time.monotonic()))
+            pending.append((index, _send(bus, job_id, prompt, max_new_tokens, coordinator, sampling, stop or []),
+                            time.monotonic()))
         index, exp, sent = pending.pop(0)
         reply = exp.wait(max(0.0, timeout_s - (time.monotonic() - sent)))
         latency = time.monotonic() - sent

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from edgeswarm.devices.emulation import DeviceProfile
+    from edgeswarm.values.sampling import Sampling
 
 TOP = 8  # next-token candidates a decoder's last-row rank reports
 CACHES_RESERVED = 2  # KV caches a shard's memory reservation holds room for (one request runs at a time)
@@ -101,9 +102,14 @@ def new_cache(shard: Shard) -> RequestCache:
     return shard.rank.new_cache()
 
 
-def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache, ring: Ring) -> PassOutput:
-    """One pass of ``tokens`` at positions ``start`` .. (continuing ``cache``, which must hold ``start`` tokens)."""
+def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache, ring: Ring,
+             sampling: Sampling | None = None) -> PassOutput:
+    """One pass of ``tokens`` at positions ``start`` .. (continuing ``cache``, which must hold ``start`` tokens). A
+    decoder's last-row rank reports the TOP most likely next tokens, or with ``sampling`` the one it samples (over
+    the request's tokens so far: ``models.text.sampling.next_token``)."""
     import torch
+
+    from edgeswarm.models.text.sampling import next_token
 
     if cache.length != start:
         raise ValueError(f"the request's cache holds {cache.length} tokens, the pass starts at {start}")
@@ -113,7 +119,10 @@ def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache
     top: list[int] = []
     if shard.cfg.decoder:
         logits = rank.next_logits(out)
-        if logits is not None:
+        if logits is not None and sampling is not None:
+            token = next_token(logits, cache.tokens, sampling, cache.length)
+            tensor, top = logits[token:token + 1].float(), [token]
+        elif logits is not None:
             values, ids = logits.float().topk(min(TOP, MAX_TOP, logits.shape[0]))
             tensor, top = values, [int(i) for i in ids.tolist()]
         else:

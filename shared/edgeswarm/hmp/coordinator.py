@@ -64,6 +64,7 @@ from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import TENSOR_SHARD_WORKER
 from edgeswarm.stats import percentile
 from edgeswarm.values.profiles import ClusterProfile
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.wire import Message
 from edgeswarm.workloads.base import JobContext
 from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
@@ -89,6 +90,8 @@ class PassFailed(EdgeswarmError):
 class _Request(QueuedRequest):
     prompt: list[int]
     new_tokens: int
+    sampling: Sampling | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -282,11 +285,15 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             self.refuse(msg, body.request_id, *problem)
             return
         assert prompt is not None
+        if body.stop and self.tokenizer is None:
+            self.refuse(msg, body.request_id, "bad_shape", f"model {self.spec.model.name} has no tokenizer (a "
+                                                           "preset): stop strings need one; send none")
+            return
         asked = self.spec.max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
         new = asked if self.config.decoder else 0
         new = min(new, self.spec.max_tokens - len(prompt))
         self.admit(_Request(msg=msg, request_id=body.request_id, arrived=time.monotonic(), prompt=prompt,
-                            new_tokens=new))
+                            new_tokens=new, sampling=body.sampling, stop=tuple(body.stop)))
 
     def _prompt(self, msg: Inbound, body: HmpRequest) -> tuple[list[int] | None, tuple[InferErrorReason, str] | None]:
         """The request's prompt token ids, or why it is refused."""
@@ -351,7 +358,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             number = self._new_request_number()
             tokens = request.prompt + generated
             try:
-                results = self._run_pass(plan, epoch, number, tokens, 0)
+                results = self._run_pass(plan, epoch, number, tokens, 0, request.sampling)
                 self._refit(plan, len(tokens), results)
                 if ttft is None:
                     ttft = time.monotonic() - request.arrived
@@ -361,10 +368,11 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 if self.config.decoder:
                     if len(generated) < request.new_tokens:
                         generated.append(_top(results))
-                    while len(generated) < request.new_tokens and generated[-1] not in self.stop_tokens:
+                    while (len(generated) < request.new_tokens and generated[-1] not in self.stop_tokens
+                           and self._stop_at(request, generated) is None):
                         started = time.perf_counter()
                         results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
-                                                 + len(generated) - 1)
+                                                 + len(generated) - 1, request.sampling)
                         took = time.perf_counter() - started
                         decode_s += took
                         record.next_token(self.bus.metrics, self.spec.name, took)
@@ -389,6 +397,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         now = time.monotonic()
         tpot = decode_s / (len(generated) - 1) if len(generated) > 1 else None
         text = self.tokenizer.decode(generated) if self.tokenizer is not None and generated else ""
+        cut = self._stop_at(request, generated, text)
+        text = text if cut is None else text[:cut]
         reply = HmpReply(job_id=self.spec.name, request_id=request.request_id, prompt_tokens=request.prompt,
                          tokens=generated, text=text, latency_s=now - request.arrived, ttft_s=ttft, tpot_s=tpot,
                          split=split, epoch=epoch, recomputed=recomputed)
@@ -445,8 +455,17 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         raise JobError(f"job {self.spec.name}: a device of plan epoch {epoch} was lost and no new plan came within "
                        f"{REPLAN_WAIT_S:.0f} s")
 
-    def _run_pass(self, plan: HmpPlan, epoch: int, request: int, tokens: list[int], start: int
-                  ) -> dict[int, tuple[ShardResult, Any]]:
+    def _stop_at(self, request: _Request, generated: list[int], text: str | None = None) -> int | None:
+        """Where the generated text (``text``, or ``generated`` decoded) first holds one of the request's stop
+        strings; None when it holds none."""
+        if not request.stop or self.tokenizer is None or not generated:
+            return None
+        text = self.tokenizer.decode(generated) if text is None else text
+        found = [i for i in (text.find(s) for s in request.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _run_pass(self, plan: HmpPlan, epoch: int, request: int, tokens: list[int], start: int,
+                  sampling: Sampling | None = None) -> dict[int, tuple[ShardResult, Any]]:
         """Send one pass to every rank and wait for every rank's result. Raises PassFailed when they do not all
         come within the pass's deadline."""
         import torch
@@ -457,7 +476,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 raise _Stopped()
             self._next_pass += 1
             current = self._pass = _Pass(self._next_pass, len(devices))
-        body = ShardPass(job_id=self.spec.name, epoch=epoch, pass_id=current.pass_id, request=request, start=start)
+        body = ShardPass(job_id=self.spec.name, epoch=epoch, pass_id=current.pass_id, request=request, start=start,
+                         sampling=sampling)
         ids = torch.tensor(tokens, dtype=torch.int64)
         for device in devices:
             try:

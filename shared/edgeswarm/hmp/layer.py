@@ -120,12 +120,14 @@ class RankOutput(BaseModel):
 
 
 class RequestCache:
-    """One request's KV cache on one rank (one ``HeadCache`` per layer) and the number of positions it covers;
-    ``free`` drops the tensors at once (the request ended or its client left)."""
+    """One request's KV cache on one rank (one ``HeadCache`` per layer), the number of positions it covers and their
+    token ids (what sampling's penalties count); ``free`` drops the tensors at once (the request ended or its client
+    left)."""
 
     def __init__(self, layers: int) -> None:
         self.layers = [HeadCache() for _ in range(layers)]
         self.length = 0
+        self.tokens: list[int] = []
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
@@ -133,6 +135,7 @@ class RequestCache:
     def free(self) -> None:
         self.layers = [HeadCache() for _ in self.layers]
         self.length = 0
+        self.tokens = []
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (drop those of a pass that failed part-way)."""
@@ -140,6 +143,7 @@ class RequestCache:
             if c.k is not None and c.v is not None:
                 c.k, c.v = c.k[:, :length].clone(), c.v[:, :length].clone()
         self.length = min(self.length, length)
+        self.tokens = self.tokens[:length]
 
 
 class HmpRank:
@@ -250,6 +254,7 @@ class HmpRank:
             self.recorder.layer = OUTSIDE
         if cache is not None:
             cache.length = start + s
+            cache.tokens.extend(int(t) for t in ids.tolist())
         return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden,
                           last=self.rank == last_row_rank(self.shares.mode, s, self.n))
 

@@ -281,7 +281,7 @@ class ShardProgram(JobTable[_Job]):
             started = time.perf_counter()
             try:
                 with self.ctx.gate.computing():
-                    out = run_pass(job.shard, tokens, body.start, cache, ring)
+                    out = run_pass(job.shard, tokens, body.start, cache, ring, body.sampling)
             except EdgeswarmError as exc:
                 # A peer gone or a slice lost twice: the coordinator hears nothing and runs the request again.
                 self.ctx.metrics.count("hmp_passes_failed")

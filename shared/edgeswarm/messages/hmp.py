@@ -16,7 +16,7 @@ InferError on that reply topic.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,7 @@ from edgeswarm.messages.collectives import MAX_SCOPE
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.types import BlockProfile
 from edgeswarm.values.limits import MAX_DEVICES, MAX_EPOCH
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.wire.schema import MIB, Message, Name, schema
 
@@ -31,6 +32,8 @@ MAX_TEXT_CHARS = 16384
 MAX_NEW_TOKENS = 4096
 MAX_TOP = 16  # next-token candidates a pass reports
 MAX_REQUESTS_FREED = 64
+MAX_STOPS = 8  # stop strings a request names
+MAX_STOP_CHARS = 256
 
 
 class PassSplit(BaseModel):
@@ -118,13 +121,16 @@ class ShardFree(Message):
 class ShardPass(Message):
     """Frames of one pass of ``job_id`` at ``epoch`` for every rank: its tensor is the pass's token ids (int64
     [tokens]) at positions ``start`` .. of request number ``request`` (the KV cache it extends; 0 .. for a prefill,
-    which starts a new cache). ``pass_id`` numbers the job's passes (the ring's exchange scope)."""
+    which starts a new cache). ``pass_id`` numbers the job's passes (the ring's exchange scope). A decoder's rank
+    holding the last row chooses the next token as ``sampling`` says, over the request's tokens it has seen (every
+    rank keeps them with the cache), and reports it first in ``top``."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
     pass_id: int = Field(ge=0, le=MAX_SCOPE)
     request: int = Field(ge=0, le=MAX_SCOPE)
     start: int = Field(ge=0, le=1 << 17)
+    sampling: Sampling | None = None  # how the last-row rank chooses the next token (None: greedy)
 
 
 @schema("edgeswarm.hmp.result", 1)
@@ -147,14 +153,18 @@ class ShardResult(Message):
 @schema("edgeswarm.hmp.request", 1)
 class HmpRequest(Message):
     """Frames of a request to serving job ``job_id``: token ids (its tensor, int64 [tokens]) or ``text`` (for a
-    model with a tokenizer; its tensor is then empty). A decoder generates up to ``max_new_tokens`` tokens greedily
-    (None: the job's default; 0: the prefill alone); an encoder answers its final hidden states. ``request_id`` is
-    the caller's, echoed."""
+    model with a tokenizer; its tensor is then empty). A decoder generates up to ``max_new_tokens`` tokens (None: the
+    job's default; 0: the prefill alone), greedily or as ``sampling`` says, and stops early at the model's end of
+    sequence or once its text holds one of ``stop`` (the answer's text ends before it); an encoder answers its final
+    hidden states. ``request_id`` is the caller's, echoed."""
 
     job_id: Name
     request_id: str = Field(default="", max_length=64)
     text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     max_new_tokens: int | None = Field(default=None, ge=0, le=MAX_NEW_TOKENS)
+    sampling: Sampling | None = None
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(default_factory=list,
+                                                                                        max_length=MAX_STOPS)
 
 
 class LayerSplit(BaseModel):

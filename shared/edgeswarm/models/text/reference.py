@@ -1,4 +1,4 @@
-"""The whole model on one device: the forward pass every sharded run must equal, and greedy generation.
+"""The whole model on one device: the forward pass every sharded run must equal, and generation (greedy or sampled).
 
 Weights follow ``config``'s layout; ``init_weights`` makes random ones of any preset's shape (deterministic per
 seed), ``models.text.hf`` loads published ones.
@@ -6,10 +6,14 @@ seed), ``models.text.hf`` loads published ones.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 
 from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, torch_dtype
+from edgeswarm.models.text.sampling import next_token
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import TextModelConfig
 
 
@@ -131,16 +135,18 @@ def logits(w: Weights, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def generate(cfg: TextModelConfig, w: Weights, prompt: list[int], new_tokens: int,
-             stop: int | None = None) -> list[int]:
-    """Greedy decoding with a KV cache: the ``new_tokens`` tokens after ``prompt`` (fewer when ``stop`` comes)."""
+             stop: int | Collection[int] | None = None, sampling: Sampling | None = None) -> list[int]:
+    """Decoding with a KV cache: the ``new_tokens`` tokens after ``prompt`` (fewer when a ``stop`` token comes),
+    greedy or as ``sampling`` says (``sampling.next_token``: what every sharded run must equal)."""
+    stops = {stop} if isinstance(stop, int) else set(stop or ())
     cache = ModelCache(cfg.layers)
     out: list[int] = []
     with torch.inference_mode():
         hidden = forward(cfg, w, torch.tensor(prompt), cache=cache)
         for _ in range(new_tokens):
-            token = int(logits(w, hidden[-1:]).argmax(-1))
+            token = next_token(logits(w, hidden[-1:])[0], prompt + out, sampling, len(prompt) + len(out))
             out.append(token)
-            if token == stop or len(out) == new_tokens:
+            if token in stops or len(out) == new_tokens:
                 break
             hidden = forward(cfg, w, torch.tensor([token]), cache=cache)
     return out
