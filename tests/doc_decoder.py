@@ -627,7 +627,10 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int", "top": ("list", "int"),
         "split": ("record", {"compute_s": "number", "sync_s": "number", "waiting_s": "number"}), "cache_bytes": "int",
     },
-    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?", "max_new_tokens": "int?",
+    ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?",
+                                   "messages": ("optional", ("list", ("record", {
+                                       "role": ("enum", {"system", "user", "assistant", "tool"}), "content": "str"}))),
+                                   "max_new_tokens": "int?",
                                    "sampling": ("optional", ("record", _SAMPLING)), "stop": ("list", "str")},
     ("edgeswarm.hmp.reply", 1): {
         "job_id": "str", "request_id": "str", "prompt_tokens": ("list", "int"), "tokens": ("list", "int"),

@@ -230,6 +230,39 @@ def test_a_real_encoder_from_its_folder_embeds_text_as_on_one_device(cluster: Cl
     assert isinstance(state.plan, HmpPlan) and len(state.plan.shares.devices) == DEVICES
 
 
+def test_a_chat_model_answers_a_conversation_sampled_until_its_end_of_turn_or_a_stop_string(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A Qwen2-shaped chat model from its folder (random weights, a ChatML template): a conversation is rendered as
+    its prompt, generation samples with a seed and ends at the end of turn; the same request with a stop string
+    taken from that answer ends before it. Every token is the single device's."""
+    import transformers
+
+    from chat_model import CONVERSATION, chat_model_folder
+    from edgeswarm.models.text.chat import ChatTemplate
+
+    folder = chat_model_folder(tmp_path, transformers)
+    follower = start(cluster, f"kind: serve-hmp\nname: hmp-chat\nmodel: {{path: {folder}}}\nseq_len: 16\n"
+                              "max_tokens: 200\nmax_new_tokens: 40\nplanner: {prune: false}\n")
+    cfg, w = load_model(folder)
+    tokenizer = load_tokenizer(folder)
+    chat = ChatTemplate.from_folder(folder)
+    assert chat is not None
+    prompt = tokenizer.encode(chat.render(CONVERSATION), special_tokens=False).ids
+    sampling = Sampling(temperature=1.0, top_p=0.95, seed=5)
+    want = reference.generate(cfg, w, prompt, 40, stop=tokenizer.special.eos, sampling=sampling)
+    answer = ask(cluster.bus, "hmp-chat", [CONVERSATION], sampling=sampling, timeout_s=120)[0]
+    assert answer.reply is not None, (answer.reason, answer.error)
+    assert answer.reply.prompt_tokens == prompt and answer.reply.tokens == want
+    text = answer.reply.text
+    assert len(text) > 4, (text, want)
+    stop_string = text[2:4]
+    cut = ask(cluster.bus, "hmp-chat", [CONVERSATION], sampling=sampling, stop=[stop_string], timeout_s=120)[0]
+    assert cut.reply is not None, (cut.reason, cut.error)
+    assert cut.reply.text == text[:text.find(stop_string)] and len(cut.reply.tokens) < len(want)
+    assert cut.reply.tokens == want[:len(cut.reply.tokens)]
+    stop(cluster, follower)
+
+
 def test_bad_requests_are_answered_with_errors_and_the_job_goes_on(cluster: Cluster) -> None:
     follower = start(cluster, spec_text("hmp-bad", "gpt2-tiny", extra="queue: 2\n"))
     cases = [

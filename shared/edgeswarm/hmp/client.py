@@ -8,6 +8,7 @@ on that reply topic with an ``edgeswarm.hmp.reply`` (or ``edgeswarm.infer.error`
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from edgeswarm.bus import Bus, Expectation
 from edgeswarm.messages.hmp import HmpReply, HmpRequest
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError
+from edgeswarm.values.chat import ChatMessage
 from edgeswarm.values.sampling import Sampling
 from edgeswarm.wire.schema import new_id
 
@@ -37,14 +39,18 @@ class Answer:
     error: str | None = None
 
 
-def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int | None, coordinator: str,
+Prompt = list[int] | str | list[ChatMessage]
+
+
+def _send(bus: Bus, job_id: str, prompt: Prompt, max_new_tokens: int | None, coordinator: str,
           sampling: Sampling | None, stop: list[str]) -> Expectation:
     import torch
 
     exp = bus.expect()
+    chat = [m for m in prompt if isinstance(m, ChatMessage)] if isinstance(prompt, list) else []
     body = HmpRequest(job_id=job_id, request_id=new_id(), text=prompt if isinstance(prompt, str) else None,
-                      max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
-    if isinstance(prompt, str):
+                      messages=chat or None, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+    if isinstance(prompt, str) or chat:
         tensor = torch.empty(0, dtype=torch.int64)
     else:
         tensor = torch.tensor(prompt, dtype=torch.int64)
@@ -52,13 +58,14 @@ def _send(bus: Bus, job_id: str, prompt: list[int] | str, max_new_tokens: int | 
     return exp
 
 
-def ask(bus: Bus, job_id: str, prompts: list[list[int] | str], *, max_new_tokens: int | None = None, window: int = 4,
+def ask(bus: Bus, job_id: str, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None, window: int = 4,
         timeout_s: float = 120.0, coordinator: str = COORDINATOR_NODE, sampling: Sampling | None = None,
         stop: list[str] | None = None) -> list[Answer]:
-    """Send every prompt (token ids, or text for a model with a tokenizer) to serve-hmp job ``job_id``, at most
-    ``window`` unanswered at once, and return the answers in prompt order; a request not answered within
-    ``timeout_s`` seconds is an answer with reason ``timeout``. ``max_new_tokens``: what a decoder generates (None:
-    the job's default); ``sampling``: how (None: greedily); ``stop``: strings that end the generated text."""
+    """Send every prompt (token ids, text for a model with a tokenizer, or a conversation for one with a chat
+    template) to serve-hmp job ``job_id``, at most ``window`` unanswered at once, and return the answers in prompt
+    order; a request not answered within ``timeout_s`` seconds is an answer with reason ``timeout``.
+    ``max_new_tokens``: what a decoder generates (None: the job's default); ``sampling``: how (None: greedily);
+    ``stop``: strings that end the generated text."""
     answers: dict[int, Answer] = {}
     pending: list[tuple[int, Expectation, float]] = []
     todo = list(enumerate(prompts))

@@ -157,6 +157,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         self.spec: HmpSpec = spec
         self.config: TextModelConfig = source_config(spec.model)
         self.tokenizer: Any = None
+        self.chat: Any = None  # the model folder's chat template (models.text.chat), for requests with messages
         self.stop_tokens: frozenset[int] = frozenset()  # generation ends at these (the tokenizer's end of sequence)
         self.device_profiles: dict[str, Any] = {}  # node -> its measured block latencies (planning.hmp)
         self._next_pass = 0
@@ -261,6 +262,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             self.tokenizer = _tokenizer(self.spec.model.path)
             if self.tokenizer is not None:
                 self.stop_tokens = frozenset(self.tokenizer.special.eos)
+                self.chat = _chat_template(self.spec.model.path)
         super().on_ready(plan)
 
     def interrupt(self, reason: str) -> None:
@@ -298,7 +300,18 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
     def _prompt(self, msg: Inbound, body: HmpRequest) -> tuple[list[int] | None, tuple[InferErrorReason, str] | None]:
         """The request's prompt token ids, or why it is refused."""
         cap = self.spec.max_tokens
-        if body.text is not None:
+        if body.messages is not None:
+            if self.chat is None:
+                return None, ("bad_shape", f"model {self.spec.model.name} has no chat template (its folder's "
+                                           "tokenizer_config.json names none): send text or token ids")
+            from edgeswarm.models.text.chat import ChatTemplateError
+
+            try:
+                # the template writes the special tokens (a BOS) itself, as transformers' apply_chat_template does
+                ids = list(self.tokenizer.encode(self.chat.render(body.messages), special_tokens=False).ids)
+            except (ChatTemplateError, ValueError) as exc:
+                return None, ("bad_shape", str(exc))
+        elif body.text is not None:
             if self.tokenizer is None:
                 return None, ("bad_shape", f"model {self.spec.model.name} has no tokenizer (a preset): send token "
                                            "ids as an int64 tensor")
@@ -582,6 +595,16 @@ def _layer_split(results: dict[int, tuple[ShardResult, Any]], layers: int) -> La
     per = 1000.0 / max(1, layers)
     return LayerSplit(compute_ms=slowest.compute_s * per, sync_ms=slowest.sync_s * per,
                       waiting_ms=slowest.waiting_s * per)
+
+
+def _chat_template(path: str) -> Any:
+    from edgeswarm.models.text.chat import ChatTemplate, ChatTemplateError
+
+    try:
+        return ChatTemplate.from_folder(path)
+    except (OSError, ChatTemplateError) as exc:
+        log.warning("model folder %s: its chat template cannot be used (%s); requests must carry text", path, exc)
+        return None
 
 
 def _tokenizer(path: str) -> Any:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.messages.collectives import MAX_SCOPE
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.types import BlockProfile
+from edgeswarm.values.chat import MAX_MESSAGES, ChatMessage
 from edgeswarm.values.limits import MAX_DEVICES, MAX_EPOCH
 from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import TextModelSource
@@ -152,15 +153,18 @@ class ShardResult(Message):
 
 @schema("edgeswarm.hmp.request", 1)
 class HmpRequest(Message):
-    """Frames of a request to serving job ``job_id``: token ids (its tensor, int64 [tokens]) or ``text`` (for a
-    model with a tokenizer; its tensor is then empty). A decoder generates up to ``max_new_tokens`` tokens (None: the
-    job's default; 0: the prefill alone), greedily or as ``sampling`` says, and stops early at the model's end of
-    sequence or once its text holds one of ``stop`` (the answer's text ends before it); an encoder answers its final
-    hidden states. ``request_id`` is the caller's, echoed."""
+    """Frames of a request to serving job ``job_id``: token ids (its tensor, int64 [tokens]), ``text`` (for a
+    model with a tokenizer; its tensor is then empty) or ``messages``, a conversation (for a model whose folder has
+    a chat template: the prompt is the template's, with the assistant's turn opened). A decoder generates up to
+    ``max_new_tokens`` tokens (None: the job's default; 0: the prefill alone), greedily or as ``sampling`` says, and
+    stops early at the model's end of sequence (a chat model's end of turn) or once its text holds one of ``stop``
+    (the answer's text ends before it); an encoder answers its final hidden states. ``request_id`` is the caller's,
+    echoed."""
 
     job_id: Name
     request_id: str = Field(default="", max_length=64)
     text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     max_new_tokens: int | None = Field(default=None, ge=0, le=MAX_NEW_TOKENS)
     sampling: Sampling | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(default_factory=list,

@@ -37,7 +37,7 @@ class Encoded(BaseModel):
 
 class SpecialTokens(BaseModel):
     """The ids of a model's special tokens, None where the folder names none. ``eos`` lists every id that ends a
-    generation (Llama 3 names several)."""
+    generation (Llama 3 names several; a chat model's end of turn among them)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -83,7 +83,8 @@ class TextTokenizer:
 
     Special tokens come from, in order: ``generation_config.json`` and ``config.json`` (``bos_token_id``,
     ``eos_token_id``, ``pad_token_id``), then the token strings of ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` looked up in the vocabulary. ``max_length`` (tokens, special ones included):
+    ``special_tokens_map.json`` looked up in the vocabulary; the end of sequence takes both (a chat model's end of
+    turn is the latter). ``max_length`` (tokens, special ones included):
     sentence-transformers' ``max_seq_length``, else ``tokenizer_config.json``'s ``model_max_length`` when it is a
     real bound, else ``config.json``'s ``max_position_embeddings``/``n_positions``, else none."""
 
@@ -121,10 +122,12 @@ class TextTokenizer:
         found: dict[str, tuple[int, ...]] = {}
         for role in ("bos", "eos", "pad"):
             ids = _ids(gen.get(f"{role}_token_id")) or _ids(cfg.get(f"{role}_token_id"))
-            if not ids:
-                text = _token_text(texts.get(f"{role}_token"))
-                tid = self._tok.token_to_id(text) if text is not None else None
-                ids = (tid,) if tid is not None else ()
+            text = _token_text(texts.get(f"{role}_token"))
+            tid = self._tok.token_to_id(text) if text is not None else None
+            if tid is not None and (not ids or role == "eos"):
+                # a chat model's tokenizer_config names its end of turn (Qwen's <|im_end|>) beside the base model's
+                # end of sequence in generation_config.json: either ends a generation
+                ids = ids if tid in ids else (*ids, tid)
             found[role] = ids
         return SpecialTokens(bos=found["bos"][0] if found["bos"] else None, eos=found["eos"],
                              pad=found["pad"][0] if found["pad"] else None)
