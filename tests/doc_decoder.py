@@ -549,7 +549,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.infer.error", 1): {
         "job_id": "str", "request_id": "str",
         "reason": ("enum", {"unknown_job", "not_serving", "no_tensor", "bad_dtype", "bad_shape", "too_large", "busy",
-                            "failed"}),
+                            "failed", "cancelled"}),
         "detail": "str",
     },
     ("edgeswarm.stage.tensor", 1): {
@@ -631,12 +631,16 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
                                    "messages": ("optional", ("list", ("record", {
                                        "role": ("enum", {"system", "user", "assistant", "tool"}), "content": "str"}))),
                                    "max_new_tokens": "int?",
-                                   "sampling": ("optional", ("record", _SAMPLING)), "stop": ("list", "str")},
+                                   "sampling": ("optional", ("record", _SAMPLING)), "stop": ("list", "str"),
+                                   "stream": "bool"},
+    ("edgeswarm.hmp.delta", 1): {"job_id": "str", "request_id": "str", "first": "int", "tokens": ("list", "int"),
+                                 "offset": "int", "text": "str"},
+    ("edgeswarm.hmp.cancel", 1): {"job_id": "str", "request_id": "str"},
     ("edgeswarm.hmp.reply", 1): {
         "job_id": "str", "request_id": "str", "prompt_tokens": ("list", "int"), "tokens": ("list", "int"),
         "text": "str", "latency_s": "number", "ttft_s": "number", "tpot_s": "number?",
         "split": ("optional", _LAYER_SPLIT),
-        "epoch": "int", "recomputed": "bool",
+        "epoch": "int", "recomputed": "bool", "finish": ("enum", {"stop", "length"}),
     },
     ("edgeswarm.splitfed.plan_request", 1): {
         "model": _MODEL_COST, "devices": ("list", _SPLIT_DEVICE), "mecs": ("list", _SPLIT_MEC),
@@ -679,7 +683,8 @@ TENSOR_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_prob
                             "edgeswarm.stage.tensor", "edgeswarm.stage.state", "edgeswarm.serve.tensor",
                             "edgeswarm.infer.request", "edgeswarm.infer.reply", "edgeswarm.collective.tensor",
                             "edgeswarm.hmp.request", "edgeswarm.hmp.reply", "edgeswarm.hmp.pass",
-                            "edgeswarm.hmp.result", "edgeswarm.splitfed.global", "edgeswarm.splitfed.part",
+                            "edgeswarm.hmp.result", "edgeswarm.hmp.cancel", "edgeswarm.splitfed.global",
+                            "edgeswarm.splitfed.part",
                             "edgeswarm.splitfed.tensor", "edgeswarm.splitfed.done", "edgeswarm.splitfed.update"})
 
 

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from edgeswarm.bus import Bus
-from edgeswarm.hmp.client import ask
+from edgeswarm.hmp.client import Answer, ask, cancel, stream
 from edgeswarm.hmp.spec import HmpProgress
 from edgeswarm.local.launcher import LocalCluster
-from edgeswarm.messages.hmp import HmpRequest
+from edgeswarm.messages.hmp import HmpDelta, HmpRequest
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError
 from edgeswarm.models.text import reference
@@ -260,6 +260,37 @@ def test_a_chat_model_answers_a_conversation_sampled_until_its_end_of_turn_or_a_
     assert cut.reply is not None, (cut.reason, cut.error)
     assert cut.reply.text == text[:text.find(stop_string)] and len(cut.reply.tokens) < len(want)
     assert cut.reply.tokens == want[:len(cut.reply.tokens)]
+    # Streamed: the deltas' tokens and text, contiguous, then the reply, which has the whole text.
+    deltas: list[HmpDelta] = []
+    for event in stream(cluster.bus, "hmp-chat", CONVERSATION, request_id="chat-stream", sampling=sampling,
+                        stop=[stop_string], timeout_s=120):
+        if isinstance(event, HmpDelta):
+            deltas.append(event)
+        else:
+            final = event
+    assert final.reply is not None and final.reply.tokens == cut.reply.tokens and final.reply.finish == "stop"
+    assert [t for d in deltas for t in d.tokens] == final.reply.tokens and len(deltas) == len(final.reply.tokens)
+    assert all(d.offset == sum(len(e.text) for e in deltas[:k]) for k, d in enumerate(deltas))
+    assert final.reply.text.startswith("".join(d.text for d in deltas))
+    stop(cluster, follower)
+
+
+def test_a_streamed_request_stops_when_its_caller_cancels_it(cluster: Cluster) -> None:
+    follower = start(cluster, spec_text("hmp-cancel", "llama-tiny"))
+    prompt = prompts("llama-tiny", 1)[0]
+    events = []
+    for event in stream(cluster.bus, "hmp-cancel", prompt, request_id="to-cancel", max_new_tokens=100,
+                        timeout_s=60):
+        events.append(event)
+        if len(events) == 3:
+            cancel(cluster.bus, "hmp-cancel", "to-cancel")
+    final = events[-1]
+    assert isinstance(final, Answer) and final.reason == "cancelled", (final, len(events))
+    assert 3 <= len(events) - 1 < 100  # it stopped soon after the cancel, not at 100 tokens
+    # A stream that is not cancelled runs to its length: one delta a token, then the reply.
+    whole = list(stream(cluster.bus, "hmp-cancel", prompt, request_id="whole", max_new_tokens=6, timeout_s=60))
+    assert len(whole) == 7 and isinstance(whole[-1], Answer) and whole[-1].reply is not None
+    assert whole[-1].reply.tokens == expected_tokens("llama-tiny", prompt, 6) and whole[-1].reply.finish == "length"
     stop(cluster, follower)
 
 

@@ -36,7 +36,9 @@ from doc_decoder import (
 )
 from edgeswarm.messages import HmpPlanReply, HmpPlanRequest
 from edgeswarm.pipeline_serve.spec import ServeProgress
+from edgeswarm.values.chat import ChatMessage
 from edgeswarm.values.profiles import ModelSpec
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.wire import Sender, encode, registered, tensor_frames
 from edgeswarm.workloads import typed_state
 from helpers import FAST_ENV, wait_until
@@ -281,15 +283,20 @@ def hmp_samples() -> dict[type, Any]:
                                    load_s=0.125),
         m.ShardRelease: m.ShardRelease(job_id="g1"),
         m.ShardFree: m.ShardFree(job_id="g1", epoch=3, requests=[4, 5]),
-        m.ShardPass: m.ShardPass(job_id="g1", epoch=3, pass_id=17, request=4, start=9),
+        m.ShardPass: m.ShardPass(job_id="g1", epoch=3, pass_id=17, request=4, start=9,
+                                 sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                                   repetition_penalty=1.1, presence_penalty=0.5, seed=42)),
         m.ShardResult: m.ShardResult(job_id="g1", epoch=3, pass_id=17, rank=1, row_start=8, top=[50, 7, 3],
                                      split=PassSplit(compute_s=0.01, sync_s=0.002, waiting_s=0.0005),
                                      cache_bytes=4096),
-        m.HmpRequest: m.HmpRequest(job_id="g1", request_id="r-9", text="héllo", max_new_tokens=8),
+        m.HmpRequest: m.HmpRequest(job_id="g1", request_id="r-9", text="héllo", max_new_tokens=8,
+                                   sampling=Sampling(temperature=1.0, seed=7), stop=["\n\n", "END"], stream=True),
+        m.HmpDelta: m.HmpDelta(job_id="g1", request_id="r-9", first=2, tokens=[6, 7], offset=5, text=" wörld"),
+        m.HmpCancel: m.HmpCancel(job_id="g1", request_id="r-9"),
         m.HmpReply: m.HmpReply(job_id="g1", request_id="r-9", prompt_tokens=[1, 2, 3], tokens=[4, 5],
                                text=" world", latency_s=0.5, ttft_s=0.2, tpot_s=0.15,
                                split=LayerSplit(compute_ms=1.5, sync_ms=0.5, waiting_ms=0.25), epoch=3,
-                               recomputed=True),
+                               recomputed=True, finish="length"),
     }
 
 
@@ -433,6 +440,8 @@ def test_hmp_messages_of_the_other_kinds_decode() -> None:
     messages = [HmpPlanReply(plan=plan.model_copy(update={"decode": None}), planning_s=0.0),
                 m.HmpReply(job_id="g1", latency_s=0.1, ttft_s=0.1, epoch=0),
                 m.HmpRequest(job_id="g1"),
+                m.HmpRequest(job_id="g1", messages=[ChatMessage(role="system", content="Be brief."),
+                                                    ChatMessage(role="user", content="Hi?")]),
                 m.ShardResult(job_id="g1", epoch=0, pass_id=0, rank=0)]
     for message in messages:
         frame = decode(encode(sender().envelope(message), message)) if message.SCHEMA not in TENSOR_SCHEMAS else \

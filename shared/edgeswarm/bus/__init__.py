@@ -1,5 +1,5 @@
 """The bus: the only way edgeswarm code talks to MQTT brokers."""
 
-from edgeswarm.bus.bus import Bus, Expectation, Handler, Inbound, RawHandler, RawInbound
+from edgeswarm.bus.bus import Bus, Expectation, Handler, Inbound, RawHandler, RawInbound, ReplyStream
 
-__all__ = ["Bus", "Expectation", "Handler", "Inbound", "RawHandler", "RawInbound"]
+__all__ = ["Bus", "Expectation", "Handler", "Inbound", "RawHandler", "RawInbound", "ReplyStream"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -150,6 +150,50 @@ class Expectation:
     def _refuse(self, why: str) -> None:
         self.refusal = why
         self._event.set()
+
+
+class ReplyStream(Expectation):
+    """Every reply to one request, in arrival order (a streamed answer: its parts, then its end), until ``close``.
+    At most ``MAX_STREAM_BACKLOG`` replies wait to be taken; a sender that outruns its reader loses the newest."""
+
+    MAX_STREAM_BACKLOG = 4096
+
+    def __init__(self, bus: Bus, correlation_id: str) -> None:
+        super().__init__(bus, correlation_id)
+        self._replies: deque[Inbound] = deque()
+        self._ready = threading.Condition()
+        self.dropped = 0
+
+    def _resolve(self, reply: Inbound) -> None:
+        with self._ready:
+            if len(self._replies) >= self.MAX_STREAM_BACKLOG:
+                self.dropped += 1
+                return
+            self._replies.append(reply)
+            self._ready.notify_all()
+        self._event.set()
+
+    def _refuse(self, why: str) -> None:
+        with self._ready:
+            self.refusal = why
+            self._ready.notify_all()
+        self._event.set()
+
+    def next(self, timeout_s: float) -> Inbound | None:
+        """The next reply, or None when none came within ``timeout_s`` seconds (or the broker refused the request:
+        ``refusal`` says why). The stream stays open."""
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while not self._replies and self.refusal is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._ready.wait(left)
+            return self._replies.popleft() if self._replies else None
+
+    def close(self) -> None:
+        """Stop taking replies (later ones are counted as late)."""
+        self._bus._forget(self.correlation_id)
 
 
 class _TokenBucket:
@@ -337,6 +381,13 @@ class Bus:
         with self._pending_lock:
             self._pending[exp.correlation_id] = exp
         return exp
+
+    def expect_stream(self) -> ReplyStream:
+        """Register interest in every reply carrying a fresh correlation id, until the stream is closed."""
+        stream = ReplyStream(self, new_id())
+        with self._pending_lock:
+            self._pending[stream.correlation_id] = stream
+        return stream
 
     def request(self, topic: str, message: Message, *, timeout_s: float | None = None) -> Inbound:
         """Publish a request and wait for its reply. Raises RequestTimeoutError after ``timeout_s`` seconds."""

@@ -8,12 +8,12 @@ on that reply topic with an ``edgeswarm.hmp.reply`` (or ``edgeswarm.infer.error`
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edgeswarm.bus import Bus, Expectation
-from edgeswarm.messages.hmp import HmpReply, HmpRequest
+from edgeswarm.bus import Bus, Expectation, Inbound, ReplyStream
+from edgeswarm.messages.hmp import HmpCancel, HmpDelta, HmpReply, HmpRequest
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError
 from edgeswarm.values.chat import ChatMessage
@@ -43,13 +43,16 @@ Prompt = list[int] | str | list[ChatMessage]
 
 
 def _send(bus: Bus, job_id: str, prompt: Prompt, max_new_tokens: int | None, coordinator: str,
-          sampling: Sampling | None, stop: list[str]) -> Expectation:
+          sampling: Sampling | None, stop: list[str], expectation: Expectation | None = None,
+          request_id: str | None = None) -> Expectation:
     import torch
 
-    exp = bus.expect()
+    exp = expectation or bus.expect()
     chat = [m for m in prompt if isinstance(m, ChatMessage)] if isinstance(prompt, list) else []
-    body = HmpRequest(job_id=job_id, request_id=new_id(), text=prompt if isinstance(prompt, str) else None,
-                      messages=chat or None, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+    body = HmpRequest(job_id=job_id, request_id=request_id or new_id(),
+                      text=prompt if isinstance(prompt, str) else None, messages=chat or None,
+                      max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                      stream=isinstance(exp, ReplyStream))
     if isinstance(prompt, str) or chat:
         tensor = torch.empty(0, dtype=torch.int64)
     else:
@@ -77,13 +80,46 @@ def ask(bus: Bus, job_id: str, prompts: Sequence[Prompt], *, max_new_tokens: int
         index, exp, sent = pending.pop(0)
         reply = exp.wait(max(0.0, timeout_s - (time.monotonic() - sent)))
         latency = time.monotonic() - sent
-        body = reply.body if reply is not None else None
-        if isinstance(body, HmpReply):
-            hidden = reply.tensor.to_torch() if reply is not None and reply.tensor is not None else None
-            answers[index] = Answer(index, latency, body, hidden)
-        elif isinstance(body, (InferError, RequestRejected)):
-            answers[index] = Answer(index, latency, reason=body.reason, error=body.detail)
-        else:
-            answers[index] = Answer(index, latency, reason="timeout",
-                                    error=f"no answer from job {job_id} within {timeout_s:.0f} s")
+        answer = _answer(job_id, reply, latency, timeout_s)
+        answer.index = index
+        answers[index] = answer
     return [answers[k] for k in sorted(answers)]
+
+
+def _answer(job_id: str, reply: Inbound | None, latency: float, timeout_s: float) -> Answer:
+    body = reply.body if reply is not None else None
+    if isinstance(body, HmpReply):
+        hidden = reply.tensor.to_torch() if reply is not None and reply.tensor is not None else None
+        return Answer(0, latency, body, hidden)
+    if isinstance(body, (InferError, RequestRejected)):
+        return Answer(0, latency, reason=body.reason, error=body.detail)
+    return Answer(0, latency, reason="timeout", error=f"no answer from job {job_id} within {timeout_s:.0f} s")
+
+
+def stream(bus: Bus, job_id: str, prompt: Prompt, *, request_id: str, max_new_tokens: int | None = None,
+           sampling: Sampling | None = None, stop: list[str] | None = None, timeout_s: float = 120.0,
+           coordinator: str = COORDINATOR_NODE) -> Iterator[HmpDelta | Answer]:
+    """Ask serve-hmp job ``job_id`` as ``ask`` does, one prompt, its answer streamed: each HmpDelta as its tokens are
+    generated, then the Answer (the whole reply, or why there is none; reason ``timeout`` when the coordinator said
+    nothing for ``timeout_s`` seconds). ``request_id`` names it for ``cancel``."""
+    replies = bus.expect_stream()
+    sent = time.monotonic()
+    try:
+        _send(bus, job_id, prompt, max_new_tokens, coordinator, sampling, stop or [], replies, request_id)
+        while True:
+            reply = replies.next(timeout_s)
+            if reply is not None and isinstance(reply.body, HmpDelta):
+                yield reply.body
+                continue
+            yield _answer(job_id, reply, time.monotonic() - sent, timeout_s)
+            return
+    finally:
+        replies.close()
+
+
+def cancel(bus: Bus, job_id: str, request_id: str, coordinator: str = COORDINATOR_NODE) -> None:
+    """Tell serve-hmp job ``job_id`` to stop this caller's request ``request_id`` (answered ``cancelled``)."""
+    import torch
+
+    bus.send_tensor(coordinator, "coordinator", HmpCancel(job_id=job_id, request_id=request_id),
+                    torch.empty(0, dtype=torch.int64))

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,8 @@ from edgeswarm.hmp.gather import hmp_cluster, profile_shards
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.hmp import (
+    HmpCancel,
+    HmpDelta,
     HmpReply,
     HmpRequest,
     LayerSplit,
@@ -78,6 +80,7 @@ log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 RECENT = 1024  # requests the latency percentiles are measured over
+MAX_CANCELLED = 256  # cancels remembered: a cancel that comes before its request still stops it
 RETRIES = 1  # a request whose pass failed with no device lost is run again this many times
 REPLAN_WAIT_S = 300.0  # how long a request waits for the job to re-plan after a device of its pass was lost
 
@@ -92,6 +95,14 @@ class _Request(QueuedRequest):
     new_tokens: int
     sampling: Sampling | None = None
     stop: tuple[str, ...] = ()
+    stream: bool = False
+    streamed: tuple[int, int] = (0, 0)  # the generated tokens and the characters of their text sent as HmpDelta
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """Who sent it and its id: what a cancel must name."""
+        env = self.msg.envelope
+        return env.sender_node, env.sender_service, self.request_id
 
 
 @dataclass
@@ -164,6 +175,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         self._next_request = 0
         self._pass: _Pass | None = None
         self._stats = _Stats()
+        self._cancelled: OrderedDict[tuple[str, str, str], None] = OrderedDict()  # requests their callers cancelled
         # The closed loop: each rank's measured arithmetic in a prefill pass against its block profile; re-plans only
         # with the rebalance setting on.
         self.refit_loop = ClosedLoop(RefitPricing(
@@ -280,6 +292,12 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             self._on_result(msg, msg.body)
         elif isinstance(msg.body, HmpRequest):
             self._on_request(msg, msg.body)
+        elif isinstance(msg.body, HmpCancel):
+            env = msg.envelope
+            with self._changed:
+                self._cancelled[(env.sender_node, env.sender_service, msg.body.request_id)] = None
+                while len(self._cancelled) > MAX_CANCELLED:  # the oldest: their requests are long answered
+                    self._cancelled.popitem(last=False)
 
     def _on_request(self, msg: Inbound, body: HmpRequest) -> None:
         prompt, problem = self._prompt(msg, body)
@@ -295,7 +313,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         new = asked if self.config.decoder else 0
         new = min(new, self.spec.max_tokens - len(prompt))
         self.admit(_Request(msg=msg, request_id=body.request_id, arrived=time.monotonic(), prompt=prompt,
-                            new_tokens=new, sampling=body.sampling, stop=tuple(body.stop)))
+                            new_tokens=new, sampling=body.sampling, stop=tuple(body.stop), stream=body.stream))
 
     def _prompt(self, msg: Inbound, body: HmpRequest) -> tuple[list[int] | None, tuple[InferErrorReason, str] | None]:
         """The request's prompt token ids, or why it is refused."""
@@ -348,7 +366,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 self._callers.release(request.caller)
             record.request_dispatched(self.bus.metrics, self.spec.name, time.monotonic() - request.arrived)
             try:
+                self._check_cancelled(request)
                 self._serve(request)
+            except _Cancelled:
+                self.refuse(request.msg, request.request_id, "cancelled", "its caller cancelled it")
             except _Stopped:
                 self.refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
                 return
@@ -381,8 +402,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 if self.config.decoder:
                     if len(generated) < request.new_tokens:
                         generated.append(_top(results))
+                        self._stream(request, generated)
                     while (len(generated) < request.new_tokens and generated[-1] not in self.stop_tokens
                            and self._stop_at(request, generated) is None):
+                        self._check_cancelled(request)
                         started = time.perf_counter()
                         results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
                                                  + len(generated) - 1, request.sampling)
@@ -390,9 +413,13 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                         decode_s += took
                         record.next_token(self.bus.metrics, self.spec.name, took)
                         generated.append(_top(results))
+                        self._stream(request, generated)
                 else:
                     hidden = _rows(results, len(tokens))
                 break
+            except _Cancelled:
+                self._free(plan, epoch, number)
+                raise
             except PassFailed as exc:
                 self._free(plan, epoch, number)
                 if self._wait_for_replan(plan, epoch):
@@ -412,9 +439,11 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         text = self.tokenizer.decode(generated) if self.tokenizer is not None and generated else ""
         cut = self._stop_at(request, generated, text)
         text = text if cut is None else text[:cut]
+        ended = cut is not None or (bool(generated) and generated[-1] in self.stop_tokens)
         reply = HmpReply(job_id=self.spec.name, request_id=request.request_id, prompt_tokens=request.prompt,
                          tokens=generated, text=text, latency_s=now - request.arrived, ttft_s=ttft, tpot_s=tpot,
-                         split=split, epoch=epoch, recomputed=recomputed)
+                         split=split, epoch=epoch, recomputed=recomputed,
+                         finish="length" if len(generated) >= request.new_tokens and not ended else "stop")
         try:
             if hidden is not None:
                 self.bus.reply_tensor(request.msg, reply, hidden)
@@ -467,6 +496,33 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 raise _Stopped()
         raise JobError(f"job {self.spec.name}: a device of plan epoch {epoch} was lost and no new plan came within "
                        f"{REPLAN_WAIT_S:.0f} s")
+
+    def _check_cancelled(self, request: _Request) -> None:
+        """Raise _Cancelled when the request's caller cancelled it."""
+        with self._changed:
+            if request.key in self._cancelled:
+                raise _Cancelled()
+
+    def _stream(self, request: _Request, generated: list[int]) -> None:
+        """Send a streaming request the tokens generated since the last HmpDelta and the text they add that is sure
+        to stay: not a character that may begin a stop string, nor half of one (the decoder's replacement
+        character). Never raises: a lost delta costs the caller its live view, not the answer."""
+        if not request.stream:
+            return
+        sent_tokens, sent_chars = request.streamed
+        text = self.tokenizer.decode(generated) if self.tokenizer is not None else ""
+        keep = len(text.rstrip("\ufffd"))
+        if request.stop:
+            cut = self._stop_at(request, generated, text)
+            keep = min(keep, cut if cut is not None else max(0, len(text) - max(map(len, request.stop)) + 1))
+        keep = max(keep, sent_chars)
+        delta = HmpDelta(job_id=self.spec.name, request_id=request.request_id, first=sent_tokens,
+                         tokens=generated[sent_tokens:], offset=sent_chars, text=text[sent_chars:keep])
+        request.streamed = (len(generated), keep)
+        try:
+            self.bus.reply(request.msg, delta)
+        except EdgeswarmError as exc:
+            _limited.warning("delta", "job %s: could not stream to %s: %s", self.spec.name, request.msg.sender, exc)
 
     def _stop_at(self, request: _Request, generated: list[int], text: str | None = None) -> int | None:
         """Where the generated text (``text``, or ``generated`` decoded) first holds one of the request's stop
@@ -562,6 +618,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
 
 class _Stopped(EdgeswarmError):
     """The job stopped while a request ran."""
+
+
+class _Cancelled(EdgeswarmError):
+    """The request's caller cancelled it."""
 
 
 def _top(results: dict[int, tuple[ShardResult, Any]]) -> int:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.spec import PREFILL, HmpProgress, HmpSpec
 from edgeswarm.messages.cluster import NodeView
-from edgeswarm.messages.hmp import HmpRequest, ShardResult
+from edgeswarm.messages.hmp import HmpCancel, HmpRequest, ShardResult
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.planning.hmp.plan import HmpPlan
@@ -39,7 +39,7 @@ class HmpWorkload(ServingWorkload):
     plan_profiles_zoo = False
     example = ("kind: serve-hmp\nname: {name}\nmodel: {preset: gpt2-tiny}\nseq_len: 16\nmax_tokens: 64\n"
                "max_new_tokens: 4\n")
-    data_schemas = (HmpRequest, ShardResult)
+    data_schemas = (HmpRequest, HmpCancel, ShardResult)
     worker_service = TENSOR_SHARD_WORKER
     worker_program = "edgeswarm.hmp.worker:ShardProgram"
     infer_cli = "edgeswarm.hmp.cli:run_infer"

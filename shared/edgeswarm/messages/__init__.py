@@ -16,6 +16,8 @@ from edgeswarm.messages.checkpoints import (
 from edgeswarm.messages.cluster import ClusterEvent, ClusterView, NodeView, ServiceView
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.hmp import (
+    HmpCancel,
+    HmpDelta,
     HmpReply,
     HmpRequest,
     ShardAssign,
@@ -89,6 +91,8 @@ from edgeswarm.messages.training import (
 __all__ = [
     "HmpPlanReply",
     "HmpPlanRequest",
+    "HmpCancel",
+    "HmpDelta",
     "HmpReply",
     "HmpRequest",
     "ShardAssign",

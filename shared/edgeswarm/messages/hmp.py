@@ -169,6 +169,32 @@ class HmpRequest(Message):
     sampling: Sampling | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(default_factory=list,
                                                                                         max_length=MAX_STOPS)
+    stream: bool = False
+
+
+@schema("edgeswarm.hmp.delta", 1)
+class HmpDelta(Message):
+    """While a request with ``stream`` is generated: its next tokens (``first`` is the index of the first among the
+    generated ones) and the text they add from character ``offset`` of the answer's text on (held back while it may
+    be the start of a stop string or ends in half a character; the HmpReply that ends the stream has the whole
+    text), on the request's reply topic. Replies travel at QoS 0: a caller that sees a gap in ``offset`` takes the
+    rest from the HmpReply."""
+
+    job_id: Name
+    request_id: str = Field(default="", max_length=64)
+    first: int = Field(ge=0, le=MAX_NEW_TOKENS)
+    tokens: list[int] = Field(max_length=MAX_NEW_TOKENS)
+    offset: int = Field(default=0, ge=0, le=4 * MAX_TEXT_CHARS)
+    text: str = Field(default="", max_length=4 * MAX_TEXT_CHARS)
+
+
+@schema("edgeswarm.hmp.cancel", 1)
+class HmpCancel(Message):
+    """Frames (an empty tensor) from a caller: stop its request ``request_id`` (queued or being generated; answered
+    InferError ``cancelled``). A request is only cancelled by the node and service that sent it."""
+
+    job_id: Name
+    request_id: str = Field(min_length=1, max_length=64)
 
 
 class LayerSplit(BaseModel):
@@ -204,3 +230,4 @@ class HmpReply(Message):
     split: LayerSplit | None = None
     epoch: int = Field(ge=0)
     recomputed: bool = False
+    finish: Literal["stop", "length"] = "stop"  # ended at its end of sequence or a stop string, or at its length

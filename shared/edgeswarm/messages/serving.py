@@ -116,14 +116,15 @@ class InferReply(Message):
 
 
 InferErrorReason = Literal["unknown_job", "not_serving", "no_tensor", "bad_dtype", "bad_shape", "too_large", "busy",
-                           "failed"]
+                           "failed", "cancelled"]
 
 
 @schema("edgeswarm.infer.error", 1)
 class InferError(Message):
     """The request ``request_id`` was not answered with outputs: ``unknown_job``, ``not_serving`` (the job is not
     running, or stopped), ``no_tensor``, ``bad_dtype``, ``bad_shape``, ``too_large`` (more rows than a micro-batch),
-    ``busy`` (the job's queue is full: send again later) or ``failed``; ``detail`` says what to change."""
+    ``busy`` (the job's queue is full: send again later), ``failed`` or ``cancelled`` (its caller cancelled it);
+    ``detail`` says what to change."""
 
     job_id: str = Field(max_length=64)
     request_id: str = Field(default="", max_length=64)
