@@ -60,8 +60,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
     # The dashboard collects the shards' spans for `edgeswarm explain`.
-    with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=(), dashboard=True) as (local,
-                                                                                                      bus):
+    with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=(), dashboard=True,
+                        gateway=True) as (local, bus):
         watcher = ClusterWatcher(bus)
         wait_until(lambda: len(nodes_running(watcher.view()[0], SHARD_WORKER)) == DEVICES, 120,
                    message="every tensor-shard-worker online")
@@ -353,3 +353,128 @@ def test_a_device_killed_mid_generation_costs_a_rebuilt_cache_and_the_answer_is_
     assert isinstance(final.plan, HmpPlan) and victim not in final.plan.shares.devices
     progress = final.progress_as(HmpProgress)
     assert progress.answered == 1 and progress.recomputed == 1 and progress.reconfigurations >= 1
+
+
+# -- the OpenAI-compatible gateway -------------------------------------------------------------------------------
+
+
+def test_the_gateway_answers_the_official_openai_client_and_curl_as_one_device_would(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A chat model served by a serve-hmp job, asked through the gateway by the `openai` client (whole and streamed,
+    chat and completions) and by curl: the answers are the single device's, with their usage; errors come in
+    OpenAI's shape; the serving metrics count the requests."""
+    import openai
+    import transformers
+
+    from chat_model import CONVERSATION, chat_model_folder
+    from edgeswarm.models.text.chat import ChatTemplate
+
+    folder = chat_model_folder(tmp_path, transformers, seed=2)
+    follower = start(cluster, f"kind: serve-hmp\nname: tiny-chat\nmodel: {{path: {folder}}}\nseq_len: 16\n"
+                              "max_tokens: 200\nmax_new_tokens: 24\nplanner: {prune: false}\n")
+    base = cluster.local.gateway_url
+    assert base is not None
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+    assert "tiny-chat" in [m.id for m in client.models.list().data]
+    cfg, w = load_model(folder)
+    tokenizer = load_tokenizer(folder)
+    chat = ChatTemplate.from_folder(folder)
+    assert chat is not None
+    messages = [m.model_dump() for m in CONVERSATION]
+    prompt = tokenizer.encode(chat.render(CONVERSATION), special_tokens=False).ids
+
+    def expected(ids: list[int], new: int, seed: int, **sampling: float) -> tuple[list[int], str]:
+        tokens = reference.generate(cfg, w, ids, new, stop=tokenizer.special.eos,
+                                    sampling=Sampling(seed=seed, **sampling))
+        return tokens, tokenizer.decode(tokens)
+
+    tokens, text = expected(prompt, 20, 11, temperature=0.9, top_p=0.9)
+    whole = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20, temperature=0.9,
+                                           top_p=0.9, seed=11)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == ("length" if len(tokens) == 20 else "stop")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt), len(tokens))
+    # Streamed, usage included: the deltas are the same text.
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20,
+                                                 temperature=0.9, top_p=0.9, seed=11, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(tokens)
+    # /v1/completions on a text prompt, greedy (temperature 0), streamed.
+    plain = "the assistant answers"
+    ids = tokenizer.encode(plain).ids
+    _, greedy = expected(ids, 8, 0, temperature=0.0)
+    pieces = client.completions.create(model="tiny-chat", prompt=plain, max_tokens=8, temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in pieces) == greedy
+    done = client.completions.create(model="tiny-chat", prompt=plain, max_tokens=8, temperature=0)
+    assert done.choices[0].text == greedy and done.usage.prompt_tokens == len(ids)
+    # curl, as a shell user would: server-sent events ending [DONE].
+    body = json.dumps({"model": "tiny-chat", "messages": messages, "max_tokens": 20, "temperature": 0.9,
+                       "top_p": 0.9, "seed": 11, "stream": True})
+    curl = subprocess.run(["curl", "-sN", f"{base}/chat/completions", "-H", "Content-Type: application/json",
+                           "-d", body], capture_output=True, text=True, timeout=120)
+    events = [line.removeprefix("data: ") for line in curl.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", curl.stdout
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == text
+    # Errors in OpenAI's shape, as the client raises them.
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny-chat", messages=messages, temperature=5.0)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(model="tiny-chat", messages=messages, n=2)
+    # The coordinator counted the five answered requests (the serving metrics Prometheus reads; the refused ones
+    # never reached it).
+    metrics = cluster.local.dashboard_url
+    assert metrics is not None
+
+    def answered() -> float:
+        page = subprocess.run(["curl", "-s", f"{metrics}metrics"], capture_output=True, text=True, timeout=30).stdout
+        found = re.search(r'edgeswarm_requests_total\{[^}]*job="tiny-chat"[^}]*reason="answered"[^}]*\} (\S+)',
+                          page) or re.search(r'edgeswarm_requests_total\{[^}]*reason="answered"[^}]*job="tiny-chat"'
+                                             r'[^}]*\} (\S+)', page)
+        return float(found.group(1)) if found else 0.0
+
+    wait_until(lambda: answered() >= 5, 60, interval_s=1.0, message="the job's answered requests in /metrics")
+    stop(cluster, follower)
+
+
+def test_a_client_that_goes_away_has_its_request_cancelled(cluster: Cluster, tmp_path: Path) -> None:
+    """A streamed completion whose HTTP client closes its connection after the first event stops on the cluster:
+    the job counts it cancelled, not answered."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import transformers
+
+    from chat_model import chat_model_folder
+
+    folder = chat_model_folder(tmp_path, transformers, seed=2)
+    follower = start(cluster, f"kind: serve-hmp\nname: gw-cancel\nmodel: {{path: {folder}}}\nseq_len: 16\n"
+                              "max_tokens: 200\nmax_new_tokens: 24\nplanner: {prune: false}\n")
+    cfg, w = load_model(folder)
+    tokenizer = load_tokenizer(folder)
+    prompt = "the assistant answers"
+    ids = tokenizer.encode(prompt).ids
+    # A seed whose answer runs its whole length (no end of turn): a second or so of decoding to cancel.
+    seed = next(s for s in range(100) if len(reference.generate(cfg, w, ids, 150, stop=tokenizer.special.eos,
+                                                                 sampling=Sampling(temperature=1.0, seed=s))) == 150)
+    base = cluster.local.gateway_url
+    assert base is not None
+    where = urlsplit(base)
+    body = json.dumps({"model": "gw-cancel", "prompt": prompt, "max_tokens": 150, "seed": seed,
+                       "stream": True}).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while b"data: " not in got:
+            got += sock.recv(4096)
+        assert b" 200 " in got.split(b"\r\n", 1)[0], got
+    state = wait_until(lambda: next((s for s in job_states(cluster.bus, settle_s=0.3) if s.job_id == "gw-cancel"
+                                     and s.progress_as(HmpProgress).errors >= 1), None), 30,
+                       message="the request cancelled")
+    assert isinstance(state, JobState) and state.progress_as(HmpProgress).answered == 0
+    stop(cluster, follower)

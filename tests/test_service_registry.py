@@ -91,7 +91,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 def test_the_built_in_services_and_their_roles() -> None:
     assert list(BUILT_IN) == list(services())[:len(BUILT_IN)]
-    assert services_of("hub") == ("coordinator", "planner", "checkpoint-store", "dashboard")
+    assert services_of("hub") == ("coordinator", "planner", "checkpoint-store", "dashboard", "gateway")
     assert services_of("device") == ("node-agent", "profiler", "stage-worker", "tensor-shard-worker")
     assert services_of("edge") == ("node-agent", "profiler", "mec-manager")  # a node like any other, no stage-worker
     assert services_of("client") == ()
@@ -104,6 +104,7 @@ def test_the_built_in_services_and_their_roles() -> None:
     from edgeswarm.services import service_class as old_service_class
 
     assert SERVICES == services() and old_service_class is service_class
+    assert service_class("gateway").__name__ == "GatewayService"
 
 
 def test_topics_lists_every_installed_service_with_its_topics(install_plugin, capsys,  # type: ignore[no-untyped-def]

@@ -86,6 +86,9 @@ BUILT_IN: dict[str, ServiceEntry] = {
     # command lines ask it for a job's trace.
     "dashboard": ServiceEntry(_TARGET.format("dashboard", "DashboardService"), ("hub",),
                               request_writers=("hub", "client"), data_writers=("hub",)),
+    # An OpenAI-compatible API over the serve-hmp jobs (edgeswarm.gateway): it asks the coordinator as a caller does,
+    # and no one sends it requests or tensors but its own hub.
+    "gateway": ServiceEntry(_TARGET.format("gateway", "GatewayService"), ("hub",), data_writers=("hub",)),
     # Every node is a node: it advertises itself and is profiled (its compute and its links to the others).
     "node-agent": ServiceEntry(_TARGET.format("node_agent", "NodeAgentService"), ("device", "edge"),
                                request_writers=("hub", "client")),

@@ -268,6 +268,14 @@ class Settings(BaseSettings):
     dashboard_token_create: bool = False
     dashboard_push_interval_s: float = Field(default=0.5, gt=0, le=60)
 
+    # The gateway service (edgeswarm.gateway): where its OpenAI-compatible API listens and the file holding the bearer
+    # token it asks of every request; as the dashboard's, a host beyond loopback needs a token, which
+    # ``gateway_token_create`` makes when the file does not exist yet.
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(default=8000, ge=0, le=65535)
+    gateway_token_file: Path | None = None
+    gateway_token_create: bool = False
+
     # Each service rewrites a small stamp here on every heartbeat; `edgeswarm health SERVICE` (compose's healthcheck)
     # reads it, so a container whose service stopped heartbeating turns unhealthy.
     health_dir: Path = Field(default_factory=default_health_dir)
@@ -314,7 +322,7 @@ class Settings(BaseSettings):
             raise ValueError("expected a logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
         return value.upper()
 
-    @field_validator("data_url", "data_connect_url", "dashboard_token_file", mode="before")
+    @field_validator("data_url", "data_connect_url", "dashboard_token_file", "gateway_token_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # `EDGESWARM_DATA_URL=` in an .env file means "not set"

@@ -45,6 +45,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                     help="seconds to wait for every service of every node to come online")
     up.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
                     help="with --local: the dashboard's port on 127.0.0.1 (default 0: a free one; the URL is printed)")
+    up.add_argument("--gateway-port", type=int, default=0, metavar="PORT",
+                    help="with --local: the OpenAI-compatible API's port on 127.0.0.1 (default 0: a free one; printed)")
     up.add_argument("--secure", action="store_true",
                     help="TLS, a password per node and the topic-tree ACL, as in a deployment (files in the workdir)")
 

@@ -44,10 +44,12 @@ def run_up(args: argparse.Namespace) -> int:
         cluster = NetnsCluster(spec, heartbeat_interval_s=args.heartbeat, workdir=workdir,
                                skewable=tuple(args.skewable))
     else:
-        if not 0 <= args.dashboard_port <= 65535:
-            raise ConfigError(f"--dashboard-port takes 0 (a free port) to 65535, not {args.dashboard_port}")
+        for flag, port in (("--dashboard-port", args.dashboard_port), ("--gateway-port", args.gateway_port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} takes 0 (a free port) to 65535, not {port}")
         cluster = LocalCluster(spec, broker=args.broker, port=args.port, heartbeat_interval_s=args.heartbeat,
-                               workdir=workdir, secure=args.secure, dashboard_port=args.dashboard_port)
+                               workdir=workdir, secure=args.secure, dashboard_port=args.dashboard_port,
+                               gateway_port=args.gateway_port)
     try:
         cluster.start()
         if isinstance(cluster, NetnsCluster):
@@ -74,6 +76,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"edgeswarm status --hub {cluster.hub_url}"
         if isinstance(cluster, LocalCluster) and cluster.dashboard_url:
             console.print(f"dashboard: {cluster.dashboard_url}", markup=False, soft_wrap=True)
+        if isinstance(cluster, LocalCluster) and cluster.gateway_url:
+            console.print(f"OpenAI-compatible API (the serve-hmp jobs' language models): {cluster.gateway_url}",
+                          markup=False, soft_wrap=True)
         if late:
             console.print(f"[yellow]cluster started, but not online after {args.ready_timeout:.0f} s: "
                           f"{', '.join(f'{s} on {n}' for n, s in late)}[/yellow] (their logs are in "

@@ -21,7 +21,8 @@ MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
 
 
-def read_token(path: Path | None, *, create: bool = False) -> str | None:
+def read_token(path: Path | None, *, create: bool = False, setting: str = "EDGESWARM_DASHBOARD_TOKEN_FILE"
+               ) -> str | None:
     """The token in file ``path`` (stripped), None without a file. With ``create``, a missing file is made with a
     random token, readable by its owner only. Raises ConfigError for an unreadable, empty or short token."""
     if path is None:
@@ -35,27 +36,28 @@ def read_token(path: Path | None, *, create: bool = False) -> str | None:
         except FileExistsError:
             pass  # made meanwhile by another instance: read theirs
         except OSError as exc:
-            raise ConfigError(f"cannot create the dashboard token file {path}: {exc.strerror or exc}") from None
+            raise ConfigError(f"cannot create the token file {path} ({setting}): {exc.strerror or exc}") from None
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read EDGESWARM_DASHBOARD_TOKEN_FILE {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from None
     if len(token) < MIN_TOKEN_CHARS or len(token) > MAX_TOKEN_CHARS or not token.isprintable() or " " in token:
-        raise ConfigError(f"the dashboard token in {path} must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} printable "
+        raise ConfigError(f"the token in {path} ({setting}) must be {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} printable "
                           "characters without spaces; make one with `python -c 'import secrets; "
                           "print(secrets.token_urlsafe(32))' > FILE`")
     return token
 
 
-def check_exposure(host: str, token: str | None) -> None:
-    """Raise ConfigError for a listening ``host`` beyond loopback without a token: the page shows the whole
-    cluster to whoever reaches it."""
+def check_exposure(host: str, token: str | None, *, what: str = "the dashboard", shows: str = "the whole cluster",
+                   setting: str = "EDGESWARM_DASHBOARD_TOKEN_FILE, or --token-file",
+                   host_setting: str = "EDGESWARM_DASHBOARD_HOST") -> None:
+    """Raise ConfigError for a listening ``host`` beyond loopback without a token: ``what`` (a page, an API) gives
+    whoever reaches it ``shows``."""
     if token is None and not is_loopback(host):
         raise ConfigError(
-            f"the dashboard would listen on {host!r}, beyond this machine, without a token: anyone who reaches it "
-            "would see the whole cluster. Give it a token (EDGESWARM_DASHBOARD_TOKEN_FILE, or --token-file, a file "
-            "holding a long random string) or listen on 127.0.0.1 (EDGESWARM_DASHBOARD_HOST) and reach it through an "
-            "SSH tunnel")
+            f"{what} would listen on {host!r}, beyond this machine, without a token: anyone who reaches it would "
+            f"have {shows}. Give it a token ({setting}: a file holding a long random string) or listen on 127.0.0.1 "
+            f"({host_setting}) and reach it through an SSH tunnel")
 
 
 def token_matches(token: str, offered: str | None) -> bool:

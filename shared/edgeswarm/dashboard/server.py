@@ -109,14 +109,18 @@ class Broadcast:
         return self._closed
 
 
-class _Server(ThreadingHTTPServer):
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that takes at most ``max_connections`` requests at once (a short 503 beyond, with no
+    thread) and logs a failed connection, rate-limited, on ``app.errors`` (the dashboard's and the gateway's)."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], app: DashboardServer) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], app: Any,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.app = app
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._slots = threading.BoundedSemaphore(max_connections)
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
@@ -142,12 +146,12 @@ class _Server(ThreadingHTTPServer):
             self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        self.app.errors.log(logging.WARNING, "connection", "dashboard request from %s failed", client_address[0],
+        self.app.errors.log(logging.WARNING, "connection", "request from %s failed", client_address[0],
                             exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: BoundedHTTPServer
     timeout = READ_TIMEOUT_S
     protocol_version = "HTTP/1.1"
     server_version = "edgeswarm-dashboard"
@@ -327,7 +331,7 @@ class DashboardServer:
         self.streams = threading.BoundedSemaphore(MAX_STREAMS)
         self.files = static_files()
         self.errors = RateLimitedLog(log, what="failed requests")
-        self._httpd: _Server | None = None
+        self._httpd: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     def bind(self) -> None:
@@ -336,7 +340,7 @@ class DashboardServer:
         if self._httpd is not None:
             return
         try:
-            self._httpd = _Server((self.host, self.port), _Handler, self)
+            self._httpd = BoundedHTTPServer((self.host, self.port), _Handler, self)
         except OSError as exc:
             raise ConfigError(f"the dashboard cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; "
                               "choose another EDGESWARM_DASHBOARD_PORT (--port) or stop what holds it") from None

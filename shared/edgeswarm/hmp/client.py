@@ -7,12 +7,14 @@ on that reply topic with an ``edgeswarm.hmp.reply`` (or ``edgeswarm.infer.error`
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edgeswarm.bus import Bus, Expectation, Inbound, ReplyStream
+from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.hmp import HmpCancel, HmpDelta, HmpReply, HmpRequest
 from edgeswarm.messages.liveness import RequestRejected
 from edgeswarm.messages.serving import InferError
@@ -23,7 +25,10 @@ from edgeswarm.wire.schema import new_id
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 COORDINATOR_NODE = "hub"
+POLL_S = 0.25  # how often a stream that was given ``alive`` asks it while it waits
 
 
 @dataclass
@@ -98,23 +103,48 @@ def _answer(job_id: str, reply: Inbound | None, latency: float, timeout_s: float
 
 def stream(bus: Bus, job_id: str, prompt: Prompt, *, request_id: str, max_new_tokens: int | None = None,
            sampling: Sampling | None = None, stop: list[str] | None = None, timeout_s: float = 120.0,
-           coordinator: str = COORDINATOR_NODE) -> Iterator[HmpDelta | Answer]:
+           coordinator: str = COORDINATOR_NODE, alive: Callable[[], bool] | None = None
+           ) -> Generator[HmpDelta | Answer, None, None]:
     """Ask serve-hmp job ``job_id`` as ``ask`` does, one prompt, its answer streamed: each HmpDelta as its tokens are
     generated, then the Answer (the whole reply, or why there is none; reason ``timeout`` when the coordinator said
-    nothing for ``timeout_s`` seconds). ``request_id`` names it for ``cancel``."""
+    nothing for ``timeout_s`` seconds). ``request_id`` names it for ``cancel``. While it waits it asks ``alive``
+    every POLL_S seconds; when that says the caller went away, or the caller stops iterating before the answer, the
+    request is cancelled on the coordinator."""
     replies = bus.expect_stream()
     sent = time.monotonic()
+    answered = False
     try:
         _send(bus, job_id, prompt, max_new_tokens, coordinator, sampling, stop or [], replies, request_id)
+        heard = checked = sent
         while True:
-            reply = replies.next(timeout_s)
+            reply = replies.next(POLL_S if alive is not None else timeout_s)
+            now = time.monotonic()
+            if alive is not None and now - checked >= POLL_S:  # asked while tokens flow too, not only in pauses
+                checked = now
+                gone = not alive()
+            else:
+                gone = False
+            if gone:
+                answered = True  # nobody to answer: stop the work
+                cancel(bus, job_id, request_id, coordinator)
+                yield Answer(0, now - sent, reason="cancelled", error="the caller went away")
+                return
+            if reply is None and now - heard < timeout_s and replies.refusal is None:
+                continue
+            heard = now
             if reply is not None and isinstance(reply.body, HmpDelta):
                 yield reply.body
                 continue
-            yield _answer(job_id, reply, time.monotonic() - sent, timeout_s)
+            answered = True
+            yield _answer(job_id, reply, now - sent, timeout_s)
             return
     finally:
         replies.close()
+        if not answered:
+            try:
+                cancel(bus, job_id, request_id, coordinator)
+            except EdgeswarmError as exc:
+                log.debug("could not cancel request %s: %s", request_id, exc)
 
 
 def cancel(bus: Bus, job_id: str, request_id: str, coordinator: str = COORDINATOR_NODE) -> None:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 HUB_NODE = "hub"
 HUB_SERVICES = services_of("hub")
 DASHBOARD = "dashboard"
+GATEWAY = "gateway"
 DEVICE_SERVICES = services_of("device")
 EDGE_SERVICES = services_of("edge")
 CHECKPOINT_DIR_ENV = "EDGESWARM_CHECKPOINT_DIR"
@@ -124,12 +125,14 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
                  extra_env: dict[str, str] | None = None, secure: bool = False,
-                 skip_services: tuple[str, ...] = (), dashboard_port: int | None = 0) -> None:
+                 skip_services: tuple[str, ...] = (), dashboard_port: int | None = 0,
+                 gateway_port: int | None = None) -> None:
         self.spec = spec
         # The hub's dashboard listens on 127.0.0.1 at this port (0: a free one, chosen at start, so clusters started
         # side by side never collide); None: no dashboard (a cluster that only runs jobs, or a test's, saves its
-        # process).
+        # process). Likewise the gateway's OpenAI-compatible API, which only language models need (None: none).
         self.dashboard_port = dashboard_port
+        self.gateway_port = gateway_port
         self.skip_services = skip_services  # services not started on the devices and edges (what a run needs not)
         self.secure = secure
         self._broker_kind = broker
@@ -147,6 +150,13 @@ class LocalCluster:
         if self.dashboard_port is None or self.dashboard_port == 0:
             return None
         return f"http://127.0.0.1:{self.dashboard_port}/"
+
+    @property
+    def gateway_url(self) -> str | None:
+        """The OpenAI-compatible API's base address (``.../v1``), once started; None for a cluster without one."""
+        if self.gateway_port is None or self.gateway_port == 0:
+            return None
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
 
     @property
     def hub_url(self) -> str:
@@ -222,6 +232,13 @@ class LocalCluster:
                 self.dashboard_port = self.dashboard_port or free_port()
                 self._spawn(HUB_NODE, service, {**hub_env, "EDGESWARM_DASHBOARD_HOST": "127.0.0.1",
                                                 "EDGESWARM_DASHBOARD_PORT": str(self.dashboard_port)})
+                continue
+            if service == GATEWAY:
+                if self.gateway_port is None:
+                    continue
+                self.gateway_port = self.gateway_port or free_port()
+                self._spawn(HUB_NODE, service, {**hub_env, "EDGESWARM_GATEWAY_HOST": "127.0.0.1",
+                                                "EDGESWARM_GATEWAY_PORT": str(self.gateway_port)})
                 continue
             self._spawn(HUB_NODE, service, hub_env)
         roles: tuple[tuple[NodeRole, tuple[str, ...]], ...] = (("device", DEVICE_SERVICES), ("edge", EDGE_SERVICES))
