@@ -189,7 +189,7 @@ def test_topics_lists_the_tree() -> None:
 
 def test_service_command_rejects_unknown_services_and_up_needs_local() -> None:
     result = edgeswarm("service", "bogus", check=False)
-    available = "available: checkpoint-store, coordinator, dashboard, mec-manager, node-agent"
+    available = "available: checkpoint-store, coordinator, dashboard, gateway, mec-manager, node-agent"
     assert result.returncode == 2 and available in result.stderr
     result = edgeswarm("up", check=False)
     assert result.returncode == 2 and "docker compose up" in result.stderr

@@ -120,7 +120,9 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
     kept = of("refit")
     assert kept and kept[-1].startswith("saved the measured speeds for the next job: "), kept
     files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/hmp-*/*.json")}
-    assert files[f"{SLOW}.serve.json"]["scale"] > 2.0, files
+    # Above 1.5 rather than near 5: after the move b holds a sliver of each layer, whose measured time is partly the
+    # runtime's per-call costs, and on a loaded machine (the suite's other clusters) every device measures slower.
+    assert files[f"{SLOW}.serve.json"]["scale"] > 1.5, files
     events.clear()
     nxt = JobFollower(bus, "hmp-next", on_event=events.append)
     submit_job(bus, json.dumps({**spec, "name": "hmp-next"}), submission=nxt.submission)

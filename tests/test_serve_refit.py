@@ -98,3 +98,19 @@ def test_links_and_devices_as_profiled_never_move_the_stream_on_noise(seed: int)
     plan, moves, loop = serve(profile, profile, items=60, noise=0.12, seed=seed)
     assert moves == [] and plan.devices == plan_serving(profile, OPTIONS).devices
     assert loop.link_fit.scales(), "the pipeline's links were fitted"
+
+
+def test_a_links_milliseconds_per_item_are_summed_until_they_say_something() -> None:
+    """A served item's tensor takes a millisecond on a link: the loop sums its items until their prediction reaches
+    MIN_LINK_S, then fits the sum as one sample."""
+    from edgeswarm.planning.refit import MIN_LINK_S
+
+    loop: ClosedLoop[ServePlan, ClusterProfile] = ClosedLoop(
+        RefitPricing(reprice, lambda _plan, refit: plan_serving(refit, OPTIONS), scaled), cost=lambda p: p.bottleneck_s)
+    key = link_key("a", "b")
+    per_item = MIN_LINK_S / 5
+    for item in range(4):
+        loop.add({}, {}, ({key: per_item}, {key: 4 * per_item}))
+        assert key not in loop.scales(), item
+    loop.add({}, {}, ({key: per_item}, {key: 4 * per_item}))
+    assert loop.scales()[key] == pytest.approx(4.0) and loop.rounds()[key] == 1

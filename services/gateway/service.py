@@ -1,9 +1,9 @@
 """The gateway: an OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``) over the
-cluster's serve-hmp jobs, each decoder being served listed as a model named by its job.
+language models the cluster's jobs serve (edgeswarm.gateway).
 
-A thin adapter: it follows the jobs' retained states (only a coordinator's, on its own job's topic) to know which
-decoders are served, and asks a job's coordinator as any caller does (``edgeswarm.hmp.client.stream``: streamed,
-cancelled when the HTTP client goes away). The coordinator counts the requests in the serving metrics; the gateway
+A thin adapter: every installed job kind that serves language models says how to ask its jobs
+(``Workload.text_models``: serve-hmp's decoders, each named by its job); the gateway lists them all and sends each
+request to the kind that serves its model. The coordinator counts the requests in the serving metrics; the gateway
 counts its own answers and refusals (``gateway.*``).
 
 Listening: EDGESWARM_GATEWAY_HOST (127.0.0.1) and EDGESWARM_GATEWAY_PORT (8000); a host beyond loopback needs
@@ -14,27 +14,18 @@ service refuses to start.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Generator
-from typing import Any
 
-from edgeswarm import topics
-from edgeswarm.bus import Inbound
 from edgeswarm.dashboard.auth import check_exposure, read_token
+from edgeswarm.gateway.backend import Prompt, TextEvent, TextFailed, TextModels
 from edgeswarm.gateway.server import GatewayServer
-from edgeswarm.hmp.client import Answer, Prompt, stream
-from edgeswarm.messages.hmp import HmpDelta
-from edgeswarm.messages.jobs import JobState
-from edgeswarm.planning.hmp.types import HmpPlan
+from edgeswarm.plugins import load_target
 from edgeswarm.runtime.service import Service
 from edgeswarm.settings import Settings
 from edgeswarm.values.sampling import Sampling
-from edgeswarm.workloads import typed_state
+from edgeswarm.workloads import installed_workload, kinds
 
 log = logging.getLogger(__name__)
-
-SILENCE_S = 120.0  # a request whose coordinator says nothing for this long is answered with a timeout
-MAX_JOBS = 1024  # job states followed: more is no cluster of ours
 
 
 class GatewayService(Service):
@@ -51,11 +42,13 @@ class GatewayService(Service):
         self.on_listening = on_listening
         self.server = GatewayServer(settings.gateway_host, settings.gateway_port, self.token, self)
         self.server.bind()  # a port in use is said before anything else happens
-        self._jobs: dict[str, JobState] = {}
-        self._lock = threading.Lock()
+        self.kinds: list[TextModels] = []
 
     def setup(self) -> None:
-        self.bus.subscribe(topics.ALL_JOB_STATES, self._on_state, schemas=(JobState,))
+        for kind in kinds():
+            work = installed_workload(kind)
+            if work is not None and work.text_models:
+                self.kinds.append(load_target(work.text_models, f"job kind {kind!r}'s text models")(self.bus))
         self.server.start()
         log.info("OpenAI-compatible API at %s%s", self.server.url,
                  f" (it asks for the token in {self.settings.gateway_token_file})" if self.token else "")
@@ -65,37 +58,19 @@ class GatewayService(Service):
     def teardown(self) -> None:
         self.server.stop()
 
-    def _on_state(self, msg: Inbound) -> None:
-        state = msg.body
-        assert isinstance(state, JobState)
-        env = msg.envelope
-        if env.sender_service != "coordinator" or topics.job_of(msg.topic) != state.job_id:
-            return  # only a coordinator speaks for a job, on that job's own topic
-        with self._lock:
-            if state.job_id in self._jobs or len(self._jobs) < MAX_JOBS:
-                self._jobs[state.job_id] = state
-
     # --- the server's backend ------------------------------------------------------------------------------
 
     def models(self) -> list[tuple[str, float]]:
-        with self._lock:
-            states = list(self._jobs.values())
-        out = []
-        for state in states:
-            if state.kind != "serve-hmp" or state.status != "running":
-                continue
-            try:
-                plan: Any = typed_state(state).plan
-            except Exception:  # noqa: BLE001 - a state this version cannot read lists no model
-                continue
-            if isinstance(plan, HmpPlan) and plan.decode is not None:  # a decoder: it generates text
-                out.append((state.job_id, state.submitted_at))
-        return sorted(out)
+        return sorted(m for k in self.kinds for m in k.models())
 
     def generate(self, model: str, prompt: Prompt, *, request_id: str, new_tokens: int | None, sampling: Sampling,
-                 stop: list[str], alive: Callable[[], bool]) -> Generator[HmpDelta | Answer, None, None]:
-        return stream(self.bus, model, prompt, request_id=request_id, max_new_tokens=new_tokens, sampling=sampling,
-                      stop=stop, timeout_s=SILENCE_S, alive=alive)
+                 stop: list[str], alive: Callable[[], bool]) -> Generator[TextEvent, None, None]:
+        for k in self.kinds:
+            if model in {name for name, _ in k.models()}:
+                yield from k.generate(model, prompt, request_id=request_id, new_tokens=new_tokens, sampling=sampling,
+                                      stop=stop, alive=alive)
+                return
+        yield TextFailed(reason="unknown_job", detail=f"no job serves the model {model!r} any more")
 
     def counted(self, what: str) -> None:
         self.metrics.count(f"gateway.{what}")

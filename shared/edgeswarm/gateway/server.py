@@ -17,7 +17,7 @@ import logging
 import select
 import socket
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
@@ -26,12 +26,9 @@ from pydantic import ValidationError
 from edgeswarm.dashboard.auth import offered_token, token_matches
 from edgeswarm.dashboard.server import BoundedHTTPServer
 from edgeswarm.errors import ConfigError
+from edgeswarm.gateway.backend import Prompt, TextDelta, TextDone, TextEvent, TextFailed, TextModels
 from edgeswarm.gateway.openai_api import Answer, ApiError, ChatRequest, CompletionRequest, model_entry
-from edgeswarm.hmp.client import Answer as HmpAnswer
-from edgeswarm.hmp.client import Prompt
 from edgeswarm.logs import RateLimitedLog
-from edgeswarm.messages.hmp import HmpDelta
-from edgeswarm.values.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +44,16 @@ _REASONS: dict[str, tuple[int, str]] = {
     "failed": (500, "server_error"), "timeout": (504, "server_error"), "cancelled": (499, "server_error")}
 
 
-class Backend(Protocol):
-    """What the server asks of the cluster (the gateway service's bus, or a test's stand-in)."""
-
-    def models(self) -> list[tuple[str, float]]:
-        """The decoders served now: (name, when its job was submitted, epoch seconds)."""
-
-    def generate(self, model: str, prompt: Prompt, *, request_id: str, new_tokens: int | None, sampling: Sampling,
-                 stop: list[str], alive: Callable[[], bool]) -> Generator[HmpDelta | HmpAnswer, None, None]:
-        """Ask the job serving ``model``: its deltas, then its answer. Asks ``alive`` while it waits, and cancels the
-        request when it says the client went away."""
+class Backend(TextModels, Protocol):
+    """What the server asks of the cluster (the gateway service, over every kind's text models; a test's stand-in)."""
 
     def counted(self, what: str) -> None:
         """Count one request (``what``: the endpoint and its outcome) in the service's metrics."""
 
 
-def _failure(answer: HmpAnswer) -> ApiError:
-    status, kind = _REASONS.get(answer.reason or "failed", (500, "server_error"))
-    return ApiError(status, answer.error or answer.reason or "no answer", kind=kind, code=answer.reason)
+def _failure(failed: TextFailed) -> ApiError:
+    status, kind = _REASONS.get(failed.reason, (500, "server_error"))
+    return ApiError(status, failed.detail or failed.reason, kind=kind, code=failed.reason)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -149,19 +138,18 @@ class _Handler(BaseHTTPRequestHandler):
             if request.stream:
                 self._stream(answer, events, request.usage_in_stream, kind)
                 return
-            final = next(e for e in events if not isinstance(e, HmpDelta))
-            assert isinstance(final, HmpAnswer)
-            if final.reply is None:
+            final = next(e for e in events if not isinstance(e, TextDelta))
+            if isinstance(final, TextFailed):
                 raise _failure(final)
-            reply = final.reply
+            assert isinstance(final, TextDone)
             self.app.backend.counted(f"{kind}.ok")
-            self._json(200, answer.whole(reply.text, reply.finish, len(reply.prompt_tokens), len(reply.tokens)))
+            self._json(200, answer.whole(final.text, final.finish, final.prompt_tokens, final.completion_tokens))
         finally:
             events.close()
 
-    def _stream(self, answer: Answer, events: Iterator[HmpDelta | HmpAnswer], usage: bool, kind: str) -> None:
+    def _stream(self, answer: Answer, events: Iterator[TextEvent], usage: bool, kind: str) -> None:
         first = next(events)  # the request's first token, or why there is none, before any header goes out
-        if isinstance(first, HmpAnswer) and first.reply is None:
+        if isinstance(first, TextFailed):
             raise _failure(first)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -170,25 +158,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        sent, whole = 0, True  # characters written; False once a delta was lost (the reply has the rest)
+        sent, whole = 0, True  # characters written; False once a delta was lost (the answer has the rest)
         if answer.chat:
             self._event(answer.chunk("", first=True))
         for event in _chain(first, events):
-            if isinstance(event, HmpDelta):
+            if isinstance(event, TextDelta):
                 whole = whole and event.offset == sent
                 if whole and event.text:
                     self._event(answer.chunk(event.text))
                     sent += len(event.text)
                 continue
-            if event.reply is None:  # failed after it began: the error in OpenAI's shape, as a stream event
+            if isinstance(event, TextFailed):  # failed after it began: the error in OpenAI's shape, as an event
                 self._event(_failure(event).body())
                 break
-            reply = event.reply
-            if len(reply.text) > sent:
-                self._event(answer.chunk(reply.text[sent:]))
-            self._event(answer.chunk(None, reply.finish))
+            if len(event.text) > sent:
+                self._event(answer.chunk(event.text[sent:]))
+            self._event(answer.chunk(None, event.finish))
             if usage:
-                self._event(answer.usage_chunk(len(reply.prompt_tokens), len(reply.tokens)))
+                self._event(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
             self.app.backend.counted(f"{kind}.ok")
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
@@ -237,7 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def _chain(first: HmpDelta | HmpAnswer, rest: Iterator[HmpDelta | HmpAnswer]) -> Iterator[HmpDelta | HmpAnswer]:
+def _chain(first: TextEvent, rest: Iterator[TextEvent]) -> Iterator[TextEvent]:
     yield first
     yield from rest
 

@@ -47,6 +47,7 @@ class HmpWorkload(ServingWorkload):
     program = "edgeswarm.hmp.coordinator:HmpRunner"
     lost_on_restart = "the request under way"
     infer_arguments = "edgeswarm.hmp.cli:add_infer_arguments"
+    text_models = "edgeswarm.hmp.text_models:text_models"
 
     def problems(self, spec: Any, members: list[NodeView]) -> list[str]:
         assert isinstance(spec, HmpSpec)

@@ -380,7 +380,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             if sample.src in senders:
                 received.setdefault(senders[sample.src], []).append(sample)
         try:
-            links = link_fit_inputs(self.cluster, received)
+            links = link_fit_inputs(self.cluster, received, min_s=0.0)  # the loop sums a link's items
         except ProfileError:  # a pair of the plan's devices with no link measurement: nothing to compare with
             links = None
         self.refit_loop.add(predicted, {s.device: t for s, t in zip(plan.stages, body.compute_s, strict=True)},

@@ -51,12 +51,12 @@ def link_nodes(key: str) -> tuple[str, str] | None:
     return (a, b) if sep else None
 
 
-def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample]]) -> tuple[dict[str, float],
-                                                                                              dict[str, float]]:
+def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample]], min_s: float = MIN_LINK_S
+                    ) -> tuple[dict[str, float], dict[str, float]]:
     """One round's predicted and measured seconds per link key, from what each device received (``received``:
     receiving node -> its samples). A sample is priced as the planners price the pair (``vocabulary``: the slower
     direction's bandwidth, the larger per-message cost): its bytes over the bandwidth and a message's fixed cost per
-    chunk. Samples from or to nodes outside ``cluster`` are left out, and so are links predicted under MIN_LINK_S
+    chunk. Samples from or to nodes outside ``cluster`` are left out, and so are links predicted under ``min_s``
     in all. Raises ProfileError when a pair of the cluster's devices has no link measurement."""
     nodes = [entry.device.node for entry in cluster.devices]
     index = {node: i for i, node in enumerate(nodes)}
@@ -73,7 +73,7 @@ def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample
             seconds = sample.bytes / float(bandwidth[i, j]) + sample.chunks * float(message[i, j])
             predicted[key] = predicted.get(key, 0.0) + seconds
             measured[key] = measured.get(key, 0.0) + sample.seconds
-    kept = [k for k, s in predicted.items() if s >= MIN_LINK_S]
+    kept = [k for k, s in predicted.items() if s >= min_s]
     return {k: predicted[k] for k in kept}, {k: measured[k] for k in kept}
 
 
@@ -231,15 +231,25 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
     link_fit: ScaleFit = field(default_factory=lambda: ScaleFit(sliver=0.0))
     rebalancer: Rebalancer = field(default_factory=Rebalancer)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # Each link's predicted and measured seconds over the units since its last sample (``add``).
+    _links: dict[str, tuple[float, float]] = field(default_factory=dict, init=False)
 
     def add(self, predicted: dict[str, float], measured: dict[str, float],
             links: tuple[dict[str, float], dict[str, float]] | None = None) -> None:
         """One unit of work measured (``ScaleFit.add``): each device's compute and, with ``links``, each link's
-        predicted and measured seconds (``link_fit_inputs``); counted on the running plan."""
+        predicted and measured seconds (``link_fit_inputs`` with no floor); counted on the running plan. A served
+        item's tensors may take a few milliseconds on a link: a link's seconds are summed over units until their
+        prediction reaches MIN_LINK_S, then fitted as one sample, so timing noise does not make its scale."""
         with self._lock:
             self.fit.add(predicted, measured)
             if links is not None:
-                self.link_fit.add(*links)
+                for key, seconds in links[0].items():
+                    before, seen = self._links.pop(key, (0.0, 0.0))
+                    summed = (before + seconds, seen + links[1].get(key, 0.0))
+                    if summed[0] >= MIN_LINK_S:
+                        self.link_fit.add({key: summed[0]}, {key: summed[1]})
+                    else:
+                        self._links[key] = summed
             self.rebalancer.round_done()
 
     def scales(self) -> dict[str, float]:
@@ -254,6 +264,7 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
     def new_plan(self) -> None:
         with self._lock:
             self.rebalancer.new_plan()
+            self._links.clear()
 
     def priced(self, plan: PlanT, profile: ProfileT, best: bool) -> Priced[PlanT, ProfileT] | None:
         """``plan`` on ``profile`` refitted (``RefitPricing.priced``); None before the fit has any key. Raises what

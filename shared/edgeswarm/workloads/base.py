@@ -95,6 +95,9 @@ class Workload(ABC):
     # "module:function(parser)": the options its infer_cli reads beyond those every serving kind's does, added to
     # `edgeswarm infer`'s (empty: none of its own).
     infer_arguments: ClassVar[str] = ""
+    # "module:function(bus) -> gateway.backend.TextModels": the language models this kind's running jobs serve, as
+    # the gateway service asks them (empty: it serves none); imported only by the gateway.
+    text_models: ClassVar[str] = ""
     # Its own verbs, each ``edgeswarm NAME`` ("module:Class" of a ``workloads.commands.Command``), and its benchmarks,
     # each ``edgeswarm bench NAME`` (of a ``workloads.commands.Bench``); imported only by the command line.
     commands: ClassVar[tuple[str, ...]] = ()
