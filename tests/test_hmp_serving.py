@@ -272,6 +272,20 @@ def test_a_chat_model_answers_a_conversation_sampled_until_its_end_of_turn_or_a_
     assert [t for d in deltas for t in d.tokens] == final.reply.tokens and len(deltas) == len(final.reply.tokens)
     assert all(d.offset == sum(len(e.text) for e in deltas[:k]) for k, d in enumerate(deltas))
     assert final.reply.text.startswith("".join(d.text for d in deltas))
+    # The same from the command line: a user turn, sampled with the seed.
+    out = tmp_path / "chat.json"
+    hub = ["--hub", cluster.local.hub_url]
+    turn = CONVERSATION[-1].content
+    asked = subprocess.run([sys.executable, "-m", "edgeswarm", "infer", "hmp-chat", *hub, "--chat", turn,
+                            "--temperature", "1.0", "--top-p", "0.95", "--seed", "5", "--max-new-tokens", "12",
+                            "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    ids = tokenizer.encode(chat.render([CONVERSATION[-1]]), special_tokens=False).ids
+    assert json.loads(out.read_text())["results"][0]["reply"]["tokens"] == reference.generate(
+        cfg, w, ids, 12, stop=tokenizer.special.eos, sampling=sampling)
+    refused = subprocess.run([sys.executable, "-m", "edgeswarm", "infer", "hmp-chat", *hub, "--chat", turn,
+                              "--temperature", "-1"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--temperature" in refused.stderr and "Traceback" not in refused.stderr
     stop(cluster, follower)
 
 

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,12 +93,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
         assert _share(new, "a", unit_s) < _share(first, "a", unit_s), (moved, first.stages, new.stages)
         # The stream goes on on the new plan; every request was answered, right, once.
         answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
-        net = build_model(model).eval()
-        with torch.no_grad():
-            for report in answers:
-                for r in report.results:
-                    assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
-                    torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
+        assert_answered(answers, inputs, model)
         sent = sum(len(report.results) for report in answers)
         wait_until(lambda: follower.state.progress_as(ServeProgress).answered == sent, 10,
                    message="every request counted once")
@@ -191,12 +187,7 @@ def test_links_slower_than_their_profile_are_refitted_and_the_stream_moves_off_t
         assert not slow_crossed(plan()), ([(e.kind, e.detail) for e in events], first.stages, plan().stages)
         assert 1 <= len(moved) <= 2, moved
         assert all("links measured against the profile: a<->" in m for m in moved), moved
-        net = build_model(model).eval()
-        with torch.no_grad():
-            for report in answers:
-                for r in report.results:
-                    assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
-                    torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)
+        assert_answered(answers, inputs, model)
     finally:
         cancel_job(bus, name)
         follower.wait(60)
@@ -207,3 +198,14 @@ def test_links_slower_than_their_profile_are_refitted_and_the_stream_moves_off_t
 def model_profile_cut_bytes(model: ModelSpec) -> int:
     """Bytes per sample of the tensor a cut between two of the model's layers carries (the hidden width's)."""
     return 4 * int(model.config["hidden"])
+
+
+def assert_answered(answers: list[Any], inputs: list[torch.Tensor], model: ModelSpec) -> None:
+    """Every request of ``answers`` (infer_stream's reports over ``inputs``) has the outputs of the model run in one
+    process."""
+    net = build_model(model).eval()
+    with torch.no_grad():
+        for report in answers:
+            for r in report.results:
+                assert r.outputs is not None, f"request {r.index}: {r.reason}: {r.error}"
+                torch.testing.assert_close(r.outputs, net(inputs[r.index]), rtol=1e-5, atol=1e-5)

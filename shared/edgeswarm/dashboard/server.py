@@ -150,6 +150,35 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                             exc_info=True)
 
 
+def listen(host: str, port: int, handler: type[BaseHTTPRequestHandler], app: Any, *, what: str, setting: str,
+           max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
+    """A server for ``app`` bound to ``host``:``port`` (0: a free port), answering nothing yet. Raises ConfigError
+    naming ``what`` and its port ``setting`` when it cannot: another program holds the port, or the host is not this
+    machine's."""
+    try:
+        return BoundedHTTPServer((host, port), handler, app, max_connections)
+    except OSError as exc:
+        raise ConfigError(f"{what} cannot listen on {host}:{port}: {exc.strerror or exc}; choose another {setting} "
+                          "or stop what holds it") from None
+
+
+def serve_in_thread(httpd: BoundedHTTPServer, name: str) -> threading.Thread:
+    """Answer ``httpd``'s requests on a daemon thread of its own (started)."""
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.5}, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def http_url(host: str, port: int, path: str) -> str:
+    """The address of ``path`` on a listener: a loopback one's as its address, an all-interfaces one's as this
+    host's name."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: BoundedHTTPServer
     timeout = READ_TIMEOUT_S
@@ -339,30 +368,20 @@ class DashboardServer:
         cannot: another program holds the port, or the host is not this machine's."""
         if self._httpd is not None:
             return
-        try:
-            self._httpd = BoundedHTTPServer((self.host, self.port), _Handler, self)
-        except OSError as exc:
-            raise ConfigError(f"the dashboard cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; "
-                              "choose another EDGESWARM_DASHBOARD_PORT (--port) or stop what holds it") from None
+        self._httpd = listen(self.host, self.port, _Handler, self, what="the dashboard",
+                             setting="EDGESWARM_DASHBOARD_PORT (--port)")
         self.port = self._httpd.server_address[1]
 
     def start(self) -> None:
         """Bind (unless done) and answer requests on a thread of its own."""
         self.bind()
         assert self._httpd is not None
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="dashboard-http", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(self._httpd, "dashboard-http")
 
     @property
     def url(self) -> str:
         """The page's address (a loopback listener's as 127.0.0.1; an all-interfaces one's as this host's name)."""
-        host = self.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}/"
+        return http_url(self.host, self.port, "/")
 
     def publish(self, snapshot_json: bytes) -> None:
         self.broadcast.publish(snapshot_json)

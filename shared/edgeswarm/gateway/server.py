@@ -24,8 +24,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from edgeswarm.dashboard.auth import offered_token, token_matches
-from edgeswarm.dashboard.server import BoundedHTTPServer
-from edgeswarm.errors import ConfigError
+from edgeswarm.dashboard.server import BoundedHTTPServer, http_url, listen, serve_in_thread
 from edgeswarm.gateway.backend import Prompt, TextDelta, TextDone, TextEvent, TextFailed, TextModels
 from edgeswarm.gateway.openai_api import Answer, ApiError, ChatRequest, CompletionRequest, model_entry
 from edgeswarm.logs import RateLimitedLog
@@ -242,30 +241,19 @@ class GatewayServer:
         """Take the address (port 0: a free one), answering nothing yet."""
         if self._httpd is not None:
             return
-        try:
-            self._httpd = BoundedHTTPServer((self.host, self.port), _Handler, self, MAX_CONNECTIONS)
-        except OSError as exc:
-            raise ConfigError(f"the gateway cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; choose "
-                              "another EDGESWARM_GATEWAY_PORT or stop what holds it") from None
+        self._httpd = listen(self.host, self.port, _Handler, self, what="the gateway",
+                             setting="EDGESWARM_GATEWAY_PORT", max_connections=MAX_CONNECTIONS)
         self.port = self._httpd.server_address[1]
 
     def start(self) -> None:
-        import threading
-
         self.bind()
         assert self._httpd is not None
-        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5}, name="gateway-http",
-                         daemon=True).start()
+        serve_in_thread(self._httpd, "gateway-http")
 
     @property
     def url(self) -> str:
         """The API's base address, as an OpenAI client takes it (``.../v1``)."""
-        host = self.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}/v1"
+        return http_url(self.host, self.port, "/v1")
 
     def stop(self) -> None:
         if self._httpd is not None:

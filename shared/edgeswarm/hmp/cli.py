@@ -21,7 +21,7 @@ from rich.table import Table
 
 from edgeswarm.bus import Bus
 from edgeswarm.errors import ConfigError
-from edgeswarm.hmp.client import ask
+from edgeswarm.hmp.client import Prompt, ask
 from edgeswarm.hmp.spec import HmpSpec
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.models.inputs import as_input_dtype, read_npz
@@ -30,6 +30,8 @@ from edgeswarm.models.text.pooling import SentencePooling, pooling_for, sentence
 from edgeswarm.planning.hmp.plan import compare, plan_hmp
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpComparison, HmpOptions, HmpPlan
+from edgeswarm.values.chat import ChatMessage
+from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import PRESETS, TextModelConfig
 from edgeswarm.workloads import parse_spec_text
 from edgeswarm.workloads.commands import CommandTools
@@ -47,27 +49,53 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
                         help="a text model with a tokenizer: one request of TEXT (repeatable)")
     source.add_argument("--tokens", action="append", default=None, metavar="IDS",
                         help="a text model: one request of these comma-separated token ids (repeatable)")
+    source.add_argument("--chat", action="append", default=None, metavar="TEXT",
+                        help="a chat model (its folder has a chat template): one request of a user turn TEXT "
+                             "(repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="a text decoder: tokens to generate per request (default: the job's max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="a text decoder: sample at this temperature (default: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the smallest set of mass p")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: the draws' seed (same seed, same text)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a text decoder with a tokenizer: end the answer before TEXT (repeatable)")
 
 
 def _check_infer_arguments(args: argparse.Namespace) -> None:
     """Refuse two input sources at once (--text or --tokens with --npz or --count: the shared ones are declared
     apart from this kind's, so argparse cannot) and a negative --max-new-tokens."""
-    own = "--text" if args.text else "--tokens" if args.tokens else None
+    own = "--text" if args.text else "--tokens" if args.tokens else "--chat" if args.chat else None
     shared = "--npz" if args.npz is not None else "--count" if args.count is not None else None
     if own and shared:
         raise ConfigError(f"{own} and {shared} are two sources of inputs: give one")
     if (args.max_new_tokens or 0) < 0:
         raise ConfigError("--max-new-tokens must be at least 0")
+    sampling(args)  # its ranges, said before anything is sent
 
 
-def _prompts(args: argparse.Namespace, state: JobState) -> list[list[int] | str]:
-    """The prompts ``edgeswarm infer`` sends: --text, --tokens, the rows of --npz, or --count generated ones."""
+def sampling(args: argparse.Namespace) -> Sampling | None:
+    """The sampling --temperature, --top-k, --top-p and --seed ask for (None: greedy). Raises ConfigError naming the
+    option out of range."""
+    if args.temperature is None:
+        return None
+    try:
+        return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValidationError as exc:
+        option = "--" + str(exc.errors()[0]["loc"][0]).replace("_", "-")
+        raise ConfigError(f"{option}: {exc.errors()[0]['msg']}") from None
+
+
+def _prompts(args: argparse.Namespace, state: JobState) -> list[Prompt]:
+    """The prompts ``edgeswarm infer`` sends: --text, --chat, --tokens, the rows of --npz, or --count generated
+    ones."""
     import torch
 
     if args.text:
         return list(args.text)
+    if args.chat:
+        return [[ChatMessage(role="user", content=text)] for text in args.chat]
     if args.tokens:
         try:
             return [[int(t) for t in line.split(",") if t.strip()] for line in args.tokens]
@@ -108,7 +136,7 @@ def run_infer(args: argparse.Namespace, bus: Bus, state: JobState, tools: Comman
     prompts = _prompts(args, state)
     started = time.monotonic()
     answers = ask(bus, args.job, prompts, max_new_tokens=args.max_new_tokens, window=args.window,
-                  timeout_s=args.timeout)
+                  timeout_s=args.timeout, sampling=sampling(args), stop=args.stop)
     wall = time.monotonic() - started
     good = [a for a in answers if a.reply is not None]
     pooling, why_not = _pooling(state) if any(a.hidden is not None for a in good) else (None, "")

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 HUB_NODE = "hub"
 HUB_SERVICES = services_of("hub")
-DASHBOARD = "dashboard"
-GATEWAY = "gateway"
+# The hub services that listen on a port of their own: the cluster's attribute holding it, and their settings' prefix.
+LISTENERS = {"dashboard": ("dashboard_port", "EDGESWARM_DASHBOARD"), "gateway": ("gateway_port", "EDGESWARM_GATEWAY")}
 DEVICE_SERVICES = services_of("device")
 EDGE_SERVICES = services_of("edge")
 CHECKPOINT_DIR_ENV = "EDGESWARM_CHECKPOINT_DIR"
@@ -226,19 +226,13 @@ class LocalCluster:
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
                               mqtt_protocol=protocol, extra={**extra, **self.identity_env(HUB_NODE)})
         for service in HUB_SERVICES:
-            if service == DASHBOARD:
-                if self.dashboard_port is None:
+            if service in LISTENERS:  # the dashboard and the gateway: on 127.0.0.1, a free port unless one is given
+                attr, setting = LISTENERS[service]
+                if getattr(self, attr) is None:
                     continue
-                self.dashboard_port = self.dashboard_port or free_port()
-                self._spawn(HUB_NODE, service, {**hub_env, "EDGESWARM_DASHBOARD_HOST": "127.0.0.1",
-                                                "EDGESWARM_DASHBOARD_PORT": str(self.dashboard_port)})
-                continue
-            if service == GATEWAY:
-                if self.gateway_port is None:
-                    continue
-                self.gateway_port = self.gateway_port or free_port()
-                self._spawn(HUB_NODE, service, {**hub_env, "EDGESWARM_GATEWAY_HOST": "127.0.0.1",
-                                                "EDGESWARM_GATEWAY_PORT": str(self.gateway_port)})
+                setattr(self, attr, getattr(self, attr) or free_port())
+                self._spawn(HUB_NODE, service, {**hub_env, f"{setting}_HOST": "127.0.0.1",
+                                                f"{setting}_PORT": str(getattr(self, attr))})
                 continue
             self._spawn(HUB_NODE, service, hub_env)
         roles: tuple[tuple[NodeRole, tuple[str, ...]], ...] = (("device", DEVICE_SERVICES), ("edge", EDGE_SERVICES))

@@ -18,6 +18,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgeswarm.models.text.hf import ModelFolderError
+from edgeswarm.models.text.tokenizer import token_text
 from edgeswarm.values.chat import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,6 @@ SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token"
 
 class ChatTemplateError(ModelFolderError):
     """The folder's chat template cannot be read or rendered; the message says which and why."""
-
-
-def _token_text(value: object) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 def _raise(message: str) -> None:
@@ -86,7 +79,7 @@ class ChatTemplate:
         if not isinstance(source, str):
             raise ChatTemplateError(f"{folder / CONFIG_FILE}: chat_template is neither a string nor a list of named "
                                     "templates with a 'default'")
-        special = {role: text for role in SPECIAL_ROLES if (text := _token_text(config.get(role))) is not None}
+        special = {role: text for role in SPECIAL_ROLES if (text := token_text(config.get(role))) is not None}
         return cls(source, special)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:

@@ -58,8 +58,8 @@ def _json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _token_text(value: object) -> str | None:
-    # tokenizer_config.json writes a token as "<s>" or as {"content": "<s>", ...}.
+def token_text(value: object) -> str | None:
+    """A special token's text as tokenizer_config.json writes it: "<s>", or {"content": "<s>", ...}."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -122,7 +122,7 @@ class TextTokenizer:
         found: dict[str, tuple[int, ...]] = {}
         for role in ("bos", "eos", "pad"):
             ids = _ids(gen.get(f"{role}_token_id")) or _ids(cfg.get(f"{role}_token_id"))
-            text = _token_text(texts.get(f"{role}_token"))
+            text = token_text(texts.get(f"{role}_token"))
             tid = self._tok.token_to_id(text) if text is not None else None
             if tid is not None and (not ids or role == "eos"):
                 # a chat model's tokenizer_config names its end of turn (Qwen's <|im_end|>) beside the base model's
