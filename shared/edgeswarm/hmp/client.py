@@ -121,14 +121,11 @@ def stream(bus: Bus, job_id: str, prompt: Prompt, *, request_id: str, max_new_to
             now = time.monotonic()
             if alive is not None and now - checked >= POLL_S:  # asked while tokens flow too, not only in pauses
                 checked = now
-                gone = not alive()
-            else:
-                gone = False
-            if gone:
-                answered = True  # nobody to answer: stop the work
-                cancel(bus, job_id, request_id, coordinator)
-                yield Answer(0, now - sent, reason="cancelled", error="the caller went away")
-                return
+                if not alive():
+                    answered = True  # nobody to answer: stop the work
+                    cancel(bus, job_id, request_id, coordinator)
+                    yield Answer(0, now - sent, reason="cancelled", error="the caller went away")
+                    return
             if reply is None and now - heard < timeout_s and replies.refusal is None:
                 continue
             heard = now
