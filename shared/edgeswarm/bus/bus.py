@@ -154,7 +154,8 @@ class Expectation:
 
 class ReplyStream(Expectation):
     """Every reply to one request, in arrival order (a streamed answer: its parts, then its end), until ``close``.
-    At most ``MAX_STREAM_BACKLOG`` replies wait to be taken; a sender that outruns its reader loses the newest."""
+    At most ``MAX_STREAM_BACKLOG`` replies wait to be taken; a sender that outruns its reader loses the newest
+    (counted as ``stream_replies_dropped``)."""
 
     MAX_STREAM_BACKLOG = 4096
 
@@ -162,12 +163,11 @@ class ReplyStream(Expectation):
         super().__init__(bus, correlation_id)
         self._replies: deque[Inbound] = deque()
         self._ready = threading.Condition()
-        self.dropped = 0
 
     def _resolve(self, reply: Inbound) -> None:
         with self._ready:
             if len(self._replies) >= self.MAX_STREAM_BACKLOG:
-                self.dropped += 1
+                self._bus.metrics.count("stream_replies_dropped")
                 return
             self._replies.append(reply)
             self._ready.notify_all()

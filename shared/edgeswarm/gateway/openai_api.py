@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from edgeswarm.messages.hmp import MAX_NEW_TOKENS, MAX_STOP_CHARS, MAX_TEXT_CHARS
 from edgeswarm.values.chat import MAX_CONTENT_CHARS, MAX_MESSAGES, ChatMessage
@@ -36,6 +36,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _unsupported(cls: type, value: Any, info: ValidationInfo) -> Any:
+    """A field of OpenAI's API this server does not implement: refused when set (empty or false is what it does)."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
 
 
 class TextPart(BaseModel):
@@ -88,12 +95,7 @@ class _Generation(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool | int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: object) -> object:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    _no_logprobs = field_validator("logprobs")(_unsupported)
 
     @field_validator("stop")
     @classmethod
@@ -124,12 +126,7 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS)
     tools: list[Any] | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
+    _no_tools = field_validator("tools")(_unsupported)
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -145,19 +142,7 @@ class CompletionRequest(_Generation):
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
+    _no_echo_or_suffix = field_validator("echo", "suffix")(_unsupported)
 
     def new_tokens(self) -> int:
         return self.max_tokens or COMPLETION_DEFAULT_TOKENS

@@ -126,15 +126,18 @@ class RequestCache:
 
     def __init__(self, layers: int) -> None:
         self.layers = [HeadCache() for _ in range(layers)]
-        self.length = 0
         self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        """The positions it covers: one a token."""
+        return len(self.tokens)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
 
     def free(self) -> None:
         self.layers = [HeadCache() for _ in self.layers]
-        self.length = 0
         self.tokens = []
 
     def truncate(self, length: int) -> None:
@@ -142,7 +145,6 @@ class RequestCache:
         for c in self.layers:
             if c.k is not None and c.v is not None:
                 c.k, c.v = c.k[:, :length].clone(), c.v[:, :length].clone()
-        self.length = min(self.length, length)
         self.tokens = self.tokens[:length]
 
 
@@ -253,7 +255,6 @@ class HmpRank:
         finally:
             self.recorder.layer = OUTSIDE
         if cache is not None:
-            cache.length = start + s
             cache.tokens.extend(int(t) for t in ids.tolist())
         return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden,
                           last=self.rank == last_row_rank(self.shares.mode, s, self.n))

@@ -8,7 +8,6 @@ end the assistant's turn are the tokenizer's end of sequence (``TextTokenizer.sp
 from __future__ import annotations
 
 import json
-import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from edgeswarm.models.text.hf import ModelFolderError
 from edgeswarm.models.text.tokenizer import token_text
 from edgeswarm.values.chat import ChatMessage
-
-log = logging.getLogger(__name__)
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
