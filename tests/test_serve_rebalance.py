@@ -7,6 +7,7 @@ the same devices starts from it."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ SLOWDOWN = 30.0
 # slower than profiled on the head alone slows nothing down, and the test waited for a re-plan that had no cause.
 MODEL = {"name": "mlp", "config": {"in_channels": 1, "image_size": 32, "hidden": 1024, "layers": 3, "seed": 1}}
 MICRO_BATCH = 32
+A_MOVED = re.compile(r"compute measured against the profile: [^;]*\ba \d+\.\d+x")
 
 
 def start_cluster(broker, make_bus, services, tmp_path: Path,  # type: ignore[no-untyped-def]
@@ -65,32 +67,45 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
                         lambda node: {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN)},
                         lambda node: {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN * (8 if node == "a" else 1))})
     events: list[JobEvent] = []
+    plans: dict[int, ServePlan] = {}  # every plan the job published, by epoch
     name = "rebalance"
-    follower = JobFollower(bus, name, on_event=events.append)
+
+    def seen(state: Any) -> None:
+        if isinstance(state.plan, ServePlan):
+            plans[state.plan.epoch] = state.plan
+
+    follower = JobFollower(bus, name, on_state=seen, on_event=events.append)
     spec = {"kind": "serve-pipeline", "name": name, "model": MODEL, "micro_batch_size": MICRO_BATCH, "window": 4}
     submit_job(bus, json.dumps(spec), submission=follower.submission)
 
     def of(kind: str) -> list[str]:
         return [e.detail for e in list(events) if e.kind == kind]
 
+    def on_a() -> int | None:
+        """The first re-plan that measured a slower than profiled (its index among the re-plans)."""
+        return next((k for k, d in enumerate(of("rebalanced")) if A_MOVED.search(d)), None)
+
     try:
         first = wait_serving(follower, 120).plan
         assert isinstance(first, ServePlan) and "a" in first.devices, first
         model = ModelSpec.model_validate(MODEL)
         inputs = [example_input(model, MICRO_BATCH, seed=k) for k in range(16)]
-        deadline, answers = time.monotonic() + 90, []
-        while not of("rebalanced") and time.monotonic() < deadline:  # bounded: about 90 s of items at most
+        deadline, answers = time.monotonic() + 120, []
+        # On a busy machine b and c may measure slower than profiled too and move the stream first (while a holds
+        # less than the fit's sliver, its speed is not measured): the loop goes on until a re-plan measured a.
+        while on_a() is None and time.monotonic() < deadline:  # bounded: about 120 s of items at most
             answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
+        k = on_a()
+        assert k is not None, ([(e.kind, e.detail) for e in events], first.stages, follower.state.progress)
         moved = of("rebalanced")
-        assert moved, ([(e.kind, e.detail) for e in events], first.stages, follower.state.progress)
-        assert "compute measured against the profile: a " in moved[0] and "more)" in moved[0], moved
-        # The new plan gives a less of the forward than the one it replaced, as the profile prices it.
-        wait_until(lambda: isinstance(follower.state.plan, ServePlan) and follower.state.plan.epoch > first.epoch,
-                   10, message="the new plan in the job's state")
-        new = follower.state.plan
-        assert isinstance(new, ServePlan)
+        assert "more)" in moved[k], moved
+        # The re-plan that measured a gives a less of the forward than the plan it replaced, as the profile prices
+        # it (each re-plan is the next epoch).
+        before, after = first.epoch + k, first.epoch + k + 1
+        wait_until(lambda: after in plans, 10, message="the new plan in the job's state")
         unit_s = _unit_seconds(model)
-        assert _share(new, "a", unit_s) < _share(first, "a", unit_s), (moved, first.stages, new.stages)
+        assert _share(plans[after], "a", unit_s) < _share(plans[before], "a", unit_s), (
+            moved, plans[before].stages, plans[after].stages)
         # The stream goes on on the new plan; every request was answered, right, once.
         answers.append(infer_stream(bus, name, inputs, window=4, timeout_s=60))
         assert_answered(answers, inputs, model)
