@@ -54,7 +54,7 @@ def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens:
     """Bytes rank ``rank`` reserves: its weights, CACHES_RESERVED KV caches of ``max_tokens`` tokens for its KV
     heads (sp: every head), and one pass's activations (a few [tokens, max(hidden, ffn)] tensors)."""
     shapes = shard_shapes(cfg, shares, rank)
-    weights = sum(_numel(s) for s in shapes.values()) * cfg.dtype_bytes
+    weights = sum(cfg.tensor_bytes(name, _numel(s)) for name, s in shapes.items())
     heads = cfg.heads if shares.mode in ("sp", "local") else shares.heads[rank]
     kv = 2 * cfg.layers * (heads // cfg.group) * cfg.head_dim * max_tokens * cfg.dtype_bytes
     activations = 6 * max_tokens * max(cfg.hidden, cfg.ffn) * cfg.dtype_bytes

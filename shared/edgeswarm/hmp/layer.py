@@ -56,9 +56,12 @@ from edgeswarm.hmp.tiles import CommThreads, ag_gemm, gemm_rs
 from edgeswarm.hmp.trace import OUTSIDE, Recorder
 from edgeswarm.models.text.ops import (
     HeadCache,
+    Matrix,
     Weights,
     attention,
+    cat_rows,
     embed,
+    linear,
     mlp_inner,
     norm,
     positioned,
@@ -194,17 +197,17 @@ class HmpRank:
 
     def _fuse(self) -> None:
         """One GEMM for q, k, v and one for up and gate per layer (the tiles multiply each once)."""
-        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None, int, int]] = []
-        self.upgate: list[torch.Tensor] = []
+        self.qkv: list[tuple[Matrix, torch.Tensor | None, int, int]] = []
+        self.upgate: list[Matrix] = []
         for i in range(self.cfg.layers):
             p = f"layers.{i}."
             q, k, v = (self.w.pop(p + n + ".weight") for n in ("q", "k", "v"))
             bias = None
             if self.cfg.attention_biased:
                 bias = torch.cat([self.w.pop(p + n + ".bias") for n in ("q", "k", "v")])
-            self.qkv.append((torch.cat([q, k, v]), bias, q.shape[0], k.shape[0]))
+            self.qkv.append((cat_rows([q, k, v]), bias, q.shape[0], k.shape[0]))
             if self.cfg.gated:
-                self.upgate.append(torch.cat([self.w.pop(p + "up.weight"), self.w.pop(p + "gate.weight")]))
+                self.upgate.append(cat_rows([self.w.pop(p + "up.weight"), self.w.pop(p + "gate.weight")]))
 
     def new_cache(self) -> RequestCache:
         return RequestCache(self.cfg.layers)
@@ -217,7 +220,7 @@ class HmpRank:
         for t in tensors + self.upgate:
             if id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+                total += t.nbytes
         return total
 
     def close(self) -> None:
@@ -264,7 +267,7 @@ class HmpRank:
         if not out.last:
             return None
         with torch.inference_mode(), self.recorder.phase("compute", "lm_head"):
-            return F.linear(out.hidden[-1:], self.w["lm_head.weight"])[0]
+            return linear(out.hidden[-1:], self.w["lm_head.weight"])[0]
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -293,7 +296,7 @@ class HmpRank:
 
     def _qkv(self, i: int, t: torch.Tensor) -> torch.Tensor:
         wt, b, _, _ = self.qkv[i]
-        return F.linear(t, wt, b)
+        return linear(t, wt, b)
 
     def _split_qkv(self, i: int, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _, _, nq, nkv = self.qkv[i]
@@ -302,16 +305,16 @@ class HmpRank:
     def _inner(self, i: int, t: torch.Tensor) -> torch.Tensor:
         p = f"layers.{i}."
         if self.cfg.gated:
-            both = F.linear(t, self.upgate[i])
+            both = linear(t, self.upgate[i])
             up, gate = both.chunk(2, dim=1)
             return F.silu(gate) * up
         return mlp_inner(self.cfg, t, self.w[p + "up.weight"], self.w.get(p + "up.bias"))
 
     def _down(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        return F.linear(t, self.w[f"layers.{i}.down.weight"])
+        return linear(t, self.w[f"layers.{i}.down.weight"])
 
     def _o(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        return F.linear(t, self.w[f"layers.{i}.o.weight"])
+        return linear(t, self.w[f"layers.{i}.o.weight"])
 
     def _bias(self, i: int, name: str) -> torch.Tensor | float:
         return self.w.get(f"layers.{i}.{name}.bias", 0.0)

@@ -34,6 +34,9 @@ def check_shares(cfg: TextModelConfig, shares: HmpShares) -> None:
             raise ValueError(f"column shares {shares.columns} sum to {sum(shares.columns)}, the model has {cfg.ffn}")
         if any(a % cfg.group for a in shares.heads):
             raise ValueError(f"head shares {shares.heads} must be multiples of {cfg.group} (query heads per KV head)")
+        if any(c % cfg.column_granule for c in shares.columns):
+            raise ValueError(f"column shares {shares.columns} must be multiples of {cfg.column_granule} (the "
+                             f"{cfg.quantization} weights' blocks)")
 
 
 def rank_slices(cfg: TextModelConfig, shares: HmpShares, rank: int) -> list[WeightSlice]:

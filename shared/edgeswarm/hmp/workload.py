@@ -62,7 +62,7 @@ class HmpWorkload(ServingWorkload):
             found.append(f"max_tokens {spec.max_tokens} passes {spec.model.name}'s {cfg.max_positions} positions")
         if spec.seq_len > spec.max_tokens:
             found.append(f"seq_len {spec.seq_len} passes max_tokens {spec.max_tokens}")
-        layers_bytes = cfg.layers * (cfg.attention_params() + cfg.mlp_params()) * cfg.dtype_bytes
+        layers_bytes = cfg.layers * (cfg.attention_bytes() + cfg.mlp_bytes())
         total = sum(m.memory_budget_bytes for m in members)
         if members and layers_bytes > total:
             found.append(f"model: {spec.model.name}'s layers need {layers_bytes / MIB:.1f} MiB, but the "

@@ -49,6 +49,13 @@ MAX_WIDTH = 65536
 MAX_VOCAB = 1 << 20
 MAX_POSITIONS = 1 << 17
 
+# ggml's quantized blocks a GGUF file holds and the runtime keeps as they are (``models.text.quantized``): a block
+# is BLOCK consecutive weights of a row in BLOCK_BYTES[kind] bytes (a float16 scale and the quants).
+QuantType = Literal["q8_0", "q4_0"]
+BLOCK = 32
+BLOCK_BYTES: dict[str, int] = {"q8_0": 34, "q4_0": 18}
+MATRICES = ("q", "k", "v", "o", "up", "gate", "down")  # a layer's weights that ``quantization`` applies to
+
 
 class RopeScaling(BaseModel):
     """Llama 3's rotary scaling (``rope_type: llama3``): the frequencies whose wavelength is longer than
@@ -103,6 +110,14 @@ class TextModelConfig(BaseModel):
     head_size: int = Field(default=0, ge=0, le=MAX_WIDTH)  # 0: hidden / heads
     qkv_bias: bool = False
     qk_norm: bool = False
+    # The layers' matrices (q, k, v, o, up, gate, down) and the token embedding (with a tied head) held in ggml's
+    # quantized blocks (a GGUF file's); None: in ``dtype``. An untied head is in ``head_quantization``.
+    quantization: QuantType | None = None
+    embed_quantization: QuantType | None = None
+    head_quantization: QuantType | None = None
+    # A GGUF Llama 3's rotary scaling as stored there: each frequency's divisor (``rope_freqs``, head_dim / 2 of
+    # them), in place of ``rope_scaling``'s parameters.
+    rope_factors: tuple[float, ...] | None = Field(default=None, max_length=MAX_WIDTH // 2)
 
     @model_validator(mode="after")
     def _consistent(self) -> TextModelConfig:
@@ -114,6 +129,14 @@ class TextModelConfig(BaseModel):
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.family == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, not {self.head_dim}")
+        if self.rope_factors is not None and (self.family != "llama" or len(self.rope_factors) != self.head_dim // 2
+                                              or self.rope_scaling is not None):
+            raise ValueError(f"rope_factors are a llama model's head_dim / 2 = {self.head_dim // 2} divisors, "
+                             "given instead of rope_scaling")
+        if self.quantization is not None and (self.head_dim % BLOCK or self.ffn % BLOCK or self.hidden % BLOCK):
+            # A rank's columns of o (whole heads) and of down (its MLP columns) must be whole blocks.
+            raise ValueError(f"a {self.quantization} model's hidden size, head dimension and MLP width must be "
+                             f"multiples of its {BLOCK}-weight blocks ({self.hidden}, {self.head_dim}, {self.ffn})")
         return self
 
     @property
@@ -162,6 +185,44 @@ class TextModelConfig(BaseModel):
     @property
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
+
+    @property
+    def column_granule(self) -> int:
+        """The MLP columns a tensor-parallel share is a multiple of: a quantization block when the matrices are
+        quantized (a rank's columns of ``down`` are whole blocks), else 1."""
+        return BLOCK if self.quantization is not None else 1
+
+    def matrix_bytes(self, kind: QuantType | None) -> float:
+        """Bytes a matrix weight of ``kind`` takes (None: ``dtype``'s)."""
+        return self.dtype_bytes if kind is None else BLOCK_BYTES[kind] / BLOCK
+
+    def tensor_bytes(self, name: str, numel: int) -> float:
+        """Bytes weight ``name`` (canonical: "layers.3.q.weight", "embed.tokens") of ``numel`` elements takes as
+        held: a layer's matrix in ``quantization``, the embedding in ``embed_quantization``, an untied head in
+        ``head_quantization``, everything else in ``dtype``."""
+        part = name.split(".")
+        if part[0] == "layers" and len(part) == 4 and part[3] == "weight" and part[2] in MATRICES:
+            kind = self.quantization
+        elif name == "embed.tokens":
+            kind = self.embed_quantization
+        elif name == "lm_head.weight":
+            kind = self.embed_quantization if self.tie_embeddings else self.head_quantization
+        else:
+            kind = None
+        return numel * self.matrix_bytes(kind)
+
+    def attention_bytes(self) -> float:
+        """Bytes of one attention block as held (M_att): its matrices in ``quantization``, the rest in ``dtype``."""
+        h, hd = self.hidden, self.head_dim
+        matrices = (self.heads + 2 * self.n_kv) * hd * h + h * self.heads * hd
+        return self.attention_params() * self.dtype_bytes + matrices * (
+            self.matrix_bytes(self.quantization) - self.dtype_bytes)
+
+    def mlp_bytes(self) -> float:
+        """Bytes of one MLP block as held (M_mlp)."""
+        matrices = (3 if self.gated else 2) * self.hidden * self.ffn
+        return self.mlp_params() * self.dtype_bytes + matrices * (
+            self.matrix_bytes(self.quantization) - self.dtype_bytes)
 
     def attention_params(self) -> int:
         """Parameters of one attention block (projections and their biases), the paper's M_att in elements."""

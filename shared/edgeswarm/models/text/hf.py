@@ -20,13 +20,20 @@ import math
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors import SafetensorError, safe_open
 
 from edgeswarm.errors import ConfigError
+from edgeswarm.models.text.errors import (
+    MissingModelFileError,
+    MissingWeightError,
+    ModelFolderError,
+    UnsupportedModelError,
+    WeightShapeError,
+)
 from edgeswarm.models.text.ops import Weights, torch_dtype
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.models.text.slices import WeightSlice
@@ -39,6 +46,9 @@ from edgeswarm.values.text_model import (
     TextModelSource,
 )
 
+if TYPE_CHECKING:
+    from edgeswarm.models.text.gguf_file import GgufModel
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
@@ -46,29 +56,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20  # a config.json or index larger than this is not one
 SUPPORTED = ("bert", "distilbert", "gpt2", "opt", "llama", "mistral", "qwen2", "qwen3")
-
-
-class ModelFolderError(ValueError):
-    """A model folder cannot be read; the message says what to fix."""
-
-
-class MissingModelFileError(ModelFolderError, FileNotFoundError):
-    """The folder, its ``config.json`` or its safetensors file(s) are missing."""
-
-
-class UnsupportedModelError(ModelFolderError):
-    """The folder's ``model_type`` (or a variant of it, such as a post-LN OPT) has no translation here."""
-
-
-class MissingWeightError(ModelFolderError, KeyError):
-    """A tensor the model needs is not in the folder's safetensors files."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class WeightShapeError(ModelFolderError):
-    """A stored tensor's shape does not match the one ``config.json`` implies."""
 
 
 class _Source(BaseModel):
@@ -237,8 +224,13 @@ def config_from_hf(raw: dict[str, Any], path: Path | str = CONFIG_FILE, dtype: D
 
 
 def load_config(folder: Path | str, dtype: DType | None = None) -> TextModelConfig:
-    """The ``TextModelConfig`` of the model folder's ``config.json`` (see ``config_from_hf`` for ``dtype``)."""
+    """The ``TextModelConfig`` of the model folder's ``config.json`` (see ``config_from_hf`` for ``dtype``), or of
+    a GGUF file's metadata (``gguf_file``)."""
     folder = Path(folder)
+    if is_gguf(folder):
+        from edgeswarm.models.text.gguf_file import load_gguf_config
+
+        return load_gguf_config(folder, dtype)
     if not folder.is_dir():
         raise MissingModelFileError(f"model folder {folder} does not exist")
     return config_from_hf(_read_json(folder / CONFIG_FILE, CONFIG_FILE), folder / CONFIG_FILE, dtype)
@@ -538,10 +530,19 @@ class ModelFolder:
 
 
 def open_model(folder: Path | str, dtype: DType | None = None, device: torch.device | str | None = None,
-               layers: int | None = None) -> ModelFolder:
-    """The model folder opened for lazy reads (config, names, shapes checked; no weight read yet); the arguments
-    as ``ModelFolder``'s."""
+               layers: int | None = None) -> ModelFolder | GgufModel:
+    """The model folder, or GGUF file (``gguf_file.GgufModel``), opened for lazy reads (config, names, shapes
+    checked; no weight read yet); the arguments as ``ModelFolder``'s."""
+    if is_gguf(folder):
+        from edgeswarm.models.text.gguf_file import GgufModel
+
+        return GgufModel(folder, dtype, device, layers)
     return ModelFolder(folder, dtype, device, layers)
+
+
+def is_gguf(path: Path | str) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix), not a model folder."""
+    return Path(path).suffix.lower() == ".gguf"
 
 
 def source_config(source: TextModelSource) -> TextModelConfig:

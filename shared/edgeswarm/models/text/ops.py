@@ -12,19 +12,45 @@ import math
 import torch
 import torch.nn.functional as F
 
+from edgeswarm.models.text.quantized import QuantizedMatrix
 from edgeswarm.values.text_model import TextModelConfig
 
-Weights = dict[str, torch.Tensor]
+# A weight: a tensor, or a matrix still in a GGUF file's quantized blocks (``quantized``: ``linear`` and
+# ``embedding`` take either).
+Matrix = torch.Tensor | QuantizedMatrix
+Weights = dict[str, Matrix]
 
 
 def torch_dtype(cfg: TextModelConfig) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
 
 
+def linear(x: torch.Tensor, w: Matrix, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w^T + b`` for a dense or a quantized ``w`` [out, in]."""
+    return w.linear(x, b) if isinstance(w, QuantizedMatrix) else F.linear(x, w, b)
+
+
+def embedding(ids: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """The rows of ``w`` that ``ids`` name (a quantized table dequantizes only those)."""
+    return w.embedding(ids) if isinstance(w, QuantizedMatrix) else F.embedding(ids, w)
+
+
+def cat_rows(parts: list[Matrix]) -> Matrix:
+    """The rows of ``parts`` one after another, as one matrix: quantized when they all are of one kind, else dense
+    (a quantized part dequantized: a file mixing formats within q, k and v)."""
+    if all(isinstance(p, QuantizedMatrix) for p in parts):
+        try:
+            return QuantizedMatrix.cat([p for p in parts if isinstance(p, QuantizedMatrix)])
+        except ValueError:
+            pass
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), parts[0].dtype)
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedMatrix) else p for p in parts])
+
+
 def embed(cfg: TextModelConfig, w: Weights, tokens: torch.Tensor, start: int = 0,
           types: torch.Tensor | None = None) -> torch.Tensor:
     """Embeddings [s, h] of token ids ``tokens`` [s] at positions ``start`` .. ``start + s - 1``."""
-    x = F.embedding(tokens, w["embed.tokens"])
+    x = embedding(tokens, w["embed.tokens"])
     if "embed.positions" in w:
         at = torch.arange(start, start + tokens.shape[0], device=tokens.device) + cfg.position_offset
         x = x + F.embedding(at, w["embed.positions"])
@@ -59,14 +85,14 @@ def activation(cfg: TextModelConfig, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
-def mlp_inner(cfg: TextModelConfig, x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor | None,
-              gate_w: torch.Tensor | None = None) -> torch.Tensor:
+def mlp_inner(cfg: TextModelConfig, x: torch.Tensor, up_w: Matrix, up_b: torch.Tensor | None,
+              gate_w: Matrix | None = None) -> torch.Tensor:
     """The MLP's intermediate activations [s, columns] for the columns whose rows of ``up`` (and ``gate``) are
     given: act(x up^T + b), or for SwiGLU silu(x gate^T) * (x up^T)."""
-    up = F.linear(x, up_w, up_b)
+    up = linear(x, up_w, up_b)
     if cfg.gated:
         assert gate_w is not None
-        return F.silu(F.linear(x, gate_w)) * up
+        return F.silu(linear(x, gate_w)) * up
     return activation(cfg, up)
 
 
@@ -74,6 +100,8 @@ def inverse_frequencies(cfg: TextModelConfig, hd: int, device: torch.device) -> 
     """The rotation's frequency of each pair of a head's dimensions [hd / 2] (radians per position), with Llama 3's
     scaling when the model has it (``RopeScaling``)."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    if cfg.rope_factors is not None:
+        return inv / torch.tensor(cfg.rope_factors, device=device, dtype=torch.float32)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
-import torch.nn.functional as F
 
-from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, mlp_inner, norm, torch_dtype
+from edgeswarm.models.text.ops import HeadCache, Weights, attention, embed, linear, mlp_inner, norm, torch_dtype
 from edgeswarm.models.text.sampling import next_token
 from edgeswarm.values.sampling import Sampling
 from edgeswarm.values.text_model import TextModelConfig
@@ -105,7 +104,7 @@ def layer(cfg: TextModelConfig, w: Weights, i: int, x: torch.Tensor, start: int,
     p = f"layers.{i}."
 
     def lin(t: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(t, w[p + name + ".weight"], w.get(p + name + ".bias"))
+        return linear(t, w[p + name + ".weight"], w.get(p + name + ".bias"))
 
     a = norm(cfg, x, w, p + "attn_norm") if cfg.pre_ln else x
     att = attention(cfg, lin(a, "q"), lin(a, "k"), lin(a, "v"), start, cache, w, p)
@@ -131,7 +130,7 @@ def forward(cfg: TextModelConfig, w: Weights, tokens: torch.Tensor, *, cache: Mo
 
 def logits(w: Weights, hidden: torch.Tensor) -> torch.Tensor:
     """Next-token logits [rows, vocab] of final hidden states."""
-    return F.linear(hidden, w["lm_head.weight"])
+    return linear(hidden, w["lm_head.weight"])
 
 
 def generate(cfg: TextModelConfig, w: Weights, prompt: list[int], new_tokens: int,

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from pydantic import BaseModel, ConfigDict
+
+from edgeswarm.models.text.quantized import QuantizedMatrix
+
+M = TypeVar("M", torch.Tensor, QuantizedMatrix)
 
 
 class WeightSlice(BaseModel):
@@ -16,8 +22,12 @@ class WeightSlice(BaseModel):
     rows: tuple[int, int] | None = None
     columns: tuple[int, int] | None = None
 
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        """This slice of ``full`` (a view when nothing is cut)."""
+    def cut(self, full: M) -> M:
+        """This slice of ``full`` (a view when nothing is cut or only rows are; a quantized matrix's columns must lie
+        on its blocks)."""
+        if isinstance(full, QuantizedMatrix):
+            q = full.rows(*self.rows) if self.rows is not None else full
+            return q.column_range(*self.columns) if self.columns is not None else q
         t = full
         if self.rows is not None:
             t = t[self.rows[0]:self.rows[1]]

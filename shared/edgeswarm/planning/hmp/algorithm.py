@@ -62,6 +62,7 @@ class MemoryProblem:
     head_extra: float = 0.0
     reserved: Sequence[float] | None = None
     margin: float = 0.0
+    column_granule: int = 1  # columns move in multiples of this (a quantized model's blocks)
 
     @property
     def head_unit(self) -> float:
@@ -144,7 +145,8 @@ def check_memory(p: MemoryProblem, heads: Sequence[int], columns: Sequence[int],
 def equal_shares(p: MemoryProblem, devices: int) -> tuple[list[int], list[int]]:
     """Megatron-style equal heads (in whole KV groups) and columns over ``devices``."""
     groups = lr_round([1.0] * devices, p.heads // p.group)
-    return [g * p.group for g in groups], lr_round([1.0] * devices, p.columns)
+    granules = lr_round([1.0] * devices, p.columns // p.column_granule)
+    return [g * p.group for g in groups], [c * p.column_granule for c in granules]
 
 
 def algorithm1(p: MemoryProblem, shift: ShiftMode = "paper") -> tuple[list[int], list[int]]:
@@ -157,13 +159,17 @@ def algorithm1(p: MemoryProblem, shift: ShiftMode = "paper") -> tuple[list[int],
         raise HmpPlanError("no devices to plan on")
     if p.heads % p.group:
         raise ValueError(f"{p.heads} heads are not whole groups of {p.group}")
+    g = p.column_granule
+    if p.columns % g:
+        raise ValueError(f"{p.columns} columns are not whole granules of {g}")
     groups = lr_round(p.capacity, p.heads // p.group)
-    columns = lr_round(p.capacity, p.columns)
-    mem = [p.memory(d, groups[d] * p.group, columns[d]) for d in range(d_count)]
+    granules = lr_round(p.capacity, p.columns // g)
+    mem = [p.memory(d, groups[d] * p.group, granules[d] * g) for d in range(d_count)]
     order = list(range(d_count))
-    _memory_aware_balancing(p, columns, p.column_unit, mem, order, shift)
+    _memory_aware_balancing(p, granules, p.column_unit * g, mem, order, shift)
     _memory_aware_balancing(p, groups, p.head_unit * p.group, mem, order, shift)
-    heads = [g * p.group for g in groups]
+    heads = [h * p.group for h in groups]
+    columns = [c * g for c in granules]
     short = [(d, mem[d] - p.limit(d)) for d in order if mem[d] > p.limit(d) + _TOLERANCE]
     if short:
         need = p.layers * (p.att_bytes + p.mlp_bytes) + p.heads * p.head_extra + sum(

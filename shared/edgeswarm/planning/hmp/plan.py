@@ -29,12 +29,13 @@ def reserved_bytes(cfg: TextModelConfig, seq_len: int) -> float:
     head), every norm, and the live activations of one layer (input, output and the widest intermediate,
     ~3 s max(h, f), plus the attention scores of every head, s^2 n_h)."""
     h, beta = cfg.hidden, cfg.dtype_bytes
-    embed = cfg.vocab * h + (cfg.max_positions + cfg.position_offset) * h * (cfg.family != "llama")
-    embed += cfg.type_vocab * h if cfg.family == "bert" else 0
-    head = cfg.vocab * h if cfg.decoder and not cfg.tie_embeddings else 0
+    embed = cfg.tensor_bytes("embed.tokens", cfg.vocab * h)
+    embed += ((cfg.max_positions + cfg.position_offset) * h * (cfg.family != "llama")
+              + (cfg.type_vocab * h if cfg.family == "bert" else 0)) * beta
+    head = cfg.tensor_bytes("lm_head.weight", cfg.vocab * h) if cfg.decoder and not cfg.tie_embeddings else 0.0
     norms = (cfg.layers * 2 + 1) * 2 * h
     acts = 3 * seq_len * max(h, cfg.ffn) + seq_len * seq_len * cfg.heads
-    return float((embed + head + norms + acts) * beta)
+    return float(embed + head + (norms + acts) * beta)
 
 
 def kv_bytes_per_head(cfg: TextModelConfig, tokens: int) -> float:
@@ -50,8 +51,7 @@ def memory_problem(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockP
         capacity=[capacity(p, cfg) for p in profiles],
         budget=[float(p.memory_budget_bytes) for p in profiles],
         layers=cfg.layers, heads=cfg.heads, columns=cfg.ffn, group=cfg.group,
-        att_bytes=float(cfg.attention_params() * cfg.dtype_bytes),
-        mlp_bytes=float(cfg.mlp_params() * cfg.dtype_bytes),
+        att_bytes=cfg.attention_bytes(), mlp_bytes=cfg.mlp_bytes(), column_granule=cfg.column_granule,
         head_extra=0.0 if options.paper else kv_bytes_per_head(cfg, options.max_tokens),
         reserved=None if options.paper else [reserved_bytes(cfg, seq_len)] * len(profiles),
         margin=float(options.margin_bytes))

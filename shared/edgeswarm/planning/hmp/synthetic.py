@@ -58,8 +58,8 @@ def synthetic_profile(node: str, cfg: TextModelConfig, seq_len: int, *, slowdown
     bandwidth = REFERENCE_BYTES_PER_S / slowdown
     beta = cfg.dtype_bytes
     heads, columns, rows = profile_grids(cfg, seq_len, max_devices)
-    att_per_head = cfg.attention_params() * beta / cfg.heads
-    mlp_per_col = cfg.mlp_params() * beta / cfg.ffn
+    att_per_head = cfg.attention_bytes() / cfg.heads
+    mlp_per_col = cfg.mlp_bytes() / cfg.ffn
     return BlockProfile(
         node=node, device_class=device_class, memory_budget_bytes=budget_bytes, seq_len=seq_len,
         heads=heads, mha_s=[_mha_flops(cfg, k, seq_len, seq_len) / flops for k in heads],
