@@ -5,7 +5,10 @@ GGUF model served here must equal (tests only)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,14 +50,49 @@ def _kind_of(name: str, matrices: str, embed: str) -> str:
     return "F32"
 
 
+def vocabulary(tokenizer_file: Path, pre: str, *, eos: str, add_bos: bool = False, bos: str | None = None,
+               eot: str | None = None, template: str | None = None) -> Callable[[Any], None]:
+    """What writes an HF ``tokenizer.json``'s byte-level BPE into a GGUF writer's metadata as llama.cpp's converter
+    does: the tokens by id, their types (an added special token CONTROL, another added one USER_DEFINED), the merges
+    as "a b", the split (``pre``), the special ids by their texts and the chat template."""
+    data = json.loads(tokenizer_file.read_text())
+    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    added = {t["content"]: t for t in data["added_tokens"]}
+    for text, t in added.items():
+        vocab[text] = t["id"]
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [(3 if added[t]["special"] else 4) if t in added else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+
+    def add(w: Any) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_eos_token_id(vocab[eos])
+        w.add_add_bos_token(add_bos)
+        if bos is not None:
+            w.add_bos_token_id(vocab[bos])
+        if eot is not None:
+            w.add_eot_token_id(vocab[eot])
+        if template is not None:
+            w.add_chat_template(template)
+    return add
+
+
 def write_gguf(path: Path, cfg: TextModelConfig, weights: Weights, arch: str = "llama", matrices: str = "Q8_0",
-               embed: str = "Q8_0") -> Path:
+               embed: str = "Q8_0", metadata: Callable[[Any], None] | None = None) -> Path:
     """``weights`` (``cfg``'s canonical layout, float32) written to ``path`` as llama.cpp would write the model:
     the layers' matrices in ggml type ``matrices``, the token embedding (and an untied head) in ``embed``, the
-    rest F32."""
+    rest F32; ``metadata`` adds more (a ``vocabulary``)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    if metadata is not None:
+        metadata(w)
     w.add_block_count(cfg.layers)
     w.add_context_length(cfg.max_positions)
     w.add_embedding_length(cfg.hidden)

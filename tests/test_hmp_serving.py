@@ -455,6 +455,54 @@ def test_the_gateway_answers_the_official_openai_client_and_curl_as_one_device_w
     stop(cluster, follower)
 
 
+def test_a_quantized_gguf_chat_model_answers_the_openai_client_as_one_device_would(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A Qwen2-shaped chat model in one GGUF file (Q4_0 matrices, its tokenizer and chat template in the file's
+    metadata), served split over the devices from the file alone: the plan splits its MLP in whole quantization
+    blocks and counts quantized bytes; a seeded streamed chat through the gateway is the single device's."""
+    import openai
+    from tokenizers import Tokenizer
+
+    from chat_model import CHATML, CONVERSATION, folder_with
+    from edgeswarm.models.text.chat import ChatTemplate
+    from edgeswarm.models.text.gguf_file import GgufModel
+    from edgeswarm.values.text_model import TextModelConfig
+    from gguf_model import vocabulary, write_gguf
+
+    folder = folder_with(tmp_path, "gguf-chat", CHATML)
+    size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    shape = TextModelConfig(family="llama", layers=2, hidden=256, heads=8, kv_heads=4, ffn=384, vocab=size,
+                            max_positions=256, type_vocab=0, activation="silu", bias=False, qkv_bias=True,
+                            tie_embeddings=True, rope_theta=1e6)
+    weights = {n: t * 3 if n.startswith("layers.") and t.dim() == 2 else t
+               for n, t in reference.init_weights(shape, 4).items()}
+    path = write_gguf(tmp_path / "chat-q4.gguf", shape, weights, "qwen2", "Q4_0", "Q8_0",
+                      vocabulary(folder / "tokenizer.json", "gpt2", eos="<|im_end|>", template=CHATML))
+    follower = start(cluster, f"kind: serve-hmp\nname: gguf-chat\nmodel: {{path: {path}}}\nseq_len: 16\n"
+                              "max_tokens: 200\nmax_new_tokens: 16\nplanner: {prune: false}\n")
+    plan = follower.state.plan
+    assert plan is not None and all(c % 32 == 0 for c in plan.shares.columns), plan.shares
+    model = GgufModel(path)
+    cfg, w = model.config, model.load()
+    assert cfg.quantization == "q4_0"
+    tokenizer = load_tokenizer(path)
+    chat = ChatTemplate.from_folder(path)
+    assert chat is not None
+    prompt = tokenizer.encode(chat.render(CONVERSATION), special_tokens=False).ids
+    tokens = reference.generate(cfg, w, prompt, 16, stop=tokenizer.special.eos,
+                                sampling=Sampling(temperature=0.8, top_k=40, seed=7))
+    base = cluster.local.gateway_url
+    assert base is not None
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(
+        model="gguf-chat", messages=[m.model_dump() for m in CONVERSATION], max_tokens=16, temperature=0.8,
+        seed=7, stream=True, stream_options={"include_usage": True}, extra_body={"top_k": 40}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tokenizer.decode(tokens)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(tokens)
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    stop(cluster, follower)
+
+
 def test_a_client_that_goes_away_has_its_request_cancelled(cluster: Cluster, tmp_path: Path) -> None:
     """A streamed completion whose HTTP client closes its connection after the first event stops on the cluster:
     the job counts it cancelled, not answered."""

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgeswarm.models.text.hf import ModelFolderError
+from edgeswarm.models.text.hf import ModelFolderError, is_gguf
 from edgeswarm.models.text.tokenizer import token_text
 from edgeswarm.values.chat import ChatMessage
 
@@ -57,8 +57,14 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: Path | str) -> ChatTemplate | None:
         """The folder's chat template (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``:
-        a string, or a list of named ones of which ``default`` is taken); None when it has none."""
+        a string, or a list of named ones of which ``default`` is taken), or a GGUF file's
+        (``tokenizer.chat_template``); None when it has none."""
         folder = Path(folder)
+        if is_gguf(folder):
+            from edgeswarm.models.text.gguf_tokenizer import read_vocabulary
+
+            vocab = read_vocabulary(folder)
+            return cls(vocab.chat_template, vocab.special_texts) if vocab.chat_template is not None else None
         config = _read_config(folder / CONFIG_FILE)
         source: object = None
         file = folder / TEMPLATE_FILE

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from tokenizers import Tokenizer
 
-from edgeswarm.models.text.hf import MissingModelFileError, ModelFolderError
+from edgeswarm.models.text.hf import MissingModelFileError, ModelFolderError, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -78,59 +78,40 @@ def _ids(value: object) -> tuple[int, ...]:
 
 
 class TextTokenizer:
-    """A model folder's tokenizer: ``encode`` text to ids (no padding; truncated to ``max_length``), ``decode`` ids
-    to text, and the folder's ``special`` tokens.
+    """A model's tokenizer: ``encode`` text to ids (no padding; truncated to ``max_length``), ``decode`` ids to text,
+    and its ``special`` tokens.
 
-    Special tokens come from, in order: ``generation_config.json`` and ``config.json`` (``bos_token_id``,
-    ``eos_token_id``, ``pad_token_id``), then the token strings of ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` looked up in the vocabulary; the end of sequence takes both (a chat model's end of
-    turn is the latter). ``max_length`` (tokens, special ones included):
+    From a folder (``from_folder``), special tokens come from, in order: ``generation_config.json`` and
+    ``config.json`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``), then the token strings of
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` looked up in the vocabulary; the end of sequence takes
+    both (a chat model's end of turn is the latter). ``max_length`` (tokens, special ones included):
     sentence-transformers' ``max_seq_length``, else ``tokenizer_config.json``'s ``model_max_length`` when it is a
-    real bound, else ``config.json``'s ``max_position_embeddings``/``n_positions``, else none."""
+    real bound, else ``config.json``'s ``max_position_embeddings``/``n_positions``, else none. From a GGUF file
+    (``load_tokenizer``), all of it comes from the file's metadata (``gguf_tokenizer``)."""
 
-    def __init__(self, folder: Path | str) -> None:
-        self.folder = Path(folder)
-        path = self.folder / TOKENIZER_FILE
+    def __init__(self, tok: Tokenizer, special: SpecialTokens, max_length: int | None) -> None:
+        # Batch 1: a file's own padding (MiniLM pads to 128) would add tokens the model must not see.
+        self._tok = tok
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.max_length = max_length
+        if max_length:
+            self._tok.enable_truncation(max_length)
+        self.special = special
+
+    @classmethod
+    def from_folder(cls, folder: Path | str) -> TextTokenizer:
+        """The tokenizer of a model folder (its ``tokenizer.json`` and the files beside it, as the class says)."""
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE
         if not path.is_file():
             raise MissingModelFileError(f"{path} is missing: text needs the model's own tokenizer file "
                                         "(token ids work without one)")
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception for a file it cannot parse
             raise ModelFolderError(f"{path} is not a tokenizer file the tokenizers library reads ({exc})") from exc
-        # Batch 1: the file's own padding (MiniLM pads to 128) would add tokens the model must not see.
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        self.max_length = self._max_length()
-        if self.max_length:
-            self._tok.enable_truncation(self.max_length)
-        self.special = self._special()
-
-    def _max_length(self) -> int | None:
-        st = _json(self.folder / "sentence_bert_config.json").get("max_seq_length")
-        tc = _json(self.folder / "tokenizer_config.json").get("model_max_length")
-        cfg = _json(self.folder / "config.json")
-        for value in (st, tc if isinstance(tc, int) and tc < 1_000_000 else None,
-                      cfg.get("max_position_embeddings"), cfg.get("n_positions")):
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-        return None
-
-    def _special(self) -> SpecialTokens:
-        gen, cfg = _json(self.folder / "generation_config.json"), _json(self.folder / "config.json")
-        texts = {**_json(self.folder / "special_tokens_map.json"), **_json(self.folder / "tokenizer_config.json")}
-        found: dict[str, tuple[int, ...]] = {}
-        for role in ("bos", "eos", "pad"):
-            ids = _ids(gen.get(f"{role}_token_id")) or _ids(cfg.get(f"{role}_token_id"))
-            text = token_text(texts.get(f"{role}_token"))
-            tid = self._tok.token_to_id(text) if text is not None else None
-            if tid is not None and (not ids or role == "eos"):
-                # a chat model's tokenizer_config names its end of turn (Qwen's <|im_end|>) beside the base model's
-                # end of sequence in generation_config.json: either ends a generation
-                ids = ids if tid in ids else (*ids, tid)
-            found[role] = ids
-        return SpecialTokens(bos=found["bos"][0] if found["bos"] else None, eos=found["eos"],
-                             pad=found["pad"][0] if found["pad"] else None)
+        return cls(tok, _special(folder, tok), _max_length(folder))
 
     @property
     def vocab_size(self) -> int:
@@ -155,9 +136,46 @@ class TextTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
+def _max_length(folder: Path) -> int | None:
+    """A folder's bound on a text's tokens (see ``TextTokenizer``), or None."""
+    st = _json(folder / "sentence_bert_config.json").get("max_seq_length")
+    tc = _json(folder / "tokenizer_config.json").get("model_max_length")
+    cfg = _json(folder / "config.json")
+    for value in (st, tc if isinstance(tc, int) and tc < 1_000_000 else None,
+                  cfg.get("max_position_embeddings"), cfg.get("n_positions")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _special(folder: Path, tok: Tokenizer) -> SpecialTokens:
+    """A folder's special tokens (see ``TextTokenizer``)."""
+    gen, cfg = _json(folder / "generation_config.json"), _json(folder / "config.json")
+    texts = {**_json(folder / "special_tokens_map.json"), **_json(folder / "tokenizer_config.json")}
+    found: dict[str, tuple[int, ...]] = {}
+    for role in ("bos", "eos", "pad"):
+        ids = _ids(gen.get(f"{role}_token_id")) or _ids(cfg.get(f"{role}_token_id"))
+        text = token_text(texts.get(f"{role}_token"))
+        tid = tok.token_to_id(text) if text is not None else None
+        if tid is not None and (not ids or role == "eos"):
+            # a chat model's tokenizer_config names its end of turn (Qwen's <|im_end|>) beside the base model's
+            # end of sequence in generation_config.json: either ends a generation
+            ids = ids if tid in ids else (*ids, tid)
+        found[role] = ids
+    return SpecialTokens(bos=found["bos"][0] if found["bos"] else None, eos=found["eos"],
+                         pad=found["pad"][0] if found["pad"] else None)
+
+
 def load_tokenizer(folder: Path | str) -> TextTokenizer:
-    """The tokenizer of a model folder (its ``tokenizer.json``)."""
-    return TextTokenizer(folder)
+    """The tokenizer of a model folder (its ``tokenizer.json``), or of a GGUF file (the vocabulary and merges its
+    metadata holds: ``gguf_tokenizer``)."""
+    if is_gguf(folder):
+        from edgeswarm.models.text.gguf_tokenizer import read_vocabulary
+
+        vocab = read_vocabulary(folder)
+        return TextTokenizer(vocab.tokenizer, SpecialTokens(bos=vocab.bos, eos=vocab.eos, pad=vocab.pad),
+                             vocab.max_length)
+    return TextTokenizer.from_folder(folder)
 
 
 def minilm_folder() -> Path | None:
