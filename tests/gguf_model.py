@@ -1,7 +1,6 @@
-"""GGUF files written with ggml's own writer (the ``gguf`` package) from weights in our canonical layout, as
-llama.cpp's converter writes them (a Llama's q and k rows reordered within each head, Llama 3's rotary scaling as
-``rope_freqs``), and the same weights read back through ``gguf``'s own reader and dequantization: the reference a
-GGUF model served here must equal (tests only)."""
+"""For GGUF files written by ``models.text.gguf_writer``: an HF ``tokenizer.json`` as a file's vocabulary, and the
+weights read back through ``gguf``'s own reader and dequantization, un-permuted here (independently of the runtime's
+reader): the reference a GGUF model served here must equal (tests only)."""
 
 from __future__ import annotations
 
@@ -13,41 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgeswarm.models.text.ops import Weights, inverse_frequencies
+from edgeswarm.models.text.gguf_file import stored_name
+from edgeswarm.models.text.ops import Weights
 from edgeswarm.models.text.reference import weight_shapes
 from edgeswarm.values.text_model import TextModelConfig
 
-LAYER = {"q.weight": "attn_q.weight", "k.weight": "attn_k.weight", "v.weight": "attn_v.weight",
-         "o.weight": "attn_output.weight", "q.bias": "attn_q.bias", "k.bias": "attn_k.bias", "v.bias": "attn_v.bias",
-         "q_norm.weight": "attn_q_norm.weight", "k_norm.weight": "attn_k_norm.weight",
-         "attn_norm.weight": "attn_norm.weight", "mlp_norm.weight": "ffn_norm.weight", "up.weight": "ffn_up.weight",
-         "gate.weight": "ffn_gate.weight", "down.weight": "ffn_down.weight"}
-GLOBAL = {"embed.tokens": "token_embd.weight", "final_norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
-MATRICES = {"q", "k", "v", "o", "up", "gate", "down"}
-
-
-def stored_name(name: str) -> str:
-    part = name.split(".")
-    return f"blk.{part[1]}.{LAYER['.'.join(part[2:])]}" if part[0] == "layers" else GLOBAL[name]
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's reordering of a Llama's q or k rows (its ``LlamaModel.permute``)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' order of a Llama's q or k rows from llama.cpp's (the inverse of its converter's
+    ``LlamaModel.permute``: rows [head, 2, hd/2] were written as [head, hd/2, 2])."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _kind_of(name: str, matrices: str, embed: str) -> str:
-    part = name.split(".")
-    if part[0] == "layers" and part[2] in MATRICES and part[3] == "weight":
-        return matrices
-    if name in ("embed.tokens", "lm_head.weight"):
-        return embed
-    return "F32"
 
 
 def vocabulary(tokenizer_file: Path, pre: str, *, eos: str, add_bos: bool = False, bos: str | None = None,
@@ -81,54 +55,6 @@ def vocabulary(tokenizer_file: Path, pre: str, *, eos: str, add_bos: bool = Fals
         if template is not None:
             w.add_chat_template(template)
     return add
-
-
-def write_gguf(path: Path, cfg: TextModelConfig, weights: Weights, arch: str = "llama", matrices: str = "Q8_0",
-               embed: str = "Q8_0", metadata: Callable[[Any], None] | None = None) -> Path:
-    """``weights`` (``cfg``'s canonical layout, float32) written to ``path`` as llama.cpp would write the model:
-    the layers' matrices in ggml type ``matrices``, the token embedding (and an untied head) in ``embed``, the
-    rest F32; ``metadata`` adds more (a ``vocabulary``)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    if metadata is not None:
-        metadata(w)
-    w.add_block_count(cfg.layers)
-    w.add_context_length(cfg.max_positions)
-    w.add_embedding_length(cfg.hidden)
-    w.add_feed_forward_length(cfg.ffn)
-    w.add_head_count(cfg.heads)
-    w.add_head_count_kv(cfg.n_kv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_vocab_size(cfg.vocab)
-    if cfg.rope_scaling is not None:
-        plain = cfg.model_copy(update={"rope_scaling": None})
-        factors = inverse_frequencies(plain, cfg.head_dim, torch.device("cpu")) / inverse_frequencies(
-            cfg, cfg.head_dim, torch.device("cpu"))
-        w.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
-    for name, t in weights.items():
-        if name == "lm_head.weight" and cfg.tie_embeddings:
-            continue
-        a = t.float().numpy()
-        part = name.split(".")
-        if arch == "llama" and part[0] == "layers" and part[2] in ("q", "k"):
-            a = permute(a, cfg.heads if part[2] == "q" else cfg.n_kv)
-        kind = _kind_of(name, matrices, embed)
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F32":
-            w.add_tensor(stored_name(name), a.astype(np.float32))
-        elif kind == "F16":
-            w.add_tensor(stored_name(name), a.astype(np.float16))
-        else:
-            w.add_tensor(stored_name(name), gguf.quants.quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def read_dequantized(path: Path, cfg: TextModelConfig, arch: str = "llama") -> Weights:

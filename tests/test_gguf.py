@@ -21,6 +21,7 @@ from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.hmp.sharding import shard_shapes
 from edgeswarm.models.text import reference
 from edgeswarm.models.text.gguf_file import GgufModel
+from edgeswarm.models.text.gguf_writer import write_gguf
 from edgeswarm.models.text.hf import UnsupportedModelError, open_model, source_config
 from edgeswarm.models.text.quantized import QuantizationError, QuantizedMatrix, dequantize
 from edgeswarm.planning.hmp.plan import plan_galaxy, plan_megatron
@@ -28,7 +29,7 @@ from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpOptions
 from edgeswarm.values.text_model import RopeScaling, TextModelConfig, TextModelSource
-from gguf_model import read_dequantized, write_gguf
+from gguf_model import read_dequantized
 from hmp_driver import generate, in_threads
 
 gguf = pytest.importorskip("gguf")
@@ -52,7 +53,7 @@ def _model(tmp_path: Path, cfg: TextModelConfig, arch: str, kind: str, seed: int
     # mostly its input embedding and greedy decoding repeats the prompt's last token.
     w = {n: t * 3 if n.startswith("layers.") and t.dim() == 2 else t
          for n, t in reference.init_weights(cfg, seed).items()}
-    return write_gguf(tmp_path / f"{arch}-{kind}.gguf", cfg, w, arch, kind, kind)
+    return write_gguf(tmp_path / f"{arch}-{kind}.gguf", cfg, w.__getitem__, arch=arch, matrices=kind, embed=kind)
 
 
 def _shares(mode: str) -> HmpShares:

@@ -15,9 +15,10 @@ from edgeswarm.models.text import reference
 from edgeswarm.models.text.chat import ChatTemplate
 from edgeswarm.models.text.errors import UnsupportedModelError
 from edgeswarm.models.text.gguf_tokenizer import SPLITS
+from edgeswarm.models.text.gguf_writer import write_gguf
 from edgeswarm.models.text.tokenizer import load_tokenizer
 from edgeswarm.values.text_model import TextModelConfig
-from gguf_model import vocabulary, write_gguf
+from gguf_model import vocabulary
 
 pytest.importorskip("gguf")
 
@@ -54,8 +55,8 @@ def _file(root: Path, folder: Path, pre: str, **kw: object) -> Path:
     tokens = json.loads((folder / "tokenizer.json").read_text())
     size = max(t["id"] for t in tokens["added_tokens"]) + 1 + len(tokens["model"]["vocab"])
     cfg = TINY.model_copy(update={"vocab": size})
-    return write_gguf(root / f"{pre}.gguf", cfg, reference.init_weights(cfg), "llama", "F32", "F32",
-                      vocabulary(folder / "tokenizer.json", pre, **kw))  # type: ignore[arg-type]
+    return write_gguf(root / f"{pre}.gguf", cfg, reference.init_weights(cfg).__getitem__, matrices="F32", embed="F32",
+                      metadata=vocabulary(folder / "tokenizer.json", pre, **kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("pre", "add_bos"), [("llama-bpe", True), ("qwen2", False), ("gpt2", False),
@@ -102,6 +103,7 @@ def test_a_sentencepiece_vocabulary_is_refused_with_what_to_do(tmp_path: Path) -
         w.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])  # type: ignore[attr-defined]
 
     cfg = TINY.model_copy(update={"vocab": 4})
-    path = write_gguf(tmp_path / "spm.gguf", cfg, reference.init_weights(cfg), "llama", "F32", "F32", sentencepiece)
+    path = write_gguf(tmp_path / "spm.gguf", cfg, reference.init_weights(cfg).__getitem__, matrices="F32",
+                      embed="F32", metadata=sentencepiece)
     with pytest.raises(UnsupportedModelError, match="send token ids, or serve the model's HF folder"):
         load_tokenizer(path)

@@ -466,8 +466,9 @@ def test_a_quantized_gguf_chat_model_answers_the_openai_client_as_one_device_wou
     from chat_model import CHATML, CONVERSATION, folder_with
     from edgeswarm.models.text.chat import ChatTemplate
     from edgeswarm.models.text.gguf_file import GgufModel
+    from edgeswarm.models.text.gguf_writer import write_gguf
     from edgeswarm.values.text_model import TextModelConfig
-    from gguf_model import vocabulary, write_gguf
+    from gguf_model import vocabulary
 
     folder = folder_with(tmp_path, "gguf-chat", CHATML)
     size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
@@ -476,8 +477,9 @@ def test_a_quantized_gguf_chat_model_answers_the_openai_client_as_one_device_wou
                             tie_embeddings=True, rope_theta=1e6)
     weights = {n: t * 3 if n.startswith("layers.") and t.dim() == 2 else t
                for n, t in reference.init_weights(shape, 4).items()}
-    path = write_gguf(tmp_path / "chat-q4.gguf", shape, weights, "qwen2", "Q4_0", "Q8_0",
-                      vocabulary(folder / "tokenizer.json", "gpt2", eos="<|im_end|>", template=CHATML))
+    path = write_gguf(tmp_path / "chat-q4.gguf", shape, weights.__getitem__, arch="qwen2", matrices="Q4_0",
+                      embed="Q8_0", metadata=vocabulary(folder / "tokenizer.json", "gpt2", eos="<|im_end|>",
+                                                        template=CHATML))
     follower = start(cluster, f"kind: serve-hmp\nname: gguf-chat\nmodel: {{path: {path}}}\nseq_len: 16\n"
                               "max_tokens: 200\nmax_new_tokens: 16\nplanner: {prune: false}\n")
     plan = follower.state.plan

@@ -52,6 +52,12 @@ _GLOBAL = {"embed.tokens": "token_embd.weight", "final_norm.weight": "output_nor
            "lm_head.weight": "output.weight"}
 
 
+def stored_name(name: str) -> str:
+    """GGUF's name of canonical weight ``name`` ("layers.3.q.weight" -> "blk.3.attn_q.weight")."""
+    part = name.split(".")
+    return f"blk.{part[1]}.{_LAYER['.'.join(part[2:])]}" if part[0] == "layers" else _GLOBAL[name]
+
+
 def _reader(path: Path) -> Any:
     import gguf
 
@@ -179,13 +185,12 @@ class GgufModel:
         cfg = self.config
         out: dict[str, str] = {}
         for name in weight_shapes(cfg):
-            part = name.split(".")
-            stored = f"blk.{part[1]}.{_LAYER['.'.join(part[2:])]}" if part[0] == "layers" else _GLOBAL[name]
+            stored = stored_name(name)
             if stored not in self._tensors:
                 raise MissingWeightError(f"{self.path}: tensor {stored} (our {name}) is not in the file")
             out[name] = stored
         if cfg.decoder:
-            out["lm_head.weight"] = out["embed.tokens"] if cfg.tie_embeddings else _GLOBAL["lm_head.weight"]
+            out["lm_head.weight"] = out["embed.tokens"] if cfg.tie_embeddings else stored_name("lm_head.weight")
         return out
 
     def _check_shapes(self) -> None:
