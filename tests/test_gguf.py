@@ -74,6 +74,8 @@ def test_blocks_dequantize_as_ggml_does_and_cut_on_block_boundaries(kind: str) -
     x = torch.randn(3, 128)
     torch.testing.assert_close(m.linear(x), x @ theirs.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.embedding(torch.tensor([4, 0])), theirs[[4, 0]])
+    # a rank with no heads or no columns holds an empty part, and multiplies by it
+    assert m.rows(3, 3).linear(x).shape == (3, 0) and m.column_range(64, 64).linear(x[:, :0]).shape == (3, 6)
     with pytest.raises(QuantizationError, match="blocks of 32"):
         m.column_range(16, 64)
     # rows chunked through ``linear`` give what one product gives

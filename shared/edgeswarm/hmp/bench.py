@@ -15,6 +15,7 @@ from edgeswarm.workloads.commands import Bench, CommandTools
 
 if TYPE_CHECKING:
     from edgeswarm.hmp.bench_hmp import HmpBenchConfig, HmpReport
+    from edgeswarm.hmp.bench_llm import LlmReport
 
 
 class HmpBench(Bench):
@@ -257,3 +258,88 @@ def hmp_lines(report: HmpReport) -> list[str]:
     return lines
 
 
+
+
+class LlmBench(Bench):
+    name = "llm"
+    help = ("a GGUF language model (random weights of a published shape, Q8_0 or Q4_0) split over emulated devices: "
+            "decode time per token and its network share; and against llama.cpp on the same file")
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="llama-3.2-1b", help="a llama-family preset (its shape; random weights)")
+        p.add_argument("--quant", default="Q8_0", choices=("Q8_0", "Q4_0"), help="the matrices' ggml type")
+        p.add_argument("--layers", type=int, default=None, help="keep only the first layers (default: all)")
+        p.add_argument("--sections", default="split,llamacpp", help="comma-separated: split, llamacpp")
+        p.add_argument("--bandwidth", type=float, default=1000.0, help="the split runs' links, Mbps")
+        p.add_argument("--decode", type=int, default=8, help="generated tokens timed per run")
+        p.add_argument("--positions", type=int, default=256, help="teacher-forced positions against llama.cpp")
+        p.add_argument("--out", default="out/llm", help="where the GGUF file (kept) and llama.cpp's build go")
+        p.add_argument("--llama-python", default=None, metavar="PYTHON",
+                       help="a Python that imports llama_cpp (default: built from source under --out on first use)")
+        p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+
+    def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
+        """The sections asked for: tables and the goals' lines."""
+        from pydantic import ValidationError
+
+        from edgeswarm.hmp.bench_llm import LlmBenchConfig, run_llm_bench
+
+        sections = _split_list(args.sections, "--sections")
+        unknown = sorted(set(sections) - {"split", "llamacpp"})
+        if unknown:
+            raise ConfigError(f"--sections: unknown {', '.join(unknown)} (split, llamacpp)")
+        if args.decode < 1 or args.positions < 2 or args.bandwidth <= 0:
+            raise ConfigError("--decode and --bandwidth must be positive, --positions at least 2")
+        try:
+            config = LlmBenchConfig(preset=args.model, kind=args.quant, layers=args.layers,
+                                    sections=tuple(sections), bandwidth_mbps=args.bandwidth, decode=args.decode,
+                                    positions=args.positions, out=Path(args.out),
+                                    llama_python=Path(args.llama_python) if args.llama_python else None)
+        except ValidationError as exc:
+            raise ConfigError(f"bad bench llm options: {exc}") from None
+        report = run_llm_bench(config, tools.log, Path(args.json) if args.json else None)
+        t = Table(title=f"{config.preset} {config.kind} split over emulated devices ({config.bandwidth_mbps:g} "
+                        f"Mbps links; {report.file_bytes / 2**20:.0f} MiB file)")
+        for column in ("devices", "heads", "MLP columns", "decode ms/token", "network share",
+                       "weight MiB per rank (its share)"):
+            t.add_column(column)
+        for r in report.split:
+            t.add_row(f"{r.label}: {', '.join(r.devices)}", " ".join(map(str, r.heads)),
+                      " ".join(map(str, r.columns)), f"{r.token_s * 1000:.0f}", f"{r.network_share:.0%}",
+                      " ".join(f"{w / 2**20:.0f} ({s / 2**20:.0f})" for w, s in zip(r.weight_bytes, r.share_bytes,
+                                                                                 strict=True)))
+        if report.split:
+            tools.console.print(t)
+        peer = report.peer
+        if peer is not None:
+            p = Table(title="one device, the same file: ours and llama.cpp")
+            for column in ("", "prefill tokens/s", "decode tokens/s"):
+                p.add_column(column)
+            p.add_row("edgeswarm", f"{peer.ours_prefill_tps:.1f}", f"{peer.ours_decode_tps:.2f}")
+            if peer.llama_prefill_tps is not None and peer.llama_decode_tps is not None:
+                p.add_row("llama.cpp", f"{peer.llama_prefill_tps:.1f}", f"{peer.llama_decode_tps:.2f}")
+                p.add_row("ours / llama.cpp", _x(peer.ours_prefill_tps / peer.llama_prefill_tps),
+                          _x(peer.ours_decode_tps / peer.llama_decode_tps))
+            tools.console.print(p)
+        for line in llm_lines(report):
+            tools.console.print(line, highlight=False)
+        return 0 if peer is None or peer.error is None else 1
+
+
+def llm_lines(report: LlmReport) -> list[str]:
+    """The goals checked, one line each."""
+    lines = []
+    for r in report.split:
+        held = max(abs(w / s - 1.0) for w, s in zip(r.weight_bytes, r.share_bytes, strict=True))
+        lines.append(f"{r.label}: network {r.network_share:.0%} of a token's time (goal <= 31%: "
+                     f"{'met' if r.network_share <= 0.31 else 'missed'}); each rank's weights within {held:.1%} of "
+                     f"its share of the quantized file (goal 5%: {'met' if held <= 0.05 else 'missed'})")
+    peer = report.peer
+    if peer is not None and peer.error is not None:
+        lines.append(f"llama.cpp not measured: {escape(peer.error)}")
+    elif peer is not None and peer.cosine_min is not None and peer.agreement is not None:
+        lines.append(f"against llama.cpp over {report.config.positions} teacher-forced positions: logits cosine min "
+                     f"{peer.cosine_min:.5f} (goal >= 0.999: {'met' if peer.cosine_min >= 0.999 else 'missed'}), "
+                     f"next-token agreement {peer.agreement:.1%} (goal >= 98%: "
+                     f"{'met' if peer.agreement >= 0.98 else 'missed'})")
+    return lines

@@ -33,7 +33,7 @@ class HmpWorkload(ServingWorkload):
     progress_type = HmpProgress
     plan_type = HmpPlan
     planner = "edgeswarm.hmp.planner:PLANNER"
-    benches = ("edgeswarm.hmp.bench:HmpBench",)
+    benches = ("edgeswarm.hmp.bench:HmpBench", "edgeswarm.hmp.bench:LlmBench")
     plan_cli = "edgeswarm.hmp.cli:run_plan"
     plan_arguments = "edgeswarm.hmp.cli:add_plan_arguments"
     plan_profiles_zoo = False

@@ -32,19 +32,32 @@ def _kind_of(name: str, matrices: str, embed: str) -> str:
 
 
 def filler_vocabulary(vocab: int) -> Callable[[Any], None]:
-    """Metadata of a byte-level vocabulary of ``vocab`` tokens (the 256 bytes, then fillers; id 0 begins and id 1
-    ends a sequence) for a file of random weights, which llama.cpp will not load without one."""
+    """Metadata of a byte-level BPE vocabulary of ``vocab`` tokens for a file of random weights, which llama.cpp
+    will not load without one: the 256 bytes, then every pair of them and pairs with a third (each with its merge);
+    id 0 begins and id 1 ends a sequence."""
     from gguf.vocab import bytes_to_unicode  # type: ignore[import-untyped]
 
     alphabet = list(bytes_to_unicode().values())
-    tokens = alphabet[:vocab] + [f"t{i}" for i in range(len(alphabet), vocab)]
+    tokens, merges = alphabet[:vocab], []
+    for first in alphabet:
+        for second in alphabet:
+            tokens.append(first + second)
+            merges.append(f"{first} {second}")
+    pairs = tokens[len(alphabet):]
+    for pair in pairs:
+        if len(tokens) >= vocab:
+            break
+        for third in alphabet:
+            tokens.append(pair + third)
+            merges.append(f"{pair} {third}")
+    tokens, merges = tokens[:vocab], merges[:max(0, vocab - len(alphabet))]
 
     def add(w: Any) -> None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
         w.add_token_types([1] * vocab)
-        w.add_token_merges([])
+        w.add_token_merges(merges)
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
     return add

@@ -26,8 +26,8 @@ class QuantizationError(ValueError):
 def dequantize(raw: torch.Tensor, kind: QuantType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weights of ``raw`` (uint8 [rows, blocks * BLOCK_BYTES[kind]]) as [rows, blocks * BLOCK] in ``dtype``,
     computed in float32 (as ggml dequantizes)."""
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, BLOCK_BYTES[kind])
+    rows, count = raw.shape[0], raw.shape[1] // BLOCK_BYTES[kind]
+    blocks = raw.reshape(rows, count, BLOCK_BYTES[kind])  # explicit sizes: a rank's share may be empty
     scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [rows, n, 1]
     quants = blocks[..., 2:]
     if kind == "q8_0":
@@ -36,7 +36,7 @@ def dequantize(raw: torch.Tensor, kind: QuantType, dtype: torch.dtype = torch.fl
         low = (quants & 0x0F).to(torch.int8) - 8
         high = (quants >> 4).to(torch.int8) - 8
         values = torch.cat([low, high], dim=-1).float()
-    return (values * scale).reshape(rows, -1).to(dtype)
+    return (values * scale).reshape(rows, count * BLOCK).to(dtype)
 
 
 class QuantizedMatrix:
@@ -102,7 +102,7 @@ class QuantizedMatrix:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ self^T + bias`` for ``x`` [..., columns], dequantizing a chunk of rows at a time."""
-        step = max(1, CHUNK_ELEMENTS // self.columns)
+        step = max(1, CHUNK_ELEMENTS // max(1, self.columns))
         rows = self.shape[0]
         if rows <= step:
             return F.linear(x, dequantize(self.raw, self.kind, x.dtype), bias)
