@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,8 @@ def last_row_rank(mode: str, s: int, parts: int) -> int:
 class RankOutput(BaseModel):
     """Rows [``start``, ``start + hidden.shape[0]``) of the final hidden states of a pass of ``rows`` tokens (after
     the final norm for pre-LN families), held by rank ``rank``; ``last`` when this rank answers for row
-    ``rows - 1``."""
+    ``rows - 1``. A batched pass's segments end at rows ``ends`` (one segment: [rows]); ``answers`` lists the
+    segments whose last row this rank answers for (``segment_logits``)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
@@ -120,6 +122,19 @@ class RankOutput(BaseModel):
     rows: int
     hidden: torch.Tensor
     last: bool
+    ends: tuple[int, ...] = ()
+    answers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [``a``, ``b``) of a pass: one request's tokens at positions ``start`` .., continuing ``cache`` (None: an
+    encoder's pass without one)."""
+
+    cache: RequestCache | None
+    start: int
+    a: int
+    b: int
 
 
 class RequestCache:
@@ -229,38 +244,77 @@ class HmpRank:
     # -- public pass -------------------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor | list[int], ring: Ring, *, cache: RequestCache | None = None,
-                types: torch.Tensor | None = None) -> RankOutput:
+                types: torch.Tensor | None = None,
+                batch: Sequence[tuple[RequestCache, int]] | None = None) -> RankOutput:
         """One pass over ``tokens`` (the same ids on every rank), continuing ``cache`` when given (a prefill, then
-        one decode step per token) and adding this pass's keys and values to it."""
+        one decode step per token) and adding this pass's keys and values to it. ``batch`` (galaxy, megatron and
+        local): the pass holds several requests' tokens one after another, (cache, token count) each: a decode
+        step of every running request and a chunk of a new one's prompt in one pass, its GEMMs and collectives over
+        all their rows, attention per request over its own cache."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(self.device)
         s = int(ids.shape[0])
-        start = cache.length if cache is not None else 0
-        self._check(ids, start, types)
+        segs = self._segments(s, cache, batch, types)
+        self._check(ids, segs, types)
         if types is not None:
             types = types.to(self.device)
         try:
             with torch.inference_mode():
                 direct = self.shares.direct_syncs and direct_syncs(s, self.n)
                 if self.shares.mode == "galaxy" and direct:
-                    _, every = self._megatron(ids, start, ring, cache, types, direct=True)
+                    _, every = self._megatron(ids, segs, ring, types, direct=True)
                     first, end = row_bounds(s, self.n)[self.rank]
                     hidden = every[first:end]
                 elif self.shares.mode == "galaxy":
-                    first, hidden = self._galaxy(ids, start, ring, cache, types)
+                    first, hidden = self._galaxy(ids, segs, ring, types)
                 elif self.shares.mode == "sp":
-                    first, hidden = self._sp(ids, start, ring, cache, types, direct=direct)
+                    first, hidden = self._sp(ids, segs[0].start, ring, segs[0].cache, types, direct=direct)
                 else:
-                    first, hidden = self._megatron(ids, start, ring, cache, types, direct=direct)
+                    first, hidden = self._megatron(ids, segs, ring, types, direct=direct)
         except BaseException:
-            if cache is not None:
-                cache.truncate(start)  # a failed pass leaves the cache as it found it, so the request can go on
+            for seg in segs:
+                if seg.cache is not None:
+                    seg.cache.truncate(seg.start)  # a failed pass leaves the cache as it found it: the request goes on
             raise
         finally:
             self.recorder.layer = OUTSIDE
-        if cache is not None:
-            cache.tokens.extend(int(t) for t in ids.tolist())
-        return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden,
-                          last=self.rank == last_row_rank(self.shares.mode, s, self.n))
+        listed = ids.tolist()
+        for seg in segs:
+            if seg.cache is not None:
+                seg.cache.tokens.extend(int(t) for t in listed[seg.a:seg.b])
+        answering = last_row_rank(self.shares.mode, s, self.n)
+        held = range(first, first + int(hidden.shape[0]))
+        answers = tuple(k for k, seg in enumerate(segs) if (
+            self.rank == answering if self.shares.mode == "megatron" else seg.b - 1 in held))
+        return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden, last=self.rank == answering,
+                          ends=tuple(seg.b for seg in segs), answers=answers)
+
+    def _segments(self, s: int, cache: RequestCache | None, batch: Sequence[tuple[RequestCache, int]] | None,
+                  types: torch.Tensor | None) -> list[Segment]:
+        if batch is None:
+            return [Segment(cache, cache.length if cache is not None else 0, 0, s)]
+        if cache is not None or types is not None:
+            raise ValueError("a batched pass takes its caches in the batch, and no token types")
+        if self.shares.mode == "sp" and len(batch) > 1:
+            raise ValueError("sequence-parallel passes hold one request: its ranks split the rows of one sequence")
+        segs, a = [], 0
+        for c, rows in batch:
+            if rows < 1:
+                raise ValueError("every request of a batched pass has at least one token")
+            segs.append(Segment(c, c.length, a, a + rows))
+            a += rows
+        if a != s:
+            raise ValueError(f"the batch's requests hold {a} tokens, the pass {s}")
+        return segs
+
+    def segment_logits(self, out: RankOutput) -> dict[int, torch.Tensor]:
+        """Next-token logits [vocab] after each segment of a batched pass whose last row this rank answers for, by
+        segment index (one product over all of them)."""
+        if not out.answers:
+            return {}
+        rows = [out.ends[k] - 1 - out.start for k in out.answers]
+        with torch.inference_mode(), self.recorder.phase("compute", "lm_head"):
+            logits = linear(out.hidden[rows], self.w["lm_head.weight"])
+        return {k: logits[j] for j, k in enumerate(out.answers)}
 
     def next_logits(self, out: RankOutput) -> torch.Tensor | None:
         """Next-token logits [vocab] of the pass's last row, on the rank that answers for it; None elsewhere."""
@@ -271,14 +325,15 @@ class HmpRank:
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
-    def _check(self, ids: torch.Tensor, start: int, types: torch.Tensor | None) -> None:
+    def _check(self, ids: torch.Tensor, segs: list[Segment], types: torch.Tensor | None) -> None:
         cfg = self.cfg
         if ids.numel() == 0:
             raise ValueError("a pass needs at least one token")
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
             raise ValueError(f"token ids must be in [0, {cfg.vocab})")
-        if start + ids.numel() > cfg.max_positions:
-            raise ValueError(f"{start + ids.numel()} positions exceed the model's {cfg.max_positions}")
+        longest = max(seg.start + seg.b - seg.a for seg in segs)
+        if longest > cfg.max_positions:
+            raise ValueError(f"{longest} positions exceed the model's {cfg.max_positions}")
         if types is not None and (types.shape != ids.shape or int(types.min()) < 0
                                   or int(types.max()) >= max(cfg.type_vocab, 1)):
             raise ValueError("token types must match the tokens and be in the model's range")
@@ -325,6 +380,22 @@ class HmpRank:
                 self.recorder.count_norm(int(ids.shape[0]))
             return embed(self.cfg, self.w, ids, start, types)
 
+    def _embed_segments(self, ids: torch.Tensor, segs: list[Segment], types: torch.Tensor | None) -> torch.Tensor:
+        """The embeddings of every segment's rows at its own positions."""
+        if len(segs) == 1:
+            return self._embed(ids, segs[0].start, types)
+        return torch.cat([self._embed(ids[g.a:g.b], g.start, None) for g in segs])
+
+    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
+        """Layer ``i``'s attention of every segment's rows over its own cache (extended with them)."""
+        cfg, prefix = self.cfg, f"layers.{i}."
+        if len(segs) == 1:
+            g = segs[0]
+            return attention(cfg, q, k, v, g.start, g.cache.layers[i] if g.cache is not None else None, self.w, prefix)
+        return torch.cat([attention(cfg, q[g.a:g.b], k[g.a:g.b], v[g.a:g.b], g.start,
+                                    g.cache.layers[i] if g.cache is not None else None, self.w, prefix)
+                          for g in segs])
+
     # -- galaxy ------------------------------------------------------------------------------------------------
 
     def _ag_gemm(self, own: torch.Tensor, bounds: Bounds, gemm: Callable[[torch.Tensor], torch.Tensor],
@@ -356,14 +427,14 @@ class HmpRank:
             part = ring_reduce_scatter(out, self.rank, _scale(bounds, cols), send, self._timed(recv))
         return part.view(-1, cols)
 
-    def _galaxy(self, ids: torch.Tensor, start: int, ring: Ring, cache: RequestCache | None,
+    def _galaxy(self, ids: torch.Tensor, segs: list[Segment], ring: Ring,
                 types: torch.Tensor | None) -> tuple[int, torch.Tensor]:
         cfg, rec = self.cfg, self.recorder
         s = int(ids.shape[0])
         bounds = row_bounds(s, self.n)
         a, b = bounds[self.rank]
         rec.layer = OUTSIDE
-        x = self._embed(ids, start, types)
+        x = self._embed_segments(ids, segs, types)
         resid = x[a:b]  # the residual stream, sharded by rows from here on
         own: torch.Tensor | None = None  # this rank's rows of the next TP block's input, to be AllGathered
         # layer 0's input is replicated (pre-LN: its norm too), so it starts without an AllGather
@@ -379,8 +450,7 @@ class HmpRank:
                 qkv = self._ag_gemm(own, bounds, gemm, ring, base + 0, "qkv")
             q, k, v = self._split_qkv(i, qkv)
             with rec.phase("compute", "attention"):
-                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None, self.w,
-                                f"layers.{i}.")
+                att = self._attend(i, q, k, v, segs)
             g = self._gemm_rs(att, bounds, lambda t, i=i: self._o(i, t), ring, base + 1, "o")
             with rec.phase("compute", "residual"):
                 u = resid + g + self._bias(i, "o")  # o's bias once, on the owned rows, after the reduction
@@ -414,12 +484,12 @@ class HmpRank:
         with self.recorder.phase("sync", "allreduce"):
             return ring_all_reduce(part, self.rank, _scale(bounds, cols), send, self._timed(recv)).view(-1, cols)
 
-    def _megatron(self, ids: torch.Tensor, start: int, ring: Ring, cache: RequestCache | None,
-                  types: torch.Tensor | None, *, direct: bool = False) -> tuple[int, torch.Tensor]:
+    def _megatron(self, ids: torch.Tensor, segs: list[Segment], ring: Ring, types: torch.Tensor | None, *,
+                  direct: bool = False) -> tuple[int, torch.Tensor]:
         cfg, rec = self.cfg, self.recorder
         bounds = row_bounds(int(ids.shape[0]), self.n)
         rec.layer = OUTSIDE
-        x = self._embed(ids, start, types)
+        x = self._embed_segments(ids, segs, types)
         for i in range(cfg.layers):
             rec.layer = i
             base = i * COLLECTIVES_PER_LAYER
@@ -427,8 +497,7 @@ class HmpRank:
             with rec.phase("compute", "qkv"):
                 q, k, v = self._split_qkv(i, self._qkv(i, hin))
             with rec.phase("compute", "attention"):
-                att = attention(cfg, q, k, v, start, cache.layers[i] if cache is not None else None, self.w,
-                                f"layers.{i}.")
+                att = self._attend(i, q, k, v, segs)
             with rec.phase("compute", "o"):
                 c = self._o(i, att)
             g = self._all_reduce(c, bounds, ring, base + 1, direct)
