@@ -262,6 +262,9 @@ _TEXT_MODEL_CONFIG = ("record", {
                                              "low_freq_factor": "number", "high_freq_factor": "number",
                                              "original_max_positions": "int"})),
     "head_size": "int", "qkv_bias": "bool", "qk_norm": "bool",
+    "quantization": ("optional", ("enum", {"q8_0", "q4_0"})), "embed_quantization": ("optional", ("enum", {
+        "q8_0", "q4_0"})), "head_quantization": ("optional", ("enum", {"q8_0", "q4_0"})),
+    "rope_factors": ("optional", ("list", "number")),
 })
 _BLOCK_PROFILE = ("record", {
     "node": "str", "device_class": "str", "memory_budget_bytes": "int", "seq_len": "int",
@@ -390,7 +393,7 @@ _PROGRESS = ("tagged", "kind", {
         "tokens": "int", "reconfigurations": "int", "latency_p50_s": "number?", "latency_p99_s": "number?",
         "ttft_p50_s": "number?", "tpot_p50_s": "number?", "tokens_per_s": "number?",
         "split": ("optional", _LAYER_SPLIT), "predicted_latency_s": "number?", "predicted_tpot_s": "number?",
-        "refitted_latency_s": "number?"},
+        "refitted_latency_s": "number?", "passes": "int", "peak_batch": "int"},
     "train-splitfed": _SPLITFED_PROGRESS,
 })
 _COMPARISON = ("record", {
@@ -615,16 +618,18 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.hmp.profile_reply", 1): {"profile": _BLOCK_PROFILE},
     ("edgeswarm.hmp.assign", 1): {
         "job_id": "str", "epoch": "int", "rank": "int", "model": _TEXT_MODEL_SOURCE, "shares": _HMP_SHARES,
-        "coordinator": "str", "max_tokens": "int", "qos": "int", "deadline_s": "number",
+        "coordinator": "str", "max_tokens": "int", "qos": "int", "deadline_s": "number", "max_batch": "int",
     },
     ("edgeswarm.hmp.ready", 1): {"job_id": "str", "epoch": "int", "rank": "int", "parameters": "int",
                                  "memory_bytes": "int", "load_s": "number"},
     ("edgeswarm.hmp.release", 1): {"job_id": "str"},
     ("edgeswarm.hmp.free", 1): {"job_id": "str", "epoch": "int", "requests": ("list", "int")},
-    ("edgeswarm.hmp.pass", 1): {"job_id": "str", "epoch": "int", "pass_id": "int", "request": "int", "start": "int",
-                                "sampling": ("optional", ("record", _SAMPLING))},
-    ("edgeswarm.hmp.result", 1): {
-        "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int", "top": ("list", "int"),
+    ("edgeswarm.hmp.pass", 2): {"job_id": "str", "epoch": "int", "pass_id": "int", "segments": ("list", ("record", {
+        "request": "int", "start": "int", "tokens": "int", "sampling": ("optional", ("record", _SAMPLING)),
+        "answer": "bool"}))},
+    ("edgeswarm.hmp.result", 2): {
+        "job_id": "str", "epoch": "int", "pass_id": "int", "rank": "int", "row_start": "int",
+        "tokens": ("list", "int"),
         "split": ("record", {"compute_s": "number", "sync_s": "number", "waiting_s": "number"}), "cache_bytes": "int",
     },
     ("edgeswarm.hmp.request", 1): {"job_id": "str", "request_id": "str", "text": "str?",

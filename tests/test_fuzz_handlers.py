@@ -124,7 +124,7 @@ def workable_messages() -> list[Message]:
         m.ShardAssign(job_id="g1", epoch=3, rank=0, model=TextModelSource(preset="gpt2-tiny"),
                       shares=HmpShares(mode="local", devices=[SERVICE_NODE], heads=[4], columns=[256]),
                       coordinator=SERVICE_NODE, max_tokens=32),
-        m.ShardPass(job_id="g1", epoch=3, pass_id=1, request=1, start=0),
+        m.ShardPass(job_id="g1", epoch=3, pass_id=1, segments=[m.PassSegment(request=1, start=0, tokens=1)]),
         m.ShardProfileRequest(model=TextModelSource(preset="bert-tiny"), seq_len=8),
     ]
 

@@ -174,6 +174,23 @@ def test_every_mode_generates_the_single_device_tokens(cluster: Cluster, preset:
     assert len(state.plan.shares.devices) == (1 if mode == "local" else DEVICES)
 
 
+def test_concurrent_requests_decode_together_and_each_is_the_single_devices(cluster: Cluster) -> None:
+    """Continuous batching: six requests of different lengths at once on a Llama-shaped model, up to four decoding
+    together and a joining one's prompt in chunks of three tokens beside them: each answer is what one device
+    generates for it alone, in far fewer passes than one request after another would take."""
+    name = "hmp-batched"
+    follower = start(cluster, spec_text(name, "llama-tiny", extra="max_batch: 4\nprefill_chunk: 3\n"))
+    g = torch.Generator().manual_seed(12)
+    asked = [torch.randint(0, PRESETS["llama-tiny"].vocab, (n,), generator=g).tolist() for n in (9, 2, 5, 7, 1, 4)]
+    answers = ask(cluster.bus, name, list(asked), max_new_tokens=5, window=6, timeout_s=120)
+    for prompt, answer in zip(asked, answers, strict=True):
+        assert answer.reply is not None, (answer.reason, answer.error)
+        assert answer.reply.tokens == expected_tokens("llama-tiny", prompt, 5), prompt
+    progress = stop(cluster, follower).progress_as(HmpProgress)
+    alone = sum(-(-len(p) // 3) + 4 for p in asked)  # each alone: its prompt's chunks, then a pass a further token
+    assert progress.peak_batch >= 3 and progress.passes < 0.7 * alone, (progress.passes, progress.peak_batch, alone)
+
+
 def test_an_encoder_answers_the_single_device_hidden_states(cluster: Cluster) -> None:
     follower = start(cluster, spec_text("hmp-bert", "bert-tiny", planner=", exclude: [native-0]"))
     asked = prompts("bert-tiny", 2, length=11)  # 11 rows over 2 devices: 6, 5

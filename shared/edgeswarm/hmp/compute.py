@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from edgeswarm.hmp.layer import HmpRank, RequestCache, Ring
 from edgeswarm.hmp.sharding import shard_shapes
-from edgeswarm.messages.hmp import MAX_TOP, PassSplit
+from edgeswarm.messages.hmp import PassSegment, PassSplit
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.values.text_model import TextModelConfig, TextModelSource
 
@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     import torch
 
     from edgeswarm.devices.emulation import DeviceProfile
-    from edgeswarm.values.sampling import Sampling
-
-TOP = 8  # next-token candidates a decoder's last-row rank reports
-CACHES_RESERVED = 2  # KV caches a shard's memory reservation holds room for (one request runs at a time)
 
 
 @dataclass
@@ -40,25 +36,25 @@ class Shard:
 
 @dataclass
 class PassOutput:
-    """What a rank answers a pass with: ``tensor`` (its rows of the final hidden states for an encoder, the logits
-    of ``top`` for a decoder's last-row rank, else empty; on the compute device until the wire), ``row_start`` and
-    where its time went."""
+    """What a rank answers a pass with: ``tensor`` (its rows of the final hidden states for an encoder, else empty;
+    on the compute device until the wire), ``row_start``, a decoder's ``tokens`` and where its time went."""
 
     tensor: torch.Tensor
     row_start: int
-    top: list[int]
+    tokens: list[int]  # a decoder's next token per segment (-1: not this rank's); empty when it answers none
     split: PassSplit
 
 
-def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens: int) -> int:
-    """Bytes rank ``rank`` reserves: its weights, CACHES_RESERVED KV caches of ``max_tokens`` tokens for its KV
-    heads (sp: every head), and one pass's activations (a few [tokens, max(hidden, ffn)] tensors)."""
+def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens: int, batch: int = 1) -> int:
+    """Bytes rank ``rank`` reserves: its weights, the KV caches of ``batch`` requests of ``max_tokens`` tokens and
+    one more (a request's cache rebuilt beside them) for its KV heads (sp: every head), and one pass's activations
+    (a few [tokens, max(hidden, ffn)] tensors)."""
     shapes = shard_shapes(cfg, shares, rank)
     weights = sum(cfg.tensor_bytes(name, _numel(s)) for name, s in shapes.items())
     heads = cfg.heads if shares.mode in ("sp", "local") else shares.heads[rank]
     kv = 2 * cfg.layers * (heads // cfg.group) * cfg.head_dim * max_tokens * cfg.dtype_bytes
     activations = 6 * max_tokens * max(cfg.hidden, cfg.ffn) * cfg.dtype_bytes
-    return int(weights + CACHES_RESERVED * kv + activations)
+    return int(weights + (batch + 1) * kv + activations)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -102,31 +98,35 @@ def new_cache(shard: Shard) -> RequestCache:
     return shard.rank.new_cache()
 
 
-def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache, ring: Ring,
-             sampling: Sampling | None = None) -> PassOutput:
-    """One pass of ``tokens`` at positions ``start`` .. (continuing ``cache``, which must hold ``start`` tokens). A
-    decoder's last-row rank reports the TOP most likely next tokens, or with ``sampling`` the one it samples (over
-    the request's tokens so far: ``models.text.sampling.next_token``)."""
+def run_pass(shard: Shard, tokens: torch.Tensor, segments: list[tuple[PassSegment, RequestCache]], ring: Ring
+             ) -> PassOutput:
+    """One pass of ``tokens``: each segment's rows continue its request's cache (which must hold ``start`` tokens).
+    For a decoder, the rank holding a segment's last row chooses the request's next token where the segment asks
+    for one (``models.text.sampling.next_token``, over the request's tokens so far); an encoder's pass (one segment)
+    answers its hidden states."""
     import torch
 
     from edgeswarm.models.text.sampling import next_token
 
-    if cache.length != start:
-        raise ValueError(f"the request's cache holds {cache.length} tokens, the pass starts at {start}")
+    for segment, cache in segments:
+        if cache.length != segment.start:
+            raise ValueError(f"request {segment.request}'s cache holds {cache.length} tokens, the pass starts at "
+                             f"{segment.start}")
     rank = shard.rank
     rank.recorder.reset()
-    out = rank.forward(tokens, ring, cache=cache)
-    top: list[int] = []
+    if len(segments) == 1:
+        out = rank.forward(tokens, ring, cache=segments[0][1])
+    else:
+        out = rank.forward(tokens, ring, batch=[(cache, segment.tokens) for segment, cache in segments])
+    chosen: list[int] = []
     if shard.cfg.decoder:
-        logits = rank.next_logits(out)
-        if logits is not None and sampling is not None:
-            token = next_token(logits, cache.tokens, sampling, cache.length)
-            tensor, top = logits[token:token + 1].float(), [token]
-        elif logits is not None:
-            values, ids = logits.float().topk(min(TOP, MAX_TOP, logits.shape[0]))
-            tensor, top = values, [int(i) for i in ids.tolist()]
-        else:
-            tensor = torch.empty(0)
+        tensor = torch.empty(0)
+        wanted = [k for k in out.answers if segments[k][0].answer]
+        if wanted:
+            chosen = [-1] * len(segments)
+            for k, logits in rank.segment_logits(out, wanted).items():
+                segment, cache = segments[k]
+                chosen[k] = next_token(logits, cache.tokens, segment.sampling, cache.length)
     elif rank.shares.mode in ("galaxy", "sp") or out.last:
         tensor = out.hidden.float()  # megatron's ranks all hold every row: one of them answers
     else:
@@ -134,4 +134,4 @@ def run_pass(shard: Shard, tokens: torch.Tensor, start: int, cache: RequestCache
     times = rank.recorder.times()
     split = PassSplit(compute_s=sum(t.compute_s for t in times), sync_s=sum(t.sync_s for t in times),
                       waiting_s=sum(t.wait_s for t in times))
-    return PassOutput(tensor, out.start, top, split)
+    return PassOutput(tensor, out.start, chosen, split)

@@ -4,13 +4,14 @@ The job measures every device's block latencies for its model (a ShardProfile re
 the links come from the profilers), asks the planner service for an HmpPlan and deploys each rank's shard
 (ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
 lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them and half that from one caller node
-(``edgeswarm.shares``; beyond: ``busy``). One request runs
-at a time, as passes: a prefill pass over the prompt, then, for a decoder, one pass per generated token (greedy:
-the most likely token, which the rank holding the last row reports; a model folder's end-of-sequence token ends it
-early). Each pass is a ShardPass frame to every rank
-and a ShardResult from every rank; a pass whose results do not all come within its deadline is run again once on a
-new KV cache (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the
-survivors, deploys the new plan as a new epoch and rebuilds the request's cache there from its tokens so far (a
+(``edgeswarm.shares``; beyond: ``busy``). Requests run as passes: a decoder's up to ``spec.max_batch`` at once,
+each pass holding a decode step of every running request (the next token, greedy or sampled, which the rank
+holding the request's last row reports; the end of sequence or a stop string ends it early) and a chunk of
+``spec.prefill_chunk`` tokens of the prompt of one request joining (so the others wait one chunk at most); an
+encoder's one at a time, its prompt in one pass. Each pass is a ShardPass frame to every rank and a ShardResult
+from every rank; when a pass's results do not all come within its deadline its requests run again once on new KV
+caches (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the
+survivors, deploys the new plan as a new epoch and rebuilds each request's cache there from its tokens so far (a
 prefill over the prompt and the tokens generated), so every request is answered once. A cancelled job answers what
 it still holds with InferError ``not_serving`` and releases its shards.
 
@@ -45,6 +46,7 @@ from edgeswarm.messages.hmp import (
     HmpReply,
     HmpRequest,
     LayerSplit,
+    PassSegment,
     ShardAssign,
     ShardFree,
     ShardPass,
@@ -72,7 +74,6 @@ from edgeswarm.workloads.base import JobContext
 from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
 
 if TYPE_CHECKING:
-    import torch
 
     from edgeswarm.values.text_model import TextModelConfig
 
@@ -106,6 +107,28 @@ class _Request(QueuedRequest):
 
 
 @dataclass
+class _Active:
+    """A request in the job's batch: its cache is request number ``number`` on plan ``epoch`` (-1: none yet, or
+    lost) and holds the first ``fed`` tokens of its ``sequence`` (prompt and generated)."""
+
+    request: _Request
+    number: int = 0
+    epoch: int = -1
+    fed: int = 0
+    generated: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    decode_s: float = 0.0
+    retries: int = 0
+    recomputed: bool = False
+    split: LayerSplit | None = None
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.request.prompt + self.generated
+
+
+
+@dataclass
 class _Pass:
     pass_id: int
     ranks: int
@@ -124,6 +147,8 @@ class _Stats:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     tpots: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     split: LayerSplit | None = None
+    passes: int = 0
+    peak_batch: int = 0
 
 
 def fit_key(spec: HmpSpec) -> str:
@@ -209,11 +234,17 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 self.ctx.update(self.ctx.state().status, event=("refit", said))
         super().stop()
 
+    @property
+    def batch(self) -> int:
+        """Requests the job runs at once: ``spec.max_batch`` for a decoder, one for an encoder or in sp mode (its
+        ranks split one sequence's rows)."""
+        return self.spec.max_batch if self.config.decoder and self.spec.mode != "sp" else 1
+
     def options(self) -> HmpOptions:
         """What the job's plans are asked for (its mode, the planner's settings, the KV cache it needs)."""
         spec = self.spec
         return HmpOptions(mode=spec.mode, overlap=spec.overlap, shift=spec.planner.shift, prune=spec.planner.prune,
-                          max_tokens=spec.max_tokens, direct_syncs=spec.decode_syncs == "direct")
+                          max_tokens=spec.max_tokens * self.batch, direct_syncs=spec.decode_syncs == "direct")
 
     def profiles(self, cluster: ClusterProfile) -> HmpCluster:
         """The planner's input over ``cluster``'s devices, as profiled and scaled by what earlier jobs measured."""
@@ -266,6 +297,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         spec = self.spec
         return {device: ShardAssign(job_id=spec.name, epoch=plan.epoch, rank=rank, model=spec.model,
                                     shares=plan.shares, coordinator=self.ctx.node, max_tokens=spec.max_tokens,
+                                    max_batch=self.batch,
                                     qos=spec.qos, deadline_s=spec.deadline_s)
                 for rank, device in enumerate(plan.shares.devices)}
 
@@ -356,81 +388,122 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
     # --- requests through -------------------------------------------------------------------------
 
     def dispatch(self) -> None:
+        """The job's passes, one at a time: every active request's next rows in each (see ``_step``); requests join
+        from the queue between passes, up to ``spec.max_batch`` (an encoder's, or sp's: one at a time)."""
+        active: list[_Active] = []
+        limit = self.batch
         while True:
             with self._changed:
-                while not self._stopped and (self._plan is None or not self._queue):
+                while not self._stopped and (self._plan is None or (not self._queue and not active)):
                     self._changed.wait(1.0)
                 if self._stopped:
-                    return
-                request = self._queue.popleft()
-                self._callers.release(request.caller)
-            record.request_dispatched(self.bus.metrics, self.spec.name, time.monotonic() - request.arrived)
+                    break
+                joined = []
+                while self._queue and len(active) + len(joined) < limit:
+                    request = self._queue.popleft()
+                    self._callers.release(request.caller)
+                    joined.append(request)
+            for request in joined:
+                record.request_dispatched(self.bus.metrics, self.spec.name, time.monotonic() - request.arrived)
+                active.append(_Active(request))
             try:
-                self._check_cancelled(request)
-                self._serve(request)
-            except _Cancelled:
-                self.refuse(request.msg, request.request_id, "cancelled", "its caller cancelled it")
+                active = self._step(active)
             except _Stopped:
-                self.refuse(request.msg, request.request_id, "not_serving", f"job {self.spec.name} stopped")
-                return
-            except EdgeswarmError as exc:
-                self.refuse(request.msg, request.request_id, "failed", str(exc))
-            except Exception as exc:  # noqa: BLE001 - one request must not end the job's serving
-                log.exception("job %s: request %s failed", self.spec.name, request.request_id)
-                self.refuse(request.msg, request.request_id, "failed", f"{type(exc).__name__}: {exc}")
-
-    def _serve(self, request: _Request) -> None:
-        """Run ``request`` to its answer: prefill, then one pass per token, rebuilding its cache after a loss."""
-        generated: list[int] = []
-        ttft: float | None = None
-        decode_s = 0.0
-        retries, recomputed = 0, False
-        prefill_split: LayerSplit | None = None
-        hidden: torch.Tensor | None = None
-        while True:
-            plan, epoch = self._current_plan()
-            number = self._new_request_number()
-            tokens = request.prompt + generated
-            try:
-                results = self._run_pass(plan, epoch, number, tokens, 0, request.sampling)
-                self._refit(plan, len(tokens), results)
-                if ttft is None:
-                    ttft = time.monotonic() - request.arrived
-                    if self.config.decoder:
-                        record.first_token(self.bus.metrics, self.spec.name, ttft, len(request.prompt))
-                prefill_split = _layer_split(results, self.config.layers)
-                if self.config.decoder:
-                    if len(generated) < request.new_tokens:
-                        generated.append(_top(results))
-                        self._stream(request, generated)
-                    while (len(generated) < request.new_tokens and generated[-1] not in self.stop_tokens
-                           and self._stop_at(request, generated) is None):
-                        self._check_cancelled(request)
-                        started = time.perf_counter()
-                        results = self._run_pass(plan, epoch, number, generated[-1:], len(request.prompt)
-                                                 + len(generated) - 1, request.sampling)
-                        took = time.perf_counter() - started
-                        decode_s += took
-                        record.next_token(self.bus.metrics, self.spec.name, took)
-                        generated.append(_top(results))
-                        self._stream(request, generated)
-                else:
-                    hidden = _rows(results, len(tokens))
                 break
-            except _Cancelled:
-                self._free(plan, epoch, number)
-                raise
-            except PassFailed as exc:
-                self._free(plan, epoch, number)
-                if self._wait_for_replan(plan, epoch):
-                    recomputed = True  # a device was lost: the new plan rebuilds the cache from the tokens so far
-                    continue
-                retries += 1
-                if retries > RETRIES:
-                    raise JobError(f"request {request.request_id or '(no id)'}: {exc}, also when run again") from None
-                _limited.warning("retry", "job %s: %s; running the request again", self.spec.name, exc)
-        self._free(plan, epoch, number)
-        self._answer(request, generated, hidden, ttft or 0.0, decode_s, prefill_split, epoch, recomputed)
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the job's serving
+                log.exception("job %s: a pass failed", self.spec.name)
+                for a in active:
+                    self.refuse(a.request.msg, a.request.request_id, "failed", f"{type(exc).__name__}: {exc}")
+                active = []
+        for a in active:
+            self.refuse(a.request.msg, a.request.request_id, "not_serving", f"job {self.spec.name} stopped")
+
+    def _step(self, active: list[_Active]) -> list[_Active]:
+        """One pass of the active requests on the current plan: a decode step of each one whose sequence is in its
+        cache, and a chunk of the prompt (or of the tokens so far, rebuilding a cache) of the first one whose
+        sequence is not; returns the requests still active after it (the others answered or refused)."""
+        plan, epoch = self._current_plan()
+        kept = []
+        for a in active:
+            with self._changed:
+                cancelled = a.request.key in self._cancelled
+            if cancelled:
+                if a.epoch == epoch:
+                    self._free(plan, epoch, [a.number])
+                self.refuse(a.request.msg, a.request.request_id, "cancelled", "its caller cancelled it")
+            else:
+                if a.epoch != epoch:  # new, or its cache was lost or on a plan that is gone: built from its tokens
+                    a.recomputed = a.recomputed or a.epoch >= 0  # a device lost, or the job re-planned, under it
+                    a.epoch, a.number, a.fed = epoch, self._new_request_number(), 0
+                kept.append(a)
+        if not kept:
+            return []
+        chunk = self.spec.prefill_chunk if self.config.decoder and self.spec.mode != "sp" else 0
+        batch: list[tuple[_Active, list[int]]] = []
+        filling = False
+        for a in kept:
+            pending = a.sequence[a.fed:]
+            if len(pending) == 1 and a.generated:
+                batch.append((a, pending))  # a decode step
+            elif not filling:
+                batch.append((a, pending[:chunk] if chunk else pending))
+                filling = True
+        segments = [PassSegment(request=a.number, start=a.fed, tokens=len(rows), sampling=a.request.sampling,
+                                answer=a.fed + len(rows) == len(a.sequence) and len(a.generated) < a.request.new_tokens)
+                    for a, rows in batch]
+        tokens = [t for _, rows in batch for t in rows]
+        started = time.perf_counter()
+        try:
+            results = self._run_pass(plan, epoch, segments, tokens)
+        except PassFailed as exc:
+            self._free(plan, epoch, [a.number for a in kept])
+            if self._wait_for_replan(plan, epoch):
+                return kept  # on the new plan, each rebuilds its cache from its tokens so far
+            out = []
+            for a in kept:
+                a.retries, a.epoch = a.retries + 1, -1  # its cache is gone: rebuilt by the next pass
+                if a.retries > RETRIES:
+                    self.refuse(a.request.msg, a.request.request_id, "failed",
+                                f"request {a.request.request_id or '(no id)'}: {exc}, also when run again")
+                else:
+                    out.append(a)
+            _limited.warning("retry", "job %s: %s; running its requests again", self.spec.name, exc)
+            return out
+        took = time.perf_counter() - started
+        with self._changed:
+            self._stats.passes += 1
+            self._stats.peak_batch = max(self._stats.peak_batch, len(segments))
+        if len(segments) == 1 and segments[0].start == 0:
+            self._refit(plan, len(tokens), results)
+        chosen = _tokens(results, len(segments)) if self.config.decoder else []
+        done: set[int] = set()
+        for k, (a, rows) in enumerate(batch):
+            decoding = bool(a.generated) and len(rows) == 1 and a.fed == len(a.sequence) - 1
+            a.fed += len(rows)
+            if segments[k].start == 0:
+                a.split = _layer_split(results, self.config.layers)
+            if segments[k].answer:
+                if chosen[k] < 0:
+                    raise PassFailed(f"no rank reported request {a.number}'s next token")
+                if a.ttft is None:
+                    a.ttft = time.monotonic() - a.request.arrived
+                    record.first_token(self.bus.metrics, self.spec.name, a.ttft, len(a.request.prompt))
+                if decoding:
+                    a.decode_s += took
+                    record.next_token(self.bus.metrics, self.spec.name, took)
+                a.generated.append(chosen[k])
+                self._stream(a.request, a.generated)
+            ended = not self.config.decoder or (a.fed >= len(a.request.prompt) and (
+                len(a.generated) >= a.request.new_tokens or (bool(a.generated) and a.generated[-1] in self.stop_tokens)
+                or self._stop_at(a.request, a.generated) is not None))
+            if ended:
+                self._free(plan, epoch, [a.number])
+                hidden = None if self.config.decoder else _rows(results, len(tokens))
+                if a.ttft is None:
+                    a.ttft = time.monotonic() - a.request.arrived
+                self._answer(a.request, a.generated, hidden, a.ttft, a.decode_s, a.split, epoch, a.recomputed)
+                done.add(id(a))
+        return [a for a in kept if id(a) not in done]
 
     def _answer(self, request: _Request, generated: list[int], hidden: Any, ttft: float, decode_s: float,
                 split: LayerSplit | None, epoch: int, recomputed: bool) -> None:
@@ -497,12 +570,6 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         raise JobError(f"job {self.spec.name}: a device of plan epoch {epoch} was lost and no new plan came within "
                        f"{REPLAN_WAIT_S:.0f} s")
 
-    def _check_cancelled(self, request: _Request) -> None:
-        """Raise _Cancelled when the request's caller cancelled it."""
-        with self._changed:
-            if request.key in self._cancelled:
-                raise _Cancelled()
-
     def _stream(self, request: _Request, generated: list[int]) -> None:
         """Send a streaming request the tokens generated since the last HmpDelta and the text they add that is sure
         to stay: not a character that may begin a stop string, nor half of one (the decoder's replacement
@@ -533,8 +600,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         found = [i for i in (text.find(s) for s in request.stop) if i >= 0]
         return min(found) if found else None
 
-    def _run_pass(self, plan: HmpPlan, epoch: int, request: int, tokens: list[int], start: int,
-                  sampling: Sampling | None = None) -> dict[int, tuple[ShardResult, Any]]:
+    def _run_pass(self, plan: HmpPlan, epoch: int, segments: list[PassSegment], tokens: list[int]
+                  ) -> dict[int, tuple[ShardResult, Any]]:
         """Send one pass to every rank and wait for every rank's result. Raises PassFailed when they do not all
         come within the pass's deadline."""
         import torch
@@ -545,8 +612,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 raise _Stopped()
             self._next_pass += 1
             current = self._pass = _Pass(self._next_pass, len(devices))
-        body = ShardPass(job_id=self.spec.name, epoch=epoch, pass_id=current.pass_id, request=request, start=start,
-                         sampling=sampling)
+        body = ShardPass(job_id=self.spec.name, epoch=epoch, pass_id=current.pass_id, segments=segments)
         ids = torch.tensor(tokens, dtype=torch.int64)
         for device in devices:
             try:
@@ -572,13 +638,13 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         predicted = plan.model.total_s * max(1.0, tokens / max(1, self.spec.seq_len))
         return 10.0 * predicted + 3 * self.spec.deadline_s + 5.0
 
-    def _free(self, plan: HmpPlan, epoch: int, request: int) -> None:
+    def _free(self, plan: HmpPlan, epoch: int, requests: list[int]) -> None:
         for device in plan.shares.devices:
             try:
                 self.bus.publish(topics.request(device, self.worker_service),
-                                 ShardFree(job_id=self.spec.name, epoch=epoch, requests=[request]))
+                                 ShardFree(job_id=self.spec.name, epoch=epoch, requests=requests))
             except EdgeswarmError as exc:
-                log.debug("could not free request %d on %s: %s", request, device, exc)
+                log.debug("could not free requests %s on %s: %s", requests, device, exc)
 
     def _on_result(self, msg: Inbound, body: ShardResult) -> None:
         with self._changed:
@@ -612,7 +678,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                     "latency_p99_s": percentile(sorted(s.latencies), 0.99),
                     "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),
                     "tokens_per_s": s.decoded / s.decode_s if s.decode_s > 0 else None,
-                    "split": s.split,
+                    "split": s.split, "passes": s.passes, "peak_batch": s.peak_batch,
                     "refitted_latency_s": priced.current.model.total_s if priced is not None else None}
 
 
@@ -620,16 +686,14 @@ class _Stopped(EdgeswarmError):
     """The job stopped while a request ran."""
 
 
-class _Cancelled(EdgeswarmError):
-    """The request's caller cancelled it."""
-
-
-def _top(results: dict[int, tuple[ShardResult, Any]]) -> int:
-    """The most likely next token, from the rank that reports it."""
+def _tokens(results: dict[int, tuple[ShardResult, Any]], segments: int) -> list[int]:
+    """Each segment's next token, from the rank that reports it (-1: none did)."""
+    out = [-1] * segments
     for result, _ in results.values():
-        if result.top:
-            return result.top[0]
-    raise PassFailed("no rank reported the next token")
+        for k, token in enumerate(result.tokens[:segments]):
+            if token >= 0:
+                out[k] = token
+    return out
 
 
 def _rows(results: dict[int, tuple[ShardResult, Any]], tokens: int) -> Any:

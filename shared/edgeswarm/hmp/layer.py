@@ -306,15 +306,16 @@ class HmpRank:
             raise ValueError(f"the batch's requests hold {a} tokens, the pass {s}")
         return segs
 
-    def segment_logits(self, out: RankOutput) -> dict[int, torch.Tensor]:
-        """Next-token logits [vocab] after each segment of a batched pass whose last row this rank answers for, by
-        segment index (one product over all of them)."""
-        if not out.answers:
+    def segment_logits(self, out: RankOutput, only: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+        """Next-token logits [vocab] after each segment of a pass whose last row this rank answers for (``only``:
+        those of them), by segment index (one product over all of them)."""
+        wanted = [k for k in out.answers if only is None or k in only]
+        if not wanted:
             return {}
-        rows = [out.ends[k] - 1 - out.start for k in out.answers]
+        rows = [out.ends[k] - 1 - out.start for k in wanted]
         with torch.inference_mode(), self.recorder.phase("compute", "lm_head"):
             logits = linear(out.hidden[rows], self.w["lm_head.weight"])
-        return {k: logits[j] for j, k in enumerate(out.answers)}
+        return {k: logits[j] for j, k in enumerate(wanted)}
 
     def next_logits(self, out: RankOutput) -> torch.Tensor | None:
         """Next-token logits [vocab] of the pass's last row, on the rank that answers for it; None elsewhere."""

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.messages.hmp import MAX_NEW_TOKENS, LayerSplit
+from edgeswarm.messages.hmp import MAX_BATCH, MAX_NEW_TOKENS, LayerSplit
 from edgeswarm.planning.hmp.shares import MAX_SHARDS, Mode
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.wire.schema import NAME_PATTERN, Name
@@ -34,7 +34,10 @@ class HmpSpec(BaseModel):
     on the cluster, so a job is never planned slower than a baseline it could run; ``overlap`` tiles Galaxy's
     collectives with its GEMMs. ``seq_len`` is the prompt length it is profiled and planned for; ``max_tokens``
     bounds a request's prompt and generated tokens together, ``max_new_tokens`` is a decoder's default number of
-    generated tokens. At most ``queue`` requests wait; beyond, a request is answered ``busy``. The ring's slices go
+    generated tokens. A decoder's requests decode together, up to ``max_batch`` of them (each pass holds a step of
+    every one; the job's KV caches are planned for that many), a joining request's prompt going in ``prefill_chunk``
+    tokens a pass beside them (0: whole), so running streams never wait longer than one chunk. At most ``queue``
+    requests wait; beyond, a request is answered ``busy``. The ring's slices go
     at ``qos`` (0: a slice not there within ``deadline_s`` seconds is asked for again once; a request whose pass
     fails is run again once). A decode step (one row) synchronises with ``direct`` collectives, one round of
     messages from every device to every other, or ``ring`` ones, one hop after another: direct wins where each
@@ -52,6 +55,8 @@ class HmpSpec(BaseModel):
     max_tokens: int = Field(default=512, ge=1, le=1 << 17)
     max_new_tokens: int = Field(default=16, ge=0, le=MAX_NEW_TOKENS)
     queue: int = Field(default=64, ge=1, le=4096)
+    max_batch: int = Field(default=8, ge=1, le=MAX_BATCH)
+    prefill_chunk: int = Field(default=128, ge=0, le=1 << 16)
     qos: Literal[0, 1] = 0
     deadline_s: float = Field(default=5.0, gt=0, le=600)
     decode_syncs: Literal["direct", "ring"] = "direct"
@@ -62,10 +67,10 @@ class HmpProgress(BaseModel):
     """How a tensor-parallel serving job serves: requests ``answered`` and refused (``errors``), ``recomputed``
     requests (a device was lost during them: their KV cache was rebuilt on the survivors), requests ``queued``,
     ``tokens`` generated. Latencies are over the recent requests, in seconds: ``latency`` from arrival to answer,
-    ``ttft`` to the first token, ``tpot`` per further token; ``tokens_per_s`` generated tokens per second of
-    decoding. ``split`` is the measured per-layer time split of the latest prefill (slowest device), beside the
-    plan's predictions and ``refitted_latency_s``: the running plan's prefill priced on each device's arithmetic as
-    measured so far (the closed loop's fit)."""
+    ``ttft`` to the first token, ``tpot`` per further token; ``tokens_per_s`` a stream's generated tokens per second
+    of decoding; ``passes`` run and the most requests one held (``peak_batch``). ``split`` is the measured per-layer
+    time split of the latest prefill (slowest device), beside the plan's predictions and ``refitted_latency_s``: the
+    running plan's prefill priced on each device's arithmetic as measured so far (the closed loop's fit)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -85,3 +90,5 @@ class HmpProgress(BaseModel):
     predicted_latency_s: float | None = None
     predicted_tpot_s: float | None = None
     refitted_latency_s: float | None = None
+    passes: int = Field(default=0, ge=0)
+    peak_batch: int = Field(default=0, ge=0)

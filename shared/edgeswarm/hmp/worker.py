@@ -31,6 +31,7 @@ from edgeswarm.hmp.spec import PREFILL
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.hmp import (
+    MAX_BATCH,
     ShardAssign,
     ShardFree,
     ShardPass,
@@ -60,8 +61,8 @@ _limited = RateLimitedLog(log)
 
 MIB = 1 << 20
 PROGRAM = "hmp"  # this program's name in the node's memory ledger
-MAX_QUEUED_PASSES = 64  # passes a shard holds beyond the one it runs (the coordinator runs one request at a time)
-MAX_CACHES = 16  # requests whose KV cache a shard holds at once
+MAX_QUEUED_PASSES = 64  # passes a shard holds beyond the one it runs (the coordinator runs one pass at a time)
+MAX_CACHES = MAX_BATCH + 2  # requests whose KV cache a shard holds at once (a batch, one joining, one rebuilt)
 MAX_PROFILES = 8  # block profiles kept (one per model and sequence length)
 
 
@@ -76,7 +77,7 @@ class _Job:
     caches: dict[int, Any] = field(default_factory=dict)  # request number -> its KV cache
     thread: threading.Thread | None = None
     ran: int = 0
-    running: tuple[int, int] | None = None  # (request, pass) of the pass under way
+    running: tuple[frozenset[int], int] | None = None  # (requests, pass) of the pass under way
 
     def close(self) -> None:
         try:
@@ -115,7 +116,7 @@ class ShardProgram(JobTable[_Job]):
                 running = job.running
                 for request in body.requests:
                     job.caches.pop(request, None)  # the pass thread reads it only while it runs that request
-                    if running is not None and running[0] == request:
+                    if running is not None and request in running[0]:
                         # The coordinator gave the request up (a peer is gone): its pass stops waiting for slices.
                         job.exchange.abort(running[1], "the coordinator gave the request up")
         elif isinstance(body, ShardAssign):
@@ -172,7 +173,7 @@ class ShardProgram(JobTable[_Job]):
             if spec.shares.devices[spec.rank] != self.ctx.node:
                 raise EdgeswarmError(f"rank {spec.rank} of the plan is {spec.shares.devices[spec.rank]}, not "
                                      f"{self.ctx.node}")
-            need = shard_memory(cfg, spec.shares, spec.rank, spec.max_tokens)
+            need = shard_memory(cfg, spec.shares, spec.rank, spec.max_tokens, spec.max_batch)
             budget = self.ctx.device.memory_budget_bytes
             what = (f"rank {spec.rank} of serving job {spec.job_id} ({spec.shares.heads[spec.rank]} heads, "
                     f"{spec.shares.columns[spec.rank]} MLP columns of {cfg.layers} layers)")
@@ -250,11 +251,18 @@ class ShardProgram(JobTable[_Job]):
         if body.epoch != job.spec.epoch:
             return f"{what}: this worker holds epoch {job.spec.epoch}"
         t = msg.tensor
-        if t is None or t.dtype != "int64" or len(t.shape) != 1 or not 1 <= t.shape[0] <= job.spec.max_tokens:
+        cap = job.spec.max_tokens + job.spec.max_batch  # a prompt's chunk beside a decode step of every other request
+        if t is None or t.dtype != "int64" or len(t.shape) != 1 or not 1 <= t.shape[0] <= cap:
             got = "no tensor" if t is None else f"{t.dtype} {list(t.shape)}"
-            return f"{what}: token ids are a 1-D int64 tensor of 1 to {job.spec.max_tokens}, not {got}"
-        if body.start + t.shape[0] > job.spec.max_tokens:
-            return f"{what}: positions up to {body.start + t.shape[0]} pass the job's {job.spec.max_tokens} tokens"
+            return f"{what}: token ids are a 1-D int64 tensor of 1 to {cap}, not {got}"
+        segments = body.segments
+        if sum(g.tokens for g in segments) != t.shape[0]:
+            return f"{what}: its requests hold {sum(g.tokens for g in segments)} tokens, its tensor {t.shape[0]}"
+        if len({g.request for g in segments}) != len(segments) or len(segments) > job.spec.max_batch + 1:
+            return f"{what}: {len(segments)} segments, of distinct requests and at most {job.spec.max_batch + 1}"
+        longest = max(g.start + g.tokens for g in segments)
+        if longest > job.spec.max_tokens:
+            return f"{what}: positions up to {longest} pass the job's {job.spec.max_tokens} tokens"
         return None
 
     # --- passes -------------------------------------------------------------------------------------
@@ -269,30 +277,30 @@ class ShardProgram(JobTable[_Job]):
             if item is None:
                 return
             body, tokens = item
-            cache = self._cache_for(job, body)
-            if cache is None:
+            caches = self._caches_for(job, body)
+            if caches is None:
                 continue
+            requests = frozenset(g.request for g in body.segments)
 
             def ring(collective: int, _scope: int = body.pass_id) -> Any:
                 return job.port.ring(spec.shares.devices, spec.rank, _scope, collective=collective, qos=spec.qos,
                                      deadline_s=spec.deadline_s)
 
-            job.running = (body.request, body.pass_id)
+            job.running = (requests, body.pass_id)
             started = time.perf_counter()
             try:
                 with self.ctx.gate.computing():
-                    out = run_pass(job.shard, tokens, body.start, cache, ring, body.sampling)
-            except EdgeswarmError as exc:
-                # A peer gone or a slice lost twice: the coordinator hears nothing and runs the request again.
-                self.ctx.metrics.count("hmp_passes_failed")
-                job.caches.pop(body.request, None)
-                _limited.log(logging.WARNING, "pass_failed", "hmp job %s: pass %d failed: %s", spec.job_id,
-                             body.pass_id, exc)
-                continue
+                    out = run_pass(job.shard, tokens, list(zip(body.segments, caches, strict=True)), ring)
             except Exception as exc:  # noqa: BLE001 - one bad pass must not end the shard
+                # A peer gone or a slice lost twice: the coordinator hears nothing and runs the requests again.
                 self.ctx.metrics.count("hmp_passes_failed")
-                job.caches.pop(body.request, None)
-                log.exception("hmp job %s: pass %d failed: %s", spec.job_id, body.pass_id, exc)
+                for request in requests:
+                    job.caches.pop(request, None)
+                if isinstance(exc, EdgeswarmError):
+                    _limited.log(logging.WARNING, "pass_failed", "hmp job %s: pass %d failed: %s", spec.job_id,
+                                 body.pass_id, exc)
+                else:
+                    log.exception("hmp job %s: pass %d failed: %s", spec.job_id, body.pass_id, exc)
                 continue
             finally:
                 job.running = None
@@ -302,7 +310,7 @@ class ShardProgram(JobTable[_Job]):
             self._trace(job, body, started, time.perf_counter())
             self.ctx.metrics.count("hmp_passes")
             result = ShardResult(job_id=spec.job_id, epoch=spec.epoch, pass_id=body.pass_id, rank=spec.rank,
-                                 row_start=out.row_start, top=out.top, split=out.split,
+                                 row_start=out.row_start, tokens=out.tokens, split=out.split,
                                  cache_bytes=sum(c.nbytes() for c in job.caches.values()))
             wire, ready = to_host(out.tensor)
             ready()
@@ -316,8 +324,8 @@ class ShardProgram(JobTable[_Job]):
         """Hand the pass's spans (the rank's recorder: each layer's compute, each collective step and wait, the
         communication threads' sends and receives) to the service's tracer: the pass is the span's round, the
         layer part of its name; the rank's lane is "shard r", its communication threads' "shard r comm". The whole
-        pass is one more span on the rank's lane, "prefill" (from token 0) or "decode", from ``started`` to
-        ``ended`` (perf_counter seconds)."""
+        pass is one more span on the rank's lane, "prefill" (a request from token 0 in it) or "decode", from
+        ``started`` to ``ended`` (perf_counter seconds)."""
         from edgeswarm.tracing.spans import RawSpan
 
         rank, job_id, add, pass_id = job.spec.rank, job.spec.job_id, self.ctx.tracer.add, body.pass_id
@@ -326,23 +334,29 @@ class ShardProgram(JobTable[_Job]):
             name = s.name if s.layer < 0 else f"L{s.layer} {s.name}"
             add(RawSpan(job_id, comm_lane if s.kind == "comm" else lane, name, _SPAN_CATS[s.kind], pass_id, None,
                         s.start, s.end))
-        add(RawSpan(job_id, lane, PREFILL if body.start == 0 else "decode", "other", pass_id, None, started, ended))
+        name = PREFILL if any(g.start == 0 for g in body.segments) else "decode"
+        add(RawSpan(job_id, lane, name, "other", pass_id, None, started, ended))
 
-    def _cache_for(self, job: _Job, body: ShardPass) -> Any:
-        """The KV cache pass ``body`` extends: a new one for a prefill (start 0), else the request's. None (the pass
-        is dropped) when a continuation's cache is gone, or it does not continue where the cache ends."""
+    def _caches_for(self, job: _Job, body: ShardPass) -> list[Any] | None:
+        """The KV cache each segment of pass ``body`` extends: a new one for a request from its start (0), else the
+        request's. None (the pass is dropped) when a continuation's cache is gone, or it does not continue where the
+        cache ends."""
         from edgeswarm.hmp.compute import new_cache
 
-        if body.start == 0:
-            while len(job.caches) >= MAX_CACHES:
-                del job.caches[next(iter(job.caches))]  # the oldest request's: its client went away
-            cache = job.caches[body.request] = new_cache(job.shard)
-            return cache
-        cache = job.caches.get(body.request)
-        if cache is None or cache.length != body.start:
-            self.ctx.metrics.count("hmp_passes_dropped")
-            _limited.log(logging.WARNING, "cache", "hmp job %s: pass %d continues request %d at %d, but its cache "
-                         "holds %s tokens", job.spec.job_id, body.pass_id, body.request, body.start,
-                         "no" if cache is None else cache.length)
-            return None
-        return cache
+        out = []
+        for g in body.segments:
+            if g.start == 0:
+                job.caches.pop(g.request, None)
+                while len(job.caches) >= MAX_CACHES:
+                    del job.caches[next(iter(job.caches))]  # the oldest request's: its client went away
+                out.append(job.caches.setdefault(g.request, new_cache(job.shard)))
+                continue
+            cache = job.caches.get(g.request)
+            if cache is None or cache.length != g.start:
+                self.ctx.metrics.count("hmp_passes_dropped")
+                _limited.log(logging.WARNING, "cache", "hmp job %s: pass %d continues request %d at %d, but its "
+                             "cache holds %s tokens", job.spec.job_id, body.pass_id, g.request, g.start,
+                             "no" if cache is None else cache.length)
+                return None
+            out.append(cache)
+        return out

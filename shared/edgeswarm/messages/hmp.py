@@ -2,11 +2,12 @@
 requests for it.
 
 The coordinator assigns each device of an HmpPlan its shard (ShardAssign, answered ShardReady or StageFailed) and
-releases it when the job ends (ShardRelease). A request runs as passes: a prefill pass over the prompt, then one
-pass per generated token. Each pass starts with a ShardPass frame (the pass's token ids) from the coordinator to
-every device of the ring; the devices exchange CollectiveTensor slices among themselves, and each answers the
-coordinator with a ShardResult frame (its rows of the final hidden states, or, from the device holding the last
-row of a decoder, the top logits of the next token). ShardFree drops a request's KV cache.
+releases it when the job ends (ShardRelease). A request runs as passes: its prompt (in one pass or in chunks), then
+one pass per generated token; a decoder's passes batch the running requests (each pass holds a decode step of every
+one and a chunk of a joining one's prompt). Each pass starts with a ShardPass frame (the pass's token ids) from the
+coordinator to every device of the ring; the devices exchange CollectiveTensor slices among themselves, and each
+answers the coordinator with a ShardResult frame (its rows of the final hidden states, or, from the devices holding
+a request's last row, the request's next token). ShardFree drops a request's KV cache.
 
 Anyone allowed to send the coordinator tensors asks with an HmpRequest frame on the coordinator's data topic (token
 ids as an int64 tensor [tokens], or ``text`` for a model with a tokenizer), with ``reply_to`` and a correlation id in
@@ -31,7 +32,7 @@ from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_TEXT_CHARS = 16384
 MAX_NEW_TOKENS = 4096
-MAX_TOP = 16  # next-token candidates a pass reports
+MAX_BATCH = 64  # requests one pass holds
 MAX_REQUESTS_FREED = 64
 MAX_STOPS = 8  # stop strings a request names
 MAX_STOP_CHARS = 256
@@ -87,6 +88,7 @@ class ShardAssign(Message):
     max_tokens: int = Field(ge=1, le=1 << 17)
     qos: Literal[0, 1] = 0
     deadline_s: float = Field(default=5.0, gt=0, le=600)
+    max_batch: int = Field(default=1, ge=1, le=MAX_BATCH)  # requests decoding at once: KV caches to reserve
 
 
 @schema("edgeswarm.hmp.ready", 1)
@@ -118,35 +120,46 @@ class ShardFree(Message):
     requests: list[int] = Field(max_length=MAX_REQUESTS_FREED)
 
 
-@schema("edgeswarm.hmp.pass", 1)
+class PassSegment(BaseModel):
+    """One request's part of a pass: the next ``tokens`` of the pass's token ids, at positions ``start`` .. of
+    request number ``request`` (the KV cache they extend; 0 .. starts a new cache). With ``answer``, the rank
+    holding its last row chooses the request's next token as ``sampling`` says (None: greedy), over the request's
+    tokens it has seen (every rank keeps them with the cache); without (a chunk of a prompt not yet all in), none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: int = Field(ge=0, le=MAX_SCOPE)
+    start: int = Field(ge=0, le=1 << 17)
+    tokens: int = Field(ge=1, le=1 << 17)
+    sampling: Sampling | None = None
+    answer: bool = True
+
+
+@schema("edgeswarm.hmp.pass", 2)
 class ShardPass(Message):
     """Frames of one pass of ``job_id`` at ``epoch`` for every rank: its tensor is the pass's token ids (int64
-    [tokens]) at positions ``start`` .. of request number ``request`` (the KV cache it extends; 0 .. for a prefill,
-    which starts a new cache). ``pass_id`` numbers the job's passes (the ring's exchange scope). A decoder's rank
-    holding the last row chooses the next token as ``sampling`` says, over the request's tokens it has seen (every
-    rank keeps them with the cache), and reports it first in ``top``."""
+    [tokens]), the ``segments``' one after another (an encoder's pass: one). ``pass_id`` numbers the job's passes
+    (the ring's exchange scope)."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
     pass_id: int = Field(ge=0, le=MAX_SCOPE)
-    request: int = Field(ge=0, le=MAX_SCOPE)
-    start: int = Field(ge=0, le=1 << 17)
-    sampling: Sampling | None = None  # how the last-row rank chooses the next token (None: greedy)
+    segments: list[PassSegment] = Field(min_length=1, max_length=MAX_BATCH)
 
 
-@schema("edgeswarm.hmp.result", 1)
+@schema("edgeswarm.hmp.result", 2)
 class ShardResult(Message):
     """Frames of rank ``rank``'s answer to pass ``pass_id``: its tensor holds its rows [row_start, row_start + rows)
-    of the final hidden states (an encoder), or the logits of ``top`` (the most likely next tokens, best first: a
-    decoder's rank holding the last row; float32 [len(top)]), or nothing useful (an empty tensor: a decoder's other
-    ranks). ``split`` says where the rank's time went."""
+    of the final hidden states (an encoder), or nothing (an empty tensor: a decoder). ``tokens``: a decoder's next
+    token of each segment of the pass whose last row this rank holds, -1 for the others (empty from a rank that
+    answers none). ``split`` says where the rank's time went."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
     pass_id: int = Field(ge=0, le=MAX_SCOPE)
     rank: int = Field(ge=0, lt=MAX_DEVICES)
     row_start: int = Field(default=0, ge=0)
-    top: list[int] = Field(default_factory=list, max_length=MAX_TOP)
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_BATCH)
     split: PassSplit = PassSplit()
     cache_bytes: int = Field(default=0, ge=0)
 

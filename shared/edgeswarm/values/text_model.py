@@ -300,8 +300,8 @@ MAX_PATH_CHARS = 1024
 
 class TextModelSource(BaseModel):
     """A model by ``preset`` (random weights drawn from ``seed``, the same on every node) or by ``path``, a folder
-    every node can read at that path (config.json, safetensors, tokenizer.json). ``layers`` keeps only the first
-    layers (the paper's scaling runs use one); ``dtype`` overrides the weights' and activations' dtype."""
+    (config.json, safetensors, tokenizer.json) or a GGUF file every node can read at that path. ``layers`` keeps only
+    the first layers (the paper's scaling runs use one); ``dtype`` overrides the weights' and activations' dtype."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

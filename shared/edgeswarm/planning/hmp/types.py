@@ -108,11 +108,11 @@ class HmpOptions(BaseModel):
     latency of those that fit). ``exclude``: devices not to use. ``overlap``: tile the collectives with the GEMMs
     (galaxy). ``shift``: Algorithm 1's shifts as the paper has them (``paper``) or capped at each receiver's free
     memory (``water``, spec A4). ``paper``: the memory model is the weights alone (R_d = 0, spec 3.8); otherwise
-    replicated parts, activations and the KV cache are reserved. ``prune``: try leaving out the slowest devices
-    and keep the fastest predicted plan. ``max_tokens``: tokens a request's KV cache must hold (0: prefill only).
-    ``decode_cache``: the cache length of the per-token prediction (0: ``seq_len``). ``margin_bytes``: kept free
-    on every device. ``direct_syncs``: passes of fewer rows than devices (decode steps) use direct collectives
-    (``HmpShares.direct_syncs``), else ring ones."""
+    replicated parts, activations and the KV cache are reserved. ``prune``: try leaving out the slowest devices and
+    keep the fastest predicted plan. ``max_tokens``: tokens the KV caches must hold (every request decoding at once;
+    0: prefill only). ``decode_cache``: the cache length of the per-token prediction (0: ``seq_len``).
+    ``margin_bytes``: kept free on every device. ``direct_syncs``: passes of fewer rows than devices (decode steps)
+    use direct collectives (``HmpShares.direct_syncs``), else ring ones."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -122,7 +122,7 @@ class HmpOptions(BaseModel):
     shift: ShiftMode = "paper"
     paper: bool = False
     prune: bool = True
-    max_tokens: int = Field(default=0, ge=0, le=MAX_SEQ)
+    max_tokens: int = Field(default=0, ge=0, le=MAX_SEQ * 64)
     decode_cache: int = Field(default=0, ge=0, le=MAX_SEQ)
     margin_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
     direct_syncs: bool = True
