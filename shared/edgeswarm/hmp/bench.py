@@ -269,7 +269,8 @@ class LlmBench(Bench):
         p.add_argument("--model", default="llama-3.2-1b", help="a llama-family preset (its shape; random weights)")
         p.add_argument("--quant", default="Q8_0", choices=("Q8_0", "Q4_0"), help="the matrices' ggml type")
         p.add_argument("--layers", type=int, default=None, help="keep only the first layers (default: all)")
-        p.add_argument("--sections", default="split,llamacpp", help="comma-separated: split, llamacpp")
+        p.add_argument("--sections", default="split,batch,llamacpp", help="comma-separated: split, batch, llamacpp")
+        p.add_argument("--streams", type=int, default=8, help="batch: streams decoding together, against one")
         p.add_argument("--bandwidth", type=float, default=1000.0, help="the split runs' links, Mbps")
         p.add_argument("--decode", type=int, default=8, help="generated tokens timed per run")
         p.add_argument("--positions", type=int, default=256, help="teacher-forced positions against llama.cpp")
@@ -285,14 +286,15 @@ class LlmBench(Bench):
         from edgeswarm.hmp.bench_llm import LlmBenchConfig, run_llm_bench
 
         sections = _split_list(args.sections, "--sections")
-        unknown = sorted(set(sections) - {"split", "llamacpp"})
+        unknown = sorted(set(sections) - {"split", "batch", "llamacpp"})
         if unknown:
-            raise ConfigError(f"--sections: unknown {', '.join(unknown)} (split, llamacpp)")
-        if args.decode < 1 or args.positions < 2 or args.bandwidth <= 0:
-            raise ConfigError("--decode and --bandwidth must be positive, --positions at least 2")
+            raise ConfigError(f"--sections: unknown {', '.join(unknown)} (split, batch, llamacpp)")
+        if args.decode < 1 or args.positions < 2 or args.bandwidth <= 0 or not 1 <= args.streams <= 64:
+            raise ConfigError("--decode and --bandwidth must be positive, --positions at least 2, --streams 1 to 64")
         try:
             config = LlmBenchConfig(preset=args.model, kind=args.quant, layers=args.layers,
                                     sections=tuple(sections), bandwidth_mbps=args.bandwidth, decode=args.decode,
+                                    streams=args.streams,
                                     positions=args.positions, out=Path(args.out),
                                     llama_python=Path(args.llama_python) if args.llama_python else None)
         except ValidationError as exc:
@@ -310,6 +312,13 @@ class LlmBench(Bench):
                                                                                  strict=True)))
         if report.split:
             tools.console.print(t)
+        batch = report.batch
+        if batch is not None:
+            b = Table(title=f"continuous batching on {batch.label}: total decode tokens/s")
+            for column in ("1 stream", f"{batch.streams} streams together", "ratio"):
+                b.add_column(column)
+            b.add_row(f"{batch.one_tps:.2f}", f"{batch.many_tps:.2f}", _x(batch.ratio))
+            tools.console.print(b)
         peer = report.peer
         if peer is not None:
             p = Table(title="one device, the same file: ours and llama.cpp")
@@ -334,6 +343,10 @@ def llm_lines(report: LlmReport) -> list[str]:
         lines.append(f"{r.label}: network {r.network_share:.0%} of a token's time (goal <= 31%: "
                      f"{'met' if r.network_share <= 0.31 else 'missed'}); each rank's weights within {held:.1%} of "
                      f"its share of the quantized file (goal 5%: {'met' if held <= 0.05 else 'missed'})")
+    if report.batch is not None:
+        b = report.batch
+        lines.append(f"{b.streams} streams together on {b.label}: {_x(b.ratio)} one stream's total tokens/s (goal "
+                     f">= 4x: {'met' if b.ratio >= 4 else 'missed'})")
     peer = report.peer
     if peer is not None and peer.error is not None:
         lines.append(f"llama.cpp not measured: {escape(peer.error)}")

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from edgeswarm.devices.catalogue import device_class
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults
 from edgeswarm.errors import ConfigError
-from edgeswarm.hmp.layer import HmpRank
+from edgeswarm.hmp.layer import HmpRank, RequestCache
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.models.text import reference
 from edgeswarm.models.text.gguf_file import GgufModel
@@ -60,7 +60,8 @@ class LlmBenchConfig(BaseModel):
     preset: str = "llama-3.2-1b"
     kind: str = "Q8_0"
     layers: int | None = None
-    sections: tuple[str, ...] = ("split", "llamacpp")
+    sections: tuple[str, ...] = ("split", "batch", "llamacpp")
+    streams: int = 8
     sets: dict[str, tuple[str, ...]] = Field(default_factory=lambda: {
         "4 Nano": ("jetson-nano-l",) * 4, "3 Nano": ("jetson-nano-l",) * 3,
         "mixed": ("jetson-nano-l", "jetson-tx2", "rpi4", "jetson-nx")})
@@ -88,6 +89,20 @@ class SplitRow(BaseModel):
     share_bytes: list[int]
 
 
+class BatchRow(BaseModel):
+    """One stream against ``streams`` decoding together (continuous batching) on the same devices: total generated
+    tokens per second of each, and their ratio."""
+
+    label: str
+    streams: int
+    one_tps: float
+    many_tps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.many_tps / self.one_tps
+
+
 class PeerRow(BaseModel):
     """Ours and llama.cpp on one device, the same file: tokens per second and agreement."""
 
@@ -106,6 +121,7 @@ class LlmReport(BaseModel):
     file: str
     file_bytes: int
     split: list[SplitRow] = Field(default_factory=list)
+    batch: BatchRow | None = None
     peer: PeerRow | None = None
 
 
@@ -132,33 +148,39 @@ def _tokens(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run_ranks(ranks: list[HmpRank], loop: Loopback, prompt: list[int], steps: int) -> list[tuple[float, float]]:
-    """A prefill and ``steps`` greedy decode steps on every rank (one thread each): per decode step, its wall
-    seconds and the slowest rank's compute seconds."""
-    n = len(ranks)
-    caches = [r.new_cache() for r in ranks]
-    chosen: list[int] = []
+def _run_ranks(ranks: list[HmpRank], loop: Loopback, prompts: list[list[int]], steps: int
+               ) -> list[tuple[float, float]]:
+    """Each prompt's prefill (a pass each), then ``steps`` greedy decode steps of all of them together (one pass a
+    step, every request a row: continuous batching's decode), on every rank (one thread each): per decode step, its
+    wall seconds and the slowest rank's compute seconds."""
+    n, count = len(ranks), len(prompts)
+    caches = [[r.new_cache() for _ in prompts] for r in ranks]
+    chosen = [0] * count
     out: list[tuple[float, float]] = []
     computed = [0.0] * n
     barrier = threading.Barrier(n, timeout=STEP_TIMEOUT_S)
     errors: list[BaseException] = []
 
+    def run(r: int, scope: int, ids: list[int], batch: list[tuple[RequestCache, int]], first: int) -> None:
+        result = ranks[r].forward(ids, loop.ring(r, scope), batch=batch)
+        for k, logits in ranks[r].segment_logits(result).items():
+            chosen[first + k] = int(logits.argmax())
+
     def body(r: int) -> None:
-        ids = list(prompt)
         try:
-            for step in range(steps + 1):
+            for j, prompt in enumerate(prompts):
+                run(r, j, prompt, [(caches[r][j], len(prompt))], j)
+                barrier.wait()
+            for step in range(steps):
                 barrier.wait()
                 started = time.perf_counter()
                 ranks[r].recorder.reset()
-                result = ranks[r].forward(ids, loop.ring(r, step), cache=caches[r])
-                logits = ranks[r].next_logits(result)
-                if logits is not None:
-                    chosen.append(int(logits.argmax()))
+                run(r, count + step, list(chosen), [(c, 1) for c in caches[r]], 0)
                 computed[r] = sum(t.compute_s for t in ranks[r].recorder.times())
                 barrier.wait()
-                if r == 0 and step > 0:
+                if r == 0:
                     out.append((time.perf_counter() - started, max(computed)))
-                ids = [chosen[-1]]
+                barrier.wait()  # every rank has read ``chosen`` before the next step writes it
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             errors.append(exc)
             barrier.abort()
@@ -167,27 +189,35 @@ def _run_ranks(ranks: list[HmpRank], loop: Loopback, prompt: list[int], steps: i
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=STEP_TIMEOUT_S * (steps + 2))
+        t.join(timeout=STEP_TIMEOUT_S * (steps + count + 1))
     if errors:
         raise errors[0]
     return out
 
 
-def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> SplitRow:
-    """Decode on ``classes`` (see the module's docstring)."""
+def _ranks_on(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig
+              ) -> tuple[GgufModel, HmpShares, list[HmpRank], Loopback]:
+    """Galaxy's plan of the file's model over ``classes`` and a rank for each device (its part read from the file,
+    its compute stretched to its class), on the in-memory ring with the configured links."""
     model = GgufModel(path)
     cfg = model.config
     spec = ClusterSpec(name=label.replace(" ", "-"), network=NetworkDefaults(
         bandwidth_mbps=config.bandwidth_mbps, latency_ms=config.latency_ms), devices=tuple(
         DeviceEntry(id=f"d{i}", **{"class": c}) for i, c in enumerate(classes)))
-    plan = plan_galaxy(synthetic_cluster(spec, cfg, config.prompt), HmpOptions(prune=False))
-    shares = plan.shares
+    shares = plan_galaxy(synthetic_cluster(spec, cfg, config.prompt), HmpOptions(prune=False)).shares
     ranks = [HmpRank.from_reader(cfg, shares, r, model.read_slice, spans=False,
                                  slowdown=device_class(classes[int(d[1:])]).compute_slowdown)
              for r, d in enumerate(shares.devices)]
     loop = Loopback(len(ranks), bandwidth_bps=config.bandwidth_mbps * 1e6, latency_s=config.latency_ms / 1000)
+    return model, shares, ranks, loop
+
+
+def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> SplitRow:
+    """Decode on ``classes`` (see the module's docstring)."""
+    model, shares, ranks, loop = _ranks_on(path, label, classes, config)
+    cfg = model.config
     try:
-        steps = _run_ranks(ranks, loop, _tokens(config.prompt, cfg.vocab, config.seed), config.decode)
+        steps = _run_ranks(ranks, loop, [_tokens(config.prompt, cfg.vocab, config.seed)], config.decode)
         weights = [r.weight_bytes() for r in ranks]
     finally:
         for r in ranks:
@@ -196,10 +226,29 @@ def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
     walls = sorted(w for w, _ in steps)
     token_s = walls[len(walls) // 2]
     share = float(np.median([max(0.0, 1.0 - c / w) for w, c in steps]))
-    expected = file_shares(path, cfg, shares)
     return SplitRow(label=label, devices=[classes[int(d[1:])] for d in shares.devices], heads=shares.heads,
                     columns=shares.columns, token_s=token_s, network_share=share, weight_bytes=weights,
-                    share_bytes=expected)
+                    share_bytes=file_shares(path, cfg, shares))
+
+
+def batch_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> BatchRow:
+    """Total decode tokens per second of one stream and of ``config.streams`` decoding together on ``classes``
+    (the medians of ``config.decode`` steps each, measured in one run)."""
+    model, _, ranks, loop = _ranks_on(path, label, classes, config)
+    vocab = model.config.vocab
+    try:
+        rates = []
+        for count in (1, config.streams):
+            prompts = [_tokens(config.prompt, vocab, config.seed + k) for k in range(count)]
+            walls = sorted(w for w, _ in _run_ranks(ranks, loop, prompts, config.decode))
+            rates.append(count / walls[len(walls) // 2])
+            loop.close()
+            loop = Loopback(len(ranks), bandwidth_bps=config.bandwidth_mbps * 1e6, latency_s=config.latency_ms / 1000)
+    finally:
+        for r in ranks:
+            r.close()
+        loop.close()
+    return BatchRow(label=label, streams=config.streams, one_tps=rates[0], many_tps=rates[1])
 
 
 def file_shares(path: Path, cfg: TextModelConfig, shares: HmpShares) -> list[int]:
@@ -323,6 +372,10 @@ def run_llm_bench(config: LlmBenchConfig, say: Callable[[str], None], json_path:
         for label, classes in config.sets.items():
             say(f"split: {label} ({', '.join(classes)})")
             report.split.append(split_run(path, label, classes, config))
+    if "batch" in config.sections:
+        label, classes = next(iter(config.sets.items()))
+        say(f"batch: 1 stream, then {config.streams} together on {label}")
+        report.batch = batch_run(path, label, classes, config)
     if "llamacpp" in config.sections:
         say("one device: ours and llama.cpp on the same file")
         report.peer = peer_run(path, config, say)

@@ -259,7 +259,10 @@ class HmpRank:
             types = types.to(self.device)
         try:
             with torch.inference_mode():
-                direct = self.shares.direct_syncs and direct_syncs(s, self.n)
+                # A batch of decode steps (a row a request) syncs as one step does: directly, every rank holding
+                # every row; tiling its few rows over the ring would repeat each GEMM's weight reads per tile.
+                stepping = len(segs) > 1 and all(g.b - g.a == 1 for g in segs)
+                direct = self.shares.direct_syncs and (direct_syncs(s, self.n) or stepping)
                 if self.shares.mode == "galaxy" and direct:
                     _, every = self._megatron(ids, segs, ring, types, direct=True)
                     first, end = row_bounds(s, self.n)[self.rank]
