@@ -493,19 +493,21 @@ def test_bench_hmp_writes_a_trace_whose_communication_overlaps_the_gemms(tmp_pat
 
 
 def test_bench_llm_splits_a_quantized_file_over_emulated_devices(tmp_path: Path) -> None:
-    """`edgeswarm bench llm --sections split`: a one-layer SmolLM2-shaped GGUF file written in Q4_0, split over
-    each device set by Galaxy's planner, decoded over the in-memory ring; every rank holds its share of the file.
-    (The llamacpp section builds llama-cpp-python from source: not in the suite.)"""
+    """`edgeswarm bench llm --sections split,batch`: a one-layer SmolLM2-shaped GGUF file written in Q4_0, split
+    over each device set by Galaxy's planner, decoded over the in-memory ring (one stream, then three together);
+    every rank holds its share of the file. (The llamacpp section builds llama-cpp-python from source: not in the
+    suite.)"""
     out = edgeswarm("bench", "llm", "--model", "smollm2-135m", "--layers", "1", "--quant", "Q4_0", "--sections",
-                    "split", "--decode", "2", "--out", str(tmp_path), "--json", str(tmp_path / "llm.json"),
-                    timeout=300)
+                    "split,batch", "--streams", "3", "--decode", "2", "--out", str(tmp_path), "--json",
+                    str(tmp_path / "llm.json"), timeout=300)
     report = json.loads((tmp_path / "llm.json").read_text())
     assert [r["label"] for r in report["split"]] == ["4 Nano", "3 Nano", "mixed"]
     for row in report["split"]:
         assert row["token_s"] > 0 and 0 <= row["network_share"] < 1
         assert all(abs(w / s - 1) <= 0.05 for w, s in zip(row["weight_bytes"], row["share_bytes"], strict=True))
         assert all(c % 32 == 0 for c in row["columns"])
-    assert "network" in out.stdout and list(tmp_path.glob("*.gguf"))
+    assert report["batch"]["streams"] == 3 and report["batch"]["many_tps"] > 0 and report["batch"]["one_tps"] > 0
+    assert "network" in out.stdout and "3 streams together" in out.stdout and list(tmp_path.glob("*.gguf"))
     bad = edgeswarm("bench", "llm", "--model", "gpt2-tiny", "--out", str(tmp_path), check=False)
     assert bad.returncode == 2 and "not a llama-family preset" in bad.stderr and "Traceback" not in bad.stderr
 
