@@ -15,8 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -354,32 +352,68 @@ def test_bad_requests_are_answered_with_errors_and_the_job_goes_on(cluster: Clus
     assert final.progress_as(HmpProgress).errors >= len(cases)
 
 
-def test_a_device_killed_mid_generation_costs_a_rebuilt_cache_and_the_answer_is_the_same(cluster: Cluster) -> None:
-    follower = start(cluster, spec_text("hmp-kill", "llama-tiny", extra="deadline_s: 1.0\n"))
+def gguf_chat_file(root: Path) -> Path:
+    """A Qwen2-shaped chat model in one GGUF file (random weights: Q4_0 matrices, a Q8_0 embedding; a ChatML
+    tokenizer trained here and its template in the file's metadata)."""
+    from tokenizers import Tokenizer
+
+    from chat_model import CHATML, folder_with
+    from edgeswarm.models.text.gguf_writer import write_gguf
+    from edgeswarm.values.text_model import TextModelConfig
+    from gguf_model import vocabulary
+
+    folder = folder_with(root, "gguf-chat", CHATML)
+    size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    shape = TextModelConfig(family="llama", layers=2, hidden=256, heads=8, kv_heads=4, ffn=384, vocab=size,
+                            max_positions=256, type_vocab=0, activation="silu", bias=False, qkv_bias=True,
+                            tie_embeddings=True, rope_theta=1e6)
+    weights = {n: t * 3 if n.startswith("layers.") and t.dim() == 2 else t
+               for n, t in reference.init_weights(shape, 4).items()}
+    return write_gguf(root / "chat-q4.gguf", shape, weights.__getitem__, arch="qwen2", matrices="Q4_0",
+                      embed="Q8_0", metadata=vocabulary(folder / "tokenizer.json", "gpt2", eos="<|im_end|>",
+                                                        template=CHATML))
+
+
+def test_a_device_killed_mid_stream_costs_a_rebuilt_cache_and_the_streamed_answer_is_the_same(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """A GGUF chat model streamed through the gateway to the `openai` client, sampled with a seed; a device of the
+    plan is SIGKILLed as the first chunk arrives. The job re-plans over the others, rebuilds the request's cache
+    there from its tokens so far and goes on: the client reads the single device's answer, once, to its end."""
+    import openai
+
+    from chat_model import CONVERSATION
+    from edgeswarm.models.text.chat import ChatTemplate
+    from edgeswarm.models.text.gguf_file import GgufModel
+
+    path = gguf_chat_file(tmp_path)
+    follower = start(cluster, f"kind: serve-hmp\nname: gguf-kill\nmodel: {{path: {path}}}\nmode: galaxy\nseq_len: 16\n"
+                              "max_tokens: 256\nmax_new_tokens: 120\ndeadline_s: 1.0\nplanner: {prune: false}\n")
     state = follower.state
     assert state is not None and isinstance(state.plan, HmpPlan)
     victim = state.plan.shares.devices[1]
-    prompt = prompts("llama-tiny", 1)[0]
-    new = 110  # nearly what the job's max_tokens (120) leaves after the prompt: about a second of decoding here
-
-    def kill() -> None:
-        time.sleep(0.3)  # into the decoding: the prompt's prefill takes milliseconds
-        for child in cluster.local.children:
-            if child.node == victim and child.alive():
-                os.kill(child.pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
-    # Sampled with a seed: the rebuilt cache on the survivors carries on the same draws.
-    sampling = Sampling(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=7)
-    answers = ask(cluster.bus, "hmp-kill", [prompt], max_new_tokens=new, timeout_s=240, sampling=sampling)
-    killer.join(5)
-    answer = answers[0]
-    assert answer.reply is not None, (answer.reason, answer.error)
-    cfg = PRESETS["llama-tiny"]
-    want = reference.generate(cfg, reference.init_weights(cfg, 3), prompt, new, sampling=sampling)
-    assert answer.reply.tokens == want and want != expected_tokens("llama-tiny", prompt, new)
-    assert answer.reply.recomputed and answer.reply.epoch >= 1
+    model = GgufModel(path)
+    tokenizer = load_tokenizer(path)
+    chat = ChatTemplate.from_folder(path)
+    assert chat is not None
+    prompt = tokenizer.encode(chat.render(CONVERSATION), special_tokens=False).ids
+    sampling = Sampling(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=3)
+    want = reference.generate(model.config, model.load(), prompt, 120, stop=tokenizer.special.eos, sampling=sampling)
+    assert len(want) > 40, want  # long enough that the kill lands mid-stream
+    base = cluster.local.gateway_url
+    assert base is not None
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=240)
+    chunks = []
+    for chunk in client.chat.completions.create(
+            model="gguf-kill", messages=[m.model_dump() for m in CONVERSATION], max_tokens=120, temperature=0.9,
+            top_p=0.95, seed=3, stream=True, stream_options={"include_usage": True},
+            extra_body={"top_k": 50, "repetition_penalty": 1.1}):
+        if not chunks:
+            for child in cluster.local.children:
+                if child.node == victim and child.alive():
+                    os.kill(child.pid, signal.SIGKILL)
+        chunks.append(chunk)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tokenizer.decode(want)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want)
     final = stop(cluster, follower)
     assert isinstance(final.plan, HmpPlan) and victim not in final.plan.shares.devices
     progress = final.progress_as(HmpProgress)
@@ -478,25 +512,12 @@ def test_a_quantized_gguf_chat_model_answers_the_openai_client_as_one_device_wou
     metadata), served split over the devices from the file alone: the plan splits its MLP in whole quantization
     blocks and counts quantized bytes; a seeded streamed chat through the gateway is the single device's."""
     import openai
-    from tokenizers import Tokenizer
 
-    from chat_model import CHATML, CONVERSATION, folder_with
+    from chat_model import CONVERSATION
     from edgeswarm.models.text.chat import ChatTemplate
     from edgeswarm.models.text.gguf_file import GgufModel
-    from edgeswarm.models.text.gguf_writer import write_gguf
-    from edgeswarm.values.text_model import TextModelConfig
-    from gguf_model import vocabulary
 
-    folder = folder_with(tmp_path, "gguf-chat", CHATML)
-    size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
-    shape = TextModelConfig(family="llama", layers=2, hidden=256, heads=8, kv_heads=4, ffn=384, vocab=size,
-                            max_positions=256, type_vocab=0, activation="silu", bias=False, qkv_bias=True,
-                            tie_embeddings=True, rope_theta=1e6)
-    weights = {n: t * 3 if n.startswith("layers.") and t.dim() == 2 else t
-               for n, t in reference.init_weights(shape, 4).items()}
-    path = write_gguf(tmp_path / "chat-q4.gguf", shape, weights.__getitem__, arch="qwen2", matrices="Q4_0",
-                      embed="Q8_0", metadata=vocabulary(folder / "tokenizer.json", "gpt2", eos="<|im_end|>",
-                                                        template=CHATML))
+    path = gguf_chat_file(tmp_path)
     follower = start(cluster, f"kind: serve-hmp\nname: gguf-chat\nmodel: {{path: {path}}}\nseq_len: 16\n"
                               "max_tokens: 200\nmax_new_tokens: 16\nplanner: {prune: false}\n")
     plan = follower.state.plan

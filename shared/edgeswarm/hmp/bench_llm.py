@@ -35,7 +35,7 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.layer import HmpRank, RequestCache
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.models.text import reference
-from edgeswarm.models.text.gguf_file import GgufModel
+from edgeswarm.models.text.gguf_file import GgufModel, open_reader
 from edgeswarm.models.text.gguf_writer import filler_vocabulary, write_gguf
 from edgeswarm.planning.hmp.plan import plan_galaxy
 from edgeswarm.planning.hmp.shares import HmpShares
@@ -254,20 +254,17 @@ def batch_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
 def file_shares(path: Path, cfg: TextModelConfig, shares: HmpShares) -> list[int]:
     """Each rank's share of the file's bytes, from the file's own tensor sizes: a layer's attention matrices in
     proportion to its heads, its MLP matrices to its columns, everything else whole (replicated)."""
-    import gguf
-
     heads = {"attn_q", "attn_k", "attn_v", "attn_output"}
     columns = {"ffn_up", "ffn_gate", "ffn_down"}
+    tensors = [t for t in open_reader(path).tensors if t.name != "rope_freqs.weight"]
     out = []
     for r in range(len(shares.devices)):
         total = 0.0
-        for t in gguf.GGUFReader(str(path), "r").tensors:
+        for t in tensors:
             part = t.name.split(".")
             role = part[2] if part[0] == "blk" and part[-1] == "weight" else ""
-            fraction = (shares.heads[r] / cfg.heads if role in heads else
-                        shares.columns[r] / cfg.ffn if role in columns else 1.0)
-            if t.name != "rope_freqs.weight":
-                total += t.n_bytes * fraction
+            total += t.n_bytes * (shares.heads[r] / cfg.heads if role in heads else
+                                  shares.columns[r] / cfg.ffn if role in columns else 1.0)
         out.append(int(total))
     return out
 

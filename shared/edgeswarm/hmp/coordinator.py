@@ -74,7 +74,6 @@ from edgeswarm.workloads.base import JobContext
 from edgeswarm.workloads.serving import QueuedRequest, ServingProgram
 
 if TYPE_CHECKING:
-
     from edgeswarm.values.text_model import TextModelConfig
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,6 @@ class _Active:
     @property
     def sequence(self) -> list[int]:
         return self.request.prompt + self.generated
-
 
 
 @dataclass
@@ -410,6 +408,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 active = self._step(active)
             except _Stopped:
                 break
+            except EdgeswarmError as exc:  # no new plan after a loss, or a pass that answered without a token
+                for a in active:
+                    self.refuse(a.request.msg, a.request.request_id, "failed", str(exc))
+                active = []
             except Exception as exc:  # noqa: BLE001 - one bad pass must not end the job's serving
                 log.exception("job %s: a pass failed", self.spec.name)
                 for a in active:
@@ -457,7 +459,9 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             results = self._run_pass(plan, epoch, segments, tokens)
         except PassFailed as exc:
             self._free(plan, epoch, [a.number for a in kept])
-            if self._wait_for_replan(plan, epoch):
+            with self._changed:
+                moved = self._plan is None or self._epoch != epoch  # the job is moving to a better plan
+            if moved or self._wait_for_replan(plan, epoch):
                 return kept  # on the new plan, each rebuilds its cache from its tokens so far
             out = []
             for a in kept:

@@ -58,7 +58,8 @@ def stored_name(name: str) -> str:
     return f"blk.{part[1]}.{_LAYER['.'.join(part[2:])]}" if part[0] == "layers" else _GLOBAL[name]
 
 
-def _reader(path: Path) -> Any:
+def open_reader(path: Path) -> Any:
+    """ggml's reader of GGUF file ``path`` (memory-mapped). Raises MissingModelFileError or ModelFolderError."""
     import gguf
 
     if not path.is_file():
@@ -147,7 +148,7 @@ def config_from_gguf(reader: Any, path: Path, dtype: DType | None = None) -> Tex
 def load_gguf_config(path: Path | str, dtype: DType | None = None) -> TextModelConfig:
     """The ``TextModelConfig`` of GGUF file ``path`` (see ``config_from_gguf``)."""
     path = Path(path)
-    return config_from_gguf(_reader(path), path, dtype)
+    return config_from_gguf(open_reader(path), path, dtype)
 
 
 def _unpermute_rows(heads: int, head_dim: int) -> torch.Tensor:
@@ -169,7 +170,7 @@ class GgufModel:
                  device: torch.device | str | None = None, layers: int | None = None) -> None:
         self.path = Path(path)
         self.device = torch.device(device) if device is not None else None
-        self._reader = _reader(self.path)
+        self._reader = open_reader(self.path)
         self.config = config_from_gguf(self._reader, self.path, dtype)
         if layers is not None:
             if not 1 <= layers <= self.config.layers:

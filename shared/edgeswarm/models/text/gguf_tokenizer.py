@@ -15,7 +15,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from edgeswarm.models.text.errors import MissingModelFileError, ModelFolderError, UnsupportedModelError
+from edgeswarm.models.text.errors import ModelFolderError, UnsupportedModelError
+from edgeswarm.models.text.gguf_file import open_reader
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -46,16 +47,8 @@ class GgufVocabulary:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    import gguf
-
-    if not path.is_file():
-        raise MissingModelFileError(f"GGUF file {path} does not exist")
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise ModelFolderError(f"{path} is not a readable GGUF file ({exc})") from exc
     out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
+    for name, field in open_reader(path).fields.items():
         if name.startswith("tokenizer.") or name.endswith(".context_length") or name == "general.architecture":
             try:
                 out[name] = field.contents()
