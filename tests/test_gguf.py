@@ -150,6 +150,37 @@ def _split_logits(model: GgufModel, shares: HmpShares, ids: torch.Tensor) -> tor
     return logits
 
 
+@pytest.mark.parametrize(("kind", "dtype"), [("F16", "float16"), ("BF16", "bfloat16")])
+def test_half_precision_files_are_held_in_their_own_dtype_and_equal_the_gguf_read_model(
+        tmp_path: Path, kind: str, dtype: str) -> None:
+    path = _model(tmp_path, LLAMA3, "llama", kind)
+    held = GgufModel(path)
+    assert (held.config.dtype, held.config.quantization) == (dtype, None)  # kept, not upcast
+    w = held.get("layers.0.up.weight")
+    assert isinstance(w, torch.Tensor) and str(w.dtype) == f"torch.{dtype}"
+    cfg = held.config  # the middle rank: 4 of 8 heads, 224 of 384 MLP columns, two bytes a weight
+    assert _split_rank_bytes(held) == pytest.approx(
+        cfg.layers * (4 / 8 * cfg.attention_bytes() + 224 / 384 * cfg.mlp_bytes()), rel=0.01)
+    model = GgufModel(path, dtype="float32")  # computed in float32: the file's values exactly
+    dense = read_dequantized(path, model.config, "llama")
+    ids = torch.tensor(PROMPT)
+    want = reference.logits(dense, reference.forward(model.config, dense, ids))
+    for mode in ("galaxy", "megatron"):
+        torch.testing.assert_close(_split_logits(model, _shares(mode), ids), want[-1], rtol=0, atol=1e-4)
+
+
+def _split_rank_bytes(model: GgufModel) -> int:
+    """The bytes of the layers the middle rank of the uneven split holds (its weights less the replicated ones)."""
+    cfg, shares = model.config, _shares("galaxy")
+    rank = HmpRank.from_reader(cfg, shares, 1, model.read_slice)
+    try:
+        replicated = sum(cfg.tensor_bytes(n, math.prod(s)) for n, s in shard_shapes(cfg, shares, 1).items()
+                         if not n.startswith("layers.") or "norm" in n)
+        return int(rank.weight_bytes() - replicated)
+    finally:
+        rank.close()
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
 def test_a_rank_holds_its_share_of_the_quantized_file_and_the_planner_counts_it(tmp_path: Path, kind: str) -> None:
     path = _model(tmp_path, LLAMA3, "llama", kind)
