@@ -114,10 +114,7 @@ def run_pass(shard: Shard, tokens: torch.Tensor, segments: list[tuple[PassSegmen
                              f"{segment.start}")
     rank = shard.rank
     rank.recorder.reset()
-    if len(segments) == 1:
-        out = rank.forward(tokens, ring, cache=segments[0][1])
-    else:
-        out = rank.forward(tokens, ring, batch=[(cache, segment.tokens) for segment, cache in segments])
+    out = rank.forward(tokens, ring, batch=[(cache, segment.tokens) for segment, cache in segments])
     chosen: list[int] = []
     if shard.cfg.decoder:
         tensor = torch.empty(0)

@@ -392,13 +392,9 @@ class HmpRank:
 
     def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         """Layer ``i``'s attention of every segment's rows over its own cache (extended with them)."""
-        cfg, prefix = self.cfg, f"layers.{i}."
-        if len(segs) == 1:
-            g = segs[0]
-            return attention(cfg, q, k, v, g.start, g.cache.layers[i] if g.cache is not None else None, self.w, prefix)
-        return torch.cat([attention(cfg, q[g.a:g.b], k[g.a:g.b], v[g.a:g.b], g.start,
-                                    g.cache.layers[i] if g.cache is not None else None, self.w, prefix)
-                          for g in segs])
+        parts = [attention(self.cfg, q[g.a:g.b], k[g.a:g.b], v[g.a:g.b], g.start,
+                           g.cache.layers[i] if g.cache is not None else None, self.w, f"layers.{i}.") for g in segs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- galaxy ------------------------------------------------------------------------------------------------
 
