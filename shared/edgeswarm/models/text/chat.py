@@ -61,10 +61,10 @@ class ChatTemplate:
         (``tokenizer.chat_template``); None when it has none."""
         folder = Path(folder)
         if is_gguf(folder):
-            from edgeswarm.models.text.gguf_tokenizer import read_vocabulary
+            from edgeswarm.models.text.gguf_tokenizer import read_chat_template
 
-            vocab = read_vocabulary(folder)
-            return cls(vocab.chat_template, vocab.special_texts) if vocab.chat_template is not None else None
+            template, special = read_chat_template(folder)
+            return cls(template, special) if template is not None else None
         config = _read_config(folder / CONFIG_FILE)
         source: object = None
         file = folder / TEMPLATE_FILE

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +70,23 @@ def open_reader(path: Path) -> Any:
         raise ModelFolderError(f"{path} is not a readable GGUF file ({exc})") from exc
 
 
-def _fields(reader: Any) -> dict[str, Any]:
+def metadata(reader: Any, keep: Callable[[str], bool], path: Path | None = None) -> dict[str, Any]:
+    """The file's metadata values whose keys ``keep`` accepts. A value the reader cannot decode is left out, or with
+    ``path`` (the file, for the message) raises ModelFolderError."""
     out: dict[str, Any] = {}
     for name, field in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name != "tokenizer.ggml.model":
-            continue  # large arrays, read by the tokenizer only
+        if not keep(name):
+            continue
         try:
             out[name] = field.contents()
-        except (ValueError, UnicodeDecodeError, IndexError):
-            continue
+        except (ValueError, UnicodeDecodeError, IndexError) as exc:
+            if path is not None:
+                raise ModelFolderError(f"{path}: metadata {name} cannot be read ({exc})") from exc
     return out
+
+
+def _shape_keys(name: str) -> bool:
+    return not name.startswith("tokenizer.ggml.") or name == "tokenizer.ggml.model"  # the vocabulary: the tokenizer's
 
 
 def _type_name(tensor: Any) -> str:
@@ -90,7 +97,7 @@ def config_from_gguf(reader: Any, path: Path, dtype: DType | None = None) -> Tex
     """The ``TextModelConfig`` of an open GGUF file (``path`` only names it in errors). ``dtype``: what activations
     (and dense weights) are held in; None: the file's matrices' own half precision when they all are F16 or BF16,
     else float32. Raises UnsupportedModelError or ModelFolderError saying what is missing or not supported."""
-    meta = _fields(reader)
+    meta = metadata(reader, _shape_keys)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -176,7 +183,7 @@ class GgufModel:
             if not 1 <= layers <= self.config.layers:
                 raise ModelFolderError(f"{self.path} holds {self.config.layers} layers; cannot keep {layers}")
             self.config = self.config.model_copy(update={"layers": layers})
-        self.architecture = str(_fields(self._reader)["general.architecture"])
+        self.architecture = str(self._reader.fields["general.architecture"].contents())  # checked by the config
         self._dtype = torch_dtype(self.config)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._sources = self._resolve()

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from edgeswarm.models.text.errors import ModelFolderError, UnsupportedModelError
-from edgeswarm.models.text.gguf_file import open_reader
+from edgeswarm.models.text.gguf_file import metadata, open_reader
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -33,35 +32,25 @@ CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of the tokens m
 
 @dataclass(frozen=True)
 class GgufVocabulary:
-    """What a GGUF file says about its text: the ``tokenizer``, the special ids (``eos``: every id that ends a
-    generation: end of sequence, end of turn), the context length and the chat template with the special tokens'
-    texts it refers to."""
+    """What a GGUF file says about its tokens: the ``tokenizer``, the special ids (``eos``: every id that ends a
+    generation: end of sequence, end of turn) and the context length."""
 
     tokenizer: Tokenizer
     bos: int | None
     eos: tuple[int, ...]
     pad: int | None
     max_length: int | None
-    chat_template: str | None
-    special_texts: dict[str, str]
 
 
-def _metadata(path: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, field in open_reader(path).fields.items():
-        if name.startswith("tokenizer.") or name.endswith(".context_length") or name == "general.architecture":
-            try:
-                out[name] = field.contents()
-            except (ValueError, UnicodeDecodeError, IndexError) as exc:
-                raise ModelFolderError(f"{path}: metadata {name} cannot be read ({exc})") from exc
-    return out
+def _text_keys(name: str) -> bool:
+    return name.startswith("tokenizer.") or name.endswith(".context_length") or name == "general.architecture"
 
 
 def read_vocabulary(path: Path | str) -> GgufVocabulary:
     """The tokenizer of GGUF file ``path``. Raises UnsupportedModelError for a vocabulary kind or split it does not
     rebuild, ModelFolderError when the metadata is missing or inconsistent."""
     path = Path(path)
-    meta = _metadata(path)
+    meta = metadata(open_reader(path), _text_keys, path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise UnsupportedModelError(
@@ -105,9 +94,20 @@ def read_vocabulary(path: Path | str) -> GgufVocabulary:
                                           token_id("eom_token_id")) if i is not None))
     arch = meta.get("general.architecture")
     length = meta.get(f"{arch}.context_length")
-    texts = {role: str(tokens[i]) for role, i in (("bos_token", bos), ("eos_token", token_id("eos_token_id")))
-             if i is not None}
-    template = meta.get("tokenizer.chat_template")
     return GgufVocabulary(tokenizer=tok, bos=bos, eos=eos, pad=token_id("padding_token_id"),
-                          max_length=int(length) if isinstance(length, int) and length > 0 else None,
-                          chat_template=template if isinstance(template, str) else None, special_texts=texts)
+                          max_length=int(length) if isinstance(length, int) and length > 0 else None)
+
+
+def read_chat_template(path: Path | str) -> tuple[str | None, dict[str, str]]:
+    """GGUF file ``path``'s chat template (None: it has none) and the texts of the special tokens it may name
+    (``bos_token``, ``eos_token``), without building the tokenizer."""
+    path = Path(path)
+    meta = metadata(open_reader(path), lambda n: n.startswith("tokenizer."), path)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    texts = {}
+    for role in ("bos", "eos"):
+        i = meta.get(f"tokenizer.ggml.{role}_token_id")
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            texts[f"{role}_token"] = str(tokens[i])
+    template = meta.get("tokenizer.chat_template")
+    return (template if isinstance(template, str) else None), texts

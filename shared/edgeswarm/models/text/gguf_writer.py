@@ -86,7 +86,7 @@ def write_gguf(path: Path, cfg: TextModelConfig, weight: Callable[[str], torch.T
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab)
     if cfg.rope_scaling is not None:
-        cpu = torch.device("cpu")
+        cpu = torch.device("cpu")  # the factors go into the file (numpy), not into a computation
         plain = cfg.model_copy(update={"rope_scaling": None})
         factors = inverse_frequencies(plain, cfg.head_dim, cpu) / inverse_frequencies(cfg, cfg.head_dim, cpu)
         w.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))

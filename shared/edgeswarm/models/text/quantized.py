@@ -60,20 +60,12 @@ class QuantizedMatrix:
         """Bytes held (the quantized blocks)."""
         return self.raw.numel()
 
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
-
     def _like(self, raw: torch.Tensor, columns: int | None = None) -> QuantizedMatrix:
         return QuantizedMatrix(raw, self.kind, self.columns if columns is None else columns, self.dtype)
 
     def rows(self, start: int, stop: int) -> QuantizedMatrix:
         """Rows [``start``, ``stop``) (a view)."""
         return self._like(self.raw[start:stop])
-
-    def take_rows(self, index: torch.Tensor) -> QuantizedMatrix:
-        """The rows ``index`` names, in its order (a copy)."""
-        return self._like(self.raw[index])
 
     def column_range(self, start: int, stop: int) -> QuantizedMatrix:
         """Columns [``start``, ``stop``), both on block boundaries (a copy). Raises QuantizationError otherwise."""
