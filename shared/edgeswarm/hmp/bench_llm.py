@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.devices.catalogue import device_class
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults
+from edgeswarm.devices.compute import resolve_compute
+from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.layer import HmpRank, RequestCache
 from edgeswarm.hmp.loopback import Loopback
@@ -41,6 +43,7 @@ from edgeswarm.planning.hmp.plan import plan_galaxy
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpOptions
+from edgeswarm.settings import Settings
 from edgeswarm.values.text_model import PRESETS, TextModelConfig
 
 log = logging.getLogger(__name__)
@@ -148,12 +151,13 @@ def _tokens(count: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run_ranks(ranks: list[HmpRank], loop: Loopback, prompts: list[list[int]], steps: int
+def _run_ranks(ranks: list[HmpRank], config: LlmBenchConfig, prompts: list[list[int]], steps: int
                ) -> list[tuple[float, float]]:
     """Each prompt's prefill (a pass each), then ``steps`` greedy decode steps of all of them together (one pass a
-    step, every request a row: continuous batching's decode), on every rank (one thread each): per decode step, its
-    wall seconds and the slowest rank's compute seconds."""
+    step, every request a row: continuous batching's decode), on every rank (one thread each) over an in-memory ring
+    with ``config``'s links: per decode step, its wall seconds and the slowest rank's compute seconds."""
     n, count = len(ranks), len(prompts)
+    loop = Loopback(n, bandwidth_bps=config.bandwidth_mbps * 1e6, latency_s=config.latency_ms / 1000)
     caches = [[r.new_cache() for _ in prompts] for r in ranks]
     chosen = [0] * count
     out: list[tuple[float, float]] = []
@@ -186,45 +190,56 @@ def _run_ranks(ranks: list[HmpRank], loop: Loopback, prompts: list[list[int]], s
             barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"llm-rank-{r}") for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=STEP_TIMEOUT_S * (steps + count + 1))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=STEP_TIMEOUT_S * (steps + count + 1))
+    finally:
+        loop.close()
     if errors:
         raise errors[0]
     return out
 
 
+def _compute(device_class: str | None) -> torch.device:
+    """Where a rank of ``device_class`` (None: this machine as it is) computes: EDGESWARM_COMPUTE's device, as a
+    worker's (an emulated class: the CPU, its slow-down scaling CPU time)."""
+    settings = Settings(device_class=device_class) if device_class is not None else Settings()
+    return resolve_compute(settings.compute, DeviceProfile.from_settings(settings))
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _ranks_on(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig
-              ) -> tuple[GgufModel, HmpShares, list[HmpRank], Loopback]:
-    """Galaxy's plan of the file's model over ``classes`` and a rank for each device (its part read from the file,
-    its compute stretched to its class), on the in-memory ring with the configured links."""
+              ) -> tuple[GgufModel, HmpShares, list[HmpRank]]:
+    """Galaxy's plan of the file's model over ``classes`` (on ``config``'s links) and a rank for each device (its
+    part read from the file, its compute stretched to its class)."""
     model = GgufModel(path)
     cfg = model.config
     spec = ClusterSpec(name=label.replace(" ", "-"), network=NetworkDefaults(
         bandwidth_mbps=config.bandwidth_mbps, latency_ms=config.latency_ms), devices=tuple(
         DeviceEntry(id=f"d{i}", **{"class": c}) for i, c in enumerate(classes)))
     shares = plan_galaxy(synthetic_cluster(spec, cfg, config.prompt), HmpOptions(prune=False)).shares
-    ranks = [HmpRank.from_reader(cfg, shares, r, model.read_slice, spans=False,
+    ranks = [HmpRank.from_reader(cfg, shares, r, model.read_slice, _compute(classes[int(d[1:])]), spans=False,
                                  slowdown=device_class(classes[int(d[1:])]).compute_slowdown)
              for r, d in enumerate(shares.devices)]
-    loop = Loopback(len(ranks), bandwidth_bps=config.bandwidth_mbps * 1e6, latency_s=config.latency_ms / 1000)
-    return model, shares, ranks, loop
+    return model, shares, ranks
 
 
 def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> SplitRow:
     """Decode on ``classes`` (see the module's docstring)."""
-    model, shares, ranks, loop = _ranks_on(path, label, classes, config)
+    model, shares, ranks = _ranks_on(path, label, classes, config)
     cfg = model.config
     try:
-        steps = _run_ranks(ranks, loop, [_tokens(config.prompt, cfg.vocab, config.seed)], config.decode)
+        steps = _run_ranks(ranks, config, [_tokens(config.prompt, cfg.vocab, config.seed)], config.decode)
         weights = [r.weight_bytes() for r in ranks]
     finally:
         for r in ranks:
             r.close()
-        loop.close()
-    walls = sorted(w for w, _ in steps)
-    token_s = walls[len(walls) // 2]
+    token_s = _median([w for w, _ in steps])
     share = float(np.median([max(0.0, 1.0 - c / w) for w, c in steps]))
     return SplitRow(label=label, devices=[classes[int(d[1:])] for d in shares.devices], heads=shares.heads,
                     columns=shares.columns, token_s=token_s, network_share=share, weight_bytes=weights,
@@ -234,20 +249,16 @@ def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
 def batch_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> BatchRow:
     """Total decode tokens per second of one stream and of ``config.streams`` decoding together on ``classes``
     (the medians of ``config.decode`` steps each, measured in one run)."""
-    model, _, ranks, loop = _ranks_on(path, label, classes, config)
+    model, _, ranks = _ranks_on(path, label, classes, config)
     vocab = model.config.vocab
     try:
         rates = []
         for count in (1, config.streams):
             prompts = [_tokens(config.prompt, vocab, config.seed + k) for k in range(count)]
-            walls = sorted(w for w, _ in _run_ranks(ranks, loop, prompts, config.decode))
-            rates.append(count / walls[len(walls) // 2])
-            loop.close()
-            loop = Loopback(len(ranks), bandwidth_bps=config.bandwidth_mbps * 1e6, latency_s=config.latency_ms / 1000)
+            rates.append(count / _median([w for w, _ in _run_ranks(ranks, config, prompts, config.decode)]))
     finally:
         for r in ranks:
             r.close()
-        loop.close()
     return BatchRow(label=label, streams=config.streams, one_tps=rates[0], many_tps=rates[1])
 
 
@@ -272,21 +283,22 @@ def file_shares(path: Path, cfg: TextModelConfig, shares: HmpShares) -> list[int
 def ours_local(path: Path, tokens: list[int], decode: int) -> tuple[float, float, np.ndarray]:
     """Our one-device run of the file: prefill tokens per second over ``tokens``, decode tokens per second over
     ``decode`` greedy steps after them, and the prefill's logits [positions, vocab]."""
-    model = GgufModel(path)
+    compute = _compute(None)
+    model = GgufModel(path, device=compute)
     cfg, w = model.config, model.load()
     with torch.inference_mode():
         cache = reference.ModelCache(cfg.layers)
         started = time.perf_counter()
-        hidden = reference.forward(cfg, w, torch.tensor(tokens), cache=cache)
+        hidden = reference.forward(cfg, w, torch.tensor(tokens, device=compute), cache=cache)
         logits = reference.logits(w, hidden)
+        token = int(logits[-1].argmax())  # a host read: the prefill's kernels have finished
         prefill = time.perf_counter() - started
-        token = int(logits[-1].argmax())
         started = time.perf_counter()
         for _ in range(decode):
-            hidden = reference.forward(cfg, w, torch.tensor([token]), cache=cache)
+            hidden = reference.forward(cfg, w, torch.tensor([token], device=compute), cache=cache)
             token = int(reference.logits(w, hidden[-1:])[0].argmax())
         spent = time.perf_counter() - started
-    return len(tokens) / prefill, decode / spent, logits.float().numpy()
+    return len(tokens) / prefill, decode / spent, logits.float().cpu().numpy()
 
 
 # Run by llama.cpp's Python: the file's logits over the tokens, then the decode speed. Only llama_cpp and numpy.
