@@ -623,6 +623,10 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.hmp.ready", 1): {"job_id": "str", "epoch": "int", "rank": "int", "parameters": "int",
                                  "memory_bytes": "int", "load_s": "number"},
     ("edgeswarm.hmp.release", 1): {"job_id": "str"},
+    ("edgeswarm.hmp.admit", 1): {"job_id": "str", "epoch": "int",
+                                 "requests": ("list", ("record", {"request": "int", "tokens": "int"}))},
+    ("edgeswarm.hmp.admitted", 1): {"job_id": "str", "epoch": "int", "rank": "int",
+                                    "refused": ("list", ("record", {"request": "int", "detail": "str"}))},
     ("edgeswarm.hmp.free", 1): {"job_id": "str", "epoch": "int", "requests": ("list", "int")},
     ("edgeswarm.hmp.pass", 2): {"job_id": "str", "epoch": "int", "pass_id": "int", "segments": ("list", ("record", {
         "request": "int", "start": "int", "tokens": "int", "sampling": ("optional", ("record", _SAMPLING)),
@@ -1083,7 +1087,8 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.job.submit", "edgeswarm.job.cancel", "edgeswarm.plan.serve_request",
                               "edgeswarm.serve.assign", "edgeswarm.serve.release", "edgeswarm.plan.hmp_request",
                               "edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release",
-                              "edgeswarm.hmp.free", "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.enrol",
+                              "edgeswarm.hmp.admit", "edgeswarm.hmp.free",
+                              "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.enrol",
                               "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release",
                               "edgeswarm.trace.request"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
@@ -1096,7 +1101,8 @@ _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edge
                             "edgeswarm.stage.state_sent", "edgeswarm.stage.held", "edgeswarm.plan.serve_reply",
                             "edgeswarm.serve.ready", "edgeswarm.infer.reply", "edgeswarm.infer.error",
                             "edgeswarm.plan.hmp_reply", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.ready",
-                            "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply", "edgeswarm.splitfed.enrolled",
+                            "edgeswarm.hmp.admitted", "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply",
+                            "edgeswarm.splitfed.enrolled",
                             "edgeswarm.trace.reply"})
 #: Section 5: the schemas on a service's data topic (tensors, and the requests that carry one).
 _DATA_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",

@@ -653,8 +653,8 @@ HANDLED: dict[str, list[type[Message]]] = {
     "stage-worker": [m.StageAssign, m.RoundStart, m.StageSave, m.StageAbort, m.StageSendState, m.StageInventory,
                      m.StageTensor, m.CollectiveTensor, m.StageState, m.SplitEnrol, m.SplitRelease,
                      m.SplitPartWeights, m.SplitTensor],
-    "tensor-shard-worker": [m.ShardAssign, m.ShardRelease, m.ShardFree, m.ShardProfileRequest, m.ShardPass,
-                            m.CollectiveTensor],
+    "tensor-shard-worker": [m.ShardAssign, m.ShardRelease, m.ShardAdmit, m.ShardFree, m.ShardProfileRequest,
+                            m.ShardPass, m.CollectiveTensor],
     "mec-manager": [m.SplitRoundStart, m.SplitRelease, m.SplitGlobal, m.SplitTensor, m.SplitDone],
 }
 EXAMPLES = {"node-agent": 500, "planner": 500, "coordinator": 500, "checkpoint-store": 500, "profiler": 500,

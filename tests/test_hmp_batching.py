@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from edgeswarm.hmp.compute import request_kv_bytes
 from edgeswarm.hmp.layer import HmpRank, RequestCache
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.models.text import reference
@@ -142,3 +143,24 @@ def test_a_pass_refuses_batches_that_do_not_add_up() -> None:
             sp.forward([1, 2], Loopback(1).ring(0, 0), batch=[(sp.new_cache(), 1), (sp.new_cache(), 1)])
     finally:
         sp.close()
+
+
+@pytest.mark.parametrize("mode", ["galaxy", "megatron", "sp"])
+def test_a_requests_kv_cache_holds_what_its_admission_reserves(mode: str) -> None:
+    """What a rank reserves for a request's KV cache in the node's ledger (``request_kv_bytes``) is what the cache
+    holds at that many positions, on every rank (uneven galaxy: one holding no heads)."""
+    cfg = PRESETS["llama-tiny"]
+    shares = shares_for(cfg, mode, 3, "uneven" if mode == "galaxy" else "equal")
+    ranks = [HmpRank(cfg, shares, r, reference.init_weights(cfg, 3)) for r in range(3)]
+    loop = Loopback(3)
+    caches = [rank.new_cache() for rank in ranks]
+    try:
+        in_threads(3, lambda r: ranks[r].forward(list(range(1, 12)), loop.ring(r, 0), batch=[(caches[r], 11)]))
+        for r, cache in enumerate(caches):
+            assert cache.length == 11
+            assert cache.nbytes() == request_kv_bytes(cfg, shares, r, 11), (r, cache.nbytes())
+        assert sum(c.nbytes() for c in caches) > 0
+    finally:
+        for rank in ranks:
+            rank.close()
+        loop.close()

@@ -56,7 +56,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("hmp-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
-           "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
+           "EDGESWARM_PROFILE_DIR": str(root / "profiles"), "EDGESWARM_HEALTH_DIR": str(root / "health")}
     # The dashboard collects the shards' spans for `edgeswarm explain`.
     with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=(), dashboard=True,
                         gateway=True) as (local, bus):
@@ -350,6 +350,56 @@ def test_bad_requests_are_answered_with_errors_and_the_job_goes_on(cluster: Clus
     assert follower.state is not None and follower.state.status == "running"
     final = stop(cluster, follower)
     assert final.progress_as(HmpProgress).errors >= len(cases)
+
+
+def test_requests_run_as_their_kv_caches_fit_the_nodes_memory_and_are_busy_when_none_fits(cluster: Cluster) -> None:
+    """Each request's KV cache is its own holding in the node's memory ledger: with another process holding all but
+    room for two requests' caches on one device, three requests at once are all answered right, two decoding at a
+    time (the third waits for memory, not for a slot: the job's batch is eight); with room for none, a request is
+    answered busy naming the holder; once it lets go, requests run again and no cache is left held."""
+    from edgeswarm.hmp.compute import request_kv_bytes
+    from edgeswarm.runtime.ledger import MemoryLedger, ledger_path, read_reserved
+
+    name = "hmp-kv"
+    follower = start(cluster, spec_text(name, "gpt2-tiny", extra="max_new_tokens: 12\n"))
+    state = wait_until(lambda: next((s for s in job_states(cluster.bus) if s.job_id == name
+                                     and isinstance(s.plan, HmpPlan)), None), 30, message="the job's plan")
+    shares = state.plan.shares
+    rank = max(range(len(shares.devices)), key=lambda r: shares.heads[r])
+    node = shares.devices[rank]
+    kv = request_kv_bytes(PRESETS["gpt2-tiny"], shares, rank, 8 + 12)  # its prompt and the tokens it may generate
+    budget = next(n.memory_budget_bytes for n in ClusterWatcher(cluster.bus).view()[0].nodes if n.node == node)
+    path = ledger_path(cluster.root / "health", node, cluster.local.hub_url)
+    other = MemoryLedger(node, 1 << 62, path)  # another process on the node: its holdings are not taken away
+    try:
+        def hold_all_but(room: int) -> None:
+            other.release("test", "filler")
+            other.reserve("test", "filler", budget - read_reserved(path)[0] - room, what="another process's model")
+
+        hold_all_but(int(2.5 * kv))
+        asked = prompts("gpt2-tiny", 3)
+        answers = ask(cluster.bus, name, list(asked), max_new_tokens=12, window=3, timeout_s=120)
+        for prompt, answer in zip(asked, answers, strict=True):
+            assert answer.reply is not None, (answer.reason, answer.error)
+            assert answer.reply.tokens == expected_tokens("gpt2-tiny", prompt, 12)
+        progress = wait_until(lambda: next((s.progress_as(HmpProgress) for s in job_states(cluster.bus)
+                                            if s.job_id == name and s.progress_as(HmpProgress).answered >= 3), None),
+                              30, message="the job's progress after three answers")
+        assert progress.peak_batch == 2, progress
+
+        hold_all_but(kv // 2)
+        refused = ask(cluster.bus, name, asked[:1], max_new_tokens=12, timeout_s=60)[0]
+        assert refused.reason == "busy", (refused.reason, refused.error)
+        assert refused.error is not None and "KV cache" in refused.error and "another process's model" in refused.error
+
+        other.release("test", "filler")
+        again = ask(cluster.bus, name, asked[:1], max_new_tokens=12, timeout_s=60)[0]
+        assert again.reply is not None and again.reply.tokens == answers[0].reply.tokens
+        wait_until(lambda: not [h for h in read_reserved(path)[1] if h.job_id == name and h.part], 10,
+                   message="every request's KV cache given back to the node's ledger")
+    finally:
+        other.close()
+    stop(cluster, follower)
 
 
 def gguf_chat_file(root: Path) -> Path:

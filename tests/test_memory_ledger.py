@@ -46,6 +46,27 @@ def test_reserve_refuse_naming_the_holder_and_release(tmp_path: Path) -> None:
     assert read_reserved(tmp_path / "l.json")[0] == 0
 
 
+def test_a_jobs_parts_are_held_and_given_back_one_by_one_or_with_the_job(tmp_path: Path) -> None:
+    """Serving's per-request KV caches: parts of the job's holding, each reserved and released alone; the job's
+    release (or the program's close) gives them all back; another process sees them as holdings of their own."""
+    ledger = MemoryLedger("n0", 10 * MIB, tmp_path / "l.json")
+    ledger.reserve("hmp", "s1", 4 * MIB, what="rank 0 of serving job s1")
+    ledger.reserve("hmp", "s1", 2 * MIB, part="request 1", what="the KV cache of request 1")
+    ledger.reserve("hmp", "s1", 3 * MIB, part="request 2", what="the KV cache of request 2")
+    assert ledger.held_by("hmp", "s1") == 4 * MIB and ledger.reserved_bytes() == 9 * MIB
+    with pytest.raises(MemoryBudgetError, match=r"the KV cache of request 3 needs 2.0 MiB.*the KV cache of request 2 "
+                                                r"holds 3.0 MiB"):
+        ledger.reserve("hmp", "s1", 2 * MIB, part="request 3", what="the KV cache of request 3")
+    total, holdings = read_reserved(tmp_path / "l.json")
+    assert total == 9 * MIB and sorted(h.part for h in holdings) == ["", "request 1", "request 2"]
+    ledger.release("hmp", "s1", "request 2")
+    ledger.reserve("hmp", "s1", 2 * MIB, part="request 3", what="the KV cache of request 3")  # fits now
+    assert ledger.reserved_bytes(exclude=("hmp", "s1")) == 0 and ledger.reserved_bytes() == 8 * MIB
+    ledger.release("hmp", "s1")
+    assert read_reserved(tmp_path / "l.json")[0] == 0
+    ledger.close()
+
+
 def test_idle_jobs_give_way_through_the_pressure_hook_and_busy_ones_do_not(tmp_path: Path) -> None:
     ledger = MemoryLedger("n0", 10 * MIB, tmp_path / "l.json")
     idle = {"t1": True, "t2": False}  # t2 is in a round

@@ -282,6 +282,10 @@ def hmp_samples() -> dict[type, Any]:
         m.ShardReady: m.ShardReady(job_id="g1", epoch=3, rank=1, parameters=12345, memory_bytes=1 << 20,
                                    load_s=0.125),
         m.ShardRelease: m.ShardRelease(job_id="g1"),
+        m.ShardAdmit: m.ShardAdmit(job_id="g1", epoch=3, requests=[m.KvRequest(request=4, tokens=40),
+                                                                   m.KvRequest(request=5, tokens=9)]),
+        m.ShardAdmitted: m.ShardAdmitted(job_id="g1", epoch=3, rank=1, refused=[
+            m.KvRefusal(request=5, detail="the KV cache of request 5 needs 1.50 MiB on nano-1, but ...")]),
         m.ShardFree: m.ShardFree(job_id="g1", epoch=3, requests=[4, 5]),
         m.ShardPass: m.ShardPass(job_id="g1", epoch=3, pass_id=17, segments=[
             m.PassSegment(request=4, start=9, tokens=1, sampling=Sampling(
@@ -479,7 +483,8 @@ def test_hmp_topics_carry_their_schemas() -> None:
     from edgeswarm import topics
 
     worker = "tensor-shard-worker"
-    for name in ("edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release", "edgeswarm.hmp.free"):
+    for name in ("edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release", "edgeswarm.hmp.admit",
+                 "edgeswarm.hmp.free"):
         assert name in (schemas_for_topic(topics.request("nano-1", worker) + "/hub") or ())
     assert "edgeswarm.plan.hmp_request" in (schemas_for_topic(topics.request("hub", "planner") + "/cli") or ())
     data = schemas_for_topic(f"edgeswarm/node/nano-1/{worker}/data/hub") or frozenset()
@@ -487,7 +492,7 @@ def test_hmp_topics_carry_their_schemas() -> None:
     coordinator = schemas_for_topic("edgeswarm/node/hub/coordinator/data/nano-1") or frozenset()
     assert {"edgeswarm.hmp.result", "edgeswarm.hmp.request"} <= coordinator
     replies = schemas_for_topic("edgeswarm/reply/cli/cli/abc123/hub") or frozenset()
-    assert {"edgeswarm.hmp.reply", "edgeswarm.hmp.ready", "edgeswarm.hmp.profile_reply",
+    assert {"edgeswarm.hmp.reply", "edgeswarm.hmp.ready", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.admitted",
             "edgeswarm.plan.hmp_reply", "edgeswarm.infer.error", "edgeswarm.stage.failed"} <= replies
 
 

@@ -45,16 +45,20 @@ class PassOutput:
     split: PassSplit
 
 
-def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens: int, batch: int = 1) -> int:
-    """Bytes rank ``rank`` reserves: its weights, the KV caches of ``batch`` requests of ``max_tokens`` tokens and
-    one more (a request's cache rebuilt beside them) for its KV heads (sp: every head), and one pass's activations
-    (a few [tokens, max(hidden, ffn)] tensors)."""
+def shard_memory(cfg: TextModelConfig, shares: HmpShares, rank: int, max_tokens: int) -> int:
+    """Bytes rank ``rank`` holds for the job: its weights and one pass's activations (a few [tokens, max(hidden,
+    ffn)] tensors for up to ``max_tokens`` rows). Each request's KV cache comes on top (``request_kv_bytes``)."""
     shapes = shard_shapes(cfg, shares, rank)
     weights = sum(cfg.tensor_bytes(name, _numel(s)) for name, s in shapes.items())
-    heads = cfg.heads if shares.mode in ("sp", "local") else shares.heads[rank]
-    kv = 2 * cfg.layers * (heads // cfg.group) * cfg.head_dim * max_tokens * cfg.dtype_bytes
     activations = 6 * max_tokens * max(cfg.hidden, cfg.ffn) * cfg.dtype_bytes
-    return int(weights + (batch + 1) * kv + activations)
+    return int(weights + activations)
+
+
+def request_kv_bytes(cfg: TextModelConfig, shares: HmpShares, rank: int, tokens: int) -> int:
+    """Bytes of one request's KV cache of ``tokens`` positions on rank ``rank``: keys and values of its KV heads in
+    every layer (sp and local: every head)."""
+    heads = cfg.heads if shares.mode in ("sp", "local") else shares.heads[rank]
+    return 2 * cfg.layers * (heads // cfg.group) * cfg.head_dim * tokens * cfg.dtype_bytes
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -4,14 +4,17 @@ The job measures every device's block latencies for its model (a ShardProfile re
 the links come from the profilers), asks the planner service for an HmpPlan and deploys each rank's shard
 (ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
 lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them and half that from one caller node
-(``edgeswarm.shares``; beyond: ``busy``). Requests run as passes: a decoder's up to ``spec.max_batch`` at once,
-each pass holding a decode step of every running request (the next token, greedy or sampled, which the rank
-holding the request's last row reports; the end of sequence or a stop string ends it early) and a chunk of
+(``edgeswarm.shares``; beyond: ``busy``). Requests run as passes: a decoder's up to ``spec.max_batch`` at once, each
+pass holding a decode step of every running request (the next token, greedy or sampled, which the rank holding the
+request's last row reports; the end of sequence or a stop string ends it early) and a chunk of
 ``spec.prefill_chunk`` tokens of the prompt of one request joining (so the others wait one chunk at most); an
-encoder's one at a time, its prompt in one pass. Each pass is a ShardPass frame to every rank and a ShardResult
-from every rank; when a pass's results do not all come within its deadline its requests run again once on new KV
-caches (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the
-survivors, deploys the new plan as a new epoch and rebuilds each request's cache there from its tokens so far (a
+encoder's one at a time, its prompt in one pass. Before its first pass on a plan, a request's KV cache is reserved
+on every rank (ShardAdmit: its prompt and the tokens it may generate, in each node's memory ledger); a request whose
+cache does not fit waits, in its place in the batch, while others of the job run and free memory as they end, and is
+answered ``busy`` (naming what holds the memory) when none does. Each pass is a ShardPass frame to every rank and a
+ShardResult from every rank; when a pass's results do not all come within its deadline its requests run again once
+on new KV caches (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over
+the survivors, deploys the new plan as a new epoch and rebuilds each request's cache there from its tokens so far (a
 prefill over the prompt and the tokens generated), so every request is answered once. A cancelled job answers what
 it still holds with InferError ``not_serving`` and releases its shards.
 
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm import topics
 from edgeswarm.bus import Inbound
+from edgeswarm.coordination.fanout import fan_out
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
 from edgeswarm.errors import EdgeswarmError, JobError
 from edgeswarm.hmp.gather import hmp_cluster, profile_shards
@@ -45,8 +49,11 @@ from edgeswarm.messages.hmp import (
     HmpDelta,
     HmpReply,
     HmpRequest,
+    KvRequest,
     LayerSplit,
     PassSegment,
+    ShardAdmit,
+    ShardAdmitted,
     ShardAssign,
     ShardFree,
     ShardPass,
@@ -83,6 +90,7 @@ RECENT = 1024  # requests the latency percentiles are measured over
 MAX_CANCELLED = 256  # cancels remembered: a cancel that comes before its request still stops it
 RETRIES = 1  # a request whose pass failed with no device lost is run again this many times
 REPLAN_WAIT_S = 300.0  # how long a request waits for the job to re-plan after a device of its pass was lost
+KV_RETRY_S = 1.0  # a request whose KV cache did not fit asks again this often (at once when one of the job's ends)
 
 
 class PassFailed(EdgeswarmError):
@@ -108,11 +116,14 @@ class _Request(QueuedRequest):
 @dataclass
 class _Active:
     """A request in the job's batch: its cache is request number ``number`` on plan ``epoch`` (-1: none yet, or
-    lost) and holds the first ``fed`` tokens of its ``sequence`` (prompt and generated)."""
+    lost), reserved on every rank once ``admitted`` (else, ``waiting`` since that monotonic time for memory), and
+    holds the first ``fed`` tokens of its ``sequence`` (prompt and generated)."""
 
     request: _Request
     number: int = 0
     epoch: int = -1
+    admitted: bool = False
+    waiting: float | None = None
     fed: int = 0
     generated: list[int] = field(default_factory=list)
     ttft: float | None = None
@@ -207,6 +218,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             cost=lambda plan: plan.model.total_s)
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
         self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
+        self._ended = False  # a request of the batch ended since the last admission: its KV memory is free again
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -430,20 +442,26 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             with self._changed:
                 cancelled = a.request.key in self._cancelled
             if cancelled:
-                if a.epoch == epoch:
+                if a.epoch == epoch and a.admitted:
                     self._free(plan, epoch, [a.number])
+                self._ended = True
                 self.refuse(a.request.msg, a.request.request_id, "cancelled", "its caller cancelled it")
             else:
                 if a.epoch != epoch:  # new, or its cache was lost or on a plan that is gone: built from its tokens
                     a.recomputed = a.recomputed or a.epoch >= 0  # a device lost, or the job re-planned, under it
-                    a.epoch, a.number, a.fed = epoch, self._new_request_number(), 0
+                    a.epoch, a.number, a.fed, a.admitted = epoch, self._new_request_number(), 0, False
                 kept.append(a)
-        if not kept:
-            return []
+        try:
+            kept = self._admit(plan, epoch, kept)
+        except PassFailed as exc:
+            return self._failed(plan, epoch, kept, exc)
+        running = [a for a in kept if a.admitted]
+        if not running:
+            return kept
         chunk = self.spec.prefill_chunk if self.config.decoder and self.spec.mode != "sp" else 0
         batch: list[tuple[_Active, list[int]]] = []
         filling = False
-        for a in kept:
+        for a in running:
             pending = a.sequence[a.fed:]
             if len(pending) == 1 and a.generated:
                 batch.append((a, pending))  # a decode step
@@ -458,21 +476,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         try:
             results = self._run_pass(plan, epoch, segments, tokens)
         except PassFailed as exc:
-            self._free(plan, epoch, [a.number for a in kept])
-            with self._changed:
-                moved = self._plan is None or self._epoch != epoch  # the job is moving to a better plan
-            if moved or self._wait_for_replan(plan, epoch):
-                return kept  # on the new plan, each rebuilds its cache from its tokens so far
-            out = []
-            for a in kept:
-                a.retries, a.epoch = a.retries + 1, -1  # its cache is gone: rebuilt by the next pass
-                if a.retries > RETRIES:
-                    self.refuse(a.request.msg, a.request.request_id, "failed",
-                                f"request {a.request.request_id or '(no id)'}: {exc}, also when run again")
-                else:
-                    out.append(a)
-            _limited.warning("retry", "job %s: %s; running its requests again", self.spec.name, exc)
-            return out
+            return self._failed(plan, epoch, kept, exc)
         took = time.perf_counter() - started
         with self._changed:
             self._stats.passes += 1
@@ -507,7 +511,80 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                     a.ttft = time.monotonic() - a.request.arrived
                 self._answer(a.request, a.generated, hidden, a.ttft, a.decode_s, a.split, epoch, a.recomputed)
                 done.add(id(a))
+        self._ended = self._ended or bool(done)
         return [a for a in kept if id(a) not in done]
+
+    def _failed(self, plan: HmpPlan, epoch: int, kept: list[_Active], exc: PassFailed) -> list[_Active]:
+        """After a pass (or an admission) of ``kept`` on ``plan`` failed: their caches freed, the requests to go on
+        with (rebuilt on the new plan, or run again up to RETRIES times; the others refused)."""
+        self._free(plan, epoch, [a.number for a in kept])
+        self._ended = True
+        with self._changed:
+            moved = self._plan is None or self._epoch != epoch  # the job is moving to a better plan
+        if moved or self._wait_for_replan(plan, epoch):
+            return kept  # on the new plan, each rebuilds its cache from its tokens so far
+        out = []
+        for a in kept:
+            # its cache is gone: rebuilt by the next pass (one waiting for memory was not in the pass)
+            a.retries, a.epoch = a.retries + int(a.admitted), -1
+            if a.retries > RETRIES:
+                self.refuse(a.request.msg, a.request.request_id, "failed",
+                            f"request {a.request.request_id or '(no id)'}: {exc}, also when run again")
+            else:
+                out.append(a)
+        _limited.warning("retry", "job %s: %s; running its requests again", self.spec.name, exc)
+        return out
+
+    def _admit(self, plan: HmpPlan, epoch: int, active: list[_Active]) -> list[_Active]:
+        """Have every rank of ``plan`` reserve the KV cache of each request of ``active`` not yet admitted on it, in
+        arrival order: a request is admitted when every rank holds its cache and every request before it is
+        admitted (a short request does not pass a long one waiting). The others wait while an admitted request of
+        the job runs (asking again once one ends, or after KV_RETRY_S); with none running they are answered
+        ``busy``. Returns the requests still active. Raises PassFailed when a rank does not answer."""
+        now = time.monotonic()
+        asking = [a for a in active if not a.admitted]
+        due = self._ended or not any(a.admitted for a in active) or any(
+            a.waiting is None or now - a.waiting >= KV_RETRY_S for a in asking)
+        if not asking or not due:
+            return active
+        self._ended = False
+        for a in asking:
+            if a.waiting is not None:  # refused before and freed: asks with a number of its own again
+                a.number = self._new_request_number()
+        body = ShardAdmit(job_id=self.spec.name, epoch=epoch, requests=[
+            KvRequest(request=a.number, tokens=len(a.request.prompt) + a.request.new_tokens) for a in asking])
+        fan = fan_out(self.bus, dict.fromkeys(plan.shares.devices, body), self.worker_service,
+                      timeout_s=3 * self.spec.deadline_s + 5.0)
+        refused: dict[int, str] = {}
+        for device in plan.shares.devices:
+            reply = fan.replies.get(device)
+            if not isinstance(reply, ShardAdmitted) or reply.epoch != epoch:
+                problem = fan.failures.get(device) or f"it answered {type(reply).__name__}"
+                raise PassFailed(f"admitting requests on {device}: {problem}")
+            for r in reply.refused:
+                refused.setdefault(r.request, r.detail)
+        blocked = next((k for k, a in enumerate(asking) if a.number in refused), len(asking))
+        for a in asking[:blocked]:
+            a.admitted, a.waiting = True, None
+        late = asking[blocked:]
+        if not late:
+            return active
+        if any(a.admitted for a in active):  # they wait, in order, for the running ones to free memory
+            self._free(plan, epoch, [a.number for a in late])
+            for a in late:
+                a.waiting = now
+            _limited.log(logging.INFO, "kv_wait", "job %s: %d requests wait for KV cache memory: %s", self.spec.name,
+                         len(late), refused[asking[blocked].number])
+            return active
+        busy = [a for a in late if a.number in refused]
+        self._free(plan, epoch, [a.number for a in busy])
+        for a in late:
+            if a.number in refused:
+                self.refuse(a.request.msg, a.request.request_id, "busy", f"job {self.spec.name}: the request's KV "
+                            f"cache does not fit now: {refused[a.number]}; send again later")
+            else:
+                a.admitted, a.waiting = True, None
+        return [a for a in active if a.admitted]
 
     def _answer(self, request: _Request, generated: list[int], hidden: Any, ttft: float, decode_s: float,
                 split: LayerSplit | None, epoch: int, recomputed: bool) -> None:

@@ -1,10 +1,13 @@
 """The tensor-shard-worker's program for serve-hmp jobs: one shard of every layer per job, any number of jobs.
 
 A ShardAssign makes rank ``rank``'s shard of the model under the plan's shares (the heads, MLP columns and rows of
-``hmp.compute``), after reserving its weights and its largest KV cache in the node's memory ledger beside every
-other job on the node: a shard that does not fit is refused naming what holds the memory. Weights come from the
-model folder (only the shard's slices are read) or, for a preset, from its seed. ShardRelease, a failed assignment
-and closing give the memory back.
+``hmp.compute``), after reserving its weights and one pass's activations in the node's memory ledger beside every
+other job on the node: a shard that does not fit (or leaves no room for one request's KV cache) is refused naming
+what holds the memory. Weights come from the model folder (only the shard's slices are read) or, for a preset, from
+its seed. Each request's KV cache is reserved apart, as a part of the job's holding, when ShardAdmit asks (its
+prompt and the tokens it may generate, for this rank's KV heads), and given back by ShardFree: a request whose
+cache does not fit beside the node's other holdings is refused in the ShardAdmitted answer, and the coordinator
+keeps it waiting or answers it ``busy``. ShardRelease, a failed assignment and closing give all the memory back.
 
 Passes arrive as ShardPass frames from the job's coordinator (any other sender is refused and counted); the job's
 thread runs them in order: the shard's forward over the pass's tokens, exchanging the ring's CollectiveTensor
@@ -12,8 +15,8 @@ slices with the other ranks through the platform's ``CollectivePort`` (scope: th
 coordinator with a ShardResult. A pass that fails (a peer gone, a slice lost twice) is answered with nothing: the
 coordinator runs the request again or re-plans, and its ShardFree for the request stops a pass of it still waiting
 for a peer's slice here. The request's KV cache lives on the shard until ShardFree (or a
-newer prefill of the same request, or the release). Caches are bounded: MAX_CACHES requests, and the bytes the
-assignment reserved.
+newer prefill of the same request, or the release). Caches are bounded: MAX_CACHES requests, each within the bytes
+its admission reserved.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.collectives import CollectiveTensor
 from edgeswarm.messages.hmp import (
     MAX_BATCH,
+    KvRefusal,
+    ShardAdmit,
+    ShardAdmitted,
     ShardAssign,
     ShardFree,
     ShardPass,
@@ -75,6 +81,7 @@ class _Job:
     reserved_bytes: int
     passes: queue.Queue[tuple[ShardPass, Any] | None] = field(default_factory=lambda: queue.Queue(MAX_QUEUED_PASSES))
     caches: dict[int, Any] = field(default_factory=dict)  # request number -> its KV cache
+    admitted: set[int] = field(default_factory=set)  # requests whose KV cache the node's ledger holds
     thread: threading.Thread | None = None
     ran: int = 0
     running: tuple[frozenset[int], int] | None = None  # (requests, pass) of the pass under way
@@ -93,7 +100,7 @@ class ShardProgram(JobTable[_Job]):
     """The shards this worker holds, by job id (see the module's docstring). A profile request names no job: it is
     nobody's."""
 
-    handles: tuple[type[Message], ...] = (ShardAssign, ShardRelease, ShardFree, ShardProfileRequest)
+    handles: tuple[type[Message], ...] = (ShardAssign, ShardRelease, ShardAdmit, ShardFree, ShardProfileRequest)
     tensors: tuple[type[Message], ...] = (ShardPass, CollectiveTensor)
     ledger_name = PROGRAM
     refusal_counter = "hmp_failed"
@@ -116,9 +123,14 @@ class ShardProgram(JobTable[_Job]):
                 running = job.running
                 for request in body.requests:
                     job.caches.pop(request, None)  # the pass thread reads it only while it runs that request
+                    if request in job.admitted:
+                        job.admitted.discard(request)
+                        self.ctx.ledger.release(PROGRAM, body.job_id, _part(request))
                     if running is not None and request in running[0]:
                         # The coordinator gave the request up (a peer is gone): its pass stops waiting for slices.
                         job.exchange.abort(running[1], "the coordinator gave the request up")
+        elif isinstance(body, ShardAdmit):
+            self._admit(msg, body)
         elif isinstance(body, ShardAssign):
             # Making the shard (reading a model folder) runs apart from the request topic's thread.
             threading.Thread(target=self._assign, args=(msg, body), name="hmp-assign", daemon=True).start()
@@ -153,6 +165,37 @@ class ShardProgram(JobTable[_Job]):
             return
         self.ctx.bus.reply(msg, ShardProfileReply(profile=profile))
 
+    def _admit(self, msg: Inbound, body: ShardAdmit) -> None:
+        """Reserve each request's KV cache in the node's ledger; answer which did not fit."""
+        from edgeswarm.hmp.compute import request_kv_bytes
+
+        with self._lock:
+            job = self._jobs.get(body.job_id)
+        if job is None or job.spec.epoch != body.epoch:
+            self.refuse(msg, body.job_id, "not_assigned", f"this worker holds no shard of hmp job {body.job_id} at "
+                                                          f"epoch {body.epoch}")
+            return
+        spec, refused = job.spec, []
+        for r in body.requests:
+            if r.request not in job.admitted and len(job.admitted) >= MAX_CACHES:
+                refused.append(KvRefusal(request=r.request, detail=f"rank {spec.rank} on {self.ctx.node} holds the "
+                                                                   f"KV caches of {MAX_CACHES} requests already"))
+                continue
+            tokens = min(r.tokens, spec.max_tokens)
+            need = request_kv_bytes(job.shard.cfg, spec.shares, spec.rank, tokens)
+            what = (f"the KV cache of request {r.request} of serving job {spec.job_id} (rank {spec.rank}, "
+                    f"{tokens} tokens)")
+            try:
+                self.ctx.ledger.reserve(PROGRAM, spec.job_id, need, part=_part(r.request), service=self.ctx.service,
+                                        what=what, refusal=f"{what} needs {need / MIB:.2f} MiB on {self.ctx.node}")
+            except MemoryBudgetError as exc:
+                refused.append(KvRefusal(request=r.request, detail=str(exc)[:2048]))
+                continue
+            job.admitted.add(r.request)
+        if refused:
+            self.ctx.metrics.count("hmp_kv_refused", len(refused))
+        self.ctx.bus.reply(msg, ShardAdmitted(job_id=spec.job_id, epoch=spec.epoch, rank=spec.rank, refused=refused))
+
     def _release(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.pop(job_id, None)
@@ -162,7 +205,7 @@ class ShardProgram(JobTable[_Job]):
             self.ctx.ledger.release(PROGRAM, job_id)
 
     def _assign(self, msg: Inbound, spec: ShardAssign) -> None:
-        from edgeswarm.hmp.compute import load_shard, shard_memory
+        from edgeswarm.hmp.compute import load_shard, request_kv_bytes, shard_memory
 
         started = time.monotonic()
         self._release(spec.job_id)  # a newer assignment replaces the job's shard (and its memory)
@@ -173,16 +216,18 @@ class ShardProgram(JobTable[_Job]):
             if spec.shares.devices[spec.rank] != self.ctx.node:
                 raise EdgeswarmError(f"rank {spec.rank} of the plan is {spec.shares.devices[spec.rank]}, not "
                                      f"{self.ctx.node}")
-            need = shard_memory(cfg, spec.shares, spec.rank, spec.max_tokens, spec.max_batch)
+            need = shard_memory(cfg, spec.shares, spec.rank, spec.max_tokens)
+            one_request = request_kv_bytes(cfg, spec.shares, spec.rank, spec.max_tokens)
             budget = self.ctx.device.memory_budget_bytes
             what = (f"rank {spec.rank} of serving job {spec.job_id} ({spec.shares.heads[spec.rank]} heads, "
                     f"{spec.shares.columns[spec.rank]} MLP columns of {cfg.layers} layers)")
-            if need > budget:
-                raise MemoryBudgetError(f"{what} needs {need / MIB:.1f} MiB for its weights and KV cache, but "
-                                        f"{self.ctx.node} ({self.ctx.device.device_class}) has a memory budget of "
-                                        f"{budget / MIB:.1f} MiB")
+            if need + one_request > budget:
+                raise MemoryBudgetError(f"{what} needs {need / MIB:.1f} MiB for its weights and "
+                                        f"{one_request / MIB:.1f} MiB for one request's KV cache of {spec.max_tokens} "
+                                        f"tokens, but {self.ctx.node} ({self.ctx.device.device_class}) has a memory "
+                                        f"budget of {budget / MIB:.1f} MiB")
             self.ctx.ledger.reserve(PROGRAM, spec.job_id, need, service=self.ctx.service, what=what,
-                                    refusal=f"{what} needs {need / MIB:.1f} MiB for its weights and KV cache")
+                                    refusal=f"{what} needs {need / MIB:.1f} MiB for its weights")
             with self.ctx.gate.building():
                 shard = load_shard(spec.model, cfg, spec.shares, spec.rank, self.ctx.compute, device=self.ctx.device)
         except Exception as exc:  # noqa: BLE001 - the requester must hear of it rather than wait out its timeout
@@ -339,17 +384,20 @@ class ShardProgram(JobTable[_Job]):
 
     def _caches_for(self, job: _Job, body: ShardPass) -> list[Any] | None:
         """The KV cache each segment of pass ``body`` extends: a new one for a request from its start (0), else the
-        request's. None (the pass is dropped) when a continuation's cache is gone, or it does not continue where the
-        cache ends."""
+        request's. None (the pass is dropped) when a new cache was not admitted (its memory is not reserved), a
+        continuation's cache is gone, or it does not continue where the cache ends."""
         from edgeswarm.hmp.compute import new_cache
 
         out = []
         for g in body.segments:
             if g.start == 0:
-                job.caches.pop(g.request, None)
-                while len(job.caches) >= MAX_CACHES:
-                    del job.caches[next(iter(job.caches))]  # the oldest request's: its client went away
-                out.append(job.caches.setdefault(g.request, new_cache(job.shard)))
+                if g.request not in job.admitted:
+                    self.ctx.metrics.count("hmp_passes_dropped")
+                    _limited.log(logging.WARNING, "admit", "hmp job %s: pass %d starts request %d, whose KV cache "
+                                 "was not admitted", job.spec.job_id, body.pass_id, g.request)
+                    return None
+                job.caches[g.request] = new_cache(job.shard)
+                out.append(job.caches[g.request])
                 continue
             cache = job.caches.get(g.request)
             if cache is None or cache.length != g.start:
@@ -360,3 +408,8 @@ class ShardProgram(JobTable[_Job]):
                 return None
             out.append(cache)
         return out
+
+
+def _part(request: int) -> str:
+    """The ledger part of request ``request``'s KV cache (within its job's holding)."""
+    return f"request {request}"

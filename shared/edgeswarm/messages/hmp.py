@@ -7,7 +7,9 @@ one pass per generated token; a decoder's passes batch the running requests (eac
 one and a chunk of a joining one's prompt). Each pass starts with a ShardPass frame (the pass's token ids) from the
 coordinator to every device of the ring; the devices exchange CollectiveTensor slices among themselves, and each
 answers the coordinator with a ShardResult frame (its rows of the final hidden states, or, from the devices holding
-a request's last row, the request's next token). ShardFree drops a request's KV cache.
+a request's last row, the request's next token). Before a request's first pass on a plan, ShardAdmit has every
+device reserve its KV cache in the node's memory ledger (answered ShardAdmitted, naming the requests that did not
+fit); ShardFree drops a request's KV cache and gives its memory back.
 
 Anyone allowed to send the coordinator tensors asks with an HmpRequest frame on the coordinator's data topic (token
 ids as an int64 tensor [tokens], or ``text`` for a model with a tokenizer), with ``reply_to`` and a correlation id in
@@ -73,9 +75,9 @@ class ShardAssign(Message):
     """Request to a tensor-shard-worker: hold rank ``rank``'s shard of ``model`` under ``shares`` for serving job
     ``job_id`` at plan ``epoch``; passes come from ``coordinator``. ``max_tokens`` bounds a request's sequence
     (prompt and generated tokens: the KV cache it may hold); ``qos`` and ``deadline_s`` are the ring's (a step's
-    slice that has not come within ``deadline_s`` is asked for again once at QoS 0). Answered ShardReady, or
-    StageFailed (``memory`` when the shard does not fit the device's budget). A newer assignment of the job replaces
-    the old one."""
+    slice that has not come within ``deadline_s`` is asked for again once at QoS 0); ``max_batch`` bounds the
+    requests one pass holds. Answered ShardReady, or StageFailed (``memory`` when the shard and one request's KV
+    cache do not fit the device's budget). A newer assignment of the job replaces the old one."""
 
     MAX_BYTES = 1 * MIB
 
@@ -88,13 +90,14 @@ class ShardAssign(Message):
     max_tokens: int = Field(ge=1, le=1 << 17)
     qos: Literal[0, 1] = 0
     deadline_s: float = Field(default=5.0, gt=0, le=600)
-    max_batch: int = Field(default=1, ge=1, le=MAX_BATCH)  # requests decoding at once: KV caches to reserve
+    max_batch: int = Field(default=1, ge=1, le=MAX_BATCH)  # requests decoding at once
 
 
 @schema("edgeswarm.hmp.ready", 1)
 class ShardReady(Message):
     """Rank ``rank`` of ``job_id`` at ``epoch`` holds its shard: ``parameters`` weights, ``memory_bytes`` reserved
-    in the node's memory ledger (weights and the largest KV cache), ``load_s`` seconds to make or read them."""
+    in the node's memory ledger (weights and one pass's activations; each request's KV cache is reserved apart, by
+    ShardAdmit), ``load_s`` seconds to make or read them."""
 
     job_id: Name
     epoch: int = Field(ge=0)
@@ -111,9 +114,51 @@ class ShardRelease(Message):
     job_id: Name
 
 
+class KvRequest(BaseModel):
+    """A request whose KV cache a shard reserves: request number ``request``, up to ``tokens`` positions (its prompt
+    and the tokens it may generate)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: int = Field(ge=0, le=MAX_SCOPE)
+    tokens: int = Field(ge=1, le=1 << 17)
+
+
+class KvRefusal(BaseModel):
+    """A request whose KV cache did not fit, and why (the ledger's account of who holds the memory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: int = Field(ge=0, le=MAX_SCOPE)
+    detail: str = Field(max_length=2048)
+
+
+@schema("edgeswarm.hmp.admit", 1)
+class ShardAdmit(Message):
+    """Request to a tensor-shard-worker: reserve the KV cache of each of ``requests`` of ``job_id`` at ``epoch`` in
+    the node's memory ledger, before their first pass (a pass that starts a cache the shard has not reserved is
+    dropped). Answered ShardAdmitted, or StageFailed (``not_assigned``: no shard of that job and epoch here)."""
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    requests: list[KvRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+@schema("edgeswarm.hmp.admitted", 1)
+class ShardAdmitted(Message):
+    """Rank ``rank`` reserved the KV caches of the admitted requests, all but ``refused``'s (they did not fit
+    beside what the node's ledger holds)."""
+
+    job_id: Name
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    rank: int = Field(ge=0, lt=MAX_DEVICES)
+    refused: list[KvRefusal] = Field(default_factory=list, max_length=MAX_BATCH)
+
+
 @schema("edgeswarm.hmp.free", 1)
 class ShardFree(Message):
-    """Command, not answered: drop the KV caches of ``requests`` (their passes are over) of ``job_id``."""
+    """Command, not answered: drop the KV caches of ``requests`` (their passes are over) of ``job_id`` and give
+    their memory back."""
 
     job_id: Name
     epoch: int = Field(ge=0, le=MAX_EPOCH)
@@ -122,9 +167,10 @@ class ShardFree(Message):
 
 class PassSegment(BaseModel):
     """One request's part of a pass: the next ``tokens`` of the pass's token ids, at positions ``start`` .. of
-    request number ``request`` (the KV cache they extend; 0 .. starts a new cache). With ``answer``, the rank
-    holding its last row chooses the request's next token as ``sampling`` says (None: greedy), over the request's
-    tokens it has seen (every rank keeps them with the cache); without (a chunk of a prompt not yet all in), none."""
+    request number ``request`` (the KV cache they extend; 0 .. starts the cache ShardAdmit reserved). With
+    ``answer``, the rank holding its last row chooses the request's next token as ``sampling`` says (None: greedy),
+    over the request's tokens it has seen (every rank keeps them with the cache); without (a chunk of a prompt not
+    yet all in), none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -2,8 +2,10 @@
 
 A program reserves a job's static bytes (weights, buffers, optimizer state; training also its activations' peak as
 rounds allocate them) before it allocates them, and releases them when the job is released, evicted or the program
-closes. A reservation that does not fit is refused with ``MemoryBudgetError`` naming what holds the memory, after
-the pressure hooks had their chance to free some.
+closes. A job may hold parts beside its own holding, each reserved and released alone (serving: one KV cache per
+request, ``part`` naming the request); releasing the job releases them all. A reservation that does not fit is
+refused with ``MemoryBudgetError`` naming what holds the memory, after the pressure hooks had their chance to free
+some.
 
 Policy (who gives way):
 
@@ -65,18 +67,21 @@ LEASE_S = 30.0  # a holding not renewed for this long (its process died or hangs
 MAX_HOLDINGS = 1024  # holdings the file keeps; past it the oldest leases go first (a runaway holder's)
 
 Key = tuple[str, str]  # (program, job id)
+PartKey = tuple[str, str, str]  # (program, job id, part): one holding
 # A pressure hook: (bytes needed, why, the job id asking in the hook's own program or None) -> bytes it freed.
 PressureHook = Callable[[int, str, "str | None"], int]
 
 
 class Holding(BaseModel):
-    """One reservation: ``nbytes`` of the node's budget held by job ``job_id`` of ``program`` in process ``holder``
-    (``pid`` on ``host``) until ``lease_until`` (Unix seconds) unless renewed. ``what`` names it for people."""
+    """One reservation: ``nbytes`` of the node's budget held by job ``job_id`` of ``program`` (its ``part``: "" the
+    job's own holding) in process ``holder`` (``pid`` on ``host``) until ``lease_until`` (Unix seconds) unless
+    renewed. ``what`` names it for people."""
 
     model_config = ConfigDict(extra="forbid")
 
     program: str = Field(max_length=64)
     job_id: str = Field(max_length=256)
+    part: str = Field(default="", max_length=64)
     holder: str = Field(max_length=128)
     host: str = Field(max_length=255)
     pid: int
@@ -86,7 +91,11 @@ class Holding(BaseModel):
     lease_until: float
 
     @property
-    def key(self) -> Key:
+    def key(self) -> PartKey:
+        return (self.program, self.job_id, self.part)
+
+    @property
+    def job(self) -> Key:
         return (self.program, self.job_id)
 
 
@@ -114,7 +123,7 @@ class MemoryLedger:
         self.holder = holder or uuid.uuid4().hex[:12]
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._lock = threading.RLock()  # this process's transactions, one at a time
-        self._mine: dict[Key, Holding] = {}
+        self._mine: dict[PartKey, Holding] = {}
         self._hooks: list[tuple[str, PressureHook]] = []
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -132,16 +141,16 @@ class MemoryLedger:
             self._hooks = [(owner, h) for owner, h in self._hooks if h != hook]
 
     def reserve(self, program: str, job_id: str, nbytes: int, *, what: str, refusal: str = "",
-                service: str = "") -> None:
-        """Hold ``nbytes`` for job ``job_id`` of ``program`` (replacing what that job held), asking the pressure hooks
-        to free room when it does not fit. Raises MemoryBudgetError starting with ``refusal`` (default: ``what``
-        needs so much) and naming the holders when it still does not."""
-        key = (program, job_id)
+                service: str = "", part: str = "") -> None:
+        """Hold ``nbytes`` for job ``job_id`` of ``program`` (its ``part``; replacing what that holding held), asking
+        the pressure hooks to free room when it does not fit. Raises MemoryBudgetError starting with ``refusal``
+        (default: ``what`` needs so much) and naming the holders when it still does not."""
+        key = (program, job_id, part)
         for attempt in range(2):
             with self._transaction() as others:
                 used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
                 if used + nbytes <= self.budget_bytes:
-                    self._mine[key] = self._holding(program, job_id, nbytes, what, service)
+                    self._mine[key] = self._holding(program, job_id, nbytes, what, service, part)
                     return
                 holders = [h for h in (*others, *self._mine.values()) if h.key != key]
             if attempt == 0 and self._relieve(used + nbytes - self.budget_bytes, program, job_id, what) == 0:
@@ -156,7 +165,7 @@ class MemoryLedger:
     def grow(self, program: str, job_id: str, nbytes: int) -> bool:
         """Raise job ``job_id``'s holding to ``nbytes`` if that fits beside every other holding (no one is asked to
         give way: the caller is in the middle of its work); whether it did. A job holding nothing gets a holding."""
-        key = (program, job_id)
+        key = (program, job_id, "")
         with self._transaction() as others:
             used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
             if used + nbytes > self.budget_bytes:
@@ -166,23 +175,26 @@ class MemoryLedger:
                                self._holding(program, job_id, nbytes, f"{program} job {job_id}", ""))
             return True
 
-    def release(self, program: str, job_id: str) -> None:
-        """Give back what job ``job_id`` of ``program`` holds (nothing when it holds nothing)."""
+    def release(self, program: str, job_id: str, part: str | None = None) -> None:
+        """Give back what job ``job_id`` of ``program`` holds: its ``part``, or (None) its own holding and every part
+        (nothing when it holds nothing)."""
         with self._lock:
-            if (program, job_id) not in self._mine:
+            keys = [k for k in self._mine if k[:2] == (program, job_id) and part in (None, k[2])]
+            if not keys:
                 return
             with self._transaction():
-                self._mine.pop((program, job_id), None)
+                for key in keys:
+                    self._mine.pop(key, None)
 
     def held_by(self, program: str, job_id: str) -> int:
-        """The bytes job ``job_id`` of ``program`` holds in this process."""
+        """The bytes job ``job_id`` of ``program`` holds in this process (its own holding; not its parts)."""
         with self._lock:
-            held = self._mine.get((program, job_id))
+            held = self._mine.get((program, job_id, ""))
             return held.nbytes if held else 0
 
     def reserved_bytes(self, exclude: Key | None = None) -> int:
-        """The bytes every live holding on the node holds, less ``exclude``'s."""
-        return _total(h for h in self.holdings() if h.key != exclude or h.holder != self.holder)
+        """The bytes every live holding on the node holds, less ``exclude``'s (the job's, parts and all)."""
+        return _total(h for h in self.holdings() if h.job != exclude or h.holder != self.holder)
 
     def holdings(self) -> list[Holding]:
         """Every live holding on the node (other processes' too), this process's last. Only reads the file."""
@@ -199,12 +211,13 @@ class MemoryLedger:
 
     # --- the file -----------------------------------------------------------------------------------
 
-    def _holding(self, program: str, job_id: str, nbytes: int, what: str, service: str) -> Holding:
+    def _holding(self, program: str, job_id: str, nbytes: int, what: str, service: str, part: str = "") -> Holding:
         if self.path is not None and self._renewer is None:
             self._renewer = threading.Thread(target=self._renew, name="ledger-lease", daemon=True)
             self._renewer.start()
-        return Holding(program=program, job_id=job_id[:256], holder=self.holder, host=self._host, pid=self._pid,
-                       service=service, nbytes=nbytes, what=what[:512], lease_until=self._clock() + self.lease_s)
+        return Holding(program=program, job_id=job_id[:256], part=part[:64], holder=self.holder, host=self._host,
+                       pid=self._pid, service=service, nbytes=nbytes, what=what[:512],
+                       lease_until=self._clock() + self.lease_s)
 
     def _relieve(self, need: int, program: str, job_id: str, what: str) -> int:
         """Ask the pressure hooks to free ``need`` bytes for ``what``; returns the bytes they freed."""
