@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.bench.transport import KB, MB, TransportReport, run_transport_bench
@@ -20,6 +21,7 @@ from edgeswarm.runtime.client import ClusterWatcher, client_bus, online_device_i
 
 if TYPE_CHECKING:
     from edgeswarm.bench.collectives import CollectiveRow, CollectivesReport
+    from edgeswarm.bench.peers import PeersReport
 
 QUICK_PLAN = {KB: 500, 64 * KB: 100, MB: 20, 16 * MB: 2}
 
@@ -205,4 +207,62 @@ def collectives_table(rows: list[CollectiveRow], how: str) -> Table:
         table.add_row(row.op, str(row.peers), human_size(row.size_bytes), str(row.messages), f"{row.bus_s * 1e3:.2f}",
                       f"{row.paho_s * 1e3:.2f}", f"{row.over_paho:.2f}", f"{row.link_s * 1e3:.3f}",
                       f"{row.over_link:.1f}", f"{row.messages_per_s:.0f}")
+    return table
+
+
+def run_bench_peers(args: argparse.Namespace) -> int:
+    """``edgeswarm bench peers``: every installed kind beside the tool its users would pick instead, on clusters in
+    network namespaces (``edgeswarm.bench.peers``): one table, and the report as JSON with --json."""
+    from edgeswarm.bench.peers import run_peers_bench
+    from edgeswarm.cli.kind_commands import command_tools
+    from edgeswarm.workloads.peers import PeersConfig
+
+    try:
+        config = PeersConfig(quick=args.quick, requests=args.requests,
+                             bandwidths=[float(b) for b in args.bandwidths.split(",") if b.strip()],
+                             devices=[int(d) for d in args.devices.split(",") if d.strip()])
+    except ValueError as exc:
+        raise ConfigError(f"--bandwidths, --devices, --requests: {exc}") from None
+    if any(d < 2 or d > 4 for d in config.devices):
+        raise ConfigError("--devices: each count is 2 to 4")
+    names = [n.strip() for n in args.sections.split(",") if n.strip()]
+
+    def save(report: PeersReport) -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(peers_json(report))
+
+    report = run_peers_bench(config, names, command_tools(args), save)
+    console.print(peers_table(report))
+    for problem in report.problems:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(problem)}", soft_wrap=True)
+    return 1 if any(r.checked is False for r in report.rows) else 0
+
+
+def peers_json(report: PeersReport) -> str:
+    """The report as JSON, each row with its ``advantage`` (how many times better ours is)."""
+    import json
+
+    out = report.model_dump(mode="json")
+    out["rows"] = [r.model_dump(mode="json") | {"advantage": r.advantage} for r in report.rows]
+    return json.dumps(out, indent=1)
+
+
+def peers_table(report: PeersReport) -> Table:
+    """One row per figure: the cell, both sides' figures, how far ours is ahead, the cross-check."""
+    table = Table(title="edgeswarm beside its peers (one run per cell; ahead: how many times better ours is)")
+    for col in ("section", "cell", "metric", "ours", "peer", "ahead", "check"):
+        table.add_column(col, overflow="fold")
+
+    def value(v: float | None, unit: str) -> str:
+        if v is None:
+            return "-"
+        return f"{v * 1000:.1f} ms" if unit == "s" else f"{v:.1f} {unit}"
+
+    for r in report.rows:
+        ahead = f"{r.advantage:.2f}x" if r.advantage is not None else "-"
+        check = "held" if r.checked else ("FAILED" if r.checked is False else "-")
+        table.add_row(r.section, escape(r.cell), r.metric, f"{escape(r.ours)}: {value(r.ours_value, r.unit)}",
+                      f"{escape(r.peer)}: {value(r.peer_value, r.unit)}", ahead,
+                      check + (f" ({escape(r.error)})" if r.error else ""))
     return table

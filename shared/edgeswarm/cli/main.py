@@ -97,6 +97,17 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
+    peers = bench_sub.add_parser("peers", help="each kind beside the tool its users would pick instead (torch tensor "
+                                 "parallelism, ...) and the bus beside raw TCP, on the same namespace clusters (root)")
+    peers.add_argument("--sections", default="", help="comma-separated sections (default: every installed one; "
+                       "tp: Galaxy against torch TP, transport: MQTT against raw TCP)")
+    peers.add_argument("--quick", action="store_true", help="the smallest sizes, one cell a section: the cross-checks "
+                       "and that every row has figures, in a few minutes")
+    peers.add_argument("--bandwidths", default="125,1000", help="comma-separated link bandwidths, Mbps")
+    peers.add_argument("--devices", default="2,3,4", help="comma-separated device counts, each 2 to 4")
+    peers.add_argument("--requests", type=int, default=3, help="measured repetitions of each figure")
+    peers.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+
     if argv[:1] == ["bench"]:
         from edgeswarm.cli.kind_commands import add_kind_commands
 
@@ -172,7 +183,8 @@ _RUNNERS = {"up": "up:run_up", "status": "status:run_status", "topics": "status:
             "explain": "trace:run_explain",
             "serve": "serve:run_serve", "infer": "serve:run_infer", "jobs": "train:run_jobs",
             "cancel": "train:run_cancel", "profile": "profile:run_profile"}
-_BENCHES = {"spans": "bench:run_bench_spans", "collectives": "bench:run_bench_collectives"}
+_BENCHES = {"spans": "bench:run_bench_spans", "collectives": "bench:run_bench_collectives",
+            "peers": "bench:run_bench_peers"}
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -89,6 +89,7 @@ class HmpRun(BaseModel):
     ttft_s: float | None = None
     tpot_s: float | None = None
     requests: int = 0
+    answers: list[list[int]] = []  # the tokens each measured request generated
     error: str | None = None
 
     @property
@@ -227,6 +228,7 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         row = row.model_copy(update={
             "refitted_s": progress.refitted_latency_s if progress is not None else None,
             "requests": len(measured), "latencies_s": [r.latency_s for r in measured],
+            "answers": [r.tokens for r in measured],
             "latency_s": _median([r.latency_s for r in measured]),
             "compute_ms": _median([s.compute_ms for s in splits]), "sync_ms": _median([s.sync_ms for s in splits]),
             "waiting_ms": _median([s.waiting_ms for s in splits]),

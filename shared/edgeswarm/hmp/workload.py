@@ -34,6 +34,7 @@ class HmpWorkload(ServingWorkload):
     plan_type = HmpPlan
     planner = "edgeswarm.hmp.planner:PLANNER"
     benches = ("edgeswarm.hmp.bench:HmpBench", "edgeswarm.hmp.bench:LlmBench")
+    peers = ("edgeswarm.hmp.peers:TensorParallelPeers",)
     plan_cli = "edgeswarm.hmp.cli:run_plan"
     plan_arguments = "edgeswarm.hmp.cli:add_plan_arguments"
     plan_profiles_zoo = False

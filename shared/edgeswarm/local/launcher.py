@@ -267,6 +267,21 @@ class LocalCluster:
         self._spawn(node, service, old.env)
         return self.children[-1]
 
+    def address(self, node: str) -> str:
+        """``node``'s address: every node of a local cluster is this host."""
+        return "127.0.0.1"
+
+    def interface(self, node: str) -> str:
+        """The network interface ``node``'s processes reach the others through: loopback."""
+        return "lo"
+
+    def spawn(self, node: str, argv: list[str], *, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as a process of ``node`` (on this host; its links are not shaped: only the bus shapes a
+        local cluster's), its output to ``log_path``; the caller stops it."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
     def failed_children(self) -> list[ChildProcess]:
         """Children that have exited."""
         return [c for c in self.children if not c.alive()]

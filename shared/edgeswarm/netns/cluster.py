@@ -275,6 +275,22 @@ class NetnsCluster:
         log.debug("started %s on %s (pid %d) in %s", service, node.node, child.pid, node.netns)
         return child
 
+    def address(self, node: str) -> str:
+        """``node``'s address on the cluster's network."""
+        return self.node(node).address
+
+    def interface(self, node: str) -> str:
+        """The network interface ``node``'s processes reach the others through (inside its namespace)."""
+        return "eth0"
+
+    def spawn(self, node: str, argv: list[str], *, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in ``node``'s namespace (its traffic crosses the node's shaped link), its output to
+        ``log_path``; the caller stops it."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(["ip", "netns", "exec", self.node(node).netns, *argv], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
     def restart(self, node: str, service: str) -> ChildProcess:
         """Start ``service`` on ``node`` again after it died or was killed. Raises ConfigError when the cluster
         never ran it, or it still runs."""

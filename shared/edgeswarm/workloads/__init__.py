@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from functools import lru_cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -28,6 +28,14 @@ from edgeswarm.plugins import WORKLOAD_GROUP, discovered, load_target
 if TYPE_CHECKING:
     from edgeswarm.workloads.base import Workload
     from edgeswarm.workloads.commands import Command
+    from edgeswarm.workloads.peers import PeerSection
+
+
+class _Named(Protocol):
+    name: str
+
+
+E = TypeVar("E", bound=_Named)
 
 # Job kind -> "module:class" of its workload, imported only when a job of that kind is parsed or run. Kinds are
 # named for their algorithm.
@@ -128,7 +136,20 @@ def kind_commands(which: Literal["commands", "benches"], taken: Collection[str] 
     from edgeswarm.workloads.commands import Bench, Command
 
     base = Bench if which == "benches" else Command
-    found: list[Command] = []
+    what = "a benchmark" if which == "benches" else "a command"
+    return _kind_entries(which, base, what, taken)
+
+
+def kind_peers(taken: Collection[str] = ()) -> tuple[list[PeerSection], list[str]]:
+    """Every installed kind's sections of ``edgeswarm bench peers`` (``Workload.peers``), in registry order, and one
+    line for each that cannot be offered (as ``kind_commands``)."""
+    from edgeswarm.workloads.peers import PeerSection
+
+    return _kind_entries("peers", PeerSection, "a peer section", taken)
+
+
+def _kind_entries(which: str, base: type[E], what_kind: str, taken: Collection[str]) -> tuple[list[E], list[str]]:
+    found: list[E] = []
     problems: list[str] = []
     names = set(taken)
     for kind in kinds():
@@ -137,25 +158,24 @@ def kind_commands(which: Literal["commands", "benches"], taken: Collection[str] 
         except ConfigError as exc:
             problems.append(str(exc))
             continue
-        what = f"a {'benchmark' if which == 'benches' else 'command'} of job kind {kind!r}"
+        what = f"{what_kind} of job kind {kind!r}"
         for target in targets:
             try:
                 cls = load_target(target, what)
                 if not (isinstance(cls, type) and issubclass(cls, base)):
                     raise ConfigError(f"{what}, {target!r}, is not a {base.__name__} subclass")
-                command = cls()
+                entry = cls()
             except ConfigError as exc:
                 problems.append(str(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - a plug-in's class that cannot be made is the plug-in's
                 problems.append(f"{what}, {target!r}, cannot be made: {type(exc).__name__}: {exc}")
                 continue
-            if command.name in names:
-                problems.append(f"job kind {kind!r} names {what.split(' of ')[0]} {command.name!r}, a name already "
-                                "taken")
+            if entry.name in names:
+                problems.append(f"job kind {kind!r} names {what_kind} {entry.name!r}, a name already taken")
                 continue
-            names.add(command.name)
-            found.append(command)
+            names.add(entry.name)
+            found.append(entry)
     return found, problems
 
 

@@ -102,6 +102,9 @@ class Workload(ABC):
     # each ``edgeswarm bench NAME`` (of a ``workloads.commands.Bench``); imported only by the command line.
     commands: ClassVar[tuple[str, ...]] = ()
     benches: ClassVar[tuple[str, ...]] = ()
+    # Its sections of ``edgeswarm bench peers`` ("module:Class" of a ``workloads.peers.PeerSection``): the kind beside
+    # a tool its users would pick instead; imported only by the command line.
+    peers: ClassVar[tuple[str, ...]] = ()
     # False: ``plan_cli`` reads its own profiles and gets cluster None (no zoo model is profiled first).
     plan_profiles_zoo: ClassVar[bool] = True
     command: ClassVar[Literal["train", "serve"]] = "train"

@@ -10,6 +10,7 @@ machine. So a kind's commands never import the command line or the launchers abo
 from __future__ import annotations
 
 import argparse
+import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -37,6 +38,19 @@ class BenchCluster(Protocol):
 
     def power_cut(self, node: str) -> None:
         """SIGKILL every process of ``node``, as a power cut would."""
+        ...
+
+    def address(self, node: str) -> str:
+        """``node``'s address on the cluster's network."""
+        ...
+
+    def interface(self, node: str) -> str:
+        """The network interface ``node``'s processes reach the other nodes through."""
+        ...
+
+    def spawn(self, node: str, argv: list[str], *, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as a process of ``node`` (in its namespace, across its shaped link, on a namespace
+        cluster), its output to ``log_path``; the caller stops it."""
         ...
 
 

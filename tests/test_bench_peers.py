@@ -1,0 +1,97 @@
+"""``edgeswarm bench peers``: our kinds beside the tools their users would pick instead.
+
+First the torch tensor-parallel peer alone (``hmp.peer_tp``, two ranks over gloo on loopback): its plain module
+equals the single-device forward, split by torch it still does (within 1e-5), its greedy tokens are the single
+device's, and a model whose KV heads do not divide over the ranks is refused with the reason, as torch's even split
+must. Then, where namespaces can run (root), the command as a user runs it with ``--quick``: every section's rows
+have figures on both sides and every cross-check holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgeswarm.hmp.peer_model import PlainDecoder
+from edgeswarm.hmp.peer_tp import PeerResult
+from edgeswarm.local.broker import free_port
+from edgeswarm.models.text import reference
+from edgeswarm.values.text_model import PRESETS
+from helpers import netns_unavailable
+
+PROMPT = [5, 17, 250, 3, 99, 64, 1, 400]
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "qwen3-tiny"])
+def test_the_plain_module_is_the_single_device_forward(preset: str) -> None:
+    cfg = PRESETS[preset]
+    w = reference.init_weights(cfg, 0)
+    model = PlainDecoder(cfg, w)
+    with torch.inference_mode():
+        caches = model.new_caches()
+        hidden = model(torch.tensor(PROMPT), caches)
+        torch.testing.assert_close(hidden, reference.forward(cfg, w, torch.tensor(PROMPT)), rtol=0, atol=0)
+        step = model(torch.tensor([7]), caches)  # from the KV cache
+        whole = reference.forward(cfg, w, torch.tensor([*PROMPT, 7]))[-1:]
+        torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
+
+
+def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tuple[list[int], PeerResult]:
+    out = tmp_path / "result.json"
+    master = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm.hmp.peer_tp", "--rank", str(r), "--world",
+                               str(world), "--master", master, "--preset", preset, "--prompt",
+                               ",".join(map(str, PROMPT)), "--new-tokens", "4", "--repeats", "1", "--device-class",
+                               cls, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in range(world)]
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return codes, PeerResult.model_validate_json(out.read_text())
+
+
+def test_the_torch_tensor_parallel_peer_equals_one_device_and_says_when_torch_cannot_split(tmp_path: Path) -> None:
+    codes, result = _ranks(tmp_path, 2, "llama-tiny", "jetson-nano-l")
+    assert codes == [0, 0], result.error
+    assert result.max_difference is not None and result.scale is not None
+    assert result.max_difference <= 1e-5 * max(1.0, result.scale), result
+    cfg = PRESETS["llama-tiny"]
+    assert result.tokens == result.reference_tokens == reference.generate(cfg, reference.init_weights(cfg, 0),
+                                                                          PROMPT, 4)
+    assert result.ttft_s is not None and result.tpot_s is not None and result.ttft_s > 0 < result.tpot_s
+    # llama-tiny has 2 KV heads: torch cannot split them evenly over 3 ranks, and the peer says so.
+    codes, refused = _ranks(tmp_path, 3, "llama-tiny")
+    assert codes[0] == 1 and refused.ttft_s is None
+    assert "2 KV heads" in refused.error and "do not divide over 3 devices" in refused.error, refused.error
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
+def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    done = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--quick", "--requests", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not report["problems"], report["problems"]
+    sections = {r["section"] for r in report["rows"]}
+    assert {"tp", "transport"} <= sections, sections
+    for row in report["rows"]:
+        assert row["ours_value"] and row["peer_value"] and not row["error"], row
+        assert row["checked"] is True and row["advantage"] > 0, row
+    tp = [r for r in report["rows"] if r["section"] == "tp"]
+    assert {r["metric"] for r in tp} == {"time to first token", "time per output token"}
+    assert "tokens equal" in tp[0]["check"], tp[0]["check"]
+    assert "time to first token" in done.stdout and "torch TP" in done.stdout, done.stdout
