@@ -1,10 +1,11 @@
 """``edgeswarm bench peers``: our kinds beside the tools their users would pick instead.
 
-First the torch tensor-parallel peer alone (``hmp.peer_tp``, two ranks over gloo on loopback): its plain module
-equals the single-device forward, split by torch it still does (within 1e-5), its greedy tokens are the single
+First the peers alone, over gloo on loopback: torch's tensor parallelism (``hmp.peer_tp``, two ranks): its plain
+module equals the single-device forward, split by torch it still does (within 1e-5), its greedy tokens are the single
 device's, and a model whose KV heads do not divide over the ranks is refused with the reason, as torch's even split
-must. Then, where namespaces can run (root), the command as a user runs it with ``--quick``: every section's rows
-have figures on both sides and every cross-check holds."""
+must; torch's pipelining (``hpp.peer_pipeline``, three stages at our cut points): its first round's gradients are the
+single device's. Then, where namespaces can run (root), the command as a user runs it with ``--quick``: every
+section's rows have figures on both sides and every cross-check holds."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_the_plain_module_is_the_single_device_forward(preset: str) -> None:
         caches = model.new_caches()
         hidden = model(torch.tensor(PROMPT), caches)
         torch.testing.assert_close(hidden, reference.forward(cfg, w, torch.tensor(PROMPT)), rtol=0, atol=0)
+        torch.testing.assert_close(model.logits(hidden), reference.logits(w, hidden), rtol=0, atol=0)
         step = model(torch.tensor([7]), caches)  # from the KV cache
         whole = reference.forward(cfg, w, torch.tensor([*PROMPT, 7]))[-1:]
         torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
@@ -76,6 +78,37 @@ def test_the_torch_tensor_parallel_peer_equals_one_device_and_says_when_torch_ca
     assert "2 KV heads" in refused.error and "do not divide over 3 devices" in refused.error, refused.error
 
 
+def test_the_torch_pipeline_peers_first_round_has_the_single_devices_gradients(tmp_path: Path) -> None:
+    """Three stages of LeNet-5 at our cut points, GPipe over four micro-batches: every stage's gradients after the
+    first round equal the whole model's on one device over the same micro-batches; the rounds are timed."""
+    from edgeswarm.hpp.peer_pipeline import PipelineResult
+    from edgeswarm.models.zoo import unit_count
+    from edgeswarm.values.profiles import ModelSpec
+
+    model = ModelSpec(name="lenet5", config={})
+    units = unit_count(model)
+    out = tmp_path / "pipeline.json"
+    master = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm.hpp.peer_pipeline", "--rank", str(r), "--world", "3",
+                               "--master", master, "--model", model.model_dump_json(), "--data",
+                               '{"kind": "teacher", "size": 64, "test_size": 16}', "--bounds",
+                               f"0,3,7,{units}", "--global-batch", "16", "--micro-batches", "4", "--rounds", "2",
+                               "--device-class", "jetson-nano" if r == 1 else "native", "--out", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(3)]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    result = PipelineResult.model_validate_json(out.read_text())
+    assert codes == [0, 0, 0], result.error
+    assert result.max_difference is not None and result.scale is not None and result.scale > 0
+    assert result.max_difference <= 1e-5 * max(1.0, result.scale), result
+    assert len(result.round_s) == 2 and result.samples_per_s is not None and result.samples_per_s > 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds(tmp_path: Path) -> None:
@@ -87,7 +120,7 @@ def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds
     report = json.loads(out.read_text())
     assert not report["problems"], report["problems"]
     sections = {r["section"] for r in report["rows"]}
-    assert {"tp", "transport"} <= sections, sections
+    assert {"tp", "pipeline", "transport"} <= sections, sections
     for row in report["rows"]:
         assert row["ours_value"] and row["peer_value"] and not row["error"], row
         assert row["checked"] is True and row["advantage"] > 0, row

@@ -4,10 +4,11 @@ tensor parallelism (``torch.distributed.tensor.parallel``), as a user would writ
 ``PlainDecoder`` holds a model's weights (``models.text``'s layout) in ``nn.Linear`` modules and computes exactly
 ``models.text.reference``'s forward (its attention, norms and positions are the same functions). ``tensor_parallel``
 applies Megatron's plan to it as torchtitan does, a function over the plain model: the q, k, v, gate and up
-projections column-wise, o and down row-wise (an AllReduce after each), every split even, as torch splits them.
-``emulate`` makes each rank compute as an emulated device class: every piece of its own arithmetic (each linear
-layer's local product, attention, the norms) stretched by the class's slow-down as a tensor-shard-worker's phases
-are (``DeviceProfile.run``), the collectives between them not.
+projections column-wise, o and down row-wise (an AllReduce after each), every split even, as torch splits them; the
+head column-wise too (each rank a slice of the vocabulary, the logits gathered whole on every rank). ``emulate``
+makes each rank compute as an emulated device class: every piece of its own arithmetic (each linear layer's local
+product, the head's, attention, the norms) stretched by the class's slow-down as a tensor-shard-worker's phases are
+(``DeviceProfile.run``), the collectives between them not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.models.text.ops import HeadCache, Weights, activation, attention, embed, linear, norm
+from edgeswarm.models.text.ops import HeadCache, Weights, activation, attention, embed, norm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +41,15 @@ def _run(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` [out, in] and ``bias`` (not copied)."""
+    m = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    m.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        m.bias = nn.Parameter(bias, requires_grad=False)
+    return m
+
+
 class PlainLayer(nn.Module):
     """Layer ``i`` of ``cfg`` with ``w``'s weights: its projections as ``nn.Linear`` modules (torch's tensor
     parallelism splits those), its norms' weights as they are."""
@@ -51,15 +61,7 @@ class PlainLayer(nn.Module):
         self.compute: Callable[[Callable[[], Any]], Any] = _run
         for name in LINEARS:
             weight = w.get(f"{self.prefix}{name}.weight")
-            if weight is None:
-                setattr(self, name, None)
-                continue
-            bias = w.get(f"{self.prefix}{name}.bias")
-            m = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-            m.weight = nn.Parameter(weight, requires_grad=False)
-            if bias is not None:
-                m.bias = nn.Parameter(bias, requires_grad=False)
-            setattr(self, name, m)
+            setattr(self, name, None if weight is None else _linear(weight, w.get(f"{self.prefix}{name}.bias")))
 
     def forward(self, x: torch.Tensor, start: int, cache: HeadCache) -> torch.Tensor:
         cfg, p, w, run = self.cfg, self.prefix, self.small, self.compute
@@ -82,13 +84,14 @@ class PlainLayer(nn.Module):
 
 class PlainDecoder(nn.Module):
     """``cfg``'s whole model with ``w``'s weights; ``forward`` continues ``caches`` (one ``HeadCache`` a layer) with
-    ``tokens`` [s] and returns the final hidden states [s, hidden]; ``logits`` the next-token logits of a row."""
+    ``tokens`` [s] and returns the final hidden states [s, hidden]; ``logits`` the next-token logits of rows."""
 
     def __init__(self, cfg: TextModelConfig, w: Weights) -> None:
         super().__init__()
         self.cfg = cfg
-        self.outer = {n: t for n, t in w.items() if not n.startswith("layers.")}
+        self.outer = {n: t for n, t in w.items() if not n.startswith("layers.") and n != "lm_head.weight"}
         self.layers = nn.ModuleList(PlainLayer(cfg, w, i) for i in range(cfg.layers))
+        self.head = _linear(w["lm_head.weight"], None) if "lm_head.weight" in w else None
         self.compute: Callable[[Callable[[], Any]], Any] = _run
 
     def new_caches(self) -> list[HeadCache]:
@@ -102,14 +105,18 @@ class PlainDecoder(nn.Module):
             x = layer(x, start, cache)
         return run(lambda: norm(cfg, x, w, "final_norm")) if cfg.pre_ln else x
 
-    def logits(self, row: torch.Tensor) -> torch.Tensor:
-        return self.compute(lambda: linear(row, self.outer["lm_head.weight"]))
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            raise ValueError(f"a {self.cfg.family} encoder has no head")
+        return self.head(rows)
 
 
 def tensor_parallel(model: PlainDecoder, mesh: DeviceMesh) -> None:
     """Split every layer of ``model`` over ``mesh`` (1-D) as torch's tensor parallelism does: column-wise q, k, v,
-    gate and up, row-wise o and down, even shares. The embeddings, norms and head stay whole on every rank. Raises
-    UnevenSplitError when the heads, KV heads or MLP columns do not divide by the mesh's size."""
+    gate and up, row-wise o and down, even shares; the head column-wise, its logits gathered whole on every rank.
+    The embeddings and norms stay whole on every rank. Raises UnevenSplitError when the heads, KV heads or MLP
+    columns do not divide by the mesh's size."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     n, cfg = mesh.size(), model.cfg
@@ -122,6 +129,8 @@ def tensor_parallel(model: PlainDecoder, mesh: DeviceMesh) -> None:
         plan = {name: ColwiseParallel() if name in _COLUMNWISE else RowwiseParallel()
                 for name in LINEARS if getattr(layer, name) is not None}
         parallelize_module(layer, mesh, plan)  # type: ignore[arg-type]
+    if model.head is not None:
+        parallelize_module(model.head, mesh, ColwiseParallel(output_layouts=Replicate()))
 
 
 def emulate(model: PlainDecoder, device: DeviceProfile) -> None:
@@ -129,15 +138,16 @@ def emulate(model: PlainDecoder, device: DeviceProfile) -> None:
     torch's input redistribution and before its output's, and the attention, norms, embeddings and head) stretched
     by the device's slow-down (``DeviceProfile.run``); the collectives between them are not."""
     model.compute = device.run
+    linears = [model.head]
     for layer in model.layers:
         assert isinstance(layer, PlainLayer)
         layer.compute = device.run
-        for name in LINEARS:
-            m = getattr(layer, name)
-            if m is not None:
-                # Called between the hooks torch's parallel style put on the module (they redistribute its input and
-                # output): the local product alone.
-                m.forward = partial(_timed, device, m.forward)
+        linears += [getattr(layer, name) for name in LINEARS]
+    for m in linears:
+        if m is not None:
+            # Called between the hooks torch's parallel style put on the module (they redistribute its input and
+            # output): the local product alone.
+            m.forward = partial(_timed, device, m.forward)
 
 
 def _timed(device: DeviceProfile, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

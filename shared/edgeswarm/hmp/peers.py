@@ -14,20 +14,13 @@ our messages) is measured too, beside: what the planner gains and what the runti
 
 from __future__ import annotations
 
-import random
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults
-from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import EdgeswarmError
-from edgeswarm.workloads.peers import Figure, PeerRow, PeersConfig, PeerSection
+from edgeswarm.workloads.peers import Figure, PeerRow, PeersConfig, PeerSection, run_ranks
 
 if TYPE_CHECKING:
     from edgeswarm.hmp.bench_hmp import HmpRun
@@ -36,10 +29,10 @@ if TYPE_CHECKING:
 
 MIXED = ("jetson-nano-l", "jetson-nano-s", "jetson-nano-m", "jetson-nano-m")
 SAME = "jetson-nano-m"
+NANO_GB = 4.0  # a Jetson Nano's memory: a Llama-3.2-1B-shaped model's embeddings alone take 1 GB in float32
 TOLERANCE = 1e-5  # the peer's hidden states against the single device's, over their largest value
 PEER = "torch TP (gloo)"
 PEER_WAIT_S = 900.0
-FAILED_GRACE_S = 5.0  # after one rank failed, how long the others get to finish
 
 
 class TensorParallelPeers(PeerSection):
@@ -65,7 +58,8 @@ class TensorParallelPeers(PeerSection):
         classes = [SAME] * devices if kind == "same" else list(MIXED[:devices])
         spec = ClusterSpec(name=f"peers-tp-{devices}-{kind}-{bandwidth:g}mbps",
                            description=f"{devices} devices ({', '.join(classes)}) at {bandwidth:g} Mbps",
-                           devices=tuple(DeviceEntry(id=f"d{i}", device_class=c) for i, c in enumerate(classes)),
+                           devices=tuple(DeviceEntry(id=f"d{i}", device_class=c, memory_budget_gb=NANO_GB)
+                                         for i, c in enumerate(classes)),
                            network=NetworkDefaults(bandwidth_mbps=bandwidth, latency_ms=0.5))
         cell = (f"{devices} x {'Nano-M' if kind == 'same' else 'mixed ' + '/'.join(c[-1].upper() for c in classes)}"
                 f", {bandwidth:g} Mbps")
@@ -80,6 +74,9 @@ class TensorParallelPeers(PeerSection):
                 ours = serve_and_measure(bus, mode="galaxy", **measure)  # type: ignore[arg-type]
                 if not config.quick:
                     megatron = serve_and_measure(bus, mode="megatron", **measure)  # type: ignore[arg-type]
+                for run in (ours, megatron):
+                    if run is not None and run.error:
+                        tools.log(f"tp: {cell}: {run.mode}: {run.error}")
                 tools.log(f"tp: {cell}: {PEER}")
                 peer = run_peer(running, [d.id for d in spec.devices], classes, model=model, layers=layers,
                                 prompt=prompt, new_tokens=new_tokens, repeats=config.requests)
@@ -92,56 +89,16 @@ class TensorParallelPeers(PeerSection):
 def run_peer(running: BenchCluster, nodes: list[str], classes: list[str], *, model: str, layers: int,
              prompt: list[int], new_tokens: int, repeats: int) -> PeerResult:
     """One ``hmp.peer_tp`` process per node of ``nodes`` (as ``classes``), each in its node's namespace, rank 0 on
-    the first; rank 0's result. Every process is stopped by its PID before this returns. Raises EdgeswarmError when
-    a rank fails or they do not finish within PEER_WAIT_S."""
+    the first; rank 0's result (``workloads.peers.run_ranks``)."""
     from edgeswarm.hmp.peer_tp import PeerResult
 
-    port = random.randint(20000, 29999)  # a namespace of its own: nothing else listens there but its broker
-    master = f"{running.address(nodes[0])}:{port}"
-    with tempfile.TemporaryDirectory(prefix="edgeswarm-peer-tp-") as folder:
-        out = Path(folder) / "result.json"
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            for rank, (node, cls) in enumerate(zip(nodes, classes, strict=True)):
-                argv = [sys.executable, "-m", "edgeswarm.hmp.peer_tp", "--rank", str(rank), "--world",
-                        str(len(nodes)), "--master", master, "--preset", model, "--layers", str(layers),
-                        "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens), "--repeats",
-                        str(repeats), "--device-class", cls, "--out", str(out)]
-                # gloo finds the address it tells its peers from the host name, which a namespace resolves to
-                # loopback: it is told the interface that reaches them.
-                env = {**sharing_cores(_plain_env()), "GLOO_SOCKET_IFNAME": running.interface(node)}
-                procs.append(running.spawn(node, argv, env=env, log_path=Path(folder) / f"rank{rank}.log"))
-            deadline = time.monotonic() + PEER_WAIT_S
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    # a rank failed (rank 0 says why when it can: an even split that does not divide); the others
-                    # wait for it until gloo's timeout
-                    deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
-                time.sleep(0.2)
-            if out.exists():
-                try:
-                    return PeerResult.model_validate_json(out.read_text())
-                except ValidationError as exc:
-                    raise EdgeswarmError(f"{PEER}: rank 0 wrote an unreadable result: {exc}") from None
-            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-            said = ""
-            if failed is not None:
-                said = (Path(folder) / f"rank{failed}.log").read_text(errors="replace")[-1500:]
-            raise EdgeswarmError(f"{PEER} on {', '.join(nodes)}: "
-                                 + (f"rank {failed} failed: {said}" if failed is not None
-                                    else f"no result within {PEER_WAIT_S:.0f} s"))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(timeout=30)
+    def argv(rank: int, master: str, out: Path) -> list[str]:
+        return [sys.executable, "-m", "edgeswarm.hmp.peer_tp", "--rank", str(rank), "--world", str(len(nodes)),
+                "--master", master, "--preset", model, "--layers", str(layers), "--prompt", ",".join(map(str, prompt)),
+                "--new-tokens", str(new_tokens), "--repeats", str(repeats), "--device-class", classes[rank],
+                "--out", str(out)]
 
-
-def _plain_env() -> dict[str, str]:
-    """This process's environment without the cluster's settings: the peer is not a node of it."""
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("EDGESWARM_")}
+    return run_ranks(running, nodes, argv, PeerResult, name=PEER, wait_s=PEER_WAIT_S)
 
 
 def _rows(section: str, cell: str, ours: HmpRun, megatron: HmpRun | None, peer: PeerResult) -> list[PeerRow]:

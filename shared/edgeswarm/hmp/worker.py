@@ -175,6 +175,11 @@ class ShardProgram(JobTable[_Job]):
             self.refuse(msg, body.job_id, "not_assigned", f"this worker holds no shard of hmp job {body.job_id} at "
                                                           f"epoch {body.epoch}")
             return
+        foreign = stranger(msg, job.spec.coordinator, f"an admission to hmp job {body.job_id}")
+        if foreign is not None:  # only the job's coordinator may take the node's memory for its requests
+            count_stranger(self.ctx.metrics)
+            self.refuse(msg, body.job_id, "bad_request", foreign)
+            return
         spec, refused = job.spec, []
         for r in body.requests:
             if r.request not in job.admitted and len(job.admitted) >= MAX_CACHES:

@@ -67,7 +67,7 @@ class StrategyRun(BaseModel):
         return self.measured_round_s / self.predicted_round_s
 
 
-class _Collect(JobObserver):
+class Collect(JobObserver):
     def __init__(self) -> None:
         self.plan: Plan | None = None
         self.comparison: Comparison | None = None
@@ -137,7 +137,7 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
             for strategy in strategies:
                 job = bench_job(env, strategy, model, global_batch=global_batch, micro_batches=micro_batches,
                                 rounds=rounds)
-                seen = _Collect()
+                seen = Collect()
                 log(f"env {env}: {strategy}, {rounds} rounds")
                 try:
                     # Every strategy planned on the profiles alone; the loop's refitted prediction is reported beside.

@@ -128,6 +128,7 @@ class TrainWorkload(Workload):
     commands = ("edgeswarm.hpp.cli:ExportCommand",)
     benches = ("edgeswarm.hpp.bench:TrainingBench", "edgeswarm.hpp.bench:RecoveryBench",
                "edgeswarm.hpp.bench:PlannerBench", "edgeswarm.hpp.bench:ComputeBench")
+    peers = ("edgeswarm.hpp.peers:PipelinePeers",)
     command = "train"
     exclusive = True
     example = ("name: {name}\nmodel: {name: mlp, config: {image_size: 4, hidden: 32, layers: 2}}\n"

@@ -11,13 +11,26 @@ that makes the comparison fair (the same outputs, the same math) with whether it
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import tempfile
+import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Literal
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edgeswarm.devices.compute import sharing_cores
+from edgeswarm.errors import EdgeswarmError
 
 if TYPE_CHECKING:
-    from edgeswarm.workloads.commands import CommandTools
+    from edgeswarm.workloads.commands import BenchCluster, CommandTools
+
+R = TypeVar("R", bound=BaseModel)
+FAILED_GRACE_S = 5.0  # after one rank failed, how long the others get to finish
 
 
 class PeersConfig(BaseModel):
@@ -85,3 +98,46 @@ class PeerSection(ABC):
         """Measure every cell of ``config`` both ways (clusters from ``tools.cluster`` with ``netns=True``), logging
         progress with ``tools.log``. A cell one side cannot run is a row with its ``error``; raises EdgeswarmError
         only when nothing could be measured at all."""
+
+
+def run_ranks(running: BenchCluster, nodes: list[str], argv: Callable[[int, str, Path], list[str]], result: type[R],
+              *, name: str, wait_s: float) -> R:
+    """A peer's processes over torch.distributed: rank r on ``nodes[r]`` (in its namespace, across its shaped link)
+    running ``argv(r, master, out)``, where ``master`` is rank 0's address:port and ``out`` the file rank 0 writes
+    its ``result`` to (JSON); that result. Every process is stopped by its PID before this returns. Raises
+    EdgeswarmError naming ``name`` when a rank fails without rank 0's result or they do not finish within
+    ``wait_s`` seconds."""
+    port = random.randint(20000, 29999)  # a namespace of its own: nothing listens there but its broker
+    master = f"{running.address(nodes[0])}:{port}"
+    with tempfile.TemporaryDirectory(prefix="edgeswarm-peer-") as folder:
+        out = Path(folder) / "result.json"
+        base = sharing_cores({k: v for k, v in os.environ.items() if not k.startswith("EDGESWARM_")})
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank, node in enumerate(nodes):
+                # gloo finds the address it tells its peers from the host name, which a namespace resolves to
+                # loopback: it is told the interface that reaches them.
+                env = {**base, "GLOO_SOCKET_IFNAME": running.interface(node)}
+                procs.append(running.spawn(node, argv(rank, master, out), env=env,
+                                           log_path=Path(folder) / f"rank{rank}.log"))
+            deadline = time.monotonic() + wait_s
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    # a rank failed (rank 0 says why when it can); the others would wait for it until gloo's timeout
+                    deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
+                time.sleep(0.2)
+            if out.exists():
+                try:
+                    return result.model_validate_json(out.read_text())
+                except ValidationError as exc:
+                    raise EdgeswarmError(f"{name}: rank 0 wrote an unreadable result: {exc}") from None
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is None:
+                raise EdgeswarmError(f"{name} on {', '.join(nodes)}: no result within {wait_s:.0f} s")
+            said = (Path(folder) / f"rank{failed}.log").read_text(errors="replace")[-1500:]
+            raise EdgeswarmError(f"{name} on {', '.join(nodes)}: rank {failed} failed: {said}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=30)

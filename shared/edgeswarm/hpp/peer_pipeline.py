@@ -1,0 +1,233 @@
+"""One rank of the torch pipeline-training peer of ``bench peers`` (``python -m edgeswarm.hpp.peer_pipeline``): a
+stage per device, in the device's namespace, joined over gloo, computing as the device's class.
+
+Every rank builds the zoo model from its seed (``models.zoo.build_model``, as the stage-workers do) and keeps the
+units of its stage (``models.sequence``: the same cut points and stage boundaries as our plan), runs them with
+``torch.distributed.pipelining`` (a ``PipelineStage`` and GPipe's schedule over the round's micro-batches, mean
+cross-entropy) and steps SGD: a warm-up round, then ``rounds`` timed rounds on the data set's rounds of samples
+(``data.base.round_sample_ids``). Rank 0 times them from a barrier to a barrier and writes a ``PipelineResult``
+with the cross-check: after the first round's backward, each stage's gradients against the same model's on one
+device over the same micro-batches (the largest difference over all stages, and the largest gradient). An emulated
+device stretches its stage's forward and its backward by its class's slow-down (``DeviceProfile.run``'s rule: the
+calling thread's CPU time times the slow-down), not the sends and receives between stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from edgeswarm.devices.emulation import DeviceProfile
+
+
+class PipelineResult(BaseModel):
+    """What rank 0 measured: samples a second over the timed rounds, the rounds' seconds, and the cross-check."""
+
+    world: int
+    samples_per_s: float | None = None
+    round_s: list[float] = []
+    max_difference: float | None = None
+    scale: float | None = None
+    error: str = ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edgeswarm.hpp.peer_pipeline", description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, help="rank 0's address:port")
+    p.add_argument("--model", required=True, help="the zoo model's spec (JSON)")
+    p.add_argument("--data", required=True, help="the data set's spec (JSON)")
+    p.add_argument("--bounds", required=True, help="each stage's first unit, then the last stage's end: 0,5,12,20")
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--micro-batches", type=int, required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--device-class", default="native")
+    p.add_argument("--out", type=Path, required=True, help="where rank 0 writes its PipelineResult (JSON)")
+    args = p.parse_args(argv)
+    result = run_rank(args)
+    if args.rank == 0:
+        args.out.write_text(result.model_dump_json())
+    return 0 if not result.error else 1
+
+
+def run_rank(args: argparse.Namespace) -> PipelineResult:
+    """This rank's part of the run (see the module's docstring); rank 0's result."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from edgeswarm.data import open_dataset
+    from edgeswarm.data.base import round_sample_ids
+    from edgeswarm.devices.catalogue import device_class
+    from edgeswarm.devices.compute import use_device_threads
+    from edgeswarm.devices.emulation import DeviceProfile
+    from edgeswarm.models.sequence import layer_sequence
+    from edgeswarm.models.zoo import build_model
+    from edgeswarm.values.profiles import ModelSpec
+    from edgeswarm.values.specs import DatasetSpec
+
+    dc = device_class(args.device_class)
+    device = DeviceProfile(device_class=dc.name, emulated=dc.emulated, compute_slowdown=dc.compute_slowdown,
+                           memory_budget_bytes=dc.memory_budget_bytes)
+    use_device_threads(device)
+    spec = ModelSpec.model_validate_json(args.model)
+    data = DatasetSpec.model_validate_json(args.data)
+    bounds = [int(b) for b in args.bounds.split(",")]
+    if len(bounds) != args.world + 1 or args.world < 2:
+        return PipelineResult(world=args.world, error=f"{len(bounds) - 1} stages for {args.world} ranks: a pipeline "
+                                                      "has a stage a rank, two or more")
+    start, end = bounds[args.rank], bounds[args.rank + 1]
+    model = build_model(spec)
+    whole = copy.deepcopy(model)  # the single-device reference (the stage shares the model's modules)
+    stage_module = layer_sequence(model).build_stage(start, end)
+    first, last = args.rank == 0, args.rank == args.world - 1
+    dataset = open_dataset(data, spec)
+    micro = args.global_batch // args.micro_batches
+
+    def batch(round_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return dataset.batch(round_sample_ids(round_index, args.global_batch, dataset.train_size, data.seed))
+
+    x0, _y0 = batch(0)
+    with torch.no_grad():
+        sample = layer_sequence(copy.deepcopy(model)).build_stage(0, start)(x0[:micro]) if start else x0[:micro]
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=600))
+    try:
+        stage = PipelineStage(emulated(stage_module, device), args.rank, args.world, torch.device("cpu"),
+                              input_args=(sample,))
+        schedule = ScheduleGPipe(stage, args.micro_batches, loss_fn=_loss, scale_grads=True)
+        params = [p for p in stage_module.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=args.lr) if params else None
+        times, difference, scale = [], 0.0, 0.0
+        for r in range(args.rounds + 1):  # round 0: the warm-up, and the cross-check's
+            x, y = batch(r)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            began = time.perf_counter()
+            if first:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            if r == 0:  # untimed: the weights are still the seed's, as the reference's
+                difference, scale = _against_one_device(whole, stage_module, x, y, args.micro_batches)
+            if optimizer is not None:
+                optimizer.step()
+            dist.barrier()
+            if r:
+                times.append(time.perf_counter() - began)
+        found = torch.tensor([difference, scale])
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    finally:
+        dist.destroy_process_group()
+    return PipelineResult(world=args.world, samples_per_s=args.global_batch * len(times) / sum(times),
+                          round_s=times, max_difference=float(found[0]), scale=float(found[1]))
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def _against_one_device(whole: nn.Module, stage: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int
+                        ) -> tuple[float, float]:
+    """The largest difference between ``stage``'s gradients and ``whole``'s for the same parameters after the mean
+    cross-entropy of each of ``micro_batches`` micro-batches of (``x``, ``y``), averaged as GPipe's schedule does;
+    and the largest of those gradients."""
+    whole.zero_grad(set_to_none=True)
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+        (_loss(whole(xs), ys) / micro_batches).backward()
+    mine = dict(stage.named_parameters())
+    difference = scale = 0.0
+    for name, p in whole.named_parameters():
+        if name in mine and p.grad is not None and mine[name].grad is not None:
+            difference = max(difference, float((p.grad - mine[name].grad).abs().max()))
+            scale = max(scale, float(p.grad.abs().max()))
+    return difference, scale
+
+
+class _Clock:
+    """Where one micro-batch's backward through a stage began: wall and thread CPU seconds."""
+
+    wall = 0.0
+    cpu = 0.0
+
+
+def _functions() -> tuple[Any, Any]:
+    """The two autograd functions that bracket a stage's backward (made when torch is imported)."""
+    import torch
+
+    class Leave(torch.autograd.Function):
+        """At the stage's output: its backward starts the clock."""
+
+        @staticmethod
+        def forward(ctx: Any, y: torch.Tensor, clock: _Clock) -> torch.Tensor:
+            ctx.clock = clock
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            ctx.clock.wall, ctx.clock.cpu = time.perf_counter(), time.thread_time()
+            return grad, None
+
+    class Enter(torch.autograd.Function):
+        """At the stage's input: its backward, the stage's last, sleeps out the slow-down."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, clock: _Clock, device: DeviceProfile) -> torch.Tensor:
+            ctx.clock, ctx.device = clock, device
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            c, slowdown = ctx.clock, ctx.device.compute_slowdown
+            left = (time.thread_time() - c.cpu) * slowdown - (time.perf_counter() - c.wall)
+            if slowdown > 1.0 and left > 0:
+                time.sleep(left)
+            return grad, None, None
+
+    return Leave, Enter
+
+
+def emulated(stage: nn.Module, device: DeviceProfile) -> nn.Module:
+    """``stage`` computing as ``device``: its forward through ``DeviceProfile.run``, its backward stretched the
+    same way between the two bracketing functions (the backward of a CPU graph runs on the calling thread)."""
+    from torch import nn
+
+    leave, enter = _functions()
+
+    class _Emulated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            clock = _Clock()
+            if not x.requires_grad:  # the first stage's input: bracketed all the same
+                x = x.detach().requires_grad_(True)
+            x = enter.apply(x, clock, device)
+            y = device.run(lambda: self.stage(x))
+            return leave.apply(y, clock)
+
+    return _Emulated()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
