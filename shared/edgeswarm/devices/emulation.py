@@ -43,6 +43,13 @@ class DeviceProfile(BaseModel):
             memory_budget_bytes=settings.memory_budget_bytes or dc.memory_budget_bytes,
         )
 
+    @classmethod
+    def of_class(cls, name: str) -> DeviceProfile:
+        """Device class ``name`` as the catalogue has it, with no overrides. Raises ConfigError for an unknown class."""
+        dc = device_class(name)
+        return cls(device_class=dc.name, emulated=dc.emulated, compute_slowdown=dc.compute_slowdown,
+                   memory_budget_bytes=dc.memory_budget_bytes)
+
     def free_memory_bytes(self) -> int:
         """Budget left for this process in bytes: the budget minus its resident memory, capped by what the host has
         free; on an accelerator, minus what torch holds there, capped by the accelerator's free memory."""

@@ -18,7 +18,6 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -38,23 +37,18 @@ class PeerResult(BaseModel):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edgeswarm.hmp.peer_tp", description=__doc__)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True, help="rank 0's address:port")
+    from edgeswarm.workloads.peers import finish_rank, rank_parser
+
+    p = rank_parser("python -m edgeswarm.hmp.peer_tp", __doc__)
     p.add_argument("--preset", required=True)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", required=True, help="comma-separated token ids")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device-class", default="native")
-    p.add_argument("--out", type=Path, required=True, help="where rank 0 writes its PeerResult (JSON)")
     args = p.parse_args(argv)
     result = run_rank(args)
-    if args.rank == 0:
-        args.out.write_text(result.model_dump_json())
-    return 0 if not result.error else 1
+    return finish_rank(args, result, result.error)
 
 
 def run_rank(args: argparse.Namespace) -> PeerResult:
@@ -63,7 +57,6 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from edgeswarm.devices.catalogue import device_class
     from edgeswarm.devices.compute import use_device_threads
     from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.hmp.peer_model import PlainDecoder, UnevenSplitError, emulate, tensor_parallel
@@ -71,9 +64,7 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
     from edgeswarm.models.text.hf import source_config
     from edgeswarm.values.text_model import TextModelSource
 
-    dc = device_class(args.device_class)
-    device = DeviceProfile(device_class=dc.name, emulated=dc.emulated, compute_slowdown=dc.compute_slowdown,
-                           memory_budget_bytes=dc.memory_budget_bytes)
+    device = DeviceProfile.of_class(args.device_class)
     use_device_threads(device)
     cfg = source_config(TextModelSource(preset=args.preset, layers=args.layers, seed=args.seed))
     w = reference.init_weights(cfg, args.seed)

@@ -18,7 +18,6 @@ import argparse
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -42,10 +41,9 @@ class PipelineResult(BaseModel):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edgeswarm.hpp.peer_pipeline", description=__doc__)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True, help="rank 0's address:port")
+    from edgeswarm.workloads.peers import finish_rank, rank_parser
+
+    p = rank_parser("python -m edgeswarm.hpp.peer_pipeline", __doc__)
     p.add_argument("--model", required=True, help="the zoo model's spec (JSON)")
     p.add_argument("--data", required=True, help="the data set's spec (JSON)")
     p.add_argument("--bounds", required=True, help="each stage's first unit, then the last stage's end: 0,5,12,20")
@@ -53,13 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, required=True)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--device-class", default="native")
-    p.add_argument("--out", type=Path, required=True, help="where rank 0 writes its PipelineResult (JSON)")
     args = p.parse_args(argv)
     result = run_rank(args)
-    if args.rank == 0:
-        args.out.write_text(result.model_dump_json())
-    return 0 if not result.error else 1
+    return finish_rank(args, result, result.error)
 
 
 def run_rank(args: argparse.Namespace) -> PipelineResult:
@@ -72,7 +66,6 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
 
     from edgeswarm.data import open_dataset
     from edgeswarm.data.base import round_sample_ids
-    from edgeswarm.devices.catalogue import device_class
     from edgeswarm.devices.compute import use_device_threads
     from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.models.sequence import layer_sequence
@@ -80,9 +73,7 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
     from edgeswarm.values.profiles import ModelSpec
     from edgeswarm.values.specs import DatasetSpec
 
-    dc = device_class(args.device_class)
-    device = DeviceProfile(device_class=dc.name, emulated=dc.emulated, compute_slowdown=dc.compute_slowdown,
-                           memory_budget_bytes=dc.memory_budget_bytes)
+    device = DeviceProfile.of_class(args.device_class)
     use_device_threads(device)
     spec = ModelSpec.model_validate_json(args.model)
     data = DatasetSpec.model_validate_json(args.data)

@@ -11,6 +11,7 @@ that makes the comparison fair (the same outputs, the same math) with whether it
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import subprocess
@@ -141,3 +142,22 @@ def run_ranks(running: BenchCluster, nodes: list[str], argv: Callable[[int, str,
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=30)
+
+
+def rank_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """The options every peer's rank program takes: ``--rank``, ``--world``, ``--master`` (rank 0's address:port),
+    ``--device-class`` (what the rank computes as) and ``--out`` (where rank 0 writes its result)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, help="rank 0's address:port")
+    p.add_argument("--device-class", default="native")
+    p.add_argument("--out", type=Path, required=True, help="where rank 0 writes its result (JSON)")
+    return p
+
+
+def finish_rank(args: argparse.Namespace, result: BaseModel, error: str) -> int:
+    """Rank 0 writes ``result`` to ``args.out``; the exit status: 1 when ``error`` says why the peer could not run."""
+    if args.rank == 0:
+        args.out.write_text(result.model_dump_json())
+    return 1 if error else 0
