@@ -109,6 +109,17 @@ def test_the_torch_pipeline_peers_first_round_has_the_single_devices_gradients(t
     assert len(result.round_s) == 2 and result.samples_per_s is not None and result.samples_per_s > 0
 
 
+def test_bench_peers_says_in_a_line_what_a_machine_without_namespaces_lacks(tmp_path: Path) -> None:
+    bare = {**os.environ, "PATH": str(Path(sys.executable).parent), "COLUMNS": "200"}  # no ip, tc, nft, mosquitto
+    done = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--sections", "tp,pipeline"],
+                          capture_output=True, text=True, timeout=120, env=bare)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "tp: cannot start a namespace cluster" in done.stderr and "not found on PATH" in done.stderr, done.stderr
+    unknown = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--sections", "flower"],
+                             capture_output=True, text=True, timeout=120, env=bare)
+    assert unknown.returncode != 0 and "flower is not a section" in unknown.stderr, unknown.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds(tmp_path: Path) -> None:

@@ -45,7 +45,11 @@ def run_peers_bench(config: PeersConfig, names: list[str], tools: CommandTools,
     if unknown:
         raise ConfigError(f"--sections: {', '.join(unknown)} is not a section (installed: {', '.join(by_name)})")
     report = PeersReport(config=config, problems=problems)
+    cannot = _why_no_netns()
     for section in (by_name[n] for n in names) if names else offered:
+        if section.netns and cannot is not None:
+            report.problems.append(f"{section.name}: {cannot}")
+            continue
         tools.log(f"section {section.name}: {section.title}")
         try:
             report.rows += section.run(config, tools)
@@ -58,9 +62,21 @@ def run_peers_bench(config: PeersConfig, names: list[str], tools: CommandTools,
     return report
 
 
+def _why_no_netns() -> str | None:
+    """Why this machine cannot run namespace clusters, or None when it can."""
+    from edgeswarm.netns.host import NetnsUnavailableError, preflight
+
+    try:
+        preflight()
+    except NetnsUnavailableError as exc:
+        return str(exc)
+    return None
+
+
 class TransportPeers(PeerSection):
     name = TRANSPORT
     title = "the bus's data path (MQTT, QoS 1, chunked) against raw TCP, the same bytes"
+    netns = False
 
     def run(self, config: PeersConfig, tools: CommandTools) -> list[PeerRow]:
         from edgeswarm.bench.transport import KB, MB, run_transport_bench

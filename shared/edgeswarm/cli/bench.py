@@ -233,10 +233,11 @@ def run_bench_peers(args: argparse.Namespace) -> int:
             Path(args.json).write_text(peers_json(report))
 
     report = run_peers_bench(config, names, command_tools(args), save)
-    console.print(peers_table(report))
+    if report.rows:
+        console.print(peers_table(report))
     for problem in report.problems:
         err_console.print(f"[yellow]warning:[/yellow] {escape(problem)}", soft_wrap=True)
-    return 1 if any(r.checked is False for r in report.rows) else 0
+    return 1 if any(r.checked is False for r in report.rows) or (report.problems and not report.rows) else 0
 
 
 def peers_json(report: PeersReport) -> str:

@@ -88,11 +88,13 @@ class PeerRow(BaseModel):
 
 class PeerSection(ABC):
     """One section of ``edgeswarm bench peers``: ``name`` (as ``--sections`` names it), ``title`` (one line for the
-    table) and ``extra`` (the optional extra whose packages its peer needs, "" for none)."""
+    table), ``extra`` (the optional extra whose packages its peer needs, "" for none) and ``netns`` (whether it runs
+    its clusters in network namespaces: root, iproute2, nftables and Mosquitto)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
     extra: ClassVar[str] = ""
+    netns: ClassVar[bool] = True
 
     @abstractmethod
     def run(self, config: PeersConfig, tools: CommandTools) -> list[PeerRow]:
