@@ -103,8 +103,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                        "tp: Galaxy against torch TP, transport: MQTT against raw TCP)")
     peers.add_argument("--quick", action="store_true", help="the smallest sizes, one cell a section: the cross-checks "
                        "and that every row has figures, in a few minutes")
-    peers.add_argument("--bandwidths", default="125,1000", help="comma-separated link bandwidths, Mbps")
-    peers.add_argument("--devices", default="2,3,4", help="comma-separated device counts, each 2 to 4")
+    peers.add_argument("--bandwidths", default="125,1000", help="tp: comma-separated link bandwidths, Mbps")
+    peers.add_argument("--devices", default="2,3,4", help="tp: comma-separated device counts, each 2 to 4")
     peers.add_argument("--requests", type=int, default=3, help="measured repetitions of each figure")
     peers.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
