@@ -13,7 +13,8 @@ import pytest
 from edgeswarm.devices.allocator import keep_freed_memory
 
 # A fresh process each (the thresholds hold for the process's life): the minor page faults of one served forward,
-# after two untimed ones.
+# after two untimed ones; the fewest of three windows of five, since a loaded host's kernel faults pages of any
+# process now and then (NUMA hinting, compaction: 48 a forward once in CI beside a namespace benchmark).
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
     if sys.argv[1] == "keep":
@@ -26,10 +27,13 @@ _FAULTS = textwrap.dedent("""
     with torch.inference_mode():
         net(x)
         net(x)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(5):
-            net(x)
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+        windows = []
+        for _ in range(3):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(5):
+                net(x)
+            windows.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+        print(min(windows))
 """)
 
 
