@@ -63,17 +63,19 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
     from edgeswarm.models.text import reference
     from edgeswarm.models.text.hf import source_config
     from edgeswarm.values.text_model import TextModelSource
+    from edgeswarm.workloads.peers import rank_compute
 
     device = DeviceProfile.of_class(args.device_class)
     use_device_threads(device)
+    compute = rank_compute(device)
     cfg = source_config(TextModelSource(preset=args.preset, layers=args.layers, seed=args.seed))
-    w = reference.init_weights(cfg, args.seed)
+    w = {name: t.to(compute) for name, t in reference.init_weights(cfg, args.seed).items()}
     prompt = [int(t) for t in args.prompt.split(",")]
     result = PeerResult(world=args.world)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     try:
-        mesh = init_device_mesh("cpu", (args.world,))
+        mesh = init_device_mesh(compute.type, (args.world,))
         model = PlainDecoder(cfg, w)
         try:
             tensor_parallel(model, mesh)
@@ -86,7 +88,7 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
                 caches = model.new_caches()
                 dist.barrier()
                 started = time.perf_counter()
-                out = model(torch.tensor(prompt), caches)
+                out = model(torch.tensor(prompt, device=compute), caches)
                 token = int(model.logits(out[-1:])[0].argmax())
                 ttft = time.perf_counter() - started
                 if repeat == 0:
@@ -94,7 +96,7 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
                 tokens, steps = [token], []
                 while len(tokens) < args.new_tokens:
                     began = time.perf_counter()
-                    out = model(torch.tensor([token]), caches)
+                    out = model(torch.tensor([token], device=compute), caches)
                     token = int(model.logits(out[-1:])[0].argmax())
                     steps.append(time.perf_counter() - began)
                     tokens.append(token)
@@ -108,7 +110,7 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
     if args.rank != 0:
         return result
     with torch.inference_mode():
-        whole = reference.forward(cfg, w, torch.tensor(prompt))
+        whole = reference.forward(cfg, w, torch.tensor(prompt, device=compute))
         expected = reference.generate(cfg, w, prompt, args.new_tokens)
     assert hidden is not None
     return result.model_copy(update={

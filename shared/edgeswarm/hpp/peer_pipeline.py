@@ -69,12 +69,14 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
     from edgeswarm.devices.compute import use_device_threads
     from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.models.sequence import layer_sequence
-    from edgeswarm.models.zoo import build_model
+    from edgeswarm.models.zoo import build_model, example_stage_input
     from edgeswarm.values.profiles import ModelSpec
     from edgeswarm.values.specs import DatasetSpec
+    from edgeswarm.workloads.peers import rank_compute
 
     device = DeviceProfile.of_class(args.device_class)
     use_device_threads(device)
+    compute = rank_compute(device)
     spec = ModelSpec.model_validate_json(args.model)
     data = DatasetSpec.model_validate_json(args.data)
     bounds = [int(b) for b in args.bounds.split(",")]
@@ -83,23 +85,23 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
                                                       "has a stage a rank, two or more")
     start, end = bounds[args.rank], bounds[args.rank + 1]
     model = build_model(spec)
-    whole = copy.deepcopy(model)  # the single-device reference (the stage shares the model's modules)
-    stage_module = layer_sequence(model).build_stage(start, end)
+    sequence = layer_sequence(model)
+    # One micro-batch as it enters the stage, for the stage's shapes (BatchNorm's statistics untouched), made before
+    # the model moves: the example is a host tensor.
+    sample = example_stage_input(spec, sequence, start, args.global_batch // args.micro_batches).to(compute)
+    stage_module = sequence.build_stage(start, end).to(compute)  # in place: the stage shares the model's modules
+    whole = copy.deepcopy(model.to(compute))  # the single-device reference
     first, last = args.rank == 0, args.rank == args.world - 1
     dataset = open_dataset(data, spec)
-    micro = args.global_batch // args.micro_batches
 
     def batch(round_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return dataset.batch(round_sample_ids(round_index, args.global_batch, dataset.train_size, data.seed))
+        x, y = dataset.batch(round_sample_ids(round_index, args.global_batch, dataset.train_size, data.seed))
+        return x.to(compute), y.to(compute)
 
-    x0, _y0 = batch(0)
-    with torch.no_grad():
-        sample = layer_sequence(copy.deepcopy(model)).build_stage(0, start)(x0[:micro]) if start else x0[:micro]
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     try:
-        stage = PipelineStage(emulated(stage_module, device), args.rank, args.world, torch.device("cpu"),
-                              input_args=(sample,))
+        stage = PipelineStage(emulated(stage_module, device), args.rank, args.world, compute, input_args=(sample,))
         schedule = ScheduleGPipe(stage, args.micro_batches, loss_fn=_loss, scale_grads=True)
         params = [p for p in stage_module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=args.lr) if params else None
@@ -123,7 +125,7 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
             dist.barrier()
             if r:
                 times.append(time.perf_counter() - began)
-        found = torch.tensor([difference, scale])
+        found = torch.tensor([difference, scale], device=compute)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     finally:
         dist.destroy_process_group()

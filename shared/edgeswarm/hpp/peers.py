@@ -73,14 +73,13 @@ class PipelinePeers(PeerSection):
         try:
             with tempfile.TemporaryDirectory(prefix="edgeswarm-peers-profiles-") as profiles, \
                     pipeline_cluster(tools.cluster, spec, Path(profiles), netns=True, as_hub=True) as (running, bus):
-                hpp, _ = _train(bus, bench_job("peers", "hpp", model, global_batch=batch, micro_batches=micro,
-                                               rounds=rounds), tools)
-                pp, pp_plan = _train(bus, bench_job("peers", "pp", model, global_batch=batch, micro_batches=micro,
-                                                    rounds=rounds), tools)
-                data = bench_job("peers", "pp", model, global_batch=batch, micro_batches=micro, rounds=rounds).data
+                hpp_job, pp_job = (bench_job("peers", strategy, model, global_batch=batch, micro_batches=micro,
+                                             rounds=rounds) for strategy in ("hpp", "pp"))
+                hpp, _ = _train(bus, hpp_job, tools)
+                pp, pp_plan = _train(bus, pp_job, tools)
                 tools.log(f"pipeline: {cell}: {PEER} at the pipeline's boundaries")
-                peer = run_peer(running, pp_plan, classes, model=model, data=data.model_dump_json(), batch=batch,
-                                micro=micro, rounds=rounds - 1)
+                peer = run_peer(running, pp_plan, classes, model=model, data=pp_job.data.model_dump_json(),
+                                batch=batch, micro=micro, rounds=rounds - 1)
         except EdgeswarmError as exc:
             return row.model_copy(update={"error": str(exc)})
         checked = None

@@ -25,9 +25,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgeswarm.devices.compute import sharing_cores
-from edgeswarm.errors import EdgeswarmError
+from edgeswarm.errors import ConfigError, EdgeswarmError
 
 if TYPE_CHECKING:
+    import torch
+
+    from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.workloads.commands import BenchCluster, CommandTools
 
 R = TypeVar("R", bound=BaseModel)
@@ -114,7 +117,9 @@ def run_ranks(running: BenchCluster, nodes: list[str], argv: Callable[[int, str,
     master = f"{running.address(nodes[0])}:{port}"
     with tempfile.TemporaryDirectory(prefix="edgeswarm-peer-") as folder:
         out = Path(folder) / "result.json"
-        base = sharing_cores({k: v for k, v in os.environ.items() if not k.startswith("EDGESWARM_")})
+        # The peer is no node of the cluster: of our settings it keeps only where to compute.
+        base = sharing_cores({k: v for k, v in os.environ.items()
+                              if not k.startswith("EDGESWARM_") or k == "EDGESWARM_COMPUTE"})
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank, node in enumerate(nodes):
@@ -163,3 +168,17 @@ def finish_rank(args: argparse.Namespace, result: BaseModel, error: str) -> int:
     if args.rank == 0:
         args.out.write_text(result.model_dump_json())
     return 1 if error else 0
+
+
+def rank_compute(device: DeviceProfile) -> torch.device:
+    """Where a peer's rank computes as ``device``: where a worker of its class would (EDGESWARM_COMPUTE, resolved as
+    ``devices.compute.resolve_compute`` does; an emulated class: the CPU). Raises ConfigError for an accelerator:
+    the peers' collectives run over gloo on host tensors here."""
+    from edgeswarm.devices.compute import resolve_compute
+    from edgeswarm.settings import Settings
+
+    compute = resolve_compute(Settings().compute, device)
+    if compute.type != "cpu":
+        raise ConfigError(f"the torch peers run over gloo on the CPU, and {device.device_class} computes on "
+                          f"{compute}: bench peers' cells use emulated classes (or set EDGESWARM_COMPUTE=cpu)")
+    return compute
