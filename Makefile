@@ -3,13 +3,15 @@
 # measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
 # out/timeline.png, stop.
 # `make test`: set up and run the test suite on two pytest-xdist workers, a test file to a worker (its module fixtures
-# stay in one process); the 25 slowest tests are listed at the end.
+# stay in one process); the 25 slowest tests are listed at the end. It also makes .venv-peers (Flower, for bench
+# peers' test).
 # Both first check what they need from the operating system (deploy/system-packages.sh): as root they install the
 # missing Debian packages, otherwise they name the `sudo apt-get install` line and stop.
 # `make compose-schema`: fetch the Compose Specification's JSON schema for tests/test_deploy.py (`make test` does).
 
 PYTHON ?= python3
 VENV ?= .venv
+PEERS_VENV ?= .venv-peers
 ES := $(VENV)/bin/edgeswarm
 PORT ?= 18830
 HUB := mqtt://127.0.0.1:$(PORT)
@@ -23,7 +25,7 @@ COMPOSE_SCHEMA_VERSION := 1.0.0
 COMPOSE_SCHEMA_SHA256 := ab1d329bae970c282601c81f1303b688736003c45252361cfbd5dc9d6af83ac8
 COMPOSE_SCHEMA := .edgeswarm/compose-spec/compose-spec.json
 
-.PHONY: venv run run-netns test clean compose-schema system-run system-test
+.PHONY: venv peers-venv run run-netns test clean compose-schema system-run system-test
 
 # constraints.txt pins this environment exactly (the package itself asks for ranges); a change to either file
 # reinstalls.
@@ -33,6 +35,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 venv: $(VENV)/.installed
+
+# bench peers' Flower section runs Flower from an environment of its own (pyproject.toml's `peers` extra says why),
+# pinned exactly by constraints-peers.txt; `make test` makes it and points the suite at it.
+$(PEERS_VENV)/.installed: pyproject.toml constraints-peers.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet -c constraints-peers.txt -e '.[peers]'
+	touch $@
+
+peers-venv: $(PEERS_VENV)/.installed
 
 system-run:
 	@PYTHON=$(PYTHON) sh deploy/system-packages.sh run
@@ -72,8 +83,8 @@ run-netns: system-test venv
 	$(ES) train examples/mobilenetv2-env-d.yaml --wait --compare dp,pp --compare-rounds 3 \
 		--json $(OUT)/netns-train.json --loss-png $(OUT)/netns-loss.png --timeline-png $(OUT)/netns-timeline.png
 
-test: system-test venv $(COMPOSE_SCHEMA)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
+test: system-test venv peers-venv $(COMPOSE_SCHEMA)
+	EDGESWARM_FLOWER_ENV=$(abspath $(PEERS_VENV)) $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
-	rm -rf $(VENV) $(OUT) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(OUT) *.egg-info .pytest_cache .hypothesis

@@ -4,8 +4,9 @@ First the peers alone, over gloo on loopback: torch's tensor parallelism (``hmp.
 module equals the single-device forward, split by torch it still does (within 1e-5), its greedy tokens are the single
 device's, and a model whose KV heads do not divide over the ranks is refused with the reason, as torch's even split
 must; torch's pipelining (``hpp.peer_pipeline``, three stages at our cut points): its first round's gradients are the
-single device's. Then, where namespaces can run (root), the command as a user runs it with ``--quick``: every
-section's rows have figures on both sides and every cross-check holds."""
+single device's; the Flower section's rows compare like with like, and it names the environment it lacks. Then,
+where namespaces can run (root), the command as a user runs it with ``--quick``: every section's rows have figures
+on both sides and every cross-check holds (Flower's with the environment `make test` makes)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.peer_model import PlainDecoder
 from edgeswarm.hmp.peer_tp import PeerResult
 from edgeswarm.local.broker import free_port
 from edgeswarm.models.text import reference
+from edgeswarm.splitfed.peers import SMARTSPLIT_BUDGET, Side, cell_rows, flower_env, same_math
 from edgeswarm.values.text_model import PRESETS
 from helpers import netns_unavailable
 
@@ -115,23 +118,66 @@ def test_bench_peers_says_in_a_line_what_a_machine_without_namespaces_lacks(tmp_
                           capture_output=True, text=True, timeout=120, env=bare)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "tp: cannot start a namespace cluster" in done.stderr and "not found on PATH" in done.stderr, done.stderr
-    unknown = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--sections", "flower"],
+    unknown = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--sections", "nosuch"],
                              capture_output=True, text=True, timeout=120, env=bare)
-    assert unknown.returncode != 0 and "flower is not a section" in unknown.stderr, unknown.stderr
+    assert unknown.returncode != 0 and "nosuch is not a section" in unknown.stderr, unknown.stderr
+    assert "flower" in unknown.stderr, unknown.stderr
+
+
+def _flower_env() -> str:
+    """Where Flower is installed for these tests (`make test` makes .venv-peers and names it), or ""."""
+    try:
+        return str(flower_env(os.environ.get("EDGESWARM_FLOWER_ENV", "")))
+    except EdgeswarmError:
+        return ""
+
+
+def test_the_flower_section_names_the_environment_it_lacks(tmp_path: Path) -> None:
+    with pytest.raises(EdgeswarmError, match=r"Flower is not installed in .*make peers-venv.*EDGESWARM_FLOWER_ENV"):
+        flower_env(str(tmp_path / "no-venv"))
+
+
+def test_the_flower_rows_compare_like_with_like() -> None:
+    """Our FedAvg and Flower's on the same curve hold the cross-check, one loss off by 1e-3 does not; SmartSplit's
+    time to Flower's final accuracy counts its rounds until it first gets there, and says when it never does."""
+    ours = Side(accuracies=[0.5, 0.8, 0.9], losses=[1.5, 0.7, 0.4], round_s=[1.0, 1.0, 2.0], peak_bytes=2_600_000,
+                link_bytes=500_000.0)
+    flower = ours.model_copy(update={"losses": [1.5, 0.7, 0.4 * (1 + 1e-6)], "round_s": [9.0, 9.0, 9.0],
+                                     "link_bytes": 550_000.0})
+    smartsplit = Side(accuracies=[0.6, 0.9, 0.95], losses=[1.0, 0.5, 0.3], round_s=[3.0, 3.0, 3.0],
+                      peak_bytes=700_000)
+    rows = {r.metric: r for r in cell_rows("cell", ours, smartsplit, flower)}
+    assert all(r.checked for r in rows.values())
+    assert rows["time per round"].advantage == pytest.approx(9.0 / (4.0 / 3))
+    assert rows["bytes per device per round"].advantage == pytest.approx(1.1)
+    reach = rows["time to Flower FedAvg's final accuracy"]
+    assert (reach.ours_value, reach.peer_value) == (6.0, 27.0) and not reach.error
+    assert rows["device training-memory peak"].advantage == pytest.approx(2_600_000 / 700_000)
+    assert same_math(ours, flower.model_copy(update={"losses": [1.5, 0.7, 0.4004]}))[0] is False
+    slow = smartsplit.model_copy(update={"accuracies": [0.6, 0.7, 0.8]})
+    never = {r.metric: r for r in cell_rows("cell", ours, slow, flower)}["time to Flower FedAvg's final accuracy"]
+    assert never.ours_value is None and "did not reach Flower's final accuracy 90.0%" in never.error
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds(tmp_path: Path) -> None:
+    """Every section (Flower's where `make test` installed it): figures on both sides, cross-checks held; our FedAvg
+    and Flower's trained the same model, and SmartSplit's devices stayed within their budget."""
     out = tmp_path / "peers.json"
+    flower = _flower_env()
     done = subprocess.run([sys.executable, "-m", "edgeswarm", "bench", "peers", "--quick", "--requests", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=900,
+                           "--json", str(out), "--flower-env", flower], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert not report["problems"], report["problems"]
+    if flower:
+        assert not report["problems"], report["problems"]
+    else:  # pytest run by hand, without .venv-peers: the section says how to get it
+        assert [p.split(":")[0] for p in report["problems"]] == ["flower"], report["problems"]
+        assert "make peers-venv" in report["problems"][0]
     sections = {r["section"] for r in report["rows"]}
-    assert {"tp", "pipeline", "transport"} <= sections, sections
+    assert {"tp", "pipeline", "transport"} | ({"flower"} if flower else set()) == sections, sections
     for row in report["rows"]:
         assert row["ours_value"] and row["peer_value"] and not row["error"], row
         assert row["checked"] is True and row["advantage"] > 0, row
@@ -139,3 +185,9 @@ def test_bench_peers_quick_has_figures_on_both_sides_and_every_cross_check_holds
     assert {r["metric"] for r in tp} == {"time to first token", "time per output token"}
     assert "tokens equal" in tp[0]["check"], tp[0]["check"]
     assert "time to first token" in done.stdout and "torch TP" in done.stdout, done.stdout
+    if flower:
+        fl = {r["metric"]: r for r in report["rows"] if r["section"] == "flower"}
+        assert "held-out loss within" in fl["time per round"]["check"], fl["time per round"]["check"]
+        assert fl["device training-memory peak"]["ours_value"] <= SMARTSPLIT_BUDGET < \
+            fl["device training-memory peak"]["peer_value"]
+        assert "Flower FedAvg" in done.stdout

@@ -227,14 +227,15 @@ print(json.dumps({"needs_extra": sorted(needs_extra), "failed": failed}))
 
 
 @pytest.mark.slow
-def test_every_module_imports_without_the_extras_but_the_plotting_ones(installed: tuple[Path, Path],
+def test_every_module_imports_without_the_extras_but_the_plotting_and_flower_ones(installed: tuple[Path, Path],
                                                                       tmp_path: Path) -> None:
     _, env_dir = installed
     out = _run(env_dir, tmp_path, str(env_dir / "bin" / "python"), "-c", IMPORT_ALL)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
     assert seen["failed"] == {}
-    assert sorted(seen["needs_extra"]) == ["edgeswarm.hpp.curves", "edgeswarm.planning.hpp.render"]
+    assert sorted(seen["needs_extra"]) == ["edgeswarm.hpp.curves", "edgeswarm.planning.hpp.render",
+                                           "edgeswarm.splitfed.peer_flower"]
 
 
 @pytest.mark.slow

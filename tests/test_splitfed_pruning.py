@@ -19,6 +19,7 @@ from edgeswarm.messages.splitfed import RoundSetup, SplitEnrol
 from edgeswarm.models.zoo import build_model
 from edgeswarm.runtime.program import ComputeGate
 from edgeswarm.settings import Settings
+from edgeswarm.splitfed import compute as compute_module
 from edgeswarm.splitfed import worker
 from edgeswarm.splitfed.compute import DevicePart, MecPart, Reassembly, host_array, partition_of
 from edgeswarm.splitfed.pruning import PruningSpec, RoundPruner, expected_active_fraction, prune_step
@@ -149,13 +150,13 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
     mec = MecPart(setup, cut, compute=compute)
     mec.load(global_state)
     epochs: list[list[np.ndarray]] = []  # each epoch's batches of sample ids, as the round loop drew them
-    batches_of = worker.local_batches
+    batches_of = compute_module.local_batches
 
     def recorded(active: np.ndarray, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
         epochs.append(batches_of(active, batch_size, rng))
         return epochs[-1]
 
-    monkeypatch.setattr(worker, "local_batches", recorded)
+    monkeypatch.setattr(compute_module, "local_batches", recorded)
     device = _DeviceWithMecHere(mec)
     job = SimpleNamespace(enrol=SplitEnrol(job_id="j", round=r, mec="edge-0", index=index, setup=setup))
     report = device._epochs(job, part, r, 6_000_000, threading.Event())  # type: ignore[arg-type]

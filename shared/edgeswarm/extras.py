@@ -1,7 +1,7 @@
 """The package's optional parts (pyproject.toml's extras): which one a feature needs, and a clear error without it.
 
 The core installs on a bare Jetson or Pi with nothing but what every command needs; the embedded broker (amqtt)
-and the PNG plots (matplotlib) are extras, imported only where used.
+the PNG plots (matplotlib) and bench peers' Flower (flwr) are extras, imported only where used.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Literal
 
 from edgeswarm.errors import MissingExtraError
 
-Extra = Literal["broker", "plot"]
+Extra = Literal["broker", "plot", "peers"]
 
 # The top-level module each extra provides, and what it is for (the error message says both).
 _EXTRAS: dict[str, tuple[str, str]] = {
     "broker": ("amqtt", "the embedded amqtt broker"),
     "plot": ("matplotlib", "drawing PNGs"),
+    "peers": ("flwr", "bench peers' Flower section"),
 }
 
 

@@ -218,7 +218,7 @@ def run_bench_peers(args: argparse.Namespace) -> int:
     from edgeswarm.workloads.peers import PeersConfig
 
     try:
-        config = PeersConfig(quick=args.quick, requests=args.requests,
+        config = PeersConfig(quick=args.quick, requests=args.requests, flower_env=args.flower_env,
                              bandwidths=[float(b) for b in args.bandwidths.split(",") if b.strip()],
                              devices=[int(d) for d in args.devices.split(",") if d.strip()])
     except ValueError as exc:
@@ -258,7 +258,11 @@ def peers_table(report: PeersReport) -> Table:
     def value(v: float | None, unit: str) -> str:
         if v is None:
             return "-"
-        return f"{v * 1000:.1f} ms" if unit == "s" else f"{v:.1f} {unit}"
+        if unit == "s":
+            return f"{v * 1000:.1f} ms" if v < 10 else f"{v:.1f} s"
+        if unit == "B":
+            return f"{v / 2**20:.2f} MiB" if v >= 2**20 else f"{v / 1024:.1f} KiB"
+        return f"{v:.1f} {unit}"
 
     for r in report.rows:
         ahead = f"{r.advantage:.2f}x" if r.advantage is not None else "-"

@@ -97,10 +97,15 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     collectives.add_argument("--quick", action="store_true", help="peers 2 and 4, 1KB and 1MB, fewer repeats")
     collectives.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
 
-    peers = bench_sub.add_parser("peers", help="each kind beside the tool its users would pick instead (torch tensor "
-                                 "parallelism, ...) and the bus beside raw TCP, on the same namespace clusters (root)")
+    peers = bench_sub.add_parser("peers", help="each kind beside the tool its users would pick instead (Flower, torch "
+                                 "pipelining and tensor parallelism) and the bus beside raw TCP, on the same namespace "
+                                 "clusters (root)")
     peers.add_argument("--sections", default="", help="comma-separated sections (default: every installed one; "
+                       "flower: FedAvg and SmartSplit against Flower, pipeline: HPP against torch pipelining, "
                        "tp: Galaxy against torch TP, transport: MQTT against raw TCP)")
+    peers.add_argument("--flower-env", default=os.environ.get("EDGESWARM_FLOWER_ENV", ""), metavar="DIR",
+                       help="flower: the virtual environment with edgeswarm[peers] (default: EDGESWARM_FLOWER_ENV, "
+                       "else this one; `make peers-venv` makes .venv-peers)")
     peers.add_argument("--quick", action="store_true", help="the smallest sizes, one cell a section: the cross-checks "
                        "and that every row has figures, in a few minutes")
     peers.add_argument("--bandwidths", default="125,1000", help="tp: comma-separated link bandwidths, Mbps")

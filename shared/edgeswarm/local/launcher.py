@@ -282,6 +282,10 @@ class LocalCluster:
         with open(log_path, "ab") as out:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
+    def link_bytes(self, node: str) -> int | None:
+        """None: a local cluster's nodes share loopback, so no link is one node's."""
+        return None
+
     def failed_children(self) -> list[ChildProcess]:
         """Children that have exited."""
         return [c for c in self.children if not c.alive()]

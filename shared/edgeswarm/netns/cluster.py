@@ -291,6 +291,11 @@ class NetnsCluster:
             return subprocess.Popen(["ip", "netns", "exec", self.node(node).netns, *argv], env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
+    def link_bytes(self, node: str) -> int | None:
+        """Bytes through ``node``'s link so far, both ways (the kernel's counters of its veth's host side)."""
+        stats = Path("/sys/class/net") / self.node(node).veth / "statistics"
+        return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
     def restart(self, node: str, service: str) -> ChildProcess:
         """Start ``service`` on ``node`` again after it died or was killed. Raises ConfigError when the cluster
         never ran it, or it still runs."""

@@ -42,6 +42,7 @@ from edgeswarm.planning.splitfed.types import (
 
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus
+    from edgeswarm.messages.jobs import JobState
     from edgeswarm.values.profiles import ModelSpec
     from edgeswarm.workloads.commands import StartCluster
 
@@ -146,7 +147,7 @@ class AccuracyRow(BaseModel):
 class ClusterRow(BaseModel):
     """One round of a train-splitfed job on the local cluster (3 native devices, 1 edge server): the mode, the
     measured, predicted and refitted round time (seconds; see RoundRecord), the bytes on the MEC's LAN and the WAN,
-    held-out accuracy, the largest device peak (bytes) among its trainers, their cuts, and why the job failed
+    held-out accuracy and loss, the largest device peak (bytes) among its trainers, their cuts, and why the job failed
     (``error``)."""
 
     mode: str
@@ -157,6 +158,7 @@ class ClusterRow(BaseModel):
     lan_bytes: int = 0
     wan_bytes: int = 0
     accuracy: float | None = None
+    loss: float | None = None
     peak_bytes: int = 0
     cuts: list[int] = []
     error: str | None = None
@@ -409,22 +411,30 @@ def cluster_rows(config: SplitfedBenchConfig, cluster: StartCluster, log: Log = 
 
 def _cluster_mode(bus: Bus, mode: str, config: SplitfedBenchConfig, log: Log) -> list[ClusterRow]:
     """One train-splitfed job of ``mode`` on the cluster ``bus`` reaches: a row per round, or one with its error."""
+    job = {"kind": "train-splitfed", "name": f"bench-sf-{mode}", "mode": mode, "rounds": config.cluster_rounds,
+           "participants": 2, "partition": {"kind": "dirichlet", "devices": CLUSTER_DEVICES, "alpha": 0.5, "seed": 1},
+           "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
+           "memory_budget_bytes": config.cluster_budget_bytes}
+    log(f"cluster: {mode}")
+    return job_rows(bus, job, log)
+
+
+def job_rows(bus: Bus, job: dict[str, object], log: Log = _quiet, timeout_s: float = 600.0,
+             on_state: Callable[[JobState], None] | None = None) -> list[ClusterRow]:
+    """Submit ``job`` (a train-splitfed job's fields) to the cluster ``bus`` reaches and wait for it: a row per
+    round from its state, or one row with its error (after ``timeout_s`` seconds at the latest). ``on_state`` sees
+    every state the job publishes, as it comes."""
     import json
 
     from edgeswarm.splitfed.spec import SplitfedProgress
     from edgeswarm.workloads.client import JobFollower, submit_job
 
-    name = f"bench-sf-{mode}"
-    job = {"kind": "train-splitfed", "name": name, "mode": mode, "rounds": config.cluster_rounds, "participants": 2,
-           "partition": {"kind": "dirichlet", "devices": CLUSTER_DEVICES, "alpha": 0.5, "seed": 1},
-           "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0,
-           "memory_budget_bytes": config.cluster_budget_bytes}
-    log(f"cluster: {mode}")
-    follower = JobFollower(bus, name, on_event=lambda e: log(f"cluster: {mode}: {e.detail}") if e.kind == "refit"
-                           else None)
+    mode, name = str(job["mode"]), str(job["name"])
+    follower = JobFollower(bus, name, on_state=on_state,
+                           on_event=lambda e: log(f"{name}: {e.detail}") if e.kind == "refit" else None)
     submit_job(bus, json.dumps(job), submission=follower.submission)
     try:
-        state = follower.wait(600)
+        state = follower.wait(timeout_s)
     except EdgeswarmError as exc:
         return [ClusterRow(mode=mode, error=str(exc)[:300])]
     progress = state.progress_as(SplitfedProgress)
@@ -434,7 +444,7 @@ def _cluster_mode(bus: Bus, mode: str, config: SplitfedBenchConfig, log: Log) ->
     for rec in progress.history:
         trained = [p for p in rec.participants if p.outcome == "trained"]
         rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s, predicted_s=rec.predicted_s,
-                               refitted_s=rec.refitted_s,
+                               refitted_s=rec.refitted_s, loss=rec.loss,
                                lan_bytes=rec.lan_bytes, wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
                                peak_bytes=max((p.peak_bytes for p in trained), default=0),
                                cuts=sorted({p.cut for p in trained})))

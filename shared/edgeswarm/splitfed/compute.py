@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,6 +28,7 @@ from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, without_weights
 from edgeswarm.planning.splitfed.cost import device_memory
 from edgeswarm.planning.splitfed.recompute import device_segments, plan_recompute
+from edgeswarm.runtime.exchange import ExchangeAborted
 from edgeswarm.splitfed.estimator import auxiliary_set, class_gradients, obtain_dis, oracle_distribution
 from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.pruning import PruningSpec, prune_step
@@ -184,6 +186,49 @@ def local_batches(active: np.ndarray, batch_size: int, rng: np.random.Generator)
     smaller)."""
     order = rng.permutation(active)
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@dataclass
+class Epochs:
+    """What a device's local epochs of one round did: iterations, samples seen (a pruned sample is not), the sum
+    of their losses, each sample's last loss (by id), and the samples pruned."""
+
+    iterations: int
+    seen: int
+    loss_sum: float
+    losses: np.ndarray
+    pruned: int
+
+
+def run_epochs(part: DevicePart, data: DeviceData, index: int, round_index: int,
+               step: Callable[[int, torch.Tensor, torch.Tensor, bool], np.ndarray],
+               stop: threading.Event | None = None) -> Epochs:
+    """Device ``index``'s local epochs of round ``round_index`` over ``data``: each epoch shuffles its active
+    samples from a generator seeded by (the partition's seed, the round, the device), so any runtime that trains
+    this device in this round sees the same batches in the same order; ``step(step, x, y, last)`` trains on one
+    batch and returns its per-sample losses; the round's pruning (``training.sample_pruning``) follows every epoch
+    but the last. Raises ExchangeAborted when ``stop`` is set between batches."""
+    training = part.setup.training
+    rng = np.random.default_rng((part.setup.partition.seed, round_index, index))
+    active = np.arange(data.size)
+    losses = np.zeros(data.size)
+    iterations = seen = pruned = 0
+    loss_sum = 0.0
+    for epoch in range(training.epochs):
+        batches = local_batches(active, training.batch_size, rng)
+        for i, ids in enumerate(batches):
+            if stop is not None and stop.is_set():
+                raise ExchangeAborted("the round was replaced")
+            x, y = data.batch(ids)
+            per_sample = step(iterations, x, y, epoch == training.epochs - 1 and i == len(batches) - 1)
+            losses[ids] = per_sample
+            iterations += 1
+            seen += len(ids)
+            loss_sum += float(per_sample.sum())
+        if training.sample_pruning and epoch + 1 < training.epochs:
+            active, dropped = part.prune(active, losses, index, round_index, epoch + 1)
+            pruned += dropped
+    return Epochs(iterations=iterations, seen=seen, loss_sum=loss_sum, losses=losses, pruned=pruned)
 
 
 class DevicePart:

@@ -38,7 +38,7 @@ from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, Exchange
 from edgeswarm.runtime.program import JobTable
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import MEC_MANAGER
-from edgeswarm.splitfed.compute import DevicePart, local_batches
+from edgeswarm.splitfed.compute import DevicePart, run_epochs
 from edgeswarm.wire import Message
 
 if TYPE_CHECKING:
@@ -215,35 +215,16 @@ class DeviceProgram(JobTable[_Job]):
     def _epochs(self, job: _Job, part: DevicePart, r: int, budget: int, stop: threading.Event) -> DeviceReport:
         enrol, training = job.enrol, job.enrol.setup.training
         data = part.partition_data(enrol.index)
-        rng = np.random.default_rng((enrol.setup.partition.seed, r, enrol.index))
-        active = np.arange(data.size)
-        losses = np.zeros(data.size)
-        step = iterations = pruned = seen = 0
-        loss_sum = 0.0
-        for epoch in range(training.epochs):
-            batches = local_batches(active, training.batch_size, rng)
-            for i, ids in enumerate(batches):
-                if stop.is_set():
-                    raise ExchangeAborted("the round was replaced")
-                x, y = data.batch(ids)
-                last = epoch == training.epochs - 1 and i == len(batches) - 1
-                per_sample = self._iteration(job, part, r, step, x, y, last)
-                losses[ids] = per_sample
-                step += 1
-                iterations += 1
-                seen += len(ids)
-                loss_sum += float(per_sample.sum())
-            if training.sample_pruning and epoch + 1 < training.epochs:
-                active, dropped = part.prune(active, losses, enrol.index, r, epoch + 1)
-                pruned += dropped
+        done = run_epochs(part, data, enrol.index, r,
+                          lambda step, x, y, last: self._iteration(job, part, r, step, x, y, last), stop)
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
-        mean, squares = loss_sum / max(seen, 1), float((losses ** 2).sum())
+        mean, squares = done.loss_sum / max(done.seen, 1), float((done.losses ** 2).sum())
         finite = math.isfinite(mean) and math.isfinite(squares)  # a diverged run still reports; its MEC refuses it
         return DeviceReport(node=self.ctx.node, outcome="trained", cut=part.cut, samples=data.size,
-                            iterations=iterations, loss=None if vanilla or not finite else mean,
+                            iterations=done.iterations, loss=None if vanilla or not finite else mean,
                             loss_sq_sum=squares if finite else 0.0, detail="" if finite else "its losses diverged",
                             peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
-                            pruned=pruned, compute_s=part.compute_s)
+                            pruned=done.pruned, compute_s=part.compute_s)
 
     def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
                    last: bool) -> np.ndarray:

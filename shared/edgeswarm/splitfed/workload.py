@@ -36,6 +36,7 @@ class SplitfedWorkload(Workload):
     plan_type = SplitSelection
     planner = "edgeswarm.splitfed.planner:PLANNER"
     benches = ("edgeswarm.splitfed.bench:SplitfedBench",)
+    peers = ("edgeswarm.splitfed.peers:FederatedPeers",)
     command = "train"
     exclusive = False
     # Rounds of a second or two each: the contract tests list, take over and cancel it while it runs, and on an idle

@@ -53,6 +53,11 @@ class BenchCluster(Protocol):
         cluster), its output to ``log_path``; the caller stops it."""
         ...
 
+    def link_bytes(self, node: str) -> int | None:
+        """Bytes through ``node``'s link so far, both ways, all protocols; None where nodes share loopback (a
+        local cluster)."""
+        ...
+
 
 class StartCluster(Protocol):
     def __call__(self, spec: ClusterSpec, *, workdir: Path | None = None, extra_env: Mapping[str, str] | None = None,

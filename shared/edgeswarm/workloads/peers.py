@@ -40,7 +40,8 @@ FAILED_GRACE_S = 5.0  # after one rank failed, how long the others get to finish
 class PeersConfig(BaseModel):
     """What every section is asked to run: ``quick`` (the smallest sizes, one cell: what the test suite runs, to
     check that every cross-check holds and every row has figures), the ``bandwidths`` (Mbps) and device counts of
-    the cells, and ``requests`` (measured repetitions of each figure)."""
+    the cells, ``requests`` (measured repetitions of each figure) and ``flower_env``, the virtual environment Flower
+    runs from ("": this one)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -48,6 +49,7 @@ class PeersConfig(BaseModel):
     bandwidths: list[float] = Field(default_factory=lambda: [125.0, 1000.0], min_length=1)
     devices: list[int] = Field(default_factory=lambda: [2, 3, 4], min_length=1)
     requests: int = Field(default=3, ge=1, le=100)
+    flower_env: str = ""
 
 
 class Figure(BaseModel):
