@@ -406,3 +406,20 @@ def test_the_delayer_dies_with_its_owner_or_its_namespace(pair: Pair) -> None:
         for ns in (pair.ns_a, pair.ns_b):
             NodeShaper(ns, "unused", pair.work / "x").close()
 
+
+
+@needs_netns
+def test_the_netem_probe_removes_a_namespace_a_killed_probe_left() -> None:
+    """A probe killed by SIGKILL cannot remove its scratch namespace; the next probe removes it (its pid is gone),
+    and never another live process's."""
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not Path(f"/proc/{pid}").exists())
+    stale, live = f"{host.PROBE_PREFIX}{dead}", f"{host.PROBE_PREFIX}1"  # pid 1 is alive
+    for name in (stale, live):
+        host.run(["ip", "netns", "add", name])
+    try:
+        host.netem_available.cache_clear()
+        host.netem_available()
+        assert stale not in host.netns_names() and live in host.netns_names()
+    finally:
+        for name in (stale, live):
+            host.run(["ip", "netns", "del", name], check=False)

@@ -1,5 +1,8 @@
 """One rank of the torch pipeline-training peer of ``bench peers`` (``python -m edgeswarm.hpp.peer_pipeline``): a
-stage per device, in the device's namespace, joined over gloo, computing as the device's class.
+stage per device, in the device's namespace, joined over gloo, computing as the device's class. With ``--replicas
+R`` the ranks are R pipelines of the same stages (rank = replica x stages + stage), each pipeline training its R-th
+of the round's batch, every stage's replicas averaging their gradients with ``DistributedDataParallel`` (torch's
+pipelining + DDP: the same replica count for every stage, as torch's 2-D layout needs).
 
 Every rank builds the zoo model from its seed (``models.zoo.build_model``, as the stage-workers do) and keeps the
 units of its stage (``models.sequence``: the same cut points and stage boundaries as our plan), runs them with
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--micro-batches", type=int, required=True)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=1, help="pipelines of the same stages, DDP between replicas")
     p.add_argument("--lr", type=float, default=0.01)
     args = p.parse_args(argv)
     result = run_rank(args)
@@ -80,18 +84,24 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
     spec = ModelSpec.model_validate_json(args.model)
     data = DatasetSpec.model_validate_json(args.data)
     bounds = [int(b) for b in args.bounds.split(",")]
-    if len(bounds) != args.world + 1 or args.world < 2:
-        return PipelineResult(world=args.world, error=f"{len(bounds) - 1} stages for {args.world} ranks: a pipeline "
-                                                      "has a stage a rank, two or more")
-    start, end = bounds[args.rank], bounds[args.rank + 1]
+    stages, replicas = len(bounds) - 1, args.replicas
+    if stages < 2 or replicas < 1 or stages * replicas != args.world:
+        return PipelineResult(world=args.world, error=f"{stages} stages x {replicas} replicas for {args.world} ranks: "
+                                                      "a pipeline has two stages or more, a rank each")
+    if args.global_batch % (replicas * args.micro_batches):
+        return PipelineResult(world=args.world, error=f"a batch of {args.global_batch} does not split into "
+                                                      f"{replicas} x {args.micro_batches} equal micro-batches")
+    index, replica = args.rank % stages, args.rank // stages
+    start, end = bounds[index], bounds[index + 1]
     model = build_model(spec)
     sequence = layer_sequence(model)
+    share = args.global_batch // replicas  # this pipeline's part of the round's batch
     # One micro-batch as it enters the stage, for the stage's shapes (BatchNorm's statistics untouched), made before
     # the model moves: the example is a host tensor.
-    sample = example_stage_input(spec, sequence, start, args.global_batch // args.micro_batches).to(compute)
+    sample = example_stage_input(spec, sequence, start, share // args.micro_batches).to(compute)
     stage_module = sequence.build_stage(start, end).to(compute)  # in place: the stage shares the model's modules
     whole = copy.deepcopy(model.to(compute))  # the single-device reference
-    first, last = args.rank == 0, args.rank == args.world - 1
+    first, last = index == 0, index == stages - 1
     dataset = open_dataset(data, spec)
 
     def batch(round_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +111,27 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=600))
     try:
-        stage = PipelineStage(emulated(stage_module, device), args.rank, args.world, compute, input_args=(sample,))
+        # Every rank makes every group, in the same order (torch's rule); each keeps its pipeline's and its stage's.
+        pipes = [dist.new_group(list(range(k * stages, (k + 1) * stages))) for k in range(replicas)]
+        peers = [dist.new_group([s + k * stages for k in range(replicas)]) for s in range(stages)]
+        module = emulated(stage_module, device)
+        if replicas > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, process_group=peers[index])
+            # DDP learns its gradients' order from the first backward of its first iteration; GPipe's first
+            # iteration runs a backward a micro-batch, and DDP then counts every parameter once each and asserts
+            # (torch 2.13's reducer). One synced backward of the example first, its gradients dropped, settles it.
+            module(sample.detach().requires_grad_(not first)).float().sum().backward()
+            stage_module.zero_grad(set_to_none=True)
+        stage = PipelineStage(module, index, stages, compute, input_args=(sample,), group=pipes[replica])
         schedule = ScheduleGPipe(stage, args.micro_batches, loss_fn=_loss, scale_grads=True)
         params = [p for p in stage_module.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=args.lr) if params else None
         times, difference, scale = [], 0.0, 0.0
         for r in range(args.rounds + 1):  # round 0: the warm-up, and the cross-check's
-            x, y = batch(r)
+            whole_x, whole_y = batch(r)
+            x, y = (t[replica * share:(replica + 1) * share] for t in (whole_x, whole_y))
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             dist.barrier()
@@ -119,7 +143,9 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
             else:
                 schedule.step()
             if r == 0:  # untimed: the weights are still the seed's, as the reference's
-                difference, scale = _against_one_device(whole, stage_module, x, y, args.micro_batches)
+                # DDP's mean over the replicas of GPipe's mean over micro-batches: the mean over all of them
+                difference, scale = _against_one_device(whole, stage_module, whole_x, whole_y,
+                                                        args.micro_batches * replicas)
             if optimizer is not None:
                 optimizer.step()
             dist.barrier()

@@ -9,11 +9,13 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from edgeswarm.errors import EdgeswarmError
 
 log = logging.getLogger(__name__)
 
+PROBE_PREFIX = "esprobe"  # netem_available's scratch namespace, named with the prober's pid
 COMMAND_TIMEOUT_S = 20.0  # one ip/tc/nft call; they return in milliseconds unless the kernel is stuck
 TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables", "iptables": "iptables", "mosquitto": "mosquitto"}
 
@@ -64,8 +66,12 @@ def netns_names() -> list[str]:
 def netem_available() -> bool:
     """Whether this kernel has ``sch_netem`` (delay, jitter and loss as a qdisc). Probed once, on a dummy link of
     a scratch namespace; some kernels (minimal VM images) are built without it."""
-    scratch = f"esprobe{os.getpid()}"
+    scratch = f"{PROBE_PREFIX}{os.getpid()}"
     try:
+        for name in netns_names():  # a probe killed by SIGKILL left its namespace behind
+            pid = name[len(PROBE_PREFIX):]
+            if name.startswith(PROBE_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                run(["ip", "netns", "del", name], check=False)
         run(["ip", "netns", "add", scratch])
         run(["ip", "link", "add", "probe0", "type", "dummy"], ns=scratch)
         return subprocess.run(["ip", "netns", "exec", scratch, "tc", "qdisc", "add", "dev", "probe0", "root", "netem",
