@@ -129,4 +129,7 @@ def main(grid: Grid, context: Context) -> None:
         result = result.model_copy(update={"error": f"{type(exc).__name__}: {exc}"[:2000]})
         raise
     finally:
-        job.out.write_text(result.model_dump_json())
+        # Whole or not at all: the bench reads the file as soon as it appears.
+        part = job.out.with_suffix(".part")
+        part.write_text(result.model_dump_json())
+        part.replace(job.out)

@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry
-from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.messages.splitfed import RoundSetup
-from edgeswarm.workloads.peers import Figure, PeerRow, PeersConfig, PeerSection
+from edgeswarm.workloads.peers import Figure, PeerRow, PeersConfig, PeerSection, peer_env
 
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus
@@ -313,7 +312,6 @@ APP_TOML = """[project]
 name = "edgeswarm-flower-peer"
 version = "1.0.0"
 description = "edgeswarm's federated job as Flower apps (edgeswarm.splitfed.peer_flower)"
-license = "Apache-2.0"
 dependencies = ["flwr>=1.42"]
 
 [tool.flwr.app]
@@ -351,9 +349,7 @@ def run_flower(running: BenchCluster, flower: Path, spec: SplitfedSpec, classes:
     (home / "config.toml").write_text(f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\naddress = "{link}"\n'
                                       "insecure = true\n")
     bin_dir = flower / "bin"
-    # Flower is no node of the cluster: of our settings it keeps only where to compute.
-    base = sharing_cores({k: v for k, v in os.environ.items()
-                          if not k.startswith("EDGESWARM_") or k == "EDGESWARM_COMPUTE"})
+    base = peer_env()
     base["PATH"] = f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"  # the SuperLink and SuperNodes start Flower's
 
     def env(node: str) -> dict[str, str]:
@@ -377,7 +373,6 @@ def run_flower(running: BenchCluster, flower: Path, spec: SplitfedSpec, classes:
             time.sleep(0.5)
         if not out.exists():
             raise EdgeswarmError(f"{PEER}: no result within {ROUND_WAIT_S * spec.rounds:.0f} s: {_tail(folder)}")
-        time.sleep(0.2)  # the ServerApp writes the file at once; let it close
         return FlowerResult.model_validate_json(out.read_text())
     finally:
         _stop(procs)

@@ -119,9 +119,7 @@ def run_ranks(running: BenchCluster, nodes: list[str], argv: Callable[[int, str,
     master = f"{running.address(nodes[0])}:{port}"
     with tempfile.TemporaryDirectory(prefix="edgeswarm-peer-") as folder:
         out = Path(folder) / "result.json"
-        # The peer is no node of the cluster: of our settings it keeps only where to compute.
-        base = sharing_cores({k: v for k, v in os.environ.items()
-                              if not k.startswith("EDGESWARM_") or k == "EDGESWARM_COMPUTE"})
+        base = peer_env()
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank, node in enumerate(nodes):
@@ -151,6 +149,13 @@ def run_ranks(running: BenchCluster, nodes: list[str], argv: Callable[[int, str,
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=30)
+
+
+def peer_env() -> dict[str, str]:
+    """The environment of a peer's processes: this one's, less our settings but where to compute (the peer is no
+    node of the cluster), sharing the host's cores as the cluster's services do (``devices.compute.sharing_cores``)."""
+    return sharing_cores({k: v for k, v in os.environ.items()
+                          if not k.startswith("EDGESWARM_") or k == "EDGESWARM_COMPUTE"})
 
 
 def rank_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
