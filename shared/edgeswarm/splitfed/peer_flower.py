@@ -94,6 +94,8 @@ server = ServerApp()
 
 @server.main()
 def main(grid: Grid, context: Context) -> None:
+    """The job's rounds with Flower's FedAvg, every SuperNode training every round, the global model scored on the
+    held-out split after each; the FlowerResult written to the job's ``out`` whatever happens."""
     job = _job(context)
     result = FlowerResult()
     try:
