@@ -351,6 +351,8 @@ def run_flower(running: BenchCluster, flower: Path, spec: SplitfedSpec, classes:
     bin_dir = flower / "bin"
     base = peer_env()
     base["PATH"] = f"{bin_dir}{os.pathsep}{base.get('PATH', '')}"  # the SuperLink and SuperNodes start Flower's
+    # A benchmark sends nothing home: no telemetry events, no check for a newer flwr (a namespace has no route out).
+    base.update({"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"})
 
     def env(node: str) -> dict[str, str]:
         return {**base, "FLWR_HOME": str(home if node == SERVER else folder / f"flwr-home-{node}")}
