@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,14 +47,17 @@ def test_the_plain_module_is_the_single_device_forward(preset: str) -> None:
         torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
 
 
-def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tuple[list[int], PeerResult]:
-    out = tmp_path / "result.json"
-    master = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm.hmp.peer_tp", "--rank", str(r), "--world",
-                               str(world), "--master", master, "--preset", preset, "--prompt",
-                               ",".join(map(str, PROMPT)), "--new-tokens", "4", "--repeats", "1", "--device-class",
-                               cls, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in range(world)]
+def _run_ranks(folder: Path, world: int, argv: list[str], rank_argv: Callable[[int], list[str]] = lambda _r: []
+               ) -> tuple[list[int], str]:
+    """``world`` ranks of ``python -m`` ``argv`` + ``--rank r`` + ``rank_argv(r)``, each stopped by its PID within
+    120 s: their exit codes, and what they wrote to stderr (for a failing assertion's message)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = [folder / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r, log_path in enumerate(logs):
+        with open(log_path, "wb") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", *argv, "--rank", str(r), *rank_argv(r)],
+                                          stdout=subprocess.DEVNULL, stderr=err))
     codes = []
     try:
         for p in procs:
@@ -63,6 +67,17 @@ def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tupl
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+    return codes, "\n".join(f"rank {r}: {log.read_text(errors='replace')[-2000:]}" for r, log in enumerate(logs))
+
+
+def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tuple[list[int], PeerResult]:
+    folder = tmp_path / f"tp-{world}"  # each run its own: never an earlier run's result
+    out = folder / "result.json"
+    codes, said = _run_ranks(folder, world, [
+        "edgeswarm.hmp.peer_tp", "--world", str(world), "--master", f"127.0.0.1:{free_port()}", "--preset", preset,
+        "--prompt", ",".join(map(str, PROMPT)), "--new-tokens", "4", "--repeats", "1", "--device-class", cls,
+        "--out", str(out)])
+    assert out.exists(), f"exit codes {codes}, no result: {said}"
     return codes, PeerResult.model_validate_json(out.read_text())
 
 
@@ -94,22 +109,14 @@ def test_the_torch_pipeline_peers_first_round_has_the_single_devices_gradients(t
     model = ModelSpec(name="lenet5", config={})
     units = unit_count(model)
     out = tmp_path / "pipeline.json"
-    master = f"127.0.0.1:{free_port()}"
     world = (len(cuts) + 1) * replicas
     bounds = ",".join(map(str, (0, *cuts, units)))
-    procs = [subprocess.Popen([sys.executable, "-m", "edgeswarm.hpp.peer_pipeline", "--rank", str(r), "--world",
-                               str(world), "--master", master, "--model", model.model_dump_json(), "--data",
-                               '{"kind": "teacher", "size": 64, "test_size": 16}', "--bounds", bounds,
-                               "--global-batch", "16", "--micro-batches", "4", "--rounds", "2", "--replicas",
-                               str(replicas), "--device-class", "jetson-nano" if r == 1 else "native", "--out",
-                               str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(world)]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    codes, said = _run_ranks(tmp_path / "ranks", world, [
+        "edgeswarm.hpp.peer_pipeline", "--world", str(world), "--master", f"127.0.0.1:{free_port()}", "--model",
+        model.model_dump_json(), "--data", '{"kind": "teacher", "size": 64, "test_size": 16}', "--bounds", bounds,
+        "--global-batch", "16", "--micro-batches", "4", "--rounds", "2", "--replicas", str(replicas), "--out",
+        str(out)], lambda r: ["--device-class", "jetson-nano" if r == 1 else "native"])
+    assert out.exists(), f"exit codes {codes}, no result: {said}"
     result = PipelineResult.model_validate_json(out.read_text())
     assert codes == [0] * world, result.error
     assert result.max_difference is not None and result.scale is not None and result.scale > 0
