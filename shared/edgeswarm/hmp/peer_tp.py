@@ -57,17 +57,13 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from edgeswarm.devices.compute import use_device_threads
-    from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.hmp.peer_model import PlainDecoder, UnevenSplitError, emulate, tensor_parallel
     from edgeswarm.models.text import reference
     from edgeswarm.models.text.hf import source_config
     from edgeswarm.values.text_model import TextModelSource
-    from edgeswarm.workloads.peers import rank_compute
+    from edgeswarm.workloads.peers import rank_device
 
-    device = DeviceProfile.of_class(args.device_class)
-    use_device_threads(device)
-    compute = rank_compute(device)
+    device, compute = rank_device(args.device_class)
     cfg = source_config(TextModelSource(preset=args.preset, layers=args.layers, seed=args.seed))
     w = {name: t.to(compute) for name, t in reference.init_weights(cfg, args.seed).items()}
     prompt = [int(t) for t in args.prompt.split(",")]

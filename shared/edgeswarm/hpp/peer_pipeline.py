@@ -70,17 +70,13 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
 
     from edgeswarm.data import open_dataset
     from edgeswarm.data.base import round_sample_ids
-    from edgeswarm.devices.compute import use_device_threads
-    from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.models.sequence import layer_sequence
     from edgeswarm.models.zoo import build_model, example_stage_input
     from edgeswarm.values.profiles import ModelSpec
     from edgeswarm.values.specs import DatasetSpec
-    from edgeswarm.workloads.peers import rank_compute
+    from edgeswarm.workloads.peers import rank_device
 
-    device = DeviceProfile.of_class(args.device_class)
-    use_device_threads(device)
-    compute = rank_compute(device)
+    device, compute = rank_device(args.device_class)
     spec = ModelSpec.model_validate_json(args.model)
     data = DatasetSpec.model_validate_json(args.data)
     bounds = [int(b) for b in args.bounds.split(",")]
@@ -122,7 +118,7 @@ def run_rank(args: argparse.Namespace) -> PipelineResult:
             # DDP learns its gradients' order from the first backward of its first iteration; GPipe's first
             # iteration runs a backward a micro-batch, and DDP then counts every parameter once each and asserts
             # (torch 2.13's reducer). One synced backward of the example first, its gradients dropped, settles it.
-            module(sample.detach().requires_grad_(not first)).float().sum().backward()
+            module(sample.detach().requires_grad_(not first)).sum().backward()
             stage_module.zero_grad(set_to_none=True)
         stage = PipelineStage(module, index, stages, compute, input_args=(sample,), group=pipes[replica])
         schedule = ScheduleGPipe(stage, args.micro_batches, loss_fn=_loss, scale_grads=True)

@@ -32,27 +32,19 @@ try:
 except ModuleNotFoundError:  # flwr is the `peers` extra
     raise missing_extra("peers") from None
 
-from edgeswarm.devices.compute import resolve_compute, use_device_threads
-from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.evaluation import held_out
 from edgeswarm.models.zoo import build_model
 from edgeswarm.runtime.program import ComputeGate
-from edgeswarm.settings import Settings
 from edgeswarm.splitfed.compute import DevicePart, Reassembly, partition_of, run_epochs
 from edgeswarm.splitfed.peers import FlowerJob, FlowerResult
 from edgeswarm.splitfed.weights import flatten
+from edgeswarm.workloads.peers import rank_device
 
 SERVER_CLASS = "edge-server"  # where the SuperLink (and its ServerApp) runs: the cluster's edge server
 
 
 def _job(context: Context) -> FlowerJob:
     return FlowerJob.model_validate_json(Path(str(context.run_config["job"])).read_text())
-
-
-def _compute(device_class: str) -> tuple[DeviceProfile, torch.device]:
-    device = DeviceProfile.of_class(device_class)
-    use_device_threads(device)
-    return device, resolve_compute(Settings().compute, device)
 
 
 client = ClientApp()
@@ -64,7 +56,7 @@ def train(msg: Message, context: Context) -> Message:
     them, the trained model and the round's figures out (``num-examples`` weighs the average)."""
     job = _job(context)
     index = int(context.node_config["partition-id"])
-    device, compute = _compute(job.classes[index])
+    device, compute = rank_device(job.classes[index], collectives=False)
     part = DevicePart(job.setup, 1, compute=compute, gate=ComputeGate(), run=device.run)
     part.load(flatten(msg.content["arrays"].to_torch_state_dict(), part.layout))
     round_index = int(msg.content["config"]["server-round"]) - 1  # Flower counts from 1, our rounds from 0
@@ -99,7 +91,7 @@ def main(grid: Grid, context: Context) -> None:
     job = _job(context)
     result = FlowerResult()
     try:
-        _, compute = _compute(SERVER_CLASS)
+        _, compute = rank_device(SERVER_CLASS, collectives=False)
         torch.manual_seed(job.seed)  # the initial weights our coordinator starts from
         model = build_model(job.setup.model).to(compute)
         dataset, _ = partition_of(job.setup)
@@ -115,8 +107,7 @@ def main(grid: Grid, context: Context) -> None:
         n = len(job.classes)
         strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n,
                           train_metrics_aggr_fn=_peaks)
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        run = strategy.start(grid=grid, initial_arrays=ArrayRecord.from_torch_state_dict(state),
+        run = strategy.start(grid=grid, initial_arrays=ArrayRecord.from_torch_state_dict(model.state_dict()),
                              num_rounds=job.rounds, evaluate_fn=evaluate)
         scores = [run.evaluate_metrics_serverapp[r] for r in range(1, job.rounds + 1)
                   if r in run.evaluate_metrics_serverapp]

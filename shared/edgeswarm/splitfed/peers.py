@@ -209,9 +209,7 @@ class FederatedPeers(PeerSection):
             before = [a + int(rate * spent) for a, rate in zip(before, idle_rate, strict=True)]
         if result.error:
             return Side(error=f"{PEER}: {result.error}")
-        return Side(accuracies=result.accuracies, losses=result.losses, round_s=result.round_s,
-                    train_s=result.train_s, peak_bytes=result.peak_bytes, rss_bytes=result.rss_bytes,
-                    link_bytes=_per_round(before, after, len(result.round_s)))
+        return Side(**result.model_dump(exclude={"error"}), link_bytes=_per_round(before, after, len(result.round_s)))
 
 
 def cell_rows(cell: str, fedavg: Side, smartsplit: Side, flower: Side) -> list[PeerRow]:

@@ -177,15 +177,19 @@ def finish_rank(args: argparse.Namespace, result: BaseModel, error: str) -> int:
     return 1 if error else 0
 
 
-def rank_compute(device: DeviceProfile) -> torch.device:
-    """Where a peer's rank computes as ``device``: where a worker of its class would (EDGESWARM_COMPUTE, resolved as
-    ``devices.compute.resolve_compute`` does; an emulated class: the CPU). Raises ConfigError for an accelerator:
-    the peers' collectives run over gloo on host tensors here."""
-    from edgeswarm.devices.compute import resolve_compute
+def rank_device(device_class: str, *, collectives: bool = True) -> tuple[DeviceProfile, torch.device]:
+    """A peer's process computing as ``device_class``: its profile (the class's slow-down), its threads applied
+    (``devices.compute.use_device_threads``), and where a worker of that class computes (EDGESWARM_COMPUTE, resolved
+    as ``devices.compute.resolve_compute`` does; an emulated class: the CPU). With ``collectives`` (torch.distributed
+    over gloo, on host tensors here) an accelerator is refused with ConfigError."""
+    from edgeswarm.devices.compute import resolve_compute, use_device_threads
+    from edgeswarm.devices.emulation import DeviceProfile
     from edgeswarm.settings import Settings
 
+    device = DeviceProfile.of_class(device_class)
+    use_device_threads(device)
     compute = resolve_compute(Settings().compute, device)
-    if compute.type != "cpu":
+    if collectives and compute.type != "cpu":
         raise ConfigError(f"the torch peers run over gloo on the CPU, and {device.device_class} computes on "
                           f"{compute}: bench peers' cells use emulated classes (or set EDGESWARM_COMPUTE=cpu)")
-    return compute
+    return device, compute
