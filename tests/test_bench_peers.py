@@ -70,7 +70,8 @@ def _run_ranks(folder: Path, world: int, argv: list[str], rank_argv: Callable[[i
     return codes, "\n".join(f"rank {r}: {log.read_text(errors='replace')[-2000:]}" for r, log in enumerate(logs))
 
 
-def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tuple[list[int], PeerResult]:
+def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tuple[list[int], PeerResult, str]:
+    """``world`` tensor-parallel ranks: their exit codes, rank 0's result and what they wrote to stderr."""
     folder = tmp_path / f"tp-{world}"  # each run its own: never an earlier run's result
     out = folder / "result.json"
     codes, said = _run_ranks(folder, world, [
@@ -78,12 +79,12 @@ def _ranks(tmp_path: Path, world: int, preset: str, cls: str = "native") -> tupl
         "--prompt", ",".join(map(str, PROMPT)), "--new-tokens", "4", "--repeats", "1", "--device-class", cls,
         "--out", str(out)])
     assert out.exists(), f"exit codes {codes}, no result: {said}"
-    return codes, PeerResult.model_validate_json(out.read_text())
+    return codes, PeerResult.model_validate_json(out.read_text()), said
 
 
 def test_the_torch_tensor_parallel_peer_equals_one_device_and_says_when_torch_cannot_split(tmp_path: Path) -> None:
-    codes, result = _ranks(tmp_path, 2, "llama-tiny", "jetson-nano-l")
-    assert codes == [0, 0], result.error
+    codes, result, said = _ranks(tmp_path, 2, "llama-tiny", "jetson-nano-l")
+    assert codes == [0, 0], f"{result.error}\n{said}"
     assert result.max_difference is not None and result.scale is not None
     assert result.max_difference <= 1e-5 * max(1.0, result.scale), result
     cfg = PRESETS["llama-tiny"]
@@ -91,7 +92,7 @@ def test_the_torch_tensor_parallel_peer_equals_one_device_and_says_when_torch_ca
                                                                           PROMPT, 4)
     assert result.ttft_s is not None and result.tpot_s is not None and result.ttft_s > 0 < result.tpot_s
     # llama-tiny has 2 KV heads: torch cannot split them evenly over 3 ranks, and the peer says so.
-    codes, refused = _ranks(tmp_path, 3, "llama-tiny")
+    codes, refused, _ = _ranks(tmp_path, 3, "llama-tiny")
     assert codes[0] == 1 and refused.ttft_s is None
     assert "2 KV heads" in refused.error and "do not divide over 3 devices" in refused.error, refused.error
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from datetime import timedelta
 
@@ -117,4 +116,6 @@ def run_rank(args: argparse.Namespace) -> PeerResult:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgeswarm.workloads.peers import exit_rank
+
+    exit_rank(main())

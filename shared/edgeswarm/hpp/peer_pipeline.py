@@ -18,7 +18,6 @@ calling thread's CPU time times the slow-down), not the sends and receives betwe
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -245,4 +244,6 @@ def emulated(stage: nn.Module, device: DeviceProfile) -> nn.Module:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgeswarm.workloads.peers import exit_rank
+
+    exit_rank(main())

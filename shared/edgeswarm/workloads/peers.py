@@ -15,6 +15,7 @@ import argparse
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -175,6 +176,15 @@ def finish_rank(args: argparse.Namespace, result: BaseModel, error: str) -> int:
     if args.rank == 0:
         args.out.write_text(result.model_dump_json())
     return 1 if error else 0
+
+
+def exit_rank(code: int) -> None:
+    """End a peer's rank process with ``code`` once its result is written: stdio flushed, then ``os._exit``. The
+    interpreter's teardown would run the destructors of gloo's and torch's threads after the process group is gone,
+    and a rank whose work was done (past the last barrier, its peer's result written) was seen to abort there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rank_device(device_class: str, *, collectives: bool = True) -> tuple[DeviceProfile, torch.device]:
