@@ -319,6 +319,7 @@ _MODEL_COST = ("record", {
 _SPLIT_DEVICE = ("record", {
     "node": "str", "mec": "str", "speed_flops": "number", "link_bytes_s": "number", "link_message_s": "number",
     "budget_bytes": "int", "samples": "int", "dis": "number", "stat": "number", "available": "bool",
+    "setup_s": "number",
 })
 _SPLIT_MEC = ("record", {"node": "str", "speed_flops": "number"})
 _SPLIT_OPTIONS = ("record", {
@@ -350,7 +351,8 @@ _ROUND_SETUP = ("record", {
 _DEVICE_REPORT = ("record", {
     "node": "str", "outcome": ("enum", {"trained", "failed", "lost", "refused", "skipped"}), "cut": "int",
     "samples": "int", "iterations": "int", "loss": "number?", "loss_sq_sum": "number", "peak_bytes": "int",
-    "budget_bytes": "int", "recompute": "str", "pruned": "int", "compute_s": "number", "dis": "number?",
+    "budget_bytes": "int", "recompute": "str", "pruned": "int", "compute_s": "number", "setup_s": "number",
+    "dis": "number?",
     "stat": "number?", "detail": "str",
 })
 _SPLITFED_PROGRESS = {
@@ -363,7 +365,7 @@ _SPLITFED_PROGRESS = {
         "participants": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "outcome": "str",
                                              "peak_bytes": "int", "loss": "number?", "samples": "int",
                                              "recompute": "str", "iterations": "int",
-                                             "compute_s": "number"}))})),
+                                             "compute_s": "number", "setup_s": "number"}))})),
 }
 
 _ANY_PLAN = ("tagged", "workload", {"train": _TRAIN_PLAN, "serve-pipeline": _SERVE_PLAN_FIELDS,

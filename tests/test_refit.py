@@ -316,6 +316,27 @@ def test_splitfed_rounds_are_refitted_from_the_rounds_measured_before() -> None:
     assert refitted_s(slower, 4.0) == pytest.approx(12.0)
 
 
+def test_a_splitfed_round_is_predicted_over_the_candidates_that_trained() -> None:
+    """With gamma > 1 the planner prices every candidate and the MECs train K of them: a round whose slowest
+    candidate was not picked is predicted at its participants' slowest planned round, not at T_system."""
+    from edgeswarm.planning.splitfed.types import DeviceCut, SplitSelection
+    from edgeswarm.splitfed.coordinator import participants_s
+    from edgeswarm.splitfed.spec import ParticipantRecord
+
+    selection = SplitSelection(selected=[DeviceCut(node=n, mec="edge", cut=3, round_s=t, memory_bytes=1)
+                                         for n, t in (("slow", 1.4), ("mid", 0.4), ("fast", 0.2))],
+                               objective=1.0, t_system_s=1.4, target_cut=3, count=3, evaluations=1, solver="bo")
+
+    def took_part(*outcomes: tuple[str, str]) -> list[ParticipantRecord]:
+        return [ParticipantRecord(node=n, mec="edge", cut=3, outcome=o) for n, o in outcomes]
+
+    assert participants_s(selection, took_part(("mid", "trained"), ("fast", "trained"))) == 0.4
+    assert participants_s(selection, took_part(("slow", "trained"), ("fast", "trained"))) == 1.4
+    # A candidate that failed trained nothing; with none trained, the plan's own figure.
+    assert participants_s(selection, took_part(("slow", "failed"), ("fast", "trained"))) == 0.2
+    assert participants_s(selection, []) == 1.4
+
+
 def test_a_job_s_measured_speeds_are_blended_with_the_history_weighted_by_rounds(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from edgeswarm.profiling.cache import ProfileCache
     from edgeswarm.profiling.refits import HISTORY_ROUNDS, save_scales, saved_scales

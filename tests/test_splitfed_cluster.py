@@ -122,7 +122,8 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
     for record in progress.history:
         trained = [p for p in record.participants if p.outcome == "trained"]
         assert len(trained) == 2, record
-        assert all(1 <= p.cut < 12 and p.peak_bytes > 0 and p.loss is not None for p in trained), record
+        assert all(1 <= p.cut < 12 and p.peak_bytes > 0 and p.loss is not None and p.setup_s > 0 for p in trained), \
+            record
     # The closed loop corrects the planner's round time from the rounds measured before (round 0, the warm-up, left
     # out): nothing to go on for rounds 0 and 1; round 2 is priced as round 1 went (its gap to the prediction added,
     # or its ratio, had it run faster than predicted).

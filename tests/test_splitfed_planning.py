@@ -182,6 +182,22 @@ def test_every_message_on_the_device_link_is_priced() -> None:
     assert round_time(model, dev, mec, 2, paper) == round_time(model, free, mec, 2, paper)
 
 
+def test_a_devices_measured_setup_is_priced_in_every_cut_of_its_round() -> None:
+    """The seconds a device's earlier rounds took before their first step (its part built, the weights loaded, its
+    data read) add to its round whatever the cut, in the table the solvers read and in T_i(j) alike."""
+    model = chain_model(units=6, batch_size=8)
+    fresh = SplitDevice(node="d", mec="m", speed_flops=2e9, link_bytes_s=5e6, budget_bytes=10**10, samples=20)
+    measured = fresh.model_copy(update={"setup_s": 0.06})
+    mec = SplitMec(node="m", speed_flops=1e11)
+    for mode in ("usplit", "vanilla", "paper"):
+        opts = SplitOptions(epochs=3, latency_model=mode, tail=1 if mode == "usplit" else 0)
+        before, after = cost_table(model, [fresh], [mec], opts), cost_table(model, [measured], [mec], opts)
+        assert after.fixed_s - before.fixed_s == pytest.approx(np.full_like(before.fixed_s, 0.06))
+        for cut in range(1, before.fixed_s.shape[1] + 1):
+            assert round_time(model, measured, mec, cut, opts) - round_time(model, fresh, mec, cut, opts) == \
+                pytest.approx(0.06)
+
+
 # --- U5: objective, decode and the three solvers -------------------------------------------------------
 
 

@@ -55,8 +55,9 @@ class DeviceReport(BaseModel):
     samples (full local set, the FedAvg weight), iterations run, mean loss and the sum of squared per-sample
     losses (Eq. 7's input: only scalars leave the device), its measured peak training bytes and budget, the
     recomputation it used, the seconds its own computes took (``compute_s``: forward, backward and update of its
-    parts, as the device computes them) and the MEC's estimate of its label skew (``dis``, nats) and statistical
-    utility (``stat``)."""
+    parts, as the device computes them), the seconds before its first step (``setup_s``: its part built, the weights
+    loaded, its memory planned and its partition read) and the MEC's estimate of its label skew (``dis``, nats) and
+    statistical utility (``stat``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -72,6 +73,7 @@ class DeviceReport(BaseModel):
     recompute: str = Field(default="", max_length=256)
     pruned: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0.0)
+    setup_s: float = Field(default=0.0, ge=0.0)
     dis: float | None = Field(default=None, ge=0.0)
     stat: float | None = Field(default=None, ge=0.0)
     detail: str = Field(default="", max_length=1024)

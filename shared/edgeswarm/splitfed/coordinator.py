@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
+from statistics import median
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +79,7 @@ TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the clo
 MIN_FIT_S = 0.05
 # Rounds a device's scale is fitted from before the rounds plan on it: its first round also builds its part.
 MIN_FIT_ROUNDS = 2
+FIXED_WINDOW = 5  # rounds a measured fixed cost (a device's setup, the coordinator's requests) is the median of
 
 
 class SplitfedRunner(RoundProgram):
@@ -103,6 +106,11 @@ class SplitfedRunner(RoundProgram):
         self.applied: dict[str, float] = {}
         self.base: dict[str, float] = {}  # what earlier jobs measured of each device, applied to its profiled speed
         self.measured = gather.Measured()
+        # What the planner's model leaves out, as measured: each device's seconds before its first step (its first
+        # round in the job, which builds more, left out) and the coordinator's own requests before a round's MECs
+        # start (the planner's, the enrolment, the start).
+        self.setups: dict[str, deque[float]] = {}
+        self.control: deque[float] = deque(maxlen=FIXED_WINDOW)
 
     # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
@@ -155,7 +163,8 @@ class SplitfedRunner(RoundProgram):
         self._measure(devices, mecs, mec_of)
         started = time.monotonic()
         split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self._planned_speeds(),
-                                             spec.memory_budget_bytes)
+                                             spec.memory_budget_bytes,
+                                             {n: median(s) for n, s in self.setups.items() if s})
         options = SplitOptions(
             participants=spec.participants, gamma=spec.gamma if spec.mode == "smartsplit" else 1.0, lam=spec.lam,
             tail=self.training.tail if self.training.mode == "usplit" else 0, epochs=self.training.epochs,
@@ -191,11 +200,13 @@ class SplitfedRunner(RoundProgram):
         self.used.update((m, MEC_MANAGER) for m in starts)
         flat = flatten(self.state, self.layout)
         running = [m for m in starts if self._start_on(m, starts[m], flat)]
+        control_s = time.monotonic() - started
         ctx.update("running", plan=selection, event=("round_started", _describe(r, selection, running)))
         updates = self._collect(r, {m: starts[m] for m in running}, flat, selection)
         wan = self.layout.numel * 4 * (len(running) + self.restarts)
         self.state, record = self._aggregate(r, self.state, updates, selection, started, wan, left_out)
         self._learn(record, options)
+        self.control.append(control_s)
         self.model.load_state_dict(self.state)
         accuracy, loss = held_out(self.model, self.dataset, batch_size=256)
         record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
@@ -342,7 +353,8 @@ class SplitfedRunner(RoundProgram):
                 participants.append(ParticipantRecord(node=rep.node, mec=update.mec, cut=rep.cut,
                                                       outcome=rep.outcome, peak_bytes=rep.peak_bytes, loss=rep.loss,
                                                       samples=rep.samples, recompute=rep.recompute,
-                                                      iterations=rep.iterations, compute_s=rep.compute_s))
+                                                      iterations=rep.iterations, compute_s=rep.compute_s,
+                                                      setup_s=rep.setup_s))
                 if rep.dis is not None or rep.stat is not None:
                     old = self.estimates.get(rep.node)
                     self.estimates[rep.node] = gather.Estimates(
@@ -354,8 +366,9 @@ class SplitfedRunner(RoundProgram):
                 # it (whole models for FedAvg, every batch's activations and gradients for SplitFed) is WAN traffic.
                 wan += update.lan_bytes
         lost_mecs = sorted(set(mec_of.values()) - set(updates))
-        record = RoundRecord(round=r, participants=participants, predicted_s=selection.t_system_s,
-                             refitted_s=refitted_s(self.history, selection.t_system_s),
+        predicted = participants_s(selection, participants) + (median(self.control) if self.control else 0.0)
+        record = RoundRecord(round=r, participants=participants, predicted_s=predicted,
+                             refitted_s=refitted_s(self.history, predicted),
                              round_s=time.monotonic() - started,
                              lan_bytes=sum(u.lan_bytes for u, _ in updates.values()), wan_bytes=wan,
                              refused=sum(u.refused for u, _ in updates.values()),
@@ -365,10 +378,15 @@ class SplitfedRunner(RoundProgram):
     def _learn(self, record: RoundRecord, options: SplitOptions) -> None:
         """Each device that trained in ``record``: its measured compute over what its profiled speed predicts for its
         cut and iterations, into the fit (a device that recomputed, or whose round computes too little, is left
-        out)."""
+        out); its seconds before its first step, into its setup (from its second round in the job)."""
         predicted, measured = {}, {}
         costs = cut_costs(self.cost, options)
         for p in record.participants:
+            if p.outcome == "trained":
+                if p.node in self.setups:
+                    self.setups[p.node].append(p.setup_s)
+                else:  # its first round in the job: the part's first build, the data's first read
+                    self.setups[p.node] = deque(maxlen=FIXED_WINDOW)
             speed = self.measured.speeds.get(p.node)
             if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
                 continue
@@ -482,6 +500,16 @@ class SplitfedRunner(RoundProgram):
 
 
 REFIT_WINDOW = 8  # the rounds the closed loop fits on: recent enough to follow a cluster that changes
+
+
+def participants_s(selection: SplitSelection, participants: list[ParticipantRecord]) -> float:
+    """The round ``selection`` planned, as it ran: the slowest planned round of the devices that trained (seconds).
+    The planner prices every candidate it selects (``t_system_s``); with gamma > 1 the MECs' importance scheduling
+    then trains only K of them, and a round whose slowest candidate was not picked takes a fraction of T_system.
+    ``t_system_s`` when no planned device trained."""
+    trained = {p.node for p in participants if p.outcome == "trained"}
+    times = [c.round_s for c in selection.selected if c.node in trained]
+    return max(times) if times else selection.t_system_s
 
 
 def refitted_s(history: list[RoundRecord], predicted_s: float) -> float | None:

@@ -89,9 +89,11 @@ def budget_bytes(view: NodeView, cap: int) -> int:
 
 
 def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str], samples: dict[str, int],
-                  estimates: dict[str, Estimates], measured: Measured, cap: int) -> list[SplitDevice]:
+                  estimates: dict[str, Estimates], measured: Measured, cap: int,
+                  setups: dict[str, float] | None = None) -> list[SplitDevice]:
     """The central manager's view of ``devices`` (online nodes of ``view``, each measured), each under
-    ``mec_of[device]`` (measured too)."""
+    ``mec_of[device]`` (measured too), with its measured seconds before a round's first step (``setups``; 0 where
+    none)."""
     out = []
     for node in devices:
         nv, link = view.node(node), measured.links.get((node, mec_of[node]))
@@ -101,7 +103,8 @@ def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str],
         out.append(SplitDevice(node=node, mec=mec_of[node], speed_flops=measured.speeds[node],
                                link_bytes_s=link.bandwidth_bps, link_message_s=link.per_message_s,
                                budget_bytes=budget_bytes(nv, cap), samples=samples.get(node, 0),
-                               dis=est.dis if est else 0.0, stat=est.stat if est else float(samples.get(node, 0))))
+                               dis=est.dis if est else 0.0, stat=est.stat if est else float(samples.get(node, 0)),
+                               setup_s=(setups or {}).get(node, 0.0)))
     return out
 
 

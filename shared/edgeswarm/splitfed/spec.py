@@ -81,7 +81,8 @@ class SplitfedSpec(BaseModel):
 
 class ParticipantRecord(BaseModel):
     """One device in one round: its MEC, cut, outcome, measured peak training memory (bytes), mean loss, the
-    iterations it trained and the seconds its own computes took."""
+    iterations it trained, the seconds its own computes took and the seconds before its first step (DeviceReport's
+    ``setup_s``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -95,12 +96,15 @@ class ParticipantRecord(BaseModel):
     recompute: str = Field(default="", max_length=256)
     iterations: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0.0)
+    setup_s: float = Field(default=0.0, ge=0.0)
 
 
 class RoundRecord(BaseModel):
     """One finished round: its participants, held-out accuracy and loss of the aggregated model, the predicted and
     measured round time (seconds, from its plan to its aggregated model: profiling a node first seen is the job's
-    setup, announced by its own ``profiling`` event, not the round's work) and ``refitted_s``, the prediction as the
+    setup, announced by its own ``profiling`` event, not the round's work; predicted: the slowest planned round of
+    the devices that trained, ``splitfed.coordinator.participants_s``, and the coordinator's own requests before the
+    MECs start as earlier rounds measured them) and ``refitted_s``, the prediction as the
     closed loop corrected it from the rounds before (``splitfed.coordinator.refitted_s``: the fixed per-round costs
     and the devices' real speed; None until rounds are measured), the bytes the U-split moved on the MECs' LANs and
     the bytes that crossed the WAN (models between the coordinator and the MECs or the devices), updates refused,

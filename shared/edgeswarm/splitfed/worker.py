@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -181,6 +182,7 @@ class DeviceProgram(JobTable[_Job]):
         weights = torch.zeros(0)
         try:
             use_device_threads(self.ctx.device)  # this round's thread computes as the device: its threads, its speed
+            began = time.monotonic()
             part = DevicePart(enrol.setup, part_msg.cut, compute=self.ctx.compute, gate=self.ctx.gate,
                               run=self.ctx.device.run)
             budget = self._budget(enrol)
@@ -188,7 +190,7 @@ class DeviceProgram(JobTable[_Job]):
                                     f"{enrol.job_id}'s device part (cut {part_msg.cut})")
             part.load(flat)
             part.plan_memory(budget)
-            report = self._epochs(job, part, r, budget, stop)
+            report = self._epochs(job, part, r, budget, stop, began)
             weights = part.flat()
         except (ExchangeTimeout, ExchangeFailed, ExchangeAborted) as exc:
             report = report.model_copy(update={"detail": f"the MEC's tensors stopped: {exc}"[:1024]})
@@ -212,9 +214,12 @@ class DeviceProgram(JobTable[_Job]):
         except EdgeswarmError as exc:
             log.warning("splitfed job %s round %d: could not send the trained part: %s", enrol.job_id, r, exc)
 
-    def _epochs(self, job: _Job, part: DevicePart, r: int, budget: int, stop: threading.Event) -> DeviceReport:
+    def _epochs(self, job: _Job, part: DevicePart, r: int, budget: int, stop: threading.Event,
+                began: float) -> DeviceReport:
+        """The round's epochs; ``began``: when its work began (monotonic seconds), for its setup time."""
         enrol, training = job.enrol, job.enrol.setup.training
         data = part.partition_data(enrol.index)
+        setup_s = time.monotonic() - began
         done = run_epochs(part, data, enrol.index, r,
                           lambda step, x, y, last: self._iteration(job, part, r, step, x, y, last), stop)
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
@@ -224,7 +229,7 @@ class DeviceProgram(JobTable[_Job]):
                             iterations=done.iterations, loss=None if vanilla or not finite else mean,
                             loss_sq_sum=squares if finite else 0.0, detail="" if finite else "its losses diverged",
                             peak_bytes=part.peak_bytes, budget_bytes=budget, recompute=part.recompute_summary,
-                            pruned=done.pruned, compute_s=part.compute_s)
+                            pruned=done.pruned, compute_s=part.compute_s, setup_s=setup_s)
 
     def _iteration(self, job: _Job, part: DevicePart, r: int, step: int, x: torch.Tensor, y: torch.Tensor,
                    last: bool) -> np.ndarray:

@@ -14,6 +14,9 @@ j+1..V-h on the MEC; ``j = V-h`` offloads nothing (local training). Three latenc
 - ``paper``: Eq. 4 read literally, one iteration with one transfer of O(j), no tail, no round structure, no
   per-message cost.
 
+Every model adds the device's ``setup_s`` to its round whatever the cut: what its earlier rounds measured before
+their first step (the part built, the weights loaded, the data read; 0 until measured).
+
 Units: bytes, FLOPs, FLOP/s, bytes per second, seconds.
 """
 
@@ -257,8 +260,9 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
         iters = np.array([iterations(d.samples, model.batch_size, options.epochs) for d in devices],
                          dtype=np.float64)[:, None]
         sync = 2.0 * costs.device_params[None, :] / link + costs.sync_messages[None, :] * message
+    setup = np.array([d.setup_s for d in devices], dtype=np.float64)[:, None]
     fixed = iters * (costs.device_flops[None, :] / speed + costs.transfer_bytes[None, :] / link
-                     + costs.transfer_messages[None, :] * message) + sync
+                     + costs.transfer_messages[None, :] * message) + sync + setup
     memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
     fits = memory <= budget
     if options.plan_with_recompute:
@@ -295,15 +299,15 @@ def feasible_cuts(model: ModelCost, device: SplitDevice, options: SplitOptions) 
 def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, options: SplitOptions,
                sharing: int = 1, recompute_s: float = 0.0) -> float:
     """T_i(j) seconds (spec 4.2): E ceil(|D|/B) t_iter + 2 P_dev(j) / r (and their messages) + T_recompute;
-    under ``paper`` Eq. 4 literally (one iteration's t_iter)."""
+    under ``paper`` Eq. 4 literally (one iteration's t_iter); either with the device's measured ``setup_s``."""
     costs = cut_costs(model, options)
     t = iteration_time(costs, cut, device.speed_flops, device.link_bytes_s, mec.speed_flops, sharing,
                        device.link_message_s)
     if options.latency_model == "paper":
-        return t
+        return t + device.setup_s
     its = iterations(device.samples, model.batch_size, options.epochs)
     return (its * t + 2.0 * float(costs.device_params[cut - 1]) / device.link_bytes_s
-            + float(costs.sync_messages[cut - 1]) * device.link_message_s + recompute_s)
+            + float(costs.sync_messages[cut - 1]) * device.link_message_s + recompute_s + device.setup_s)
 
 
 def device_compute_s(costs: CutCosts, cut: int, iterations: int, speed_flops: float) -> float:

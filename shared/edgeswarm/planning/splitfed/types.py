@@ -68,8 +68,9 @@ class SplitDevice(BaseModel):
     """One device as the central manager sees it: its MEC, speed, link rate to that MEC and what one message on that
     link costs beyond its bytes (``link_message_s``, seconds one way: the link's and the platform's per-message cost,
     ``LinkProfile.per_message_s``; 0 prices bytes only, as the paper does), memory budget for training now, local
-    data set size and the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and statistical utility
-    (``stat``, Eq. 7)."""
+    data set size, the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and statistical utility
+    (``stat``, Eq. 7), and ``setup_s``, the seconds a round costs it before its first step whatever its cut (its part
+    built, the weights loaded, its data read: as its earlier rounds measured it; 0 prices none, as the paper)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -83,6 +84,7 @@ class SplitDevice(BaseModel):
     dis: NonNegative = 0.0
     stat: NonNegative = 0.0
     available: bool = True
+    setup_s: NonNegative = 0.0
 
 
 class SplitMec(BaseModel):
