@@ -34,6 +34,7 @@ from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_BATCH_LABELS = 4096
 MAX_ROUND = (1 << 31) - 1
+MAX_SETUP_S = 3600.0  # a device's seconds before a round's first step that a report may claim (the planner prices it)
 SplitTensorKind = Literal["activation", "middle", "tail_gradient", "cut_gradient"]
 DeviceOutcome = Literal["trained", "failed", "lost", "refused", "skipped"]
 
@@ -73,7 +74,7 @@ class DeviceReport(BaseModel):
     recompute: str = Field(default="", max_length=256)
     pruned: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0.0)
-    setup_s: float = Field(default=0.0, ge=0.0)
+    setup_s: float = Field(default=0.0, ge=0.0, le=MAX_SETUP_S)
     dis: float | None = Field(default=None, ge=0.0)
     stat: float | None = Field(default=None, ge=0.0)
     detail: str = Field(default="", max_length=1024)

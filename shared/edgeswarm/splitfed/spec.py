@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from edgeswarm.messages.splitfed import MAX_ROUND
+from edgeswarm.messages.splitfed import MAX_ROUND, MAX_SETUP_S
 from edgeswarm.planning.splitfed.types import MAX_SPLIT_DEVICES, Solver
 from edgeswarm.values.federated import LocalTraining, PartitionSpec, RecomputePolicy, ThetaMode
 from edgeswarm.values.limits import MAX_MEMORY_BYTES, MAX_UNITS
@@ -96,7 +96,7 @@ class ParticipantRecord(BaseModel):
     recompute: str = Field(default="", max_length=256)
     iterations: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0.0)
-    setup_s: float = Field(default=0.0, ge=0.0)
+    setup_s: float = Field(default=0.0, ge=0.0, le=MAX_SETUP_S)
 
 
 class RoundRecord(BaseModel):
@@ -104,11 +104,10 @@ class RoundRecord(BaseModel):
     measured round time (seconds, from its plan to its aggregated model: profiling a node first seen is the job's
     setup, announced by its own ``profiling`` event, not the round's work; predicted: the slowest planned round of
     the devices that trained, ``splitfed.coordinator.participants_s``, and the coordinator's own requests before the
-    MECs start as earlier rounds measured them) and ``refitted_s``, the prediction as the
-    closed loop corrected it from the rounds before (``splitfed.coordinator.refitted_s``: the fixed per-round costs
-    and the devices' real speed; None until rounds are measured), the bytes the U-split moved on the MECs' LANs and
-    the bytes that crossed the WAN (models between the coordinator and the MECs or the devices), updates refused,
-    devices left out."""
+    MECs start as earlier rounds measured them) and ``refitted_s``, the prediction as the closed loop corrected it
+    from the rounds before (``splitfed.coordinator.refitted_s``: the fixed per-round costs and the devices' real
+    speed; None until rounds are measured), the bytes the U-split moved on the MECs' LANs and the bytes that crossed
+    the WAN (models between the coordinator and the MECs or the devices), updates refused, devices left out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
