@@ -444,10 +444,10 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     """A third device's services started while a job trains on two: the job re-plans with it at the next round
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
     # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
-    # its stage-worker at round 1 makes it appear. Only that one service must then start, and the device be profiled
-    # (its compute a cache hit: it is like the others), while the job runs: 30 rounds of about a second leave it half a
-    # minute (alone it joined at round 5). (With all its services started at round 1, beside another worker's browser
-    # test, joining once took more than 16 rounds of 2.6 s.)
+    # its stage-worker at round 1 makes it appear. Only that one service must then start, and the device be profiled,
+    # while the job runs: 30 rounds of about a second leave it half a minute (alone it joined at round 5). (With all
+    # its services started at round 1, beside another worker's browser test, joining once took more than 16 rounds of
+    # 2.6 s.)
     # The late device computes 3x as fast as the others: the plan with it gains far more than its links, profiled
     # while the job's own traffic runs, can cost (alike, a loaded machine once priced the grown plan 0.412 s a round
     # against 0.401 s, and the coordinator rightly kept its plan).

@@ -7,7 +7,6 @@ event; the job saves it, and the next job's first round is planned on it."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.spec import SplitfedProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, submit_job
-from helpers import wait_for_peers
+from helpers import wait_for_peers, wait_until
 
 NODES = ("a", "b", "c")
 MEC = "edge-0"
@@ -68,15 +67,16 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
             "partition": {"kind": "iid", "devices": 3, "seed": 1},
             "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0}
     # The coordinator counts the stage-workers it sees online; on a loaded machine its view may lag this bus's.
-    deadline = time.monotonic() + 60
-    while True:  # bounded: a minute
+    def submitted() -> bool:
         try:
             submit_job(bus, json.dumps(spec), submission=follower.submission)
-            break
         except JobRequestError as exc:
-            if "stage-workers are online" not in str(exc) or time.monotonic() > deadline:
+            if "stage-workers are online" not in str(exc):
                 raise
-            time.sleep(1.0)
+            return False
+        return True
+
+    wait_until(submitted, 60, interval_s=1.0, message="the coordinator to count the three stage-workers online")
     final = follower.wait(300)
     assert final.status == "succeeded", (final.status, final.detail, [(e.kind, e.detail) for e in events])
     history = final.progress_as(SplitfedProgress).history
