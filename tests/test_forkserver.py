@@ -14,10 +14,10 @@ import pytest
 
 from edgeswarm.cli.chaos import read_cmdline
 from edgeswarm.local.broker import BrokerProcess
-from edgeswarm.local.forkserver import ForkServer, ForkServerError
+from edgeswarm.local.forkserver import DIE_WITH_PARENT_ENV, NETNS_DIR, ForkServer, ForkServerError
 from edgeswarm.runtime.client import ClusterWatcher, client_bus
 from edgeswarm.settings import Settings
-from helpers import wait_until
+from helpers import netns_unavailable, wait_until
 
 
 @pytest.fixture
@@ -106,3 +106,42 @@ def test_the_server_loads_openmp_with_sleeping_waits_for_processes_sharing_the_c
     assert f"OMP_WAIT_POLICY={policy}".encode() in environ, environ
     assert local_service_env("n", "mqtt://127.0.0.1:1", device_class="native")["OMP_WAIT_POLICY"] == policy
     assert sharing_cores({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}  # a user's choice stays
+
+
+def test_a_childs_proc_environ_is_its_own_environment(server: ForkServer, tmp_path: Path) -> None:
+    """What an operator (and the netns tests) read as a service's environment: its request's, not the server's."""
+    env = {"EDGESWARM_HUB_URL": "mqtt://127.0.0.1:9", "EDGESWARM_NODE_ID": "env-a", "MARK": "x" * 3000,
+           DIE_WITH_PARENT_ENV: "1"}
+    child = server.spawn("node-agent", env, tmp_path / "env.log")
+    try:
+        def environ() -> dict[str, str]:
+            raw = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
+            return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+        wait_until(lambda: environ().get("EDGESWARM_NODE_ID") == "env-a", 10, message="the child's environ")
+        assert environ() == {**env, DIE_WITH_PARENT_ENV: str(server.pid)}
+    finally:
+        child.kill()
+        child.wait(30)
+
+
+@pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
+def test_a_child_runs_in_the_network_namespace_its_request_names(server: ForkServer, tmp_path: Path) -> None:
+    name = f"esfork{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        child = server.spawn("node-agent", {"EDGESWARM_HUB_URL": "mqtt://127.0.0.1:9"}, tmp_path / "ns.log",
+                             netns=name)
+        try:
+            pinned = os.stat(NETNS_DIR / name).st_ino
+            wait_until(lambda: os.stat(f"/proc/{child.pid}/ns/net").st_ino == pinned, 10,
+                       message="the child in the namespace")
+            assert os.stat(f"/proc/{server.pid}/ns/net").st_ino != pinned  # the server stays where it was
+        finally:
+            child.kill()
+            child.wait(30)
+        missing = server.spawn("node-agent", {}, tmp_path / "missing.log", netns=f"{name}-none")
+        assert missing.wait(60) == 1
+        assert f"cannot enter network namespace {name}-none" in (tmp_path / "missing.log").read_text()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)

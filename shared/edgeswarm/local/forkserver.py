@@ -8,10 +8,12 @@ starts in milliseconds.
 
 A child is what ``edgeswarm service NAME`` would be: its argument list (``/proc/PID/cmdline``, what ``ps`` and
 ``chaos`` read, is rewritten to it), its environment (replaced whole, so ``EDGESWARM_*`` settings are read from it
-exactly as from a fresh process's), stdin from /dev/null, stdout and stderr appended to its log, signal handlers as
-Python installs them, ``random`` and numpy reseeded from the operating system (a fresh interpreter seeds them so;
-torch's default generator starts from its fixed seed in both), and it exits as an interpreter does (threads joined,
-``atexit`` run, output flushed; the interpreter is not torn down, see ``_leave``). What differs: it is the server's
+exactly as from a fresh process's; ``/proc/PID/environ`` is rewritten to it too), its network namespace when the
+request names one (``ip netns exec``'s, without its private mount of ``/sys``, which no service reads), stdin
+from /dev/null, stdout and stderr appended to its log, signal handlers as Python installs them, ``random`` and
+numpy reseeded from the operating system (a fresh interpreter seeds them so; torch's default generator starts from
+its fixed seed in both), and it exits as an interpreter does (threads joined, ``atexit`` run, output flushed; the
+interpreter is not torn down, see ``_leave``). What differs: it is the server's
 child, not the launcher's, so it dies with the server (SIGTERM, as a service of the launcher dies with it), the
 server dies with the launcher, and ``EDGESWARM_DIE_WITH_PARENT`` is rewritten to name the server.
 
@@ -54,6 +56,12 @@ UNKNOWN_STATUS = 255
 _MAX_LINE = 16 * 1024 * 1024
 # Spare bytes on the server's command line, which each child overwrites with its own (``_retitle``).
 TITLE_ROOM = 512
+# Spare bytes in the server's environment, which each child overwrites with its own (``_rewrite_environ``): a
+# service's is 3 to 5 KiB.
+ENV_ROOM = 32 * 1024
+_ROOM_VARIABLE = "EDGESWARM_FORKSERVER_ROOM"
+NETNS_DIR = Path("/run/netns")  # where ``ip netns add`` pins a namespace, by name
+_CLONE_NEWNET = 0x40000000
 
 
 class ForkServerError(EdgeswarmError):
@@ -68,6 +76,7 @@ class SpawnRequest(BaseModel):
     service: str = Field(min_length=1, max_length=128)
     env: dict[str, str]
     log_path: str
+    netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class Spawned(BaseModel):
@@ -215,11 +224,18 @@ def _become(request: SpawnRequest, server: int, stdin: int, stdout: int, out: in
     os.dup2(out, stdout)
     os.dup2(out, sys.stderr.fileno())
     os.close(out)
+    if request.netns is not None:
+        try:
+            _enter_netns(request.netns)
+        except OSError as exc:
+            print(f"cannot enter network namespace {request.netns}: {exc}", file=sys.stderr)
+            _leave(1)
     env = dict(request.env)
     if DIE_WITH_PARENT_ENV in env:  # what ``edgeswarm service`` checks: its parent is the server now
         env[DIE_WITH_PARENT_ENV] = str(server)
-    os.environ.clear()
+    os.environ.clear()  # unsets each: the C library's environment then points into the area no more
     os.environ.update(env)
+    _rewrite_environ(env)
     _reseed()
     import edgeswarm
     from edgeswarm.cli.service import service_process
@@ -266,14 +282,55 @@ def _retitle(argv: list[str]) -> None:
     """Write ``argv`` over this process's argument area, so that ``/proc/PID/cmdline`` (``ps``, and ``chaos``, which
     checks a pid is still the service it names before signalling it) shows the service, not the server. The server
     was started with ``TITLE_ROOM`` spare bytes for it; a longer one is cut short."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of proc(5)
-    except (OSError, IndexError, ValueError):
+    fields = _proc_stat_fields()
+    if fields is None or len(fields) < 47:
         return
+    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of proc(5)
     room = end - start
     title = b"\0".join(a.encode() for a in argv)[:room - 1]
     ctypes.memmove(start, title.ljust(room, b"\0"), room)
+
+
+def _proc_stat_fields() -> list[str] | None:
+    """This process's ``/proc/self/stat`` from field 3 on (index 0 is field 3), or None where there is none."""
+    try:
+        return Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _rewrite_environ(env: dict[str, str]) -> None:
+    """Write ``env`` over this process's environment area, so that ``/proc/PID/environ`` (what an operator and the
+    netns tests read) shows the child's environment, not the server's. The server was started with ``ENV_ROOM`` spare
+    bytes for it; entries past the room are left out (and said so on stderr)."""
+    fields = _proc_stat_fields()
+    if fields is None or len(fields) < 49:
+        return
+    start, end = int(fields[47]), int(fields[48])  # env_start and env_end: fields 50 and 51 of proc(5)
+    room = end - start
+    data, shown = b"", 0
+    for key, value in env.items():
+        entry = f"{key}={value}".encode(errors="surrogateescape") + b"\0"
+        if len(data) + len(entry) > room:
+            break
+        data, shown = data + entry, shown + 1
+    if shown < len(env):
+        print(f"/proc/{os.getpid()}/environ shows {shown} of this service's {len(env)} environment variables "
+              f"(the fork server kept {room} bytes for them)", file=sys.stderr)
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded, just forked) process into the network namespace ``ip netns`` pinned as ``name``.
+    Raises OSError when there is none or the kernel refuses."""
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
 
 
 def _reseed() -> None:
@@ -359,7 +416,8 @@ class ForkServer:
         with open(log_path, "ab") as err:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "edgeswarm.local.forkserver", str(os.getpid()), " " * TITLE_ROOM],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=sharing_cores(os.environ))
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                env={**sharing_cores(os.environ), _ROOM_VARIABLE: " " * ENV_ROOM})
         assert self._process.stdin is not None and self._process.stdout is not None
         self._requests: IO[bytes] = self._process.stdin
         self._reader = threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True,
@@ -370,10 +428,11 @@ class ForkServer:
     def pid(self) -> int:
         return self._process.pid
 
-    def spawn(self, service: str, env: dict[str, str], log_path: Path) -> ForkedProcess:
-        """Fork a child running ``edgeswarm service SERVICE`` with environment ``env``, its output appended to
-        ``log_path``. Raises ForkServerError when the server is gone or the fork failed."""
-        request = SpawnRequest(service=service, env=env, log_path=str(log_path))
+    def spawn(self, service: str, env: dict[str, str], log_path: Path, *, netns: str | None = None) -> ForkedProcess:
+        """Fork a child running ``edgeswarm service SERVICE`` with environment ``env`` (in network namespace
+        ``netns``, an ``ip netns`` name, when given), its output appended to ``log_path``. Raises ForkServerError when
+        the server is gone or the fork failed; a namespace that cannot be entered ends the child with status 1."""
+        request = SpawnRequest(service=service, env=env, log_path=str(log_path), netns=netns)
         with self._spawn_lock:
             try:
                 self._requests.write((request.model_dump_json() + "\n").encode())

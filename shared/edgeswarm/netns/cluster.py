@@ -5,7 +5,9 @@ with its own address on a shared bridge, its own Mosquitto with the deployment's
 member, the ACL generated from the topic tree), and its services started as ``edgeswarm service NAME`` with the
 environment ``compose.yaml`` gives them. Tensors for a node go to its own broker (principle 3), control traffic to
 the hub's. Links are shaped by the kernel from the same device-class and cluster files the in-process emulation
-reads; the bus's own shaping is not used here.
+reads; the bus's own shaping is not used here. Services are forked into their node's namespace from one fork server
+(``local.forkserver``: edgeswarm and torch imported once, so a device's first round does not pay the imports), except
+on a node whose clock can be skewed: libfaketime must be preloaded, so those start as fresh processes.
 
 Everything made is recorded first (``netns.state``) and removed by ``stop()``; a launcher that dies without
 stopping leaves its state file, and the next start removes what it names.
@@ -26,6 +28,7 @@ from edgeswarm.compose_env import services_for
 from edgeswarm.devices.cluster import ClusterSpec
 from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import ConfigError
+from edgeswarm.local.forkserver import ForkedProcess, ForkServer
 from edgeswarm.local.launcher import (
     CHECKPOINT_DIR_ENV,
     HUB_NODE,
@@ -75,6 +78,7 @@ class NetnsCluster:
         self.state: NetnsState | None = None
         self.children: list[ChildProcess] = []
         self.brokers: dict[str, subprocess.Popen[bytes]] = {}
+        self._forks: ForkServer | None = None
         # Every child is started from this one thread: a child that dies with its parent (PR_SET_PDEATHSIG) dies
         # with the *thread* that forked it, and a restart asked for from a short-lived timer thread must not.
         self._spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="netns-spawn")
@@ -168,6 +172,8 @@ class NetnsCluster:
             self.start_broker(node.node)
         if self.shape_links:
             self._shape()
+        # Started by the spawner thread: it dies with the thread that started it (as every child here does).
+        self._forks = self._spawner.submit(ForkServer, self.workdir / "logs" / "forkserver.log").result()
         for node in self.state.nodes:
             for service in services_of(node.role):
                 if node.role == "hub" or service not in self.skip_services:
@@ -187,6 +193,9 @@ class NetnsCluster:
         """SIGTERM every service (devices first), wait, SIGKILL stragglers, then remove the namespaces (and every
         process still in them: brokers, helpers), the bridge and the state file."""
         stop_children(self.children, timeout_s)
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         for proc in self.brokers.values():
             brokers.stop(proc)
         if self.state is not None:
@@ -264,7 +273,9 @@ class NetnsCluster:
         log_path = logs / f"{node.node}.{service}.log"
         env = self.service_env(node, service)
 
-        def launch() -> subprocess.Popen[bytes]:
+        def launch() -> subprocess.Popen[bytes] | ForkedProcess:
+            if self._forks is not None and node.node not in self.skewable:
+                return self._forks.spawn(service, env, log_path, netns=node.netns)
             with open(log_path, "ab") as out:
                 return subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "edgeswarm",
                                          "service", service], env=env, stdout=out, stderr=subprocess.STDOUT,
