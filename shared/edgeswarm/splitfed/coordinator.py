@@ -104,6 +104,9 @@ class SplitfedRunner(RoundProgram):
         # rounds plan on (those that moved; ``_planned_speeds``).
         self.fit = ScaleFit(sliver=0.0)
         self.applied: dict[str, float] = {}
+        # The first round planned on ``applied``: the rounds before it were predicted on other speeds, so a line
+        # through them would count the change again (``refitted_s``).
+        self.applied_since = 0
         self.base: dict[str, float] = {}  # what earlier jobs measured of each device, applied to its profiled speed
         self.measured = gather.Measured()
         # What the planner's model leaves out, as measured: each device's seconds before its first step (its first
@@ -368,7 +371,7 @@ class SplitfedRunner(RoundProgram):
         lost_mecs = sorted(set(mec_of.values()) - set(updates))
         predicted = participants_s(selection, participants) + (median(self.control) if self.control else 0.0)
         record = RoundRecord(round=r, participants=participants, predicted_s=predicted,
-                             refitted_s=refitted_s(self.history, predicted),
+                             refitted_s=refitted_s(self.history, predicted, since=self.applied_since),
                              round_s=time.monotonic() - started,
                              lan_bytes=sum(u.lan_bytes for u, _ in updates.values()), wan_bytes=wan,
                              refused=sum(u.refused for u, _ in updates.values()),
@@ -404,7 +407,7 @@ class SplitfedRunner(RoundProgram):
         rounds = self.fit.rounds()
         moved = {n: s for n, s in self.fit.moved().items() if rounds.get(n, 0) >= MIN_FIT_ROUNDS}
         if moved.keys() != self.applied.keys() or not same_fit(self.applied, moved):
-            self.applied = moved
+            self.applied, self.applied_since = moved, self.round
             said = (f"round {self.round} plans on the devices' speeds as measured: {speeds(moved)} (measured compute "
                     "over profiled)" if moved else f"round {self.round} plans on the profiled speeds again")
             self.ctx.update("running", event=("refit", said))
@@ -512,13 +515,15 @@ def participants_s(selection: SplitSelection, participants: list[ParticipantReco
     return max(times) if times else selection.t_system_s
 
 
-def refitted_s(history: list[RoundRecord], predicted_s: float) -> float | None:
+def refitted_s(history: list[RoundRecord], predicted_s: float, since: int = 0) -> float | None:
     """A round the planner predicts at ``predicted_s`` seconds, as the measured rounds of ``history`` say it takes:
     a robust line (``stats.affine_fit``) through the last REFIT_WINDOW rounds' predicted and measured times, whose
     intercept is the fixed per-round cost the planner's model leaves out (the planner's request, enrolment, the
     round start and the aggregation) and whose slope is how much slower than estimated the devices and links ran.
-    Round 0 is left out (its devices build and warm up); None before a round is measured."""
-    past = [h for h in history if h.round > 0 and h.predicted_s > 0 and h.round_s > 0][-REFIT_WINDOW:]
+    Round 0 is left out (its devices build and warm up), and so are rounds before ``since`` (planned on speeds the
+    closed loop has since replaced: their gap is in the prediction now); None before such a round is measured."""
+    past = [h for h in history if h.round > 0 and h.round >= since and h.predicted_s > 0 and h.round_s > 0]
+    past = past[-REFIT_WINDOW:]
     fit = affine_fit([h.predicted_s for h in past], [h.round_s for h in past])
     return None if fit is None else fit[0] * predicted_s + fit[1]
 
