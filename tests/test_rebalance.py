@@ -160,8 +160,8 @@ def test_each_device_reports_how_its_peers_tensors_of_several_chunks_arrived(bro
 def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_it(
         broker, make_bus, services, tmp_path: Path) -> None:
     """The profile prices every link at 12.5 MB/s, and the workers' links carry that, but for one pair of
-    neighbouring stages' devices whose link carries a fifth of it: the loop fits that link from how its tensors
-    arrive and re-plans off it."""
+    neighbouring stages' devices whose link carries a fifth of it (or less, where the profile makes links cheap): the
+    loop fits that link from how its tensors arrive and re-plans off it."""
     import json
     import re
 
@@ -180,20 +180,26 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
     cuts = zip(plan.stages, plan.stages[1:], strict=False)
     pairs = {link_key(x, y) for s, t in cuts for x in s.devices for y in t.devices}
 
-    def gain(key: str) -> float:
-        truth = scaled(cluster, {key: 5.0})
+    def gain(key: str, factor: float) -> float:
+        truth = scaled(cluster, {key: factor})
         best = plan_best("hpp", truth, GLOBAL_BATCH, micro_batches=4, optimizer="momentum")
         return 1.0 - reprice(best, truth).round_latency_s / reprice(plan, truth).round_latency_s
 
-    slow = max(sorted(pairs), key=gain)
-    assert gain(slow) > 0.25, (plan.stages, slow, gain(slow))  # well beyond the loop's 15% margin (0.28-0.4 seen)
+    # Five times slower gains 28-40% on an idle machine's profile; a profile measured under load prices compute
+    # higher and so the links lower (2% once in CI), and then it takes a slower link to make re-planning pay.
+    factor, slow = 5.0, ""
+    for factor in (5.0, 10.0, 20.0):
+        slow = max(sorted(pairs), key=lambda key: gain(key, factor))
+        if gain(slow, factor) > 0.25:  # well beyond the loop's 15% margin
+            break
+    assert gain(slow, factor) > 0.25, (plan.stages, slow, factor, gain(slow, factor))
     pair = link_nodes(slow)
     assert pair is not None
     a, b = pair
     chunk = 16 * 1024  # the cut tensors (about 100 KB) travel as several chunks: what a link is fitted from
 
     def env(node: str) -> dict[str, str]:
-        links = {peer: {"bandwidth_bps": 2.5e6 if {node, peer} == {a, b} else 12.5e6, "latency_s": 0.0}
+        links = {peer: {"bandwidth_bps": 12.5e6 / factor if {node, peer} == {a, b} else 12.5e6, "latency_s": 0.0}
                  for peer in NODES if peer != node}
         return {"EDGESWARM_COMPUTE_SLOWDOWN": str(SLOWDOWN), "EDGESWARM_CHUNK_BYTES": str(chunk),
                 "EDGESWARM_LINKS": json.dumps(links)}
@@ -207,14 +213,14 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
 
     result = train(client, job, plan, cluster, Observer(), rounds=ROUNDS)
     assert result.recoveries and all(r.mode == "rebalance" for r in result.recoveries), (result.recoveries, events)
-    # The first move names the slow link among what moved, fitted about 5x slower than profiled (more, with the
-    # per-chunk costs the profile leaves out), and the plan it moves to is faster on the true links.
+    # The first move names the slow link among what moved, fitted about ``factor`` times slower than profiled (more,
+    # with the per-chunk costs the profile leaves out), and the plan it moves to is faster on the true links.
     fitted = re.search(rf"{slow} ([0-9.]+)x", events[0])
-    assert fitted is not None and float(fitted.group(1)) > 3.5, (slow, events)
-    truth = scaled(cluster, {slow: 5.0})
+    assert fitted is not None and float(fitted.group(1)) > 0.7 * factor, (slow, factor, events)
+    truth = scaled(cluster, {slow: factor})
     new = result.recoveries[0].plan
     assert reprice(new, truth).round_latency_s < 0.85 * reprice(plan, truth).round_latency_s, (plan.stages,
                                                                                                new.stages)
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
     # What it measured of the link is saved, so the next job over these devices prices it so from the start.
-    assert saved_scales(ProfileCache(tmp_path / "p"), cluster, "train").get(slow, 1.0) > 3.5
+    assert saved_scales(ProfileCache(tmp_path / "p"), cluster, "train").get(slow, 1.0) > 0.7 * factor
