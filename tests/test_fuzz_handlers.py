@@ -669,7 +669,10 @@ class RunningService:
 
         settings_ = Settings(node_id=SERVICE_NODE, hub_url=broker.url, request_timeout_s=2.0, publish_timeout_s=5.0,
                              heartbeat_interval_s=0.25, keepalive_s=10, reassembly_timeout_s=2.0,
-                             job_step_timeout_s=2.0, max_tensor_bytes=1 << 20, checkpoint_max_bytes=1 << 20)
+                             job_step_timeout_s=2.0, max_tensor_bytes=1 << 20, checkpoint_max_bytes=1 << 20,
+                             # A worker's restore waits for peers' state: a short wait keeps fuzzed assignments from
+                             # piling up.
+                             peer_wait_s=1.0)
         self.service: Service = service_class(name)(settings_)
         self.name = name
 
@@ -709,8 +712,6 @@ def running(request: pytest.FixtureRequest, broker: BrokerProcess, tmp_path: Pat
             monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningService]:
     monkeypatch.setenv("EDGESWARM_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
     monkeypatch.setenv("EDGESWARM_PROFILE_DIR", str(tmp_path / "profiles"))
-    # A stage-worker's restore waits for peers' state: a short wait keeps fuzzed assignments from piling up.
-    monkeypatch.setattr("edgeswarm.services.stage_worker.service.WAIT_S", 1.0)
     svc = RunningService(request.param, broker)
     svc.start()
     try:

@@ -10,11 +10,6 @@ from __future__ import annotations
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.workloads.worker_host import WorkerService
 
-WAIT_S = 120.0  # longest wait for one tensor or unit state from a peer before the round or restore fails
-
 
 class StageWorkerService(WorkerService):
     name = STAGE_WORKER
-
-    def peer_wait_s(self) -> float:
-        return WAIT_S  # read at setup, so a test may shorten it before

@@ -356,13 +356,14 @@ class Bus:
                 timeout_s: float | None = None) -> Envelope:
         """Publish ``message`` on the hub; returns the envelope sent. ``ttl_s`` sets its expiry (seconds). An
         address (``topics.request(node, service)``, say) is published to as this node."""
-        if topics.is_address(topic):
+        inbox = topics.is_address(topic)
+        if inbox:
             topic = topics.from_sender(topic, self.sender.node)
         env = self.sender.envelope(message, ttl_s=ttl_s, correlation_id=correlation_id, reply_to=reply_to)
         payload = encode(env, message)
         options = mirrored(env, ttl_s)
         mid = self.hub.publish(topic, payload, qos=qos, retain=retain, options=options,
-                               timeout_s=timeout_s or self.settings.publish_timeout_s)
+                               timeout_s=timeout_s or self.settings.publish_timeout_s, inbox=inbox)
         if correlation_id is not None and reply_to == self.reply_topic and mid:
             with self._pending_lock:
                 self._request_mids[mid] = correlation_id
@@ -495,7 +496,7 @@ class Bus:
         options = mirrored(env, None, summary=False)
         sent = 0
         for frame in tensor_frames(env, message, value, chunk):
-            send = partial(conn.publish, topic, frame, qos=qos, options=options, timeout_s=timeout)
+            send = partial(conn.publish, topic, frame, qos=qos, options=options, timeout_s=timeout, inbox=True)
             if link is None:
                 send()
             else:

@@ -35,6 +35,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from edgeswarm.bus.unheard import NO_MATCHING_SUBSCRIBERS, Unheard, UnheardResender
 from edgeswarm.errors import (
     BrokerUnavailableError,
     InvalidTopicError,
@@ -441,6 +442,10 @@ class MqttConnection:
         self.credentials = credentials or BrokerCredentials()
         self._on_refused = on_refused
         self._inflight_topics: dict[int, str] = {}
+        # QoS 1 messages to an inbox, by packet id, until the broker acknowledges them: one it heard no one for is
+        # held and sent again (``bus.unheard``).
+        self._watched: OrderedDict[int, Unheard] = OrderedDict()
+        self._unheard = UnheardResender(self._send_again, label=self.url)
         self._refusals: OrderedDict[int, str] = OrderedDict()
         self._refused_subscriptions: dict[int, str] = {}
         self._net_thread: threading.Thread | None = None
@@ -526,6 +531,7 @@ class MqttConnection:
     def close(self) -> None:
         """Disconnect cleanly (the broker does not publish the Will) and stop the network thread."""
         self._closing = True
+        self._unheard.close()
         self._stop_client()
 
     @property
@@ -574,14 +580,31 @@ class MqttConnection:
     # --- publishing ---------------------------------------------------------------------------------
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                options: PublishOptions | None = None, timeout_s: float = 30.0) -> int:
+                options: PublishOptions | None = None, timeout_s: float = 30.0, inbox: bool = False) -> int:
         """Hand one message to the broker connection; returns its packet id (0 for QoS 0).
 
         Raises PayloadTooLargeError (nothing is sent) if the packet would exceed ``max_packet_bytes``,
         and PublishTimeoutError if the send window stays full for ``timeout_s`` seconds. QoS 1 messages
         published while disconnected are queued (within the window) and sent after reconnecting. If the
         broker later refuses a QoS 1 message (MQTT 5 PUBACK "not authorised"), ``refusal(mid)`` says why.
+        ``inbox``: the topic is a service's inbox, which always has a subscriber but for moments between its
+        connections; a QoS 1 message the broker heard no one for is then held and sent again (``bus.unheard``),
+        for up to the session expiry.
         """
+        watch = None
+        if inbox and qos == 1 and self.protocol == "5":
+            watch = Unheard(topic, payload, retain, options, time.monotonic() + self._session_expiry_s)
+        return self._publish(topic, payload, qos, retain, options, timeout_s, watch)
+
+    def _send_again(self, msg: Unheard) -> None:
+        """The resender's ``send``: ``msg`` once more, as it was published."""
+        if self._closing:
+            raise ConnectionError("closing")
+        self._publish(msg.topic, msg.payload, 1, msg.retain, msg.options,  # type: ignore[arg-type]
+                      max(0.1, msg.give_up_at - time.monotonic()), msg)
+
+    def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, options: PublishOptions | None,
+                 timeout_s: float, watch: Unheard | None) -> int:
         problem = topic_problem(topic)
         if problem is not None:
             # Checked here, not left to the broker: it would drop the connection, and paho would send the QoS 1
@@ -598,7 +621,15 @@ class MqttConnection:
         deadline = time.monotonic() + timeout_s
         while True:
             self._progress.clear()
-            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+            if watch is None:
+                info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+            else:
+                # Held while the packet id is recorded: paho acknowledges a message (``_handle_publish``) only with
+                # this lock, so the acknowledgement always finds it.
+                with self._client._out_message_mutex:  # noqa: SLF001
+                    info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+                    if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+                        self._watch(info.mid, watch)
             if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
                 break
             remaining = deadline - time.monotonic()
@@ -618,6 +649,17 @@ class MqttConnection:
                     self._inflight_topics.pop(next(iter(self._inflight_topics)))
             return int(info.mid)
         return 0
+
+    def _watch(self, mid: int, msg: Unheard) -> None:
+        with self._sub_lock:
+            self._watched[mid] = msg
+            if len(self._watched) > 4 * self._window:  # acknowledged long ago, or lost with a session
+                self._watched.popitem(last=False)
+
+    @property
+    def unheard(self) -> UnheardResender:
+        """What this connection holds for inboxes that heard no one (see ``bus.unheard``)."""
+        return self._unheard
 
     def refusal(self, mid: int) -> str | None:
         """Why the broker refused QoS 1 message ``mid``, or None if it did not (or has not said yet)."""
@@ -817,6 +859,12 @@ class MqttConnection:
         self._progress.set()
         with self._sub_lock:
             topic = self._inflight_topics.pop(mid, "?")
+            watched = self._watched.pop(mid, None)
+        if watched is not None:
+            if getattr(reason_code, "value", 0) == NO_MATCHING_SUBSCRIBERS:
+                self._unheard.unheard(watched)
+            elif watched.probe:
+                self._unheard.heard(watched.topic)
         if not getattr(reason_code, "is_failure", False):
             return
         why = str(reason_code)
