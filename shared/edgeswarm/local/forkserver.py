@@ -13,9 +13,9 @@ request names one (``ip netns exec``'s, without its private mount of ``/sys``, w
 from /dev/null, stdout and stderr appended to its log, signal handlers as Python installs them, ``random`` and
 numpy reseeded from the operating system (a fresh interpreter seeds them so; torch's default generator starts from
 its fixed seed in both), and it exits as an interpreter does (threads joined, ``atexit`` run, output flushed; the
-interpreter is not torn down, see ``_leave``). What differs: it is the server's
-child, not the launcher's, so it dies with the server (SIGTERM, as a service of the launcher dies with it), the
-server dies with the launcher, and ``EDGESWARM_DIE_WITH_PARENT`` is rewritten to name the server.
+interpreter is not torn down, see ``_leave``). What differs: it is the server's child, not the launcher's, so it dies
+with the server (SIGTERM, as a service of the launcher dies with it), the server dies with the launcher, and
+``EDGESWARM_DIE_WITH_PARENT`` is rewritten to name the server.
 
 The launcher and the server speak JSON lines over the server's stdin and stdout: a ``SpawnRequest`` in, a
 ``Spawned`` (or ``SpawnFailed``) out, and an ``Exited`` out whenever a child ends. A process that sets
