@@ -441,10 +441,9 @@ class MqttConnection:
         self.client_id = client_id
         self.credentials = credentials or BrokerCredentials()
         self._on_refused = on_refused
-        self._inflight_topics: dict[int, str] = {}
-        # QoS 1 messages to an inbox, by packet id, until the broker acknowledges them: one it heard no one for is
-        # held and sent again (``bus.unheard``).
-        self._watched: OrderedDict[int, Unheard] = OrderedDict()
+        # Each QoS 1 message by packet id until the broker acknowledges it: its topic (for a refusal's warning) and,
+        # for a message to an inbox, what to hold and send again if the broker heard no one for it (``bus.unheard``).
+        self._inflight: dict[int, tuple[str, Unheard | None]] = {}
         self._unheard = UnheardResender(self._send_again, label=self.url)
         self._refusals: OrderedDict[int, str] = OrderedDict()
         self._refused_subscriptions: dict[int, str] = {}
@@ -621,7 +620,7 @@ class MqttConnection:
         deadline = time.monotonic() + timeout_s
         while True:
             self._progress.clear()
-            if watch is None:
+            if qos == 0:
                 info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
             else:
                 # Held while the packet id is recorded: paho acknowledges a message (``_handle_publish``) only with
@@ -629,7 +628,7 @@ class MqttConnection:
                 with self._client._out_message_mutex:  # noqa: SLF001
                     info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
                     if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
-                        self._watch(info.mid, watch)
+                        self._record(info.mid, topic, watch)
             if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
                 break
             remaining = deadline - time.monotonic()
@@ -643,18 +642,14 @@ class MqttConnection:
             log.debug("dropped a QoS 0 message on %s: not connected to %s", topic, self.url)
         elif qos > 0:
             self._last_info = info
-            with self._sub_lock:
-                self._inflight_topics[info.mid] = topic
-                if len(self._inflight_topics) > 4 * self._window:  # acknowledged long ago, or lost with a session
-                    self._inflight_topics.pop(next(iter(self._inflight_topics)))
             return int(info.mid)
         return 0
 
-    def _watch(self, mid: int, msg: Unheard) -> None:
+    def _record(self, mid: int, topic: str, watch: Unheard | None) -> None:
         with self._sub_lock:
-            self._watched[mid] = msg
-            if len(self._watched) > 4 * self._window:  # acknowledged long ago, or lost with a session
-                self._watched.popitem(last=False)
+            self._inflight[mid] = (topic, watch)
+            if len(self._inflight) > 4 * self._window:  # acknowledged long ago, or lost with a session
+                self._inflight.pop(next(iter(self._inflight)))
 
     @property
     def unheard(self) -> UnheardResender:
@@ -858,8 +853,7 @@ class MqttConnection:
                         _properties: object = None) -> None:
         self._progress.set()
         with self._sub_lock:
-            topic = self._inflight_topics.pop(mid, "?")
-            watched = self._watched.pop(mid, None)
+            topic, watched = self._inflight.pop(mid, ("?", None))
         if watched is not None:
             if getattr(reason_code, "value", 0) == NO_MATCHING_SUBSCRIBERS:
                 self._unheard.unheard(watched)
