@@ -90,10 +90,12 @@ class UnheardResender:
                 topic.probing = False
                 topic.pause = min(PROBE_MAX_S, topic.pause * 2)
                 topic.held.appendleft(msg)
+                topic.due = now + topic.pause
             else:
                 topic.held.append(msg)
-            if not topic.probing and not topic.flush:
-                topic.due = now + topic.pause
+                if len(topic.held) == 1 and not topic.probing and not topic.flush:
+                    # The first one held: its pause starts now (later ones wait behind it, not push it back).
+                    topic.due = now + topic.pause
             self._held_bytes += len(msg.payload)
             self._trim()
             if self._thread is None:
