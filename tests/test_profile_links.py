@@ -57,9 +57,11 @@ def test_a_link_measures_its_cost_per_message_and_per_request(broker: BrokerProc
     # Measured on the real broker: a message through it takes time (the per-hop cost, a ping to a's own profiler
     # and back through the broker), and a request through it too; the figures are finite (LinkProfile refuses
     # anything else). The link itself is priced net of the hops: a one-way message is half the round trip that is
-    # left, less its bytes; this link is not shaped, so little is left.
+    # left, less its bytes; this link is not shaped, so little is left. The hop and the gross round trip are two
+    # medians of separate pings, so which is larger is the machine's load, not asserted (CI once saw a 3.6 ms
+    # ping to itself beside a 1.5 ms one to b); each ping to b is less its own hop, so the net is below the gross.
     link = measured.profile
-    assert measured.profile.hop_s > 0 and measured.gross_round_trip_s >= measured.profile.hop_s
+    assert measured.profile.hop_s > 0 and measured.gross_round_trip_s > 0
     assert 0 <= link.latency_s <= measured.gross_round_trip_s and 0 <= link.message_s <= link.latency_s / 2
     assert len(measured.bulk_rates) == 3 and link.bandwidth_bps == max(measured.bulk_rates)
     assert 0 < link.request_s < 60
