@@ -209,9 +209,14 @@ def test_speed_ratio_is_the_fastest_call_through_the_runner_over_the_fastest_nat
 
     monkeypatch.setattr(compute, "_calibration_workload", workload)
     monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    assert measure_speed_ratio(runner, repeats=3) == pytest.approx(3.0)
+    assert measure_speed_ratio(runner, repeats=3, budget_s=30.0) == pytest.approx(3.0)
     assert passes[0] == 3 and steps[0] == 1 + 3 * 3
     assert measure_speed_ratio(lambda fn: fn(), repeats=3) == pytest.approx(1.0)
+    # Runner timings that reach the budget (8 s + 8 s) stop it after two pairs: the fastest of those, both runner
+    # timings disturbed.
+    clock[0], steps[0], passes[0] = 0.0, 0, 0
+    assert measure_speed_ratio(runner, repeats=3, budget_s=14.0) == pytest.approx(8.0)
+    assert passes[0] == 2 and steps[0] == 1 + 2 * 3
     with pytest.raises(ConfigError):
         measure_speed_ratio(slow(2.0), repeats=0)
 
