@@ -23,7 +23,7 @@ from helpers import wait_for_peers, wait_until
 NODES = ("a", "b", "c")
 MEC = "edge-0"
 SLOW = "b"
-SLOWDOWN = 20.0
+SLOWDOWN = 8.0
 
 
 def test_a_devices_compute_is_what_the_cost_table_prices_for_its_cut() -> None:
