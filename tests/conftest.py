@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,6 +188,18 @@ def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def up() -> Iterator[list[Any]]:
+    """Where a test puts the ``edgeswarm up`` clusters it starts (tests/test_cli.py's ``Up``): each is stopped after
+    the test, by SIGTERM to its PID."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for cluster in started:
+            cluster.stop()
 
 
 @pytest.fixture
