@@ -272,7 +272,7 @@ def test_a_restarted_mec_resumes_its_round_from_its_checkpoint(cluster: Cluster)
 def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: Cluster, mode: str,
                                                                        epochs: int) -> None:
     name = f"sf-kill-{mode}"
-    text = spec_text(name, rounds=2, mode=mode, wait_s=4, training={"epochs": epochs, "batch_size": 8},
+    text = spec_text(name, rounds=1, mode=mode, wait_s=4, training={"epochs": epochs, "batch_size": 8},
                      memory_budget_bytes=0)
     events: list[JobEvent] = []
     follower = JobFollower(cluster.bus, name, on_event=events.append)
