@@ -414,7 +414,7 @@ def size_pass(spec: ModelSpec, stages: list[nn.Module], names: list[str],
 
 # The calibration step's shape: a batch of 32 16x16 maps of 32 channels, a 3x3 convolution to 64, a Linear to 256.
 _BATCH, _IN, _OUT, _SIDE, _KERNEL, _FEATURES = 32, 32, 64, 16, 3, 256
-# Seconds of runner timings after which the calibration stops repeating (at least two pairs are always timed).
+# Seconds of runner timings after which the calibration times the runner no more (it always times it twice).
 RATIO_BUDGET_S = 4.0
 
 
@@ -438,26 +438,28 @@ def _calibration_workload() -> Callable[[], None]:
 def measure_speed_ratio(runner: Runner[Any], *, repeats: int = 5, budget_s: float = RATIO_BUDGET_S) -> float:
     """How many times slower ``runner`` runs a fixed calibration workload than this process does natively.
 
-    Interleaves up to ``repeats`` native and runner timings, each native one right after an untimed warm run (the
+    Interleaves ``repeats`` native and runner timings, each native one right after an untimed warm run (the
     runner's sleep leaves caches cold), and returns the fastest runner time over the fastest native time:
     the fastest run of each is the one least disturbed by other load on a shared host, where per-pair ratios
     scatter several-fold. Near 1 for a native runner; about the slow-down for an emulated device.
-    Stops after two pairs once the runner's timings add up to ``budget_s`` seconds: on a device hundreds of times
-    slower than the host, each of its runs takes seconds, and five of them held a profile request up for most of a
-    minute. Raises ConfigError for repeats below 1."""
+    The runner is timed no more once its timings add up to ``budget_s`` seconds (twice at least): on a device
+    hundreds of times slower than the host each of its runs takes seconds, and five of them held a profile request
+    up for most of a minute; the native timings, milliseconds each, all run. Raises ConfigError for repeats below
+    1."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an integer >= 1, not {repeats!r}")
     work = _calibration_workload()
     work()
     native: list[float] = []
     through: list[float] = []
-    while len(through) < repeats and not (len(through) >= 2 and sum(through) >= budget_s):
+    for _ in range(repeats):
         work()
         native.append(_timed(work, None))
-        through.append(_timed(work, runner))
+        if len(through) < 2 or sum(through) < budget_s:
+            through.append(_timed(work, runner))
     ratio = min(through) / min(native)
-    log.info("speed ratio %.3f (fastest of %d runs each: %.4f s native, %.4f s through the device)", ratio,
-             len(through), min(native), min(through))
+    log.info("speed ratio %.3f (fastest of %d native runs, %.4f s, and of %d through the device, %.4f s)", ratio,
+             len(native), min(native), len(through), min(through))
     return ratio
 
 
