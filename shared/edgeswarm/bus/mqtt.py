@@ -599,8 +599,8 @@ class MqttConnection:
         """The resender's ``send``: ``msg`` once more, as it was published."""
         if self._closing:
             raise ConnectionError("closing")
-        self._publish(msg.topic, msg.payload, 1, msg.retain, msg.options,  # type: ignore[arg-type]
-                      max(0.1, msg.give_up_at - time.monotonic()), msg)
+        self._publish(msg.topic, msg.payload, 1, msg.retain, msg.options, max(0.1, msg.give_up_at - time.monotonic()),
+                      msg)
 
     def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, options: PublishOptions | None,
                  timeout_s: float, watch: Unheard | None) -> int:

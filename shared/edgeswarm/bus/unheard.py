@@ -23,6 +23,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the connection imports this module
+    from edgeswarm.bus.mqtt import PublishOptions
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +38,13 @@ MAX_HELD_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class Unheard:
-    """One QoS 1 message to an inbox, as published (``options`` is the connection's ``PublishOptions`` or None), and
-    the monotonic time after which it is given up. ``probe``: sent again alone, to learn whether the subscriber is
-    back."""
+    """One QoS 1 message to an inbox, as published, and the monotonic time after which it is given up. ``probe``: sent
+    again alone, to learn whether the subscriber is back."""
 
     topic: str
     payload: bytes
     retain: bool
-    options: object
+    options: PublishOptions | None
     give_up_at: float
     probe: bool = False
 
