@@ -37,14 +37,14 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.hmp.layer import HmpRank, RequestCache
 from edgeswarm.hmp.loopback import Loopback
 from edgeswarm.models.text import reference
-from edgeswarm.models.text.gguf_file import GgufModel, open_reader
+from edgeswarm.models.text.gguf_file import GgufModel
 from edgeswarm.models.text.gguf_writer import filler_vocabulary, write_gguf
 from edgeswarm.planning.hmp.plan import plan_galaxy
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster
 from edgeswarm.planning.hmp.types import HmpOptions
 from edgeswarm.settings import Settings
-from edgeswarm.values.text_model import PRESETS, TextModelConfig
+from edgeswarm.values.text_model import PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +213,10 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _ranks_on(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig
-              ) -> tuple[GgufModel, HmpShares, list[HmpRank]]:
+def _ranks_on(model: GgufModel, label: str, classes: tuple[str, ...], config: LlmBenchConfig
+              ) -> tuple[HmpShares, list[HmpRank]]:
     """Galaxy's plan of the file's model over ``classes`` (on ``config``'s links) and a rank for each device (its
     part read from the file, its compute stretched to its class)."""
-    model = GgufModel(path)
     cfg = model.config
     spec = ClusterSpec(name=label.replace(" ", "-"), network=NetworkDefaults(
         bandwidth_mbps=config.bandwidth_mbps, latency_ms=config.latency_ms), devices=tuple(
@@ -226,12 +225,12 @@ def _ranks_on(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
     ranks = [HmpRank.from_reader(cfg, shares, r, model.read_slice, _compute(classes[int(d[1:])]), spans=False,
                                  slowdown=device_class(classes[int(d[1:])]).compute_slowdown)
              for r, d in enumerate(shares.devices)]
-    return model, shares, ranks
+    return shares, ranks
 
 
-def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> SplitRow:
+def split_run(model: GgufModel, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> SplitRow:
     """Decode on ``classes`` (see the module's docstring)."""
-    model, shares, ranks = _ranks_on(path, label, classes, config)
+    shares, ranks = _ranks_on(model, label, classes, config)
     cfg = model.config
     try:
         steps = _run_ranks(ranks, config, [_tokens(config.prompt, cfg.vocab, config.seed)], config.decode)
@@ -243,13 +242,13 @@ def split_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
     share = float(np.median([max(0.0, 1.0 - c / w) for w, c in steps]))
     return SplitRow(label=label, devices=[classes[int(d[1:])] for d in shares.devices], heads=shares.heads,
                     columns=shares.columns, token_s=token_s, network_share=share, weight_bytes=weights,
-                    share_bytes=file_shares(path, cfg, shares))
+                    share_bytes=file_shares(model, shares))
 
 
-def batch_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> BatchRow:
+def batch_run(model: GgufModel, label: str, classes: tuple[str, ...], config: LlmBenchConfig) -> BatchRow:
     """Total decode tokens per second of one stream and of ``config.streams`` decoding together on ``classes``
     (the medians of ``config.decode`` steps each, measured in one run)."""
-    model, _, ranks = _ranks_on(path, label, classes, config)
+    _, ranks = _ranks_on(model, label, classes, config)
     vocab = model.config.vocab
     try:
         rates = []
@@ -262,20 +261,21 @@ def batch_run(path: Path, label: str, classes: tuple[str, ...], config: LlmBench
     return BatchRow(label=label, streams=config.streams, one_tps=rates[0], many_tps=rates[1])
 
 
-def file_shares(path: Path, cfg: TextModelConfig, shares: HmpShares) -> list[int]:
+def file_shares(model: GgufModel, shares: HmpShares) -> list[int]:
     """Each rank's share of the file's bytes, from the file's own tensor sizes: a layer's attention matrices in
     proportion to its heads, its MLP matrices to its columns, everything else whole (replicated)."""
     heads = {"attn_q", "attn_k", "attn_v", "attn_output"}
     columns = {"ffn_up", "ffn_gate", "ffn_down"}
-    tensors = [t for t in open_reader(path).tensors if t.name != "rope_freqs.weight"]
+    cfg = model.config
+    tensors = {name: size for name, size in model.stored_bytes().items() if name != "rope_freqs.weight"}
     out = []
     for r in range(len(shares.devices)):
         total = 0.0
-        for t in tensors:
-            part = t.name.split(".")
+        for name, size in tensors.items():
+            part = name.split(".")
             role = part[2] if part[0] == "blk" and part[-1] == "weight" else ""
-            total += t.n_bytes * (shares.heads[r] / cfg.heads if role in heads else
-                                  shares.columns[r] / cfg.ffn if role in columns else 1.0)
+            total += size * (shares.heads[r] / cfg.heads if role in heads else
+                             shares.columns[r] / cfg.ffn if role in columns else 1.0)
         out.append(int(total))
     return out
 
@@ -377,14 +377,17 @@ def run_llm_bench(config: LlmBenchConfig, say: Callable[[str], None], json_path:
     """Every section of ``config`` (see the module's docstring); the report also written to ``json_path``."""
     path = model_file(config)
     report = LlmReport(config=config, file=str(path), file_bytes=path.stat().st_size)
-    if "split" in config.sections:
-        for label, classes in config.sets.items():
-            say(f"split: {label} ({', '.join(classes)})")
-            report.split.append(split_run(path, label, classes, config))
-    if "batch" in config.sections:
-        label, classes = next(iter(config.sets.items()))
-        say(f"batch: 1 stream, then {config.streams} together on {label}")
-        report.batch = batch_run(path, label, classes, config)
+    if {"split", "batch"} & set(config.sections):
+        # Opened once: ggml's reader takes seconds to parse a file's tokenizer vocabulary.
+        with GgufModel(path) as model:
+            if "split" in config.sections:
+                for label, classes in config.sets.items():
+                    say(f"split: {label} ({', '.join(classes)})")
+                    report.split.append(split_run(model, label, classes, config))
+            if "batch" in config.sections:
+                label, classes = next(iter(config.sets.items()))
+                say(f"batch: 1 stream, then {config.streams} together on {label}")
+                report.batch = batch_run(model, label, classes, config)
     if "llamacpp" in config.sections:
         say("one device: ours and llama.cpp on the same file")
         report.peer = peer_run(path, config, say)

@@ -234,6 +234,10 @@ class GgufModel:
             return int(tensor.n_bytes)
         return math.prod(self.shape(name)) * self.config.dtype_bytes
 
+    def stored_bytes(self) -> dict[str, int]:
+        """Every tensor the file stores, by its GGUF name: its bytes in the file."""
+        return {name: int(t.n_bytes) for name, t in self._tensors.items()}
+
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp reordered the rows of ``name`` within each head (a Llama's q and k)."""
         part = name.split(".")
