@@ -10,8 +10,11 @@ repeated over its channels (1 or 3) when a batch is asked for, so a large model 
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +31,24 @@ DIGITS_CLASSES = 10
 DIGITS_TEST_SHARE = 0.2
 DIGITS_SPLIT_SEED = 0x44494749
 _MAX_PIXEL = 16.0
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images [1797, 8, 8] float32 (0..16) and labels [1797] int64. Read from the file
+    scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``: 64 pixels and the label a row), found without
+    importing scikit-learn, which costs a process a second of CPU; through ``load_digits`` where that file is not
+    there."""
+    spec = importlib.util.find_spec("sklearn")
+    folders = spec.submodule_search_locations if spec is not None else None
+    path = Path(next(iter(folders or []), "")) / "datasets" / "data" / "digits.csv.gz"
+    if folders and path.is_file():
+        with gzip.open(path, "rt") as rows:
+            table = np.loadtxt(rows, delimiter=",", dtype=np.float32)
+        return table[:, :-1].reshape(-1, DIGITS_SIDE, DIGITS_SIDE), table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return np.asarray(bunch.images, dtype=np.float32), np.asarray(bunch.target, dtype=np.int64)
 
 
 def split_digits(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -77,11 +98,7 @@ def open_digits(spec: DatasetSpec, fit: ModelFit) -> Dataset:
         raise mismatch_error("digits", f"8x8 grey images (resized to the model's side >= 8, 1 or 3 channels) with "
                              f"{DIGITS_CLASSES} classes", fit,
                              "use an image model with in_channels 1 or 3, image_size >= 8 and num_classes 10")
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    images = np.asarray(bunch.images, dtype=np.float32)
-    y = np.asarray(bunch.target, dtype=np.int64)
+    images, y = digits_arrays()
     train_rows, test_rows = split_digits(y)
     # Statistics of the whole training split, so that a smaller ``size`` does not change what a pixel means.
     scaled = images[train_rows] / _MAX_PIXEL

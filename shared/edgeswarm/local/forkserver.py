@@ -105,9 +105,8 @@ def preload() -> None:
     registry is read (a plug-in installed while the server runs is found by the children that need it)."""
     import importlib
 
-    # A process's first torch.optim optimizer imports torch._dynamo (about 2 s of CPU), and the digits data set's
-    # first read imports scikit-learn (1 s): imported here, they are not paid in a device's first training round.
-    import sklearn.datasets  # noqa: F401
+    # A process's first torch.optim optimizer imports torch._dynamo (about 2 s of CPU): imported here, it is not paid
+    # in a device's first training round. (The digits data set is read without importing scikit-learn.)
     import torch  # noqa: F401  # the heaviest import by far; stage-workers and profilers all need it
     import torch._dynamo  # noqa: F401
 
