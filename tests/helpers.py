@@ -169,13 +169,14 @@ def ask_stage_workers(client: Any, messages: dict[str, Any], timeout_s: float) -
 @contextmanager
 def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str,
                    skip_services: tuple[str, ...] = ("tensor-shard-worker",), edges: int = 0,
-                   dashboard: bool = False, gateway: bool = False) -> Iterator[tuple[Any, Any]]:
+                   dashboard: bool = False, gateway: bool = False, forks: Any = None) -> Iterator[tuple[Any, Any]]:
     """A local cluster of ``devices`` native devices (no emulated slow-down: profiling and rounds cost what tiny
     models cost) and ``edges`` native edge servers (``edge-0``, ...) in ``workdir`` with ``env``, and a client bus of
     ``role`` on it, once every device, edge server and hub service is online; both stopped (the cluster's processes
     by PID) when the block ends. ``skip_services`` are not started on the devices (by default the
     tensor-shard-worker, which only serve-hmp jobs use). ``dashboard``: the hub runs its dashboard too, on a free
-    port (``local.dashboard_url``); ``gateway`` likewise its OpenAI-compatible API (``local.gateway_url``)."""
+    port (``local.dashboard_url``); ``gateway`` likewise its OpenAI-compatible API (``local.gateway_url``). ``forks``:
+    the worker's fork server (conftest's ``forks``), so that the cluster does not wait seconds for one of its own."""
     from edgeswarm.devices.cluster import DeviceEntry, cluster_of
     from edgeswarm.local.launcher import LocalCluster
     from edgeswarm.runtime.client import ClusterWatcher, client_bus, nodes_running, online_devices
@@ -186,7 +187,7 @@ def native_cluster(devices: int, workdir: Path, env: dict[str, str], role: str,
         spec = spec.model_copy(update={"edges": tuple(DeviceEntry(id=f"edge-{i}", device_class="native")
                                                       for i in range(edges))})
     local = LocalCluster(spec, workdir=workdir, extra_env=env, skip_services=skip_services,
-                         dashboard_port=0 if dashboard else None, gateway_port=0 if gateway else None)
+                         dashboard_port=0 if dashboard else None, gateway_port=0 if gateway else None, forks=forks)
     local.start()
     bus = None
     try:

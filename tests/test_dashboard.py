@@ -31,6 +31,7 @@ from edgeswarm.dashboard.prometheus import CONTENT_TYPE
 from edgeswarm.dashboard.server import DashboardServer
 from edgeswarm.dashboard.snapshot import Observed, build_snapshot, merge_series
 from edgeswarm.errors import ConfigError
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.messages import ClusterView, JobState
 from edgeswarm.messages.cluster import NodeView, ServiceView
 from edgeswarm.observability import catalogue
@@ -371,11 +372,11 @@ def browser_unavailable() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Path]]:
+def live(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[tuple[Any, Any, Path]]:
     """One local cluster with the hub's dashboard, for every live test of this module."""
     root = tmp_path_factory.mktemp("dashboard")
     env = {**FAST_ENV, "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "dashboard-test", dashboard=True) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "dashboard-test", dashboard=True, forks=forks) as (local, bus):
         yield local, bus, root
 
 

@@ -25,6 +25,7 @@ import torch
 from edgeswarm.bus import Bus
 from edgeswarm.hmp.client import Answer, ask, cancel, stream
 from edgeswarm.hmp.spec import HmpProgress
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.hmp import HmpDelta, HmpRequest
 from edgeswarm.messages.jobs import JobState
@@ -53,13 +54,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("hmp-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles"), "EDGESWARM_HEALTH_DIR": str(root / "health")}
     # The dashboard collects the shards' spans for `edgeswarm explain`.
     with native_cluster(DEVICES, root / "cluster", env, "hmp-test", skip_services=(), dashboard=True,
-                        gateway=True) as (local, bus):
+                        gateway=True, forks=forks) as (local, bus):
         watcher = ClusterWatcher(bus)
         wait_until(lambda: len(nodes_running(watcher.view()[0], SHARD_WORKER)) == DEVICES, 120,
                    message="every tensor-shard-worker online")

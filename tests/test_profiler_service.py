@@ -16,6 +16,7 @@ from edgeswarm.cli.main import main
 from edgeswarm.devices.cluster import ClusterSpec, DeviceEntry, NetworkDefaults
 from edgeswarm.errors import ProfileTimeoutError
 from edgeswarm.local.broker import BrokerProcess
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages import Probe, ProbeReply, ProfileFailed, ProfileProgress, ProfileReport, ProfileRequest
 from edgeswarm.profiling.gather import gather_cluster_profile
@@ -109,7 +110,7 @@ def _host_fingerprint() -> str:
 
 
 @pytest.mark.alone
-def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path) -> None:
+def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path, forks: ForkServer) -> None:
     spec = ClusterSpec(name="gather-test", network=NetworkDefaults(bandwidth_mbps=100, latency_ms=1),
                        devices=(DeviceEntry(id="server-0", device_class="edge-server"),
                                 DeviceEntry(id="nano-0", device_class="jetson-nano"),
@@ -117,7 +118,8 @@ def test_gather_profiles_emulated_devices_and_their_shaped_links(tmp_path: Path)
     nodes = [d.id for d in spec.devices]
     env = {**FAST_ENV, "EDGESWARM_PROFILE_DIR": str(tmp_path / "profiles")}
     seen: dict[str, float] = {}
-    with LocalCluster(spec, port=0, workdir=tmp_path / "cluster", extra_env=env, dashboard_port=None) as cluster:
+    with LocalCluster(spec, port=0, workdir=tmp_path / "cluster", extra_env=env, dashboard_port=None,
+                      forks=forks) as cluster:
         bus = client_bus(Settings(hub_url=cluster.hub_url))
         try:
             watcher = ClusterWatcher(bus)

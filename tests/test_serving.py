@@ -25,6 +25,7 @@ import torch
 
 from edgeswarm import topics
 from edgeswarm.bus import Bus
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferError, InferRequest
@@ -54,12 +55,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("serving-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles"), "EDGESWARM_MEMORY_BUDGET_BYTES": str(BUDGET)}
     # The dashboard collects the stages' spans for `edgeswarm explain`.
-    with native_cluster(DEVICES, root / "cluster", env, "serving-test", dashboard=True) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "serving-test", dashboard=True, forks=forks) as (local, bus):
         yield Cluster(local, bus, root)
 
 

@@ -23,6 +23,7 @@ from edgeswarm.bus import Bus, Inbound
 from edgeswarm.bus.inbound import RawInbound
 from edgeswarm.data import open_dataset
 from edgeswarm.evaluation import held_out
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.messages import MetricsReport
 from edgeswarm.messages.jobs import JobEvent, JobState
@@ -47,12 +48,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("splitfed-cluster")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
     # The dashboard collects the devices' spans for `edgeswarm explain`.
-    with native_cluster(DEVICES, root / "cluster", env, "splitfed-test", edges=1, dashboard=True) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "splitfed-test", edges=1, dashboard=True,
+                        forks=forks) as (local, bus):
         yield Cluster(local, bus, root)
 
 

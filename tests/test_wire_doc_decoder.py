@@ -34,6 +34,7 @@ from doc_decoder import (
     tensor_array,
     writer_of,
 )
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.messages import HmpPlanReply, HmpPlanRequest
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.values.chat import ChatMessage
@@ -945,7 +946,7 @@ def retained_now(host: str, port: int, settle_s: float = 0.5) -> set[str]:
         return set(topics_seen)
 
 
-def test_live_cluster_traffic_decodes() -> None:
+def test_live_cluster_traffic_decodes(forks: ForkServer) -> None:
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
@@ -976,7 +977,7 @@ def test_live_cluster_traffic_decodes() -> None:
     torch = pytest.importorskip("torch")
     tensor_value = np.random.default_rng(7).standard_normal((64, 33)).astype(np.float32)
     bf16_value = torch.linspace(-50, 50, 3 * 5 * 7).to(torch.bfloat16).reshape(3, 5, 7)
-    with LocalCluster(cluster_of(2), port=0, extra_env=FAST_ENV, dashboard_port=None) as cluster:
+    with LocalCluster(cluster_of(2), port=0, extra_env=FAST_ENV, dashboard_port=None, forks=forks) as cluster:
         host, port = cluster.hub_url.removeprefix("mqtt://").rsplit(":", 1)
         raw = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="doc-decoder-sniffer", protocol=mqtt.MQTTv5)
         raw.on_connect, raw.on_subscribe, raw.on_message = on_connect, on_subscribe, on_message

@@ -27,6 +27,7 @@ import yaml
 from edgeswarm import topics
 from edgeswarm.bus import Bus, Inbound
 from edgeswarm.errors import ConfigError
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.messages.jobs import JobEvent, JobState
 from edgeswarm.messages.metrics import MetricsReport
 from edgeswarm.plugins import load_target
@@ -90,11 +91,12 @@ def _worker_schemas() -> tuple[tuple[type[Message], ...], tuple[type[Message], .
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contract]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Contract]:
     root = tmp_path_factory.mktemp("contract")
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(root / "checkpoints"),
            "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "contract-test", skip_services=(), edges=1) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "contract-test", skip_services=(), edges=1,
+                        forks=forks) as (local, bus):
         contract = Contract(local, bus, root, env)
         handles, tensors = _worker_schemas()
 

@@ -22,6 +22,7 @@ import pytest
 
 from edgeswarm.bus import Bus
 from edgeswarm.hpp.spec import TrainProgress
+from edgeswarm.local.forkserver import ForkServer
 from edgeswarm.local.launcher import LocalCluster
 from edgeswarm.models.zoo import MODEL_NAMES, build_model
 from edgeswarm.state.layout import stage_entry
@@ -66,12 +67,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Cluster]:
     """One cluster for every family's job (starting one costs more than a tiny job): stopped by PID at the end."""
     root = tmp_path_factory.mktemp("zoo-cluster")
     checkpoints = root / "checkpoints"
     env = {**FAST_ENV, "EDGESWARM_CHECKPOINT_DIR": str(checkpoints), "EDGESWARM_PROFILE_DIR": str(root / "profiles")}
-    with native_cluster(DEVICES, root / "cluster", env, "zoo-test", dashboard=True) as (local, bus):
+    with native_cluster(DEVICES, root / "cluster", env, "zoo-test", dashboard=True, forks=forks) as (local, bus):
         yield Cluster(local, bus, checkpoints)
 
 

@@ -120,13 +120,14 @@ def service_env(node: str, hub_url: str, *, device_class: str, links: dict[str, 
 
 
 class LocalCluster:
-    """A whole cluster on this machine. Use as a context manager or call ``start()`` and ``stop()``."""
+    """A whole cluster on this machine. Use as a context manager or call ``start()`` and ``stop()``. Its services are
+    forked by ``forks``, a fork server the caller started and ends, or else by one of the cluster's own."""
 
     def __init__(self, spec: ClusterSpec, *, broker: str = "auto", port: int = 0,
                  heartbeat_interval_s: float | None = None, workdir: Path | None = None,
                  extra_env: dict[str, str] | None = None, secure: bool = False,
                  skip_services: tuple[str, ...] = (), dashboard_port: int | None = 0,
-                 gateway_port: int | None = None) -> None:
+                 gateway_port: int | None = None, forks: ForkServer | None = None) -> None:
         self.spec = spec
         # The hub's dashboard listens on 127.0.0.1 at this port (0: a free one, chosen at start, so clusters started
         # side by side never collide); None: no dashboard (a cluster that only runs jobs, or a test's, saves its
@@ -142,6 +143,7 @@ class LocalCluster:
         self._extra_env = extra_env or {}
         self.broker: BrokerProcess | None = None
         self.children: list[ChildProcess] = []
+        self._given_forks = forks
         self._forks: ForkServer | None = None
 
     @property
@@ -217,10 +219,11 @@ class LocalCluster:
 
     def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # First, so that its imports (seconds of CPU) overlap the secrets and the broker being made.
+        self._forks = self._given_forks or ForkServer(self.workdir / "logs" / "forkserver.log")
         security = self._secure_broker() if self.secure else None
         self.broker = start_broker(self._broker_kind, port=self._port, workdir=self.workdir / "broker",
                                    security=security)
-        self._forks = ForkServer(self.workdir / "logs" / "forkserver.log")
         protocol = "3.1.1" if self.broker.kind == "amqtt" else "auto"
         extra = {CHECKPOINT_DIR_ENV: str(self.checkpoint_dir), **self._extra_env}
         hub_env = service_env(HUB_NODE, self.broker.url, device_class="native", heartbeat_interval_s=self._heartbeat,
@@ -297,9 +300,9 @@ class LocalCluster:
     def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child (devices first, coordinator last), wait, SIGKILL stragglers, stop the broker."""
         stop_children(self.children, timeout_s)
-        if self._forks is not None:
+        if self._forks is not None and self._forks is not self._given_forks:
             self._forks.close()
-            self._forks = None
+        self._forks = None
         if self.broker is not None:
             self.broker.stop()
 
