@@ -466,10 +466,16 @@ def test_the_page_shows_the_cluster_live_through_a_device_failure(live: tuple[An
             page.wait_for_selector('[data-job="dash-train"] svg.timeline circle.ev-device_lost', timeout=60_000)
             page.wait_for_selector('[data-job="dash-train"] svg.timeline circle.ev-recovered', timeout=120_000)
             assert page.evaluate("window.__loadedOnce") == "yes", "the page was reloaded"
-            recovered = page.evaluate("latest")
-            train = _card(recovered, "dash-train")
-            assert train is not None and victim not in {b["device"] for g in train["plan"]["groups"]
-                                                        for b in g["blocks"]}
+
+            def replanned_without_victim() -> dict[str, Any] | None:
+                # The recovered event and the job's state with its new plan are two messages: the page may draw the
+                # event a moment before the state reaches it.
+                train = _card(page.evaluate("latest"), "dash-train")
+                if train is None or victim in {b["device"] for g in train["plan"]["groups"] for b in g["blocks"]}:
+                    return None
+                return train
+
+            wait_until(replanned_without_victim, 30, interval_s=0.2, message=f"dash-train's plan without {victim}")
             assert "live" in page.inner_text("#freshness")
             screenshot(page, folders, "3-after-device-lost")
             assert errors == [], errors
