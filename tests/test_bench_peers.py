@@ -25,7 +25,7 @@ from edgeswarm.hmp.peer_model import PlainDecoder
 from edgeswarm.hmp.peer_tp import PeerResult
 from edgeswarm.local.broker import free_port
 from edgeswarm.models.text import reference
-from edgeswarm.splitfed.peers import FLOWER_COMMANDS, SMARTSPLIT_BUDGET, Side, cell_rows, flower_env, same_math
+from edgeswarm.splitfed.peers import SMARTSPLIT_BUDGET, Side, cell_rows, flower_env, missing_flower_commands, same_math
 from edgeswarm.values.text_model import PRESETS
 from helpers import netns_unavailable
 
@@ -142,7 +142,7 @@ def _flower_env() -> str:
     commands are looked for: the bench itself checks that the environment loads our Flower apps, and a broken one
     fails the test there.)"""
     configured = os.environ.get("EDGESWARM_FLOWER_ENV", "")
-    return configured if configured and all((Path(configured) / "bin" / c).exists() for c in FLOWER_COMMANDS) else ""
+    return configured if configured and not missing_flower_commands(Path(configured)) else ""
 
 
 def test_the_flower_section_names_the_environment_it_lacks(tmp_path: Path) -> None:

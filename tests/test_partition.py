@@ -164,9 +164,10 @@ def test_digits_load_with_a_fixed_class_balanced_split() -> None:
 
     from edgeswarm.data.digits import digits_arrays
 
+    bunch = load_digits()
     images, labels = digits_arrays()  # scikit-learn's own file, read without importing scikit-learn
-    assert np.array_equal(images, load_digits().images) and np.array_equal(labels, load_digits().target)
-    per_class = np.bincount(load_digits().target, minlength=10)
+    assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
+    per_class = np.bincount(bunch.target, minlength=10)
     assert np.bincount(y_test, minlength=10).tolist() == np.round(0.2 * per_class).astype(int).tolist()
     assert (np.bincount(y_train, minlength=10) + np.bincount(y_test, minlength=10)).tolist() == per_class.tolist()
     x = data.inputs(np.arange(data.train_size))

@@ -39,12 +39,12 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     importing scikit-learn, which costs a process a second of CPU; through ``load_digits`` where that file is not
     there."""
     spec = importlib.util.find_spec("sklearn")
-    folders = spec.submodule_search_locations if spec is not None else None
-    path = Path(next(iter(folders or []), "")) / "datasets" / "data" / "digits.csv.gz"
-    if folders and path.is_file():
-        with gzip.open(path, "rt") as rows:
-            table = np.loadtxt(rows, delimiter=",", dtype=np.float32)
-        return table[:, :-1].reshape(-1, DIGITS_SIDE, DIGITS_SIDE), table[:, -1].astype(np.int64)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as rows:
+                table = np.loadtxt(rows, delimiter=",", dtype=np.float32)
+            return table[:, :-1].reshape(-1, DIGITS_SIDE, DIGITS_SIDE), table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     bunch = load_digits()

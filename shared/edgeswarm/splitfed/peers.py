@@ -287,12 +287,17 @@ def _per_round(before: list[int] | None, after: list[int] | None, rounds: int) -
     return sum(b - a for a, b in zip(before, after, strict=True)) / len(before) / rounds
 
 
+def missing_flower_commands(prefix: Path) -> list[str]:
+    """Flower's commands that the Python environment at ``prefix`` lacks (none: Flower is installed there)."""
+    return [c for c in FLOWER_COMMANDS if not (prefix / "bin" / c).exists()]
+
+
 def flower_env(configured: str) -> Path:
     """The Python environment Flower runs from: ``configured`` (a virtual environment's folder) or this one. Raises
     EdgeswarmError naming what is missing when it lacks Flower's commands or cannot import this module's Flower
     apps."""
     prefix = Path(configured) if configured else Path(sys.prefix)
-    missing = [c for c in FLOWER_COMMANDS if not (prefix / "bin" / c).exists()]
+    missing = missing_flower_commands(prefix)
     if missing:
         raise EdgeswarmError(f"Flower is not installed in {prefix} (no {missing[0]} in {prefix / 'bin'}): install "
                              "edgeswarm[peers] into an environment of its own (`make peers-venv` makes .venv-peers; "
