@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -62,28 +63,49 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def read_jetson(sysfs: Path = Path("/sys")) -> AcceleratorReading:
-    """The integrated GPU's load and temperature from the sysfs tree at ``sysfs`` (empty reading off a Jetson)."""
-    utilization = None
+class JetsonFiles(NamedTuple):
+    """Where a Jetson tells its GPU's load (the first match of each of ``_LOAD_GLOBS``, in their order) and its
+    temperature (the ``temp`` file of each thermal zone typed as the GPU's); both empty off a Jetson."""
+
+    loads: tuple[Path, ...]
+    temps: tuple[Path, ...]
+
+
+def find_jetson_files(sysfs: Path = Path("/sys")) -> JetsonFiles:
+    """The Jetson files under the sysfs tree at ``sysfs``. Their places do not change while a node runs, so a
+    sampler finds them once instead of globbing the tree every second."""
+    loads = []
     for pattern in _LOAD_GLOBS:
         found = sorted(sysfs.glob(pattern))
-        raw = _read(found[0]) if found else None
+        if found:
+            loads.append(found[0])
+    zones = sorted((sysfs / "class" / "thermal").glob("thermal_zone*"))[:_MAX_ZONES]
+    temps = [zone / "temp" for zone in zones if (_read(zone / "type") or "").strip().lower().startswith("gpu")]
+    return JetsonFiles(loads=tuple(loads), temps=tuple(temps))
+
+
+def read_jetson_files(files: JetsonFiles) -> AcceleratorReading:
+    """The integrated GPU's load and temperature from ``files``: the first file of each kind that holds a number."""
+    utilization = None
+    for path in files.loads:
+        raw = _read(path)
         per_mille = _number(raw) if raw is not None else None
         if per_mille is not None:
             utilization = min(max(per_mille / 1000.0, 0.0), 1.0)
             break
     temperature = None
-    zones = sorted((sysfs / "class" / "thermal").glob("thermal_zone*"))[:_MAX_ZONES]
-    for zone in zones:
-        kind = (_read(zone / "type") or "").strip().lower()
-        if not kind.startswith("gpu"):
-            continue
-        raw = _read(zone / "temp")
+    for path in files.temps:
+        raw = _read(path)
         milli = _number(raw) if raw is not None else None
         if milli is not None:
             temperature = milli / 1000.0
             break
     return AcceleratorReading(utilization=utilization, temperature_c=temperature)
+
+
+def read_jetson(sysfs: Path = Path("/sys")) -> AcceleratorReading:
+    """The integrated GPU's load and temperature from the sysfs tree at ``sysfs`` (empty reading off a Jetson)."""
+    return read_jetson_files(find_jetson_files(sysfs))
 
 
 def parse_smi(output: str, index: int = 0) -> AcceleratorReading:
@@ -100,9 +122,10 @@ def parse_smi(output: str, index: int = 0) -> AcceleratorReading:
                               temperature_c=temperature, power_w=power)
 
 
-def read_smi(index: int = 0) -> AcceleratorReading:
-    """GPU ``index``'s reading from ``nvidia-smi`` (empty when it is not installed or fails)."""
-    binary = shutil.which("nvidia-smi")
+def read_smi(index: int = 0, binary: str | None = None) -> AcceleratorReading:
+    """GPU ``index``'s reading from ``nvidia-smi`` at ``binary`` (found on PATH when None; an empty reading when it
+    is not installed or fails)."""
+    binary = binary or shutil.which("nvidia-smi")
     if binary is None:
         return AcceleratorReading()
     try:
@@ -151,13 +174,21 @@ class AcceleratorSampler:
         self.sysfs = sysfs
         self.nvidia = nvidia
         self.index = index
+        # Found at the first sample: a node agent samples every second, and an idle edge device should not spend
+        # its CPU globbing sysfs and searching PATH each time.
+        self._jetson: JetsonFiles | None = None
+        self._smi: str | None = None
 
     def sample(self) -> AcceleratorReading:
         """One reading now (every field None where nothing reports it). Never raises."""
         try:
-            reading = read_jetson(self.sysfs)
+            if self._jetson is None:
+                self._jetson = find_jetson_files(self.sysfs)
+                self._smi = shutil.which("nvidia-smi") if self.nvidia else None
+            reading = read_jetson_files(self._jetson)
             if self.nvidia and None in (reading.utilization, reading.temperature_c):
-                reading = reading.merged(read_smi(self.index))
+                if self._smi is not None:
+                    reading = reading.merged(read_smi(self.index, self._smi))
                 if None in (reading.utilization, reading.temperature_c, reading.power_w):
                     reading = reading.merged(read_torch_cuda(self.index))
             return reading
