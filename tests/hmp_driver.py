@@ -97,9 +97,10 @@ def generate(cfg: TextModelConfig, shares: HmpShares, weights: Weights, prompt: 
         ids = list(prompt)
         step = 0
         while True:
-            out = ranks[r].forward(ids, loop.ring(r, step), cache=caches[r])
-            logits = ranks[r].next_logits(out)
-            if logits is not None:
+            ring = loop.ring(r, step)
+            out = ranks[r].forward(ids, ring, cache=caches[r])
+            # As a worker asks: every rank takes part where the decode step splits the head by vocabulary.
+            for logits in ranks[r].answer_logits(out, [0], ring).values():
                 produced.append(next_token(logits, caches[r].tokens, sampling, caches[r].length))
                 answered.append(r)
             barrier.wait()

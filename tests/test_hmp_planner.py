@@ -342,14 +342,20 @@ def test_decode_prediction_for_decoders() -> None:
 
 def test_decode_network_is_two_direct_rounds_of_one_row_per_layer() -> None:
     """The runtime syncs a decode step with two direct AllReduces per layer (one round of D - 1 parallel
-    messages each): message_s + latency_s + one row's bytes over the bandwidth per round, whatever D."""
+    messages each): message_s + latency_s + one row's bytes over the bandwidth per round, whatever D; then one
+    direct AllGather of the logits, each rank's share of the vocabulary to the D - 1 others."""
     cfg = PRESETS["opt-1.3b"]
     row_s = 1e-3 + 1e-4 + cfg.hidden * 2 / (1000e6 / 8)  # float16 rows on 1 Gbps links
+
+    def logits_s(plan: HmpPlan) -> float:
+        widest = max(b - a for a, b in plan.shares.vocab_bounds(cfg.vocab))
+        return 1e-3 + 1e-4 + (len(plan.shares.devices) - 1) * widest * 2 / (1000e6 / 8)
+
     for kinds in ("MM", "MMM", "MMMM"):
         for plan in (plan_galaxy(_cluster(kinds, mbps=1000, message_s=1e-3), HmpOptions(prune=False)),
                      plan_megatron(_cluster(kinds, mbps=1000, message_s=1e-3), HmpOptions(prune=False))):
             assert plan.decode is not None
-            assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * row_s)
+            assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * row_s + logits_s(plan))
     sp = plan_hmp(_cluster("MMM", mbps=1000, message_s=1e-3), HmpOptions(mode="sp", paper=True))
     assert sp.decode is not None
     kv_s = 1e-3 + 1e-4 + cfg.n_kv * cfg.head_dim * 2 / (1000e6 / 8)
@@ -359,7 +365,7 @@ def test_decode_network_is_two_direct_rounds_of_one_row_per_layer() -> None:
     slow = [lk.model_copy(update={"message_s": 5e-3}) if {lk.src, lk.dst} == {"d0", "d2"} else lk for lk in c.links]
     plan = plan_galaxy(c.model_copy(update={"links": slow}), HmpOptions(prune=False))
     assert plan.decode is not None
-    assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * (row_s + 4e-3))
+    assert plan.decode.network_s == pytest.approx(cfg.layers * 2 * (row_s + 4e-3) + logits_s(plan) + 4e-3)
 
 
 def test_capacity_is_eq_6() -> None:
@@ -534,10 +540,10 @@ def test_galaxy_cluster_files_in_paper_mode(env: str, galaxy_heads: list[int], m
     assert cmp.of("megatron").feasible is mlm and not cmp.of("sp").feasible and not cmp.of("local").feasible
 
 
-def test_a_decoders_logits_are_priced_on_the_rank_holding_the_last_row() -> None:
+def test_a_decoders_logits_are_priced_on_the_rank_holding_the_last_row_and_split_in_decode_steps() -> None:
     # The lm_head runs once a pass on the rank that answers for the prompt's last row (the last of the equal row
-    # split), and once every generated token on the rank holding its one row (the first): its seconds are added to
-    # the model's prediction, not to a layer's.
+    # split), and every generated token's is split over the ranks by vocabulary (HmpShares.vocab_bounds), the
+    # slowest share paces it: its seconds are added to the model's prediction, not to a layer's.
     cfg = PRESETS["gpt2-large"].model_copy(update={"dtype": "float16"})
     cluster = synthetic_cluster(load_cluster("asteroid-env-a-1000mbps"), cfg, 284)
     plain = plan_galaxy(cluster, HmpOptions(prune=False))
@@ -550,4 +556,11 @@ def test_a_decoders_logits_are_priced_on_the_rank_holding_the_last_row() -> None
     assert plan.model.total_s == pytest.approx(plain.model.total_s + heads[last])
     assert plan.model.compute_s == pytest.approx(plain.model.compute_s + heads[last])
     assert plain.decode is not None and plan.decode is not None
-    assert plan.decode.per_token_s == pytest.approx(plain.decode.per_token_s + heads[first])
+    shares = zip(plan.shares.devices, plan.shares.vocab_bounds(cfg.vocab), strict=True)
+    slowest = max(heads[node] * (b - a) / cfg.vocab for node, (a, b) in shares)
+    assert slowest < max(heads.values()) / 2
+    assert plan.decode.per_token_s == pytest.approx(plain.decode.per_token_s + slowest)
+    whole = plan_galaxy(with_head, HmpOptions(prune=False, direct_syncs=False))  # ring steps: one rank's head
+    plain_ring = plan_galaxy(cluster, HmpOptions(prune=False, direct_syncs=False))
+    assert whole.decode is not None and plain_ring.decode is not None
+    assert whole.decode.per_token_s == pytest.approx(plain_ring.decode.per_token_s + heads[first])

@@ -371,7 +371,9 @@ def test_generation_in_the_baseline_modes_equals_one_device(mode: str) -> None:
 def test_decode_steps_sync_with_two_direct_rounds_per_layer_and_generate_as_one_device(name: str, n: int) -> None:
     """A prefill on the ring, then decode steps (one row: fewer rows than ranks) with the rows replicated and two
     direct AllReduces per layer, each one round of n - 1 messages of one row from every rank, on uneven shares with
-    a rank holding no heads; the tokens and the KV cache are the single device's."""
+    a rank holding no heads, then one direct AllGather of the logits, each rank's share of the vocabulary (in
+    proportion to its MLP columns: none from the rank without); the tokens and the KV cache are the single
+    device's."""
     cfg = PRESETS[name]
     w = ref.init_weights(cfg, 63)
     prompt = tokens_of(cfg, 6, seed=n).tolist()
@@ -388,12 +390,17 @@ def test_decode_steps_sync_with_two_direct_rounds_per_layer_and_generate_as_one_
         got, _, held = generate(cfg, shares, w, prompt, new, loop=loop)
         assert got == want, mode
         assert sum(held) == single.nbytes() and held[1] == 0  # the prefill's and the steps' caches continue
+        vocab = shares.vocab_bounds(cfg.vocab)
+        assert vocab[1] == (vocab[0][1], vocab[0][1])  # no columns, no share of the head
+        logits = 4 * cfg.layers
         for r in range(n):
             counts = loop.counts[r]
+            share = (vocab[r][1] - vocab[r][0]) * 4
             for step in range(1, new):
                 per = {c: v for (scope, c), v in counts.per_collective.items() if scope == step}
-                assert set(per) == direct, (mode, r, step)
-                assert all(v == (n - 1, (n - 1) * row) for v in per.values())
+                assert set(per) - {logits} == direct, (mode, r, step)
+                assert all(per[c] == (n - 1, (n - 1) * row) for c in direct)
+                assert per.get(logits, (0, 0)) == ((n - 1, (n - 1) * share) if share else (0, 0)), (mode, r, step)
                 assert all(counts.steps[(step, c)] == {0} for c in per)  # one round each
             if mode == "galaxy":  # the prefill (6 rows >= n) still runs galaxy's ring collectives
                 prefill = {c for (scope, c) in counts.per_collective if scope == 0}

@@ -106,8 +106,9 @@ def run_pass(shard: Shard, tokens: torch.Tensor, segments: list[tuple[PassSegmen
              ) -> PassOutput:
     """One pass of ``tokens``: each segment's rows continue its request's cache (which must hold ``start`` tokens).
     For a decoder, the rank holding a segment's last row chooses the request's next token where the segment asks
-    for one (``models.text.sampling.next_token``, over the request's tokens so far); an encoder's pass (one segment)
-    answers its hidden states."""
+    for one (``models.text.sampling.next_token``, over the request's tokens so far; the logits from the head split
+    over every rank where the pass allows, ``HmpRank.answer_logits``); an encoder's pass (one segment) answers its
+    hidden states."""
     import torch
 
     from edgeswarm.models.text.sampling import next_token
@@ -122,10 +123,10 @@ def run_pass(shard: Shard, tokens: torch.Tensor, segments: list[tuple[PassSegmen
     chosen: list[int] = []
     if shard.cfg.decoder:
         tensor = torch.empty(0)
-        wanted = [k for k in out.answers if segments[k][0].answer]
-        if wanted:
+        answered = rank.answer_logits(out, [k for k, (segment, _) in enumerate(segments) if segment.answer], ring)
+        if answered:
             chosen = [-1] * len(segments)
-            for k, logits in rank.segment_logits(out, wanted).items():
+            for k, logits in answered.items():
                 segment, cache = segments[k]
                 chosen[k] = next_token(logits, cache.tokens, segment.sampling, cache.length)
     elif rank.shares.mode in ("galaxy", "sp") or out.last:

@@ -37,6 +37,14 @@ shards no weights either; its decode steps would otherwise AllGather the whole c
 Output. Each rank returns ``RankOutput``: its rows of the final hidden states (galaxy, sp: its row slice;
 megatron, local: all rows). The last row is on ``last_row_rank(mode, s, D)``, which ``next_logits`` answers on.
 
+Logits (``answer_logits``). A direct pass of galaxy or megatron (``HmpShares.splits_head``: every decode step) leaves
+every row on every rank, so the lm_head is split by vocabulary (``HmpShares.vocab_bounds``): each rank multiplies the
+rows that want a token by its rows of the head, and one direct AllGather (number layers*4, after every layer's)
+puts the logits together; the rank that answers a segment samples from them. The head of a large vocabulary is the
+biggest single product of a decode step (Llama 3.2's 128,256 x 2,048, more than a layer's weights), and the other
+ranks would otherwise wait while one computes it. Other passes (a prefill on the ring, sp, one device) leave the
+last row on one rank, which computes the head alone.
+
 The ring is a factory ``ring(collective) -> (send, recv)`` (``runtime.collectives``' callables) for one pass;
 numbers are unique within a pass, so each pass (prefill, every decode step) needs its own scope.
 """
@@ -124,6 +132,7 @@ class RankOutput(BaseModel):
     last: bool
     ends: tuple[int, ...] = ()
     answers: tuple[int, ...] = ()
+    every: torch.Tensor | None = None  # every row of the pass, where the pass splits the head (``answer_logits``)
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,7 @@ class HmpRank:
                 # every row; tiling its few rows over the ring would repeat each GEMM's weight reads per tile.
                 stepping = len(segs) > 1 and all(g.b - g.a == 1 for g in segs)
                 direct = self.shares.direct_syncs and (direct_syncs(s, self.n) or stepping)
+                every = None
                 if self.shares.mode == "galaxy" and direct:
                     _, every = self._megatron(ids, segs, ring, types, direct=True)
                     first, end = row_bounds(s, self.n)[self.rank]
@@ -273,6 +283,7 @@ class HmpRank:
                     first, hidden = self._sp(ids, segs[0].start, ring, segs[0].cache, types, direct=direct)
                 else:
                     first, hidden = self._megatron(ids, segs, ring, types, direct=direct)
+                    every = hidden
         except BaseException:
             for seg in segs:
                 if seg.cache is not None:
@@ -288,8 +299,9 @@ class HmpRank:
         held = range(first, first + int(hidden.shape[0]))
         answers = tuple(k for k, seg in enumerate(segs) if (
             self.rank == answering if self.shares.mode == "megatron" else seg.b - 1 in held))
+        split = direct and self.shares.splits_head and self.cfg.decoder
         return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden, last=self.rank == answering,
-                          ends=tuple(seg.b for seg in segs), answers=answers)
+                          ends=tuple(seg.b for seg in segs), answers=answers, every=every if split else None)
 
     def _segments(self, s: int, cache: RequestCache | None, batch: Sequence[tuple[RequestCache, int]] | None,
                   types: torch.Tensor | None) -> list[Segment]:
@@ -319,6 +331,31 @@ class HmpRank:
         with torch.inference_mode(), self.recorder.phase("compute", "lm_head"):
             logits = linear(out.hidden[rows], self.w["lm_head.weight"])
         return {k: logits[j] for j, k in enumerate(wanted)}
+
+    def answer_logits(self, out: RankOutput, asked: Sequence[int], ring: Ring) -> dict[int, torch.Tensor]:
+        """Next-token logits [vocab] after each segment in ``asked`` that this rank answers for, by segment index.
+        ``asked`` (the segments that want a token, in order) must be the same list on every rank: where the pass
+        splits the head (``out.every``; see the module's docstring) every rank computes its vocabulary's share and
+        takes part in the gather, even one that answers none. Elsewhere ``segment_logits``."""
+        if out.every is None:
+            return self.segment_logits(out, [k for k in asked if k in out.answers])
+        if not asked:
+            return {}
+        bounds = self.shares.vocab_bounds(self.cfg.vocab)
+        a, b = bounds[self.rank]
+        k = len(asked)
+        send, recv = ring(self.cfg.layers * COLLECTIVES_PER_LAYER)
+        with torch.inference_mode():
+            with self.recorder.phase("compute", "lm_head"):
+                # Vocabulary-major ([b - a, k]), so that each rank's share is one contiguous run of the gathered
+                # [vocab, k] tensor.
+                head = WeightSlice(name="lm_head.weight", rows=(a, b)).cut(self.w["lm_head.weight"])
+                part = linear(out.every[[out.ends[j] - 1 for j in asked]], head).T.contiguous()
+            with self.recorder.phase("sync", "allgather logits direct"):
+                flat = direct_all_gather(part, self.rank, [(x * k, y * k) for x, y in bounds], send,
+                                         self._timed(recv))
+        logits = flat.view(self.cfg.vocab, k).T
+        return {j: logits[i] for i, j in enumerate(asked) if j in out.answers}
 
     def next_logits(self, out: RankOutput) -> torch.Tensor | None:
         """Next-token logits [vocab] of the pass's last row, on the rank that answers for it; None elsewhere."""

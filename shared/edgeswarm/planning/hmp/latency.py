@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import equal_split
+from edgeswarm.planning.hmp.shares import vocab_bounds
 from edgeswarm.planning.hmp.types import BlockProfile, CommModel, DecodePrediction, HmpMode, LatencySplit
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.text_model import TextModelConfig
@@ -222,6 +223,18 @@ def head_s(profiles: Sequence[BlockProfile], rows: int) -> float:
     return profiles[min(rows, len(profiles)) - 1].head_s
 
 
+def split_head_s(cfg: TextModelConfig, profiles: Sequence[BlockProfile], columns: Sequence[int],
+                 mesh: Sequence[LinkProfile]) -> tuple[float, float]:
+    """A decode step's logits with the head split by vocabulary (``HmpShares.splits_head``), as (compute, network)
+    seconds: each rank's rows of the head (``vocab_bounds``, by its MLP columns) at its device's speed for one
+    row, the slowest pacing; then one direct AllGather of the logits, each rank sending its share to the D - 1
+    others one after another on the slowest link of ``mesh``."""
+    bounds = vocab_bounds(columns, cfg.vocab)
+    compute = max(p.head_s * (b - a) / cfg.vocab for p, (a, b) in zip(profiles, bounds, strict=True))
+    widest = max(b - a for a, b in bounds) * cfg.dtype_bytes
+    return compute, step_s(mesh, (len(profiles) - 1) * widest)
+
+
 def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float], prefill: Sequence[float],
                   share: float, seq_len: int) -> float:
     if measured:
@@ -236,7 +249,8 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     profiled cache of ``seq_len`` to ``cache`` keys) and the two direct AllReduces (or, for SP, the K and V
     direct AllGathers) of one row, which no GEMM hides: two rounds per layer, each one message on the slowest
     link of ``mesh`` (``mesh_links``), whatever the number of devices. Without ``direct_syncs`` (``mesh`` is then
-    the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1))."""
+    the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1)). Then
+    the logits: the head split over the ranks (``split_head_s``) where the step splits it, else on one rank."""
     d = len(profiles)
     fr = block_fractions(cfg, 1, seq_len)
     core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
@@ -256,9 +270,14 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         rounds = 2 if direct_syncs else (2 if mode == "sp" else 4) * (d - 1)
         net = rounds * step_s(mesh, row)
     per_layer = compute + net
-    total = cfg.layers * per_layer + head_s(profiles, 1)  # every token's logits, from its one row
-    return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=cfg.layers * net,
-                            network_share=net / per_layer if per_layer > 0 else 0.0)
+    if mode in ("galaxy", "megatron") and d > 1 and direct_syncs:  # HmpShares.splits_head
+        head, head_net = split_head_s(cfg, profiles, columns, mesh)
+    else:
+        head, head_net = head_s(profiles, 1), 0.0  # every token's logits, from its one row, on one rank
+    total = cfg.layers * per_layer + head + head_net
+    network = cfg.layers * net + head_net
+    return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=network,
+                            network_share=network / total if total > 0 else 0.0)
 
 
 def check_profiles(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockProfile]) -> None:

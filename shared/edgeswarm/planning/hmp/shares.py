@@ -3,6 +3,7 @@ runtime reads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -61,3 +62,30 @@ class HmpShares(BaseModel):
         """MLP columns [start, end) of ``rank``."""
         start = sum(self.columns[:rank])
         return start, start + self.columns[rank]
+
+    @property
+    def splits_head(self) -> bool:
+        """Whether a pass that synchronises directly (every decode step: every rank then holds every row) splits a
+        decoder's lm_head by vocabulary over the ranks and gathers the logits (``vocab_bounds``), instead of the
+        rank that answers computing all of them while the others wait: galaxy and megatron on two or more
+        devices."""
+        return self.mode in ("galaxy", "megatron") and len(self.devices) > 1 and self.direct_syncs
+
+    def vocab_bounds(self, vocab: int) -> list[tuple[int, int]]:
+        """The lm_head rows [start, end) each rank computes when the head is split (``splits_head``; see
+        ``vocab_bounds``, the function)."""
+        return vocab_bounds(self.columns, vocab)
+
+
+def vocab_bounds(columns: Sequence[int], vocab: int) -> list[tuple[int, int]]:
+    """Each rank's rows [start, end) of a ``vocab``-row lm_head split over the ranks with ``columns`` MLP columns:
+    shares in proportion to the columns (the planner's measure of the ranks' speed, so the head takes each rank about
+    as long as its layers do), even when no rank has any."""
+    total, n = sum(columns), len(columns)
+    bounds, start, held = [], 0, 0
+    for c in columns:
+        held += c if total else 1
+        end = vocab * held // (total or n)
+        bounds.append((start, end))
+        start = end
+    return bounds
