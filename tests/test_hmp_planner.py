@@ -26,7 +26,7 @@ from edgeswarm.planning.hmp.algorithm import (
     equal_split,
     lr_round,
 )
-from edgeswarm.planning.hmp.latency import capacity
+from edgeswarm.planning.hmp.latency import capacity, logits_s, mesh_links
 from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
@@ -524,7 +524,14 @@ def test_cluster_plans_fit_and_cover_the_model(devs: list[tuple[float, float]], 
     assert all(a % cfg.group == 0 for a in plan.shares.heads) and sum(plan.rows) == 128
     assert all(m <= b for m, b in zip(plan.memory_bytes, plan.memory_budget_bytes, strict=True))
     assert set(plan.shares.devices) | set(plan.left_out) == {d.node for d in devices}
-    assert plan.model.total_s == pytest.approx(cfg.layers * plan.layer.total_s)
+    # The layers, and a decoder's logits of the prompt's last row: split over two or more devices, each rank's
+    # share of the vocabulary (synthetic profiles time no head) gathered after the row reaches every rank.
+    by = {p.node: p for p in devices}
+    used = [by[d] for d in plan.shares.devices]
+    head, net = logits_s(cfg, "galaxy", used, plan.shares.columns, mesh_links(cluster.links, plan.shares.devices),
+                         128, True)
+    assert head == 0 and (net > 0) == (cfg.decoder and len(used) > 1)
+    assert plan.model.total_s == pytest.approx(cfg.layers * plan.layer.total_s + net)
 
 
 @pytest.mark.parametrize("env,galaxy_heads,mlm", [("d", [21, 11], False), ("f", [17, 10, 5], False),
@@ -540,27 +547,29 @@ def test_galaxy_cluster_files_in_paper_mode(env: str, galaxy_heads: list[int], m
     assert cmp.of("megatron").feasible is mlm and not cmp.of("sp").feasible and not cmp.of("local").feasible
 
 
-def test_a_decoders_logits_are_priced_on_the_rank_holding_the_last_row_and_split_in_decode_steps() -> None:
-    # The lm_head runs once a pass on the rank that answers for the prompt's last row (the last of the equal row
-    # split), and every generated token's is split over the ranks by vocabulary (HmpShares.vocab_bounds), the
-    # slowest share paces it: its seconds are added to the model's prediction, not to a layer's.
+def test_a_decoders_logits_are_split_by_vocabulary_and_priced_by_the_slowest_share() -> None:
+    # The lm_head runs once a pass, for the prompt's last row and for every generated token's; over two or more
+    # devices each computes its share of the vocabulary (HmpShares.vocab_bounds), the slowest share paces it: its
+    # seconds are added to the model's prediction, not to a layer's. Without direct syncs the rank holding the row
+    # computes all of it: the last rank for the prompt's (the last of the equal row split), the first for a token's.
     cfg = PRESETS["gpt2-large"].model_copy(update={"dtype": "float16"})
     cluster = synthetic_cluster(load_cluster("asteroid-env-a-1000mbps"), cfg, 284)
-    plain = plan_galaxy(cluster, HmpOptions(prune=False))
     heads = {p.node: 0.01 * (i + 1) for i, p in enumerate(cluster.devices)}
     with_head = cluster.model_copy(update={"devices": [p.model_copy(update={"head_s": heads[p.node]})
                                                        for p in cluster.devices]})
-    plan = plan_galaxy(with_head, HmpOptions(prune=False))
-    assert plan.shares == plain.shares and plan.layer == plain.layer
-    first, last = plan.shares.devices[0], plan.shares.devices[-1]
-    assert plan.model.total_s == pytest.approx(plain.model.total_s + heads[last])
-    assert plan.model.compute_s == pytest.approx(plain.model.compute_s + heads[last])
-    assert plain.decode is not None and plan.decode is not None
-    shares = zip(plan.shares.devices, plan.shares.vocab_bounds(cfg.vocab), strict=True)
-    slowest = max(heads[node] * (b - a) / cfg.vocab for node, (a, b) in shares)
-    assert slowest < max(heads.values()) / 2
-    assert plan.decode.per_token_s == pytest.approx(plain.decode.per_token_s + slowest)
-    whole = plan_galaxy(with_head, HmpOptions(prune=False, direct_syncs=False))  # ring steps: one rank's head
-    plain_ring = plan_galaxy(cluster, HmpOptions(prune=False, direct_syncs=False))
-    assert whole.decode is not None and plain_ring.decode is not None
-    assert whole.decode.per_token_s == pytest.approx(plain_ring.decode.per_token_s + heads[first])
+    for direct in (True, False):
+        options = HmpOptions(prune=False, direct_syncs=direct)
+        plain, plan = plan_galaxy(cluster, options), plan_galaxy(with_head, options)
+        assert plan.shares == plain.shares and plan.layer == plain.layer
+        assert plain.decode is not None and plan.decode is not None
+        first, last = plan.shares.devices[0], plan.shares.devices[-1]
+        if direct:
+            shares = zip(plan.shares.devices, plan.shares.vocab_bounds(cfg.vocab), strict=True)
+            slowest = max(heads[node] * (b - a) / cfg.vocab for node, (a, b) in shares)
+            assert slowest < max(heads.values()) / 2
+            prompt = token = slowest
+        else:
+            prompt, token = heads[last], heads[first]
+        assert plan.model.total_s == pytest.approx(plain.model.total_s + prompt)
+        assert plan.model.compute_s == pytest.approx(plain.model.compute_s + prompt)
+        assert plan.decode.per_token_s == pytest.approx(plain.decode.per_token_s + token)

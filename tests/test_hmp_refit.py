@@ -114,3 +114,21 @@ def test_noise_alone_never_re_plans() -> None:
     for seed in range(3):
         _, replans = _serve(c, c, passes=60, noise=0.12, seed=seed)
         assert replans == [], (seed, replans)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_decoders_head_is_priced_on_the_ranks_that_compute_it(direct: bool) -> None:
+    """Megatron on four equal devices (a head and 64 MLP columns each): with direct syncs each rank computes a
+    quarter of the lm_head (the split head, HmpShares.vocab_bounds), without them the rank holding the last row all
+    of it; the busiest rank's arithmetic is the plan's predicted compute either way."""
+    cfg = PRESETS["gpt2-tiny"]
+    devices = [synthetic_profile(n, cfg, SEQ, slowdown=2.0, budget_bytes=4_000_000_000).model_copy(
+        update={"head_s": 0.03}) for n in "abcd"]
+    links = [LinkProfile(src=a, dst=b, bandwidth_bps=125e6, latency_s=1e-4, message_s=5e-4)
+             for a in "abcd" for b in "abcd" if a != b]
+    c = HmpCluster(model=cfg, seq_len=SEQ, devices=devices, links=links)
+    plan = plan_hmp(c, HmpOptions(mode="megatron", prune=False, direct_syncs=direct))
+    per_rank = rank_compute_s(c, plan, SEQ)
+    layers = {n: t - (0.03 / 4 if direct else 0.03 if n == plan.devices[-1] else 0.0) for n, t in per_rank.items()}
+    assert max(layers.values()) == pytest.approx(min(layers.values()))  # the rest is the layers', alike
+    assert max(per_rank.values()) == pytest.approx(plan.model.compute_s, rel=1e-9)

@@ -37,13 +37,14 @@ shards no weights either; its decode steps would otherwise AllGather the whole c
 Output. Each rank returns ``RankOutput``: its rows of the final hidden states (galaxy, sp: its row slice;
 megatron, local: all rows). The last row is on ``last_row_rank(mode, s, D)``, which ``next_logits`` answers on.
 
-Logits (``answer_logits``). A direct pass of galaxy or megatron (``HmpShares.splits_head``: every decode step) leaves
-every row on every rank, so the lm_head is split by vocabulary (``HmpShares.vocab_bounds``): each rank multiplies the
-rows that want a token by its rows of the head, and one direct AllGather (number layers*4, after every layer's)
-puts the logits together; the rank that answers a segment samples from them. The head of a large vocabulary is the
-biggest single product of a decode step (Llama 3.2's 128,256 x 2,048, more than a layer's weights), and the other
-ranks would otherwise wait while one computes it. Other passes (a prefill on the ring, sp, one device) leave the
-last row on one rank, which computes the head alone.
+Logits (``answer_logits``). Galaxy and megatron on two or more devices (``HmpShares.splits_head``) split a decoder's
+lm_head by vocabulary (``HmpShares.vocab_bounds``, in proportion to the ranks' MLP columns): each rank multiplies the
+rows that want a token by its rows of the head, and one direct AllGather (collective number layers*4 + 1) puts the
+logits together; the rank that answers a segment samples from them. Where a wanted row is on one rank only (galaxy's
+prefill on the ring), a direct AllReduce of those rows first (number layers*4: each rank adds its own, zeros for the
+others', so every rank gets them exactly). The head of a large vocabulary is the biggest single product of a pass's
+answer (Llama 3.2's 128,256 x 2,048, more than a layer's weights), and the other ranks would otherwise wait while
+one computes it. sp and one device compute it whole on the rank holding the row.
 
 The ring is a factory ``ring(collective) -> (send, recv)`` (``runtime.collectives``' callables) for one pass;
 numbers are unique within a pass, so each pass (prefill, every decode step) needs its own scope.
@@ -132,7 +133,7 @@ class RankOutput(BaseModel):
     last: bool
     ends: tuple[int, ...] = ()
     answers: tuple[int, ...] = ()
-    every: torch.Tensor | None = None  # every row of the pass, where the pass splits the head (``answer_logits``)
+    every: torch.Tensor | None = None  # every row of the pass, where this rank holds them all (galaxy direct, megatron)
 
 
 @dataclass(frozen=True)
@@ -299,9 +300,8 @@ class HmpRank:
         held = range(first, first + int(hidden.shape[0]))
         answers = tuple(k for k, seg in enumerate(segs) if (
             self.rank == answering if self.shares.mode == "megatron" else seg.b - 1 in held))
-        split = direct and self.shares.splits_head and self.cfg.decoder
         return RankOutput(rank=self.rank, start=first, rows=s, hidden=hidden, last=self.rank == answering,
-                          ends=tuple(seg.b for seg in segs), answers=answers, every=every if split else None)
+                          ends=tuple(seg.b for seg in segs), answers=answers, every=every)
 
     def _segments(self, s: int, cache: RequestCache | None, batch: Sequence[tuple[RequestCache, int]] | None,
                   types: torch.Tensor | None) -> list[Segment]:
@@ -334,23 +334,35 @@ class HmpRank:
 
     def answer_logits(self, out: RankOutput, asked: Sequence[int], ring: Ring) -> dict[int, torch.Tensor]:
         """Next-token logits [vocab] after each segment in ``asked`` that this rank answers for, by segment index.
-        ``asked`` (the segments that want a token, in order) must be the same list on every rank: where the pass
-        splits the head (``out.every``; see the module's docstring) every rank computes its vocabulary's share and
-        takes part in the gather, even one that answers none. Elsewhere ``segment_logits``."""
-        if out.every is None:
+        ``asked`` (the segments that want a token, in order) must be the same list on every rank: where the head is
+        split (``HmpShares.splits_head``; see the module's docstring) every rank computes its vocabulary's share and
+        takes part in the collectives, even one that answers none. Elsewhere ``segment_logits``."""
+        if not (self.shares.splits_head and self.cfg.decoder):
             return self.segment_logits(out, [k for k in asked if k in out.answers])
         if not asked:
             return {}
-        bounds = self.shares.vocab_bounds(self.cfg.vocab)
-        a, b = bounds[self.rank]
         k = len(asked)
-        send, recv = ring(self.cfg.layers * COLLECTIVES_PER_LAYER)
+        last = [out.ends[j] - 1 for j in asked]
+        base = self.cfg.layers * COLLECTIVES_PER_LAYER
         with torch.inference_mode():
+            if out.every is not None:
+                rows = out.every[last]
+            else:
+                mine = torch.zeros(k, self.cfg.hidden, dtype=out.hidden.dtype, device=self.device)
+                for i, row in enumerate(last):
+                    if out.start <= row < out.start + int(out.hidden.shape[0]):
+                        mine[i] = out.hidden[row - out.start]
+                send, recv = ring(base)
+                with self.recorder.phase("sync", "allreduce rows direct"):
+                    rows = direct_all_reduce(mine, self.rank, self.n, send, self._timed(recv)).view(k, -1)
+            bounds = self.shares.vocab_bounds(self.cfg.vocab)
+            a, b = bounds[self.rank]
             with self.recorder.phase("compute", "lm_head"):
+                head = WeightSlice(name="lm_head.weight", rows=(a, b)).cut(self.w["lm_head.weight"])
                 # Vocabulary-major ([b - a, k]), so that each rank's share is one contiguous run of the gathered
                 # [vocab, k] tensor.
-                head = WeightSlice(name="lm_head.weight", rows=(a, b)).cut(self.w["lm_head.weight"])
-                part = linear(out.every[[out.ends[j] - 1 for j in asked]], head).T.contiguous()
+                part = linear(rows, head).T.contiguous()
+            send, recv = ring(base + 1)
             with self.recorder.phase("sync", "allgather logits direct"):
                 flat = direct_all_gather(part, self.rank, [(x * k, y * k) for x, y in bounds], send,
                                          self._timed(recv))

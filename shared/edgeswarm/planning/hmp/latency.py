@@ -223,16 +223,25 @@ def head_s(profiles: Sequence[BlockProfile], rows: int) -> float:
     return profiles[min(rows, len(profiles)) - 1].head_s
 
 
-def split_head_s(cfg: TextModelConfig, profiles: Sequence[BlockProfile], columns: Sequence[int],
-                 mesh: Sequence[LinkProfile]) -> tuple[float, float]:
-    """A decode step's logits with the head split by vocabulary (``HmpShares.splits_head``), as (compute, network)
-    seconds: each rank's rows of the head (``vocab_bounds``, by its MLP columns) at its device's speed for one
-    row, the slowest pacing; then one direct AllGather of the logits, each rank sending its share to the D - 1
-    others one after another on the slowest link of ``mesh``."""
+def logits_s(cfg: TextModelConfig, mode: HmpMode, profiles: Sequence[BlockProfile], columns: Sequence[int],
+             mesh: Sequence[LinkProfile], rows: int, direct_syncs: bool) -> tuple[float, float]:
+    """A pass of ``rows`` rows answered: the lm_head of its last row, as (compute, network) seconds. Galaxy and
+    megatron on two or more devices (with ``direct_syncs``: ``HmpShares.splits_head``) split the head by vocabulary
+    (``vocab_bounds``, by the ranks' MLP columns): each rank's share at its device's speed, the slowest pacing;
+    then one direct AllGather of the logits, each rank sending its share to the D - 1 others one after another on
+    the slowest link of ``mesh``; before it, where the row is on one rank (galaxy's pass on the ring, of at least
+    as many rows as devices), one direct AllReduce of the row. Otherwise the rank holding the row computes it whole
+    (``head_s``). (0, 0) for an encoder."""
+    d = len(profiles)
+    if not (cfg.decoder and mode in ("galaxy", "megatron") and d > 1 and direct_syncs):
+        return head_s(profiles, rows), 0.0
     bounds = vocab_bounds(columns, cfg.vocab)
     compute = max(p.head_s * (b - a) / cfg.vocab for p, (a, b) in zip(profiles, bounds, strict=True))
     widest = max(b - a for a, b in bounds) * cfg.dtype_bytes
-    return compute, step_s(mesh, (len(profiles) - 1) * widest)
+    network = step_s(mesh, (d - 1) * widest)
+    if mode == "galaxy" and rows >= d:
+        network += step_s(mesh, cfg.hidden * cfg.dtype_bytes)
+    return compute, network
 
 
 def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float], prefill: Sequence[float],
@@ -250,7 +259,7 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     direct AllGathers) of one row, which no GEMM hides: two rounds per layer, each one message on the slowest
     link of ``mesh`` (``mesh_links``), whatever the number of devices. Without ``direct_syncs`` (``mesh`` is then
     the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1)). Then
-    the logits: the head split over the ranks (``split_head_s``) where the step splits it, else on one rank."""
+    the logits (``logits_s``)."""
     d = len(profiles)
     fr = block_fractions(cfg, 1, seq_len)
     core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
@@ -270,10 +279,7 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         rounds = 2 if direct_syncs else (2 if mode == "sp" else 4) * (d - 1)
         net = rounds * step_s(mesh, row)
     per_layer = compute + net
-    if mode in ("galaxy", "megatron") and d > 1 and direct_syncs:  # HmpShares.splits_head
-        head, head_net = split_head_s(cfg, profiles, columns, mesh)
-    else:
-        head, head_net = head_s(profiles, 1), 0.0  # every token's logits, from its one row, on one rank
+    head, head_net = logits_s(cfg, mode, profiles, columns, mesh, 1, direct_syncs)  # every token's, from its row
     total = cfg.layers * per_layer + head + head_net
     network = cfg.layers * net + head_net
     return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=network,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
-from edgeswarm.planning.hmp.latency import capacity, check_profiles, head_s, predict
+from edgeswarm.planning.hmp.latency import capacity, check_profiles, logits_s, mesh_links, predict
 from edgeswarm.planning.hmp.shares import HmpShares
 from edgeswarm.planning.hmp.types import (
     BlockProfile,
@@ -66,9 +66,14 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
                    overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache,
                    direct_syncs=options.direct_syncs)
     totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
-    head = head_s(profiles, cluster.seq_len)  # a decoder's logits of the prompt's last row, once a pass
-    totals["total_s"] += head
+    # A decoder's logits of the prompt's last row, once a pass (split over the ranks where the shares split it).
+    split = cfg.decoder and len(profiles) > 1 and options.direct_syncs
+    mesh = mesh_links(cluster.links, [p.node for p in profiles]) if split else []
+    head, head_net = logits_s(cfg, mode, profiles, columns, mesh, cluster.seq_len, options.direct_syncs)
+    totals["total_s"] += head + head_net
     totals["compute_s"] += head
+    totals["comm_s"] += head_net
+    totals["exposed_s"] += head_net
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,

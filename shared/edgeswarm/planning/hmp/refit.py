@@ -27,6 +27,10 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int) -> dict[str,
     d = len(devices)
     rows = equal_split(s, d)
     out: dict[str, float] = {}
+    if plan.shares.splits_head and cfg.decoder:  # each rank its share of the vocabulary (``hmp.layer``)
+        head = [(b - a) / cfg.vocab for a, b in plan.shares.vocab_bounds(cfg.vocab)]
+    else:  # the rank holding the last row, all of it
+        head = [1.0 if r == min(s, d) - 1 else 0.0 for r in range(d)]
     for r, node in enumerate(devices):
         p = by_node[node]
         heads, columns = plan.shares.heads[r], plan.shares.columns[r]
@@ -36,7 +40,7 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int) -> dict[str,
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, rows[r])
         else:  # megatron and local: every rank runs the connective blocks on all rows
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, s)
-        out[node] = cfg.layers * layer + (p.head_s if r == min(s, d) - 1 else 0.0)
+        out[node] = cfg.layers * layer + head[r] * p.head_s
     scale = tokens / s
     return {node: seconds * scale for node, seconds in out.items()}
 
