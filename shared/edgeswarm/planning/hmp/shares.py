@@ -65,10 +65,10 @@ class HmpShares(BaseModel):
 
     @property
     def splits_head(self) -> bool:
-        """Whether a pass that synchronises directly (every decode step: every rank then holds every row) splits a
-        decoder's lm_head by vocabulary over the ranks and gathers the logits (``vocab_bounds``), instead of the
-        rank that answers computing all of them while the others wait: galaxy and megatron on two or more
-        devices."""
+        """Whether a decoder's passes split the lm_head by vocabulary over the ranks and gather the logits
+        (``vocab_bounds``; ``hmp.layer``), instead of the rank that answers computing all of them while the others
+        wait: galaxy and megatron on two or more devices, with ``direct_syncs`` (the gather is a direct
+        collective)."""
         return self.mode in ("galaxy", "megatron") and len(self.devices) > 1 and self.direct_syncs
 
     def vocab_bounds(self, vocab: int) -> list[tuple[int, int]]:
