@@ -3,8 +3,8 @@
 # measure DP and PP for 3 rounds each, print predicted against measured, draw out/loss.png and
 # out/timeline.png, stop.
 # `make test`: set up and run the test suite on two pytest-xdist workers, a test file to a worker (its module fixtures
-# stay in one process), the slowest files first (tests/conftest.py); the 25 slowest tests are listed at the end. It also makes .venv-peers (Flower, for bench
-# peers' test).
+# stay in one process), the slowest files first (tests/conftest.py); the 25 slowest tests are listed at the end. It
+# also makes .venv-peers (Flower, for bench peers' test).
 # Both first check what they need from the operating system (deploy/system-packages.sh): as root they install the
 # missing Debian packages, otherwise they name the `sudo apt-get install` line and stop.
 # `make compose-schema`: fetch the Compose Specification's JSON schema for tests/test_deploy.py (`make test` does).

@@ -99,7 +99,7 @@ def generate(cfg: TextModelConfig, shares: HmpShares, weights: Weights, prompt: 
         while True:
             ring = loop.ring(r, step)
             out = ranks[r].forward(ids, ring, cache=caches[r])
-            # As a worker asks: every rank takes part where the decode step splits the head by vocabulary.
+            # As a worker asks: every rank takes part where the pass splits the head by vocabulary.
             for logits in ranks[r].answer_logits(out, [0], ring).values():
                 produced.append(next_token(logits, caches[r].tokens, sampling, caches[r].length))
                 answered.append(r)
