@@ -402,9 +402,9 @@ def test_decode_steps_sync_with_two_direct_rounds_per_layer_and_generate_as_one_
                 assert all(per[c] == (n - 1, (n - 1) * row) for c in direct)
                 assert per.get(logits, (0, 0)) == ((n - 1, (n - 1) * share) if share else (0, 0)), (mode, r, step)
                 assert all(counts.steps[(step, c)] == {0} for c in per)  # one round each
-            prefill = {c for (scope, c) in counts.per_collective if scope == 0}
             if mode == "galaxy":  # the prefill (6 rows >= n) still runs galaxy's ring collectives; its last row,
                 # on one rank, then goes to every rank (4L) for the split head (4L + 1: from the ranks with a share)
+                prefill = {c for (scope, c) in counts.per_collective if scope == 0}
                 split = {4 * cfg.layers} | ({logits} if share else set())
                 assert prefill == set(range(1, 4 * cfg.layers)) | split
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import equal_split
-from edgeswarm.planning.hmp.shares import vocab_bounds
+from edgeswarm.planning.hmp.shares import splits_head, vocab_bounds
 from edgeswarm.planning.hmp.types import BlockProfile, CommModel, DecodePrediction, HmpMode, LatencySplit
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.text_model import TextModelConfig
@@ -233,7 +233,7 @@ def logits_s(cfg: TextModelConfig, mode: HmpMode, profiles: Sequence[BlockProfil
     as many rows as devices), one direct AllReduce of the row. Otherwise the rank holding the row computes it whole
     (``head_s``). (0, 0) for an encoder."""
     d = len(profiles)
-    if not (cfg.decoder and mode in ("galaxy", "megatron") and d > 1 and direct_syncs):
+    if not (cfg.decoder and splits_head(mode, d, direct_syncs)):
         return head_s(profiles, rows), 0.0
     bounds = vocab_bounds(columns, cfg.vocab)
     compute = max(p.head_s * (b - a) / cfg.vocab for p, (a, b) in zip(profiles, bounds, strict=True))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
 from edgeswarm.planning.hmp.latency import capacity, check_profiles, logits_s, mesh_links, predict
-from edgeswarm.planning.hmp.shares import HmpShares
+from edgeswarm.planning.hmp.shares import HmpShares, splits_head
 from edgeswarm.planning.hmp.types import (
     BlockProfile,
     HmpCluster,
@@ -67,7 +67,7 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
                    direct_syncs=options.direct_syncs)
     totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
     # A decoder's logits of the prompt's last row, once a pass (split over the ranks where the shares split it).
-    split = cfg.decoder and len(profiles) > 1 and options.direct_syncs
+    split = cfg.decoder and splits_head(mode, len(profiles), options.direct_syncs)
     mesh = mesh_links(cluster.links, [p.node for p in profiles]) if split else []
     head, head_net = logits_s(cfg, mode, profiles, columns, mesh, cluster.seq_len, options.direct_syncs)
     totals["total_s"] += head + head_net

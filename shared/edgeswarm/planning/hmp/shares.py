@@ -69,12 +69,18 @@ class HmpShares(BaseModel):
         (``vocab_bounds``; ``hmp.layer``), instead of the rank that answers computing all of them while the others
         wait: galaxy and megatron on two or more devices, with ``direct_syncs`` (the gather is a direct
         collective)."""
-        return self.mode in ("galaxy", "megatron") and len(self.devices) > 1 and self.direct_syncs
+        return splits_head(self.mode, len(self.devices), self.direct_syncs)
 
     def vocab_bounds(self, vocab: int) -> list[tuple[int, int]]:
         """The lm_head rows [start, end) each rank computes when the head is split (``splits_head``; see
         ``vocab_bounds``, the function)."""
         return vocab_bounds(self.columns, vocab)
+
+
+def splits_head(mode: str, devices: int, direct_syncs: bool) -> bool:
+    """``HmpShares.splits_head`` for a plan of ``mode`` over ``devices`` devices (what the planner prices before it
+    has the shares)."""
+    return mode in ("galaxy", "megatron") and devices > 1 and direct_syncs
 
 
 def vocab_bounds(columns: Sequence[int], vocab: int) -> list[tuple[int, int]]:
