@@ -26,7 +26,7 @@ from edgeswarm.planning.hmp.algorithm import (
     equal_split,
     lr_round,
 )
-from edgeswarm.planning.hmp.latency import capacity, logits_s, mesh_links
+from edgeswarm.planning.hmp.latency import capacity, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
 from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
@@ -282,6 +282,28 @@ def test_latency_model_consequences() -> None:
     assert on.layer.total_s == pytest.approx(on.layer.compute_s + on.layer.exposed_s)
     # A heterogeneous cluster gains from the capacity split even with free communication.
     assert _ratio(_cluster("LMS", mbps=1e6)) > 1.3
+
+
+def test_a_row_tile_reads_its_whole_weight_and_galaxy_tiles_only_where_the_overlap_pays_for_that() -> None:
+    """A GEMM's seconds on m rows lie between its one-row (decode) seconds and its seq_len-row ones, never below
+    proportional. On a short prompt over fast links four row tiles cost far more than one GEMM over every row, more
+    than the overlap hides: the plan does not tile. On a long prompt over slow links it does."""
+    assert gemm_s(1.0, 0.2, 33, 33) == 1.0 and gemm_s(1.0, 0.2, 33, 1) == 0.2
+    assert gemm_s(1.0, 0.2, 33, 17) == pytest.approx(0.6) and gemm_s(1.0, 0.2, 33, 0) == 0.0
+    assert gemm_s(1.0, 0.001, 33, 1) == pytest.approx(1 / 33)  # a one-row time below proportional: proportional
+    short = _cluster("MMMM", mbps=1000, seq=32)
+    plan = plan_galaxy(short, HmpOptions(prune=False))
+    heads, columns = list(plan.shares.heads), list(plan.shares.columns)
+    whole = tp_gemms_s(short.model, short.devices[0], heads[0], columns[0], 32, 32)
+    tile = tp_gemms_s(short.model, short.devices[0], heads[0], columns[0], 32, 8)
+    assert all(w / 4 < t < w for t, w in zip(tile, whole, strict=True)), (tile, whole)
+    tiled = predict(short.model, 32, "galaxy", short.devices, heads, columns, short.links, overlap=True)
+    assert not plan.shares.overlap and plan.layer.total_s < tiled.layer.total_s
+    assert plan.layer.compute_s < tiled.layer.compute_s
+    long = _cluster("MMM", mbps=125)
+    assert plan_galaxy(long, HmpOptions(prune=False)).shares.overlap
+    assert not plan_galaxy(long, HmpOptions(prune=False, overlap=False)).shares.overlap
+    assert not plan_megatron(long, HmpOptions(prune=False)).shares.overlap
 
 
 def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:

@@ -31,8 +31,8 @@ class HmpSpec(BaseModel):
     """A tensor-parallel serving job. ``mode`` is Galaxy's hybrid parallelism (``galaxy``) or a baseline on the same
     runtime (``megatron``: equal tensor parallelism with AllReduce; ``sp``: sequence parallelism, every device holds
     every weight; ``local``: one device), or ``auto`` (the default): whichever of them the planner predicts fastest
-    on the cluster, so a job is never planned slower than a baseline it could run; ``overlap`` tiles Galaxy's
-    collectives with its GEMMs. ``seq_len`` is the prompt length it is profiled and planned for; ``max_tokens``
+    on the cluster, so a job is never planned slower than a baseline it could run; ``overlap`` lets Galaxy tile its
+    collectives with its GEMMs where the planner predicts the tiles faster (false: never). ``seq_len`` is the prompt length it is profiled and planned for; ``max_tokens``
     bounds a request's prompt and generated tokens together, ``max_new_tokens`` is a decoder's default number of
     generated tokens. A decoder's requests decode together, up to ``max_batch`` of them (each pass holds a step of
     every one; the plan leaves room for that many KV caches, and each device reserves a request's as it joins), a

@@ -2,7 +2,10 @@
 
 A block's latency at a share between two measured points is interpolated linearly (with zero work at zero share,
 proportional beyond the last point). The overlap forms need the GEMM part of a block: a block's measured time is
-split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). One ring step
+split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). A GEMM on fewer rows
+than profiled is priced between its one-row (decode) time and its ``seq_len``-row time (``gemm_s``): every call
+streams the whole weight, so Galaxy's row tiles cost more than their share of the rows, and the planner tiles only
+where the overlap gains more than that (``priced_plan``). One ring step
 costs tau = message_s + hop_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor goes
 sender -> receiver's broker -> receiver, one broker hop per message (``hop_s``) beside the link's own fixed cost.
 
@@ -134,12 +137,38 @@ def step_s(ring: Sequence[LinkProfile], payload: float) -> float:
     return max((lk.per_message_s + lk.latency_s + payload / lk.bandwidth_bps for lk in ring), default=0.0)
 
 
-def _ag_gemm(c: float, tau: float, d: int, overlap: bool) -> float:
-    return c + (d - 1) * max(c, tau) if overlap else (d - 1) * tau + d * c
+def _ag_gemm(c: float, whole: float, tau: float, d: int, overlap: bool) -> float:
+    """AllGather and GEMM: ``c`` one tile's GEMM, ``whole`` the GEMM on every row at once."""
+    return c + (d - 1) * max(c, tau) if overlap else (d - 1) * tau + whole
 
 
-def _gemm_rs(c: float, tau: float, t_add: float, d: int, overlap: bool) -> float:
-    return c + (d - 1) * (max(c, tau) + t_add) if overlap else d * c + (d - 1) * (tau + t_add)
+def _gemm_rs(c: float, whole: float, tau: float, t_add: float, d: int, overlap: bool) -> float:
+    return c + (d - 1) * (max(c, tau) + t_add) if overlap else whole + (d - 1) * (tau + t_add)
+
+
+def gemm_s(whole_s: float, one_row_s: float, seq_len: int, rows: float) -> float:
+    """A GEMM's seconds on ``rows`` rows, from its seconds on ``seq_len`` rows and on one: affine between the two
+    (the weight is read once a call whatever its rows, then every row costs alike), never below proportional."""
+    if rows <= 0:
+        return 0.0
+    linear = whole_s * rows / seq_len
+    if seq_len <= 1:
+        return linear
+    return max(linear, one_row_s + (whole_s - one_row_s) * (rows - 1) / (seq_len - 1))
+
+
+def tp_gemms_s(cfg: TextModelConfig, p: BlockProfile, heads: float, columns: float, seq_len: int,
+               rows: float) -> tuple[float, float, float, float]:
+    """Device ``p``'s four tensor-parallel GEMMs (QKV, output projection, MLP up with its activation, MLP down) at
+    ``heads`` and ``columns``, on ``rows`` rows of a pass of ``seq_len`` (seconds, by ``gemm_s``)."""
+    fr, one = block_fractions(cfg, seq_len, seq_len), block_fractions(cfg, 1, seq_len)
+    mha, mlp = mha_s(p, heads), mlp_s(p, columns)
+    mha1 = _decode_block(p, p.heads, p.mha_decode_s, p.mha_s, heads, seq_len)
+    mlp1 = _decode_block(p, p.columns, p.mlp_decode_s, p.mlp_s, columns, seq_len)
+    return (gemm_s(fr.qkv * mha, one.qkv * mha1, seq_len, rows),
+            gemm_s(fr.oproj * mha, one.oproj * mha1, seq_len, rows),
+            gemm_s(fr.up * mlp, one.up * mlp1, seq_len, rows),
+            gemm_s(fr.down * mlp, one.down * mlp1, seq_len, rows))
 
 
 @dataclass(frozen=True)
@@ -175,15 +204,20 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         sent = 4 * (s - min(rows)) * h * beta if d > 1 else 0
         comm = messages * tau
         if mode == "galaxy":
-            tile = max(rows) / s
-            c_qkv, c_o = max(fr.qkv * m for m in mha) * tile, max(fr.oproj * m for m in mha) * tile
-            c_up, c_down = max(fr.up * m for m in mlp) * tile, max(fr.down * m for m in mlp) * tile
+            def slowest(rows_each: int) -> list[float]:
+                per_device = [tp_gemms_s(cfg, p, a, b, s, rows_each)
+                              for p, a, b in zip(profiles, heads, columns, strict=True)]
+                return [max(g[k] for g in per_device) for k in range(4)]
+            tile, whole = slowest(max(rows)), slowest(s)
             core = max(fr.core * m for m in mha)
             con = max(con_s(p, r) for p, r in zip(profiles, rows, strict=True))
             t_add = ADD_FRACTION * max(con_s(p, max(rows)) for p in profiles) if d > 1 else 0.0
-            total = (_ag_gemm(c_qkv, tau, d, overlap) + core + _gemm_rs(c_o, tau, t_add, d, overlap) + con
-                     + _ag_gemm(c_up, tau, d, overlap) + _gemm_rs(c_down, tau, t_add, d, overlap) + con)
-            compute = d * (c_qkv + c_o + c_up + c_down) + core + 2 * con + 2 * (d - 1) * t_add
+            total = (_ag_gemm(tile[0], whole[0], tau, d, overlap) + core
+                     + _gemm_rs(tile[1], whole[1], tau, t_add, d, overlap) + con
+                     + _ag_gemm(tile[2], whole[2], tau, d, overlap)
+                     + _gemm_rs(tile[3], whole[3], tau, t_add, d, overlap) + con)
+            gemms = d * sum(tile) if overlap else sum(whole)
+            compute = gemms + core + 2 * con + 2 * (d - 1) * t_add
         else:
             con = max(con_s(p, s) for p in profiles)
             compute = max(mha) + max(mlp) + 2 * con

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
-from edgeswarm.planning.hmp.latency import capacity, check_profiles, logits_s, mesh_links, predict
+from edgeswarm.planning.hmp.latency import Prediction, capacity, check_profiles, logits_s, mesh_links, predict
 from edgeswarm.planning.hmp.shares import HmpShares, splits_head
 from edgeswarm.planning.hmp.types import (
     BlockProfile,
@@ -58,13 +58,27 @@ def memory_problem(cfg: TextModelConfig, seq_len: int, profiles: Sequence[BlockP
 
 
 def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProfile], heads: list[int],
-                columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str]) -> HmpPlan:
+                columns: list[int], problem: MemoryProblem, options: HmpOptions, left_out: list[str], *,
+                overlap: bool | None = None) -> HmpPlan:
     """The plan of ``mode`` over ``profiles`` (ring order, a subset of ``cluster``'s) with these head and column
-    shares, and its prediction; ``problem`` is ``memory_problem`` over the same profiles."""
+    shares, and its prediction; ``problem`` is ``memory_problem`` over the same profiles. Galaxy's collectives are
+    tiled with their GEMMs as ``overlap`` says, or where None, when ``options.overlap`` allows it and the model
+    predicts the tiles faster (on short prompts a tile's GEMM costs nearly the whole GEMM's weight read)."""
     cfg = cluster.model
-    pred = predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links,
-                   overlap=options.overlap and mode == "galaxy", decode_cache=options.decode_cache,
-                   direct_syncs=options.direct_syncs)
+
+    def priced(tiled: bool) -> Prediction:
+        return predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links, overlap=tiled,
+                       decode_cache=options.decode_cache, direct_syncs=options.direct_syncs)
+
+    if mode != "galaxy":
+        overlap = False
+    pred = priced(bool(overlap))
+    if overlap is None:
+        overlap = False
+        if options.overlap and len(profiles) > 1:
+            tiled = priced(True)
+            if tiled.layer.total_s < pred.layer.total_s:
+                pred, overlap = tiled, True
     totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
     # A decoder's logits of the prompt's last row, once a pass (split over the ranks where the shares split it).
     split = cfg.decoder and splits_head(mode, len(profiles), options.direct_syncs)
@@ -77,7 +91,7 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,
-                         overlap=options.overlap and mode == "galaxy", direct_syncs=options.direct_syncs),
+                         overlap=overlap, direct_syncs=options.direct_syncs),
         rows=equal_split(cluster.seq_len, len(profiles)) if mode in ("galaxy", "sp") else
         [cluster.seq_len] * len(profiles),
         capacity=list(problem.capacity),

@@ -5,15 +5,16 @@ fitted speed (``scaled_cluster``) and a running plan priced on it with its share
 
 A rank's arithmetic in a pass is its MHA block at its heads, its MLP block at its columns and two connective blocks
 at its rows (galaxy and sp: its slice of the rows; megatron and local: all of them; sp computes every head and
-column on its slice), per layer, and the lm_head of the last row on the rank that answers for it. The profile is of
-``seq_len`` rows; a pass of other length is priced in proportion (the deadline does the same), which the fit's
-median forgives for the prompts of a few lengths a job sees.
+column on its slice), per layer, and the lm_head of the last row on the rank that answers for it (or its share of
+the vocabulary, where the head is split). Galaxy's tiled GEMMs cost their tiles' calls (``latency.gemm_s``). The
+profile is of ``seq_len`` rows; a pass of other length is priced in proportion (the deadline does the same), which
+the fit's median forgives for the prompts of a few lengths a job sees.
 """
 
 from __future__ import annotations
 
 from edgeswarm.planning.hmp.algorithm import equal_split
-from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s
+from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s, tp_gemms_s
 from edgeswarm.planning.hmp.plan import memory_problem, priced_plan
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster, HmpOptions, HmpPlan
 
@@ -38,6 +39,9 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int) -> dict[str,
             layer = (mha_s(p, cfg.heads) + mlp_s(p, cfg.ffn)) * rows[r] / s + 2 * con_s(p, rows[r])
         elif plan.mode == "galaxy":
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, rows[r])
+            if plan.shares.overlap:  # each GEMM a call per row tile, each call reading the whole weight
+                layer += sum(sum(tp_gemms_s(cfg, p, heads, columns, s, m)) for m in rows) \
+                    - sum(tp_gemms_s(cfg, p, heads, columns, s, s))
         else:  # megatron and local: every rank runs the connective blocks on all rows
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, s)
         out[node] = cfg.layers * layer + head[r] * p.head_s
@@ -60,10 +64,12 @@ def scaled_cluster(cluster: HmpCluster, scales: dict[str, float]) -> HmpCluster:
 
 
 def reprice(plan: HmpPlan, cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
-    """``plan`` (its mode, devices, heads and columns) priced on ``cluster``: what the running plan takes if its
-    devices compute as ``cluster`` says. Raises KeyError when a device of the plan has no profile in ``cluster``."""
+    """``plan`` (its mode, devices, heads and columns, tiled or not) priced on ``cluster``: what the running plan
+    takes if its devices compute as ``cluster`` says. Raises KeyError when a device of the plan has no profile in
+    ``cluster``."""
     by_node = {p.node: p for p in cluster.devices}
     profiles = [by_node[node] for node in plan.devices]
     problem = memory_problem(cluster.model, cluster.seq_len, profiles, options)
     return priced_plan(cluster, plan.shares.mode, profiles, list(plan.shares.heads), list(plan.shares.columns),
-                       problem, options, list(plan.left_out)).model_copy(update={"epoch": plan.epoch})
+                       problem, options, list(plan.left_out), overlap=plan.shares.overlap,
+                       ).model_copy(update={"epoch": plan.epoch})

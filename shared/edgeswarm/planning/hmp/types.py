@@ -105,8 +105,8 @@ class HmpOptions(BaseModel):
 
     ``mode``: ``galaxy`` (Algorithm 1), the baselines ``megatron`` (equal heads and columns), ``sp`` (every weight
     on every device), ``local`` (the fastest device that holds the model), or ``auto`` (the lowest predicted
-    latency of those that fit). ``exclude``: devices not to use. ``overlap``: tile the collectives with the GEMMs
-    (galaxy). ``shift``: Algorithm 1's shifts as the paper has them (``paper``) or capped at each receiver's free
+    latency of those that fit). ``exclude``: devices not to use. ``overlap``: allow tiling the collectives with the
+    GEMMs (galaxy), where the model predicts the tiles faster. ``shift``: Algorithm 1's shifts as the paper has them (``paper``) or capped at each receiver's free
     memory (``water``, spec A4). ``paper``: the memory model is the weights alone (R_d = 0, spec 3.8); otherwise
     replicated parts, activations and the KV cache are reserved. ``prune``: try leaving out the slowest devices and
     keep the fastest predicted plan. ``max_tokens``: tokens the KV caches must hold (every request decoding at once;
