@@ -280,7 +280,7 @@ _HMP_CLUSTER = ("record", {
 _HMP_OPTIONS = ("record", {
     "mode": ("enum", _HMP_MODES | {"auto"}), "exclude": ("list", "str"), "overlap": "bool",
     "shift": ("enum", {"paper", "water"}), "paper": "bool", "prune": "bool", "max_tokens": "int",
-    "decode_cache": "int", "margin_bytes": "int", "direct_syncs": "bool",
+    "decode_cache": "int", "margin_bytes": "int", "direct_syncs": "bool", "new_tokens": "int",
 })
 _HMP_SHARES = ("record", {
     "mode": ("enum", _HMP_MODES), "devices": ("list", "str"), "heads": ("list", "int"),

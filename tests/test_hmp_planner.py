@@ -27,7 +27,7 @@ from edgeswarm.planning.hmp.algorithm import (
     lr_round,
 )
 from edgeswarm.planning.hmp.latency import capacity, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
-from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron
+from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron, request_s
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
 from edgeswarm.values.profiles import LinkProfile
@@ -304,6 +304,24 @@ def test_a_row_tile_reads_its_whole_weight_and_galaxy_tiles_only_where_the_overl
     assert plan_galaxy(long, HmpOptions(prune=False)).shares.overlap
     assert not plan_galaxy(long, HmpOptions(prune=False, overlap=False)).shares.overlap
     assert not plan_megatron(long, HmpOptions(prune=False)).shares.overlap
+
+
+def test_a_decoders_plans_are_compared_on_the_prefill_and_the_tokens_a_request_generates() -> None:
+    """A second device at half the speed shortens a 32-token prefill, but each generated token pays its link's 50 ms
+    per message (the layers' direct syncs and the logits' gather): planned for the prompt alone Galaxy uses both
+    devices, planned for the prompt and 16 tokens the fast one alone, and so does ``auto``."""
+    cfg = PRESETS["llama-3.2-1b"].model_copy(update={"layers": 2})
+    devices = [synthetic_profile("fast", cfg, 32, slowdown=10.0, budget_bytes=int(64e9)),
+               synthetic_profile("slow", cfg, 32, slowdown=20.0, budget_bytes=int(64e9))]
+    c = HmpCluster(model=cfg, model_name="llama-3.2-1b", seq_len=32, devices=devices, links=[
+        LinkProfile(src=a.node, dst=b.node, bandwidth_bps=125e6, latency_s=1e-4, message_s=0.05)
+        for a in devices for b in devices if a.node != b.node])
+    prompt, request = plan_galaxy(c, HmpOptions()), plan_galaxy(c, HmpOptions(new_tokens=16))
+    assert prompt.devices == ["fast", "slow"] and request.devices == ["fast"]
+    assert prompt.model.total_s < request.model.total_s
+    assert request_s(request, 16) < request_s(prompt, 16)
+    assert request_s(prompt, 16) == pytest.approx(prompt.model.total_s + 16 * prompt.decode.per_token_s)
+    assert plan_hmp(c, HmpOptions(mode="auto", new_tokens=16)).devices == ["fast"]
 
 
 def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:

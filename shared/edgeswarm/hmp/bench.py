@@ -193,7 +193,8 @@ def hmp_tables(report: HmpReport) -> list[Table]:
         tables.append(t)
     off = [r for r in runs if r.section == "overlap" and r.latency_s]
     if off:
-        t = Table(title="overlap: Galaxy with tiles overlapping communication and GEMMs, against without")
+        t = Table(title="overlap: Galaxy allowed to tile communication with its GEMMs (where its planner predicts "
+                        "the tiles faster), against never")
         for col in ("env", "model", "overlap on ms", "overlap off ms", "saved ms", "on: wait ms", "off: wait ms",
                     "predicted on / off ms"):
             t.add_column(col, justify="left" if col in ("env", "model") else "right")
@@ -201,7 +202,8 @@ def hmp_tables(report: HmpReport) -> list[Table]:
             on = galaxy_of(runs, "envs", r.env, r.bandwidth_mbps, r.model, all_devices=True)
             if on is None or on.latency_s is None or r.latency_s is None:
                 continue
-            t.add_row(r.env.upper(), r.model, _ms(on.latency_s), _ms(r.latency_s), _ms(r.latency_s - on.latency_s),
+            t.add_row(r.env.upper(), r.model, _ms(on.latency_s) + ("" if on.tiled else " (untiled)"),
+                      _ms(r.latency_s), _ms(r.latency_s - on.latency_s),
                       f"{on.waiting_ms or 0:.0f}", f"{r.waiting_ms or 0:.0f}",
                       f"{_ms(on.predicted_s)} / {_ms(r.predicted_s)}")
         tables.append(t)

@@ -49,12 +49,12 @@ Log = Callable[[str], None]
 
 
 class HmpRun(BaseModel):
-    """One serve-hmp job measured: where (``section``, ``env``, ``bandwidth_mbps``), what (``model`` with
-    ``layers`` layers at ``seq_len`` tokens, ``mode``, ``overlap``), the plan (devices, heads, columns, predicted
-    seconds per request and per layer), and the measurements in seconds (medians over ``requests``): ``latency_s``
-    on the coordinator, the per-layer split of the slowest rank in milliseconds (the embeddings and head are in it,
-    spread over the layers), and for generation the time to first token and per output token. ``error``: why the
-    job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
+    """One serve-hmp job measured: where (``section``, ``env``, ``bandwidth_mbps``), what (``model`` with ``layers``
+    layers at ``seq_len`` tokens, ``mode``, ``overlap``: tiling allowed), the plan (devices, heads, columns, whether it
+    ``tiled``, predicted seconds per request and per layer), and the measurements in seconds (medians over
+    ``requests``): ``latency_s`` on the coordinator, the per-layer split of the slowest rank in milliseconds (the
+    embeddings and head are in it, spread over the layers), and for generation the time to first token and per output
+    token. ``error``: why the job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
 
     section: str
     env: str
@@ -68,6 +68,7 @@ class HmpRun(BaseModel):
     devices: list[str] = []
     heads: list[int] = []
     columns: list[int] = []
+    tiled: bool = False
     left_out: list[str] = []
     predicted_s: float | None = None
     predicted_layer_s: float | None = None
@@ -207,6 +208,7 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         plan = state.plan
         row = row.model_copy(update={
             "devices": plan.shares.devices, "heads": plan.shares.heads, "columns": plan.shares.columns,
+            "tiled": plan.shares.overlap,
             "left_out": plan.left_out, "predicted_s": plan.model.total_s, "predicted_layer_s": plan.layer.total_s,
             "predicted_compute_s": plan.layer.compute_s, "predicted_comm_s": plan.layer.comm_s,
             "predicted_exposed_s": plan.layer.exposed_s,

@@ -212,6 +212,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=0, help="serve-hmp: tokens a request's KV cache must hold")
     p.add_argument("--decode-cache", type=int, default=0,
                    help="serve-hmp: cache length of the per-token prediction (default: the sequence length)")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="serve-hmp: tokens a request generates; plans are compared on the prefill and these")
 
 
 def _model(name: str, overrides: dict[str, Any]) -> TextModelConfig:
@@ -247,7 +249,7 @@ def hmp_options(args: argparse.Namespace) -> HmpOptions:
     try:
         return HmpOptions(mode=args.hmp_mode, exclude=[x.strip() for x in args.exclude.split(",") if x.strip()],
                           overlap=not args.no_overlap, shift=args.shift, paper=args.paper, prune=not args.no_prune,
-                          max_tokens=args.max_tokens, decode_cache=args.decode_cache)
+                          max_tokens=args.max_tokens, decode_cache=args.decode_cache, new_tokens=args.new_tokens)
     except ValidationError as exc:
         raise ConfigError(f"bad serve-hmp options: {exc}") from None
 

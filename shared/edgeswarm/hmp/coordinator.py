@@ -65,7 +65,7 @@ from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferErrorReason
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
-from edgeswarm.planning.hmp.plan import plan_hmp
+from edgeswarm.planning.hmp.plan import plan_hmp, request_s
 from edgeswarm.planning.hmp.refit import rank_compute_s, reprice, scaled_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan
 from edgeswarm.planning.refit import ClosedLoop, RefitPricing
@@ -215,7 +215,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         self.refit_loop = ClosedLoop(RefitPricing(
             lambda plan, profile: reprice(plan, profile, self.options()),
             lambda _plan, profile: plan_hmp(profile, self.options()), scaled_cluster),
-            cost=lambda plan: plan.model.total_s)
+            cost=lambda plan: request_s(plan, self.options().new_tokens))
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
         self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
         self._ended = False  # a request of the batch ended since the last admission: its KV memory is free again
@@ -254,7 +254,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         """What the job's plans are asked for (its mode, the planner's settings, the KV cache it needs)."""
         spec = self.spec
         return HmpOptions(mode=spec.mode, overlap=spec.overlap, shift=spec.planner.shift, prune=spec.planner.prune,
-                          max_tokens=spec.max_tokens * self.batch, direct_syncs=spec.decode_syncs == "direct")
+                          max_tokens=spec.max_tokens * self.batch, direct_syncs=spec.decode_syncs == "direct",
+                          new_tokens=spec.max_new_tokens if self.config.decoder else 0)
 
     def profiles(self, cluster: ClusterProfile) -> HmpCluster:
         """The planner's input over ``cluster``'s devices, as profiled and scaled by what earlier jobs measured."""
@@ -273,9 +274,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         return self.profiles(cluster)
 
     def gain(self, current: HmpPlan, best: HmpPlan) -> str:
-        return (f"a prefill of {self.spec.seq_len} tokens would take {current.model.total_s * 1000:.1f} ms on the "
-                f"running plan, {best.model.total_s * 1000:.1f} ms on the new one "
-                f"({current.model.total_s / best.model.total_s:.2f}x faster)")
+        n = self.options().new_tokens
+        was, will = request_s(current, n), request_s(best, n)
+        return (f"a prefill of {self.spec.seq_len} tokens{f' and {n} more' if n else ''} would take {was * 1000:.1f} "
+                f"ms on the running plan, {will * 1000:.1f} ms on the new one ({was / will:.2f}x faster)")
 
     def _refit(self, plan: HmpPlan, tokens: int, results: dict[int, tuple[ShardResult, Any]]) -> None:
         """One prefill pass of ``tokens`` tokens: each rank's measured arithmetic (seconds) into the fit."""

@@ -55,6 +55,7 @@ CURVE_TOLERANCE = 0.02  # every round's held-out accuracy
 # SmartSplit's devices train under this budget (bytes): LeNet-5's whole-model training on the digits needs 2.6 MiB
 # (FedAvg's devices, ours and Flower's, could not train under it); the U-split at its first units needs about 1.
 SMARTSPLIT_BUDGET = 2 << 20
+QUICK_SAMPLES = 480  # training samples of --quick (of the digits' 1437), its held-out ones half as many
 IDLE_S = 3.0  # the window our idle services' traffic is measured over, before Flower runs
 START_S = 90.0  # for the SuperLink to take the run
 ROUND_WAIT_S = 120.0  # per round, for Flower's run to end
@@ -133,6 +134,8 @@ class FederatedPeers(PeerSection):
         classes = ("redmi-2", "pixel-6") if config.quick else CLUSTER_CLASSES
         settings = ["iid"] if config.quick else list(SETTINGS)
         rounds = 2 if config.quick else 10
+        # Quick: a third of the digits, so Flower's emulated phones train for seconds a round, not a quarter minute.
+        data = {"kind": "digits", **({"size": QUICK_SAMPLES, "test_size": QUICK_SAMPLES // 2} if config.quick else {})}
         spec = ClusterSpec(name="peers-flower", description="SmartSplit's phones and an edge server",
                            devices=tuple(DeviceEntry(id=f"{c}-{i}", device_class=c) for i, c in enumerate(classes)),
                            edges=(DeviceEntry(id=SERVER, device_class="edge-server"),))
@@ -146,7 +149,7 @@ class FederatedPeers(PeerSection):
                                netns=True, timeout_s=300) as (running, bus):
                 devices = sorted(d.id for d in spec.devices)  # a device's partition: its index in name order
                 for setting in settings:
-                    job = {"kind": "train-splitfed", "rounds": rounds, "participants": len(devices),
+                    job = {"kind": "train-splitfed", "rounds": rounds, "participants": len(devices), "data": data,
                            "partition": {**SETTINGS[setting], "devices": len(devices), "seed": 1},
                            "training": {"epochs": 1, "batch_size": 32, "lr": 0.01}, "wait_s": 60, "seed": 0}
                     ours = {mode: self._ours(running, bus, devices, {

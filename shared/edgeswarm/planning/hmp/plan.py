@@ -101,6 +101,13 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
         shift=options.shift, paper=options.paper, left_out=left_out)
 
 
+def request_s(plan: HmpPlan, new_tokens: int) -> float:
+    """A request's predicted seconds on ``plan``: its prompt's prefill, then ``new_tokens`` tokens at the plan's
+    per-token prediction (an encoder's plan has none: its prefill)."""
+    per_token = plan.decode.per_token_s if plan.decode is not None else 0.0
+    return plan.model.total_s + new_tokens * per_token
+
+
 def _usable(cluster: HmpCluster, options: HmpOptions) -> list[BlockProfile]:
     unknown = sorted(set(options.exclude) - {p.node for p in cluster.devices})
     if unknown:
@@ -120,7 +127,8 @@ def _left_out(cluster: HmpCluster, used: Sequence[BlockProfile]) -> list[str]:
 def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     """Galaxy's plan (Algorithm 1, spec 3.5-3.7). With ``options.prune``, also the plans without the slowest
     device, without the two slowest, ... and the one with the lowest predicted latency wins (a device whose
-    compute does not pay for its communication is left out). Raises HmpPlanError when nothing fits."""
+    compute does not pay for its communication is left out; lowest by ``request_s``). Raises HmpPlanError when
+    nothing fits."""
     kept = _usable(cluster, options)
     cfg = cluster.model
     full = memory_problem(cfg, cluster.seq_len, kept, options)
@@ -139,7 +147,7 @@ def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
             break  # fewer devices hold less: no smaller subset fits either
         left = _left_out(cluster, subset)
         plan = priced_plan(cluster, "galaxy", subset, heads, columns, problem, options, left)
-        if best is None or plan.model.total_s < best.model.total_s:
+        if best is None or request_s(plan, options.new_tokens) < request_s(best, options.new_tokens):
             best = plan
     if best is None:
         assert first_error is not None
@@ -207,7 +215,8 @@ def compare(cluster: HmpCluster, options: HmpOptions) -> HmpComparison:
 
 
 def plan_hmp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
-    """The plan of ``options.mode``; ``auto``: the lowest predicted model latency of the parallelisms that fit.
+    """The plan of ``options.mode``; ``auto``: the lowest predicted request time (``request_s``) of the parallelisms
+    that fit.
     Raises HmpPlanError (an InfeasiblePlanError) with what to change when nothing fits, ProfileError when the
     profiles do not cover the request."""
     if options.mode != "auto":
@@ -215,4 +224,4 @@ def plan_hmp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     found = [v.plan for v in compare(cluster, options).verdicts if v.plan is not None]
     if not found:
         return plan_galaxy(cluster, options)  # raises with Galaxy's reason, the most telling
-    return min(found, key=lambda p: p.model.total_s)
+    return min(found, key=lambda p: request_s(p, options.new_tokens))
