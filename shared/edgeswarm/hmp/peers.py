@@ -71,7 +71,9 @@ class TensorParallelPeers(PeerSection):
             with tools.cluster(spec, netns=True, extra_env={"EDGESWARM_REBALANCE": "false"}) as (running, bus):
                 measure = dict(section=section, env=kind, bandwidth_mbps=bandwidth, model=model, layers=layers,
                                seq_len=prompt_len, requests=config.requests, new_tokens=new_tokens, log=tools.log)
-                ours = serve_and_measure(bus, mode="galaxy", **measure)  # type: ignore[arg-type]
+                # Quick: every device used, so the cross-check covers our split (the planner would serve the tiny
+                # model on the fast device alone).
+                ours = serve_and_measure(bus, mode="galaxy", prune=not config.quick, **measure)  # type: ignore[arg-type]
                 if not config.quick:
                     megatron = serve_and_measure(bus, mode="megatron", **measure)  # type: ignore[arg-type]
                 for run in (ours, megatron):
