@@ -63,7 +63,9 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
     events: list[JobEvent] = []
     name = "sf-refit"
     follower = JobFollower(bus, name, on_event=events.append)
+    # A third of the digits: rounds of seconds, each device's compute still many steps long.
     spec = {"kind": "train-splitfed", "name": name, "mode": "fedavg", "rounds": 3, "participants": 3,
+            "data": {"kind": "digits", "size": 480, "test_size": 120},
             "partition": {"kind": "iid", "devices": 3, "seed": 1},
             "training": {"epochs": 1, "batch_size": 32, "lr": 0.05}, "wait_s": 30, "seed": 0}
     # The coordinator counts the stage-workers it sees online; on a loaded machine its view may lag this bus's.
