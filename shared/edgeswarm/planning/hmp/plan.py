@@ -70,15 +70,12 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
         return predict(cfg, cluster.seq_len, mode, profiles, heads, columns, cluster.links, overlap=tiled,
                        decode_cache=options.decode_cache, direct_syncs=options.direct_syncs)
 
-    if mode != "galaxy":
-        overlap = False
-    pred = priced(bool(overlap))
-    if overlap is None:
-        overlap = False
-        if options.overlap and len(profiles) > 1:
-            tiled = priced(True)
-            if tiled.layer.total_s < pred.layer.total_s:
-                pred, overlap = tiled, True
+    tiled = bool(overlap) and mode == "galaxy"
+    pred = priced(tiled)
+    if overlap is None and mode == "galaxy" and options.overlap and len(profiles) > 1:
+        other = priced(True)
+        if other.layer.total_s < pred.layer.total_s:
+            pred, tiled = other, True
     totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
     # A decoder's logits of the prompt's last row, once a pass (split over the ranks where the shares split it).
     split = cfg.decoder and splits_head(mode, len(profiles), options.direct_syncs)
@@ -91,7 +88,7 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
     return HmpPlan(
         model_name=cluster.model_name, seq_len=cluster.seq_len,
         shares=HmpShares(mode=mode, devices=[p.node for p in profiles], heads=heads, columns=columns,
-                         overlap=overlap, direct_syncs=options.direct_syncs),
+                         overlap=tiled, direct_syncs=options.direct_syncs),
         rows=equal_split(cluster.seq_len, len(profiles)) if mode in ("galaxy", "sp") else
         [cluster.seq_len] * len(profiles),
         capacity=list(problem.capacity),
@@ -126,9 +123,8 @@ def _left_out(cluster: HmpCluster, used: Sequence[BlockProfile]) -> list[str]:
 
 def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     """Galaxy's plan (Algorithm 1, spec 3.5-3.7). With ``options.prune``, also the plans without the slowest
-    device, without the two slowest, ... and the one with the lowest predicted latency wins (a device whose
-    compute does not pay for its communication is left out; lowest by ``request_s``). Raises HmpPlanError when
-    nothing fits."""
+    device, without the two slowest, ... and the one with the lowest predicted request time (``request_s``) wins (a
+    device whose compute does not pay for its communication is left out). Raises HmpPlanError when nothing fits."""
     kept = _usable(cluster, options)
     cfg = cluster.model
     full = memory_problem(cfg, cluster.seq_len, kept, options)
@@ -216,9 +212,8 @@ def compare(cluster: HmpCluster, options: HmpOptions) -> HmpComparison:
 
 def plan_hmp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     """The plan of ``options.mode``; ``auto``: the lowest predicted request time (``request_s``) of the parallelisms
-    that fit.
-    Raises HmpPlanError (an InfeasiblePlanError) with what to change when nothing fits, ProfileError when the
-    profiles do not cover the request."""
+    that fit. Raises HmpPlanError (an InfeasiblePlanError) with what to change when nothing fits, ProfileError when
+    the profiles do not cover the request."""
     if options.mode != "auto":
         return PLANNERS[options.mode](cluster, options)
     found = [v.plan for v in compare(cluster, options).verdicts if v.plan is not None]
