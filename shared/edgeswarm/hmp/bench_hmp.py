@@ -236,11 +236,14 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
             "waiting_ms": _median([s.waiting_ms for s in splits]),
             "ttft_s": _median([r.ttft_s for r in measured]),
             "tpot_s": _median([r.tpot_s for r in measured if r.tpot_s is not None])})
+        # Beside the prefill's prediction, the time to the first token where a request generates more.
+        first, what = (row.ttft_s, "first token") if new_tokens and row.ttft_s else (row.latency_s, "request")
         log(f"{section}: env {env.upper()} {bandwidth_mbps:g} Mbps {model} x{layers} s={seq_len} {mode}"
-            f"{'' if overlap else ' (no overlap)'} on {len(row.devices)}: {row.latency_s * 1000:.0f} ms measured, "
+            f"{'' if overlap else ' (no overlap)'} on {len(row.devices)}: {what} {first * 1000:.0f} ms measured, "
             f"{(row.predicted_s or 0) * 1000:.0f} ms predicted; per layer compute {row.compute_ms or 0:.0f}, sync "
             f"{row.sync_ms or 0:.0f}, waiting {row.waiting_ms or 0:.0f} ms"
-            + (f"; TPOT {row.tpot_s * 1000:.0f} ms" if row.tpot_s else ""))
+            + (f"; TPOT {row.tpot_s * 1000:.0f} ms measured, {(row.predicted_tpot_s or 0) * 1000:.0f} ms predicted"
+               if row.tpot_s else ""))
         return row
     finally:
         try:
