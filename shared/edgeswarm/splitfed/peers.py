@@ -134,7 +134,8 @@ class FederatedPeers(PeerSection):
         classes = ("redmi-2", "pixel-6") if config.quick else CLUSTER_CLASSES
         settings = ["iid"] if config.quick else list(SETTINGS)
         rounds = 2 if config.quick else 10
-        # Quick: a third of the digits, so Flower's emulated phones train for seconds a round, not a quarter minute.
+        # Quick: a third of the digits, a third of each side's local training (a Flower round stays about 12 s: it
+        # is mostly its ClientApp processes starting).
         data = {"kind": "digits", **({"size": QUICK_SAMPLES, "test_size": QUICK_SAMPLES // 2} if config.quick else {})}
         spec = ClusterSpec(name="peers-flower", description="SmartSplit's phones and an edge server",
                            devices=tuple(DeviceEntry(id=f"{c}-{i}", device_class=c) for i, c in enumerate(classes)),
