@@ -320,7 +320,9 @@ def test_a_decoders_plans_are_compared_on_the_prefill_and_the_tokens_a_request_g
     assert prompt.devices == ["fast", "slow"] and request.devices == ["fast"]
     assert prompt.model.total_s < request.model.total_s
     assert request_s(request, 16) < request_s(prompt, 16)
-    assert request_s(prompt, 16) == pytest.approx(prompt.model.total_s + 16 * prompt.decode.per_token_s)
+    # The prefill answers the first token: 15 decode steps follow it.
+    assert request_s(prompt, 16) == pytest.approx(prompt.model.total_s + 15 * prompt.decode.per_token_s)
+    assert request_s(prompt, 1) == request_s(prompt, 0) == prompt.model.total_s
     assert plan_hmp(c, HmpOptions(mode="auto", new_tokens=16)).devices == ["fast"]
 
 

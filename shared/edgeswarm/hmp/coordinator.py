@@ -276,8 +276,9 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
     def gain(self, current: HmpPlan, best: HmpPlan) -> str:
         n = self.options().new_tokens
         was, will = request_s(current, n), request_s(best, n)
-        return (f"a prefill of {self.spec.seq_len} tokens{f' and {n} more' if n else ''} would take {was * 1000:.1f} "
-                f"ms on the running plan, {will * 1000:.1f} ms on the new one ({was / will:.2f}x faster)")
+        return (f"a request of {self.spec.seq_len} prompt tokens{f' generating {n}' if n else ''} would take "
+                f"{was * 1000:.1f} ms on the running plan, {will * 1000:.1f} ms on the new one "
+                f"({was / will:.2f}x faster)")
 
     def _refit(self, plan: HmpPlan, tokens: int, results: dict[int, tuple[ShardResult, Any]]) -> None:
         """One prefill pass of ``tokens`` tokens: each rank's measured arithmetic (seconds) into the fit."""

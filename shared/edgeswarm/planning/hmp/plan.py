@@ -99,10 +99,11 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
 
 
 def request_s(plan: HmpPlan, new_tokens: int) -> float:
-    """A request's predicted seconds on ``plan``: its prompt's prefill, then ``new_tokens`` tokens at the plan's
-    per-token prediction (an encoder's plan has none: its prefill)."""
+    """A request of ``new_tokens`` generated tokens' predicted seconds on ``plan``: its prompt's prefill, which
+    answers the first token (the prefill is priced with its logits), then ``new_tokens`` - 1 decode steps at the
+    plan's per-token prediction (an encoder's plan has none: its prefill)."""
     per_token = plan.decode.per_token_s if plan.decode is not None else 0.0
-    return plan.model.total_s + new_tokens * per_token
+    return plan.model.total_s + max(0, new_tokens - 1) * per_token
 
 
 def _usable(cluster: HmpCluster, options: HmpOptions) -> list[BlockProfile]:

@@ -113,8 +113,8 @@ class HmpOptions(BaseModel):
     hold (every request decoding at once; 0: prefill only). ``decode_cache``: the cache length of the per-token
     prediction (0: ``seq_len``). ``margin_bytes``: kept free on every device. ``direct_syncs``: passes of fewer rows
     than devices (decode steps) use direct collectives (``HmpShares.direct_syncs``), else ring ones. ``new_tokens``: the
-    tokens a request generates; plans are compared on its predicted time, the prompt's prefill and that many tokens
-    (``plan.request_s``; 0: the prefill alone)."""
+    tokens a request generates; plans are compared on its predicted time, the prompt's prefill (which answers the
+    first) and a decode step for each further token (``plan.request_s``; 0: the prefill alone)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
