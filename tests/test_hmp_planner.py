@@ -27,7 +27,7 @@ from edgeswarm.planning.hmp.algorithm import (
     lr_round,
 )
 from edgeswarm.planning.hmp.latency import capacity, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
-from edgeswarm.planning.hmp.plan import compare, plan_galaxy, plan_hmp, plan_megatron, request_s
+from edgeswarm.planning.hmp.plan import PRUNE_MARGIN, compare, plan_galaxy, plan_hmp, plan_megatron, request_s
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
 from edgeswarm.values.profiles import LinkProfile
@@ -351,6 +351,23 @@ def test_devices_that_do_not_pay_are_left_out() -> None:
     kept = plan_galaxy(cluster, HmpOptions(prune=False))
     assert "crawl" in pruned.left_out and pruned.model.total_s <= kept.model.total_s
 
+
+@pytest.mark.parametrize(("message_s", "kept"), [(0.02, ["fast", "slow"]), (0.025, ["fast"])])
+def test_a_device_is_kept_only_where_it_is_predicted_to_save_more_than_the_margin(message_s: float,
+                                                                                    kept: list[str]) -> None:
+    """A device six times slower than the other, its links' messages at 20 ms: both predicted 5.6% faster than the
+    fast one alone, both kept; at 25 ms 3.5% faster, inside PRUNE_MARGIN (a tie in the model's error): the fast
+    one alone. Without pruning both are used either way."""
+    cfg = PRESETS["llama-3.2-1b"].model_copy(update={"layers": 2})
+    devices = [synthetic_profile("fast", cfg, 32, slowdown=10.0, budget_bytes=int(64e9)),
+               synthetic_profile("slow", cfg, 32, slowdown=60.0, budget_bytes=int(64e9))]
+    c = HmpCluster(model=cfg, model_name="llama-3.2-1b", seq_len=32, devices=devices, links=[
+        LinkProfile(src=a.node, dst=b.node, bandwidth_bps=125e6, latency_s=1e-4, message_s=message_s)
+        for a in devices for b in devices if a.node != b.node])
+    both, alone = plan_galaxy(c, HmpOptions(prune=False)), plan_galaxy(c, HmpOptions(exclude=["slow"]))
+    gain = request_s(alone, 0) / request_s(both, 0) - 1
+    assert both.devices == ["fast", "slow"] and 0 < gain and (gain > PRUNE_MARGIN) == (len(kept) == 2), gain
+    assert plan_galaxy(c, HmpOptions()).devices == kept
 
 def test_baselines_give_reasons_a_user_can_act_on() -> None:
     cfg = PRESETS["opt-1.3b"].model_copy(update={"dtype": "float16"})
