@@ -369,6 +369,7 @@ def test_a_device_is_kept_only_where_it_is_predicted_to_save_more_than_the_margi
     assert both.devices == ["fast", "slow"] and 0 < gain and (gain > PRUNE_MARGIN) == (len(kept) == 2), gain
     assert plan_galaxy(c, HmpOptions()).devices == kept
 
+
 def test_baselines_give_reasons_a_user_can_act_on() -> None:
     cfg = PRESETS["opt-1.3b"].model_copy(update={"dtype": "float16"})
     spec = ClusterSpec(name="x", network=NetworkDefaults(bandwidth_mbps=125),
