@@ -352,22 +352,44 @@ def test_devices_that_do_not_pay_are_left_out() -> None:
     assert "crawl" in pruned.left_out and pruned.model.total_s <= kept.model.total_s
 
 
+def _fast_and_slow(message_s: float) -> HmpCluster:
+    """Two devices, one six times slower than the other, their links' messages at ``message_s`` seconds."""
+    cfg = PRESETS["llama-3.2-1b"].model_copy(update={"layers": 2})
+    devices = [synthetic_profile("fast", cfg, 32, slowdown=10.0, budget_bytes=int(64e9)),
+               synthetic_profile("slow", cfg, 32, slowdown=60.0, budget_bytes=int(64e9))]
+    return HmpCluster(model=cfg, model_name="llama-3.2-1b", seq_len=32, devices=devices, links=[
+        LinkProfile(src=a.node, dst=b.node, bandwidth_bps=125e6, latency_s=1e-4, message_s=message_s)
+        for a in devices for b in devices if a.node != b.node])
+
+
 @pytest.mark.parametrize(("message_s", "kept"), [(0.02, ["fast", "slow"]), (0.025, ["fast"])])
 def test_a_device_is_kept_only_where_it_is_predicted_to_save_more_than_the_margin(message_s: float,
                                                                                     kept: list[str]) -> None:
     """A device six times slower than the other, its links' messages at 20 ms: both predicted 5.6% faster than the
     fast one alone, both kept; at 25 ms 3.5% faster, inside PRUNE_MARGIN (a tie in the model's error): the fast
     one alone. Without pruning both are used either way."""
-    cfg = PRESETS["llama-3.2-1b"].model_copy(update={"layers": 2})
-    devices = [synthetic_profile("fast", cfg, 32, slowdown=10.0, budget_bytes=int(64e9)),
-               synthetic_profile("slow", cfg, 32, slowdown=60.0, budget_bytes=int(64e9))]
-    c = HmpCluster(model=cfg, model_name="llama-3.2-1b", seq_len=32, devices=devices, links=[
-        LinkProfile(src=a.node, dst=b.node, bandwidth_bps=125e6, latency_s=1e-4, message_s=message_s)
-        for a in devices for b in devices if a.node != b.node])
+    c = _fast_and_slow(message_s)
     both, alone = plan_galaxy(c, HmpOptions(prune=False)), plan_galaxy(c, HmpOptions(exclude=["slow"]))
     gain = request_s(alone, 0) / request_s(both, 0) - 1
     assert both.devices == ["fast", "slow"] and 0 < gain and (gain > PRUNE_MARGIN) == (len(kept) == 2), gain
     assert plan_galaxy(c, HmpOptions()).devices == kept
+
+
+@pytest.mark.parametrize(("message_s", "mode"), [(0.02, "galaxy"), (0.025, "local")])
+def test_auto_takes_a_mode_on_more_devices_only_where_it_is_predicted_faster_by_more_than_the_margin(
+        message_s: float, mode: str) -> None:
+    """The same two devices, Galaxy unpruned: at 20 ms a message its split is predicted 5.6% faster than the fast
+    device alone and ``auto`` takes it; at 25 ms, 3.5% faster, ``auto`` takes the fast device alone (``local``),
+    the lowest prediction but for less than PRUNE_MARGIN."""
+    c = _fast_and_slow(message_s)
+    options = HmpOptions(prune=False)
+    found = [v.plan for v in compare(c, options).verdicts if v.plan is not None]
+    lowest = min(request_s(p, 0) for p in found)
+    picked = plan_hmp(c, options.model_copy(update={"mode": "auto"}))
+    assert picked.mode == mode and request_s(picked, 0) <= lowest * (1 + PRUNE_MARGIN), [
+        (p.mode, request_s(p, 0)) for p in found]
+    assert (request_s(picked, 0) == lowest) == (mode == "galaxy")
+    assert picked.devices == (["fast", "slow"] if mode == "galaxy" else ["fast"])
 
 
 def test_baselines_give_reasons_a_user_can_act_on() -> None:

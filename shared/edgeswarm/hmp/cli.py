@@ -201,7 +201,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     the sources are shared)."""
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="serve-hmp: sequence length planned for")
     p.add_argument("--hmp-mode", choices=("galaxy", "megatron", "sp", "local", "auto"), default="galaxy",
-                   help="serve-hmp: the parallelism (auto: the fastest predicted that fits)")
+                   help="serve-hmp: the parallelism (auto: the fastest predicted that fits, or one on fewer "
+                        "devices within 5%% of it)")
     p.add_argument("--compare", action="store_true", help="serve-hmp: Galaxy beside Megatron-TP, SP and Local")
     p.add_argument("--no-overlap", action="store_true", help="serve-hmp: no tiled comm/compute overlap")
     p.add_argument("--shift", choices=("paper", "water"), default="paper",

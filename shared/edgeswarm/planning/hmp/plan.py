@@ -22,10 +22,10 @@ from edgeswarm.planning.hmp.types import (
 from edgeswarm.values.text_model import TextModelConfig
 
 MODES: tuple[HmpMode, ...] = ("galaxy", "megatron", "sp", "local")
-# A device kept by pruning must be predicted to save more than this fraction of a request. Two subsets predicted
-# within a few percent are a tie inside the model's error, and the model prices the larger one's ranks waiting for
-# each other at the syncs lower than they measure (two mixed Nanos, 2026-12-01: the split 1.06x its prediction, the
-# Nano-L alone 0.96x; predicted 1% apart, the Nano-L alone measured 9% faster).
+# A device kept by pruning, or by ``auto`` choosing among the modes, must be predicted to save more than this fraction
+# of a request. Two plans predicted within a few percent are a tie inside the model's error, and the model prices the
+# larger one's ranks waiting for each other at the syncs lower than they measure (two mixed Nanos, 2026-12-01: the split
+# 1.06x its prediction, the Nano-L alone 0.96x; predicted 1% apart, the Nano-L alone measured 9% faster).
 PRUNE_MARGIN = 0.05
 
 
@@ -153,8 +153,16 @@ def plan_galaxy(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
     if not plans:
         assert first_error is not None
         raise first_error
-    lowest = min(request_s(plan, options.new_tokens) for plan in plans)
-    return next(plan for plan in reversed(plans) if request_s(plan, options.new_tokens) <= lowest * (1 + PRUNE_MARGIN))
+    return fewest_devices_within_margin(plans, options.new_tokens)
+
+
+def fewest_devices_within_margin(plans: Sequence[HmpPlan], new_tokens: int) -> HmpPlan:
+    """Of ``plans`` (at least one), the one on the fewest devices whose predicted request of ``new_tokens`` tokens
+    (``request_s``) is within PRUNE_MARGIN of the lowest; among those on as few devices, the lowest. A device more
+    must pay for itself by more than the model's error: inside it, the plan with less communication is the safer."""
+    lowest = min(request_s(plan, new_tokens) for plan in plans)
+    near = [plan for plan in plans if request_s(plan, new_tokens) <= lowest * (1 + PRUNE_MARGIN)]
+    return min(near, key=lambda plan: (len(plan.devices), request_s(plan, new_tokens)))
 
 
 def plan_megatron(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
@@ -217,12 +225,13 @@ def compare(cluster: HmpCluster, options: HmpOptions) -> HmpComparison:
 
 
 def plan_hmp(cluster: HmpCluster, options: HmpOptions) -> HmpPlan:
-    """The plan of ``options.mode``; ``auto``: the lowest predicted request time (``request_s``) of the parallelisms
-    that fit. Raises HmpPlanError (an InfeasiblePlanError) with what to change when nothing fits, ProfileError when
-    the profiles do not cover the request."""
+    """The plan of ``options.mode``; ``auto``: of the parallelisms that fit, the one on the fewest devices predicted
+    within PRUNE_MARGIN of the lowest request time (``fewest_devices_within_margin``). Raises HmpPlanError (an
+    InfeasiblePlanError) with what to change when nothing fits, ProfileError when the profiles do not cover the
+    request."""
     if options.mode != "auto":
         return PLANNERS[options.mode](cluster, options)
     found = [v.plan for v in compare(cluster, options).verdicts if v.plan is not None]
     if not found:
         return plan_galaxy(cluster, options)  # raises with Galaxy's reason, the most telling
-    return min(found, key=lambda p: request_s(p, options.new_tokens))
+    return fewest_devices_within_margin(found, options.new_tokens)

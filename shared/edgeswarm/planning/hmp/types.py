@@ -105,17 +105,17 @@ class HmpOptions(BaseModel):
 
     ``mode``: ``galaxy`` (Algorithm 1), the baselines ``megatron`` (equal heads and columns), ``sp`` (every weight on
     every device), ``local`` (the fastest device that holds the model), or ``auto`` (the lowest predicted request time
-    of those that fit). ``exclude``: devices not to use. ``overlap``: allow tiling the collectives with the GEMMs
-    (galaxy), where the model predicts the tiles faster. ``shift``: Algorithm 1's shifts as the paper has them
-    (``paper``) or capped at each receiver's free memory (``water``, spec A4). ``paper``: the memory model is the
-    weights alone (R_d = 0, spec 3.8); otherwise replicated parts, activations and the KV cache are reserved. ``prune``:
-    try leaving out the slowest devices and keep the plan on the fewest devices predicted within 5% of the fastest
-    (``plan.PRUNE_MARGIN``). ``max_tokens``: tokens the KV caches must hold (every request decoding at once; 0: prefill
-    only). ``decode_cache``: the cache length of the per-token prediction (0: ``seq_len``). ``margin_bytes``: kept free
-    on every device. ``direct_syncs``: passes of fewer rows than devices (decode steps) use direct collectives
-    (``HmpShares.direct_syncs``), else ring ones. ``new_tokens``: the tokens a request generates; plans are compared on
-    its predicted time, the prompt's prefill (which answers the first) and a decode step for each further token
-    (``plan.request_s``; 0: the prefill alone)."""
+    of those that fit, or one on fewer devices within 5% of it: ``plan.fewest_devices_within_margin``). ``exclude``:
+    devices not to use. ``overlap``: allow tiling the collectives with the GEMMs (galaxy), where the model predicts the
+    tiles faster. ``shift``: Algorithm 1's shifts as the paper has them (``paper``) or capped at each receiver's free
+    memory (``water``, spec A4). ``paper``: the memory model is the weights alone (R_d = 0, spec 3.8); otherwise
+    replicated parts, activations and the KV cache are reserved. ``prune``: try leaving out the slowest devices and keep
+    the plan on the fewest devices predicted within 5% of the fastest (``plan.PRUNE_MARGIN``). ``max_tokens``: tokens
+    the KV caches must hold (every request decoding at once; 0: prefill only). ``decode_cache``: the cache length of the
+    per-token prediction (0: ``seq_len``). ``margin_bytes``: kept free on every device. ``direct_syncs``: passes of
+    fewer rows than devices (decode steps) use direct collectives (``HmpShares.direct_syncs``), else ring ones.
+    ``new_tokens``: the tokens a request generates; plans are compared on its predicted time, the prompt's prefill
+    (which answers the first) and a decode step for each further token (``plan.request_s``; 0: the prefill alone)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
