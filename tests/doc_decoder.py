@@ -331,7 +331,8 @@ _SPLIT_OPTIONS = ("record", {
 })
 _SPLIT_SELECTION_FIELDS = {
     "selected": ("list", ("record", {"node": "str", "mec": "str", "cut": "int", "round_s": "number",
-                                     "memory_bytes": "int"})),
+                                     "memory_bytes": "int", "compute_s": "number", "transfer_s": "number",
+                                     "mec_s": "number"})),
     "objective": "number", "t_system_s": "number", "target_cut": "int", "count": "int", "evaluations": "int",
     "solver": _SPLIT_SOLVER, "infeasible": ("list", "str"),
 }

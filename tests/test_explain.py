@@ -97,3 +97,62 @@ def test_no_spans_gives_an_empty_explanation_without_an_outside_row() -> None:
     result = explain("j", PLANNED, [], "round", [1], reported_s=0.2)
     assert result.units == [] and result.spans_s == 0.0
     assert all(op.name != OUTSIDE and op.measured_s == 0.0 for op in result.operations)
+
+
+def test_a_planned_cost_outside_every_span_lines_up_with_what_the_job_measured_beyond_its_spans() -> None:
+    """A bar on lane ``job`` named ``outside spans`` (a round's fixed costs, priced) is the planned side of the
+    outside row, not an operation of its own."""
+    planned = [*PLANNED, ScheduleBar(lane="job", name=OUTSIDE, cat="other", start_s=0.105, dur_s=0.03,
+                                     source="planned")]
+    result = explain("j", planned, round_spans(1, 0.02), "round", [1], reported_s=0.30)
+    outside = [op for op in result.operations if op.name == OUTSIDE]
+    assert len(outside) == 1 and outside[0].planned_s == pytest.approx(0.03), outside
+    assert outside[0].measured_s == pytest.approx(0.30 - result.spans_s)
+    assert result.planned_s == pytest.approx(0.135)
+
+
+
+def test_a_split_round_lines_up_its_slowest_trained_devices_compute_waits_sends_and_fixed_costs() -> None:
+    """train-splitfed's plan prices each selected device's compute, its tensors' transfers and its MEC's half: the
+    slowest device that trained last round is the planned one, its computes and its waits for the MEC are named as
+    the plan names them, and the round's other predicted seconds line up with what no span covers."""
+    from edgeswarm.messages import JobState
+    from edgeswarm.planning.splitfed.types import DeviceCut, SplitSelection
+    from edgeswarm.splitfed.workload import SplitfedWorkload
+    from edgeswarm.workloads import typed_state
+
+    plan = SplitSelection(selected=[
+        DeviceCut(node="d0", mec="m", cut=2, round_s=1.0, memory_bytes=1, compute_s=0.3, transfer_s=0.2, mec_s=0.4),
+        DeviceCut(node="d1", mec="m", cut=2, round_s=1.5, memory_bytes=1, compute_s=0.5, transfer_s=0.3, mec_s=0.5)],
+        objective=1.0, t_system_s=1.5, target_cut=2, count=2, evaluations=1, solver="bo")
+    trained = [{"node": "d0", "mec": "m", "cut": 2, "outcome": "trained"},
+               {"node": "d1", "mec": "m", "cut": 2, "outcome": "not picked"}]
+    state = typed_state(JobState(job_id="j", kind="train-splitfed", status="running", model="lenet5", submitted_at=1.0,
+                                 updated_at=2.0, plan=plan, progress={"rounds_done": 2, "history": [
+                                     {"round": r, "participants": trained, "predicted_s": 1.05, "round_s": 1.2}
+                                     for r in range(2)]}))
+    work = SplitfedWorkload()
+    planned = work.planned_schedule(state)
+    by_name = {b.name: b for b in planned}
+    assert by_name["compute"].dur_s == pytest.approx(0.3) and by_name["wait for the MEC"].dur_s == pytest.approx(0.6)
+    assert by_name["send"].dur_s == pytest.approx(0.1) and by_name[OUTSIDE].dur_s == pytest.approx(0.15)
+
+    def device(name: str, start: float, dur: float, r: int, lane: str = "device") -> SpanRecord:
+        cat = "wait" if name.startswith("wait") else "transfer" if lane.startswith("link") else "compute"
+        return SpanRecord(name=name, cat=cat, job_id="j", node="d0", service="stage-worker", lane=lane, round=r,
+                          start=T0 + 10 * r + start, dur_s=dur)
+
+    spans = [s for r in (0, 1) for s in (
+        device("forward", 0.0, 0.1, r), device("activation", 0.1, 0.06, r, "link device→mec"),
+        device("wait middle", 0.1, 0.2, r), device("tail", 0.3, 0.05, r),
+        device("tail gradient", 0.35, 0.05, r, "link device→mec"), device("wait cut gradient", 0.35, 0.45, r),
+        device("backward", 0.8, 0.15, r))]
+    named, units = work.explained_spans(state, spans)
+    assert units == [1]  # round 0 builds the devices' halves
+    result = explain("j", planned, named, "round", units, predicted_s=1.05, reported_s=1.2)
+    ops = {op.name: op for op in result.operations}
+    assert set(ops) == {"compute", "wait for the MEC", "send", OUTSIDE}, set(ops)
+    assert ops["compute"].measured_s == pytest.approx(0.3) and ops["wait for the MEC"].measured_s == pytest.approx(0.65)
+    assert ops["send"].measured_s == pytest.approx(0.11)
+    assert ops[OUTSIDE].planned_s == pytest.approx(0.15) and ops[OUTSIDE].measured_s == pytest.approx(1.2 - 0.95)
+    assert result.planned_s == pytest.approx(1.05)

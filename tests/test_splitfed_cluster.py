@@ -90,8 +90,9 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
     assert written["state"]["status"] == "succeeded" and written["state"]["kind"] == "train-splitfed"
     assert [r["rounds_done"] for r in written["rounds"]] == [1, 2, 3], written["rounds"]
     assert "accuracy" in done.stdout and "MiB" in done.stdout, done.stdout
-    # `edgeswarm explain`: the planner prices no operation of a split round, so the devices' measured spans (their
-    # halves' forward, tail and backward, the waits for the MEC) and the round's predicted and measured seconds.
+    # `edgeswarm explain`: the slowest trained device's planned compute, wait for the MEC (its tensors' transfers and
+    # the MEC's half) and the round's other predicted seconds, beside its measured spans (its halves' forward, tail
+    # and backward counted as its compute, its waits for the MEC) and what the round measured beyond them.
 
     def explained() -> dict[str, object] | None:
         result = subprocess.run([sys.executable, "-m", "edgeswarm", "explain", "sf-cli", "--json",
@@ -102,8 +103,10 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
 
     data = wait_until(explained, 30, message="a complete round's spans for edgeswarm explain")
     assert data["unit"] == "round" and data["predicted_s"] and data["reported_s"], data  # type: ignore[index]
-    names = {o["name"] for o in data["operations"]}  # type: ignore[index,union-attr]
-    assert {"forward", "backward"} <= names, names
+    ops = {o["name"]: o for o in data["operations"]}  # type: ignore[index,union-attr]
+    assert {"compute", "wait for the MEC", "send", "outside spans"} <= set(ops), ops
+    assert all(ops[n]["planned_s"] > 0 and ops[n]["measured_s"] > 0 for n in ("compute", "wait for the MEC")), ops
+    assert data["planned_s"] == pytest.approx(data["predicted_s"]), data  # type: ignore[index]
     out = tmp_path / "model.safetensors"
     exported = subprocess.run([sys.executable, "-m", "edgeswarm", "export", "sf-cli", "--out", str(out), "--hub",
                                cluster.local.hub_url], capture_output=True, text=True, timeout=120)

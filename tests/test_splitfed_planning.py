@@ -155,6 +155,27 @@ def test_round_time_counts_epochs_sync_and_mec_sharing() -> None:
     assert t1 == pytest.approx(iters * t_iter + sync)
 
 
+def test_a_selected_devices_round_is_its_compute_its_transfers_its_mecs_half_and_the_rest() -> None:
+    """Each selected device's round, as ``edgeswarm explain`` lines it up: what the device computes, what its
+    iterations' tensors take on its link, what its MEC computes for it (shared with the MEC's other device), and the
+    rest, its part's weights down and up and its measured setup."""
+    model = chain_model(units=6, batch_size=8)
+    devices = [SplitDevice(node=f"d{i}", mec="m", speed_flops=2e9 * (i + 1), link_bytes_s=5e6, budget_bytes=10**10,
+                           samples=20, setup_s=0.05) for i in range(2)]
+    mec = SplitMec(node="m", speed_flops=1e11)
+    opts = SplitOptions(epochs=3, participants=2, gamma=1.0, fixed_cut=2)
+    costs = cut_costs(model, opts)
+    iters = 3 * 3
+    sel = plan_round(model, devices, [mec], opts)
+    assert [d.node for d in sel.selected] == ["d0", "d1"]
+    for i, d in enumerate(sel.selected):
+        assert d.compute_s == pytest.approx(iters * costs.device_flops[1] / (2e9 * (i + 1)))
+        assert d.transfer_s == pytest.approx(iters * costs.transfer_bytes[1] / 5e6)
+        assert d.mec_s == pytest.approx(iters * costs.mec_flops[1] * 2 / 1e11)  # the MEC trains both at once
+        rest = d.round_s - d.compute_s - d.transfer_s - d.mec_s
+        assert rest == pytest.approx(2 * costs.device_params[1] / 5e6 + 0.05)
+
+
 def test_every_message_on_the_device_link_is_priced() -> None:
     model = chain_model(units=6, batch_size=8)
     free = SplitDevice(node="d", mec="m", speed_flops=2e9, link_bytes_s=5e6, budget_bytes=10**10, samples=20)

@@ -12,6 +12,8 @@ from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
+from edgeswarm.tracing.explain import OUTSIDE
+from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
 from edgeswarm.workloads.views import (
     PlanBlock,
@@ -24,6 +26,13 @@ from edgeswarm.workloads.views import (
 )
 
 MIB = 1 << 20
+# The lanes a device's spans are on (splitfed.worker), and the operations the plan prices: a device's computes
+# (its front's forward and backward, the tail, a local step) are one, its waits for the MEC's half another, its
+# sends of activations and gradients a third.
+DEVICE_LANE, LINK_LANE = "device", "link device→mec"
+COMPUTE, WAIT_MEC, SEND = "compute", "wait for the MEC", "send"
+_PLANNED_AS = {"forward": COMPUTE, "tail": COMPUTE, "backward": COMPUTE, "local step": COMPUTE,
+               "wait middle": WAIT_MEC, "wait cut gradient": WAIT_MEC, "activation": SEND, "tail gradient": SEND}
 
 
 class SplitfedWorkload(Workload):
@@ -75,12 +84,39 @@ class SplitfedWorkload(Workload):
                               f"loss {p.loss:.4f}" if p.loss is not None else "",
                               f"device peak {peak / MIB:.1f} MiB" if peak else ""))
 
+    def planned_schedule(self, state: JobState) -> list[ScheduleBar]:
+        """The plan's slowest device that trained in the last round (the one that sets the predicted round), as
+        planned: its own compute, then its wait for the MEC (the tensors' transfers and the MEC's half for it), its
+        sends on its link, and the round's other predicted seconds (its part's weights down and up, its setup, the
+        coordinator's requests) as ``outside spans``, which no span covers."""
+        plan = state.plan
+        if not isinstance(plan, SplitSelection) or not plan.selected:
+            return []
+        history = state.progress_as(SplitfedProgress).history
+        trained = {p.node for p in history[-1].participants if p.outcome == "trained"} if history else set()
+        device = max([c for c in plan.selected if c.node in trained] or plan.selected, key=lambda c: c.round_s)
+        waited = device.transfer_s + device.mec_s
+        predicted = history[-1].predicted_s if history and history[-1].predicted_s > 0 else device.round_s
+        bars = [ScheduleBar(lane=DEVICE_LANE, name=COMPUTE, cat="compute", start_s=0.0, dur_s=device.compute_s,
+                            source="planned")]
+        if waited > 0:
+            bars += [ScheduleBar(lane=DEVICE_LANE, name=WAIT_MEC, cat="wait", start_s=device.compute_s,
+                                 dur_s=waited, source="planned"),
+                     # Half of the iterations' transfers are the device's own sends, on its link's lane.
+                     ScheduleBar(lane=LINK_LANE, name=SEND, cat="transfer", start_s=device.compute_s,
+                                 dur_s=device.transfer_s / 2, source="planned")]
+        end = device.compute_s + waited
+        return [*bars, ScheduleBar(lane="job", name=OUTSIDE, cat="other", start_s=end,
+                                   dur_s=max(0.0, predicted - end), source="planned")]
+
     def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
-        """The spans as recorded; the rounds the coordinator finished (each round has its own participants), but
-        the first (the devices build their halves in it)."""
+        """The devices' spans named as the plan prices them (a device's computes, its waits for the MEC, its sends);
+        the rounds the coordinator finished (each round has its own participants), but the first (the devices build
+        their halves in it)."""
         done = state.progress_as(SplitfedProgress).rounds_done
         rounds = sorted({s.round for s in spans if s.round is not None and s.round < done})
-        return spans, rounds[1:] if len(rounds) > 1 else rounds
+        named = [s.model_copy(update={"name": _PLANNED_AS[s.name]}) if s.name in _PLANNED_AS else s for s in spans]
+        return named, rounds[1:] if len(rounds) > 1 else rounds
 
     def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
         """The last round's predicted and measured seconds (the planner's selection prices each round afresh)."""

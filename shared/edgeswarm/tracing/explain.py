@@ -6,7 +6,8 @@ pipeline, as bars) and the spans its workers measured are lined up by lane and o
 occurrences) and the measured seconds (the busiest device on that lane, summed over the unit, averaged over the
 units), and one occurrence of each. Operations the plan does not price (waits, the optimizer step) show as measured
 only. ``outside spans`` is what the job measured per unit beyond its spans' extent: the messages that start and end
-a round, aggregation, checkpoint uploads, a request's queueing, which no operation covers.
+a round, aggregation, checkpoint uploads, a request's queueing, which no operation covers; a plan that prices such
+costs names them with a bar on lane ``job`` called ``outside spans``.
 
 Pure functions over typed data (``edgeswarm explain`` fetches and prints; tests feed them directly).
 """
@@ -102,6 +103,9 @@ def explain(job_id: str, planned: Sequence[ScheduleBar], spans: Iterable[SpanRec
     for b in planned:
         planned_by[(b.lane, b.name)].append(b.dur_s)
         cats.setdefault((b.lane, b.name), b.cat)
+    # A plan may price what no span covers (a round's start and finish messages, say): it lines up with the row
+    # of what the job measured beyond its spans, not as an operation of its own.
+    planned_outside = sum(planned_by.pop(("job", OUTSIDE), []))
     rows = []
     for key in set(planned_by) | set(busy):
         plan = planned_by.get(key, [])
@@ -114,8 +118,8 @@ def explain(job_id: str, planned: Sequence[ScheduleBar], spans: Iterable[SpanRec
                                  measured_each_s=fmean(each[key]) if each.get(key) else None))
     spans_s = fmean(hi - lo for lo, hi in extent.values()) if extent else 0.0
     if reported_s is not None and measured_units:
-        rows.append(OperationGap(lane="job", name=OUTSIDE, cat="other", planned_s=0.0,
-                                 measured_s=max(0.0, reported_s - spans_s)))
+        rows.append(OperationGap(lane="job", name=OUTSIDE, cat="other", planned_s=planned_outside,
+                                 measured_s=max(0.0, reported_s - spans_s), planned_each_s=planned_outside or None))
     rows.sort(key=lambda r: (-abs(r.gap_s), lane_key(r.lane), r.name))
     planned_extent = (max(b.start_s + b.dur_s for b in planned) - min(b.start_s for b in planned)) if planned else 0.0
     return Explanation(job_id=job_id, unit=unit, units=measured_units, predicted_s=predicted_s, reported_s=reported_s,

@@ -195,7 +195,9 @@ class CostTable:
     """One round's devices x cuts: what the objective and solvers read. Row ``i`` is ``devices[i]`` (its id is
     its position), column ``j - 1`` is cut j. ``fixed_s`` is each (device, cut)'s round time without the MEC
     compute, ``mec_work`` the MEC FLOPs it needs in the round, so T_i(j) = fixed_s + mec_work * n_m / speed_m
-    (processor sharing among the n_m selected devices of MEC m). ``feasible`` is J_i (memory within budget,
+    (processor sharing among the n_m selected devices of MEC m). Of ``fixed_s``, ``compute_s`` is the device's own
+    compute (recomputation included) and ``transfer_s`` its iterations' transfers; the rest is its part's weights
+    down and up and its ``setup_s``. ``feasible`` is J_i (memory within budget,
     device available, and restricted by ``local_only``/``fixed_cut``)."""
 
     nodes: tuple[str, ...]
@@ -205,6 +207,8 @@ class CostTable:
     memory: np.ndarray          # (N, J) bytes
     feasible: np.ndarray        # (N, J) bool
     fixed_s: np.ndarray         # (N, J) seconds
+    compute_s: np.ndarray       # (N, J) seconds
+    transfer_s: np.ndarray      # (N, J) seconds
     mec_work: np.ndarray        # (N, J) FLOPs
     dis: np.ndarray             # (N,) nats
     samples: np.ndarray         # (N,) int
@@ -261,15 +265,15 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
                          dtype=np.float64)[:, None]
         sync = 2.0 * costs.device_params[None, :] / link + costs.sync_messages[None, :] * message
     setup = np.array([d.setup_s for d in devices], dtype=np.float64)[:, None]
-    fixed = iters * (costs.device_flops[None, :] / speed + costs.transfer_bytes[None, :] / link
-                     + costs.transfer_messages[None, :] * message) + sync + setup
+    compute = iters * costs.device_flops[None, :] / speed
+    transfer = iters * (costs.transfer_bytes[None, :] / link + costs.transfer_messages[None, :] * message)
     memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
     fits = memory <= budget
     if options.plan_with_recompute:
         # Where the full activations do not fit but the cost-aware footprint does, the device recomputes.
         lean = ~fits & (costs.lean_memory[None, :] <= budget)
         memory = np.where(lean, costs.lean_memory[None, :], memory)
-        fixed = fixed + np.where(lean, iters * costs.recompute_flops[None, :] / speed, 0.0)
+        compute = compute + np.where(lean, iters * costs.recompute_flops[None, :] / speed, 0.0)
         fits = fits | lean
     return CostTable(
         nodes=tuple(d.node for d in devices),
@@ -278,7 +282,9 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
         mec_speed=np.array([m.speed_flops for m in mecs], dtype=np.float64),
         memory=memory,
         feasible=fits & available & allowed[None, :],
-        fixed_s=fixed,
+        fixed_s=compute + transfer + sync + setup,
+        compute_s=compute,
+        transfer_s=transfer,
         mec_work=iters * costs.mec_flops[None, :],
         dis=np.array([d.dis for d in devices], dtype=np.float64),
         samples=np.array([d.samples for d in devices], dtype=np.int64),

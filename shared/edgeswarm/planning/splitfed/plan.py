@@ -115,7 +115,8 @@ def _selection(table: CostTable, decoded: Decoded, solution: Solution, options: 
                left_out: list[str]) -> SplitSelection:
     selected = [
         DeviceCut(node=table.nodes[r], mec=table.mec_names[table.mec_of[r]], cut=int(c), round_s=float(t),
-                  memory_bytes=int(table.memory[r, c - 1]))
+                  memory_bytes=int(table.memory[r, c - 1]), compute_s=float(table.compute_s[r, c - 1]),
+                  transfer_s=float(table.transfer_s[r, c - 1]), mec_s=max(0.0, float(t - table.fixed_s[r, c - 1])))
         for r, c, t in sorted(zip(decoded.rows.tolist(), decoded.cuts.tolist(), decoded.times.tolist(), strict=True))
     ]
     return SplitSelection(selected=selected, objective=float(decoded.objective), t_system_s=decoded.t_system,

@@ -156,7 +156,10 @@ class SplitOptions(BaseModel):
 
 
 class DeviceCut(BaseModel):
-    """One selected device and its cut, with its predicted round time (seconds) and device-side memory (bytes)."""
+    """One selected device and its cut, with its predicted round time (seconds) and device-side memory (bytes). Of
+    ``round_s``: ``compute_s`` the device computes, ``transfer_s`` its iterations' tensors take on its link and
+    ``mec_s`` its MEC computes for it (shared with the MEC's other devices); the rest is its part's weights down and
+    up and its setup."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -165,6 +168,9 @@ class DeviceCut(BaseModel):
     cut: int = Field(ge=1, le=MAX_UNITS)
     round_s: NonNegative
     memory_bytes: Bytes
+    compute_s: NonNegative = 0.0
+    transfer_s: NonNegative = 0.0
+    mec_s: NonNegative = 0.0
 
 
 class SplitSelection(BaseModel):
