@@ -125,12 +125,17 @@ def test_a_split_round_lines_up_its_slowest_trained_devices_compute_waits_sends_
         DeviceCut(node="d0", mec="m", cut=2, round_s=1.0, memory_bytes=1, compute_s=0.3, transfer_s=0.2, mec_s=0.4),
         DeviceCut(node="d1", mec="m", cut=2, round_s=1.5, memory_bytes=1, compute_s=0.5, transfer_s=0.3, mec_s=0.5)],
         objective=1.0, t_system_s=1.5, target_cut=2, count=2, evaluations=1, solver="bo")
-    trained = [{"node": "d0", "mec": "m", "cut": 2, "outcome": "trained"},
-               {"node": "d1", "mec": "m", "cut": 2, "outcome": "not picked"}]
+    def record(r: int, who: str, predicted_s: float, round_s: float) -> dict[str, object]:
+        return {"round": r, "predicted_s": predicted_s, "round_s": round_s, "participants": [
+            {"node": n, "mec": "m", "cut": 2, "outcome": "trained" if n == who else "not picked"}
+            for n in ("d0", "d1")]}
+
+    # Round 1 trained d1 alone: another plan's round, not lined up with the last round's schedule; rounds 2 and 3 are
+    # the last plan's devices at its cuts.
     state = typed_state(JobState(job_id="j", kind="train-splitfed", status="running", model="lenet5", submitted_at=1.0,
-                                 updated_at=2.0, plan=plan, progress={"rounds_done": 2, "history": [
-                                     {"round": r, "participants": trained, "predicted_s": 1.05, "round_s": 1.2}
-                                     for r in range(2)]}))
+                                 updated_at=2.0, plan=plan, progress={"rounds_done": 4, "history": [
+                                     record(0, "d0", 1.05, 2.0), record(1, "d1", 1.55, 1.6),
+                                     record(2, "d0", 1.1, 1.3), record(3, "d0", 1.05, 1.1)]}))
     work = SplitfedWorkload()
     planned = work.planned_schedule(state)
     by_name = {b.name: b for b in planned}
@@ -142,13 +147,14 @@ def test_a_split_round_lines_up_its_slowest_trained_devices_compute_waits_sends_
         return SpanRecord(name=name, cat=cat, job_id="j", node="d0", service="stage-worker", lane=lane, round=r,
                           start=T0 + 10 * r + start, dur_s=dur)
 
-    spans = [s for r in (0, 1) for s in (
+    spans = [s for r in (0, 1, 2, 3) for s in (
         device("forward", 0.0, 0.1, r), device("activation", 0.1, 0.06, r, "link device→mec"),
         device("wait middle", 0.1, 0.2, r), device("tail", 0.3, 0.05, r),
         device("tail gradient", 0.35, 0.05, r, "link device→mec"), device("wait cut gradient", 0.35, 0.45, r),
         device("backward", 0.8, 0.15, r))]
     named, units = work.explained_spans(state, spans)
-    assert units == [1]  # round 0 builds the devices' halves
+    assert units == [2, 3]  # round 0 builds the devices' halves
+    assert work.unit_seconds(state) == (pytest.approx(1.05), pytest.approx(1.2))  # the last plan's, the rounds' mean
     result = explain("j", planned, named, "round", units, predicted_s=1.05, reported_s=1.2)
     ops = {op.name: op for op in result.operations}
     assert set(ops) == {"compute", "wait for the MEC", "send", OUTSIDE}, set(ops)

@@ -3,6 +3,7 @@ layers of a model, edge servers (MECs) the middle, the coordinator averaging the
 
 from __future__ import annotations
 
+from statistics import fmean
 from typing import Any, ClassVar
 
 from edgeswarm.messages.cluster import NodeView
@@ -11,7 +12,7 @@ from edgeswarm.messages.splitfed import SplitUpdate
 from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.planning.splitfed.types import SplitSelection
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
-from edgeswarm.splitfed.spec import SplitfedProgress, SplitfedSpec
+from edgeswarm.splitfed.spec import RoundRecord, SplitfedProgress, SplitfedSpec
 from edgeswarm.tracing.explain import OUTSIDE
 from edgeswarm.values.schedule import ScheduleBar
 from edgeswarm.workloads.base import JobContext, JobSummary, Workload, figures_line
@@ -33,6 +34,21 @@ DEVICE_LANE, LINK_LANE = "device", "link device→mec"
 COMPUTE, WAIT_MEC, SEND = "compute", "wait for the MEC", "send"
 _PLANNED_AS = {"forward": COMPUTE, "tail": COMPUTE, "backward": COMPUTE, "local step": COMPUTE,
                "wait middle": WAIT_MEC, "wait cut gradient": WAIT_MEC, "activation": SEND, "tail gradient": SEND}
+
+
+def _trained(record: RoundRecord) -> set[tuple[str, int]]:
+    return {(p.node, p.cut) for p in record.participants if p.outcome == "trained"}
+
+
+def _like_last(history: list[RoundRecord]) -> list[RoundRecord]:
+    """The finished rounds whose devices trained at the cuts the last round's did, round 0 left out (the devices
+    build their halves in it) unless it is the only one."""
+    if not history:
+        return []
+    last = _trained(history[-1])
+    alike = [r for r in history if _trained(r) == last]
+    later = [r for r in alike if r.round > 0]
+    return later or alike
 
 
 class SplitfedWorkload(Workload):
@@ -111,17 +127,21 @@ class SplitfedWorkload(Workload):
 
     def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
         """The devices' spans named as the plan prices them (a device's computes, its waits for the MEC, its sends);
-        the rounds the coordinator finished (each round has its own participants), but the first (the devices build
-        their halves in it)."""
-        done = state.progress_as(SplitfedProgress).rounds_done
-        rounds = sorted({s.round for s in spans if s.round is not None and s.round < done})
+        the finished rounds in which the last round's devices trained at the last round's cuts (each round plans its
+        own participants, and the planned schedule is the last one's), but the first (the devices build their halves
+        in it) unless it is the only one."""
+        alike = {r.round for r in _like_last(state.progress_as(SplitfedProgress).history)}
         named = [s.model_copy(update={"name": _PLANNED_AS[s.name]}) if s.name in _PLANNED_AS else s for s in spans]
-        return named, rounds[1:] if len(rounds) > 1 else rounds
+        return named, sorted({s.round for s in spans if s.round in alike})
 
     def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
-        """The last round's predicted and measured seconds (the planner's selection prices each round afresh)."""
+        """The last round's predicted seconds (the planned schedule's), and the mean measured seconds of the rounds
+        ``explained_spans`` lines up (the last round's participants at its cuts)."""
         history = state.progress_as(SplitfedProgress).history
-        return (history[-1].predicted_s, history[-1].round_s) if history else (None, None)
+        alike = _like_last(history)
+        if not alike:
+            return None, None
+        return history[-1].predicted_s, fmean(r.round_s for r in alike)
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, SplitSelection)
