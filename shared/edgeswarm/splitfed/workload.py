@@ -109,7 +109,7 @@ class SplitfedWorkload(Workload):
         if not isinstance(plan, SplitSelection) or not plan.selected:
             return []
         history = state.progress_as(SplitfedProgress).history
-        trained = {p.node for p in history[-1].participants if p.outcome == "trained"} if history else set()
+        trained = {node for node, _cut in _trained(history[-1])} if history else set()
         device = max([c for c in plan.selected if c.node in trained] or plan.selected, key=lambda c: c.round_s)
         waited = device.transfer_s + device.mec_s
         predicted = history[-1].predicted_s if history and history[-1].predicted_s > 0 else device.round_s

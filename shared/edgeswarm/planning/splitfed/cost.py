@@ -192,13 +192,13 @@ def iteration_time(costs: CutCosts, cut: int, speed_flops: float, link_bytes_s: 
 
 @dataclass(frozen=True)
 class CostTable:
-    """One round's devices x cuts: what the objective and solvers read. Row ``i`` is ``devices[i]`` (its id is
-    its position), column ``j - 1`` is cut j. ``fixed_s`` is each (device, cut)'s round time without the MEC
-    compute, ``mec_work`` the MEC FLOPs it needs in the round, so T_i(j) = fixed_s + mec_work * n_m / speed_m
-    (processor sharing among the n_m selected devices of MEC m). Of ``fixed_s``, ``compute_s`` is the device's own
-    compute (recomputation included) and ``transfer_s`` its iterations' transfers; the rest is its part's weights
-    down and up and its ``setup_s``. ``feasible`` is J_i (memory within budget,
-    device available, and restricted by ``local_only``/``fixed_cut``)."""
+    """One round's devices x cuts: what the objective and solvers read. Row ``i`` is ``devices[i]`` (its id is its
+    position), column ``j - 1`` is cut j. ``fixed_s`` is each (device, cut)'s round time without the MEC compute,
+    ``mec_work`` the MEC FLOPs it needs in the round, so T_i(j) = fixed_s + mec_work * n_m / speed_m (processor sharing
+    among the n_m selected devices of MEC m). Of ``fixed_s``, ``compute_s`` is the device's own compute (recomputation
+    included) and ``transfer_s`` its iterations' transfers; the rest is its part's weights down and up and its
+    ``setup_s``. ``feasible`` is J_i (memory within budget, device available, and restricted by
+    ``local_only``/``fixed_cut``)."""
 
     nodes: tuple[str, ...]
     mec_names: tuple[str, ...]
