@@ -18,14 +18,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
-from edgeswarm.bus import Inbound
+import edgeswarm.messages as m
+from conftest import bus_settings
+from edgeswarm import topics
+from edgeswarm.bus import Bus, Inbound
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.messages import RequestRejected
 from edgeswarm.wire import Sender, encode
-from helpers import wait_until
+from helpers import announce, wait_until
 
 TOPICS = ("edgeswarm/test/flood/a", "edgeswarm/test/flood/b")
 PADDING = "x" * 900  # with the envelope, about 1 KB a message
@@ -180,3 +184,29 @@ def test_a_receiver_paused_longer_than_the_hold_bound_loses_nothing(broker, tmp_
     handled = [tuple(line.split()) for line in out.read_text().splitlines()]
     assert_each_handled_once_in_order(handled, sent)  # type: ignore[arg-type]
     assert "'inbox_dropped'" not in log
+
+
+def test_what_a_bus_sent_just_before_it_stopped_still_arrives(make_bus, broker) -> None:
+    """``Bus.stop`` at once after ``send_tensor`` and ``publish``. paho's loop_stop does not wait for queued packets
+    to be written, so without a drain the tail of a 64 MiB tensor, and a message behind it, never left the client: a
+    command that sends and exits lost what it sent (in CI, a contract test's stranger tensor was never seen)."""
+    rx = make_bus("rx", "sink")
+    got: list[str] = []
+    rx.subscribe(topics.data("rx", "sink"), lambda msg: got.append(f"tensor {msg.tensor.array.size}"),
+                 schemas=(m.BenchData,), plane="data")
+    rx.subscribe("edgeswarm/test/last", lambda msg: got.append("last"), schemas=(RequestRejected,))
+    announce(rx)
+    value = np.arange(16 * 1024 * 1024, dtype=np.float32)  # 64 chunks of 1 MiB
+    for attempt in range(3):
+        tx = Bus(bus_settings(broker.url), Sender(node="tx", service="once", instance=f"once{attempt}"))
+        tx.start(timeout_s=10)
+        try:
+            tx.send_tensor("rx", "sink", m.BenchData(run_id="last", seq=attempt), value)
+            tx.publish("edgeswarm/test/last", RequestRejected(reason="last", detail="after the tensor"), qos=1)
+        finally:
+            tx.stop()
+        expected = 2 * (attempt + 1)
+        wait_until(lambda: len(got) >= expected, 30,  # noqa: B023 - used before the loop goes on
+                   message=f"the tensor and the message sent just before stop (attempt {attempt}); got {got}")
+        assert sorted(got[-2:]) == ["last", f"tensor {value.size}"]  # two topics: either may be handled first
+    assert len(got) == 6

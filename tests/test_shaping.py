@@ -51,3 +51,18 @@ def test_delay_line_survives_a_failing_callable() -> None:
     line.at(time.monotonic(), done.set)
     assert done.wait(2.0)
     line.stop()
+
+
+def test_delay_line_stopped_with_a_drain_runs_what_is_in_the_air_first() -> None:
+    """A message still within its latency when the bus stops is delivered (within the drain), not dropped; without
+    a drain, or past it, what is left is dropped."""
+    line = DelayLine("test")
+    seen: list[str] = []
+    line.at(time.monotonic() + 0.1, lambda: seen.append("in the air"))
+    line.stop(drain_s=5.0)
+    assert seen == ["in the air"]
+
+    line = DelayLine("test")
+    line.at(time.monotonic() + 60.0, lambda: seen.append("an hour late"))
+    line.stop(drain_s=0.2)
+    assert seen == ["in the air"]

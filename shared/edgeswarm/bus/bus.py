@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # Room left in a packet for the frame header, topic and MQTT 5 properties beyond the encoded body.
 _CHUNK_HEADROOM = 1024
+# Longest ``stop`` waits for what was sent to leave (seconds): a 24 MiB tensor clears loopback in a fraction of it.
+STOP_DRAIN_S = 3.0
 
 
 
@@ -298,14 +300,19 @@ class Bus:
         self._housekeeper = threading.Thread(target=self._housekeeping, name="bus-housekeeping", daemon=True)
         self._housekeeper.start()
 
-    def stop(self) -> None:
-        """Disconnect every connection cleanly and stop the worker threads."""
+    def stop(self, drain_s: float = STOP_DRAIN_S) -> None:
+        """Disconnect every connection cleanly and stop the worker threads, once what was sent has left: up to
+        ``drain_s`` seconds in all for messages in an emulated link's latency to go out and for the brokers to
+        acknowledge the QoS 1 messages handed to them. paho's loop_stop does not wait, so a command that sent and
+        stopped at once lost the tail of what it sent."""
+        deadline = time.monotonic() + drain_s
         self._stop.set()
         for link in self._links.values():
-            link.close()
+            link.close(drain_s=max(0.0, deadline - time.monotonic()))
         with self._pool_lock:
             conns = list({id(c): c for c in self._pool.values()}.values())
         for conn in conns:
+            conn.flush(max(0.0, deadline - time.monotonic()))
             conn.close()
         self._inbox.stop()
         self._rejections.stop()

@@ -662,14 +662,19 @@ class MqttConnection:
             return self._refusals.get(mid)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the broker to acknowledge the last QoS 1 message; True if it did."""
+        """Wait up to ``timeout_s`` for the broker to acknowledge the last QoS 1 message; True if it did. It returns at
+        once (False) while disconnected, and on the network thread, which alone reads the acknowledgement."""
         info = self._last_info
         if info is None:
             return True
         try:
+            if info.is_published():
+                return True
+            if not self._connected.is_set() or threading.current_thread() is self._net_thread:
+                return False
             info.wait_for_publish(timeout_s)
             return info.is_published()
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError):  # paho: the message was never queued, or the client is not connected
             return False
 
     # --- paho plumbing ------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class DelayLine:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._stopped = False
+        self._running = False  # a popped callable is running
         self._thread = threading.Thread(target=self._run, name=f"delay-{name}", daemon=True)
         self._thread.start()
 
@@ -64,23 +65,30 @@ class DelayLine:
         """Run ``fn`` at monotonic time ``when`` (seconds)."""
         with self._cv:
             heapq.heappush(self._heap, (when, next(self._seq), fn))
-            self._cv.notify()
+            self._cv.notify_all()  # stop() may wait on the same condition
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop the thread once what is queued has run, or after ``drain_s`` seconds (what is left is dropped)."""
+        deadline = time.monotonic() + drain_s
         with self._cv:
+            while (self._heap or self._running) and time.monotonic() < deadline:
+                self._cv.wait(min(0.05, deadline - time.monotonic()))
             self._stopped = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while True:
             with self._cv:
+                self._running = False
+                self._cv.notify_all()
                 while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     wait = None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic())
                     self._cv.wait(wait)
                 if self._stopped:
                     return
                 _, _, fn = heapq.heappop(self._heap)
+                self._running = True
             try:
                 fn()
             except Exception:
@@ -112,6 +120,7 @@ class ShapedLink:
             # A message inside the burst allowance is done "in the past"; its latency still starts now.
             self._delay.at(max(done_at, time.monotonic()) + self.spec.latency_s, send)
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop the delay line, after up to ``drain_s`` seconds for the messages in the air to be delivered."""
         if self._delay is not None:
-            self._delay.stop()
+            self._delay.stop(drain_s)
