@@ -49,10 +49,8 @@ log = logging.getLogger(__name__)
 
 # Room left in a packet for the frame header, topic and MQTT 5 properties beyond the encoded body.
 _CHUNK_HEADROOM = 1024
-# Longest ``stop`` waits for what was sent to leave (seconds): a 24 MiB tensor clears loopback in a fraction of it.
+# Longest ``stop`` waits for what was sent to leave (seconds): a 64 MiB tensor clears loopback in a fraction of it.
 STOP_DRAIN_S = 3.0
-
-
 
 
 def mirrored(env: Envelope, ttl_s: float | None, *, summary: bool = True) -> PublishOptions:
