@@ -129,7 +129,9 @@ def test_served_whole_and_split_it_equals_the_gguf_dequantized_model(tmp_path: P
     greedy = reference.generate(dense_cfg, dense, PROMPT, 8)
     assert len(set(greedy)) > 1
     for mode in ("galaxy", "megatron", "sp"):
-        torch.testing.assert_close(_split_logits(model, _shares(mode), ids), want[-1], rtol=0, atol=1e-4)
+        # Relative too: ranks sum their partial products in another order, and logits near 10 then differ by 1e-4
+        # in float32 on some CPUs (AVX-512's kernels), while a wrong dequantization is off by far more.
+        torch.testing.assert_close(_split_logits(model, _shares(mode), ids), want[-1], rtol=1e-5, atol=1e-4)
     tokens, _, _ = generate(model.config, _shares("galaxy"), whole, PROMPT, 8)
     assert tokens == greedy
 
@@ -166,7 +168,7 @@ def test_half_precision_files_are_held_in_their_own_dtype_and_equal_the_gguf_rea
     ids = torch.tensor(PROMPT)
     want = reference.logits(dense, reference.forward(model.config, dense, ids))
     for mode in ("galaxy", "megatron"):
-        torch.testing.assert_close(_split_logits(model, _shares(mode), ids), want[-1], rtol=0, atol=1e-4)
+        torch.testing.assert_close(_split_logits(model, _shares(mode), ids), want[-1], rtol=1e-5, atol=1e-4)
 
 
 def _split_rank_bytes(model: GgufModel) -> int:
