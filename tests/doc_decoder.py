@@ -412,8 +412,8 @@ _CKPT_STORED = {"nbytes": "int", "file_bytes": "int", "sha256": "str", "created_
 
 _SPAN = ("record", {
     "name": "str", "cat": ("enum", {"compute", "transfer", "collective", "wait", "other"}), "job_id": "str",
-    "node": "str", "service": "str", "lane": "str", "round": "int?", "micro_batch": "int?", "start": "number",
-    "dur_s": "number",
+    "node": "str", "service": "str", "lane": "str", "round": "int?", "micro_batch": "int?", "samples": "int?",
+    "start": "number", "dur_s": "number",
 })
 
 #: (schema_name, schema_version) -> {field: spec}

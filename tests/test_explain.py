@@ -93,6 +93,37 @@ def test_serving_items_are_grouped_by_micro_batch_and_an_operation_that_never_ra
     assert by[("job", OUTSIDE)].measured_s == pytest.approx(0.030 - 0.012, abs=1e-6)
 
 
+def test_a_serving_pipeline_lines_up_only_the_items_that_filled_the_plans_micro_batch() -> None:
+    """The plan prices a micro-batch of 4 samples: items of one sample (a request of one row) forward in a fraction
+    of that and are left out, so the stage's forward is compared like with like; without a full item none is."""
+    from edgeswarm.messages import JobState
+    from edgeswarm.pipeline_serve.workload import ServePipelineWorkload
+    from edgeswarm.planning.serve.types import ServePlan, ServeStagePlan
+    from edgeswarm.workloads import typed_state
+
+    plan = ServePlan(model_fingerprint="m", micro_batch_size=4, method="test", units=2, bottleneck_s=0.02,
+                     throughput_per_s=200.0, latency_s=0.032, stages=[
+                         ServeStagePlan(index=i, start=i, end=i + 1, device=f"d{i}", compute_s=c, transfer_in_s=t,
+                                        input_bytes=0, memory_bytes=0, memory_budget_bytes=0)
+                         for i, (t, c) in enumerate([(0.0, 0.01), (0.002, 0.02)])])
+    state = typed_state(JobState(job_id="j", kind="serve-pipeline", status="running", model="mlp", submitted_at=1.0,
+                                 updated_at=2.0, plan=plan))
+
+    def forward(lane: str, item: int, samples: int, dur: float) -> SpanRecord:
+        return span(lane, "forward", item * 1.0, dur, mb=item).model_copy(update={"samples": samples})
+
+    work = ServePipelineWorkload()
+    one = [forward("stage 0", i, 1, 0.003) for i in (0, 1, 2)] + [forward("stage 1", i, 1, 0.006) for i in (0, 1, 2)]
+    full = [forward("stage 0", i, 4, 0.011) for i in (3, 4)] + [forward("stage 1", i, 4, 0.022) for i in (3, 4)]
+    spans, units = work.explained_spans(state, one + full)
+    assert units == [3, 4]
+    result = explain("j", work.planned_schedule(state), spans, "item", units)
+    by = {(op.lane, op.name): op for op in result.operations}
+    assert by[("stage 0", "forward")].ratio == pytest.approx(1.1)
+    assert by[("stage 1", "forward")].ratio == pytest.approx(1.1)
+    assert work.explained_spans(state, one)[1] == []
+
+
 def test_no_spans_gives_an_empty_explanation_without_an_outside_row() -> None:
     result = explain("j", PLANNED, [], "round", [1], reported_s=0.2)
     assert result.units == [] and result.spans_s == 0.0

@@ -179,6 +179,8 @@ def test_the_cli_serves_infers_lists_and_cancels(cluster: Cluster, tmp_path: Pat
     np.testing.assert_allclose(np.load(out)["y"], expected, rtol=1e-5, atol=1e-5)
     generated = cli("infer", name, "--count", "5", "--show", "2")
     assert generated.returncode == 0 and "5/5 requests answered" in generated.stdout
+    full = cli("infer", name, "--count", "2", "--rows", "4", "--show", "0")  # each fills a micro-batch
+    assert full.returncode == 0 and "2/2 requests answered, 8 samples" in full.stdout, full.stdout + full.stderr
     listed = cli("jobs")
     assert name in listed.stdout and "serve-pipeline" in listed.stdout and "answered" in listed.stdout
 
@@ -196,6 +198,14 @@ def test_the_cli_serves_infers_lists_and_cancels(cluster: Cluster, tmp_path: Pat
     ops = {(o["lane"], o["name"]): o for o in data["operations"]}
     assert ops[("stage 0", "forward")]["planned_each_s"] > 0 and ops[("stage 1", "forward")]["measured_s"] > 0
     assert ops[("link 0→1", "activation")]["planned_each_s"] is not None
+    # Lined up: the items that filled the plan's micro-batch of 4, as the stages' spans say; not the smaller ones.
+    traced = cli("trace", name, "--out", str(tmp_path / "trace.json"))
+    assert traced.returncode == 0, traced.stderr
+    forwards = [e["args"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+                if e["ph"] == "X" and e["name"].startswith("forward")]
+    assert {f["samples"] for f in forwards} >= {2, 4}, forwards
+    assert set(data["units"]) <= {f["micro_batch"] for f in forwards if f["samples"] == 4}
+    assert not set(data["units"]) & {f["micro_batch"] for f in forwards if f["samples"] != 4}
     cancelled = cli("cancel", name)
     assert cancelled.returncode == 0, cancelled.stderr
     wrong = cli("infer", "no-such-job", "--count", "1")

@@ -111,7 +111,9 @@ def _ms(seconds: float | None) -> str:
 def _print_explanation(result: Explanation, state: JobState, top: int) -> None:
     unit = result.unit
     if not result.units:
-        console.print(f"job {result.job_id}: no complete {unit} measured yet")
+        why = (" (an item is lined up with the plan when it fills the plan's micro-batch: send requests of that "
+               "many samples, `edgeswarm infer --rows`)" if unit == "item" else "")
+        console.print(f"job {result.job_id}: no complete {unit} measured yet{why}")
         return
     count = len(result.units)
     head = f"job {result.job_id} ({state.kind}), {count} {unit}{'s' if count > 1 else ''} measured: "

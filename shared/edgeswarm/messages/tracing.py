@@ -20,13 +20,15 @@ MAX_LANE_CHARS = 64
 # A span longer than a day is no span of a round or request: a clock that jumped, or a forged one.
 MAX_SPAN_S = 86_400.0
 MAX_INDEX = 1 << 40  # rounds, passes, items: as the exchange scopes (messages.collectives.MAX_SCOPE)
+MAX_SAMPLES = 1 << 20
 
 
 class SpanRecord(BaseModel):
     """One span: ``name`` ("forward", "send activation"), its category ``cat``, the job, node and service that
     recorded it, its ``lane`` (a stage, a shard, a link: "stage 1", "shard 0", "link 0→1": one row of a timeline),
-    the job's ``round`` (None outside rounds: a serving request) and ``micro_batch`` (None where there is none);
-    ``start`` in Unix seconds, ``dur_s`` in seconds."""
+    the job's ``round`` (None outside rounds: a serving request) and ``micro_batch`` (None where there is none),
+    ``samples`` the samples its item or micro-batch carried (None where the worker does not say); ``start`` in Unix
+    seconds, ``dur_s`` in seconds."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -38,6 +40,7 @@ class SpanRecord(BaseModel):
     lane: str = Field(max_length=MAX_LANE_CHARS)
     round: int | None = Field(default=None, ge=0, le=MAX_INDEX)
     micro_batch: int | None = Field(default=None, ge=0, le=MAX_INDEX)
+    samples: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)
     start: float = Field(ge=0, allow_inf_nan=False)
     dur_s: float = Field(ge=0, le=MAX_SPAN_S, allow_inf_nan=False)
 

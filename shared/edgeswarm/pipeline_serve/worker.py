@@ -212,7 +212,8 @@ class ServeStageProgram(JobTable[_Stage]):
         spec = stage.spec
         peer = spec.coordinator if stage.last else spec.devices[spec.stage + 1]
         item = 0
-        # Each item's forward on the stage's lane (its number as the span's micro-batch), its send on the link's.
+        # Each item's forward on the stage's lane (its number as the span's micro-batch, with its samples), its send
+        # on the link's.
         lane = self.ctx.tracer.lane(spec.job_id, f"stage {spec.stage}")
         link = lane.on(f"link {spec.stage}→{spec.stage + 1}")
         while not stage.stop.is_set():
@@ -230,7 +231,7 @@ class ServeStageProgram(JobTable[_Stage]):
                 with self.ctx.gate.computing():
                     out = forward(stage.module, x, self.ctx.device, self.ctx.compute)
                 ended = time.perf_counter()
-                lane.add("forward", "compute", started, ended, micro_batch=item)
+                lane.add("forward", "compute", started, ended, micro_batch=item, samples=int(x.shape[0]))
                 stage.compute_s += ended - started
                 stage.items += 1
                 times, arrivals = stage.upstream.pop(item, ([], []))

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from edgeswarm.messages.cluster import NodeView
 from edgeswarm.messages.jobs import JobState
 from edgeswarm.messages.serving import InferRequest, ServeTensor
+from edgeswarm.messages.tracing import SpanRecord
 from edgeswarm.pipeline_serve.spec import ServeProgress, ServeSpec
 from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.values.schedule import ScheduleBar
@@ -75,6 +76,16 @@ class ServePipelineWorkload(ServingWorkload):
                                     dur_s=st.compute_s, source="planned"))
             t += st.compute_s
         return bars
+
+    def explained_spans(self, state: JobState, spans: list[SpanRecord]) -> tuple[list[SpanRecord], list[int]]:
+        """The spans as they are, and the items that filled the plan's micro-batch (the plan prices one of
+        ``micro_batch_size`` samples; an item of one sample forwards in a fraction of that): those whose stage
+        forward says it carried that many samples. None of them when no item was full."""
+        plan = state.plan
+        if not isinstance(plan, ServePlan):
+            return super().explained_spans(state, spans)
+        full = {s.micro_batch for s in spans if s.samples == plan.micro_batch_size and s.micro_batch is not None}
+        return spans, sorted(full)
 
     def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
         plan = state.plan

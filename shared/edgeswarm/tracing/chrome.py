@@ -66,7 +66,8 @@ def chrome_trace(spans: Sequence[SpanRecord], *, job_id: str = "") -> ChromeTrac
         events.append(ChromeEvent(
             name=label, ph="X", cat=s.cat, pid=pids[s.node], tid=lanes[(s.node, s.lane)],
             ts=round((s.start - origin) * US_PER_S, 3), dur=round(s.dur_s * US_PER_S, 3),
-            args={"job": s.job_id, "service": s.service, "round": s.round, "micro_batch": s.micro_batch}))
+            args={"job": s.job_id, "service": s.service, "round": s.round, "micro_batch": s.micro_batch,
+                  "samples": s.samples}))
     return ChromeTrace(traceEvents=events, otherData={"job": job_id, "origin_unix_s": origin})
 
 

@@ -40,6 +40,7 @@ class RawSpan(NamedTuple):
     micro_batch: int | None
     t0: float
     t1: float
+    samples: int | None = None
 
 
 class SpanRecorder:
@@ -93,8 +94,8 @@ class SpanRecorder:
         try:
             return SpanRecord(name=span.name[:MAX_NAME_CHARS] or "?", cat=span.cat, job_id=span.job_id, node=self.node,
                               service=self.service, lane=span.lane[:MAX_LANE_CHARS], round=span.round,
-                              micro_batch=span.micro_batch, start=max(0.0, self.wall_time(span.t0)),
-                              dur_s=min(max(0.0, span.t1 - span.t0), 86_400.0))
+                              micro_batch=span.micro_batch, samples=span.samples,
+                              start=max(0.0, self.wall_time(span.t0)), dur_s=min(max(0.0, span.t1 - span.t0), 86_400.0))
         except ValidationError as exc:
             log.debug("dropped a span that is no SpanRecord: %s", exc)
             return None
@@ -140,9 +141,10 @@ class Lane:
         return Span(self, name, cat, round, micro_batch)
 
     def add(self, name: str, cat: SpanCat, t0: float, t1: float, round: int | None = None,
-            micro_batch: int | None = None) -> None:
-        """Record span ``name`` from ``perf_counter`` reading ``t0`` to ``t1``."""
-        self.recorder.add(RawSpan(self.job_id, self.lane, name, cat, round, micro_batch, t0, t1))
+            micro_batch: int | None = None, samples: int | None = None) -> None:
+        """Record span ``name`` from ``perf_counter`` reading ``t0`` to ``t1``, of an item or micro-batch of
+        ``samples`` samples when given."""
+        self.recorder.add(RawSpan(self.job_id, self.lane, name, cat, round, micro_batch, t0, t1, samples))
 
     def on(self, lane: str) -> Lane:
         """The same job's spans on another lane (a link beside a stage)."""
