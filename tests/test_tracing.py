@@ -60,8 +60,8 @@ def test_the_recorder_times_spans_on_the_wall_clock_and_batches_them_per_job() -
     assert batches[1].spans[0].round is None and batches[1].spans[0].cat == "collective"
     assert fwd.samples is None  # not said
     lane.add("forward", "compute", 1.0, 1.5, micro_batch=2, samples=8)
-    lane.add("forward", "compute", 2.0, 2.5, micro_batch=3, samples=0)  # no item has no samples: dropped
-    assert [(s.micro_batch, s.samples) for b in rec.batches() for s in b.spans] == [(2, 8)]
+    lane.add("forward", "compute", 2.0, 2.5, micro_batch=3, samples=0)  # no count of samples: the span stays
+    assert [(s.micro_batch, s.samples) for b in rec.batches() for s in b.spans] == [(2, 8), (3, None)]
     assert rec.batches() == []
 
 

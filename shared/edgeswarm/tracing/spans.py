@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
-from edgeswarm.messages.tracing import MAX_LANE_CHARS, MAX_NAME_CHARS, SpanBatch, SpanCat, SpanRecord
+from edgeswarm.messages.tracing import MAX_LANE_CHARS, MAX_NAME_CHARS, MAX_SAMPLES, SpanBatch, SpanCat, SpanRecord
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class SpanRecorder:
         try:
             return SpanRecord(name=span.name[:MAX_NAME_CHARS] or "?", cat=span.cat, job_id=span.job_id, node=self.node,
                               service=self.service, lane=span.lane[:MAX_LANE_CHARS], round=span.round,
-                              micro_batch=span.micro_batch, samples=span.samples,
+                              micro_batch=span.micro_batch,
+                              samples=span.samples if span.samples and span.samples <= MAX_SAMPLES else None,
                               start=max(0.0, self.wall_time(span.t0)), dur_s=min(max(0.0, span.t1 - span.t0), 86_400.0))
         except ValidationError as exc:
             log.debug("dropped a span that is no SpanRecord: %s", exc)
