@@ -22,7 +22,15 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
-from edgeswarm.messages.tracing import MAX_LANE_CHARS, MAX_NAME_CHARS, MAX_SAMPLES, SpanBatch, SpanCat, SpanRecord
+from edgeswarm.messages.tracing import (
+    MAX_LANE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_SAMPLES,
+    MAX_SPAN_S,
+    SpanBatch,
+    SpanCat,
+    SpanRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +104,8 @@ class SpanRecorder:
                               service=self.service, lane=span.lane[:MAX_LANE_CHARS], round=span.round,
                               micro_batch=span.micro_batch,
                               samples=span.samples if span.samples and span.samples <= MAX_SAMPLES else None,
-                              start=max(0.0, self.wall_time(span.t0)), dur_s=min(max(0.0, span.t1 - span.t0), 86_400.0))
+                              start=max(0.0, self.wall_time(span.t0)),
+                              dur_s=min(max(0.0, span.t1 - span.t0), MAX_SPAN_S))
         except ValidationError as exc:
             log.debug("dropped a span that is no SpanRecord: %s", exc)
             return None
