@@ -315,3 +315,29 @@ def test_transformer_structure_at_100_mbps() -> None:
     nanos = [SyntheticDevice(f"nano-{i}", 5.0, 3 * GIB) for i in range(5)]
     plan = plan_best("hpp", synthetic_cluster(56, nanos, bandwidth_bps=12.5e6, shape="transformer"), 2048)
     assert [len(s.devices) for s in plan.stages] == [1] * 5
+
+
+def _with_cold(cluster: ClusterProfile, forward: float, backward: float) -> ClusterProfile:
+    return cluster.model_copy(update={"devices": [e.model_copy(update={"compute": e.compute.model_copy(update={
+        "cold_forward_s": forward, "cold_backward_s": backward})}) for e in cluster.devices]})
+
+
+def test_every_call_of_a_stage_pays_its_devices_cold_cost_once() -> None:
+    """A forward or backward call costs its units plus the device's cold cost (ComputeProfile.cold_*_s) once,
+    whatever its units; a device with no samples or no units makes no call. A single device's round makes one of
+    each per micro-batch, and a large cold cost makes the planner cut fewer stages (each stage pays it per call)."""
+    cluster, options = env_c(), PlanOptions(micro_batch_size=32, micro_batches=4)
+    plain, cold = CostModel(cluster, options), CostModel(_with_cold(cluster, 0.01, 0.02), options)
+    for d in range(plain.N):
+        assert cold.forward_s(d, 32, 3, 9) == pytest.approx(plain.forward_s(d, 32, 3, 9) + 0.01)
+        assert cold.backward_s(d, 7, 0, 40) == pytest.approx(plain.backward_s(d, 7, 0, 40) + 0.02)
+        assert cold.compute_s(d, 0, 3, 9) == 0.0 and cold.compute_s(d, 32, 5, 5) == 0.0
+    shares = np.array([[0, 16, 32]])
+    devices = np.array([[0, 1, 2]])
+    assert np.allclose(cold.forward_s(devices, shares, 0, 40) - plain.forward_s(devices, shares, 0, 40),
+                       [[0.0, 0.01, 0.01]])
+    single, single_cold = plan_single(cluster, options), plan_single(_with_cold(cluster, 0.01, 0.02), options)
+    assert single_cold.options == single.options
+    assert single_cold.round_latency_s == pytest.approx(single.round_latency_s + 4 * (0.01 + 0.02))
+    stages = len(plan_asteroid(cluster, options).stages)
+    assert len(plan_asteroid(_with_cold(cluster, 0.1, 0.1), options).stages) < stages

@@ -164,6 +164,33 @@ def test_the_served_forward_is_timed_in_eval_mode_without_autograd_and_training_
     assert seen == [(False, True)] * 4 and probe.training  # one warm-up and three timed, then back to training
 
 
+def test_a_call_after_the_device_idled_is_timed_beyond_its_back_to_back_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanism on a fake clock: a device whose calls take 1 s back to back and 6 s after it idled (its caches
+    and clocks gone cold) pays 5 s a cold call, beyond the back-to-back times given; never less than nothing."""
+    from edgeswarm.profiling import compute
+
+    clock, idled = [0.0], [False]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        idled[0] = True
+
+    def runner(fn: Callable[[], T]) -> T:
+        out = fn()
+        clock[0] += 6.0 if idled[0] else 1.0
+        idled[0] = False
+        return out
+
+    monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock[0], sleep=sleep))
+    spec = ModelSpec(name="lenet5")
+    chain = layer_sequence(build_model(spec).train()).build_stage(0, 12)
+    x = compute.example_input(spec, 2)
+    gen = torch.Generator().manual_seed(0)
+    assert compute._cold_calls(chain, x, runner, 3, gen, None, (1.0, 1.0, 2.0)) == (5.0, 5.0, 4.0)
+    assert compute._cold_calls(chain, x, runner, 3, gen, None, (9.0, 9.0, 9.0)) == (0.0, 0.0, 0.0)
+    assert chain.training and all(p.grad is None for p in chain.parameters())
+
+
 def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
     _, native = lenet_profile
     scaled = calibrated_profile(native, 2.5, "device-abc")
@@ -175,6 +202,8 @@ def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
                          (scaled.inference_s, native.inference_s)):
         for row, base in zip(mine, theirs, strict=True):
             assert row == pytest.approx([2.5 * t for t in base], rel=1e-12)
+    for field in ("cold_forward_s", "cold_backward_s", "cold_inference_s"):
+        assert getattr(scaled, field) == pytest.approx(2.5 * getattr(native, field), rel=1e-12)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ProfilerError, match="positive finite"):
             calibrated_profile(native, bad, "device-abc")
@@ -194,9 +223,10 @@ def test_speed_ratio_is_the_fastest_call_through_the_runner_over_the_fastest_nat
     def workload() -> Callable[[], None]:
         def work() -> None:
             steps[0] += 1
-            # One untimed step first; then per repeat an untimed step, a timed native one (the 3rd, 6th and 9th
-            # steps) and one through the runner.
-            clock[0] += 4.0 if steps[0] in (3, 9) else 1.0
+            # One untimed step first; then per repeat an untimed step, a timed native one and one through the
+            # runner, the second repeat in the other order with an untimed step between (native: the 3rd, 8th and
+            # 10th steps).
+            clock[0] += 4.0 if steps[0] in (3, 8) else 1.0
         return work
 
     passes = [0]
@@ -210,13 +240,13 @@ def test_speed_ratio_is_the_fastest_call_through_the_runner_over_the_fastest_nat
     monkeypatch.setattr(compute, "_calibration_workload", workload)
     monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     assert measure_speed_ratio(runner, repeats=3, budget_s=30.0) == pytest.approx(3.0)
-    assert passes[0] == 3 and steps[0] == 1 + 3 * 3
+    assert passes[0] == 3 and steps[0] == 1 + 3 * 3 + 1
     assert measure_speed_ratio(lambda fn: fn(), repeats=3) == pytest.approx(1.0)
     # Runner timings that reach the budget (8 s + 8 s) are not repeated: the fastest of the two (both disturbed) over
     # the fastest of every native timing (those go on).
     clock[0], steps[0], passes[0] = 0.0, 0, 0
     assert measure_speed_ratio(runner, repeats=3, budget_s=14.0) == pytest.approx(8.0)
-    assert passes[0] == 2 and steps[0] == 1 + 3 * 2 + 2
+    assert passes[0] == 2 and steps[0] == 1 + 3 * 2 + 2 + 1
     with pytest.raises(ConfigError):
         measure_speed_ratio(slow(2.0), repeats=0)
 
@@ -282,32 +312,43 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     def time_unit(stage, x, *args, **kwargs):  # type: ignore[no-untyped-def]
         return 0.001, 0.002, real_time_unit(stage, x, None, 1, 0, torch.Generator())[2]
 
-    def factors(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def chain_times(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(int(x.shape[0]))
         assert len(list(chain.parameters())) == len(list(compute.build_model(spec).parameters()))  # the whole model
-        return (2.0, 1.0, 0.5)
+        return (1.0, 1.0, 1.0)
+
+    cold_at: list[int] = []
+
+    def cold_calls(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        cold_at.append(int(x.shape[0]))
+        return (0.01, 0.02, 0.03)
 
     monkeypatch.setattr(compute, "_time_unit", time_unit)
     monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
-    monkeypatch.setattr(compute, "_chain_factors", factors)
+    monkeypatch.setattr(compute, "_chain_times", chain_times)
+    monkeypatch.setattr(compute, "_chain_factors", lambda chain, tables: (2.0, 1.0, 0.5))
+    monkeypatch.setattr(compute, "_cold_calls", cold_calls)
     _, scaled = compute.profile_model(spec, [2, 4], repeats=1, warmup=0)
     assert calls == [2, 4]
     assert {t for row in scaled.forward_s for t in row} == {0.002}
     assert {t for row in scaled.backward_s for t in row} == {0.002}
     assert {t for row in scaled.inference_s or [] for t in row} == {0.0002}
+    # The cold calls are measured once, at the smallest batch size.
+    assert cold_at == [2]
+    assert (scaled.cold_forward_s, scaled.cold_backward_s, scaled.cold_inference_s) == (0.01, 0.02, 0.03)
     # A model whose units in a row do not fit (only one unit's activations at a time did) keeps its units' timings.
 
     def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(compute, "_chain_factors", out_of_memory)
+    monkeypatch.setattr(compute, "_chain_times", out_of_memory)
     _, alone = compute.profile_model(spec, [2], repeats=1, warmup=0)
     assert {t for row in alone.forward_s for t in row} == {0.001}
     assert {t for row in alone.inference_s or [] for t in row} == {0.0004}
+    assert alone.cold_forward_s == 0.0
     # What the factors are: a ratio of the chain to the units' sum, within CHAIN_BOUNDS.
     monkeypatch.undo()
-    chain = compute.layer_sequence(compute.build_model(spec).train()).build_stage(0, 12)
-    high = compute.CHAIN_BOUNDS[1]
-    tiny = [[1e-12] for _ in range(12)]
-    assert compute._chain_factors(chain, compute.example_input(spec, 2), None, 1, 0, torch.Generator(), None,
-                                  [tiny, tiny, tiny]) == (high, high, high)
+    high, low = compute.CHAIN_BOUNDS[1], compute.CHAIN_BOUNDS[0]
+    tiny, ones = [[1e-12] for _ in range(12)], [[0.5], [0.5]]
+    assert compute._chain_factors((1.0, 1.0, 1.0), [tiny, tiny, tiny]) == (high, high, high)
+    assert compute._chain_factors((1.5, 0.1, 1.0), [ones, ones, ones]) == (1.5, low, 1.0)

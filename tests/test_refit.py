@@ -354,3 +354,17 @@ def test_a_job_s_measured_speeds_are_blended_with_the_history_weighted_by_rounds
     assert saved_scales(cache, profile, "train")["a"] < 1.1
     assert cache.refit(profile.devices[0].compute.model_fingerprint, "a",
                        profile.devices[0].compute.device_fingerprint, "train").rounds == HISTORY_ROUNDS
+
+
+def test_a_refitted_device_is_slower_in_its_cold_calls_too() -> None:
+    """A device's scale multiplies every time of its profile: its units' and what each call pays cold."""
+    profile = profiled()
+    first = profile.devices[0]
+    compute = first.compute.model_copy(update={"cold_forward_s": 0.01, "cold_backward_s": 0.02,
+                                               "cold_inference_s": 0.03})
+    cold = profile.model_copy(update={"devices": [first.model_copy(update={"compute": compute}),
+                                                  *profile.devices[1:]]})
+    out = scaled(cold, {first.device.node: 3.0}).devices[0].compute
+    assert (out.cold_forward_s, out.cold_backward_s, out.cold_inference_s) == pytest.approx((0.03, 0.06, 0.09))
+    assert out.forward_s[0][0] == pytest.approx(3.0 * compute.forward_s[0][0])
+    assert out.backward_s[-1][-1] == pytest.approx(3.0 * compute.backward_s[-1][-1])

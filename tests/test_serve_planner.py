@@ -371,3 +371,23 @@ def test_serving_is_priced_on_the_served_forward_where_the_profile_has_one() -> 
     before, after = plan_serving(training, options), plan_serving(served, options)
     assert after.latency_s == pytest.approx(before.latency_s / 2, rel=1e-3)  # the transfers stay
     assert [(s.start, s.end, s.device) for s in after.stages] == [(s.start, s.end, s.device) for s in before.stages]
+
+
+def test_each_stage_pays_its_devices_cold_call_once_per_micro_batch() -> None:
+    """A stage's forward of a micro-batch costs its units plus its device's cold cost (ComputeProfile.
+    cold_inference_s) once; the exact search prices it as the brute force does."""
+    devs = [SyntheticDevice("a", 1.0, GIB), SyntheticDevice("b", 2.0, GIB), SyntheticDevice("c", 3.0, GIB)]
+    plain = cluster(devs, units=7, bandwidth_bps=50e6)
+    cold = plain.model_copy(update={"devices": [e.model_copy(update={"compute": e.compute.model_copy(update={
+        "cold_inference_s": 0.004 * (i + 1)})}) for i, e in enumerate(plain.devices)]})
+    before, after = serve_costs(plain, 4), serve_costs(cold, 4)
+    for d in range(3):
+        assert after.compute_s(d, 2, 6) == pytest.approx(before.compute_s(d, 2, 6) + 0.004 * (d + 1))
+        assert after.compute_s(d, 3, 3) == 0.0
+    options = ServeOptions(method="optimal", micro_batch_size=4)
+    plan = plan_serving(cold, options)
+    assert plan.bottleneck_s == pytest.approx(brute_force_beta(cold, options), rel=1e-9)
+    index = {e.device.node: i for i, e in enumerate(cold.devices)}
+    for stage in plan.stages:
+        d = index[stage.device]
+        assert stage.compute_s == pytest.approx(before.compute_s(d, stage.start, stage.end) + 0.004 * (d + 1))

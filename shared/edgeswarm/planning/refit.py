@@ -78,7 +78,7 @@ def link_fit_inputs(cluster: ClusterProfile, received: dict[str, list[LinkSample
 
 
 def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
-    """``cluster`` with each device's forward, backward and served-forward times multiplied by its scale (``scales``
+    """``cluster`` with each device's compute times (``ComputeProfile.scaled``) multiplied by its scale (``scales``
     keyed by node; 1 where none), and each link's bandwidth divided by its scale and its per-message costs multiplied
     by it (keyed ``link_key``)."""
     entries = []
@@ -87,11 +87,7 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
         if f == 1.0:
             entries.append(entry)
             continue
-        c = entry.compute
-        entries.append(entry.model_copy(update={"compute": c.model_copy(update={
-            "forward_s": [[t * f for t in row] for row in c.forward_s],
-            "backward_s": [[t * f for t in row] for row in c.backward_s],
-            "inference_s": None if c.inference_s is None else [[t * f for t in row] for row in c.inference_s]})}))
+        entries.append(entry.model_copy(update={"compute": entry.compute.scaled(f)}))
     links = []
     for link in cluster.links:
         f = scales.get(link_key(link.src, link.dst), 1.0)

@@ -111,6 +111,10 @@ class ComputeProfile(BaseModel):
     ``method`` says how the times were obtained: "measured" (every unit timed on the device) or
     "calibrated" (the host's timings scaled by the device's measured speed ratio, ``speed_ratio``).
     ``compute`` is the torch device the units were timed on ("cpu", "cuda:0 (NVIDIA ...)").
+    ``cold_forward_s``, ``cold_backward_s`` and ``cold_inference_s`` are the seconds one call of a stage's forward,
+    backward or served forward takes beyond its units' times when it starts after the device idled (caches and
+    clocks gone cold: a stage waits on its peers between calls, and an emulated device sleeps), once per call
+    whatever its units; 0 in profiles from before them.
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
@@ -124,6 +128,9 @@ class ComputeProfile(BaseModel):
     method: Literal["measured", "calibrated"] = "measured"
     speed_ratio: float = Field(default=1.0, gt=0)
     compute: str = Field(default="cpu", max_length=128)
+    cold_forward_s: Seconds = 0.0
+    cold_backward_s: Seconds = 0.0
+    cold_inference_s: Seconds = 0.0
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
@@ -137,6 +144,17 @@ class ComputeProfile(BaseModel):
             raise ValueError("forward_s, backward_s and inference_s must be [unit][batch size] with one column per "
                              "batch size")
         return self
+
+    def scaled(self, factor: float) -> ComputeProfile:
+        """Every time of this profile (units' and cold calls') multiplied by ``factor``: the same device ``factor``
+        times slower."""
+        return self.model_copy(update={
+            "forward_s": [[t * factor for t in row] for row in self.forward_s],
+            "backward_s": [[t * factor for t in row] for row in self.backward_s],
+            "inference_s": None if self.inference_s is None else [[t * factor for t in row]
+                                                                  for row in self.inference_s],
+            "cold_forward_s": self.cold_forward_s * factor, "cold_backward_s": self.cold_backward_s * factor,
+            "cold_inference_s": self.cold_inference_s * factor})
 
 
 # What a job measured of a device: training's forward and backward, serving's forward, or split learning's part

@@ -53,12 +53,12 @@ def stage_costs(cm: CostModel, group: Sequence[int], warmup_count: int, starts: 
     def latency(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
         e = ends[rows][:, None]
         s = starts[rows][:, None]
-        return cm.both[devs, y, e] - cm.both[devs, y, s]
+        return cm.compute_s(devs, y, s, e)
 
     y, ok = allocate(latency, caps, b)
     e, s = ends[:, None], starts[:, None]
-    fwd = (cm.fwd[devs, y, e] - cm.fwd[devs, y, s]).max(axis=1)
-    bwd = (cm.bwd[devs, y, e] - cm.bwd[devs, y, s]).max(axis=1)
+    fwd = cm.forward_s(devs, y, s, e).max(axis=1)
+    bwd = cm.backward_s(devs, y, s, e).max(axis=1)
     weights = (cm.weight_prefix[ends] - cm.weight_prefix[starts]).astype(np.float64)
     g = len(group)
     ta = 0.0 if g == 1 else 2.0 * (g - 1) * weights / (g * cm.group_bandwidth(group))

@@ -30,7 +30,7 @@ def plan_single(cluster: ClusterProfile, options: PlanOptions, *, deadline: Dead
     for d in range(cm.N):
         check(deadline, "the single-device baseline")
         for size in (s for s in range(1, b + 1) if b % s == 0 and cm.memory_bytes(0, cm.L, s, 1) <= cm.budget[d]):
-            t = float(cm.both[d, size, cm.L]) * m * (b // size)
+            t = float(cm.compute_s(d, size, 0, cm.L)) * m * (b // size)
             if best is None or t < best[0]:
                 best = (t, d, size)
     if best is None:
@@ -68,7 +68,7 @@ def plan_pp(cluster: ClusterProfile, options: PlanOptions, *, deadline: Deadline
     for p in range(stages):
         check(deadline, f"the pipeline baseline (stage {p} of {stages})")
         k = warmup(stages, p, m)
-        t = cm.both[p, b, j_idx] - cm.both[p, b, i_idx]
+        t = cm.compute_s(p, b, i_idx, j_idx)
         act = np.maximum(cm.act_fixed_prefix[j_idx] - cm.act_fixed_prefix[i_idx], 0) + b * (
             cm.act_sample_prefix[j_idx] - cm.act_sample_prefix[i_idx])
         mem = cm.static_prefix[j_idx] - cm.static_prefix[i_idx] + k * act

@@ -122,7 +122,9 @@ class CostModel:
         self.N = len(self.devices)
         self.fwd = np.stack([fwd[i] for i in order])  # [N, B+1, L+1]
         self.bwd = np.stack([bwd[i] for i in order])
-        self.both = self.fwd + self.bwd
+        # What each call of a forward or backward pays beyond its units (ComputeProfile.cold_*_s): [N].
+        self.cold_fwd = np.array([cluster.devices[i].compute.cold_forward_s for i in order], dtype=np.float64)
+        self.cold_bwd = np.array([cluster.devices[i].compute.cold_backward_s for i in order], dtype=np.float64)
         self.budget = np.array([
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
@@ -151,6 +153,29 @@ class CostModel:
         return link_matrices(cluster.links, [d.node for d in self.devices])[0]
 
     # --- queries -----------------------------------------------------------------------------------
+
+    def forward_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
+                  end: np.ndarray | int) -> np.ndarray:
+        """Seconds of one forward of units [start, end) on each device (planning-order index) at its share of a
+        micro-batch (arguments broadcast as numpy arrays): the units' times plus the call's cold cost
+        (``ComputeProfile.cold_forward_s``) wherever the device computes, units and samples both."""
+        return self._call_s(self.fwd, self.cold_fwd, devices, shares, start, end)
+
+    def backward_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
+                   end: np.ndarray | int) -> np.ndarray:
+        """``forward_s`` for the backward (``ComputeProfile.cold_backward_s``)."""
+        return self._call_s(self.bwd, self.cold_bwd, devices, shares, start, end)
+
+    def compute_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
+                  end: np.ndarray | int) -> np.ndarray:
+        """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``)."""
+        return self.forward_s(devices, shares, start, end) + self.backward_s(devices, shares, start, end)
+
+    @staticmethod
+    def _call_s(table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,
+                start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
+        d, y, s, e = (np.asarray(a) for a in (devices, shares, start, end))
+        return table[d, y, e] - table[d, y, s] + np.where((y > 0) & (e > s), cold[d], 0.0)
 
     def min_bandwidth(self, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """Slowest link between two device groups (planning-order indices), bytes per second."""

@@ -21,7 +21,7 @@ def predicted_compute_s(plan: Plan, cluster: ClusterProfile) -> dict[str, float]
     for stage in plan.stages:
         for node, share in zip(stage.devices, stage.shares, strict=True):
             i = index[node]
-            out[node] = float(cm.both[i, share, stage.end] - cm.both[i, share, stage.start])
+            out[node] = float(cm.compute_s(i, share, stage.start, stage.end))
     return out
 
 
@@ -36,8 +36,8 @@ def reprice(plan: Plan, cluster: ClusterProfile) -> Plan:
     for s, group in zip(plan.stages, groups, strict=True):
         held = list(zip(group, s.shares, strict=True))
         stages.append(s.model_copy(update={
-            "forward_s": max(float(cm.fwd[i, y, s.end] - cm.fwd[i, y, s.start]) for i, y in held),
-            "backward_s": max(float(cm.bwd[i, y, s.end] - cm.bwd[i, y, s.start]) for i, y in held),
+            "forward_s": max(float(cm.forward_s(i, y, s.start, s.end)) for i, y in held),
+            "backward_s": max(float(cm.backward_s(i, y, s.start, s.end)) for i, y in held),
             "allreduce_s": stage_allreduce_s(cm, s.start, s.end, group)}))
     comms = [comm_step(cm, p, plan.stages[p].end, groups[p], groups[p + 1]) for p in range(len(groups) - 1)]
     latency, dominant = scheduled_round(stages, comms, plan.options.micro_batches, plan.round_overhead_s)

@@ -40,7 +40,8 @@ def light_replan(plan: Plan, cluster: ClusterProfile, failed: str, *, deadline: 
     index = {d.node: i for i, d in enumerate(cm.devices)}
     groups = [tuple(index[d] for d in s.devices if d != failed) for s in plan.stages]
     groups = [g for g in groups if g]
-    capacity = np.array([sum(1.0 / cm.both[d, cm.options.micro_batch_size, cm.L] for d in g) for g in groups])
+    b = cm.options.micro_batch_size
+    capacity = np.array([sum(1.0 / float(cm.compute_s(d, b, 0, cm.L)) for d in g) for g in groups])
     cuts = flops_cuts(cm.flops_prefix, capacity)
     new = _refine(cm, _fit_memory(cm, cuts, groups, deadline), plan.strategy, deadline)
     return new.model_copy(update={"epoch": plan.epoch + 1})

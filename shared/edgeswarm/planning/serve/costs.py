@@ -2,10 +2,12 @@
 
 Per device: served-forward seconds (eval mode, no autograd) of any unit range at micro-batch b (prefix sums of
 per-unit times, interpolated piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the
-Asteroid cost model's rule); per unit range: inference memory = weights + buffers + the largest live activation (a
-unit's input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction), latency (s) and the fixed
-seconds per message (``message_s``: every micro-batch crosses a stage boundary as one tensor, one message per 1 MiB
-chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured before it existed).
+Asteroid cost model's rule), plus once per stage call what the device pays beyond its units after idling
+(``ComputeProfile.cold_inference_s``); per unit range: inference memory = weights + buffers + the largest live
+activation (a unit's input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction),
+latency (s) and the fixed seconds per message (``message_s``: every micro-batch crosses a stage boundary as one
+tensor, one message per 1 MiB chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured
+before it existed).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class ServeCosts:
     fingerprint: str
     unit_names: tuple[str, ...]
     message: np.ndarray | None = None  # (N, N) seconds per message; None: no per-message cost
+    # (N,) seconds each stage's call pays beyond its units (ComputeProfile.cold_inference_s); None: nothing.
+    cold: np.ndarray | None = None
 
     def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
         """Per-message seconds of a tensor of ``nbytes`` (one or an array) from device a to b: one message per
@@ -61,7 +65,12 @@ class ServeCosts:
         return len(self.cut_bytes)
 
     def compute_s(self, d: int, start: int, end: int) -> float:
-        return float(self.fwd[d, end] - self.fwd[d, start])
+        """Seconds of one micro-batch's forward of units [start, end) on device d, the call's cold cost included."""
+        return float(self.fwd[d, end] - self.fwd[d, start]) + (self.cold_s(d) if end > start else 0.0)
+
+    def cold_s(self, d: int) -> float:
+        """What one call of a stage on device d pays beyond its units (``ComputeProfile.cold_inference_s``)."""
+        return 0.0 if self.cold is None else float(self.cold[d])
 
     def memory(self, start: int, end: int) -> int:
         """Inference bytes of units [start, end): weights + buffers + the largest live activation."""
@@ -102,4 +111,5 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
         static_prefix=np.concatenate(([0.0], np.cumsum([static_bytes(u.weight_bytes, u.buffer_bytes, None)
                                                        for u in units], dtype=np.float64))),
         live=batch * (in_b + out_b), batch=batch, fingerprint=model.fingerprint,
-        unit_names=tuple(u.name for u in units), message=message if message.any() else None)
+        unit_names=tuple(u.name for u in units), message=message if message.any() else None,
+        cold=np.array([e.compute.cold_inference_s for e in entries], dtype=np.float64))

@@ -140,7 +140,7 @@ def _place_paper(costs: ServeCosts, max_stages: int, method: str, seed: int) -> 
     if not transfers:
         # One partition: the paper puts it anywhere; put it on the fastest device that holds it.
         fits = [d for d in used if costs.memory(0, L) <= costs.budgets[d]]
-        return Candidate(bounds, (min(fits or used, key=lambda d: (costs.fwd[d, L], d)),), method)
+        return Candidate(bounds, (min(fits or used, key=lambda d: (costs.compute_s(d, 0, L), d)),), method)
     return Candidate(bounds, placed.nodes, method)
 
 
@@ -153,7 +153,7 @@ def _exact_devices(costs: ServeCosts, max_stages: int) -> list[int]:
     k = costs.n
     while k > 1 and 2**k * max(1, min(k, max_stages)) / 2 * cells > EXACT_WORK_CELLS:
         k -= 1
-    order = sorted(range(costs.n), key=lambda d: (costs.fwd[d, -1], -costs.budgets[d], d))
+    order = sorted(range(costs.n), key=lambda d: (costs.compute_s(d, 0, costs.units), -costs.budgets[d], d))
     return sorted(order[:k])
 
 
@@ -172,7 +172,7 @@ def exact_search(costs: ServeCosts, devices: Sequence[int], max_stages: int) -> 
     comp = []
     for d in devs:
         f = costs.fwd[d]
-        c = f[None, :] - f[:, None]
+        c = f[None, :] - f[:, None] + costs.cold_s(d)
         ok = upper & (mem <= costs.budgets[d])
         comp.append(np.where(ok, c, inf))
     xfer = {(i, j): np.concatenate(([inf], costs.cut_bytes / costs.bw[devs[i], devs[j]]
