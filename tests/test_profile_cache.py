@@ -82,24 +82,26 @@ def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Pat
 
 
 def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Format 1 profiles timed each unit alone, not scaled to the units in a row: a miss, said so, not corrupt."""
+    """Format 1 profiles timed each unit alone, not scaled to the units in a row, and format 2 ones timed forwards
+    back to back, without the cold calls: a miss, said so, not corrupt."""
     cache = ProfileCache(tmp_path)
     cache.put_compute(compute_profile())
     path = cache.compute_path(MFP, DFP, "measured")
     doc = json.loads(path.read_text())
-    assert doc["format"] == 2 and cache.compute(MFP, DFP, "measured") is not None
-    path.write_text(json.dumps({**doc, "format": 1}))
-    with caplog.at_level(logging.INFO):
-        assert cache.compute(MFP, DFP, "measured") is None
-    assert "from an older edgeswarm" in caplog.text and "corrupt" not in caplog.text
+    assert doc["format"] == 3 and cache.compute(MFP, DFP, "measured") is not None
+    for older in (1, 2):
+        path.write_text(json.dumps({**doc, "format": older}))
+        with caplog.at_level(logging.INFO):
+            assert cache.compute(MFP, DFP, "measured") is None
+        assert "from an older edgeswarm" in caplog.text and "corrupt" not in caplog.text
 
 
 @pytest.mark.parametrize("content", [
     "{not json",
     "",
     json.dumps({"format": 99, "kind": "compute", "profile": {}}),
-    json.dumps({"format": 2, "kind": "model", "profile": {}}),
-    json.dumps({"format": 2, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
+    json.dumps({"format": 3, "kind": "model", "profile": {}}),
+    json.dumps({"format": 3, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
     json.dumps([1, 2, 3]),
 ])
 def test_a_corrupt_file_is_ignored_with_a_warning_and_overwritten(tmp_path: Path, content: str,

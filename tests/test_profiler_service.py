@@ -182,6 +182,7 @@ def test_profile_command_writes_a_profile(tmp_path: Path, monkeypatch: pytest.Mo
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "lenet5 on jetson-tx2 (calibrated)" in table and "features.0" in table and "GFLOP/s training" in table
+    assert "a call after the device idled pays" in table
     assert main(args) == 0
     assert "lenet5 on jetson-tx2 (calibrated, from the cache)" in capsys.readouterr().out
 

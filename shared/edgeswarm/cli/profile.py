@@ -101,7 +101,8 @@ def profile_table(result: DeviceProfileResult) -> Table:
 
 
 def summary_line(result: DeviceProfileResult) -> str:
-    """Totals: units, weights, FLOPs, the whole model's step time at the largest batch, FLOP/s, budget."""
+    """Totals: units, weights, FLOPs, the whole model's step time at the largest batch, FLOP/s, what a cold call
+    pays, budget."""
     model, compute, device = result.model, result.compute, result.device
     b = compute.batch_sizes[-1]
     fwd = sum(row[-1] for row in compute.forward_s)
@@ -114,7 +115,9 @@ def summary_line(result: DeviceProfileResult) -> str:
     return (f"{model.model.name}: {len(model.units)} units, {weights / 1e6:.2f} MB of weights, "
             f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
             f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training{served} on {device.node} as "
-            f"{device.device_class} (computing on {compute.compute}){ratio}; "
+            f"{device.device_class} (computing on {compute.compute}){ratio}; a call after the device idled pays "
+            f"{compute.cold_forward_s * 1e3:.2f} ms more (forward), {compute.cold_backward_s * 1e3:.2f} ms "
+            f"(backward), {compute.cold_inference_s * 1e3:.2f} ms (served); "
             f"memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
 
 
