@@ -207,9 +207,8 @@ def validate_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
 # How far the units in a row may scale their timings from their sums (``_chain_factors``): beyond this, something
 # other than the caches is measured.
 CHAIN_BOUNDS = (0.5, 2.0)
-# Untimed and timed runs of the units in a row, at least: their factor scales every unit, and a new batch size's
-# first runs grow the allocator (MobileNetV2 at batch 8, one thread: the first timed forward after one warm-up took
-# 1.5x the later ones, and set the median of three).
+# Untimed and timed runs of the units in a row, at least: their factor scales every unit, so one slow run of three
+# (a new batch size's first runs grow the allocator) must not set it.
 CHAIN_WARMUP, CHAIN_REPEATS = 2, 5
 # Seconds the device idles before each call timed cold (``_cold_calls``): as a stage idles between its calls, waiting
 # on its peers or, emulated, sleeping out its slow-down.
@@ -367,7 +366,8 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
 def _chain_times(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
                  gen: torch.Generator, accelerated: torch.device | None) -> tuple[float, float, float]:
     """The median forward, backward and inference forward seconds of ``chain`` (every unit of the model in one
-    stage) on ``x``, back to back, with at least CHAIN_WARMUP untimed and CHAIN_REPEATS timed runs."""
+    stage) on ``x``, calls back to back (``_time_unit``), with at least CHAIN_WARMUP untimed and CHAIN_REPEATS timed
+    runs."""
     x_in = _stage_input(x)
     repeats, warmup = max(repeats, CHAIN_REPEATS), max(warmup, CHAIN_WARMUP)
     fwd, bwd, _ = _time_unit(chain, x_in, runner, repeats, warmup, gen, accelerated)
