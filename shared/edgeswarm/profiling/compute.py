@@ -118,9 +118,13 @@ def torch_threads(count: int | None) -> Iterator[None]:
 # --- measurement helpers ---------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.device | None = None) -> float:
-    """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count). On an accelerator
-    (``compute``) the work queued before is waited for first and the call's own kernels before the clock stops."""
+def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.device | None = None,
+           idle_s: float = 0.0) -> float:
+    """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count), after the device idled
+    ``idle_s`` seconds (untimed). On an accelerator (``compute``) the work queued before is waited for first and the
+    call's own kernels before the clock stops."""
+    if idle_s > 0:
+        time.sleep(idle_s)
     call = fn
     if compute is not None:
         synchronize(compute)
@@ -138,10 +142,10 @@ def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.
 
 
 def _median_time(fn: Callable[[], object], runner: Runner[Any] | None, repeats: int, warmup: int,
-                 compute: torch.device | None = None) -> float:
+                 compute: torch.device | None = None, idle_s: float = 0.0) -> float:
     for _ in range(warmup):
         fn()
-    return statistics.median(_timed(fn, runner, compute) for _ in range(repeats))
+    return statistics.median(_timed(fn, runner, compute, idle_s) for _ in range(repeats))
 
 
 def _stage_input(prev: torch.Tensor) -> torch.Tensor:
@@ -336,9 +340,11 @@ def profile_model(
 
 
 def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
-               gen: torch.Generator, accelerated: torch.device | None = None) -> tuple[float, float, torch.Tensor]:
+               gen: torch.Generator, accelerated: torch.device | None = None,
+               idle_s: float = 0.0) -> tuple[float, float, torch.Tensor]:
     """Median forward and backward seconds of one unit on input ``x`` (on the unit's device; ``accelerated`` when
-    that is an accelerator, to synchronise with), and its output (detached). Each forward is followed by its
+    that is an accelerator, to synchronise with), each timed call after the device idled ``idle_s`` seconds, and
+    its output (detached). Each forward is followed by its
     backward, as a stage worker runs them, so the allocator reuses what the backward freed: forwards timed back to
     back, each dropping its graph unused, took 1.3x to 1.6x as long as a worker's on MobileNetV2 at batch 8 and 16
     on this project's VM, and not every time (the allocator's state decided)."""
@@ -346,16 +352,16 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
     recorded = out.detach()
     if not out.requires_grad:
         # Nothing to differentiate (no parameters and an integer input): backward costs nothing.
-        return _median_time(lambda: stage(x), runner, repeats, warmup, accelerated), 0.0, recorded
+        return _median_time(lambda: stage(x), runner, repeats, warmup, accelerated, idle_s), 0.0, recorded
     grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
     del out
     held: list[torch.Tensor] = []
     forward, backward = [], []
     for r in range(warmup + repeats):
         # Warm-up runs skip the runner: on an emulated device its sleeps would only waste time.
-        through = runner if r >= warmup else None
-        f = _timed(lambda: held.append(stage(x)), through, accelerated)
-        b = _timed(lambda: torch.autograd.backward(held.pop(), grad_out), through, accelerated)
+        through, idle = (runner, idle_s) if r >= warmup else (None, 0.0)
+        f = _timed(lambda: held.append(stage(x)), through, accelerated, idle)
+        b = _timed(lambda: torch.autograd.backward(held.pop(), grad_out), through, accelerated, idle)
         _clear_grads(stage, x)
         if r >= warmup:
             forward.append(f)
@@ -398,36 +404,19 @@ def _cold_calls(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, r
     call, 1.1x to 1.5x a quarter of MobileNetV2 at batch 2 to 8, and an emulated device multiplies it by its
     slow-down."""
     x_in = _stage_input(x)
-    held: list[torch.Tensor] = []
-    out = chain(x_in)
-    grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
-    del out
-    forward, backward, inference = [], [], []
-    for _ in range(repeats):
-        time.sleep(COLD_IDLE_S)
-        forward.append(_timed(lambda: held.append(chain(x_in)), runner, accelerated))
-        time.sleep(COLD_IDLE_S)
-        backward.append(_timed(lambda: torch.autograd.backward(held.pop(), grad_out), runner, accelerated))
-        _clear_grads(chain, x_in)
-    chain.eval()
-    try:
-        with torch.inference_mode():
-            for _ in range(repeats):
-                time.sleep(COLD_IDLE_S)
-                inference.append(_timed(lambda: chain(x_in), runner, accelerated))
-    finally:
-        chain.train()
-    cold = (statistics.median(forward), statistics.median(backward), statistics.median(inference))
-    return (max(0.0, cold[0] - hot[0]), max(0.0, cold[1] - hot[1]), max(0.0, cold[2] - hot[2]))
+    forward, backward, _ = _time_unit(chain, x_in, runner, repeats, 0, gen, accelerated, COLD_IDLE_S)
+    inference = _inference_time(chain, x_in, runner, repeats, 0, accelerated, COLD_IDLE_S)
+    return max(0.0, forward - hot[0]), max(0.0, backward - hot[1]), max(0.0, inference - hot[2])
 
 
 def _inference_time(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
-                    accelerated: torch.device | None = None) -> float:
-    """Median seconds of one unit's forward on ``x`` as a served stage runs it: eval mode, under inference_mode."""
+                    accelerated: torch.device | None = None, idle_s: float = 0.0) -> float:
+    """Median seconds of one unit's forward on ``x`` as a served stage runs it: eval mode, under inference_mode;
+    each timed call after the device idled ``idle_s`` seconds."""
     stage.eval()
     try:
         with torch.inference_mode():
-            return _median_time(lambda: stage(x), runner, repeats, warmup, accelerated)
+            return _median_time(lambda: stage(x), runner, repeats, warmup, accelerated, idle_s)
     finally:
         stage.train()
 

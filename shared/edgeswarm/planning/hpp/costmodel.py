@@ -122,9 +122,11 @@ class CostModel:
         self.N = len(self.devices)
         self.fwd = np.stack([fwd[i] for i in order])  # [N, B+1, L+1]
         self.bwd = np.stack([bwd[i] for i in order])
+        self.both = self.fwd + self.bwd  # one lookup for the allocator's inner loop (compute_s)
         # What each call of a forward or backward pays beyond its units (ComputeProfile.cold_*_s): [N].
         self.cold_fwd = np.array([cluster.devices[i].compute.cold_forward_s for i in order], dtype=np.float64)
         self.cold_bwd = np.array([cluster.devices[i].compute.cold_backward_s for i in order], dtype=np.float64)
+        self.cold_both = self.cold_fwd + self.cold_bwd
         self.budget = np.array([
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
@@ -169,7 +171,7 @@ class CostModel:
     def compute_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
                   end: np.ndarray | int) -> np.ndarray:
         """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``)."""
-        return self.forward_s(devices, shares, start, end) + self.backward_s(devices, shares, start, end)
+        return self._call_s(self.both, self.cold_both, devices, shares, start, end)
 
     @staticmethod
     def _call_s(table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,

@@ -45,9 +45,8 @@ class ServeCosts:
     batch: int
     fingerprint: str
     unit_names: tuple[str, ...]
+    cold: np.ndarray             # (N,) seconds each stage's call pays beyond its units (cold_inference_s)
     message: np.ndarray | None = None  # (N, N) seconds per message; None: no per-message cost
-    # (N,) seconds each stage's call pays beyond its units (ComputeProfile.cold_inference_s); None: nothing.
-    cold: np.ndarray | None = None
 
     def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
         """Per-message seconds of a tensor of ``nbytes`` (one or an array) from device a to b: one message per
@@ -70,7 +69,7 @@ class ServeCosts:
 
     def cold_s(self, d: int) -> float:
         """What one call of a stage on device d pays beyond its units (``ComputeProfile.cold_inference_s``)."""
-        return 0.0 if self.cold is None else float(self.cold[d])
+        return float(self.cold[d])
 
     def memory(self, start: int, end: int) -> int:
         """Inference bytes of units [start, end): weights + buffers + the largest live activation."""
