@@ -198,3 +198,39 @@ def test_a_first_stage_without_weights_warms_up_and_runs_a_micro_batch() -> None
     assert out.shape == (3, 4)
     assert stage.backward(0, torch.ones(3, 4)) is None
     assert stage.live == 0
+
+
+def test_held_bytes_are_counted_once_per_input_shape_and_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage counts what autograd saves for a forward once per input shape (the count's hooks cost CPU on every
+    saved tensor), and every later forward of that shape holds exactly what a fresh count says."""
+    import edgeswarm.hpp.compute as stage_compute
+    from edgeswarm.models.saved import saved_for_backward
+
+    counts: list[int] = []
+
+    def counting(module: torch.nn.Module):  # type: ignore[no-untyped-def]
+        counts.append(1)
+        return saved_for_backward(module)
+
+    monkeypatch.setattr(stage_compute, "saved_for_backward", counting)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                 torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    stage = StageCompute(module, first=False, last=False)
+
+    def fresh(batch: int) -> int:
+        x = torch.randn(batch, 3, 6, 6).requires_grad_(True)
+        with saved_for_backward(module) as saved:
+            module(x)
+        return saved.nbytes
+
+    held = []
+    for mb, batch in enumerate((2, 2, 5, 2)):
+        stage.forward(mb, torch.randn(batch, 3, 6, 6))
+        held.append(stage.held_bytes)
+    assert held[0] == fresh(2) > 0
+    assert held[1] == 2 * fresh(2)
+    assert held[2] == 2 * fresh(2) + fresh(5) and fresh(5) > fresh(2)
+    assert held[3] == 3 * fresh(2) + fresh(5)
+    assert len(counts) == 2  # batches of 2 and 5: the second and fourth forwards reuse the first's count
+    assert stage.peak_held_bytes == held[3]
