@@ -24,6 +24,7 @@ from edgeswarm.runtime.collective_exchange import CollectivePort
 from edgeswarm.runtime.exchange import TensorExchange
 from edgeswarm.runtime.ledger import MIB
 from edgeswarm.runtime.program import WorkerContext
+from edgeswarm.runtime.serial import SerialThread
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class _Stage:
     exchange: TensorExchange[Any]  # TensorKey and CollectiveKey
     # Held by a round while it uses the stage, and by a restore that reuses the stage's module.
     round_lock: threading.Lock = field(default_factory=threading.Lock)
+    rounds: SerialThread = field(default_factory=lambda: SerialThread("round"))  # where its rounds run, in turn
     used: float = field(default_factory=time.monotonic)  # last assignment or round: the idlest gives way first
     collectives: CollectivePort = field(init=False)  # the group's AllReduce over ``exchange``
 

@@ -1,20 +1,19 @@
 """The training program's rounds and data plane: a RoundStart runs the device's strict 1F1B round, peers' tensors
 reach the round that waits for them.
 
-A round runs ``training.executor``'s device round on a thread of its own: the first stage reads its samples by id,
-the last its labels; activations go to the next group and gradient rows back to the device that sent them (spec
-6.1); after the last backward the group sums its gradients with a ring AllReduce (``runtime.collectives``, its
-slices travelling as ``CollectiveTensor`` through the stage's ``CollectivePort``) and every replica steps its
-optimizer. Forward, backward and the step run through ``DeviceProfile.run`` (the emulated slow-down) under the
-process's compute gate. Tensors from another job or plan epoch are dropped with a logged error, as are those from a
-device that is not the one the plan names; one of the wrong dtype or shape is dropped too and fails the round it
-belongs to at once; every wait has a timeout.
+A round runs ``training.executor``'s device round on its stage's round thread (``runtime.serial``): the first stage
+reads its samples by id, the last its labels; activations go to the next group and gradient rows back to the device
+that sent them (spec 6.1); after the last backward the group sums its gradients with a ring AllReduce
+(``runtime.collectives``, its slices travelling as ``CollectiveTensor`` through the stage's ``CollectivePort``) and
+every replica steps its optimizer. Forward, backward and the step run through ``DeviceProfile.run`` (the emulated
+slow-down) under the process's compute gate. Tensors from another job or plan epoch are dropped with a logged error,
+as are those from a device that is not the one the plan names; one of the wrong dtype or shape is dropped too and
+fails the round it belongs to at once; every wait has a timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from functools import partial
 from typing import Any
@@ -125,7 +124,7 @@ class StageRounds:
             self._fail(msg, body.job_id, "not_assigned", f"{self._ctx.node} holds no stage of job {body.job_id} "
                        f"epoch {body.epoch}")
             return
-        threading.Thread(target=self._round, args=(msg, st, body.round), name="round", daemon=True).start()
+        st.rounds.submit(partial(self._round, msg, st, body.round))
 
     def _round(self, msg: Inbound, st: _Stage, round_index: int) -> None:
         metrics, job_id = self._ctx.metrics, st.spec.job_id
