@@ -34,7 +34,8 @@ def test_calls_run_in_order_on_one_thread_named_while_busy() -> None:
     assert done.wait(5.0)
     assert [i for i, _, _ in seen] == [0, 1, 2, 3, 4]
     assert len({ident for _, ident, _ in seen}) == 1 and {name for _, _, name in seen} == {"round"}
-    assert _wait(lambda: any(t.name == "round-idle" for t in threading.enumerate()))
+    ident = seen[0][1]
+    assert _wait(lambda: any(t.ident == ident and t.name == "round-idle" for t in threading.enumerate()))
 
 
 def test_a_failing_call_is_logged_and_the_next_still_runs(caplog) -> None:  # type: ignore[no-untyped-def]
