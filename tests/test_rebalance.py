@@ -224,3 +224,42 @@ def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_i
     assert [r.round for r in result.rounds] == list(range(ROUNDS))
     # What it measured of the link is saved, so the next job over these devices prices it so from the start.
     assert saved_scales(ProfileCache(tmp_path / "p"), cluster, "train").get(slow, 1.0) > 0.7 * factor
+
+
+def test_a_plans_first_round_is_not_fitted(make_bus) -> None:  # type: ignore[no-untyped-def]
+    """A plan's first round is its stages' first (allocators grow, threads start): its compute, whatever it is, does
+    not enter the fit, and the rounds after it do. A re-plan's first round is left out the same way."""
+    from types import SimpleNamespace
+
+    from edgeswarm.hpp.coordinator import HppCoordinator, JobObserver
+    from edgeswarm.hpp.driver import RoundReport
+    from edgeswarm.messages.training import RoundDone
+    from edgeswarm.planning.hpp.compare import plan_best
+    from edgeswarm.planning.hpp.refit import predicted_compute_s
+    from edgeswarm.planning.synthetic import SyntheticDevice, synthetic_cluster
+
+    cluster = synthetic_cluster(12, [SyntheticDevice("a", 1.0, 4 << 30), SyntheticDevice("b", 2.0, 4 << 30)])
+    plan = plan_best("dp", cluster, 16, micro_batches=2)
+    coordinator = HppCoordinator(make_bus("fit-coordinator", "coordinator"), _job("fit", spec=MODEL, rounds=9),
+                                 loss_terms=16, total=9, store_node=None, observer=JobObserver())
+    coordinator.cluster = cluster
+    coordinator.driver = SimpleNamespace(plan=plan)  # type: ignore[assignment]
+    predicted = predicted_compute_s(plan, cluster)
+
+    def round_(index: int, slower: float) -> RoundReport:
+        # Every device computes ``slower`` times what the profile prices for its share of each micro-batch.
+        done = {node: RoundDone(job_id="fit", epoch=plan.epoch, round=index, stage=0, rank=rank, compute_s=1.0,
+                                wait_s=0.0, allreduce_s=0.0, peak_live=1, forward_s=[slower * predicted[node] / 2] * 2,
+                                backward_s=[slower * predicted[node] / 2] * 2)
+                for rank, node in enumerate(plan.stages[0].devices)}
+        return RoundReport(round=index, loss=1.0, accuracy=0.0, round_s=1.0, devices=done)
+
+    coordinator._refit(round_(0, 3.0))
+    assert coordinator.fit.rounds() == {}
+    coordinator._refit(round_(1, 1.5))
+    coordinator._refit(round_(2, 1.5))
+    assert set(coordinator.fit.rounds().values()) == {2}
+    assert all(abs(s - 1.5) < 1e-9 for s in coordinator.fit.scales().values()), coordinator.fit.scales()
+    coordinator.driver = SimpleNamespace(plan=plan.model_copy(update={"epoch": plan.epoch + 1}))  # type: ignore
+    coordinator._refit(round_(3, 3.0))
+    assert set(coordinator.fit.rounds().values()) == {2}
