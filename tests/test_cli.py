@@ -283,13 +283,39 @@ def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: 
     out = edgeswarm("bench", "training", "--envs", "d", "--model", "mlp", "--config", "hidden=32", "--strategies",
                     "hpp,pp", "--rounds", "2", "--global-batch", "32", "--profile-dir", str(bench_profiles),
                     "--out", str(tmp_path / "bench.json"), timeout=300)
-    rows = json.loads((tmp_path / "bench.json").read_text())
+    rows = json.loads((tmp_path / "bench.json").read_text())["strategies"]
     assert [(r["env"], r["strategy"], r["error"]) for r in rows] == [("d", "hpp", None), ("d", "pp", None)], out.stdout
     for r in rows:
         assert r["measured_round_s"] > 0 and r["predicted_round_s"] > 0 and r["replayed_round_s"] > 0
         assert r["refitted_round_s"] > 0  # the coordinator's closed loop priced the plan on the measured compute
         assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
     assert rows[1]["stages"] == 4 and all(w in out.stdout for w in ("predicted", "refitted", "replayed"))
+
+
+def test_bench_training_misprofiled_starts_a_job_on_wrong_speeds_and_the_loop_measures_them(
+        tmp_path: Path, bench_profiles: Path) -> None:
+    """`edgeswarm bench training --sections misprofiled`: a first job learns the cluster's speeds, then a job starts
+    from speeds saved 3x too fast for the device the correct plan loads most and 5x for one link; the closed loop
+    measures that device slower than it was said to be and saves it so. (A model wide enough that computing, not
+    the runtime's per-call costs, is most of a micro-batch.)"""
+    out = edgeswarm("bench", "training", "--sections", "misprofiled", "--envs", "d", "--model", "mlp", "--config",
+                    "hidden=768", "--config", "layers=3", "--global-batch", "32", "--learn-rounds", "4",
+                    "--loop-rounds", "6", "--profile-dir", str(bench_profiles), "--out", str(tmp_path / "m.json"),
+                    timeout=300)
+    report = json.loads((tmp_path / "m.json").read_text())
+    assert list(report) == ["misprofiled"], report
+    (row,) = report["misprofiled"]
+    assert row["error"] is None, out.stdout
+    device, link = row["device"], row["link"]
+    assert device in {"tx2-0", "nano-0", "nano-1", "nano-2"} and "<->" in link
+    learned, wrong = row["learned"], row["started_from"]
+    assert wrong[device] == pytest.approx(learned.get(device, 1.0) / 3)
+    assert wrong[link] == pytest.approx(learned.get(link, 1.0) / 5)
+    assert len(row["rounds_s"]) == 6 and row["correct_layout"] and row["started_layout"] and row["final_layout"]
+    # Made 3x faster than measured, the device is given more work, not less: the loop measures it, and what it
+    # saves for the next job is slower than the wrong speed it started from.
+    assert row["saved"][device] > 1.2 * wrong[device], row
+    assert "wrong about" in out.stdout and "ended on the correct plan" in out.stdout
 
 
 def test_bench_recovery_drops_a_device_and_compares_light_with_heavy(tmp_path: Path, bench_profiles: Path) -> None:

@@ -86,6 +86,8 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
         if rebalancer.check(priced.current.round_latency_s, priced.best.round_latency_s, now=float(r)):
             plan, _ = priced.best, replans.append(r)
             rebalancer.new_plan()
+            fit.new_plan()
+            links.new_plan()
     fit.ratios.update(links.ratios)
     return plan, replans, fit
 
@@ -168,6 +170,23 @@ def test_one_outlier_round_does_not_swing_the_fit() -> None:
     assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}
     fit.add({"a": 0.1, "b": 0.0}, {"a": 1e9, "b": 1.0})  # no prediction for b: not fitted; a is clipped
     assert "b" not in fit.scales() and fit.scales()["a"] <= 64.0
+
+
+def test_after_a_replan_a_key_is_fitted_on_the_running_plan_once_it_has_a_round_on_it() -> None:
+    """A profile can be off by more on some units than on others: what a device measured on an earlier plan prices
+    the running one only until the device has a round on it."""
+    fit = ScaleFit()
+    for _ in range(4):
+        fit.add({"a": 1.0, "b": 1.0}, {"a": 0.7, "b": 2.0})
+    fit.new_plan()
+    assert fit.scales() == {"a": pytest.approx(0.7), "b": pytest.approx(2.0)}  # nothing measured on the new plan
+    fit.add({"a": 1.0, "b": 0.01}, {"a": 1.0, "b": 0.5})  # b's share is a sliver: not fitted, its earlier scale kept
+    assert fit.scales() == {"a": pytest.approx(1.0), "b": pytest.approx(2.0)}
+    fit.add({"a": 1.0}, {"a": 1.2})
+    assert fit.scales()["a"] == pytest.approx(1.1) and fit.rounds() == {"a": 5, "b": 4}
+    for _ in range(6):  # more rounds on the plan than the window holds
+        fit.add({"a": 1.0}, {"a": 1.5})
+    assert fit.scales()["a"] == pytest.approx(1.5) and fit.rounds()["a"] == 5
 
 
 def test_the_rebalancer_waits_for_confirmation_and_caps_replans_per_hour() -> None:

@@ -1,26 +1,38 @@
 """The benchmarks HPP training adds to the command line: ``edgeswarm bench training`` (every strategy trained on
-emulated Asteroid environments), ``recovery`` (a device dropped mid-round, light against heavy recovery), ``planner``
-(planning time and Asteroid's Table 4) and ``compute`` (one stage's step on the accelerator against the CPU). Their
-measurements live in the ``bench_*`` modules beside this one, imported when one runs."""
+emulated Asteroid environments, and the closed loop correcting a wrong profile), ``recovery`` (a device dropped
+mid-round, light against heavy recovery), ``planner`` (planning time and Asteroid's Table 4) and ``compute`` (one
+stage's step on the accelerator against the CPU). Their measurements live in the ``bench_*`` modules beside this one,
+imported when one runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
+if TYPE_CHECKING:
+    from edgeswarm.hpp.bench_misprofiled import MisprofiledRun
+    from edgeswarm.hpp.bench_training import StrategyRun
+    from edgeswarm.values.profiles import ModelSpec
+
+SECTIONS = ("strategies", "misprofiled")
+
 
 class TrainingBench(Bench):
     name = "training"
-    help = ("hpp, dp, pp and single trained on emulated Asteroid "
-            "environments: measured samples/s against the planner's prediction")
+    help = ("hpp, dp, pp and single trained on emulated Asteroid environments: measured samples/s against the "
+            "planner's prediction; the closed loop correcting a wrong profile")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--sections", default="strategies",
+                       help="comma-separated: strategies (every strategy against its prediction), misprofiled (a "
+                            "job started on speeds wrong about one device and one link, corrected by the closed loop)")
         p.add_argument("--envs", default="a,b,d", help="comma-separated Asteroid environments (at 100 Mbps)")
         p.add_argument("--model", default="mobilenetv2", help="a zoo model")
         p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
@@ -29,19 +41,52 @@ class TrainingBench(Bench):
         p.add_argument("--global-batch", type=int, default=64)
         p.add_argument("--micro-batches", type=int, default=4, help="M for every strategy (0: the planner picks)")
         p.add_argument("--rounds", type=int, default=4, help="rounds per strategy (the first is not timed)")
+        p.add_argument("--learn-rounds", type=int, default=6,
+                       help="misprofiled: rounds of the job that learns the correct speeds")
+        p.add_argument("--loop-rounds", type=int, default=14, help="misprofiled: rounds of the job on wrong speeds")
+        p.add_argument("--device-factor", type=float, default=3.0,
+                       help="misprofiled: how many times faster than measured one device's speed is saved")
+        p.add_argument("--link-factor", type=float, default=5.0,
+                       help="misprofiled: how many times faster than measured one link's speed is saved")
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
         p.add_argument("--out", default=None, help="also write the JSON report to this file")
         p.add_argument("--netns", action="store_true", help="on a namespace cluster: every node its own host, "
                        "broker and kernel-shaped links (root; see docs/netns.md)")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
-        """Every strategy trained on each environment; measured against predicted."""
-        from edgeswarm.hpp.bench_training import DEFAULT_MODEL, run_training_bench
+        """Every strategy trained on each environment, measured against predicted; and/or the closed loop on wrong
+        speeds."""
+        from edgeswarm.hpp.bench_training import DEFAULT_MODEL
         from edgeswarm.values.profiles import ModelSpec, parse_config
 
+        sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+        unknown = [s for s in sections if s not in SECTIONS]
+        if unknown or not sections:
+            raise ConfigError(f"--sections {args.sections}: choose from {', '.join(SECTIONS)}")
+        if min(args.learn_rounds, args.loop_rounds) < 2 or min(args.device_factor, args.link_factor) < 1:
+            raise ConfigError("--learn-rounds and --loop-rounds must be at least 2, --device-factor and "
+                              "--link-factor at least 1")
         config = parse_config(args.config)
         model = DEFAULT_MODEL if args.model == DEFAULT_MODEL.name and not config else ModelSpec(name=args.model,
                                                                                                  config=config)
+        report: dict[str, list[dict[str, object]]] = {}
+        failed = False
+        if "strategies" in sections:
+            rows = self._strategies(args, tools, model)
+            report["strategies"] = [r.model_dump() for r in rows]
+            failed = any(r.error is not None for r in rows)
+        if "misprofiled" in sections:
+            runs = self._misprofiled(args, tools, model)
+            report["misprofiled"] = [r.model_dump() for r in runs]
+            failed = failed or any(r.error is not None for r in runs)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        return 1 if failed else 0  # the tables say which, and why
+
+    def _strategies(self, args: argparse.Namespace, tools: CommandTools, model: ModelSpec) -> list[StrategyRun]:
+        from edgeswarm.hpp.bench_training import run_training_bench
+
         rows = run_training_bench(args.envs.split(","), model=model, global_batch=args.global_batch,
                                   micro_batches=args.micro_batches or None, rounds=args.rounds,
                                   strategies=tuple(args.strategies.split(",")), profile_dir=Path(args.profile_dir),
@@ -68,10 +113,42 @@ class TrainingBench(Bench):
                       f"{r.measured_round_s / r.replayed_round_s:.2f}x",
                       f"{1000 * (r.overhead_per_micro_batch_s or 0):.2f} ms")
         tools.console.print(t)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
-        return 1 if any(r.error is not None for r in rows) else 0  # the table says which, and why
+        return rows
+
+    def _misprofiled(self, args: argparse.Namespace, tools: CommandTools, model: ModelSpec) -> list[MisprofiledRun]:
+        from edgeswarm.hpp.bench_misprofiled import run_misprofiled_bench
+
+        runs = [run_misprofiled_bench(env, model=model, global_batch=args.global_batch,
+                                      micro_batches=args.micro_batches or None, learn_rounds=args.learn_rounds,
+                                      rounds=args.loop_rounds, device_factor=args.device_factor,
+                                      link_factor=args.link_factor, profile_dir=Path(args.profile_dir),
+                                      cluster=tools.cluster, netns=args.netns, log=tools.log)
+                for env in args.envs.split(",")]
+        t = Table(title=f"{model.name}: a job started on speeds wrong about one device and one link, corrected by "
+                        "the closed loop" + (" (network namespaces)" if args.netns else ""))
+        for col in ("env", "wrong about", "first plan: predicted / on the measured speeds (s)", "re-planned at round",
+                    "ended on the correct plan", "last plan / correct plan, on the measured speeds",
+                    "after: measured / predicted", "measured / refitted"):
+            t.add_column(col, justify="left" if col in ("env", "wrong about", "re-planned at round") else "right")
+        for r in runs:
+            if r.error is not None:
+                t.add_row(r.env.upper(), "-", "failed", r.error[:60], *["-"] * 4)
+                continue
+            assert r.started_predicted_s and r.started_true_s and r.final_true_s and r.correct_true_s
+            t.add_row(r.env.upper(), f"{r.device} {r.device_factor:g}x, {r.link} {r.link_factor:g}x",
+                      f"{r.started_predicted_s:.3f} / {r.started_true_s:.3f}",
+                      ", ".join(str(p.round) for p in r.replans) or "never",
+                      "yes" if r.final_is_correct else "no", f"{r.final_true_s / r.correct_true_s:.2f}x",
+                      _ratio(r.after_measured_s, r.after_predicted_s), _ratio(r.after_measured_s, r.after_refitted_s))
+        tools.console.print(t)
+        for r in runs:
+            for p in r.replans:
+                tools.console.print(f"{r.env.upper()}, round {p.round}: {p.detail}", highlight=False)
+        return runs
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 class RecoveryBench(Bench):

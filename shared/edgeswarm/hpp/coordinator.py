@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from edgeswarm.bus import Bus
 from edgeswarm.coordination.planner_client import PLANNER_BUSY_PAUSE_S, PLANNER_NODE
@@ -173,10 +174,12 @@ class Resume:
 def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer: JobObserver | None = None,
             cancel: threading.Event | None = None, timeout_s: float = 600.0,
             detector: FailureDetector | None = None, resume: Resume | None = None,
-            worker_service: str = STAGE_WORKER, closed_loop: bool | None = None) -> JobResult:
+            worker_service: str = STAGE_WORKER, closed_loop: bool | None = None,
+            speeds_dir: Path | None = None) -> JobResult:
     """Train ``job`` on the devices whose ``worker_service`` (the stage-worker) is online on ``bus``'s cluster;
     returns what happened. ``closed_loop`` (default: the bus's ``rebalance`` setting) lets the job start from the
-    devices' saved measured speeds, re-plan on them and save its own (planning.refit, profiling.refits).
+    devices' saved measured speeds, re-plan on them and save its own (planning.refit, profiling.refits), in the
+    profile cache at ``speeds_dir`` (default: the bus's ``profile_dir``).
 
     Checkpoints go to the checkpoint store on ``store_node`` every ``job.checkpoint_interval`` rounds and at
     the end (None: no checkpoints); the final checkpoint is then loaded back and evaluated on the held-out
@@ -196,7 +199,8 @@ def run_job(bus: Bus, job: JobSpec, *, store_node: str | None = "hub", observer:
     program = HppCoordinator(bus, job, loss_terms=job.global_batch * terms_per_sample,
                              total=job.total_rounds(dataset.train_size), store_node=store_node,
                              observer=observer or JobObserver(), cancel=cancel, timeout_s=timeout_s, detector=detector,
-                             resume=resume, worker_service=worker_service, closed_loop=closed_loop)
+                             resume=resume, worker_service=worker_service, closed_loop=closed_loop,
+                             speeds_dir=speeds_dir)
     program.run()
     result = program.result
     assert result is not None
@@ -220,7 +224,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                  observer: JobObserver, cancel: threading.Event | None = None, timeout_s: float = 600.0,
                  detector: FailureDetector | None = None, resume: Resume | None = None,
                  check: Callable[[], None] | None = None, worker_service: str = STAGE_WORKER,
-                 closed_loop: bool | None = None) -> None:
+                 closed_loop: bool | None = None, speeds_dir: Path | None = None) -> None:
         super().__init__(bus, name=job.name, worker_service=worker_service, cancel=cancel, timeout_s=timeout_s,
                          detector=detector)
         self.job = job
@@ -242,6 +246,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         # job's profile. The fits and the refitted prediction always run; re-plans and the saved speeds only with
         # ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
+        self.speeds = ProfileCache(bus.settings.profile_dir if speeds_dir is None else speeds_dir)
         self.fit = ScaleFit()
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
@@ -264,6 +269,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
     def replanned(self, plan: Plan) -> None:
         super().replanned(plan)
         self.rebalancer.new_plan()
+        self.fit.new_plan()
+        self.link_fit.new_plan()
 
     def check(self) -> None:
         if self._check is not None:
@@ -290,7 +297,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
                                   timeout_s=self.timeout_s, progress=self.seen.profile_progress)
         if not self.closed_loop:
             return cluster
-        self.base_scales, said = started_from(ProfileCache(self.bus.settings.profile_dir), cluster, "train")
+        self.base_scales, said = started_from(self.speeds, cluster, "train")
         if said:
             self.seen.refitted(said)
         return scaled(cluster, self.base_scales)
@@ -300,7 +307,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         job."""
         if not self.closed_loop or self.cluster is None or not (self.fit.ratios or self.link_fit.ratios):
             return
-        said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales,
+        said = save_measured(self.speeds, self.cluster, self.base_scales,
                              self._scales(), self.fit.rounds() | self.link_fit.rounds(), "train")
         if said:
             self.seen.refitted(said)

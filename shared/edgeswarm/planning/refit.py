@@ -99,12 +99,13 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
 @dataclass
 class ScaleFit:
     """Each key's (a device's compute, or a link's transfers) measured over predicted seconds, its last ``window``
-    rounds: ``add`` one round, ``scales`` the fit (the median, clipped to [MIN_SCALE, MAX_SCALE]). ``sliver``: see
-    ``add``."""
+    rounds: ``add`` one round, ``scales`` the fit (the median, clipped to [MIN_SCALE, MAX_SCALE]), of the rounds on
+    the running plan where the key has some (``new_plan``). ``sliver``: see ``add``."""
 
     window: int = 5
     sliver: float = SLIVER
     ratios: dict[str, deque[float]] = field(default_factory=dict)
+    _fresh: dict[str, int] = field(default_factory=dict, init=False)  # each key's last ratios on the running plan
 
     def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
         """One round: ``measured`` seconds per key (a device's forward and backward of one micro-batch, say), beside
@@ -117,10 +118,23 @@ class ScaleFit:
             expected = predicted.get(node, 0.0)
             if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
                 self.ratios.setdefault(node, deque(maxlen=self.window)).append(seconds / expected)
+                self._fresh[node] = min(self.window, self._fresh.get(node, 0) + 1)
+
+    def new_plan(self) -> None:
+        """The job runs on another plan from now on. A profile can be off by more on some units and batch sizes than
+        on others (MobileNetV2's Nanos measured 0.7x on a plan's last units and 1.0x-1.3x on its first), so a key's
+        ratios on an earlier plan price the running one only until the key has one on it."""
+        self._fresh.clear()
 
     def scales(self) -> dict[str, float]:
-        """Each device's fitted scale: measured compute over profiled."""
-        return {node: min(MAX_SCALE, max(MIN_SCALE, median(r))) for node, r in self.ratios.items() if r}
+        """Each key's fitted scale: measured over profiled, the median of its ratios on the running plan, or of its
+        earlier ones while it has none on it."""
+        out = {}
+        for key, r in self.ratios.items():
+            if r:
+                fresh = self._fresh.get(key, 0)
+                out[key] = min(MAX_SCALE, max(MIN_SCALE, median(list(r)[-fresh:] if fresh else r)))
+        return out
 
     def rounds(self) -> dict[str, int]:
         """How many measured rounds each device's scale is fitted from (at most ``window``)."""
