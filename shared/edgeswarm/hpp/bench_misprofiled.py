@@ -51,7 +51,8 @@ class MisprofiledRun(BaseModel):
     its first (a plan's first round is its stages' first), measured, as the plan predicted when it was chosen, and
     as the loop's refit of the rounds before each predicted it (mean). Speeds are measured over profiled, keyed by
     node or ``link_key``: ``learned`` the first job's (the correct profile), ``started_from`` the wrong ones the
-    second job started from, ``saved`` what it measured in the end. ``error`` says why it did not run."""
+    second job started from, ``saved`` what the next job would start from (what the second measured, blended with
+    the wrong speeds as profiling.refits blends a history). ``error`` says why it did not run."""
 
     env: str
     device: str = ""
@@ -111,8 +112,8 @@ class _Watch(Collect):
 def _wrong_link(truth: ClusterProfile, device: str, plan_on: Callable[[ClusterProfile], Plan],
                 device_factor: float, link_factor: float, nodes: list[str]) -> str:
     """Of the links among ``nodes``, the one whose being priced ``link_factor`` times faster (beside ``device``
-    priced ``device_factor`` times faster) gives the plan slowest on ``truth``, among the links that plan's tensors
-    cross (a link no tensor crosses cannot be measured)."""
+    priced ``device_factor`` times faster) gives the plan slowest on ``truth``: of the links that plan's tensors
+    cross when any does (a link no tensor crosses cannot be measured)."""
     cost: dict[str, tuple[bool, float]] = {}
     for a, b in itertools.combinations(nodes, 2):
         key = link_key(a, b)
