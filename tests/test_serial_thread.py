@@ -1,4 +1,4 @@
-"""runtime.serial: calls in order on one thread, which ends when idle and starts again on the next call."""
+"""runtime.serial: calls in order on one thread, which ends when idle or closed and starts again on the next call."""
 
 from __future__ import annotations
 
@@ -59,3 +59,17 @@ def test_the_thread_ends_when_idle_and_a_later_call_starts_another() -> None:
     assert _wait(lambda: not any(t.name.startswith("serial-test") for t in threading.enumerate()))
     runner.submit(lambda: idents.append(threading.get_ident()))
     assert _wait(lambda: len(idents) == 2)
+
+
+def test_close_runs_what_is_queued_then_ends_the_thread() -> None:
+    runner = SerialThread("serial-close", idle_s=30.0)
+    ran: list[int] = []
+    for i in range(3):
+        runner.submit(lambda i=i: (time.sleep(0.02), ran.append(i)))
+    runner.close(timeout_s=5.0)
+    assert ran == [0, 1, 2]  # every call queued before close ran before it returned
+    assert not any(t.name.startswith("serial-close") for t in threading.enumerate())
+    runner.close()  # nothing running: returns at once
+    runner.submit(lambda: ran.append(3))  # a later call starts another thread
+    assert _wait(lambda: ran == [0, 1, 2, 3])
+    runner.close()

@@ -10,9 +10,10 @@ sends to one peer.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Hashable
+from functools import partial
+
+from edgeswarm.runtime.serial import SerialThread
 
 log = logging.getLogger(__name__)
 
@@ -21,30 +22,26 @@ OnError = Callable[[Hashable, str], None]
 
 
 class Outbox:
-    """Runs the sends queued with ``put`` one after another; a failed send is reported to ``on_error`` with the
-    scope it belonged to (a round, say) and the reason, and the outbox goes on with the next."""
+    """Runs the sends queued with ``put`` one after another (on a ``SerialThread``); a failed send is reported to
+    ``on_error`` with the scope it belonged to (a round, say) and the reason, and the outbox goes on with the
+    next."""
 
     def __init__(self, peer: str, on_error: OnError) -> None:
         self.peer = peer
         self._on_error = on_error
-        self._queue: queue.Queue[tuple[Hashable, Send] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"outbox-{peer}", daemon=True)
-        self._thread.start()
+        self._sends = SerialThread(f"outbox-{peer}")
 
     def put(self, scope: Hashable, send: Send) -> None:
         """Queue ``send`` (a call that sends one tensor) for ``scope``; never blocks."""
-        self._queue.put((scope, send))
+        self._sends.submit(partial(self._send, scope, send))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued, then end the thread (waiting at most ``timeout_s`` seconds)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._sends.close(timeout_s)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            scope, send = item
-            try:
-                send()
-            except Exception as exc:  # noqa: BLE001 - reported to the scope, which fails with it
-                log.error("sending a tensor of %s to %s failed: %s", scope, self.peer, exc)
-                self._on_error(scope, f"sending to {self.peer} failed: {exc}")
+    def _send(self, scope: Hashable, send: Send) -> None:
+        try:
+            send()
+        except Exception as exc:  # noqa: BLE001 - reported to the scope, which fails with it
+            log.error("sending a tensor of %s to %s failed: %s", scope, self.peer, exc)
+            self._on_error(scope, f"sending to {self.peer} failed: {exc}")
