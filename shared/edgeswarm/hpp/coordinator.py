@@ -246,6 +246,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         # job's profile. The fits and the refitted prediction always run; re-plans and the saved speeds only with
         # ``closed_loop``.
         self.closed_loop = bus.settings.rebalance if closed_loop is None else closed_loop
+        # Where the speeds earlier jobs measured are read from and this job's are saved to.
         self.speeds = ProfileCache(bus.settings.profile_dir if speeds_dir is None else speeds_dir)
         self.fit = ScaleFit()
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
