@@ -127,7 +127,8 @@ class TrainingBench(Bench):
         t = Table(title=f"{model.name}: a job started on speeds wrong about one device and one link, corrected by "
                         "the closed loop" + (" (network namespaces)" if args.netns else ""))
         for col in ("env", "wrong about", "first plan: predicted / on the measured speeds (s)", "re-planned at round",
-                    "ended on the correct plan", "last plan / correct plan, on the measured speeds",
+                    "ended on the correct plan (a class's devices alike)",
+                    "last plan / correct plan, on the measured speeds",
                     "after: measured / predicted", "measured / refitted"):
             t.add_column(col, justify="left" if col in ("env", "wrong about", "re-planned at round") else "right")
         for r in runs:
@@ -138,7 +139,7 @@ class TrainingBench(Bench):
             t.add_row(r.env.upper(), f"{r.device} {r.device_factor:g}x, {r.link} {r.link_factor:g}x",
                       f"{r.started_predicted_s:.3f} / {r.started_true_s:.3f}",
                       ", ".join(str(p.round) for p in r.replans) or "never",
-                      "yes" if r.final_is_correct else "no", f"{r.final_true_s / r.correct_true_s:.2f}x",
+                      "yes" if r.ended_on_correct else "no", f"{r.final_true_s / r.correct_true_s:.2f}x",
                       _ratio(r.after_measured_s, r.after_predicted_s), _ratio(r.after_measured_s, r.after_refitted_s))
         tools.console.print(t)
         for r in runs:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -76,17 +76,16 @@ class MisprofiledRun(BaseModel):
     after_measured_s: float | None = None
     after_predicted_s: float | None = None
     after_refitted_s: float | None = None
+    ended_on_correct: bool = False  # the last plan's stages are the correct plan's, up to devices of a class alike
     error: str | None = None
 
-    @property
-    def final_is_correct(self) -> bool:
-        """Whether the job ended on the correct plan's stages (units and devices)."""
-        return bool(self.final_layout) and self.final_layout == self.correct_layout
 
-
-def layout(plan: Plan) -> list[str]:
-    """Each stage of ``plan`` as "units START-END: devices"."""
-    return [f"units {s.start}-{s.end}: {', '.join(s.devices)}" for s in plan.stages]
+def layout(plan: Plan, names: Mapping[str, str] | None = None) -> list[str]:
+    """Each stage of ``plan`` as "units START-END: devices", each device as ``names`` calls it (its class, say;
+    then sorted) or by its node name."""
+    if names is None:
+        return [f"units {s.start}-{s.end}: {', '.join(s.devices)}" for s in plan.stages]
+    return [f"units {s.start}-{s.end}: {', '.join(sorted(names[d] for d in s.devices))}" for s in plan.stages]
 
 
 def crossed(plan: Plan) -> set[str]:
@@ -132,6 +131,7 @@ def run_misprofiled_bench(env: str, *, model: ModelSpec, global_batch: int, micr
     row = MisprofiledRun(env=env, device_factor=device_factor, link_factor=link_factor)
     spec = load_cluster(f"asteroid-env-{env}-100mbps")
     nodes = [d.id for d in spec.devices]
+    classes = {d.id: d.device_class for d in spec.devices}
     with pipeline_cluster(cluster, spec, profile_dir, netns=netns, as_hub=True) as (_running, bus), \
             tempfile.TemporaryDirectory(prefix="edgeswarm-speeds-") as speeds_dir:
         speeds = ProfileCache(speeds_dir)
@@ -181,6 +181,7 @@ def run_misprofiled_bench(env: str, *, model: ModelSpec, global_batch: int, micr
     refitted = [s for r, s in zip(seen.reports, seen.refitted_rounds, strict=False) if r.round > settled]
     return row.model_copy(update={
         "started_layout": layout(seen.plan), "final_layout": layout(result.plan),
+        "ended_on_correct": layout(result.plan, classes) == layout(correct, classes),
         "started_predicted_s": seen.plan.round_latency_s,
         "started_true_s": reprice(seen.plan, truth).round_latency_s,
         "final_true_s": reprice(result.plan, truth).round_latency_s,
