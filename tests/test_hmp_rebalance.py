@@ -1,5 +1,5 @@
 """serve-hmp's closed loop on real tensor-shard-workers: a job planned on profiles that one device stops living up to
-(its worker is stopped four fifths of every 10 ms once the job serves, as a throttled or shared device would be)
+(its worker is stopped 9 ms of every 10 once the job serves, as a throttled or shared device would be)
 fits that device's speed from the ranks' measured arithmetic, re-plans itself between two requests to give it less of
 every layer, says so in a ``rebalanced`` event, and answers every request once with the hidden states of the model
 computed whole on one device. Stopped, it saves each device's measured speed, and the next job starts from it."""
@@ -36,16 +36,17 @@ SEQ = 32
 
 
 def _throttle(pid: int, stop: threading.Event, most_s: float) -> None:
-    """Stop ``pid`` 8 ms of every 10 ms until ``stop`` is set or ``most_s`` seconds have passed; left running. A period
-    shorter than a rank's pass: with 80 ms of every 100, a pass of a few milliseconds mostly fits in the 20 ms the
-    device runs, and measures the device as fast as its profile."""
+    """Stop ``pid`` 9 ms of every 10 ms until ``stop`` is set or ``most_s`` seconds have passed; left running. A run
+    window shorter than a rank's arithmetic between two syncs: with 80 ms of every 100, a pass of a few milliseconds
+    mostly fitted in the 20 ms the device ran and measured the device as fast as its profile; with 2 ms of every 10,
+    a CI run once saw no re-plan in two minutes (the measured speeds it logged then were not kept)."""
     until = time.monotonic() + most_s
     try:
         while not stop.is_set() and time.monotonic() < until:
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.008)
+            time.sleep(0.009)
             os.kill(pid, signal.SIGCONT)
-            time.sleep(0.002)
+            time.sleep(0.001)
     except ProcessLookupError:
         return
     finally:
@@ -62,7 +63,8 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         broker, make_bus, services, tmp_path: Path) -> None:
     services.start("planner", "hub", broker.url)
     saved = tmp_path / "profiles-hub"
-    services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true", EDGESWARM_PROFILE_DIR=str(saved))
+    coordinator = services.start("coordinator", "hub", broker.url, EDGESWARM_REBALANCE="true",
+                                 EDGESWARM_PROFILE_DIR=str(saved))
     workers = {}
     for node in NODES:
         services.start("node-agent", node, broker.url)
@@ -101,7 +103,8 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         assert moved, (f"no rebalance within 120 s of throttling {SLOW}: events by kind "
                        f"{dict(Counter(e.kind for e in events))}, the last three "
                        f"{[(e.kind, e.detail[:300]) for e in events[-3:]]}; shares {first.shares}; progress "
-                       f"{follower.state.progress}")
+                       f"{follower.state.progress}; the coordinator's last words on the fit "
+                       f"{[ln for ln in services.log_of(coordinator).splitlines() if 'keeps its plan' in ln][-3:]}")
         assert "compute measured against the profile: " in moved[0] and f"{SLOW} " in moved[0], moved
         assert "faster)" in moved[0], moved
         wait_until(lambda: isinstance(follower.state.plan, HmpPlan) and follower.state.plan.epoch > first.epoch, 10,

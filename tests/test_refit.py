@@ -195,8 +195,10 @@ def test_the_rebalancer_waits_for_confirmation_and_caps_replans_per_hour() -> No
     assert not r.check(1.0, 0.5, now=0.0)  # the first check of a gain: not confirmed yet
     assert r.check(1.0, 0.5, now=1.0)
     r.new_plan()
+    assert r.gain is None  # a new plan: no check on it yet
     r.round_done()
     assert not r.check(1.0, 0.95, now=2.0) and not r.check(1.0, 0.5, now=3.0)  # 5% is noise; the streak restarts
+    assert r.gain == pytest.approx(0.5)  # the last check's, for the job's log line on why it keeps its plan
     assert r.check(1.0, 0.5, now=4.0)
     r.new_plan()
     r.round_done()

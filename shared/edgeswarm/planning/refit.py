@@ -157,6 +157,7 @@ class Rebalancer:
     _rounds: int = field(default=0, init=False)  # rounds run on the running plan
     _streak: int = field(default=0, init=False)  # checks in a row that saw the gain
     _done: deque[float] = field(default_factory=lambda: deque(maxlen=64), init=False)  # when it re-planned
+    gain: float | None = field(default=None, init=False)  # the last check's: 1 - best over running (None: none yet)
 
     def round_done(self) -> None:
         """One more round ran on the running plan."""
@@ -165,10 +166,11 @@ class Rebalancer:
     def new_plan(self) -> None:
         """The job runs on another plan from now on (re-planned, recovered, grown): its rounds count afresh."""
         self._rounds = self._streak = 0
+        self.gain = None
 
     def check(self, current_s: float, best_s: float, now: float) -> bool:
         """Whether to re-plan now (counted against the hourly cap when True)."""
-        gain = 1.0 - best_s / current_s if current_s > 0 else 0.0
+        gain = self.gain = 1.0 - best_s / current_s if current_s > 0 else 0.0
         self._streak = self._streak + 1 if gain > self.margin else 0
         recent = sum(1 for t in self._done if now - t < 3600.0)
         if self._rounds < self.min_rounds or self._streak < self.confirm or recent >= self.max_per_hour:

@@ -28,7 +28,7 @@ from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.jobs import JobEventKind, JobState
 from edgeswarm.messages.serving import InferError, InferErrorReason
 from edgeswarm.observability import record
-from edgeswarm.planning.refit import ClosedLoop, Priced, moved_text
+from edgeswarm.planning.refit import ClosedLoop, Priced, moved_text, speeds
 from edgeswarm.plugins import load_target
 from edgeswarm.runtime.ledger import unreserved
 from edgeswarm.shares import QueueShares
@@ -39,6 +39,9 @@ from edgeswarm.workloads.views import Series, SeriesPoint, finite
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
+# One line per job every half minute on why the closed loop keeps the plan: an operator (or a test) sees what the
+# devices measured and how far the best plan on it is from the re-plan margin.
+_fit_said = RateLimitedLog(log, burst=1, window_s=30.0, what="fit lines")
 
 PUBLISH_EVERY_S = 1.0  # how often a serving job's state is published while it serves
 
@@ -235,6 +238,13 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
             return None
         found: tuple[Priced[PlanT, Any], dict[str, float]] | None = self._priced(True, time.monotonic())
         if found is None:
+            loop = self.refit_loop
+            gain = loop.rebalancer.gain if loop is not None else None
+            if loop is not None and gain is not None:
+                _fit_said.log(logging.INFO, self.name, "job %s keeps its plan: measured speeds %s; the best plan on "
+                              "them is %.0f%% faster (a re-plan needs over %.0f%% on %d checks in a row)", self.name,
+                              speeds(loop.scales()), 100 * gain, 100 * loop.rebalancer.margin,
+                              loop.rebalancer.confirm)
             return None
         priced, moved = found
         assert priced.best is not None
