@@ -143,9 +143,9 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
     start, moves only the units whose owner changed, and ends with the weights of an uninterrupted run."""
     # The late device's node-agent and profiler start before the job (no stage-worker: nothing is planned on it);
     # its stage-worker at round 1 makes it appear. Only that one service must then start, and the device be profiled,
-    # while the job runs: 30 rounds of about a second leave it half a minute (alone it joined at round 5). (With all
-    # its services started at round 1, beside another worker's browser test, joining once took more than 16 rounds of
-    # 2.6 s.)
+    # while the job runs: 22 rounds of about two seconds leave it most of a minute (alone it joined at round 5).
+    # (With all its services started at round 1, beside another worker's browser test, joining once took more than
+    # 16 rounds of 2.6 s.)
     # The late device computes 3x as fast as the others: the plan with it gains far more than its links, profiled
     # while the job's own traffic runs, can cost (alike, a loaded machine once priced the grown plan 0.412 s a round
     # against 0.401 s, and the coordinator rightly kept its plan).
@@ -156,7 +156,7 @@ def test_a_device_that_appears_mid_job_is_added_at_a_round_boundary(tmp_path: Pa
             services.start(name, "late-0", job.cluster.url, **{**job.env, **late})
         job.cluster.status(devices=3)  # its node-agent online
 
-    job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=30, before_job=late_device)
+    job = _Training(tmp_path, up, ft_env, "grow", 2, 1, rounds=22, before_job=late_device)
     services.start("stage-worker", "late-0", job.cluster.url, **{**job.env, **late})
     out, run = job.finish()
     assert re.search(r"joined.*late-0 joined", out), out
