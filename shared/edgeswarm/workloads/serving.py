@@ -39,11 +39,11 @@ from edgeswarm.workloads.views import Series, SeriesPoint, finite
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
-# One line per job every half minute on why the closed loop keeps the plan: an operator (or a test) sees what the
-# devices measured and how far the best plan on it is from the re-plan margin.
-_fit_said = RateLimitedLog(log, burst=1, window_s=30.0, what="fit lines")
 
 PUBLISH_EVERY_S = 1.0  # how often a serving job's state is published while it serves
+# How often a job whose fit moved but keeps its plan says so: an operator (or a test) sees what the devices measured
+# and how far the best plan on it is from the re-plan margin.
+FIT_SAID_EVERY_S = 30.0
 
 
 def refuse_request(bus: Bus, msg: Inbound, job_id: str, request_id: str, reason: InferErrorReason,
@@ -112,6 +112,7 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
         self._dispatcher: threading.Thread | None = None
         self.closed_loop = ctx.bus.settings.rebalance
         self.refit_loop: ClosedLoop[PlanT, Any] | None = None
+        self._fit_said_at = -FIT_SAID_EVERY_S  # monotonic seconds
 
     # --- what a kind gives ----------------------------------------------------------------------------
 
@@ -238,17 +239,23 @@ class ServingProgram(CoordinatorProgram[PlanT], Generic[PlanT, R]):
             return None
         found: tuple[Priced[PlanT, Any], dict[str, float]] | None = self._priced(True, time.monotonic())
         if found is None:
-            loop = self.refit_loop
-            gain = loop.rebalancer.gain if loop is not None else None
-            if loop is not None and gain is not None:
-                _fit_said.log(logging.INFO, self.name, "job %s keeps its plan: measured speeds %s; the best plan on "
-                              "them is %.0f%% faster (a re-plan needs over %.0f%% on %d checks in a row)", self.name,
-                              speeds(loop.scales()), 100 * gain, 100 * loop.rebalancer.margin,
-                              loop.rebalancer.confirm)
+            self._say_fit()
             return None
         priced, moved = found
         assert priced.best is not None
         return priced.best, f"{moved_text(moved)}; {self.gain(priced.current, priced.best)}"
+
+    def _say_fit(self) -> None:
+        """Log, every FIT_SAID_EVERY_S at most, the measured speeds and the best plan's gain on them while the job
+        keeps its plan (nothing before the loop has priced a best plan)."""
+        loop, now = self.refit_loop, time.monotonic()
+        gain = loop.rebalancer.gain if loop is not None else None
+        if loop is None or gain is None or now - self._fit_said_at < FIT_SAID_EVERY_S:
+            return
+        self._fit_said_at = now
+        log.info("job %s keeps its plan: measured speeds %s; the best plan on them is %.0f%% faster (a re-plan needs "
+                 "over %.0f%% on %d checks in a row)", self.name, speeds(loop.scales()), 100 * gain,
+                 100 * loop.rebalancer.margin, loop.rebalancer.confirm)
 
     def replanned(self, plan: PlanT) -> None:
         super().replanned(plan)
