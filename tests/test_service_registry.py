@@ -300,29 +300,23 @@ def _settings(node: str, broker: BrokerProcess) -> Settings:
 
 
 def test_the_worker_host_routes_by_schema_and_keeps_a_job_to_one_program(broker: BrokerProcess, make_bus) -> None:  # type: ignore[no-untyped-def]
-    worker = ToyWorker(_settings("w0", broker).model_copy(update={"gil_switch_s": 0.002}))
+    worker = ToyWorker(_settings("w0", broker))
     client = make_bus("cli", "cli")
-    before = sys.getswitchinterval()
-    try:
-        with running(worker):
-            client.peers.wait_for("w0", "toy-worker", timeout_s=30)
-            # The process's GIL hand-over, so that its bus threads do not hold its compute thread up 5 ms a time.
-            assert sys.getswitchinterval() == pytest.approx(0.002)
-            aborts, releases = worker.programs
-            assert isinstance(aborts, AbortTaker) and isinstance(releases, ReleaseTaker)
-            assert aborts.context is releases.context and aborts.context.wait_s == 7.5  # one context, one gate
-            address = topics.request("w0", "toy-worker")
-            client.publish(address, StageAbort(job_id="j1", epoch=0, round=0, reason="test"))
-            wait_until(lambda: aborts.jobs == ["j1"], 10, message="the abort at its program")
-            client.publish(address, ServeRelease(job_id="j1"))  # j1 is the other program's
-            client.publish(address, ServeRelease(job_id="j2"))
-            wait_until(lambda: releases.jobs == ["j2"] and releases.refused, 10, message="the releases")
-            assert [(job, reason) for job, reason, _ in releases.refused] == [("j1", "bad_request")]
-            assert "holds job j1 as AbortTaker, not ReleaseTaker" in releases.refused[0][2]
-            assert aborts.jobs == ["j1"] and not aborts.refused
-        assert aborts.closed and releases.closed
-    finally:
-        sys.setswitchinterval(before)
+    with running(worker):
+        client.peers.wait_for("w0", "toy-worker", timeout_s=30)
+        aborts, releases = worker.programs
+        assert isinstance(aborts, AbortTaker) and isinstance(releases, ReleaseTaker)
+        assert aborts.context is releases.context and aborts.context.wait_s == 7.5  # one context, one gate
+        address = topics.request("w0", "toy-worker")
+        client.publish(address, StageAbort(job_id="j1", epoch=0, round=0, reason="test"))
+        wait_until(lambda: aborts.jobs == ["j1"], 10, message="the abort at its program")
+        client.publish(address, ServeRelease(job_id="j1"))  # j1 is the other program's
+        client.publish(address, ServeRelease(job_id="j2"))
+        wait_until(lambda: releases.jobs == ["j2"] and releases.refused, 10, message="the releases")
+        assert [(job, reason) for job, reason, _ in releases.refused] == [("j1", "bad_request")]
+        assert "holds job j1 as AbortTaker, not ReleaseTaker" in releases.refused[0][2]
+        assert aborts.jobs == ["j1"] and not aborts.refused
+    assert aborts.closed and releases.closed
 
 
 def test_the_stage_worker_hosts_the_programs_its_kinds_name() -> None:

@@ -178,12 +178,6 @@ class Settings(BaseSettings):
     # How long a worker waits for one tensor or unit state from a peer before it gives its round up as stalled
     # (seconds; the coordinator then replays the round). Long enough for the slowest stage of a big model.
     peer_wait_s: float = Field(default=120.0, gt=0, le=3600)
-    # How long a worker process's thread may hold the GIL while another waits for it (seconds; Python's own default
-    # is 0.005). A worker's compute thread needs the GIL back after every torch call, while its bus threads decode
-    # arriving tensors in Python. Galaxy's row tiles compute while the next tile arrives: at 5 ms a hand-over their
-    # compute ran 1.2x-1.5x what the same tiles take alone, and a tiled DistilBERT layer 1.32x its prediction on
-    # Env A; at 0.5 ms, 1.13x in two runs (docs/benchmarks.md, 2026-12-02). HPP's rounds were unchanged.
-    gil_switch_s: float = Field(default=0.0005, gt=0, le=0.1)
     metrics_interval_s: float = Field(default=10.0, gt=0)
     # The coordinator's closed loop (planning.refit): a training job re-plans at a snapshot round, and a serving
     # pipeline between two items, when its devices' measured compute says another plan is predicted more than 15%

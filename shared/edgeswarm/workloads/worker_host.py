@@ -20,7 +20,6 @@ names yet starts and answers probes like any other, with no program.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from functools import partial
 
@@ -65,8 +64,6 @@ class WorkerService(Service):
         return self.memory_ledger.reserved_bytes()
 
     def setup(self) -> None:
-        # The whole process: its compute thread and the bus threads beside it (settings.gil_switch_s says why).
-        sys.setswitchinterval(self.settings.gil_switch_s)
         self.watch_reserved_memory()
         assert self.compute_name is not None  # resolved when the service was made (computes)
         self.tracer = SpanRecorder(self.node, self.name)
