@@ -39,7 +39,7 @@ def _throttle(pid: int, stop: threading.Event, most_s: float) -> None:
     """Stop ``pid`` 9 ms of every 10 ms until ``stop`` is set or ``most_s`` seconds have passed; left running. A run
     window shorter than a rank's arithmetic between two syncs: with 80 ms of every 100, a pass of a few milliseconds
     mostly fitted in the 20 ms the device ran and measured the device as fast as its profile; with 2 ms of every 10,
-    a CI run once saw no re-plan in two minutes (the measured speeds it logged then were not kept)."""
+    a CI run once saw no re-plan in two minutes (the job did not log its fit then, so why is not known)."""
     until = time.monotonic() + most_s
     try:
         while not stop.is_set() and time.monotonic() < until:
