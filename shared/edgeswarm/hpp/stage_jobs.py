@@ -177,11 +177,9 @@ class StageJobs:
         need_own = st.static_bytes + st.stage.held_bytes
         if need_own <= ledger.held_by(PROGRAM, job_id):
             return  # within the peak already reserved: no need to look at the others
-        others = ledger.reserved_bytes(exclude=(PROGRAM, job_id))
-        need = others + need_own
-        budget = self.ctx.device.memory_budget_bytes
-        if need <= budget and ledger.grow(PROGRAM, job_id, need_own):
+        if ledger.grow(PROGRAM, job_id, need_own):  # idle stages of other jobs give way if need be
             return
+        budget = self.ctx.device.memory_budget_bytes
         others = ledger.reserved_bytes(exclude=(PROGRAM, job_id))
         need = others + need_own
         beside = f" + {others / MIB:.1f} MiB of other jobs' stages" if others else ""

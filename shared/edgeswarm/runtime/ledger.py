@@ -10,11 +10,12 @@ some.
 Policy (who gives way):
 
 * Reservations are first come, first served; nothing is taken from a job in use.
-* A program may register a pressure hook (``on_pressure``). When a reservation does not fit, the ledger asks the
-  hooks of this process, in registration order, to free the shortfall, then tries once more. Training's hook drops
-  its idle jobs (not in a round), idlest first, never the job asking; serving registers none: a serving stage is in
-  use as long as it is held, until its ServeRelease. So a serving (or any other) program's reservation makes idle
-  training jobs give way, and so does a new training job.
+* A program may register a pressure hook (``on_pressure``). When a reservation does not fit, or a job's holding
+  cannot grow (``grow``: a training round's activations), the ledger asks the hooks of this process, in registration
+  order, to free the shortfall, then tries once more. Training's hook drops its idle jobs (not in a round), idlest
+  first, never the job asking; serving registers none: a serving stage is in use as long as it is held, until its
+  ServeRelease. So a serving (or any other) program's reservation makes idle training jobs give way, and so do a
+  new training job and a round's activations (idle stages of finished jobs stay held until then).
 * Only this process's hooks are asked: a reservation held by another process on the node (another worker service)
   is never taken away; it counts against the budget until its holder releases it or dies.
 * Planners see it: statuses carry the bytes reserved on the node, and the serving coordinator plans a new job on
@@ -163,17 +164,22 @@ class MemoryLedger:
             f"{listing}")
 
     def grow(self, program: str, job_id: str, nbytes: int) -> bool:
-        """Raise job ``job_id``'s holding to ``nbytes`` if that fits beside every other holding (no one is asked to
-        give way: the caller is in the middle of its work); whether it did. A job holding nothing gets a holding."""
+        """Raise job ``job_id``'s holding to ``nbytes`` if that fits beside every other holding, asking the pressure
+        hooks to free the shortfall first (never from ``job_id`` itself: its caller is in the middle of its work);
+        whether it did. A job holding nothing gets a holding."""
         key = (program, job_id, "")
-        with self._transaction() as others:
-            used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
-            if used + nbytes > self.budget_bytes:
-                return False
-            old = self._mine.get(key)
-            self._mine[key] = (old.model_copy(update={"nbytes": max(nbytes, old.nbytes)}) if old else
-                               self._holding(program, job_id, nbytes, f"{program} job {job_id}", ""))
-            return True
+        what = f"{program} job {job_id}"
+        for attempt in range(2):
+            with self._transaction() as others:
+                used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
+                if used + nbytes <= self.budget_bytes:
+                    old = self._mine.get(key)
+                    self._mine[key] = (old.model_copy(update={"nbytes": max(nbytes, old.nbytes)}) if old else
+                                       self._holding(program, job_id, nbytes, what, ""))
+                    return True
+            if attempt == 0 and self._relieve(used + nbytes - self.budget_bytes, program, job_id, what) == 0:
+                break
+        return False
 
     def release(self, program: str, job_id: str, part: str | None = None) -> None:
         """Give back what job ``job_id`` of ``program`` holds: its ``part``, or (None) its own holding and every part
