@@ -191,24 +191,6 @@ def test_a_call_after_the_device_idled_is_timed_beyond_its_back_to_back_time(mon
     assert chain.training and all(p.grad is None for p in chain.parameters())
 
 
-def test_one_threaded_cpu_calls_are_timed_in_cpu_time_and_calls_through_a_runner_in_wall_time() -> None:
-    """On one torch thread a timed call counts the thread's CPU seconds, so the time a busy host gives other
-    processes is not counted (a sleep stands for it); through a runner (an emulated device's sleeps) and on several
-    threads, the wall clock counts."""
-    import time
-
-    from edgeswarm.profiling.compute import _timed, torch_threads
-
-    def pause() -> None:
-        time.sleep(0.05)
-
-    with torch_threads(1):
-        assert _timed(pause, None) < 0.02
-        assert _timed(pause, lambda fn: fn()) >= 0.05
-    with torch_threads(2):
-        assert _timed(pause, None) >= 0.05
-
-
 def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
     _, native = lenet_profile
     scaled = calibrated_profile(native, 2.5, "device-abc")
@@ -256,8 +238,7 @@ def test_speed_ratio_is_the_fastest_call_through_the_runner_over_the_fastest_nat
         return out
 
     monkeypatch.setattr(compute, "_calibration_workload", workload)
-    # Both clocks: the native runs are timed in CPU time when the process computes on one torch thread.
-    monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock[0], thread_time=lambda: clock[0]))
+    monkeypatch.setattr(compute, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     assert measure_speed_ratio(runner, repeats=3, budget_s=30.0) == pytest.approx(3.0)
     assert passes[0] == 3 and steps[0] == 1 + 3 * 3 + 1
     assert measure_speed_ratio(lambda fn: fn(), repeats=3) == pytest.approx(1.0)

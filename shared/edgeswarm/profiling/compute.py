@@ -6,8 +6,7 @@ A third time, the inference forward, runs each unit as a served stage does (eval
 are timed on the device the worker computes on (``compute``: the CPU, or CUDA, synchronised around every timed
 call and warmed up first so the first use of kernels and the allocator is not counted); sizes are measured on the
 CPU, so a model's profile is the same on every device. Times are medians in seconds on a grid of batch sizes and
-are kept as measured, because they are not linear in the batch size (Asteroid spec section 2.1). With one torch
-thread on the CPU they are the thread's CPU seconds, so a busy host's other processes do not slow the profile.
+are kept as measured, because they are not linear in the batch size (Asteroid spec section 2.1).
 
 Two ways to get a device's times: "measured" (every unit timed through the device's ``runner``, which on an
 emulated device sleeps to look slower) and "calibrated" (the host measured once, then scaled by the device's
@@ -123,10 +122,7 @@ def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.
            idle_s: float = 0.0) -> float:
     """Seconds one call of ``fn`` takes, through ``runner`` when given (so its sleeps count), after the device idled
     ``idle_s`` seconds (untimed). On an accelerator (``compute``) the work queued before is waited for first and the
-    call's own kernels before the clock stops. On the CPU with one torch thread and no runner, the calling thread's
-    CPU time: it does all of the work, and its wall time would also count other processes' turns on its core (an
-    emulated device's native profile, timed beside a busy host's other services, came out 1.4x-2.8x too slow under
-    three CPU-bound processes, and the devices then measured well below it)."""
+    call's own kernels before the clock stops."""
     if idle_s > 0:
         time.sleep(idle_s)
     call = fn
@@ -137,14 +133,12 @@ def _timed(fn: Callable[[], object], runner: Runner[Any] | None, compute: torch.
             fn()
             synchronize(compute)
 
-    clock = time.thread_time if runner is None and compute is None and torch.get_num_threads() == 1 else \
-        time.perf_counter
-    start = clock()
+    start = time.perf_counter()
     if runner is None:
         call()
     else:
         runner(call)
-    return clock() - start
+    return time.perf_counter() - start
 
 
 def _median_time(fn: Callable[[], object], runner: Runner[Any] | None, repeats: int, warmup: int,
