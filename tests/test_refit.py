@@ -182,6 +182,8 @@ def test_after_a_replan_a_key_is_fitted_on_the_running_plan_once_it_has_a_round_
     assert fit.scales() == {"a": pytest.approx(0.7), "b": pytest.approx(2.0)}  # nothing measured on the new plan
     fit.add({"a": 1.0, "b": 0.01}, {"a": 1.0, "b": 0.5})  # b's share is a sliver: not fitted, its earlier scale kept
     assert fit.scales() == {"a": pytest.approx(1.0), "b": pytest.approx(2.0)}
+    # What the job saves for the next is every round's: one round on a new plan does not stand for the job.
+    assert fit.measured() == {"a": pytest.approx(0.7), "b": pytest.approx(2.0)}
     fit.add({"a": 1.0}, {"a": 1.2})
     assert fit.scales()["a"] == pytest.approx(1.1) and fit.rounds() == {"a": 5, "b": 4}
     for _ in range(6):  # more rounds on the plan than the window holds

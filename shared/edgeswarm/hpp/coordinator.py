@@ -308,8 +308,9 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         job."""
         if not self.closed_loop or self.cluster is None or not (self.fit.ratios or self.link_fit.ratios):
             return
-        said = save_measured(self.speeds, self.cluster, self.base_scales,
-                             self._scales(), self.fit.rounds() | self.link_fit.rounds(), "train")
+        measured = self.fit.measured() | self.link_fit.measured()  # every round's, not only the last plan's
+        said = save_measured(self.speeds, self.cluster, self.base_scales, measured,
+                             self.fit.rounds() | self.link_fit.rounds(), "train")
         if said:
             self.seen.refitted(said)
 

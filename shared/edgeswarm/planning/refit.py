@@ -136,6 +136,13 @@ class ScaleFit:
                 out[key] = min(MAX_SCALE, max(MIN_SCALE, median(list(r)[-fresh:] if fresh else r)))
         return out
 
+    def measured(self) -> dict[str, float]:
+        """Each key's scale over every round the window holds, whichever plan ran them (the median, clipped): what
+        the job measured of it, to save for the next job. ``scales`` prices the running plan and so prefers its own
+        rounds, but a device a re-plan left a few units measures those units' error against the profile: one round
+        of it made a TX2-like device's saved speed 0.41x what its three rounds before had measured."""
+        return {key: min(MAX_SCALE, max(MIN_SCALE, median(r))) for key, r in self.ratios.items() if r}
+
     def rounds(self) -> dict[str, int]:
         """How many measured rounds each device's scale is fitted from (at most ``window``)."""
         return {node: len(r) for node, r in self.ratios.items()}
