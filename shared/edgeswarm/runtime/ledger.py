@@ -146,16 +146,10 @@ class MemoryLedger:
         """Hold ``nbytes`` for job ``job_id`` of ``program`` (its ``part``; replacing what that holding held), asking
         the pressure hooks to free room when it does not fit. Raises MemoryBudgetError starting with ``refusal``
         (default: ``what`` needs so much) and naming the holders when it still does not."""
-        key = (program, job_id, part)
-        for attempt in range(2):
-            with self._transaction() as others:
-                used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
-                if used + nbytes <= self.budget_bytes:
-                    self._mine[key] = self._holding(program, job_id, nbytes, what, service, part)
-                    return
-                holders = [h for h in (*others, *self._mine.values()) if h.key != key]
-            if attempt == 0 and self._relieve(used + nbytes - self.budget_bytes, program, job_id, what) == 0:
-                break
+        holders = self._hold((program, job_id, part), nbytes, what,
+                             lambda _old: self._holding(program, job_id, nbytes, what, service, part))
+        if holders is None:
+            return
         listing = "; ".join(f"{h.what} holds {h.nbytes / MIB:.1f} MiB"
                             for h in sorted(holders, key=lambda h: -h.nbytes))
         raise MemoryBudgetError(
@@ -167,19 +161,28 @@ class MemoryLedger:
         """Raise job ``job_id``'s holding to ``nbytes`` if that fits beside every other holding, asking the pressure
         hooks to free the shortfall first (never from ``job_id`` itself: its caller is in the middle of its work);
         whether it did. A job holding nothing gets a holding."""
-        key = (program, job_id, "")
         what = f"{program} job {job_id}"
+
+        def raised(old: Holding | None) -> Holding:
+            return (old.model_copy(update={"nbytes": max(nbytes, old.nbytes)}) if old else
+                    self._holding(program, job_id, nbytes, what, ""))
+
+        return self._hold((program, job_id, ""), nbytes, what, raised) is None
+
+    def _hold(self, key: PartKey, nbytes: int, what: str, make: Callable[[Holding | None], Holding]
+              ) -> list[Holding] | None:
+        """Set holding ``key`` to ``make(its old holding)`` if ``nbytes`` fit beside every other holding, asking the
+        pressure hooks once for the shortfall when they do not: None when it is held, else the other holdings."""
         for attempt in range(2):
             with self._transaction() as others:
                 used = _total(others) + _total(h for k, h in self._mine.items() if k != key)
                 if used + nbytes <= self.budget_bytes:
-                    old = self._mine.get(key)
-                    self._mine[key] = (old.model_copy(update={"nbytes": max(nbytes, old.nbytes)}) if old else
-                                       self._holding(program, job_id, nbytes, what, ""))
-                    return True
-            if attempt == 0 and self._relieve(used + nbytes - self.budget_bytes, program, job_id, what) == 0:
+                    self._mine[key] = make(self._mine.get(key))
+                    return None
+                holders = [h for h in (*others, *self._mine.values()) if h.key != key]
+            if attempt == 0 and self._relieve(used + nbytes - self.budget_bytes, key[0], key[1], what) == 0:
                 break
-        return False
+        return holders
 
     def release(self, program: str, job_id: str, part: str | None = None) -> None:
         """Give back what job ``job_id`` of ``program`` holds: its ``part``, or (None) its own holding and every part
