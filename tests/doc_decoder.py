@@ -296,7 +296,8 @@ _HMP_PLAN_FIELDS = {
                         "message_s": "number"}),
     "decode": ("optional", ("record", {"cache_tokens": "int", "per_token_s": "number", "network_s": "number",
                                        "network_share": "number"})),
-    "shift": ("enum", {"paper", "water"}), "paper": "bool", "left_out": ("list", "str"), "epoch": "int",
+    "logits_s": "number", "shift": ("enum", {"paper", "water"}), "paper": "bool", "left_out": ("list", "str"),
+    "epoch": "int",
 }
 _HMP_PLAN = ("record", _HMP_PLAN_FIELDS)
 _HMP_COMPARISON = ("record", {

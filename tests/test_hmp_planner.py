@@ -26,10 +26,10 @@ from edgeswarm.planning.hmp.algorithm import (
     equal_split,
     lr_round,
 )
-from edgeswarm.planning.hmp.latency import capacity, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
+from edgeswarm.planning.hmp.latency import capacity, con_s, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
 from edgeswarm.planning.hmp.plan import PRUNE_MARGIN, compare, plan_galaxy, plan_hmp, plan_megatron, request_s
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
-from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan, HmpPlanError
+from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster, HmpOptions, HmpPlan, HmpPlanError
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.text_model import PRESETS, TextModelConfig
 
@@ -322,8 +322,35 @@ def test_a_decoders_plans_are_compared_on_the_prefill_and_the_tokens_a_request_g
     assert request_s(request, 16) < request_s(prompt, 16)
     # The prefill answers the first token: 15 decode steps follow it.
     assert request_s(prompt, 16) == pytest.approx(prompt.model.total_s + 15 * prompt.decode.per_token_s)
-    assert request_s(prompt, 1) == request_s(prompt, 0) == prompt.model.total_s
+    assert request_s(prompt, 1) == prompt.model.total_s
+    # A request generating no token never computes the prompt's logits: the split head and its gather's 50 ms.
+    assert prompt.logits_s > 0.05 and request_s(prompt, 0) == pytest.approx(prompt.model.total_s - prompt.logits_s)
     assert plan_hmp(c, HmpOptions(mode="auto", new_tokens=16)).devices == ["fast"]
+
+
+def test_sequence_parallel_slices_of_the_rows_pay_each_gemms_one_row_cost() -> None:
+    """SP's ranks each run every weight on their slice of the rows: each GEMM call reads its whole weight, so a
+    slice costs its one-row time beside its share (``gemm_s``), more than its share of the whole pass; with a
+    one-row time at its rows' share, exactly its share."""
+    cfg = PRESETS["distilbert"].model_copy(update={"layers": 1})
+    whole = synthetic_profile("a", cfg, 284, slowdown=10.0, budget_bytes=int(64e9))
+    twin = whole.model_copy(update={"node": "b"})
+    links = [LinkProfile(src="a", dst="b", bandwidth_bps=1e9)]
+    heads, columns = [cfg.heads] * 2, [cfg.ffn] * 2
+
+    def sp_compute(profile: BlockProfile) -> float:
+        pair = [profile, profile.model_copy(update={"node": "b"})]
+        return predict(cfg, 284, "sp", pair, heads, columns, links).layer.compute_s
+
+    cheap = whole.model_copy(update={"mha_decode_s": [t / 284 for t in whole.mha_s],
+                                     "mlp_decode_s": [t / 284 for t in whole.mlp_s]})
+    dear = whole.model_copy(update={"mha_decode_s": [t * 0.2 for t in whole.mha_s],
+                                    "mlp_decode_s": [t * 0.2 for t in whole.mlp_s]})
+    share = (whole.mha_s[-1] + whole.mlp_s[-1]) * 142 / 284 + 2 * con_s(whole, 142)
+    assert sp_compute(cheap) == pytest.approx(share, rel=1e-3)
+    # Every GEMM of the 142-row slice: 0.2 of its whole time, then (1 - 0.2) * 141 / 283 of it for its other rows.
+    assert sp_compute(dear) > sp_compute(cheap) * 1.1
+    assert predict(cfg, 284, "sp", [whole, twin], heads, columns, links).layer.compute_s > share
 
 
 def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:
@@ -365,30 +392,31 @@ def _fast_and_slow(message_s: float) -> HmpCluster:
 @pytest.mark.parametrize(("message_s", "kept"), [(0.02, ["fast", "slow"]), (0.025, ["fast"])])
 def test_a_device_is_kept_only_where_it_is_predicted_to_save_more_than_the_margin(message_s: float,
                                                                                     kept: list[str]) -> None:
-    """A device six times slower than the other, its links' messages at 20 ms: both predicted 5.6% faster than the
-    fast one alone, both kept; at 25 ms 3.5% faster, inside PRUNE_MARGIN (a tie in the model's error): the fast
-    one alone. Without pruning both are used either way."""
+    """A device six times slower than the other, its links' messages at 20 ms: a request of one token on both is
+    predicted 5.6% faster than on the fast one alone, both kept; at 25 ms 3.5% faster, inside PRUNE_MARGIN (a tie in
+    the model's error): the fast one alone. Without pruning both are used either way."""
     c = _fast_and_slow(message_s)
-    both, alone = plan_galaxy(c, HmpOptions(prune=False)), plan_galaxy(c, HmpOptions(exclude=["slow"]))
-    gain = request_s(alone, 0) / request_s(both, 0) - 1
+    both = plan_galaxy(c, HmpOptions(prune=False, new_tokens=1))
+    alone = plan_galaxy(c, HmpOptions(exclude=["slow"], new_tokens=1))
+    gain = request_s(alone, 1) / request_s(both, 1) - 1
     assert both.devices == ["fast", "slow"] and 0 < gain and (gain > PRUNE_MARGIN) == (len(kept) == 2), gain
-    assert plan_galaxy(c, HmpOptions()).devices == kept
+    assert plan_galaxy(c, HmpOptions(new_tokens=1)).devices == kept
 
 
 @pytest.mark.parametrize(("message_s", "mode"), [(0.02, "galaxy"), (0.025, "local")])
 def test_auto_takes_a_mode_on_more_devices_only_where_it_is_predicted_faster_by_more_than_the_margin(
         message_s: float, mode: str) -> None:
-    """The same two devices, Galaxy unpruned: at 20 ms a message its split is predicted 5.6% faster than the fast
-    device alone and ``auto`` takes it; at 25 ms, 3.5% faster, ``auto`` takes the fast device alone (``local``),
-    the lowest prediction but for less than PRUNE_MARGIN."""
+    """The same two devices and one-token requests, Galaxy unpruned: at 20 ms a message its split is predicted 5.6%
+    faster than the fast device alone and ``auto`` takes it; at 25 ms, 3.5% faster, ``auto`` takes the fast device
+    alone (``local``), the lowest prediction but for less than PRUNE_MARGIN."""
     c = _fast_and_slow(message_s)
-    options = HmpOptions(prune=False)
+    options = HmpOptions(prune=False, new_tokens=1)
     found = [v.plan for v in compare(c, options).verdicts if v.plan is not None]
-    lowest = min(request_s(p, 0) for p in found)
+    lowest = min(request_s(p, 1) for p in found)
     picked = plan_hmp(c, options.model_copy(update={"mode": "auto"}))
-    assert picked.mode == mode and request_s(picked, 0) <= lowest * (1 + PRUNE_MARGIN), [
-        (p.mode, request_s(p, 0)) for p in found]
-    assert (request_s(picked, 0) == lowest) == (mode == "galaxy")
+    assert picked.mode == mode and request_s(picked, 1) <= lowest * (1 + PRUNE_MARGIN), [
+        (p.mode, request_s(p, 1)) for p in found]
+    assert (request_s(picked, 1) == lowest) == (mode == "galaxy")
     assert picked.devices == (["fast", "slow"] if mode == "galaxy" else ["fast"])
 
 
@@ -547,7 +575,9 @@ def test_profiler_measures_one_layer_through_the_device() -> None:
         p = profile_blocks(cfg, 12, node="n0", device=device, compute=torch.device("cpu"), warmup=1, repeats=2)
         assert p.heads[-1] == cfg.heads and p.columns[-1] == cfg.ffn and all(a % cfg.group == 0 for a in p.heads)
         assert min(p.mha_s + p.mlp_s + p.con_s) > 0 and p.memory_budget_bytes == 10**9
-        assert bool(p.mha_decode_s) is cfg.decoder
+        # One row for every model (a slice of the rows pays each GEMM's one-row cost), the logits for decoders.
+        assert len(p.mha_decode_s) == len(p.heads) and len(p.mlp_decode_s) == len(p.columns)
+        assert min(p.mha_decode_s + p.mlp_decode_s) > 0 and (p.head_s > 0) is cfg.decoder
         cluster = HmpCluster(model=cfg, seq_len=12, devices=[p, p.model_copy(update={"node": "n1"})],
                              links=[LinkProfile(src="n0", dst="n1", bandwidth_bps=1e8)])
         assert sum(plan_hmp(cluster, HmpOptions(prune=False)).shares.heads) == cfg.heads

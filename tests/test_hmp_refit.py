@@ -51,6 +51,21 @@ def test_a_homogeneous_plans_busiest_rank_computes_what_the_plan_predicts(mode: 
     assert all(half[n] == pytest.approx(per_rank[n] / 2) for n in per_rank)
 
 
+def test_a_pass_that_answers_no_token_is_priced_without_the_logits() -> None:
+    """A request generating no token never computes its prompt's logits: its pass is priced without the lm_head, on
+    the rank that would answer (local) or on each rank's share of the vocabulary (megatron splits the head)."""
+    cfg = PRESETS["gpt2-tiny"]
+    devices = [synthetic_profile(node, cfg, SEQ, slowdown=2.0, budget_bytes=4_000_000_000).model_copy(
+        update={"head_s": 0.01}) for node in ("a", "b")]
+    links = [LinkProfile(src=a, dst=b, bandwidth_bps=125e6) for a in ("a", "b") for b in ("a", "b") if a != b]
+    c = HmpCluster(model=cfg, seq_len=SEQ, devices=devices, links=links)
+    for mode, heads in (("local", {"a": 0.01}), ("megatron", {"a": 0.005, "b": 0.005})):
+        plan = plan_hmp(c, HmpOptions(mode=mode, prune=False))  # type: ignore[arg-type]
+        with_logits, without = rank_compute_s(c, plan, SEQ), rank_compute_s(c, plan, SEQ, logits=False)
+        assert {n: with_logits[n] - without[n] for n in plan.devices} == pytest.approx(heads, rel=0.01), mode
+        assert plan.logits_s >= max(heads.values())
+
+
 def test_a_scaled_device_computes_its_scale_times_and_the_others_are_untouched() -> None:
     c = cluster({"a": 1.0, "b": 1.0, "c": 1.0})
     plan = plan_hmp(c, OPTIONS)

@@ -33,6 +33,7 @@ from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hmp.client import ask
 from edgeswarm.hmp.spec import HmpProgress
+from edgeswarm.planning.hmp.plan import prefill_s
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
@@ -95,7 +96,7 @@ class HmpRun(BaseModel):
 
     @property
     def ratio(self) -> float | None:
-        """Measured over predicted latency (the prediction covers the layers, not the embeddings and head)."""
+        """Measured over predicted latency (the prefill; its logits only where a request generates a token)."""
         if self.latency_s is None or not self.predicted_s:
             return None
         return self.latency_s / self.predicted_s
@@ -208,8 +209,8 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         plan = state.plan
         row = row.model_copy(update={
             "devices": plan.shares.devices, "heads": plan.shares.heads, "columns": plan.shares.columns,
-            "tiled": plan.shares.overlap,
-            "left_out": plan.left_out, "predicted_s": plan.model.total_s, "predicted_layer_s": plan.layer.total_s,
+            "tiled": plan.shares.overlap, "left_out": plan.left_out,
+            "predicted_s": prefill_s(plan, new_tokens), "predicted_layer_s": plan.layer.total_s,
             "predicted_compute_s": plan.layer.compute_s, "predicted_comm_s": plan.layer.comm_s,
             "predicted_exposed_s": plan.layer.exposed_s,
             "tau_s": plan.comm.tau_s, "message_s": plan.comm.message_s,

@@ -2,21 +2,22 @@
 
 The job measures every device's block latencies for its model (a ShardProfile request to each tensor-shard-worker;
 the links come from the profilers), asks the planner service for an HmpPlan and deploys each rank's shard
-(ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text,
-lengths, ids within the vocabulary) and queued, at most ``spec.queue`` of them and half that from one caller node
+(ShardAssign). It takes HmpRequest frames on the coordinator's data topic: each is checked (token ids or text, lengths,
+ids within the vocabulary) and queued, at most ``spec.queue`` of them and half that from one caller node
 (``edgeswarm.shares``; beyond: ``busy``). Requests run as passes: a decoder's up to ``spec.max_batch`` at once, each
 pass holding a decode step of every running request (the next token, greedy or sampled, which the rank holding the
-request's last row reports; the end of sequence or a stop string ends it early) and a chunk of
-``spec.prefill_chunk`` tokens of the prompt of one request joining (so the others wait one chunk at most); an
-encoder's one at a time, its prompt in one pass. Before its first pass on a plan, a request's KV cache is reserved
-on every rank (ShardAdmit: its prompt and the tokens it may generate, in each node's memory ledger); a request whose
-cache does not fit waits, in its place in the batch, while others of the job run and free memory as they end, and is
-answered ``busy`` (naming what holds the memory) when none does. Each pass is a ShardPass frame to every rank and a
-ShardResult from every rank; when a pass's results do not all come within its deadline its requests run again once
-on new KV caches (a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over
-the survivors, deploys the new plan as a new epoch and rebuilds each request's cache there from its tokens so far (a
-prefill over the prompt and the tokens generated), so every request is answered once. A cancelled job answers what
-it still holds with InferError ``not_serving`` and releases its shards.
+request's last row reports; the end of sequence or a stop string ends it early) and a chunk of ``spec.prefill_chunk``
+tokens of the prompt of one request joining (so the others wait one chunk at most; with no stream decoding, the prompt
+goes in passes of up to ``spec.seq_len`` tokens, the length the plan is priced and its activations reserved for); an
+encoder's one at a time, its prompt in one pass. Before its first pass on a plan, a request's KV cache is reserved on
+every rank (ShardAdmit: its prompt and the tokens it may generate, in each node's memory ledger); a request whose cache
+does not fit waits, in its place in the batch, while others of the job run and free memory as they end, and is answered
+``busy`` (naming what holds the memory) when none does. Each pass is a ShardPass frame to every rank and a ShardResult
+from every rank; when a pass's results do not all come within its deadline its requests run again once on new KV caches
+(a slice lost twice), and when the failure detector confirms a device lost, the job re-plans over the survivors, deploys
+the new plan as a new epoch and rebuilds each request's cache there from its tokens so far (a prefill over the prompt
+and the tokens generated), so every request is answered once. A cancelled job answers what it still holds with
+InferError ``not_serving`` and releases its shards.
 
 With the rebalance setting on, the job closes the loop (planning.refit, planning.hmp.refit): every prefill pass's
 ranks report their own arithmetic's seconds, which the fit sets against what the plan's block profiles predict for
@@ -65,7 +66,7 @@ from edgeswarm.messages.hmp_planning import HmpPlanReply, HmpPlanRequest
 from edgeswarm.messages.serving import InferErrorReason
 from edgeswarm.models.text.hf import source_config
 from edgeswarm.observability import record
-from edgeswarm.planning.hmp.plan import plan_hmp, request_s
+from edgeswarm.planning.hmp.plan import plan_hmp, prefill_s, request_s
 from edgeswarm.planning.hmp.refit import rank_compute_s, reprice, scaled_cluster
 from edgeswarm.planning.hmp.types import HmpCluster, HmpOptions, HmpPlan
 from edgeswarm.planning.refit import ClosedLoop, RefitPricing
@@ -217,7 +218,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             lambda _plan, profile: plan_hmp(profile, self.options()), scaled_cluster),
             cost=lambda plan: request_s(plan, self.options().new_tokens))
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profiles (``profiles``)
-        self._predicted: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (plan epoch, tokens, seconds per device)
+        self._predicted: tuple[int, int, bool, dict[str, float]] = (-1, 0, False, {})  # (plan epoch, tokens,
+        # logits or not, seconds per device)
         self._ended = False  # a request of the batch ended since the last admission: its KV memory is free again
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
@@ -280,17 +282,19 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                 f"{was * 1000:.1f} ms on the running plan, {will * 1000:.1f} ms on the new one "
                 f"({was / will:.2f}x faster)")
 
-    def _refit(self, plan: HmpPlan, tokens: int, results: dict[int, tuple[ShardResult, Any]]) -> None:
-        """One prefill pass of ``tokens`` tokens: each rank's measured arithmetic (seconds) into the fit."""
+    def _refit(self, plan: HmpPlan, tokens: int, logits: bool, results: dict[int, tuple[ShardResult, Any]]) -> None:
+        """One prefill pass of ``tokens`` tokens (computing its last row's logits or not): each rank's measured
+        arithmetic (seconds) into the fit."""
         if self.cluster is None:
             return
         with self._changed:
-            if self._predicted[:2] != (plan.epoch, tokens):
+            if self._predicted[:3] != (plan.epoch, tokens, logits):
                 try:
-                    self._predicted = (plan.epoch, tokens, rank_compute_s(self.profiles(self.cluster), plan, tokens))
+                    priced = rank_compute_s(self.profiles(self.cluster), plan, tokens, logits=logits)
                 except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
-                    self._predicted = (plan.epoch, tokens, {})
-            predicted = self._predicted[2]
+                    priced = {}
+                self._predicted = (plan.epoch, tokens, logits, priced)
+            predicted = self._predicted[3]
         devices = plan.devices
         self.refit_loop.add(predicted, {devices[rank]: result.split.compute_s
                                   for rank, (result, _) in results.items() if rank < len(devices)})
@@ -303,7 +307,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         return describe_plan(plan)
 
     def plan_fields(self, plan: HmpPlan) -> dict[str, Any]:
-        return {"predicted_latency_s": plan.model.total_s,
+        return {"predicted_latency_s": prefill_s(plan, self.options().new_tokens),
                 "predicted_tpot_s": plan.decode.per_token_s if plan.decode is not None else None}
 
     def assignments(self, plan: HmpPlan) -> dict[str, Message]:
@@ -462,6 +466,10 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         if not running:
             return kept
         chunk = self.spec.prefill_chunk if self.config.decoder and self.spec.mode != "sp" else 0
+        if chunk and not any(len(a.sequence) - a.fed == 1 and a.generated for a in running):
+            # No stream waits on this pass, and every chunk more costs its collectives and each GEMM's weight read
+            # again (GPT2-L's 284-token prompt in chunks of 128 took 1.4x the compute of one pass, 2026-12-02).
+            chunk = max(chunk, self.spec.seq_len)
         batch: list[tuple[_Active, list[int]]] = []
         filling = False
         for a in running:
@@ -485,7 +493,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
             self._stats.passes += 1
             self._stats.peak_batch = max(self._stats.peak_batch, len(segments))
         if len(segments) == 1 and segments[0].start == 0:
-            self._refit(plan, len(tokens), results)
+            self._refit(plan, len(tokens), segments[0].answer, results)
         chosen = _tokens(results, len(segments)) if self.config.decoder else []
         done: set[int] = set()
         for k, (a, rows) in enumerate(batch):
@@ -763,7 +771,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
                     "ttft_p50_s": percentile(sorted(s.ttfts), 0.5), "tpot_p50_s": percentile(sorted(s.tpots), 0.5),
                     "tokens_per_s": s.decoded / s.decode_s if s.decode_s > 0 else None,
                     "split": s.split, "passes": s.passes, "peak_batch": s.peak_batch,
-                    "refitted_latency_s": priced.current.model.total_s if priced is not None else None}
+                    "refitted_latency_s": prefill_s(priced.current, self.options().new_tokens)
+                    if priced is not None else None}
 
 
 class _Stopped(EdgeswarmError):

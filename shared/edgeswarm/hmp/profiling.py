@@ -4,8 +4,9 @@ sequence length, on grids of heads, columns and rows, as that device computes (i
 Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
 then the median of ``repeats`` timed ones per point. The grids are capped (``profile_grids``: at most 16 head
 counts, ``column_points`` column counts, the rows of up to ``max_devices`` slices) so a paper-sized model profiles
-in bounded time. Decoders also get one row against a KV cache of ``seq_len`` tokens (the generation prediction) and
-one row's logits over the vocabulary (``head_s``, from a HEAD_ROWS slice of it).
+in bounded time. Every model also gets one row against a KV cache of ``seq_len`` tokens (a decoder's generation, and
+the one-row cost of each GEMM call that a row tile or a slice of the rows pays), decoders one row's logits over the
+vocabulary (``head_s``, from a HEAD_ROWS slice of it).
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
         mha_t = [time_it(partial(mha, k, x, False)) for k in heads]
         mlp_t = [time_it(partial(mlp, c, x)) for c in columns]
         con_t = [time_it(partial(con, r)) for r in rows]
-        mha_d = [time_it(partial(mha, k, row, True)) for k in heads] if cfg.decoder else []
-        mlp_d = [time_it(partial(mlp, c, row)) for c in columns] if cfg.decoder else []
+        # One row, for an encoder too: every GEMM call reads its whole weight, so a row tile or a slice of the rows
+        # costs its one-row time beside its rows' share (``planning.hmp.latency.gemm_s``).
+        mha_d = [time_it(partial(mha, k, row, True)) for k in heads]
+        mlp_d = [time_it(partial(mlp, c, row)) for c in columns]
         head = 0.0
         if cfg.decoder:
             sliced = min(cfg.vocab, HEAD_ROWS)

@@ -38,12 +38,13 @@ class HmpSpec(BaseModel):
     decoder's requests decode together, up to ``max_batch`` of them (each pass holds a step of every one; the plan
     leaves room for that many KV caches, and each device reserves a request's as it joins), a joining request's prompt
     going in ``prefill_chunk`` tokens a pass beside them (0: whole), so running streams never wait longer than one
-    chunk. At most ``queue`` requests wait; beyond, or when a request's KV cache does not fit a device's memory and none
-    of the job's is running to free some, a request is answered ``busy``. The ring's slices go at ``qos`` (0: a slice
-    not there within ``deadline_s`` seconds is asked for again once; a request whose pass fails is run again once). A
-    decode step (one row) synchronises with ``direct`` collectives, one round of messages from every device to every
-    other, or ``ring`` ones, one hop after another: direct wins where each message's latency is its cost (separate
-    devices), ring where the devices share the cores that move the messages (an emulated cluster on one host)."""
+    chunk; with none decoding, a prompt goes in passes of up to ``seq_len`` tokens. At most ``queue`` requests wait;
+    beyond, or when a request's KV cache does not fit a device's memory and none of the job's is running to free some, a
+    request is answered ``busy``. The ring's slices go at ``qos`` (0: a slice not there within ``deadline_s`` seconds is
+    asked for again once; a request whose pass fails is run again once). A decode step (one row) synchronises with
+    ``direct`` collectives, one round of messages from every device to every other, or ``ring`` ones, one hop after
+    another: direct wins where each message's latency is its cost (separate devices), ring where the devices share the
+    cores that move the messages (an emulated cluster on one host)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

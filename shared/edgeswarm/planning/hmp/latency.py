@@ -171,6 +171,16 @@ def tp_gemms_s(cfg: TextModelConfig, p: BlockProfile, heads: float, columns: flo
             gemm_s(fr.down * mlp, one.down * mlp1, seq_len, rows))
 
 
+def sp_blocks_s(cfg: TextModelConfig, p: BlockProfile, seq_len: int, rows: float) -> tuple[float, float, float]:
+    """Device ``p``'s share of a sequence-parallel layer, ``rows`` of a pass of ``seq_len`` with every head and
+    column: (its QKV GEMM, its attention core over all ``seq_len`` keys with the output projection, its MLP), in
+    seconds. The GEMMs are priced by ``gemm_s`` (a slice of the rows still reads every weight), the core in
+    proportion to the rows."""
+    qkv, oproj, up, down = tp_gemms_s(cfg, p, cfg.heads, cfg.ffn, seq_len, rows)
+    core = block_fractions(cfg, seq_len, seq_len).core * mha_s(p, cfg.heads) * rows / seq_len
+    return qkv, core + oproj, up + down
+
+
 @dataclass(frozen=True)
 class Prediction:
     """One layer's latency, communication and the decode prediction."""
@@ -228,12 +238,9 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         messages = 2 * (d - 1)
         sent = 2 * (s - min(rows)) * kv_width * beta if d > 1 else 0
         comm = messages * tau
-        full_mha = [mha_s(p, cfg.heads) * r / s for p, r in zip(profiles, rows, strict=True)]
-        full_mlp = [mlp_s(p, cfg.ffn) * r / s for p, r in zip(profiles, rows, strict=True)]
+        blocks = [sp_blocks_s(cfg, p, s, r) for p, r in zip(profiles, rows, strict=True)]
         con = max(con_s(p, r) for p, r in zip(profiles, rows, strict=True))
-        qkv = max(fr.qkv * m for m in full_mha)
-        rest = max((fr.core + fr.oproj) * m for m in full_mha)
-        compute = qkv + rest + max(full_mlp) + 2 * con
+        compute = sum(max(b[k] for b in blocks) for k in range(3)) + 2 * con
         total = compute + comm
     else:
         if d != 1:

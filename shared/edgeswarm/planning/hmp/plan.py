@@ -100,15 +100,21 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
         memory_bytes=[int(problem.memory(d, heads[d], columns[d])) for d in range(len(profiles))],
         memory_budget_bytes=[p.memory_budget_bytes for p in profiles],
         layer=pred.layer, model=pred.layer.model_copy(update=totals), comm=pred.comm, decode=pred.decode,
-        shift=options.shift, paper=options.paper, left_out=left_out)
+        logits_s=head + head_net, shift=options.shift, paper=options.paper, left_out=left_out)
+
+
+def prefill_s(plan: HmpPlan, new_tokens: int) -> float:
+    """The predicted seconds of the prefill of a request of ``new_tokens`` generated tokens on ``plan``: with its
+    logits, which answer the first token, where it generates any."""
+    return plan.model.total_s - (plan.logits_s if new_tokens <= 0 else 0.0)
 
 
 def request_s(plan: HmpPlan, new_tokens: int) -> float:
-    """A request of ``new_tokens`` generated tokens' predicted seconds on ``plan``: its prompt's prefill, which
-    answers the first token (the prefill is priced with its logits), then ``new_tokens`` - 1 decode steps at the
-    plan's per-token prediction (an encoder's plan has none: its prefill)."""
+    """A request of ``new_tokens`` generated tokens' predicted seconds on ``plan``: its prompt's prefill
+    (``prefill_s``), then ``new_tokens`` - 1 decode steps at the plan's per-token prediction (an encoder's plan has
+    none: its prefill)."""
     per_token = plan.decode.per_token_s if plan.decode is not None else 0.0
-    return plan.model.total_s + max(0, new_tokens - 1) * per_token
+    return prefill_s(plan, new_tokens) + max(0, new_tokens - 1) * per_token
 
 
 def _usable(cluster: HmpCluster, options: HmpOptions) -> list[BlockProfile]:

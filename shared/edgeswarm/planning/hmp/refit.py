@@ -3,32 +3,35 @@ predicts for each rank's own arithmetic in a prefill pass (``rank_compute_s``, t
 report their measured ``compute_s`` with every result), the cluster with each device's block times scaled by its
 fitted speed (``scaled_cluster``) and a running plan priced on it with its shares kept (``reprice``).
 
-A rank's arithmetic in a pass is its MHA block at its heads, its MLP block at its columns and two connective blocks
-at its rows (galaxy and sp: its slice of the rows; megatron and local: all of them; sp computes every head and
-column on its slice), per layer, and the lm_head of the last row on the rank that answers for it (or its share of
-the vocabulary, where the head is split). Galaxy's tiled GEMMs cost their tiles' calls (``latency.gemm_s``). The
-profile is of ``seq_len`` rows; a pass of other length is priced in proportion (the deadline does the same), which
-the fit's median forgives for the prompts of a few lengths a job sees.
+A rank's arithmetic in a pass is its MHA block at its heads, its MLP block at its columns and two connective blocks at
+its rows (galaxy and sp: its slice of the rows; megatron and local: all of them; sp computes every head and column on
+its slice, a slice of the rows paying each GEMM's one-row cost), per layer, and the lm_head of the last row on the rank
+that answers for it (or its share of the vocabulary, where the head is split). Galaxy's tiled GEMMs cost their tiles'
+calls (``latency.gemm_s``). The profile is of ``seq_len`` rows; a pass of other length is priced in proportion (the
+deadline does the same), which the fit's median forgives for the prompts of a few lengths a job sees.
 """
 
 from __future__ import annotations
 
 from edgeswarm.planning.hmp.algorithm import equal_split
-from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s, tp_gemms_s
+from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s, sp_blocks_s, tp_gemms_s
 from edgeswarm.planning.hmp.plan import memory_problem, priced_plan
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster, HmpOptions, HmpPlan
 
 
-def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int) -> dict[str, float]:
-    """Each device of ``plan``: seconds of its own arithmetic in a prefill pass of ``tokens`` tokens, as
-    ``cluster``'s block profiles price it. Raises KeyError when a device of the plan has no profile in ``cluster``."""
+def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int, *, logits: bool = True) -> dict[str, float]:
+    """Each device of ``plan``: seconds of its own arithmetic in a prefill pass of ``tokens`` tokens, with its last
+    row's logits or (a request generating no token) without, as ``cluster``'s block profiles price it. Raises
+    KeyError when a device of the plan has no profile in ``cluster``."""
     cfg, s = cluster.model, cluster.seq_len
     by_node = {p.node: p for p in cluster.devices}
     devices = plan.devices
     d = len(devices)
     rows = equal_split(s, d)
     out: dict[str, float] = {}
-    if plan.shares.splits_head and cfg.decoder:  # each rank its share of the vocabulary (``hmp.layer``)
+    if not (logits and cfg.decoder):
+        head = [0.0] * d
+    elif plan.shares.splits_head:  # each rank its share of the vocabulary (``hmp.layer``)
         head = [(b - a) / cfg.vocab for a, b in plan.shares.vocab_bounds(cfg.vocab)]
     else:  # the rank holding the last row, all of it
         head = [1.0 if r == min(s, d) - 1 else 0.0 for r in range(d)]
@@ -36,7 +39,7 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int) -> dict[str,
         p = by_node[node]
         heads, columns = plan.shares.heads[r], plan.shares.columns[r]
         if plan.mode == "sp":
-            layer = (mha_s(p, cfg.heads) + mlp_s(p, cfg.ffn)) * rows[r] / s + 2 * con_s(p, rows[r])
+            layer = sum(sp_blocks_s(cfg, p, s, rows[r])) + 2 * con_s(p, rows[r])
         elif plan.mode == "galaxy":
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, rows[r])
             if plan.shares.overlap:  # each GEMM a call per row tile, each call reading the whole weight

@@ -42,9 +42,10 @@ class BlockProfile(BaseModel):
 
     ``heads``/``columns``/``rows`` are ascending grids; ``mha_s``/``mlp_s``/``con_s`` the median seconds at each.
     ``mha_decode_s``/``mlp_decode_s`` (optional, same grids, may be empty): one new row against a KV cache of
-    ``seq_len`` tokens, for the generation prediction. ``head_s``: a decoder's logits of one row over its whole
-    vocabulary (the ``lm_head``, which the rank holding a pass's last row computes once a pass; 0 for an encoder or a
-    profile from before it). ``compute`` names the torch device it was timed on."""
+    ``seq_len`` tokens, for the generation prediction and a GEMM's one-row cost (``latency.gemm_s``). ``head_s``: a
+    decoder's logits of one row over its whole vocabulary (the ``lm_head``, which the rank holding a pass's last row
+    computes once a pass; 0 for an encoder or a profile from before it). ``compute`` names the torch device it was timed
+    on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -178,8 +179,10 @@ class HmpPlan(BaseModel):
     sp: the equal split, the first s mod D one more; megatron and local: all s). ``capacity``: V_d (Eq. 6, per
     second) of each planned device. ``memory_bytes``/``memory_budget_bytes``: per planned device.
     ``layer``/``model``: the predicted latency of one layer and of all layers. ``comm``: one layer's messages.
-    ``decode``: the per-token prediction for decoders. ``left_out``: devices the plan does not use (excluded,
-    or not worth their communication)."""
+    ``decode``: the per-token prediction for decoders. ``logits_s``: the seconds of ``model.total_s`` that are the
+    prompt's logits (its last row's lm_head, and their gather where the head is split), which a request generating
+    no token never computes. ``left_out``: devices the plan does not use (excluded, or not worth their
+    communication)."""
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
 
@@ -195,6 +198,7 @@ class HmpPlan(BaseModel):
     model: LatencySplit
     comm: CommModel
     decode: DecodePrediction | None = None
+    logits_s: Seconds = 0.0
     shift: ShiftMode = "paper"
     paper: bool = False
     left_out: list[Name] = Field(default_factory=list, max_length=MAX_SHARDS)
