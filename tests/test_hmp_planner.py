@@ -353,6 +353,38 @@ def test_sequence_parallel_slices_of_the_rows_pay_each_gemms_one_row_cost() -> N
     assert predict(cfg, 284, "sp", [whole, twin], heads, columns, links).layer.compute_s > share
 
 
+def test_a_pass_pays_its_embeddings_on_every_rows_rank_and_sp_on_its_slice() -> None:
+    """Galaxy, Megatron-TP and Local embed every row of the prompt on every rank; SP each rank its slice."""
+    cfg = PRESETS["distilbert"].model_copy(update={"layers": 1})
+    plain = [synthetic_profile(n, cfg, 284, slowdown=10.0, budget_bytes=int(64e9)) for n in ("a", "b")]
+    embedding = [p.model_copy(update={"embed_s": 0.01}) for p in plain]
+    links = [LinkProfile(src="a", dst="b", bandwidth_bps=1e9)]
+    for mode, extra in (("galaxy", 0.01), ("megatron", 0.01), ("local", 0.01), ("sp", 0.005)):
+        options = HmpOptions(mode=mode, prune=False)  # type: ignore[arg-type]
+        before, after = (plan_hmp(HmpCluster(model=cfg, seq_len=284, devices=d, links=links), options)
+                         for d in (plain, embedding))
+        assert after.model.total_s - before.model.total_s == pytest.approx(extra), mode
+        assert after.model.compute_s - before.model.compute_s == pytest.approx(extra), mode
+
+
+def test_a_request_pays_a_round_trip_with_the_coordinator_for_its_admission_and_each_pass() -> None:
+    """The profilers' request round trip (``request_s``, the slowest of the plan's devices) is paid twice by a
+    prefill (the request's admission and its pass) and once by each decode step."""
+    cfg = PRESETS["gpt2-tiny"]
+    devices = [synthetic_profile(n, cfg, 16, slowdown=10.0, budget_bytes=int(64e9)) for n in ("a", "b")]
+
+    def planned(request_s: tuple[float, float]) -> HmpPlan:
+        links = [LinkProfile(src="a", dst="b", bandwidth_bps=1e8, request_s=request_s[0]),
+                 LinkProfile(src="b", dst="a", bandwidth_bps=1e8, request_s=request_s[1])]
+        return plan_galaxy(HmpCluster(model=cfg, seq_len=16, devices=devices, links=links), HmpOptions(prune=False))
+
+    free, paid = planned((0.0, 0.0)), planned((0.003, 0.005))
+    assert paid.devices == free.devices == ["a", "b"] and paid.decode is not None and free.decode is not None
+    assert paid.model.total_s - free.model.total_s == pytest.approx(2 * 0.005)
+    assert paid.model.exposed_s - free.model.exposed_s == pytest.approx(2 * 0.005)
+    assert paid.decode.per_token_s - free.decode.per_token_s == pytest.approx(0.005)
+
+
 def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:
     c = _cluster("MMMM", "bert-large", mbps=125, seq=284, message_s=2e-3)
     cmp = compare(c, HmpOptions(prune=False))
@@ -577,7 +609,7 @@ def test_profiler_measures_one_layer_through_the_device() -> None:
         assert min(p.mha_s + p.mlp_s + p.con_s) > 0 and p.memory_budget_bytes == 10**9
         # One row for every model (a slice of the rows pays each GEMM's one-row cost), the logits for decoders.
         assert len(p.mha_decode_s) == len(p.heads) and len(p.mlp_decode_s) == len(p.columns)
-        assert min(p.mha_decode_s + p.mlp_decode_s) > 0 and (p.head_s > 0) is cfg.decoder
+        assert min(p.mha_decode_s + p.mlp_decode_s) > 0 and (p.head_s > 0) is cfg.decoder and p.embed_s > 0
         cluster = HmpCluster(model=cfg, seq_len=12, devices=[p, p.model_copy(update={"node": "n1"})],
                              links=[LinkProfile(src="n0", dst="n1", bandwidth_bps=1e8)])
         assert sum(plan_hmp(cluster, HmpOptions(prune=False)).shares.heads) == cfg.heads

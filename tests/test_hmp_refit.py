@@ -22,8 +22,8 @@ OPTIONS = HmpOptions(mode="galaxy", prune=False)
 
 
 def cluster(slowdowns: dict[str, float]) -> HmpCluster:
-    devices = [synthetic_profile(node, CFG, SEQ, slowdown=f, budget_bytes=4_000_000_000)
-               for node, f in slowdowns.items()]
+    devices = [synthetic_profile(node, CFG, SEQ, slowdown=f, budget_bytes=4_000_000_000).model_copy(
+        update={"embed_s": 1e-3 * f}) for node, f in slowdowns.items()]
     links = [LinkProfile(src=a, dst=b, bandwidth_bps=125e6, latency_s=1e-4, message_s=5e-4)
              for a in slowdowns for b in slowdowns if a != b]
     return HmpCluster(model=CFG, seq_len=SEQ, devices=devices, links=links)

@@ -6,7 +6,8 @@ then the median of ``repeats`` timed ones per point. The grids are capped (``pro
 counts, ``column_points`` column counts, the rows of up to ``max_devices`` slices) so a paper-sized model profiles
 in bounded time. Every model also gets one row against a KV cache of ``seq_len`` tokens (a decoder's generation, and
 the one-row cost of each GEMM call that a row tile or a slice of the rows pays), decoders one row's logits over the
-vocabulary (``head_s``, from a HEAD_ROWS slice of it).
+vocabulary (``head_s``, from a HEAD_ROWS slice of it), and every model the embeddings of the ``seq_len`` rows
+(``embed_s``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from edgeswarm.devices.compute import synchronized, use_device_threads
 from edgeswarm.devices.emulation import DeviceProfile
-from edgeswarm.models.text.ops import HeadCache, attention, mlp_inner, norm, torch_dtype
+from edgeswarm.models.text.ops import HeadCache, attention, embed, mlp_inner, norm, torch_dtype
 from edgeswarm.models.text.reference import init_weights, weight_shapes
 from edgeswarm.planning.hmp.synthetic import MAX_COLUMN_POINTS, profile_grids
 from edgeswarm.planning.hmp.types import BlockProfile
@@ -108,6 +109,13 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
         # costs its one-row time beside its rows' share (``planning.hmp.latency.gemm_s``).
         mha_d = [time_it(partial(mha, k, row, True)) for k in heads]
         mlp_d = [time_it(partial(mlp, c, row)) for c in columns]
+        embed_w = {k: v.to(compute) for k, v in init_weights(cfg, seed, names={
+            n for n in weight_shapes(cfg) if n.startswith("embed.") and n != "embed.tokens"}).items()}
+        # A slice of the token table: a lookup costs its rows, not the vocabulary (whose table may be a gigabyte).
+        table = min(cfg.vocab, HEAD_ROWS)
+        embed_w["embed.tokens"] = torch.randn(table, cfg.hidden, generator=gen).to(dtype).to(compute)
+        ids = torch.randint(0, table, (seq_len,), generator=gen).to(compute)
+        embed_t = time_it(partial(embed, cfg, embed_w, ids))
         head = 0.0
         if cfg.decoder:
             sliced = min(cfg.vocab, HEAD_ROWS)
@@ -115,4 +123,5 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             head = time_it(partial(F.linear, row, head_w)) * cfg.vocab / sliced
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
-                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, compute=str(compute))
+                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, embed_s=embed_t,
+                        compute=str(compute))

@@ -14,6 +14,9 @@ Decode steps (one row: fewer rows than devices) synchronise with direct collecti
 A direct round sends one row from every device to every other at once, D - 1 messages in parallel on separate
 links, so it costs one message on the slowest link of the mesh: message_s + hop_s + latency_s + row bytes /
 bandwidth.
+
+Beside its layers, a request pays its embeddings (``embeddings_s``) and its round trips with the job's coordinator
+(``control_s``): two for its prefill (its admission and the pass), one for each decode step (its pass).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import equal_split
 from edgeswarm.planning.hmp.shares import splits_head, vocab_bounds
 from edgeswarm.planning.hmp.types import BlockProfile, CommModel, DecodePrediction, HmpMode, LatencySplit
+from edgeswarm.planning.vocabulary import request_seconds
 from edgeswarm.values.profiles import LinkProfile
 from edgeswarm.values.text_model import TextModelConfig
 
@@ -252,9 +256,26 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     layer = _split(total, compute, comm)
     cm = CommModel(messages=messages, bytes=int(sent), broker_hops=messages, tau_s=tau, message_s=msg_s)
     mesh = (mesh_links(links, [p.node for p in profiles]) if direct_syncs else ring) if cfg.decoder else []
-    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, mesh, decode_cache or seq_len,
-                  direct_syncs) if cfg.decoder else None
+    dec = _decode(cfg, seq_len, mode, profiles, heads, columns, mesh, decode_cache or seq_len, direct_syncs,
+                  control_s(links, [p.node for p in profiles])) if cfg.decoder else None
     return Prediction(layer, cm, dec)
+
+
+def control_s(links: Sequence[LinkProfile], devices: Sequence[str]) -> float:
+    """One control round trip between the job's coordinator and all of ``devices`` at once (seconds): the slowest
+    device's request round trip through the hub (``vocabulary.request_seconds``, measured by the profilers). A pass
+    is one (the coordinator's ShardPass out, each rank's ShardResult back), a request's admission another (its KV
+    cache reserved on every rank before its first pass)."""
+    return float(request_seconds(links, list(devices)).max()) if devices else 0.0
+
+
+def embeddings_s(mode: HmpMode, profiles: Sequence[BlockProfile], seq_len: int) -> float:
+    """A pass's embeddings on its slowest rank (seconds): galaxy, megatron and local embed every row on every rank
+    (galaxy's first layer takes its input whole), sp each rank its slice of the rows."""
+    if mode != "sp":
+        return max(p.embed_s for p in profiles)
+    rows = equal_split(seq_len, len(profiles))
+    return max(p.embed_s * r / seq_len for p, r in zip(profiles, rows, strict=True))
 
 
 def head_s(profiles: Sequence[BlockProfile], rows: int) -> float:
@@ -294,13 +315,13 @@ def _decode_block(p: BlockProfile, grid: Sequence[int], measured: Sequence[float
 
 def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequence[BlockProfile],
             heads: Sequence[int], columns: Sequence[int], mesh: Sequence[LinkProfile],
-            cache: int, direct_syncs: bool = True) -> DecodePrediction:
+            cache: int, direct_syncs: bool = True, control: float = 0.0) -> DecodePrediction:
     """One new token per layer times the layers: its blocks on one row (the attention core scaled from the
     profiled cache of ``seq_len`` to ``cache`` keys) and the two direct AllReduces (or, for SP, the K and V
     direct AllGathers) of one row, which no GEMM hides: two rounds per layer, each one message on the slowest
     link of ``mesh`` (``mesh_links``), whatever the number of devices. Without ``direct_syncs`` (``mesh`` is then
     the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1)). Then
-    the logits (``logits_s``)."""
+    the logits (``logits_s``), and the pass's ``control`` round trip with the coordinator (``control_s``)."""
     d = len(profiles)
     fr = block_fractions(cfg, 1, seq_len)
     core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
@@ -321,8 +342,8 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
         net = rounds * step_s(mesh, row)
     per_layer = compute + net
     head, head_net = logits_s(cfg, mode, profiles, columns, mesh, 1, direct_syncs)  # every token's, from its row
-    total = cfg.layers * per_layer + head + head_net
-    network = cfg.layers * net + head_net
+    total = cfg.layers * per_layer + head + head_net + control
+    network = cfg.layers * net + head_net + control
     return DecodePrediction(cache_tokens=cache, per_token_s=total, network_s=network,
                             network_share=network / total if total > 0 else 0.0)
 

@@ -7,7 +7,16 @@ from collections.abc import Sequence
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import MemoryProblem, algorithm1, check_memory, equal_shares, equal_split
-from edgeswarm.planning.hmp.latency import Prediction, capacity, check_profiles, logits_s, mesh_links, predict
+from edgeswarm.planning.hmp.latency import (
+    Prediction,
+    capacity,
+    check_profiles,
+    control_s,
+    embeddings_s,
+    logits_s,
+    mesh_links,
+    predict,
+)
 from edgeswarm.planning.hmp.shares import HmpShares, splits_head
 from edgeswarm.planning.hmp.types import (
     BlockProfile,
@@ -82,6 +91,15 @@ def priced_plan(cluster: HmpCluster, mode: HmpMode, profiles: Sequence[BlockProf
         if other.layer.total_s < pred.layer.total_s:
             pred, tiled = other, True
     totals = {k: getattr(pred.layer, k) * cfg.layers for k in ("total_s", "compute_s", "comm_s", "exposed_s")}
+    embed = embeddings_s(mode, profiles, cluster.seq_len)
+    totals["total_s"] += embed
+    totals["compute_s"] += embed
+    # The request's admission and its pass, each a round trip with the coordinator. On the local cluster (2026-12-02)
+    # a request took 12-15 ms beyond its slowest rank's pass: 5.5 ms admitting it, 4-7 ms sending the pass and
+    # collecting the results, the rest the coordinator's own work, which no profile measures.
+    control = 2 * control_s(cluster.links, [p.node for p in profiles])
+    for key in ("total_s", "comm_s", "exposed_s"):
+        totals[key] += control
     # A decoder's logits of the prompt's last row, once a pass (split over the ranks where the shares split it).
     split = cfg.decoder and splits_head(mode, len(profiles), options.direct_syncs)
     mesh = mesh_links(cluster.links, [p.node for p in profiles]) if split else []

@@ -5,10 +5,11 @@ fitted speed (``scaled_cluster``) and a running plan priced on it with its share
 
 A rank's arithmetic in a pass is its MHA block at its heads, its MLP block at its columns and two connective blocks at
 its rows (galaxy and sp: its slice of the rows; megatron and local: all of them; sp computes every head and column on
-its slice, a slice of the rows paying each GEMM's one-row cost), per layer, and the lm_head of the last row on the rank
-that answers for it (or its share of the vocabulary, where the head is split). Galaxy's tiled GEMMs cost their tiles'
-calls (``latency.gemm_s``). The profile is of ``seq_len`` rows; a pass of other length is priced in proportion (the
-deadline does the same), which the fit's median forgives for the prompts of a few lengths a job sees.
+its slice, a slice of the rows paying each GEMM's one-row cost), per layer, its embeddings (sp: of its slice), and the
+lm_head of the last row on the rank that answers for it (or its share of the vocabulary, where the head is split).
+Galaxy's tiled GEMMs cost their tiles' calls (``latency.gemm_s``). The profile is of ``seq_len`` rows; a pass of other
+length is priced in proportion (the deadline does the same), which the fit's median forgives for the prompts of a few
+lengths a job sees.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int, *, logits: b
                     - sum(tp_gemms_s(cfg, p, heads, columns, s, s))
         else:  # megatron and local: every rank runs the connective blocks on all rows
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, s)
-        out[node] = cfg.layers * layer + head[r] * p.head_s
+        embed = p.embed_s * rows[r] / s if plan.mode == "sp" else p.embed_s
+        out[node] = cfg.layers * layer + head[r] * p.head_s + embed
     scale = tokens / s
     return {node: seconds * scale for node, seconds in out.items()}
 
@@ -56,7 +58,7 @@ def _scaled_profile(p: BlockProfile, f: float) -> BlockProfile:
     return p.model_copy(update={
         "mha_s": [t * f for t in p.mha_s], "mlp_s": [t * f for t in p.mlp_s], "con_s": [t * f for t in p.con_s],
         "mha_decode_s": [t * f for t in p.mha_decode_s], "mlp_decode_s": [t * f for t in p.mlp_decode_s],
-        "head_s": p.head_s * f})
+        "head_s": p.head_s * f, "embed_s": p.embed_s * f})
 
 
 def scaled_cluster(cluster: HmpCluster, scales: dict[str, float]) -> HmpCluster:

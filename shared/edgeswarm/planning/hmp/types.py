@@ -44,8 +44,9 @@ class BlockProfile(BaseModel):
     ``mha_decode_s``/``mlp_decode_s`` (optional, same grids, may be empty): one new row against a KV cache of
     ``seq_len`` tokens, for the generation prediction and a GEMM's one-row cost (``latency.gemm_s``). ``head_s``: a
     decoder's logits of one row over its whole vocabulary (the ``lm_head``, which the rank holding a pass's last row
-    computes once a pass; 0 for an encoder or a profile from before it). ``compute`` names the torch device it was timed
-    on."""
+    computes once a pass; 0 for an encoder or a profile from before it). ``embed_s``: the embeddings of ``seq_len``
+    rows (token and position lookups, the embedding norm where the model has one; 0 for a profile from before it).
+    ``compute`` names the torch device it was timed on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -62,6 +63,7 @@ class BlockProfile(BaseModel):
     mha_decode_s: Times = Field(default_factory=list)
     mlp_decode_s: Times = Field(default_factory=list)
     head_s: ProfiledSeconds = 0.0
+    embed_s: ProfiledSeconds = 0.0
     compute: str = Field(default="cpu", max_length=128)
     method: Literal["measured", "synthetic"] = "measured"
 
