@@ -383,6 +383,13 @@ def test_a_request_pays_a_round_trip_with_the_coordinator_for_its_admission_and_
     assert paid.model.total_s - free.model.total_s == pytest.approx(2 * 0.005)
     assert paid.model.exposed_s - free.model.exposed_s == pytest.approx(2 * 0.005)
     assert paid.decode.per_token_s - free.decode.per_token_s == pytest.approx(0.005)
+    # A plan on one device pays its own round trips, measured on its links to the others.
+    links = [LinkProfile(src="a", dst="b", bandwidth_bps=1e8, request_s=0.003)]
+    alone = HmpCluster(model=cfg, seq_len=16, devices=devices, links=links)
+    local = plan_hmp(alone, HmpOptions(mode="local", prune=False))
+    bare = plan_hmp(alone.model_copy(update={"links": [links[0].model_copy(update={"request_s": 0.0})]}),
+                    HmpOptions(mode="local", prune=False))
+    assert local.devices == ["a"] and local.model.total_s - bare.model.total_s == pytest.approx(2 * 0.003)
 
 
 def test_per_layer_communication_counts_messages_bytes_and_broker_hops() -> None:

@@ -263,10 +263,15 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
 
 def control_s(links: Sequence[LinkProfile], devices: Sequence[str]) -> float:
     """One control round trip between the job's coordinator and all of ``devices`` at once (seconds): the slowest
-    device's request round trip through the hub (``vocabulary.request_seconds``, measured by the profilers). A pass
-    is one (the coordinator's ShardPass out, each rank's ShardResult back), a request's admission another (its KV
-    cache reserved on every rank before its first pass)."""
-    return float(request_seconds(links, list(devices)).max()) if devices else 0.0
+    device's request round trip through the hub (``vocabulary.request_seconds`` over every link it measured, those to
+    devices outside the plan too: a plan on one device pays its round trips as well). A pass is one (the
+    coordinator's ShardPass out, each rank's ShardResult back), a request's admission another (its KV cache reserved
+    on every rank before its first pass)."""
+    if not devices:
+        return 0.0
+    nodes = sorted({lk.src for lk in links} | {lk.dst for lk in links} | set(devices))
+    trips = dict(zip(nodes, request_seconds(links, nodes), strict=True))
+    return float(max(trips[d] for d in devices))
 
 
 def embeddings_s(mode: HmpMode, profiles: Sequence[BlockProfile], seq_len: int) -> float:
