@@ -111,9 +111,13 @@ class HmpWorkload(ServingWorkload):
         return kept, prefills
 
     def unit_seconds(self, state: JobState) -> tuple[float | None, float | None]:
-        plan = state.plan
-        return (plan.model.total_s if isinstance(plan, HmpPlan) else None,
-                state.progress_as(HmpProgress).ttft_p50_s)
+        """The predicted prefill, its logits included where the job's requests generate a token (the progress's
+        ``predicted_latency_s``), beside the measured time to the first token."""
+        plan, progress = state.plan, state.progress_as(HmpProgress)
+        if not isinstance(plan, HmpPlan):
+            return None, progress.ttft_p50_s
+        planned = progress.predicted_latency_s if progress.predicted_latency_s is not None else plan.model.total_s
+        return planned, progress.ttft_p50_s
 
     def stage_devices(self, plan: Any) -> list[list[str]]:
         assert isinstance(plan, HmpPlan)
