@@ -12,7 +12,6 @@ from edgeswarm.planning.hpp.compare import plan_best
 from edgeswarm.planning.hpp.refit import predicted_compute_s, reprice
 from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.planning.refit import (
-    ClosedLoop,
     Rebalancer,
     RefitPricing,
     ScaleFit,
@@ -190,18 +189,6 @@ def test_after_a_replan_a_key_is_fitted_on_the_running_plan_once_it_has_a_round_
     for _ in range(6):  # more rounds on the plan than the window holds
         fit.add({"a": 1.0}, {"a": 1.5})
     assert fit.scales()["a"] == pytest.approx(1.5) and fit.rounds()["a"] == 5
-
-
-def test_a_serving_jobs_loop_prices_a_new_plan_from_its_own_units_and_saves_every_unit() -> None:
-    """The serving kinds' closed loop does what HPP's fit does across a re-plan: once a device has a unit on the new
-    plan, that plan is priced from it; what the job saves is every unit the window holds."""
-    loop: ClosedLoop[str, str] = ClosedLoop(RefitPricing(lambda plan, _p: plan, lambda plan, _p: plan,
-                                                         lambda profile, _s: profile), cost=lambda _plan: 1.0)
-    for _ in range(4):
-        loop.add({"a": 1.0}, {"a": 0.7})
-    loop.new_plan()
-    loop.add({"a": 1.0}, {"a": 1.3})
-    assert loop.scales() == {"a": pytest.approx(1.3)} and loop.measured() == {"a": pytest.approx(0.7)}
 
 
 def test_the_rebalancer_waits_for_confirmation_and_caps_replans_per_hour() -> None:

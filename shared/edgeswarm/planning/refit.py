@@ -276,22 +276,13 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
         with self._lock:
             return self.fit.scales() | self.link_fit.scales()
 
-    def measured(self) -> dict[str, float]:
-        """Each device's and link's scale over every unit the fits hold, whichever plan ran them
-        (``ScaleFit.measured``): what the job measured, to save for the next job."""
-        with self._lock:
-            return self.fit.measured() | self.link_fit.measured()
-
     def rounds(self) -> dict[str, int]:
         with self._lock:
             return self.fit.rounds() | self.link_fit.rounds()
 
     def new_plan(self) -> None:
-        """The job serves on another plan from now on: the fits price it from its own units once a key has one."""
         with self._lock:
             self.rebalancer.new_plan()
-            self.fit.new_plan()
-            self.link_fit.new_plan()
             self._links.clear()
 
     def priced(self, plan: PlanT, profile: ProfileT, best: bool) -> Priced[PlanT, ProfileT] | None:
