@@ -137,6 +137,11 @@ class _Active:
     def sequence(self) -> list[int]:
         return self.request.prompt + self.generated
 
+    @property
+    def stepping(self) -> bool:
+        """Its next pass is a decode step: it has generated, and only its newest token is not in its cache."""
+        return bool(self.generated) and len(self.sequence) - self.fed == 1
+
 
 @dataclass
 class _Pass:
@@ -466,7 +471,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         if not running:
             return kept
         chunk = self.spec.prefill_chunk if self.config.decoder and self.spec.mode != "sp" else 0
-        if chunk and not any(len(a.sequence) - a.fed == 1 and a.generated for a in running):
+        if chunk and not any(a.stepping for a in running):
             # No stream waits on this pass, and every chunk more costs its collectives and each GEMM's weight read
             # again (GPT2-L's 284-token prompt in chunks of 128 took 1.4x the compute of one pass, 2026-12-02).
             chunk = max(chunk, self.spec.seq_len)
@@ -474,8 +479,8 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         filling = False
         for a in running:
             pending = a.sequence[a.fed:]
-            if len(pending) == 1 and a.generated:
-                batch.append((a, pending))  # a decode step
+            if a.stepping:
+                batch.append((a, pending))
             elif not filling:
                 batch.append((a, pending[:chunk] if chunk else pending))
                 filling = True
@@ -497,7 +502,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
         chosen = _tokens(results, len(segments)) if self.config.decoder else []
         done: set[int] = set()
         for k, (a, rows) in enumerate(batch):
-            decoding = bool(a.generated) and len(rows) == 1 and a.fed == len(a.sequence) - 1
+            decoding = a.stepping  # read before this pass's rows count as fed
             a.fed += len(rows)
             if segments[k].start == 0:
                 a.split = _layer_split(results, self.config.layers)

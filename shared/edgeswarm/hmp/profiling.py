@@ -112,13 +112,12 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
         embed_w = {k: v.to(compute) for k, v in init_weights(cfg, seed, names={
             n for n in weight_shapes(cfg) if n.startswith("embed.") and n != "embed.tokens"}).items()}
         # A slice of the token table: a lookup costs its rows, not the vocabulary (whose table may be a gigabyte).
-        table = min(cfg.vocab, HEAD_ROWS)
-        embed_w["embed.tokens"] = torch.randn(table, cfg.hidden, generator=gen).to(dtype).to(compute)
-        ids = torch.randint(0, table, (seq_len,), generator=gen).to(compute)
+        sliced = min(cfg.vocab, HEAD_ROWS)
+        embed_w["embed.tokens"] = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
+        ids = torch.randint(0, sliced, (seq_len,), generator=gen).to(compute)
         embed_t = time_it(partial(embed, cfg, embed_w, ids))
         head = 0.0
         if cfg.decoder:
-            sliced = min(cfg.vocab, HEAD_ROWS)
             head_w = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
             head = time_it(partial(F.linear, row, head_w)) * cfg.vocab / sliced
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,

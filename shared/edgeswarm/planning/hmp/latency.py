@@ -274,13 +274,16 @@ def control_s(links: Sequence[LinkProfile], devices: Sequence[str]) -> float:
     return float(max(trips[d] for d in devices))
 
 
+def rank_embed_s(mode: HmpMode, p: BlockProfile, rows: int, seq_len: int) -> float:
+    """Device ``p``'s embeddings in a pass of ``seq_len`` rows (seconds): galaxy, megatron and local embed every row
+    on every rank (galaxy's first layer takes its input whole), sp a rank its ``rows``."""
+    return p.embed_s * rows / seq_len if mode == "sp" else p.embed_s
+
+
 def embeddings_s(mode: HmpMode, profiles: Sequence[BlockProfile], seq_len: int) -> float:
-    """A pass's embeddings on its slowest rank (seconds): galaxy, megatron and local embed every row on every rank
-    (galaxy's first layer takes its input whole), sp each rank its slice of the rows."""
-    if mode != "sp":
-        return max(p.embed_s for p in profiles)
+    """A pass's embeddings on its slowest rank (seconds; ``rank_embed_s``, sp's rows the equal split)."""
     rows = equal_split(seq_len, len(profiles))
-    return max(p.embed_s * r / seq_len for p, r in zip(profiles, rows, strict=True))
+    return max(rank_embed_s(mode, p, r, seq_len) for p, r in zip(profiles, rows, strict=True))
 
 
 def head_s(profiles: Sequence[BlockProfile], rows: int) -> float:

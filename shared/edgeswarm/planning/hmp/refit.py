@@ -15,7 +15,7 @@ lengths a job sees.
 from __future__ import annotations
 
 from edgeswarm.planning.hmp.algorithm import equal_split
-from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s, sp_blocks_s, tp_gemms_s
+from edgeswarm.planning.hmp.latency import con_s, mha_s, mlp_s, rank_embed_s, sp_blocks_s, tp_gemms_s
 from edgeswarm.planning.hmp.plan import memory_problem, priced_plan
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster, HmpOptions, HmpPlan
 
@@ -48,8 +48,7 @@ def rank_compute_s(cluster: HmpCluster, plan: HmpPlan, tokens: int, *, logits: b
                     - sum(tp_gemms_s(cfg, p, heads, columns, s, s))
         else:  # megatron and local: every rank runs the connective blocks on all rows
             layer = mha_s(p, heads) + mlp_s(p, columns) + 2 * con_s(p, s)
-        embed = p.embed_s * rows[r] / s if plan.mode == "sp" else p.embed_s
-        out[node] = cfg.layers * layer + head[r] * p.head_s + embed
+        out[node] = cfg.layers * layer + head[r] * p.head_s + rank_embed_s(plan.mode, p, rows[r], s)
     scale = tokens / s
     return {node: seconds * scale for node, seconds in out.items()}
 
