@@ -661,6 +661,9 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
         "options": _SPLIT_OPTIONS, "round": "int",
     },
     ("edgeswarm.splitfed.plan_reply", 1): {"selection": ("record", _SPLIT_SELECTION_FIELDS), "planning_s": "number"},
+    ("edgeswarm.splitfed.prepare", 1): {"job_id": "str", "setup": _ROUND_SETUP, "index": "int?",
+                                        "peers": ("list", "str")},
+    ("edgeswarm.splitfed.prepared", 1): {"job_id": "str", "node": "str", "setup_s": "number"},
     ("edgeswarm.splitfed.enrol", 1): {
         "job_id": "str", "round": "int", "mec": "str", "index": "int", "setup": _ROUND_SETUP, "budget_bytes": "int",
         "wait_s": "number",
@@ -1093,7 +1096,8 @@ _REQUEST_SCHEMAS = frozenset({"edgeswarm.probe", "edgeswarm.bench.start", "edges
                               "edgeswarm.serve.assign", "edgeswarm.serve.release", "edgeswarm.plan.hmp_request",
                               "edgeswarm.hmp.profile", "edgeswarm.hmp.assign", "edgeswarm.hmp.release",
                               "edgeswarm.hmp.admit", "edgeswarm.hmp.free",
-                              "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.enrol",
+                              "edgeswarm.splitfed.plan_request", "edgeswarm.splitfed.prepare",
+                              "edgeswarm.splitfed.enrol",
                               "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release",
                               "edgeswarm.trace.request"})
 _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edgeswarm.bench.ack",
@@ -1107,7 +1111,7 @@ _REPLY_SCHEMAS = frozenset({"edgeswarm.probe_reply", "edgeswarm.rejected", "edge
                             "edgeswarm.serve.ready", "edgeswarm.infer.reply", "edgeswarm.infer.error",
                             "edgeswarm.plan.hmp_reply", "edgeswarm.hmp.profile_reply", "edgeswarm.hmp.ready",
                             "edgeswarm.hmp.admitted", "edgeswarm.hmp.reply", "edgeswarm.splitfed.plan_reply",
-                            "edgeswarm.splitfed.enrolled",
+                            "edgeswarm.splitfed.enrolled", "edgeswarm.splitfed.prepared",
                             "edgeswarm.trace.reply"})
 #: Section 5: the schemas on a service's data topic (tensors, and the requests that carry one).
 _DATA_SCHEMAS = frozenset({"edgeswarm.bench.data", "edgeswarm.profile.link_probe", "edgeswarm.checkpoint.tensor",

@@ -140,6 +140,33 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
     assert third.refitted_s == pytest.approx(expected), progress.history
 
 
+def test_a_device_prepares_for_a_job_before_its_rounds_and_refuses_a_prepare_it_cannot_do(cluster: Cluster) -> None:
+    """SplitPrepare: the device trains a throwaway step of the job's model on its partition and answers with a
+    round's setup as it timed it; a partition the job does not have is answered with a failure, and the device goes
+    on serving. A job prepares its devices before round 0's clock, and says so."""
+    import edgeswarm.messages as m
+    from edgeswarm.messages.splitfed import RoundSetup
+    from edgeswarm.runtime.client import ClusterWatcher, nodes_running
+
+    spec = parse_spec_text(spec_text("sf-prepare", rounds=1))
+    assert isinstance(spec, SplitfedSpec)
+    setup = RoundSetup(model=spec.model, dataset=spec.data, partition=spec.partition, training=spec.local_training())
+    view, _ = ClusterWatcher(cluster.bus).wait(settle_s=0.5, devices=DEVICES + 1, timeout_s=30)
+    device = sorted(nodes_running(view, "stage-worker"))[0]
+    request = topics.request(device, "stage-worker")
+    reply = cluster.bus.request(request, m.SplitPrepare(job_id="sf-prepare", index=0, setup=setup), timeout_s=60).body
+    assert isinstance(reply, m.SplitPrepared), reply
+    assert reply.node == device and reply.job_id == "sf-prepare" and 0 < reply.setup_s < 10, reply
+    refused = cluster.bus.request(request, m.SplitPrepare(job_id="sf-prepare", index=DEVICES + 4, setup=setup),
+                                  timeout_s=60).body
+    assert isinstance(refused, m.StageFailed) and refused.reason == "bad_request", refused
+    final, events = run(cluster, spec_text("sf-prepare", rounds=1))
+    assert final.status == "succeeded", final.detail
+    said = [e.detail for e in events if e.kind == "profiling"]
+    assert any(d.startswith("round 0: preparing ") for d in said), said
+    assert any(" devices prepared; a round's setup takes them " in d for d in said), said
+
+
 def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:
     seen: list[object] = []
     lock = threading.Lock()

@@ -105,3 +105,23 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
                and f"{SLOW} " in e.detail for e in events), [(e.kind, e.detail) for e in events]
     first = final.progress_as(SplitfedProgress).history[0]
     assert first.predicted_s > 1.5 * history[0].predicted_s, (first.predicted_s, history[0].predicted_s)
+
+
+def test_a_rounds_fixed_costs_are_priced_from_what_was_measured_before_it() -> None:
+    """A device's setup: its own later rounds', else what it timed when it prepared, else (not prepared, not trained
+    yet) the job's first rounds'; the coordinator's requests: the rounds measured, else three request round trips as
+    the profilers measured them."""
+    from edgeswarm.splitfed.coordinator import CONTROL_REQUESTS, control_price, setup_prices
+    from edgeswarm.values.profiles import LinkProfile
+
+    own = {"trained": [0.02, 0.03, 0.5], "once": []}  # "once": trained in one round only, its first (left out)
+    prepared = {"trained": 0.2, "once": 0.012, "new": 0.015, "silent": None}
+    prices = setup_prices(["trained", "once", "new", "silent", "stranger"], own, prepared, [0.04, 0.06])
+    assert prices == {"trained": 0.03, "once": 0.012, "new": 0.015, "silent": 0.05, "stranger": 0.05}
+    assert setup_prices(["silent"], {}, prepared, []) == {}
+
+    links = [LinkProfile(src=f"d{i}", dst="mec", bandwidth_bps=1e6, request_s=r) for i, r in
+             enumerate((0.004, 0.006, 0.5, 0.0))]  # one timed on a busy host, one never timed
+    assert control_price([], links) == pytest.approx(CONTROL_REQUESTS * 0.006)
+    assert control_price([0.02, 0.016, 0.9], links) == pytest.approx(0.02)
+    assert control_price([], []) == 0.0

@@ -350,6 +350,8 @@ def splitfed_samples() -> dict[type, Any]:
         m.SplitEnrol: m.SplitEnrol(job_id="sf1", round=4, mec=chosen.mec, index=3, setup=_round_setup(),
                                    budget_bytes=1 << 26, wait_s=30.0),
         m.SplitEnrolled: m.SplitEnrolled(job_id="sf1", round=4, node=chosen.node, budget_bytes=1 << 25),
+        m.SplitPrepare: m.SplitPrepare(job_id="sf1", setup=_round_setup(), index=3, peers=[chosen.mec]),
+        m.SplitPrepared: m.SplitPrepared(job_id="sf1", node=chosen.node, setup_s=0.021),
         m.SplitRoundStart: m.SplitRoundStart(
             job_id="sf1", round=4, coordinator="hub", setup=_round_setup(),
             candidates=[SplitCandidate(node=d.node, cut=d.cut, index=i, samples=100 + i)
@@ -425,8 +427,8 @@ def test_splitfed_topics_carry_their_schemas() -> None:
 
     worker = schemas_for_topic(topics.request("dev1", "stage-worker") + "/hub") or frozenset()
     mec = schemas_for_topic(topics.request("mec0", "mec-manager") + "/hub") or frozenset()
-    assert {"edgeswarm.splitfed.enrol", "edgeswarm.splitfed.release"} <= worker
-    assert {"edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release"} <= mec
+    assert {"edgeswarm.splitfed.prepare", "edgeswarm.splitfed.enrol", "edgeswarm.splitfed.release"} <= worker
+    assert {"edgeswarm.splitfed.prepare", "edgeswarm.splitfed.round_start", "edgeswarm.splitfed.release"} <= mec
     assert "edgeswarm.splitfed.plan_request" in (schemas_for_topic(topics.request("hub", "planner") + "/hub") or ())
     assert {"edgeswarm.splitfed.global", "edgeswarm.splitfed.tensor", "edgeswarm.splitfed.done"} <= (
         schemas_for_topic("edgeswarm/node/mec0/mec-manager/data/dev1") or frozenset())
@@ -434,7 +436,8 @@ def test_splitfed_topics_carry_their_schemas() -> None:
         schemas_for_topic("edgeswarm/node/dev1/stage-worker/data/mec0") or frozenset())
     assert "edgeswarm.splitfed.update" in (schemas_for_topic("edgeswarm/node/hub/coordinator/data/mec0") or ())
     replies = schemas_for_topic("edgeswarm/reply/hub/coordinator/abc123/mec0") or frozenset()
-    assert {"edgeswarm.splitfed.enrolled", "edgeswarm.splitfed.plan_reply", "edgeswarm.plan.failed"} <= replies
+    assert {"edgeswarm.splitfed.enrolled", "edgeswarm.splitfed.prepared", "edgeswarm.splitfed.plan_reply",
+            "edgeswarm.plan.failed"} <= replies
 
 
 def test_hmp_messages_of_the_other_kinds_decode() -> None:

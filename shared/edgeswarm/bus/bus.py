@@ -465,17 +465,28 @@ class Bus:
         Raises UnknownNodeError or PeerOfflineError if the receiver is not known to be online.
         """
         timeout = timeout_s or self.settings.publish_timeout_s
-        wait = min(timeout, self.settings.request_timeout_s) if peer_wait_s is None else peer_wait_s
-        status = self.peers.wait_for(node, service, timeout_s=wait)
-        if status.state != "online":
-            raise PeerOfflineError(f"{node}/{service} is offline ({status.reason or 'no reason given'})")
-        conn = self.connection_for(status.data_url, timeout)
+        conn = self._data_connection(node, service, timeout, peer_wait_s)
         topic = topics.from_sender(topics.data(node, service), self.sender.node)
         if expectation is None:
             env = self.sender.envelope(message)
         else:
             env = self.sender.envelope(message, correlation_id=expectation.correlation_id, reply_to=self.reply_topic)
         return self._publish_frames(conn, topic, env, message, value, timeout, self._links.get(node), qos)
+
+    def reach(self, node: str, service: str, timeout_s: float | None = None) -> None:
+        """Open the data-plane connection that tensors for ``service`` on ``node`` take (``send_tensor``'s), so
+        that the first tensor sent there does not wait for its handshakes (TCP, TLS, MQTT: several round trips on a
+        slow link). Raises what ``send_tensor`` raises for a receiver that is not known to be online, and
+        BrokerUnavailableError when its broker cannot be reached within ``timeout_s`` seconds."""
+        self._data_connection(node, service, timeout_s or self.settings.publish_timeout_s, None)
+
+    def _data_connection(self, node: str, service: str, timeout_s: float, peer_wait_s: float | None
+                         ) -> MqttConnection:
+        wait = min(timeout_s, self.settings.request_timeout_s) if peer_wait_s is None else peer_wait_s
+        status = self.peers.wait_for(node, service, timeout_s=wait)
+        if status.state != "online":
+            raise PeerOfflineError(f"{node}/{service} is offline ({status.reason or 'no reason given'})")
+        return self.connection_for(status.data_url, timeout_s)
 
     def reply_tensor(self, request: Inbound, message: Message, value: Any) -> int:
         """Answer ``request`` with ``message`` and the tensor ``value`` on its ``reply_to`` topic (on the hub

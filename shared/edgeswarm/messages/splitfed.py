@@ -115,6 +115,34 @@ class RoundSetup(BaseModel):
     training: LocalTraining
 
 
+@schema("edgeswarm.splitfed.prepare", 1)
+class SplitPrepare(Message):
+    """Request to a device's stage-worker or an MEC's mec-manager before job ``job_id`` runs a round on it (a fresh
+    process's first steps take several times a later one's, and a first tensor to a node waits for the connection's
+    handshakes). Both open the data-plane connections their tensors of the job take: to ``peers`` (a device's: its
+    MEC; an MEC's: its devices, and the sender's coordinator). A device then builds the job's model and trains one
+    step of it on partition ``index``'s first batch with throwaway weights, and times a round's setup as a round
+    does it; an MEC builds the job's reassembly of its devices' models. Answered SplitPrepared."""
+
+    MAX_BYTES = 256 * 1024
+
+    job_id: Name
+    setup: RoundSetup
+    index: int | None = Field(default=None, ge=0, lt=MAX_SPLIT_DEVICES)
+    peers: list[Name] = Field(default_factory=list, max_length=MAX_SPLIT_DEVICES)
+
+
+@schema("edgeswarm.splitfed.prepared", 1)
+class SplitPrepared(Message):
+    """The answer to SplitPrepare: the party is prepared; ``setup_s`` is what a round's setup took it after that (a
+    device: its part built, the weights loaded, its partition read; an MEC: its reassembly built; seconds), a
+    device's the planner's price for its setup until its rounds measure it."""
+
+    job_id: Name
+    node: Name
+    setup_s: float = Field(ge=0.0, le=MAX_SETUP_S)
+
+
 @schema("edgeswarm.splitfed.enrol", 1)
 class SplitEnrol(Message):
     """Request to a device's stage-worker: in round ``round`` of job ``job_id`` this device may train with MEC ``mec``

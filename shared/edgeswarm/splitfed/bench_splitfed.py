@@ -431,7 +431,7 @@ def job_rows(bus: Bus, job: dict[str, object], log: Log = _quiet, timeout_s: flo
 
     mode, name = str(job["mode"]), str(job["name"])
     follower = JobFollower(bus, name, on_state=on_state,
-                           on_event=lambda e: log(f"{name}: {e.detail}") if e.kind == "refit" else None)
+                           on_event=lambda e: log(f"{name}: {e.detail}") if e.kind in ("refit", "profiling") else None)
     submit_job(bus, json.dumps(job), submission=follower.submission)
     try:
         state = follower.wait(timeout_s)

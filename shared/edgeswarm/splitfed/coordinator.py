@@ -42,6 +42,8 @@ from edgeswarm.messages.splitfed import (
     SplitGlobal,
     SplitPlanReply,
     SplitPlanRequest,
+    SplitPrepare,
+    SplitPrepared,
     SplitRelease,
     SplitRoundStart,
     SplitUpdate,
@@ -58,6 +60,7 @@ from edgeswarm.runtime.client import nodes_running
 from edgeswarm.service_registry import MEC_MANAGER, STAGE_WORKER
 from edgeswarm.splitfed import gather
 from edgeswarm.splitfed.compute import input_bytes, partition_of
+from edgeswarm.splitfed.prepare import reach
 from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundRecord, SplitfedSpec
 from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
@@ -65,7 +68,10 @@ from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, st
 from edgeswarm.stats import affine_fit
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
     from edgeswarm.messages.cluster import ClusterView
+    from edgeswarm.values.profiles import LinkProfile
     from edgeswarm.workloads.base import JobContext
 
 log = logging.getLogger(__name__)
@@ -80,6 +86,8 @@ MIN_FIT_S = 0.05
 # Rounds a device's scale is fitted from before the rounds plan on it: its first round also builds its part.
 MIN_FIT_ROUNDS = 2
 FIXED_WINDOW = 5  # rounds a measured fixed cost (a device's setup, the coordinator's requests) is the median of
+# The requests a round's coordinator waits on before its MECs start: the planner's, the enrolment, the start.
+CONTROL_REQUESTS = 3
 
 
 class SplitfedRunner(RoundProgram):
@@ -110,9 +118,13 @@ class SplitfedRunner(RoundProgram):
         self.base: dict[str, float] = {}  # what earlier jobs measured of each device, applied to its profiled speed
         self.measured = gather.Measured()
         # What the planner's model leaves out, as measured: each device's seconds before its first step (its first
-        # round in the job, which builds more, left out) and the coordinator's own requests before a round's MECs
-        # start (the planner's, the enrolment, the start).
+        # round in the job builds its part and reads its data for the first time: 2-4x a later round's, so those
+        # are a window of their own, any device's, for the devices that have not trained yet) and the
+        # coordinator's own requests before a round's MECs start (the planner's, the enrolment, the start).
         self.setups: dict[str, deque[float]] = {}
+        self.first_setups: deque[float] = deque(maxlen=FIXED_WINDOW)
+        # Each device asked to prepare for the job (SplitPrepare): the setup it timed, None where it did not answer.
+        self.prepared: dict[str, float | None] = {}
         self.control: deque[float] = deque(maxlen=FIXED_WINDOW)
 
     # --- the job: the skeleton's hooks ----------------------------------------------------------------
@@ -164,10 +176,11 @@ class SplitfedRunner(RoundProgram):
         mec_of = gather.assign_mecs(devices, mecs)
         samples = {d: int(self.partition.sizes()[index[d]]) for d in devices}
         self._measure(devices, mecs, mec_of)
+        self._prepare(devices, index, mec_of)
         started = time.monotonic()
         split_devices = gather.split_devices(view, devices, mec_of, samples, self.estimates, self._planned_speeds(),
                                              spec.memory_budget_bytes,
-                                             {n: median(s) for n, s in self.setups.items() if s})
+                                             setup_prices(devices, self.setups, self.prepared, self.first_setups))
         options = SplitOptions(
             participants=spec.participants, gamma=spec.gamma if spec.mode == "smartsplit" else 1.0, lam=spec.lam,
             tail=self.training.tail if self.training.mode == "usplit" else 0, epochs=self.training.epochs,
@@ -369,7 +382,7 @@ class SplitfedRunner(RoundProgram):
                 # it (whole models for FedAvg, every batch's activations and gradients for SplitFed) is WAN traffic.
                 wan += update.lan_bytes
         lost_mecs = sorted(set(mec_of.values()) - set(updates))
-        predicted = participants_s(selection, participants) + (median(self.control) if self.control else 0.0)
+        predicted = participants_s(selection, participants) + control_price(self.control, self.measured.links.values())
         record = RoundRecord(round=r, participants=participants, predicted_s=predicted,
                              refitted_s=refitted_s(self.history, predicted, since=self.applied_since),
                              round_s=time.monotonic() - started,
@@ -390,6 +403,7 @@ class SplitfedRunner(RoundProgram):
                     self.setups[p.node].append(p.setup_s)
                 else:  # its first round in the job: the part's first build, the data's first read
                     self.setups[p.node] = deque(maxlen=FIXED_WINDOW)
+                    self.first_setups.append(p.setup_s)
             speed = self.measured.speeds.get(p.node)
             if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
                 continue
@@ -455,6 +469,38 @@ class SplitfedRunner(RoundProgram):
         except (ProfilerError, ProfileError) as exc:
             log.warning("job %s round %d: left out what could not be measured: %s", self.spec.name, self.round, exc)
 
+    def _prepare(self, devices: list[str], index: dict[str, int], mec_of: dict[str, str]) -> None:
+        """Have each of ``devices`` not asked yet, and each MEC for its new devices, prepare for the job
+        (SplitPrepare: a device's throwaway step on its partition ``index[device]`` and its setup timed, the data-plane
+        connections between each device and its MEC ``mec_of[device]``, and this coordinator's to the MECs), before
+        the round's clock starts: the job's setup, as profiling is. A device that does not answer is planned without
+        its timed setup."""
+        new = [d for d in devices if d not in self.prepared]
+        if not new:
+            return
+        self.ctx.update("profiling", event=("profiling", f"round {self.round}: preparing {', '.join(new)}"))
+        mecs = sorted({mec_of[d] for d in new})
+        reach(self.bus, ((mec, MEC_MANAGER) for mec in mecs))
+        self._ask_to_prepare(MEC_MANAGER, {m: SplitPrepare(job_id=self.spec.name, setup=self.setup,
+                                                           peers=[d for d in new if mec_of[d] == m]) for m in mecs})
+        answers = self._ask_to_prepare(STAGE_WORKER, {d: SplitPrepare(job_id=self.spec.name, setup=self.setup,
+                                                                      index=index[d], peers=[mec_of[d]]) for d in new})
+        self.prepared.update({d: answers[d].setup_s if d in answers else None for d in new})
+        timed = sorted(v for v in (self.prepared[d] for d in new) if v is not None)
+        if timed:
+            said = (f"round {self.round}: {len(timed)} of {len(new)} devices prepared; a round's setup takes them "
+                    f"{timed[0] * 1000:.0f}-{timed[-1] * 1000:.0f} ms")
+            self.ctx.update("profiling", event=("profiling", said))
+
+    def _ask_to_prepare(self, service: str, requests: dict[str, SplitPrepare]) -> dict[str, SplitPrepared]:
+        """``requests`` (node -> SplitPrepare) to ``service`` at once: the nodes that answered SplitPrepared."""
+        fan = fan_out(self.bus, requests, service, timeout_s=ENROL_TIMEOUT_S)
+        answers = {n: r for n, r in fan.replies.items() if isinstance(r, SplitPrepared)}
+        for node in sorted(set(requests) - set(answers)):
+            log.warning("job %s: %s/%s did not prepare: %s", self.spec.name, node, service,
+                        fan.failures.get(node) or fan.replies.get(node))
+        return answers
+
     # --- checkpoints ----------------------------------------------------------------------------------
 
     def _checkpoint(self, r: int, state: dict[str, torch.Tensor]) -> None:
@@ -503,6 +549,35 @@ class SplitfedRunner(RoundProgram):
 
 
 REFIT_WINDOW = 8  # the rounds the closed loop fits on: recent enough to follow a cluster that changes
+
+
+def setup_prices(devices: list[str], own: Mapping[str, Sequence[float]], prepared: Mapping[str, float | None],
+                 first: Sequence[float]) -> dict[str, float]:
+    """What the planner prices each of ``devices``' seconds before its first step in a round at, as measured: the
+    median of ``own`` (its rounds in the job after its first; a device in ``own`` has trained); before those, the
+    setup it timed when it prepared (``prepared``: None where it did not answer); for a device that has neither and
+    has not trained in the job yet, the median of ``first`` (the first rounds measured in the job, any device's: they
+    build its part and read its data for the first time). Absent for a device with none of these."""
+    out = {}
+    for n in devices:
+        mine, timed = own.get(n), prepared.get(n)
+        if mine:
+            out[n] = median(mine)
+        elif timed is not None:
+            out[n] = timed
+        elif n not in own and first:
+            out[n] = median(first)
+    return out
+
+
+def control_price(control: Sequence[float], links: Iterable[LinkProfile]) -> float:
+    """The coordinator's own requests before a round's MECs start (seconds): the median of ``control``, the rounds
+    measured; before any, CONTROL_REQUESTS request round trips as the devices' profilers measured them (the median
+    ``request_s`` over ``links``, their links to their MECs); 0 with neither."""
+    if control:
+        return median(control)
+    trips = [x.request_s for x in links if x.request_s > 0]
+    return CONTROL_REQUESTS * median(trips) if trips else 0.0
 
 
 def participants_s(selection: SplitSelection, participants: list[ParticipantRecord]) -> float:

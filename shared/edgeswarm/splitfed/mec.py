@@ -12,6 +12,9 @@ adds it to the round's sum weighted by its samples. A device whose tensors stop 
 completes with the rest. Each finished device is checkpointed to the MEC's disk, so a restarted MEC given the round
 again trains only the devices it had not finished. The weighted sum and every device's report go to the coordinator
 (SplitUpdate).
+
+Before the job's first round on it, a SplitPrepare has the MEC open the data-plane connections to its devices and
+the coordinator and build the job's reassembly (the model traced), so that round does not pay them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from edgeswarm.messages.splitfed import (
     SplitEnrolled,
     SplitGlobal,
     SplitPartWeights,
+    SplitPrepare,
     SplitRelease,
     SplitRoundStart,
     SplitTensor,
@@ -50,6 +54,7 @@ from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import STAGE_WORKER
 from edgeswarm.splitfed.compute import MecPart, Reassembly, point_of, trains_alone
 from edgeswarm.splitfed.mec_state import RoundCheckpoint
+from edgeswarm.splitfed.prepare import Preparer, reach
 from edgeswarm.splitfed.weights import flatten
 from edgeswarm.wire import Message
 
@@ -106,7 +111,7 @@ class _Round:
 class MecProgram(JobTable[_Round]):
     """The MEC's half of every train-splitfed job on this mec-manager (see the module's docstring)."""
 
-    handles: tuple[type[Message], ...] = (SplitRoundStart, SplitRelease)
+    handles: tuple[type[Message], ...] = (SplitPrepare, SplitRoundStart, SplitRelease)
     tensors: tuple[type[Message], ...] = (SplitGlobal, SplitTensor, SplitDone)
 
     ledger_name = PROGRAM
@@ -116,6 +121,7 @@ class MecProgram(JobTable[_Round]):
         super().__init__(ctx)
         self._stats: dict[tuple[str, str], float] = {}  # (job, device) -> Stat: the Loss Cache's utility
         self._checkpoints = RoundCheckpoint(ctx.bus.settings.checkpoint_dir / "mec" / ctx.node)
+        self._preparer = Preparer(self)
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -130,6 +136,17 @@ class MecProgram(JobTable[_Round]):
             self._checkpoints.forget(body.job_id)
         elif isinstance(body, SplitRoundStart):
             self._start(msg, body)
+        elif isinstance(body, SplitPrepare):
+            self._preparer.submit(msg, body, partial(self._prepare, msg.envelope.sender_node, body))
+
+    def _prepare(self, coordinator: str, body: SplitPrepare) -> float:
+        """SplitPrepare's work on the MEC (see the module's docstring): the seconds its reassembly took to build."""
+        reach(self.ctx.bus, [(coordinator, "coordinator"), *((d, STAGE_WORKER) for d in body.peers)])
+        with self.ctx.gate.building():
+            point_of(body.setup, 1)  # traces the model's units, once per model
+            began = time.monotonic()
+            Reassembly(body.setup, compute=self.ctx.compute)
+            return time.monotonic() - began
 
     def _start(self, msg: Inbound, body: SplitRoundStart) -> None:
         with self._lock:

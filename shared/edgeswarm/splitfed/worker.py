@@ -1,6 +1,10 @@
 """The device's half of SmartSplit (the On-Device Manager), hosted by the stage-worker: any number of
 train-splitfed jobs at once, each a round at a time.
 
+Before a job plans a round on the device, a SplitPrepare (from the coordinator) has it open the data-plane connection
+to its MEC, train one throwaway step of the job's model on its own data and time a round's setup: the job's setup,
+not its first round, pays the process's first use of the model's operators and the connection's handshakes.
+
 A SplitEnrol (from the coordinator) names the round's MEC and the device's partition; the device answers with the
 training memory it has now (its ledger's room, capped by the round). Only that MEC's SplitPartWeights starts the round:
 the device reserves its part in the node's memory ledger, reads its own partition, loads the part's weights and
@@ -18,13 +22,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from edgeswarm.devices.compute import use_device_threads
-from edgeswarm.errors import EdgeswarmError, MemoryBudgetError
+from edgeswarm.errors import ConfigError, EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.splitfed import (
     DeviceReport,
@@ -32,6 +37,7 @@ from edgeswarm.messages.splitfed import (
     SplitEnrol,
     SplitEnrolled,
     SplitPartWeights,
+    SplitPrepare,
     SplitRelease,
     SplitTensor,
 )
@@ -39,16 +45,20 @@ from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, Exchange
 from edgeswarm.runtime.program import JobTable
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import MEC_MANAGER
-from edgeswarm.splitfed.compute import DevicePart, run_epochs
+from edgeswarm.splitfed.compute import DevicePart, point_of, run_epochs
+from edgeswarm.splitfed.prepare import Preparer, reach
+from edgeswarm.values.limits import MAX_MEMORY_BYTES
 from edgeswarm.wire import Message
 
 if TYPE_CHECKING:
     from edgeswarm.bus import Inbound
+    from edgeswarm.runtime.program import WorkerContext
 
 log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 PROGRAM = "splitfed-device"  # this program's name in the node's memory ledger
+PREPARE = "prepare"  # the ledger part a job's warm-up step holds while it runs
 MAX_JOBS = 16
 
 
@@ -82,11 +92,15 @@ class _Job:
 class DeviceProgram(JobTable[_Job]):
     """The device's half of every train-splitfed job on this stage-worker (see the module's docstring)."""
 
-    handles: tuple[type[Message], ...] = (SplitEnrol, SplitRelease)
+    handles: tuple[type[Message], ...] = (SplitPrepare, SplitEnrol, SplitRelease)
     tensors: tuple[type[Message], ...] = (SplitPartWeights, SplitTensor)
 
     ledger_name = PROGRAM
     refusal_counter = "splitfed_refused"
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        super().__init__(ctx)
+        self._preparer = Preparer(self)
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -96,6 +110,39 @@ class DeviceProgram(JobTable[_Job]):
             self._release(body.job_id)
         elif isinstance(body, SplitEnrol):
             self._enrol(msg, body)
+        elif isinstance(body, SplitPrepare):
+            self._preparer.submit(msg, body, partial(self._warm, body))
+
+    def _warm(self, body: SplitPrepare) -> float:
+        """SplitPrepare's work on the device (see the module's docstring): the seconds a round's setup took."""
+        if body.index is None:
+            raise ConfigError("a device prepares for a job on its partition: the prepare names no index")
+        reach(self.ctx.bus, ((peer, MEC_MANAGER) for peer in body.peers[:1]))  # its MEC's broker
+        # The whole model trained locally: every operator of the job's model at its batch size, whatever the cut.
+        training = body.setup.training.model_copy(update={"mode": "local", "recompute": "off",
+                                                          "sample_pruning": False})
+        use_device_threads(self.ctx.device)
+        ledger, what = self.ctx.ledger, f"split learning job {body.job_id}'s preparation"
+        try:
+            whole = DevicePart(body.setup.model_copy(update={"training": training}), 1, compute=self.ctx.compute,
+                               gate=self.ctx.gate, run=self.ctx.device.run)
+            ledger.reserve(PROGRAM, body.job_id, whole.static_bytes(), part=PREPARE, what=what)
+            data = whole.partition_data(body.index)
+            if data.size:
+                whole.local_step(*data.batch(np.arange(min(training.batch_size, data.size))))
+            # A round's setup in the job's mode, as _train and _epochs time it (its deepest cut: the build is the
+            # part that grows with the cut), its memory planned as if the budget had room (no recomputation).
+            began = time.monotonic()
+            point = point_of(body.setup, 1)
+            part = DevicePart(body.setup, point.units - max(point.tail, 1), compute=self.ctx.compute,
+                              gate=self.ctx.gate, run=self.ctx.device.run)
+            ledger.reserve(PROGRAM, body.job_id, part.static_bytes(), part=PREPARE, what=what)
+            part.load(part.flat())
+            part.plan_memory(MAX_MEMORY_BYTES)
+            part.partition_data(body.index)
+            return time.monotonic() - began
+        finally:
+            ledger.release(PROGRAM, body.job_id, part=PREPARE)
 
     def _enrol(self, msg: Inbound, body: SplitEnrol) -> None:
         with self._lock:
