@@ -686,7 +686,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.splitfed.done", 1): {"job_id": "str", "round": "int", "report": _DEVICE_REPORT},
     ("edgeswarm.splitfed.update", 1): {
         "job_id": "str", "round": "int", "mec": "str", "samples": "int", "heaviest": "int", "count": "int",
-        "reports": ("list", _DEVICE_REPORT), "refused": "int", "lan_bytes": "int",
+        "reports": ("list", _DEVICE_REPORT), "refused": "int", "lan_bytes": "int", "devices_s": "number",
     },
     ("edgeswarm.checkpoint.list", 1): {"job_id": "str?"},
     ("edgeswarm.checkpoint.listing", 1): {

@@ -143,7 +143,8 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
 def test_a_device_prepares_for_a_job_before_its_rounds_and_refuses_a_prepare_it_cannot_do(cluster: Cluster) -> None:
     """SplitPrepare: the device trains a throwaway step of the job's model on its partition and answers with a
     round's setup as it timed it; a partition the job does not have is answered with a failure, and the device goes
-    on serving. A job prepares its devices before round 0's clock, and says so."""
+    on serving. A job prepares its devices before round 0's clock, and says so; its MEC reports the part of each
+    round its devices took (``devices_s``, from which the coordinator measures the round's fixed cost)."""
     import edgeswarm.messages as m
     from edgeswarm.messages.splitfed import RoundSetup
     from edgeswarm.runtime.client import ClusterWatcher, nodes_running
@@ -160,14 +161,22 @@ def test_a_device_prepares_for_a_job_before_its_rounds_and_refuses_a_prepare_it_
     refused = cluster.bus.request(request, m.SplitPrepare(job_id="sf-prepare", index=DEVICES + 4, setup=setup),
                                   timeout_s=60).body
     assert isinstance(refused, m.StageFailed) and refused.reason == "bad_request", refused
-    final, events = run(cluster, spec_text("sf-prepare", rounds=1))
+    updates, lock = _mec_traffic(cluster, "hub", "coordinator")
+    final, events = run(cluster, spec_text("sf-prepare", rounds=2))
     assert final.status == "succeeded", final.detail
+    history = final.progress_as(SplitfedProgress).history
+    with lock:
+        devices_s = {o.fields["round"]: o.fields["devices_s"] for o in updates  # type: ignore[attr-defined]
+                     if o.schema_name == "edgeswarm.splitfed.update" and o.fields.get("job_id") == "sf-prepare"}
+    assert sorted(devices_s) == [0, 1], devices_s
+    assert all(0 < devices_s[h.round] < h.round_s for h in history), (devices_s, history)
     said = [e.detail for e in events if e.kind == "profiling"]
     assert any(d.startswith("round 0: preparing ") for d in said), said
     assert any(" devices prepared; a round's setup takes them " in d for d in said), said
 
 
-def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:
+def _mec_traffic(cluster: Cluster, node: str = MEC, service: str = "mec-manager") -> tuple[list[object],
+                                                                                        threading.Lock]:
     seen: list[object] = []
     lock = threading.Lock()
     observer = Observer()
@@ -178,7 +187,7 @@ def _mec_traffic(cluster: Cluster) -> tuple[list[object], threading.Lock]:
             with lock:
                 seen.append(obs)
 
-    cluster.bus.subscribe_raw(f"edgeswarm/node/{MEC}/mec-manager/data/+", on_raw, plane="data")
+    cluster.bus.subscribe_raw(f"edgeswarm/node/{node}/{service}/data/+", on_raw, plane="data")
     return seen, lock
 
 

@@ -109,9 +109,9 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
 
 def test_a_rounds_fixed_costs_are_priced_from_what_was_measured_before_it() -> None:
     """A device's setup: its own later rounds', else what it timed when it prepared, else (not prepared, not trained
-    yet) the job's first rounds'; the coordinator's requests: the rounds measured, else three request round trips as
-    the profilers measured them."""
-    from edgeswarm.splitfed.coordinator import CONTROL_REQUESTS, control_price, setup_prices
+    yet) the job's first rounds'; the round's own: the rounds measured, else three request round trips as the
+    profilers measured them."""
+    from edgeswarm.splitfed.coordinator import CONTROL_REQUESTS, fixed_price, setup_prices
     from edgeswarm.values.profiles import LinkProfile
 
     own = {"trained": [0.02, 0.03, 0.5], "once": []}  # "once": trained in one round only, its first (left out)
@@ -122,6 +122,6 @@ def test_a_rounds_fixed_costs_are_priced_from_what_was_measured_before_it() -> N
 
     links = [LinkProfile(src=f"d{i}", dst="mec", bandwidth_bps=1e6, request_s=r) for i, r in
              enumerate((0.004, 0.006, 0.5, 0.0))]  # one timed on a busy host, one never timed
-    assert control_price([], links) == pytest.approx(CONTROL_REQUESTS * 0.006)
-    assert control_price([0.02, 0.016, 0.9], links) == pytest.approx(0.02)
-    assert control_price([], []) == 0.0
+    assert fixed_price([], links) == pytest.approx(CONTROL_REQUESTS * 0.006)
+    assert fixed_price([0.02, 0.016, 0.9], links) == pytest.approx(0.02)
+    assert fixed_price([], []) == 0.0

@@ -363,7 +363,8 @@ def splitfed_samples() -> dict[type, Any]:
         m.SplitTensor: m.SplitTensor(job_id="sf1", round=4, step=7, kind="activation", last=True, labels=[1, 0, 9]),
         m.SplitDone: m.SplitDone(job_id="sf1", round=4, report=trained),
         m.SplitUpdate: m.SplitUpdate(job_id="sf1", round=4, mec=chosen.mec, samples=300, heaviest=300, count=1,
-                                     reports=[trained, skipped], refused=1, lan_bytes=123456),
+                                     reports=[trained, skipped], refused=1, lan_bytes=123456,
+                                     devices_s=0.42),
     }
 
 

@@ -34,6 +34,7 @@ from edgeswarm.wire.schema import MIB, Message, Name, schema
 
 MAX_BATCH_LABELS = 4096
 MAX_ROUND = (1 << 31) - 1
+MAX_ROUND_S = 86400.0  # a round's seconds an MEC may report
 MAX_SETUP_S = 3600.0  # a device's seconds before a round's first step that a report may claim (the planner prices it)
 SplitTensorKind = Literal["activation", "middle", "tail_gradient", "cut_gradient"]
 DeviceOutcome = Literal["trained", "failed", "lost", "refused", "skipped"]
@@ -140,7 +141,7 @@ class SplitPrepared(Message):
 
     job_id: Name
     node: Name
-    setup_s: float = Field(ge=0.0, le=MAX_SETUP_S)
+    setup_s: float = Field(ge=0.0, le=MAX_SETUP_S, allow_inf_nan=False)
 
 
 @schema("edgeswarm.splitfed.enrol", 1)
@@ -249,8 +250,9 @@ class SplitUpdate(Message):
     """From an MEC to the coordinator: the sum of its trained devices' reassembled models weighted by their
     samples (float32, flattened in SplitGlobal's order; empty when none trained), the total weight ``samples``, the
     largest single weight ``heaviest`` and the ``count`` of models summed (``aggregation.PartialSum``), every
-    candidate's report, the updates refused (NaN or infinite values) and the bytes its devices' tensors took on its
-    LAN."""
+    candidate's report, the updates refused (NaN or infinite values), the bytes its devices' tensors took on its
+    LAN, and ``devices_s``: the seconds from its devices' parts going out to the last of their rounds ending here
+    (their SplitDone in), the part of the round its devices' planned rounds price (0 when none was served)."""
 
     MAX_BYTES = 1 * MIB
 
@@ -263,3 +265,4 @@ class SplitUpdate(Message):
     reports: list[DeviceReport] = Field(max_length=MAX_SPLIT_DEVICES)
     refused: int = Field(default=0, ge=0)
     lan_bytes: int = Field(default=0, ge=0)
+    devices_s: float = Field(default=0.0, ge=0.0, le=MAX_ROUND_S, allow_inf_nan=False)

@@ -427,6 +427,16 @@ class Reassembly:
             raise ConfigError(f"the reassembled model lacks {missing[0]!r}: the parts do not cover the model")
         return {k: full[k] for k in self.layout.names}
 
+    def warm(self) -> None:
+        """The label-distribution estimate's class gradients once, on the model's initial weights, discarded: the
+        data set's first read and the model's first backward on this node, which a round's first estimate would
+        pay otherwise (nothing for data sets with per-token labels: the estimator does not apply)."""
+        dataset, _ = partition_of(self.setup)
+        if dataset.label_shape != ():
+            return
+        model = build_model(self.setup.model).to(self.compute)
+        class_gradients(model, output_weight(self.layout), auxiliary_set(dataset), compute=self.compute)
+
     def label_distribution(self, global_state: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
                            index: int, mode: str) -> list[float]:
         """The device's estimated label distribution: from its output layer's update (``grad_nnls``) or its

@@ -85,7 +85,7 @@ TWO_TIER = ("fedavg", "splitfed")  # the baselines whose devices talk to the clo
 MIN_FIT_S = 0.05
 # Rounds a device's scale is fitted from before the rounds plan on it: its first round also builds its part.
 MIN_FIT_ROUNDS = 2
-FIXED_WINDOW = 5  # rounds a measured fixed cost (a device's setup, the coordinator's requests) is the median of
+FIXED_WINDOW = 5  # rounds a measured fixed cost (a device's setup, the round's own) is the median of
 # The requests a round's coordinator waits on before its MECs start: the planner's, the enrolment, the start.
 CONTROL_REQUESTS = 3
 
@@ -119,13 +119,13 @@ class SplitfedRunner(RoundProgram):
         self.measured = gather.Measured()
         # What the planner's model leaves out, as measured: each device's seconds before its first step (its first
         # round in the job builds its part and reads its data for the first time: 2-4x a later round's, so those
-        # are a window of their own, any device's, for the devices that have not trained yet) and the
-        # coordinator's own requests before a round's MECs start (the planner's, the enrolment, the start).
+        # are a window of their own, any device's, for the devices that have not trained yet) and the round's
+        # fixed cost beyond its devices' rounds (``fixed_price``).
         self.setups: dict[str, deque[float]] = {}
         self.first_setups: deque[float] = deque(maxlen=FIXED_WINDOW)
         # Each device asked to prepare for the job (SplitPrepare): the setup it timed, None where it did not answer.
         self.prepared: dict[str, float | None] = {}
-        self.control: deque[float] = deque(maxlen=FIXED_WINDOW)
+        self.fixed: deque[float] = deque(maxlen=FIXED_WINDOW)
 
     # --- the job: the skeleton's hooks ----------------------------------------------------------------
 
@@ -216,13 +216,14 @@ class SplitfedRunner(RoundProgram):
         self.used.update((m, MEC_MANAGER) for m in starts)
         flat = flatten(self.state, self.layout)
         running = [m for m in starts if self._start_on(m, starts[m], flat)]
-        control_s = time.monotonic() - started
         ctx.update("running", plan=selection, event=("round_started", _describe(r, selection, running)))
         updates = self._collect(r, {m: starts[m] for m in running}, flat, selection)
         wan = self.layout.numel * 4 * (len(running) + self.restarts)
         self.state, record = self._aggregate(r, self.state, updates, selection, started, wan, left_out)
         self._learn(record, options)
-        self.control.append(control_s)
+        devices_s = max((u.devices_s for u, _ in updates.values()), default=0.0)
+        if devices_s > 0:
+            self.fixed.append(max(record.round_s - devices_s, 0.0))
         self.model.load_state_dict(self.state)
         accuracy, loss = held_out(self.model, self.dataset, batch_size=256)
         record = record.model_copy(update={"accuracy": accuracy, "loss": loss})
@@ -382,7 +383,7 @@ class SplitfedRunner(RoundProgram):
                 # it (whole models for FedAvg, every batch's activations and gradients for SplitFed) is WAN traffic.
                 wan += update.lan_bytes
         lost_mecs = sorted(set(mec_of.values()) - set(updates))
-        predicted = participants_s(selection, participants) + control_price(self.control, self.measured.links.values())
+        predicted = participants_s(selection, participants) + fixed_price(self.fixed, self.measured.links.values())
         record = RoundRecord(round=r, participants=participants, predicted_s=predicted,
                              refitted_s=refitted_s(self.history, predicted, since=self.applied_since),
                              round_s=time.monotonic() - started,
@@ -570,12 +571,15 @@ def setup_prices(devices: list[str], own: Mapping[str, Sequence[float]], prepare
     return out
 
 
-def control_price(control: Sequence[float], links: Iterable[LinkProfile]) -> float:
-    """The coordinator's own requests before a round's MECs start (seconds): the median of ``control``, the rounds
-    measured; before any, CONTROL_REQUESTS request round trips as the devices' profilers measured them (the median
-    ``request_s`` over ``links``, their links to their MECs); 0 with neither."""
-    if control:
-        return median(control)
+def fixed_price(fixed: Sequence[float], links: Iterable[LinkProfile]) -> float:
+    """A round's fixed cost beyond its devices' planned rounds (seconds): the coordinator's requests before the MECs
+    start (the planner's, the enrolment, the start), the global model to the MECs and their sums back, the MECs'
+    folding of their devices' models and the aggregation. The median of ``fixed``, what the rounds measured (each
+    round less the longest of its MECs' ``devices_s``); before any, CONTROL_REQUESTS request round trips as the
+    devices' profilers measured them (the median ``request_s`` over ``links``, their links to their MECs), the part
+    the coordinator waits on; 0 with neither."""
+    if fixed:
+        return median(fixed)
     trips = [x.request_s for x in links if x.request_s > 0]
     return CONTROL_REQUESTS * median(trips) if trips else 0.0
 

@@ -14,7 +14,8 @@ again trains only the devices it had not finished. The weighted sum and every de
 (SplitUpdate).
 
 Before the job's first round on it, a SplitPrepare has the MEC open the data-plane connections to its devices and
-the coordinator and build the job's reassembly (the model traced), so that round does not pay them.
+the coordinator, build the job's reassembly (the model traced) and run its label-distribution estimate once on
+throwaway weights (the data's first read, the model's first backward here), so that round does not pay them.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class _Round:
     refused: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
+    parts_at: float = 0.0  # when its devices' parts began to go out (monotonic seconds)
+    served_at: float = 0.0  # when its last device's round ended here (its SplitDone in, or given up)
 
     def close(self) -> None:
         self.stop.set()
@@ -145,8 +148,11 @@ class MecProgram(JobTable[_Round]):
         with self.ctx.gate.building():
             point_of(body.setup, 1)  # traces the model's units, once per model
             began = time.monotonic()
-            Reassembly(body.setup, compute=self.ctx.compute)
-            return time.monotonic() - began
+            rebuild = Reassembly(body.setup, compute=self.ctx.compute)
+            took = time.monotonic() - began
+        with self.ctx.gate.computing():
+            rebuild.warm()
+        return took
 
     def _start(self, msg: Inbound, body: SplitRoundStart) -> None:
         with self._lock:
@@ -255,6 +261,7 @@ class MecProgram(JobTable[_Round]):
                             for c in remaining if c not in rnd.selected]
             threads = [threading.Thread(target=self._serve_safely, args=(rnd, c, global_state, rebuild),
                                         name=f"splitfed-mec-{c.node}", daemon=True) for c in rnd.selected]
+            rnd.parts_at = time.monotonic()
             for t in threads:
                 t.start()
             for t in threads:
@@ -272,7 +279,8 @@ class MecProgram(JobTable[_Round]):
         sums = flatten(partial.sums, rebuild.layout) if partial and partial.count else torch.zeros(0)
         update = SplitUpdate(job_id=job, round=r, mec=self.ctx.node, samples=int(partial.weight) if partial else 0,
                              heaviest=int(partial.heaviest) if partial else 0, count=partial.count if partial else 0,
-                             reports=rnd.reports, refused=rnd.refused, lan_bytes=rnd.lan_bytes)
+                             reports=rnd.reports, refused=rnd.refused, lan_bytes=rnd.lan_bytes,
+                             devices_s=max(rnd.served_at - rnd.parts_at, 0.0) if rnd.served_at else 0.0)
         try:
             self.ctx.bus.send_tensor(start.coordinator, "coordinator", update, sums)
         except EdgeswarmError as exc:
@@ -325,6 +333,7 @@ class MecProgram(JobTable[_Round]):
         if rnd.stop.is_set() or rnd.total is None:
             return
         with rnd.lock:
+            rnd.served_at = max(rnd.served_at, time.monotonic())
             report, refused = self._fold(rnd, cand, middle, global_state, rebuild, rnd.total)
             rnd.refused += refused
             rnd.reports.append(report)

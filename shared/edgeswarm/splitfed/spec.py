@@ -101,13 +101,14 @@ class ParticipantRecord(BaseModel):
 
 class RoundRecord(BaseModel):
     """One finished round: its participants, held-out accuracy and loss of the aggregated model, the predicted and
-    measured round time (seconds, from its plan to its aggregated model: profiling a node first seen is the job's
-    setup, announced by its own ``profiling`` event, not the round's work; predicted: the slowest planned round of
-    the devices that trained, ``splitfed.coordinator.participants_s``, and the coordinator's own requests before the
-    MECs start as earlier rounds measured them) and ``refitted_s``, the prediction as the closed loop corrected it
-    from the rounds before (``splitfed.coordinator.refitted_s``: the fixed per-round costs and the devices' real
-    speed; None until rounds are measured), the bytes the U-split moved on the MECs' LANs and the bytes that crossed
-    the WAN (models between the coordinator and the MECs or the devices), updates refused, devices left out."""
+    measured round time (seconds, from its plan to its aggregated model: profiling and preparing a node first seen
+    are the job's setup, announced by their own ``profiling`` events, not the round's work; predicted: the slowest
+    planned round of the devices that trained, ``splitfed.coordinator.participants_s``, and the round's fixed cost
+    beyond them as earlier rounds measured it, ``splitfed.coordinator.fixed_price``) and ``refitted_s``, the
+    prediction as the closed loop corrected it from the rounds before (``splitfed.coordinator.refitted_s``: the
+    fixed per-round costs and the devices' real speed; None until rounds are measured), the bytes the U-split moved
+    on the MECs' LANs and the bytes that crossed the WAN (models between the coordinator and the MECs or the
+    devices), updates refused, devices left out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
