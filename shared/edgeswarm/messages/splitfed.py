@@ -123,7 +123,8 @@ class SplitPrepare(Message):
     handshakes). Both open the data-plane connections their tensors of the job take: to ``peers`` (a device's: its
     MEC; an MEC's: its devices, and the sender's coordinator). A device then builds the job's model and trains one
     step of it on partition ``index``'s first batch with throwaway weights, and times a round's setup as a round
-    does it; an MEC builds the job's reassembly of its devices' models. Answered SplitPrepared."""
+    does it; an MEC builds the job's reassembly of its devices' models and runs its label-distribution estimate once
+    on throwaway weights. Answered SplitPrepared."""
 
     MAX_BYTES = 256 * 1024
 

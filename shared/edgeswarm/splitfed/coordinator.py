@@ -118,9 +118,9 @@ class SplitfedRunner(RoundProgram):
         self.base: dict[str, float] = {}  # what earlier jobs measured of each device, applied to its profiled speed
         self.measured = gather.Measured()
         # What the planner's model leaves out, as measured: each device's seconds before its first step (its first
-        # round in the job builds its part and reads its data for the first time: 2-4x a later round's, so those
-        # are a window of their own, any device's, for the devices that have not trained yet) and the round's
-        # fixed cost beyond its devices' rounds (``fixed_price``).
+        # round in the job may build more: 2-4x a later round's when it did not prepare, so those are a window of
+        # their own, any device's, for the devices that have neither trained nor prepared) and the round's fixed
+        # cost beyond its devices' rounds (``fixed_price``).
         self.setups: dict[str, deque[float]] = {}
         self.first_setups: deque[float] = deque(maxlen=FIXED_WINDOW)
         # Each device asked to prepare for the job (SplitPrepare): the setup it timed, None where it did not answer.
