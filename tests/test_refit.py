@@ -89,6 +89,7 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
             fit.new_plan()
             links.new_plan()
     fit.ratios.update(links.ratios)
+    fit.weights.update(links.weights)
     return plan, replans, fit
 
 
@@ -170,6 +171,25 @@ def test_one_outlier_round_does_not_swing_the_fit() -> None:
     assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}
     fit.add({"a": 0.1, "b": 0.0}, {"a": 1e9, "b": 1.0})  # no prediction for b: not fitted; a is clipped
     assert "b" not in fit.scales() and fit.scales()["a"] <= 64.0
+
+
+def test_what_a_job_saves_counts_each_round_by_how_much_the_device_computed_in_it() -> None:
+    """A device 8x slower than profiled, moved off to a few units whose per-call costs the profile prices: three of
+    its last five rounds measure it at 1.16x, on a tenth of the seconds of the two before. What the job saves is 8x
+    (each round weighted by its predicted seconds), where the plain median said 1.16x (CI, test_serve_rebalance)."""
+    from edgeswarm.stats import weighted_median
+
+    fit = ScaleFit(sliver=0.0)
+    for _ in range(2):
+        fit.add({"a": 0.010}, {"a": 0.080})
+    for _ in range(3):
+        fit.add({"a": 0.001}, {"a": 0.00116})
+    assert fit.scales()["a"] == pytest.approx(1.16)  # the running plan is priced on its own rounds
+    assert fit.measured()["a"] == pytest.approx(8.0)
+    assert weighted_median([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0  # equal weights: the median
+    assert weighted_median([1.0, 2.0], [1.0, 1.0]) == 1.0  # the lower one at a tie
+    with pytest.raises(ValueError):
+        weighted_median([1.0], [0.0])
 
 
 def test_after_a_replan_a_key_is_fitted_on_the_running_plan_once_it_has_a_round_on_it() -> None:

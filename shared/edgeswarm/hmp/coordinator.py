@@ -243,7 +243,7 @@ class HmpRunner(ServingProgram[HmpPlan, _Request]):
 
     def stop(self) -> None:
         """Stop serving, and save what the job measured of each device's speed (with the closed loop on)."""
-        fitted = self.refit_loop.scales()
+        fitted = self.refit_loop.measured()
         if self.closed_loop and self.cluster is not None and fitted:
             said = save_measured(ProfileCache(self.bus.settings.profile_dir), _keyed(self.cluster, fit_key(self.spec)),
                                  self.base_scales, fitted, self.refit_loop.rounds(), "serve")

@@ -151,7 +151,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
 
     def stop(self) -> None:
         """Stop serving, and save what the job measured of each stage device's speed (with the closed loop on)."""
-        fitted = self.refit_loop.scales()
+        fitted = self.refit_loop.measured()
         if self.closed_loop and self.cluster is not None and fitted:
             said = save_measured(ProfileCache(self.bus.settings.profile_dir), self.cluster, self.base_scales, fitted,
                                  self.refit_loop.rounds(), "serve")

@@ -32,6 +32,7 @@ from statistics import median
 from typing import Generic, Protocol, TypeVar
 
 from edgeswarm.planning.vocabulary import link_matrices, message_matrix
+from edgeswarm.stats import weighted_median
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkSample
 
 SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
@@ -105,6 +106,7 @@ class ScaleFit:
     window: int = 5
     sliver: float = SLIVER
     ratios: dict[str, deque[float]] = field(default_factory=dict)
+    weights: dict[str, deque[float]] = field(default_factory=dict)  # each ratio's predicted seconds
     _fresh: dict[str, int] = field(default_factory=dict, init=False)  # each key's last ratios on the running plan
 
     def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
@@ -118,6 +120,7 @@ class ScaleFit:
             expected = predicted.get(node, 0.0)
             if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
                 self.ratios.setdefault(node, deque(maxlen=self.window)).append(seconds / expected)
+                self.weights.setdefault(node, deque(maxlen=self.window)).append(expected)
                 self._fresh[node] = min(self.window, self._fresh.get(node, 0) + 1)
 
     def new_plan(self) -> None:
@@ -137,11 +140,14 @@ class ScaleFit:
         return out
 
     def measured(self) -> dict[str, float]:
-        """Each key's scale over every round the window holds, whichever plan ran them (the median, clipped): what
-        the job measured of it, to save for the next job. ``scales`` prices the running plan and so prefers its own
-        rounds, but a device a re-plan left a few units measures those units' error against the profile: one round
-        of it made a TX2-like device's saved speed 0.41x what its three rounds before had measured."""
-        return {key: min(MAX_SCALE, max(MIN_SCALE, median(r))) for key, r in self.ratios.items() if r}
+        """Each key's scale over every round the window holds, whichever plan ran them: what the job measured of it,
+        to save for the next job (clipped). ``scales`` prices the running plan and so prefers its own rounds, but a
+        device a re-plan left a few units measures those units' error against the profile: one round of it made a
+        TX2-like device's saved speed 0.41x what its three rounds before had measured. So each round counts by its
+        predicted seconds (a weighted median): a device 8x slower than profiled, moved off to a few units whose
+        per-call costs the profile prices, measured 1.16x there in three rounds of five and was saved at 1.16x."""
+        return {key: min(MAX_SCALE, max(MIN_SCALE, weighted_median(r, self.weights[key])))
+                for key, r in self.ratios.items() if r}
 
     def rounds(self) -> dict[str, int]:
         """How many measured rounds each device's scale is fitted from (at most ``window``)."""
@@ -279,6 +285,11 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
     def rounds(self) -> dict[str, int]:
         with self._lock:
             return self.fit.rounds() | self.link_fit.rounds()
+
+    def measured(self) -> dict[str, float]:
+        """What the job measured of each device and link, to save for the next job (``ScaleFit.measured``)."""
+        with self._lock:
+            return self.fit.measured() | self.link_fit.measured()
 
     def new_plan(self) -> None:
         with self._lock:
