@@ -177,7 +177,7 @@ def test_what_a_job_saves_counts_each_round_by_how_much_the_device_computed_in_i
     """A device 8x slower than profiled, moved off to a few units whose per-call costs the profile prices: three of
     its last five rounds measure it at 1.16x, on a tenth of the seconds of the two before. What the job saves is 8x
     (each round weighted by its predicted seconds), where the plain median said 1.16x (CI, test_serve_rebalance)."""
-    from edgeswarm.stats import weighted_median
+    from edgeswarm.planning.refit import weighted_median
 
     fit = ScaleFit(sliver=0.0)
     for _ in range(2):

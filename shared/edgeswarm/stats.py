@@ -13,22 +13,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q * len(values)) - 1))]
 
 
-def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The value at which the ``weights`` (non-negative, summing above 0) of the smaller values and of the larger
-    ones each reach half the total: the lower one at a tie, as ``percentile`` does. Raises ValueError when there is
-    no value or no weight."""
-    pairs = sorted(zip(values, weights, strict=True))
-    total = sum(w for _, w in pairs)
-    if not pairs or total <= 0:
-        raise ValueError("a weighted median needs a value with a positive weight")
-    seen = 0.0
-    for value, weight in pairs:
-        seen += weight
-        if seen >= total / 2:
-            return value
-    return pairs[-1][0]
-
-
 def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 1.2,
                slope_bounds: tuple[float, float] = (0.25, 16.0)) -> tuple[float, float] | None:
     """A robust ``y = slope * x + intercept`` through the pairs (predicted seconds ``xs``, measured ``ys``): the

@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Generic, Protocol, TypeVar
 
 from edgeswarm.planning.vocabulary import link_matrices, message_matrix
-from edgeswarm.stats import weighted_median
 from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE, ClusterProfile, LinkSample
 
 SLIVER = 0.1  # a device's share of the compute below which its measured time says nothing of its speed
@@ -95,6 +94,22 @@ def scaled(cluster: ClusterProfile, scales: dict[str, float]) -> ClusterProfile:
         links.append(link if f == 1.0 else link.model_copy(update={
             "bandwidth_bps": link.bandwidth_bps / f, "message_s": link.message_s * f, "hop_s": link.hop_s * f}))
     return cluster.model_copy(update={"devices": entries, "links": links})
+
+
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value at which the ``weights`` (non-negative, summing above 0) of the smaller values and of the larger
+    ones each reach half the total, the lower one at a tie. Raises ValueError when there is no value or no
+    weight."""
+    pairs = sorted(zip(values, weights, strict=True))
+    total = sum(w for _, w in pairs)
+    if not pairs or total <= 0:
+        raise ValueError("a weighted median needs a value with a positive weight")
+    seen = 0.0
+    for value, weight in pairs:
+        seen += weight
+        if seen >= total / 2:
+            return value
+    return pairs[-1][0]
 
 
 @dataclass
