@@ -318,7 +318,10 @@ def test_a_device_killed_mid_round_is_left_out_and_the_round_completes(cluster: 
     events: list[JobEvent] = []
     follower = JobFollower(cluster.bus, name, on_event=events.append)
     submit_job(cluster.bus, text, submission=follower.submission)
-    wait_until(lambda: any(e.kind == "round_started" for e in events), 120, message="round 0 started")
+    # The event and the state that carries the plan come on different topics, handled on different threads:
+    # wait for both.
+    wait_until(lambda: any(e.kind == "round_started" for e in events) and follower.state is not None
+               and isinstance(follower.state.plan, SplitSelection), 120, message="round 0 started")
     state = follower.state
     assert state is not None and isinstance(state.plan, SplitSelection)
     node = state.plan.selected[0].node
