@@ -4,7 +4,6 @@ the device's own round loop (edgeswarm.splitfed.worker)."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -160,7 +159,8 @@ def test_a_pruned_round_trains_what_the_rule_keeps_and_is_whole_model_sgd_over_i
     monkeypatch.setattr(compute_module, "local_batches", recorded)
     device = _DeviceWithMecHere(mec)
     job = SimpleNamespace(enrol=SplitEnrol(job_id="j", round=r, mec="edge-0", index=index, setup=setup))
-    report = device._epochs(job, part, r, 6_000_000, threading.Event(), time.monotonic())  # type: ignore[arg-type]
+    report = device._epochs(job, part, part.partition_data(index), r, 6_000_000, threading.Event(),  # type: ignore[arg-type]
+                            0.0)
     trained = Reassembly(setup, compute=compute).full_state(cut, part.flat(), mec.state())
 
     dataset, split = partition_of(setup)

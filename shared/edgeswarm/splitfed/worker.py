@@ -33,6 +33,7 @@ from edgeswarm.errors import ConfigError, EdgeswarmError, MemoryBudgetError
 from edgeswarm.logs import RateLimitedLog
 from edgeswarm.messages.splitfed import (
     DeviceReport,
+    RoundSetup,
     SplitDone,
     SplitEnrol,
     SplitEnrolled,
@@ -45,7 +46,7 @@ from edgeswarm.runtime.exchange import ExchangeAborted, ExchangeFailed, Exchange
 from edgeswarm.runtime.program import JobTable
 from edgeswarm.runtime.senders import count_stranger, stranger
 from edgeswarm.service_registry import MEC_MANAGER
-from edgeswarm.splitfed.compute import DevicePart, point_of, run_epochs
+from edgeswarm.splitfed.compute import DeviceData, DevicePart, point_of, run_epochs
 from edgeswarm.splitfed.prepare import Preparer, reach
 from edgeswarm.values.limits import MAX_MEMORY_BYTES
 from edgeswarm.wire import Message
@@ -130,16 +131,12 @@ class DeviceProgram(JobTable[_Job]):
             data = whole.partition_data(body.index)
             if data.size:
                 whole.local_step(*data.batch(np.arange(min(training.batch_size, data.size))))
-            # A round's setup in the job's mode, as _train and _epochs time it (its deepest cut: the build is the
-            # part that grows with the cut), its memory planned as if the budget had room (no recomputation).
+            # A round's setup in the job's mode, as _train times it (its deepest cut: the build is the part that
+            # grows with the cut), its memory planned as if the budget had room (no recomputation).
             began = time.monotonic()
             point = point_of(body.setup, 1)
-            part = DevicePart(body.setup, point.units - max(point.tail, 1), compute=self.ctx.compute,
-                              gate=self.ctx.gate, run=self.ctx.device.run)
-            ledger.reserve(PROGRAM, body.job_id, part.static_bytes(), part=PREPARE, what=what)
-            part.load(part.flat())
-            part.plan_memory(MAX_MEMORY_BYTES)
-            part.partition_data(body.index)
+            self._set_up_part(body.setup, point.units - max(point.tail, 1), None, body.job_id, body.index,
+                              MAX_MEMORY_BYTES, what=what, part=PREPARE)
             return time.monotonic() - began
         finally:
             ledger.release(PROGRAM, body.job_id, part=PREPARE)
@@ -230,14 +227,11 @@ class DeviceProgram(JobTable[_Job]):
         try:
             use_device_threads(self.ctx.device)  # this round's thread computes as the device: its threads, its speed
             began = time.monotonic()
-            part = DevicePart(enrol.setup, part_msg.cut, compute=self.ctx.compute, gate=self.ctx.gate,
-                              run=self.ctx.device.run)
             budget = self._budget(enrol)
-            self.ctx.ledger.reserve(PROGRAM, enrol.job_id, part.static_bytes(), what=f"split learning job "
-                                    f"{enrol.job_id}'s device part (cut {part_msg.cut})")
-            part.load(flat)
-            part.plan_memory(budget)
-            report = self._epochs(job, part, r, budget, stop, began)
+            part, data = self._set_up_part(enrol.setup, part_msg.cut, flat, enrol.job_id, enrol.index, budget,
+                                           what=f"split learning job {enrol.job_id}'s device part (cut "
+                                                f"{part_msg.cut})")
+            report = self._epochs(job, part, data, r, budget, stop, time.monotonic() - began)
             weights = part.flat()
         except (ExchangeTimeout, ExchangeFailed, ExchangeAborted) as exc:
             report = report.model_copy(update={"detail": f"the MEC's tensors stopped: {exc}"[:1024]})
@@ -261,12 +255,21 @@ class DeviceProgram(JobTable[_Job]):
         except EdgeswarmError as exc:
             log.warning("splitfed job %s round %d: could not send the trained part: %s", enrol.job_id, r, exc)
 
-    def _epochs(self, job: _Job, part: DevicePart, r: int, budget: int, stop: threading.Event,
-                began: float) -> DeviceReport:
-        """The round's epochs; ``began``: when its work began (monotonic seconds), for its setup time."""
+    def _set_up_part(self, setup: RoundSetup, cut: int, flat: torch.Tensor | None, job_id: str, index: int,
+                     budget: int, *, what: str, part: str = "") -> tuple[DevicePart, DeviceData]:
+        """A round's setup: the device's part of ``setup`` at ``cut`` built, held in the memory ledger (as ``part``
+        of the job's holding), loaded with ``flat`` (None: the weights it was built with), its memory planned for
+        ``budget`` bytes, and its partition ``index`` read. The caller releases the holding."""
+        device_part = DevicePart(setup, cut, compute=self.ctx.compute, gate=self.ctx.gate, run=self.ctx.device.run)
+        self.ctx.ledger.reserve(PROGRAM, job_id, device_part.static_bytes(), what=what, part=part)
+        device_part.load(device_part.flat() if flat is None else flat)
+        device_part.plan_memory(budget)
+        return device_part, device_part.partition_data(index)
+
+    def _epochs(self, job: _Job, part: DevicePart, data: DeviceData, r: int, budget: int, stop: threading.Event,
+                setup_s: float) -> DeviceReport:
+        """The round's epochs on ``data``; ``setup_s``: the seconds ``_set_up_part`` took, for the report."""
         enrol, training = job.enrol, job.enrol.setup.training
-        data = part.partition_data(enrol.index)
-        setup_s = time.monotonic() - began
         done = run_epochs(part, data, enrol.index, r,
                           lambda step, x, y, last: self._iteration(job, part, r, step, x, y, last), stop)
         vanilla = training.mode == "vanilla"  # the server computed the loss: the device never sees it
