@@ -157,6 +157,9 @@ def test_each_device_reports_how_its_peers_tensors_of_several_chunks_arrived(bro
     assert {s.src: s for s in report.devices[c].arrivals}[b].bytes > 0, report.devices[c].arrivals
 
 
+# Alone: another test's load beside it once had the loop measure a device at 1.81x and two healthy links at
+# 1.45x-1.94x their profile, and re-plan on those before it had fitted the slow link (a clean-clone run).
+@pytest.mark.alone
 def test_a_link_slower_than_its_profile_is_refitted_and_the_job_replans_around_it(
         broker, make_bus, services, tmp_path: Path) -> None:
     """The profile prices every link at 12.5 MB/s, and the workers' links carry that, but for one pair of
