@@ -267,7 +267,7 @@ def test_one_percent_loss_on_every_link_costs_no_request_and_no_weight(net: Net)
     try:
         started = time.monotonic()
         run = train(net, None)
-        assert progress(run).reconfigurations == 0
+        assert progress(run).reconfigurations == 0, [(e.kind, e.detail) for _, e in run.events]
         assert_uninterrupted(net, run)
         net.record("1% loss on every link: training", job_s=round(time.monotonic() - started, 2), replans=0)
         serve_through(net, None, "1% loss on every link: serving")

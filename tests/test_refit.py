@@ -80,6 +80,7 @@ def run_loop(profile: ClusterProfile, truth: ClusterProfile, rounds: int, *, noi
         links.add(*link_fit_inputs(profile, arrivals(plan, truth, noise, rng)))
         rebalancer.round_done()
         if not fit.moved() and not links.moved():
+            rebalancer.nothing_moved()
             continue
         priced = pricing.priced(plan, profile, fit.scales() | links.scales(), best=True)
         assert priced.best is not None
@@ -171,6 +172,49 @@ def test_one_outlier_round_does_not_swing_the_fit() -> None:
     assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}
     fit.add({"a": 0.1, "b": 0.0}, {"a": 1e9, "b": 1.0})  # no prediction for b: not fitted; a is clipped
     assert "b" not in fit.scales() and fit.scales()["a"] <= 64.0
+
+
+def test_a_device_whose_prediction_is_mostly_its_calls_cold_cost_is_not_fitted() -> None:
+    """Device b computes two tiny units: the profile predicts 20 ms, 19 of them the cold cost it prices a call at (the
+    whole model's), over a tenth of a's 100 ms; it measures 4 ms. Fitted, b would read 5x faster than profiled."""
+    profile = profiled()
+    cold = ClusterProfile.model_validate({**profile.model_dump(), "devices": [
+        {**e.model_dump(), "compute": {**e.compute.model_dump(), "cold_forward_s": 0.01, "cold_backward_s": 0.02}}
+        for e in profile.devices]})
+    plan = best(profile)
+    with_cold, units = predicted_compute_s(plan, cold), predicted_compute_s(plan, cold, cold=False)
+    assert units == pytest.approx(predicted_compute_s(plan, profile))
+    assert all(with_cold[n] == pytest.approx(units[n] + 0.03) for n in units)
+
+    fit = ScaleFit()
+    for _ in range(3):
+        fit.add({"a": 0.1, "b": 0.02}, {"a": 0.1, "b": 0.004}, {"a": 0.1, "b": 0.001})
+    assert "b" not in fit.scales() and fit.scales() == {"a": pytest.approx(1.0)}
+    fit.add({"a": 0.1, "b": 0.02}, {"a": 0.1, "b": 0.004})  # judged on its prediction with the cold cost: fitted
+    assert fit.scales()["b"] == pytest.approx(0.2)
+
+
+def test_a_scale_moves_only_once_three_rounds_measured_it() -> None:
+    """The median of one round is that round, and of two their mean: a job's first checks would read fits that one
+    slow round makes, so a key moves only once ``min_samples`` rounds measured it."""
+    fit = ScaleFit()
+    fit.add({"a": 0.1}, {"a": 0.5})  # one round 5x: a retransmission, a neighbour's burst
+    fit.add({"a": 0.1}, {"a": 0.1})
+    assert fit.scales() == {"a": pytest.approx(3.0)} and fit.moved() == {}
+    fit.add({"a": 0.1}, {"a": 0.1})
+    assert fit.scales() == {"a": pytest.approx(1.0)} and fit.moved() == {}
+    fit.add({"a": 0.1}, {"a": 0.3})
+    fit.add({"a": 0.1}, {"a": 0.3})
+    assert fit.moved() == {"a": pytest.approx(3.0)}  # three rounds of five say 3x
+
+
+def test_a_check_at_which_nothing_moved_ends_the_rebalancers_streak() -> None:
+    r = Rebalancer(margin=0.1, confirm=2, min_rounds=1)
+    r.round_done()
+    assert not r.check(1.0, 0.5, now=0.0)
+    r.nothing_moved()
+    assert r.gain == 0.0 and not r.check(1.0, 0.5, now=1.0)  # not two checks in a row
+    assert r.check(1.0, 0.5, now=2.0)
 
 
 def test_what_a_job_saves_counts_each_round_by_how_much_the_device_computed_in_it() -> None:

@@ -252,7 +252,8 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         self.link_fit = ScaleFit(sliver=0.0)  # keyed link_key: each link's measured arrivals over profiled
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``profile``)
         self.rebalancer = Rebalancer()
-        self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled compute per device)
+        # (plan epoch, profiled compute per device, the same without the calls' cold costs)
+        self._predicted: tuple[int, dict[str, float], dict[str, float]] = (-1, {}, {})
         self.pricing: RefitPricing[Plan, ClusterProfile] = RefitPricing(reprice, full_plan, scaled)
 
     @classmethod
@@ -401,11 +402,12 @@ class HppCoordinator(CoordinatorProgram[Plan]):
             # Its stages' allocators grow and their threads start: MobileNetV2's devices computed 1.2x to 2x a later
             # round's time in it, which says nothing of their speed. Fitted, it made a 3-round job's last refitted
             # round (the median of two) twice the measured one; the benches leave it untimed too.
-            self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
+            self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster),
+                               predicted_compute_s(plan, self.cluster, cold=False))
             return
         self.link_fit.add(*link_fit_inputs(self.cluster, {node: r.arrivals for node, r in done.devices.items()}))
         self.fit.add(self._predicted[1], {node: (sum(r.forward_s) + sum(r.backward_s)) / len(r.forward_s)
-                                          for node, r in done.devices.items() if r.forward_s})
+                                          for node, r in done.devices.items() if r.forward_s}, self._predicted[2])
 
     def _scales(self) -> dict[str, float]:
         """The fit now: each device's compute scale and each link's (planning.refit.scaled's keys)."""
@@ -417,6 +419,7 @@ class HppCoordinator(CoordinatorProgram[Plan]):
         assert self.driver is not None and self.cluster is not None and self.result is not None
         moved = self.fit.moved() | self.link_fit.moved()
         if not moved:
+            self.rebalancer.nothing_moved()
             return
         started = time.monotonic()
         try:

@@ -133,7 +133,8 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
             reprice, lambda _plan, profile: plan_serving(profile, self.spec.options()), scaled),
             cost=lambda plan: plan.bottleneck_s)
         self.base_scales: dict[str, float] = {}  # what earlier jobs measured, applied to the profile (``measure``)
-        self._predicted: tuple[int, dict[str, float]] = (-1, {})  # (plan epoch, profiled forward per device)
+        # (plan epoch, profiled forward per device, the same without the call's cold cost)
+        self._predicted: tuple[int, dict[str, float], dict[str, float]] = (-1, {}, {})
 
     # --- the job: the serving skeleton's hooks ----------------------------------------------------------
 
@@ -370,10 +371,11 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         with self._changed:
             if self._predicted[0] != plan.epoch:
                 try:
-                    self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster))
+                    self._predicted = (plan.epoch, predicted_compute_s(plan, self.cluster),
+                                       predicted_compute_s(plan, self.cluster, cold=False))
                 except KeyError:  # a device of the plan no longer in the profile: nothing to compare with
-                    self._predicted = (plan.epoch, {})
-            predicted = self._predicted[1]
+                    self._predicted = (plan.epoch, {}, {})
+            predicted, units = self._predicted[1], self._predicted[2]
         senders = {before.device: after.device for before, after in zip(plan.stages, plan.stages[1:], strict=False)}
         received: dict[str, list[LinkSample]] = {}
         for sample in body.arrivals:
@@ -384,7 +386,7 @@ class PipelineRunner(ServingProgram[ServePlan, _Request]):
         except ProfileError:  # a pair of the plan's devices with no link measurement: nothing to compare with
             links = None
         self.refit_loop.add(predicted, {s.device: t for s, t in zip(plan.stages, body.compute_s, strict=True)},
-                            links)
+                            links, units)
 
     def progress(self) -> dict[str, Any]:
         """The progress fields of the job's state now (see ServeProgress)."""

@@ -116,24 +116,32 @@ def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
 class ScaleFit:
     """Each key's (a device's compute, or a link's transfers) measured over predicted seconds, its last ``window``
     rounds: ``add`` one round, ``scales`` the fit (the median, clipped to [MIN_SCALE, MAX_SCALE]), of the rounds on
-    the running plan where the key has some (``new_plan``). ``sliver``: see ``add``."""
+    the running plan where the key has some (``new_plan``). ``sliver``: see ``add``; ``min_samples``: see ``moved``."""
 
     window: int = 5
     sliver: float = SLIVER
+    min_samples: int = 3
     ratios: dict[str, deque[float]] = field(default_factory=dict)
     weights: dict[str, deque[float]] = field(default_factory=dict)  # each ratio's predicted seconds
     _fresh: dict[str, int] = field(default_factory=dict, init=False)  # each key's last ratios on the running plan
 
-    def add(self, predicted: dict[str, float], measured: dict[str, float]) -> None:
+    def add(self, predicted: dict[str, float], measured: dict[str, float],
+            units: dict[str, float] | None = None) -> None:
         """One round: ``measured`` seconds per key (a device's forward and backward of one micro-batch, say), beside
-        the ``predicted`` ones. A key with no prediction or no positive figure is skipped, and so is one predicted
-        less than ``sliver`` of the busiest key's: for a device, what it measures is then mostly the runtime's
-        per-call costs around its few units (a unit profiled at 0 s still takes milliseconds), not its speed; its
-        scale stays what earlier rounds fitted."""
-        floor = self.sliver * max(predicted.values(), default=0.0)
+        the ``predicted`` ones. A key with no prediction or no positive figure is skipped, and so is one whose
+        ``units`` seconds (its prediction without the per-call costs the profile prices for it; ``predicted`` when
+        None) are less than ``sliver`` of the busiest key's: for a device, what it measures is then mostly the
+        runtime's per-call costs around its few units (a unit profiled at 0 s still takes milliseconds), not its
+        speed; its scale stays what earlier rounds fitted. The per-call costs are left out of that comparison
+        because the profile prices a call's cold cost as the whole model's: a TX2-like device given MobileNetV2's
+        last 2 of 72 units was predicted mostly that cost, over a tenth of the busiest device's seconds, measured
+        0.18x of it, and the re-plan that took it for 5x faster gave it 38 units it computed 4x slower than
+        predicted."""
+        basis = predicted if units is None else units
+        floor = self.sliver * max(basis.values(), default=0.0)
         for node, seconds in measured.items():
             expected = predicted.get(node, 0.0)
-            if expected > 0 and expected >= floor and seconds > 0 and math.isfinite(seconds):
+            if expected > 0 and basis.get(node, 0.0) >= floor and seconds > 0 and math.isfinite(seconds):
                 self.ratios.setdefault(node, deque(maxlen=self.window)).append(seconds / expected)
                 self.weights.setdefault(node, deque(maxlen=self.window)).append(expected)
                 self._fresh[node] = min(self.window, self._fresh.get(node, 0) + 1)
@@ -169,8 +177,11 @@ class ScaleFit:
         return {node: len(r) for node, r in self.ratios.items()}
 
     def moved(self, tolerance: float = 0.15) -> dict[str, float]:
-        """The scales that moved from 1 by more than ``tolerance`` (a fraction either way)."""
-        return {n: s for n, s in self.scales().items() if abs(math.log(s)) > math.log1p(tolerance)}
+        """The scales that moved from 1 by more than ``tolerance`` (a fraction either way), of the keys measured in
+        ``min_samples`` rounds or more: a job's first checks would otherwise read the median of one round, that
+        round's outlier, and of two, their mean, which one outlier swings."""
+        return {n: s for n, s in self.scales().items()
+                if len(self.ratios[n]) >= self.min_samples and abs(math.log(s)) > math.log1p(tolerance)}
 
 
 @dataclass
@@ -195,6 +206,11 @@ class Rebalancer:
         """The job runs on another plan from now on (re-planned, recovered, grown): its rounds count afresh."""
         self._rounds = self._streak = 0
         self.gain = None
+
+    def nothing_moved(self) -> None:
+        """A check at which no scale had moved: nothing to gain, so the checks in a row start over."""
+        self._streak = 0
+        self.gain = 0.0
 
     def check(self, current_s: float, best_s: float, now: float) -> bool:
         """Whether to re-plan now (counted against the hourly cap when True)."""
@@ -275,13 +291,15 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
     _links: dict[str, tuple[float, float]] = field(default_factory=dict, init=False)
 
     def add(self, predicted: dict[str, float], measured: dict[str, float],
-            links: tuple[dict[str, float], dict[str, float]] | None = None) -> None:
-        """One unit of work measured (``ScaleFit.add``): each device's compute and, with ``links``, each link's
-        predicted and measured seconds (``link_fit_inputs`` with no floor); counted on the running plan. A served
-        item's tensors may take a few milliseconds on a link: a link's seconds are summed over units until their
-        prediction reaches MIN_LINK_S, then fitted as one sample, so timing noise does not make its scale."""
+            links: tuple[dict[str, float], dict[str, float]] | None = None,
+            units: dict[str, float] | None = None) -> None:
+        """One unit of work measured (``ScaleFit.add``, ``units`` as there): each device's compute and, with
+        ``links``, each link's predicted and measured seconds (``link_fit_inputs`` with no floor); counted on the
+        running plan. A served item's tensors may take a few milliseconds on a link: a link's seconds are summed
+        over units until their prediction reaches MIN_LINK_S, then fitted as one sample, so timing noise does not
+        make its scale."""
         with self._lock:
-            self.fit.add(predicted, measured)
+            self.fit.add(predicted, measured, units)
             if links is not None:
                 for key, seconds in links[0].items():
                     before, seen = self._links.pop(key, (0.0, 0.0))
@@ -324,7 +342,11 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
         pricing raises."""
         with self._lock:
             moved = self.fit.moved() | self.link_fit.moved()
-        priced = self.priced(plan, profile, best=True) if moved else None
+        if not moved:
+            with self._lock:
+                self.rebalancer.nothing_moved()
+            return None
+        priced = self.priced(plan, profile, best=True)
         if priced is None or priced.best is None:
             return None
         with self._lock:

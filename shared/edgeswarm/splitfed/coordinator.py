@@ -110,7 +110,7 @@ class SplitfedRunner(RoundProgram):
         self.used: set[tuple[str, str]] = set()  # the (node, service) the job asked for, released when it ends
         # The closed loop: each device's measured compute over what its profiled speed predicts, and the scales the
         # rounds plan on (those that moved; ``_planned_speeds``).
-        self.fit = ScaleFit(sliver=0.0)
+        self.fit = ScaleFit(sliver=0.0, min_samples=MIN_FIT_ROUNDS)
         self.applied: dict[str, float] = {}
         # The first round planned on ``applied``: the rounds before it were predicted on other speeds, so a line
         # through them would count the change again (``refitted_s``).
@@ -419,8 +419,7 @@ class SplitfedRunner(RoundProgram):
         event when the fitted ones change."""
         if not self.bus.settings.rebalance:
             return self.measured
-        rounds = self.fit.rounds()
-        moved = {n: s for n, s in self.fit.moved().items() if rounds.get(n, 0) >= MIN_FIT_ROUNDS}
+        moved = self.fit.moved()
         if moved.keys() != self.applied.keys() or not same_fit(self.applied, moved):
             self.applied, self.applied_since = moved, self.round
             said = (f"round {self.round} plans on the devices' speeds as measured: {speeds(moved)} (measured compute "

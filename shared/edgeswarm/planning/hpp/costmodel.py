@@ -169,9 +169,11 @@ class CostModel:
         return self._call_s(self.bwd, self.cold_bwd, devices, shares, start, end)
 
     def compute_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
-                  end: np.ndarray | int) -> np.ndarray:
-        """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``)."""
-        return self._call_s(self.both, self.cold_both, devices, shares, start, end)
+                  end: np.ndarray | int, cold: bool = True) -> np.ndarray:
+        """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``); without the calls' cold
+        costs when not ``cold``."""
+        return self._call_s(self.both, self.cold_both if cold else np.zeros_like(self.cold_both), devices, shares,
+                            start, end)
 
     @staticmethod
     def _call_s(table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,

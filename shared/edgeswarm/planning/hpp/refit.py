@@ -12,16 +12,17 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.values.profiles import ClusterProfile
 
 
-def predicted_compute_s(plan: Plan, cluster: ClusterProfile) -> dict[str, float]:
+def predicted_compute_s(plan: Plan, cluster: ClusterProfile, cold: bool = True) -> dict[str, float]:
     """Each device of ``plan``: the forward plus backward seconds of its share of one micro-batch on its stage, as
-    ``cluster`` prices it."""
+    ``cluster`` prices it; its units' alone, without the calls' cold costs, when not ``cold`` (``ScaleFit.add``'s
+    ``units``)."""
     cm = CostModel(cluster, plan.options)
     index = {d.node: i for i, d in enumerate(cm.devices)}
     out: dict[str, float] = {}
     for stage in plan.stages:
         for node, share in zip(stage.devices, stage.shares, strict=True):
             i = index[node]
-            out[node] = float(cm.compute_s(i, share, stage.start, stage.end))
+            out[node] = float(cm.compute_s(i, share, stage.start, stage.end, cold))
     return out
 
 

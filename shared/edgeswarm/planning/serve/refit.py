@@ -17,12 +17,13 @@ def _costs_and_candidate(plan: ServePlan, cluster: ClusterProfile) -> tuple[Serv
                             devices=tuple(index[s.device] for s in plan.stages), method=plan.method)
 
 
-def predicted_compute_s(plan: ServePlan, cluster: ClusterProfile) -> dict[str, float]:
+def predicted_compute_s(plan: ServePlan, cluster: ClusterProfile, cold: bool = True) -> dict[str, float]:
     """Each stage device of ``plan``: seconds of its stage's forward of one full micro-batch, as ``cluster`` prices
-    it. Raises KeyError when a device of the plan is not in ``cluster``."""
+    it; its units' alone, without the call's cold cost, when not ``cold`` (``ScaleFit.add``'s ``units``). Raises
+    KeyError when a device of the plan is not in ``cluster``."""
     costs, cand = _costs_and_candidate(plan, cluster)
-    return {costs.nodes[d]: float(costs.compute_s(d, s, e)) for (s, e), d in zip(cand.bounds, cand.devices,
-                                                                                    strict=True)}
+    return {costs.nodes[d]: float(costs.compute_s(d, s, e)) - (0.0 if cold else costs.cold_s(d))
+            for (s, e), d in zip(cand.bounds, cand.devices, strict=True)}
 
 
 def reprice(plan: ServePlan, cluster: ClusterProfile) -> ServePlan:
