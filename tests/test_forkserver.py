@@ -130,6 +130,14 @@ def test_a_child_runs_in_the_network_namespace_its_request_names(server: ForkSer
     name = f"esfork{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
+        # A new namespace's loopback is down: the MQTT client cannot start there, and says so in one line.
+        down = server.spawn("node-agent", {"EDGESWARM_HUB_URL": "mqtt://127.0.0.1:9"}, tmp_path / "down.log",
+                            netns=name)
+        assert down.wait(60) == 1
+        assert "bring the loopback interface up" in (tmp_path / "down.log").read_text()
+        assert "Traceback" not in (tmp_path / "down.log").read_text()
+        # With it up the child lives, retrying a broker that refuses it, for as long as the check below needs.
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         child = server.spawn("node-agent", {"EDGESWARM_HUB_URL": "mqtt://127.0.0.1:9"}, tmp_path / "ns.log",
                              netns=name)
         try:

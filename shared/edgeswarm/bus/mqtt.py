@@ -720,7 +720,15 @@ class MqttConnection:
         self._closing = False
         self._socket_opened_at = None
         self._connect_async()
-        self._client.loop_start()
+        try:
+            self._client.loop_start()
+        except OSError as exc:
+            # paho wakes its network thread through a socket pair it connects on 127.0.0.1: in a network
+            # namespace whose loopback is down that fails before any broker is tried.
+            raise BrokerUnavailableError(
+                f"cannot start the MQTT client for {self.url}: {exc} on 127.0.0.1, which the client needs for its "
+                "own wake-ups; bring the loopback interface up (in a network namespace: ip link set lo up)"
+            ) from exc
 
     def _connect_async(self) -> None:
         kwargs: dict[str, Any] = {}
