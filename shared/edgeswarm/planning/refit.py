@@ -1,21 +1,21 @@
 """The closed loop's fit, shared by every kind that plans on measured speeds (HPP training, pipelined and
 tensor-parallel serving, split learning's rounds).
 
-A profile is measured once, alone; the devices then compute beside the bus's threads, other jobs, thermal limits
-or a neighbour's load, so a device may run at a different speed than profiled, and a link may carry less than its
-probe did. Each unit of work (a training round, a served micro-batch) a job knows what every device of its plan took
-for its part and what the profile predicted for it: their ratio is the device's ``scale``; and what its tensors of
+A profile is measured once, alone; the devices then compute beside the bus's threads, other jobs, thermal limits or a
+neighbour's load, so a device may run at a different speed than profiled, and a link may carry less than its probe
+did. Each unit of work (a training round, a served micro-batch) a job knows what every device of its plan took for
+its part and what the profile predicted for it: their ratio is the device's ``scale``; and what its tensors of
 several chunks took to arrive from each peer (``LinkSample``) beside what the link's profile prices them at: the
-link's scale, keyed ``link_key(a, b)``. ``ScaleFit`` keeps each key's ratios of the last units and fits its scale
-as their median (one outlier cannot swing it), clipped to [MIN_SCALE, MAX_SCALE]. ``scaled`` is the cluster profile
-with every device's times multiplied by its scale and every fitted link's bandwidth divided by its scale (its
-per-message costs multiplied): the refitted profile. ``Rebalancer`` decides when to re-plan on it: only when the
-best plan on the refitted profile is predicted faster than the running plan re-priced on it by more than
-``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a plan and at most ``max_per_hour``
-times an hour. A cluster that is uniformly slower than profiled (every scale alike) re-plans to the same layout:
-nothing to gain, so nothing happens. ``RefitPricing`` keeps a kind's plans priced on the refitted profile (whatever
-the kind's profile type), and ``ClosedLoop`` ties the fit, the rebalancer and the pricing together for a serving
-job's threads.
+link's scale, keyed ``link_key(a, b)``. ``ScaleFit`` keeps each key's ratios of the last units and fits its scale as
+their median (one outlier cannot swing it: a key counts as moved only once three units measured it), clipped to
+[MIN_SCALE, MAX_SCALE]. ``scaled`` is the cluster profile with every device's times multiplied by its scale and every
+fitted link's bandwidth divided by its scale (its per-message costs multiplied): the refitted profile. ``Rebalancer``
+decides when to re-plan on it: only when the best plan on the refitted profile is predicted faster than the running
+plan re-priced on it by more than ``margin``, on ``confirm`` checks in a row, at least ``min_rounds`` units into a
+plan and at most ``max_per_hour`` times an hour. A cluster that is uniformly slower than profiled (every scale alike)
+re-plans to the same layout: nothing to gain, so nothing happens. ``RefitPricing`` keeps a kind's plans priced on the
+refitted profile (whatever the kind's profile type), and ``ClosedLoop`` ties the fit, the rebalancer and the pricing
+together for a serving job's threads.
 
 Pure functions and small state over typed data; the fitted scales come from measurement only (nothing here reads
 the emulation's settings).
