@@ -342,10 +342,9 @@ class ClosedLoop(Generic[PlanT, ProfileT]):
         pricing raises."""
         with self._lock:
             moved = self.fit.moved() | self.link_fit.moved()
-        if not moved:
-            with self._lock:
+            if not moved:
                 self.rebalancer.nothing_moved()
-            return None
+                return None
         priced = self.priced(plan, profile, best=True)
         if priced is None or priced.best is None:
             return None
