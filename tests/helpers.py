@@ -60,6 +60,19 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, interval_s: fl
     pytest.fail(f"timed out after {timeout_s:.1f} s waiting for {message}")
 
 
+def wait_for_event(events: list[Any], kind: str, starts: str, timeout_s: float = 10.0) -> str:
+    """The detail of the last event of ``kind`` in ``events`` (a JobFollower's list) once it starts with ``starts``,
+    waiting up to ``timeout_s`` seconds: a job's events and its state go on two topics, which MQTT orders only each
+    on its own, so an event the job sent before it ended can arrive after the final state a follower returned on."""
+
+    def last() -> str | None:
+        details = [e.detail for e in list(events) if e.kind == kind]
+        return details[-1] if details and details[-1].startswith(starts) else None
+
+    wait_until(last, timeout_s, message=f"a {kind} event starting {starts!r}")
+    return last() or ""
+
+
 def reference_weights(job, rounds: int, *, optimizer: bool = False) -> dict:  # type: ignore[no-untyped-def]
     """``job`` (a JobSpec of a classification task) trained for ``rounds`` rounds in this process on one
     device, in the rounds' sample order: the weights (state dict) an uninterrupted distributed run ends with (with

@@ -25,7 +25,7 @@ from edgeswarm.models.text.hf import source_config
 from edgeswarm.planning.hmp.types import HmpPlan
 from edgeswarm.values.text_model import TextModelSource
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_for_peers, wait_serving, wait_until
+from helpers import wait_for_event, wait_for_peers, wait_serving, wait_until
 
 NODES = ("a", "b", "c")
 SLOW = "b"
@@ -134,8 +134,7 @@ def test_a_device_slower_than_its_profile_is_refitted_and_the_job_gives_it_less_
         throttle.join(5)
     # Stopped, it saved each device's measured speed under the served model (b's several times its profile); the
     # next job on the same model starts from it.
-    kept = of("refit")
-    assert kept and kept[-1].startswith("saved the measured speeds for the next job: "), kept
+    wait_for_event(events, "refit", "saved the measured speeds for the next job: ")
     files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/hmp-*/*.json")}
     # Above 1.5 rather than near 5: after the move b holds a sliver of each layer, which now and then runs whole in
     # the 2 ms b is let run, and the saved scale is the median of the last rounds.

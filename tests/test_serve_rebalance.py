@@ -25,7 +25,7 @@ from edgeswarm.planning.serve.types import ServePlan
 from edgeswarm.profiling.gather import profile_cluster
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
-from helpers import wait_for_peers, wait_serving, wait_until
+from helpers import wait_for_event, wait_for_peers, wait_serving, wait_until
 
 NODES = ("a", "b", "c")
 # Every device's profiler and stage-worker: computing, not messaging, is most of an item's time. 30x rather than 10x:
@@ -127,8 +127,7 @@ def test_a_stage_device_slower_than_its_profile_is_refitted_and_the_stream_moves
         follower.wait(60)
     # Stopped, it saved each stage device's measured speed (a's measured 8x its profile, where a computed), kept
     # apart from training's; the next job plans from it.
-    kept = of("refit")
-    assert kept and kept[-1].startswith("saved the measured speeds for the next job: "), kept
+    wait_for_event(events, "refit", "saved the measured speeds for the next job: ")
     files = {p.name: json.loads(p.read_text())["profile"] for p in saved.glob("refits/*/*.json")}
     assert "a.serve.json" in files and files["a.serve.json"]["work"] == "serve", files
     assert files["a.serve.json"]["scale"] > 1.5, files

@@ -18,7 +18,7 @@ from edgeswarm.splitfed.profiling import model_cost
 from edgeswarm.splitfed.spec import SplitfedProgress
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, JobRequestError, submit_job
-from helpers import wait_for_peers, wait_until
+from helpers import wait_for_event, wait_for_peers, wait_until
 
 NODES = ("a", "b", "c")
 MEC = "edge-0"
@@ -94,8 +94,8 @@ def test_a_device_slower_than_its_profile_is_planned_on_its_measured_speed(broke
     # The third round was planned on it: the slow device's round, and so the round, predicted the longer.
     assert history[2].predicted_s > 1.5 * history[1].predicted_s, [h.predicted_s for h in history]
     # Stopped, the job saved what it measured; the next job's first round is planned on it.
-    saved = [e.detail for e in events if e.kind == "refit" and e.detail.startswith("saved the measured speeds")]
-    assert saved and f"{SLOW} " in saved[0], refits
+    saved = wait_for_event(events, "refit", "saved the measured speeds")
+    assert f"{SLOW} " in saved, refits
     events.clear()
     nxt = JobFollower(bus, "sf-next", on_event=events.append)
     submit_job(bus, json.dumps({**spec, "name": "sf-next", "rounds": 1}), submission=nxt.submission)
