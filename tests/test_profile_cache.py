@@ -79,17 +79,21 @@ def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Pat
     assert "predates inference timings" in caplog.text
     with pytest.raises(ValueError, match="inference_s"):  # the served forward has the shape of the others
         ComputeProfile.model_validate({**compute_profile().model_dump(), "inference_s": [[1.0]]})
+    with pytest.raises(ValueError, match="cannot exceed"):  # the fixed part of a cold call is a part of it
+        ComputeProfile.model_validate({**compute_profile().model_dump(), "cold_forward_s": 0.001,
+                                       "cold_forward_fixed_s": 0.002})
 
 
 def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Format 1 profiles timed each unit alone, not scaled to the units in a row, and format 2 ones timed forwards
-    back to back, without the cold calls: a miss, said so, not corrupt."""
+    back to back, without the cold calls, and format 3 ones priced every stage's cold call at the whole model's: a
+    miss, said so, not corrupt."""
     cache = ProfileCache(tmp_path)
     cache.put_compute(compute_profile())
     path = cache.compute_path(MFP, DFP, "measured")
     doc = json.loads(path.read_text())
-    assert doc["format"] == 3 and cache.compute(MFP, DFP, "measured") is not None
-    for older in (1, 2):
+    assert doc["format"] == 4 and cache.compute(MFP, DFP, "measured") is not None
+    for older in (1, 2, 3):
         path.write_text(json.dumps({**doc, "format": older}))
         with caplog.at_level(logging.INFO):
             assert cache.compute(MFP, DFP, "measured") is None
@@ -100,8 +104,8 @@ def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pyt
     "{not json",
     "",
     json.dumps({"format": 99, "kind": "compute", "profile": {}}),
-    json.dumps({"format": 3, "kind": "model", "profile": {}}),
-    json.dumps({"format": 3, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
+    json.dumps({"format": 4, "kind": "model", "profile": {}}),
+    json.dumps({"format": 4, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
     json.dumps([1, 2, 3]),
 ])
 def test_a_corrupt_file_is_ignored_with_a_warning_and_overwritten(tmp_path: Path, content: str,
