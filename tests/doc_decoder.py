@@ -213,8 +213,7 @@ _COMPUTE = ("record", {
     "forward_s": ("list", ("list", "number")), "backward_s": ("list", ("list", "number")),
     "inference_s": ("optional", ("list", ("list", "number"))), "method": ("enum", {"measured", "calibrated"}),
     "speed_ratio": "number", "compute": "str", "cold_forward_s": "number", "cold_backward_s": "number",
-    "cold_inference_s": "number", "cold_forward_fixed_s": ("optional", "number"),
-    "cold_backward_fixed_s": ("optional", "number"), "cold_inference_fixed_s": ("optional", "number"),
+    "cold_inference_s": "number",
 })
 _LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number",
                     "message_s": "number", "request_s": "number", "hop_s": "number"})

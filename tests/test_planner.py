@@ -317,33 +317,9 @@ def test_transformer_structure_at_100_mbps() -> None:
     assert [len(s.devices) for s in plan.stages] == [1] * 5
 
 
-def _with_cold(cluster: ClusterProfile, forward: float, backward: float,
-               fixed: tuple[float, float] | None = None) -> ClusterProfile:
-    parts = {} if fixed is None else {"cold_forward_fixed_s": fixed[0], "cold_backward_fixed_s": fixed[1]}
+def _with_cold(cluster: ClusterProfile, forward: float, backward: float) -> ClusterProfile:
     return cluster.model_copy(update={"devices": [e.model_copy(update={"compute": e.compute.model_copy(update={
-        "cold_forward_s": forward, "cold_backward_s": backward, **parts})}) for e in cluster.devices]})
-
-
-def test_a_stage_pays_the_fixed_part_of_a_cold_call_and_the_rest_by_its_share_of_the_model() -> None:
-    """With the fixed parts profiled (ComputeProfile.cold_*_fixed_s), a call of units [s, e) pays fixed + (whole -
-    fixed) * its units' share of the whole model's time on that device: the whole model the whole model's cold cost,
-    a small stage little more than the fixed part."""
-    cluster, options = env_c(), PlanOptions(micro_batch_size=32, micro_batches=4)
-    plain, cold = CostModel(cluster, options), CostModel(_with_cold(cluster, 0.01, 0.02, (0.002, 0.0)), options)
-    L = plain.L
-    for d in range(plain.N):
-        for s, e in ((3, 9), (0, L), (L - 1, L)):
-            share_f = plain.forward_s(d, 32, s, e) / plain.forward_s(d, 32, 0, L)
-            share_b = plain.backward_s(d, 32, s, e) / plain.backward_s(d, 32, 0, L)
-            paid_f, paid_b = 0.002 + 0.008 * share_f, 0.02 * share_b
-            assert cold.forward_s(d, 32, s, e) == pytest.approx(plain.forward_s(d, 32, s, e) + paid_f)
-            assert cold.backward_s(d, 32, s, e) == pytest.approx(plain.backward_s(d, 32, s, e) + paid_b)
-            assert cold.compute_s(d, 32, s, e) == pytest.approx(plain.compute_s(d, 32, s, e) + paid_f + paid_b)
-            assert cold.compute_s(d, 32, s, e, cold=False) == pytest.approx(plain.compute_s(d, 32, s, e))
-        assert cold.forward_s(d, 32, 0, L) == pytest.approx(plain.forward_s(d, 32, 0, L) + 0.01)
-    # Cutting is cheaper than with every stage paying the whole model's cold cost.
-    whole = len(plan_asteroid(_with_cold(cluster, 0.1, 0.1), options).stages)
-    assert len(plan_asteroid(_with_cold(cluster, 0.1, 0.1, (0.0, 0.0)), options).stages) > whole
+        "cold_forward_s": forward, "cold_backward_s": backward})}) for e in cluster.devices]})
 
 
 def test_every_call_of_a_stage_pays_its_devices_cold_cost_once() -> None:

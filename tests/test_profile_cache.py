@@ -79,15 +79,12 @@ def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Pat
     assert "predates inference timings" in caplog.text
     with pytest.raises(ValueError, match="inference_s"):  # the served forward has the shape of the others
         ComputeProfile.model_validate({**compute_profile().model_dump(), "inference_s": [[1.0]]})
-    with pytest.raises(ValueError, match="cannot exceed"):  # the fixed part of a cold call is a part of it
-        ComputeProfile.model_validate({**compute_profile().model_dump(), "cold_forward_s": 0.001,
-                                       "cold_forward_fixed_s": 0.002})
 
 
 def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Format 1 profiles timed each unit alone, not scaled to the units in a row, and format 2 ones timed forwards
-    back to back, without the cold calls, and format 3 ones priced every stage's cold call at the whole model's: a
-    miss, said so, not corrupt."""
+    back to back, without the cold calls, and format 3 ones timed the cold calls apart from the hot ones: a miss,
+    said so, not corrupt."""
     cache = ProfileCache(tmp_path)
     cache.put_compute(compute_profile())
     path = cache.compute_path(MFP, DFP, "measured")

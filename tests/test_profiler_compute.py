@@ -186,26 +186,10 @@ def test_a_call_after_the_device_idled_is_timed_beyond_its_back_to_back_time(mon
     chain = layer_sequence(build_model(spec).train()).build_stage(0, 12)
     x = compute.example_input(spec, 2)
     gen = torch.Generator().manual_seed(0)
-    assert compute._cold_pairs(chain, x, runner, 3, gen, None) == (5.0, 5.0, 5.0)
+    assert compute._cold_calls(chain, x, runner, 3, gen, None) == (5.0, 5.0, 5.0)
     penalty[0] = -0.5  # faster after an idle: nothing to pay
-    assert compute._cold_pairs(chain, x, runner, 3, gen, None) == (0.0, 0.0, 0.0)
+    assert compute._cold_calls(chain, x, runner, 3, gen, None) == (0.0, 0.0, 0.0)
     assert chain.training and all(p.grad is None for p in chain.parameters())
-
-
-def test_the_part_of_a_cold_call_every_stage_pays_is_fitted_through_the_whole_model_and_a_small_stage(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """cost = fixed + (whole - fixed) * share through the whole model's cold calls and a small stage's (a quarter of
-    the model's time here); the fixed part never below 0 nor above the whole model's."""
-    from edgeswarm.profiling import compute
-
-    whole, part = object(), object()
-    costs = {id(whole): (4.0, 4.0, 4.0), id(part): (2.0, 0.5, 9.0)}
-    monkeypatch.setattr(compute, "_cold_pairs", lambda stage, *args: costs[id(stage)])
-    big, fixed = compute._cold_calls(whole, None, part, None, (0.25, 0.25, 0.25), None, None, None)  # type: ignore[arg-type]
-    assert big == (4.0, 4.0, 4.0)
-    assert fixed == pytest.approx((4 / 3, 0.0, 4.0))
-    # A part as large as the model (a model of one unit) says nothing beyond the whole model's.
-    assert compute._cold_calls(whole, None, part, None, (1.0, 1.0, 1.0), None, None, None)[1] == big  # type: ignore[arg-type]
 
 
 def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
@@ -219,8 +203,7 @@ def test_calibrated_profile_scales_every_time(lenet_profile: tuple) -> None:
                          (scaled.inference_s, native.inference_s)):
         for row, base in zip(mine, theirs, strict=True):
             assert row == pytest.approx([2.5 * t for t in base], rel=1e-12)
-    for field in ("cold_forward_s", "cold_backward_s", "cold_inference_s", "cold_forward_fixed_s",
-                  "cold_backward_fixed_s", "cold_inference_fixed_s"):
+    for field in ("cold_forward_s", "cold_backward_s", "cold_inference_s"):
         assert getattr(scaled, field) == pytest.approx(2.5 * getattr(native, field), rel=1e-12)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ProfilerError, match="positive finite"):
@@ -337,14 +320,9 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
 
     cold_at: list[int] = []
 
-    def cold_calls(chain, x, part, x_part, shares, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def cold_calls(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
         cold_at.append(int(x.shape[0]))
-        # The small stage: an eighth of the units from the middle, on the output of the unit before them.
-        units = layer_sequence(compute.build_model(spec)).build_stage(6, 8)
-        assert [p.shape for p in part.parameters()] == [p.shape for p in units.parameters()]
-        assert x_part.shape[0] == x.shape[0]
-        assert shares == pytest.approx([2 / 12, 2 / 12, 2 / 12])
-        return (0.01, 0.02, 0.03), (0.005, 0.0, 0.03)
+        return (0.01, 0.02, 0.03)
 
     monkeypatch.setattr(compute, "_time_unit", time_unit)
     monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
@@ -359,8 +337,6 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     # The cold calls are measured once, at the smallest batch size.
     assert cold_at == [2]
     assert (scaled.cold_forward_s, scaled.cold_backward_s, scaled.cold_inference_s) == (0.01, 0.02, 0.03)
-    assert (scaled.cold_forward_fixed_s, scaled.cold_backward_fixed_s, scaled.cold_inference_fixed_s) == (
-        0.005, 0.0, 0.03)
     # A model whose units in a row do not fit (only one unit's activations at a time did) keeps its units' timings.
 
     def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]

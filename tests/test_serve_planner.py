@@ -391,14 +391,3 @@ def test_each_stage_pays_its_devices_cold_call_once_per_micro_batch() -> None:
     for stage in plan.stages:
         d = index[stage.device]
         assert stage.compute_s == pytest.approx(before.compute_s(d, stage.start, stage.end) + 0.004 * (d + 1))
-    # With the fixed part profiled (cold_inference_fixed_s) a stage pays it and the rest by its share of the model.
-    parted = cold.model_copy(update={"devices": [e.model_copy(update={"compute": e.compute.model_copy(update={
-        "cold_inference_fixed_s": 0.001})}) for e in cold.devices]})
-    shared = serve_costs(parted, 4)
-    for d in range(3):
-        share = before.compute_s(d, 2, 6) / before.compute_s(d, 0, 7)
-        paid = 0.001 + (0.004 * (d + 1) - 0.001) * share
-        assert shared.compute_s(d, 2, 6) == pytest.approx(before.compute_s(d, 2, 6) + paid)
-        assert shared.compute_s(d, 2, 6, cold=False) == pytest.approx(before.compute_s(d, 2, 6))
-        assert shared.compute_s(d, 0, 7) == pytest.approx(after.compute_s(d, 0, 7))
-    assert plan_serving(parted, options).bottleneck_s == pytest.approx(brute_force_beta(parted, options), rel=1e-9)

@@ -16,11 +16,10 @@ from edgeswarm.cli.console import console, err_console
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import ConfigError
 from edgeswarm.planning.hpp.memory import memory_breakdown
-from edgeswarm.planning.vocabulary import ColdKind, cold_costs
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
 from edgeswarm.settings import Settings
-from edgeswarm.values.profiles import ClusterProfile, ComputeProfile, DeviceProfileEntry, ModelSpec, parse_config
+from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, ModelSpec, parse_config
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 
@@ -116,15 +115,10 @@ def summary_line(result: DeviceProfileResult) -> str:
     return (f"{model.model.name}: {len(model.units)} units, {weights / 1e6:.2f} MB of weights, "
             f"{flops / 1e6:.2f} MFLOPs per sample forward; at batch {b}: forward {fwd * 1e3:.2f} ms + backward "
             f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training{served} on {device.node} as "
-            f"{device.device_class} (computing on {compute.compute}){ratio}; a call of the whole model after the "
-            f"device idled pays {_cold(compute, 'forward')} more (forward), {_cold(compute, 'backward')} (backward), "
-            f"{_cold(compute, 'inference')} (served); "
+            f"{device.device_class} (computing on {compute.compute}){ratio}; a call after the device idled pays "
+            f"{compute.cold_forward_s * 1e3:.2f} ms more (forward), {compute.cold_backward_s * 1e3:.2f} ms "
+            f"(backward), {compute.cold_inference_s * 1e3:.2f} ms (served); "
             f"memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
-
-
-def _cold(compute: ComputeProfile, kind: ColdKind) -> str:
-    fixed, whole = cold_costs(compute, kind)
-    return f"{whole * 1e3:.2f} ms" + ("" if fixed == whole else f", at least {fixed * 1e3:.2f} ms a stage")
 
 
 def memory_line(result: DeviceProfileResult) -> str:

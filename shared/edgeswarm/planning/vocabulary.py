@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 
@@ -53,30 +52,6 @@ def unit_times(compute: ComputeProfile, node: str, fingerprint: str, units: int,
     for unit in range(units):
         out[:, unit] = np.interp(at, xs, ys[:, unit])
     return out
-
-
-ColdKind = Literal["forward", "backward", "inference"]
-
-
-def cold_costs(compute: ComputeProfile, kind: ColdKind) -> tuple[float, float]:
-    """The seconds a call of ``kind`` pays beyond its units' times when it starts cold, (fixed, whole): whatever its
-    units, and when the stage holds the whole model (``ComputeProfile.cold_*_s``). A profile from before the fixed
-    part was measured gives the whole model's for both, as it was priced then."""
-    whole = float(getattr(compute, f"cold_{kind}_s"))
-    fixed = getattr(compute, f"cold_{kind}_fixed_s")
-    return (whole if fixed is None else float(fixed)), whole
-
-
-def cold_call_s(fixed: np.ndarray | float, whole: np.ndarray | float, part: np.ndarray | float,
-                total: np.ndarray | float) -> np.ndarray:
-    """Seconds one call of a stage pays beyond its units' times (arguments broadcast as numpy arrays): ``fixed``
-    plus the rest of the whole model's ``whole`` in proportion to the stage's share of the model, its units'
-    ``part`` seconds of the ``total`` all units take on that device at that batch size. A stage evicts and refetches
-    its own weights and activations, not the model's: a small stage's cold call paid about the fixed part, the
-    whole model's several times it."""
-    part, total = np.asarray(part, dtype=np.float64), np.asarray(total, dtype=np.float64)
-    share = np.clip(np.divide(part, total, out=np.zeros(np.broadcast(part, total).shape), where=total > 0), 0.0, 1.0)
-    return np.asarray(fixed) + (np.asarray(whole) - np.asarray(fixed)) * share
 
 
 def link_matrices(links: Sequence[LinkProfile], nodes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -30,8 +30,7 @@ from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, LinkRefit, M
 log = logging.getLogger(__name__)
 
 # 2: unit timings scaled to the units run in a row; 3: forward and backward timed in turns, and the cold calls
-# (profiling.compute); 4: the part of a cold call every stage pays, timed in pairs. A file of an older format is
-# measured again.
+# (profiling.compute); 4: the cold calls timed each beside a hot one. A file of an older format is measured again.
 FORMAT = 4
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 

@@ -216,15 +216,13 @@ CHAIN_BOUNDS = (0.5, 2.0)
 CHAIN_WARMUP, CHAIN_REPEATS = 2, 5
 # Seconds the device idles before each call timed cold (``_cold_calls``): as a stage idles between its calls, waiting
 # on its peers or, emulated, sleeping out its slow-down. A call pays more after longer idles, up to about 0.2 s
-# (MobileNetV2's whole forward at batch 3, one thread: 2.3 ms after 50 ms, 2.9 ms after 0.25 s), but priced so a
-# served pipeline's small stages came out 1.12x-1.21x faster than predicted: a stage holding a fifth of the model
-# refetches less than the whole model does, and 50 ms's figure fits both.
+# (MobileNetV2's whole forward at batch 3, one thread: 2.3 ms after 50 ms, 2.9 ms after 0.25 s), but priced as the
+# whole model's for every stage, that figure put a served pipeline's small stages 1.12x-1.21x over their measured
+# times, and 50 ms's fits both.
 COLD_IDLE_S = 0.05
-# Cold calls timed, each beside a hot one (``_cold_pairs``), of the whole model and of the small stage (whose pairs
-# scatter less: 0.5 to 0.9 ms where the whole MobileNetV2's scattered from -5 to 11).
-COLD_PAIRS, COLD_PART_PAIRS = 7, 5
-# The small stage whose cold calls are timed beside the whole model's: this share of the units from the middle.
-COLD_PART_SHARE = 1 / 8
+# Cold calls timed, each beside a hot one (``_cold_calls``): a pair's difference scattered from -5 to 11 ms for the
+# whole MobileNetV2 at batch 4 on this project's VM, around 1 to 2.5.
+COLD_PAIRS = 7
 
 
 # --- the profiler ----------------------------------------------------------------------------------------
@@ -256,8 +254,8 @@ def profile_model(
     seconds of the forward in eval mode under torch.inference_mode. Each timed call goes through ``runner`` when
     given (for example DeviceProfile.run, whose sleeps then count): method "measured". Each batch size's units are
     then scaled to sum to the whole model run as one stage (``_chain_factors``), and what a call pays beyond its
-    units when it starts after the device idled is measured once, at the smallest batch size, for the whole model
-    and the part every call pays (``_cold_calls``: the profile's ``cold_*_s`` and ``cold_*_fixed_s``).
+    units when it starts after the device idled is measured once, at the smallest batch size (``_cold_calls``: the
+    profile's ``cold_*_s``).
 
     ``compute`` is the torch device units are timed on (default the CPU); on an accelerator every timed call is
     synchronised and at least ACCELERATOR_WARMUP untimed runs come first. Sizes are always measured on the CPU.
@@ -300,15 +298,10 @@ def profile_model(
     backward_s: list[list[float]] = [[] for _ in stages]
     inference_s: list[list[float]] = [[] for _ in stages]
     gen = torch.Generator().manual_seed(0)  # on the CPU: the same gradients whatever device times them
-    cold = fixed = (0.0, 0.0, 0.0)
-    part_start = len(stages) // 2
-    part_end = min(len(stages), part_start + max(1, round(len(stages) * COLD_PART_SHARE)))
-    x_part = None
+    cold = (0.0, 0.0, 0.0)
     for b in grid:
         x = example_input(spec, b).to(on)
         for i, stage in enumerate(stages):
-            if i == part_start:
-                x_part = x
             try:
                 x_in = _stage_input(x)
                 fwd, bwd, x = _time_unit(stage, x_in, runner, repeats, warmup, gen, accelerated)
@@ -323,13 +316,9 @@ def profile_model(
             x = example_input(spec, b).to(on)
             hot = _chain_times(whole, x, runner, repeats, warmup, gen, accelerated)
             factors = _chain_factors(hot, [forward_s, backward_s, inference_s])
-            if b == grid[0] and x_part is not None:
+            if b == grid[0]:
                 # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured.
-                tables = (forward_s, backward_s, inference_s)
-                shares = [sum(row[-1] for row in t[part_start:part_end]) / max(sum(row[-1] for row in t), 1e-12)
-                          for t in tables]
-                part = seq.build_stage(part_start, part_end).to(on)
-                cold, fixed = _cold_calls(whole, x, part, x_part, shares, runner, gen, accelerated)
+                cold = _cold_calls(whole, x, runner, COLD_PAIRS, gen, accelerated)
         except (RuntimeError, MemoryError) as exc:
             # Every unit ran alone, so the whole model's activations at once are what failed (a device whose memory
             # a plan would split the model for): its units' own timings stand, unscaled.
@@ -351,8 +340,7 @@ def profile_model(
                              device_fingerprint=device_fingerprint or host_fingerprint(on),
                              batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, inference_s=inference_s,
                              method="measured", compute=describe(on), cold_forward_s=cold[0],
-                             cold_backward_s=cold[1], cold_inference_s=cold[2], cold_forward_fixed_s=fixed[0],
-                             cold_backward_fixed_s=fixed[1], cold_inference_fixed_s=fixed[2])
+                             cold_backward_s=cold[1], cold_inference_s=cold[2])
     log.info("profiled %s in %.1f s", spec.name, time.perf_counter() - started)
     return model_profile, timings
 
@@ -414,45 +402,26 @@ def _chain_factors(chain: tuple[float, float, float], tables: list[list[list[flo
     return factor(chain[0], tables[0]), factor(chain[1], tables[1]), factor(chain[2], tables[2])
 
 
-def _cold_pairs(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, pairs: int, gen: torch.Generator,
+def _cold_calls(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, pairs: int, gen: torch.Generator,
                 accelerated: torch.device | None) -> tuple[float, float, float]:
-    """Seconds a forward, backward and inference forward of ``stage`` on ``x`` take beyond the same call back to back
+    """Seconds a forward, backward and inference forward of ``chain`` on ``x`` take beyond the same call back to back
     when each starts after the device idled COLD_IDLE_S: the median over ``pairs`` of a cold call less the hot call
-    timed just before it (at least 0). Paired, because the host's speed drifts by more than the cost between two
-    medians timed a second apart: the whole MobileNetV2's at batch 1, taken so, came out 0 to 13 ms on one idle VM
-    where its pairs say 1 to 2."""
+    timed just before it (at least 0). A stage's every call starts so, and pays this once whatever its units: on
+    this project's 2-core VM 1 to 4 ms of CPU a call for the whole MobileNetV2, and an emulated device multiplies it
+    by its slow-down. Timed in pairs because the host's speed drifts by more than the cost between two medians a
+    second apart: so taken, the whole MobileNetV2's came out 0 to 13 ms on one idle VM within minutes."""
     x_in = _stage_input(x)
     forward, backward, inference = [], [], []
     for _ in range(pairs):
-        hot_f, hot_b, _ = _time_unit(stage, x_in, runner, 1, 1, gen, accelerated)
-        cold_f, cold_b, _ = _time_unit(stage, x_in, runner, 1, 0, gen, accelerated, COLD_IDLE_S)
-        hot_i = _inference_time(stage, x_in, runner, 1, 1, accelerated)
-        cold_i = _inference_time(stage, x_in, runner, 1, 0, accelerated, COLD_IDLE_S)
+        hot_f, hot_b, _ = _time_unit(chain, x_in, runner, 1, 1, gen, accelerated)
+        cold_f, cold_b, _ = _time_unit(chain, x_in, runner, 1, 0, gen, accelerated, COLD_IDLE_S)
+        hot_i = _inference_time(chain, x_in, runner, 1, 1, accelerated)
+        cold_i = _inference_time(chain, x_in, runner, 1, 0, accelerated, COLD_IDLE_S)
         forward.append(cold_f - hot_f)
         backward.append(cold_b - hot_b)
         inference.append(cold_i - hot_i)
-    return tuple(max(0.0, statistics.median(d)) for d in (forward, backward, inference))  # type: ignore[return-value]
-
-
-def _cold_calls(whole: nn.Module, x: torch.Tensor, part: nn.Module, x_part: torch.Tensor, shares: Sequence[float],
-                runner: Runner[Any] | None, gen: torch.Generator,
-                accelerated: torch.device | None) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
-    """What a cold call of a stage costs beyond its units (``_cold_pairs``), forward, backward and inference forward:
-    the whole model's (``whole`` on ``x``), and the part of it every call pays whatever its units, fitted through
-    the whole model's and a small stage's (``part`` on ``x_part``, its units ``shares`` of the whole model's time
-    for each) as cost = fixed + (whole - fixed) * share. A stage refetches its own weights and activations after an
-    idle, not the model's: on this project's VM an eighth of MobileNetV2 paid 0.5 to 0.9 ms a call at batch 1 and
-    4, the whole model 1 to 4 ms, and priced at the whole model's the small stages of a pipeline came out 0.3x to
-    0.7x their prediction. Returns (whole, fixed)."""
-    big = _cold_pairs(whole, x, runner, COLD_PAIRS, gen, accelerated)
-    small = _cold_pairs(part, x_part, runner, COLD_PART_PAIRS, gen, accelerated)
-
-    def fixed(whole_s: float, part_s: float, share: float) -> float:
-        if share >= 1.0:
-            return whole_s
-        return min(whole_s, max(0.0, (part_s - whole_s * share) / (1.0 - share)))
-
-    return big, tuple(fixed(w, p, f) for w, p, f in zip(big, small, shares, strict=True))  # type: ignore[return-value]
+    return max(0.0, statistics.median(forward)), max(0.0, statistics.median(backward)), max(
+        0.0, statistics.median(inference))
 
 
 def _inference_time(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,

@@ -113,11 +113,8 @@ class ComputeProfile(BaseModel):
     ``compute`` is the torch device the units were timed on ("cpu", "cuda:0 (NVIDIA ...)").
     ``cold_forward_s``, ``cold_backward_s`` and ``cold_inference_s`` are the seconds one call of a stage's forward,
     backward or served forward takes beyond its units' times when it starts after the device idled (caches and
-    clocks gone cold: a stage waits on its peers between calls, and an emulated device sleeps) when the stage holds
-    the whole model; 0 in profiles from before them. ``cold_forward_fixed_s``, ``cold_backward_fixed_s`` and
-    ``cold_inference_fixed_s`` are what such a call pays whatever its units: a stage whose units take a share f of
-    the whole model's time pays fixed + (cold - fixed) * f (``planning.vocabulary.cold_call_s``); None in profiles
-    from before them, whose every call paid the whole model's.
+    clocks gone cold: a stage waits on its peers between calls, and an emulated device sleeps), once per call
+    whatever its units; 0 in profiles from before them.
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
@@ -134,9 +131,6 @@ class ComputeProfile(BaseModel):
     cold_forward_s: Seconds = 0.0
     cold_backward_s: Seconds = 0.0
     cold_inference_s: Seconds = 0.0
-    cold_forward_fixed_s: Seconds | None = None
-    cold_backward_fixed_s: Seconds | None = None
-    cold_inference_fixed_s: Seconds | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
@@ -149,10 +143,6 @@ class ComputeProfile(BaseModel):
         ):
             raise ValueError("forward_s, backward_s and inference_s must be [unit][batch size] with one column per "
                              "batch size")
-        for kind in ("forward", "backward", "inference"):
-            fixed = getattr(self, f"cold_{kind}_fixed_s")
-            if fixed is not None and fixed > getattr(self, f"cold_{kind}_s"):
-                raise ValueError(f"cold_{kind}_fixed_s is a part of cold_{kind}_s and cannot exceed it")
         return self
 
     def scaled(self, factor: float) -> ComputeProfile:
@@ -164,9 +154,7 @@ class ComputeProfile(BaseModel):
             "inference_s": None if self.inference_s is None else [[t * factor for t in row]
                                                                   for row in self.inference_s],
             "cold_forward_s": self.cold_forward_s * factor, "cold_backward_s": self.cold_backward_s * factor,
-            "cold_inference_s": self.cold_inference_s * factor,
-            **{name: None if getattr(self, name) is None else getattr(self, name) * factor
-               for name in ("cold_forward_fixed_s", "cold_backward_fixed_s", "cold_inference_fixed_s")}})
+            "cold_inference_s": self.cold_inference_s * factor})
 
 
 # What a job measured of a device: training's forward and backward, serving's forward, or split learning's part

@@ -30,8 +30,6 @@ import numpy as np
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.hpp.types import PlanOptions
 from edgeswarm.planning.vocabulary import (
-    cold_call_s,
-    cold_costs,
     link_matrices,
     message_matrix,
     messages,
@@ -125,12 +123,10 @@ class CostModel:
         self.fwd = np.stack([fwd[i] for i in order])  # [N, B+1, L+1]
         self.bwd = np.stack([bwd[i] for i in order])
         self.both = self.fwd + self.bwd  # one lookup for the allocator's inner loop (compute_s)
-        # What each call of a forward or backward pays beyond its units (ComputeProfile.cold_*_s): [N, 2], the part
-        # every call pays and the whole model's.
-        self.cold_fwd = np.array([cold_costs(cluster.devices[i].compute, "forward") for i in order],
-                                 dtype=np.float64)
-        self.cold_bwd = np.array([cold_costs(cluster.devices[i].compute, "backward") for i in order],
-                                 dtype=np.float64)
+        # What each call of a forward or backward pays beyond its units (ComputeProfile.cold_*_s): [N].
+        self.cold_fwd = np.array([cluster.devices[i].compute.cold_forward_s for i in order], dtype=np.float64)
+        self.cold_bwd = np.array([cluster.devices[i].compute.cold_backward_s for i in order], dtype=np.float64)
+        self.cold_both = self.cold_fwd + self.cold_bwd
         self.budget = np.array([
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
@@ -164,34 +160,26 @@ class CostModel:
                   end: np.ndarray | int) -> np.ndarray:
         """Seconds of one forward of units [start, end) on each device (planning-order index) at its share of a
         micro-batch (arguments broadcast as numpy arrays): the units' times plus the call's cold cost
-        (``vocabulary.cold_call_s``) wherever the device computes, units and samples both."""
+        (``ComputeProfile.cold_forward_s``) wherever the device computes, units and samples both."""
         return self._call_s(self.fwd, self.cold_fwd, devices, shares, start, end)
 
     def backward_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
                    end: np.ndarray | int) -> np.ndarray:
-        """``forward_s`` for the backward."""
+        """``forward_s`` for the backward (``ComputeProfile.cold_backward_s``)."""
         return self._call_s(self.bwd, self.cold_bwd, devices, shares, start, end)
 
     def compute_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
                   end: np.ndarray | int, cold: bool = True) -> np.ndarray:
         """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``); without the calls' cold
         costs when not ``cold``."""
-        d, y, s, e = (np.asarray(a) for a in (devices, shares, start, end))
-        units = self.both[d, y, e] - self.both[d, y, s]
-        if not cold:
-            return units
-        return units + self._cold_s(self.fwd, self.cold_fwd, d, y, s, e) + self._cold_s(self.bwd, self.cold_bwd, d, y,
-                                                                                         s, e)
+        return self._call_s(self.both, self.cold_both if cold else np.zeros_like(self.cold_both), devices, shares,
+                            start, end)
 
-    def _call_s(self, table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,
+    @staticmethod
+    def _call_s(table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,
                 start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
         d, y, s, e = (np.asarray(a) for a in (devices, shares, start, end))
-        return table[d, y, e] - table[d, y, s] + self._cold_s(table, cold, d, y, s, e)
-
-    def _cold_s(self, table: np.ndarray, cold: np.ndarray, d: np.ndarray, y: np.ndarray, s: np.ndarray,
-                e: np.ndarray) -> np.ndarray:
-        paid = cold_call_s(cold[d, 0], cold[d, 1], table[d, y, e] - table[d, y, s], table[d, y, self.L])
-        return np.where((y > 0) & (e > s), paid, 0.0)
+        return table[d, y, e] - table[d, y, s] + np.where((y > 0) & (e > s), cold[d], 0.0)
 
     def min_bandwidth(self, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """Slowest link between two device groups (planning-order indices), bytes per second."""

@@ -3,8 +3,7 @@
 Per device: served-forward seconds (eval mode, no autograd) of any unit range at micro-batch b (prefix sums of
 per-unit times, interpolated piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the
 Asteroid cost model's rule), plus once per stage call what the device pays beyond its units after idling
-(``vocabulary.cold_call_s``: a fixed part and a share of the whole model's, ``ComputeProfile.cold_inference_s``); per
-unit range: inference memory = weights + buffers + the largest live
+(``ComputeProfile.cold_inference_s``); per unit range: inference memory = weights + buffers + the largest live
 activation (a unit's input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction),
 latency (s) and the fixed seconds per message (``message_s``: every micro-batch crosses a stage boundary as one
 tensor, one message per 1 MiB chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured
@@ -19,15 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.vocabulary import (
-    cold_call_s,
-    cold_costs,
-    link_matrices,
-    message_counts,
-    message_matrix,
-    static_bytes,
-    unit_times,
-)
+from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrix, static_bytes, unit_times
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
@@ -54,7 +45,7 @@ class ServeCosts:
     batch: int
     fingerprint: str
     unit_names: tuple[str, ...]
-    cold: np.ndarray             # (N, 2) seconds a stage's call pays beyond its units: fixed, whole model's
+    cold: np.ndarray             # (N,) seconds each stage's call pays beyond its units (cold_inference_s)
     message: np.ndarray | None = None  # (N, N) seconds per message; None: no per-message cost
 
     def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
@@ -72,16 +63,13 @@ class ServeCosts:
     def units(self) -> int:
         return len(self.cut_bytes)
 
-    def compute_s(self, d: int, start: int, end: int, cold: bool = True) -> float:
-        """Seconds of one micro-batch's forward of units [start, end) on device d, the call's cold cost included
-        unless not ``cold``."""
-        units = float(self.fwd[d, end] - self.fwd[d, start])
-        return units + (float(self.cold_s(d, units)) if cold and end > start else 0.0)
+    def compute_s(self, d: int, start: int, end: int) -> float:
+        """Seconds of one micro-batch's forward of units [start, end) on device d, the call's cold cost included."""
+        return float(self.fwd[d, end] - self.fwd[d, start]) + (self.cold_s(d) if end > start else 0.0)
 
-    def cold_s(self, d: int, units: np.ndarray | float) -> np.ndarray:
-        """What one call of a stage on device d pays beyond its units, whose forward takes ``units`` seconds (one or
-        an array; ``vocabulary.cold_call_s``)."""
-        return cold_call_s(self.cold[d, 0], self.cold[d, 1], units, self.fwd[d, -1])
+    def cold_s(self, d: int) -> float:
+        """What one call of a stage on device d pays beyond its units (``ComputeProfile.cold_inference_s``)."""
+        return float(self.cold[d])
 
     def memory(self, start: int, end: int) -> int:
         """Inference bytes of units [start, end): weights + buffers + the largest live activation."""
@@ -123,4 +111,4 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
                                                        for u in units], dtype=np.float64))),
         live=batch * (in_b + out_b), batch=batch, fingerprint=model.fingerprint,
         unit_names=tuple(u.name for u in units), message=message if message.any() else None,
-        cold=np.array([cold_costs(e.compute, "inference") for e in entries], dtype=np.float64))
+        cold=np.array([e.compute.cold_inference_s for e in entries], dtype=np.float64))

@@ -172,8 +172,7 @@ def exact_search(costs: ServeCosts, devices: Sequence[int], max_stages: int) -> 
     comp = []
     for d in devs:
         f = costs.fwd[d]
-        units = f[None, :] - f[:, None]
-        c = units + costs.cold_s(d, units)
+        c = f[None, :] - f[:, None] + costs.cold_s(d)
         ok = upper & (mem <= costs.budgets[d])
         comp.append(np.where(ok, c, inf))
     xfer = {(i, j): np.concatenate(([inf], costs.cut_bytes / costs.bw[devs[i], devs[j]]

@@ -22,7 +22,7 @@ def predicted_compute_s(plan: ServePlan, cluster: ClusterProfile, cold: bool = T
     it; its units' alone, without the call's cold cost, when not ``cold`` (``ScaleFit.add``'s ``units``). Raises
     KeyError when a device of the plan is not in ``cluster``."""
     costs, cand = _costs_and_candidate(plan, cluster)
-    return {costs.nodes[d]: costs.compute_s(d, s, e, cold)
+    return {costs.nodes[d]: float(costs.compute_s(d, s, e)) - (0.0 if cold else costs.cold_s(d))
             for (s, e), d in zip(cand.bounds, cand.devices, strict=True)}
 
 
