@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edgeswarm.errors import ProfileRequestError
-from edgeswarm.profiling.cache import ProfileCache, restrict
+from edgeswarm.profiling.cache import FORMAT, ProfileCache, restrict
 from edgeswarm.profiling.device import check_batch_sizes, compute_flops
 from edgeswarm.profiling.gather import symmetric_links
 from edgeswarm.values.profiles import ComputeProfile, LinkProfile, ModelProfile, ModelSpec, UnitProfile
@@ -83,14 +83,14 @@ def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Pat
 
 def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Format 1 profiles timed each unit alone, not scaled to the units in a row, and format 2 ones timed forwards
-    back to back, without the cold calls, and format 3 ones timed the cold calls apart from the hot ones: a miss,
-    said so, not corrupt."""
+    back to back, without the cold calls, format 3 ones timed the cold calls apart from the hot ones, and format 4
+    ones timed the units in a row back to back at the end of each batch size's pass: a miss, said so, not corrupt."""
     cache = ProfileCache(tmp_path)
     cache.put_compute(compute_profile())
     path = cache.compute_path(MFP, DFP, "measured")
     doc = json.loads(path.read_text())
-    assert doc["format"] == 4 and cache.compute(MFP, DFP, "measured") is not None
-    for older in (1, 2, 3):
+    assert doc["format"] == 5 and cache.compute(MFP, DFP, "measured") is not None
+    for older in (1, 2, 3, 4):
         path.write_text(json.dumps({**doc, "format": older}))
         with caplog.at_level(logging.INFO):
             assert cache.compute(MFP, DFP, "measured") is None
@@ -101,8 +101,8 @@ def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pyt
     "{not json",
     "",
     json.dumps({"format": 99, "kind": "compute", "profile": {}}),
-    json.dumps({"format": 4, "kind": "model", "profile": {}}),
-    json.dumps({"format": 4, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
+    json.dumps({"format": FORMAT, "kind": "model", "profile": {}}),
+    json.dumps({"format": FORMAT, "kind": "compute", "profile": {"model_fingerprint": MFP}}),
     json.dumps([1, 2, 3]),
 ])
 def test_a_corrupt_file_is_ignored_with_a_warning_and_overwritten(tmp_path: Path, content: str,

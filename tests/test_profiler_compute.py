@@ -313,10 +313,14 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     def time_unit(stage, x, *args, **kwargs):  # type: ignore[no-untyped-def]
         return 0.001, 0.002, real_time_unit(stage, x, None, 1, 0, torch.Generator())[2]
 
-    def chain_times(chain, x, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(int(x.shape[0]))
+    real_chain_round = compute._chain_round
+
+    def chain_round(model, chain, grid, inputs, times, failed, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(list(grid))
         assert len(list(chain.parameters())) == len(list(compute.build_model(spec).parameters()))  # the whole model
-        return (1.0, 1.0, 1.0)
+        assert [int(x.shape[0]) for x in inputs] == grid
+        for j in range(len(grid)):
+            times[j].append((1.0, 1.0, 1.0))
 
     cold_at: list[int] = []
 
@@ -326,11 +330,12 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
 
     monkeypatch.setattr(compute, "_time_unit", time_unit)
     monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
-    monkeypatch.setattr(compute, "_chain_times", chain_times)
-    monkeypatch.setattr(compute, "_chain_factors", lambda chain, tables: (2.0, 1.0, 0.5))
+    monkeypatch.setattr(compute, "_chain_round", chain_round)
+    monkeypatch.setattr(compute, "_chain_factors", lambda chain, tables, column: (2.0, 1.0, 0.5))
     monkeypatch.setattr(compute, "_cold_calls", cold_calls)
     _, scaled = compute.profile_model(spec, [2, 4], repeats=1, warmup=0)
-    assert calls == [2, 4]
+    # CHAIN_ROUNDS rounds of every batch size, spread over the two passes.
+    assert calls == [[2, 4]] * compute.CHAIN_ROUNDS
     assert {t for row in scaled.forward_s for t in row} == {0.002}
     assert {t for row in scaled.backward_s for t in row} == {0.002}
     assert {t for row in scaled.inference_s or [] for t in row} == {0.0002}
@@ -342,7 +347,16 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(compute, "_chain_times", out_of_memory)
+    monkeypatch.setattr(compute, "_chain_round", real_chain_round)
+    monkeypatch.setattr(compute, "_cold_calls", out_of_memory)
+    real_unit = time_unit
+
+    def time_unit_or_oom(stage, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(list(stage.parameters())) == len(list(compute.build_model(spec).parameters())):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_unit(stage, x)
+
+    monkeypatch.setattr(compute, "_time_unit", time_unit_or_oom)
     _, alone = compute.profile_model(spec, [2], repeats=1, warmup=0)
     assert {t for row in alone.forward_s for t in row} == {0.001}
     assert {t for row in alone.inference_s or [] for t in row} == {0.0004}
@@ -351,5 +365,54 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     monkeypatch.undo()
     high, low = compute.CHAIN_BOUNDS[1], compute.CHAIN_BOUNDS[0]
     tiny, ones = [[1e-12] for _ in range(12)], [[0.5], [0.5]]
-    assert compute._chain_factors((1.0, 1.0, 1.0), [tiny, tiny, tiny]) == (high, high, high)
-    assert compute._chain_factors((1.5, 0.1, 1.0), [ones, ones, ones]) == (1.5, low, 1.0)
+    assert compute._chain_factors((1.0, 1.0, 1.0), [tiny, tiny, tiny], 0) == (high, high, high)
+    assert compute._chain_factors((1.5, 0.1, 1.0), [ones, ones, ones], 0) == (1.5, low, 1.0)
+    # Each batch size's column by its own chain.
+    two = [[0.5, 1.0], [0.5, 1.0]]
+    assert compute._chain_factors((1.5, 1.5, 1.5), [two, two, two], 1) == (0.75, 0.75, 0.75)
+
+
+def test_rounds_of_the_units_in_a_row_are_spread_over_the_passes() -> None:
+    """The chain's rounds follow the passes evenly, the last after the last pass, whatever the grid's length."""
+    from edgeswarm.profiling.compute import _round_points
+
+    assert _round_points(5, 5) == [1, 1, 1, 1, 1]
+    assert _round_points(1, 5) == [5]
+    assert _round_points(2, 5) == [2, 3]
+    assert _round_points(10, 5) == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1]
+    assert all(sum(_round_points(n, 5)) == 5 and _round_points(n, 5)[-1] >= 1 for n in range(1, 65))
+
+
+def test_a_slow_moment_during_the_profile_does_not_set_a_batch_sizes_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host slowed 2x while one round of the units in a row ran (a slow moment at the end of the profile, as
+    right after a venv build): the median of the rounds keeps every batch size's column at its usual time."""
+    import torch
+
+    from edgeswarm.profiling import compute
+    from edgeswarm.values.profiles import ModelSpec
+
+    spec = ModelSpec(name="lenet5")
+    real_time_unit = compute._time_unit
+    rounds: list[int] = []
+
+    def time_unit(stage, x, runner, repeats, warmup, gen, *args, **kwargs):  # type: ignore[no-untyped-def]
+        whole = len(list(stage.parameters())) == len(list(compute.build_model(spec).parameters()))
+        slow = 2.0 if whole and len(rounds) == compute.CHAIN_ROUNDS else 1.0  # the last round runs slow
+        base = 0.01 if whole else 0.001
+        return base * slow, base * slow, real_time_unit(stage, x, None, 1, 0, torch.Generator())[2]
+
+    real_round = compute._chain_round
+
+    def chain_round(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rounds.append(1)
+        real_round(*args, **kwargs)
+
+    monkeypatch.setattr(compute, "_time_unit", time_unit)
+    monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
+    monkeypatch.setattr(compute, "_chain_round", chain_round)
+    monkeypatch.setattr(compute, "_cold_calls", lambda *args, **kwargs: (0.0, 0.0, 0.0))
+    _, profile = compute.profile_model(spec, [1, 2, 4, 8, 16], repeats=1, warmup=0)
+    units = len(profile.forward_s)
+    for j in range(5):
+        assert sum(row[j] for row in profile.forward_s) == pytest.approx(min(2.0, 0.01 / (0.001 * units)) * 0.001
+                                                                          * units)

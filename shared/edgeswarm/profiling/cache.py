@@ -7,7 +7,7 @@ Layout under the cache directory (``EDGESWARM_PROFILE_DIR``)::
     refits/{model_fingerprint}/{node}.{work}.json                   a ComputeRefit (what jobs measured)
     links/{a}/{b}.json                                              a LinkRefit (what jobs measured)
 
-Each file is a JSON object ``{"format": 4, "kind": "model" | "compute" | "refit" | "link", "profile": {...}}``.
+Each file is a JSON object ``{"format": 5, "kind": "model" | "compute" | "refit" | "link", "profile": {...}}``.
 Writes are atomic (a temporary file in the same folder, then a rename), so a reader never sees half a file and
 concurrent writers leave one whole file. A file that does not parse, does not validate, or whose
 fingerprints do not match its name is ignored with a warning and counts as a miss: the caller measures
@@ -30,8 +30,9 @@ from edgeswarm.values.profiles import ComputeProfile, ComputeRefit, LinkRefit, M
 log = logging.getLogger(__name__)
 
 # 2: unit timings scaled to the units run in a row; 3: forward and backward timed in turns, and the cold calls
-# (profiling.compute); 4: the cold calls timed each beside a hot one. A file of an older format is measured again.
-FORMAT = 4
+# (profiling.compute); 4: the cold calls timed each beside a hot one; 5: the units in a row timed in rounds spread over
+# the profile. A file of an older format is measured again.
+FORMAT = 5
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 

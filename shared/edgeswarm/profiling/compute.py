@@ -211,9 +211,12 @@ def validate_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
 # How far the units in a row may scale their timings from their sums (``_chain_factors``): beyond this, something
 # other than the caches is measured.
 CHAIN_BOUNDS = (0.5, 2.0)
-# Untimed and timed runs of the units in a row, at least: their factor scales every unit, so one slow run of three
-# (a new batch size's first runs grow the allocator) must not set it.
-CHAIN_WARMUP, CHAIN_REPEATS = 2, 5
+# Timed runs of the units in a row at each batch size, one per round of every batch size, the rounds spread over the
+# profile's passes (``_round_points``), each after CHAIN_WARMUP untimed runs: their median sets the batch size's whole
+# column, so a slow moment of the host must weigh in one or two of them, not all. Timed back to back, at the end of
+# each batch size's pass, they put a profile timed right after a venv build 1.32x (forward) and 1.65x (backward)
+# over the same one 4 minutes later at batch 16, and within 16% at batches 1 to 4, on this project's EPYC VM.
+CHAIN_WARMUP, CHAIN_ROUNDS = 1, 5
 # Seconds the device idles before each call timed cold (``_cold_calls``): as a stage idles between its calls, waiting
 # on its peers or, emulated, sleeping out its slow-down. A call pays more after longer idles, up to about 0.2 s
 # (MobileNetV2's whole forward at batch 3, one thread: 2.3 ms after 50 ms, 2.9 ms after 0.25 s), but priced as the
@@ -253,7 +256,8 @@ def profile_model(
     torch.autograd.backward(out, grad_out) with a random grad_out, the input requiring grad; inference = median
     seconds of the forward in eval mode under torch.inference_mode. Each timed call goes through ``runner`` when
     given (for example DeviceProfile.run, whose sleeps then count): method "measured". Each batch size's units are
-    then scaled to sum to the whole model run as one stage (``_chain_factors``), and what a call pays beyond its
+    then scaled to sum to the whole model run as one stage (``_chain_factors``), timed CHAIN_ROUNDS times at every
+    batch size in rounds spread over the passes (``_chain_round``, their median), and what a call pays beyond its
     units when it starts after the device idled is measured once, at the smallest batch size (``_cold_calls``: the
     profile's ``cold_*_s``).
 
@@ -299,8 +303,10 @@ def profile_model(
     inference_s: list[list[float]] = [[] for _ in stages]
     gen = torch.Generator().manual_seed(0)  # on the CPU: the same gradients whatever device times them
     cold = (0.0, 0.0, 0.0)
-    for b in grid:
-        x = example_input(spec, b).to(on)
+    chain: list[list[tuple[float, float, float]]] = [[] for _ in grid]
+    failed: set[int] = set()  # batch sizes whose units in a row could not run
+    inputs = [example_input(spec, b).to(on) for b in grid]
+    for p, (b, x) in enumerate(zip(grid, inputs, strict=True)):
         for i, stage in enumerate(stages):
             try:
                 x_in = _stage_input(x)
@@ -312,22 +318,20 @@ def profile_model(
             forward_s[i].append(fwd)
             backward_s[i].append(bwd)
             step(f"unit {i + 1}/{len(stages)} ({names[i]}) at batch size {b}")
-        try:
-            x = example_input(spec, b).to(on)
-            hot = _chain_times(whole, x, runner, repeats, warmup, gen, accelerated)
-            factors = _chain_factors(hot, [forward_s, backward_s, inference_s])
-            if b == grid[0]:
-                # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured.
-                cold = _cold_calls(whole, x, runner, COLD_PAIRS, gen, accelerated)
-        except (RuntimeError, MemoryError) as exc:
-            # Every unit ran alone, so the whole model's activations at once are what failed (a device whose memory
-            # a plan would split the model for): its units' own timings stand, unscaled.
-            log.warning("%s's units in a row could not run at batch size %d (%s): their timings are left as each "
-                        "unit's alone", spec.name, b, str(exc)[:200])
-            factors = (1.0, 1.0, 1.0)
+        for _ in range(_round_points(len(grid), CHAIN_ROUNDS)[p]):
+            _chain_round(spec.name, whole, grid, inputs, chain, failed, runner, max(warmup, CHAIN_WARMUP), gen,
+                         accelerated)
+        if p == 0 and 0 not in failed:
+            # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured.
+            cold = _cold_calls(whole, inputs[0], runner, COLD_PAIRS, gen, accelerated)
+    for j, runs in enumerate(chain):
+        # A batch size whose units in a row did not fit keeps its units' own timings, unscaled.
+        factors = (1.0, 1.0, 1.0) if j in failed or not runs else _chain_factors(
+            tuple(statistics.median(run[k] for run in runs) for k in range(3)), [forward_s, backward_s, inference_s],
+            j)
         for rows, factor in zip((forward_s, backward_s, inference_s), factors, strict=True):
             for row in rows:
-                row[-1] *= factor
+                row[j] *= factor
 
     units = [
         UnitProfile(index=i, name=u.name, ops=u.ops, **sizes[i])
@@ -375,28 +379,49 @@ def _time_unit(stage: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, re
     return statistics.median(forward), statistics.median(backward), recorded
 
 
-def _chain_times(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, repeats: int, warmup: int,
-                 gen: torch.Generator, accelerated: torch.device | None) -> tuple[float, float, float]:
-    """The median forward, backward and inference forward seconds of ``chain`` (every unit of the model in one
-    stage) on ``x``, calls back to back (``_time_unit``), with at least CHAIN_WARMUP untimed and CHAIN_REPEATS timed
-    runs."""
-    x_in = _stage_input(x)
-    repeats, warmup = max(repeats, CHAIN_REPEATS), max(warmup, CHAIN_WARMUP)
-    fwd, bwd, _ = _time_unit(chain, x_in, runner, repeats, warmup, gen, accelerated)
-    return fwd, bwd, _inference_time(chain, x_in, runner, repeats, warmup, accelerated)
+def _round_points(passes: int, rounds: int) -> list[int]:
+    """How many rounds of the units in a row follow each of ``passes`` passes: ``rounds`` in all, spread evenly, the
+    last after the last pass ([1, 1, 1, 1, 1] for 5 and 5; [2, 3] for 2 and 5; after passes 1, 3, 5, 7 and 9 for
+    10 and 5)."""
+    points = [0] * passes
+    for r in range(rounds):
+        points[max(0, math.ceil((r + 1) * passes / rounds) - 1)] += 1
+    return points
 
 
-def _chain_factors(chain: tuple[float, float, float], tables: list[list[list[float]]]) -> tuple[float, float, float]:
-    """The forward, backward and inference forward of the units in a row (``chain``: ``_chain_times``) over the
-    sums of their units' last timed column in ``tables`` (forward, backward, inference), each clipped to
-    CHAIN_BOUNDS. A unit timed alone in a loop keeps its weights and activations in the caches; run in a row, as a
-    stage runs its units, the units evict each other's (MobileNetV2 at batch 8, one thread: forward 1.12x, backward
-    1.09x, served forward 1.14x the sums of its units on this VM's CPU). Scaling every unit by the chain's factor
-    keeps the units' proportions, where the cuts are chosen."""
+def _chain_round(model: str, chain: nn.Module, grid: list[int], inputs: list[torch.Tensor],
+                 times: list[list[tuple[float, float, float]]], failed: set[int], runner: Runner[Any] | None,
+                 warmup: int, gen: torch.Generator, accelerated: torch.device | None) -> None:
+    """Time ``chain`` (every unit of the model in one stage) once at each batch size of ``grid`` (``inputs`` the
+    model's input at each), after ``warmup`` untimed runs: forward and backward in turns (``_time_unit``), then the
+    inference forward, appended to ``times`` at the batch size's index. A batch size whose run fails for memory is
+    added to ``failed`` and not timed again: every unit ran alone, so the whole model's activations at once are what
+    failed (a device whose memory a plan would split the model for)."""
+    for j, (b, x) in enumerate(zip(grid, inputs, strict=True)):
+        if j in failed:
+            continue
+        try:
+            x_in = _stage_input(x)
+            fwd, bwd, _ = _time_unit(chain, x_in, runner, 1, warmup, gen, accelerated)
+            times[j].append((fwd, bwd, _inference_time(chain, x_in, runner, 1, warmup, accelerated)))
+        except (RuntimeError, MemoryError) as exc:
+            log.warning("%s's units in a row could not run at batch size %d (%s): their timings are left as each "
+                        "unit's alone", model, b, str(exc)[:200])
+            failed.add(j)
+
+
+def _chain_factors(chain: tuple[float, ...], tables: list[list[list[float]]],
+                   column: int) -> tuple[float, float, float]:
+    """The forward, backward and inference forward of the units in a row (``chain``: medians of ``_chain_round``)
+    over the sums of their units' timings at batch-size index ``column`` in ``tables`` (forward, backward,
+    inference), each clipped to CHAIN_BOUNDS. A unit timed alone in a loop keeps its weights and activations in the
+    caches; run in a row, as a stage runs its units, the units evict each other's (MobileNetV2 at batch 8, one
+    thread: forward 1.12x, backward 1.09x, served forward 1.14x the sums of its units on this VM's CPU). Scaling
+    every unit by the chain's factor keeps the units' proportions, where the cuts are chosen."""
     low, high = CHAIN_BOUNDS
 
     def factor(whole: float, table: list[list[float]]) -> float:
-        parts = sum(row[-1] for row in table)
+        parts = sum(row[column] for row in table)
         return 1.0 if parts <= 0 or whole <= 0 else min(high, max(low, whole / parts))
 
     return factor(chain[0], tables[0]), factor(chain[1], tables[1]), factor(chain[2], tables[2])
