@@ -306,6 +306,7 @@ def profile_model(
     chain: list[list[tuple[float, float, float]]] = [[] for _ in grid]
     failed: set[int] = set()  # batch sizes whose units in a row could not run
     inputs = [example_input(spec, b).to(on) for b in grid]
+    rounds_after = _round_points(len(grid), CHAIN_ROUNDS)
     for p, (b, x) in enumerate(zip(grid, inputs, strict=True)):
         for i, stage in enumerate(stages):
             try:
@@ -318,12 +319,13 @@ def profile_model(
             forward_s[i].append(fwd)
             backward_s[i].append(bwd)
             step(f"unit {i + 1}/{len(stages)} ({names[i]}) at batch size {b}")
-        for _ in range(_round_points(len(grid), CHAIN_ROUNDS)[p]):
+        for _ in range(rounds_after[p]):
             _chain_round(spec.name, whole, grid, inputs, chain, failed, runner, max(warmup, CHAIN_WARMUP), gen,
                          accelerated)
-        if p == 0 and 0 not in failed:
-            # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured.
-            cold = _cold_calls(whole, inputs[0], runner, COLD_PAIRS, gen, accelerated)
+    if chain[0] and 0 not in failed:
+        # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured, and only
+        # where the units in a row fit.
+        cold = _cold_calls(whole, inputs[0], runner, COLD_PAIRS, gen, accelerated)
     for j, runs in enumerate(chain):
         # A batch size whose units in a row did not fit keeps its units' own timings, unscaled.
         factors = (1.0, 1.0, 1.0) if j in failed or not runs else _chain_factors(
