@@ -321,9 +321,9 @@ _MODEL_COST = ("record", {
 _SPLIT_DEVICE = ("record", {
     "node": "str", "mec": "str", "speed_flops": "number", "link_bytes_s": "number", "link_message_s": "number",
     "budget_bytes": "int", "samples": "int", "dis": "number", "stat": "number", "available": "bool",
-    "setup_s": "number",
+    "setup_s": "number", "unit_share": ("list", "number"),
 })
-_SPLIT_MEC = ("record", {"node": "str", "speed_flops": "number"})
+_SPLIT_MEC = ("record", {"node": "str", "speed_flops": "number", "unit_share": ("list", "number")})
 _SPLIT_OPTIONS = ("record", {
     "participants": "int", "gamma": "number", "lam": "number", "normalise": "bool", "tail": "int", "epochs": "int",
     "d_threshold": "int", "overhead_bytes": "int", "latency_model": ("enum", {"usplit", "vanilla", "paper"}),
@@ -663,7 +663,7 @@ SCHEMAS: dict[tuple[str, int], dict[str, Any]] = {
     ("edgeswarm.splitfed.plan_reply", 1): {"selection": ("record", _SPLIT_SELECTION_FIELDS), "planning_s": "number"},
     ("edgeswarm.splitfed.prepare", 1): {"job_id": "str", "setup": _ROUND_SETUP, "index": "int?",
                                         "peers": ("list", "str")},
-    ("edgeswarm.splitfed.prepared", 1): {"job_id": "str", "node": "str", "setup_s": "number"},
+    ("edgeswarm.splitfed.prepared", 1): {"job_id": "str", "node": "str", "setup_s": "number", "step_s": "number"},
     ("edgeswarm.splitfed.enrol", 1): {
         "job_id": "str", "round": "int", "mec": "str", "index": "int", "setup": _ROUND_SETUP, "budget_bytes": "int",
         "wait_s": "number",

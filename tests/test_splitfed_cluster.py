@@ -158,6 +158,7 @@ def test_a_device_prepares_for_a_job_before_its_rounds_and_refuses_a_prepare_it_
     reply = cluster.bus.request(request, m.SplitPrepare(job_id="sf-prepare", index=0, setup=setup), timeout_s=60).body
     assert isinstance(reply, m.SplitPrepared), reply
     assert reply.node == device and reply.job_id == "sf-prepare" and 0 < reply.setup_s < 10, reply
+    assert 0 < reply.step_s < 10, reply  # the whole model's local step, timed after the throwaway one
     refused = cluster.bus.request(request, m.SplitPrepare(job_id="sf-prepare", index=DEVICES + 4, setup=setup),
                                   timeout_s=60).body
     assert isinstance(refused, m.StageFailed) and refused.reason == "bad_request", refused

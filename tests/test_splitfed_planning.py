@@ -18,6 +18,7 @@ from edgeswarm.planning.splitfed.cost import (
     feasible_cuts,
     iteration_bytes,
     round_time,
+    unit_work,
 )
 from edgeswarm.planning.splitfed.objective import closest_cuts, decode, normalisers
 from edgeswarm.planning.splitfed.plan import plan_round
@@ -174,6 +175,38 @@ def test_a_selected_devices_round_is_its_compute_its_transfers_its_mecs_half_and
         assert d.mec_s == pytest.approx(iters * costs.mec_flops[1] * 2 / 1e11)  # the MEC trains both at once
         rest = d.round_s - d.compute_s - d.transfer_s - d.mec_s
         assert rest == pytest.approx(2 * costs.device_params[1] / 5e6 + 0.05)
+
+
+def test_a_part_is_priced_by_its_nodes_profiled_unit_seconds_not_its_flops_share() -> None:
+    """A node's speed sets the level of its iteration, its profile's unit shares where a cut falls in it: a device
+    whose profile spent half its seconds in the first unit computes half its iteration's seconds at cut 1, whatever
+    that unit's share of the FLOPs (LeNet-5's first convolution: a fifth of the FLOPs, three fifths of the
+    seconds); the MEC's middle likewise by the MEC's shares; the FLOPs' shares where a profile gave none."""
+    model = chain_model(units=6, batch_size=8)
+    opts = SplitOptions(epochs=3, participants=2, gamma=1.0, fixed_cut=1)
+    total = sum(u.flops_fwd + u.flops_bwd for u in model.units)
+    front = [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]
+    mec_share = [0.0, 0.4, 0.1, 0.1, 0.2, 0.2]
+    shaped = SplitDevice(node="d0", mec="m", speed_flops=2e9, link_bytes_s=5e6, budget_bytes=10**10, samples=20,
+                         unit_share=tuple(front))
+    plain = shaped.model_copy(update={"node": "d1", "unit_share": ()})
+    mec = SplitMec(node="m", speed_flops=1e11, unit_share=tuple(mec_share))
+    iters, costs = 3 * 3, cut_costs(model, opts)
+    table = cost_table(model, [shaped, plain], [mec], opts)
+    # cut 1 keeps the first unit and the tail (the last unit) on the device.
+    assert table.compute_s[0, 0] == pytest.approx(iters * total * (0.5 + 0.1) / 2e9)
+    assert table.compute_s[1, 0] == pytest.approx(iters * costs.device_flops[0] / 2e9)
+    assert table.mec_work[0, 0] == pytest.approx(iters * total * (0.4 + 0.1 + 0.1 + 0.2))
+    assert table.mec_work[1, 0] == pytest.approx(table.mec_work[0, 0])  # the MEC's shares, whoever it trains for
+    # The whole iteration costs what the speed says, however it is shared out.
+    assert cost_table(model, [shaped], [mec], opts.model_copy(update={"fixed_cut": 5})).compute_s[0, 4] == \
+        pytest.approx(iters * total / 2e9)
+    # round_time prices a device alone the same way as the table.
+    sharing_free = round_time(model, shaped, mec, 1, opts)
+    assert sharing_free == pytest.approx(float(table.times(np.array([0]), np.array([1]), np.array([1]))[0]))
+    assert np.allclose(unit_work(model, [2 * x for x in front]), [total * x for x in front])
+    with pytest.raises(SplitPlanError, match="do not fit"):
+        unit_work(model, [1.0, 1.0])
 
 
 def test_every_message_on_the_device_link_is_priced() -> None:

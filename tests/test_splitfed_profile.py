@@ -46,7 +46,7 @@ def test_a_nodes_speed_is_its_measured_seconds_for_the_models_flops_never_its_cl
     """What the central manager plans a device with: an iteration's FLOPs over the seconds the device's own
     profiler measured for the model's units at the job's batch size."""
     from edgeswarm.errors import ProfileError
-    from edgeswarm.splitfed.gather import Measured, training_flops_per_s
+    from edgeswarm.splitfed.gather import Measured, training_flops_per_s, unit_shares
     from edgeswarm.values.profiles import ComputeProfile, DeviceInfo, DeviceProfileEntry
 
     cost = model_cost(ModelSpec(name="lenet5"), 8)
@@ -65,6 +65,15 @@ def test_a_nodes_speed_is_its_measured_seconds_for_the_models_flops_never_its_cl
     assert training_flops_per_s(cost, entry(0.003, [8])) == pytest.approx(flops / (units * 0.009))
     with pytest.raises(ProfileError, match="batch sizes"):
         training_flops_per_s(cost, entry(0.001, [4]))
+    # Each unit's share of the iteration's seconds at the job's batch size: what the planner prices a part by.
+    plain = entry(0.001, [4, 8])
+    forward = [list(row) for row in plain.compute.forward_s]
+    forward[0][1] = 0.006  # the first unit's forward at batch 8: 0.005 s more than the others'
+    skewed = plain.model_copy(update={"compute": plain.compute.model_copy(update={"forward_s": forward})})
+    shares = unit_shares(cost, skewed)
+    assert sum(shares) == pytest.approx(1.0)
+    assert shares[0] == pytest.approx(0.008 / (units * 0.003 + 0.005))
+    assert shares[1] == pytest.approx(0.003 / (units * 0.003 + 0.005))
     # A round asks only for what was not measured yet: a new device, a new MEC, a device under another MEC.
     links = {(d, "m0"): LinkProfile(src=d, dst="m0", bandwidth_bps=1.0) for d in ("d0", "d1")}
     measured = Measured(speeds={"d0": 1.0, "d1": 1.0, "m0": 1.0}, links=links)

@@ -138,11 +138,14 @@ class SplitPrepare(Message):
 class SplitPrepared(Message):
     """The answer to SplitPrepare: the party is prepared; ``setup_s`` is what a round's setup took it after that (a
     device: its part built, the weights loaded, its partition read; an MEC: its reassembly built; seconds), a
-    device's the planner's price for its setup until its rounds measure it."""
+    device's the planner's price for its setup until its rounds measure it. ``step_s``: a device's seconds of one
+    local training iteration of the whole model at the job's batch size, as it computes them (the median of five
+    after its throwaway one); 0 where none was timed (an MEC, an empty partition)."""
 
     job_id: Name
     node: Name
     setup_s: float = Field(ge=0.0, le=MAX_SETUP_S, allow_inf_nan=False)
+    step_s: float = Field(default=0.0, ge=0.0, le=MAX_SETUP_S, allow_inf_nan=False)
 
 
 @schema("edgeswarm.splitfed.enrol", 1)

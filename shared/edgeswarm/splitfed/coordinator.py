@@ -51,7 +51,7 @@ from edgeswarm.messages.splitfed import (
 from edgeswarm.models.zoo import build_model
 from edgeswarm.observability import record as metrics_record
 from edgeswarm.planning.refit import ScaleFit, same_fit, speeds
-from edgeswarm.planning.splitfed.cost import cut_costs, device_compute_s
+from edgeswarm.planning.splitfed.cost import cut_costs, device_compute_s, parties_costs
 from edgeswarm.planning.splitfed.scheduling import quotas
 from edgeswarm.planning.splitfed.types import SplitOptions, SplitSelection
 from edgeswarm.profiling.cache import ProfileCache
@@ -66,6 +66,7 @@ from edgeswarm.splitfed.spec import MAX_ROUND_RECORDS, ParticipantRecord, RoundR
 from edgeswarm.splitfed.weights import flatten, layout_of, unflatten
 from edgeswarm.state.layout import load_layout_meta, load_stage, save_layout, stage_entry
 from edgeswarm.stats import affine_fit
+from edgeswarm.values.profiles import MAX_SCALE, MIN_SCALE
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -408,7 +409,8 @@ class SplitfedRunner(RoundProgram):
             speed = self.measured.speeds.get(p.node)
             if p.outcome != "trained" or speed is None or p.compute_s <= 0 or p.recompute not in ("", "none"):
                 continue
-            seconds = device_compute_s(costs, p.cut, p.iterations, speed / self.base.get(p.node, 1.0))
+            mine = parties_costs(costs, self.cost, options, self.measured.shares.get(p.node, ()), ())
+            seconds = device_compute_s(mine, p.cut, p.iterations, speed / self.base.get(p.node, 1.0))
             if seconds >= MIN_FIT_S:
                 predicted[p.node], measured[p.node] = seconds, p.compute_s
         self.fit.add(predicted, measured)
@@ -426,7 +428,8 @@ class SplitfedRunner(RoundProgram):
                     "over profiled)" if moved else f"round {self.round} plans on the profiled speeds again")
             self.ctx.update("running", event=("refit", said))
         return gather.Measured(speeds={n: s / (self.base.get(n, 1.0) * self.applied.get(n, 1.0))
-                                       for n, s in self.measured.speeds.items()}, links=self.measured.links)
+                                       for n, s in self.measured.speeds.items()}, links=self.measured.links,
+                              shares=self.measured.shares)
 
     def _started_from(self, nodes: list[str]) -> None:
         """The speeds earlier jobs saved for the newly measured ``nodes`` (with the rebalance setting on)."""
@@ -439,6 +442,21 @@ class SplitfedRunner(RoundProgram):
             self.base.update(saved)
             self.ctx.update("profiling", event=("refit", f"starts from the speeds earlier jobs measured: "
                                                          f"{speeds(saved)}"))
+
+    def _started_from_steps(self, steps: dict[str, float]) -> None:
+        """Each device's step as it prepared (``steps``: seconds of the whole model's local iteration) over what its
+        profiled speed prices it at, the scale its first rounds plan on, where no earlier job saved one (with the
+        rebalance setting on): what an iteration pays beyond the forward and backward its profile timed (the loss,
+        the optimizer's step, the part's own calls), which the closed loop fits only from its MIN_FIT_ROUNDS-th
+        round on."""
+        if not self.bus.settings.rebalance:
+            return
+        whole = sum(u.flops_fwd + u.flops_bwd for u in self.cost.units)
+        seeded = step_scales({d: s for d, s in steps.items() if d not in self.base}, self.measured.speeds, whole)
+        if seeded:
+            self.base.update(seeded)
+            self.ctx.update("profiling", event=("refit", f"starts from the steps the devices timed as they "
+                                                         f"prepared: {speeds(seeded)}"))
 
     def _save_speeds(self) -> None:
         """Save each device's fitted scale over its profile for the next job (with the rebalance setting on)."""
@@ -486,6 +504,7 @@ class SplitfedRunner(RoundProgram):
         answers = self._ask_to_prepare(STAGE_WORKER, {d: SplitPrepare(job_id=self.spec.name, setup=self.setup,
                                                                       index=index[d], peers=[mec_of[d]]) for d in new})
         self.prepared.update({d: answers[d].setup_s if d in answers else None for d in new})
+        self._started_from_steps({d: answers[d].step_s for d in new if d in answers and answers[d].step_s > 0})
         timed = sorted(v for v in (self.prepared[d] for d in new) if v is not None)
         if timed:
             said = (f"round {self.round}: {len(timed)} of {len(new)} devices prepared; a round's setup takes them "
@@ -568,6 +587,14 @@ def setup_prices(devices: list[str], own: Mapping[str, Sequence[float]], prepare
         elif n not in own and first:
             out[n] = median(first)
     return out
+
+
+def step_scales(steps: Mapping[str, float], speeds: Mapping[str, float], flops: float) -> dict[str, float]:
+    """Each device's measured local step (``steps``, seconds) over what its profiled speed (``speeds``, FLOP/s)
+    prices an iteration of ``flops`` FLOPs at, clipped to [MIN_SCALE, MAX_SCALE]; a device with no speed or no step
+    is left out."""
+    return {d: min(MAX_SCALE, max(MIN_SCALE, s * speeds[d] / flops)) for d, s in steps.items()
+            if s > 0 and speeds.get(d, 0) > 0 and flops > 0}
 
 
 def fixed_price(fixed: Sequence[float], links: Iterable[LinkProfile]) -> float:

@@ -31,11 +31,12 @@ class Estimates:
 
 @dataclass
 class Measured:
-    """What the profilers measured of a job's parties: each node's training speed (FLOP/s), each device's link to
-    its MEC ((device, MEC) -> its profile), and each node's profile (``cluster``: what its measured speed is saved
-    against)."""
+    """What the profilers measured of a job's parties: each node's training speed (FLOP/s) and its units' shares of
+    it (``unit_shares``), each device's link to its MEC ((device, MEC) -> its profile), and each node's profile
+    (``cluster``: what its measured speed is saved against)."""
 
     speeds: dict[str, float] = field(default_factory=dict)
+    shares: dict[str, tuple[float, ...]] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkProfile] = field(default_factory=dict)
     profiles: dict[str, DeviceProfileEntry] = field(default_factory=dict)
     model: ModelProfile | None = None
@@ -65,6 +66,18 @@ def training_flops_per_s(cost: ModelCost, entry: DeviceProfileEntry) -> float:
     return sum(u.flops_fwd + u.flops_bwd for u in cost.units) / max(seconds, 1e-9)
 
 
+def unit_shares(cost: ModelCost, entry: DeviceProfileEntry) -> tuple[float, ...]:
+    """Each unit's share of a training iteration's seconds (forward and backward at ``cost``'s batch size) in the
+    node's profile ``entry``, which the planner prices its part by (``planning.splitfed.cost.unit_work``); empty
+    (the FLOPs' shares) when the profile timed nothing. Raises ProfileError as ``training_flops_per_s`` does."""
+    training_flops_per_s(cost, entry)  # the same checks
+    compute = entry.compute
+    k = compute.batch_sizes.index(cost.batch_size)
+    seconds = [f[k] + b[k] for f, b in zip(compute.forward_s, compute.backward_s, strict=True)]
+    total = sum(seconds)
+    return tuple(x / total for x in seconds) if total > 0 else ()
+
+
 def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, nodes: list[str],
             pairs: list[tuple[str, str]], timeout_s: float) -> None:
     """Profile ``nodes`` (their speeds) and ``pairs`` ((device, MEC): the device's link to it) into ``measured``,
@@ -75,6 +88,7 @@ def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, node
     cluster = profile_cluster(bus, spec, [cost.batch_size], nodes=chosen, links=bool(pairs), link_pairs=pairs,
                               timeout_s=timeout_s, ready_timeout_s=timeout_s)
     measured.speeds.update({e.device.node: training_flops_per_s(cost, e) for e in cluster.devices})
+    measured.shares.update({e.device.node: unit_shares(cost, e) for e in cluster.devices})
     measured.profiles.update({e.device.node: e for e in cluster.devices})
     measured.model = cluster.model
     wanted = set(pairs)
@@ -104,13 +118,14 @@ def split_devices(view: ClusterView, devices: list[str], mec_of: dict[str, str],
                                link_bytes_s=link.bandwidth_bps, link_message_s=link.per_message_s,
                                budget_bytes=budget_bytes(nv, cap), samples=samples.get(node, 0),
                                dis=est.dis if est else 0.0, stat=est.stat if est else float(samples.get(node, 0)),
-                               setup_s=(setups or {}).get(node, 0.0)))
+                               setup_s=(setups or {}).get(node, 0.0), unit_share=measured.shares.get(node, ())))
     return out
 
 
 def split_mecs(mecs: list[str], measured: Measured) -> list[SplitMec]:
     """The central manager's view of the edge servers ``mecs`` (each measured)."""
-    return [SplitMec(node=m, speed_flops=measured.speeds[m]) for m in mecs if m in measured.speeds]
+    return [SplitMec(node=m, speed_flops=measured.speeds[m], unit_share=measured.shares.get(m, ()))
+            for m in mecs if m in measured.speeds]
 
 
 def assign_mecs(devices: list[str], mecs: list[str]) -> dict[str, str]:

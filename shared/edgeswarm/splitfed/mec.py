@@ -142,8 +142,9 @@ class MecProgram(JobTable[_Round]):
         elif isinstance(body, SplitPrepare):
             self._preparer.submit(msg, body, partial(self._prepare, msg.envelope.sender_node, body))
 
-    def _prepare(self, coordinator: str, body: SplitPrepare) -> float:
-        """SplitPrepare's work on the MEC (see the module's docstring): the seconds its reassembly took to build."""
+    def _prepare(self, coordinator: str, body: SplitPrepare) -> tuple[float, float]:
+        """SplitPrepare's work on the MEC (see the module's docstring): the seconds its reassembly took to build (and
+        no step)."""
         reach(self.ctx.bus, [(coordinator, "coordinator"), *((d, STAGE_WORKER) for d in body.peers)])
         with self.ctx.gate.building():
             point_of(body.setup, 1)  # traces the model's units, once per model
@@ -152,7 +153,7 @@ class MecProgram(JobTable[_Round]):
             took = time.monotonic() - began
         with self.ctx.gate.computing():
             rebuild.warm()
-        return took
+        return took, 0.0
 
     def _start(self, msg: Inbound, body: SplitRoundStart) -> None:
         with self._lock:

@@ -4,8 +4,8 @@ peer's broker takes round trips), one after another (each times a setup, and two
 MAX_WAITING admitted at once; and the data-plane connections to the job's peers are opened, so the first tensor a
 round sends there does not wait for the handshakes.
 
-A party's own preparation (its throwaway step, its reassembly) is the caller's ``work``: it returns the setup
-seconds the answer carries."""
+A party's own preparation (its throwaway step, its reassembly) is the caller's ``work``: it returns the setup and
+step seconds the answer carries."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ class Preparer:
         self._waiting = threading.BoundedSemaphore(MAX_WAITING)
         self._running = threading.Lock()
 
-    def submit(self, msg: Inbound, body: SplitPrepare, work: Callable[[], float]) -> None:
-        """Run ``work`` (the party's own preparation: the setup seconds it timed) for ``msg`` on a thread, then
+    def submit(self, msg: Inbound, body: SplitPrepare, work: Callable[[], tuple[float, float]]) -> None:
+        """Run ``work`` (the party's own preparation: the setup and step seconds it timed, SplitPrepared's) for
+        ``msg`` on a thread, then
         answer SplitPrepared; StageFailed when ``work`` raises, or ``busy`` with MAX_WAITING prepares admitted."""
         ctx = self.program.ctx
         if not self._waiting.acquire(blocking=False):
@@ -49,14 +50,15 @@ class Preparer:
         def run() -> None:
             try:
                 with self._running:
-                    setup_s = work()
+                    setup_s, step_s = work()
             except Exception as exc:  # noqa: BLE001 - a failed preparation is answered, never raised into the bus
                 reason, detail = build_failure(exc, f"preparing split learning job {body.job_id}", log)
                 self.program.refuse(msg, body.job_id, reason, detail)
                 return
             finally:
                 self._waiting.release()
-            ctx.bus.reply(msg, SplitPrepared(job_id=body.job_id, node=ctx.node, setup_s=setup_s))
+            ctx.bus.reply(msg, SplitPrepared(job_id=body.job_id, node=ctx.node, setup_s=setup_s,
+                                           step_s=step_s))
 
         threading.Thread(target=run, name=f"splitfed-prepare-{body.job_id}", daemon=True).start()
 

@@ -2,8 +2,9 @@
 train-splitfed jobs at once, each a round at a time.
 
 Before a job plans a round on the device, a SplitPrepare (from the coordinator) has it open the data-plane connection
-to its MEC, train one throwaway step of the job's model on its own data and time a round's setup: the job's setup,
-not its first round, pays the process's first use of the model's operators and the connection's handshakes.
+to its MEC, train one throwaway step of the job's model on its own data, time a few more (the whole model's step as
+this device computes it) and time a round's setup: the job's setup, not its first round, pays the process's first
+use of the model's operators and the connection's handshakes.
 
 A SplitEnrol (from the coordinator) names the round's MEC and the device's partition; the device answers with the
 training memory it has now (its ledger's room, capped by the round). Only that MEC's SplitPartWeights starts the round:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,6 +62,11 @@ _limited = RateLimitedLog(log)
 
 PROGRAM = "splitfed-device"  # this program's name in the node's memory ledger
 PREPARE = "prepare"  # the ledger part a job's warm-up step holds while it runs
+# Local steps timed after the throwaway one when a device prepares: their median is what the job's first rounds
+# price a step beyond its forward and backward at (the loss, the optimizer, the part's own calls) before they
+# measure it. Five cost a few percent of a round; more do not steady it (the host's moment moves it 1.3x-2x on
+# this project's VM whether 3 or 10 are timed).
+PREPARE_STEPS = 5
 MAX_JOBS = 16
 
 
@@ -114,8 +121,10 @@ class DeviceProgram(JobTable[_Job]):
         elif isinstance(body, SplitPrepare):
             self._preparer.submit(msg, body, partial(self._warm, body))
 
-    def _warm(self, body: SplitPrepare) -> float:
-        """SplitPrepare's work on the device (see the module's docstring): the seconds a round's setup took."""
+    def _warm(self, body: SplitPrepare) -> tuple[float, float]:
+        """SplitPrepare's work on the device (see the module's docstring): the seconds a round's setup took, and the
+        median seconds of PREPARE_STEPS local training iterations of the whole model after the throwaway one (0 for
+        an empty partition)."""
         if body.index is None:
             raise ConfigError("a device prepares for a job on its partition: the prepare names no index")
         reach(self.ctx.bus, ((peer, MEC_MANAGER) for peer in body.peers[:1]))  # its MEC's broker
@@ -129,15 +138,21 @@ class DeviceProgram(JobTable[_Job]):
                                gate=self.ctx.gate, run=self.ctx.device.run)
             ledger.reserve(PROGRAM, body.job_id, whole.static_bytes(), part=PREPARE, what=what)
             data = whole.partition_data(body.index)
+            steps: list[float] = []
             if data.size:
-                whole.local_step(*data.batch(np.arange(min(training.batch_size, data.size))))
+                batch = data.batch(np.arange(min(training.batch_size, data.size)))
+                whole.local_step(*batch)
+                for _ in range(PREPARE_STEPS):
+                    before = whole.compute_s
+                    whole.local_step(*batch)
+                    steps.append(whole.compute_s - before)
             # A round's setup in the job's mode, as _train times it (its deepest cut: the build is the part that
             # grows with the cut), its memory planned as if the budget had room (no recomputation).
             began = time.monotonic()
             point = point_of(body.setup, 1)
             self._set_up_part(body.setup, point.units - max(point.tail, 1), None, body.job_id, body.index,
                               MAX_MEMORY_BYTES, what=what, part=PREPARE)
-            return time.monotonic() - began
+            return time.monotonic() - began, statistics.median(steps) if steps else 0.0
         finally:
             ledger.release(PROGRAM, body.job_id, part=PREPARE)
 

@@ -23,7 +23,7 @@ Units: bytes, FLOPs, FLOP/s, bytes per second, seconds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -126,26 +126,57 @@ def iteration_messages(model: ModelCost, cut: int, tail: int, latency_model: Lat
     return sum(messages(t) for t in iteration_tensors(model, cut, tail, latency_model))
 
 
+def unit_work(model: ModelCost, share: Sequence[float]) -> np.ndarray:
+    """Each unit's FLOPs of one training iteration (forward and backward), redistributed by ``share`` (each unit's
+    share of the iteration's seconds in a node's profile) when given: the model's FLOPs in all, so the node's speed
+    (FLOP/s over its whole iteration) prices them as its profile timed each unit. A small unit at full resolution
+    (LeNet-5's first convolution) takes a larger share of the seconds than of the FLOPs. Raises SplitPlanError for
+    shares of another model's units, or none above 0."""
+    flops = np.array([u.flops_fwd + u.flops_bwd for u in model.units], dtype=np.float64)
+    if not share:
+        return flops
+    weights = np.asarray(share, dtype=np.float64)
+    if weights.shape != flops.shape or not weights.sum() > 0:
+        raise SplitPlanError(f"unit shares of {len(share)} units do not fit {model.name}'s {len(flops)} units: "
+                             "profile the nodes on the job's model")
+    return float(flops.sum()) * weights / float(weights.sum())
+
+
+def split_work(model: ModelCost, tail: int, share: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(device, MEC) FLOPs of one iteration at every cut 1..V-``tail`` (``unit_work`` by ``share``): the device's
+    front and tail, and the middle the MEC runs."""
+    work = unit_work(model, share)
+    n_cuts = len(work) - tail
+    front = np.cumsum(work)[:n_cuts]
+    return front + float(work[n_cuts:].sum()), float(work[:n_cuts].sum()) - front
+
+
+def parties_costs(costs: CutCosts, model: ModelCost, options: SplitOptions, device: Sequence[float],
+                  mec: Sequence[float]) -> CutCosts:
+    """``costs`` with the device's FLOPs priced by its unit shares ``device`` and the MEC's by the MEC's ``mec``
+    (``unit_work``; empty: the FLOPs as they are)."""
+    tail = effective_tail(model, options)
+    return replace(costs, device_flops=split_work(model, tail, device)[0] if device else costs.device_flops,
+                   mec_flops=split_work(model, tail, mec)[1] if mec else costs.mec_flops)
+
+
 def cut_costs(model: ModelCost, options: SplitOptions) -> CutCosts:
     """Every cut's memory, FLOPs, transfer and device parameters under ``options`` (tail, buffers, overhead,
     latency model)."""
     tail = effective_tail(model, options)
     units = model.units
     v = len(units)
-    flops = np.array([u.flops_fwd + u.flops_bwd for u in units], dtype=np.float64)
     params = np.array([u.param_bytes for u in units], dtype=np.float64)
-    tail_flops = float(flops[v - tail:].sum())
     tail_params = float(params[v - tail:].sum())
     n_cuts = v - tail
-    front_flops = np.cumsum(flops)[:n_cuts]
-    middle_total = float(flops[:n_cuts].sum())
+    device_flops, mec_flops = split_work(model, tail, ())
     lean = [lean_memory(model, j, tail, options.overhead_bytes, options.comm_buffers) for j in range(1, n_cuts + 1)]
     device_params = np.cumsum(params)[:n_cuts] + tail_params
     return CutCosts(
         memory=np.array([device_memory(model, j, tail, options.overhead_bytes, options.comm_buffers)
                          for j in range(1, n_cuts + 1)], dtype=np.float64),
-        device_flops=front_flops + tail_flops,
-        mec_flops=middle_total - front_flops,
+        device_flops=device_flops,
+        mec_flops=mec_flops,
         transfer_bytes=np.array([iteration_bytes(model, j, tail, options.latency_model)
                                  for j in range(1, n_cuts + 1)], dtype=np.float64),
         transfer_messages=np.array([iteration_messages(model, j, tail, options.latency_model)
@@ -265,7 +296,12 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
                          dtype=np.float64)[:, None]
         sync = 2.0 * costs.device_params[None, :] / link + costs.sync_messages[None, :] * message
     setup = np.array([d.setup_s for d in devices], dtype=np.float64)[:, None]
-    compute = iters * costs.device_flops[None, :] / speed
+    tail = effective_tail(model, options)
+    mec_work = {m.node: split_work(model, tail, m.unit_share)[1] if m.unit_share else costs.mec_flops
+                for m in mecs}
+    device_work = np.array([split_work(model, tail, d.unit_share)[0] if d.unit_share else costs.device_flops
+                            for d in devices], dtype=np.float64).reshape(len(devices), n_cuts)
+    compute = iters * device_work / speed
     transfer = iters * (costs.transfer_bytes[None, :] / link + costs.transfer_messages[None, :] * message)
     memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
     fits = memory <= budget
@@ -285,7 +321,8 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
         fixed_s=compute + transfer + sync + setup,
         compute_s=compute,
         transfer_s=transfer,
-        mec_work=iters * costs.mec_flops[None, :],
+        mec_work=iters * np.array([mec_work[d.mec] for d in devices],
+                                  dtype=np.float64).reshape(len(devices), n_cuts),
         dis=np.array([d.dis for d in devices], dtype=np.float64),
         samples=np.array([d.samples for d in devices], dtype=np.int64),
         classes=model.classes,
@@ -306,7 +343,7 @@ def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, o
                sharing: int = 1, recompute_s: float = 0.0) -> float:
     """T_i(j) seconds (spec 4.2): E ceil(|D|/B) t_iter + 2 P_dev(j) / r (and their messages) + T_recompute;
     under ``paper`` Eq. 4 literally (one iteration's t_iter); either with the device's measured ``setup_s``."""
-    costs = cut_costs(model, options)
+    costs = parties_costs(cut_costs(model, options), model, options, device.unit_share, mec.unit_share)
     t = iteration_time(costs, cut, device.speed_flops, device.link_bytes_s, mec.speed_flops, sharing,
                        device.link_message_s)
     if options.latency_model == "paper":
@@ -318,8 +355,8 @@ def round_time(model: ModelCost, device: SplitDevice, mec: SplitMec, cut: int, o
 
 def device_compute_s(costs: CutCosts, cut: int, iterations: int, speed_flops: float) -> float:
     """Seconds a device of ``speed_flops`` FLOP/s computes in ``iterations`` iterations at ``cut`` (its forward,
-    backward and update, as ``cost_table`` prices them from ``costs``; no recomputation): the closed loop's
-    prediction of what the device reports (``DeviceReport.compute_s``)."""
+    backward and update, as ``cost_table`` prices them from ``costs``, ``parties_costs`` with the device's unit
+    shares; no recomputation): the closed loop's prediction of what the device reports (``DeviceReport.compute_s``)."""
     return iterations * float(costs.device_flops[cut - 1]) / speed_flops
 
 

@@ -22,6 +22,9 @@ MAX_SPLIT_DEVICES = 1024
 NonNegative = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_MEMORY_BYTES)]
+# Each unit's share of a training iteration's forward and backward seconds in a node's own profile; empty: each
+# unit's share of the FLOPs. A node's speed still sets its level, the shares only where a cut falls in it.
+UnitShares = Annotated[tuple[NonNegative, ...], Field(max_length=MAX_UNITS)]
 
 Solver = Literal["bo", "exhaustive", "global"]
 LatencyModel = Literal["usplit", "vanilla", "paper"]
@@ -69,8 +72,9 @@ class SplitDevice(BaseModel):
     link costs beyond its bytes (``link_message_s``, seconds one way: the link's and the platform's per-message cost,
     ``LinkProfile.per_message_s``; 0 prices bytes only, as the paper does), memory budget for training now, local
     data set size, the MEC's estimates of its label skew (``dis``, Eq. 6, nats) and statistical utility
-    (``stat``, Eq. 7), and ``setup_s``, the seconds a round costs it before its first step whatever its cut (its part
-    built, the weights loaded, its data read: as its earlier rounds measured it; 0 prices none, as the paper)."""
+    (``stat``, Eq. 7), ``setup_s``, the seconds a round costs it before its first step whatever its cut (its part
+    built, the weights loaded, its data read: as its earlier rounds measured it; 0 prices none, as the paper), and
+    ``unit_share``, each unit's share of its profiled training iteration (``cost.unit_work``; empty: the FLOPs')."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -85,15 +89,18 @@ class SplitDevice(BaseModel):
     stat: NonNegative = 0.0
     available: bool = True
     setup_s: NonNegative = 0.0
+    unit_share: UnitShares = ()
 
 
 class SplitMec(BaseModel):
-    """An edge server: its speed, shared by the devices it trains for in a round (processor sharing)."""
+    """An edge server: its speed, shared by the devices it trains for in a round (processor sharing), and each unit's
+    share of its profiled training iteration (``unit_share``, as a device's)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     node: Name
     speed_flops: Positive
+    unit_share: UnitShares = ()
 
 
 class SplitOptions(BaseModel):
