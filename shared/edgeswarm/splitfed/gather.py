@@ -57,12 +57,7 @@ def training_flops_per_s(cost: ModelCost, entry: DeviceProfileEntry) -> float:
     """A node's training speed: the FLOPs of one forward and backward of every unit at ``cost``'s batch size over
     the seconds its profile measured for them. Raises ProfileError when the profile is of another model's units or
     lacks that batch size."""
-    compute = entry.compute
-    if len(compute.forward_s) != len(cost.units) or cost.batch_size not in compute.batch_sizes:
-        raise ProfileError(f"the profile of {entry.device.node} has {len(compute.forward_s)} units at batch sizes "
-                           f"{compute.batch_sizes}, not {cost.name}'s {len(cost.units)} at {cost.batch_size}")
-    k = compute.batch_sizes.index(cost.batch_size)
-    seconds = sum(f[k] + b[k] for f, b in zip(compute.forward_s, compute.backward_s, strict=True))
+    seconds = sum(_unit_seconds(cost, entry))
     return sum(u.flops_fwd + u.flops_bwd for u in cost.units) / max(seconds, 1e-9)
 
 
@@ -70,12 +65,20 @@ def unit_shares(cost: ModelCost, entry: DeviceProfileEntry) -> tuple[float, ...]
     """Each unit's share of a training iteration's seconds (forward and backward at ``cost``'s batch size) in the
     node's profile ``entry``, which the planner prices its part by (``planning.splitfed.cost.unit_work``); empty
     (the FLOPs' shares) when the profile timed nothing. Raises ProfileError as ``training_flops_per_s`` does."""
-    training_flops_per_s(cost, entry)  # the same checks
-    compute = entry.compute
-    k = compute.batch_sizes.index(cost.batch_size)
-    seconds = [f[k] + b[k] for f, b in zip(compute.forward_s, compute.backward_s, strict=True)]
+    seconds = _unit_seconds(cost, entry)
     total = sum(seconds)
     return tuple(x / total for x in seconds) if total > 0 else ()
+
+
+def _unit_seconds(cost: ModelCost, entry: DeviceProfileEntry) -> list[float]:
+    """Each unit's forward and backward seconds at ``cost``'s batch size in the profile ``entry``. Raises
+    ProfileError when the profile is of another model's units or lacks that batch size."""
+    compute = entry.compute
+    if len(compute.forward_s) != len(cost.units) or cost.batch_size not in compute.batch_sizes:
+        raise ProfileError(f"the profile of {entry.device.node} has {len(compute.forward_s)} units at batch sizes "
+                           f"{compute.batch_sizes}, not {cost.name}'s {len(cost.units)} at {cost.batch_size}")
+    k = compute.batch_sizes.index(cost.batch_size)
+    return [f[k] + b[k] for f, b in zip(compute.forward_s, compute.backward_s, strict=True)]
 
 
 def measure(bus: Bus, spec: ModelSpec, cost: ModelCost, measured: Measured, nodes: list[str],

@@ -39,8 +39,8 @@ class Preparer:
 
     def submit(self, msg: Inbound, body: SplitPrepare, work: Callable[[], tuple[float, float]]) -> None:
         """Run ``work`` (the party's own preparation: the setup and step seconds it timed, SplitPrepared's) for
-        ``msg`` on a thread, then
-        answer SplitPrepared; StageFailed when ``work`` raises, or ``busy`` with MAX_WAITING prepares admitted."""
+        ``msg`` on a thread, then answer SplitPrepared; StageFailed when ``work`` raises, or ``busy`` with
+        MAX_WAITING prepares admitted."""
         ctx = self.program.ctx
         if not self._waiting.acquire(blocking=False):
             self.program.refuse(msg, body.job_id, "busy", f"{ctx.node} has {MAX_WAITING} split learning jobs to "

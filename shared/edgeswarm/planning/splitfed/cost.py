@@ -296,11 +296,9 @@ def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[
                          dtype=np.float64)[:, None]
         sync = 2.0 * costs.device_params[None, :] / link + costs.sync_messages[None, :] * message
     setup = np.array([d.setup_s for d in devices], dtype=np.float64)[:, None]
-    tail = effective_tail(model, options)
-    mec_work = {m.node: split_work(model, tail, m.unit_share)[1] if m.unit_share else costs.mec_flops
-                for m in mecs}
-    device_work = np.array([split_work(model, tail, d.unit_share)[0] if d.unit_share else costs.device_flops
-                            for d in devices], dtype=np.float64).reshape(len(devices), n_cuts)
+    mec_work = {m.node: parties_costs(costs, model, options, (), m.unit_share).mec_flops for m in mecs}
+    device_work = np.array([parties_costs(costs, model, options, d.unit_share, ()).device_flops for d in devices],
+                           dtype=np.float64).reshape(len(devices), n_cuts)
     compute = iters * device_work / speed
     transfer = iters * (costs.transfer_bytes[None, :] / link + costs.transfer_messages[None, :] * message)
     memory = np.broadcast_to(costs.memory, (len(devices), n_cuts)).copy()
