@@ -9,6 +9,7 @@ import fcntl
 import logging
 import os
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -95,11 +96,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.fixture(autouse=True, scope="session")
 def _no_home_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Whatever a test or a service it starts caches or keeps by default (profiles, saved speeds, checkpoints) goes to
-    a temporary folder, never the home directory's."""
+    a temporary folder, never the home directory's; and what it keeps in the system's temporary folder (a cluster's
+    logs, the nodes' heartbeats and memory ledgers) goes to one of the session's, which pytest prunes, not /tmp."""
     base = tmp_path_factory.mktemp("xdg")
-    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "XDG_DATA_HOME")}
-    os.environ["XDG_CACHE_HOME"], os.environ["XDG_DATA_HOME"] = str(base / "cache"), str(base / "data")
+    (base / "tmp").mkdir()
+    names = ("XDG_CACHE_HOME", "XDG_DATA_HOME", "TMPDIR")
+    saved = {k: os.environ.get(k) for k in names}
+    saved_tempdir = tempfile.tempdir
+    for key, folder in zip(names, ("cache", "data", "tmp"), strict=True):
+        os.environ[key] = str(base / folder)
+    tempfile.tempdir = str(base / "tmp")  # this process's gettempdir() was cached before the variable changed
     yield
+    tempfile.tempdir = saved_tempdir
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

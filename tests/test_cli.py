@@ -289,7 +289,8 @@ def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: 
         assert r["measured_round_s"] > 0 and r["predicted_round_s"] > 0 and r["replayed_round_s"] > 0
         assert r["refitted_round_s"] > 0  # the coordinator's closed loop priced the plan on the measured compute
         assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
-    assert rows[1]["stages"] == 4 and all(w in out.stdout for w in ("predicted", "refitted", "replayed"))
+        assert 0 < r["host_busy"] <= 1  # the host's cores busy over the job, read from /proc/stat
+    assert rows[1]["stages"] == 4 and all(w in out.stdout for w in ("predicted", "refitted", "replayed", "host busy"))
 
 
 def test_bench_training_misprofiled_starts_a_job_on_wrong_speeds_and_the_loop_measures_them(

@@ -140,6 +140,19 @@ def test_train_wait_prints_each_round_and_the_trained_model_exports(cluster: Clu
     assert third.refitted_s == pytest.approx(expected), progress.history
 
 
+def test_the_bench_rows_of_a_job_give_each_round_with_the_hosts_load_over_it(cluster: Cluster) -> None:
+    """``bench splitfed``'s rows (``job_rows``, also ``bench peers``'): a row per round with its measured and
+    predicted time, and how busy the host's cores were over about that round, read from /proc/stat as it ran."""
+    from edgeswarm.splitfed.bench_splitfed import job_rows
+
+    rows = job_rows(cluster.bus, json.loads(spec_text("bench-rows", mode="fedavg", memory_budget_bytes=0)),
+                    timeout_s=240)
+    assert [(r.round, r.error) for r in rows] == [(0, None), (1, None)]
+    for r in rows:
+        assert r.round_s > 0 and r.predicted_s > 0
+        assert r.host_busy is not None and 0 < r.host_busy <= 1
+
+
 def test_a_device_prepares_for_a_job_before_its_rounds_and_refuses_a_prepare_it_cannot_do(cluster: Cluster) -> None:
     """SplitPrepare: the device trains a throwaway step of the job's model on its partition and answers with a
     round's setup as it timed it; a partition the job does not have is answered with a failure, and the device goes

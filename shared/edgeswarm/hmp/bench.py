@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
+from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -153,7 +154,7 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                         f"{c.requests} requests on the coordinator; speedup = mode's latency / Galaxy's")
         for col in ("env", "Mbps", "model", "mode", "devices", "heads", "predicted ms", "measured ms",
                     "meas / pred", "meas / refitted", "layer: compute / sync / wait ms", "Galaxy speedup",
-                    "full model (planner)"):
+                    "host busy", "full model (planner)"):
             t.add_column(col, justify="left" if col in ("env", "model", "mode", "devices", "heads",
                                                           "full model (planner)") else "right")
         for r in rows:
@@ -163,7 +164,7 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                                                                  else "infeasible")
             if r.error:
                 t.add_row(r.env.upper(), f"{r.bandwidth_mbps:g}", r.model, r.mode, "-", "-", "-",
-                          escape(r.error[:60]), "-", "-", "-", "-", full)
+                          escape(r.error[:60]), "-", "-", "-", "-", "-", full)
                 continue
             up = ups.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
             up_all = ups_all.get((r.section, r.env, r.bandwidth_mbps, r.model), {}).get(r.mode)
@@ -172,7 +173,7 @@ def hmp_tables(report: HmpReport) -> list[Table]:
                       "/".join(map(str, r.heads)), _ms(r.predicted_s), _ms(r.latency_s), _x(r.ratio),
                       _x(r.refitted_ratio), f"{r.compute_ms or 0:.0f} / {r.sync_ms or 0:.0f} / {r.waiting_ms or 0:.0f}",
                       "" if r.mode == "galaxy" else _x(up) if up == up_all else f"{_x(up)} ({_x(up_all)} all)",
-                      full)
+                      busy_cell(r.host_busy), full)
         tables.append(t)
     strong = {len(r.devices): r for r in runs if r.section == "strong" and r.latency_s}
     weak = {len(r.devices): r for r in runs if r.section == "weak" and r.latency_s}
@@ -254,6 +255,8 @@ def hmp_lines(report: HmpReport) -> list[str]:
         inside = sum(0.8 <= x <= 1.2 for x in ratios)
         lines.append(f"measured / predicted: {inside} of {len(ratios)} runs within 20% (range {min(ratios):.2f}x "
                      f"to {max(ratios):.2f}x)")
+    if any(saturated(r.host_busy) for r in report.runs):
+        lines.append(SATURATED_NOTE)
     if report.trace:
         lines.append(f"Chrome trace of one Galaxy pass: {report.trace} ({report.trace_overlaps} communication spans "
                      "overlap a GEMM span); open it in https://ui.perfetto.dev")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from edgeswarm.bench.host_load import HostLoad, busy_text
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -55,7 +56,8 @@ class HmpRun(BaseModel):
     ``tiled``, predicted seconds per request and per layer), and the measurements in seconds (medians over
     ``requests``): ``latency_s`` on the coordinator, the per-layer split of the slowest rank in milliseconds (the
     embeddings and head are in it, spread over the layers), and for generation the time to first token and per output
-    token. ``error``: why the job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
+    token; ``host_busy``, the fraction of the host's core time busy over the measured requests (``bench.host_load``).
+    ``error``: why the job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
 
     section: str
     env: str
@@ -92,6 +94,7 @@ class HmpRun(BaseModel):
     tpot_s: float | None = None
     requests: int = 0
     answers: list[list[int]] = []  # the tokens each measured request generated
+    host_busy: float | None = None
     error: str | None = None
 
     @property
@@ -220,7 +223,8 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
         prompts = prompts_of(model, requests + 1, seq_len, seed=len(section))
         timeout = max(120.0, 20 * plan.model.total_s * max(1, new_tokens))
         answers = ask(bus, name, prompts[:1], max_new_tokens=new_tokens, window=1, timeout_s=timeout)  # warm-up
-        answers += ask(bus, name, prompts[1:], max_new_tokens=new_tokens, window=1, timeout_s=timeout)
+        with HostLoad() as host:
+            answers += ask(bus, name, prompts[1:], max_new_tokens=new_tokens, window=1, timeout_s=timeout)
         failed = [a for a in answers if a.reply is None]
         if failed:
             return row.model_copy(update={"error": f"{len(failed)} requests failed: {failed[0].reason}: "
@@ -236,7 +240,7 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
             "compute_ms": _median([s.compute_ms for s in splits]), "sync_ms": _median([s.sync_ms for s in splits]),
             "waiting_ms": _median([s.waiting_ms for s in splits]),
             "ttft_s": _median([r.ttft_s for r in measured]),
-            "tpot_s": _median([r.tpot_s for r in measured if r.tpot_s is not None])})
+            "tpot_s": _median([r.tpot_s for r in measured if r.tpot_s is not None]), "host_busy": host.busy})
         # Beside the prefill's prediction, the time to the first token where a request generates more.
         first, what = (row.ttft_s, "first token") if new_tokens and row.ttft_s else (row.latency_s, "request")
         log(f"{section}: env {env.upper()} {bandwidth_mbps:g} Mbps {model} x{layers} s={seq_len} {mode}"
@@ -244,7 +248,7 @@ def serve_and_measure(bus: Bus, *, section: str, env: str, bandwidth_mbps: float
             f"{(row.predicted_s or 0) * 1000:.0f} ms predicted; per layer compute {row.compute_ms or 0:.0f}, sync "
             f"{row.sync_ms or 0:.0f}, waiting {row.waiting_ms or 0:.0f} ms"
             + (f"; TPOT {row.tpot_s * 1000:.0f} ms measured, {(row.predicted_tpot_s or 0) * 1000:.0f} ms predicted"
-               if row.tpot_s else ""))
+               if row.tpot_s else "") + f"; {busy_text(row.host_busy)}")
         return row
     finally:
         try:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -96,12 +97,12 @@ class TrainingBench(Bench):
                         + " against the planner's prediction")
         for col in ("env", "strategy", "stages", "M x B", "predicted (s)", "measured (s)", "measured / predicted",
                     "measured / refitted", "samples/s", "HPP speed-up", "compute / profile", "replayed (s)",
-                    "measured / replayed", "overhead per micro-batch"):
+                    "measured / replayed", "host busy", "overhead per micro-batch"):
             t.add_column(col, justify="left" if col in ("env", "strategy") else "right")
         hpp = {r.env: r.measured_sps for r in rows if r.strategy == "hpp" and r.measured_sps}
         for r in rows:
             if r.error is not None:
-                t.add_row(r.env.upper(), r.strategy, "-", "-", "-", "failed", *["-"] * 7, r.error[:40])
+                t.add_row(r.env.upper(), r.strategy, "-", "-", "-", "failed", *["-"] * 8, r.error[:40])
                 continue
             assert r.measured_round_s and r.measured_sps and r.replayed_round_s and r.ratio
             speedup = hpp.get(r.env)
@@ -110,9 +111,11 @@ class TrainingBench(Bench):
                       f"{r.measured_round_s / r.refitted_round_s:.2f}x" if r.refitted_round_s else "-",
                       f"{r.measured_sps:.1f}", f"{speedup / r.measured_sps:.2f}x" if speedup else "-",
                       f"{r.compute_ratio:.2f}x", f"{r.replayed_round_s:.3f}",
-                      f"{r.measured_round_s / r.replayed_round_s:.2f}x",
+                      f"{r.measured_round_s / r.replayed_round_s:.2f}x", busy_cell(r.host_busy),
                       f"{1000 * (r.overhead_per_micro_batch_s or 0):.2f} ms")
         tools.console.print(t)
+        if any(saturated(r.host_busy) for r in rows):
+            tools.console.print(SATURATED_NOTE)
         return rows
 
     def _misprofiled(self, args: argparse.Namespace, tools: CommandTools, model: ModelSpec) -> list[MisprofiledRun]:

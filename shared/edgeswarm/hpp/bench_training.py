@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from edgeswarm.bench.host_load import HostLoad, busy_text
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
@@ -40,7 +41,8 @@ DEFAULT_MODEL = ModelSpec(name="mobilenetv2", config={"image_size": 32, "num_cla
 class StrategyRun(BaseModel):
     """One strategy trained on one environment: plan shape, predicted and measured seconds per round (mean of
     the rounds after the first), measured samples/s, and the largest per-device runtime overhead per
-    micro-batch (seconds). ``error`` says why it did not run."""
+    micro-batch (seconds); ``host_busy``, the fraction of the host's core time busy over the job
+    (``bench.host_load``). ``error`` says why it did not run."""
 
     env: str
     strategy: Strategy
@@ -57,6 +59,7 @@ class StrategyRun(BaseModel):
     refitted_round_s: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
+    host_busy: float | None = None
     error: str | None = None
 
     @property
@@ -141,16 +144,19 @@ def run_training_bench(envs: list[str], *, model: ModelSpec = DEFAULT_MODEL, glo
                 log(f"env {env}: {strategy}, {rounds} rounds")
                 try:
                     # Every strategy planned on the profiles alone; the loop's refitted prediction is reported beside.
-                    run_job(bus, job, store_node=None, observer=seen, closed_loop=False)
+                    with HostLoad() as host:
+                        run_job(bus, job, store_node=None, observer=seen, closed_loop=False)
                 except EdgeswarmError as exc:
                     log(f"env {env}: {strategy} failed: {exc}")
                     rows.append(StrategyRun(env=env, strategy=strategy, error=str(exc)))
                     continue
                 assert seen.plan is not None
                 row = summarize(env, strategy, seen.plan, seen.reports, seen.refitted_rounds)
+                row = row.model_copy(update={"host_busy": host.busy})
                 log(f"env {env}: {strategy}: {row.measured_round_s:.3f} s per round measured, "
                     f"{row.predicted_round_s:.3f} s predicted, {row.replayed_round_s:.3f} s replayed with the "
                     f"measured compute ({row.compute_ratio or 0:.2f}x planned), "
-                    f"overhead {1000 * (row.overhead_per_micro_batch_s or 0):.2f} ms per micro-batch")
+                    f"overhead {1000 * (row.overhead_per_micro_batch_s or 0):.2f} ms per micro-batch; "
+                    f"{busy_text(row.host_busy)}")
                 rows.append(row)
     return rows

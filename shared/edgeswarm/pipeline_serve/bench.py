@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -117,12 +118,12 @@ def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
                         "measured on the stage-workers" + (" in network namespaces" if args.netns else ""))
     for col in ("env", "variant", "stages", "devices", "predicted samples/s", "measured samples/s",
                 "measured / predicted", "measured / refitted", "over single device", "p50 ms",
-                "p50 ms predicted", "p99 ms"):
+                "p50 ms predicted", "p99 ms", "host busy"):
         table.add_column(col, justify="left" if col in ("env", "variant", "devices") else "right")
     single = {r.env: r.measured_per_s for r in rows if r.variant == "single" and r.measured_per_s}
     for r in rows:
         if r.error:
-            table.add_row(r.env, r.variant, "-", escape(r.error[:60]), *["-"] * 8)
+            table.add_row(r.env, r.variant, "-", escape(r.error[:60]), *["-"] * 9)
             continue
         base = single.get(r.env)
         table.add_row(r.env, r.variant, str(r.stages), ",".join(r.devices), f"{r.predicted_per_s:.1f}",
@@ -131,6 +132,8 @@ def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
                       f"{r.measured_per_s / base:.2f}x" if base and r.measured_per_s else "-",
                       f"{(r.p50_s or 0) * 1000:.0f}",
                       f"{r.predicted_p50_s * 1000:.0f}" if r.predicted_p50_s is not None else "-",
-                      f"{(r.p99_s or 0) * 1000:.0f}")
+                      f"{(r.p99_s or 0) * 1000:.0f}", busy_cell(r.host_busy))
     tools.console.print(table)
+    if any(saturated(r.host_busy) for r in rows):
+        tools.console.print(SATURATED_NOTE)
     return 0 if all(r.error is None for r in rows) else 1

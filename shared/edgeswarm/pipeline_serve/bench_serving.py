@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from edgeswarm.bench.host_load import HostLoad, busy_text
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -39,7 +40,8 @@ class ServeRun(BaseModel):
     """One variant served on one environment: its plan's shape and prediction, the coordinator's refitted prediction
     after the stream (the plan priced on each stage's measured forward), the measured samples per second over the
     stream, and the clients' per-request latency percentiles (seconds) beside the plan's median latency predicted
-    for the stream's load (``planning.serve.load.at_outstanding``). ``error`` says why it did not run."""
+    for the stream's load (``planning.serve.load.at_outstanding``). ``host_busy``: the fraction of the host's core
+    time busy over the stream (``bench.host_load``). ``error`` says why it did not run."""
 
     env: str
     variant: str
@@ -54,6 +56,7 @@ class ServeRun(BaseModel):
     p99_s: float | None = None
     requests: int = 0
     replayed: int = 0
+    host_busy: float | None = None
     error: str | None = None
 
     @property
@@ -99,8 +102,9 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
         infer_stream(bus, name, [inputs[k % 16] for k in range(2 * window)], window=window)  # warm-up
         # The client keeps twice the job's window outstanding, so requests also queue at the coordinator.
         outstanding = 2 * window
-        report = infer_stream(bus, name, [inputs[k % 16] for k in range(requests)], window=outstanding,
-                              timeout_s=300)
+        with HostLoad() as host:
+            report = infer_stream(bus, name, [inputs[k % 16] for k in range(requests)], window=outstanding,
+                                  timeout_s=300)
         failed = [r for r in report.results if r.outputs is None]
         if failed:
             return ServeRun(env=env, variant=variant, error=f"{len(failed)} requests failed: {failed[0].error}")
@@ -112,11 +116,12 @@ def _serve_variant(bus: Bus, env: str, variant: str, model: ModelSpec, *, micro_
                        bottleneck=plan.bottleneck, predicted_per_s=plan.throughput_per_s, refitted_per_s=refitted,
                        measured_per_s=report.samples / report.wall_s, p50_s=latency[0], p99_s=latency[1],
                        predicted_p50_s=at_outstanding(plan, outstanding, window).latency_s,
-                       requests=len(report.results), replayed=sum(r.replayed for r in report.results))
+                       requests=len(report.results), replayed=sum(r.replayed for r in report.results),
+                       host_busy=host.busy)
         log(f"env {env}: {variant}: {row.stages} stages on {', '.join(row.devices)}: {row.measured_per_s:.1f} "
             f"samples/s measured, {row.predicted_per_s:.1f} predicted ({row.ratio or 0:.2f}x); p50 "
             f"{row.p50_s * 1000:.0f} ms ({(row.predicted_p50_s or 0) * 1000:.0f} predicted), p99 "
-            f"{row.p99_s * 1000:.0f} ms")
+            f"{row.p99_s * 1000:.0f} ms; {busy_text(row.host_busy)}")
         return row
     finally:
         cancel_job(bus, name)

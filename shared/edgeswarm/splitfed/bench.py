@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -55,6 +56,8 @@ class SplitfedBench(Bench):
             tools.console.print(table)
         if report.budget_note:
             tools.console.print(report.budget_note, highlight=False)
+        if any(saturated(r.host_busy) for r in report.cluster):
+            tools.console.print(SATURATED_NOTE, highlight=False)
         return 0
 
 
@@ -185,13 +188,13 @@ def splitfed_tables(report: SplitfedReport) -> list[Table]:
         t = Table(title=f"train-splitfed jobs {where} (3 emulated phones, 1 edge server, LeNet-5 on digits, 2 "
                   "participants a round)")
         for col in ("mode", "round", "cuts", "round s", "predicted s", "refitted s", "LAN KiB", "WAN KiB",
-                    "accuracy", "device peak MiB", "error"):
+                    "accuracy", "device peak MiB", "host busy", "error"):
             t.add_column(col)
         for r in report.cluster:
             t.add_row(r.mode, str(r.round), ",".join(map(str, r.cuts)), f"{r.round_s:.2f}", f"{r.predicted_s:.2f}",
                       "-" if r.refitted_s is None else f"{r.refitted_s:.2f}",
                       f"{r.lan_bytes / 1024:.0f}", f"{r.wan_bytes / 1024:.0f}",
                       "-" if r.accuracy is None else f"{100 * r.accuracy:.1f}%", f"{r.peak_bytes / MIB:.2f}",
-                      r.error or "")
+                      busy_cell(r.host_busy), r.error or "")
         tables.append(t)
     return tables

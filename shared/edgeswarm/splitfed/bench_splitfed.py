@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from edgeswarm.bench.host_load import TickLog
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.planning.splitfed.cost import cut_costs, effective_tail, iterations
 from edgeswarm.planning.splitfed.plan import plan_round
@@ -147,8 +148,9 @@ class AccuracyRow(BaseModel):
 class ClusterRow(BaseModel):
     """One round of a train-splitfed job on the local cluster (3 native devices, 1 edge server): the mode, the
     measured, predicted and refitted round time (seconds; see RoundRecord), the bytes on the MEC's LAN and the WAN,
-    held-out accuracy and loss, the largest device peak (bytes) among its trainers, their cuts, and why the job failed
-    (``error``)."""
+    held-out accuracy and loss, the largest device peak (bytes) among its trainers, their cuts, the fraction of the
+    host's core time busy over about the round (``bench.host_load``: the round's length up to when its record
+    arrived), and why the job failed (``error``)."""
 
     mode: str
     round: int = 0
@@ -161,6 +163,7 @@ class ClusterRow(BaseModel):
     loss: float | None = None
     peak_bytes: int = 0
     cuts: list[int] = []
+    host_busy: float | None = None
     error: str | None = None
 
 
@@ -430,22 +433,35 @@ def job_rows(bus: Bus, job: dict[str, object], log: Log = _quiet, timeout_s: flo
     from edgeswarm.workloads.client import JobFollower, submit_job
 
     mode, name = str(job["mode"]), str(job["name"])
-    follower = JobFollower(bus, name, on_state=on_state,
+    arrived: dict[int, float] = {}  # round -> when its record first arrived (time.monotonic)
+
+    def seen(state: JobState) -> None:
+        now = time.monotonic()
+        if isinstance(state.progress, SplitfedProgress):
+            for rec in state.progress.history:
+                arrived.setdefault(rec.round, now)
+        if on_state is not None:
+            on_state(state)
+
+    follower = JobFollower(bus, name, on_state=seen,
                            on_event=lambda e: log(f"{name}: {e.detail}") if e.kind in ("refit", "profiling") else None)
-    submit_job(bus, json.dumps(job), submission=follower.submission)
-    try:
-        state = follower.wait(timeout_s)
-    except EdgeswarmError as exc:
-        return [ClusterRow(mode=mode, error=str(exc)[:300])]
+    with TickLog() as ticks:
+        submit_job(bus, json.dumps(job), submission=follower.submission)
+        try:
+            state = follower.wait(timeout_s)
+        except EdgeswarmError as exc:
+            return [ClusterRow(mode=mode, error=str(exc)[:300])]
     progress = state.progress_as(SplitfedProgress)
     if not progress.history:
         return [ClusterRow(mode=mode, error=f"{state.status}: {state.detail}"[:300])]
     rows = []
     for rec in progress.history:
         trained = [p for p in rec.participants if p.outcome == "trained"]
+        end = arrived.get(rec.round)
         rows.append(ClusterRow(mode=mode, round=rec.round, round_s=rec.round_s, predicted_s=rec.predicted_s,
                                refitted_s=rec.refitted_s, loss=rec.loss,
                                lan_bytes=rec.lan_bytes, wan_bytes=rec.wan_bytes, accuracy=rec.accuracy,
                                peak_bytes=max((p.peak_bytes for p in trained), default=0),
-                               cuts=sorted({p.cut for p in trained})))
+                               cuts=sorted({p.cut for p in trained}),
+                               host_busy=None if end is None else ticks.busy_between(end - rec.round_s, end)))
     return rows
