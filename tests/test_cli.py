@@ -291,6 +291,7 @@ def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: 
         assert r["micro_batches"] == 4 and r["overhead_per_micro_batch_s"] >= 0
         assert 0 < r["host_busy"] <= 1  # the host's cores busy over the job, read from /proc/stat
     assert rows[1]["stages"] == 4 and all(w in out.stdout for w in ("predicted", "refitted", "replayed", "host busy"))
+    assert "round-time cells: measured / predicted within 15% in " in out.stdout  # the verdict, misses explained
 
 
 def test_bench_training_misprofiled_starts_a_job_on_wrong_speeds_and_the_loop_measures_them(

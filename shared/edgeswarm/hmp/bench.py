@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -250,11 +251,8 @@ def hmp_lines(report: HmpReport) -> list[str]:
             lines.append(f"Env {env.upper()} {model}, Galaxy {what}: {_x(mlm)} over Megatron-TP (goal >= {goal}x: "
                          f"{'met' if mlm and mlm >= goal else 'missed'}); against the fastest baseline "
                          f"{_x(worst)} ({'never slower' if worst is None or worst >= 1.0 else 'SLOWER'})")
-    ratios = [r.ratio for r in report.runs if r.ratio is not None and r.section in ("envs", "bandwidth")]
-    if ratios:
-        inside = sum(0.8 <= x <= 1.2 for x in ratios)
-        lines.append(f"measured / predicted: {inside} of {len(ratios)} runs within 20% (range {min(ratios):.2f}x "
-                     f"to {max(ratios):.2f}x)")
+    cells = [c for r in report.runs if r.section in ("envs", "bandwidth") and (c := r.cell()) is not None]
+    lines += verdict_lines(verdict(cells), "latency cells")
     if any(saturated(r.host_busy) for r in report.runs):
         lines.append(SATURATED_NOTE)
     if report.trace:

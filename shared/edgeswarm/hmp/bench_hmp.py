@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from edgeswarm.bench.host_load import HostLoad, busy_text
+from edgeswarm.bench.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -110,6 +111,14 @@ class HmpRun(BaseModel):
         if self.latency_s is None or not self.refitted_s:
             return None
         return self.latency_s / self.refitted_s
+
+    def cell(self) -> Cell | None:
+        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not serve."""
+        if self.ratio is None:
+            return None
+        return Cell(name=f"Env {self.env.upper()} {self.bandwidth_mbps:g} Mbps {self.model} {self.mode} on "
+                         f"{len(self.devices)}", ratio=self.ratio, refitted_ratio=self.refitted_ratio,
+                    host_busy=self.host_busy)
 
     @property
     def layer_ratio(self) -> float | None:

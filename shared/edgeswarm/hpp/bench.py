@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -114,6 +115,8 @@ class TrainingBench(Bench):
                       f"{r.measured_round_s / r.replayed_round_s:.2f}x", busy_cell(r.host_busy),
                       f"{1000 * (r.overhead_per_micro_batch_s or 0):.2f} ms")
         tools.console.print(t)
+        for line in verdict_lines(verdict([c for r in rows if (c := r.cell()) is not None]), "round-time cells"):
+            tools.console.print(line, highlight=False)
         if any(saturated(r.host_busy) for r in rows):
             tools.console.print(SATURATED_NOTE)
         return rows

@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from edgeswarm.bench.host_load import HostLoad, busy_text
+from edgeswarm.bench.verdict import Cell
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
@@ -68,6 +69,15 @@ class StrategyRun(BaseModel):
         if self.measured_round_s is None or not self.predicted_round_s:
             return None
         return self.measured_round_s / self.predicted_round_s
+
+    def cell(self) -> Cell | None:
+        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not train."""
+        if self.ratio is None:
+            return None
+        refitted = (self.measured_round_s / self.refitted_round_s
+                    if self.measured_round_s and self.refitted_round_s else None)
+        return Cell(name=f"Env {self.env.upper()} {self.strategy}", ratio=self.ratio, refitted_ratio=refitted,
+                    host_busy=self.host_busy)
 
 
 class Collect(JobObserver):

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -134,6 +135,8 @@ def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
                       f"{r.predicted_p50_s * 1000:.0f}" if r.predicted_p50_s is not None else "-",
                       f"{(r.p99_s or 0) * 1000:.0f}", busy_cell(r.host_busy))
     tools.console.print(table)
+    for line in verdict_lines(verdict([c for r in rows if (c := r.cell()) is not None]), "throughput cells"):
+        tools.console.print(line, highlight=False)
     if any(saturated(r.host_busy) for r in rows):
         tools.console.print(SATURATED_NOTE)
     return 0 if all(r.error is None for r in rows) else 1

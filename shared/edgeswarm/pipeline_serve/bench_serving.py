@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from edgeswarm.bench.host_load import HostLoad, busy_text
+from edgeswarm.bench.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -65,6 +66,14 @@ class ServeRun(BaseModel):
         if self.measured_per_s is None or not self.predicted_per_s:
             return None
         return self.measured_per_s / self.predicted_per_s
+
+    def cell(self) -> Cell | None:
+        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not serve."""
+        if self.ratio is None:
+            return None
+        refitted = self.measured_per_s / self.refitted_per_s if self.measured_per_s and self.refitted_per_s else None
+        return Cell(name=f"Env {self.env.upper()} {self.variant}", ratio=self.ratio, refitted_ratio=refitted,
+                    host_busy=self.host_busy)
 
 
 def _state_after(follower: JobFollower, answered: int, *, timeout_s: float) -> JobState | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
@@ -56,6 +57,9 @@ class SplitfedBench(Bench):
             tools.console.print(table)
         if report.budget_note:
             tools.console.print(report.budget_note, highlight=False)
+        cells = [c for r in report.cluster if (c := r.cell()) is not None]
+        for line in verdict_lines(verdict(cells), "round-time cells"):
+            tools.console.print(line, highlight=False)
         if any(saturated(r.host_busy) for r in report.cluster):
             tools.console.print(SATURATED_NOTE, highlight=False)
         return 0

@@ -25,6 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeswarm.bench.host_load import TickLog
+from edgeswarm.bench.verdict import Cell
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.planning.splitfed.cost import cut_costs, effective_tail, iterations
 from edgeswarm.planning.splitfed.plan import plan_round
@@ -165,6 +166,14 @@ class ClusterRow(BaseModel):
     cuts: list[int] = []
     host_busy: float | None = None
     error: str | None = None
+
+    def cell(self) -> Cell | None:
+        """This round as a cell of the benchmark's verdict (``bench.verdict``); None for a failed job's row."""
+        if self.error is not None or self.predicted_s <= 0 or self.round_s <= 0:
+            return None
+        return Cell(name=f"{self.mode} round {self.round}", ratio=self.round_s / self.predicted_s,
+                    refitted_ratio=self.round_s / self.refitted_s if self.refitted_s else None,
+                    host_busy=self.host_busy)
 
 
 class SplitfedReport(BaseModel):
