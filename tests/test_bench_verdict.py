@@ -3,6 +3,7 @@ and each benchmark's rows made into cells."""
 
 from __future__ import annotations
 
+from edgeswarm.bench.host_load import SATURATED_NOTE
 from edgeswarm.bench.verdict import Cell, verdict, verdict_lines, why_missed
 from edgeswarm.hmp.bench_hmp import HmpRun
 from edgeswarm.hpp.bench_training import StrategyRun
@@ -20,7 +21,14 @@ def test_cells_within_the_tolerance_count_and_misses_keep_their_order() -> None:
     assert lines[0] == "round-time cells: measured / predicted within 15% in 3 of 5 (60%)"
     assert lines[1].startswith("  miss: d 1.16x (1.02x of its refitted prediction: the devices ran at other speeds")
     assert lines[2] == "  miss: e 0.50x (no refitted prediction to compare with)"
+    assert len(lines) == 3  # no cell ran on a saturated host: nothing to say of one
     assert verdict_lines(verdict([])) == []
+
+
+def test_a_cell_on_a_saturated_host_brings_the_note_on_what_that_means() -> None:
+    v = verdict([Cell(name="a", ratio=1.0, host_busy=0.95), Cell(name="b", ratio=1.0, host_busy=0.3)])
+    assert v.saturated and v.within == 2
+    assert verdict_lines(v)[-1] == SATURATED_NOTE
 
 
 def test_a_miss_is_put_down_to_the_host_first_then_the_devices_speeds_then_nothing() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from edgeswarm.bench.host_load import saturated
+from edgeswarm.bench.host_load import SATURATED_NOTE, saturated
 
 TOLERANCE = 0.15  # issue 33's goal: measured/predicted within 15 percent
 REFIT_TOLERANCE = 0.10  # the goal once the closed loop has converged
@@ -44,13 +44,15 @@ class Miss(BaseModel):
 
 
 class Verdict(BaseModel):
-    """``within`` of ``cells`` cells within ``TOLERANCE``; each miss with what the run says of it."""
+    """``within`` of ``cells`` cells within ``TOLERANCE``; each miss with what the run says of it; whether any cell
+    ran on a saturated host."""
 
     model_config = ConfigDict(frozen=True)
 
     cells: int
     within: int
     misses: list[Miss]
+    saturated: bool = False
 
 
 def _inside(ratio: float, tolerance: float) -> bool:
@@ -59,8 +61,7 @@ def _inside(ratio: float, tolerance: float) -> bool:
 
 def why_missed(cell: Cell) -> str:
     """What the run measured that accounts for ``cell``'s miss (see the module's docstring)."""
-    if saturated(cell.host_busy):
-        assert cell.host_busy is not None
+    if cell.host_busy is not None and saturated(cell.host_busy):
         return f"host {cell.host_busy:.0%} busy: the emulated devices could wait for cores"
     if cell.refitted_ratio is None:
         return "no refitted prediction to compare with"
@@ -73,14 +74,16 @@ def why_missed(cell: Cell) -> str:
 def verdict(cells: list[Cell]) -> Verdict:
     """The count of ``cells`` within ``TOLERANCE`` and each miss with its reason, in the cells' order."""
     misses = [Miss(cell=c, why=why_missed(c)) for c in cells if not _inside(c.ratio, TOLERANCE)]
-    return Verdict(cells=len(cells), within=len(cells) - len(misses), misses=misses)
+    return Verdict(cells=len(cells), within=len(cells) - len(misses), misses=misses,
+                   saturated=any(saturated(c.host_busy) for c in cells))
 
 
 def verdict_lines(v: Verdict, what: str = "cells") -> list[str]:
-    """The verdict for people: a line with the count of ``what`` (the cells' noun), then one per miss."""
+    """The verdict for people: a line with the count of ``what`` (the cells' noun), one per miss, and what a
+    saturated host means where a cell ran on one."""
     if v.cells == 0:
         return []
     lines = [f"{what}: measured / predicted within {TOLERANCE:.0%} in {v.within} of {v.cells} "
              f"({v.within / v.cells:.0%})"]
     lines += [f"  miss: {m.cell.name} {m.cell.ratio:.2f}x ({m.why})" for m in v.misses]
-    return lines
+    return lines + ([SATURATED_NOTE] if v.saturated else [])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.host_load import busy_cell
 from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
@@ -253,8 +253,6 @@ def hmp_lines(report: HmpReport) -> list[str]:
                          f"{_x(worst)} ({'never slower' if worst is None or worst >= 1.0 else 'SLOWER'})")
     cells = [c for r in report.runs if r.section in ("envs", "bandwidth") and (c := r.cell()) is not None]
     lines += verdict_lines(verdict(cells), "latency cells")
-    if any(saturated(r.host_busy) for r in report.runs):
-        lines.append(SATURATED_NOTE)
     if report.trace:
         lines.append(f"Chrome trace of one Galaxy pass: {report.trace} ({report.trace_overlaps} communication spans "
                      "overlap a GEMM span); open it in https://ui.perfetto.dev")

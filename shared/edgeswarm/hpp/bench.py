@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.host_load import busy_cell
 from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
@@ -117,8 +117,6 @@ class TrainingBench(Bench):
         tools.console.print(t)
         for line in verdict_lines(verdict([c for r in rows if (c := r.cell()) is not None]), "round-time cells"):
             tools.console.print(line, highlight=False)
-        if any(saturated(r.host_busy) for r in rows):
-            tools.console.print(SATURATED_NOTE)
         return rows
 
     def _misprofiled(self, args: argparse.Namespace, tools: CommandTools, model: ModelSpec) -> list[MisprofiledRun]:

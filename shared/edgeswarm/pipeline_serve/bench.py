@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.host_load import busy_cell
 from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
@@ -137,6 +137,4 @@ def _measured(args: argparse.Namespace, tools: CommandTools) -> int:
     tools.console.print(table)
     for line in verdict_lines(verdict([c for r in rows if (c := r.cell()) is not None]), "throughput cells"):
         tools.console.print(line, highlight=False)
-    if any(saturated(r.host_busy) for r in rows):
-        tools.console.print(SATURATED_NOTE)
     return 0 if all(r.error is None for r in rows) else 1

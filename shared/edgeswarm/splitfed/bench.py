@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgeswarm.bench.host_load import SATURATED_NOTE, busy_cell, saturated
+from edgeswarm.bench.host_load import busy_cell
 from edgeswarm.bench.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
@@ -60,8 +60,6 @@ class SplitfedBench(Bench):
         cells = [c for r in report.cluster if (c := r.cell()) is not None]
         for line in verdict_lines(verdict(cells), "round-time cells"):
             tools.console.print(line, highlight=False)
-        if any(saturated(r.host_busy) for r in report.cluster):
-            tools.console.print(SATURATED_NOTE, highlight=False)
         return 0
 
 
