@@ -18,8 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
-# Over this fraction of all the host's core time busy during a cell, the emulation cannot hold (see above): a
-# device's compute waits for a core. Below it the scheduler still finds a core within a slice of a computation.
+# From this fraction of all the host's core time busy over a cell, the emulation may not hold (see above): a device's
+# compute can wait for a core. Below it the scheduler mostly finds one within a slice of a computation.
 SATURATED = 0.9
 SATURATED_NOTE = (f"host busy: the host's cores busy over the cell; 'saturated' (at least {SATURATED:.0%}): the "
                   "emulated devices sharing them could wait for a core beyond their slow-down, so that cell may "
