@@ -1,11 +1,11 @@
-"""``bench.host_load``: how busy the host's cores were over a benchmark cell, read from the kernel's counters."""
+"""``profiling.host_load``: how busy the host's cores were over a benchmark cell, read from the kernel's counters."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from edgeswarm.bench.host_load import (
+from edgeswarm.profiling.host_load import (
     SATURATED,
     CpuTicks,
     HostLoad,

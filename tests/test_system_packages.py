@@ -25,8 +25,9 @@ NOBODY = 65534
 
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
-    """A temporary folder another user can read (pytest's own sit in root's private one)."""
-    with tempfile.TemporaryDirectory(prefix="es-system-") as folder:
+    """A temporary folder another user can read: pytest's own, and the session's TMPDIR (tests/conftest.py) inside
+    them, sit in root's private one, so this one is made in /tmp itself and removed after the test."""
+    with tempfile.TemporaryDirectory(prefix="es-system-", dir="/tmp") as folder:
         os.chmod(folder, 0o755)
         yield Path(folder)
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.host_load import HostLoad, busy_text
-from edgeswarm.bench.verdict import Cell
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -57,7 +57,7 @@ class HmpRun(BaseModel):
     ``tiled``, predicted seconds per request and per layer), and the measurements in seconds (medians over
     ``requests``): ``latency_s`` on the coordinator, the per-layer split of the slowest rank in milliseconds (the
     embeddings and head are in it, spread over the layers), and for generation the time to first token and per output
-    token; ``host_busy``, the fraction of the host's core time busy over the measured requests (``bench.host_load``).
+    token; ``host_busy``, the fraction of the host's core time busy over the measured requests (``profiling.host_load``).
     ``error``: why the job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
 
     section: str
@@ -113,7 +113,7 @@ class HmpRun(BaseModel):
         return self.latency_s / self.refitted_s
 
     def cell(self) -> Cell | None:
-        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not serve."""
+        """This run as a cell of the benchmark's verdict (``profiling.verdict``); None when it did not serve."""
         if self.ratio is None:
             return None
         return Cell(name=f"Env {self.env.upper()} {self.bandwidth_mbps:g} Mbps {self.model} {self.mode} on "

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from edgeswarm.bench.host_load import busy_cell
-from edgeswarm.bench.verdict import verdict, verdict_lines
+from edgeswarm.profiling.host_load import busy_cell
+from edgeswarm.profiling.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 

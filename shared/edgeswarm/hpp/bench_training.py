@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.host_load import HostLoad, busy_text
-from edgeswarm.bench.verdict import Cell
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
@@ -43,7 +43,7 @@ class StrategyRun(BaseModel):
     """One strategy trained on one environment: plan shape, predicted and measured seconds per round (mean of
     the rounds after the first), measured samples/s, and the largest per-device runtime overhead per
     micro-batch (seconds); ``host_busy``, the fraction of the host's core time busy over the job
-    (``bench.host_load``). ``error`` says why it did not run."""
+    (``profiling.host_load``). ``error`` says why it did not run."""
 
     env: str
     strategy: Strategy
@@ -71,7 +71,7 @@ class StrategyRun(BaseModel):
         return self.measured_round_s / self.predicted_round_s
 
     def cell(self) -> Cell | None:
-        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not train."""
+        """This run as a cell of the benchmark's verdict (``profiling.verdict``); None when it did not train."""
         if self.ratio is None:
             return None
         refitted = (self.measured_round_s / self.refitted_round_s

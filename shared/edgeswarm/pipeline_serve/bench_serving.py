@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from edgeswarm.bench.host_load import HostLoad, busy_text
-from edgeswarm.bench.verdict import Cell
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -42,7 +42,7 @@ class ServeRun(BaseModel):
     after the stream (the plan priced on each stage's measured forward), the measured samples per second over the
     stream, and the clients' per-request latency percentiles (seconds) beside the plan's median latency predicted
     for the stream's load (``planning.serve.load.at_outstanding``). ``host_busy``: the fraction of the host's core
-    time busy over the stream (``bench.host_load``). ``error`` says why it did not run."""
+    time busy over the stream (``profiling.host_load``). ``error`` says why it did not run."""
 
     env: str
     variant: str
@@ -68,7 +68,7 @@ class ServeRun(BaseModel):
         return self.measured_per_s / self.predicted_per_s
 
     def cell(self) -> Cell | None:
-        """This run as a cell of the benchmark's verdict (``bench.verdict``); None when it did not serve."""
+        """This run as a cell of the benchmark's verdict (``profiling.verdict``); None when it did not serve."""
         if self.ratio is None:
             return None
         refitted = self.measured_per_s / self.refitted_per_s if self.measured_per_s and self.refitted_per_s else None

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgeswarm.bench.host_load import busy_cell
-from edgeswarm.bench.verdict import verdict, verdict_lines
+from edgeswarm.profiling.host_load import busy_cell
+from edgeswarm.profiling.verdict import verdict, verdict_lines
 from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 

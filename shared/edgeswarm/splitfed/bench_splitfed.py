@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.bench.host_load import TickLog
-from edgeswarm.bench.verdict import Cell
+from edgeswarm.profiling.host_load import TickLog
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.planning.splitfed.cost import cut_costs, effective_tail, iterations
 from edgeswarm.planning.splitfed.plan import plan_round
@@ -150,7 +150,7 @@ class ClusterRow(BaseModel):
     """One round of a train-splitfed job on the local cluster (3 native devices, 1 edge server): the mode, the
     measured, predicted and refitted round time (seconds; see RoundRecord), the bytes on the MEC's LAN and the WAN,
     held-out accuracy and loss, the largest device peak (bytes) among its trainers, their cuts, the fraction of the
-    host's core time busy over about the round (``bench.host_load``: the round's length up to when its record
+    host's core time busy over about the round (``profiling.host_load``: the round's length up to when its record
     arrived), and why the job failed (``error``)."""
 
     mode: str
@@ -168,7 +168,7 @@ class ClusterRow(BaseModel):
     error: str | None = None
 
     def cell(self) -> Cell | None:
-        """This round as a cell of the benchmark's verdict (``bench.verdict``); None for a failed job's row."""
+        """This round as a cell of the benchmark's verdict (``profiling.verdict``); None for a failed job's row."""
         if self.error is not None or self.predicted_s <= 0 or self.round_s <= 0:
             return None
         return Cell(name=f"{self.mode} round {self.round}", ratio=self.round_s / self.predicted_s,

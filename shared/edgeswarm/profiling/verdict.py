@@ -3,7 +3,7 @@ tolerance, and for each miss what the run itself says of it.
 
 A miss is put down, in this order, to:
 
-* a saturated host (``bench.host_load``): the emulated devices could wait for cores, so the cell may measure this
+* a saturated host (``profiling.host_load``): the emulated devices could wait for cores, so the cell may measure this
   host rather than the plan;
 * the devices' speeds, when the cell is within ``REFIT_TOLERANCE`` of the closed loop's refitted prediction (the
   same plan priced on what the job measured): the plan's shape was priced right, the profile's speeds were not
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from edgeswarm.bench.host_load import SATURATED_NOTE, saturated
+from edgeswarm.profiling.host_load import SATURATED_NOTE, saturated
 
 TOLERANCE = 0.15  # issue 33's goal: measured/predicted within 15 percent
 REFIT_TOLERANCE = 0.10  # the goal once the closed loop has converged
