@@ -1,13 +1,13 @@
-"""``profiling.verdict``: a benchmark's cells counted against the 15 percent goal, each miss with what the run says of it,
-and each benchmark's rows made into cells."""
+"""``profiling.verdict``: a benchmark's cells counted against the 15 percent goal, each miss with what the run says
+of it, and each benchmark's rows made into cells."""
 
 from __future__ import annotations
 
-from edgeswarm.profiling.host_load import SATURATED_NOTE
-from edgeswarm.profiling.verdict import Cell, verdict, verdict_lines, why_missed
 from edgeswarm.hmp.bench_hmp import HmpRun
 from edgeswarm.hpp.bench_training import StrategyRun
 from edgeswarm.pipeline_serve.bench_serving import ServeRun
+from edgeswarm.profiling.host_load import SATURATED_NOTE
+from edgeswarm.profiling.verdict import Cell, verdict, verdict_lines, why_missed
 from edgeswarm.splitfed.bench_splitfed import ClusterRow
 
 

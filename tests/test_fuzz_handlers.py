@@ -524,6 +524,11 @@ def regressions(service: str) -> list[tuple[str, str, bytes]]:
                 ("cluster", "model", "units", 1, "weight_bytes"), 2**64 - 1))),
             # Cost tables for a micro-batch of 2**30 samples: tens of GB, refused before allocation.
             ("micro-batch of 2**30", request, hostile_frame(huge_batch_plan())),
+            # A device listed twice: the selection named it twice, and SplitSelection's check raised in the planner's
+            # queue (a request the queue had refused as busy on a fast machine).
+            ("a split learning device listed twice", request, hostile_frame(
+                sample["edgeswarm.splitfed.plan_request"],
+                body=lambda body: body["devices"].append(body["devices"][0]))),
         ]
     if service == "node-agent":
         start = m.BenchStart(run_id="bad-reply", count=1, done_correlation_id="done-bad")

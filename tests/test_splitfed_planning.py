@@ -475,6 +475,12 @@ def test_plan_round_rejects_impossible_options() -> None:
         plan_round(model, gone, mecs, SplitOptions())
     with pytest.raises(SplitPlanError, match="MECs"):
         plan_round(model, devs, mecs[:1], SplitOptions())
+    # A request naming a device or an edge server twice (a hostile one came through the planner's fuzz test) is
+    # refused as such, not answered with a selection that names the device twice.
+    with pytest.raises(SplitPlanError, match=rf"each device is listed once; \['{devs[0].node}'\]"):
+        plan_round(model, [*devs, devs[0].model_copy(update={"samples": 7})], mecs, SplitOptions())
+    with pytest.raises(SplitPlanError, match="each MEC is listed once"):
+        plan_round(model, devs, [*mecs, mecs[0]], SplitOptions())
 
 
 def test_planning_with_recompute_admits_tighter_budgets_at_a_time_cost() -> None:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.profiling.host_load import busy_cell
 from edgeswarm.profiling.verdict import verdict, verdict_lines
-from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
 if TYPE_CHECKING:

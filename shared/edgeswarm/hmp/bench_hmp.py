@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from edgeswarm.profiling.host_load import HostLoad, busy_text
-from edgeswarm.profiling.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import ClusterSpec, NetworkDefaults, load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -37,6 +35,8 @@ from edgeswarm.hmp.client import ask
 from edgeswarm.hmp.spec import HmpProgress
 from edgeswarm.planning.hmp.plan import prefill_s
 from edgeswarm.planning.hmp.types import HmpPlan
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.values.text_model import PRESETS
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 
@@ -57,7 +57,8 @@ class HmpRun(BaseModel):
     ``tiled``, predicted seconds per request and per layer), and the measurements in seconds (medians over
     ``requests``): ``latency_s`` on the coordinator, the per-layer split of the slowest rank in milliseconds (the
     embeddings and head are in it, spread over the layers), and for generation the time to first token and per output
-    token; ``host_busy``, the fraction of the host's core time busy over the measured requests (``profiling.host_load``).
+    token; ``host_busy``, the fraction of the host's core time busy over the measured requests
+    (``profiling.host_load``).
     ``error``: why the job did not serve (its planning's reason: OOM, infeasible) or why requests failed."""
 
     section: str

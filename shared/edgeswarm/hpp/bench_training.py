@@ -22,8 +22,6 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from edgeswarm.profiling.host_load import HostLoad, busy_text
-from edgeswarm.profiling.verdict import Cell
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.hpp.coordinator import JobObserver, run_job
@@ -32,6 +30,8 @@ from edgeswarm.hpp.spec import JobSpec, parse_job
 from edgeswarm.planning.hpp.compare import Comparison
 from edgeswarm.planning.hpp.schedule import plan_timeline
 from edgeswarm.planning.hpp.types import Plan, Strategy
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.commands import StartCluster, pipeline_cluster
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.profiling.host_load import busy_cell
 from edgeswarm.profiling.verdict import verdict, verdict_lines
-from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
 

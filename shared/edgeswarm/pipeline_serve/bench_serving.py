@@ -19,8 +19,6 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from edgeswarm.profiling.host_load import HostLoad, busy_text
-from edgeswarm.profiling.verdict import Cell
 from edgeswarm.bus import Bus
 from edgeswarm.devices.cluster import load_cluster
 from edgeswarm.errors import EdgeswarmError
@@ -29,6 +27,8 @@ from edgeswarm.pipeline_serve.client import infer_stream
 from edgeswarm.pipeline_serve.spec import ServeProgress
 from edgeswarm.planning.serve.load import at_outstanding
 from edgeswarm.planning.serve.types import ServePlan
+from edgeswarm.profiling.host_load import HostLoad, busy_text
+from edgeswarm.profiling.verdict import Cell
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.workloads.client import JobFollower, cancel_job, submit_job
 from edgeswarm.workloads.commands import StartCluster, pipeline_cluster

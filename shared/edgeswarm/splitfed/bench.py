@@ -7,9 +7,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgeswarm.errors import ConfigError
 from edgeswarm.profiling.host_load import busy_cell
 from edgeswarm.profiling.verdict import verdict, verdict_lines
-from edgeswarm.errors import ConfigError
 from edgeswarm.workloads.commands import Bench, CommandTools
 
 if TYPE_CHECKING:

@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeswarm.profiling.host_load import TickLog
-from edgeswarm.profiling.verdict import Cell
 from edgeswarm.errors import EdgeswarmError
 from edgeswarm.planning.splitfed.cost import cut_costs, effective_tail, iterations
 from edgeswarm.planning.splitfed.plan import plan_round
@@ -41,6 +39,8 @@ from edgeswarm.planning.splitfed.types import (
     SplitPlanError,
     SplitSelection,
 )
+from edgeswarm.profiling.host_load import TickLog
+from edgeswarm.profiling.verdict import Cell
 
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus

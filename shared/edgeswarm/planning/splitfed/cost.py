@@ -23,6 +23,7 @@ Units: bytes, FLOPs, FLOP/s, bytes per second, seconds.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -264,8 +265,12 @@ class CostTable:
 
 def cost_table(model: ModelCost, devices: Sequence[SplitDevice], mecs: Sequence[SplitMec],
                options: SplitOptions) -> CostTable:
-    """Build the round's table. Raises SplitPlanError when a device names an unknown MEC or ``fixed_cut`` lies
-    beyond the model's cuts."""
+    """Build the round's table. Raises SplitPlanError when a device or MEC is named twice, a device names an unknown
+    MEC, or ``fixed_cut`` lies beyond the model's cuts."""
+    for what, names in (("device", [d.node for d in devices]), ("MEC", [m.node for m in mecs])):
+        twice = sorted(n for n, count in Counter(names).items() if count > 1)
+        if twice:
+            raise SplitPlanError(f"each {what} is listed once; {twice[:5]} are listed more than once")
     costs = cut_costs(model, options)
     n_cuts = costs.cuts
     mec_names = tuple(m.node for m in mecs)
