@@ -32,7 +32,7 @@ def test_a_devices_compute_is_what_the_cost_table_prices_for_its_cut() -> None:
     cost = model_cost(ModelSpec(name="lenet5"), 32, optimizer_states=1)
     options = SplitOptions(participants=1, epochs=2)
     device = SplitDevice(node="d", mec="m", speed_flops=2e9, link_bytes_s=1e12, budget_bytes=1 << 40, samples=100)
-    fast = SplitDevice(**{**device.model_dump(), "speed_flops": 4e9})
+    fast = SplitDevice(**{**device.model_dump(), "node": "e", "speed_flops": 4e9})
     table = cost_table(cost, [device, fast], [SplitMec(node="m", speed_flops=1e15)], options)
     costs, its = cut_costs(cost, options), iterations(100, 32, 2)
     for cut in range(1, costs.cuts + 1):

@@ -2,19 +2,23 @@
 sequence length, on grids of heads, columns and rows, as that device computes (its emulated slow-down included).
 
 Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
-then the median of ``repeats`` timed ones per point. The grids are capped (``profile_grids``: at most 16 head
-counts, ``column_points`` column counts, the rows of up to ``max_devices`` slices) so a paper-sized model profiles
-in bounded time. Every model also gets one row against a KV cache of ``seq_len`` tokens (a decoder's generation, and
-the one-row cost of each GEMM call that a row tile or a slice of the rows pays), decoders one row's logits over the
-vocabulary (``head_s``, from a HEAD_ROWS slice of it), and every model the embeddings of the ``seq_len`` rows
-(``embed_s``).
+then the median of ``repeats`` timed ones per point. Each block is timed in the compute phases a pass runs it in
+(``hmp.layer``: the attention as q/k/v, core and output projection; a connective block as residual and norm), each
+phase stretched to the device's slow-down on its own, as the pass's recorder stretches it: an emulated device sleeps
+after every phase, and the phase after a sleep starts on cold caches (timed whole, a Nano-M-like device's attention
+block came out 5-7% faster than the same block in its three phases; natively the two agree). The grids are capped
+(``profile_grids``: at most 16 head counts, ``column_points`` column counts, the rows of up to ``max_devices``
+slices) so a paper-sized model profiles in bounded time. Every model also gets one row against a KV cache of
+``seq_len`` tokens (a decoder's generation, and the one-row cost of each GEMM call that a row tile or a slice of the
+rows pays), decoders one row's logits over the vocabulary (``head_s``, from a HEAD_ROWS slice of it), and every
+model the embeddings of the ``seq_len`` rows (``embed_s``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -34,10 +38,18 @@ LAYER = "layers.0."
 # full would be a gigabyte to allocate for the timing).
 HEAD_ROWS = 8192
 
+Phases = Sequence[Callable[[], object]]  # a block's compute phases, in the order a pass runs them
 
-def _median_s(fn: Callable[[], object], device: DeviceProfile, compute: torch.device, warmup: int,
+
+def _median_s(phases: Sequence[Callable[[], object]], device: DeviceProfile, compute: torch.device, warmup: int,
               repeats: int) -> float:
-    run = partial(device.run, partial(synchronized, fn, compute))
+    """The median seconds of running ``phases`` one after another, each through ``device.run`` on its own."""
+    steps = [partial(device.run, partial(synchronized, fn, compute)) for fn in phases]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
     for _ in range(warmup):
         run()
     times = []
@@ -80,46 +92,58 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
         b = b[:rows_of] if (b is not None and rows_of is not None) else b
         return F.linear(t, weight, b)
 
-    def mha(k: int, inp: torch.Tensor, cached: bool) -> torch.Tensor:
+    def mha(k: int, inp: torch.Tensor, cached: bool) -> Phases:
         kv = k // group * hd
-        cache = None
-        start = 0
-        if cached:
-            cache = HeadCache()
-            cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
-            start = seq_len
-        att = attention(cfg, lin(inp, "q", k * hd), lin(inp, "k", kv), lin(inp, "v", kv), start, cache, w)
-        return lin(att, "o", cols_of=k * hd)
+        held: dict[str, torch.Tensor] = {}
 
-    def mlp(c: int, inp: torch.Tensor) -> torch.Tensor:
+        def qkv() -> None:
+            held["q"], held["k"], held["v"] = lin(inp, "q", k * hd), lin(inp, "k", kv), lin(inp, "v", kv)
+
+        def core() -> None:
+            cache = None
+            if cached:
+                cache = HeadCache()
+                cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
+            held["att"] = attention(cfg, held["q"], held["k"], held["v"], seq_len if cached else 0, cache, w)
+
+        return qkv, core, lambda: lin(held["att"], "o", cols_of=k * hd)
+
+    def mlp(c: int, inp: torch.Tensor) -> Phases:
         gate = w["gate.weight"][:c] if cfg.gated else None
         up_b = w.get("up.bias")
-        inner = mlp_inner(cfg, inp, w["up.weight"][:c], up_b[:c] if up_b is not None else None, gate)
-        return lin(inner, "down", cols_of=c)
 
-    def con(r: int) -> torch.Tensor:
+        def block() -> torch.Tensor:
+            inner = mlp_inner(cfg, inp, w["up.weight"][:c], up_b[:c] if up_b is not None else None, gate)
+            return lin(inner, "down", cols_of=c)
+        return (block,)
+
+    def con(r: int) -> Phases:
         part = x[:r]
-        return norm(cfg, part + part, w, "attn_norm")
+        held: dict[str, torch.Tensor] = {}
+
+        def residual() -> None:
+            held["u"] = part + part
+        return residual, lambda: norm(cfg, held["u"], w, "attn_norm")
 
     with torch.inference_mode():
-        mha_t = [time_it(partial(mha, k, x, False)) for k in heads]
-        mlp_t = [time_it(partial(mlp, c, x)) for c in columns]
-        con_t = [time_it(partial(con, r)) for r in rows]
+        mha_t = [time_it(mha(k, x, False)) for k in heads]
+        mlp_t = [time_it(mlp(c, x)) for c in columns]
+        con_t = [time_it(con(r)) for r in rows]
         # One row, for an encoder too: every GEMM call reads its whole weight, so a row tile or a slice of the rows
         # costs its one-row time beside its rows' share (``planning.hmp.latency.gemm_s``).
-        mha_d = [time_it(partial(mha, k, row, True)) for k in heads]
-        mlp_d = [time_it(partial(mlp, c, row)) for c in columns]
+        mha_d = [time_it(mha(k, row, True)) for k in heads]
+        mlp_d = [time_it(mlp(c, row)) for c in columns]
         embed_w = {k: v.to(compute) for k, v in init_weights(cfg, seed, names={
             n for n in weight_shapes(cfg) if n.startswith("embed.") and n != "embed.tokens"}).items()}
         # A slice of the token table: a lookup costs its rows, not the vocabulary (whose table may be a gigabyte).
         sliced = min(cfg.vocab, HEAD_ROWS)
         embed_w["embed.tokens"] = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
         ids = torch.randint(0, sliced, (seq_len,), generator=gen).to(compute)
-        embed_t = time_it(partial(embed, cfg, embed_w, ids))
+        embed_t = time_it((partial(embed, cfg, embed_w, ids),))
         head = 0.0
         if cfg.decoder:
             head_w = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
-            head = time_it(partial(F.linear, row, head_w)) * cfg.vocab / sliced
+            head = time_it((partial(F.linear, row, head_w),)) * cfg.vocab / sliced
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
                         con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, embed_s=embed_t,
