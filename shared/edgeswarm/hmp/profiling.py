@@ -41,8 +41,7 @@ HEAD_ROWS = 8192
 Phases = Sequence[Callable[[], object]]  # a block's compute phases, in the order a pass runs them
 
 
-def _median_s(phases: Sequence[Callable[[], object]], device: DeviceProfile, compute: torch.device, warmup: int,
-              repeats: int) -> float:
+def _median_s(phases: Phases, device: DeviceProfile, compute: torch.device, warmup: int, repeats: int) -> float:
     """The median seconds of running ``phases`` one after another, each through ``device.run`` on its own."""
     steps = [partial(device.run, partial(synchronized, fn, compute)) for fn in phases]
 
