@@ -297,9 +297,9 @@ def test_bench_training_measures_every_strategy(tmp_path: Path, bench_profiles: 
 def test_bench_training_misprofiled_starts_a_job_on_wrong_speeds_and_the_loop_measures_them(
         tmp_path: Path, bench_profiles: Path) -> None:
     """`edgeswarm bench training --sections misprofiled`: a first job learns the cluster's speeds, then a job starts
-    from speeds saved 3x too fast for the device the correct plan loads most and 5x for one link; the closed loop
-    measures that device slower than it was said to be and saves it so. (A model wide enough that computing, not
-    the runtime's per-call costs, is most of a micro-batch.)"""
+    from speeds saved 3x too fast for the device whose units the correct plan loads most and 5x for one link; the
+    closed loop measures that device slower than it was said to be and saves it so. (A model wide enough that
+    computing, not the runtime's per-call costs, is most of a micro-batch.)"""
     out = edgeswarm("bench", "training", "--sections", "misprofiled", "--envs", "d", "--model", "mlp", "--config",
                     "hidden=768", "--config", "layers=3", "--global-batch", "32", "--learn-rounds", "4",
                     "--loop-rounds", "6", "--profile-dir", str(bench_profiles), "--out", str(tmp_path / "m.json"),
