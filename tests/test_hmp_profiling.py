@@ -142,3 +142,23 @@ def test_a_decoders_profile_times_its_logits_and_an_encoders_has_none() -> None:
     kw: dict[str, Any] = {"node": "d", "device": device, "compute": compute, "warmup": 0, "repeats": 1}
     assert profile_blocks(PRESETS["gpt2-tiny"], 8, **kw).head_s > 0
     assert profile_blocks(PRESETS["bert-tiny"], 8, **kw).head_s == 0
+
+
+def test_a_grids_points_are_timed_in_turns_and_more_work_is_never_priced_faster() -> None:
+    """The points of a grid take turns, one run each a round (warm-ups first), so a spell of load on the host slows
+    one run of every point, not all of a few; and each grid of a profile is non-decreasing in its share."""
+    from edgeswarm.hmp.profiling import _medians, profile_blocks
+    from edgeswarm.values.text_model import PRESETS
+
+    device = DeviceProfile.from_settings(Settings(device_class="native"))
+    order: list[str] = []
+
+    def point(name: str) -> tuple[Callable[[], object], ...]:
+        return (lambda: order.append(f"{name}1"), lambda: order.append(f"{name}2"))
+
+    times = _medians([point("a"), point("b")], device=device, compute=torch.device("cpu"), warmup=1, repeats=2)
+    assert order == ["a1", "a2", "b1", "b2"] * 3 and len(times) == 2 and min(times) >= 0
+    p = profile_blocks(PRESETS["bert-tiny"], 16, node="d", device=device, compute=torch.device("cpu"), warmup=0,
+                       repeats=1)
+    for grid in (p.mha_s, p.mlp_s, p.con_s, p.mha_decode_s, p.mlp_decode_s):
+        assert all(a <= b for a, b in zip(grid, grid[1:], strict=False)), grid

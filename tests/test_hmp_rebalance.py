@@ -29,12 +29,14 @@ from helpers import wait_for_event, wait_for_peers, wait_serving, wait_until
 
 NODES = ("a", "b", "c")
 SLOW = "b"
-# Two of DistilBERT's layers at 64 tokens: milliseconds of arithmetic per rank and pass on a native device, so what a
+# Two of DistilBERT's layers at 128 tokens: milliseconds of arithmetic per rank and pass on a native device, so what a
 # rank measures is its speed rather than the runtime's per-call costs. At 32 tokens a CI run's plan, priced on links
 # profiled under load, hid most of b's arithmetic under the syncs' messages: the best plan on b measured 14x slower
 # was only 8-10% faster than the running one, under the rebalancer's margin, and the job rightly kept its plan.
+# (At 128 tokens beside two busy loops, a profile timed point after point once had dips the planner bought: its best
+# plan was priced 57% slower than the running one; hmp.profiling now times a grid's points in turns.)
 MODEL = {"preset": "distilbert", "layers": 2, "seed": 3}
-SEQ = 64
+SEQ = 128
 
 
 def _throttle(pid: int, stop: threading.Event, most_s: float) -> None:

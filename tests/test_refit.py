@@ -386,6 +386,18 @@ def test_a_robust_line_through_predicted_and_measured_times() -> None:
     assert affine_fit([1.0, 2.0, 3.0], [1.0, 101.0, 201.0])[0] == 16.0
 
 
+def test_times_at_growing_shares_are_made_non_decreasing_by_pooling_each_dip() -> None:
+    from edgeswarm.stats import non_decreasing
+
+    assert non_decreasing([]) == []
+    assert non_decreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]  # already so: untouched
+    # A loaded host's DistilBERT heads: 6.7 ms at 5 heads, 3.0 ms at 6; the two pooled to their mean.
+    assert non_decreasing([2.0, 6.7, 3.1, 8.0]) == pytest.approx([2.0, 4.9, 4.9, 8.0])
+    # A dip that reaches back past an earlier point pools it too (least squares: each run its mean).
+    assert non_decreasing([1.0, 4.0, 5.0, 0.0, 9.0]) == pytest.approx([1.0, 3.0, 3.0, 3.0, 9.0])
+    assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
 def test_splitfed_rounds_are_refitted_from_the_rounds_measured_before() -> None:
     from edgeswarm.splitfed.coordinator import REFIT_WINDOW, refitted_s
     from edgeswarm.splitfed.spec import RoundRecord

@@ -1,5 +1,6 @@
-"""Latency percentiles and a robust line through predicted and measured seconds: one definition for the coordinator's
-progress, the closed loops, the CLI and the benchmark."""
+"""Latency percentiles, a robust line through predicted and measured seconds and the non-decreasing fit of times
+measured at growing shares: one definition for the coordinator's progress, the closed loops, the profilers, the CLI
+and the benchmark."""
 
 from __future__ import annotations
 
@@ -37,3 +38,17 @@ def affine_fit(xs: Sequence[float], ys: Sequence[float], *, min_spread: float = 
         ratios = sorted(y / x for x, y in pairs)
         return min(slope_bounds[1], max(slope_bounds[0], ratios[len(ratios) // 2])), 0.0
     return slope, max(0.0, intercept)
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (isotonic regression, pool adjacent
+    violators): each run that falls is replaced by its mean. For times measured at growing shares of the same work,
+    where a larger share computes a superset of a smaller one, so a dip is noise that a planner must not buy."""
+    blocks: list[tuple[float, int]] = []  # (mean, count) of each pooled run
+    for v in values:
+        mean, count = float(v), 1
+        while blocks and blocks[-1][0] > mean:
+            before, n = blocks.pop()
+            mean, count = (before * n + mean * count) / (n + count), n + count
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]

@@ -2,7 +2,8 @@
 sequence length, on grids of heads, columns and rows, as that device computes (its emulated slow-down included).
 
 Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
-then the median of ``repeats`` timed ones per point. Each block is timed in the compute phases a pass runs it in
+then the median of ``repeats`` timed ones per point, the points of a grid taking turns (``_medians``), and each grid
+made non-decreasing in its share (``stats.non_decreasing``). Each block is timed in the compute phases a pass runs it in
 (``hmp.layer``: the attention as q/k/v, core and output projection; a connective block as residual and norm), each
 phase stretched to the device's slow-down on its own, as the pass's recorder stretches it: an emulated device sleeps
 after every phase, and the phase after a sleep starts on cold caches (timed whole, a Nano-M-like device's attention
@@ -30,6 +31,7 @@ from edgeswarm.models.text.ops import HeadCache, attention, embed, mlp_inner, no
 from edgeswarm.models.text.reference import init_weights, weight_shapes
 from edgeswarm.planning.hmp.synthetic import MAX_COLUMN_POINTS, profile_grids
 from edgeswarm.planning.hmp.types import BlockProfile
+from edgeswarm.stats import non_decreasing
 from edgeswarm.values.text_model import TextModelConfig
 
 LAYER = "layers.0."
@@ -41,22 +43,22 @@ HEAD_ROWS = 8192
 Phases = Sequence[Callable[[], object]]  # a block's compute phases, in the order a pass runs them
 
 
-def _median_s(phases: Phases, device: DeviceProfile, compute: torch.device, warmup: int, repeats: int) -> float:
-    """The median seconds of running ``phases`` one after another, each through ``device.run`` on its own."""
-    steps = [partial(device.run, partial(synchronized, fn, compute)) for fn in phases]
-
-    def run() -> None:
-        for step in steps:
-            step()
-
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(statistics.median(times))
+def _medians(points: Sequence[Phases], device: DeviceProfile, compute: torch.device, warmup: int, repeats: int
+             ) -> list[float]:
+    """Each point's median seconds of running its ``phases`` one after another, each through ``device.run`` on its
+    own. The points take turns, one run each a round, so a spell of load on the host (seconds, on a shared machine)
+    slows one run of every point rather than every run of a few neighbouring ones: timed point after point, a loaded
+    host's DistilBERT profile had 5 heads at 6.7 ms and 6 at 3.0 ms, and a plan priced on it bought the dip."""
+    runs = [[partial(device.run, partial(synchronized, fn, compute)) for fn in phases] for phases in points]
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(warmup + repeats):
+        for steps, seen in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            for step in steps:
+                step()
+            if round_ >= warmup:
+                seen.append(time.perf_counter() - start)
+    return [float(statistics.median(t)) for t in times]
 
 
 def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: DeviceProfile,
@@ -78,7 +80,7 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
     row = x[-1:].clone()
     hd, group = cfg.head_dim, cfg.group
     heads, columns, rows = profile_grids(cfg, seq_len, max_devices, column_points)
-    time_it = partial(_median_s, device=device, compute=compute, warmup=warmup, repeats=repeats)
+    medians = partial(_medians, device=device, compute=compute, warmup=warmup, repeats=repeats)
     cache_k = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
     cache_v = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
 
@@ -103,9 +105,11 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             if cached:
                 cache = HeadCache()
                 cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
-            held["att"] = attention(cfg, held["q"], held["k"], held["v"], seq_len if cached else 0, cache, w)
+            held["att"] = attention(cfg, held.pop("q"), held.pop("k"), held.pop("v"), seq_len if cached else 0, cache,
+                                    w)
 
-        return qkv, core, lambda: lin(held["att"], "o", cols_of=k * hd)
+        # Each phase pops what it reads: every point of a grid is held at once (``_medians``), not its tensors.
+        return qkv, core, lambda: lin(held.pop("att"), "o", cols_of=k * hd)
 
     def mlp(c: int, inp: torch.Tensor) -> Phases:
         gate = w["gate.weight"][:c] if cfg.gated else None
@@ -122,27 +126,29 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
 
         def residual() -> None:
             held["u"] = part + part
-        return residual, lambda: norm(cfg, held["u"], w, "attn_norm")
+        return residual, lambda: norm(cfg, held.pop("u"), w, "attn_norm")
 
     with torch.inference_mode():
-        mha_t = [time_it(mha(k, x, False)) for k in heads]
-        mlp_t = [time_it(mlp(c, x)) for c in columns]
-        con_t = [time_it(con(r)) for r in rows]
+        # Each grid's times made non-decreasing: a larger share computes a superset of a smaller one's work, so a
+        # share measured faster than a smaller one is noise.
+        mha_t = non_decreasing(medians([mha(k, x, False) for k in heads]))
+        mlp_t = non_decreasing(medians([mlp(c, x) for c in columns]))
+        con_t = non_decreasing(medians([con(r) for r in rows]))
         # One row, for an encoder too: every GEMM call reads its whole weight, so a row tile or a slice of the rows
         # costs its one-row time beside its rows' share (``planning.hmp.latency.gemm_s``).
-        mha_d = [time_it(mha(k, row, True)) for k in heads]
-        mlp_d = [time_it(mlp(c, row)) for c in columns]
+        mha_d = non_decreasing(medians([mha(k, row, True) for k in heads]))
+        mlp_d = non_decreasing(medians([mlp(c, row) for c in columns]))
         embed_w = {k: v.to(compute) for k, v in init_weights(cfg, seed, names={
             n for n in weight_shapes(cfg) if n.startswith("embed.") and n != "embed.tokens"}).items()}
         # A slice of the token table: a lookup costs its rows, not the vocabulary (whose table may be a gigabyte).
         sliced = min(cfg.vocab, HEAD_ROWS)
         embed_w["embed.tokens"] = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
         ids = torch.randint(0, sliced, (seq_len,), generator=gen).to(compute)
-        embed_t = time_it((partial(embed, cfg, embed_w, ids),))
+        (embed_t,) = medians([(partial(embed, cfg, embed_w, ids),)])
         head = 0.0
         if cfg.decoder:
             head_w = torch.randn(sliced, cfg.hidden, generator=gen).to(dtype).to(compute)
-            head = time_it((partial(F.linear, row, head_w),)) * cfg.vocab / sliced
+            head = medians([(partial(F.linear, row, head_w),)])[0] * cfg.vocab / sliced
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
                         con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, embed_s=embed_t,
