@@ -105,8 +105,8 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             if cached:
                 cache = HeadCache()
                 cache.k, cache.v = cache_k[: k // group], cache_v[: k // group]
-            held["att"] = attention(cfg, held.pop("q"), held.pop("k"), held.pop("v"), seq_len if cached else 0, cache,
-                                    w)
+            q, k_, v = held.pop("q"), held.pop("k"), held.pop("v")
+            held["att"] = attention(cfg, q, k_, v, seq_len if cached else 0, cache, w)
 
         # Each phase pops what it reads: every point of a grid is held at once (``_medians``), not its tensors.
         return qkv, core, lambda: lin(held.pop("att"), "o", cols_of=k * hd)
