@@ -150,15 +150,16 @@ def test_a_grids_points_are_timed_in_turns_and_more_work_is_never_priced_faster(
     from edgeswarm.hmp.profiling import _medians, profile_blocks
     from edgeswarm.values.text_model import PRESETS
 
-    device = DeviceProfile.from_settings(Settings(device_class="native"))
+    settings = Settings(device_class="native")
+    device = DeviceProfile.from_settings(settings)
+    compute = resolve_compute(settings.compute, device)  # the one setting, as a worker computes
     order: list[str] = []
 
     def point(name: str) -> tuple[Callable[[], object], ...]:
         return (lambda: order.append(f"{name}1"), lambda: order.append(f"{name}2"))
 
-    times = _medians([point("a"), point("b")], device=device, compute=torch.device("cpu"), warmup=1, repeats=2)
+    times = _medians([point("a"), point("b")], device=device, compute=compute, warmup=1, repeats=2)
     assert order == ["a1", "a2", "b1", "b2"] * 3 and len(times) == 2 and min(times) >= 0
-    p = profile_blocks(PRESETS["bert-tiny"], 16, node="d", device=device, compute=torch.device("cpu"), warmup=0,
-                       repeats=1)
+    p = profile_blocks(PRESETS["bert-tiny"], 16, node="d", device=device, compute=compute, warmup=0, repeats=1)
     for grid in (p.mha_s, p.mlp_s, p.con_s, p.mha_decode_s, p.mlp_decode_s):
         assert all(a <= b for a, b in zip(grid, grid[1:], strict=False)), grid
