@@ -271,7 +271,8 @@ _BLOCK_PROFILE = ("record", {
     "node": "str", "device_class": "str", "memory_budget_bytes": "int", "seq_len": "int",
     "heads": ("list", "int"), "mha_s": ("list", "number"), "columns": ("list", "int"), "mlp_s": ("list", "number"),
     "rows": ("list", "int"), "con_s": ("list", "number"), "mha_decode_s": ("list", "number"),
-    "mlp_decode_s": ("list", "number"), "head_s": "number", "embed_s": "number", "compute": "str",
+    "mlp_decode_s": ("list", "number"), "mha_phases_s": ("list", "number"),
+    "mha_decode_phases_s": ("list", "number"), "head_s": "number", "embed_s": "number", "compute": "str",
     "method": ("enum", {"measured", "synthetic"}),
 })
 _HMP_CLUSTER = ("record", {

@@ -26,7 +26,19 @@ from edgeswarm.planning.hmp.algorithm import (
     equal_split,
     lr_round,
 )
-from edgeswarm.planning.hmp.latency import capacity, con_s, gemm_s, logits_s, mesh_links, predict, tp_gemms_s
+from edgeswarm.planning.hmp.latency import (
+    block_fractions,
+    capacity,
+    con_s,
+    gemm_s,
+    logits_s,
+    mesh_links,
+    mha_s,
+    phase_fractions,
+    predict,
+    sp_blocks_s,
+    tp_gemms_s,
+)
 from edgeswarm.planning.hmp.plan import PRUNE_MARGIN, compare, plan_galaxy, plan_hmp, plan_megatron, request_s
 from edgeswarm.planning.hmp.synthetic import synthetic_cluster, synthetic_profile
 from edgeswarm.planning.hmp.types import BlockProfile, HmpCluster, HmpOptions, HmpPlan, HmpPlanError
@@ -304,6 +316,29 @@ def test_a_row_tile_reads_its_whole_weight_and_galaxy_tiles_only_where_the_overl
     assert plan_galaxy(long, HmpOptions(prune=False)).shares.overlap
     assert not plan_galaxy(long, HmpOptions(prune=False, overlap=False)).shares.overlap
     assert not plan_megatron(long, HmpOptions(prune=False)).shares.overlap
+
+
+def test_the_mha_blocks_phases_are_priced_in_the_shares_the_profile_timed_them() -> None:
+    """A profile with the MHA block's phases timed splits its QKV, core and output projection as measured (on every
+    row, and on one row against the cache), not by FLOPs: a core that took 40% of the block is priced at 40% (half of it on a
+    sequence-parallel rank of half the rows), and the GEMMs around it at the rest. A profile
+    without them, or timed at another length, keeps the FLOP shares; a profile with other than three is refused."""
+    cfg = PRESETS["distilbert"]
+    flops = synthetic_profile("d", cfg, 284, slowdown=10.0, budget_bytes=int(64e9))
+    timed = flops.model_copy(update={"mha_phases_s": [0.045, 0.04, 0.015], "mha_decode_phases_s": [0.2, 0.5, 0.3]})
+    assert phase_fractions(cfg, flops, 284, 284) == block_fractions(cfg, 284, 284)
+    fr, one = phase_fractions(cfg, timed, 284, 284), phase_fractions(cfg, timed, 1, 284)
+    assert (fr.qkv, fr.core, fr.oproj) == pytest.approx((0.45, 0.4, 0.15))
+    assert fr.up == block_fractions(cfg, 284, 284).up
+    assert (one.qkv, one.core, one.oproj) == pytest.approx((0.2, 0.5, 0.3))
+    assert phase_fractions(cfg, timed, 128, 128) == block_fractions(cfg, 128, 128)
+    whole = mha_s(timed, cfg.heads)
+    # A sequence-parallel rank of half the rows: half the measured core, beside its output projection's GEMM.
+    oproj = tp_gemms_s(cfg, timed, cfg.heads, cfg.ffn, 284, 142)[1]
+    assert sp_blocks_s(cfg, timed, 284, 142)[1] - oproj == pytest.approx(0.2 * whole)
+    assert tp_gemms_s(cfg, timed, cfg.heads, cfg.ffn, 284, 284)[0] == pytest.approx(0.45 * whole)
+    with pytest.raises(ValueError, match="three phases"):
+        BlockProfile.model_validate({**flops.model_dump(), "mha_phases_s": [0.1, 0.2]})
 
 
 def test_a_decoders_plans_are_compared_on_the_prefill_and_the_tokens_a_request_generates() -> None:

@@ -146,8 +146,9 @@ def test_a_decoders_profile_times_its_logits_and_an_encoders_has_none() -> None:
 
 def test_a_grids_points_are_timed_in_turns_and_more_work_is_never_priced_faster() -> None:
     """The points of a grid take turns, one run each a round (warm-ups first), so a spell of load on the host slows
-    one run of every point, not all of a few; and each grid of a profile is non-decreasing in its share."""
-    from edgeswarm.hmp.profiling import _medians, profile_blocks
+    one run of every point, not all of a few; each grid of a profile is non-decreasing in its share; the MHA block
+    at every head keeps its three phases' times."""
+    from edgeswarm.hmp.profiling import _medians, _phase_medians, profile_blocks
     from edgeswarm.values.text_model import PRESETS
 
     settings = Settings(device_class="native")
@@ -160,6 +161,12 @@ def test_a_grids_points_are_timed_in_turns_and_more_work_is_never_priced_faster(
 
     times = _medians([point("a"), point("b")], device=device, compute=compute, warmup=1, repeats=2)
     assert order == ["a1", "a2", "b1", "b2"] * 3 and len(times) == 2 and min(times) >= 0
+    order.clear()
+    phases = _phase_medians([point("a"), point("b")], device=device, compute=compute, warmup=0, repeats=1)
+    assert order == ["a1", "a2", "b1", "b2"] and [len(p) for p in phases] == [2, 2]
     p = profile_blocks(PRESETS["bert-tiny"], 16, node="d", device=device, compute=compute, warmup=0, repeats=1)
     for grid in (p.mha_s, p.mlp_s, p.con_s, p.mha_decode_s, p.mlp_decode_s):
         assert all(a <= b for a, b in zip(grid, grid[1:], strict=False)), grid
+    # The MHA block at every head, phase by phase (QKV, core, output projection), on every row and on one.
+    assert len(p.mha_phases_s) == 3 and len(p.mha_decode_phases_s) == 3
+    assert min(p.mha_phases_s + p.mha_decode_phases_s) > 0

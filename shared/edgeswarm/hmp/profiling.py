@@ -2,13 +2,14 @@
 sequence length, on grids of heads, columns and rows, as that device computes (its emulated slow-down included).
 
 Protocol (spec 1.1 resolution): random weights of layer 0 at the model's shapes and dtype, ``warmup`` untimed runs
-then the median of ``repeats`` timed ones per point, the points of a grid taking turns (``_medians``), and each grid
-made non-decreasing in its share (``stats.non_decreasing``). Each block is timed in the compute phases a pass runs it in
-(``hmp.layer``: the attention as q/k/v, core and output projection; a connective block as residual and norm), each
-phase stretched to the device's slow-down on its own, as the pass's recorder stretches it: an emulated device sleeps
-after every phase, and the phase after a sleep starts on cold caches (timed whole, a Nano-M-like device's attention
-block came out 5-7% faster than the same block in its three phases; natively the two agree). The grids are capped
-(``profile_grids``: at most 16 head counts, ``column_points`` column counts, the rows of up to ``max_devices``
+then the median of ``repeats`` timed ones of each phase of a point, the points of a grid taking turns
+(``_phase_medians``), and each grid made non-decreasing in its share (``stats.non_decreasing``). Each block is timed
+in the compute phases a pass runs it in (``hmp.layer``: the attention as q/k/v, core and output projection, whose
+times at every head the profile keeps for the planner's split of the block; a connective block as residual and norm),
+each phase stretched to the device's slow-down on its own, as the pass's recorder stretches it: an emulated device
+sleeps after every phase, and the phase after a sleep starts on cold caches (timed whole, a Nano-M-like device's
+attention block came out 5-7% faster than the same block in its three phases; natively the two agree). The grids are
+capped (``profile_grids``: at most 16 head counts, ``column_points`` column counts, the rows of up to ``max_devices``
 slices) so a paper-sized model profiles in bounded time. Every model also gets one row against a KV cache of
 ``seq_len`` tokens (a decoder's generation, and the one-row cost of each GEMM call that a row tile or a slice of the
 rows pays), decoders one row's logits over the vocabulary (``head_s``, from a HEAD_ROWS slice of it), and every
@@ -43,22 +44,28 @@ HEAD_ROWS = 8192
 Phases = Sequence[Callable[[], object]]  # a block's compute phases, in the order a pass runs them
 
 
-def _medians(points: Sequence[Phases], device: DeviceProfile, compute: torch.device, warmup: int, repeats: int
-             ) -> list[float]:
-    """Each point's median seconds of running its ``phases`` one after another, each through ``device.run`` on its
-    own. The points take turns, one run each a round, so a spell of load on the host (seconds, on a shared machine)
-    slows one run of every point rather than every run of a few neighbouring ones: timed point after point, a loaded
-    host's DistilBERT profile had 5 heads at 6.7 ms and 6 at 3.0 ms, and a plan priced on it bought the dip."""
+def _phase_medians(points: Sequence[Phases], device: DeviceProfile, compute: torch.device, warmup: int,
+                   repeats: int) -> list[list[float]]:
+    """Each point's median seconds of each of its ``phases``, each run through ``device.run`` on its own. The points
+    take turns, one run each a round, so a spell of load on the host (seconds, on a shared machine) slows one run of
+    every point rather than every run of a few neighbouring ones: timed point after point, a loaded host's DistilBERT
+    profile had 5 heads at 6.7 ms and 6 at 3.0 ms, and a plan priced on it bought the dip."""
     runs = [[partial(device.run, partial(synchronized, fn, compute)) for fn in phases] for phases in points]
-    times: list[list[float]] = [[] for _ in runs]
+    times: list[list[list[float]]] = [[[] for _ in steps] for steps in runs]
     for round_ in range(warmup + repeats):
         for steps, seen in zip(runs, times, strict=True):
-            start = time.perf_counter()
-            for step in steps:
+            for step, phase in zip(steps, seen, strict=True):
+                start = time.perf_counter()
                 step()
-            if round_ >= warmup:
-                seen.append(time.perf_counter() - start)
-    return [float(statistics.median(t)) for t in times]
+                if round_ >= warmup:
+                    phase.append(time.perf_counter() - start)
+    return [[float(statistics.median(t)) for t in seen] for seen in times]
+
+
+def _medians(points: Sequence[Phases], device: DeviceProfile, compute: torch.device, warmup: int, repeats: int
+             ) -> list[float]:
+    """Each point's seconds: the sum of its phases' medians (``_phase_medians``)."""
+    return [sum(phases) for phases in _phase_medians(points, device, compute, warmup, repeats)]
 
 
 def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: DeviceProfile,
@@ -80,6 +87,7 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
     row = x[-1:].clone()
     hd, group = cfg.head_dim, cfg.group
     heads, columns, rows = profile_grids(cfg, seq_len, max_devices, column_points)
+    phase_medians = partial(_phase_medians, device=device, compute=compute, warmup=warmup, repeats=repeats)
     medians = partial(_medians, device=device, compute=compute, warmup=warmup, repeats=repeats)
     cache_k = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
     cache_v = torch.randn(max(1, cfg.n_kv), seq_len, hd, generator=gen).to(dtype).to(compute)
@@ -131,12 +139,14 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
     with torch.inference_mode():
         # Each grid's times made non-decreasing: a larger share computes a superset of a smaller one's work, so a
         # share measured faster than a smaller one is noise.
-        mha_t = non_decreasing(medians([mha(k, x, False) for k in heads]))
+        mha_p = phase_medians([mha(k, x, False) for k in heads])
+        mha_t = non_decreasing([sum(p) for p in mha_p])
         mlp_t = non_decreasing(medians([mlp(c, x) for c in columns]))
         con_t = non_decreasing(medians([con(r) for r in rows]))
         # One row, for an encoder too: every GEMM call reads its whole weight, so a row tile or a slice of the rows
         # costs its one-row time beside its rows' share (``planning.hmp.latency.gemm_s``).
-        mha_d = non_decreasing(medians([mha(k, row, True) for k in heads]))
+        mha_dp = phase_medians([mha(k, row, True) for k in heads])
+        mha_d = non_decreasing([sum(p) for p in mha_dp])
         mlp_d = non_decreasing(medians([mlp(c, row) for c in columns]))
         embed_w = {k: v.to(compute) for k, v in init_weights(cfg, seed, names={
             n for n in weight_shapes(cfg) if n.startswith("embed.") and n != "embed.tokens"}).items()}
@@ -151,5 +161,5 @@ def profile_blocks(cfg: TextModelConfig, seq_len: int, *, node: str, device: Dev
             head = medians([(partial(F.linear, row, head_w),)])[0] * cfg.vocab / sliced
     return BlockProfile(node=node, device_class=device.device_class, memory_budget_bytes=device.memory_budget_bytes,
                         seq_len=seq_len, heads=heads, mha_s=mha_t, columns=columns, mlp_s=mlp_t, rows=rows,
-                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, head_s=head, embed_s=embed_t,
-                        compute=str(compute))
+                        con_s=con_t, mha_decode_s=mha_d, mlp_decode_s=mlp_d, mha_phases_s=mha_p[-1],
+                        mha_decode_phases_s=mha_dp[-1], head_s=head, embed_s=embed_t, compute=str(compute))

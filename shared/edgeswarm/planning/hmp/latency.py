@@ -2,7 +2,8 @@
 
 A block's latency at a share between two measured points is interpolated linearly (with zero work at zero share,
 proportional beyond the last point). The overlap forms need the GEMM part of a block: a block's measured time is
-split among its GEMMs and its attention core in proportion to their FLOPs (``block_fractions``). A GEMM on fewer rows
+split among its GEMMs and its attention core in the shares the profile measured of its phases, else in proportion to
+their FLOPs (``phase_fractions``). A GEMM on fewer rows
 than profiled is priced between its one-row (decode) time and its ``seq_len``-row time (``gemm_s``): every call
 streams the whole weight, so Galaxy's row tiles cost more than their share of the rows, and the planner tiles only
 where the overlap gains more than that (``priced_plan``). One ring step costs tau = message_s + hop_s + latency_s +
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgeswarm.errors import ProfileError
 from edgeswarm.planning.hmp.algorithm import equal_split
@@ -99,6 +100,21 @@ def block_fractions(cfg: TextModelConfig, rows: int, keys: int) -> BlockFraction
     return BlockFractions(qkv / mha, core / mha, oproj / mha, up / (up + 1.0), 1.0 / (up + 1.0))
 
 
+def phase_fractions(cfg: TextModelConfig, p: BlockProfile, rows: int, keys: int) -> BlockFractions:
+    """``block_fractions``, with the MHA block's shares (QKV, core, output projection) as ``p`` timed its phases at
+    every head where it did: on ``seq_len`` rows (``mha_phases_s``) or one row against a cache of ``seq_len``
+    (``mha_decode_phases_s``). FLOPs misplace them: DistilBERT's core, 16% of its MHA's FLOPs at 284 tokens, took
+    34-40% of its time on a Nano-M-like device (its softmax and its scaling read and write every score)."""
+    fr = block_fractions(cfg, rows, keys)
+    if keys != p.seq_len or rows not in (1, keys):
+        return fr
+    measured = p.mha_phases_s if rows == keys else p.mha_decode_phases_s
+    total = sum(measured)
+    if len(measured) != 3 or total <= 0:
+        return fr
+    return replace(fr, qkv=measured[0] / total, core=measured[1] / total, oproj=measured[2] / total)
+
+
 def ring_link(links: Sequence[LinkProfile], devices: Sequence[str]) -> list[LinkProfile]:
     """The links i -> i + 1 of the ring over ``devices`` (either direction); a pair with no profile is priced as
     the slowest profiled link. Raises ProfileError when a ring of two or more has no link profile at all."""
@@ -165,7 +181,7 @@ def tp_gemms_s(cfg: TextModelConfig, p: BlockProfile, heads: float, columns: flo
                rows: float) -> tuple[float, float, float, float]:
     """Device ``p``'s four tensor-parallel GEMMs (QKV, output projection, MLP up with its activation, MLP down) at
     ``heads`` and ``columns``, on ``rows`` rows of a pass of ``seq_len`` (seconds, by ``gemm_s``)."""
-    fr, one = block_fractions(cfg, seq_len, seq_len), block_fractions(cfg, 1, seq_len)
+    fr, one = phase_fractions(cfg, p, seq_len, seq_len), phase_fractions(cfg, p, 1, seq_len)
     mha, mlp = mha_s(p, heads), mlp_s(p, columns)
     mha1 = _decode_block(p, p.heads, p.mha_decode_s, p.mha_s, heads, seq_len)
     mlp1 = _decode_block(p, p.columns, p.mlp_decode_s, p.mlp_s, columns, seq_len)
@@ -181,7 +197,7 @@ def sp_blocks_s(cfg: TextModelConfig, p: BlockProfile, seq_len: int, rows: float
     seconds. The GEMMs are priced by ``gemm_s`` (a slice of the rows still reads every weight), the core in
     proportion to the rows."""
     qkv, oproj, up, down = tp_gemms_s(cfg, p, cfg.heads, cfg.ffn, seq_len, rows)
-    core = block_fractions(cfg, seq_len, seq_len).core * mha_s(p, cfg.heads) * rows / seq_len
+    core = phase_fractions(cfg, p, seq_len, seq_len).core * mha_s(p, cfg.heads) * rows / seq_len
     return qkv, core + oproj, up + down
 
 
@@ -208,7 +224,6 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     s, h, beta = seq_len, cfg.hidden, cfg.dtype_bytes
     rows = equal_split(s, d)
     ring = ring_link(links, [p.node for p in profiles])
-    fr = block_fractions(cfg, s, s)
     msg_s = max((lk.per_message_s for lk in ring), default=0.0)
     if mode in ("galaxy", "megatron"):
         mha = [mha_s(p, a) for p, a in zip(profiles, heads, strict=True)]
@@ -223,7 +238,7 @@ def predict(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
                               for p, a, b in zip(profiles, heads, columns, strict=True)]
                 return [max(g[k] for g in per_device) for k in range(4)]
             tile, whole = slowest(max(rows)), slowest(s)
-            core = max(fr.core * m for m in mha)
+            core = max(phase_fractions(cfg, p, s, s).core * m for p, m in zip(profiles, mha, strict=True))
             con = max(con_s(p, r) for p, r in zip(profiles, rows, strict=True))
             t_add = ADD_FRACTION * max(con_s(p, max(rows)) for p in profiles) if d > 1 else 0.0
             total = (_ag_gemm(tile[0], whole[0], tau, d, overlap) + core
@@ -331,11 +346,14 @@ def _decode(cfg: TextModelConfig, seq_len: int, mode: HmpMode, profiles: Sequenc
     the ring's links) the syncs are ring collectives, one hop after another: 4(D-1) per layer (SP: 2(D-1)). Then
     the logits (``logits_s``), and the pass's ``control`` round trip with the coordinator (``control_s``)."""
     d = len(profiles)
-    fr = block_fractions(cfg, 1, seq_len)
-    core_scale = (1.0 - fr.core) + fr.core * cache / seq_len
+
+    def core_scale(p: BlockProfile) -> float:
+        core = phase_fractions(cfg, p, 1, seq_len).core
+        return (1.0 - core) + core * cache / seq_len
+
     if mode in ("sp", "local"):
         heads, columns = [cfg.heads] * d, [cfg.ffn] * d
-    mha = max(_decode_block(p, p.heads, p.mha_decode_s, p.mha_s, a, seq_len) * core_scale
+    mha = max(_decode_block(p, p.heads, p.mha_decode_s, p.mha_s, a, seq_len) * core_scale(p)
               for p, a in zip(profiles, heads, strict=True))
     mlp = max(_decode_block(p, p.columns, p.mlp_decode_s, p.mlp_s, b, seq_len)
               for p, b in zip(profiles, columns, strict=True))

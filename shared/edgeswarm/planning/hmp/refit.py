@@ -57,6 +57,7 @@ def _scaled_profile(p: BlockProfile, f: float) -> BlockProfile:
     return p.model_copy(update={
         "mha_s": [t * f for t in p.mha_s], "mlp_s": [t * f for t in p.mlp_s], "con_s": [t * f for t in p.con_s],
         "mha_decode_s": [t * f for t in p.mha_decode_s], "mlp_decode_s": [t * f for t in p.mlp_decode_s],
+        "mha_phases_s": [t * f for t in p.mha_phases_s], "mha_decode_phases_s": [t * f for t in p.mha_decode_phases_s],
         "head_s": p.head_s * f, "embed_s": p.embed_s * f})
 
 

@@ -42,11 +42,13 @@ class BlockProfile(BaseModel):
 
     ``heads``/``columns``/``rows`` are ascending grids; ``mha_s``/``mlp_s``/``con_s`` the median seconds at each.
     ``mha_decode_s``/``mlp_decode_s`` (optional, same grids, may be empty): one new row against a KV cache of
-    ``seq_len`` tokens, for the generation prediction and a GEMM's one-row cost (``latency.gemm_s``). ``head_s``: a
-    decoder's logits of one row over its whole vocabulary (the ``lm_head``, which the rank holding a pass's last row
-    computes once a pass; 0 for an encoder or a profile from before it). ``embed_s``: the embeddings of ``seq_len``
-    rows (token and position lookups, the embedding norm where the model has one; 0 for a profile from before it).
-    ``compute`` names the torch device it was timed on."""
+    ``seq_len`` tokens, for the generation prediction and a GEMM's one-row cost (``latency.gemm_s``).
+    ``mha_phases_s``/``mha_decode_phases_s`` (optional: three seconds or none): the MHA block at every head, on
+    ``seq_len`` rows and on one, as its phases took them (QKV, core, output projection; ``latency.phase_fractions``).
+    ``head_s``: a decoder's logits of one row over its whole vocabulary (the ``lm_head``, which the rank holding a
+    pass's last row computes once a pass; 0 for an encoder or a profile from before it). ``embed_s``: the embeddings
+    of ``seq_len`` rows (token and position lookups, the embedding norm where the model has one; 0 for a profile from
+    before it). ``compute`` names the torch device it was timed on."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
@@ -62,6 +64,8 @@ class BlockProfile(BaseModel):
     con_s: Times
     mha_decode_s: Times = Field(default_factory=list)
     mlp_decode_s: Times = Field(default_factory=list)
+    mha_phases_s: Times = Field(default_factory=list)
+    mha_decode_phases_s: Times = Field(default_factory=list)
     head_s: ProfiledSeconds = 0.0
     embed_s: ProfiledSeconds = 0.0
     compute: str = Field(default="cpu", max_length=128)
@@ -79,6 +83,9 @@ class BlockProfile(BaseModel):
                                   (self.mlp_decode_s, self.columns, "mlp_decode_s")):
             if times and len(times) != len(grid):
                 raise ValueError(f"{what} has {len(times)} times for a grid of {len(grid)}")
+        for times, what in ((self.mha_phases_s, "mha_phases_s"), (self.mha_decode_phases_s, "mha_decode_phases_s")):
+            if len(times) not in (0, 3):
+                raise ValueError(f"{what} has {len(times)} times, not the MHA block's three phases")
         return self
 
 
