@@ -320,9 +320,9 @@ def test_a_row_tile_reads_its_whole_weight_and_galaxy_tiles_only_where_the_overl
 
 def test_the_mha_blocks_phases_are_priced_in_the_shares_the_profile_timed_them() -> None:
     """A profile with the MHA block's phases timed splits its QKV, core and output projection as measured (on every
-    row, and on one row against the cache), not by FLOPs: a core that took 40% of the block is priced at 40% (half of it on a
-    sequence-parallel rank of half the rows), and the GEMMs around it at the rest. A profile
-    without them, or timed at another length, keeps the FLOP shares; a profile with other than three is refused."""
+    row, and on one row against the cache), not by FLOPs: a core that took 40% of the block is priced at 40% (half of
+    it on a sequence-parallel rank of half the rows), and the GEMMs around it at the rest. A profile without them, or
+    timed at another length, keeps the FLOP shares; a profile with other than three is refused."""
     cfg = PRESETS["distilbert"]
     flops = synthetic_profile("d", cfg, 284, slowdown=10.0, budget_bytes=int(64e9))
     timed = flops.model_copy(update={"mha_phases_s": [0.045, 0.04, 0.015], "mha_decode_phases_s": [0.2, 0.5, 0.3]})

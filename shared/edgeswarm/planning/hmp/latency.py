@@ -2,13 +2,12 @@
 
 A block's latency at a share between two measured points is interpolated linearly (with zero work at zero share,
 proportional beyond the last point). The overlap forms need the GEMM part of a block: a block's measured time is
-split among its GEMMs and its attention core in the shares the profile measured of its phases, else in proportion to
-their FLOPs (``phase_fractions``). A GEMM on fewer rows
-than profiled is priced between its one-row (decode) time and its ``seq_len``-row time (``gemm_s``): every call
-streams the whole weight, so Galaxy's row tiles cost more than their share of the rows, and the planner tiles only
-where the overlap gains more than that (``priced_plan``). One ring step costs tau = message_s + hop_s + latency_s +
-tile bytes / bandwidth on the slowest link of the ring: every tensor goes sender -> receiver's broker -> receiver, one
-broker hop per message (``hop_s``) beside the link's own fixed cost.
+split among its GEMMs and its attention core in the shares the profile timed its phases in, else in proportion to
+their FLOPs (``phase_fractions``). A GEMM on fewer rows than profiled is priced between its one-row (decode) time and
+its ``seq_len``-row time (``gemm_s``): every call streams the whole weight, so Galaxy's row tiles cost more than their
+share of the rows, and the planner tiles only where the overlap gains more than that (``priced_plan``). One ring
+step costs tau = message_s + hop_s + latency_s + tile bytes / bandwidth on the slowest link of the ring: every tensor
+goes sender -> receiver's broker -> receiver, one broker hop per message (``hop_s``) beside the link's own fixed cost.
 
 Decode steps (one row: fewer rows than devices) synchronise with direct collectives, as the runtime does
 (``hmp.layer.direct_syncs``): galaxy and megatron two direct AllReduces per layer, sp its K and V AllGathers direct.
