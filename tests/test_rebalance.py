@@ -28,11 +28,12 @@ def profiled(batch_sizes: list[int]) -> ClusterProfile:
     """The four devices as one profile of this machine, SLOWDOWN times slower, says they are: right about b, c and
     d up to a common factor (what the runtime adds around a unit's compute; the loop fits that too), wrong about
     a."""
-    from edgeswarm.profiling.compute import profile_model
+    from edgeswarm.profiling.compute import profile_model, torch_threads
 
     # Each unit's fastest of three profiles: a busy machine (the suite's other tests) slows a one-off profile unit by
     # unit, by more than the 3x this test is about; its fastest runs are the ones it did not slow.
-    runs = [profile_model(MODEL, batch_sizes, repeats=3, warmup=1) for _ in range(3)]
+    with torch_threads(1):
+        runs = [profile_model(MODEL, batch_sizes, repeats=3, warmup=1) for _ in range(3)]
     model, compute = runs[0]
 
     def fastest(rows: str) -> list[list[float]]:

@@ -61,9 +61,12 @@ class DeviceProfile(BaseModel):
 
     @property
     def compute_threads(self) -> int | None:
-        """Torch threads this device computes on: 1 when emulated (``run`` scales the CPU time of the calling
-        thread, which is all of the compute only on one thread), None (the host's default) when native."""
-        return 1 if self.emulated else None
+        """Torch threads this device computes on: 1 when emulated or slowed down (``run`` scales the CPU time of the
+        calling thread, which is all of the compute only on one thread), None (the host's default) otherwise. A
+        native device slowed by EDGESWARM_COMPUTE_SLOWDOWN on the host's threads scaled only the calling thread's
+        share, which varies with the load: a test's device 3x slower than its peers measured 1.0x-1.3x of them in
+        CI."""
+        return 1 if self.emulated or self.compute_slowdown > 1.0 else None
 
     def run(self, fn: Callable[[], T], *, wall: Callable[[], float] = time.perf_counter,
             cpu: Callable[[], float] = time.thread_time, sleep: Callable[[float], None] | None = None) -> T:
