@@ -30,16 +30,17 @@ from helpers import FAST_ENV
 # on (tests/test_rebalance.py); every process a test starts inherits this.
 os.environ.setdefault("EDGESWARM_REBALANCE", "false")
 
-# The slowest test files, slowest first (measured on the 2-core VM on 2026-11-30: 217 s down to 33 s each). `make test`
+# The slowest test files, slowest first (measured on the 2-core VM on 2026-12-05: 212 s down to 24 s each). `make test`
 # hands xdist the files in collection order (--no-loadscope-reorder), and these come first: the long files start
 # early and the short ones fill in at the end. xdist's own order, the files with the most tests first, left the files
-# of one to three long tests for last, where one worker finished such a file while the other had nothing left. A
+# of one to three long tests for last, where one worker finished such a file while the others had nothing left. A
 # file missing here, or a list out of date, costs only that balance.
-SLOWEST_FIRST = ("test_bench_peers", "test_cli", "test_cli_faults", "test_netns_faults", "test_recovery",
-                 "test_plugins", "test_hmp_serving", "test_workload_contract", "test_splitfed_cluster",
-                 "test_fuzz_handlers", "test_deploy", "test_serve_rebalance", "test_cli_errors", "test_zoo_training",
-                 "test_security", "test_netns_cli", "test_export", "test_serving", "test_plan_cli",
-                 "test_splitfed_refit", "test_install", "test_liveness", "test_dashboard", "test_rebalance")
+SLOWEST_FIRST = ("test_cli", "test_bench_peers", "test_recovery", "test_cli_faults", "test_netns_faults",
+                 "test_workload_contract", "test_hmp_serving", "test_plugins", "test_splitfed_cluster",
+                 "test_cli_errors", "test_zoo_training", "test_netns_cli", "test_serve_rebalance", "test_security",
+                 "test_deploy", "test_serving", "test_rebalance", "test_export", "test_fuzz_handlers", "test_liveness",
+                 "test_plan_cli", "test_profiler_compute", "test_netns_shaping", "test_chaos", "test_splitfed_refit",
+                 "test_install", "test_profiler_service", "test_dashboard")
 
 
 def pytest_configure(config: pytest.Config) -> None:
