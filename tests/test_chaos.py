@@ -20,6 +20,7 @@ from edgeswarm.cli.chaos import ChaosRefused, Target, check_process, do_slow, ho
 from edgeswarm.cli.main import main
 from edgeswarm.local.launcher import DEVICE_SERVICES, HUB_SERVICES
 from edgeswarm.messages import ClusterView, NodeView, ServiceView
+from edgeswarm.procfs import ProcStat, read_cmdline, read_stat
 from edgeswarm.runtime.client import ClusterWatcher, client_bus
 from edgeswarm.settings import Settings
 from helpers import wait_until
@@ -108,15 +109,14 @@ def spawn(*argv: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
-def proc_stat(pid: int) -> list[str]:
-    """Fields 3 onwards of /proc/PID/stat (state first)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2:].split()
+def stat(pid: int) -> ProcStat:
+    st = read_stat(pid)
+    assert st is not None, f"no process {pid}"
+    return st
 
 
 def cpu_s(pid: int) -> float:
-    rest = proc_stat(pid)
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return stat(pid).cpu_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def target(pid: int, service: str = "stage-worker", started_at: float | None = None) -> Target:
@@ -153,7 +153,7 @@ def test_slow_gives_a_busy_process_about_one_fth_of_the_cpu_and_leaves_it_runnin
         elapsed, used = time.monotonic() - t0, cpu_s(busy.pid) - before
         assert 0.9 <= elapsed < 3.0
         assert 0 < used < 0.6, f"a 4x slow-down let it use {used:.2f} s of CPU in {elapsed:.2f} s"
-        assert proc_stat(busy.pid)[0] in RUNNING
+        assert stat(busy.pid).state in RUNNING
         after = cpu_s(busy.pid)
         time.sleep(0.3)
         assert cpu_s(busy.pid) > after, "it runs again"
@@ -186,14 +186,12 @@ class Cluster:
 
 def alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie counts as gone)."""
-    try:
-        return proc_stat(pid)[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+    st = read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
 
 
 def state_of(pid: int) -> str:
-    return proc_stat(pid)[0]
+    return stat(pid).state
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +218,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for pid in pids.values():
             with suppress(OSError):  # a stopped process would only die of SIGKILL after a timeout
-                if alive(pid) and b"edgeswarm" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if alive(pid) and any("edgeswarm" in a for a in read_cmdline(pid) or []):
                     os.kill(pid, signal.SIGCONT)
         if bus is not None:
             bus.stop()

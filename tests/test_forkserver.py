@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from edgeswarm.cli.chaos import read_cmdline
 from edgeswarm.local.broker import BrokerProcess
 from edgeswarm.local.forkserver import DIE_WITH_PARENT_ENV, NETNS_DIR, ForkServer, ForkServerError
+from edgeswarm.procfs import read_cmdline
 from edgeswarm.runtime.client import ClusterWatcher, client_bus
 from edgeswarm.settings import Settings
 from helpers import netns_unavailable, wait_until

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeswarm.cli.console import console, err_console
 from edgeswarm.errors import ConfigError, EdgeswarmError
+from edgeswarm.procfs import PROC, ProcStat, read_cmdline, read_stat
 
 if TYPE_CHECKING:
     from edgeswarm.messages import ClusterView
@@ -55,8 +56,6 @@ DEFAULT_PERIOD_S = 0.1  # the duty cycle of ``slow``: one SIGSTOP/SIGCONT pair p
 MIN_PERIOD_S = 0.01  # shorter periods are mostly signal overhead and scheduler noise
 START_SLACK_S = 10.0  # how much later than its ``started_at`` a process may have started (clock granularity)
 KILL_CONFIRM_S = 2.0  # how long ``kill`` waits to see the processes gone before it reports
-
-PROC = Path("/proc")
 
 
 class ChaosRefused(EdgeswarmError):
@@ -128,33 +127,6 @@ def select_targets(view: ClusterView, node: str, services: Sequence[str] | None,
 
 
 # --- verifying and holding processes ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of ``/proc/PID/stat`` chaos needs."""
-
-    state: str  # R, S, D, T (stopped), t, Z (zombie), X, ...
-    start_ticks: int  # clock ticks after boot
-
-
-def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
-    """``/proc/PID/stat`` parsed, or None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    rest = text[text.rindex(")") + 2:].split()  # the command name in parentheses may hold anything
-    return ProcStat(state=rest[0], start_ticks=int(rest[19]))
-
-
-def read_cmdline(pid: int, proc: Path = PROC) -> list[str] | None:
-    """The argument vector of ``pid``, or None when there is no such process."""
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
 def boot_time(proc: Path = PROC) -> float:

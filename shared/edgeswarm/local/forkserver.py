@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from edgeswarm.devices.compute import sharing_cores
 from edgeswarm.errors import EdgeswarmError
+from edgeswarm.procfs import stat_fields
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def _retitle(argv: list[str]) -> None:
     """Write ``argv`` over this process's argument area, so that ``/proc/PID/cmdline`` (``ps``, and ``chaos``, which
     checks a pid is still the service it names before signalling it) shows the service, not the server. The server
     was started with ``TITLE_ROOM`` spare bytes for it; a longer one is cut short."""
-    fields = _proc_stat_fields()
+    fields = stat_fields("self")
     if fields is None or len(fields) < 47:
         return
     start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of proc(5)
@@ -290,19 +291,11 @@ def _retitle(argv: list[str]) -> None:
     ctypes.memmove(start, title.ljust(room, b"\0"), room)
 
 
-def _proc_stat_fields() -> list[str] | None:
-    """This process's ``/proc/self/stat`` from field 3 on (index 0 is field 3), or None where there is none."""
-    try:
-        return Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _rewrite_environ(env: dict[str, str]) -> None:
     """Write ``env`` over this process's environment area, so that ``/proc/PID/environ`` (what an operator and the
     netns tests read) shows the child's environment, not the server's. The server was started with ``ENV_ROOM`` spare
     bytes for it; entries past the room are left out (and said so on stderr)."""
-    fields = _proc_stat_fields()
+    fields = stat_fields("self")
     if fields is None or len(fields) < 49:
         return
     start, end = int(fields[47]), int(fields[48])  # env_start and env_end: fields 50 and 51 of proc(5)

@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edgeswarm.netns import host, network
 from edgeswarm.netns.delayer import DelayerConfig, QueueDelay
+from edgeswarm.procfs import read_cmdline, read_stat
 from edgeswarm.settings import LinkSpec
 
 log = logging.getLogger(__name__)
@@ -448,23 +449,13 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
 def _is_delayer(pid: int, ns: str) -> bool:
     """Whether ``pid`` is (still) the delayer of namespace ``ns`` and not a zombie (a pid may have been reused)."""
-    cmd = _cmdline(pid)
+    cmd = read_cmdline(pid) or []
     if DELAYER_MODULE not in cmd or ns not in cmd:
         return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 def _chain_jumped(ns: str) -> bool:

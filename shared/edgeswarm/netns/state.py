@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from edgeswarm.files import locked
+from edgeswarm.procfs import read_stat
 from edgeswarm.roles import NodeRole
 
 STATE_DIR = Path(os.environ.get("EDGESWARM_NETNS_STATE_DIR", "/run/edgeswarm-netns"))
@@ -106,13 +107,8 @@ def saved_states() -> list[NetnsState]:
 def process_start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot, /proc/PID/stat field 22), or None when it does not
     exist: with the pid, what tells a process from a later one that reuses its pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from the last ")".
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[19])
+    stat = read_stat(pid)
+    return None if stat is None else stat.start_ticks
 
 
 def owner_alive(state: NetnsState) -> bool:
