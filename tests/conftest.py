@@ -66,8 +66,8 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 @contextmanager
 def _gate(item: pytest.Item) -> Iterator[None]:
     """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test (its fixtures included),
-    so that what it measures (speed ratios, heartbeat gaps under its own load) is not the other worker's load; the
-    others share the gate. The turnstile lets an ``alone`` test in even while the other worker goes from test to
+    so that what it measures (speed ratios, heartbeat gaps under its own load) is not the other workers' load; the
+    others share the gate. The turnstile lets an ``alone`` test in even while the other workers go from test to
     test: it holds the turnstile while it waits, and every test passes the turnstile before it takes its share."""
     # Not the PYTEST_XDIST_WORKER variable: a pytest that a test starts inherits it without being a worker.
     if not hasattr(item.config, "workerinput"):
@@ -88,7 +88,7 @@ def _gate(item: pytest.Item) -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    # The whole protocol (setup, call, teardown), so that the other worker's module fixtures (clusters) do not
+    # The whole protocol (setup, call, teardown), so that the other workers' module fixtures (clusters) do not
     # start or stop while an ``alone`` test runs.
     with _gate(item):
         yield

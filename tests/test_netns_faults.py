@@ -46,7 +46,7 @@ ENV = {"EDGESWARM_COMPUTE_SLOWDOWN": "60", "EDGESWARM_MEMORY_BUDGET_BYTES": "120
        "EDGESWARM_LOG_LEVEL": "INFO"}
 
 
-# Not ``alone``: four minutes with the other worker idle would cost the suite as much. Nothing here measures speed;
+# Not ``alone``: four minutes with the other workers idle would cost the suite as much. Nothing here measures speed;
 # the failure timeout (1.5 s) is followed by two 2 s probes, so only a stall of over 5 s under load reads as a loss.
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 

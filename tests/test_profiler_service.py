@@ -59,7 +59,7 @@ def test_a_request_gets_progress_a_retained_report_and_a_reply_then_a_cache_hit(
     device, compute = first.entry.device, first.entry.compute
     assert device.node == NODE and device.device_class == "jetson-nx" and device.compute_flops > 0
     assert device.memory_budget_bytes == int(6.5 * 2**30)
-    # The ratio itself is measured against the host's speed, which the other worker's load moves: that the emulated
+    # The ratio itself is measured against the host's speed, which the other workers' load moves: that the emulated
     # slow-down shows in it is checked alone (tests/test_profiler_compute.py).
     assert compute.batch_sizes == [1, 4] and compute.method == "calibrated" and compute.speed_ratio > 0
     assert len(compute.forward_s) == len(first.model.units) and first.model.model == TINY_MLP

@@ -236,7 +236,7 @@ def test_a_device_lost_with_its_backup_goes_back_to_the_last_checkpoint(broker, 
     assert_same_weights(weights, reference_weights(_job("ref"), ROUNDS, optimizer=True))
 
 
-# Ten seconds in the suite (it runs alone: every second of it idles the other worker; about 24 rounds);
+# Ten seconds in the suite (it runs alone: every second of it idles the other workers; about 24 rounds);
 # EDGESWARM_SOAK_S=300 for the five-minute soak of spec 5.2's acceptance check.
 SOAK_S = float(os.environ.get("EDGESWARM_SOAK_S", "10"))
 HEARTBEAT_S = 1.0  # spec 5.2's default heartbeat period
