@@ -47,10 +47,12 @@ SHARD_WORKER = "tensor-shard-worker"
 
 
 class Cluster:
-    def __init__(self, local: LocalCluster, bus: Bus, root: Path) -> None:
+    def __init__(self, local: LocalCluster, bus: Bus, root: Path, watcher: ClusterWatcher) -> None:
         self.local = local
         self.bus = bus
         self.root = root
+        # Subscribed since the cluster started: a watcher made later sees no node until the retained views reach it.
+        self.watcher = watcher
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iter
         watcher = ClusterWatcher(bus)
         wait_until(lambda: len(nodes_running(watcher.view()[0], SHARD_WORKER)) == DEVICES, 120,
                    message="every tensor-shard-worker online")
-        yield Cluster(local, bus, root)
+        yield Cluster(local, bus, root, watcher)
 
 
 def spec_text(name: str, preset: str, *, mode: str = "galaxy", extra: str = "", planner: str = "") -> str:
@@ -379,7 +381,7 @@ def test_requests_run_as_their_kv_caches_fit_the_nodes_memory_and_are_busy_when_
     rank = max(range(len(shares.devices)), key=lambda r: shares.heads[r])
     node = shares.devices[rank]
     kv = request_kv_bytes(PRESETS["gpt2-tiny"], shares, rank, 8 + 12)  # its prompt and the tokens it may generate
-    budget = next(n.memory_budget_bytes for n in ClusterWatcher(cluster.bus).view()[0].nodes if n.node == node)
+    budget = next(n.memory_budget_bytes for n in cluster.watcher.view()[0].nodes if n.node == node)
     path = ledger_path(cluster.root / "health", node, cluster.local.hub_url)
     other = MemoryLedger(node, 1 << 62, path)  # another process on the node: its holdings are not taken away
     try:
