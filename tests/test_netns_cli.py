@@ -24,6 +24,7 @@ import pytest
 from edgeswarm.compose_env import services_for
 from edgeswarm.netns import host, network
 from edgeswarm.netns.state import NetnsNode, NetnsState, saved_states
+from edgeswarm.procfs import read_cmdline
 from helpers import REPO, netns_unavailable, wait_until
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -335,11 +336,8 @@ def _heartbeat_ahead(client: dict[str, str], node: str) -> float:
 
 def _pid_of(netns: str, service: str) -> int:
     for pid in network.pids_in(netns):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"service" in cmd and service.encode() in cmd:
+        cmd = read_cmdline(pid) or []
+        if "service" in cmd and service in cmd:
             return pid
     raise AssertionError(f"no {service} in {netns}")
 

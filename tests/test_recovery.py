@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from edgeswarm.profiling.host_load import busy_fraction, read_cpu_ticks
 from edgeswarm.values.profiles import ModelSpec
 from edgeswarm.values.specs import DatasetSpec
 from helpers import assert_same_weights, reference_weights, stored_weights
@@ -243,14 +244,6 @@ HEARTBEAT_S = 1.0  # spec 5.2's default heartbeat period
 HEAVY_MLP = ModelSpec(name="mlp", config={"hidden": 2048, "layers": 3, "seed": 3})
 
 
-def _cpu_busy_and_total() -> tuple[int, int]:
-    """The host's busy and total CPU time so far, in clock ticks (/proc/stat)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle and iowait
-    return sum(ticks) - idle, sum(ticks)
-
-
 @pytest.mark.alone
 def test_no_false_failure_in_a_healthy_run_under_full_load(broker, make_bus, services) -> None:
     """Four workers at full speed (the native class: no emulated sleeping, torch on every core) train round after
@@ -286,18 +279,19 @@ def test_no_false_failure_in_a_healthy_run_under_full_load(broker, make_bus, ser
         driver = JobDriver(client, _job("soak", spec=HEAVY_MLP, rounds=1_000_000), plan, loss_terms=GLOBAL_BATCH,
                            timeout_s=60, detector=detector)
         driver.deploy()
-        busy0, total0 = _cpu_busy_and_total()
+        before = read_cpu_ticks()
         started = time.monotonic()
         rounds = 0
         while time.monotonic() - started < SOAK_S:
             driver.run_round(rounds)
             rounds += 1
-        busy1, total1 = _cpu_busy_and_total()
+        after = read_cpu_ticks()
         assert detector.failures() == {}
     finally:
         detector.close()
     assert rounds > 10, rounds
     # The rounds' synchronisation (the driver's collect, the next round's start) idles the cores about a tenth of
     # the time: a CI run measured 0.8999 against a bound of 0.9.
-    assert (busy1 - busy0) / (total1 - total0) > 0.85, "the run did not load the CPU fully"
+    busy = busy_fraction(before, after)
+    assert busy is not None and busy > 0.85, f"the run did not load the CPU fully ({busy})"
     assert max(longest.values()) < detector.timeout_factor * HEARTBEAT_S, longest  # nobody was even suspected
