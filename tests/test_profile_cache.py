@@ -14,7 +14,7 @@ from edgeswarm.errors import ProfileRequestError
 from edgeswarm.profiling.cache import FORMAT, ProfileCache, restrict
 from edgeswarm.profiling.device import check_batch_sizes, compute_flops
 from edgeswarm.profiling.gather import symmetric_links
-from edgeswarm.values.profiles import ComputeProfile, LinkProfile, ModelProfile, ModelSpec, UnitProfile
+from edgeswarm.values.profiles import ChainFactors, ComputeProfile, LinkProfile, ModelProfile, ModelSpec, UnitProfile
 
 MFP = "a1" * 32
 DFP = "host-x86.jetson-nano.10"
@@ -35,7 +35,8 @@ def compute_profile(batch_sizes: list[int] | None = None, *, device: str = DFP, 
         model_fingerprint=MFP, device_fingerprint=device, batch_sizes=sizes, method=method,  # type: ignore[arg-type]
         forward_s=[[1e-4 * (u + 1) * b for b in sizes] for u in range(units)],
         backward_s=[[2e-4 * (u + 1) * b for b in sizes] for u in range(units)],
-        inference_s=[[0.7e-4 * (u + 1) * b for b in sizes] for u in range(units)])
+        inference_s=[[0.7e-4 * (u + 1) * b for b in sizes] for u in range(units)],
+        chain=[ChainFactors(whole=(1 + b / 64, 1.1, 1.2), half=(1 + b / 128, 1.0, 1.1)) for b in sizes])
 
 
 def test_round_trip_by_fingerprints(tmp_path: Path) -> None:
@@ -67,6 +68,10 @@ def test_a_subset_of_the_cached_grid_hits_and_a_superset_misses(tmp_path: Path) 
     assert cache.compute(MFP, DFP, "measured", [1, 2, 4, 8]) == compute_profile([1, 2, 4, 8])
     assert cache.compute(MFP, DFP, "measured", [1, 16]) is None
     assert restrict(compute_profile([1, 2]), [1, 2]) == compute_profile([1, 2])
+    assert restrict(compute_profile([1, 2, 4, 8]), [2, 8]) == compute_profile([2, 8])  # the chain's factors too
+    with pytest.raises(ValueError, match="one entry per batch size"):
+        ComputeProfile.model_validate({**compute_profile([1, 2]).model_dump(),
+                                       "chain": compute_profile([1]).model_dump()["chain"]})
 
 
 def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Path,
@@ -83,14 +88,15 @@ def test_a_profile_from_before_inference_timings_is_measured_again(tmp_path: Pat
 
 def test_a_file_of_an_older_format_is_measured_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Format 1 profiles timed each unit alone, not scaled to the units in a row, and format 2 ones timed forwards
-    back to back, without the cold calls, format 3 ones timed the cold calls apart from the hot ones, and format 4
-    ones timed the units in a row back to back at the end of each batch size's pass: a miss, said so, not corrupt."""
+    back to back, without the cold calls, format 3 ones timed the cold calls apart from the hot ones, format 4
+    ones timed the units in a row back to back at the end of each batch size's pass, and format 5 ones did not time
+    the model's halves in a row: a miss, said so, not corrupt."""
     cache = ProfileCache(tmp_path)
     cache.put_compute(compute_profile())
     path = cache.compute_path(MFP, DFP, "measured")
     doc = json.loads(path.read_text())
-    assert doc["format"] == 5 and cache.compute(MFP, DFP, "measured") is not None
-    for older in (1, 2, 3, 4):
+    assert doc["format"] == 6 and cache.compute(MFP, DFP, "measured") is not None
+    for older in (1, 2, 3, 4, 5):
         path.write_text(json.dumps({**doc, "format": older}))
         with caplog.at_level(logging.INFO):
             assert cache.compute(MFP, DFP, "measured") is None

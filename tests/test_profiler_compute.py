@@ -23,7 +23,7 @@ from edgeswarm.profiling.compute import (
     profile_model,
     validate_batch_sizes,
 )
-from edgeswarm.values.profiles import ComputeProfile, ModelSpec
+from edgeswarm.values.profiles import CHAIN_BOUNDS, ChainFactors, ComputeProfile, ModelSpec
 
 T = TypeVar("T")
 F32 = 4
@@ -315,12 +315,15 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
 
     real_chain_round = compute._chain_round
 
-    def chain_round(model, chain, grid, inputs, times, failed, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def chain_round(model, rows, grid, times, failed, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(list(grid))
-        assert len(list(chain.parameters())) == len(list(compute.build_model(spec).parameters()))  # the whole model
-        assert [int(x.shape[0]) for x in inputs] == grid
+        # The whole model, then its two halves, each on its own input at every batch size.
+        params = [len(list(stage.parameters())) for stage, _ in rows]
+        assert params[0] == len(list(compute.build_model(spec).parameters())) == params[1] + params[2]
+        assert [[int(x.shape[0]) for x in inputs] for _, inputs in rows] == [grid] * 3
+        assert rows[2][1][0].shape[1:] != rows[0][1][0].shape[1:]  # the second half's input is the first's output
         for j in range(len(grid)):
-            times[j].append((1.0, 1.0, 1.0))
+            times[j].append([(1.0, 1.0, 1.0), (0.3, 0.3, 0.3), (0.4, 0.4, 0.4)])
 
     cold_at: list[int] = []
 
@@ -331,7 +334,8 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     monkeypatch.setattr(compute, "_time_unit", time_unit)
     monkeypatch.setattr(compute, "_inference_time", lambda *args, **kwargs: 0.0004)
     monkeypatch.setattr(compute, "_chain_round", chain_round)
-    monkeypatch.setattr(compute, "_chain_factors", lambda chain, tables, column: (2.0, 1.0, 0.5))
+    monkeypatch.setattr(compute, "_chain_factors", lambda runs, tables, column: ChainFactors(
+        whole=(2.0, 1.0, 0.5), half=(runs[0][1][0] + runs[0][2][0], 1.0, 1.0)))
     monkeypatch.setattr(compute, "_cold_calls", cold_calls)
     _, scaled = compute.profile_model(spec, [2, 4], repeats=1, warmup=0)
     # CHAIN_ROUNDS rounds of every batch size, spread over the two passes.
@@ -339,6 +343,7 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     assert {t for row in scaled.forward_s for t in row} == {0.002}
     assert {t for row in scaled.backward_s for t in row} == {0.002}
     assert {t for row in scaled.inference_s or [] for t in row} == {0.0002}
+    assert scaled.chain == [ChainFactors(whole=(2.0, 1.0, 0.5), half=(0.7, 1.0, 1.0))] * 2
     # The cold calls are measured once, at the smallest batch size.
     assert cold_at == [2]
     assert (scaled.cold_forward_s, scaled.cold_backward_s, scaled.cold_inference_s) == (0.01, 0.02, 0.03)
@@ -361,15 +366,24 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
     assert {t for row in alone.forward_s for t in row} == {0.001}
     assert {t for row in alone.inference_s or [] for t in row} == {0.0004}
     assert alone.cold_forward_s == 0.0
-    # What the factors are: a ratio of the chain to the units' sum, within CHAIN_BOUNDS.
+    assert alone.chain == [ChainFactors(whole=(1.0, 1.0, 1.0), half=(1.0, 1.0, 1.0))]
+    # What the factors are: a ratio of the chain to the units' sum, within CHAIN_BOUNDS; the whole's of the median
+    # round, the halves' of the median of their sums.
     monkeypatch.undo()
-    high, low = compute.CHAIN_BOUNDS[1], compute.CHAIN_BOUNDS[0]
+    high, low = CHAIN_BOUNDS[1], CHAIN_BOUNDS[0]
     tiny, ones = [[1e-12] for _ in range(12)], [[0.5], [0.5]]
-    assert compute._chain_factors((1.0, 1.0, 1.0), [tiny, tiny, tiny], 0) == (high, high, high)
-    assert compute._chain_factors((1.5, 0.1, 1.0), [ones, ones, ones], 0) == (1.5, low, 1.0)
+    factors = compute._chain_factors([[(1.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)]], [tiny, tiny, tiny], 0)
+    assert factors == ChainFactors(whole=(high, high, high), half=(high, high, high))
+    rounds = [[(1.5, 0.1, 1.0), (0.4, 0.4, 0.4), (0.5, 0.5, 0.5)], [(9.0, 0.1, 1.0), (0.4, 0.4, 0.4), (0.3, 0.3, 0.3)],
+              [(1.4, 0.1, 1.0), (0.4, 0.4, 0.4), (0.5, 0.5, 0.5)]]
+    assert compute._chain_factors(rounds, [ones, ones, ones], 0) == ChainFactors(whole=(1.5, low, 1.0),
+                                                                                 half=(0.9, 0.9, 0.9))
+    # A model of one unit has no halves: a stage of it is the whole.
+    assert compute._chain_factors([[(1.5, 1.5, 1.5)]], [ones, ones, ones], 0).half == (1.5, 1.5, 1.5)
     # Each batch size's column by its own chain.
     two = [[0.5, 1.0], [0.5, 1.0]]
-    assert compute._chain_factors((1.5, 1.5, 1.5), [two, two, two], 1) == (0.75, 0.75, 0.75)
+    assert compute._chain_factors([[(1.5, 1.5, 1.5), (0.6, 0.6, 0.6), (0.6, 0.6, 0.6)]], [two, two, two],
+                                  1) == ChainFactors(whole=(0.75, 0.75, 0.75), half=(0.6, 0.6, 0.6))
 
 
 def test_rounds_of_the_units_in_a_row_are_spread_over_the_passes() -> None:

@@ -174,6 +174,7 @@ def test_profile_command_writes_a_profile(tmp_path: Path, monkeypatch: pytest.Mo
     assert profile.model.model.name == "lenet5" and len(profile.model.units) == len(entry.compute.forward_s)
     assert entry.compute.batch_sizes == [1, 8] and entry.device.device_class == "native"
     assert all(t > 0 for row in entry.compute.forward_s for t in row)
+    assert entry.compute.chain is not None and len(entry.compute.chain) == 2  # a stage priced by its extent
     assert sum(u.weight_bytes for u in profile.model.units) > 0 and profile.links == []
 
     # The same command in this process (cheaper than two more interpreters): a table, then a cache hit.
@@ -182,7 +183,7 @@ def test_profile_command_writes_a_profile(tmp_path: Path, monkeypatch: pytest.Mo
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "lenet5 on jetson-tx2 (calibrated)" in table and "features.0" in table and "GFLOP/s training" in table
-    assert "a call after the device idled pays" in table
+    assert "a call after the device idled pays" in table and "each half of the model" in table
     assert main(args) == 0
     assert "lenet5 on jetson-tx2 (calibrated, from the cache)" in capsys.readouterr().out
 

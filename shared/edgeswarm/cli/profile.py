@@ -19,7 +19,7 @@ from edgeswarm.planning.hpp.memory import memory_breakdown
 from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
 from edgeswarm.settings import Settings
-from edgeswarm.values.profiles import ClusterProfile, DeviceProfileEntry, ModelSpec, parse_config
+from edgeswarm.values.profiles import ClusterProfile, ComputeProfile, DeviceProfileEntry, ModelSpec, parse_config
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 
@@ -117,8 +117,17 @@ def summary_line(result: DeviceProfileResult) -> str:
             f"{bwd * 1e3:.2f} ms = {device.compute_flops / 1e9:.2f} GFLOP/s training{served} on {device.node} as "
             f"{device.device_class} (computing on {compute.compute}){ratio}; a call after the device idled pays "
             f"{compute.cold_forward_s * 1e3:.2f} ms more (forward), {compute.cold_backward_s * 1e3:.2f} ms "
-            f"(backward), {compute.cold_inference_s * 1e3:.2f} ms (served); "
+            f"(backward), {compute.cold_inference_s * 1e3:.2f} ms (served);{_chain_phrase(compute)} "
             f"memory budget {device.memory_budget_bytes / 2**30:.1f} GiB")
+
+
+def _chain_phrase(compute: ComputeProfile) -> str:
+    if compute.chain is None:
+        return ""
+    last = compute.chain[-1]
+    return (f" its units in a row take {last.whole[0]:.2f}x / {last.whole[1]:.2f}x their times alone (forward / "
+            f"backward), each half of the model {last.half[0]:.2f}x / {last.half[1]:.2f}x (shorter stages are "
+            "priced nearer their units alone);")
 
 
 def memory_line(result: DeviceProfileResult) -> str:

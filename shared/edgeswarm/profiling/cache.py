@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # 2: unit timings scaled to the units run in a row; 3: forward and backward timed in turns, and the cold calls
 # (profiling.compute); 4: the cold calls timed each beside a hot one; 5: the units in a row timed in rounds spread over
-# the profile. A file of an older format is measured again.
-FORMAT = 5
+# the profile; 6: the halves of the model in a row too (ComputeProfile.chain). A file of an older format is measured
+# again.
+FORMAT = 6
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -182,6 +183,7 @@ def restrict(profile: ComputeProfile, batch_sizes: list[int]) -> ComputeProfile:
         "backward_s": [[row[k] for k in columns] for row in profile.backward_s],
         "inference_s": None if profile.inference_s is None else [[row[k] for k in columns]
                                                                  for row in profile.inference_s],
+        "chain": None if profile.chain is None else [profile.chain[k] for k in columns],
     })
 
 

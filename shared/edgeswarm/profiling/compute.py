@@ -37,13 +37,14 @@ from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitPro
 from edgeswarm.models.saved import saved_for_backward
 from edgeswarm.models.sequence import layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, model_fingerprint
-from edgeswarm.values.profiles import ComputeProfile, ModelProfile, ModelSpec, UnitProfile
+from edgeswarm.values.profiles import CHAIN_BOUNDS, ChainFactors, ComputeProfile, ModelProfile, ModelSpec, UnitProfile
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Runner = Callable[[Callable[[], T]], T]
 Progress = Callable[[float, str], None]
+Triple = tuple[float, float, float]  # forward, backward and inference forward seconds
 
 # Batch sizes of the size pass: activation memory is fitted as fixed + per_sample * b through these two.
 # Two samples rather than one so that BatchNorm on 1x1 feature maps still runs in training mode.
@@ -208,14 +209,12 @@ def validate_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
     return sorted(set(batch_sizes))
 
 
-# How far the units in a row may scale their timings from their sums (``_chain_factors``): beyond this, something
-# other than the caches is measured.
-CHAIN_BOUNDS = (0.5, 2.0)
-# Timed runs of the units in a row at each batch size, one per round of every batch size, the rounds spread over the
-# profile's passes (``_round_points``), each after CHAIN_WARMUP untimed runs: their median sets the batch size's whole
-# column, so a slow moment of the host must weigh in one or two of them, not all. Timed back to back, at the end of
-# each batch size's pass, they put a profile timed right after a venv build 1.32x (forward) and 1.65x (backward)
-# over the same one 4 minutes later at batch 16, and within 16% at batches 1 to 4, on this project's EPYC VM.
+# Timed runs of the units in a row (the whole model, then each half) at each batch size, one per round of every batch
+# size, the rounds spread over the profile's passes (``_round_points``), each after CHAIN_WARMUP untimed runs: their
+# median sets the batch size's whole column, so a slow moment of the host must weigh in one or two of them, not all.
+# Timed back to back, at the end of each batch size's pass, they put a profile timed right after a venv build 1.32x
+# (forward) and 1.65x (backward) over the same one 4 minutes later at batch 16, and within 16% at batches 1 to 4, on
+# this project's EPYC VM.
 CHAIN_WARMUP, CHAIN_ROUNDS = 1, 5
 # Seconds the device idles before each call timed cold (``_cold_calls``): as a stage idles between its calls, waiting
 # on its peers or, emulated, sleeping out its slow-down. A call pays more after longer idles, up to about 0.2 s
@@ -257,7 +256,8 @@ def profile_model(
     seconds of the forward in eval mode under torch.inference_mode. Each timed call goes through ``runner`` when
     given (for example DeviceProfile.run, whose sleeps then count): method "measured". Each batch size's units are
     then scaled to sum to the whole model run as one stage (``_chain_factors``), timed CHAIN_ROUNDS times at every
-    batch size in rounds spread over the passes (``_chain_round``, their median), and what a call pays beyond its
+    batch size in rounds spread over the passes (``_chain_round``, their median), beside its two halves each run as
+    a stage (the profile's ``chain``: how a stage's price depends on its extent), and what a call pays beyond its
     units when it starts after the device idled is measured once, at the smallest batch size (``_cold_calls``: the
     profile's ``cold_*_s``).
 
@@ -298,14 +298,20 @@ def profile_model(
     sizes = size_pass(spec, stages, names, step)
     stages = [stage.to(on) for stage in stages]
     whole = seq.build_stage(0, len(seq)).to(on)  # every unit in one stage, as a worker builds its stage
+    inputs = [example_input(spec, b).to(on) for b in grid]
+    rows = [(whole, inputs)]
+    if len(seq) >= 2:
+        mid = len(seq) // 2
+        head = seq.build_stage(0, mid).to(on)
+        with torch.no_grad():
+            rows += [(head, inputs), (seq.build_stage(mid, len(seq)).to(on), [head(x).detach() for x in inputs])]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
     inference_s: list[list[float]] = [[] for _ in stages]
     gen = torch.Generator().manual_seed(0)  # on the CPU: the same gradients whatever device times them
     cold = (0.0, 0.0, 0.0)
-    chain: list[list[tuple[float, float, float]]] = [[] for _ in grid]
+    chain: list[list[list[Triple]]] = [[] for _ in grid]
     failed: set[int] = set()  # batch sizes whose units in a row could not run
-    inputs = [example_input(spec, b).to(on) for b in grid]
     rounds_after = _round_points(len(grid), CHAIN_ROUNDS)
     for p, (b, x) in enumerate(zip(grid, inputs, strict=True)):
         for i, stage in enumerate(stages):
@@ -320,19 +326,18 @@ def profile_model(
             backward_s[i].append(bwd)
             step(f"unit {i + 1}/{len(stages)} ({names[i]}) at batch size {b}")
         for _ in range(rounds_after[p]):
-            _chain_round(spec.name, whole, grid, inputs, chain, failed, runner, max(warmup, CHAIN_WARMUP), gen,
-                         accelerated)
+            _chain_round(spec.name, rows, grid, chain, failed, runner, max(warmup, CHAIN_WARMUP), gen, accelerated)
     if chain[0] and 0 not in failed:
         # Once, at the smallest batch size, where the run-to-run noise is smallest beside the cost measured, and only
         # where the units in a row fit.
         cold = _cold_calls(whole, inputs[0], runner, COLD_PAIRS, gen, accelerated)
+    factors = []
     for j, runs in enumerate(chain):
-        # A batch size whose units in a row did not fit keeps its units' own timings, unscaled.
-        factors = (1.0, 1.0, 1.0) if j in failed or not runs else _chain_factors(
-            tuple(statistics.median(run[k] for run in runs) for k in range(3)), [forward_s, backward_s, inference_s],
-            j)
-        for rows, factor in zip((forward_s, backward_s, inference_s), factors, strict=True):
-            for row in rows:
+        # A batch size whose units in a row did not fit keeps its units' own timings, unscaled, at every extent.
+        factors.append(ChainFactors(whole=(1.0, 1.0, 1.0), half=(1.0, 1.0, 1.0)) if j in failed or not runs else
+                       _chain_factors(runs, [forward_s, backward_s, inference_s], j))
+        for table, factor in zip((forward_s, backward_s, inference_s), factors[j].whole, strict=True):
+            for row in table:
                 row[j] *= factor
 
     units = [
@@ -346,7 +351,7 @@ def profile_model(
                              device_fingerprint=device_fingerprint or host_fingerprint(on),
                              batch_sizes=grid, forward_s=forward_s, backward_s=backward_s, inference_s=inference_s,
                              method="measured", compute=describe(on), cold_forward_s=cold[0],
-                             cold_backward_s=cold[1], cold_inference_s=cold[2])
+                             cold_backward_s=cold[1], cold_inference_s=cold[2], chain=factors)
     log.info("profiled %s in %.1f s", spec.name, time.perf_counter() - started)
     return model_profile, timings
 
@@ -391,42 +396,57 @@ def _round_points(passes: int, rounds: int) -> list[int]:
     return points
 
 
-def _chain_round(model: str, chain: nn.Module, grid: list[int], inputs: list[torch.Tensor],
-                 times: list[list[tuple[float, float, float]]], failed: set[int], runner: Runner[Any] | None,
-                 warmup: int, gen: torch.Generator, accelerated: torch.device | None) -> None:
-    """Time ``chain`` (every unit of the model in one stage) once at each batch size of ``grid`` (``inputs`` the
-    model's input at each), after ``warmup`` untimed runs: forward and backward in turns (``_time_unit``), then the
-    inference forward, appended to ``times`` at the batch size's index. A batch size whose run fails for memory is
-    added to ``failed`` and not timed again: every unit ran alone, so the whole model's activations at once are what
-    failed (a device whose memory a plan would split the model for)."""
-    for j, (b, x) in enumerate(zip(grid, inputs, strict=True)):
+def _chain_round(model: str, rows: list[tuple[nn.Module, list[torch.Tensor]]], grid: list[int],
+                 times: list[list[list[Triple]]], failed: set[int], runner: Runner[Any] | None, warmup: int,
+                 gen: torch.Generator, accelerated: torch.device | None) -> None:
+    """Time each stage of ``rows`` (the whole model, then its halves where it has two units or more; each with its
+    input at every batch size of ``grid``) once at each batch size, after ``warmup`` untimed runs: forward and
+    backward in turns (``_time_unit``), then the inference forward; the round's triples are appended to ``times`` at
+    the batch size's index. A batch size whose run fails for memory is added to ``failed`` and not timed again:
+    every unit ran alone, so the whole model's activations at once are what failed (a device whose memory a plan
+    would split the model for)."""
+    for j, b in enumerate(grid):
         if j in failed:
             continue
         try:
-            x_in = _stage_input(x)
-            fwd, bwd, _ = _time_unit(chain, x_in, runner, 1, warmup, gen, accelerated)
-            times[j].append((fwd, bwd, _inference_time(chain, x_in, runner, 1, warmup, accelerated)))
+            measured = []
+            for stage, inputs in rows:
+                # Each after its own warm-up: timed right after the whole model, without one, MobileNetV2's halves
+                # took 4-7% (training) and 5-10% (served) longer than with one, the caches in the state the whole
+                # left them.
+                x_in = _stage_input(inputs[j])
+                fwd, bwd, _ = _time_unit(stage, x_in, runner, 1, warmup, gen, accelerated)
+                measured.append((fwd, bwd, _inference_time(stage, x_in, runner, 1, warmup, accelerated)))
+            times[j].append(measured)
         except (RuntimeError, MemoryError) as exc:
             log.warning("%s's units in a row could not run at batch size %d (%s): their timings are left as each "
                         "unit's alone", model, b, str(exc)[:200])
             failed.add(j)
 
 
-def _chain_factors(chain: tuple[float, ...], tables: list[list[list[float]]],
-                   column: int) -> tuple[float, float, float]:
-    """The forward, backward and inference forward of the units in a row (``chain``: medians of ``_chain_round``)
-    over the sums of their units' timings at batch-size index ``column`` in ``tables`` (forward, backward,
-    inference), each clipped to CHAIN_BOUNDS. A unit timed alone in a loop keeps its weights and activations in the
-    caches; run in a row, as a stage runs its units, the units evict each other's (MobileNetV2 at batch 8, one
-    thread: forward 1.12x, backward 1.09x, served forward 1.14x the sums of its units on this VM's CPU). Scaling
-    every unit by the chain's factor keeps the units' proportions, where the cuts are chosen."""
+def _chain_factors(runs: list[list[Triple]], tables: list[list[list[float]]], column: int) -> ChainFactors:
+    """The forward, backward and inference forward of the units in a row over the sums of their units' timings at
+    batch-size index ``column`` in ``tables`` (forward, backward, inference), each clipped to CHAIN_BOUNDS: of the
+    whole model (the median over ``runs``, the rounds of ``_chain_round``, of each round's first triple) and of its
+    halves (the median of the sum of the others; the whole's where there are none). A unit timed alone in a loop
+    keeps its weights and activations in the caches; run in a row, as a stage runs its units, the units evict each
+    other's (MobileNetV2 at batch 8, one thread: forward 1.12x, backward 1.09x, served forward 1.14x the sums of its
+    units on this VM's CPU). Scaling every unit by the whole's factor keeps the units' proportions, where the cuts
+    are chosen; the halves' tell a planner what a shorter stage costs."""
     low, high = CHAIN_BOUNDS
 
-    def factor(whole: float, table: list[list[float]]) -> float:
-        parts = sum(row[column] for row in table)
+    def factor(measured: list[float], k: int) -> float:
+        parts = sum(row[column] for row in tables[k])
+        whole = statistics.median(measured)
         return 1.0 if parts <= 0 or whole <= 0 else min(high, max(low, whole / parts))
 
-    return factor(chain[0], tables[0]), factor(chain[1], tables[1]), factor(chain[2], tables[2])
+    def kinds(measured: Callable[[list[Triple], int], float]) -> Triple:
+        return (factor([measured(run, 0) for run in runs], 0), factor([measured(run, 1) for run in runs], 1),
+                factor([measured(run, 2) for run in runs], 2))
+
+    whole = kinds(lambda run, k: run[0][k])
+    half = kinds(lambda run, k: sum(t[k] for t in run[1:])) if len(runs[0]) > 1 else whole
+    return ChainFactors(whole=whole, half=half)
 
 
 def _cold_calls(chain: nn.Module, x: torch.Tensor, runner: Runner[Any] | None, pairs: int, gen: torch.Generator,

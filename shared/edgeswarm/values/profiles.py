@@ -41,6 +41,10 @@ ConfigValue = int | float | Annotated[str, Field(max_length=MAX_CONFIG_VALUE_CHA
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 # One unit's times at every profiled batch size.
 TimingRow = Annotated[list[Seconds], Field(min_length=1, max_length=MAX_BATCH_GRID)]
+# How much longer (or shorter) units may take run in a row than timed one by one (ChainFactors): beyond this,
+# something other than the caches is measured.
+CHAIN_BOUNDS = (0.5, 2.0)
+ChainFactor = Annotated[float, Field(ge=CHAIN_BOUNDS[0], le=CHAIN_BOUNDS[1], allow_inf_nan=False)]
 
 # Optimizer state per parameter byte (spec section 2.2: k_opt).
 # How far a measured compute speed may stray from its profile (measured over profiled): a tiny model's compute can
@@ -101,6 +105,20 @@ class ModelProfile(BaseModel):
         return self
 
 
+class ChainFactors(BaseModel):
+    """At one batch size of a ComputeProfile: the seconds of the whole model run as one stage (``whole``), and of
+    its two halves each run as a stage (``half``, the two summed), over the sums of their units' times, each unit
+    timed alone: forward, backward and served forward. Run in a row, units evict each other's weights and
+    activations from the caches, the more the more of the model a stage holds, while the calls a row saves shrink
+    it (MobileNetV2 at 32x32, one thread, forward and backward: whole 1.04x, half 0.96x at batch 4; 1.22x and 1.11x
+    at batch 16, on this project's VM)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    whole: tuple[ChainFactor, ChainFactor, ChainFactor]
+    half: tuple[ChainFactor, ChainFactor, ChainFactor]
+
+
 class ComputeProfile(BaseModel):
     """Per-unit forward and backward times of one model on one device, on a grid of batch sizes.
 
@@ -115,6 +133,9 @@ class ComputeProfile(BaseModel):
     backward or served forward takes beyond its units' times when it starts after the device idled (caches and
     clocks gone cold: a stage waits on its peers between calls, and an emulated device sleeps), once per call
     whatever its units; 0 in profiles from before them.
+    The unit times are their times alone scaled by ``chain[k].whole`` (a stage of every unit costs their sum);
+    ``chain`` (one per batch size; None in profiles from before it) lets a planner price a shorter stage by its
+    extent (``planning.vocabulary.extent_scale``).
     """
 
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
@@ -131,6 +152,7 @@ class ComputeProfile(BaseModel):
     cold_forward_s: Seconds = 0.0
     cold_backward_s: Seconds = 0.0
     cold_inference_s: Seconds = 0.0
+    chain: list[ChainFactors] | None = Field(default=None, max_length=MAX_BATCH_GRID)
 
     @model_validator(mode="after")
     def _shape(self) -> ComputeProfile:
@@ -143,6 +165,8 @@ class ComputeProfile(BaseModel):
         ):
             raise ValueError("forward_s, backward_s and inference_s must be [unit][batch size] with one column per "
                              "batch size")
+        if self.chain is not None and len(self.chain) != k:
+            raise ValueError("chain must have one entry per batch size")
         return self
 
     def scaled(self, factor: float) -> ComputeProfile:

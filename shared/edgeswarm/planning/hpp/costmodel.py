@@ -3,9 +3,10 @@
 A ``CostModel`` is built once from a ClusterProfile and PlanOptions. It orders the devices as the planner
 does (memory descending, then faster first: spec 4.7 and A13) and precomputes, for every device and every
 integer batch size 0..B, prefix sums of forward and backward time over the units, so the time of any unit
-range on any device at any share is two array lookups (spec 2.3). Times between profiled batch sizes are
-interpolated piecewise-linearly with t(0) = 0 (A11); a profile that stops short of B is an error, never an
-extrapolation.
+range on any device at any share is two array lookups (spec 2.3), priced by its extent (the profile's units are
+scaled to the whole model run as one stage; a shorter stage evicts less of the caches: ``vocabulary.extent_scale``).
+Times between profiled batch sizes are interpolated piecewise-linearly with t(0) = 0 (A11); a profile that stops
+short of B is an error, never an extrapolation.
 
 Per-message costs (the links' ``message_s``: a fixed time per message through the brokers, beyond its bytes over
 the bandwidth) are counted where a round sends messages: a communication step sends every micro-batch's rows as one
@@ -30,6 +31,10 @@ import numpy as np
 from edgeswarm.errors import InfeasiblePlanError, PlanningError
 from edgeswarm.planning.hpp.types import PlanOptions
 from edgeswarm.planning.vocabulary import (
+    BACKWARD,
+    FORWARD,
+    extent_factors,
+    extent_scale,
     link_matrices,
     message_matrix,
     messages,
@@ -122,11 +127,14 @@ class CostModel:
         self.N = len(self.devices)
         self.fwd = np.stack([fwd[i] for i in order])  # [N, B+1, L+1]
         self.bwd = np.stack([bwd[i] for i in order])
-        self.both = self.fwd + self.bwd  # one lookup for the allocator's inner loop (compute_s)
+        # extent_scale's knots for every device and share: [N, B+1, 2].
+        self.fwd_extent = np.stack([extent_factors(cluster.devices[i].compute, range(b + 1), FORWARD) for i in order])
+        self.bwd_extent = np.stack([extent_factors(cluster.devices[i].compute, range(b + 1), BACKWARD)
+                                    for i in order])
         # What each call of a forward or backward pays beyond its units (ComputeProfile.cold_*_s): [N].
         self.cold_fwd = np.array([cluster.devices[i].compute.cold_forward_s for i in order], dtype=np.float64)
         self.cold_bwd = np.array([cluster.devices[i].compute.cold_backward_s for i in order], dtype=np.float64)
-        self.cold_both = self.cold_fwd + self.cold_bwd
+        self.no_cold = np.zeros_like(self.cold_fwd)
         self.budget = np.array([
             d.memory_budget_bytes if memory_aware else np.iinfo(np.int64).max // 4 for d in self.devices
         ], dtype=np.int64)
@@ -161,25 +169,28 @@ class CostModel:
         """Seconds of one forward of units [start, end) on each device (planning-order index) at its share of a
         micro-batch (arguments broadcast as numpy arrays): the units' times plus the call's cold cost
         (``ComputeProfile.cold_forward_s``) wherever the device computes, units and samples both."""
-        return self._call_s(self.fwd, self.cold_fwd, devices, shares, start, end)
+        return self._call_s(self.fwd, self.fwd_extent, self.cold_fwd, devices, shares, start, end)
 
     def backward_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
                    end: np.ndarray | int) -> np.ndarray:
         """``forward_s`` for the backward (``ComputeProfile.cold_backward_s``)."""
-        return self._call_s(self.bwd, self.cold_bwd, devices, shares, start, end)
+        return self._call_s(self.bwd, self.bwd_extent, self.cold_bwd, devices, shares, start, end)
 
     def compute_s(self, devices: np.ndarray | int, shares: np.ndarray | int, start: np.ndarray | int,
                   end: np.ndarray | int, cold: bool = True) -> np.ndarray:
         """Forward plus backward seconds of one micro-batch (``forward_s`` + ``backward_s``); without the calls' cold
         costs when not ``cold``."""
-        return self._call_s(self.both, self.cold_both if cold else np.zeros_like(self.cold_both), devices, shares,
-                            start, end)
+        cold_fwd, cold_bwd = (self.cold_fwd, self.cold_bwd) if cold else (self.no_cold, self.no_cold)
+        return (self._call_s(self.fwd, self.fwd_extent, cold_fwd, devices, shares, start, end)
+                + self._call_s(self.bwd, self.bwd_extent, cold_bwd, devices, shares, start, end))
 
     @staticmethod
-    def _call_s(table: np.ndarray, cold: np.ndarray, devices: np.ndarray | int, shares: np.ndarray | int,
-                start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
+    def _call_s(table: np.ndarray, extent: np.ndarray, cold: np.ndarray, devices: np.ndarray | int,
+                shares: np.ndarray | int, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
         d, y, s, e = (np.asarray(a) for a in (devices, shares, start, end))
-        return table[d, y, e] - table[d, y, s] + np.where((y > 0) & (e > s), cold[d], 0.0)
+        span = table[d, y, e] - table[d, y, s]
+        priced = span * extent_scale(span, table[d, y, -1], extent[d, y, 0], extent[d, y, 1])
+        return priced + np.where((y > 0) & (e > s), cold[d], 0.0)
 
     def min_bandwidth(self, group_a: Sequence[int], group_b: Sequence[int]) -> float:
         """Slowest link between two device groups (planning-order indices), bytes per second."""

@@ -2,12 +2,12 @@
 
 Per device: served-forward seconds (eval mode, no autograd) of any unit range at micro-batch b (prefix sums of
 per-unit times, interpolated piecewise-linearly over the profiled batch grid with t(0) = 0, never extrapolated: the
-Asteroid cost model's rule), plus once per stage call what the device pays beyond its units after idling
-(``ComputeProfile.cold_inference_s``); per unit range: inference memory = weights + buffers + the largest live
-activation (a unit's input plus its output, b samples); per link: bandwidth (bytes/s, the slower direction),
-latency (s) and the fixed seconds per message (``message_s``: every micro-batch crosses a stage boundary as one
-tensor, one message per 1 MiB chunk, each costing that on top of its bytes over the bandwidth; 0 in profiles measured
-before it existed).
+Asteroid cost model's rule), priced by the range's extent (``vocabulary.extent_scale``), plus once per stage call
+what the device pays beyond its units after idling (``ComputeProfile.cold_inference_s``); per unit range: inference
+memory = weights + buffers + the largest live activation (a unit's input plus its output, b samples); per link:
+bandwidth (bytes/s, the slower direction), latency (s) and the fixed seconds per message (``message_s``: every
+micro-batch crosses a stage boundary as one tensor, one message per 1 MiB chunk, each costing that on top of its
+bytes over the bandwidth; 0 in profiles measured before it existed).
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeswarm.errors import InfeasiblePlanError
-from edgeswarm.planning.vocabulary import link_matrices, message_counts, message_matrix, static_bytes, unit_times
+from edgeswarm.planning.vocabulary import (
+    INFERENCE,
+    extent_factors,
+    extent_scale,
+    link_matrices,
+    message_counts,
+    message_matrix,
+    static_bytes,
+    unit_times,
+)
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile
 
 
@@ -46,6 +55,7 @@ class ServeCosts:
     fingerprint: str
     unit_names: tuple[str, ...]
     cold: np.ndarray             # (N,) seconds each stage's call pays beyond its units (cold_inference_s)
+    extent: np.ndarray           # (N, 2) extent_scale's knots at micro-batch b
     message: np.ndarray | None = None  # (N, N) seconds per message; None: no per-message cost
 
     def message_s(self, a: int, b: int, nbytes: np.ndarray | float) -> np.ndarray | float:
@@ -65,7 +75,13 @@ class ServeCosts:
 
     def compute_s(self, d: int, start: int, end: int) -> float:
         """Seconds of one micro-batch's forward of units [start, end) on device d, the call's cold cost included."""
-        return float(self.fwd[d, end] - self.fwd[d, start]) + (self.cold_s(d) if end > start else 0.0)
+        return float(self.units_s(d, start, end)) + (self.cold_s(d) if end > start else 0.0)
+
+    def units_s(self, d: int, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
+        """Seconds of one micro-batch's forward of units [start, end) on device d without the call's cold cost
+        (arrays of ranges broadcast; 0 where end <= start)."""
+        span = np.maximum(self.fwd[d, end] - self.fwd[d, start], 0.0)
+        return span * extent_scale(span, self.fwd[d, -1], self.extent[d, 0], self.extent[d, 1])
 
     def cold_s(self, d: int) -> float:
         """What one call of a stage on device d pays beyond its units (``ComputeProfile.cold_inference_s``)."""
@@ -111,4 +127,5 @@ def serve_costs(cluster: ClusterProfile, batch: int, exclude: Sequence[str] = ()
                                                        for u in units], dtype=np.float64))),
         live=batch * (in_b + out_b), batch=batch, fingerprint=model.fingerprint,
         unit_names=tuple(u.name for u in units), message=message if message.any() else None,
-        cold=np.array([e.compute.cold_inference_s for e in entries], dtype=np.float64))
+        cold=np.array([e.compute.cold_inference_s for e in entries], dtype=np.float64),
+        extent=np.stack([extent_factors(e.compute, [batch], INFERENCE)[0] for e in entries]))

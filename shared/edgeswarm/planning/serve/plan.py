@@ -171,8 +171,8 @@ def exact_search(costs: ServeCosts, devices: Sequence[int], max_stages: int) -> 
     # comp[i][s, e]: seconds of units [s, e) on device i; inf where it does not fit or e <= s.
     comp = []
     for d in devs:
-        f = costs.fwd[d]
-        c = f[None, :] - f[:, None] + costs.cold_s(d)
+        cut = np.arange(L + 1)
+        c = costs.units_s(d, cut[:, None], cut[None, :]) + costs.cold_s(d)
         ok = upper & (mem <= costs.budgets[d])
         comp.append(np.where(ok, c, inf))
     xfer = {(i, j): np.concatenate(([inf], costs.cut_bytes / costs.bw[devs[i], devs[j]]
