@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +152,18 @@ def test_up_on_a_port_already_taken_says_to_pick_another() -> None:
         result = run("up", "--local", "--devices", "1", "--port", str(port))
     assert result.returncode == 2
     assert_one_line(result, f"port {port}", "already in use", "--port 0")
+
+
+@pytest.mark.parametrize("command", [("bench", "training"), ("bench", "transport"), ("profile", "--model", "lenet5")],
+                         ids=["bench-training", "bench-transport", "profile"])
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_work(command: tuple[str, ...],
+                                                                        tmp_path: Path) -> None:
+    """A bench runs for minutes before it writes its report: an --out that is a folder, or under a file, is refused
+    at once (argparse's usage, then its one error line), not after the work with a traceback."""
+    (tmp_path / "file").write_text("")
+    for out, says in ((tmp_path, "is a folder: give a file name in it"),
+                      (tmp_path / "file" / "report.json", "is a file, not a folder")):
+        result = run(*command, "--out", str(out), timeout=30)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        error = result.stderr.strip().splitlines()[-1]
+        assert f"error: argument --out: {out}" in error and says in error, result.stderr

@@ -15,8 +15,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from edgeswarm.errors import ConfigError
+
 TEMP_SUFFIX = ".tmp"
 _HASH_CHUNK = 4 * 1024 * 1024
+
+
+def output_file(path: str) -> Path:
+    """``path`` as a file a command may write at its end, checked before the command's work: not a folder, no file
+    where its folders would go, and writable (the file, or the nearest of its folders that exists). Raises
+    ConfigError, so that a bench does not run for minutes and then fail to keep its report."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{path} is a folder: give a file name in it, such as {out / 'report.json'}")
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor or "."))
+    folder = existing if existing != out else out.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{path}: {folder} is a file, not a folder")
+    if not os.access(existing if existing == out else folder, os.W_OK):
+        raise ConfigError(f"{path}: {existing} is not writable by this user")
+    return out
 
 
 @contextmanager

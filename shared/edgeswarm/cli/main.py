@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from edgeswarm import __version__
 from edgeswarm.cli.common import add_hub_arg
 from edgeswarm.cli.failures import BROKEN_PIPE_STATUS, detach_stdout, exit_status, report, settings_problem
+from edgeswarm.workloads.commands import report_file
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                            help="the node whose node-agent receives (default: the first online)")
     transport.add_argument("--quick", action="store_true", help="fewer and smaller payloads (seconds, not a minute)")
     transport.add_argument("--json", action="store_true", help="print the report as JSON")
-    transport.add_argument("--out", default=None, help="also write the JSON report to this file")
+    transport.add_argument("--out", type=report_file, default=None, help="also write the JSON report to this file")
 
     spans = bench_sub.add_parser("spans", help="what recording one trace span costs a worker, against an empty block")
     spans.add_argument("--spans", type=int, default=100_000, help="spans recorded per repeat")

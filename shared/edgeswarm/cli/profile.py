@@ -20,6 +20,7 @@ from edgeswarm.profiling.cache import ProfileCache
 from edgeswarm.profiling.device import DeviceProfileResult, run_device_profile
 from edgeswarm.settings import Settings
 from edgeswarm.values.profiles import ClusterProfile, ComputeProfile, DeviceProfileEntry, ModelSpec, parse_config
+from edgeswarm.workloads.commands import report_file
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32"
 
@@ -37,7 +38,8 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
                    "measured: time every unit on the device")
     p.add_argument("--device-class", default="native", help="run as this device class (default native)")
     p.add_argument("--no-cache", action="store_true", help="measure even if the profile cache has the figures")
-    p.add_argument("--out", default=None, help="write the profile (a ClusterProfile, JSON) to this file")
+    p.add_argument("--out", type=report_file, default=None,
+                   help="write the profile (a ClusterProfile, JSON) to this file")
     p.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
 
 

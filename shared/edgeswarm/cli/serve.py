@@ -15,6 +15,7 @@ from edgeswarm.errors import ConfigError
 from edgeswarm.messages.jobs import FINISHED
 from edgeswarm.workloads import KINDS, installed_workload, parse_spec_text, workload
 from edgeswarm.workloads.client import JobRequestError, job_states
+from edgeswarm.workloads.commands import report_file
 
 
 def add_serve_parsers(sub: argparse._SubParsersAction, *, kind_options: bool = True) -> None:  # type: ignore[type-arg]
@@ -41,7 +42,7 @@ def add_serve_parsers(sub: argparse._SubParsersAction, *, kind_options: bool = T
     q.add_argument("--window", type=int, default=8, help="requests in flight at once")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer")
     q.add_argument("--show", type=int, default=4, help="outputs to print (0: none)")
-    q.add_argument("--out", default=None, metavar="FILE",
+    q.add_argument("--out", type=report_file, default=None, metavar="FILE",
                    help="write every output to FILE (.npz): array y, one row per sample (serve-pipeline), or an "
                         "array y<N> per request N (serve-hmp: its generated token ids, or an encoder's hidden "
                         "states)")

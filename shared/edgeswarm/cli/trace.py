@@ -23,6 +23,7 @@ from edgeswarm.settings import Settings
 from edgeswarm.tracing.chrome import chrome_trace_bytes
 from edgeswarm.tracing.client import NoTraceError, fetch_trace, submission_spans
 from edgeswarm.tracing.explain import Explanation, explain
+from edgeswarm.workloads.commands import report_file
 
 
 def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,7 +31,7 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p = sub.add_parser("trace", help="write a job's measured spans (forward, backward, transfers, waits) as Chrome "
                                      "trace format, for Perfetto or chrome://tracing")
     p.add_argument("job", help="the job's name")
-    p.add_argument("--out", required=True, help="the JSON file to write (replaced if it exists)")
+    p.add_argument("--out", type=report_file, required=True, help="the JSON file to write (replaced if it exists)")
     add_hub_arg(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the dashboard's answer")
     p = sub.add_parser("explain", help="a job's planned operations (compute, transfers, collectives) beside its "

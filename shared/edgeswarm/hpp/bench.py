@@ -16,7 +16,7 @@ from rich.table import Table
 from edgeswarm.errors import ConfigError
 from edgeswarm.profiling.host_load import busy_cell
 from edgeswarm.profiling.verdict import verdict, verdict_lines
-from edgeswarm.workloads.commands import Bench, CommandTools
+from edgeswarm.workloads.commands import Bench, CommandTools, report_file
 
 if TYPE_CHECKING:
     from edgeswarm.hpp.bench_misprofiled import MisprofiledRun
@@ -51,7 +51,7 @@ class TrainingBench(Bench):
         p.add_argument("--link-factor", type=float, default=5.0,
                        help="misprofiled: how many times faster than measured one link's speed is saved")
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-        p.add_argument("--out", default=None, help="also write the JSON report to this file")
+        p.add_argument("--out", type=report_file, default=None, help="also write the JSON report to this file")
         p.add_argument("--netns", action="store_true", help="on a namespace cluster: every node its own host, "
                        "broker and kernel-shaped links (root; see docs/netns.md)")
 
@@ -82,8 +82,8 @@ class TrainingBench(Bench):
             report["misprofiled"] = [r.model_dump() for r in runs]
             failed = failed or any(r.error is not None for r in runs)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
         return 1 if failed else 0  # the tables say which, and why
 
     def _strategies(self, args: argparse.Namespace, tools: CommandTools, model: ModelSpec) -> list[StrategyRun]:
@@ -171,7 +171,7 @@ class RecoveryBench(Bench):
         p.add_argument("--rounds", type=int, default=9, help="rounds per run")
         p.add_argument("--kill-round", type=int, default=3, help="the round during which the device dies")
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-        p.add_argument("--out", default=None, help="also write the JSON report to this file")
+        p.add_argument("--out", type=report_file, default=None, help="also write the JSON report to this file")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Each device dropped in turn, light against heavy recovery."""
@@ -201,8 +201,8 @@ class RecoveryBench(Bench):
                       f"{r.before_round_s or 0:.3f} s", f"{r.after_round_s or 0:.3f} s", after)
         tools.console.print(t)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps([r.model_dump() for r in rows], indent=2))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps([r.model_dump() for r in rows], indent=2))
         return 0 if all(r.error is None for r in rows) else 1
 
 
@@ -217,7 +217,7 @@ class PlannerBench(Bench):
         p.add_argument("--profiles", default="out/table4-profiles",
                        help="folder of cluster profiles: read when present, written when measured")
         p.add_argument("--profile-dir", default="out/profile-cache", help="the devices' shared profile cache")
-        p.add_argument("--out", default=None, help="also write the JSON report to this file")
+        p.add_argument("--out", type=report_file, default=None, help="also write the JSON report to this file")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:
         """Planning time, then (unless --time-only) the Table 4 speed-ups."""
@@ -249,8 +249,8 @@ class PlannerBench(Bench):
             tools.console.print(t)
             report["table4"] = [c.model_dump() for c in cells]
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
         return 0
 
 

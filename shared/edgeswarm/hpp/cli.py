@@ -31,7 +31,7 @@ from edgeswarm.planning.hpp.types import Plan
 from edgeswarm.settings import Settings
 from edgeswarm.values.profiles import ClusterProfile
 from edgeswarm.workloads.client import JobFollower, submit_job, write_run_json
-from edgeswarm.workloads.commands import Command, CommandTools
+from edgeswarm.workloads.commands import Command, CommandTools, report_file
 
 if TYPE_CHECKING:  # torch: imported only when a job starts from a file
     from edgeswarm.hpp.model_file import ModelFile
@@ -50,7 +50,8 @@ class ExportCommand(Command):
         p.add_argument("job", help="the training job's name")
         p.add_argument("--version", type=int, default=None,
                        help="the checkpoint version (default: the latest complete)")
-        p.add_argument("--out", required=True, help="the safetensors file to write (replaced if it exists)")
+        p.add_argument("--out", type=report_file, required=True,
+                       help="the safetensors file to write (replaced if it exists)")
         p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each part of the checkpoint")
 
     def run(self, args: argparse.Namespace, tools: CommandTools) -> int:

@@ -21,9 +21,21 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from rich.console import Console
 from rich.markup import escape
 
+from edgeswarm.errors import ConfigError
+from edgeswarm.files import output_file
+
 if TYPE_CHECKING:
     from edgeswarm.bus import Bus
     from edgeswarm.devices.cluster import ClusterSpec
+
+
+def report_file(path: str) -> Path:
+    """An argparse ``type`` for a file a command writes when it ends (``--out``): refused at once, with the reason,
+    when it is a folder or under a file (``files.output_file``)."""
+    try:
+        return output_file(path)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 class BenchCluster(Protocol):
