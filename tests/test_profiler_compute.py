@@ -386,6 +386,24 @@ def test_unit_timings_are_scaled_to_the_whole_model_run_as_one_stage(monkeypatch
                                   1) == ChainFactors(whole=(0.75, 0.75, 0.75), half=(0.6, 0.6, 0.6))
 
 
+def test_the_halves_run_on_their_own_inputs_or_not_at_all(caplog: pytest.LogCaptureFixture) -> None:
+    """The model's halves by units, the second on the first's output at every batch size; none for a model of one
+    unit, nor where the first half cannot run (a stage of the model is then priced as the whole)."""
+    from edgeswarm.profiling import compute
+
+    spec = ModelSpec(name="lenet5")
+    seq = layer_sequence(build_model(spec).train())
+    inputs = [compute.example_input(spec, b) for b in (1, 3)]
+    head, tail = compute._halves("lenet5", seq, inputs, torch.device("cpu"))
+    assert head[1] is inputs and [int(x.shape[0]) for x in tail[1]] == [1, 3]
+    with torch.no_grad():
+        whole = seq.build_stage(0, len(seq))(inputs[1])
+        torch.testing.assert_close(tail[0](tail[1][1]), whole)
+    assert compute._halves("lenet5", layer_sequence(build_model(spec).train()), [torch.zeros(2, 5)],
+                           torch.device("cpu")) == []
+    assert "first half could not run" in caplog.text
+
+
 def test_rounds_of_the_units_in_a_row_are_spread_over_the_passes() -> None:
     """The chain's rounds follow the passes evenly, the last after the last pass, whatever the grid's length."""
     from edgeswarm.profiling.compute import _round_points

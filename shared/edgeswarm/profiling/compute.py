@@ -35,7 +35,7 @@ from edgeswarm.devices.compute import describe, is_accelerator, synchronize
 from edgeswarm.devices.emulation import DeviceProfile
 from edgeswarm.errors import BatchSizeError, ConfigError, ProfilerError, UnitProfilingError
 from edgeswarm.models.saved import saved_for_backward
-from edgeswarm.models.sequence import layer_sequence
+from edgeswarm.models.sequence import LayerSequence, layer_sequence
 from edgeswarm.models.zoo import build_model, example_input, model_fingerprint
 from edgeswarm.values.profiles import CHAIN_BOUNDS, ChainFactors, ComputeProfile, ModelProfile, ModelSpec, UnitProfile
 
@@ -299,12 +299,7 @@ def profile_model(
     stages = [stage.to(on) for stage in stages]
     whole = seq.build_stage(0, len(seq)).to(on)  # every unit in one stage, as a worker builds its stage
     inputs = [example_input(spec, b).to(on) for b in grid]
-    rows = [(whole, inputs)]
-    if len(seq) >= 2:
-        mid = len(seq) // 2
-        head = seq.build_stage(0, mid).to(on)
-        with torch.no_grad():
-            rows += [(head, inputs), (seq.build_stage(mid, len(seq)).to(on), [head(x).detach() for x in inputs])]
+    rows = [(whole, inputs), *_halves(spec.name, seq, inputs, on)]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
     inference_s: list[list[float]] = [[] for _ in stages]
@@ -394,6 +389,25 @@ def _round_points(passes: int, rounds: int) -> list[int]:
     for r in range(rounds):
         points[max(0, math.ceil((r + 1) * passes / rounds) - 1)] += 1
     return points
+
+
+def _halves(model: str, seq: LayerSequence, inputs: list[torch.Tensor],
+            on: torch.device) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """The model's two halves (by units) as stages, each with its input at every batch size of ``inputs``: none for
+    a model of one unit, or where the first half cannot run at every batch size (memory), so that a stage of the
+    model is priced as the whole model is."""
+    if len(seq) < 2:
+        return []
+    mid = len(seq) // 2
+    head = seq.build_stage(0, mid).to(on)
+    try:
+        with torch.no_grad():
+            middle = [head(x).detach() for x in inputs]
+    except (RuntimeError, MemoryError) as exc:
+        log.warning("%s's first half could not run (%s): its stages are priced as the whole model", model,
+                    str(exc)[:200])
+        return []
+    return [(head, inputs), (seq.build_stage(mid, len(seq)).to(on), middle)]
 
 
 def _chain_round(model: str, rows: list[tuple[nn.Module, list[torch.Tensor]]], grid: list[int],
