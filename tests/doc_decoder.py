@@ -214,6 +214,7 @@ _COMPUTE = ("record", {
     "inference_s": ("optional", ("list", ("list", "number"))), "method": ("enum", {"measured", "calibrated"}),
     "speed_ratio": "number", "compute": "str", "cold_forward_s": "number", "cold_backward_s": "number",
     "cold_inference_s": "number",
+    "chain": ("optional", ("list", ("record", {"whole": ("list", "number"), "half": ("list", "number")}))),
 })
 _LINK = ("record", {"src": "str", "dst": "str", "bandwidth_bps": "number", "latency_s": "number",
                     "message_s": "number", "request_s": "number", "hop_s": "number"})
