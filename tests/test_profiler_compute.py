@@ -394,13 +394,12 @@ def test_the_halves_run_on_their_own_inputs_or_not_at_all(caplog: pytest.LogCapt
     spec = ModelSpec(name="lenet5")
     seq = layer_sequence(build_model(spec).train())
     inputs = [compute.example_input(spec, b) for b in (1, 3)]
-    head, tail = compute._halves("lenet5", seq, inputs, torch.device("cpu"))
+    head, tail = compute._halves("lenet5", seq, inputs)
     assert head[1] is inputs and [int(x.shape[0]) for x in tail[1]] == [1, 3]
     with torch.no_grad():
         whole = seq.build_stage(0, len(seq))(inputs[1])
         torch.testing.assert_close(tail[0](tail[1][1]), whole)
-    assert compute._halves("lenet5", layer_sequence(build_model(spec).train()), [torch.zeros(2, 5)],
-                           torch.device("cpu")) == []
+    assert compute._halves("lenet5", layer_sequence(build_model(spec).train()), [torch.zeros(2, 5)]) == []
     assert "first half could not run" in caplog.text
 
 

@@ -28,12 +28,12 @@ def output_file(path: str) -> Path:
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{path} is a folder: give a file name in it, such as {out / 'report.json'}")
-    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor or "."))
-    folder = existing if existing != out else out.parent
+    folder = next(p for p in out.parents if p.exists())  # "." or "/" at the latest
     if not folder.is_dir():
         raise ConfigError(f"{path}: {folder} is a file, not a folder")
-    if not os.access(existing if existing == out else folder, os.W_OK):
-        raise ConfigError(f"{path}: {existing} is not writable by this user")
+    target = out if out.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{path}: {target} is not writable by this user")
     return out
 
 

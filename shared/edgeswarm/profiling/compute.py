@@ -299,7 +299,7 @@ def profile_model(
     stages = [stage.to(on) for stage in stages]
     whole = seq.build_stage(0, len(seq)).to(on)  # every unit in one stage, as a worker builds its stage
     inputs = [example_input(spec, b).to(on) for b in grid]
-    rows = [(whole, inputs), *_halves(spec.name, seq, inputs, on)]
+    rows = [(whole, inputs), *_halves(spec.name, seq, inputs)]
     forward_s: list[list[float]] = [[] for _ in stages]
     backward_s: list[list[float]] = [[] for _ in stages]
     inference_s: list[list[float]] = [[] for _ in stages]
@@ -391,14 +391,15 @@ def _round_points(passes: int, rounds: int) -> list[int]:
     return points
 
 
-def _halves(model: str, seq: LayerSequence, inputs: list[torch.Tensor],
-            on: torch.device) -> list[tuple[nn.Module, list[torch.Tensor]]]:
-    """The model's two halves (by units) as stages, each with its input at every batch size of ``inputs``: none for
-    a model of one unit, or where the first half cannot run at every batch size (memory), so that a stage of the
-    model is priced as the whole model is."""
+def _halves(model: str, seq: LayerSequence,
+            inputs: list[torch.Tensor]) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """The model's two halves (by units) as stages on the device ``inputs`` are on, each with its input at every
+    batch size of ``inputs``: none for a model of one unit, or where the first half cannot run at every batch size
+    (memory), so that a stage of the model is priced as the whole model is."""
     if len(seq) < 2:
         return []
     mid = len(seq) // 2
+    on = inputs[0].device
     head = seq.build_stage(0, mid).to(on)
     try:
         with torch.no_grad():
