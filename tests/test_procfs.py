@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from edgeswarm.procfs import read_cmdline, read_stat, stat_fields
@@ -31,6 +32,11 @@ def test_a_live_process_reads_as_running_and_an_ended_one_as_gone() -> None:
     try:
         stat = read_stat(child.pid)
         assert stat is not None and stat.state in ("R", "S", "D") and stat.start_ticks > 0
+        # Until the child has exec'd its command, its cmdline is empty or the forking parent's (a clean-clone CI run
+        # read it empty).
+        deadline = time.monotonic() + 10
+        while (read_cmdline(child.pid) or [""])[-1] != "marker-argument" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert (read_cmdline(child.pid) or [])[-1] == "marker-argument"
         own = stat_fields("self")
         assert own is not None and int(own[1]) == os.getppid()  # field 4 of proc(5): the parent's pid
